@@ -1,0 +1,35 @@
+"""fusedres: fused BatchNorm -> ReLU -> Conv2d (+ residual) for deep pre-activation ResNets.
+
+Importing never initialises CUDA and never fails for a missing compiled backend.
+"""
+
+from __future__ import annotations
+
+from . import ops  # registers the torch.library ops  # noqa: F401
+from . import _extension, functional, memory
+from ._backend import (
+    BACKENDS,
+    BackendUnavailableError,
+    available_backends,
+    get_backend,
+    set_backend,
+    use_backend,
+)
+from .modules import BNReLUConv2d, PreActBasicBlock, PreActBottleneck
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "BNReLUConv2d",
+    "BackendUnavailableError",
+    "PreActBasicBlock",
+    "PreActBottleneck",
+    "available_backends",
+    "functional",
+    "get_backend",
+    "memory",
+    "set_backend",
+    "use_backend",
+    "_extension",
+]

@@ -1,0 +1,232 @@
+"""Functional API: fused BatchNorm -> ReLU -> Conv2d (+ residual).
+
+``bn_relu_conv2d`` is the one-call form. A BatchNorm-ReLU that feeds two convolutions (the
+projection shortcut of He et al.'s dimension-changing unit) uses the two-step form:
+``prepare_batch_norm`` (one statistics pass, one running-stats update) and then
+``conv2d_from_prepared`` once per convolution; no activation is stored for either.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _backend, ops, reference
+
+__all__ = ["BatchNormState", "bn_relu_conv2d", "conv2d_from_prepared", "prepare_batch_norm"]
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class BatchNormState(NamedTuple):
+    """What a fused convolution needs from its BatchNorm, computed once per forward.
+
+    ``mean``/``invstd`` are per-channel (C,) in the statistics dtype (float32 for half inputs);
+    ``batch_stats`` says whether they are this batch's (training-mode BatchNorm). On the
+    ``reference`` backend ``activated`` holds ``relu(bn(x))`` and the other fields are unused.
+    """
+
+    x: Tensor
+    bn_weight: Tensor | None
+    bn_bias: Tensor | None
+    mean: Tensor | None
+    invstd: Tensor | None
+    batch_stats: bool
+    activated: Tensor | None = None
+
+
+def _pair(value, name: str, *, minimum: int) -> tuple[int, int]:
+    pair = (value, value) if isinstance(value, int) else tuple(value) if isinstance(
+        value, (tuple, list, torch.Size)) else None
+    if pair is None or len(pair) != 2 or not all(isinstance(v, int) for v in pair):
+        raise ValueError(f"{name}: expected an int or a pair of ints, got {value!r}")
+    if min(pair) < minimum:
+        raise ValueError(f"{name}: expected values >= {minimum}, got {value!r}")
+    return pair
+
+
+def _check_vector(t: Tensor | None, name: str, c: int, x: Tensor) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected a Tensor or None, got {type(t).__name__}")
+    if t.shape != (c,):
+        raise ValueError(f"{name}: expected shape ({c},) (one value per channel of x), "
+                         f"got {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"{name}: expected device {x.device} (the device of x), got {t.device}")
+    if t.dtype not in _FLOAT:
+        raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+
+
+def _check_x(x: Tensor) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x: expected a Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"x: expected a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT:
+        raise TypeError(f"x: expected float16, bfloat16, float32 or float64, got {x.dtype}")
+
+
+def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | None,
+                       running_mean: Tensor | None, running_var: Tensor | None,
+                       num_batches_tracked: Tensor | None = None, *, training: bool,
+                       momentum: float | None = 0.1, eps: float = 1e-5) -> BatchNormState:
+    """Batch statistics and running-stats update of ``nn.BatchNorm2d``, once.
+
+    Args are those of ``F.batch_norm`` plus ``num_batches_tracked`` (incremented in training;
+    needed when ``momentum`` is None, the cumulative average). All checks run before any state
+    is touched. Returns a :class:`BatchNormState` for :func:`conv2d_from_prepared`.
+    """
+    _check_x(x)
+    c = x.shape[1]
+    for t, name in ((bn_weight, "bn_weight"), (bn_bias, "bn_bias"),
+                    (running_mean, "running_mean"), (running_var, "running_var")):
+        _check_vector(t, name, c, x)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean, running_var: give both or neither")
+    if momentum is None and training and running_mean is not None and num_batches_tracked is None:
+        raise ValueError("num_batches_tracked: required when momentum is None (cumulative "
+                         "moving average)")
+    if momentum is not None and not isinstance(momentum, (int, float)):
+        raise TypeError(f"momentum: expected a float or None, got {type(momentum).__name__}")
+    use_batch = training or running_mean is None
+    count = x.numel() // c if c else 0
+    if use_batch and count <= 1:
+        raise ValueError("x: expected more than 1 value per channel when training, got input "
+                         f"size {tuple(x.shape)}")
+
+    if _backend.get_backend() == "reference":
+        a = reference.batch_norm_relu(x, bn_weight, bn_bias, running_mean, running_var,
+                                      num_batches_tracked, training=training,
+                                      momentum=momentum, eps=eps)
+        return BatchNormState(x, bn_weight, bn_bias, None, None, use_batch, a)
+
+    sdt = ops.stats_dtype(x.dtype)
+    if use_batch:
+        mean, var = torch.ops.fusedres.batch_stats(x.detach())
+        if training and running_mean is not None:
+            _update_running_stats(running_mean, running_var, num_batches_tracked, mean, var,
+                                  momentum, count)
+    else:
+        mean, var = running_mean.detach().to(sdt), running_var.detach().to(sdt)
+    invstd = torch.rsqrt(var + eps)
+    cast = (lambda p: p if p is None or p.dtype == sdt else p.to(sdt))
+    return BatchNormState(x, cast(bn_weight), cast(bn_bias), mean, invstd, use_batch)
+
+
+@torch.no_grad()
+def _update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, momentum,
+                          count):
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    if momentum is None:  # cumulative average; a tensor factor keeps torch.compile graphs whole
+        factor = 1.0 / num_batches_tracked.to(running_mean.dtype)
+    else:
+        factor = momentum
+    unbiased = var * (count / (count - 1))
+    running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype) * factor)
+    running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype) * factor)
+
+
+def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | None = None, *,
+                         stride=1, padding=0, dilation=1,
+                         residual: Tensor | None = None) -> Tensor:
+    """``conv2d(relu(bn(x)), weight, bias, stride, padding, dilation) + residual`` for the
+    BatchNorm prepared in ``state``. Shapes: weight (Co, C, kh, kw), bias (Co,), residual
+    (N, Co, Ho, Wo). groups=1 only."""
+    x = state.x
+    stride = _pair(stride, "stride", minimum=1)
+    padding = _pair(padding, "padding", minimum=0)
+    dilation = _pair(dilation, "dilation", minimum=1)
+    _check_conv(x, weight, bias, residual, stride, padding, dilation)
+
+    if state.activated is not None:
+        return reference.conv2d(state.activated, weight, bias, stride=stride, padding=padding,
+                                dilation=dilation, residual=residual)
+
+    if torch.is_autocast_enabled(x.device.type):
+        # As the plain block under autocast: BN in float32, the conv in the autocast dtype.
+        dt = torch.get_autocast_dtype(x.device.type)
+        weight = weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+    # A residual of another dtype is added outside, following PyTorch's type promotion.
+    inner = residual if residual is not None and residual.dtype == weight.dtype else None
+    y = torch.ops.fusedres.bn_relu_conv2d(
+        x, weight, bias, state.bn_weight, state.bn_bias, state.mean, state.invstd, inner,
+        stride, padding, dilation, state.batch_stats,
+    )
+    if residual is not None and inner is None:
+        y = y + residual
+    return y
+
+
+def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> None:
+    c = x.shape[1]
+    if not isinstance(weight, Tensor) or weight.dim() != 4:
+        raise ValueError("weight: expected a 4-D (out_channels, in_channels, kh, kw) tensor, got "
+                         f"{tuple(weight.shape) if isinstance(weight, Tensor) else weight!r}")
+    if weight.shape[1] != c:
+        grouped = weight.shape[1] and c % weight.shape[1] == 0
+        raise ValueError(
+            f"weight: expected shape (out_channels, {c}, kh, kw) to match the {c} channels of x, "
+            f"got {tuple(weight.shape)}" + (" (grouped convolution is not supported; groups=1)"
+                                            if grouped else ""))
+    if weight.device != x.device:
+        raise ValueError(f"weight: expected device {x.device} (the device of x), "
+                         f"got {weight.device}")
+    if weight.dtype not in _FLOAT:
+        raise TypeError(f"weight: expected a floating-point tensor, got {weight.dtype}")
+    autocast = torch.is_autocast_enabled(x.device.type)
+    if not autocast and weight.dtype != x.dtype:
+        raise TypeError(f"weight: expected dtype {x.dtype} (the dtype of x), got {weight.dtype}")
+    co, _, kh, kw = weight.shape
+    if bias is not None:
+        if bias.shape != (co,):
+            raise ValueError(f"bias: expected shape ({co},), got {tuple(bias.shape)}")
+        if bias.device != x.device:
+            raise ValueError(f"bias: expected device {x.device}, got {bias.device}")
+        if not autocast and bias.dtype != weight.dtype:
+            raise TypeError(f"bias: expected dtype {weight.dtype} (the dtype of weight), "
+                            f"got {bias.dtype}")
+    shape = ops.out_shape(x, weight, stride, padding, dilation)
+    if shape[2] <= 0 or shape[3] <= 0:
+        raise ValueError(
+            f"x: spatial size {tuple(x.shape[2:])} is too small for a {kh}x{kw} kernel with "
+            f"padding {padding} and dilation {dilation}")
+    if residual is not None:
+        if not isinstance(residual, Tensor) or tuple(residual.shape) != shape:
+            got = tuple(residual.shape) if isinstance(residual, Tensor) else residual
+            raise ValueError(f"residual: expected shape {shape} (the conv output), got {got}")
+        if residual.device != x.device:
+            raise ValueError(f"residual: expected device {x.device}, got {residual.device}")
+        if residual.dtype not in _FLOAT:
+            raise TypeError(f"residual: expected a floating-point tensor, got {residual.dtype}")
+
+
+def bn_relu_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, bn_weight: Tensor | None,
+                   bn_bias: Tensor | None, running_mean: Tensor | None,
+                   running_var: Tensor | None, num_batches_tracked: Tensor | None = None, *,
+                   training: bool, momentum: float | None = 0.1, eps: float = 1e-5,
+                   stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+                   dilation: int | Sequence[int] = 1,
+                   residual: Tensor | None = None) -> Tensor:
+    """``conv2d(relu(batch_norm(x)), weight, bias, stride, padding, dilation) + residual``.
+
+    Shapes: x (N, C, H, W); weight (Co, C, kh, kw); bias (Co,); BN tensors (C,); residual
+    (N, Co, Ho, Wo). BatchNorm semantics are ``nn.BatchNorm2d``'s (running statistics updated in
+    training, used in eval; batch statistics when there are none). Backward keeps ``x`` and
+    per-channel statistics only and recomputes the activation. Every argument is checked before
+    the running statistics are touched.
+    """
+    # Check the convolution's arguments first too: nothing may change if they are wrong.
+    _check_x(x)
+    _check_conv(x, weight, bias, residual, _pair(stride, "stride", minimum=1),
+                _pair(padding, "padding", minimum=0), _pair(dilation, "dilation", minimum=1))
+    state = prepare_batch_norm(x, bn_weight, bn_bias, running_mean, running_var,
+                               num_batches_tracked, training=training, momentum=momentum,
+                               eps=eps)
+    return conv2d_from_prepared(state, weight, bias, stride=stride, padding=padding,
+                                dilation=dilation, residual=residual)

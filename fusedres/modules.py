@@ -1,0 +1,129 @@
+"""Drop-in modules. Parameters, buffers and state_dict keys are those of the plain PyTorch blocks
+(``nn.BatchNorm2d`` and ``nn.Conv2d`` submodules), so checkpoints move both ways."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import functional as FR
+
+__all__ = ["BNReLUConv2d", "PreActBasicBlock", "PreActBottleneck"]
+
+
+def prepare(bn: nn.BatchNorm2d, x: Tensor) -> FR.BatchNormState:
+    """Statistics and running-stats update of ``bn`` for input ``x`` (one pass, once)."""
+    return FR.prepare_batch_norm(
+        x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked,
+        training=bn.training, momentum=bn.momentum, eps=bn.eps,
+    )
+
+
+def conv(state: FR.BatchNormState, conv: nn.Conv2d, residual: Tensor | None = None) -> Tensor:
+    """``conv(relu(bn(x))) + residual`` through the fused op, for a prepared BatchNorm."""
+    if conv.groups != 1:
+        raise ValueError(f"conv.groups: fusedres supports groups=1, got {conv.groups}")
+    if conv.padding_mode != "zeros":
+        raise ValueError(f"conv.padding_mode: fusedres supports 'zeros', got {conv.padding_mode!r}")
+    return FR.conv2d_from_prepared(state, conv.weight, conv.bias, stride=conv.stride,
+                                   padding=conv.padding, dilation=conv.dilation,
+                                   residual=residual)
+
+
+class BNReLUConv2d(nn.Module):
+    """``conv(relu(bn(x))) + residual`` in one fused op.
+
+    Submodules ``bn`` (``nn.BatchNorm2d(in_channels)``) and ``conv`` (``nn.Conv2d``), with the
+    usual meanings of every argument. ``forward(x, residual=None)``: x (N, C, H, W), residual
+    (N, out_channels, Ho, Wo).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 dilation=1, bias: bool = False, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.bn = nn.BatchNorm2d(in_channels, eps, momentum, affine, track_running_stats, **kw)
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                              bias=bias, **kw)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        return conv(prepare(self.bn, x), self.conv, residual)
+
+
+def _plain(bn: nn.BatchNorm2d, x: Tensor) -> Tensor:
+    return F.relu(bn(x))
+
+
+class PreActBasicBlock(nn.Module):
+    """He et al.'s full pre-activation basic unit: (BN-ReLU-conv3x3) x 2 plus the shortcut.
+
+    ``shortcut`` is a 1x1 conv when the stride or width changes, fed by the first BN-ReLU (one
+    statistics pass serves both convolutions); otherwise the identity. ``fused=False`` builds
+    the plain PyTorch block with the same state_dict keys.
+    """
+
+    expansion = 1
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1, fused: bool = True):
+        super().__init__()
+        self.fused = fused
+        self.bn1 = nn.BatchNorm2d(in_planes)
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.shortcut = None
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Conv2d(in_planes, planes, 1, stride, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.fused:
+            a = _plain(self.bn1, x)
+            short = self.shortcut(a) if self.shortcut is not None else x
+            return self.conv2(_plain(self.bn2, self.conv1(a))) + short
+        s1 = prepare(self.bn1, x)
+        short = conv(s1, self.shortcut) if self.shortcut is not None else x
+        out = conv(s1, self.conv1)
+        return conv(prepare(self.bn2, out), self.conv2, residual=short)
+
+
+class PreActBottleneck(nn.Module):
+    """He et al.'s full pre-activation bottleneck: BN-ReLU-conv1x1, BN-ReLU-conv3x3,
+    BN-ReLU-conv1x1 (to ``4 * planes``) plus the shortcut.
+
+    ``stride_on="conv1"`` strides the first 1x1 conv (He et al.'s code); ``"conv2"`` the 3x3
+    (torchvision, timm). The 1x1 projection ``shortcut`` exists when the stride or width changes
+    and shares the first BN-ReLU. ``fused=False`` builds the plain block with identical keys.
+    """
+
+    expansion = 4
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1, fused: bool = True,
+                 stride_on: str = "conv1"):
+        super().__init__()
+        if stride_on not in ("conv1", "conv2"):
+            raise ValueError(f"stride_on: expected 'conv1' or 'conv2', got {stride_on!r}")
+        self.fused = fused
+        out_planes = planes * self.expansion
+        s1, s2 = (stride, 1) if stride_on == "conv1" else (1, stride)
+        self.bn1 = nn.BatchNorm2d(in_planes)
+        self.conv1 = nn.Conv2d(in_planes, planes, 1, s1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, s2, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, out_planes, 1, bias=False)
+        self.shortcut = None
+        if stride != 1 or in_planes != out_planes:
+            self.shortcut = nn.Conv2d(in_planes, out_planes, 1, stride, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.fused:
+            a = _plain(self.bn1, x)
+            short = self.shortcut(a) if self.shortcut is not None else x
+            out = self.conv2(_plain(self.bn2, self.conv1(a)))
+            return self.conv3(_plain(self.bn3, out)) + short
+        s1 = prepare(self.bn1, x)
+        short = conv(s1, self.shortcut) if self.shortcut is not None else x
+        out = conv(prepare(self.bn2, conv(s1, self.conv1)), self.conv2)
+        return conv(prepare(self.bn3, out), self.conv3, residual=short)

@@ -1,0 +1,217 @@
+"""The ``fusedres`` operators: schemas, fake kernels and the autograd rule, in one place.
+
+Three ops implement the unit of shared/design.md:
+
+* ``fusedres::batch_stats(x) -> (mean, var)``: per-channel batch mean and biased variance over
+  (N, H, W), in the statistics dtype (float32 for half inputs, else ``x.dtype``). Not
+  differentiable: the fused backward accounts for the statistics' dependence on ``x``.
+* ``fusedres::bn_relu_conv2d(...) -> y``: ``conv2d(relu(scale * x + shift), weight, bias) +
+  residual`` with ``scale = bn_weight * invstd`` and ``shift = bn_bias - mean * scale``.
+* ``fusedres::bn_relu_conv2d_backward(...)``: gradients of x, weight, bias, bn_weight, bn_bias,
+  recomputing the activation from ``x``. With ``batch_stats=True`` the gradient of ``x`` includes
+  the path through the batch statistics (training-mode BatchNorm).
+
+Every op routes at run time to the backend in force (see :mod:`fusedres._backend`); a backend
+module provides ``batch_stats``, ``forward`` and ``backward`` with these signatures. The
+autograd rule saves ``x``, the conv weight, the BN parameters and the per-channel statistics,
+never the normalised or activated tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from . import _backend
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of BN statistics and of the normalisation arithmetic for inputs of ``dtype``."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def conv_out_size(size: int, k: int, s: int, p: int, d: int) -> int:
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _suggests_channels_last(t: Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+def out_memory_format(x: Tensor, weight: Tensor) -> torch.memory_format:
+    """Layout of the op's output: channels_last when ``x`` or ``weight`` is, as conv2d does.
+
+    Every backend returns exactly this layout so that real and fake kernels agree on strides.
+    """
+    if _suggests_channels_last(x) or _suggests_channels_last(weight):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _impl(x: Tensor):
+    name = _backend.resolve_backend(x.device)
+    # The reference backend never reaches the ops; called directly they run the portable code.
+    return _backend.backend_module("portable" if name == "reference" else name)
+
+
+# --------------------------------------------------------------------------- batch_stats
+
+@torch.library.custom_op(
+    "fusedres::batch_stats", mutates_args=(), schema="(Tensor x) -> (Tensor, Tensor)"
+)
+def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _impl(x).batch_stats(x)
+
+
+@batch_stats.register_fake
+def _(x):
+    torch._check(x.dim() == 4, lambda: f"batch_stats: x must be 4-D, got {x.dim()}-D")
+    c = x.shape[1]
+    dt = stats_dtype(x.dtype)
+    return x.new_empty((c,), dtype=dt), x.new_empty((c,), dtype=dt)
+
+
+# --------------------------------------------------------------------------- forward
+
+_FWD_SCHEMA = (
+    "(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, Tensor mean, "
+    "Tensor invstd, Tensor? residual, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, "
+    "bool batch_stats) -> Tensor"
+)
+
+
+@torch.library.custom_op("fusedres::bn_relu_conv2d", mutates_args=(), schema=_FWD_SCHEMA)
+def bn_relu_conv2d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    bn_weight: Tensor | None,
+    bn_bias: Tensor | None,
+    mean: Tensor,
+    invstd: Tensor,
+    residual: Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    batch_stats: bool,
+) -> Tensor:
+    return _impl(x).forward(
+        x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding, dilation
+    )
+
+
+def out_shape(x: Tensor, weight: Tensor, stride, padding, dilation) -> tuple[int, ...]:
+    n, _, h, w = x.shape
+    co, _, kh, kw = weight.shape
+    return (
+        n,
+        co,
+        conv_out_size(h, kh, stride[0], padding[0], dilation[0]),
+        conv_out_size(w, kw, stride[1], padding[1], dilation[1]),
+    )
+
+
+@bn_relu_conv2d.register_fake
+def _(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding, dilation,
+      batch_stats):
+    torch._check(x.dim() == 4 and weight.dim() == 4, lambda: "x and weight must be 4-D")
+    torch._check(weight.shape[1] == x.shape[1], lambda: "weight.shape[1] must equal x.shape[1]")
+    shape = out_shape(x, weight, stride, padding, dilation)
+    y = x.new_empty(shape, dtype=weight.dtype)
+    return y.contiguous(memory_format=out_memory_format(x, weight))
+
+
+# --------------------------------------------------------------------------- backward
+
+_BWD_SCHEMA = (
+    "(Tensor grad_out, Tensor x, Tensor weight, Tensor? bn_weight, Tensor? bn_bias, Tensor mean, "
+    "Tensor invstd, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, bool batch_stats, "
+    "bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op(
+    "fusedres::bn_relu_conv2d_backward", mutates_args=(), schema=_BWD_SCHEMA
+)
+def bn_relu_conv2d_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bn_weight: Tensor | None,
+    bn_bias: Tensor | None,
+    mean: Tensor,
+    invstd: Tensor,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    batch_stats: bool,
+    output_mask: Sequence[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (grad_x, grad_weight, grad_bias, grad_bn_weight, grad_bn_bias); an output whose
+    ``output_mask`` entry is False is an empty tensor (0 elements)."""
+    return _impl(x).backward(
+        grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
+        batch_stats, output_mask,
+    )
+
+
+def backward_empty_outputs(x, weight, mean, output_mask):
+    """Allocate backward outputs with the exact metadata every backend must return."""
+    co = weight.shape[0]
+    c = x.shape[1]
+    want_x, want_w, want_b, want_g, want_beta = output_mask
+    return (
+        torch.empty_like(x) if want_x else x.new_empty((0,)),
+        torch.empty_like(weight) if want_w else weight.new_empty((0,)),
+        weight.new_empty((co,)) if want_b else weight.new_empty((0,)),
+        mean.new_empty((c,)) if want_g else mean.new_empty((0,)),
+        mean.new_empty((c,)) if want_beta else mean.new_empty((0,)),
+    )
+
+
+@bn_relu_conv2d_backward.register_fake
+def _(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
+      batch_stats, output_mask):
+    return backward_empty_outputs(x, weight, mean, output_mask)
+
+
+# --------------------------------------------------------------------------- autograd
+
+def _setup_context(ctx, inputs, output):
+    (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding, dilation,
+     batch_stats) = inputs
+    ctx.save_for_backward(x, weight, bn_weight, bn_bias, mean, invstd)
+    ctx.conv_args = (stride, padding, dilation)
+    ctx.batch_stats = batch_stats
+    ctx.has_bias = bias is not None
+    ctx.has_residual = residual is not None
+
+
+def _backward(ctx, grad_out):
+    x, weight, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    mask = [
+        need[0],
+        need[1],
+        need[2] and ctx.has_bias,
+        need[3] and bn_weight is not None,
+        need[4] and bn_bias is not None,
+    ]
+    grads: list[Tensor | None] = [None] * 5
+    if any(mask):
+        outs = torch.ops.fusedres.bn_relu_conv2d_backward(
+            grad_out, x, weight, bn_weight, bn_bias, mean, invstd, *ctx.conv_args,
+            ctx.batch_stats, mask,
+        )
+        grads = [g if m else None for g, m in zip(outs, mask)]
+    # mean and invstd are functions of x when batch_stats is set; their contribution is folded
+    # into grad_x, so they take no gradient of their own. The residual's gradient is grad_out.
+    grad_residual = grad_out if ctx.has_residual and need[7] else None
+    return (*grads, None, None, grad_residual, None, None, None, None)
+
+
+bn_relu_conv2d.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,1 @@
+"""Triton kernels of fusedres (installed as ``fusedres.kernels``)."""
