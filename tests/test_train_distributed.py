@@ -1,0 +1,126 @@
+"""Synchronised BatchNorm (fusedres.distributed) and DistributedDataParallel training.
+
+Two real processes with the gloo backend on CPU; each holds half of a batch, and every result
+(outputs, input and parameter gradients, running statistics, trained weights) must equal one
+process holding the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import fusedres
+from fusedres import distributed as fdist
+from fusedres.modules import PreActBasicBlock
+
+WORLD = 2
+N_LOCAL, C_IN, C_OUT, H = 2, 5, 17, 7   # awkward on purpose
+# float32 sums in a different order across processes: measured max error ~1e-6.
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_block(fused: bool) -> nn.Module:
+    torch.manual_seed(0)
+    block = PreActBasicBlock(C_IN, C_OUT, stride=2, fused=fused)
+    with torch.no_grad():  # non-trivial BN parameters
+        for m in block.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return block.double()
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(WORLD * N_LOCAL, C_IN, H, H, generator=g, dtype=torch.float64) * 2 + 0.5
+    gy = torch.randn(WORLD * N_LOCAL, C_OUT, 4, 4, generator=g, dtype=torch.float64)
+    return x, gy
+
+
+def _step(block, x, gy, steps=2):
+    """Two forward/backward passes (running stats move twice); returns what is compared."""
+    outs = []
+    for _ in range(steps):
+        xi = x.clone().requires_grad_()
+        y = block(xi)
+        (y * gy).sum().backward()
+        outs.append((y.detach(), xi.grad))
+    grads = {k: p.grad.clone() for k, p in block.named_parameters()}
+    buffers = {k: b.clone() for k, b in block.named_buffers()}
+    return outs, grads, buffers
+
+
+def _worker(rank, port, fused, backend, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        fdist.install_prepare_hook()
+        block = fdist.convert_sync_batchnorm(_make_block(fused))
+        x, gy = _inputs()
+        sl = slice(rank * N_LOCAL, (rank + 1) * N_LOCAL)
+        with fusedres.use_backend(backend):
+            outs, grads, buffers = _step(block, x[sl], gy[sl])
+        for g in grads.values():  # sum of the processes' parameter gradients
+            dist.all_reduce(g)
+        torch.save((outs, grads, buffers), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+def test_sync_batch_norm_equals_one_process_with_whole_batch(fused, tmp_path):
+    backend = "portable" if fused else "reference"
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, fused, backend, str(tmp_path)))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)}
+
+    block = _make_block(fused=False)  # the oracle: plain BatchNorm on the whole batch
+    x, gy = _inputs()
+    ref_outs, ref_grads, ref_buffers = _step(block, x, gy)
+
+    for rank in range(WORLD):
+        outs, grads, buffers = results[rank]
+        sl = slice(rank * N_LOCAL, (rank + 1) * N_LOCAL)
+        for (y, gx), (ry, rgx) in zip(outs, ref_outs):
+            torch.testing.assert_close(y, ry[sl], atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(gx, rgx[sl], atol=ATOL, rtol=RTOL)
+        for k in ref_grads:
+            torch.testing.assert_close(grads[k], ref_grads[k], atol=ATOL, rtol=RTOL, msg=k)
+        for k in ref_buffers:
+            torch.testing.assert_close(buffers[k], ref_buffers[k], atol=ATOL, rtol=RTOL,
+                                       msg=k)
+
+
+def test_single_process_sync_batch_norm_is_plain_batch_norm():
+    block = _make_block(fused=True)
+    synced = fdist.convert_sync_batchnorm(copy.deepcopy(block))
+    assert all(isinstance(m, fdist.SyncBatchNorm2d) for m in synced.modules()
+               if isinstance(m, nn.BatchNorm2d))
+    assert synced.state_dict().keys() == block.state_dict().keys()
+    fdist.install_prepare_hook()
+    x, gy = _inputs()
+    a = _step(block, x, gy)
+    b = _step(synced, x, gy)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
