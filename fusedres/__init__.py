@@ -5,8 +5,12 @@ Importing never initialises CUDA and never fails for a missing compiled backend.
 
 from __future__ import annotations
 
-from . import ops  # registers the torch.library ops  # noqa: F401
-from . import _extension, functional, memory
+from . import (
+    _extension,
+    functional,
+    memory,
+    ops,  # registers the torch.library ops  # noqa: F401
+)
 from ._backend import (
     BACKENDS,
     BackendUnavailableError,

@@ -17,7 +17,7 @@ import functools
 import importlib
 import os
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -60,7 +60,7 @@ def unavailable_reason(name: str, device: torch.device | str = "cpu") -> str | N
     return _unavailable_reason(name, torch.device(device).type)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unavailable_reason(name: str, device_type: str) -> str | None:
     # Cached per device type: availability is a property of the build and the machine.
     return backend_module(name).unavailable_reason(torch.device(device_type))
@@ -102,7 +102,8 @@ def resolve_backend(device: torch.device) -> str:
     if name != "auto":
         reason = unavailable_reason(name, device)
         if reason is not None:
-            raise BackendUnavailableError(f"fusedres backend {name!r} cannot run on {device}: {reason}")
+            raise BackendUnavailableError(
+                f"fusedres backend {name!r} cannot run on {device}: {reason}")
         return name
     skipped = []
     for candidate in AUTO_ORDER.get(device.type, ("portable",)):

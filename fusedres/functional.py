@@ -8,7 +8,8 @@ projection shortcut of He et al.'s dimension-changing unit) uses the two-step fo
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -59,6 +60,10 @@ def _check_vector(t: Tensor | None, name: str, c: int, x: Tensor) -> None:
         raise ValueError(f"{name}: expected device {x.device} (the device of x), got {t.device}")
     if t.dtype not in _FLOAT:
         raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+
+
+def _autocast_on(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def _check_x(x: Tensor) -> None:
@@ -147,7 +152,7 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
         return reference.conv2d(state.activated, weight, bias, stride=stride, padding=padding,
                                 dilation=dilation, residual=residual)
 
-    if torch.is_autocast_enabled(x.device.type):
+    if _autocast_on(x.device.type):
         # As the plain block under autocast: BN in float32, the conv in the autocast dtype.
         dt = torch.get_autocast_dtype(x.device.type)
         weight = weight.to(dt)
@@ -179,7 +184,7 @@ def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> None:
                          f"got {weight.device}")
     if weight.dtype not in _FLOAT:
         raise TypeError(f"weight: expected a floating-point tensor, got {weight.dtype}")
-    autocast = torch.is_autocast_enabled(x.device.type)
+    autocast = _autocast_on(x.device.type)
     if not autocast and weight.dtype != x.dtype:
         raise TypeError(f"weight: expected dtype {x.dtype} (the dtype of x), got {weight.dtype}")
     co, _, kh, kw = weight.shape

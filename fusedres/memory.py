@@ -45,7 +45,8 @@ def saved_tensors(fn: Callable[..., Any], *args, **kwargs) -> list[SavedTensor]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args, **kwargs)
-    del out, kept
+    del out
+    kept.clear()
     return list(found.values())
 
 

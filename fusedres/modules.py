@@ -20,12 +20,21 @@ def prepare(bn: nn.BatchNorm2d, x: Tensor) -> FR.BatchNormState:
     )
 
 
+def check_convs(*convs: nn.Conv2d | None) -> None:
+    """Refuse convolutions the fused op cannot run, before any BatchNorm state changes."""
+    for c in convs:
+        if c is None:
+            continue
+        if c.groups != 1:
+            raise ValueError(f"conv.groups: fusedres supports groups=1, got {c.groups}")
+        if c.padding_mode != "zeros":
+            raise ValueError(
+                f"conv.padding_mode: fusedres supports 'zeros', got {c.padding_mode!r}")
+
+
 def conv(state: FR.BatchNormState, conv: nn.Conv2d, residual: Tensor | None = None) -> Tensor:
     """``conv(relu(bn(x))) + residual`` through the fused op, for a prepared BatchNorm."""
-    if conv.groups != 1:
-        raise ValueError(f"conv.groups: fusedres supports groups=1, got {conv.groups}")
-    if conv.padding_mode != "zeros":
-        raise ValueError(f"conv.padding_mode: fusedres supports 'zeros', got {conv.padding_mode!r}")
+    check_convs(conv)
     return FR.conv2d_from_prepared(state, conv.weight, conv.bias, stride=conv.stride,
                                    padding=conv.padding, dilation=conv.dilation,
                                    residual=residual)
@@ -49,7 +58,12 @@ class BNReLUConv2d(nn.Module):
                               bias=bias, **kw)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        return conv(prepare(self.bn, x), self.conv, residual)
+        check_convs(self.conv)
+        bn, c = self.bn, self.conv
+        return FR.bn_relu_conv2d(
+            x, c.weight, c.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+            bn.num_batches_tracked, training=bn.training, momentum=bn.momentum, eps=bn.eps,
+            stride=c.stride, padding=c.padding, dilation=c.dilation, residual=residual)
 
 
 def _plain(bn: nn.BatchNorm2d, x: Tensor) -> Tensor:
@@ -82,6 +96,7 @@ class PreActBasicBlock(nn.Module):
             a = _plain(self.bn1, x)
             short = self.shortcut(a) if self.shortcut is not None else x
             return self.conv2(_plain(self.bn2, self.conv1(a))) + short
+        check_convs(self.conv1, self.conv2, self.shortcut)
         s1 = prepare(self.bn1, x)
         short = conv(s1, self.shortcut) if self.shortcut is not None else x
         out = conv(s1, self.conv1)
@@ -123,6 +138,7 @@ class PreActBottleneck(nn.Module):
             short = self.shortcut(a) if self.shortcut is not None else x
             out = self.conv2(_plain(self.bn2, self.conv1(a)))
             return self.conv3(_plain(self.bn3, out)) + short
+        check_convs(self.conv1, self.conv2, self.conv3, self.shortcut)
         s1 = prepare(self.bn1, x)
         short = conv(s1, self.shortcut) if self.shortcut is not None else x
         out = conv(prepare(self.bn2, conv(s1, self.conv1)), self.conv2)

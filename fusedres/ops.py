@@ -19,7 +19,7 @@ never the normalised or activated tensor.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

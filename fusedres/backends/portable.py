@@ -21,8 +21,9 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     xs = x.to(stats_dtype(x.dtype))
-    var, mean = torch.var_mean(xs, dim=_REDUCE, correction=0)
-    return mean, var
+    # The mean as a (pairwise) sum, as BatchNorm does: an inf input gives an inf mean, not the
+    # NaN a Welford update would produce. The variance is Welford's (stable for large means).
+    return xs.mean(dim=_REDUCE), torch.var(xs, dim=_REDUCE, correction=0)
 
 
 def scale_shift(bn_weight, bn_bias, mean, invstd) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,120 @@
+"""Builders and comparisons shared by the tests: one unit's inputs, run through a backend or the
+reference, with every gradient and the running statistics collected."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+import fusedres
+from fusedres import functional as FR
+
+
+@dataclass(frozen=True)
+class Case:
+    n: int
+    c: int
+    h: int
+    w: int
+    co: int
+    k: int | tuple[int, int] = 3
+    stride: int | tuple[int, int] = 1
+    padding: int | tuple[int, int] = 0
+    dilation: int | tuple[int, int] = 1
+    bias: bool = False
+    residual: bool = False
+    affine: bool = True
+
+    def out_hw(self) -> tuple[int, int]:
+        pair = lambda v: v if isinstance(v, tuple) else (v, v)
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = map(
+            pair, (self.k, self.stride, self.padding, self.dilation))
+        return ((self.h + 2 * ph - dh * (kh - 1) - 1) // sh + 1,
+                (self.w + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
+
+
+# Awkward on purpose: channel counts and sizes that are not multiples of any tile.
+CASES = [
+    Case(2, 3, 7, 7, 5, k=3, padding=1, bias=True, residual=True),
+    Case(1, 5, 13, 13, 17, k=1, stride=2, residual=True),
+    Case(2, 17, 13, 7, 4, k=3, stride=2, padding=1, bias=True),
+    Case(2, 4, 9, 11, 6, k=5, padding=2, dilation=2),
+    Case(2, 5, 8, 8, 3, k=(3, 1), stride=(1, 2), padding=(1, 0), bias=True, residual=True),
+    Case(1, 3, 7, 7, 4, k=3, affine=False),
+]
+
+
+@dataclass
+class Inputs:
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    bn_weight: torch.Tensor | None
+    bn_bias: torch.Tensor | None
+    residual: torch.Tensor | None
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor = field(default_factory=lambda: torch.tensor(0))
+
+    def leaves(self) -> list[torch.Tensor]:
+        return [t for t in (self.x, self.weight, self.bias, self.bn_weight, self.bn_bias,
+                            self.residual) if t is not None]
+
+    def clone(self) -> Inputs:
+        def c(t):
+            if t is None:
+                return None
+            return t.detach().clone(memory_format=torch.preserve_format).requires_grad_(
+                t.requires_grad)
+        return Inputs(*(c(getattr(self, f)) for f in (
+            "x", "weight", "bias", "bn_weight", "bn_bias", "residual", "running_mean",
+            "running_var", "num_batches_tracked")))
+
+
+def make_inputs(case: Case, dtype=torch.float32, device="cpu", channels_last=False,
+                param_dtype=None) -> Inputs:
+    """Random inputs for ``case``; BN parameters in ``param_dtype`` (default: ``dtype``)."""
+    pdt = param_dtype or dtype
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    kh, kw = case.k if isinstance(case.k, tuple) else (case.k, case.k)
+    g = lambda *s, dt=dtype: torch.randn(*s, dtype=dt, device=device)
+    x = (g(case.n, case.c, case.h, case.w) * 2 + 0.5).contiguous(memory_format=fmt)
+    weight = (g(case.co, case.c, kh, kw) / (case.c * kh * kw) ** 0.5).contiguous(memory_format=fmt)
+    ho, wo = case.out_hw()
+    inp = Inputs(
+        x=x,
+        weight=weight,
+        bias=g(case.co) if case.bias else None,
+        bn_weight=(torch.rand(case.c, dtype=pdt, device=device) + 0.5) if case.affine else None,
+        bn_bias=g(case.c, dt=pdt) * 0.5 if case.affine else None,
+        residual=(g(case.n, case.co, ho, wo).contiguous(memory_format=fmt)
+                  if case.residual else None),
+        running_mean=g(case.c, dt=pdt) * 0.1,
+        running_var=torch.rand(case.c, dtype=pdt, device=device) + 0.5,
+    )
+    for t in inp.leaves():
+        t.requires_grad_(True)
+    return inp
+
+
+def run(case: Case, inp: Inputs, *, training: bool, momentum=0.1, eps=1e-5):
+    """Forward through the backend in force; returns the output."""
+    return FR.bn_relu_conv2d(
+        inp.x, inp.weight, inp.bias, inp.bn_weight, inp.bn_bias, inp.running_mean,
+        inp.running_var, inp.num_batches_tracked, training=training, momentum=momentum, eps=eps,
+        stride=case.stride, padding=case.padding, dilation=case.dilation, residual=inp.residual)
+
+
+def run_with_grads(case: Case, inp: Inputs, grad_out=None, **kw):
+    """Output, gradients of every leaf (same order as ``inp.leaves()``) and ``grad_out``."""
+    y = run(case, inp, **kw)
+    if grad_out is None:
+        grad_out = torch.randn_like(y)
+    grads = torch.autograd.grad(y, inp.leaves(), grad_out)
+    return y, grads, grad_out
+
+
+def run_reference(case: Case, inp: Inputs, grad_out=None, **kw):
+    with fusedres.use_backend("reference"):
+        return run_with_grads(case, inp, grad_out, **kw)

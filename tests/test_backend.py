@@ -1,0 +1,77 @@
+"""Backend choice: names, precedence, the auto fallback and errors for backends that can't run."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fusedres
+from fusedres import _backend
+from helpers import CASES, make_inputs, run
+
+
+def test_available_backends_here():
+    names = fusedres.available_backends("cpu")
+    assert names[:2] == ["reference", "portable"]
+    assert set(names) <= set(fusedres.BACKENDS)
+
+
+def test_use_backend_nests_and_restores():
+    outer = fusedres.get_backend()
+    with fusedres.use_backend("portable"):
+        assert fusedres.get_backend() == "portable"
+        with fusedres.use_backend("reference"):
+            assert fusedres.get_backend() == "reference"
+        assert fusedres.get_backend() == "portable"
+    assert fusedres.get_backend() == outer
+
+
+def test_set_backend_and_bad_names():
+    try:
+        fusedres.set_backend("portable")
+        assert fusedres.get_backend() == "portable"
+    finally:
+        fusedres.set_backend("auto")
+    with pytest.raises(ValueError, match="set_backend"):
+        fusedres.set_backend("cudnn")
+    with pytest.raises(ValueError, match="use_backend"):
+        with fusedres.use_backend("fast"):
+            pass
+
+
+def test_auto_picks_the_first_that_runs():
+    expected = next(b for b in _backend.AUTO_ORDER["cpu"]
+                    if _backend.unavailable_reason(b, "cpu") is None)
+    with fusedres.use_backend("auto"):
+        assert _backend.resolve_backend(torch.device("cpu")) == expected
+
+
+def test_named_backend_that_cannot_run_raises_before_state_changes():
+    inp = make_inputs(CASES[0])
+    before = inp.running_mean.clone()
+    with fusedres.use_backend("cuda"):
+        with pytest.raises(fusedres.BackendUnavailableError, match="'cuda' cannot run on cpu: "
+                           "it runs on CUDA tensors only"):
+            run(CASES[0], inp, training=True)
+    assert torch.equal(inp.running_mean, before)
+    assert int(inp.num_batches_tracked) == 0
+
+
+def test_env_variable_sets_the_default():
+    code = "import fusedres; print(fusedres.get_backend())"
+    env = dict(os.environ, FUSEDRES_BACKEND="portable")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "portable"
+    env["FUSEDRES_BACKEND"] = "bogus"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "FUSEDRES_BACKEND" in bad.stderr
+
+
+def test_import_does_not_initialise_cuda():
+    code = "import torch, fusedres; print(torch.cuda.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,91 @@
+"""Bad input: a clear error naming the argument, raised before running statistics change."""
+
+import pytest
+import torch
+
+import fusedres
+from fusedres import functional as FR
+
+C, CO = 4, 6
+
+
+def _good():
+    return dict(
+        x=torch.randn(2, C, 7, 7), weight=torch.randn(CO, C, 3, 3), bias=torch.randn(CO),
+        bn_weight=torch.rand(C), bn_bias=torch.randn(C), running_mean=torch.zeros(C),
+        running_var=torch.ones(C), num_batches_tracked=torch.tensor(0),
+        training=True, padding=1, residual=torch.randn(2, CO, 7, 7),
+    )
+
+
+BAD = [
+    ("x_rank", dict(x=torch.randn(2, C, 7)), ValueError, "x: expected a 4-D"),
+    ("x_dtype", dict(x=torch.randint(0, 3, (2, C, 7, 7))), TypeError, "x: expected float"),
+    ("weight_channels", dict(weight=torch.randn(CO, C + 1, 3, 3)), ValueError,
+     r"weight: expected shape \(out_channels, 4"),
+    ("weight_grouped", dict(weight=torch.randn(CO, C // 2, 3, 3)), ValueError, "groups=1"),
+    ("weight_rank", dict(weight=torch.randn(CO, C)), ValueError, "weight: expected a 4-D"),
+    ("weight_dtype", dict(weight=torch.randn(CO, C, 3, 3, dtype=torch.float64)), TypeError,
+     "weight: expected dtype torch.float32"),
+    ("bias_shape", dict(bias=torch.randn(CO + 1)), ValueError, r"bias: expected shape \(6,\)"),
+    ("bn_weight_shape", dict(bn_weight=torch.rand(C + 1)), ValueError,
+     r"bn_weight: expected shape \(4,\)"),
+    ("bn_bias_shape", dict(bn_bias=torch.rand(C - 1)), ValueError, "bn_bias: expected shape"),
+    ("running_mean_shape", dict(running_mean=torch.zeros(C + 2)), ValueError,
+     "running_mean: expected shape"),
+    ("running_var_shape", dict(running_var=torch.ones(1)), ValueError,
+     "running_var: expected shape"),
+    ("running_var_missing", dict(running_var=None), ValueError, "running_mean, running_var"),
+    ("residual_shape", dict(residual=torch.randn(2, CO, 8, 7)), ValueError,
+     r"residual: expected shape \(2, 6, 7, 7\)"),
+    ("residual_channels", dict(residual=torch.randn(2, C, 7, 7)), ValueError, "residual"),
+    ("one_value_per_channel", dict(x=torch.randn(1, C, 1, 1), padding=0,
+                                   weight=torch.randn(CO, C, 1, 1),
+                                   residual=torch.randn(1, CO, 1, 1)),
+     ValueError, "more than 1 value per channel"),
+    ("stride_zero", dict(stride=0), ValueError, "stride: expected values >= 1"),
+    ("padding_negative", dict(padding=-1), ValueError, "padding"),
+    ("padding_string", dict(padding="same"), ValueError, "padding: expected an int"),
+    ("dilation_triple", dict(dilation=(1, 1, 1)), ValueError, "dilation"),
+    ("kernel_too_big", dict(weight=torch.randn(CO, C, 11, 11), padding=0, residual=None),
+     ValueError, "too small"),
+    ("cumulative_without_count", dict(num_batches_tracked=None), ValueError,
+     "num_batches_tracked: required", {"momentum": None}),
+    ("bn_weight_not_tensor", dict(bn_weight=[1.0] * C), TypeError, "bn_weight: expected a Tensor"),
+]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_names_argument_and_leaves_state(bad):
+    _, change, exc, pattern, *extra = bad
+    args = _good()
+    args.update(change)
+    kwargs = extra[0] if extra else {}
+    rm, rv, nbt = args["running_mean"], args["running_var"], args["num_batches_tracked"]
+    before = [t.clone() if t is not None else None for t in (rm, rv, nbt)]
+    with pytest.raises(exc, match=pattern):
+        FR.bn_relu_conv2d(
+            args["x"], args["weight"], args["bias"], args["bn_weight"], args["bn_bias"], rm, rv,
+            nbt, training=args["training"], padding=args["padding"],
+            stride=args.get("stride", 1), dilation=args.get("dilation", 1),
+            residual=args["residual"], **kwargs)
+    for t, b in zip((rm, rv, nbt), before):
+        if t is not None:
+            assert torch.equal(t, b), "running statistics changed before the error"
+
+
+def test_mismatched_devices_named():
+    args = _good()
+    with pytest.raises(ValueError, match="weight: expected device cpu"):
+        FR.bn_relu_conv2d(args["x"], args["weight"].to("meta"), None, None, None, None, None,
+                          training=True)
+    with pytest.raises(ValueError, match="running_mean: expected device"):
+        FR.bn_relu_conv2d(args["x"], args["weight"], None, None, None,
+                          args["running_mean"].to("meta"), args["running_var"], training=True)
+
+
+def test_module_wrong_channels_named():
+    m = fusedres.BNReLUConv2d(3, 4, 3)
+    with pytest.raises(ValueError, match=r"to match the 5 channels of x"):
+        m(torch.randn(2, 5, 6, 6))
+    assert int(m.bn.num_batches_tracked) == 0

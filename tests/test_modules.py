@@ -1,0 +1,143 @@
+"""Drop-in modules: same keys as the plain blocks, same outputs, gradients and running stats."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fusedres
+
+BLOCKS = [
+    ("basic_identity", lambda fused: fusedres.PreActBasicBlock(8, 8, fused=fused)),
+    ("basic_projection", lambda fused: fusedres.PreActBasicBlock(8, 16, stride=2, fused=fused)),
+    ("bottleneck_identity", lambda fused: fusedres.PreActBottleneck(16, 4, fused=fused)),
+    ("bottleneck_conv1", lambda fused: fusedres.PreActBottleneck(8, 4, stride=2, fused=fused)),
+    ("bottleneck_conv2", lambda fused: fusedres.PreActBottleneck(
+        8, 4, stride=2, fused=fused, stride_on="conv2")),
+]
+
+
+def _in_channels(block):
+    return block.bn1.num_features
+
+
+def _compare(a: nn.Module, b: nn.Module, x: torch.Tensor, steps: int = 3, atol=1e-4):
+    """Train both for ``steps`` forward+backward passes, then eval; everything must agree."""
+    for _ in range(steps):
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = a(xa), b(xb)
+        torch.testing.assert_close(ya, yb, atol=atol, rtol=atol)
+        gy = torch.randn_like(ya)
+        ya.backward(gy)
+        yb.backward(gy)
+        torch.testing.assert_close(xa.grad, xb.grad, atol=atol, rtol=atol)
+        for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(pa.grad, pb.grad, atol=atol, rtol=atol, msg=name)
+        a.zero_grad()
+        b.zero_grad()
+        x = x * 1.5 + 0.1
+    for (name, ba), bb in zip(a.named_buffers(), b.buffers()):
+        torch.testing.assert_close(ba, bb, atol=1e-5, rtol=1e-5, msg=name)
+    a.eval()
+    b.eval()
+    torch.testing.assert_close(a(x), b(x), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("name,make", BLOCKS, ids=[n for n, _ in BLOCKS])
+def test_fused_block_matches_plain_twin(backend, name, make):
+    fused, plain = make(True), make(False)
+    assert list(fused.state_dict()) == list(plain.state_dict())
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(2, _in_channels(fused), 9, 9)
+    _compare(fused, plain, x)
+
+
+@pytest.mark.parametrize("name,make", BLOCKS, ids=[n for n, _ in BLOCKS])
+def test_state_dict_round_trip_both_ways(name, make):
+    fused, plain = make(True), make(False)
+    # Train the plain one a little so its buffers are not the defaults.
+    x = torch.randn(2, _in_channels(fused), 9, 9)
+    plain(x).sum().backward()
+    fused.load_state_dict(plain.state_dict())
+    back = make(False)
+    back.load_state_dict(fused.state_dict())
+    for (k, v), v2 in zip(plain.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(v, v2), k
+    _compare(fused, back, x)
+
+
+def test_block_keys_are_he_et_al():
+    keys = {k.split(".")[0] for k in fusedres.PreActBottleneck(8, 4, stride=2).state_dict()}
+    assert keys == {"bn1", "conv1", "bn2", "conv2", "bn3", "conv3", "shortcut"}
+    keys = {k.split(".")[0] for k in fusedres.PreActBasicBlock(8, 8).state_dict()}
+    assert keys == {"bn1", "conv1", "bn2", "conv2"}
+    b = fusedres.PreActBottleneck(8, 4, stride=2, stride_on="conv1")
+    assert b.conv1.stride == (2, 2) and b.conv2.stride == (1, 1)
+    b = fusedres.PreActBottleneck(8, 4, stride=2, stride_on="conv2")
+    assert b.conv1.stride == (1, 1) and b.conv2.stride == (2, 2)
+    with pytest.raises(ValueError, match="stride_on"):
+        fusedres.PreActBottleneck(8, 4, stride_on="conv3")
+
+
+def test_shared_preactivation_costs_one_stats_pass_and_one_update(backend, monkeypatch):
+    block = fusedres.PreActBottleneck(8, 4, stride=2)
+    calls = []
+    real = torch.ops.fusedres.batch_stats
+
+    class Spy:
+        def __call__(self, x):
+            calls.append(tuple(x.shape))
+            return real(x)
+
+    monkeypatch.setattr(torch.ops.fusedres, "batch_stats", Spy())
+    block(torch.randn(2, 8, 8, 8))
+    assert calls.count((2, 8, 8, 8)) == 1  # bn1 feeds conv1 and the shortcut, one pass
+    assert len(calls) == 3  # bn1, bn2, bn3
+    assert int(block.bn1.num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(kernel_size=3, padding=1, bias=True),
+    dict(kernel_size=1, stride=2),
+    dict(kernel_size=3, padding=2, dilation=2, momentum=None),
+    dict(kernel_size=3, affine=False),
+    dict(kernel_size=3, padding=1, track_running_stats=False),
+], ids=["bias", "1x1s2", "dilated_cumulative", "no_affine", "no_running_stats"])
+def test_bnreluconv2d_matches_modules(backend, kwargs):
+    m = fusedres.BNReLUConv2d(5, 7, **kwargs)
+    plain = copy.deepcopy(m)
+    x = torch.randn(2, 5, 11, 11)
+
+    class Plain(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.bn, self.conv = inner.bn, inner.conv
+
+        def forward(self, x):
+            return self.conv(F.relu(self.bn(x)))
+
+    _compare(m, Plain(plain), x)
+
+
+def test_bnreluconv2d_residual_and_keys():
+    m = fusedres.BNReLUConv2d(3, 4, 3, padding=1)
+    assert set(m.state_dict()) == {
+        "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked",
+        "conv.weight"}
+    x, r = torch.randn(2, 3, 5, 5), torch.randn(2, 4, 5, 5)
+    with fusedres.use_backend("reference"):
+        ref = m(x, r)
+    m.bn.num_batches_tracked.zero_()
+    torch.testing.assert_close(m.eval()(x, r), m(x) + r)
+    assert ref.shape == (2, 4, 5, 5)
+
+
+def test_grouped_conv_is_refused():
+    m = fusedres.BNReLUConv2d(4, 4, 3)
+    m.conv = nn.Conv2d(4, 4, 3, groups=2)
+    before = m.bn.running_mean.clone()
+    with pytest.raises(ValueError, match="groups"):
+        m(torch.randn(2, 4, 5, 5))
+    assert torch.equal(m.bn.running_mean, before)
