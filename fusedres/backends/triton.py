@@ -1,20 +1,138 @@
-"""The Triton backend (kernels/, importable as ``fusedres.kernels``)."""
+"""The Triton backend: kernels/ (importable as ``fusedres.kernels``).
 
-from __future__ import annotations
+Each backend entry point goes through an op of the ``fusedres_triton`` namespace defined with
+``torch.library.triton_op``, whose body launches the kernels through ``wrap_triton``: called from
+a torch.compile'd graph on a GPU, Inductor sees the Triton kernels themselves. Under
+``TRITON_INTERPRET=1`` (CPU tensors) the same ops run eagerly; they cannot be traced with fake
+tensors there, so torch.compile is tested through the other backends' ops.
+"""
 
 import os
+from typing import Optional
 
 import torch
+from torch import Tensor
+
+from ..ops import backward_empty_outputs, out_memory_format, stats_dtype
+
+_KERNELS_ERROR: Optional[str] = None
+try:
+    from ..kernels import bn_relu_conv2d_dgrad as _dgrad
+    from ..kernels import bn_relu_conv2d_wgrad as _wgrad
+    from ..kernels.batch_stats import batch_stats as _batch_stats
+    from ..kernels.bn_relu_conv2d import bn_relu_conv2d_fwd as _fwd
+except ImportError as exc:  # triton missing, or a kernels/ install problem
+    _KERNELS_ERROR = f"{type(exc).__name__}: {exc}"
 
 
-def unavailable_reason(device: torch.device) -> str | None:
+def unavailable_reason(device: torch.device) -> Optional[str]:
     try:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed"
+    if _KERNELS_ERROR is not None:
+        return f"the Triton kernels failed to import ({_KERNELS_ERROR})"
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type == "cpu" and not interpret:
-        return "Triton runs on CPU tensors only under TRITON_INTERPRET=1"
-    if device.type not in ("cpu", "cuda"):
+    if device.type == "cpu":
+        return None if interpret else "Triton runs on CPU tensors only under TRITON_INTERPRET=1"
+    if device.type != "cuda":
         return f"it runs on CUDA tensors, not {device.type}"
-    return "the Triton kernels are not written yet"
+    if not interpret and not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    return None
+
+
+def _scale_shift(bn_weight, bn_bias, mean, invstd) -> tuple[Tensor, Tensor]:
+    scale = invstd if bn_weight is None else bn_weight * invstd
+    shift = -mean * scale if bn_bias is None else bn_bias - mean * scale
+    return scale.contiguous(), shift.contiguous()
+
+
+# --------------------------------------------------------------------------- triton ops
+
+@torch.library.triton_op("fusedres_triton::batch_stats", mutates_args=())
+def batch_stats_op(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _batch_stats(x)
+
+
+@torch.library.triton_op("fusedres_triton::bn_relu_conv2d", mutates_args=())
+def forward_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Tensor, shift: Tensor,
+               residual: Optional[Tensor], stride: list[int], padding: list[int],
+               dilation: list[int], channels_last: bool) -> Tensor:
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return _fwd(x, weight, bias, scale, shift, residual, stride, padding, dilation, fmt)
+
+
+@torch.library.triton_op("fusedres_triton::bn_relu_conv2d_genstats", mutates_args=())
+def forward_genstats_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Tensor,
+                        shift: Tensor, residual: Optional[Tensor], stride: list[int],
+                        padding: list[int], dilation: list[int],
+                        channels_last: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward that also returns (mean, biased var) of y per output channel."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return _fwd(x, weight, bias, scale, shift, residual, stride, padding, dilation, fmt,
+                genstats=True)
+
+
+@torch.library.triton_op("fusedres_triton::bn_relu_conv2d_backward", mutates_args=())
+def backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, bn_weight: Optional[Tensor],
+                bn_bias: Optional[Tensor], mean: Tensor, invstd: Tensor, stride: list[int],
+                padding: list[int], dilation: list[int], batch_stats: bool,
+                output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    want_x, want_w, want_b, want_g, want_beta = output_mask
+    outs = list(backward_empty_outputs(x, weight, mean, output_mask))
+    scale, shift = _scale_shift(bn_weight, bn_bias, mean, invstd)
+    grad_out = grad_out.to(weight.dtype)
+    if want_w or want_b:
+        gw, gb = _wgrad.bn_relu_conv2d_wgrad(grad_out, x, weight.shape, scale, shift, stride,
+                                             padding, dilation, want_bias=want_b)
+        if want_w:
+            outs[1].copy_(gw)
+        if want_b:
+            outs[2].copy_(gb)
+    if want_x or want_g or want_beta:
+        sum_dz, sum_dzx = _dgrad.bn_relu_conv2d_dgrad(
+            grad_out, x, weight, scale, shift, mean.contiguous(), invstd.contiguous(), stride,
+            padding, dilation, batch_stats=batch_stats,
+            grad_x=outs[0] if want_x else None, want_sums=want_g or want_beta)
+        if want_g:
+            outs[3].copy_(sum_dzx)
+        if want_beta:
+            outs[4].copy_(sum_dz)
+    return tuple(outs)
+
+
+# --------------------------------------------------------------------------- backend interface
+
+def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.ops.fusedres_triton.batch_stats(x)
+
+
+def forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
+            dilation) -> Tensor:
+    scale, shift = _scale_shift(bn_weight, bn_bias, mean, invstd)
+    channels_last = out_memory_format(x, weight) == torch.channels_last
+    if residual is not None and residual.dtype != weight.dtype:
+        residual = residual.to(weight.dtype)
+    return torch.ops.fusedres_triton.bn_relu_conv2d(
+        x, weight, bias, scale, shift, residual, list(stride), list(padding), list(dilation),
+        channels_last)
+
+
+def forward_genstats(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
+                     padding, dilation) -> tuple[Tensor, Tensor, Tensor]:
+    """``forward`` plus the (mean, biased var) of its output per channel, in the statistics
+    dtype of y: what the next unit's BatchNorm needs, without a pass over y."""
+    scale, shift = _scale_shift(bn_weight, bn_bias, mean, invstd)
+    channels_last = out_memory_format(x, weight) == torch.channels_last
+    y, m, v = torch.ops.fusedres_triton.bn_relu_conv2d_genstats(
+        x, weight, bias, scale, shift, residual, list(stride), list(padding), list(dilation),
+        channels_last)
+    return y, m.to(stats_dtype(y.dtype)), v.to(stats_dtype(y.dtype))
+
+
+def backward(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
+             batch_stats, output_mask):
+    return torch.ops.fusedres_triton.bn_relu_conv2d_backward(
+        grad_out, x, weight, bn_weight, bn_bias, mean, invstd, list(stride), list(padding),
+        list(dilation), batch_stats, list(output_mask))

@@ -1,0 +1,95 @@
+"""Helpers shared by the Triton kernels' host launchers.
+
+Configs are chosen on the host by a deterministic rule (``pick``), never by timing inside a
+launch: the kernels write per-tile partial results whose row count depends on the tile size, and
+a host rule keeps that consistent, works on fake tensors (torch.compile) and is cheap under the
+interpreter. Every config of every kernel is still compiled ahead of time (kernels/aot.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Meta-parameters of one kernel launch: block sizes (constexprs), warps and stages."""
+
+    blocks: tuple[tuple[str, int], ...]
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def of(cls, num_warps: int = 4, num_stages: int = 3, **blocks: int) -> KernelConfig:
+        return cls(tuple(blocks.items()), num_warps, num_stages)
+
+    @property
+    def meta(self) -> dict:
+        return dict(self.blocks)
+
+    def launch_kwargs(self) -> dict:
+        return {**self.meta, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def __str__(self) -> str:
+        b = " ".join(f"{k.replace('BLOCK_', '')}={v}" for k, v in self.blocks)
+        return f"{b} w={self.num_warps} s={self.num_stages}"
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def acc_is_fp64(dtype: torch.dtype) -> bool:
+    return dtype == torch.float64
+
+
+def allow_tf32(dtype: torch.dtype) -> bool:
+    """TF32 products only for float32 operands and only when cuDNN is allowed them too."""
+    return dtype == torch.float32 and bool(torch.backends.cudnn.allow_tf32) and not interpreting()
+
+
+def upcast_dot(dtype: torch.dtype) -> bool:
+    """The interpreter's dot reads bfloat16 as raw integers: widen those operands there."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def launcher(kernel):
+    """``kernel[grid]`` through ``torch.library.wrap_triton`` on a GPU, so that torch.compile
+    traces the launch inside a ``triton_op``; plain launch under the interpreter."""
+    if interpreting():
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def chan_combine(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
+    """Merge per-row partial statistics (rows, C) with Chan's formula, in float64.
+
+    ``count`` is (rows, 1) or (rows, C); rows with count 0 must hold mean 0 and m2 0.
+    Returns (mean, biased variance) per channel, float64.
+    """
+    count = count.double()
+    mean = mean.double()
+    total = count.sum(0)
+    gmean = (count * mean).sum(0) / total
+    gm2 = (m2.double() + count * (mean - gmean) ** 2).sum(0)
+    return gmean, gm2 / total

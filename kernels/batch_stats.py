@@ -1,0 +1,111 @@
+"""Per-channel batch statistics (mean, biased variance) of x (N, C, H, W).
+
+Numerically stable: every tile of BLOCK_M values is reduced exactly in two passes over registers
+(tile mean, then the sum of squared deviations from it), tiles are merged with Chan's parallel
+formula inside a program, and the SPLIT programs of a channel block are merged on the host in
+float64. So x = 1000 + noise in float32 keeps its variance, and N*H*W in the millions is split
+over enough programs to fill the GPU.
+
+Layout: any strides (channels_last and contiguous NCHW alike); the tile is (pixels, channels) so
+the contiguous dimension of either layout is read coalesced.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import KernelConfig, cdiv, chan_combine, interpreting, launcher, sm_count
+from ._common import stats_dtype as _stats_dtype
+
+CONFIGS = [
+    KernelConfig.of(BLOCK_M=64, BLOCK_C=32, num_warps=4, num_stages=1),
+    KernelConfig.of(BLOCK_M=128, BLOCK_C=16, num_warps=4, num_stages=1),
+    KernelConfig.of(BLOCK_M=256, BLOCK_C=8, num_warps=8, num_stages=1),
+]
+INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=128, BLOCK_C=32, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def batch_stats_kernel(
+    x_ptr, mean_ptr, m2_ptr,
+    C, HW, W, M,
+    sxn, sxc, sxh, sxw,
+    tiles_per_split,
+    FP64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Program (channel block, split): partial mean and M2 of its tiles -> row ``split``."""
+    pid_c = tl.program_id(0)
+    split = tl.program_id(1)
+    acc_t = tl.float64 if FP64 else tl.float32
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    # The running merge is per channel, not per element: float64 costs nothing there.
+    mean = tl.zeros((BLOCK_C,), dtype=tl.float64)
+    m2 = tl.zeros((BLOCK_C,), dtype=tl.float64)
+    n_run = tl.zeros((), dtype=tl.float64)
+    t0 = split * tiles_per_split
+    for t in range(t0, t0 + tiles_per_split):
+        m = t * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        n = m // HW
+        hw = m % HW
+        off = n.to(tl.int64) * sxn + (hw // W) * sxh + (hw % W) * sxw
+        mask = m_ok[:, None] & c_ok[None, :]
+        v = tl.load(x_ptr + off[:, None] + c[None, :] * sxc, mask=mask, other=0.0).to(acc_t)
+        cnt = tl.sum(m_ok.to(tl.int32), axis=0).to(acc_t)
+        cnt_safe = tl.maximum(cnt, 1.0)
+        # Exact two-pass over the tile, with the first pass's rounding corrected by the second.
+        t_mean0 = tl.sum(v, axis=0) / cnt_safe
+        d = tl.where(mask, v - t_mean0[None, :], 0.0)
+        sd = tl.sum(d, axis=0)
+        t_m2 = (tl.sum(d * d, axis=0) - sd * sd / cnt_safe).to(tl.float64)
+        t_mean = t_mean0.to(tl.float64) + (sd / cnt_safe).to(tl.float64)
+        cnt64 = cnt.to(tl.float64)
+        n_new = n_run + cnt64
+        w = cnt64 / tl.maximum(n_new, 1.0)
+        delta = t_mean - mean
+        mean = mean + delta * w
+        m2 = m2 + t_m2 + delta * delta * (n_run * w)
+        n_run = n_new
+    tl.store(mean_ptr + split * C + c, mean, mask=c_ok)
+    tl.store(m2_ptr + split * C + c, m2, mask=c_ok)
+
+
+def pick_config(x: torch.Tensor) -> KernelConfig:
+    if interpreting():
+        return INTERPRET_CONFIG
+    c = x.shape[1]
+    if x.is_contiguous(memory_format=torch.channels_last) and c >= 32:
+        return CONFIGS[0]
+    return CONFIGS[2] if c <= 8 else CONFIGS[1]
+
+
+def batch_stats(x: torch.Tensor, config: KernelConfig | None = None, split: int | None = None):
+    """(mean, biased var) per channel of x (N, C, H, W), in the statistics dtype."""
+    n, c, h, w = x.shape
+    sdt = _stats_dtype(x.dtype)
+    m = n * h * w
+    cfg = config or pick_config(x)
+    bm, bc = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_C"]
+    tiles = cdiv(m, bm)
+    c_blocks = cdiv(c, bc)
+    if split is None:
+        # Enough programs for ~4 waves, but no fewer than 8 tiles a program.
+        split = 1 if interpreting() else max(1, min(cdiv(4 * sm_count(x.device), c_blocks),
+                                                    cdiv(tiles, 8)))
+    split = max(1, min(split, tiles))
+    tps = cdiv(tiles, split)
+    split = cdiv(tiles, tps)  # no empty splits
+    mean_p = torch.empty((split, c), device=x.device, dtype=torch.float64)
+    m2_p = torch.empty((split, c), device=x.device, dtype=torch.float64)
+    launcher(batch_stats_kernel)[(c_blocks, split)](
+        x, mean_p, m2_p, c, h * w, w, m, *x.stride(), tps,
+        FP64=sdt == torch.float64, **cfg.launch_kwargs(),
+    )
+    # Element count of each split (the last may be short).
+    starts = torch.arange(split, device=x.device, dtype=torch.float64) * (tps * bm)
+    counts = (m - starts).clamp(max=tps * bm).view(split, 1)
+    mean, var = chan_combine(counts, mean_p, m2_p)
+    return mean.to(sdt), var.to(sdt)

@@ -1,0 +1,190 @@
+"""Forward of the fused unit: y = conv2d(relu(scale * x + shift), weight) + bias + residual.
+
+Implicit GEMM: rows are output pixels (M = N*Ho*Wo), columns output channels (Co), the reduction
+runs over the kernel taps and then the input channels (K = kh*kw*C), so each A tile is a
+(pixels, channels) slice of x at one tap: contiguous in channels for channels_last x. The A
+operand load applies the BatchNorm affine and the ReLU in registers and zeroes out-of-image taps
+after the activation (zero padding of ``a``, never of ``x``); ``a`` never reaches memory. Bias
+and residual are added in the epilogue.
+
+``genstats``: the epilogue also reduces each output tile to per-channel (mean, M2) over its
+valid rows, so the next BatchNorm's batch statistics need no pass over y (merged on the host
+with Chan's formula, as in batch_stats).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    KernelConfig,
+    acc_is_fp64,
+    allow_tf32,
+    cdiv,
+    chan_combine,
+    interpreting,
+    launcher,
+    upcast_dot,
+)
+
+CONFIGS = [
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=4),
+]
+INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def mma(acc, a, b, TF32: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b. ``UPCAST`` (bfloat16 under the interpreter only, whose dot multiplies the
+    raw bits) widens the operands to float32 first, which is exact for bfloat16."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif TF32:
+        return tl.dot(a, b, acc, input_precision="tf32", out_dtype=acc.dtype)
+    else:
+        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
+
+
+@triton.jit
+def _bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, out_dtype):
+    """relu(scale * x + shift) for a (rows, channels) tile, 0 where the row or channel is out."""
+    c_ok = c < C
+    mask = row_ok[:, None] & c_ok[None, :]
+    xv = tl.load(x_ptr + row_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
+    sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
+    sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
+    a = tl.maximum(xv.to(sc.dtype) * sc[None, :] + sh[None, :], 0.0)
+    return tl.where(mask, a, 0.0).to(out_dtype)
+
+
+@triton.jit
+def bn_relu_conv2d_fwd_kernel(
+    x_ptr, w_ptr, scale_ptr, shift_ptr, bias_ptr, res_ptr, y_ptr, smean_ptr, sm2_ptr,
+    C, H, W, Co, Ho, Wo, M, KH, KW,
+    SH, SW, PH, PW, DH, DW,
+    sxn, sxc, sxh, sxw,
+    swo, swc, swh, sww,
+    syn, syc, syh, syw,
+    srn, src, srh, srw,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GENSTATS: tl.constexpr,
+    FP64: tl.constexpr, TF32: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    acc_t = tl.float64 if FP64 else tl.float32
+    op_t = w_ptr.dtype.element_ty
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    co_ok = co < Co
+    hw = Ho * Wo
+    n = m // hw
+    r = m % hw
+    oh = r // Wo
+    ow = r % Wo
+    x_base = n.to(tl.int64) * sxn
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+    for t in range(0, KH * KW):
+        i = t // KW
+        j = t % KW
+        ih = oh * SH - PH + i * DH
+        iw = ow * SW - PW + j * DW
+        row_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        row_off = x_base + ih * sxh + iw * sxw
+        for c0 in range(0, C, BLOCK_K):
+            c = c0 + kk
+            a = _bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, op_t)
+            w_mask = (c < C)[:, None] & co_ok[None, :]
+            b = tl.load(w_ptr + co[None, :] * swo + c[:, None] * swc + i * swh + j * sww,
+                        mask=w_mask, other=0.0)
+            acc = mma(acc, a, b, TF32, UPCAST)
+    mask = m_ok[:, None] & co_ok[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + co, mask=co_ok, other=0.0).to(acc_t)[None, :]
+    if HAS_RES:
+        r_off = n.to(tl.int64) * srn + oh * srh + ow * srw
+        acc += tl.load(res_ptr + r_off[:, None] + co[None, :] * src, mask=mask,
+                       other=0.0).to(acc_t)
+    y = acc.to(y_ptr.dtype.element_ty)
+    y_off = n.to(tl.int64) * syn + oh * syh + ow * syw
+    tl.store(y_ptr + y_off[:, None] + co[None, :] * syc, y, mask=mask)
+    if GENSTATS:
+        # Statistics of y as stored (rounded), the values the next BatchNorm will read.
+        yv = tl.where(mask, y.to(acc_t), 0.0)
+        cnt = tl.maximum(tl.sum(m_ok.to(tl.int32), axis=0).to(acc_t), 1.0)
+        t_mean0 = tl.sum(yv, axis=0) / cnt
+        d = tl.where(mask, yv - t_mean0[None, :], 0.0)
+        sd = tl.sum(d, axis=0)
+        tl.store(smean_ptr + pid_m * Co + co, t_mean0 + sd / cnt, mask=co_ok)
+        tl.store(sm2_ptr + pid_m * Co + co, tl.sum(d * d, axis=0) - sd * sd / cnt, mask=co_ok)
+
+
+def pick_config(m: int, co: int, c: int, dtype: torch.dtype) -> KernelConfig:
+    if interpreting():
+        return INTERPRET_CONFIG
+    if co <= 32:
+        return CONFIGS[3]
+    if co >= 128 and m >= 128 * 132 and dtype != torch.float64:
+        return CONFIGS[1]
+    if m < 128 * 132:
+        return CONFIGS[2]
+    return CONFIGS[0]
+
+
+def _dummy(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty((1,))
+
+
+def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding, dilation,
+                       memory_format, genstats: bool = False, config: KernelConfig | None = None):
+    """y (N, Co, Ho, Wo) in weight.dtype and ``memory_format``; with ``genstats`` also the
+    (mean, biased var) of y per output channel in the statistics dtype of y.
+
+    x: (N, C, H, W) any float dtype and strides; weight (Co, C, kh, kw); scale, shift (C,) in the
+    statistics dtype of x; bias (Co,) or None; residual (N, Co, Ho, Wo) in weight.dtype or None.
+    """
+    n, c, h, w = x.shape
+    co, _, kh, kw = weight.shape
+    sh, sw = stride
+    ph, pw = padding
+    dh, dw = dilation
+    ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    y = torch.empty((n, co, ho, wo), device=x.device, dtype=weight.dtype,
+                    memory_format=memory_format)
+    m = n * ho * wo
+    cfg = config or pick_config(m, co, c, weight.dtype)
+    bm, bn = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"]
+    grid = (cdiv(m, bm), cdiv(co, bn))
+    fp64 = acc_is_fp64(weight.dtype)
+    sdt = torch.float64 if fp64 else torch.float32
+    if genstats:
+        smean = torch.empty((grid[0], co), device=x.device, dtype=sdt)
+        sm2 = torch.empty((grid[0], co), device=x.device, dtype=sdt)
+    else:
+        smean = sm2 = _dummy(scale)
+    res = residual if residual is not None else _dummy(y)
+    res_strides = residual.stride() if residual is not None else (0, 0, 0, 0)
+    launcher(bn_relu_conv2d_fwd_kernel)[grid](
+        x, weight, scale, shift, bias if bias is not None else _dummy(weight), res, y,
+        smean, sm2,
+        c, h, w, co, ho, wo, m, kh, kw, sh, sw, ph, pw, dh, dw,
+        *x.stride(), *weight.stride(), *y.stride(), *res_strides,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, GENSTATS=genstats,
+        FP64=fp64, TF32=allow_tf32(weight.dtype), UPCAST=upcast_dot(weight.dtype),
+        **cfg.launch_kwargs(),
+    )
+    if not genstats:
+        return y
+    counts = (m - torch.arange(grid[0], device=x.device, dtype=torch.float64) * bm)
+    counts = counts.clamp(max=bm).view(-1, 1)
+    mean, var = chan_combine(counts, smean, sm2)
+    out_sdt = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+    return y, mean.to(out_sdt), var.to(out_sdt)

@@ -1,0 +1,246 @@
+"""Data gradient of the fused unit, and the BatchNorm reductions it needs.
+
+``dgrad_kernel`` is an implicit-GEMM transposed convolution: rows are input pixels
+(M = N*H*W), columns input channels (C), the reduction runs over the taps and the output
+channels (K = kh*kw*Co). A tap contributes to an input pixel when (ih + ph - i*dh) is a multiple
+of the stride inside the output; other rows of that tap load nothing (masked). Its epilogue
+loads the x tile, recomputes the ReLU mask from ``scale * x + shift``, and reduces per channel
+``sum dz`` and ``sum dz * xhat`` over the tile's rows (partials per row block, summed on the
+host). What it writes is chosen by constexprs:
+
+* ``WRITE_DZ``: dz into the grad_x buffer; ``dx_kernel`` then turns it into dx in place once
+  the sums are complete (training: dx depends on the batch-wide sums).
+* ``WRITE_DX``: dx directly, given the sums: eval mode (dx = scale * dz) in one pass, or the
+  second pass of the "recompute" strategy (a sums-only pass first), which trades a second GEMM
+  for not writing and re-reading dz.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (
+    KernelConfig,
+    acc_is_fp64,
+    allow_tf32,
+    cdiv,
+    interpreting,
+    launcher,
+    upcast_dot,
+)
+from .bn_relu_conv2d import mma
+
+CONFIGS = [
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=4),
+]
+INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
+
+DX_CONFIGS = [
+    KernelConfig.of(BLOCK_M=64, BLOCK_C=32, num_warps=4, num_stages=1),
+    KernelConfig.of(BLOCK_M=256, BLOCK_C=8, num_warps=4, num_stages=1),
+]
+DX_INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=128, BLOCK_C=32, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def _dx_from_dz(dz, xv, c, c_ok, scale_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr,
+                TRAIN: tl.constexpr):
+    """dx = scale * (dz - mean(dz) - xhat * mean(dz * xhat)) (training) or scale * dz."""
+    sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0).to(dz.dtype)
+    if TRAIN:
+        mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+        inv = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+        m1 = tl.load(m1_ptr + c, mask=c_ok, other=0.0).to(dz.dtype)
+        m2 = tl.load(m2_ptr + c, mask=c_ok, other=0.0).to(dz.dtype)
+        xhat = ((xv.to(mu.dtype) - mu[None, :]) * inv[None, :]).to(dz.dtype)
+        return sc[None, :] * (dz - m1[None, :] - xhat * m2[None, :])
+    else:
+        return sc[None, :] * dz
+
+
+@triton.jit
+def dgrad_kernel(
+    dy_ptr, w_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr,
+    gx_ptr, s1_ptr, s2_ptr,
+    C, H, W, Co, Ho, Wo, M, KH, KW,
+    SH, SW, PH, PW, DH, DW,
+    sdn, sdc, sdh, sdw,
+    swo, swc, swh, sww,
+    sxn, sxc, sxh, sxw,
+    sgn, sgc, sgh, sgw,
+    WRITE_DZ: tl.constexpr, WRITE_DX: tl.constexpr, STATS: tl.constexpr, TRAIN: tl.constexpr,
+    FP64: tl.constexpr, TF32: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    acc_t = tl.float64 if FP64 else tl.float32
+    op_t = w_ptr.dtype.element_ty
+    p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    p_ok = p < M
+    c_ok = c < C
+    hw = H * W
+    n = p // hw
+    rem = p % hw
+    ih = rem // W
+    iw = rem % W
+    n64 = n.to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+    for t in range(0, KH * KW):
+        i = t // KW
+        j = t % KW
+        oh_s = ih + PH - i * DH
+        ow_s = iw + PW - j * DW
+        oh = oh_s // SH
+        ow = ow_s // SW
+        row_ok = (p_ok & (oh_s >= 0) & (ow_s >= 0) & (oh_s % SH == 0) & (ow_s % SW == 0)
+                  & (oh < Ho) & (ow < Wo))
+        row_off = n64 * sdn + oh * sdh + ow * sdw
+        for k0 in range(0, Co, BLOCK_K):
+            co = k0 + kk
+            co_ok = co < Co
+            a = tl.load(dy_ptr + row_off[:, None] + co[None, :] * sdc,
+                        mask=row_ok[:, None] & co_ok[None, :], other=0.0).to(op_t)
+            b = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
+                        mask=co_ok[:, None] & c_ok[None, :], other=0.0)
+            acc = mma(acc, a, b, TF32, UPCAST)
+    mask = p_ok[:, None] & c_ok[None, :]
+    x_off = n64 * sxn + ih * sxh + iw * sxw
+    xv = tl.load(x_ptr + x_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
+    sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
+    sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
+    z = xv.to(sc.dtype) * sc[None, :] + sh[None, :]
+    dz = tl.where(mask & (z > 0), acc, 0.0)
+    if STATS:
+        mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+        inv = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+        xhat = ((xv.to(mu.dtype) - mu[None, :]) * inv[None, :]).to(acc_t)
+        tl.store(s1_ptr + pid_m * C + c, tl.sum(dz, axis=0), mask=c_ok)
+        tl.store(s2_ptr + pid_m * C + c, tl.sum(dz * xhat, axis=0), mask=c_ok)
+    g_off = n64 * sgn + ih * sgh + iw * sgw
+    g_ptrs = gx_ptr + g_off[:, None] + c[None, :] * sgc
+    if WRITE_DZ:
+        tl.store(g_ptrs, dz.to(gx_ptr.dtype.element_ty), mask=mask)
+    if WRITE_DX:
+        dx = _dx_from_dz(dz, xv, c, c_ok, scale_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr, TRAIN)
+        tl.store(g_ptrs, dx.to(gx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dx_kernel(
+    g_ptr, x_ptr, scale_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr,
+    C, HW, W, M,
+    sxn, sxc, sxh, sxw,
+    sgn, sgc, sgh, sgw,
+    FP64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """In place: grad_x holds dz on entry and dx on exit (training-mode BatchNorm backward)."""
+    acc_t = tl.float64 if FP64 else tl.float32
+    p = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    p_ok = p < M
+    c_ok = c < C
+    mask = p_ok[:, None] & c_ok[None, :]
+    n = (p // HW).to(tl.int64)
+    rem = p % HW
+    h = rem // W
+    w = rem % W
+    xv = tl.load(x_ptr + (n * sxn + h * sxh + w * sxw)[:, None] + c[None, :] * sxc, mask=mask,
+                 other=0.0)
+    g_ptrs = g_ptr + (n * sgn + h * sgh + w * sgw)[:, None] + c[None, :] * sgc
+    dz = tl.load(g_ptrs, mask=mask, other=0.0).to(acc_t)
+    dx = _dx_from_dz(dz, xv, c, c_ok, scale_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr, True)
+    tl.store(g_ptrs, dx.to(g_ptr.dtype.element_ty), mask=mask)
+
+
+def pick_config(m: int, c: int, co: int, dtype: torch.dtype) -> KernelConfig:
+    if interpreting():
+        return INTERPRET_CONFIG
+    if c <= 32:
+        return CONFIGS[3]
+    if c >= 128 and m >= 128 * 132 and dtype != torch.float64:
+        return CONFIGS[1]
+    if m < 128 * 132:
+        return CONFIGS[2]
+    return CONFIGS[0]
+
+
+def pick_dx_config(x: torch.Tensor) -> KernelConfig:
+    if interpreting():
+        return DX_INTERPRET_CONFIG
+    cl = x.is_contiguous(memory_format=torch.channels_last)
+    return DX_CONFIGS[0] if cl else DX_CONFIGS[1]
+
+
+def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride, padding,
+                         dilation, *, batch_stats: bool, grad_x: torch.Tensor | None,
+                         want_sums: bool, strategy: str = "store",
+                         config: KernelConfig | None = None):
+    """Data gradient of y = conv2d(relu(scale*x + shift), weight) w.r.t. x, and the sums.
+
+    grad_out (N, Co, Ho, Wo); x (N, C, H, W); scale, shift, mean, invstd (C,) in the statistics
+    dtype. Writes grad_x (like x) when given; ``batch_stats`` selects training-mode BatchNorm
+    (dx through the batch statistics). ``strategy``: "store" (dz written, one elementwise pass)
+    or "recompute" (sums-only GEMM pass, then a GEMM pass that writes dx). Returns
+    (sum dz, sum dz * xhat) per channel in the statistics dtype (None when not needed).
+    """
+    n, c, h, w = x.shape
+    co, _, kh, kw = weight.shape
+    ho, wo = grad_out.shape[2], grad_out.shape[3]
+    m = n * h * w
+    cfg = config or pick_config(m, c, co, weight.dtype)
+    grid = (cdiv(m, cfg.meta["BLOCK_M"]), cdiv(c, cfg.meta["BLOCK_N"]))
+    fp64 = acc_is_fp64(weight.dtype)
+    acc = torch.float64 if fp64 else torch.float32
+    train = batch_stats and grad_x is not None
+    s1 = torch.empty((grid[0], c), device=x.device, dtype=acc)
+    s2 = torch.empty((grid[0], c), device=x.device, dtype=acc)
+    dummy = scale.new_empty((1,))
+    g = grad_x if grad_x is not None else x.new_empty((1,))
+    g_strides = grad_x.stride() if grad_x is not None else (0, 0, 0, 0)
+    common = (
+        grad_out, weight, x, scale, shift, mean, invstd,
+    )
+    shape_args = (c, h, w, co, ho, wo, m, kh, kw, *stride, *padding, *dilation,
+                  *grad_out.stride(), *weight.stride(), *x.stride(), *g_strides)
+    flags = dict(FP64=fp64, TF32=allow_tf32(weight.dtype), UPCAST=upcast_dot(weight.dtype),
+                 **cfg.launch_kwargs())
+    kernel = launcher(dgrad_kernel)[grid]
+
+    def run(m1, m2, write_dz, write_dx, stats):
+        kernel(*common, m1, m2, g, s1, s2, *shape_args, WRITE_DZ=write_dz, WRITE_DX=write_dx,
+               STATS=stats, TRAIN=batch_stats, **flags)
+
+    def sums():
+        return s1.sum(0), s2.sum(0)
+
+    if grad_x is None:  # only dgamma / dbeta
+        run(dummy, dummy, False, False, True)
+        sum_dz, sum_dzx = sums()
+    elif not train:  # eval: dx = scale * dz, one pass
+        run(dummy, dummy, False, True, want_sums)
+        sum_dz, sum_dzx = sums() if want_sums else (None, None)
+    elif strategy == "recompute":
+        run(dummy, dummy, False, False, True)
+        sum_dz, sum_dzx = sums()
+        m1, m2 = (sum_dz / m).to(scale.dtype), (sum_dzx / m).to(scale.dtype)
+        run(m1, m2, False, True, False)
+    else:
+        run(dummy, dummy, True, False, True)
+        sum_dz, sum_dzx = sums()
+        m1, m2 = (sum_dz / m).to(scale.dtype), (sum_dzx / m).to(scale.dtype)
+        dcfg = pick_dx_config(x)
+        dgrid = (cdiv(m, dcfg.meta["BLOCK_M"]), cdiv(c, dcfg.meta["BLOCK_C"]))
+        launcher(dx_kernel)[dgrid](
+            grad_x, x, scale, mean, invstd, m1, m2, c, h * w, w, m, *x.stride(),
+            *grad_x.stride(), FP64=fp64, **dcfg.launch_kwargs())
+    if sum_dz is None:
+        return None, None
+    return sum_dz.to(scale.dtype), sum_dzx.to(scale.dtype)
