@@ -1,0 +1,277 @@
+// Elementwise kernels of the fused unit: the BN-ReLU applied to a batch tile, the first
+// backward pass (ReLU mask recomputed from x, BN reductions) and the second (the BN data
+// gradient). NCHW tensors are walked plane by plane with per-channel scalars, NHWC tensors row
+// by row with the channels in the vector lanes; both use at::vec and at::parallel_for.
+#include "common.h"
+
+namespace fusedres::cpu {
+namespace {
+
+constexpr int64_t kGrainElems = 16384;  // elements per parallel task, at least
+
+template <typename T>
+const T* cptr(const at::Tensor& t) {
+  return t.const_data_ptr<T>();
+}
+
+// Calls f(X{}, W{}) for the storage types of x and of the other operand when both share an
+// acc type; returns false (nothing called) otherwise.
+template <typename F>
+bool dispatch_pair(at::ScalarType xt, at::ScalarType wt, F&& f) {
+  using at::BFloat16;
+  using at::Half;
+  if (xt == at::kFloat && wt == at::kFloat) return f(float{}, float{}), true;
+  if (xt == at::kDouble && wt == at::kDouble) return f(double{}, double{}), true;
+  if (xt == at::kBFloat16 && wt == at::kBFloat16) return f(BFloat16{}, BFloat16{}), true;
+  if (xt == at::kHalf && wt == at::kHalf) return f(Half{}, Half{}), true;
+  if (xt == at::kFloat && wt == at::kBFloat16) return f(float{}, BFloat16{}), true;
+  if (xt == at::kFloat && wt == at::kHalf) return f(float{}, Half{}), true;
+  if (xt == at::kBFloat16 && wt == at::kFloat) return f(BFloat16{}, float{}), true;
+  if (xt == at::kHalf && wt == at::kFloat) return f(Half{}, float{}), true;
+  return false;
+}
+
+// ----------------------------------------------------------------------------- forward
+
+template <typename X, typename W>
+void bn_relu_impl(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                  at::Tensor& a, Layout layout) {
+  using A = acc_t<X>;
+  using V = Vectorized<A>;
+  constexpr int64_t L = V::size();
+  const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  const X* xp = cptr<X>(x);
+  W* ap = a.data_ptr<W>();
+  const A* sp = cptr<A>(scale);
+  const A* tp = cptr<A>(shift);
+  const V zero(0);
+  if (layout == Layout::NCHW) {
+    at::parallel_for(0, N * C, std::max<int64_t>(1, kGrainElems / HW), [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p) {
+        const A s = sp[p % C], t = tp[p % C];
+        const V sv(s), tv(t);
+        const X* xr = xp + p * HW;
+        W* ar = ap + p * HW;
+        int64_t i = 0;
+        for (; i + L <= HW; i += L) {
+          VecIO<W>::store(ar + i, at::vec::clamp_min(at::vec::fmadd(VecIO<X>::load(xr + i), sv, tv),
+                                                     zero));
+        }
+        for (; i < HW; ++i) ar[i] = static_cast<W>(std::max(static_cast<A>(xr[i]) * s + t, A(0)));
+      }
+    });
+  } else {
+    at::parallel_for(0, N * HW, std::max<int64_t>(1, kGrainElems / C), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const X* xr = xp + r * C;
+        W* ar = ap + r * C;
+        int64_t c = 0;
+        for (; c + L <= C; c += L) {
+          VecIO<W>::store(ar + c, at::vec::clamp_min(at::vec::fmadd(VecIO<X>::load(xr + c),
+                                                                    V::loadu(sp + c),
+                                                                    V::loadu(tp + c)),
+                                                     zero));
+        }
+        for (; c < C; ++c) {
+          ar[c] = static_cast<W>(std::max(static_cast<A>(xr[c]) * sp[c] + tp[c], A(0)));
+        }
+      }
+    });
+  }
+}
+
+// ----------------------------------------------------------------------------- backward 1
+
+template <typename X, typename W>
+void backward_reduce_impl(const at::Tensor& da, const at::Tensor& x, const at::Tensor& scale,
+                          const at::Tensor& shift, const at::Tensor& mean,
+                          const at::Tensor& out_scale, at::Tensor& sums, at::Tensor* dz_out,
+                          Layout layout) {
+  using A = acc_t<X>;
+  using V = Vectorized<A>;
+  constexpr int64_t L = V::size();
+  const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  const X* xp = cptr<X>(x);
+  const W* dp = cptr<W>(da);
+  const A* sp = cptr<A>(scale);
+  const A* tp = cptr<A>(shift);
+  const A* mp = cptr<A>(mean);
+  const A* op = cptr<A>(out_scale);
+  A* zp = dz_out ? dz_out->data_ptr<A>() : nullptr;
+  double* acc = sums.data_ptr<double>();
+  const V zero(0);
+  auto add = [](V u, V v) { return u + v; };
+
+  if (layout == Layout::NCHW) {
+    at::parallel_for(0, N * C, std::max<int64_t>(1, kGrainElems / HW), [&](int64_t b, int64_t e) {
+      double* mine = acc + at::get_thread_num() * 2 * C;
+      for (int64_t p = b; p < e; ++p) {
+        const int64_t c = p % C;
+        const A s = sp[c], t = tp[c], m = mp[c], os = op[c];
+        const V sv(s), tv(t), mv(m), osv(os);
+        const X* xr = xp + p * HW;
+        const W* dr = dp + p * HW;
+        A* zr = zp ? zp + p * HW : nullptr;
+        V s1(0), s2(0);
+        int64_t i = 0;
+        for (; i + L <= HW; i += L) {
+          const V xv = VecIO<X>::load(xr + i);
+          const V z = at::vec::fmadd(xv, sv, tv);
+          const V dz = V::blendv(zero, VecIO<W>::load(dr + i), z > zero);
+          s1 += dz;
+          s2 = at::vec::fmadd(dz, xv - mv, s2);
+          if (zr) (dz * osv).store(zr + i);
+        }
+        A t1 = at::vec::vec_reduce_all<A>(add, s1);
+        A t2 = at::vec::vec_reduce_all<A>(add, s2);
+        for (; i < HW; ++i) {
+          const A xv = static_cast<A>(xr[i]);
+          const A dz = xv * s + t > A(0) ? static_cast<A>(dr[i]) : A(0);
+          t1 += dz;
+          t2 += dz * (xv - m);
+          if (zr) zr[i] = dz * os;
+        }
+        mine[c] += t1;
+        mine[C + c] += t2;
+      }
+    });
+  } else {
+    // Rows are summed in acc-dtype lanes over blocks of at most kRows rows, then added to the
+    // thread's double row.
+    constexpr int64_t kRows = 256;
+    const int64_t R = N * HW;
+    const int64_t blocks = (R + kRows - 1) / kRows;
+    const int64_t grain = std::max<int64_t>(1, kGrainElems / (kRows * C));
+    at::parallel_for(0, blocks, grain, [&](int64_t b, int64_t e) {
+      double* mine = acc + at::get_thread_num() * 2 * C;
+      std::vector<A> s1(C), s2(C);
+      for (int64_t blk = b; blk < e; ++blk) {
+        std::fill(s1.begin(), s1.end(), A(0));
+        std::fill(s2.begin(), s2.end(), A(0));
+        const int64_t r1 = std::min(R, (blk + 1) * kRows);
+        for (int64_t r = blk * kRows; r < r1; ++r) {
+          const X* xr = xp + r * C;
+          const W* dr = dp + r * C;
+          A* zr = zp ? zp + r * C : nullptr;
+          int64_t c = 0;
+          for (; c + L <= C; c += L) {
+            const V xv = VecIO<X>::load(xr + c);
+            const V z = at::vec::fmadd(xv, V::loadu(sp + c), V::loadu(tp + c));
+            const V dz = V::blendv(zero, VecIO<W>::load(dr + c), z > zero);
+            (V::loadu(&s1[c]) + dz).store(&s1[c]);
+            at::vec::fmadd(dz, xv - V::loadu(mp + c), V::loadu(&s2[c])).store(&s2[c]);
+            if (zr) (dz * V::loadu(op + c)).store(zr + c);
+          }
+          for (; c < C; ++c) {
+            const A xv = static_cast<A>(xr[c]);
+            const A dz = xv * sp[c] + tp[c] > A(0) ? static_cast<A>(dr[c]) : A(0);
+            s1[c] += dz;
+            s2[c] += dz * (xv - mp[c]);
+            if (zr) zr[c] = dz * op[c];
+          }
+        }
+        for (int64_t c = 0; c < C; ++c) {
+          mine[c] += s1[c];
+          mine[C + c] += s2[c];
+        }
+      }
+    });
+  }
+}
+
+// ----------------------------------------------------------------------------- backward 2
+
+template <typename X>
+void backward_apply_impl(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mean,
+                         const at::Tensor& k1, const at::Tensor& k2, const at::Tensor& k3,
+                         at::Tensor& gx, Layout layout) {
+  using A = acc_t<X>;
+  using V = Vectorized<A>;
+  constexpr int64_t L = V::size();
+  const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  const X* xp = cptr<X>(x);
+  const A* zp = cptr<A>(dz);
+  X* gp = gx.data_ptr<X>();
+  const A *mp = cptr<A>(mean), *ap = cptr<A>(k1), *bp = cptr<A>(k2), *cp = cptr<A>(k3);
+  if (layout == Layout::NCHW) {
+    at::parallel_for(0, N * C, std::max<int64_t>(1, kGrainElems / HW), [&](int64_t b, int64_t e) {
+      for (int64_t p = b; p < e; ++p) {
+        const int64_t c = p % C;
+        const A m = mp[c], a1 = ap[c], a2 = bp[c], a3 = cp[c];
+        const V mv(m), v1(a1), v2(a2), v3(a3);
+        const X* xr = xp + p * HW;
+        const A* zr = zp + p * HW;
+        X* gr = gp + p * HW;
+        int64_t i = 0;
+        for (; i + L <= HW; i += L) {
+          const V r = at::vec::fmadd(V::loadu(zr + i), v1,
+                                     at::vec::fmadd(VecIO<X>::load(xr + i) - mv, v2, v3));
+          VecIO<X>::store(gr + i, r);
+        }
+        for (; i < HW; ++i) {
+          gr[i] = static_cast<X>(zr[i] * a1 + (static_cast<A>(xr[i]) - m) * a2 + a3);
+        }
+      }
+    });
+  } else {
+    at::parallel_for(0, N * HW, std::max<int64_t>(1, kGrainElems / C), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const X* xr = xp + r * C;
+        const A* zr = zp + r * C;
+        X* gr = gp + r * C;
+        int64_t c = 0;
+        for (; c + L <= C; c += L) {
+          const V t = at::vec::fmadd(VecIO<X>::load(xr + c) - V::loadu(mp + c), V::loadu(bp + c),
+                                     V::loadu(cp + c));
+          VecIO<X>::store(gr + c, at::vec::fmadd(V::loadu(zr + c), V::loadu(ap + c), t));
+        }
+        for (; c < C; ++c) {
+          gr[c] = static_cast<X>(zr[c] * ap[c] + (static_cast<A>(xr[c]) - mp[c]) * bp[c] + cp[c]);
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+
+void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                    at::Tensor& a, Layout layout) {
+  const bool done = dispatch_pair(x.scalar_type(), a.scalar_type(), [&](auto xv, auto wv) {
+    using X = decltype(xv);
+    using W = decltype(wv);
+    if constexpr (std::is_same_v<acc_t<X>, acc_t<W>>) bn_relu_impl<X, W>(x, scale, shift, a, layout);
+  });
+  if (!done) {  // e.g. float64 x with a bfloat16 weight: compute in x's dtype, then cast
+    at::Tensor tmp = at::empty_like(x);
+    bn_relu_kernel(x, scale, shift, tmp, layout);
+    a.copy_(tmp);
+  }
+}
+
+void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
+                                    const at::Tensor& scale, const at::Tensor& shift,
+                                    const at::Tensor& mean, const at::Tensor& out_scale,
+                                    at::Tensor& sums, at::Tensor* dz_out, Layout layout) {
+  const bool done = dispatch_pair(x.scalar_type(), da.scalar_type(), [&](auto xv, auto wv) {
+    using X = decltype(xv);
+    using W = decltype(wv);
+    if constexpr (std::is_same_v<acc_t<X>, acc_t<W>>) {
+      backward_reduce_impl<X, W>(da, x, scale, shift, mean, out_scale, sums, dz_out, layout);
+    }
+  });
+  if (!done) {
+    bn_relu_backward_reduce_kernel(da.to(x.scalar_type()), x, scale, shift, mean, out_scale,
+                                   sums, dz_out, layout);
+  }
+}
+
+void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mean,
+                              const at::Tensor& k1, const at::Tensor& k2, const at::Tensor& k3,
+                              at::Tensor& gx, Layout layout) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bn_bwd_apply", [&] {
+    backward_apply_impl<scalar_t>(dz, x, mean, k1, k2, k3, gx, layout);
+  });
+}
+
+}  // namespace fusedres::cpu

@@ -1,0 +1,229 @@
+// The CPU backend of the fusedres ops: batch statistics, and the fused BN-ReLU-conv2d forward and
+// backward, registered for the CPU dispatch key of the fusedres_cpu namespace.
+//
+// Algorithm (measured against the alternatives in benchmarks/RESULTS.md): the batch is cut into
+// tiles of a few samples whose activation fits in cache. Per tile, our kernel writes
+// a = relu(scale * x + shift) into a small scratch buffer, and ATen's convolution (oneDNN for
+// float32/bfloat16) consumes it while it is still hot; the activation never exists at full
+// size. Backward recomputes the tile's activation, calls convolution_backward for the tile
+// (data gradient and the tile's share of the weight gradient), and fuses the recomputed ReLU
+// mask with both BatchNorm reductions into one pass over the tile's data gradient; a second
+// pass applies the BatchNorm data gradient once the batch-wide sums are known.
+#include <torch/library.h>
+
+#include <cstdlib>
+
+#include "common.h"
+
+namespace fusedres::cpu {
+namespace {
+
+// Default bytes of (activation + conv output) per tile: set by measurement (RESULTS.md).
+constexpr int64_t kDefaultTileBytes = int64_t(2) << 20;
+
+int64_t tile_bytes() {
+  // Read at every call so that benchmarks can sweep it; 0 or less means one tile.
+  if (const char* env = std::getenv("FUSEDRES_CPU_TILE_BYTES")) return std::atoll(env);
+  return kDefaultTileBytes;
+}
+
+// Samples per tile: as many as fit the budget (at least one), balanced across tiles.
+int64_t tile_batch(int64_t N, int64_t bytes_per_sample) {
+  const int64_t budget = tile_bytes();
+  if (budget <= 0 || N == 0) return std::max<int64_t>(N, 1);
+  int64_t nb = std::clamp<int64_t>(budget / std::max<int64_t>(bytes_per_sample, 1), 1, N);
+  const int64_t tiles = (N + nb - 1) / nb;
+  return (N + tiles - 1) / tiles;
+}
+
+std::vector<int64_t> ints(c10::SymIntArrayRef v) { return C10_AS_INTARRAYREF_SLOW(v).vec(); }
+
+Layout layout_of(const at::Tensor& x) {
+  return suggests_channels_last(x) ? Layout::NHWC : Layout::NCHW;
+}
+
+at::MemoryFormat out_memory_format(const at::Tensor& x, const at::Tensor& weight) {
+  return suggests_channels_last(x) || suggests_channels_last(weight)
+             ? at::MemoryFormat::ChannelsLast
+             : at::MemoryFormat::Contiguous;
+}
+
+std::vector<int64_t> out_shape(const at::Tensor& x, const at::Tensor& w,
+                               const std::vector<int64_t>& s, const std::vector<int64_t>& p,
+                               const std::vector<int64_t>& d) {
+  auto size = [](int64_t n, int64_t k, int64_t s, int64_t p, int64_t d) {
+    return (n + 2 * p - d * (k - 1) - 1) / s + 1;
+  };
+  return {x.size(0), w.size(0), size(x.size(2), w.size(2), s[0], p[0], d[0]),
+          size(x.size(3), w.size(3), s[1], p[1], d[1])};
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& mean,
+                  const at::Tensor& invstd) {
+  TORCH_CHECK(x.dim() == 4, "fusedres_cpu: x must be 4-D (N, C, H, W), got ", x.dim(), "-D");
+  TORCH_CHECK(weight.dim() == 4 && weight.size(1) == x.size(1),
+              "fusedres_cpu: weight must be (Co, C, kh, kw) with C = ", x.size(1), ", got ",
+              weight.sizes());
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "fusedres_cpu: CPU tensors only");
+  TORCH_CHECK(mean.numel() == x.size(1) && invstd.numel() == x.size(1),
+              "fusedres_cpu: mean and invstd must have one value per channel");
+}
+
+// Per-channel affine of the BatchNorm in the acc dtype of x: bn(x) = scale * x + shift.
+struct Affine {
+  at::Tensor scale, shift, mean, invstd;
+};
+
+Affine affine(const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+              const at::Tensor& mean, const at::Tensor& invstd, at::ScalarType acc) {
+  Affine r;
+  r.mean = mean.to(acc).contiguous();
+  r.invstd = invstd.to(acc).contiguous();
+  r.scale = bn_weight.has_value() ? (bn_weight->to(acc) * r.invstd).contiguous() : r.invstd;
+  r.shift = bn_bias.has_value() ? (bn_bias->to(acc) - r.mean * r.scale).contiguous()
+                                : (-r.mean * r.scale).contiguous();
+  return r;
+}
+
+// ----------------------------------------------------------------------------- ops
+
+std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 4, "fusedres_cpu.batch_stats: x must be 4-D, got ", x_in.dim(), "-D");
+  const Layout layout = layout_of(x_in);
+  return batch_stats_kernel(x_in.contiguous(memory_format(layout)), layout);
+}
+
+at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& bn_weight,
+                          const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
+                          const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
+                          c10::SymIntArrayRef stride_, c10::SymIntArrayRef padding_,
+                          c10::SymIntArrayRef dilation_) {
+  check_inputs(x_in, weight, mean, invstd);
+  const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
+  const Layout layout = layout_of(x_in);
+  const at::MemoryFormat fmt = memory_format(layout);
+  const at::Tensor x = x_in.contiguous(fmt);
+  const auto shape = out_shape(x, weight, stride, padding, dilation);
+  at::Tensor y = at::empty(shape, weight.options().memory_format(out_memory_format(x_in, weight)));
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  if (y.numel() == 0) return y;
+
+  const Affine bn = affine(bn_weight, bn_bias, mean, invstd, at::toOpMathType(x.scalar_type()));
+  const int64_t wsize = weight.element_size();
+  const int64_t nb = tile_batch(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize);
+  at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(fmt));
+  for (int64_t n0 = 0; n0 < N; n0 += nb) {
+    const int64_t len = std::min(nb, N - n0);
+    at::Tensor a = a_buf.narrow(0, 0, len);
+    bn_relu_kernel(x.narrow(0, n0, len), bn.scale, bn.shift, a, layout);
+    at::Tensor yt = at::convolution(a, weight, bias, stride, padding, dilation, false, {0, 0}, 1);
+    at::Tensor ys = y.narrow(0, n0, len);
+    if (residual.has_value()) {
+      at::add_out(ys, yt, residual->narrow(0, n0, len));
+    } else {
+      ys.copy_(yt);
+    }
+  }
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
+    const at::Tensor& grad_out, const at::Tensor& x_in, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride_,
+    c10::SymIntArrayRef padding_, c10::SymIntArrayRef dilation_, bool batch_stats,
+    std::array<bool, 5> output_mask) {
+  check_inputs(x_in, weight, mean, invstd);
+  const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
+  const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
+  const int64_t Co = weight.size(0), C = x_in.size(1);
+  // Outputs with the metadata of ops.backward_empty_outputs.
+  at::Tensor gx = want_x ? at::empty_like(x_in) : x_in.new_empty({0});
+  at::Tensor gw = want_w ? at::empty_like(weight) : weight.new_empty({0});
+  at::Tensor gb = weight.new_empty({want_b ? Co : 0});
+  at::Tensor gg = mean.new_empty({want_g ? C : 0});
+  at::Tensor gbeta = mean.new_empty({want_beta ? C : 0});
+  const bool need_da = want_x || want_g || want_beta;
+  if (!(need_da || want_w || want_b)) return {gx, gw, gb, gg, gbeta};
+
+  const Layout layout = layout_of(x_in);
+  const at::MemoryFormat fmt = memory_format(layout);
+  const at::Tensor x = x_in.contiguous(fmt);
+  const int64_t N = x.size(0), H = x.size(2), W = x.size(3);
+  at::Tensor go = grad_out.to(weight.scalar_type());
+  if (!go.is_contiguous() && !go.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    go = go.contiguous(out_memory_format(x_in, weight));
+  }
+  const at::ScalarType acc = at::toOpMathType(x.scalar_type());
+  const at::ScalarType wacc = at::toOpMathType(weight.scalar_type());
+  const Affine bn = affine(bn_weight, bn_bias, mean, invstd, acc);
+
+  // dz lands in the x gradient itself when it has the acc dtype and the walking layout.
+  at::Tensor gx_work, dz;
+  if (want_x) {
+    gx_work = gx.is_contiguous(fmt) ? gx : at::empty(x.sizes(), x.options().memory_format(fmt));
+    dz = x.scalar_type() == acc ? gx_work : at::empty(x.sizes(), x.options().dtype(acc).memory_format(fmt));
+  }
+  // In eval mode dx = scale * dz: the first pass writes the final value when it can.
+  const at::Tensor out_scale = batch_stats ? at::ones_like(bn.scale) : bn.scale;
+  at::Tensor sums = at::zeros({at::get_num_threads(), 2, C}, x.options().dtype(at::kDouble));
+  at::Tensor gw_acc, gb_acc;
+  if (want_w) gw_acc = at::zeros(weight.sizes(), weight.options().dtype(wacc));
+  if (want_b) gb_acc = at::zeros({Co}, weight.options().dtype(wacc));
+
+  const int64_t nb = tile_batch(N, (C * H * W + go[0].numel()) * weight.element_size());
+  at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(fmt));
+  for (int64_t n0 = 0; n0 < N; n0 += nb) {
+    const int64_t len = std::min(nb, N - n0);
+    const at::Tensor xt = x.narrow(0, n0, len);
+    const at::Tensor got = go.narrow(0, n0, len);
+    at::Tensor a = a_buf.narrow(0, 0, len);
+    bn_relu_kernel(xt, bn.scale, bn.shift, a, layout);
+    auto [da, dw, unused] = at::convolution_backward(
+        got, a, weight, std::nullopt, stride, padding, dilation, false, {0, 0}, 1,
+        {need_da, want_w, false});
+    if (want_w) gw_acc.add_(dw);
+    if (want_b) gb_acc.add_(got.sum({0, 2, 3}, false, wacc));
+    if (need_da) {
+      da = da.contiguous(fmt);
+      at::Tensor dzt = want_x ? dz.narrow(0, n0, len) : at::Tensor();
+      bn_relu_backward_reduce_kernel(da, xt, bn.scale, bn.shift, bn.mean, out_scale, sums,
+                                     want_x ? &dzt : nullptr, layout);
+    }
+  }
+  if (want_w) gw.copy_(gw_acc);
+  if (want_b) gb.copy_(gb_acc);
+  if (!need_da) return {gx, gw, gb, gg, gbeta};
+
+  const at::Tensor total = sums.sum(0);  // (2, C) double
+  const at::Tensor sum_dz = total[0], sum_dz_xm = total[1];
+  const at::Tensor invstd_d = bn.invstd.to(at::kDouble);
+  if (want_g) gg.copy_(sum_dz_xm * invstd_d);
+  if (want_beta) gbeta.copy_(sum_dz);
+  if (want_x) {
+    if (batch_stats) {
+      // dx = scale * (dz - mean(dz) - xhat * mean(dz * xhat)), xhat = (x - mean) * invstd.
+      const double inv_m = 1.0 / static_cast<double>(N * H * W);
+      const at::Tensor scale_d = bn.scale.to(at::kDouble);
+      const at::Tensor k2 = -scale_d * invstd_d * invstd_d * sum_dz_xm * inv_m;
+      const at::Tensor k3 = -scale_d * sum_dz * inv_m;
+      bn_backward_apply_kernel(dz, x, bn.mean, bn.scale, k2.to(acc), k3.to(acc), gx_work, layout);
+    } else if (!dz.is_same(gx_work)) {  // dz already holds scale * dz: cast to x's dtype
+      const at::Tensor one = at::ones_like(bn.scale), zero = at::zeros_like(bn.scale);
+      bn_backward_apply_kernel(dz, x, bn.mean, one, zero, zero, gx_work, layout);
+    }
+    if (!gx_work.is_same(gx)) gx.copy_(gx_work);
+  }
+  return {gx, gw, gb, gg, gbeta};
+}
+
+}  // namespace
+}  // namespace fusedres::cpu
+
+TORCH_LIBRARY_IMPL(fusedres_cpu, CPU, m) {
+  m.impl("batch_stats", &fusedres::cpu::batch_stats);
+  m.impl("bn_relu_conv2d", &fusedres::cpu::bn_relu_conv2d);
+  m.impl("bn_relu_conv2d_backward", &fusedres::cpu::bn_relu_conv2d_backward);
+}

@@ -1,0 +1,134 @@
+// Shared pieces of the CPU kernels: at::vec set-up, typed vector load/store, layout helpers and
+// the declarations of the elementwise kernels (bn_relu.cpp, batch_stats.cpp).
+#pragma once
+
+// at::vec picks its implementation from CPU_CAPABILITY_* macros that ATen's own build defines per
+// translation unit; an extension has to define them itself. setup.py compiles with -march=native
+// (FUSEDRES_CPU_NATIVE=1), so the compiler's target macros say what the instructions allow. The
+// namespace is ours so that these inline functions never collide with libtorch's own copies.
+#if !defined(CPU_CAPABILITY)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY fusedres_avx512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY fusedres_avx2
+#else
+#define CPU_CAPABILITY fusedres_default
+#endif
+#endif
+
+// GCC 12 reports false -Wmaybe-uninitialized in its own AVX-512 intrinsics headers.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace fusedres::cpu {
+
+using at::vec::Vectorized;
+
+// Arithmetic type of the normalisation for storage type T (float for the half types).
+template <typename T>
+struct Acc {
+  using type = float;
+};
+template <>
+struct Acc<double> {
+  using type = double;
+};
+template <typename T>
+using acc_t = typename Acc<T>::type;
+
+// Load Vectorized<acc_t<T>>::size() values of T as acc_t<T>; store one acc vector as T.
+template <typename T>
+struct VecIO;
+
+template <>
+struct VecIO<float> {
+  static Vectorized<float> load(const float* p) { return Vectorized<float>::loadu(p); }
+  static void store(float* p, Vectorized<float> v) { v.store(p); }
+};
+
+template <>
+struct VecIO<double> {
+  static Vectorized<double> load(const double* p) { return Vectorized<double>::loadu(p); }
+  static void store(double* p, Vectorized<double> v) { v.store(p); }
+};
+
+template <>
+struct VecIO<at::BFloat16> {
+  static Vectorized<float> load(const at::BFloat16* p) {
+    Vectorized<float> out;
+    at::vec::load_fp32_from_bf16(p, out);
+    return out;
+  }
+  static void store(at::BFloat16* p, Vectorized<float> v) {
+    at::vec::convert_float_bfloat16(v, v).store(p, Vectorized<float>::size());
+  }
+};
+
+template <>
+struct VecIO<at::Half> {
+  static Vectorized<float> load(const at::Half* p) {
+    Vectorized<float> out;
+    at::vec::load_fp32_from_fp16(p, out);
+    return out;
+  }
+  static void store(at::Half* p, Vectorized<float> v) {
+    at::vec::convert_float_half(v, v).store(p, Vectorized<float>::size());
+  }
+};
+
+// Memory layout the kernels walk: NCHW planes or NHWC rows. Any other strides are made
+// contiguous by the caller first.
+enum class Layout { NCHW, NHWC };
+
+// As ops.out_memory_format: a tensor "suggests" channels_last when it is channels_last-contiguous
+// and not also plain-contiguous (size-1 dimensions make both hold).
+inline bool suggests_channels_last(const at::Tensor& t) {
+  return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
+}
+
+inline at::MemoryFormat memory_format(Layout layout) {
+  return layout == Layout::NHWC ? at::MemoryFormat::ChannelsLast
+                                : at::MemoryFormat::Contiguous;
+}
+
+// ----------------------------------------------------------------------------- kernels
+
+// Per-channel mean and biased variance over (N, H, W), returned in the stats dtype. Chunks are
+// reduced two-pass (mean, then squared deviations from the chunk mean) while they sit in cache
+// and merged with Chan's formula in double: accurate for large offsets and millions of values.
+std::tuple<at::Tensor, at::Tensor> batch_stats_kernel(const at::Tensor& x, Layout layout);
+
+// a = relu(scale * x + shift) cast to a.dtype; x, a: the same shape, both dense in `layout`.
+// scale, shift: (C,) contiguous in acc dtype of x.
+void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                    at::Tensor& a, Layout layout);
+
+// Backward, first pass over one batch tile (da and x dense in `layout`):
+//   dz = da * [scale * x + shift > 0]
+//   sum_dz[c] += sum(dz), sum_dz_xm[c] += sum(dz * (x - mean))   (per-thread double rows)
+//   when dz_out is defined: dz_out = out_scale[c] * dz (acc dtype of x)
+// sums: (num_threads, 2, C) double, accumulated into.
+void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
+                                    const at::Tensor& scale, const at::Tensor& shift,
+                                    const at::Tensor& mean, const at::Tensor& out_scale,
+                                    at::Tensor& sums, at::Tensor* dz_out, Layout layout);
+
+// Backward, second pass: gx = k1[c] * dz + k2[c] * (x - mean[c]) + k3[c]; dz in acc dtype of x,
+// gx in x.dtype (may alias dz when they share a dtype).
+void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mean,
+                              const at::Tensor& k1, const at::Tensor& k2, const at::Tensor& k3,
+                              at::Tensor& gx, Layout layout);
+
+}  // namespace fusedres::cpu
