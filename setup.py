@@ -116,11 +116,13 @@ setup(
     packages=find_packages(include=["fusedres", "fusedres.*"])
     + ["fusedres.kernels"] + [f"fusedres.kernels.{p}" for p in find_packages("kernels")],
     package_dir={"fusedres": "fusedres", "fusedres.kernels": "kernels"},
-    install_requires=["torch>=2.6", "numpy"],
+    install_requires=["torch>=2.6", "numpy", "tqdm", "pyyaml"],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "expecttest", "ruff"],
+        "test": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],
+        "train": ["torchvision", "matplotlib", "scikit-learn"],
         "triton": ["triton"],
     },
+    entry_points={"console_scripts": ["fusedres = fusedres.cli:main"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )
