@@ -1,0 +1,137 @@
+"""Checkpoints that cannot run code and cannot be half-written.
+
+Files ``<run>/checkpoints/iter_<iteration>.pt``, written to a temporary file in the same folder,
+flushed to disk, then renamed over the final name (atomic on POSIX), so a kill at any moment
+leaves either the old set or the new one. The newest ``keep`` are kept. Loading uses
+``torch.load(weights_only=True)``: only tensors and plain containers, never a pickled object.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["CheckpointError", "FORMAT", "latest", "list_checkpoints", "load", "rng_state",
+           "save", "set_rng_state"]
+
+FORMAT = "fusedres-train-checkpoint"
+VERSION = 1
+_NAME = re.compile(r"iter_(\d+)\.pt")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message names the file and why."""
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Checkpoint files of a run, oldest first (by iteration)."""
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    files = list_checkpoints(run_dir)
+    return files[-1] if files else None
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save(run_dir: str | Path, state: dict[str, Any], iteration: int, keep: int) -> Path:
+    """Write ``state`` atomically as the checkpoint of ``iteration``; prune to ``keep`` files."""
+    folder = checkpoint_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"iter_{iteration:08d}.pt"
+    payload = {"format": FORMAT, "version": VERSION, "iteration": iteration, **state}
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(folder)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save`; :class:`CheckpointError` says what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        text = str(e)
+        if "Weights only load failed" in text or "Unsupported global" in text:
+            why = "it holds pickled objects, not a fusedres training checkpoint"
+        elif path.stat().st_size == 0:
+            why = "it is empty"
+        else:
+            first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+            why = f"it is truncated or corrupt ({first[:120]})"
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded: {why}") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a fusedres training checkpoint "
+                              "(no 'format' marker)")
+    if payload.get("version") != VERSION:
+        raise CheckpointError(f"checkpoint {str(path)!r} has version {payload.get('version')}, "
+                              f"this fusedres reads version {VERSION}")
+    missing = [k for k in ("iteration", "model", "optimizer", "config") if k not in payload]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r} lacks {', '.join(missing)}")
+    return payload
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator's state, as tensors and plain values (weights_only-loadable)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)

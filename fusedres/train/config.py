@@ -1,0 +1,289 @@
+"""Command line and YAML configuration of ``fusedres train``.
+
+Precedence, lowest first: the defaults below (He et al.'s CIFAR recipe), the run directory's
+saved ``config.yaml`` when resuming, a ``--config`` YAML file, flags given on the command line.
+The resolved configuration is written beside each run as ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["UsageError", "build_parser", "parse_bytes", "resolve"]
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: reported on one line, exit code 2."""
+
+
+# He et al. (2016), "Identity Mappings in Deep Residual Networks", CIFAR recipe.
+DEFAULTS: dict[str, Any] = {
+    "model": "preact_resnet110",
+    "depth": None,
+    "variant": None,
+    "zero_init_last": False,
+    "fused": True,
+    "backend": "auto",
+    "dataset": "cifar10",
+    "data_dir": "data",
+    "download": True,
+    "batch_size": 128,
+    "eval_batch_size": 500,
+    "lr": 0.1,
+    "momentum": 0.9,
+    "nesterov": False,
+    "weight_decay": 1e-4,
+    "bn_weight_decay": False,
+    "warmup_iters": 400,
+    "milestones": [32000, 48000],
+    "lr_decay": 0.1,
+    "max_iters": 64000,
+    "epochs": None,
+    "pad": 4,
+    "flip": True,
+    "out": None,
+    "resume": None,
+    "seed": 0,
+    "threads": None,
+    "device": "auto",
+    "memory_budget": None,
+    "amp": "none",
+    "channels_last": False,
+    "compile": False,
+    "sync_bn": False,
+    "checkpoint_every": 1000,
+    "keep_checkpoints": 2,
+    "eval_every": None,
+    "log_every": 50,
+    "log_format": "jsonl",
+    "tensorboard": True,
+    "progress": True,
+}
+
+CHOICES = {
+    "dataset": ("cifar10", "cifar100", "digits"),
+    "amp": ("none", "bf16", "fp16"),
+    "device": ("auto", "cpu", "cuda"),
+    "log_format": ("jsonl", "csv"),
+    "backend": ("auto", "reference", "portable", "cpu", "triton", "cuda"),
+    "variant": (None, "cifar", "imagenet"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2 (argparse's own is two lines)
+        raise UsageError(message)
+
+
+def _int_list(text: str) -> list:
+    try:
+        values = [float(v) if "." in v else int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated iterations (or fractions of the run), got {text!r}"
+        ) from None
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="fusedres train",
+        description="Train a pre-activation ResNet (He et al. 2016) with fused BN-ReLU-conv. "
+                    "Defaults are the paper's CIFAR recipe; a YAML --config sets defaults, "
+                    "flags win.",
+        argument_default=argparse.SUPPRESS,  # only flags actually given override the config
+    )
+    add = p.add_argument
+    add("--config", help="YAML file of defaults (keys are flag names, - or _), or the name of "
+                         "one in the repository's configs/ (e.g. digits)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="a fusedres.models name (preact_resnet110, ...), or "
+                                   "preact_resnet with --depth (default preact_resnet110)")
+    g.add_argument("--depth", type=int, help="depth for --model preact_resnet")
+    g.add_argument("--variant", choices=("cifar", "imagenet"),
+                   help="network family for --model preact_resnet (default cifar)")
+    g.add_argument("--zero-init-last", action=argparse.BooleanOptionalAction,
+                   help="zero the last BN/conv of each residual branch")
+    g.add_argument("--fused", action=argparse.BooleanOptionalAction,
+                   help="fused BN-ReLU-conv blocks (default) or plain PyTorch ones")
+    g.add_argument("--backend", choices=CHOICES["backend"], help="fusedres backend (auto)")
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", choices=CHOICES["dataset"],
+                   help="cifar10 (default), cifar100, or digits (scikit-learn's 8x8 "
+                        "handwritten digits, shipped with the package: works offline)")
+    g.add_argument("--data-dir", help="where the CIFAR files are or go (default data)")
+    g.add_argument("--download", action=argparse.BooleanOptionalAction,
+                   help="download CIFAR when missing (default on)")
+    g.add_argument("--pad", type=int, help="random-translation padding in pixels (4)")
+    g.add_argument("--flip", action=argparse.BooleanOptionalAction,
+                   help="random horizontal flips (on)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--batch-size", type=int, help="global batch, split over processes (128)")
+    g.add_argument("--eval-batch-size", type=int, help="batch for evaluation (500)")
+    g.add_argument("--lr", type=float, help="peak learning rate (0.1)")
+    g.add_argument("--momentum", type=float, help="SGD momentum (0.9)")
+    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction)
+    g.add_argument("--weight-decay", type=float, help="L2 weight decay (1e-4)")
+    g.add_argument("--bn-weight-decay", action=argparse.BooleanOptionalAction,
+                   help="also decay BN weights and all biases (off)")
+    g.add_argument("--warmup-iters", type=int, help="linear warm-up iterations (400)")
+    g.add_argument("--milestones", type=_int_list,
+                   help="iterations where the lr is multiplied by --lr-decay (32000,48000); "
+                        "values below 1 are fractions of the run")
+    g.add_argument("--lr-decay", type=float, help="lr factor at each milestone (0.1)")
+    g.add_argument("--max-iters", type=int, help="stop after this many iterations (64000)")
+    g.add_argument("--epochs", type=int, help="stop after this many epochs (replaces "
+                                               "--max-iters when given)")
+    g.add_argument("--seed", type=int, help="seed of initialisation, data order and "
+                                            "augmentation (0)")
+    g = p.add_argument_group("memory and speed")
+    g.add_argument("--device", choices=CHOICES["device"], help="auto: cuda when available")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    g.add_argument("--memory-budget", help="activation budget for the planner, e.g. 4GiB")
+    g.add_argument("--amp", choices=CHOICES["amp"], help="autocast dtype (none)")
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction)
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile")
+    g.add_argument("--sync-bn", action=argparse.BooleanOptionalAction,
+                   help="BatchNorm statistics over all processes (torchrun)")
+    g = p.add_argument_group("run")
+    g.add_argument("--out", help="run directory (default runs/<dataset>-<model>)")
+    g.add_argument("--resume", nargs="?", const="latest",
+                   help="continue from the latest checkpoint of --out, from a checkpoint "
+                        "file, or 'auto' (resume when one exists, else start)")
+    g.add_argument("--checkpoint-every", type=int, help="iterations between checkpoints (1000)")
+    g.add_argument("--keep-checkpoints", type=int, help="checkpoints kept (2)")
+    g.add_argument("--eval-every", type=int, help="iterations between evaluations "
+                                                   "(default: each epoch end)")
+    g.add_argument("--log-every", type=int, help="iterations between metric records (50)")
+    g.add_argument("--log-format", choices=CHOICES["log_format"], help="metrics file (jsonl)")
+    g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
+                   help="TensorBoard events when tensorboard is installed (on)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction,
+                   help="a progress bar per epoch (on)")
+    return p
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(text) -> int:
+    """'4GiB' -> 4294967296; '500MB' -> 500000000; a bare number is bytes."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UsageError(f"--memory-budget: expected a size such as 4GiB or 500MB, got {text!r}")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise UsageError(f"--memory-budget: expected a positive size, got {text!r}")
+    return value
+
+
+def load_yaml(path: str | Path, what: str) -> dict[str, Any]:
+    path = Path(path)
+    if not path.suffix and not path.exists() and (REPO_CONFIGS / f"{path}.yaml").exists():
+        path = REPO_CONFIGS / f"{path}.yaml"
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise UsageError(f"{what}: cannot read {str(path)!r}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"{what}: {path} is not valid YAML ({first})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{what}: {path} must hold a mapping of option: value")
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in DEFAULTS:
+            raise UsageError(f"{what}: unknown option {key!r} in {path}")
+        out[name] = value
+    return out
+
+
+def _check_types(cfg: dict[str, Any]) -> None:
+    for name, default in DEFAULTS.items():
+        value = cfg[name]
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise UsageError(f"{flag}: expected true or false, got {value!r}")
+        if isinstance(default, int) and not isinstance(default, bool) and (
+                isinstance(value, bool) or not isinstance(value, int)):
+            raise UsageError(f"{flag}: expected an integer, got {value!r}")
+        if isinstance(default, float) and (isinstance(value, bool)
+                                           or not isinstance(value, (int, float))):
+            raise UsageError(f"{flag}: expected a number, got {value!r}")
+        if name in CHOICES and value not in CHOICES[name]:
+            allowed = ", ".join(str(c) for c in CHOICES[name] if c is not None)
+            raise UsageError(f"{flag}: expected one of {allowed}, got {value!r}")
+    for name in ("lr", "momentum", "weight_decay", "lr_decay"):
+        cfg[name] = float(cfg[name])
+
+
+def _check_values(cfg: dict[str, Any]) -> None:
+    positive = ("batch_size", "eval_batch_size", "max_iters", "epochs", "checkpoint_every",
+                "keep_checkpoints", "eval_every", "log_every", "threads", "lr")
+    for name in positive:
+        if cfg[name] is not None and cfg[name] <= 0:
+            raise UsageError(f"--{name.replace('_', '-')}: expected a positive value, "
+                             f"got {cfg[name]}")
+    for name in ("warmup_iters", "pad", "weight_decay", "momentum", "seed"):
+        if cfg[name] < 0:
+            raise UsageError(f"--{name.replace('_', '-')}: expected a value >= 0, "
+                             f"got {cfg[name]}")
+    ms = cfg["milestones"]
+    if not isinstance(ms, list) or not all(
+            isinstance(m, (int, float)) and not isinstance(m, bool) and m > 0 for m in ms):
+        raise UsageError(f"--milestones: expected positive iterations (or fractions), got {ms!r}")
+    if cfg["memory_budget"] is not None:
+        parse_bytes(cfg["memory_budget"])
+    if cfg["depth"] is not None and cfg["model"] != "preact_resnet":
+        raise UsageError(f"--depth: only with --model preact_resnet (--model {cfg['model']} "
+                         "fixes the depth)")
+
+
+def resolve(argv: list[str] | None) -> tuple[dict[str, Any], set[str]]:
+    """Parse ``argv``; returns the configuration and the names set explicitly by flags.
+
+    Explicit names are the flags given and the keys of the --config file. The run directory's
+    saved config (when resuming) is layered in by the caller through :func:`merge_saved`,
+    since the run directory itself is a flag.
+    """
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
+    config_file = ns.pop("config", None)
+    cfg = dict(DEFAULTS)
+    from_file = load_yaml(config_file, "--config") if config_file is not None else {}
+    cfg.update(from_file)
+    cfg.update(ns)
+    _check_types(cfg)
+    _check_values(cfg)
+    cfg["config"] = str(config_file) if config_file is not None else None
+    return cfg, set(ns) | set(from_file)
+
+
+def merge_saved(cfg: dict[str, Any], explicit: set[str], saved: dict[str, Any]) -> dict[str, Any]:
+    """Resume: the saved run configuration, with what this command line (flags and its
+    --config file) set explicitly on top."""
+    merged = dict(DEFAULTS)
+    merged.update({k: v for k, v in saved.items() if k in DEFAULTS})
+    for k in explicit:
+        if k in DEFAULTS:
+            merged[k] = cfg[k]
+    merged["config"] = cfg.get("config")
+    _check_types(merged)
+    _check_values(merged)
+    return merged

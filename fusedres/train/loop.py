@@ -1,0 +1,545 @@
+"""The training run: set-up (everything checked before anything is written), the loop,
+checkpoints on a schedule and on SIGTERM/SIGINT, evaluation, the final report."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+import yaml
+
+import fusedres
+from fusedres import _backend
+
+from . import checkpoint as ckpt
+from . import data as data_mod
+from . import metrics as M
+from .config import UsageError, merge_saved, parse_bytes
+
+_AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+# --------------------------------------------------------------------------- set-up
+
+def build_model(cfg: dict[str, Any], in_chans: int, num_classes: int) -> nn.Module:
+    try:
+        from fusedres import models
+    except ImportError as e:
+        raise UsageError(f"--model: fusedres.models cannot be imported ({_first_line(e)})") \
+            from None
+    name = cfg["model"]
+    kwargs = {"num_classes": num_classes, "fused": cfg["fused"], "in_chans": in_chans,
+              "zero_init_last": cfg["zero_init_last"]}
+    if name == "preact_resnet":
+        if cfg["depth"] is None:
+            raise UsageError("--model preact_resnet: give the depth with --depth")
+        kwargs.update(depth=cfg["depth"], variant=cfg["variant"] or "cifar")
+        ctor = models.preact_resnet
+    elif name in models.MODELS:
+        ctor = models.MODELS[name]
+        if cfg["variant"] is not None:
+            raise UsageError(f"--variant: only with --model preact_resnet ({name} fixes it)")
+    else:
+        known = ", ".join(["preact_resnet"] + sorted(k for k in models.MODELS
+                                                     if k != "preact_resnet"))
+        raise UsageError(f"--model: unknown model {name!r}; known: {known}")
+    try:
+        return ctor(**kwargs)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        what = f"--depth {cfg['depth']}" if name == "preact_resnet" else f"--model {name}"
+        raise UsageError(f"{what}: {_first_line(e)}") from None
+
+
+def _device(cfg, local_rank: int) -> torch.device:
+    if cfg["device"] == "cpu" or (cfg["device"] == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    return torch.device("cuda", local_rank)
+
+
+def _check_backend(cfg, device: torch.device) -> None:
+    if not cfg["fused"]:
+        return
+    reason = _backend.unavailable_reason(cfg["backend"], device)
+    if reason is not None:
+        raise UsageError(f"--backend {cfg['backend']}: cannot run on {device.type}: {reason}")
+
+
+def _param_groups(model: nn.Module, cfg) -> list[dict[str, Any]]:
+    """Weight decay on every parameter but BatchNorm's (unless --bn-weight-decay)."""
+    bn_params = set()
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            bn_params.update(id(p) for p in m.parameters(recurse=False))
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if id(p) in bn_params and not cfg["bn_weight_decay"] else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg["weight_decay"]}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def milestones(cfg, max_iters: int) -> list[int]:
+    return sorted(int(round(m * max_iters)) if m < 1 else int(m) for m in cfg["milestones"])
+
+
+def lr_at(cfg, iteration: int, steps: list[int]) -> float:
+    """Learning rate of (0-based) ``iteration``: linear warm-up, then /decay at milestones."""
+    lr = cfg["lr"]
+    if iteration < cfg["warmup_iters"]:
+        lr *= (iteration + 1) / cfg["warmup_iters"]
+    return lr * cfg["lr_decay"] ** sum(iteration >= m for m in steps)
+
+
+class _SavedBytes:
+    """Counts distinct storages saved for backward (parameters and buffers excluded)."""
+
+    def __init__(self, model: nn.Module):
+        self.excluded = {t.untyped_storage()._cdata
+                         for t in (*model.parameters(), *model.buffers())}
+        self.found: dict[int, int] = {}
+        self.kept: list[torch.Tensor] = []
+
+    def pack(self, t):
+        key = t.untyped_storage()._cdata
+        self.kept.append(t)
+        if key not in self.excluded and key not in self.found:
+            self.found[key] = t.untyped_storage().nbytes()
+        return t
+
+    def total(self) -> int:
+        self.kept.clear()
+        return sum(self.found.values())
+
+
+# --------------------------------------------------------------------------- the run
+
+class Run:
+    def __init__(self, cfg: dict[str, Any], explicit: set[str]):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.stop_signal: int | None = None
+        self._setup(cfg, explicit)
+
+    # ------------------------------------------------------------------ set-up
+    def _resolve_resume(self, cfg, explicit):
+        out = Path(cfg["out"] or f"runs/{cfg['dataset']}-{cfg['model']}")
+        resume, state = cfg["resume"], None
+        if resume is None:
+            if ckpt.list_checkpoints(out):
+                raise UsageError(f"--out: {str(out)!r} already holds a run (checkpoints); "
+                                 "continue it with --resume, or choose another --out")
+            return cfg, out, None
+        if resume in ("latest", "auto"):
+            path = ckpt.latest(out)
+            if path is None:
+                if resume == "auto":
+                    return cfg, out, None
+                raise UsageError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
+        else:
+            path = Path(resume)
+            if path.is_dir():
+                path = ckpt.latest(path) or path / "checkpoints"
+            if "out" not in explicit:
+                out = path.parent.parent
+        try:
+            state = ckpt.load(path)
+        except ckpt.CheckpointError as e:
+            msg = str(e)
+            good = [p for p in ckpt.list_checkpoints(path.parent.parent) if p != path]
+            for prev in reversed(good):
+                try:
+                    ckpt.load(prev)
+                except ckpt.CheckpointError:
+                    continue
+                msg += f"; the previous checkpoint {str(prev)!r} is intact: --resume {prev}"
+                break
+            raise UsageError(msg) from None
+        cfg = merge_saved(cfg, explicit, state["config"])
+        return cfg, out, state
+
+    def _setup(self, cfg, explicit):
+        cfg, out, state = self._resolve_resume(cfg, explicit)
+        self.cfg, self.out, self.resume_state = cfg, out, state
+        if cfg["threads"]:
+            torch.set_num_threads(cfg["threads"])
+        self.device = _device(cfg, self.local_rank)
+        _check_backend(cfg, self.device)
+        fusedres.set_backend(cfg["backend"])
+        if cfg["amp"] == "fp16" and self.device.type == "cpu" and cfg["compile"]:
+            raise UsageError("--amp fp16 with --compile: not supported on CPU; use --amp bf16")
+
+        self.data = data_mod.load(cfg["dataset"], cfg["data_dir"], cfg["download"],
+                                  explicit_dir="data_dir" in explicit)
+        self.data.to(self.device)
+        self.batches = data_mod.Batches(self.data, cfg["batch_size"], cfg["seed"], cfg["pad"],
+                                        cfg["flip"], self.rank, self.world,
+                                        cfg["channels_last"])
+        ipe = self.batches.iters_per_epoch
+        self.max_iters = cfg["epochs"] * ipe if cfg["epochs"] else cfg["max_iters"]
+        self.milestones = milestones(cfg, self.max_iters)
+
+        torch.manual_seed(cfg["seed"])
+        in_chans = self.data.image_shape[0]
+        model = build_model(cfg, in_chans, self.data.num_classes).to(self.device)
+        if cfg["channels_last"]:
+            model = model.to(memory_format=torch.channels_last)
+        self.plan_summary = None
+        if cfg["memory_budget"] is not None:
+            self.plan_summary = self._plan(model, parse_bytes(cfg["memory_budget"]))
+        if state is not None:
+            try:
+                model.load_state_dict(state["model"])
+            except RuntimeError as e:
+                raise UsageError(f"--resume: the checkpoint does not fit --model {cfg['model']} "
+                                 f"({_first_line(e)})") from None
+        self.model = model  # unwrapped: what checkpoints hold
+        self.parameters = sum(p.numel() for p in model.parameters())
+
+        if self.world > 1 and cfg["sync_bn"]:
+            from fusedres import distributed as fdist
+            model = fdist.convert_sync_batchnorm(model)
+            fdist.install_prepare_hook()
+        self.optimizer = torch.optim.SGD(_param_groups(model, cfg), lr=cfg["lr"],
+                                         momentum=cfg["momentum"], nesterov=cfg["nesterov"])
+        self.amp_dtype = _AMP[cfg["amp"]]
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg["amp"] == "fp16")
+        if state is not None:
+            try:
+                self.optimizer.load_state_dict(state["optimizer"])
+                if state.get("scaler"):
+                    self.scaler.load_state_dict(state["scaler"])
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise UsageError(f"--resume: the optimiser state does not fit this model "
+                                 f"({_first_line(e)})") from None
+        train_model = model
+        if self.world > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        if cfg["compile"]:
+            train_model = torch.compile(train_model)
+        self.train_model = train_model
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+
+        # Everything is checked: from here on the run directory may be written.
+        if self.world > 1:
+            dist.barrier()
+        self.iteration = state["iteration"] if state is not None else 0
+        self.history = list(state["metrics"]) if state is not None else []
+        self.accum = dict(state.get("accum", {})) if state is not None else {}
+        self.saved_bytes = state.get("saved_activation_bytes") if state is not None else None
+        self.elapsed = state.get("elapsed_s", 0.0) if state is not None else 0.0
+        if state is not None:
+            ckpt.set_rng_state(state["rng"])
+        self.log = None
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._write_config()
+            self.log = M.MetricsLog(self.out, cfg["log_format"], self.history,
+                                    cfg["tensorboard"])
+        self.last_saved = self.iteration if state is not None else -1
+
+    def _plan(self, model, budget: int):
+        plan = getattr(fusedres.memory, "plan", None)
+        if plan is None:
+            try:
+                from fusedres.planner import plan
+            except ImportError:
+                plan = None
+        if plan is None:
+            raise UsageError("--memory-budget: this fusedres has no memory planner "
+                             "(fusedres.memory.plan)")
+        shape = (self.batches.local, *self.data.image_shape)
+        try:
+            return plan(model, shape, budget, dtype=self.amp_dtype_for_plan())
+        except (ValueError, RuntimeError, MemoryError) as e:
+            raise UsageError(f"--memory-budget {self.cfg['memory_budget']}: "
+                             f"{_first_line(e)}") from None
+
+    def amp_dtype_for_plan(self):
+        return _AMP[self.cfg["amp"]] or torch.float32
+
+    def _write_config(self) -> None:
+        resolved = {k: v for k, v in self.cfg.items()}
+        resolved["out"] = str(self.out)
+        resolved["resume"] = None
+        tmp = self.out / "config.yaml.tmp"
+        tmp.write_text("# fusedres train: the resolved configuration of this run\n"
+                       + yaml.safe_dump(resolved, sort_keys=True))
+        os.replace(tmp, self.out / "config.yaml")
+
+    # ------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict[str, Any]:
+        cfg = dict(self.cfg)
+        cfg["out"] = str(self.out)
+        cfg["resume"] = None
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+            "scheduler": {"iteration": self.iteration, "milestones": self.milestones,
+                          "warmup_iters": self.cfg["warmup_iters"]},
+            "sampler": {"seed": self.cfg["seed"],
+                        "epoch": self.iteration // self.batches.iters_per_epoch,
+                        "position": self.iteration % self.batches.iters_per_epoch},
+            "rng": ckpt.rng_state(),
+            "metrics": self.history,
+            "accum": self.accum,
+            "config": cfg,
+            "saved_activation_bytes": self.saved_bytes,
+            "elapsed_s": self.elapsed,
+            "world_size": self.world,
+        }
+
+    def save_checkpoint(self) -> None:
+        if self.iteration == self.last_saved:
+            return
+        if self.rank == 0:
+            ckpt.save(self.out, self._state(), self.iteration, self.cfg["keep_checkpoints"])
+        self.last_saved = self.iteration
+
+    # ------------------------------------------------------------------ metrics
+    def _record(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if self.log is not None:
+            self.log.add(record)
+
+    def _all_sum(self, values: list[float]) -> list[float]:
+        if self.world == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        model = self.model
+        was_training = model.training
+        model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        n = 0
+        for x, y in self.batches.eval_batches(self.cfg["eval_batch_size"]):
+            with self._autocast():
+                out = model(x)
+            loss_sum += F.cross_entropy(out.float(), y, reduction="sum").double()
+            correct += (out.argmax(1) == y).sum()
+            n += len(y)
+        model.train(was_training)
+        loss_sum, correct, n = self._all_sum([loss_sum.item(), float(correct.item()), float(n)])
+        return loss_sum / n, 1.0 - correct / n
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    # ------------------------------------------------------------------ signals
+    def _on_signal(self, signum, frame):
+        if self.stop_signal is not None:  # a second signal: stop now
+            raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+        self.stop_signal = signum
+
+    def _stop_requested(self) -> bool:
+        flag = 0 if self.stop_signal is None else int(self.stop_signal)
+        if self.world > 1:
+            t = torch.tensor([flag], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = int(t.item())
+            if flag and self.stop_signal is None:
+                self.stop_signal = flag
+        return flag != 0
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> int:
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            code = self._loop()
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        if code == 0:
+            self._finish()
+        if self.log is not None:
+            self.log.close()
+        return code
+
+    def _train_step(self, x, y, lr: float):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        measure = self.saved_bytes is None and not self.cfg["compile"]
+        counter = _SavedBytes(self.model) if measure else None
+        hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
+                 if measure else contextlib.nullcontext())
+        with hooks, self._autocast():
+            out = self.train_model(x)
+            loss = F.cross_entropy(out.float(), y)
+        if measure:
+            self.saved_bytes = self._all_sum([float(counter.total())])[0] / self.world
+            self.saved_bytes = int(self.saved_bytes)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss.detach(), (out.detach().argmax(1) == y).sum()
+
+    def _loop(self) -> int:
+        cfg, ipe = self.cfg, self.batches.iters_per_epoch
+        n_epochs = math.ceil(self.max_iters / ipe)
+        show = cfg["progress"] and self.rank == 0
+        self.train_model.train()
+        dev = self.device
+        a = self.accum
+        ep_loss = torch.tensor(a.get("ep_loss", 0.0), dtype=torch.float64, device=dev)
+        ep_correct = torch.tensor(a.get("ep_correct", 0), dtype=torch.int64, device=dev)
+        ep_seen, ep_time = a.get("ep_seen", 0), a.get("ep_time", 0.0)
+        win = [torch.zeros((), dtype=torch.float64, device=dev),
+               torch.zeros((), dtype=torch.int64, device=dev), 0]
+        local = self.batches.local
+
+        while self.iteration < self.max_iters:
+            epoch = self.iteration // ipe
+            bar = None
+            if show:
+                from tqdm import tqdm
+                bar = tqdm(total=min(ipe, self.max_iters - epoch * ipe),
+                           initial=self.iteration - epoch * ipe, file=sys.stderr,
+                           desc=f"epoch {epoch + 1}/{n_epochs}", dynamic_ncols=True,
+                           leave=True)
+            t0 = time.perf_counter()
+            while self.iteration < self.max_iters and self.iteration // ipe == epoch:
+                it = self.iteration
+                lr = lr_at(cfg, it, self.milestones)
+                x, y = self.batches.train_batch(it)
+                loss, correct = self._train_step(x, y, lr)
+                win[0] += loss.double() * local
+                win[1] += correct
+                win[2] += local
+                self.iteration += 1
+                if bar is not None:
+                    bar.update(1)
+                epoch_end = self.iteration % ipe == 0 or self.iteration == self.max_iters
+                boundary = (self.iteration % cfg["log_every"] == 0 or epoch_end
+                            or self.iteration % cfg["checkpoint_every"] == 0
+                            or (cfg["eval_every"] and self.iteration % cfg["eval_every"] == 0))
+                stop = self._stop_requested()
+                if not (boundary or stop):
+                    continue
+                # Close the timing window (the .item() calls synchronise the device).
+                l_sum, c_sum, n = self._all_sum([win[0].item(), float(win[1].item()),
+                                                 float(win[2])])
+                dt = time.perf_counter() - t0
+                ep_loss += win[0]
+                ep_correct += win[1]
+                ep_seen += win[2]
+                ep_time += dt
+                self.elapsed += dt
+                win = [torch.zeros_like(win[0]), torch.zeros_like(win[1]), 0]
+                rate = n / dt if dt > 0 else float("nan")
+                mem = M.peak_memory_bytes(dev)
+                record = {"kind": "train", "iteration": self.iteration, "epoch": epoch + 1,
+                          "lr": lr, "loss": l_sum / n, "error": 1 - c_sum / n,
+                          "images_per_s": rate, "peak_memory_bytes": mem,
+                          "time_s": self.elapsed}
+                self._record(record)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{record['loss']:.3f}",
+                                    acc=f"{100 * (1 - record['error']):.1f}%",
+                                    img_s=f"{rate:.0f}", mem=M.format_bytes(mem), refresh=False)
+                if epoch_end or (cfg["eval_every"] and self.iteration % cfg["eval_every"] == 0):
+                    test_loss, test_err = self.evaluate()
+                    self._record({"kind": "eval", "iteration": self.iteration,
+                                  "epoch": epoch + 1, "test_loss": test_loss,
+                                  "test_error": test_err})
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{record['loss']:.3f}",
+                                        acc=f"{100 * (1 - record['error']):.1f}%",
+                                        test_acc=f"{100 * (1 - test_err):.1f}%",
+                                        img_s=f"{rate:.0f}", mem=M.format_bytes(mem))
+                if epoch_end:
+                    tot = self._all_sum([ep_loss.item(), float(ep_correct.item()),
+                                         float(ep_seen)])
+                    self._record({"kind": "epoch", "iteration": self.iteration,
+                                  "epoch": epoch + 1, "loss": tot[0] / tot[2],
+                                  "error": 1 - tot[1] / tot[2], "test_loss": test_loss,
+                                  "test_error": test_err, "epoch_time_s": ep_time,
+                                  "images_per_s": tot[2] / ep_time if ep_time else None,
+                                  "peak_memory_bytes": mem, "time_s": self.elapsed})
+                    ep_loss.zero_()
+                    ep_correct.zero_()
+                    ep_seen, ep_time = 0, 0.0
+                self.accum = {"ep_loss": ep_loss.item(), "ep_correct": int(ep_correct.item()),
+                              "ep_seen": ep_seen, "ep_time": ep_time}
+                if (epoch_end or stop or self.iteration % cfg["checkpoint_every"] == 0
+                        or self.iteration == self.max_iters):
+                    self.save_checkpoint()
+                if stop:
+                    if bar is not None:
+                        bar.close()
+                    if self.rank == 0:
+                        name = signal.Signals(self.stop_signal).name
+                        print(f"fusedres train: {name} received: checkpoint saved at iteration "
+                              f"{self.iteration} in {self.out}; continue with --resume",
+                              file=sys.stderr)
+                    return 128 + int(self.stop_signal)
+                t0 = time.perf_counter()
+            if bar is not None:
+                bar.close()
+        return 0
+
+    # ------------------------------------------------------------------ report
+    def _finish(self) -> None:
+        self.save_checkpoint()
+        if self.rank != 0:
+            return
+        extra = {
+            "model": self.cfg["model"] if self.cfg["model"] != "preact_resnet"
+            else f"preact_resnet (depth {self.cfg['depth']})",
+            "dataset": self.cfg["dataset"], "iterations": self.iteration,
+            "fused": self.cfg["fused"],
+            "backend": (_backend.resolve_backend(self.device) if self.cfg["fused"]
+                        else "plain PyTorch"),
+            "device": str(self.device), "world_size": self.world,
+            "batch_size": self.cfg["batch_size"], "amp": self.cfg["amp"],
+            "threads": torch.get_num_threads(),
+            "saved_activation_bytes": self.saved_bytes,
+            "memory_kind": ("CUDA max allocated" if self.device.type == "cuda"
+                            else "process peak RSS"),
+            "parameters": self.parameters,
+            "memory_plan": None if self.plan_summary is None else str(self.plan_summary),
+        }
+        s = M.summary(self.history, extra)
+        if s.get("peak_memory_bytes") is None:
+            s["peak_memory_bytes"] = M.peak_memory_bytes(self.device)
+        table = M.summary_table(s)
+        (self.out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+        (self.out / "summary.md").write_text(table + "\n")
+        png = M.plot(self.history, self.out / "curves.png",
+                     f"{extra['model']} on {self.cfg['dataset']}")
+        print(table)
+        if png is not None:
+            print(f"curves: {png}")
+        if self.log is not None and self.log.tb_note:
+            print(f"note: {self.log.tb_note}")
