@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["SavedTensor", "saved_bytes", "saved_tensors"]
+__all__ = ["SavedTensor", "plan", "saved_bytes", "saved_tensors"]
 
 
 @dataclass(frozen=True)
@@ -53,3 +53,10 @@ def saved_tensors(fn: Callable[..., Any], *args, **kwargs) -> list[SavedTensor]:
 def saved_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:
     """Bytes of the distinct storages saved for backward by ``fn(*args, **kwargs)``."""
     return sum(s.storage_bytes for s in saved_tensors(fn, *args, **kwargs))
+
+
+def plan(*args, **kwargs):
+    """Choose activation checkpointing so one training step fits a memory budget; see
+    :func:`fusedres.planner.plan` (imported lazily: the planner imports the flop counter)."""
+    from .planner import plan as _plan
+    return _plan(*args, **kwargs)

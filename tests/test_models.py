@@ -5,10 +5,27 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from conftest import FUSED_BACKENDS
 
 import fusedres
 from fusedres import models
 from fusedres.modules import PreActBasicBlock, PreActBottleneck
+
+# Whole networks on every compiled/portable backend. Triton runs here under its interpreter
+# (Python speed), so it gets the smallest net only; tests/test_ops.py covers its numerics.
+NET_BACKENDS = [b for b in FUSED_BACKENDS if b != "triton"]
+
+
+@pytest.fixture(params=NET_BACKENDS)
+def backend(request):
+    with fusedres.use_backend(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=FUSED_BACKENDS)
+def any_backend(request):
+    with fusedres.use_backend(request.param):
+        yield request.param
 
 # Parameter counts of the CIFAR nets (10 classes). He et al. report ResNet-164 as 1.7M and
 # ResNet-1001 as 10.2M; these are the exact counts of the architecture they describe.
@@ -141,9 +158,16 @@ def test_fused_matches_plain_float32_eval_and_train(backend):
         torch.testing.assert_close(fused(x), plain(x), rtol=1e-4, atol=1e-5)
 
 
+def test_smallest_nets_every_backend(any_backend):
+    for depth in (8, 11):  # one basic and one bottleneck unit per stage
+        fused, plain = _pair(depth, torch.float64, num_classes=3)
+        _assert_same_step(fused, plain, torch.randn(2, 3, 5, 5, dtype=torch.float64), 1e-9,
+                          1e-10)
+
+
 def test_imagenet_fused_matches_plain(backend):
     fused, plain = _pair(50, torch.float64, variant="imagenet", num_classes=7)
-    # Keep it small: only the first two stages run at full cost on a 2x3x57x57 input (2x2 in the last stage).
+    # A 2x3x57x57 input: 2x2 in the last stage, enough values per channel for its BNs.
     _assert_same_step(fused, plain, torch.randn(2, 3, 57, 57, dtype=torch.float64), 1e-9,
                       1e-10)
 
