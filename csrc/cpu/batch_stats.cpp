@@ -5,6 +5,9 @@
 // (the first corrects the mean's rounding, the second is the chunk's M2). Chunks are merged in
 // double with Chan's formula, per thread and then across threads. No E[x^2] - E[x]^2
 // cancellation anywhere: x = 1000 + noise keeps full relative precision in the variance.
+#include <cmath>
+#include <limits>
+
 #include "common.h"
 
 namespace fusedres::cpu {
@@ -12,11 +15,21 @@ namespace {
 
 constexpr int64_t kChunk = 8192;  // elements per chunk: 32 KiB of float, an L1-sized run
 
+// Clamps rounding below zero away but keeps nan (std::max(0.0, nan) would return 0).
+inline double nonneg(double v) { return v < 0 ? 0.0 : v; }
+
 struct Moments {
   double n = 0, mean = 0, m2 = 0;
   void merge(double nb, double mean_b, double m2_b) {
     if (nb == 0) return;
     const double total = n + nb;
+    if (!std::isfinite(mean) || !std::isfinite(mean_b)) {
+      // inf/nan inputs: the mean is the sum's (inf, or nan for inf - inf), the variance nan.
+      mean = n == 0 ? mean_b : mean + mean_b;
+      m2 = std::numeric_limits<double>::quiet_NaN();
+      n = total;
+      return;
+    }
     const double delta = mean_b - mean;
     mean += delta * nb / total;
     m2 += m2_b + delta * delta * n * nb / total;
@@ -42,6 +55,11 @@ void run_moments(const T* p, int64_t len, double& mean_out, double& m2_out) {
   A sum = at::vec::vec_reduce_all<A>([](V a, V b) { return a + b; }, (s0 + s1) + (s2 + s3));
   for (; i < len; ++i) sum += static_cast<A>(p[i]);
   const A m = sum / static_cast<A>(len);
+  if (!std::isfinite(static_cast<double>(m))) {
+    mean_out = m;
+    m2_out = std::numeric_limits<double>::quiet_NaN();
+    return;
+  }
 
   const V mv(m);
   V d0(0), d1(0), q0(0), q1(0);
@@ -68,7 +86,7 @@ void run_moments(const T* p, int64_t len, double& mean_out, double& m2_out) {
     sq += d * d;
   }
   mean_out = static_cast<double>(m) + sd / len;
-  m2_out = std::max(0.0, sq - sd * sd / len);
+  m2_out = nonneg(sq - sd * sd / len);
 }
 
 template <typename T>
@@ -130,9 +148,12 @@ void stats_nhwc(const T* x, int64_t R, int64_t C, std::vector<Moments>& acc) {
       }
       const double n = static_cast<double>(r1 - r0);
       for (int64_t c = 0; c < C; ++c) {
-        const double s = sd[c];
-        mine[c].merge(n, static_cast<double>(mean[c]) + s / n,
-                      std::max(0.0, static_cast<double>(sq[c]) - s * s / n));
+        const double m = mean[c], s = sd[c];
+        if (!std::isfinite(m)) {
+          mine[c].merge(n, m, std::numeric_limits<double>::quiet_NaN());
+        } else {
+          mine[c].merge(n, m + s / n, nonneg(static_cast<double>(sq[c]) - s * s / n));
+        }
       }
     }
   });
