@@ -114,7 +114,8 @@ void stats_nhwc(const T* x, int64_t R, int64_t C, std::vector<Moments>& acc) {
   using A = acc_t<T>;
   using V = Vectorized<A>;
   constexpr int64_t W = V::size();
-  const int64_t rows = std::max<int64_t>(2, kChunk / std::max<int64_t>(C, 1));
+  // At most 256 rows a block: with few channels the lanes hold little, sums run serially.
+  const int64_t rows = std::clamp<int64_t>(kChunk / std::max<int64_t>(C, 1), 2, 256);
   const int64_t blocks = (R + rows - 1) / rows;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     Moments* mine = acc.data() + at::get_thread_num() * C;

@@ -1,0 +1,249 @@
+"""CPU-backend specifics (csrc/cpu): the shared matrix in test_bn_relu_conv.py covers the unit
+against the reference; here, what only the C++ kernels can get wrong: batch tiling, thread
+counts, layouts and strides, mixed dtypes, and statistics accuracy at large counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedres
+from fusedres import _backend
+from fusedres.backends import portable
+
+pytestmark = pytest.mark.skipif(
+    fusedres._backend.unavailable_reason("cpu") is not None,
+    reason=f"cpu backend unavailable: {fusedres._backend.unavailable_reason('cpu')}",
+)
+
+OPS = torch.ops.fusedres_cpu
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _stats_dtype(dtype):
+    return torch.float32 if dtype in HALF else dtype
+
+
+def _inputs(n=3, c=5, h=7, w=13, co=6, k=(3, 3), dtype=torch.float32, wdtype=None,
+            x_format=torch.contiguous_format, w_format=torch.contiguous_format, bias=True,
+            residual=True, stride=(1, 1), padding=(1, 1), dilation=(1, 1), affine=True):
+    """Arguments of fusedres_cpu.bn_relu_conv2d; BN statistics come from the batch."""
+    wdtype = wdtype or dtype
+    sdt = _stats_dtype(dtype)
+    x = (torch.randn(n, c, h, w) * 2 + 0.5).to(dtype).contiguous(memory_format=x_format)
+    weight = (torch.randn(co, c, *k) / (c * k[0] * k[1]) ** 0.5).to(wdtype)
+    weight = weight.contiguous(memory_format=w_format)
+    b = torch.randn(co).to(wdtype) if bias else None
+    gamma = (torch.rand(c) + 0.5).to(sdt) if affine else None
+    beta = torch.randn(c).to(sdt) if affine else None
+    mean, var = portable.batch_stats(x)
+    invstd = torch.rsqrt(var + 1e-5)
+    shape = torch.ops.fusedres.bn_relu_conv2d(x.to("meta"), weight.to("meta"), None, None, None,
+                                              mean.to("meta"), invstd.to("meta"), None, stride,
+                                              padding, dilation, True).shape
+    res = torch.randn(shape).to(wdtype) if residual else None
+    return [x, weight, b, gamma, beta, mean, invstd, res, list(stride), list(padding),
+            list(dilation)]
+
+
+def _backward_args(fwd_args, grad_out, batch_stats, mask=None):
+    x, weight, b, gamma, beta, mean, invstd, _, stride, padding, dilation = fwd_args
+    if mask is None:
+        mask = [True, True, b is not None, gamma is not None, beta is not None]
+    return (grad_out, x, weight, gamma, beta, mean, invstd, stride, padding, dilation,
+            batch_stats, mask)
+
+
+def _tol(dtype):
+    return {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2,
+            torch.float16: 4e-3}[dtype]
+
+
+def _assert_same(actual, expected, dtype, what):
+    """Same metadata (shape, dtype, strides) and values within tol x magnitude."""
+    assert actual.shape == expected.shape, what
+    assert actual.dtype == expected.dtype, what
+    if actual.numel() > 1:
+        assert actual.stride() == expected.stride(), f"{what}: {actual.stride()} vs " \
+                                                     f"{expected.stride()}"
+    if actual.numel():
+        scale = max(1.0, expected.abs().max().item())
+        torch.testing.assert_close(actual.double(), expected.double(),
+                                   atol=_tol(dtype) * scale, rtol=_tol(dtype), msg=what)
+
+
+def _compare_with_portable(args, dtype, batch_stats=True, mask=None):
+    y = OPS.bn_relu_conv2d(*args)
+    y_ref = portable.forward(*args)
+    _assert_same(y, y_ref, dtype, "output")
+    gy = torch.randn_like(y_ref)
+    bargs = _backward_args(args, gy, batch_stats, mask)
+    names = ["grad_x", "grad_weight", "grad_bias", "grad_bn_weight", "grad_bn_bias"]
+    for name, g, g_ref in zip(names, OPS.bn_relu_conv2d_backward(*bargs),
+                              portable.backward(*bargs)):
+        _assert_same(g, g_ref, dtype, name)
+
+
+def test_available_and_picked_by_auto():
+    assert "cpu" in fusedres.available_backends("cpu")
+    with fusedres.use_backend("auto"):
+        assert _backend.resolve_backend(torch.device("cpu")) == "cpu"
+
+
+# --------------------------------------------------------------------------- batch statistics
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_batch_stats_million_values_large_offset(channels_last):
+    """M = N*H*W = 1,048,576 per channel around 1000: float32 sums would lose the variance."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = (1000 + torch.randn(16, 3, 256, 256)).contiguous(memory_format=fmt)
+    x[:, 1] = x[:, 1] * 0.01 - 990  # small variance on a large offset
+    mean, var = OPS.batch_stats(x)
+    var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
+    assert mean.dtype == var.dtype == torch.float32
+    torch.testing.assert_close(mean.double(), mean64, atol=0, rtol=1e-7)
+    torch.testing.assert_close(var.double(), var64, atol=0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16],
+                         ids=["f64", "bf16", "f16"])
+def test_batch_stats_dtypes(dtype, channels_last):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    # C = 17 and 33: vector widths plus a tail; HW = 13 * 7 a prime-ish plane.
+    for c in (17, 33):
+        x = (torch.randn(5, c, 13, 7) * 3 + 2).to(dtype).contiguous(memory_format=fmt)
+        mean, var = OPS.batch_stats(x)
+        var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
+        assert mean.dtype == _stats_dtype(dtype)
+        rtol = 1e-12 if dtype == torch.float64 else 1e-6
+        torch.testing.assert_close(mean.double(), mean64, atol=rtol, rtol=rtol)
+        torch.testing.assert_close(var.double(), var64, atol=rtol, rtol=rtol)
+
+
+def test_batch_stats_long_planes_are_chunked():
+    """Planes longer than one chunk (8192 values) are merged with Chan's formula."""
+    x = torch.randn(2, 2, 181, 97) * torch.linspace(0, 5, 181).view(1, 1, 181, 1) + 7
+    mean, var = OPS.batch_stats(x)
+    var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
+    torch.testing.assert_close(mean.double(), mean64, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(var.double(), var64, atol=1e-6, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- the fused ops
+
+@pytest.mark.parametrize("batch_stats", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dtype,wdtype", [
+    (torch.float32, torch.float32), (torch.float64, torch.float64),
+    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+    (torch.float64, torch.bfloat16)],
+    ids=["f32", "f64", "bf16", "f32x-bf16w", "f64x-bf16w"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "x-nchw-w-nhwc", "x-nhwc-w-nchw"])
+def test_ops_match_portable(layout, dtype, wdtype, batch_stats):
+    cl, cf = torch.channels_last, torch.contiguous_format
+    x_format, w_format = {"nchw": (cf, cf), "nhwc": (cl, cl), "x-nchw-w-nhwc": (cf, cl),
+                          "x-nhwc-w-nchw": (cl, cf)}[layout]
+    args = _inputs(n=3, c=17, h=7, w=13, co=5, dtype=dtype, wdtype=wdtype, x_format=x_format,
+                   w_format=w_format)
+    _compare_with_portable(args, dtype if dtype in HALF else wdtype, batch_stats)
+
+
+@pytest.mark.parametrize("k,stride,padding,dilation", [
+    ((1, 1), (2, 2), (0, 0), (1, 1)),
+    ((3, 3), (2, 1), (2, 0), (2, 1)),
+    ((5, 2), (1, 3), (1, 1), (1, 2)),
+    ((7, 7), (1, 1), (0, 0), (1, 1)),  # kernel covers the whole 7x7 input: 1x1 output
+])
+def test_conv_geometry(k, stride, padding, dilation):
+    args = _inputs(n=2, c=3, h=7, w=7, co=4, k=k, stride=stride, padding=padding,
+                   dilation=dilation)
+    _compare_with_portable(args, torch.float32)
+
+
+@pytest.mark.parametrize("mask", [
+    [True, False, False, False, False], [False, True, True, False, False],
+    [False, False, False, True, True], [True, True, False, False, True],
+    [False, False, False, False, False]])
+def test_output_mask(mask):
+    args = _inputs(affine=True, bias=True)
+    _compare_with_portable(args, torch.float32, mask=mask)
+
+
+def test_no_affine_no_bias_no_residual():
+    args = _inputs(affine=False, bias=False, residual=False)
+    _compare_with_portable(args, torch.float32)
+
+
+def test_non_dense_input_and_grad():
+    """x as a strided view (neither layout) and a non-contiguous grad_out."""
+    args = _inputs(n=2, c=4, h=9, w=9, co=3)
+    base = torch.randn(2, 9, 4, 9 * 2)
+    args[0] = base[..., ::2].transpose(1, 2)  # (2, 4, 9, 9), neither contiguous nor NHWC
+    assert not args[0].is_contiguous() and not args[0].is_contiguous(
+        memory_format=torch.channels_last)
+    y = OPS.bn_relu_conv2d(*args)
+    _assert_same(y, portable.forward(*args), torch.float32, "output")
+    gy = torch.randn(y.shape[0], y.shape[2], y.shape[1], y.shape[3]).transpose(1, 2)
+    bargs = _backward_args(args, gy, True)
+    for g, g_ref in zip(OPS.bn_relu_conv2d_backward(*bargs), portable.backward(*bargs)):
+        _assert_same(g, g_ref, torch.float32, "grad")
+
+
+@pytest.mark.parametrize("tile_bytes", ["1", "300000", "0"], ids=["one-sample", "some", "one"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_batch_tiling_is_invisible(monkeypatch, tile_bytes, channels_last):
+    """Any tile size (one sample per tile, a few, the whole batch) gives the same results; the
+    last tile is shorter than the others (N = 7)."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    args = _inputs(n=7, c=16, h=16, w=16, co=24, x_format=fmt)
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
+    _compare_with_portable(args, torch.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_thread_counts(threads):
+    """Per-thread reduction buffers are sized by torch.get_num_threads(); results do not depend
+    on it beyond rounding."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            args = _inputs(n=4, c=33, h=11, w=11, co=9, x_format=fmt)
+            _compare_with_portable(args, torch.float32)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_unit_through_modules_with_cpu_backend():
+    """A bottleneck unit (projection shortcut, stride 2) through the public modules, fused on
+    the cpu backend against the plain block with the same parameters."""
+    torch.manual_seed(1)
+    fused = fusedres.PreActBottleneck(12, 5, stride=2, fused=True)
+    plain = fusedres.PreActBottleneck(12, 5, stride=2, fused=False)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 12, 11, 11)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    with fusedres.use_backend("cpu"):
+        y = fused(xs[0])
+    y_ref = plain(xs[1])
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    y_ref.backward(gy)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+    for (name, b), c in zip(fused.named_buffers(), plain.buffers()):
+        torch.testing.assert_close(b, c, msg=name)
+
+
+def test_saves_half_the_bytes_of_the_plain_unit():
+    m = fusedres.BNReLUConv2d(16, 16, 3, padding=1)
+    plain = torch.nn.Sequential(m.bn, torch.nn.ReLU(), m.conv)
+    x = torch.randn(4, 16, 16, 16, requires_grad=True)
+    with fusedres.use_backend("cpu"):
+        fused_bytes = fusedres.memory.saved_bytes(m, x)
+    plain_bytes = fusedres.memory.saved_bytes(plain, x)
+    # The plain unit keeps x and relu(bn(x)); the fused one x and per-channel vectors only.
+    assert plain_bytes >= 2 * x.nbytes
+    assert x.nbytes <= fused_bytes < x.nbytes + 1024
