@@ -250,9 +250,6 @@ def _check_values(cfg: dict[str, Any]) -> None:
         raise UsageError(f"--milestones: expected positive iterations (or fractions), got {ms!r}")
     if cfg["memory_budget"] is not None:
         parse_bytes(cfg["memory_budget"])
-    if cfg["depth"] is not None and cfg["model"] != "preact_resnet":
-        raise UsageError(f"--depth: only with --model preact_resnet (--model {cfg['model']} "
-                         "fixes the depth)")
 
 
 def resolve(argv: list[str] | None) -> tuple[dict[str, Any], set[str]]:

@@ -53,6 +53,8 @@ def build_model(cfg: dict[str, Any], in_chans: int, num_classes: int) -> nn.Modu
         ctor = models.preact_resnet
     elif name in models.MODELS:
         ctor = models.MODELS[name]
+        if cfg["depth"] is not None:
+            raise UsageError(f"--depth: only with --model preact_resnet ({name} fixes it)")
         if cfg["variant"] is not None:
             raise UsageError(f"--variant: only with --model preact_resnet ({name} fixes it)")
     else:

@@ -1,0 +1,307 @@
+"""fusedres train: configuration, data and augmentation, schedule, checkpoints, bad inputs,
+and the embedded digits run reaching its stated accuracy."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import yaml
+
+from fusedres.train import checkpoint as ckpt
+from fusedres.train import main
+from fusedres.train.config import DEFAULTS, UsageError, parse_bytes, resolve
+from fusedres.train.data import Batches, Data, augment
+from fusedres.train.loop import _param_groups, lr_at, milestones
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
+        "--pad", "1", "--no-flip", "--warmup-iters", "2", "--milestones", "0.5",
+        "--no-progress", "--log-every", "2", "--checkpoint-every", "3"]
+
+
+# --------------------------------------------------------------------------- configuration
+
+def test_defaults_are_he_et_al_cifar_recipe():
+    cfg, explicit = resolve([])
+    assert explicit == set()
+    assert (cfg["batch_size"], cfg["lr"], cfg["momentum"], cfg["weight_decay"]) == (
+        128, 0.1, 0.9, 1e-4)
+    assert (cfg["warmup_iters"], cfg["milestones"], cfg["max_iters"]) == (400, [32000, 48000],
+                                                                          64000)
+    assert (cfg["pad"], cfg["flip"], cfg["bn_weight_decay"]) == (4, True, False)
+
+
+def test_yaml_sets_defaults_and_flags_win(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("batch-size: 64\nlr: 0.05\nflip: false\nmilestones: [10, 20]\n")
+    cfg, explicit = resolve(["--config", str(path), "--lr", "0.2", "--flip"])
+    assert (cfg["batch_size"], cfg["lr"], cfg["flip"], cfg["milestones"]) == (64, 0.2, True,
+                                                                              [10, 20])
+    assert {"batch_size", "lr", "flip", "milestones"} <= explicit
+    assert cfg["momentum"] == DEFAULTS["momentum"]
+    # The repository's configs resolve by name too.
+    cfg, _ = resolve(["--config", "digits"])
+    assert cfg["dataset"] == "digits" and cfg["model"] == "preact_resnet20"
+
+
+@pytest.mark.parametrize("text, match", [
+    ("bogus: 1\n", "unknown option 'bogus'"),
+    ("batch_size: many\n", "--batch-size: expected an integer"),
+    ("- a\n- b\n", "must hold a mapping"),
+    ("lr: [\n", "not valid YAML"),
+])
+def test_bad_yaml(tmp_path, text, match):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=match):
+        resolve(["--config", str(path)])
+
+
+def test_parse_bytes():
+    assert parse_bytes("4GiB") == 4 * 2**30
+    assert parse_bytes("500MB") == 500 * 10**6
+    assert parse_bytes("1.5 KiB") == 1536
+    for bad in ("4 parsecs", "-1GiB", "0", "lots"):
+        with pytest.raises(UsageError):
+            parse_bytes(bad)
+
+
+def test_schedule_warmup_then_step_decays():
+    cfg, _ = resolve(["--max-iters", "1000", "--warmup-iters", "4", "--milestones", "0.5,800"])
+    steps = milestones(cfg, 1000)
+    assert steps == [500, 800]
+    lrs = [lr_at(cfg, i, steps) for i in (0, 1, 3, 4, 499, 500, 799, 800, 999)]
+    expected = [0.025, 0.05, 0.1, 0.1, 0.1, 0.01, 0.01, 0.001, 0.001]
+    assert lrs == pytest.approx(expected, rel=1e-12)
+
+
+def test_weight_decay_skips_batch_norm_unless_asked():
+    model = nn.Sequential(nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5), nn.Linear(5, 2))
+    cfg, _ = resolve([])
+    decay, no_decay = _param_groups(model, cfg)
+    assert {id(p) for p in no_decay["params"]} == {id(model[1].weight), id(model[1].bias)}
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 1e-4
+    cfg, _ = resolve(["--bn-weight-decay"])
+    (only,) = _param_groups(model, cfg)
+    assert len(only["params"]) == len(list(model.parameters()))
+
+
+# --------------------------------------------------------------------------- data
+
+def _tiny_data(n=20, c=3, h=7):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (n, c, h, h), generator=g, dtype=torch.uint8)
+    y = torch.arange(n) % 5
+    return Data("tiny", x, y, x[:6], y[:6], torch.full((c,), 0.5), torch.full((c,), 0.25), 5)
+
+
+def test_augment_matches_a_per_image_loop():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 7, 13, generator=g)
+    pad = 2
+    offsets = torch.randint(0, 2 * pad + 1, (5, 2), generator=g)
+    flips = torch.tensor([True, False, True, False, False])
+    got = augment(x, offsets, flips, pad)
+    for i in range(5):
+        padded = torch.nn.functional.pad(x[i], (pad, pad, pad, pad))
+        oy, ox = offsets[i].tolist()
+        want = padded[:, oy:oy + 7, ox:ox + 13]
+        if flips[i]:
+            want = want.flip(2)
+        assert torch.equal(got[i], want)
+    assert torch.equal(augment(x, torch.full((5, 2), pad), None, pad), x)  # centre, no flip
+
+
+def test_batches_are_a_function_of_seed_and_iteration_and_split_over_processes():
+    data = _tiny_data()
+    one = Batches(data, 8, seed=4, pad=1, flip=True)
+    assert one.iters_per_epoch == 2
+    again = Batches(data, 8, seed=4, pad=1, flip=True)
+    for it in (3, 0, 5):  # any order: no hidden state
+        xa, ya = one.train_batch(it)
+        xb, yb = again.train_batch(it)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    # An epoch visits distinct images.
+    seen = torch.cat([one.train_batch(i)[1] for i in range(2)])
+    assert len(seen) == 16
+    # Two processes' halves make the one-process global batch.
+    halves = [Batches(data, 8, seed=4, pad=1, flip=True, rank=r, world=2) for r in (0, 1)]
+    x, y = one.train_batch(3)
+    parts = [h.train_batch(3) for h in halves]
+    assert torch.equal(torch.cat([p[0] for p in parts]), x)
+    assert torch.equal(torch.cat([p[1] for p in parts]), y)
+    assert not torch.equal(one.train_batch(0)[0], one.train_batch(1)[0])
+    with pytest.raises(UsageError, match="does not split over 3"):
+        Batches(data, 8, seed=0, pad=1, flip=True, world=3)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def test_checkpoint_round_trip_and_atomic_failure(tmp_path, monkeypatch):
+    state = {"model": {"w": torch.arange(3.0)}, "optimizer": {}, "config": {"lr": 0.1},
+             "rng": ckpt.rng_state()}
+    ckpt.save(tmp_path, state, 5, keep=2)
+    ckpt.save(tmp_path, state, 9, keep=2)
+    ckpt.save(tmp_path, state, 12, keep=2)
+    assert _its(tmp_path) == [9, 12]
+    loaded = ckpt.load(ckpt.latest(tmp_path))
+    assert loaded["iteration"] == 12 and torch.equal(loaded["model"]["w"], torch.arange(3.0))
+    ckpt.set_rng_state(loaded["rng"])
+
+    def failing_save(obj, f):  # dies half-way through writing
+        f.write(b"PK\x03\x04partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save(tmp_path, state, 15, keep=2)
+    assert _its(tmp_path) == [9, 12]  # the previous good ones are kept
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "iter_00000009.pt", "iter_00000012.pt"]  # no temporary file left behind
+
+
+def _its(run):
+    return [int(p.stem.split("_")[1]) for p in ckpt.list_checkpoints(run)]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.parametrize("kind", ["truncated", "empty", "pickled-object", "foreign"])
+def test_bad_checkpoint_files_give_clear_errors(tmp_path, kind):
+    path = tmp_path / "x.pt"
+    if kind == "truncated":
+        good = ckpt.save(tmp_path, {"model": {}, "optimizer": {}, "config": {}}, 1, keep=1)
+        path.write_bytes(good.read_bytes()[:200])
+        match = "truncated or corrupt"
+    elif kind == "empty":
+        path.write_bytes(b"")
+        match = "empty"
+    elif kind == "pickled-object":
+        torch.save({"format": ckpt.FORMAT, "payload": _Evil()}, path)
+        match = "pickled objects"
+    else:
+        torch.save({"w": torch.ones(2)}, path)  # a plain state_dict
+        match = "not a fusedres training checkpoint"
+    with pytest.raises(ckpt.CheckpointError, match=match):
+        ckpt.load(path)
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+def _snapshot(run: Path) -> dict[str, str]:
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A real (tiny) finished run: its files must survive every bad command below."""
+    out = tmp_path_factory.mktemp("run")
+    code = main([*TINY, "--max-iters", "6", "--out", str(out)])
+    assert code == 0
+    return out
+
+
+def test_finished_run_has_its_outputs(finished_run):
+    names = {p.name for p in finished_run.iterdir()}
+    assert {"config.yaml", "metrics.jsonl", "curves.png", "summary.json", "summary.md",
+            "checkpoints"} <= names
+    saved = yaml.safe_load((finished_run / "config.yaml").read_text())
+    assert saved["depth"] == 8 and saved["max_iters"] == 6 and saved["resume"] is None
+    summary = json.loads((finished_run / "summary.json").read_text())
+    assert summary["iterations"] == 6
+    assert summary["saved_activation_bytes"] > 0 and summary["peak_memory_bytes"] > 0
+    kinds = [json.loads(line)["kind"] for line in
+             (finished_run / "metrics.jsonl").read_text().splitlines()]
+    # Records at every log (2) and checkpoint (3) boundary; 6 iterations < 1 epoch (11), so one
+    # evaluation and one (partial) epoch record, at the end.
+    assert [k for k in kinds] == ["train"] * 4 + ["eval", "epoch"]
+    assert _its(finished_run) == [3, 6]  # every 3 iterations, the newest 2 kept
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--batch-size", "0"], "--batch-size: expected a positive value"),
+    (["--batch-size", "ten"], "argument --batch-size: invalid int value"),
+    (["--amp", "fp8"], "argument --amp: invalid choice"),
+    (["--dataset", "cifar10", "--data-dir", "/nonexistent/cifar"],
+     "--data-dir: '/nonexistent/cifar' does not exist"),
+    (["--depth", "21"], "--depth 21: depth: the cifar variant cannot build depth 21"),
+    (["--model", "resnet9000"], "--model: unknown model 'resnet9000'"),
+    (["--memory-budget", "1KiB"], "--memory-budget 1KiB: "),
+    (["--backend", "cuda"], "--backend cuda: cannot run on cpu"),
+    (["--config", "/nonexistent.yaml"], "--config: cannot read"),
+    (["--batch-size", "4096"], "--batch-size: 4096 is larger than the 1433 training images"),
+])
+def test_bad_input_is_one_line_exit_2_and_the_run_is_untouched(finished_run, capsys, argv,
+                                                               match):
+    before = _snapshot(finished_run)
+    code = main([*TINY, "--out", str(finished_run), "--resume", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("fusedres train: error: ") and match in err, err
+    assert _snapshot(finished_run) == before
+
+
+def test_existing_run_needs_resume(finished_run, capsys):
+    before = _snapshot(finished_run)
+    assert main([*TINY, "--out", str(finished_run)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert _snapshot(finished_run) == before
+
+
+def test_corrupt_latest_checkpoint_names_the_previous_good_one(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "6", "--out", str(out)]) == 0
+    capsys.readouterr()
+    first, last = ckpt.list_checkpoints(out)
+    last.write_bytes(last.read_bytes()[:1000])  # a disk error after the fact
+    before = _snapshot(out)
+    assert main([*TINY, "--max-iters", "9", "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "truncated or corrupt" in err and f"--resume {first}" in err
+    assert _snapshot(out) == before
+    # Following the advice works.
+    assert main([*TINY, "--max-iters", "9", "--out", str(out), "--resume", str(first)]) == 0
+    assert ckpt.load(ckpt.latest(out))["iteration"] == 9
+
+
+def test_resume_extends_a_finished_run_and_csv_log(tmp_path):
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "4", "--out", str(out), "--log-format", "csv"]) == 0
+    # Resuming keeps the saved configuration (csv, depth 8) and takes the new flag.
+    assert main(["--out", str(out), "--resume", "--max-iters", "6"]) == 0
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("kind,iteration")
+    train_its = [int(r.split(",")[1]) for r in rows[1:] if r.startswith("train")]
+    assert train_its == [2, 3, 4, 6]  # log (2) and checkpoint (3) boundaries, none twice
+
+
+# --------------------------------------------------------------------------- the demo run
+
+def test_digits_demo_reaches_its_accuracy(tmp_path):
+    """The README's demo on a short schedule (15 epochs instead of 40): ResNet-20 reaches
+    96.7% here (the full configs/digits.yaml run: 98.9%)."""
+    out = tmp_path / "digits"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusedres.train", "--config", str(REPO / "configs/digits.yaml"),
+         "--epochs", "15", "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "preact_resnet20" and summary["iterations"] == 15 * 11
+    assert 1 - summary["final_test_error"] >= 0.95, summary
+    assert "final test accuracy" in proc.stdout
