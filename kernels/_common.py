@@ -45,6 +45,14 @@ class KernelConfig:
         return f"{b} w={self.num_warps} s={self.num_stages}"
 
 
+def dtype_name(dtype) -> str:
+    """'fp16' | 'bf16' | 'fp32' | 'fp64' for a torch dtype (or that name itself)."""
+    if isinstance(dtype, str):
+        return dtype
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+            torch.float64: "fp64"}[dtype]
+
+
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _HALF else dtype
 

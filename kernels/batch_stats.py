@@ -51,7 +51,7 @@ def batch_stats_kernel(
         m_ok = m < M
         n = m // HW
         hw = m % HW
-        off = n.to(tl.int64) * sxn + (hw // W) * sxh + (hw % W) * sxw
+        off = n * sxn + (hw // W) * sxh + (hw % W) * sxw
         mask = m_ok[:, None] & c_ok[None, :]
         v = tl.load(x_ptr + off[:, None] + c[None, :] * sxc, mask=mask, other=0.0).to(acc_t)
         cnt = tl.sum(m_ok.to(tl.int32), axis=0).to(acc_t)
@@ -71,6 +71,10 @@ def batch_stats_kernel(
         n_run = n_new
     tl.store(mean_ptr + split * C + c, mean, mask=c_ok)
     tl.store(m2_ptr + split * C + c, m2, mask=c_ok)
+
+
+def configs_for(dtype) -> list[KernelConfig]:
+    return CONFIGS
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:

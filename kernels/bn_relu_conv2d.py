@@ -24,16 +24,22 @@ from ._common import (
     allow_tf32,
     cdiv,
     chan_combine,
+    dtype_name,
     interpreting,
     launcher,
     upcast_dot,
 )
 
+# Tensor-core configs (fp16, bf16, fp32/tf32): big, wide-N, small-N. float64 runs on smaller
+# tiles (FMA / DMMA, twice the registers per accumulator).
 CONFIGS = [
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=4),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+]
+FP64_CONFIGS = [
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
 ]
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
 
@@ -88,7 +94,7 @@ def bn_relu_conv2d_fwd_kernel(
     r = m % hw
     oh = r // Wo
     ow = r % Wo
-    x_base = n.to(tl.int64) * sxn
+    x_base = n * sxn
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
     for t in range(0, KH * KW):
@@ -109,11 +115,11 @@ def bn_relu_conv2d_fwd_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + co, mask=co_ok, other=0.0).to(acc_t)[None, :]
     if HAS_RES:
-        r_off = n.to(tl.int64) * srn + oh * srh + ow * srw
+        r_off = n * srn + oh * srh + ow * srw
         acc += tl.load(res_ptr + r_off[:, None] + co[None, :] * src, mask=mask,
                        other=0.0).to(acc_t)
     y = acc.to(y_ptr.dtype.element_ty)
-    y_off = n.to(tl.int64) * syn + oh * syh + ow * syw
+    y_off = n * syn + oh * syh + ow * syw
     tl.store(y_ptr + y_off[:, None] + co[None, :] * syc, y, mask=mask)
     if GENSTATS:
         # Statistics of y as stored (rounded), the values the next BatchNorm will read.
@@ -126,16 +132,20 @@ def bn_relu_conv2d_fwd_kernel(
         tl.store(sm2_ptr + pid_m * Co + co, tl.sum(d * d, axis=0) - sd * sd / cnt, mask=co_ok)
 
 
+def configs_for(dtype) -> list[KernelConfig]:
+    """The configs this kernel may launch with for operands of ``dtype`` (all compiled AOT)."""
+    return FP64_CONFIGS if dtype_name(dtype) == "fp64" else CONFIGS
+
+
 def pick_config(m: int, co: int, c: int, dtype: torch.dtype) -> KernelConfig:
+    """Host rule: small Co -> narrow tiles; few pixels -> small tiles to fill the SMs."""
     if interpreting():
         return INTERPRET_CONFIG
+    if dtype == torch.float64:
+        return FP64_CONFIGS[0] if m >= 64 * 264 else FP64_CONFIGS[1]
     if co <= 32:
-        return CONFIGS[3]
-    if co >= 128 and m >= 128 * 132 and dtype != torch.float64:
-        return CONFIGS[1]
-    if m < 128 * 132:
         return CONFIGS[2]
-    return CONFIGS[0]
+    return CONFIGS[0] if m * co >= 128 * 64 * 264 else CONFIGS[1]
 
 
 def _dummy(t: torch.Tensor) -> torch.Tensor:

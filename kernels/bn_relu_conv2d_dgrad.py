@@ -26,17 +26,28 @@ from ._common import (
     acc_is_fp64,
     allow_tf32,
     cdiv,
+    dtype_name,
     interpreting,
     launcher,
     upcast_dot,
 )
 from .bn_relu_conv2d import mma
 
+# Same roles as the forward's configs: big, mid, narrow (small C); float32 (TF32) operands
+# take twice the registers of 16-bit ones in the epilogue, hence fewer stages.
 CONFIGS = [
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=4),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+]
+FP32_CONFIGS = [
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+]
+FP64_CONFIGS = [
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
 ]
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
 
@@ -90,7 +101,7 @@ def dgrad_kernel(
     rem = p % hw
     ih = rem // W
     iw = rem % W
-    n64 = n.to(tl.int64)
+    n64 = n
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
     for t in range(0, KH * KW):
@@ -148,7 +159,7 @@ def dx_kernel(
     p_ok = p < M
     c_ok = c < C
     mask = p_ok[:, None] & c_ok[None, :]
-    n = (p // HW).to(tl.int64)
+    n = p // HW
     rem = p % HW
     h = rem // W
     w = rem % W
@@ -160,16 +171,23 @@ def dx_kernel(
     tl.store(g_ptrs, dx.to(g_ptr.dtype.element_ty), mask=mask)
 
 
+def configs_for(dtype) -> list[KernelConfig]:
+    return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS}.get(dtype_name(dtype), CONFIGS)
+
+
+def dx_configs_for(dtype) -> list[KernelConfig]:
+    return DX_CONFIGS
+
+
 def pick_config(m: int, c: int, co: int, dtype: torch.dtype) -> KernelConfig:
     if interpreting():
         return INTERPRET_CONFIG
+    if dtype == torch.float64:
+        return FP64_CONFIGS[0] if m >= 64 * 264 else FP64_CONFIGS[1]
+    configs = configs_for(dtype)
     if c <= 32:
-        return CONFIGS[3]
-    if c >= 128 and m >= 128 * 132 and dtype != torch.float64:
-        return CONFIGS[1]
-    if m < 128 * 132:
-        return CONFIGS[2]
-    return CONFIGS[0]
+        return configs[2]
+    return configs[0] if m * c >= 128 * 64 * 264 else configs[1]
 
 
 def pick_dx_config(x: torch.Tensor) -> KernelConfig:

@@ -20,6 +20,7 @@ from ._common import (
     acc_is_fp64,
     allow_tf32,
     cdiv,
+    dtype_name,
     interpreting,
     launcher,
     sm_count,
@@ -28,9 +29,12 @@ from ._common import (
 from .bn_relu_conv2d import _bn_relu_tile, mma
 
 CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=4),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+]
+FP64_CONFIGS = [
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
 ]
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1)
 
@@ -66,7 +70,7 @@ def wgrad_kernel(
     for k0 in range(k_begin, k_begin + iters_per_split * BLOCK_K, BLOCK_K):
         o = k0 + kk
         o_ok = o < M
-        n64 = (o // hw).to(tl.int64)
+        n64 = o // hw
         rem = o % hw
         oh = rem // Wo
         ow = rem % Wo
@@ -91,10 +95,16 @@ def wgrad_kernel(
             tl.store(db_ptr + split * Co + co, db, mask=co_ok)
 
 
+def configs_for(dtype) -> list[KernelConfig]:
+    return FP64_CONFIGS if dtype_name(dtype) == "fp64" else CONFIGS
+
+
 def pick_config(co: int, c: int, dtype: torch.dtype) -> KernelConfig:
     if interpreting():
         return INTERPRET_CONFIG
-    if co >= 128 and c >= 128 and dtype != torch.float64:
+    if dtype == torch.float64:
+        return FP64_CONFIGS[0]
+    if co >= 128 and c >= 64:
         return CONFIGS[1]
     if co <= 32 or c <= 32:
         return CONFIGS[2]
