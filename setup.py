@@ -76,7 +76,7 @@ def extensions():
     use_cuda = cuda_switch == "1" or (
         cuda_switch == "auto" and cuda_sources and cuda_home and torch.version.cuda
     )
-    cxx = ["-O3", "-fopenmp"]
+    cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas"]
     if os.environ.get("FUSEDRES_CPU_NATIVE", "1") == "1":
         cxx.append("-march=native")
     kwargs = {"extra_compile_args": {"cxx": cxx}, "extra_link_args": ["-fopenmp"]}
