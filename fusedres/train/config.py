@@ -68,7 +68,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 CHOICES = {
-    "dataset": ("cifar10", "cifar100", "digits"),
+    "dataset": ("cifar10", "cifar100", "digits", "synthetic"),
     "amp": ("none", "bf16", "fp16"),
     "device": ("auto", "cpu", "cuda"),
     "log_format": ("jsonl", "csv"),
@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--dataset", choices=CHOICES["dataset"],
                    help="cifar10 (default), cifar100, or digits (scikit-learn's 8x8 "
-                        "handwritten digits, shipped with the package: works offline)")
+                        "handwritten digits, shipped with the package: works offline), or "
+                        "synthetic (random CIFAR-shaped images: speed and memory only)")
     g.add_argument("--data-dir", help="where the CIFAR files are or go (default data)")
     g.add_argument("--download", action=argparse.BooleanOptionalAction,
                    help="download CIFAR when missing (default on)")
