@@ -66,9 +66,10 @@ def allow_tf32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and bool(torch.backends.cudnn.allow_tf32) and not interpreting()
 
 
-def upcast_dot(dtype: torch.dtype) -> bool:
-    """The interpreter's dot reads bfloat16 as raw integers: widen those operands there."""
-    return dtype == torch.bfloat16 and interpreting()
+def interp_bf16(*dtypes: torch.dtype) -> bool:
+    """bfloat16 under the interpreter, whose dot reads bfloat16 as raw integers and whose
+    float32 -> bfloat16 cast truncates: the kernels work around both (see ``_tl``)."""
+    return torch.bfloat16 in dtypes and interpreting()
 
 
 def launcher(kernel):

@@ -63,7 +63,7 @@ def kernel_specs():
     from . import bn_relu_conv2d_wgrad as wg
 
     def flags(dtype):
-        return {"FP64": dtype == "fp64", "TF32": dtype == "fp32", "UPCAST": False}
+        return {"FP64": dtype == "fp64", "TF32": dtype == "fp32", "INTERP_BF16": False}
 
     dgrad_roles = {
         "dy_ptr": "w", "w_ptr": "w", "x_ptr": "x", "scale_ptr": "stat", "shift_ptr": "stat",
@@ -87,7 +87,7 @@ def kernel_specs():
         ("dx", dg.dx_kernel, dg.dx_configs_for,
          {"g_ptr": "x", "x_ptr": "x", "scale_ptr": "stat", "mean_ptr": "stat",
           "invstd_ptr": "stat", "m1_ptr": "stat", "m2_ptr": "stat"},
-         lambda d: {"FP64": d == "fp64"}),
+         lambda d: {"FP64": d == "fp64", "INTERP_BF16": False}),
         ("wgrad", wg.wgrad_kernel, wg.configs_for,
          {"dy_ptr": "w", "x_ptr": "x", "scale_ptr": "stat", "shift_ptr": "stat",
           "dw_ptr": "acc", "db_ptr": "acc"},

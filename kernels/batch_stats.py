@@ -61,12 +61,16 @@ def batch_stats_kernel(
         d = tl.where(mask, v - t_mean0[None, :], 0.0)
         sd = tl.sum(d, axis=0)
         t_m2 = (tl.sum(d * d, axis=0) - sd * sd / cnt_safe).to(tl.float64)
-        t_mean = t_mean0.to(tl.float64) + (sd / cnt_safe).to(tl.float64)
+        # An inf in the tile makes sd NaN: keep the plain mean (inf) there, as torch does.
+        t_mean = tl.where(t_mean0 - t_mean0 == 0,
+                          t_mean0.to(tl.float64) + (sd / cnt_safe).to(tl.float64),
+                          t_mean0.to(tl.float64))
         cnt64 = cnt.to(tl.float64)
         n_new = n_run + cnt64
         w = cnt64 / tl.maximum(n_new, 1.0)
         delta = t_mean - mean
-        mean = mean + delta * w
+        finite = (mean - mean == 0) & (t_mean - t_mean == 0)
+        mean = tl.where(finite, mean + delta * w, mean * (1.0 - w) + t_mean * w)
         m2 = m2 + t_m2 + delta * delta * (n_run * w)
         n_run = n_new
     tl.store(mean_ptr + split * C + c, mean, mask=c_ok)

@@ -25,10 +25,11 @@ from ._common import (
     cdiv,
     chan_combine,
     dtype_name,
+    interp_bf16,
     interpreting,
     launcher,
-    upcast_dot,
 )
+from ._tl import cast, mma
 
 # Tensor-core configs (fp16, bf16, fp32/tf32): big, wide-N, small-N. float64 runs on smaller
 # tiles (FMA / DMMA, twice the registers per accumulator).
@@ -45,27 +46,18 @@ INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps
 
 
 @triton.jit
-def mma(acc, a, b, TF32: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ b. ``UPCAST`` (bfloat16 under the interpreter only, whose dot multiplies the
-    raw bits) widens the operands to float32 first, which is exact for bfloat16."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif TF32:
-        return tl.dot(a, b, acc, input_precision="tf32", out_dtype=acc.dtype)
-    else:
-        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
-
-
-@triton.jit
-def _bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, out_dtype):
+def _bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, out_dtype,
+                  INTERP_BF16: tl.constexpr):
     """relu(scale * x + shift) for a (rows, channels) tile, 0 where the row or channel is out."""
     c_ok = c < C
     mask = row_ok[:, None] & c_ok[None, :]
     xv = tl.load(x_ptr + row_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
     sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
     sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
-    a = tl.maximum(xv.to(sc.dtype) * sc[None, :] + sh[None, :], 0.0)
-    return tl.where(mask, a, 0.0).to(out_dtype)
+    # NaN stays NaN through the ReLU, as torch.relu does.
+    a = tl.maximum(xv.to(sc.dtype) * sc[None, :] + sh[None, :], 0.0,
+                   propagate_nan=tl.PropagateNan.ALL)
+    return cast(tl.where(mask, a, 0.0), out_dtype, INTERP_BF16)
 
 
 @triton.jit
@@ -78,7 +70,7 @@ def bn_relu_conv2d_fwd_kernel(
     syn, syc, syh, syw,
     srn, src, srh, srw,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GENSTATS: tl.constexpr,
-    FP64: tl.constexpr, TF32: tl.constexpr, UPCAST: tl.constexpr,
+    FP64: tl.constexpr, TF32: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -106,11 +98,12 @@ def bn_relu_conv2d_fwd_kernel(
         row_off = x_base + ih * sxh + iw * sxw
         for c0 in range(0, C, BLOCK_K):
             c = c0 + kk
-            a = _bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, op_t)
+            a = _bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, op_t,
+                              INTERP_BF16)
             w_mask = (c < C)[:, None] & co_ok[None, :]
             b = tl.load(w_ptr + co[None, :] * swo + c[:, None] * swc + i * swh + j * sww,
                         mask=w_mask, other=0.0)
-            acc = mma(acc, a, b, TF32, UPCAST)
+            acc = mma(acc, a, b, TF32, INTERP_BF16)
     mask = m_ok[:, None] & co_ok[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + co, mask=co_ok, other=0.0).to(acc_t)[None, :]
@@ -118,7 +111,7 @@ def bn_relu_conv2d_fwd_kernel(
         r_off = n * srn + oh * srh + ow * srw
         acc += tl.load(res_ptr + r_off[:, None] + co[None, :] * src, mask=mask,
                        other=0.0).to(acc_t)
-    y = acc.to(y_ptr.dtype.element_ty)
+    y = cast(acc, y_ptr.dtype.element_ty, INTERP_BF16)
     y_off = n * syn + oh * syh + ow * syw
     tl.store(y_ptr + y_off[:, None] + co[None, :] * syc, y, mask=mask)
     if GENSTATS:
@@ -128,7 +121,8 @@ def bn_relu_conv2d_fwd_kernel(
         t_mean0 = tl.sum(yv, axis=0) / cnt
         d = tl.where(mask, yv - t_mean0[None, :], 0.0)
         sd = tl.sum(d, axis=0)
-        tl.store(smean_ptr + pid_m * Co + co, t_mean0 + sd / cnt, mask=co_ok)
+        t_mean = tl.where(t_mean0 - t_mean0 == 0, t_mean0 + sd / cnt, t_mean0)  # inf stays
+        tl.store(smean_ptr + pid_m * Co + co, t_mean, mask=co_ok)
         tl.store(sm2_ptr + pid_m * Co + co, tl.sum(d * d, axis=0) - sd * sd / cnt, mask=co_ok)
 
 
@@ -188,7 +182,7 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
         c, h, w, co, ho, wo, m, kh, kw, sh, sw, ph, pw, dh, dw,
         *x.stride(), *weight.stride(), *y.stride(), *res_strides,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, GENSTATS=genstats,
-        FP64=fp64, TF32=allow_tf32(weight.dtype), UPCAST=upcast_dot(weight.dtype),
+        FP64=fp64, TF32=allow_tf32(weight.dtype), INTERP_BF16=interp_bf16(weight.dtype),
         **cfg.launch_kwargs(),
     )
     if not genstats:

@@ -27,11 +27,11 @@ from ._common import (
     allow_tf32,
     cdiv,
     dtype_name,
+    interp_bf16,
     interpreting,
     launcher,
-    upcast_dot,
 )
-from .bn_relu_conv2d import mma
+from ._tl import cast, mma
 
 # Same roles as the forward's configs: big, mid, narrow (small C); float32 (TF32) operands
 # take twice the registers of 16-bit ones in the epilogue, hence fewer stages.
@@ -85,7 +85,7 @@ def dgrad_kernel(
     sxn, sxc, sxh, sxw,
     sgn, sgc, sgh, sgw,
     WRITE_DZ: tl.constexpr, WRITE_DX: tl.constexpr, STATS: tl.constexpr, TRAIN: tl.constexpr,
-    FP64: tl.constexpr, TF32: tl.constexpr, UPCAST: tl.constexpr,
+    FP64: tl.constexpr, TF32: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -121,14 +121,15 @@ def dgrad_kernel(
                         mask=row_ok[:, None] & co_ok[None, :], other=0.0).to(op_t)
             b = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
                         mask=co_ok[:, None] & c_ok[None, :], other=0.0)
-            acc = mma(acc, a, b, TF32, UPCAST)
+            acc = mma(acc, a, b, TF32, INTERP_BF16)
     mask = p_ok[:, None] & c_ok[None, :]
     x_off = n64 * sxn + ih * sxh + iw * sxw
     xv = tl.load(x_ptr + x_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
     sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
     sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
     z = xv.to(sc.dtype) * sc[None, :] + sh[None, :]
-    dz = tl.where(mask & (z > 0), acc, 0.0)
+    # Gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
+    dz = tl.where(mask & ~(z <= 0), acc, 0.0)
     if STATS:
         mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
         inv = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
@@ -138,10 +139,10 @@ def dgrad_kernel(
     g_off = n64 * sgn + ih * sgh + iw * sgw
     g_ptrs = gx_ptr + g_off[:, None] + c[None, :] * sgc
     if WRITE_DZ:
-        tl.store(g_ptrs, dz.to(gx_ptr.dtype.element_ty), mask=mask)
+        tl.store(g_ptrs, cast(dz, gx_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
     if WRITE_DX:
         dx = _dx_from_dz(dz, xv, c, c_ok, scale_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr, TRAIN)
-        tl.store(g_ptrs, dx.to(gx_ptr.dtype.element_ty), mask=mask)
+        tl.store(g_ptrs, cast(dx, gx_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
 
 
 @triton.jit
@@ -150,7 +151,8 @@ def dx_kernel(
     C, HW, W, M,
     sxn, sxc, sxh, sxw,
     sgn, sgc, sgh, sgw,
-    FP64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    FP64: tl.constexpr, INTERP_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """In place: grad_x holds dz on entry and dx on exit (training-mode BatchNorm backward)."""
     acc_t = tl.float64 if FP64 else tl.float32
@@ -168,7 +170,7 @@ def dx_kernel(
     g_ptrs = g_ptr + (n * sgn + h * sgh + w * sgw)[:, None] + c[None, :] * sgc
     dz = tl.load(g_ptrs, mask=mask, other=0.0).to(acc_t)
     dx = _dx_from_dz(dz, xv, c, c_ok, scale_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr, True)
-    tl.store(g_ptrs, dx.to(g_ptr.dtype.element_ty), mask=mask)
+    tl.store(g_ptrs, cast(dx, g_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
 
 
 def configs_for(dtype) -> list[KernelConfig]:
@@ -228,7 +230,8 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     )
     shape_args = (c, h, w, co, ho, wo, m, kh, kw, *stride, *padding, *dilation,
                   *grad_out.stride(), *weight.stride(), *x.stride(), *g_strides)
-    flags = dict(FP64=fp64, TF32=allow_tf32(weight.dtype), UPCAST=upcast_dot(weight.dtype),
+    flags = dict(FP64=fp64, TF32=allow_tf32(weight.dtype),
+                 INTERP_BF16=interp_bf16(weight.dtype, x.dtype),
                  **cfg.launch_kwargs())
     kernel = launcher(dgrad_kernel)[grid]
 
@@ -258,7 +261,8 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
         dgrid = (cdiv(m, dcfg.meta["BLOCK_M"]), cdiv(c, dcfg.meta["BLOCK_C"]))
         launcher(dx_kernel)[dgrid](
             grad_x, x, scale, mean, invstd, m1, m2, c, h * w, w, m, *x.stride(),
-            *grad_x.stride(), FP64=fp64, **dcfg.launch_kwargs())
+            *grad_x.stride(), FP64=fp64, INTERP_BF16=interp_bf16(x.dtype),
+            **dcfg.launch_kwargs())
     if sum_dz is None:
         return None, None
     return sum_dz.to(scale.dtype), sum_dzx.to(scale.dtype)

@@ -21,12 +21,13 @@ from ._common import (
     allow_tf32,
     cdiv,
     dtype_name,
+    interp_bf16,
     interpreting,
     launcher,
     sm_count,
-    upcast_dot,
 )
-from .bn_relu_conv2d import _bn_relu_tile, mma
+from ._tl import mma
+from .bn_relu_conv2d import _bn_relu_tile
 
 CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
@@ -47,7 +48,7 @@ def wgrad_kernel(
     sdn, sdc, sdh, sdw,
     sxn, sxc, sxh, sxw,
     iters_per_split,
-    HAS_DB: tl.constexpr, FP64: tl.constexpr, TF32: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DB: tl.constexpr, FP64: tl.constexpr, TF32: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -84,8 +85,8 @@ def wgrad_kernel(
         iw = ow * SW - PW + j * DW
         row_ok = o_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
         a = _bn_relu_tile(x_ptr, n64 * sxn + ih * sxh + iw * sxw, row_ok, c, C, sxc,
-                          scale_ptr, shift_ptr, g.dtype)
-        acc = mma(acc, g, a, TF32, UPCAST)
+                          scale_ptr, shift_ptr, g.dtype, INTERP_BF16)
+        acc = mma(acc, g, a, TF32, INTERP_BF16)
     c_ok = c < C
     # Partials: (SPLIT, Co, C, KH, KW) contiguous.
     off = split * (Co * C * taps) + co[:, None] * (C * taps) + c[None, :] * taps + t
@@ -142,6 +143,6 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight_shape, scale, shift, stride, paddin
         c, h, w, co, ho, wo, m, kh, kw, *stride, *padding, *dilation,
         *grad_out.stride(), *x.stride(), ips,
         HAS_DB=want_bias, FP64=fp64, TF32=allow_tf32(grad_out.dtype),
-        UPCAST=upcast_dot(grad_out.dtype), **cfg.launch_kwargs(),
+        INTERP_BF16=interp_bf16(grad_out.dtype), **cfg.launch_kwargs(),
     )
     return dw.sum(0), (db.sum(0) if want_bias else None)
