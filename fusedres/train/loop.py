@@ -262,6 +262,31 @@ class Run:
             self.log = M.MetricsLog(self.out, cfg["log_format"], self.history,
                                     cfg["tensorboard"])
         self.last_saved = self.iteration if state is not None else -1
+        if self.rank == 0:
+            self._banner()
+
+    def _banner(self) -> None:
+        cfg, d = self.cfg, self.data
+        backend = (_backend.resolve_backend(self.device) if cfg["fused"] else "plain PyTorch")
+        c, h, w = d.image_shape
+        ipe = self.batches.iters_per_epoch
+        lines = [
+            f"model {cfg['model']}{'' if cfg['depth'] is None else ' depth ' + str(cfg['depth'])}"
+            f" ({self.parameters / 1e6:.3f} M parameters, "
+            f"{'fused' if cfg['fused'] else 'plain'} blocks, backend {backend})",
+            f"data {d.name}: {len(d.train_y)} train / {len(d.test_y)} test images {c}x{h}x{w}; "
+            f"{self.max_iters} iterations = {self.max_iters / ipe:.1f} epochs of {ipe}, "
+            f"batch {cfg['batch_size']}"
+            + (f" over {self.world} processes" if self.world > 1 else ""),
+            f"device {self.device}, {torch.get_num_threads()} threads, amp {cfg['amp']}; "
+            f"run directory {self.out}",
+        ]
+        if self.resume_state is not None:
+            lines.append(f"resumed at iteration {self.iteration}")
+        if self.plan_summary is not None:
+            lines += str(self.plan_summary).splitlines()
+        for line in lines:
+            print(f"fusedres train: {line}", file=sys.stderr)
 
     def _plan(self, model, budget: int):
         plan = getattr(fusedres.memory, "plan", None)
