@@ -10,6 +10,7 @@ existing run touched), 128 + signal number when stopped by SIGTERM/SIGINT after 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 __all__ = ["main"]
@@ -29,14 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         from .loop import Run
 
         initialised = _init_distributed(cfg)
-        run = Run(cfg, explicit)
+        with contextlib.ExitStack() as scope:  # the backend choice ends with the run
+            run = Run(cfg, explicit, scope)
+            return run.train()
     except (UsageError, BackendUnavailableError) as e:
         print(f"fusedres train: error: {e}", file=sys.stderr)
-        if initialised:
-            dist.destroy_process_group()
         return 2
-    try:
-        return run.train()
     finally:
         if initialised:
             dist.destroy_process_group()

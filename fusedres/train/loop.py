@@ -137,11 +137,13 @@ class _SavedBytes:
 # --------------------------------------------------------------------------- the run
 
 class Run:
-    def __init__(self, cfg: dict[str, Any], explicit: set[str]):
+    def __init__(self, cfg: dict[str, Any], explicit: set[str],
+                 scope: contextlib.ExitStack | None = None):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.stop_signal: int | None = None
+        self.scope = scope if scope is not None else contextlib.ExitStack()
         self._setup(cfg, explicit)
 
     # ------------------------------------------------------------------ set-up
@@ -185,10 +187,11 @@ class Run:
         cfg, out, state = self._resolve_resume(cfg, explicit)
         self.cfg, self.out, self.resume_state = cfg, out, state
         if cfg["threads"]:
+            self.scope.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(cfg["threads"])
         self.device = _device(cfg, self.local_rank)
         _check_backend(cfg, self.device)
-        fusedres.set_backend(cfg["backend"])
+        self.scope.enter_context(fusedres.use_backend(cfg["backend"]))
         if cfg["amp"] == "fp16" and self.device.type == "cpu" and cfg["compile"]:
             raise UsageError("--amp fp16 with --compile: not supported on CPU; use --amp bf16")
 
@@ -235,6 +238,11 @@ class Run:
             except (ValueError, KeyError, RuntimeError) as e:
                 raise UsageError(f"--resume: the optimiser state does not fit this model "
                                  f"({_first_line(e)})") from None
+        self.saved_bytes = None
+        if cfg["compile"] and cfg["amp"] == "none":
+            # The first step's count (below) cannot see inside a compiled graph: count the
+            # eager model on the meta device instead (the same count, nothing allocated).
+            self.saved_bytes = self._saved_bytes_on_meta(model)
         train_model = model
         if self.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -251,7 +259,8 @@ class Run:
         self.iteration = state["iteration"] if state is not None else 0
         self.history = list(state["metrics"]) if state is not None else []
         self.accum = dict(state.get("accum", {})) if state is not None else {}
-        self.saved_bytes = state.get("saved_activation_bytes") if state is not None else None
+        if state is not None and self.saved_bytes is None:
+            self.saved_bytes = state.get("saved_activation_bytes")
         self.elapsed = state.get("elapsed_s", 0.0) if state is not None else 0.0
         if state is not None:
             ckpt.set_rng_state(state["rng"])
@@ -304,6 +313,20 @@ class Run:
         except (ValueError, RuntimeError, MemoryError) as e:
             raise UsageError(f"--memory-budget {self.cfg['memory_budget']}: "
                              f"{_first_line(e)}") from None
+
+    def _saved_bytes_on_meta(self, model: nn.Module) -> int | None:
+        import copy
+
+        try:
+            meta = copy.deepcopy(model).to("meta")
+            counter = _SavedBytes(meta)
+            x = torch.empty((self.batches.local, *self.data.image_shape), device="meta")
+            y = torch.zeros(self.batches.local, dtype=torch.int64, device="meta")
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                F.cross_entropy(meta(x), y)
+            return counter.total()
+        except Exception:  # a model that cannot run on meta: no count, no failure
+            return None
 
     def amp_dtype_for_plan(self):
         return _AMP[self.cfg["amp"]] or torch.float32
