@@ -16,7 +16,13 @@ from torch import Tensor
 
 from . import _backend, ops, reference
 
-__all__ = ["BatchNormState", "bn_relu_conv2d", "conv2d_from_prepared", "prepare_batch_norm"]
+__all__ = [
+    "BatchNormState",
+    "bn_relu_conv2d",
+    "check_conv_args",
+    "conv2d_from_prepared",
+    "prepare_batch_norm",
+]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -211,6 +217,14 @@ def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> None:
             raise TypeError(f"residual: expected a floating-point tensor, got {residual.dtype}")
 
 
+def check_conv_args(x, weight, bias=None, residual=None, stride=1, padding=0, dilation=1):
+    """Raise the error :func:`conv2d_from_prepared` would raise, without computing anything.
+    Callers run it before :func:`prepare_batch_norm` so that bad arguments leave state alone."""
+    _check_x(x)
+    _check_conv(x, weight, bias, residual, _pair(stride, "stride", minimum=1),
+                _pair(padding, "padding", minimum=0), _pair(dilation, "dilation", minimum=1))
+
+
 def bn_relu_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, bn_weight: Tensor | None,
                    bn_bias: Tensor | None, running_mean: Tensor | None,
                    running_var: Tensor | None, num_batches_tracked: Tensor | None = None, *,
@@ -227,9 +241,7 @@ def bn_relu_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, bn_weight: Te
     the running statistics are touched.
     """
     # Check the convolution's arguments first too: nothing may change if they are wrong.
-    _check_x(x)
-    _check_conv(x, weight, bias, residual, _pair(stride, "stride", minimum=1),
-                _pair(padding, "padding", minimum=0), _pair(dilation, "dilation", minimum=1))
+    check_conv_args(x, weight, bias, residual, stride, padding, dilation)
     state = prepare_batch_norm(x, bn_weight, bn_bias, running_mean, running_var,
                                num_batches_tracked, training=training, momentum=momentum,
                                eps=eps)

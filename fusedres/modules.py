@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
@@ -13,7 +14,19 @@ __all__ = ["BNReLUConv2d", "PreActBasicBlock", "PreActBottleneck"]
 
 
 def prepare(bn: nn.BatchNorm2d, x: Tensor) -> FR.BatchNormState:
-    """Statistics and running-stats update of ``bn`` for input ``x`` (one pass, once)."""
+    """Statistics and running-stats update of ``bn`` for input ``x`` (one pass, once).
+
+    A BatchNorm with a ``fused_prepare(x)`` method (``fusedres.distributed.SyncBatchNorm2d``)
+    prepares itself; an ``nn.SyncBatchNorm`` in a running process group synchronises its
+    statistics across processes (``fusedres.distributed.prepare_batch_norm_sync``).
+    """
+    custom = getattr(bn, "fused_prepare", None)
+    if custom is not None:
+        return custom(x)
+    if isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized():
+        from .distributed import prepare_batch_norm_sync
+
+        return prepare_batch_norm_sync(x, bn, bn.process_group)
     return FR.prepare_batch_norm(
         x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked,
         training=bn.training, momentum=bn.momentum, eps=bn.eps,
@@ -58,12 +71,10 @@ class BNReLUConv2d(nn.Module):
                               bias=bias, **kw)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        check_convs(self.conv)
-        bn, c = self.bn, self.conv
-        return FR.bn_relu_conv2d(
-            x, c.weight, c.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var,
-            bn.num_batches_tracked, training=bn.training, momentum=bn.momentum, eps=bn.eps,
-            stride=c.stride, padding=c.padding, dilation=c.dilation, residual=residual)
+        c = self.conv
+        check_convs(c)
+        FR.check_conv_args(x, c.weight, c.bias, residual, c.stride, c.padding, c.dilation)
+        return conv(prepare(self.bn, x), c, residual)
 
 
 def _plain(bn: nn.BatchNorm2d, x: Tensor) -> Tensor:
