@@ -201,15 +201,17 @@ def pick_dx_config(x: torch.Tensor) -> KernelConfig:
 
 def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride, padding,
                          dilation, *, batch_stats: bool, grad_x: torch.Tensor | None,
-                         want_sums: bool, strategy: str = "store",
+                         want_sums: bool, sums=None, strategy: str = "store",
                          config: KernelConfig | None = None):
     """Data gradient of y = conv2d(relu(scale*x + shift), weight) w.r.t. x, and the sums.
 
     grad_out (N, Co, Ho, Wo); x (N, C, H, W); scale, shift, mean, invstd (C,) in the statistics
     dtype. Writes grad_x (like x) when given; ``batch_stats`` selects training-mode BatchNorm
-    (dx through the batch statistics). ``strategy``: "store" (dz written, one elementwise pass)
-    or "recompute" (sums-only GEMM pass, then a GEMM pass that writes dx). Returns
-    (sum dz, sum dz * xhat) per channel in the statistics dtype (None when not needed).
+    (dx through the batch statistics). ``sums = (sum dz, sum dz * xhat)`` when already known
+    (from the weight-gradient pass, see bn_relu_conv2d_wgrad): dx is written in one pass.
+    Otherwise ``strategy``: "store" (dz written, one elementwise pass) or "recompute" (sums-only
+    GEMM pass, then a GEMM pass that writes dx). Returns (sum dz, sum dz * xhat) per channel in
+    the statistics dtype (None when not needed).
     """
     n, c, h, w = x.shape
     co, _, kh, kw = weight.shape
@@ -239,23 +241,29 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
         kernel(*common, m1, m2, g, s1, s2, *shape_args, WRITE_DZ=write_dz, WRITE_DX=write_dx,
                STATS=stats, TRAIN=batch_stats, **flags)
 
-    def sums():
+    def reduced():
         return s1.sum(0), s2.sum(0)
 
-    if grad_x is None:  # only dgamma / dbeta
+    if sums is not None:
+        sum_dz, sum_dzx = sums
+        if grad_x is not None:
+            m1, m2 = ((sum_dz / m).to(scale.dtype), (sum_dzx / m).to(scale.dtype)) if train \
+                else (dummy, dummy)
+            run(m1, m2, False, True, False)
+    elif grad_x is None:  # only dgamma / dbeta
         run(dummy, dummy, False, False, True)
-        sum_dz, sum_dzx = sums()
+        sum_dz, sum_dzx = reduced()
     elif not train:  # eval: dx = scale * dz, one pass
         run(dummy, dummy, False, True, want_sums)
-        sum_dz, sum_dzx = sums() if want_sums else (None, None)
+        sum_dz, sum_dzx = reduced() if want_sums else (None, None)
     elif strategy == "recompute":
         run(dummy, dummy, False, False, True)
-        sum_dz, sum_dzx = sums()
+        sum_dz, sum_dzx = reduced()
         m1, m2 = (sum_dz / m).to(scale.dtype), (sum_dzx / m).to(scale.dtype)
         run(m1, m2, False, True, False)
     else:
         run(dummy, dummy, True, False, True)
-        sum_dz, sum_dzx = sums()
+        sum_dz, sum_dzx = reduced()
         m1, m2 = (sum_dz / m).to(scale.dtype), (sum_dzx / m).to(scale.dtype)
         dcfg = pick_dx_config(x)
         dgrid = (cdiv(m, dcfg.meta["BLOCK_M"]), cdiv(c, dcfg.meta["BLOCK_C"]))

@@ -1,4 +1,4 @@
-"""Weight (and bias) gradient of the fused unit.
+"""Weight (and bias) gradient of the fused unit, and the BatchNorm backward sums.
 
 dW[co, c, i, j] = sum over (n, oh, ow) of dy[n, co, oh, ow] * a[n, c, oh*sh - ph + i*dh, ...]
 with ``a = relu(scale * x + shift)`` recomputed in the operand load (zero outside the image).
@@ -7,6 +7,20 @@ over the output pixels (K = N*Ho*Wo). Small Co*C*kh*kw gives few tiles, so the r
 split over ``SPLIT`` programs writing float32 (float64) partials, summed on the host. The conv
 bias gradient (sum of dy) is reduced by the programs of the first column block and tap, from
 the dy tiles they load anyway.
+
+``SUMS`` variant. With m = [scale*x + shift > 0] and xhat = (x - mean) * invstd, the activation
+is a = m * (gamma * xhat + beta), so two correlations of dy,
+
+    G1[co, c, i, j] = sum dy * m          G2[co, c, i, j] = sum dy * m * xhat
+
+(both at the tap's shifted pixel) give the weight gradient, dW = gamma * G2 + beta * G1, and,
+contracted with the weight, the sums BatchNorm backward needs:
+
+    sum_p dz[p, c] = sum_{co,i,j} W * G1        sum_p dz * xhat = sum_{co,i,j} W * G2
+
+(dz = m * conv_transpose(dy, W)). So this one pass over dy and x yields everything the data
+gradient needs to write dx directly, in one more pass: no dz round trip through memory. It
+costs a second GEMM of the weight-gradient size.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ from ._common import (
     launcher,
     sm_count,
 )
-from ._tl import mma
+from ._tl import cast, mma
 from .bn_relu_conv2d import _bn_relu_tile
 
 CONFIGS = [
@@ -42,15 +56,17 @@ INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps
 
 @triton.jit
 def wgrad_kernel(
-    dy_ptr, x_ptr, scale_ptr, shift_ptr, dw_ptr, db_ptr,
+    dy_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, p1_ptr, p2_ptr, db_ptr,
     C, H, W, Co, Ho, Wo, M, KH, KW,
     SH, SW, PH, PW, DH, DW,
     sdn, sdc, sdh, sdw,
     sxn, sxc, sxh, sxw,
     iters_per_split,
-    HAS_DB: tl.constexpr, FP64: tl.constexpr, TF32: tl.constexpr, INTERP_BF16: tl.constexpr,
+    SUMS: tl.constexpr, HAS_DB: tl.constexpr, FP64: tl.constexpr, TF32: tl.constexpr,
+    INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Partials (SPLIT, Co, C, KH, KW): p1 = dW, or with SUMS p1 = G1 and p2 = G2."""
     pid_m = tl.program_id(0)
     pid_nt = tl.program_id(1)
     split = tl.program_id(2)
@@ -63,19 +79,26 @@ def wgrad_kernel(
     co = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     co_ok = co < Co
+    c_ok = c < C
     kk = tl.arange(0, BLOCK_K)
     hw = Ho * Wo
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
     db = tl.zeros((BLOCK_M,), dtype=acc_t)
+    if SUMS:
+        sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
+        sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
+        mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+        inv = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
     k_begin = split * iters_per_split * BLOCK_K
     for k0 in range(k_begin, k_begin + iters_per_split * BLOCK_K, BLOCK_K):
         o = k0 + kk
         o_ok = o < M
-        n64 = o // hw
+        n = o // hw
         rem = o % hw
         oh = rem // Wo
         ow = rem % Wo
-        dy_off = n64 * sdn + oh * sdh + ow * sdw
+        dy_off = n * sdn + oh * sdh + ow * sdw
         g = tl.load(dy_ptr + co[:, None] * sdc + dy_off[None, :],
                     mask=co_ok[:, None] & o_ok[None, :], other=0.0)
         if HAS_DB:
@@ -84,13 +107,26 @@ def wgrad_kernel(
         ih = oh * SH - PH + i * DH
         iw = ow * SW - PW + j * DW
         row_ok = o_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        a = _bn_relu_tile(x_ptr, n64 * sxn + ih * sxh + iw * sxw, row_ok, c, C, sxc,
-                          scale_ptr, shift_ptr, g.dtype, INTERP_BF16)
-        acc = mma(acc, g, a, TF32, INTERP_BF16)
-    c_ok = c < C
-    # Partials: (SPLIT, Co, C, KH, KW) contiguous.
+        row_off = n * sxn + ih * sxh + iw * sxw
+        if SUMS:
+            mask = row_ok[:, None] & c_ok[None, :]
+            xv = tl.load(x_ptr + row_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
+            xs = xv.to(sc.dtype)
+            on = mask & ~(xs * sc[None, :] + sh[None, :] <= 0)  # NaN passes, as in torch
+            xhat = (xs - mu[None, :]) * inv[None, :]
+            b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
+            b2 = cast(tl.where(on, xhat, 0.0), g.dtype, INTERP_BF16)
+            acc1 = mma(acc1, g, b1, TF32, INTERP_BF16)
+            acc2 = mma(acc2, g, b2, TF32, INTERP_BF16)
+        else:
+            a = _bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, g.dtype,
+                              INTERP_BF16)
+            acc1 = mma(acc1, g, a, TF32, INTERP_BF16)
     off = split * (Co * C * taps) + co[:, None] * (C * taps) + c[None, :] * taps + t
-    tl.store(dw_ptr + off, acc, mask=co_ok[:, None] & c_ok[None, :])
+    out_mask = co_ok[:, None] & c_ok[None, :]
+    tl.store(p1_ptr + off, acc1, mask=out_mask)
+    if SUMS:
+        tl.store(p2_ptr + off, acc2, mask=out_mask)
     if HAS_DB:
         if pid_nt == 0:
             tl.store(db_ptr + split * Co + co, db, mask=co_ok)
@@ -112,14 +148,20 @@ def pick_config(co: int, c: int, dtype: torch.dtype) -> KernelConfig:
     return CONFIGS[0]
 
 
-def bn_relu_conv2d_wgrad(grad_out, x, weight_shape, scale, shift, stride, padding, dilation, *,
-                         want_bias: bool, config: KernelConfig | None = None,
-                         split: int | None = None):
-    """(grad_weight (Co, C, kh, kw) contiguous, grad_bias (Co,) or None) in the accumulation
-    dtype (float32, float64 for float64). grad_out (N, Co, Ho, Wo) already in the weight dtype;
-    x (N, C, H, W); scale, shift (C,) in the statistics dtype."""
+def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dilation, *,
+                         want_weight: bool = True, want_bias: bool,
+                         bn_affine=None, mean=None, invstd=None,
+                         config: KernelConfig | None = None, split: int | None = None):
+    """Weight and bias gradients; with ``bn_affine`` also the BatchNorm backward sums.
+
+    grad_out (N, Co, Ho, Wo) in the weight dtype; x (N, C, H, W); scale, shift (C,) in the
+    statistics dtype. ``bn_affine = (gamma, beta)`` (C,) each (1 and 0 when BN has none) with
+    ``mean``, ``invstd`` selects the SUMS variant. Returns (grad_weight (Co, C, kh, kw)
+    contiguous or None, grad_bias (Co,) or None, sums) in the accumulation dtype (float32,
+    float64 for float64), ``sums = (sum dz, sum dz * xhat)`` per input channel or None.
+    """
     n, c, h, w = x.shape
-    co, _, kh, kw = weight_shape
+    co, _, kh, kw = weight.shape
     ho, wo = grad_out.shape[2], grad_out.shape[3]
     m = n * ho * wo
     cfg = config or pick_config(co, c, grad_out.dtype)
@@ -135,14 +177,25 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight_shape, scale, shift, stride, paddin
     split = cdiv(k_iters, ips)
     fp64 = acc_is_fp64(grad_out.dtype)
     acc = torch.float64 if fp64 else torch.float32
-    dw = torch.empty((split, co, c, kh, kw), device=x.device, dtype=acc)
-    db = torch.empty((split, co), device=x.device, dtype=acc) if want_bias else dw
+    sums = bn_affine is not None
+    p1 = torch.empty((split, co, c, kh, kw), device=x.device, dtype=acc)
+    p2 = torch.empty_like(p1) if sums else p1
+    db = torch.empty((split, co), device=x.device, dtype=acc) if want_bias else p1
     grid = (cdiv(co, bm), cdiv(c, bn) * kh * kw, split)
     launcher(wgrad_kernel)[grid](
-        grad_out, x, scale, shift, dw, db,
+        grad_out, x, scale, shift, mean if sums else scale, invstd if sums else scale,
+        p1, p2, db,
         c, h, w, co, ho, wo, m, kh, kw, *stride, *padding, *dilation,
         *grad_out.stride(), *x.stride(), ips,
-        HAS_DB=want_bias, FP64=fp64, TF32=allow_tf32(grad_out.dtype),
+        SUMS=sums, HAS_DB=want_bias, FP64=fp64, TF32=allow_tf32(grad_out.dtype),
         INTERP_BF16=interp_bf16(grad_out.dtype), **cfg.launch_kwargs(),
     )
-    return dw.sum(0), (db.sum(0) if want_bias else None)
+    grad_b = db.sum(0) if want_bias else None
+    if not sums:
+        return p1.sum(0) if want_weight else None, grad_b, None
+    g1, g2 = p1.sum(0), p2.sum(0)
+    gamma, beta = (v.to(acc).view(1, c, 1, 1) for v in bn_affine)
+    grad_w = gamma * g2 + beta * g1 if want_weight else None
+    wt = weight.to(acc)
+    bn_sums = ((wt * g1).sum((0, 2, 3)), (wt * g2).sum((0, 2, 3)))
+    return grad_w, grad_b, bn_sums

@@ -83,22 +83,32 @@ def backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, bn_weight: Optional
     outs = list(backward_empty_outputs(x, weight, mean, output_mask))
     scale, shift = _scale_shift(bn_weight, bn_bias, mean, invstd)
     grad_out = grad_out.to(weight.dtype)
-    if want_w or want_b:
-        gw, gb = _wgrad.bn_relu_conv2d_wgrad(grad_out, x, weight.shape, scale, shift, stride,
-                                             padding, dilation, want_bias=want_b)
+    mean, invstd = mean.contiguous(), invstd.contiguous()
+    need_sums = want_g or want_beta or (want_x and batch_stats)
+    sums = None
+    if want_w or want_b or need_sums:
+        # One pass over dy and x: weight and bias gradients, and the BatchNorm backward sums.
+        affine = None
+        if need_sums:
+            affine = (bn_weight if bn_weight is not None else torch.ones_like(mean),
+                      bn_bias if bn_bias is not None else torch.zeros_like(mean))
+        gw, gb, sums = _wgrad.bn_relu_conv2d_wgrad(
+            grad_out, x, weight, scale, shift, stride, padding, dilation, want_weight=want_w,
+            want_bias=want_b, bn_affine=affine, mean=mean, invstd=invstd)
         if want_w:
             outs[1].copy_(gw)
         if want_b:
             outs[2].copy_(gb)
-    if want_x or want_g or want_beta:
-        sum_dz, sum_dzx = _dgrad.bn_relu_conv2d_dgrad(
-            grad_out, x, weight, scale, shift, mean.contiguous(), invstd.contiguous(), stride,
-            padding, dilation, batch_stats=batch_stats,
-            grad_x=outs[0] if want_x else None, want_sums=want_g or want_beta)
-        if want_g:
-            outs[3].copy_(sum_dzx)
-        if want_beta:
-            outs[4].copy_(sum_dz)
+        if sums is not None:
+            if want_g:
+                outs[3].copy_(sums[1])
+            if want_beta:
+                outs[4].copy_(sums[0])
+    if want_x:
+        # Second pass: dx written directly (the sums are known).
+        _dgrad.bn_relu_conv2d_dgrad(
+            grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
+            batch_stats=batch_stats, grad_x=outs[0], want_sums=False, sums=sums)
     return tuple(outs)
 
 
