@@ -66,13 +66,16 @@ def _step(block, x, gy, steps=2):
     return outs, grads, buffers
 
 
-def _worker(rank, port, fused, backend, out_dir):
+def _worker(rank, port, fused, convert, backend, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         fdist.install_prepare_hook()
-        block = fdist.convert_sync_batchnorm(_make_block(fused))
+        if convert == "torch":  # nn.SyncBatchNorm modules are routed to the same sync
+            block = nn.SyncBatchNorm.convert_sync_batchnorm(_make_block(fused))
+        else:
+            block = fdist.convert_sync_batchnorm(_make_block(fused))
         x, gy = _inputs()
         sl = slice(rank * N_LOCAL, (rank + 1) * N_LOCAL)
         with fusedres.use_backend(backend):
@@ -84,12 +87,14 @@ def _worker(rank, port, fused, backend, out_dir):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
-def test_sync_batch_norm_equals_one_process_with_whole_batch(fused, tmp_path):
+@pytest.mark.parametrize("fused, convert", [(True, "fusedres"), (False, "fusedres"),
+                                            (True, "torch")],
+                         ids=["fused", "plain", "fused-nn.SyncBatchNorm"])
+def test_sync_batch_norm_equals_one_process_with_whole_batch(fused, convert, tmp_path):
     backend = "portable" if fused else "reference"
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, fused, backend, str(tmp_path)))
+    procs = [ctx.Process(target=_worker, args=(r, port, fused, convert, backend, str(tmp_path)))
              for r in range(WORLD)]
     for p in procs:
         p.start()
