@@ -88,8 +88,9 @@ def dgrad_kernel(
     FP64: tl.constexpr, TF32: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    num_n = tl.cdiv(C, BLOCK_N)  # column tiles of a row block back to back (L2 reuse of dy)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
     acc_t = tl.float64 if FP64 else tl.float32
     op_t = w_ptr.dtype.element_ty
     p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -235,7 +236,7 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     flags = dict(FP64=fp64, TF32=allow_tf32(weight.dtype),
                  INTERP_BF16=interp_bf16(weight.dtype, x.dtype),
                  **cfg.launch_kwargs())
-    kernel = launcher(dgrad_kernel)[grid]
+    kernel = launcher(dgrad_kernel)[(grid[0] * grid[1],)]
 
     def run(m1, m2, write_dz, write_dx, stats):
         kernel(*common, m1, m2, g, s1, s2, *shape_args, WRITE_DZ=write_dz, WRITE_DX=write_dx,
