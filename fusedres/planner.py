@@ -42,6 +42,10 @@ __all__ = ["MemoryPlan", "PlanError", "UnitProfile", "measure_step", "plan", "pr
 GiB = 2 ** 30
 
 
+def _size(n: float) -> str:
+    return f"{n / GiB:.3f} GiB" if n >= 0.1 * GiB else f"{n / 2 ** 20:.2f} MiB"
+
+
 class PlanError(ValueError):
     """The budget cannot be met; ``min_budget_bytes`` is the smallest one the planner meets."""
 
@@ -97,12 +101,11 @@ class MemoryPlan:
     def __str__(self) -> str:
         longest = max((b - a for a, b in self.segments), default=0)
         return "\n".join([
-            f"memory plan for a budget of {self.budget_bytes / GiB:.3f} GiB:",
+            f"memory plan for a budget of {_size(self.budget_bytes)}:",
             f"  checkpointed {self.n_checkpointed} of {self.n_units} units in "
             f"{len(self.segments)} segments (longest {longest} units)",
-            f"  saved after forward {self.saved_bytes / GiB:.3f} GiB, peak during backward "
-            f"{self.peak_bytes / GiB:.3f} GiB (without checkpointing "
-            f"{self.unplanned_bytes / GiB:.3f} GiB)",
+            f"  saved after forward {_size(self.saved_bytes)}, peak during backward "
+            f"{_size(self.peak_bytes)} (without checkpointing {_size(self.unplanned_bytes)})",
             f"  recompute {self.recompute_flops / 1e9:.2f} GFLOP = "
             f"{100 * self.recompute_fraction:.1f}% of the step's {self.step_flops / 1e9:.2f} "
             f"GFLOP",
@@ -196,10 +199,16 @@ def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dty
     try:
         model.set_grad_checkpointing(0)
         model.train()
-        # Pass 1: saved storages, with the backend in force (fused ops or plain modules).
+        # Pass 1: saved storages, with the backend in force (fused ops or plain modules). Every
+        # fused backend saves the same tensors (the autograd rule is shared), so on the meta
+        # device the portable one stands in for whichever will run.
         state = _meta_state(model, device, dtype)
         excluded = {_storage_key(t) for t in state.values()}
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        name = _backend.get_backend()
+        if device.type == "meta" and name not in ("reference", "auto"):
+            name = "portable"
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                _backend.use_backend(name):
             out = torch.func.functional_call(model, state, (_input(input_shape, device,
                                                                    dtype),))
         del out
@@ -376,11 +385,11 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int,
         best, min_peak = _choose(prof, int(budget_bytes))
         if best is None:
             raise PlanError(
-                f"budget_bytes: {budget_bytes} bytes ({budget_bytes / GiB:.3f} GiB) cannot be "
-                f"met for input {tuple(input_shape)} in {dtype} even with every unit "
-                f"checkpointed; the smallest budget that works is {min_peak} bytes "
-                f"({min_peak / GiB:.3f} GiB); without checkpointing the step saves {unplanned} "
-                f"bytes ({unplanned / GiB:.3f} GiB)", min_peak)
+                f"budget_bytes: {budget_bytes} bytes ({_size(budget_bytes)}) cannot be met for "
+                f"input {tuple(input_shape)} in {dtype} even with every unit checkpointed; the "
+                f"smallest budget that works is {min_peak} bytes ({_size(min_peak)}); without "
+                f"checkpointing the step saves {unplanned} bytes ({_size(unplanned)})",
+                min_peak)
         _, segs, saved, peak, cost = best
         chosen = (segs, saved, peak, cost)
     segs, saved, peak, cost = chosen

@@ -5,9 +5,9 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import FUSED_BACKENDS
 
 import fusedres
+from conftest import FUSED_BACKENDS
 from fusedres import models
 from fusedres.modules import PreActBasicBlock, PreActBottleneck
 
@@ -141,8 +141,7 @@ def _assert_same_step(fused, plain, x, rtol, atol):
         torch.testing.assert_close(b_f, b_p, rtol=rtol, atol=atol, msg=lambda m, n=name: n + m)
 
 
-@pytest.mark.parametrize("depth,shape", [(20, (2, 3, 13, 13)), (56, (3, 3, 8, 8)),
-                                         (164, (2, 3, 7, 7))])
+@pytest.mark.parametrize("depth,shape", [(20, (2, 3, 13, 13)), (164, (2, 3, 7, 7))])
 def test_fused_matches_plain_float64(backend, depth, shape):
     fused, plain = _pair(depth, torch.float64)
     _assert_same_step(fused, plain, torch.randn(shape, dtype=torch.float64), 1e-9, 1e-10)
@@ -167,8 +166,8 @@ def test_smallest_nets_every_backend(any_backend):
 
 def test_imagenet_fused_matches_plain(backend):
     fused, plain = _pair(50, torch.float64, variant="imagenet", num_classes=7)
-    # A 2x3x57x57 input: 2x2 in the last stage, enough values per channel for its BNs.
-    _assert_same_step(fused, plain, torch.randn(2, 3, 57, 57, dtype=torch.float64), 1e-9,
+    # A 3x3x33x33 input: 2x2 in the last stage, 12 values per channel for its BNs.
+    _assert_same_step(fused, plain, torch.randn(3, 3, 33, 33, dtype=torch.float64), 1e-9,
                       1e-10)
 
 
