@@ -69,6 +69,10 @@ def kernel_specs():
         "dy_ptr": "w", "w_ptr": "w", "x_ptr": "x", "scale_ptr": "stat", "shift_ptr": "stat",
         "mean_ptr": "stat", "invstd_ptr": "stat", "m1_ptr": "stat", "m2_ptr": "stat",
         "gx_ptr": "x", "s1_ptr": "acc", "s2_ptr": "acc"}
+    wgrad_roles = {
+        "dy_ptr": "w", "x_ptr": "x", "scale_ptr": "stat", "shift_ptr": "stat",
+        "mean_ptr": "stat", "invstd_ptr": "stat", "w_ptr": "w", "gamma_ptr": "stat",
+        "beta_ptr": "stat", "dw_ptr": "w", "s1_ptr": "acc", "s2_ptr": "acc", "db_ptr": "acc"}
     return [
         ("batch_stats", bs.batch_stats_kernel, bs.configs_for,
          {"x_ptr": "x", "mean_ptr": "f64", "m2_ptr": "f64"},
@@ -88,10 +92,10 @@ def kernel_specs():
          {"g_ptr": "x", "x_ptr": "x", "scale_ptr": "stat", "mean_ptr": "stat",
           "invstd_ptr": "stat", "m1_ptr": "stat", "m2_ptr": "stat"},
          lambda d: {"FP64": d == "fp64", "INTERP_BF16": False}),
-        ("wgrad", wg.wgrad_kernel, wg.configs_for,
-         {"dy_ptr": "w", "x_ptr": "x", "scale_ptr": "stat", "shift_ptr": "stat",
-          "dw_ptr": "acc", "db_ptr": "acc"},
-         lambda d: {"HAS_DB": True, **flags(d)}),
+        ("wgrad", wg.wgrad_kernel, wg.configs_for, wgrad_roles,
+         lambda d: {"SUMS": False, "HAS_DB": True, **flags(d)}),
+        ("wgrad_sums", wg.wgrad_kernel, wg.configs_for, wgrad_roles,
+         lambda d: {"SUMS": True, "HAS_DB": True, **flags(d)}),
     ]
 
 

@@ -134,9 +134,10 @@ def configs_for(dtype) -> list[KernelConfig]:
     return FP64_CONFIGS if dtype_name(dtype) == "fp64" else CONFIGS
 
 
-def pick_config(m: int, co: int, c: int, dtype: torch.dtype) -> KernelConfig:
+def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
+                interpret: bool | None = None) -> KernelConfig:
     """Host rule: small Co -> narrow tiles; few pixels -> small tiles to fill the SMs."""
-    if interpreting():
+    if interpreting() if interpret is None else interpret:
         return INTERPRET_CONFIG
     if dtype == torch.float64:
         return FP64_CONFIGS[0] if m >= 64 * 264 else FP64_CONFIGS[1]

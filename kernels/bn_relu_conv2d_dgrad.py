@@ -182,8 +182,9 @@ def dx_configs_for(dtype) -> list[KernelConfig]:
     return DX_CONFIGS
 
 
-def pick_config(m: int, c: int, co: int, dtype: torch.dtype) -> KernelConfig:
-    if interpreting():
+def pick_config(m: int, c: int, co: int, dtype: torch.dtype,
+                interpret: bool | None = None) -> KernelConfig:
+    if interpreting() if interpret is None else interpret:
         return INTERPRET_CONFIG
     if dtype == torch.float64:
         return FP64_CONFIGS[0] if m >= 64 * 264 else FP64_CONFIGS[1]

@@ -56,17 +56,21 @@ INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps
 
 @triton.jit
 def wgrad_kernel(
-    dy_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, p1_ptr, p2_ptr, db_ptr,
+    dy_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, w_ptr, gamma_ptr, beta_ptr,
+    dw_ptr, s1_ptr, s2_ptr, db_ptr,
     C, H, W, Co, Ho, Wo, M, KH, KW,
     SH, SW, PH, PW, DH, DW,
     sdn, sdc, sdh, sdw,
     sxn, sxc, sxh, sxw,
+    swo, swc, swh, sww,
+    sgs, sgo, sgc, sgh, sgw,
     iters_per_split,
     SUMS: tl.constexpr, HAS_DB: tl.constexpr, FP64: tl.constexpr, TF32: tl.constexpr,
     INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Partials (SPLIT, Co, C, KH, KW): p1 = dW, or with SUMS p1 = G1 and p2 = G2."""
+    """dW partials (SPLIT, Co, C, KH, KW); with SUMS also the BN sums' partials
+    (SPLIT, Co blocks, KH*KW, C): sum over the block's co of W * G1 and W * G2."""
     pid_m = tl.program_id(0)
     pid_nt = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,11 +126,23 @@ def wgrad_kernel(
             a = _bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, g.dtype,
                               INTERP_BF16)
             acc1 = mma(acc1, g, a, TF32, INTERP_BF16)
-    off = split * (Co * C * taps) + co[:, None] * (C * taps) + c[None, :] * taps + t
+    # dW: float32 partials (split, Co, C, KH, KW), or the weight gradient itself when SPLIT is 1.
+    off = split * sgs + co[:, None] * sgo + c[None, :] * sgc + i * sgh + j * sgw
+    out_t = dw_ptr.dtype.element_ty
     out_mask = co_ok[:, None] & c_ok[None, :]
-    tl.store(p1_ptr + off, acc1, mask=out_mask)
     if SUMS:
-        tl.store(p2_ptr + off, acc2, mask=out_mask)
+        # Everything is linear in G1, G2: reduce them here, per split, instead of storing both.
+        wt = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
+                     mask=out_mask, other=0.0).to(acc_t)
+        row = (split * tl.num_programs(0) + pid_m) * taps + t
+        tl.store(s1_ptr + row * C + c, tl.sum(wt * acc1, axis=0), mask=c_ok)
+        tl.store(s2_ptr + row * C + c, tl.sum(wt * acc2, axis=0), mask=c_ok)
+        gam = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(acc_t)
+        bet = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(acc_t)
+        tl.store(dw_ptr + off, cast(gam[None, :] * acc2 + bet[None, :] * acc1, out_t,
+                                    INTERP_BF16), mask=out_mask)
+    else:
+        tl.store(dw_ptr + off, cast(acc1, out_t, INTERP_BF16), mask=out_mask)
     if HAS_DB:
         if pid_nt == 0:
             tl.store(db_ptr + split * Co + co, db, mask=co_ok)
@@ -136,8 +152,9 @@ def configs_for(dtype) -> list[KernelConfig]:
     return FP64_CONFIGS if dtype_name(dtype) == "fp64" else CONFIGS
 
 
-def pick_config(co: int, c: int, dtype: torch.dtype) -> KernelConfig:
-    if interpreting():
+def pick_config(co: int, c: int, dtype: torch.dtype,
+                interpret: bool | None = None) -> KernelConfig:
+    if interpreting() if interpret is None else interpret:
         return INTERPRET_CONFIG
     if dtype == torch.float64:
         return FP64_CONFIGS[0]
@@ -148,9 +165,27 @@ def pick_config(co: int, c: int, dtype: torch.dtype) -> KernelConfig:
     return CONFIGS[0]
 
 
+def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms: int) -> int:
+    """Split the reduction until ~2 waves of programs, keeping >= 4 K-steps per program and
+    the partials' traffic (a (Co, C, kh, kw) float32 tile per split, written and read) small
+    against the dy and x the pass reads."""
+    tiles = cdiv(co, cfg.meta["BLOCK_M"]) * cdiv(c, cfg.meta["BLOCK_N"]) * kh * kw
+    k_iters = cdiv(m, cfg.meta["BLOCK_K"])
+    traffic_cap = max(1, m * (c + co) // (32 * co * c * kh * kw))
+    split = min(cdiv(2 * sms, tiles), max(1, k_iters // 4), traffic_cap)
+    return _normalise_split(split, k_iters)[0]
+
+
+def _normalise_split(split: int, k_iters: int) -> tuple[int, int]:
+    """(splits, K-steps per split) with no empty split."""
+    split = max(1, min(split, k_iters))
+    ips = cdiv(k_iters, split)
+    return cdiv(k_iters, ips), ips
+
+
 def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dilation, *,
                          want_weight: bool = True, want_bias: bool,
-                         bn_affine=None, mean=None, invstd=None,
+                         bn_affine=None, mean=None, invstd=None, out=None,
                          config: KernelConfig | None = None, split: int | None = None):
     """Weight and bias gradients; with ``bn_affine`` also the BatchNorm backward sums.
 
@@ -158,7 +193,8 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     statistics dtype. ``bn_affine = (gamma, beta)`` (C,) each (1 and 0 when BN has none) with
     ``mean``, ``invstd`` selects the SUMS variant. Returns (grad_weight (Co, C, kh, kw)
     contiguous or None, grad_bias (Co,) or None, sums) in the accumulation dtype (float32,
-    float64 for float64), ``sums = (sum dz, sum dz * xhat)`` per input channel or None.
+    float64 for float64), ``sums = (sum dz, sum dz * xhat)`` per input channel or None. With
+    ``out`` (like weight) the weight gradient is written there (directly when unsplit).
     """
     n, c, h, w = x.shape
     co, _, kh, kw = weight.shape
@@ -166,36 +202,35 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     m = n * ho * wo
     cfg = config or pick_config(co, c, grad_out.dtype)
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
-    tiles = cdiv(co, bm) * cdiv(c, bn) * kh * kw
-    k_iters = cdiv(m, bk)
     if split is None:
-        # Split the reduction until ~2 waves of programs, keeping >= 4 K-steps per program.
-        split = 1 if interpreting() else min(cdiv(2 * sm_count(x.device), tiles),
-                                             max(1, k_iters // 4))
-    split = max(1, min(split, k_iters))
-    ips = cdiv(k_iters, split)
-    split = cdiv(k_iters, ips)
+        split = 1 if interpreting() else pick_split(co, c, kh, kw, m, cfg, sm_count(x.device))
+    split, ips = _normalise_split(split, cdiv(m, bk))
     fp64 = acc_is_fp64(grad_out.dtype)
     acc = torch.float64 if fp64 else torch.float32
     sums = bn_affine is not None
-    p1 = torch.empty((split, co, c, kh, kw), device=x.device, dtype=acc)
-    p2 = torch.empty_like(p1) if sums else p1
-    db = torch.empty((split, co), device=x.device, dtype=acc) if want_bias else p1
-    grid = (cdiv(co, bm), cdiv(c, bn) * kh * kw, split)
+    direct = out is not None and split == 1
+    dw = out if direct else torch.empty((split, co, c, kh, kw), device=x.device, dtype=acc)
+    dw_strides = (0, *out.stride()) if direct else dw.stride()
+    co_blocks = cdiv(co, bm)
+    s1 = torch.empty((split * co_blocks * kh * kw, c), device=x.device, dtype=acc) if sums \
+        else dw
+    s2 = torch.empty_like(s1) if sums else dw
+    db = torch.empty((split, co), device=x.device, dtype=acc) if want_bias else dw
+    gamma, beta = bn_affine if sums else (scale, scale)
+    grid = (co_blocks, cdiv(c, bn) * kh * kw, split)
     launcher(wgrad_kernel)[grid](
         grad_out, x, scale, shift, mean if sums else scale, invstd if sums else scale,
-        p1, p2, db,
+        weight, gamma, beta, dw, s1, s2, db,
         c, h, w, co, ho, wo, m, kh, kw, *stride, *padding, *dilation,
-        *grad_out.stride(), *x.stride(), ips,
+        *grad_out.stride(), *x.stride(), *weight.stride(), *dw_strides, ips,
         SUMS=sums, HAS_DB=want_bias, FP64=fp64, TF32=allow_tf32(grad_out.dtype),
         INTERP_BF16=interp_bf16(grad_out.dtype), **cfg.launch_kwargs(),
     )
     grad_b = db.sum(0) if want_bias else None
-    if not sums:
-        return p1.sum(0) if want_weight else None, grad_b, None
-    g1, g2 = p1.sum(0), p2.sum(0)
-    gamma, beta = (v.to(acc).view(1, c, 1, 1) for v in bn_affine)
-    grad_w = gamma * g2 + beta * g1 if want_weight else None
-    wt = weight.to(acc)
-    bn_sums = ((wt * g1).sum((0, 2, 3)), (wt * g2).sum((0, 2, 3)))
-    return grad_w, grad_b, bn_sums
+    if direct:
+        grad_w = out
+    elif want_weight:
+        grad_w = dw.sum(0) if out is None else out.copy_(dw.sum(0))
+    else:
+        grad_w = None
+    return grad_w, grad_b, ((s1.sum(0), s2.sum(0)) if sums else None)

@@ -92,11 +92,10 @@ def backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, bn_weight: Optional
         if need_sums:
             affine = (bn_weight if bn_weight is not None else torch.ones_like(mean),
                       bn_bias if bn_bias is not None else torch.zeros_like(mean))
-        gw, gb, sums = _wgrad.bn_relu_conv2d_wgrad(
+        _, gb, sums = _wgrad.bn_relu_conv2d_wgrad(
             grad_out, x, weight, scale, shift, stride, padding, dilation, want_weight=want_w,
-            want_bias=want_b, bn_affine=affine, mean=mean, invstd=invstd)
-        if want_w:
-            outs[1].copy_(gw)
+            want_bias=want_b, bn_affine=affine, mean=mean, invstd=invstd,
+            out=outs[1] if want_w else None)
         if want_b:
             outs[2].copy_(gb)
         if sums is not None:

@@ -1,0 +1,226 @@
+"""A model of DRAM traffic and FLOPs of one training step of a BN -> ReLU -> conv (+ add) unit:
+the fused Triton kernels against the unfused sequence (BatchNorm, ReLU, cuDNN-style conv, add,
+and their backward passes). A model, not a measurement.
+
+Rules, the same for both sides:
+
+* DRAM bytes: every tensor a kernel reads is read once and every tensor it writes is written
+  once. Re-reads inside a kernel (the kh*kw taps' halo of an implicit GEMM, the column tiles of
+  a row block, the weight) are served by L2: the fused kernels launch the column tiles of a row
+  block back to back, the weight-gradient programs of one reduction split together, and a conv
+  weight of these nets is at most a few MB.
+* Per-tile partial results (statistics, split-K partials) and their host reductions count.
+* FLOPs: the fused kernels' GEMMs are counted on their padded tiles (the configs the host rule
+  picks on a GPU), so a small channel count pays for its padding; the unfused conv is counted
+  at its exact 2*M*N*K (cuDNN picks fitted tiles). Elementwise FLOPs are ignored.
+* Modeled time: each kernel max(bytes / bandwidth, FLOPs / tensor-core rate), summed (H100 SXM:
+  3.35 TB/s; 989 TFLOP/s 16-bit, 494 TF32, 67 float64).
+
+The fused step: batch statistics (dropped when the producer's epilogue ``genstats`` made them),
+forward, the weight-gradient pass (which also yields the BatchNorm backward sums: two GEMMs),
+and the data-gradient pass writing dx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import bn_relu_conv2d as _fwd
+from . import bn_relu_conv2d_dgrad as _dgrad
+from . import bn_relu_conv2d_wgrad as _wgrad
+from ._common import cdiv
+
+H100_BANDWIDTH = 3.35e12
+H100_FLOPS = {2: 989e12, 4: 494e12, 8: 67e12}  # by element size: 16-bit, TF32, float64
+H100_SMS = 132
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One BN -> ReLU -> conv (+ residual) unit: x (n, c, h, w), weight (co, c, k, k)."""
+
+    name: str
+    n: int
+    c: int
+    h: int
+    co: int
+    k: int = 3
+    stride: int = 1
+    residual: bool = False
+    elem: int = 2  # bytes per activation element (2: fp16/bf16, 4: fp32)
+
+    @property
+    def padding(self) -> int:
+        return self.k // 2
+
+    @property
+    def ho(self) -> int:
+        return (self.h + 2 * self.padding - self.k) // self.stride + 1
+
+    def act_in(self) -> int:
+        return self.n * self.c * self.h * self.h * self.elem
+
+    def act_out(self) -> int:
+        return self.n * self.co * self.ho * self.ho * self.elem
+
+    def weight(self) -> int:
+        return self.co * self.c * self.k * self.k * self.elem
+
+    def gemm_flops(self) -> int:
+        return 2 * self.n * self.ho * self.ho * self.co * self.c * self.k * self.k
+
+
+@dataclass
+class Kernel:
+    name: str
+    read: int
+    write: int
+    flops: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.read + self.write
+
+    def seconds(self, elem: int) -> float:
+        return max(self.bytes / H100_BANDWIDTH, self.flops / H100_FLOPS[elem])
+
+
+@dataclass
+class Step:
+    kernels: list[Kernel] = field(default_factory=list)
+
+    def add(self, *args, **kw) -> None:
+        self.kernels.append(Kernel(*args, **kw))
+
+    @property
+    def bytes(self) -> int:
+        return sum(k.bytes for k in self.kernels)
+
+    @property
+    def flops(self) -> int:
+        return sum(k.flops for k in self.kernels)
+
+    def seconds(self, elem: int) -> float:
+        return sum(k.seconds(elem) for k in self.kernels)
+
+
+def _dtype_name(elem: int) -> str:
+    return {2: "fp16", 4: "fp32", 8: "fp64"}[elem]
+
+
+def fused_step(u: Unit, genstats: bool = False) -> Step:
+    """The fused kernels' traffic, from the tiles the GPU host rules pick."""
+    import torch
+
+    dt = {2: torch.float16, 4: torch.float32, 8: torch.float64}[u.elem]
+    s = Step()
+    vec = u.c * 4  # a per-channel float32 vector
+    m_in, m_out = u.n * u.h * u.h, u.n * u.ho * u.ho
+    if not genstats:
+        splits = max(1, min(cdiv(4 * H100_SMS, cdiv(u.c, 16)), cdiv(m_in, 128 * 8)))
+        s.add("batch_stats", u.act_in() + 2 * splits * u.c * 8, 2 * splits * u.c * 8 + 2 * vec)
+    cfg = _fwd.pick_config(m_out, u.co, u.c, dt, interpret=False)
+    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
+    flops = 2 * cdiv(m_out, bm) * bm * cdiv(u.co, bn) * bn * u.k * u.k * cdiv(u.c, bk) * bk
+    stats = 2 * cdiv(m_out, bm) * u.co * 4 if genstats else 0  # the next unit's statistics
+    s.add("fwd", u.act_in() + u.weight() + (u.act_out() if u.residual else 0) + 2 * vec,
+          u.act_out() + 2 * stats, flops)
+    # Weight gradient + BN sums: two GEMMs (dy x mask, dy x mask*xhat) reduced in the epilogue
+    # to a dW partial and the sums' partials per split.
+    cfg = _wgrad.pick_config(u.co, u.c, dt, interpret=False)
+    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
+    split = _wgrad.pick_split(u.co, u.c, u.k, u.k, m_out, cfg, H100_SMS)
+    sums = 2 * split * cdiv(u.co, bm) * u.k * u.k * vec
+    partials = (split * u.co * u.c * u.k * u.k * 4 if split > 1 else 0) + sums
+    flops = 2 * 2 * cdiv(u.co, bm) * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(m_out, bk) * bk
+    s.add("wgrad+sums", u.act_out() + u.act_in() + u.weight() + 6 * vec,
+          partials + (u.weight() if split == 1 else 0), flops)
+    s.add("wgrad reduce", partials, (u.weight() if split > 1 else 0) + 2 * vec)
+    # Data gradient writing dx directly.
+    cfg = _dgrad.pick_config(m_in, u.c, u.co, dt, interpret=False)
+    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
+    flops = 2 * cdiv(m_in, bm) * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(u.co, bk) * bk
+    s.add("dgrad+dx", u.act_out() + u.weight() + u.act_in() + 6 * vec, u.act_in(), flops)
+    return s
+
+
+def unfused_step(u: Unit) -> Step:
+    """BatchNorm (stats + normalise), ReLU, conv, add; backward of each (cuDNN-style)."""
+    s = Step()
+    x, y, w, vec = u.act_in(), u.act_out(), u.weight(), u.c * 4
+    s.add("bn stats", x, 2 * vec)
+    s.add("bn normalise", x + 2 * vec, x)
+    s.add("relu", x, x)
+    s.add("conv fwd", x + w, y, u.gemm_flops())
+    if u.residual:
+        s.add("add", 2 * y, y)
+    # add backward: the gradient passes through to both inputs, no traffic.
+    s.add("conv dgrad", y + w, x, u.gemm_flops())
+    s.add("conv wgrad", y + x, w, u.gemm_flops())
+    s.add("relu backward", 2 * x, x)
+    s.add("bn backward reduce", 2 * x, 2 * vec)
+    s.add("bn backward dx", 2 * x + 4 * vec, x)
+    return s
+
+
+# Units of the nets in the paper: pre-activation ResNets on CIFAR (batch 128) and ImageNet
+# (batch 256), 16-bit activations.
+CIFAR_UNITS = [
+    Unit("cifar basic 16@32", 128, 16, 32, 16, residual=True),
+    Unit("cifar basic 32@16", 128, 32, 16, 32, residual=True),
+    Unit("cifar basic 64@8", 128, 64, 8, 64, residual=True),
+    Unit("cifar bottleneck 3x3 16@32", 128, 16, 32, 16),
+    Unit("cifar bottleneck 1x1 64->16@32", 128, 64, 32, 16, k=1),
+]
+IMAGENET_UNITS = [
+    Unit("imagenet basic 64@56", 256, 64, 56, 64, residual=True),
+    Unit("imagenet basic 128@28", 256, 128, 28, 128, residual=True),
+    Unit("imagenet basic 256@14", 256, 256, 14, 256, residual=True),
+    Unit("imagenet basic 512@7", 256, 512, 7, 512, residual=True),
+    Unit("imagenet bottleneck 3x3 64@56", 256, 64, 56, 64),
+    Unit("imagenet bottleneck 1x1 256->64@56", 256, 256, 56, 64, k=1),
+]
+# The expanding 1x1 of a bottleneck (c -> 4c, + residual): its traffic is dominated by the 4x
+# larger output side (y, dy, residual), which fusion does not touch; see bottleneck_blocks().
+EXPANDING_UNITS = [
+    Unit("cifar bottleneck 1x1 16->64@32", 128, 16, 32, 64, k=1, residual=True),
+    Unit("imagenet bottleneck 1x1 64->256@56", 256, 64, 56, 256, k=1, residual=True),
+]
+
+
+def bottleneck_blocks() -> list[tuple[str, list[Unit]]]:
+    """Whole pre-activation bottleneck blocks (1x1 reduce, 3x3, 1x1 expand + residual)."""
+    out = []
+    for name, n, c, h in (("cifar bottleneck block 64@32", 128, 16, 32),
+                          ("imagenet bottleneck block 256@56", 256, 64, 56)):
+        out.append((name, [Unit(f"{name} a", n, 4 * c, h, c, k=1), Unit(f"{name} b", n, c, h, c),
+                           Unit(f"{name} c", n, c, h, 4 * c, k=1, residual=True)]))
+    return out
+
+
+def report(units=None, genstats: bool = False) -> str:
+    """A table: bytes and modeled H100 time of the fused and unfused training step."""
+    units = units or CIFAR_UNITS + IMAGENET_UNITS + EXPANDING_UNITS
+    head = (f"{'unit':<38}{'unfused MB':>11}{'fused MB':>10}{'bytes':>7}"
+            f"{'unfused us':>11}{'fused us':>10}{'time':>7}")
+    lines = ["MODEL (not measured): DRAM bytes and H100 time of one training step, "
+             f"{'with' if genstats else 'without'} genstats", head, "-" * len(head)]
+    for u in units:
+        a, b = unfused_step(u), fused_step(u, genstats)
+        ta, tb = a.seconds(u.elem), b.seconds(u.elem)
+        lines.append(f"{u.name:<38}{a.bytes / 1e6:>11.1f}{b.bytes / 1e6:>10.1f}"
+                     f"{b.bytes / a.bytes:>7.2f}{ta * 1e6:>11.1f}{tb * 1e6:>10.1f}{tb / ta:>7.2f}")
+    for name, block in bottleneck_blocks():
+        a = sum(unfused_step(u).bytes for u in block)
+        b = sum(fused_step(u, genstats).bytes for u in block)
+        ta = sum(unfused_step(u).seconds(u.elem) for u in block)
+        tb = sum(fused_step(u, genstats).seconds(u.elem) for u in block)
+        lines.append(f"{name:<38}{a / 1e6:>11.1f}{b / 1e6:>10.1f}{b / a:>7.2f}"
+                     f"{ta * 1e6:>11.1f}{tb * 1e6:>10.1f}{tb / ta:>7.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report())
+    print()
+    print(report(genstats=True))
