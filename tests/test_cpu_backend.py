@@ -189,15 +189,24 @@ def test_non_dense_input_and_grad():
         _assert_same(g, g_ref, torch.float32, "grad")
 
 
+@pytest.mark.parametrize("conv_nhwc", ["0", "1"], ids=["conv-in-x-layout", "conv-nhwc"])
 @pytest.mark.parametrize("tile_bytes", ["1", "300000", "0"], ids=["one-sample", "some", "one"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_batch_tiling_is_invisible(monkeypatch, tile_bytes, channels_last):
-    """Any tile size (one sample per tile, a few, the whole batch) gives the same results; the
-    last tile is shorter than the others (N = 7)."""
+@pytest.mark.parametrize("k", [1, 3])
+def test_batch_tiling_is_invisible(monkeypatch, k, tile_bytes, channels_last, conv_nhwc):
+    """Any tile size (one sample per tile, a few, the whole batch) and either layout of the
+    convolution's tiles gives the same results; the last tile is shorter (N = 7)."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    args = _inputs(n=7, c=16, h=16, w=16, co=24, x_format=fmt)
+    args = _inputs(n=7, c=17, h=15, w=16, co=24, k=(k, k), padding=(k // 2, k // 2),
+                   x_format=fmt)
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
+    monkeypatch.setenv("FUSEDRES_CPU_CONV_NHWC", conv_nhwc)
     _compare_with_portable(args, torch.float32)
+    if k == 3:  # bfloat16 through the same paths (transposes of 2-byte tiles)
+        bf = [a.bfloat16() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 and
+              a.dim() == 4 else a for a in args]
+        bf[2] = bf[2].bfloat16()
+        _compare_with_portable(bf, torch.bfloat16)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

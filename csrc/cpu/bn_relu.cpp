@@ -2,6 +2,8 @@
 // backward pass (ReLU mask recomputed from x, BN reductions) and the second (the BN data
 // gradient). NCHW tensors are walked plane by plane with per-channel scalars, NHWC tensors row
 // by row with the channels in the vector lanes; both use at::vec and at::parallel_for.
+#include <ATen/record_function.h>
+
 #include "common.h"
 
 namespace fusedres::cpu {
@@ -32,6 +34,51 @@ bool dispatch_pair(at::ScalarType xt, at::ScalarType wt, F&& f) {
 }
 
 // ----------------------------------------------------------------------------- forward
+
+// NCHW x -> NHWC a: a block of 16 channels x 16 positions is activated row by row (channels)
+// into a small buffer, then transposed into a's rows (positions) with at::vec::transpose_mxn.
+template <typename X, typename W>
+void bn_relu_to_nhwc_impl(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                          at::Tensor& a) {
+  using A = acc_t<X>;
+  using V = Vectorized<A>;
+  constexpr int64_t L = V::size();
+  constexpr int64_t B = 16;  // block edge; L divides it for float (16) and double (8)
+  const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  const X* xp = cptr<X>(x);
+  W* ap = a.data_ptr<W>();
+  const A* sp = cptr<A>(scale);
+  const A* tp = cptr<A>(shift);
+  const int64_t hw_blocks = (HW + B - 1) / B;
+  const V zero(0);
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / (B * C));
+  at::parallel_for(0, N * hw_blocks, grain, [&](int64_t b, int64_t e) {
+    alignas(64) W buf[B * B];
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n = blk / hw_blocks, p0 = (blk % hw_blocks) * B;
+      const int64_t np = std::min(B, HW - p0);
+      for (int64_t c0 = 0; c0 < C; c0 += B) {
+        const int64_t nc = std::min(B, C - c0);
+        for (int64_t c = 0; c < nc; ++c) {
+          const A s = sp[c0 + c], t = tp[c0 + c];
+          const X* xr = xp + (n * C + c0 + c) * HW + p0;
+          W* br = buf + c * B;
+          int64_t i = 0;
+          if (np == B) {
+            const V sv(s), tv(t);
+            for (; i < B; i += L) {
+              VecIO<W>::store(br + i, at::vec::clamp_min(
+                                          at::vec::fmadd(VecIO<X>::load(xr + i), sv, tv), zero));
+            }
+          }
+          for (; i < np; ++i) br[i] = static_cast<W>(std::max(static_cast<A>(xr[i]) * s + t, A(0)));
+        }
+        at::vec::transpose_mxn<W>(buf, B, ap + (n * HW + p0) * C + c0, C, static_cast<int>(nc),
+                                  static_cast<int>(np));
+      }
+    }
+  });
+}
 
 template <typename X, typename W>
 void bn_relu_impl(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
@@ -233,18 +280,60 @@ void backward_apply_impl(const at::Tensor& dz, const at::Tensor& x, const at::Te
   }
 }
 
+// ----------------------------------------------------------------------------- transposes
+
+// Per sample, src is an R x Q matrix (row stride Q) and dst its Q x R transpose.
+template <typename T>
+void transpose_impl(const T* src, T* dst, int64_t N, int64_t R, int64_t Q) {
+  constexpr int64_t B = 16;
+  const int64_t row_blocks = (R + B - 1) / B;
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / (B * Q));
+  at::parallel_for(0, N * row_blocks, grain, [&](int64_t b, int64_t e) {
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n = blk / row_blocks, r0 = (blk % row_blocks) * B;
+      const int rows = static_cast<int>(std::min(B, R - r0));
+      const T* s = src + n * R * Q + r0 * Q;
+      T* d = dst + n * R * Q + r0;
+      for (int64_t q0 = 0; q0 < Q; q0 += B) {
+        at::vec::transpose_mxn<T>(s + q0, Q, d + q0 * R, R, rows,
+                                  static_cast<int>(std::min(B, Q - q0)));
+      }
+    }
+  });
+}
+
 }  // namespace
 
+void transpose_layout_kernel(const at::Tensor& src, at::Tensor& dst, Layout src_layout) {
+  RECORD_FUNCTION("fusedres_cpu::transpose (kernel)", c10::ArrayRef<c10::IValue>{});
+  const int64_t N = src.size(0), C = src.size(1), HW = src.size(2) * src.size(3);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "transpose", [&] {
+    if (src_layout == Layout::NHWC) {
+      transpose_impl(src.const_data_ptr<scalar_t>(), dst.data_ptr<scalar_t>(), N, HW, C);
+    } else {
+      transpose_impl(src.const_data_ptr<scalar_t>(), dst.data_ptr<scalar_t>(), N, C, HW);
+    }
+  });
+}
+
 void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
-                    at::Tensor& a, Layout layout) {
+                    at::Tensor& a, Layout x_layout, Layout a_layout) {
+  RECORD_FUNCTION("fusedres_cpu::bn_relu (kernel)", c10::ArrayRef<c10::IValue>{});
+  TORCH_INTERNAL_ASSERT(x_layout == a_layout || a_layout == Layout::NHWC);
   const bool done = dispatch_pair(x.scalar_type(), a.scalar_type(), [&](auto xv, auto wv) {
     using X = decltype(xv);
     using W = decltype(wv);
-    if constexpr (std::is_same_v<acc_t<X>, acc_t<W>>) bn_relu_impl<X, W>(x, scale, shift, a, layout);
+    if constexpr (std::is_same_v<acc_t<X>, acc_t<W>>) {
+      if (x_layout == a_layout) {
+        bn_relu_impl<X, W>(x, scale, shift, a, x_layout);
+      } else {
+        bn_relu_to_nhwc_impl<X, W>(x, scale, shift, a);
+      }
+    }
   });
   if (!done) {  // e.g. float64 x with a bfloat16 weight: compute in x's dtype, then cast
-    at::Tensor tmp = at::empty_like(x);
-    bn_relu_kernel(x, scale, shift, tmp, layout);
+    at::Tensor tmp = at::empty(x.sizes(), x.options().memory_format(memory_format(x_layout)));
+    bn_relu_kernel(x, scale, shift, tmp, x_layout, x_layout);
     a.copy_(tmp);
   }
 }
@@ -253,6 +342,7 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
                                     const at::Tensor& scale, const at::Tensor& shift,
                                     const at::Tensor& mean, const at::Tensor& out_scale,
                                     at::Tensor& sums, at::Tensor* dz_out, Layout layout) {
+  RECORD_FUNCTION("fusedres_cpu::relu_mask_bn_sums (kernel)", c10::ArrayRef<c10::IValue>{});
   const bool done = dispatch_pair(x.scalar_type(), da.scalar_type(), [&](auto xv, auto wv) {
     using X = decltype(xv);
     using W = decltype(wv);
@@ -269,6 +359,7 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
 void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mean,
                               const at::Tensor& k1, const at::Tensor& k2, const at::Tensor& k3,
                               at::Tensor& gx, Layout layout) {
+  RECORD_FUNCTION("fusedres_cpu::bn_dx (kernel)", c10::ArrayRef<c10::IValue>{});
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bn_bwd_apply", [&] {
     backward_apply_impl<scalar_t>(dz, x, mean, k1, k2, k3, gx, layout);
   });

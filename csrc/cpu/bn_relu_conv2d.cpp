@@ -19,7 +19,7 @@ namespace fusedres::cpu {
 namespace {
 
 // Default bytes of (activation + conv output) per tile: set by measurement (RESULTS.md).
-constexpr int64_t kDefaultTileBytes = int64_t(2) << 20;
+constexpr int64_t kDefaultTileBytes = int64_t(1) << 20;
 
 int64_t tile_bytes() {
   // Read at every call so that benchmarks can sweep it; 0 or less means one tile.
@@ -40,6 +40,20 @@ std::vector<int64_t> ints(c10::SymIntArrayRef v) { return C10_AS_INTARRAYREF_SLO
 
 Layout layout_of(const at::Tensor& x) {
   return suggests_channels_last(x) ? Layout::NHWC : Layout::NCHW;
+}
+
+// Layout of the activation tile that the convolution consumes. oneDNN's spatial (kh*kw > 1)
+// convolutions are 1.2-1.5x faster on NHWC than on NCHW here, which pays for transposing the
+// tiles of an NCHW unit (activation, output, grad_out, data gradient) in cache; its 1x1
+// convolutions on cache-sized NCHW tiles are as fast, and then the transposes are pure cost
+// (RESULTS.md). float64 runs ATen's native kernels in x's layout.
+// FUSEDRES_CPU_CONV_NHWC=0 / =1 forces x's layout / NHWC (for measurements).
+Layout conv_layout(const at::Tensor& weight, Layout x_layout) {
+  if (weight.scalar_type() == at::kDouble) return x_layout;
+  const char* env = std::getenv("FUSEDRES_CPU_CONV_NHWC");
+  if (env && env[0] == '0') return x_layout;
+  if (env && env[0] == '1') return Layout::NHWC;
+  return weight.size(2) * weight.size(3) > 1 ? Layout::NHWC : x_layout;
 }
 
 at::MemoryFormat out_memory_format(const at::Tensor& x, const at::Tensor& weight) {
@@ -111,16 +125,21 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
   if (y.numel() == 0) return y;
 
   const Affine bn = affine(bn_weight, bn_bias, mean, invstd, at::toOpMathType(x.scalar_type()));
+  const Layout a_layout = conv_layout(weight, layout);
+  const at::Tensor w = weight.contiguous(memory_format(a_layout));
   const int64_t wsize = weight.element_size();
   const int64_t nb = tile_batch(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize);
-  at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(fmt));
+  at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(memory_format(a_layout)));
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     at::Tensor a = a_buf.narrow(0, 0, len);
-    bn_relu_kernel(x.narrow(0, n0, len), bn.scale, bn.shift, a, layout);
-    at::Tensor yt = at::convolution(a, weight, bias, stride, padding, dilation, false, {0, 0}, 1);
+    bn_relu_kernel(x.narrow(0, n0, len), bn.scale, bn.shift, a, layout, a_layout);
+    at::Tensor yt = at::convolution(a, w, bias, stride, padding, dilation, false, {0, 0}, 1);
     at::Tensor ys = y.narrow(0, n0, len);
-    if (residual.has_value()) {
+    if (a_layout != layout && dense_in(yt, a_layout) && dense_in(ys, layout)) {
+      transpose_layout_kernel(yt, ys, a_layout);  // NHWC tile back to NCHW y, in cache
+      if (residual.has_value()) ys.add_(residual->narrow(0, n0, len));
+    } else if (residual.has_value()) {
       at::add_out(ys, yt, residual->narrow(0, n0, len));
     } else {
       ys.copy_(yt);
@@ -173,21 +192,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   if (want_w) gw_acc = at::zeros(weight.sizes(), weight.options().dtype(wacc));
   if (want_b) gb_acc = at::zeros({Co}, weight.options().dtype(wacc));
 
+  const Layout a_layout = conv_layout(weight, layout);
+  const at::MemoryFormat a_fmt = memory_format(a_layout);
+  const at::Tensor w = weight.contiguous(a_fmt);
   const int64_t nb = tile_batch(N, (C * H * W + go[0].numel()) * weight.element_size());
-  at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(fmt));
+  at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(a_fmt));
+  // Tile buffers for the layout changes around an NHWC convolution of NCHW tensors.
+  at::Tensor go_buf, da_buf;
+  if (a_layout != layout) {
+    go_buf = at::empty({nb, go.size(1), go.size(2), go.size(3)}, go.options().memory_format(a_fmt));
+    if (need_da) da_buf = at::empty({nb, C, H, W}, weight.options().memory_format(fmt));
+  }
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     const at::Tensor xt = x.narrow(0, n0, len);
-    const at::Tensor got = go.narrow(0, n0, len);
+    if (want_b) gb_acc.add_(go.narrow(0, n0, len).sum({0, 2, 3}, false, wacc));
+    at::Tensor got = go.narrow(0, n0, len);
+    if (a_layout != layout && dense_in(got, layout)) {
+      at::Tensor t = go_buf.narrow(0, 0, len);
+      transpose_layout_kernel(got, t, layout);
+      got = t;
+    } else {
+      got = got.contiguous(a_fmt);
+    }
     at::Tensor a = a_buf.narrow(0, 0, len);
-    bn_relu_kernel(xt, bn.scale, bn.shift, a, layout);
+    bn_relu_kernel(xt, bn.scale, bn.shift, a, layout, a_layout);
     auto [da, dw, unused] = at::convolution_backward(
-        got, a, weight, std::nullopt, stride, padding, dilation, false, {0, 0}, 1,
+        got, a, w, std::nullopt, stride, padding, dilation, false, {0, 0}, 1,
         {need_da, want_w, false});
     if (want_w) gw_acc.add_(dw);
-    if (want_b) gb_acc.add_(got.sum({0, 2, 3}, false, wacc));
     if (need_da) {
-      da = da.contiguous(fmt);
+      if (a_layout != layout && dense_in(da, a_layout)) {
+        at::Tensor t = da_buf.narrow(0, 0, len);
+        transpose_layout_kernel(da, t, a_layout);
+        da = t;
+      } else {
+        da = da.contiguous(fmt);
+      }
       at::Tensor dzt = want_x ? dz.narrow(0, n0, len) : at::Tensor();
       bn_relu_backward_reduce_kernel(da, xt, bn.scale, bn.shift, bn.mean, out_scale, sums,
                                      want_x ? &dzt : nullptr, layout);

@@ -110,10 +110,10 @@ inline at::MemoryFormat memory_format(Layout layout) {
 // and merged with Chan's formula in double: accurate for large offsets and millions of values.
 std::tuple<at::Tensor, at::Tensor> batch_stats_kernel(const at::Tensor& x, Layout layout);
 
-// a = relu(scale * x + shift) cast to a.dtype; x, a: the same shape, both dense in `layout`.
-// scale, shift: (C,) contiguous in acc dtype of x.
+// a = relu(scale * x + shift) cast to a.dtype; x, a: the same shape, dense in x_layout and
+// a_layout (the same, or NCHW x to NHWC a). scale, shift: (C,) contiguous in acc dtype of x.
 void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
-                    at::Tensor& a, Layout layout);
+                    at::Tensor& a, Layout x_layout, Layout a_layout);
 
 // Backward, first pass over one batch tile (da and x dense in `layout`):
 //   dz = da * [scale * x + shift > 0]
@@ -130,5 +130,14 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
 void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mean,
                               const at::Tensor& k1, const at::Tensor& k2, const at::Tensor& k3,
                               at::Tensor& gx, Layout layout);
+
+// dst = src in the other layout (NCHW <-> NHWC), same shape and dtype, both dense; blocked
+// 16 x 16 register transposes (at::vec::transpose_mxn).
+void transpose_layout_kernel(const at::Tensor& src, at::Tensor& dst, Layout src_layout);
+
+// True when t is dense in `layout` (size-1 dimensions make both layouts hold).
+inline bool dense_in(const at::Tensor& t, Layout layout) {
+  return t.is_contiguous(memory_format(layout));
+}
 
 }  // namespace fusedres::cpu
