@@ -255,6 +255,14 @@ def test_bad_input_is_one_line_exit_2_and_the_run_is_untouched(finished_run, cap
     assert _snapshot(finished_run) == before
 
 
+def test_out_that_is_a_file(tmp_path, capsys):
+    path = tmp_path / "file"
+    path.write_text("mine")
+    assert main([*TINY, "--out", str(path)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert path.read_text() == "mine"
+
+
 def test_existing_run_needs_resume(finished_run, capsys):
     before = _snapshot(finished_run)
     assert main([*TINY, "--out", str(finished_run)]) == 2

@@ -148,6 +148,15 @@ class Run:
 
     # ------------------------------------------------------------------ set-up
     def _resolve_resume(self, cfg, explicit):
+        cfg, out, state = self._resume_state(cfg, explicit)
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out: {str(out)!r} exists and is not a directory")
+        parent = next((p for p in (out, *out.parents) if p.exists()), Path("."))
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UsageError(f"--out: {str(parent)!r} is not writable")
+        return cfg, out, state
+
+    def _resume_state(self, cfg, explicit):
         out = Path(cfg["out"] or f"runs/{cfg['dataset']}-{cfg['model']}")
         resume, state = cfg["resume"], None
         if resume is None:
