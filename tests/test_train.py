@@ -313,3 +313,27 @@ def test_digits_demo_reaches_its_accuracy(tmp_path):
     assert summary["model"] == "preact_resnet20" and summary["iterations"] == 15 * 11
     assert 1 - summary["final_test_error"] >= 0.95, summary
     assert "final test accuracy" in proc.stdout
+
+
+@pytest.mark.parametrize("flags", [["--amp", "bf16"], ["--amp", "fp16"], ["--channels-last"],
+                                   ["--no-fused"], ["--sync-bn"], ["--backend", "portable"]],
+                         ids=lambda f: " ".join(f))
+def test_training_options_run(tmp_path, flags):
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "2", "--out", str(out), *flags]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["saved_activation_bytes"] > 0
+    assert summary["final_test_error"] == summary["final_test_error"]  # not NaN
+
+
+def test_memory_budget_plans_checkpointing_within_the_budget(tmp_path):
+    def saved(*flags):
+        out = tmp_path / "-".join(flags or ("none",))
+        assert main([*TINY, "--max-iters", "1", "--out", str(out), *flags]) == 0
+        return json.loads((out / "summary.json").read_text())
+
+    plain = saved()["saved_activation_bytes"]
+    budget = int(plain * 0.8)  # measured: checkpointing 2 of 3 units needs ~0.67 x
+    planned = saved("--memory-budget", str(budget))
+    assert planned["saved_activation_bytes"] <= budget < plain
+    assert planned["memory_plan"]

@@ -233,7 +233,10 @@ class Run:
 
         if self.world > 1 and cfg["sync_bn"]:
             from fusedres import distributed as fdist
-            model = fdist.convert_sync_batchnorm(model)
+            # On GPUs torch's own SyncBatchNorm serves the plain BatchNorms (the fused ones are
+            # routed to fusedres.distributed either way); it does not run on CPU tensors.
+            model = (nn.SyncBatchNorm.convert_sync_batchnorm(model)
+                     if self.device.type == "cuda" else fdist.convert_sync_batchnorm(model))
             fdist.install_prepare_hook()
         self.optimizer = torch.optim.SGD(_param_groups(model, cfg), lr=cfg["lr"],
                                          momentum=cfg["momentum"], nesterov=cfg["nesterov"])
