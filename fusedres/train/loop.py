@@ -304,6 +304,9 @@ class Run:
         ]
         if self.resume_state is not None:
             lines.append(f"resumed at iteration {self.iteration}")
+        if cfg["sync_bn"]:
+            lines.append("BatchNorm statistics synchronised over all processes" if self.world > 1
+                         else "--sync-bn: one process, nothing to synchronise")
         if self.plan_summary is not None:
             lines += str(self.plan_summary).splitlines()
         for line in lines:
