@@ -94,7 +94,7 @@ def kernel_specs():
          lambda d: {"FP64": d == "fp64", "INTERP_BF16": False}),
         ("wgrad", wg.wgrad_kernel, wg.configs_for, wgrad_roles,
          lambda d: {"SUMS": False, "HAS_DB": True, **flags(d)}),
-        ("wgrad_sums", wg.wgrad_kernel, wg.configs_for, wgrad_roles,
+        ("wgrad_sums", wg.wgrad_kernel, wg.sums_configs_for, wgrad_roles,
          lambda d: {"SUMS": True, "HAS_DB": True, **flags(d)}),
     ]
 

@@ -38,6 +38,11 @@ CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
 ]
+FP32_CONFIGS = [
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+]
 FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
@@ -131,7 +136,7 @@ def bn_relu_conv2d_fwd_kernel(
 
 def configs_for(dtype) -> list[KernelConfig]:
     """The configs this kernel may launch with for operands of ``dtype`` (all compiled AOT)."""
-    return FP64_CONFIGS if dtype_name(dtype) == "fp64" else CONFIGS
+    return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS}.get(dtype_name(dtype), CONFIGS)
 
 
 def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
@@ -141,9 +146,10 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
         return INTERPRET_CONFIG
     if dtype == torch.float64:
         return FP64_CONFIGS[0] if m >= 64 * 264 else FP64_CONFIGS[1]
+    configs = configs_for(dtype)
     if co <= 32:
-        return CONFIGS[2]
-    return CONFIGS[0] if m * co >= 128 * 64 * 264 else CONFIGS[1]
+        return configs[2]
+    return configs[0] if m * co >= 128 * 64 * 264 else configs[1]
 
 
 def _dummy(t: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,20 @@ CONFIGS = [
 FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
 ]
+# The SUMS variant carries two accumulators: more warps, fewer stages.
+SUMS_CONFIGS = [
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2),
+]
+SUMS_FP32_CONFIGS = [
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=16, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
+]
+SUMS_FP64_CONFIGS = [
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+]
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1)
 
 
@@ -148,21 +162,30 @@ def wgrad_kernel(
             tl.store(db_ptr + split * Co + co, db, mask=co_ok)
 
 
-def configs_for(dtype) -> list[KernelConfig]:
-    return FP64_CONFIGS if dtype_name(dtype) == "fp64" else CONFIGS
+def configs_for(dtype, sums: bool = False) -> list[KernelConfig]:
+    name = dtype_name(dtype)
+    if sums:
+        return {"fp64": SUMS_FP64_CONFIGS, "fp32": SUMS_FP32_CONFIGS}.get(name, SUMS_CONFIGS)
+    return FP64_CONFIGS if name == "fp64" else CONFIGS
 
 
-def pick_config(co: int, c: int, dtype: torch.dtype,
-                interpret: bool | None = None) -> KernelConfig:
+def sums_configs_for(dtype) -> list[KernelConfig]:
+    return configs_for(dtype, sums=True)
+
+
+def pick_config(co: int, c: int, dtype: torch.dtype, interpret: bool | None = None,
+                sums: bool = False) -> KernelConfig:
+    """Roles by index in every list: 0 mid, 1 big (wide channels), 2 small (<= 32 channels)."""
     if interpreting() if interpret is None else interpret:
         return INTERPRET_CONFIG
+    configs = configs_for(dtype, sums)
     if dtype == torch.float64:
-        return FP64_CONFIGS[0]
+        return configs[0]
     if co >= 128 and c >= 64:
-        return CONFIGS[1]
+        return configs[1]
     if co <= 32 or c <= 32:
-        return CONFIGS[2]
-    return CONFIGS[0]
+        return configs[2]
+    return configs[0]
 
 
 def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms: int) -> int:
@@ -200,7 +223,7 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     co, _, kh, kw = weight.shape
     ho, wo = grad_out.shape[2], grad_out.shape[3]
     m = n * ho * wo
-    cfg = config or pick_config(co, c, grad_out.dtype)
+    cfg = config or pick_config(co, c, grad_out.dtype, sums=bn_affine is not None)
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
     if split is None:
         split = 1 if interpreting() else pick_split(co, c, kh, kw, m, cfg, sm_count(x.device))

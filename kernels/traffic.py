@@ -127,7 +127,7 @@ def fused_step(u: Unit, genstats: bool = False) -> Step:
           u.act_out() + 2 * stats, flops)
     # Weight gradient + BN sums: two GEMMs (dy x mask, dy x mask*xhat) reduced in the epilogue
     # to a dW partial and the sums' partials per split.
-    cfg = _wgrad.pick_config(u.co, u.c, dt, interpret=False)
+    cfg = _wgrad.pick_config(u.co, u.c, dt, interpret=False, sums=True)
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
     split = _wgrad.pick_split(u.co, u.c, u.k, u.k, m_out, cfg, H100_SMS)
     sums = 2 * split * cdiv(u.co, bm) * u.k * u.k * vec

@@ -1,0 +1,327 @@
+"""The Triton kernels through their host launchers, under TRITON_INTERPRET=1 on CPU (set by
+conftest), against float64 PyTorch: every GPU config on a small case, the split and strategy
+paths the interpreter's default config does not take, layouts, dtypes, and the selftest."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from fusedres.backends import portable  # noqa: E402
+from fusedres.backends import triton as triton_backend  # noqa: E402
+from fusedres.kernels import batch_stats as bs  # noqa: E402
+from fusedres.kernels import bn_relu_conv2d as fwd  # noqa: E402
+from fusedres.kernels import bn_relu_conv2d_dgrad as dg  # noqa: E402
+from fusedres.kernels import bn_relu_conv2d_wgrad as wg  # noqa: E402
+from fusedres.kernels._common import KernelConfig  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HALF = (torch.float16, torch.bfloat16)
+# Relative error bounds (max |err| / max |ref|) against float64, from measured errors:
+# fp32 ~3e-7, fp64 ~1e-15, fp16 ~5e-4, bf16 ~6e-3 (inputs rounded to the dtype).
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+
+def rel_err(a, b) -> float:
+    b = b.double()
+    return (a.double() - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+
+
+def _sdt(dtype):
+    return torch.float32 if dtype in HALF else dtype
+
+
+def make(n=2, c=5, h=7, w=9, co=6, k=3, dtype=torch.float32, channels_last=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = (torch.randn(n, c, h, w, generator=g) * 2 + 0.5).to(DEVICE, dtype)
+    wt = (torch.randn(co, c, k, k, generator=g) / (c * k * k) ** 0.5).to(DEVICE, dtype)
+    gamma = (torch.rand(c, generator=g) + 0.5).to(DEVICE, _sdt(dtype))
+    beta = (torch.randn(c, generator=g) * 0.5).to(DEVICE, _sdt(dtype))
+    return (x.contiguous(memory_format=fmt), wt.contiguous(memory_format=fmt), gamma, beta)
+
+
+def _scale_shift(gamma, beta, mean, invstd):
+    scale = gamma * invstd
+    return scale, beta - mean * scale
+
+
+# --------------------------------------------------------------------------- availability
+
+def test_unavailable_reason(monkeypatch):
+    assert triton_backend.unavailable_reason(torch.device("cpu")) is None or DEVICE.type == "cuda"
+    assert "CUDA tensors" in triton_backend.unavailable_reason(torch.device("meta"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "TRITON_INTERPRET=1" in triton_backend.unavailable_reason(torch.device("cpu"))
+
+
+def test_triton_ops_are_registered():
+    for name in ("batch_stats", "bn_relu_conv2d", "bn_relu_conv2d_genstats",
+                 "bn_relu_conv2d_backward"):
+        assert hasattr(torch.ops.fusedres_triton, name)
+
+
+# --------------------------------------------------------------------------- batch statistics
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_batch_stats(dtype, channels_last):
+    x = make(n=2, c=3, h=7, w=13, dtype=dtype, channels_last=channels_last)[0]
+    mean, var = bs.batch_stats(x)
+    assert mean.dtype == var.dtype == _sdt(dtype)
+    var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    assert rel_err(mean, mean64) < tol and rel_err(var, var64) < tol
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_batch_stats_large_mean_every_config(split):
+    """x = 1000 + noise: the tile two-pass + Chan merge keeps the variance (naive E[x^2]-E[x]^2
+    in float32 would lose it), for every config and a reduction split over programs."""
+    x = (1000 + torch.randn(3, 5, 23, 19)).to(DEVICE)
+    var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
+    for cfg in bs.configs_for(torch.float32):
+        mean, var = bs.batch_stats(x, config=cfg, split=split)
+        assert (mean.double() - mean64).abs().max() < 1e-4  # ~1 ulp at 1000
+        assert rel_err(var, var64) < 1e-4
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_batch_stats_nan_inf_as_torch():
+    x = torch.randn(2, 3, 7, 7).to(DEVICE)
+    x[0, 1, 2, 3] = float("inf")
+    x[1, 2, 0, 0] = float("nan")
+    mean, var = bs.batch_stats(x)
+    # As F.batch_norm: an inf gives mean inf (not var_mean's NaN) and variance NaN.
+    ref_mean, ref_var = x.mean(dim=(0, 2, 3)), x.var(dim=(0, 2, 3), correction=0)
+    assert torch.equal(mean.isinf(), ref_mean.isinf()) and torch.equal(mean.isnan(),
+                                                                         ref_mean.isnan())
+    assert torch.equal(var.isnan(), ref_var.isnan())
+
+
+# --------------------------------------------------------------------------- forward
+
+def _ref_forward(x, wt, bias, scale, shift, residual, stride, padding, dilation):
+    c = x.shape[1]
+    a = torch.relu(x.double() * scale.double().view(1, c, 1, 1) + shift.double().view(1, c, 1, 1))
+    y = F.conv2d(a, wt.double(), None if bias is None else bias.double(), stride, padding,
+                 dilation)
+    return y if residual is None else y + residual.double()
+
+
+def _forward_case(dtype, channels_last, cfg, k=3, stride=(2, 1), padding=(1, 2), dilation=(1, 2)):
+    x, wt, gamma, beta = make(n=1, c=5, h=9, w=7, co=17, k=k, dtype=dtype,
+                              channels_last=channels_last)
+    mean = torch.randn(5).to(DEVICE, _sdt(dtype)) * 0.1
+    invstd = (torch.rand(5) + 0.5).to(DEVICE, _sdt(dtype))
+    scale, shift = _scale_shift(gamma, beta, mean, invstd)
+    bias = torch.randn(17).to(DEVICE, dtype)
+    y_ref = _ref_forward(x, wt, bias, scale, shift, None, stride, padding, dilation)
+    residual = torch.randn(y_ref.shape).to(DEVICE, dtype)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    y, m, v = fwd.bn_relu_conv2d_fwd(x, wt, bias, scale, shift, residual, stride, padding,
+                                     dilation, fmt, genstats=True, config=cfg)
+    assert y.dtype == dtype and y.is_contiguous(memory_format=fmt)
+    assert rel_err(y, y_ref + residual.double()) < TOL[dtype]
+    # genstats: the statistics of y as stored.
+    var64, mean64 = torch.var_mean(y.double(), dim=(0, 2, 3), correction=0)
+    assert rel_err(m, mean64) < 1e-5 and rel_err(v, var64) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_forward_genstats(dtype, channels_last):
+    _forward_case(dtype, channels_last, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_forward_every_gpu_config(dtype):
+    for cfg in fwd.configs_for(dtype):
+        _forward_case(dtype, True, cfg, k=3, stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+
+
+def test_forward_noncontiguous_input():
+    """A sliced x (no standard layout) goes through its strides."""
+    x, wt, gamma, beta = make(n=2, c=4, h=9, w=18, co=3)
+    x = x[:, :, :, ::2]
+    assert not x.is_contiguous()
+    mean, var = bs.batch_stats(x)
+    var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
+    assert rel_err(mean, mean64) < 1e-6 and rel_err(var, var64) < 1e-6
+    invstd = torch.rsqrt(var + 1e-5)
+    scale, shift = _scale_shift(gamma, beta, mean, invstd)
+    y = fwd.bn_relu_conv2d_fwd(x, wt, None, scale, shift, None, (1, 1), (1, 1), (1, 1),
+                               torch.contiguous_format)
+    assert rel_err(y, _ref_forward(x, wt, None, scale, shift, None, 1, 1, 1)) < 1e-5
+
+
+# --------------------------------------------------------------------------- backward
+
+def _backward_inputs(dtype, channels_last, k=3, co=6):
+    x, wt, gamma, beta = make(n=2, c=5, h=7, w=9, co=co, k=k, dtype=dtype,
+                              channels_last=channels_last)
+    mean, var = bs.batch_stats(x)
+    invstd = torch.rsqrt(var + 1e-5)
+    return x, wt, gamma, beta, mean, invstd
+
+
+def _portable64(dy, x, wt, gamma, beta, mean, invstd, stride, padding, dilation, train):
+    d = lambda t: t.double()
+    return portable.backward(d(dy), d(x), d(wt), d(gamma), d(beta), d(mean), d(invstd), stride,
+                             padding, dilation, train, [True] * 5)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("strategy", ["sums", "store", "recompute"])
+def test_dgrad_strategies(strategy, train):
+    """dx from the weight-gradient pass's sums (default), from dz stored + the dx pass, or from
+    a sums-only GEMM pass then a dx-writing one: all equal the float64 reference."""
+    stride, padding, dilation = (2, 1), (1, 1), (1, 2)
+    x, wt, gamma, beta, mean, invstd = _backward_inputs(torch.float32, True)
+    scale, shift = _scale_shift(gamma, beta, mean, invstd)
+    ho = (7 + 2 - 3) // 2 + 1
+    wo = (9 + 2 - 2 * 2 - 1) // 1 + 1
+    dy = torch.randn(2, 6, ho, wo).to(DEVICE)
+    ref = _portable64(dy, x, wt, gamma, beta, mean, invstd, stride, padding, dilation, train)
+    gx = torch.empty_like(x)
+    if strategy == "sums":
+        _, _, sums = wg.bn_relu_conv2d_wgrad(dy, x, wt, scale, shift, stride, padding, dilation,
+                                             want_bias=False, bn_affine=(gamma, beta),
+                                             mean=mean, invstd=invstd)
+        dg.bn_relu_conv2d_dgrad(dy, x, wt, scale, shift, mean, invstd, stride, padding,
+                                dilation, batch_stats=train, grad_x=gx, want_sums=False,
+                                sums=sums)
+    else:
+        sums = dg.bn_relu_conv2d_dgrad(dy, x, wt, scale, shift, mean, invstd, stride, padding,
+                                       dilation, batch_stats=train, grad_x=gx, want_sums=True,
+                                       strategy=strategy)
+    assert rel_err(gx, ref[0]) < 1e-5
+    assert rel_err(sums[0], ref[4]) < 1e-5 and rel_err(sums[1], ref[3]) < 1e-5
+
+
+def test_dgrad_sums_only():
+    x, wt, gamma, beta, mean, invstd = _backward_inputs(torch.float64, False)
+    scale, shift = _scale_shift(gamma, beta, mean, invstd)
+    dy = torch.randn(2, 6, 7, 9, dtype=torch.float64).to(DEVICE)
+    ref = _portable64(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1), True)
+    s1, s2 = dg.bn_relu_conv2d_dgrad(dy, x, wt, scale, shift, mean, invstd, (1, 1), (1, 1),
+                                     (1, 1), batch_stats=True, grad_x=None, want_sums=True)
+    assert rel_err(s1, ref[4]) < 1e-12 and rel_err(s2, ref[3]) < 1e-12
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("sums", [False, True], ids=["plain", "sums"])
+def test_wgrad_split_and_sums(split, sums):
+    """The split-K partials and the SUMS decomposition dW = gamma*G2 + beta*G1 give the
+    reference weight and bias gradients; written into ``out`` directly when unsplit."""
+    x, wt, gamma, beta, mean, invstd = _backward_inputs(torch.float32, False, co=7)
+    scale, shift = _scale_shift(gamma, beta, mean, invstd)
+    dy = torch.randn(2, 7, 4, 9).to(DEVICE)
+    stride, padding = (2, 1), (1, 1)
+    ref = _portable64(dy, x, wt, gamma, beta, mean, invstd, stride, padding, (1, 1), True)
+    out = torch.empty_like(wt)
+    gw, gb, s = wg.bn_relu_conv2d_wgrad(
+        dy, x, wt, scale, shift, stride, padding, (1, 1), want_bias=True,
+        bn_affine=(gamma, beta) if sums else None, mean=mean, invstd=invstd, out=out,
+        split=split)
+    assert gw is out
+    assert rel_err(gw, ref[1]) < 1e-5 and rel_err(gb, ref[2]) < 1e-5
+    if sums:
+        assert rel_err(s[0], ref[4]) < 1e-5 and rel_err(s[1], ref[3]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_backward_every_gpu_config(dtype):
+    """Each GPU config of dgrad, dx, wgrad and wgrad-sums on a case with partial tiles."""
+    x, wt, gamma, beta, mean, invstd = _backward_inputs(dtype, True, co=17)
+    scale, shift = _scale_shift(gamma, beta, mean, invstd)
+    dy = torch.randn(2, 17, 7, 9).to(DEVICE, dtype)
+    ref = _portable64(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1), True)
+    tol = TOL[dtype] * (4 if dtype in HALF else 1)
+    for cfg in wg.configs_for(dtype):
+        gw, _, _ = wg.bn_relu_conv2d_wgrad(dy, x, wt, scale, shift, (1, 1), (1, 1), (1, 1),
+                                           want_bias=False, config=cfg, split=2)
+        assert rel_err(gw, ref[1]) < tol, str(cfg)
+    sums = None
+    for cfg in wg.configs_for(dtype, sums=True):
+        _, _, sums = wg.bn_relu_conv2d_wgrad(dy, x, wt, scale, shift, (1, 1), (1, 1), (1, 1),
+                                             want_bias=False, bn_affine=(gamma, beta),
+                                             mean=mean, invstd=invstd, config=cfg)
+        assert rel_err(sums[0], ref[4]) < tol and rel_err(sums[1], ref[3]) < tol, str(cfg)
+    for cfg in dg.configs_for(dtype):
+        gx = torch.empty_like(x)
+        dg.bn_relu_conv2d_dgrad(dy, x, wt, scale, shift, mean, invstd, (1, 1), (1, 1), (1, 1),
+                                batch_stats=True, grad_x=gx, want_sums=False, sums=sums,
+                                config=cfg)
+        assert rel_err(gx, ref[0]) < tol, str(cfg)
+    for cfg in dg.dx_configs_for(dtype)[:1]:
+        gx = torch.empty_like(x)
+        dg.DX_INTERPRET_CONFIG, saved = cfg, dg.DX_INTERPRET_CONFIG
+        try:
+            dg.bn_relu_conv2d_dgrad(dy, x, wt, scale, shift, mean, invstd, (1, 1), (1, 1),
+                                    (1, 1), batch_stats=True, grad_x=gx, want_sums=True,
+                                    strategy="store")
+        finally:
+            dg.DX_INTERPRET_CONFIG = saved
+        assert rel_err(gx, ref[0]) < tol, str(cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mask", [[True, False, False, False, False],
+                                  [False, True, True, False, False],
+                                  [False, False, False, True, True],
+                                  [True, True, False, True, False]],
+                         ids=["x", "w+b", "bn", "mixed"])
+def test_backend_backward_output_mask(dtype, mask):
+    """Masked-out outputs are empty; the others match the float64 reference at the dtype."""
+    x, wt, gamma, beta, mean, invstd = _backward_inputs(dtype, False)
+    dy = torch.randn(2, 6, 7, 9).to(DEVICE, dtype)
+    outs = triton_backend.backward(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1),
+                                   True, mask)
+    ref = _portable64(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1), True)
+    for want, got, exp in zip(mask, outs, ref):
+        if not want:
+            assert got.numel() == 0
+        else:
+            assert got.shape == exp.shape
+            assert rel_err(got, exp) < TOL[dtype] * (4 if dtype in HALF else 1)
+
+
+def test_backend_forward_genstats_interface():
+    x, wt, gamma, beta, mean, invstd = _backward_inputs(torch.float32, True)
+    y, m, v = triton_backend.forward_genstats(x, wt, None, gamma, beta, mean, invstd, None,
+                                              (1, 1), (1, 1), (1, 1))
+    m2, v2 = triton_backend.batch_stats(y)
+    assert rel_err(m, m2) < 1e-5 and rel_err(v, v2) < 1e-5
+
+
+def test_interpreter_bf16_rounds_to_nearest():
+    """The interpreter truncates float32 -> bfloat16; the kernels round by hand there."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("interpreter-only workaround")
+    x = torch.full((1, 1, 1, 1), 1.0 + 3 * 2 ** -9)  # between two bf16 values, nearer the top
+    w = torch.ones(1, 1, 1, 1, dtype=torch.bfloat16)
+    one, zero = torch.ones(1), torch.zeros(1)
+    y = fwd.bn_relu_conv2d_fwd(x, w, None, one, zero, None, (1, 1), (0, 0), (1, 1),
+                               torch.contiguous_format)
+    assert y.item() == x.bfloat16().item()
+
+
+def test_kernel_config_str():
+    cfg = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    assert str(cfg) == "M=64 N=32 w=4 s=2"
+    assert cfg.launch_kwargs() == {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4,
+                                   "num_stages": 2}
+
+
+# --------------------------------------------------------------------------- selftest
+
+def test_selftest_runs_and_passes(capsys):
+    from fusedres import selftest
+
+    assert selftest.main([]) == 0
+    out = capsys.readouterr().out
+    assert "passed" in out and "FAIL" not in out
