@@ -165,10 +165,15 @@ def test_smallest_nets_every_backend(any_backend):
 
 
 def test_imagenet_fused_matches_plain(backend):
-    fused, plain = _pair(50, torch.float64, variant="imagenet", num_classes=7)
+    fused, plain = _pair(18, torch.float64, variant="imagenet", num_classes=7)
     # A 3x3x33x33 input: 2x2 in the last stage, 12 values per channel for its BNs.
     _assert_same_step(fused, plain, torch.randn(3, 3, 33, 33, dtype=torch.float64), 1e-9,
                       1e-10)
+
+
+def test_fused_matches_plain_56_default_backend():
+    fused, plain = _pair(56, torch.float64)
+    _assert_same_step(fused, plain, torch.randn(3, 3, 8, 8, dtype=torch.float64), 1e-9, 1e-10)
 
 
 def test_state_dict_round_trip():
