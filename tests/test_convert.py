@@ -54,8 +54,13 @@ class KuangliuPreActBlock(nn.Module):
 
 
 class KuangliuNet(nn.Module):
+    """Also: a module that forward never calls (its weights stay in the state_dict) and a bare
+    parameter used in forward (a learnable output scale)."""
+
     def __init__(self, num_classes=5):
         super().__init__()
+        self.aux_head = nn.Linear(17, 2)  # used by another training script, not by forward
+        self.logit_scale = nn.Parameter(torch.tensor(1.5))
         self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.layers = nn.Sequential(KuangliuPreActBlock(8, 8), KuangliuPreActBlock(8, 17, 2),
                                     KuangliuPreActBlock(17, 17))
@@ -66,7 +71,7 @@ class KuangliuNet(nn.Module):
         out = self.layers(self.conv1(x))
         out = F.relu(self.bn(out))
         out = F.adaptive_avg_pool2d(out, 1).flatten(1)
-        return self.linear(out)
+        return self.linear(out) * self.logit_scale
 
 
 class SequentialNet(nn.Module):
@@ -217,7 +222,7 @@ def _step(model, x):
     model.zero_grad(set_to_none=True)
     out = model(x)
     out.square().sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     return out.detach(), grads
 
 
@@ -236,7 +241,10 @@ def _check_equivalent(model, x, rtol=1e-9, atol=1e-11):
     torch.testing.assert_close(out_f, out_r, rtol=rtol, atol=atol)
     assert set(g_f) == set(g_r)
     for k in g_r:
-        torch.testing.assert_close(g_f[k], g_r[k], rtol=rtol, atol=atol, msg=lambda m, k=k: k + m)
+        assert (g_f[k] is None) == (g_r[k] is None), k
+        if g_r[k] is not None:
+            torch.testing.assert_close(g_f[k], g_r[k], rtol=rtol, atol=atol,
+                                       msg=lambda m, k=k: k + m)
     for (k, b_r), b_f in zip(ref.named_buffers(), fused.buffers()):
         torch.testing.assert_close(b_f, b_r, rtol=rtol, atol=atol, msg=lambda m, k=k: k + m)
     ref.eval()
@@ -256,6 +264,7 @@ def test_kuangliu_style():
     assert report.fused_convs == 7 and report.fused_residual_adds == 3
     assert [c.path for c in report.left] == ["bn"]
     assert "adaptive_avg_pool2d" in report.left[0].reason
+    assert "aux_head.weight" in fused.state_dict() and "logit_scale" in fused.state_dict()
     x = torch.randn(2, 3, 13, 13)
     assert saved_bytes(fused.float(), x) < 0.7 * saved_bytes(model, x)
 
