@@ -83,6 +83,11 @@ def test_meta_count_equals_real_count(fused):
     assert meta == real > 0
     assert profile_units(model, (2, 3, 13, 13)) == profile_units(model, (2, 3, 13, 13),
                                                                  device="cpu")
+    # A checkpointed step, measured whole (saved after forward and peak of live tensors).
+    model.set_grad_checkpointing([(1, 4), (6, 9)])
+    on_cpu = measure_step(copy.deepcopy(model), x)
+    on_meta = measure_step(copy.deepcopy(model).to("meta"), x.to("meta"))
+    assert on_cpu == on_meta and on_cpu["saved"] < real
 
 
 def test_profile_adds_up():
