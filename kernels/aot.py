@@ -7,24 +7,21 @@ prints kernel, dtype, config, arch, shared memory, registers and spilled bytes (
 log). It exits non-zero when a compile fails, shared memory exceeds the arch's per-block limit,
 or registers spill.
 
-Runs with ``TRITON_INTERPRET=0`` (set here before triton is imported; a parent process that set
-it to 1 must start this as a subprocess).
+Needs ``TRITON_INTERPRET=0`` before the kernels are imported (``main`` sets it; a process that
+already imported them under the interpreter must start this as a subprocess).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import os
-
-os.environ["TRITON_INTERPRET"] = "0"
-
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import io  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from concurrent.futures import ProcessPoolExecutor  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+import re
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 # Max dynamic shared memory per block (opt-in), bytes.
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -186,6 +183,12 @@ def main(argv=None) -> int:
                     help="only these kernels (default: all)")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: cores)")
     args = ap.parse_args(argv)
+    os.environ["TRITON_INTERPRET"] = "0"
+    from .bn_relu_conv2d import bn_relu_conv2d_fwd_kernel
+    if not hasattr(bn_relu_conv2d_fwd_kernel, "arg_names") or "Interpreted" in type(
+            bn_relu_conv2d_fwd_kernel).__name__:
+        print("the kernels were imported under TRITON_INTERPRET=1: run this in a fresh process")
+        return 2
     t0 = time.perf_counter()
     results = run(args.arch, args.dtype, args.jobs, args.kernel)
     print(format_table(results))
