@@ -1,0 +1,69 @@
+"""The traffic model of kernels/traffic.py: its goal, asserted, and its bookkeeping.
+
+Goal: one fused unit's training step (statistics, forward, weight and data gradients) moves at
+most half the DRAM bytes of the unfused sequence (BatchNorm, ReLU, cuDNN-style conv, add and
+their backward passes) at CIFAR and ImageNet shapes.
+"""
+
+import pytest
+
+pytest.importorskip("triton")
+
+from fusedres.kernels import traffic as T  # noqa: E402
+
+
+@pytest.mark.parametrize("unit", T.CIFAR_UNITS + T.IMAGENET_UNITS, ids=lambda u: u.name)
+@pytest.mark.parametrize("genstats", [False, True], ids=["stats-pass", "genstats"])
+def test_fused_step_moves_at_most_half_the_bytes(unit, genstats):
+    fused, unfused = T.fused_step(unit, genstats), T.unfused_step(unit)
+    assert fused.bytes <= 0.5 * unfused.bytes, (unit.name, fused.bytes / unfused.bytes)
+
+
+@pytest.mark.parametrize("name,block", T.bottleneck_blocks(), ids=lambda v: v
+                         if isinstance(v, str) else "")
+def test_whole_bottleneck_block_at_most_half(name, block):
+    """The expanding 1x1 unit alone is above half (its larger output side is untouched by the
+    fusion), but each whole bottleneck block is well under."""
+    fused = sum(T.fused_step(u).bytes for u in block)
+    unfused = sum(T.unfused_step(u).bytes for u in block)
+    assert fused <= 0.5 * unfused, (name, fused / unfused)
+
+
+@pytest.mark.parametrize("unit", T.EXPANDING_UNITS, ids=lambda u: u.name)
+def test_expanding_unit_still_saves(unit):
+    ratio = T.fused_step(unit).bytes / T.unfused_step(unit).bytes
+    assert 0.5 < ratio < 0.6  # reported as is in the benchmark table
+
+
+def test_compulsory_traffic_accounting():
+    """Equal in/out sizes, 3x3, residual: the unfused step is 22 activation passes (10 forward,
+    12 backward); the fused one 9 (stats 1, forward 3, weight-gradient pass 2, data gradient 3),
+    plus per-channel vectors, weights and partials."""
+    u = T.Unit("t", 64, 64, 32, 64, residual=True)
+    s = u.act_in()
+    unfused, fused = T.unfused_step(u), T.fused_step(u)
+    assert unfused.bytes == pytest.approx(22 * s, rel=0.02)
+    assert fused.bytes == pytest.approx(9 * s, rel=0.05)
+    assert fused.bytes >= 9 * s
+    assert T.fused_step(u, genstats=True).bytes < fused.bytes - 0.9 * s
+
+
+def test_flops_count_padded_tiles():
+    """16 channels on a 32-wide K tile: the fused GEMMs pay for their padding."""
+    u = T.Unit("t", 8, 16, 8, 16)
+    fwd = next(k for k in T.fused_step(u).kernels if k.name == "fwd")
+    assert fwd.flops == 2 * u.gemm_flops()  # Co = 16 on a 32-wide N tile
+
+
+def test_modeled_time_is_roofline():
+    k = T.Kernel("k", read=3_350_000_000_000, write=0, flops=10)
+    assert k.seconds(2) == pytest.approx(1.0)
+    k = T.Kernel("k", read=0, write=0, flops=int(989e12))
+    assert k.seconds(2) == pytest.approx(1.0)
+
+
+def test_report_is_marked_as_a_model():
+    text = T.report()
+    assert text.startswith("MODEL (not measured)")
+    for u in T.CIFAR_UNITS + T.IMAGENET_UNITS:
+        assert u.name in text
