@@ -68,6 +68,13 @@ def checkpoint(fn: Callable[..., Any], *args, modules: Iterable[nn.Module] | Non
     if modules is None:
         modules = [fn] if isinstance(fn, nn.Module) else []
     modules = list(modules)
+    if torch.compiler.is_compiling():
+        # Dynamo traces the segment once into a checkpoint region and the compiled backward
+        # recomputes it from that graph, in which buffer updates happen once, in the forward
+        # (tests/test_planner.py checks the running statistics); it rejects a custom
+        # context_fn.
+        return _torch_checkpoint.checkpoint(fn, *args, use_reentrant=False,
+                                            preserve_rng_state=preserve_rng_state, **kwargs)
     return _torch_checkpoint.checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
         context_fn=lambda: (contextlib.nullcontext(), _RestoreBuffers(modules)), **kwargs)

@@ -187,3 +187,20 @@ def test_resnet1001_goals():
     assert fused <= 0.52 * plain
     assert p.peak_bytes <= 4 * GiB and p.recompute_fraction < 0.25
     assert saved_bytes(fused_model.to("meta"), x) == p.saved_bytes
+
+
+@pytest.mark.slow
+def test_checkpointing_under_torch_compile_counts_each_batch_once():
+    ref = fusedres.PreActBasicBlock(3, 5, stride=2)
+    ck = copy.deepcopy(ref)
+    compiled = torch.compile(lambda t: checkpoint(ck, t))
+    x = torch.randn(4, 3, 9, 9)
+    for _ in range(2):
+        compiled(x).sum().backward()
+        ref(x).sum().backward()
+    assert int(ck.bn1.num_batches_tracked) == 2 and int(ck.bn2.num_batches_tracked) == 2
+    for (name, a), b in zip(ref.named_buffers(), ck.buffers()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: n + m)
+    for (name, a), b in zip(ref.named_parameters(), ck.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: n + m)
