@@ -114,6 +114,12 @@ def test_named_constructors_take_kwargs():
     assert models.preact_resnet50(stride_on="conv2").layer2[0].conv2.stride == (2, 2)
 
 
+def test_reset_classifier():
+    m = models.preact_resnet20()
+    m.reset_classifier(7)
+    assert m.get_classifier().out_features == 7 and m(torch.randn(2, 3, 8, 8)).shape == (2, 7)
+
+
 def _pair(depth, dtype, **kw):
     fused = models.preact_resnet(depth, fused=True, **kw).to(dtype)
     plain = models.preact_resnet(depth, fused=False, **kw).to(dtype)

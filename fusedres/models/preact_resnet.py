@@ -129,6 +129,16 @@ class PreActResNet(nn.Module):
                 last = u.conv3 if isinstance(u, PreActBottleneck) else u.conv2
                 nn.init.zeros_(last.weight)
 
+    def get_classifier(self) -> nn.Module:
+        return self.fc
+
+    def reset_classifier(self, num_classes: int) -> None:
+        """A new, freshly initialised ``fc`` for ``num_classes`` (timm's method name)."""
+        fc = nn.Linear(self.num_features, num_classes, device=self.fc.weight.device,
+                       dtype=self.fc.weight.dtype)
+        nn.init.zeros_(fc.bias)
+        self.fc, self.num_classes = fc, num_classes
+
     def units(self) -> list[nn.Module]:
         """The residual units, in forward order (the planner's unit of checkpointing)."""
         return [u for name in self.stage_names for u in getattr(self, name)]
