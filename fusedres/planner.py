@@ -362,6 +362,11 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int,
     """Choose where to checkpoint ``model`` so the saved activations of one training step on
     an input of ``input_shape`` (N, C, H, W) in ``dtype`` stay within ``budget_bytes``.
 
+    ``dtype`` is the dtype of the activations: the count casts the parameters and the input to
+    it (pure half-precision training). For autocast training pass the autocast dtype; the
+    count is then that of the same network in that dtype, which autocast matches except for
+    the float32 input image and BatchNorm statistics (a few KiB per unit).
+
     The model must expose ``units()`` and ``set_grad_checkpointing(ranges)``, as
     :mod:`fusedres.models` do. Per-unit saved bytes and FLOPs are measured on ``device``
     (default meta: nothing is allocated). The choice minimises recomputed FLOPs subject to
