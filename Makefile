@@ -10,8 +10,7 @@ EXT     := $(VENV)/.ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1
 PYTEST_ARGS ?=
-
-.PHONY: install demo test test-gpu bench lint format clean
+.PHONY: install demo compare test selftest bench lint format clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,11 +31,21 @@ $(EXT): $(INSTALL) $(EXT_SRC)
 
 install: $(EXT)
 
+# The main job: train and evaluate a pre-activation ResNet-20 on scikit-learn's digits (shipped
+# with the package, no download). A second run reprints the finished run's summary.
 demo: install
+	$(PY) -m fusedres.train --config digits --out runs/digits --resume auto
+
+# The fused unit against plain PyTorch: agreement and saved bytes on every backend here.
+compare: install
 	$(PY) -m fusedres.demo
 
 test: install
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# On a GPU: the kernels against the reference, with a table (on CPU: interpreter, small shapes).
+selftest: install
+	$(PY) -m fusedres.selftest
 
 bench: install
 	$(PY) -m pytest benchmarks --benchmark-only $(PYTEST_ARGS)

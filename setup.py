@@ -116,6 +116,7 @@ setup(
     packages=find_packages(include=["fusedres", "fusedres.*"])
     + ["fusedres.kernels"] + [f"fusedres.kernels.{p}" for p in find_packages("kernels")],
     package_dir={"fusedres": "fusedres", "fusedres.kernels": "kernels"},
+    package_data={"fusedres": ["configs/*.yaml"]},
     install_requires=["torch>=2.6", "numpy", "tqdm", "pyyaml"],
     extras_require={
         "test": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],

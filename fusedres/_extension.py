@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch  # noqa: F401  (torch's libraries must be loaded before fusedres._C links to them)
+
 LOADED = False
 LOAD_ERROR: str | None = None
 
@@ -19,8 +21,6 @@ except ImportError as exc:  # not built (Python-only install) or built for anoth
 
 def has_kernels(namespace: str, dispatch_key: str, *names: str) -> bool:
     """Whether every op ``<namespace>::<name>`` has a kernel for ``dispatch_key``."""
-    import torch
-
     return all(
         torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{name}", dispatch_key)
         for name in names

@@ -301,10 +301,10 @@ def test_resume_extends_a_finished_run_and_csv_log(tmp_path):
 
 def test_digits_demo_reaches_its_accuracy(tmp_path):
     """The README's demo on a short schedule (15 epochs instead of 40): ResNet-20 reaches
-    96.7% here (the full configs/digits.yaml run: 98.9%)."""
+    96.7% here (the full --config digits run: 98.9%)."""
     out = tmp_path / "digits"
     proc = subprocess.run(
-        [sys.executable, "-m", "fusedres.train", "--config", str(REPO / "configs/digits.yaml"),
+        [sys.executable, "-m", "fusedres.train", "--config", "digits",
          "--epochs", "15", "--out", str(out), "--no-progress"],
         capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONWARNINGS="ignore"))

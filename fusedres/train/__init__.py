@@ -1,7 +1,7 @@
 """``fusedres train``: He et al.'s CIFAR recipe for pre-activation ResNets, with fused
 BN-ReLU-conv blocks, on one device or many (torchrun), never losing a run.
 
-    python -m fusedres.train --config configs/digits.yaml --out runs/digits
+    python -m fusedres.train --config digits --out runs/digits
     torchrun --nproc_per_node 2 -m fusedres.train --model preact_resnet1001 --sync-bn ...
 
 :func:`main` returns the exit code: 0 done, 2 a bad request (one line on stderr, nothing of an

@@ -16,7 +16,8 @@ import yaml
 
 __all__ = ["UsageError", "build_parser", "parse_bytes", "resolve"]
 
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# Named configs ship inside the package (fusedres/configs/*.yaml): `--config digits`.
+PACKAGE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 class UsageError(Exception):
@@ -102,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = p.add_argument
     add("--config", help="YAML file of defaults (keys are flag names, - or _), or the name of "
-                         "one in the repository's configs/ (e.g. digits)")
+                         "one shipped in fusedres/configs (digits, cifar10_resnet164, "
+                         "cifar10_resnet1001)")
     g = p.add_argument_group("model")
     g.add_argument("--model", help="a fusedres.models name (preact_resnet110, ...), or "
                                    "preact_resnet with --depth (default preact_resnet110)")
@@ -191,8 +193,8 @@ def parse_bytes(text) -> int:
 
 def load_yaml(path: str | Path, what: str) -> dict[str, Any]:
     path = Path(path)
-    if not path.suffix and not path.exists() and (REPO_CONFIGS / f"{path}.yaml").exists():
-        path = REPO_CONFIGS / f"{path}.yaml"
+    if not path.suffix and not path.exists() and (PACKAGE_CONFIGS / f"{path}.yaml").exists():
+        path = PACKAGE_CONFIGS / f"{path}.yaml"
     try:
         text = path.read_text()
     except OSError as e:
