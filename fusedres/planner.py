@@ -126,18 +126,23 @@ def _units_of(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def _meta_state(model: nn.Module, device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Empty copies of the parameters and buffers on ``device`` (floating ones in ``dtype``)."""
+def _meta_state(model: nn.Module, device, dtype: torch.dtype,
+                autocast: bool = False) -> dict[str, torch.Tensor]:
+    """Empty copies of the parameters and buffers on ``device`` (floating ones in ``dtype``;
+    with ``autocast`` only the conv and linear weights and biases, as autocast casts them)."""
+    cast_names = None
+    if autocast:
+        cast_names = {f"{name}.{p}" if name else p
+                      for name, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))
+                      for p in ("weight", "bias")}
     state = {}
     for name, t in (*model.named_parameters(), *model.named_buffers()):
-        dt = dtype if t.is_floating_point() else t.dtype
-        e = torch.empty(t.shape, dtype=dt, device=device)
+        cast = t.is_floating_point() and (cast_names is None or name in cast_names)
+        e = torch.empty(t.shape, dtype=dtype if cast else t.dtype, device=device)
+        if device != torch.device("meta"):
+            e.copy_(t.detach())  # real values for a real-device measurement
         if t.is_floating_point():
-            if device != torch.device("meta"):
-                e.copy_(t.detach())  # real values for a real-device measurement
             e.requires_grad_(t.requires_grad)
-        elif device != torch.device("meta"):
-            e.copy_(t.detach())
         state[name] = e
     return state
 
@@ -149,12 +154,25 @@ def _input(input_shape, device, dtype) -> torch.Tensor:
     return x
 
 
+def _cast_weight_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of the ``dtype`` copies autocast makes of the conv and linear weights of
+    ``module``; autograd saves them for backward (the biases' copies are not saved)."""
+    return sum(m.weight.numel() * dtype.itemsize for m in module.modules()
+               if isinstance(m, (nn.Conv2d, nn.Linear)) and m.weight.dtype != dtype)
+
+
 def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "meta") -> UnitProfile:
+                  device: str | torch.device = "meta", autocast: bool = False) -> UnitProfile:
     """Measure every unit's saved bytes, input bytes and forward FLOPs for one training step on
     an input of ``input_shape`` in ``dtype`` (parameters cast to ``dtype`` too), on
     ``device`` (``"meta"``: no memory is allocated; the counts are exact storage sizes).
-    The model itself is not modified: a copy of its parameters on ``device`` is used."""
+    The model itself is not modified: a copy of its parameters on ``device`` is used.
+
+    ``autocast=True``: the step will run under ``torch.autocast(dtype=dtype)`` with float32
+    parameters (autocast does not run on the meta device, so it is imitated): the conv and
+    linear weights and the input are measured in ``dtype``, BatchNorm in float32, and
+    autocast's ``dtype`` copies of the weights, which autograd saves, are added to each unit's
+    count."""
     device = torch.device(device)
     units = _units_of(model)
     index = {id(u): i for i, u in enumerate(units)}
@@ -202,7 +220,7 @@ def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dty
         # Pass 1: saved storages, with the backend in force (fused ops or plain modules). Every
         # fused backend saves the same tensors (the autograd rule is shared), so on the meta
         # device the portable one stands in for whichever will run.
-        state = _meta_state(model, device, dtype)
+        state = _meta_state(model, device, dtype, autocast)
         excluded = {_storage_key(t) for t in state.values()}
         name = _backend.get_backend()
         if device.type == "meta" and name not in ("reference", "auto"):
@@ -214,7 +232,7 @@ def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dty
         del out
         kept.clear()
         # Pass 2: FLOPs of the plain computation (the fused op does the same convolutions).
-        state = _meta_state(model, device, dtype)
+        state = _meta_state(model, device, dtype, autocast)
         with _backend.use_backend("reference"), counter:
             out = torch.func.functional_call(model, state, (_input(input_shape, device, dtype),))
             out.float().sum().backward()
@@ -224,6 +242,16 @@ def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dty
             h.remove()
         model.set_grad_checkpointing(ranges)
         model.train(was_training)
+    if autocast:
+        for i, u in enumerate(units):
+            saved[i] += _cast_weight_bytes(u, dtype)
+        in_units = sum(_cast_weight_bytes(u, dtype) for u in units)
+        # Weights outside the units: the stem before them, the head after them.
+        rest = _cast_weight_bytes(model, dtype) - in_units
+        head = _cast_weight_bytes(model.get_classifier(), dtype) if callable(
+            getattr(model, "get_classifier", None)) else 0
+        stem_head[0] += rest - head
+        stem_head[1] += head
     return UnitProfile(saved, inputs, flops, stem_head[0], stem_head[1], step_flops)
 
 
@@ -357,15 +385,16 @@ def _choose(p: UnitProfile, budget: int):
 
 
 def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int,
-         dtype: torch.dtype = torch.float32, *, device: str | torch.device = "meta",
-         apply: bool = True, verbose: bool = False) -> MemoryPlan:
+         dtype: torch.dtype = torch.float32, *, autocast: bool = False,
+         device: str | torch.device = "meta", apply: bool = True,
+         verbose: bool = False) -> MemoryPlan:
     """Choose where to checkpoint ``model`` so the saved activations of one training step on
     an input of ``input_shape`` (N, C, H, W) in ``dtype`` stay within ``budget_bytes``.
 
     ``dtype`` is the dtype of the activations: the count casts the parameters and the input to
-    it (pure half-precision training). For autocast training pass the autocast dtype; the
-    count is then that of the same network in that dtype, which autocast matches except for
-    the float32 input image and BatchNorm statistics (a few KiB per unit).
+    it (pure half-precision training). For training under ``torch.autocast`` pass the autocast
+    dtype and ``autocast=True``: autocast's half copies of the weights, saved for backward,
+    are then counted too (tests/test_planner.py checks the count against a real autocast step).
 
     The model must expose ``units()`` and ``set_grad_checkpointing(ranges)``, as
     :mod:`fusedres.models` do. Per-unit saved bytes and FLOPs are measured on ``device``
@@ -382,7 +411,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int,
                          f"{budget_bytes!r}")
     if len(tuple(input_shape)) != 4:
         raise ValueError(f"input_shape: expected (N, C, H, W), got {tuple(input_shape)}")
-    prof = profile_units(model, input_shape, dtype, device)
+    prof = profile_units(model, input_shape, dtype, device, autocast=autocast)
     unplanned = prof.total_saved
     if unplanned <= budget_bytes:
         chosen = ([], unplanned, unplanned, 0)

@@ -90,6 +90,18 @@ def test_meta_count_equals_real_count(fused):
     assert on_cpu == on_meta and on_cpu["saved"] < real
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_autocast_count_equals_real_autocast_step(fused):
+    model = models.preact_resnet(11, num_classes=3, fused=fused)
+    x = torch.randn(5, 3, 13, 13)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real = saved_bytes(model, x)
+    prof = profile_units(model, (5, 3, 13, 13), torch.bfloat16, autocast=True)
+    assert prof.total_saved == real
+    # Without autocast=True it is the pure-bfloat16 count, which lacks the weight copies.
+    assert profile_units(model, (5, 3, 13, 13), torch.bfloat16).total_saved < real
+
+
 def test_profile_adds_up():
     model = models.preact_resnet56()
     prof = profile_units(model, (4, 3, 16, 16))
