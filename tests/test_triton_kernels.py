@@ -325,3 +325,61 @@ def test_selftest_runs_and_passes(capsys):
     assert selftest.main([]) == 0
     out = capsys.readouterr().out
     assert "passed" in out and "FAIL" not in out
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+_CAPTURE = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import torch
+from torch._dynamo.backends.common import aot_autograd
+import fusedres.backends.triton  # noqa: F401  (defines the fusedres_triton ops)
+
+graphs = []
+
+def capture(gm, example_inputs):
+    graphs.append(gm)
+    def stop(*args):
+        raise RuntimeError("captured")  # no GPU here: the graph is what we want
+    return stop
+
+x = torch.randn(2, 5, 7, 9).contiguous(memory_format=torch.channels_last)
+w = torch.randn(6, 5, 3, 3)
+sc, sh = torch.rand(5), torch.randn(5)
+dy = torch.randn(2, 6, 7, 9)
+fns = {
+    "forward": lambda: torch.ops.fusedres_triton.bn_relu_conv2d(
+        x, w, None, sc, sh, None, [1, 1], [1, 1], [1, 1], True),
+    "backward": lambda: torch.ops.fusedres_triton.bn_relu_conv2d_backward(
+        dy, x, w, sc, sh, sc, sh, [1, 1], [1, 1], [1, 1], True, [True] * 5),
+    "batch_stats": lambda: torch.ops.fusedres_triton.batch_stats(x),
+}
+for name, fn in fns.items():
+    graphs.clear()
+    try:
+        torch.compile(fn, backend=aot_autograd(fw_compiler=capture), fullgraph=True)()
+    except RuntimeError as exc:
+        if "captured" not in str(exc):
+            raise
+    kernels = sum(str(n.target) == "triton_kernel_wrapper_functional"
+                  for g in graphs for n in g.graph.nodes)
+    print(name, kernels)
+"""
+
+
+def test_triton_ops_decompose_into_kernels_under_compile():
+    """torch.compile sees the Triton kernels inside the triton_ops (AOTDispatcher decomposes
+    them into triton_kernel_wrapper_functional nodes). Traced on CPU with TRITON_INTERPRET=0 in
+    a subprocess: under the interpreter a triton_op cannot be traced with fake tensors."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", _CAPTURE], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
+    assert int(counts["forward"]) == 1
+    assert int(counts["batch_stats"]) == 1
+    assert int(counts["backward"]) == 2  # the weight-gradient (+ sums) pass and the dx pass
