@@ -1,0 +1,203 @@
+"""The cpu backend (csrc/cpu) against plain PyTorch on CPU: forward+backward of pre-activation
+bottleneck units, of single BN-ReLU-conv units, and a whole ResNet-164 training step.
+
+Each group times, in the same run: ``reference`` (the plain unit: ``nn.BatchNorm2d`` + ReLU +
+``nn.Conv2d`` on oneDNN), ``cpu`` (the fused unit on the cpu backend), ``checkpoint``
+(``torch.utils.checkpoint`` of the plain unit, which saves as little as the fused one) and
+``compile`` (``torch.compile`` of the plain unit, inductor). Medians, IQR and ratios to the
+reference print at the end (benchmarks/conftest.py); saved-activation bytes
+(``fusedres.memory.saved_bytes``) and, for the whole step, the peak RSS of a fresh subprocess
+sit beside them. Nothing is asserted about speed.
+
+Run: ``pytest benchmarks/test_bench_cpu.py --benchmark-only`` (``-k unit``, ``-k conv``,
+``-k step`` for one part). Environment: ``FUSEDRES_BENCH_QUICK=1`` tiny shapes (CI smoke run in
+seconds); ``FUSEDRES_BENCH_THREADS`` sets torch's thread count; ``FUSEDRES_BENCH_COMPILE=0``
+leaves out the torch.compile rows (inductor compiles each shape for tens of seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import fusedres
+from benchutil import QUICK
+from fusedres.memory import saved_bytes
+
+if os.environ.get("FUSEDRES_BENCH_THREADS"):
+    torch.set_num_threads(int(os.environ["FUSEDRES_BENCH_THREADS"]))
+
+pytestmark = pytest.mark.skipif(
+    fusedres._backend.unavailable_reason("cpu") is not None,
+    reason=f"cpu backend unavailable: {fusedres._backend.unavailable_reason('cpu')}",
+)
+
+COMPILE = os.environ.get("FUSEDRES_BENCH_COMPILE", "1") != "0"
+IMPLS = ["reference", "cpu", "checkpoint"] + (["compile"] if COMPILE else [])
+ROUNDS = 2 if QUICK else 7
+
+# (name, N, in_planes, planes, stride, spatial, stride_on)
+# CIFAR ResNet-164/1001 units (He et al.: stride on the first 1x1) at N=128, and ResNet-50
+# ImageNet units (torchvision/timm: stride on the 3x3) at N=32, incl. the stride-2 first units.
+UNITS = [
+    ("c164 s1 64-16-64 @32", 128, 64, 16, 1, 32, "conv1"),
+    ("c164 s2-first 64-32-128 /2 @32", 128, 64, 32, 2, 32, "conv1"),
+    ("c164 s2 128-32-128 @16", 128, 128, 32, 1, 16, "conv1"),
+    ("c164 s3-first 128-64-256 /2 @16", 128, 128, 64, 2, 16, "conv1"),
+    ("c164 s3 256-64-256 @8", 128, 256, 64, 1, 8, "conv1"),
+    ("r50 s1-first 64-64-256 @56", 32, 64, 64, 1, 56, "conv2"),
+    ("r50 s1 256-64-256 @56", 32, 256, 64, 1, 56, "conv2"),
+    ("r50 s2-first 256-128-512 /2 @56", 32, 256, 128, 2, 56, "conv2"),
+    ("r50 s2 512-128-512 @28", 32, 512, 128, 1, 28, "conv2"),
+    ("r50 s3-first 512-256-1024 /2 @28", 32, 512, 256, 2, 28, "conv2"),
+    ("r50 s3 1024-256-1024 @14", 32, 1024, 256, 1, 14, "conv2"),
+    ("r50 s4-first 1024-512-2048 /2 @14", 32, 1024, 512, 2, 14, "conv2"),
+    ("r50 s4 2048-512-2048 @7", 32, 2048, 512, 1, 7, "conv2"),
+]
+# (name, N, cin, cout, k, stride, spatial): the BN-ReLU-conv units of the CIFAR bottlenecks.
+CONVS = [
+    ("64>16 1x1 @32", 128, 64, 16, 1, 1, 32),
+    ("16>16 3x3 @32", 128, 16, 16, 3, 1, 32),
+    ("16>64 1x1 @32", 128, 16, 64, 1, 1, 32),
+    ("64>32 1x1 /2 @32", 128, 64, 32, 1, 2, 32),
+    ("128>32 1x1 @16", 128, 128, 32, 1, 1, 16),
+    ("32>32 3x3 @16", 128, 32, 32, 3, 1, 16),
+    ("32>128 1x1 @16", 128, 32, 128, 1, 1, 16),
+    ("256>64 1x1 @8", 128, 256, 64, 1, 1, 8),
+    ("64>64 3x3 @8", 128, 64, 64, 3, 1, 8),
+    ("64>256 1x1 @8", 128, 64, 256, 1, 1, 8),
+]
+STEP_DEPTH, STEP_N = (20, 4) if QUICK else (164, 64)
+if QUICK:
+    UNITS = [("quick 16-8-32 /2 @8", 4, 16, 8, 2, 8, "conv2")]
+    CONVS = [("quick 8>8 3x3 @8", 4, 8, 8, 3, 1, 8)]
+
+
+def _wrap(module: nn.Module, impl: str):
+    """The callable timed for ``impl`` (module is fused for ``cpu``, plain otherwise)."""
+    if impl == "checkpoint":
+        return lambda x: checkpoint(module, x, use_reentrant=False)
+    if impl == "compile":
+        return torch.compile(module)
+    return module
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("unit", UNITS, ids=[u[0] for u in UNITS])
+def test_unit_forward_backward(benchmark, report, unit, impl):
+    """One pre-activation bottleneck unit (three BN-ReLU-convs, shortcut, residual add)."""
+    name, n, cin, planes, stride, hw, stride_on = unit
+    torch.manual_seed(0)
+    block = fusedres.PreActBottleneck(cin, planes, stride, fused=impl == "cpu",
+                                      stride_on=stride_on)
+    x = torch.randn(n, cin, hw, hw, requires_grad=True)
+    fn = _wrap(block, impl)
+    backend = "cpu" if impl == "cpu" else "reference"
+    warmup = 2 if impl == "compile" else 1
+    gy = None
+
+    def step():
+        nonlocal gy
+        x.grad = None
+        y = fn(x)
+        if gy is None:
+            gy = torch.randn_like(y)
+        y.backward(gy)
+
+    with fusedres.use_backend(backend):
+        benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=warmup)
+        extra = {} if impl == "compile" else {"saved_MiB": saved_bytes(fn, x) / 2**20}
+    benchmark.group = f"unit N={n} {name}"
+    report(benchmark, group=benchmark.group, impl=impl, **extra)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("conv", CONVS, ids=[c[0] for c in CONVS])
+def test_conv_unit_forward_backward(benchmark, report, conv, impl):
+    """One BN-ReLU-conv (``BNReLUConv2d``) against ``BatchNorm2d`` + ``ReLU`` + ``Conv2d``:
+    where inside a bottleneck the time goes."""
+    name, n, cin, cout, k, stride, hw = conv
+    torch.manual_seed(0)
+    fused = fusedres.BNReLUConv2d(cin, cout, k, stride=stride, padding=k // 2)
+    module = fused if impl == "cpu" else nn.Sequential(fused.bn, nn.ReLU(), fused.conv)
+    x = torch.randn(n, cin, hw, hw, requires_grad=True)
+    gy = None
+
+    def step():
+        nonlocal gy
+        x.grad = None
+        y = module(x)
+        if gy is None:
+            gy = torch.randn_like(y)
+        y.backward(gy)
+
+    with fusedres.use_backend("cpu" if impl == "cpu" else "reference"):
+        benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=1)
+        nbytes = saved_bytes(module, x)
+    benchmark.group = f"conv N={n} {name}"
+    report(benchmark, group=benchmark.group, impl=impl, saved_MiB=nbytes / 2**20)
+
+
+# --------------------------------------------------------------------------- whole step
+
+_PEAK_SCRIPT = r"""
+import json, resource, sys, torch, fusedres
+from fusedres.models import preact_resnet
+depth, n, fused, threads = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
+torch.set_num_threads(threads)
+torch.manual_seed(0)
+model = preact_resnet(depth, fused=fused)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+x, t = torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with fusedres.use_backend("cpu" if fused else "reference"):
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), t).backward()
+        opt.step()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"before_MiB": before / 1024, "peak_MiB": peak / 1024}))
+"""
+
+
+def _peak_rss(fused: bool) -> dict:
+    """Peak RSS of a fresh process that builds the model and runs two training steps."""
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(STEP_DEPTH), str(STEP_N), str(int(fused)),
+         str(torch.get_num_threads())],
+        check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_resnet164_training_step(benchmark, report, impl):
+    """Forward, cross-entropy, backward and an SGD step of pre-activation ResNet-164 (CIFAR,
+    32x32) at N=64, fused on the cpu backend vs the plain model with the same parameters."""
+    from fusedres.models import preact_resnet
+
+    torch.manual_seed(0)
+    fused = impl == "cpu"
+    model = preact_resnet(STEP_DEPTH, fused=fused)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, t = torch.randn(STEP_N, 3, 32, 32), torch.randint(0, 10, (STEP_N,))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), t).backward()
+        opt.step()
+
+    with fusedres.use_backend("cpu" if fused else "reference"):
+        benchmark.pedantic(step, rounds=2 if QUICK else 5, warmup_rounds=1)
+        nbytes = saved_bytes(model, x)
+    peak = _peak_rss(fused)
+    benchmark.group = f"step preact_resnet{STEP_DEPTH} N={STEP_N}"
+    report(benchmark, group=benchmark.group, impl=impl, saved_MiB=nbytes / 2**20,
+           peak_rss_MiB=peak["peak_MiB"], rss_before_step_MiB=peak["before_MiB"])
