@@ -27,10 +27,13 @@ int64_t tile_bytes() {
   return kDefaultTileBytes;
 }
 
-// Samples per tile: as many as fit the budget (at least one), balanced across tiles.
-int64_t tile_batch(int64_t N, int64_t bytes_per_sample) {
-  const int64_t budget = tile_bytes();
+// Samples per tile: as many as fit the budget (at least one), balanced across tiles. Every
+// tile re-reads the weights and, in backward, adds a full weight gradient, so the budget grows
+// to 4x the weight bytes: weight-heavy layers (ResNet-50's last stages) run in few tiles.
+int64_t tile_batch(int64_t N, int64_t bytes_per_sample, const at::Tensor& weight) {
+  int64_t budget = tile_bytes();
   if (budget <= 0 || N == 0) return std::max<int64_t>(N, 1);
+  budget = std::max<int64_t>(budget, 4 * weight.numel() * weight.element_size());
   int64_t nb = std::clamp<int64_t>(budget / std::max<int64_t>(bytes_per_sample, 1), 1, N);
   const int64_t tiles = (N + nb - 1) / nb;
   return (N + tiles - 1) / tiles;
@@ -48,12 +51,14 @@ Layout layout_of(const at::Tensor& x) {
 // convolutions on cache-sized NCHW tiles are as fast, and then the transposes are pure cost
 // (RESULTS.md). float64 runs ATen's native kernels in x's layout.
 // FUSEDRES_CPU_CONV_NHWC=0 / =1 forces x's layout / NHWC (for measurements).
-Layout conv_layout(const at::Tensor& weight, Layout x_layout) {
+Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial) {
   if (weight.scalar_type() == at::kDouble) return x_layout;
   const char* env = std::getenv("FUSEDRES_CPU_CONV_NHWC");
   if (env && env[0] == '0') return x_layout;
   if (env && env[0] == '1') return Layout::NHWC;
-  return weight.size(2) * weight.size(3) > 1 ? Layout::NHWC : x_layout;
+  // Spatial kernels on maps of at least 8x8; at 7x7 (ResNet-50's last stage) the NCHW kernels
+  // are as fast and the transposes of a whole batch are not.
+  return weight.size(2) * weight.size(3) > 1 && spatial >= 64 ? Layout::NHWC : x_layout;
 }
 
 at::MemoryFormat out_memory_format(const at::Tensor& x, const at::Tensor& weight) {
@@ -125,16 +130,20 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
   if (y.numel() == 0) return y;
 
   const Affine bn = affine(bn_weight, bn_bias, mean, invstd, at::toOpMathType(x.scalar_type()));
-  const Layout a_layout = conv_layout(weight, layout);
+  const Layout a_layout = conv_layout(weight, layout, H * W);
   const at::Tensor w = weight.contiguous(memory_format(a_layout));
   const int64_t wsize = weight.element_size();
-  const int64_t nb = tile_batch(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize);
+  const int64_t nb = tile_batch(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize, weight);
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(memory_format(a_layout)));
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     at::Tensor a = a_buf.narrow(0, 0, len);
     bn_relu_kernel(x.narrow(0, n0, len), bn.scale, bn.shift, a, layout, a_layout);
     at::Tensor yt = at::convolution(a, w, bias, stride, padding, dilation, false, {0, 0}, 1);
+    if (nb >= N && yt.strides() == y.strides()) {  // one tile, already in y's layout
+      if (residual.has_value()) yt.add_(*residual);
+      return yt;
+    }
     at::Tensor ys = y.narrow(0, n0, len);
     if (a_layout != layout && dense_in(yt, a_layout) && dense_in(ys, layout)) {
       transpose_layout_kernel(yt, ys, a_layout);  // NHWC tile back to NCHW y, in cache
@@ -189,13 +198,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   const at::Tensor out_scale = batch_stats ? at::ones_like(bn.scale) : bn.scale;
   at::Tensor sums = at::zeros({at::get_num_threads(), 2, C}, x.options().dtype(at::kDouble));
   at::Tensor gw_acc, gb_acc;
-  if (want_w) gw_acc = at::zeros(weight.sizes(), weight.options().dtype(wacc));
   if (want_b) gb_acc = at::zeros({Co}, weight.options().dtype(wacc));
 
-  const Layout a_layout = conv_layout(weight, layout);
+  const Layout a_layout = conv_layout(weight, layout, H * W);
   const at::MemoryFormat a_fmt = memory_format(a_layout);
   const at::Tensor w = weight.contiguous(a_fmt);
-  const int64_t nb = tile_batch(N, (C * H * W + go[0].numel()) * weight.element_size());
+  const int64_t nb = tile_batch(N, (C * H * W + go[0].numel()) * weight.element_size(), weight);
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(a_fmt));
   // Tile buffers for the layout changes around an NHWC convolution of NCHW tensors.
   at::Tensor go_buf, da_buf;
@@ -220,7 +228,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     auto [da, dw, unused] = at::convolution_backward(
         got, a, w, std::nullopt, stride, padding, dilation, false, {0, 0}, 1,
         {need_da, want_w, false});
-    if (want_w) gw_acc.add_(dw);
+    if (want_w) {
+      if (nb >= N && dw.scalar_type() == wacc && dw.strides() == gw.strides()) {
+        gw = dw;  // one tile: its weight gradient is the result
+      } else if (gw_acc.defined()) {
+        gw_acc.add_(dw);
+      } else {
+        gw_acc = dw.to(wacc);
+      }
+    }
     if (need_da) {
       if (a_layout != layout && dense_in(da, a_layout)) {
         at::Tensor t = da_buf.narrow(0, 0, len);
@@ -234,7 +250,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
                                      want_x ? &dzt : nullptr, layout);
     }
   }
-  if (want_w) gw.copy_(gw_acc);
+  if (want_w && gw_acc.defined()) gw.copy_(gw_acc);
   if (want_b) gb.copy_(gb_acc);
   if (!need_da) return {gx, gw, gb, gg, gbeta};
 
