@@ -112,10 +112,10 @@ def test_unit_forward_backward(benchmark, report, unit, impl):
             gy = torch.randn_like(y)
         y.backward(gy)
 
+    benchmark.group = f"unit N={n} {name}"
     with fusedres.use_backend(backend):
         benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=warmup)
         extra = {} if impl == "compile" else {"saved_MiB": saved_bytes(fn, x) / 2**20}
-    benchmark.group = f"unit N={n} {name}"
     report(benchmark, group=benchmark.group, impl=impl, **extra)
 
 
@@ -139,10 +139,10 @@ def test_conv_unit_forward_backward(benchmark, report, conv, impl):
             gy = torch.randn_like(y)
         y.backward(gy)
 
+    benchmark.group = f"conv N={n} {name}"
     with fusedres.use_backend("cpu" if impl == "cpu" else "reference"):
         benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=1)
         nbytes = saved_bytes(module, x)
-    benchmark.group = f"conv N={n} {name}"
     report(benchmark, group=benchmark.group, impl=impl, saved_MiB=nbytes / 2**20)
 
 
@@ -194,10 +194,10 @@ def test_resnet164_training_step(benchmark, report, impl):
         F.cross_entropy(model(x), t).backward()
         opt.step()
 
+    benchmark.group = f"step preact_resnet{STEP_DEPTH} N={STEP_N}"
     with fusedres.use_backend("cpu" if fused else "reference"):
         benchmark.pedantic(step, rounds=2 if QUICK else 5, warmup_rounds=1)
         nbytes = saved_bytes(model, x)
     peak = _peak_rss(fused)
-    benchmark.group = f"step preact_resnet{STEP_DEPTH} N={STEP_N}"
     report(benchmark, group=benchmark.group, impl=impl, saved_MiB=nbytes / 2**20,
            peak_rss_MiB=peak["peak_MiB"], rss_before_step_MiB=peak["before_MiB"])
