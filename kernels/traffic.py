@@ -18,7 +18,9 @@ Rules, the same for both sides:
 
 The fused step: batch statistics (dropped when the producer's epilogue ``genstats`` made them),
 forward, the weight-gradient pass (which also yields the BatchNorm backward sums: two GEMMs),
-and the data-gradient pass writing dx.
+and the data-gradient pass writing dx. The "store" backward (one GEMM each, dz stored by the
+data-gradient pass and an elementwise dx pass) is modeled too: it moves ~3 more activation
+passes and saves one GEMM, so it wins where the GEMMs are compute-bound (wide channels).
 """
 
 from __future__ import annotations
@@ -108,8 +110,9 @@ def _dtype_name(elem: int) -> str:
     return {2: "fp16", 4: "fp32", 8: "fp64"}[elem]
 
 
-def fused_step(u: Unit, genstats: bool = False) -> Step:
-    """The fused kernels' traffic, from the tiles the GPU host rules pick."""
+def fused_step(u: Unit, genstats: bool = False, strategy: str = "sums") -> Step:
+    """The fused kernels' traffic, from the tiles the GPU host rules pick. ``strategy`` is the
+    backend's FUSEDRES_TRITON_BACKWARD: "sums" (default) or "store"."""
     import torch
 
     dt = {2: torch.float16, 4: torch.float32, 8: torch.float64}[u.elem]
@@ -125,6 +128,8 @@ def fused_step(u: Unit, genstats: bool = False) -> Step:
     stats = 2 * cdiv(m_out, bm) * u.co * 4 if genstats else 0  # the next unit's statistics
     s.add("fwd", u.act_in() + u.weight() + (u.act_out() if u.residual else 0) + 2 * vec,
           u.act_out() + 2 * stats, flops)
+    if strategy == "store":
+        return _store_backward(s, u, dt, vec, m_in, m_out)
     # Weight gradient + BN sums: two GEMMs (dy x mask, dy x mask*xhat) reduced in the epilogue
     # to a dW partial and the sums' partials per split.
     cfg = _wgrad.pick_config(u.co, u.c, dt, interpret=False, sums=True)
@@ -141,6 +146,29 @@ def fused_step(u: Unit, genstats: bool = False) -> Step:
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
     flops = 2 * cdiv(m_in, bm) * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(u.co, bk) * bk
     s.add("dgrad+dx", u.act_out() + u.weight() + u.act_in() + 6 * vec, u.act_in(), flops)
+    return s
+
+
+def _store_backward(s: Step, u: Unit, dt, vec: int, m_in: int, m_out: int) -> Step:
+    """Weight gradient (one GEMM); data gradient storing dz with the sums in its epilogue;
+    the elementwise dx pass."""
+    cfg = _wgrad.pick_config(u.co, u.c, dt, interpret=False)
+    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
+    split = _wgrad.pick_split(u.co, u.c, u.k, u.k, m_out, cfg, H100_SMS)
+    partials = split * u.co * u.c * u.k * u.k * 4 if split > 1 else 0
+    flops = 2 * cdiv(u.co, bm) * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(m_out, bk) * bk
+    s.add("wgrad", u.act_out() + u.act_in() + 2 * vec,
+          partials + (u.weight() if split == 1 else 0), flops)
+    if split > 1:
+        s.add("wgrad reduce", partials, u.weight())
+    cfg = _dgrad.pick_config(m_in, u.c, u.co, dt, interpret=False)
+    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
+    rows = cdiv(m_in, bm)
+    flops = 2 * rows * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(u.co, bk) * bk
+    s.add("dgrad+sums (dz)", u.act_out() + u.weight() + u.act_in() + 4 * vec,
+          u.act_in() + 2 * rows * vec, flops)
+    s.add("sums reduce", 2 * rows * vec, 2 * vec)
+    s.add("dx", 2 * u.act_in() + 5 * vec, u.act_in())
     return s
 
 
@@ -198,29 +226,32 @@ def bottleneck_blocks() -> list[tuple[str, list[Unit]]]:
     return out
 
 
-def report(units=None, genstats: bool = False) -> str:
+def report(units=None, genstats: bool = False, strategy: str = "sums") -> str:
     """A table: bytes and modeled H100 time of the fused and unfused training step."""
     units = units or CIFAR_UNITS + IMAGENET_UNITS + EXPANDING_UNITS
     head = (f"{'unit':<38}{'unfused MB':>11}{'fused MB':>10}{'bytes':>7}"
             f"{'unfused us':>11}{'fused us':>10}{'time':>7}")
     lines = ["MODEL (not measured): DRAM bytes and H100 time of one training step, "
-             f"{'with' if genstats else 'without'} genstats", head, "-" * len(head)]
+             f"{'with' if genstats else 'without'} genstats, backward strategy {strategy}",
+             head, "-" * len(head)]
     for u in units:
-        a, b = unfused_step(u), fused_step(u, genstats)
+        a, b = unfused_step(u), fused_step(u, genstats, strategy)
         ta, tb = a.seconds(u.elem), b.seconds(u.elem)
         lines.append(f"{u.name:<38}{a.bytes / 1e6:>11.1f}{b.bytes / 1e6:>10.1f}"
                      f"{b.bytes / a.bytes:>7.2f}{ta * 1e6:>11.1f}{tb * 1e6:>10.1f}{tb / ta:>7.2f}")
     for name, block in bottleneck_blocks():
         a = sum(unfused_step(u).bytes for u in block)
-        b = sum(fused_step(u, genstats).bytes for u in block)
+        b = sum(fused_step(u, genstats, strategy).bytes for u in block)
         ta = sum(unfused_step(u).seconds(u.elem) for u in block)
-        tb = sum(fused_step(u, genstats).seconds(u.elem) for u in block)
+        tb = sum(fused_step(u, genstats, strategy).seconds(u.elem) for u in block)
         lines.append(f"{name:<38}{a / 1e6:>11.1f}{b / 1e6:>10.1f}{b / a:>7.2f}"
                      f"{ta * 1e6:>11.1f}{tb * 1e6:>10.1f}{tb / ta:>7.2f}")
     return "\n".join(lines)
 
 
+def full_report() -> str:
+    return "\n\n".join((report(), report(genstats=True), report(strategy="store")))
+
+
 if __name__ == "__main__":
-    print(report())
-    print()
-    print(report(genstats=True))
+    print(full_report())

@@ -48,6 +48,16 @@ def test_compulsory_traffic_accounting():
     assert T.fused_step(u, genstats=True).bytes < fused.bytes - 0.9 * s
 
 
+def test_store_strategy_accounting():
+    """The "store" backward: 12 activation passes (stats 1, forward 3, wgrad 2, dgrad with dz 3,
+    dx 3) and one GEMM fewer than "sums"."""
+    u = T.Unit("t", 64, 64, 32, 64, residual=True)
+    store, sums = T.fused_step(u, strategy="store"), T.fused_step(u)
+    assert store.bytes == pytest.approx(12 * u.act_in(), rel=0.05)
+    assert store.flops < sums.flops
+    assert "backward strategy store" in T.full_report()
+
+
 def test_flops_count_padded_tiles():
     """16 channels on a 32-wide K tile: the fused GEMMs pay for their padding."""
     u = T.Unit("t", 8, 16, 8, 16)

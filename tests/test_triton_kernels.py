@@ -290,6 +290,38 @@ def test_backend_backward_output_mask(dtype, mask):
             assert rel_err(got, exp) < TOL[dtype] * (4 if dtype in HALF else 1)
 
 
+@pytest.mark.parametrize("strategy", ["sums", "store", "auto"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_backend_backward_strategies(monkeypatch, strategy, train):
+    monkeypatch.setenv("FUSEDRES_TRITON_BACKWARD", strategy)
+    x, wt, gamma, beta, mean, invstd = _backward_inputs(torch.float32, True)
+    dy = torch.randn(2, 6, 4, 5).to(DEVICE)
+    args = (x, wt, gamma, beta, mean, invstd, (2, 2), (1, 1), (1, 1), train)
+    ref = _portable64(dy, *args)
+    for mask in ([True] * 5, [True, False, False, False, False], [False, False, False, True,
+                                                                   True]):
+        outs = triton_backend.backward(dy, *args, mask)
+        for want, got, exp in zip(mask, outs, ref):
+            assert got.numel() == 0 if not want else rel_err(got, exp) < 1e-5
+
+
+def test_backend_backward_auto_strategy(monkeypatch):
+    """auto: "store" where wide channels make the extra GEMM of "sums" cost more (model)."""
+    monkeypatch.setenv("FUSEDRES_TRITON_BACKWARD", "auto")
+    meta = lambda *s: torch.empty(s, device="meta", dtype=torch.bfloat16)
+    wide = triton_backend.backward_strategy(meta(256, 512, 7, 7), meta(256, 512, 7, 7),
+                                            meta(512, 512, 3, 3), (1, 1))
+    narrow = triton_backend.backward_strategy(meta(128, 16, 32, 32), meta(128, 16, 32, 32),
+                                              meta(16, 16, 3, 3), (1, 1))
+    assert (wide, narrow) == ("store", "sums")
+
+
+def test_backend_backward_strategy_is_checked(monkeypatch):
+    monkeypatch.setenv("FUSEDRES_TRITON_BACKWARD", "fast")
+    with pytest.raises(ValueError, match="FUSEDRES_TRITON_BACKWARD"):
+        triton_backend.backward_strategy()
+
+
 def test_backend_forward_genstats_interface():
     x, wt, gamma, beta, mean, invstd = _backward_inputs(torch.float32, True)
     y, m, v = triton_backend.forward_genstats(x, wt, None, gamma, beta, mean, invstd, None,

@@ -85,6 +85,9 @@ def backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, bn_weight: Optional
     grad_out = grad_out.to(weight.dtype)
     mean, invstd = mean.contiguous(), invstd.contiguous()
     need_sums = want_g or want_beta or (want_x and batch_stats)
+    if backward_strategy(grad_out, x, weight, stride) == "store":
+        return _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, padding,
+                               dilation, batch_stats, output_mask, outs, need_sums)
     sums = None
     if want_w or want_b or need_sums:
         # One pass over dy and x: weight and bias gradients, and the BatchNorm backward sums.
@@ -108,6 +111,52 @@ def backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, bn_weight: Optional
         _dgrad.bn_relu_conv2d_dgrad(
             grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
             batch_stats=batch_stats, grad_x=outs[0], want_sums=False, sums=sums)
+    return tuple(outs)
+
+
+def backward_strategy(grad_out=None, x=None, weight=None, stride=(1, 1)) -> str:
+    """``FUSEDRES_TRITON_BACKWARD``: "sums" (default: the weight-gradient pass also yields the
+    BatchNorm sums, then one pass writes dx; two passes over dy and x, one more GEMM), "store"
+    (one GEMM each; the data-gradient epilogue reduces the sums and stores dz, then an
+    elementwise pass writes dx: ~3 more activation passes, one GEMM fewer), or "auto" (the one
+    with the lower modeled H100 time, kernels/traffic.py: "store" where wide channels make the
+    GEMMs compute-bound)."""
+    value = os.environ.get("FUSEDRES_TRITON_BACKWARD", "sums")
+    if value not in ("sums", "store", "auto"):
+        raise ValueError(f"FUSEDRES_TRITON_BACKWARD: expected sums, store or auto, got {value!r}")
+    if value != "auto" or x is None:
+        return "sums" if value == "auto" else value
+    from ..kernels import traffic
+
+    n, c, h, w = x.shape
+    co, _, kh, kw = weight.shape
+    elem = weight.element_size()
+    unit = traffic.Unit("auto", n, c, max(1, round((h * w) ** 0.5)), co,
+                        k=max(1, round((kh * kw) ** 0.5)), stride=stride[0],
+                        elem=elem if elem in (2, 4, 8) else 4)
+    times = {s: traffic.fused_step(unit, strategy=s).seconds(unit.elem)
+             for s in ("sums", "store")}
+    return min(times, key=times.get)
+
+
+def _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
+                    batch_stats, output_mask, outs, need_sums):
+    want_x, want_w, want_b, want_g, want_beta = output_mask
+    if want_w or want_b:
+        _, gb, _ = _wgrad.bn_relu_conv2d_wgrad(
+            grad_out, x, weight, scale, shift, stride, padding, dilation, want_weight=want_w,
+            want_bias=want_b, out=outs[1] if want_w else None)
+        if want_b:
+            outs[2].copy_(gb)
+    if want_x or need_sums:
+        sum_dz, sum_dzx = _dgrad.bn_relu_conv2d_dgrad(
+            grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
+            batch_stats=batch_stats, grad_x=outs[0] if want_x else None,
+            want_sums=want_g or want_beta, strategy="store")
+        if want_g:
+            outs[3].copy_(sum_dzx)
+        if want_beta:
+            outs[4].copy_(sum_dz)
     return tuple(outs)
 
 
