@@ -23,7 +23,7 @@ import torch
 import fusedres
 from fusedres import models
 from fusedres.memory import saved_bytes
-from fusedres.planner import PlanError, measure_step, plan
+from fusedres.planner import PlanError, measure_step, plan, profile_units
 
 GiB = 2 ** 30
 # Budgets per depth: a few that need checkpointing at these batch sizes.
@@ -67,7 +67,20 @@ def rows(depths, batches, dtypes, budgets):
                 yield depth, batch, dtype, plain, fused, planned
 
 
-def render(results, quick: bool, elapsed: float) -> str:
+def autocast_rows(depths, batches, dtype=torch.bfloat16):
+    """Plain vs fused under ``torch.autocast(dtype)`` with float32 parameters, as the planner
+    counts it (``autocast=True``; equal to a real autocast step, tests/test_planner.py)."""
+    for depth in depths:
+        for batch in batches:
+            shape = (batch, 3, 32, 32)
+            plain = profile_units(models.preact_resnet(depth, fused=False), shape, dtype,
+                                  autocast=True).total_saved
+            fused = profile_units(models.preact_resnet(depth), shape, dtype,
+                                  autocast=True).total_saved
+            yield depth, batch, plain, fused
+
+
+def render(results, amp, quick: bool, elapsed: float) -> str:
     dtn = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
     out = [
         "# Saved activations of one training step",
@@ -90,7 +103,14 @@ def render(results, quick: bool, elapsed: float) -> str:
     for depth, batch, dtype, plain, fused, _ in results:
         out.append(f"| ResNet-{depth} | {batch} | {dtn[dtype]} | {_gib(plain)} | {_gib(fused)} "
                    f"| {100 * fused / plain:.1f}% |")
+    for depth, batch, plain, fused in amp:
+        out.append(f"| ResNet-{depth} | {batch} | bfloat16 autocast | {_gib(plain)} | "
+                   f"{_gib(fused)} | {100 * fused / plain:.1f}% |")
     out += [
+        "",
+        "*bfloat16 autocast*: float32 parameters under `torch.autocast(dtype=torch.bfloat16)`; "
+        "autocast's bfloat16 copies of the weights, which autograd saves, are included "
+        "(`fusedres.memory.plan(..., dtype=torch.bfloat16, autocast=True)` counts this way).",
         "",
         "## Fused + planned checkpointing",
         "",
@@ -137,10 +157,12 @@ def main(argv=None) -> int:
     start = time.time()
     if args.quick:
         results = list(rows((164,), (16,), (torch.float32,), {164: (0.1,)}))
+        amp = list(autocast_rows((164,), (16,)))
     else:
         results = list(rows((164, 1001), (64, 128), (torch.float32, torch.bfloat16),
                             BUDGETS_GIB))
-    text = render(results, args.quick, time.time() - start)
+        amp = list(autocast_rows((164, 1001), (64, 128)))
+    text = render(results, amp, args.quick, time.time() - start)
     print(text)
     if not args.quick:
         with open(args.out, "w") as f:
