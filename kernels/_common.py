@@ -80,6 +80,15 @@ def launcher(kernel):
     return torch.library.wrap_triton(kernel)
 
 
+def fits_int32(*tensors) -> bool:
+    """The kernels index with int32: every element offset of every tensor must fit."""
+    for t in tensors:
+        if t is not None and sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())
+                                 if n > 0) >= 2**31:
+            return False
+    return True
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -415,3 +415,18 @@ def test_triton_ops_decompose_into_kernels_under_compile():
     assert int(counts["forward"]) == 1
     assert int(counts["batch_stats"]) == 1
     assert int(counts["backward"]) == 2  # the weight-gradient (+ sums) pass and the dx pass
+
+
+def test_empty_and_huge_tensors_take_the_portable_path():
+    from fusedres.kernels._common import fits_int32
+
+    assert fits_int32(torch.empty(2, 3, 4, 5))
+    assert not fits_int32(torch.empty(2**16, 2**15 + 1, device="meta"))
+    x = torch.randn(0, 3, 5, 5).to(DEVICE)
+    wt = torch.randn(4, 3, 3, 3).to(DEVICE)
+    one, zero = torch.ones(3).to(DEVICE), torch.zeros(3).to(DEVICE)
+    y = triton_backend.forward(x, wt, None, one, zero, zero, one, None, (1, 1), (1, 1), (1, 1))
+    assert y.shape == (0, 4, 5, 5)
+    outs = triton_backend.backward(torch.randn(0, 4, 5, 5).to(DEVICE), x, wt, one, zero, zero,
+                                   one, (1, 1), (1, 1), (1, 1), False, [True] * 5)
+    assert outs[0].shape == x.shape and torch.equal(outs[1], torch.zeros_like(wt))

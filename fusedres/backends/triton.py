@@ -13,12 +13,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops import backward_empty_outputs, out_memory_format, stats_dtype
+from ..ops import backward_empty_outputs, conv_out_size, out_memory_format, stats_dtype
+from . import portable
 
 _KERNELS_ERROR: Optional[str] = None
 try:
     from ..kernels import bn_relu_conv2d_dgrad as _dgrad
     from ..kernels import bn_relu_conv2d_wgrad as _wgrad
+    from ..kernels._common import fits_int32 as _fits_int32
     from ..kernels.batch_stats import batch_stats as _batch_stats
     from ..kernels.bn_relu_conv2d import bn_relu_conv2d_fwd as _fwd
 except ImportError as exc:  # triton missing, or a kernels/ install problem
@@ -162,12 +164,27 @@ def _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, pad
 
 # --------------------------------------------------------------------------- backend interface
 
+def _portable_case(*tensors) -> bool:
+    """Empty tensors, or offsets past int32 (the kernels' index type): the portable code runs
+    those (torch's own kernels, same algorithm)."""
+    return any(t is not None and t.numel() == 0 for t in tensors) or not _fits_int32(*tensors)
+
+
 def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    if _portable_case(x):
+        return portable.batch_stats(x)
     return torch.ops.fusedres_triton.batch_stats(x)
 
 
 def forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
             dilation) -> Tensor:
+    n, _, h, w = x.shape
+    out = (n, weight.shape[0], conv_out_size(h, weight.shape[2], stride[0], padding[0],
+                                             dilation[0]),
+           conv_out_size(w, weight.shape[3], stride[1], padding[1], dilation[1]))
+    if _portable_case(x, weight, residual) or not _fits_int32(torch.empty(out, device="meta")):
+        return portable.forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
+                                stride, padding, dilation)
     scale, shift = _scale_shift(bn_weight, bn_bias, mean, invstd)
     channels_last = out_memory_format(x, weight) == torch.channels_last
     if residual is not None and residual.dtype != weight.dtype:
@@ -191,6 +208,9 @@ def forward_genstats(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual
 
 def backward(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
              batch_stats, output_mask):
+    if _portable_case(grad_out, x, weight):
+        return portable.backward(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride,
+                                 padding, dilation, batch_stats, output_mask)
     return torch.ops.fusedres_triton.bn_relu_conv2d_backward(
         grad_out, x, weight, bn_weight, bn_bias, mean, invstd, list(stride), list(padding),
         list(dilation), batch_stats, list(output_mask))
