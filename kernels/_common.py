@@ -1,15 +1,18 @@
 """Helpers shared by the Triton kernels' host launchers.
 
-Configs are chosen on the host by a deterministic rule (``pick``), never by timing inside a
-launch: the kernels write per-tile partial results whose row count depends on the tile size, and
-a host rule keeps that consistent, works on fake tensors (torch.compile) and is cheap under the
-interpreter. Every config of every kernel is still compiled ahead of time (kernels/aot.py).
+Configs are chosen on the host: by a deterministic rule per kernel (``pick_config``) by default,
+or, with ``FUSEDRES_TRITON_AUTOTUNE=1``, by timing every config of the kernel once per shape key
+(``autotuned``; cached for the process). Not ``triton.autotune``: the kernels write per-tile
+partial results whose row count depends on the tile size, so a config is timed through the
+whole host launcher. The rule is what runs on fake tensors (torch.compile tracing) and under the
+interpreter. Every config of every kernel is compiled ahead of time (kernels/aot.py).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -111,3 +114,37 @@ def chan_combine(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
     gmean = (count * mean).sum(0) / total
     gm2 = (m2.double() + count * (mean - gmean) ** 2).sum(0)
     return gmean, gm2 / total
+
+
+_TUNED: dict[tuple, KernelConfig] = {}
+
+
+def autotune_enabled(*tensors) -> bool:
+    """FUSEDRES_TRITON_AUTOTUNE=1, on real (not fake, not meta) tensors."""
+    if os.environ.get("FUSEDRES_TRITON_AUTOTUNE", "0") != "1":
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return all(t is None or (not is_fake(t) and t.device.type != "meta") for t in tensors)
+
+
+def _bench(fn: Callable[[], object]) -> float:
+    """Median milliseconds of ``fn`` (triton's do_bench on a GPU; a wall clock otherwise)."""
+    if torch.cuda.is_available() and not interpreting():
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=5, rep=20)
+    import time
+
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def autotuned(key: tuple, configs: list[KernelConfig],
+              run: Callable[[KernelConfig], object]) -> KernelConfig:
+    """The fastest of ``configs`` for ``key`` (timed once through ``run(config)``, cached)."""
+    if key not in _TUNED:
+        times = {cfg: _bench(lambda cfg=cfg: run(cfg)) for cfg in configs}
+        _TUNED[key] = min(times, key=times.get)
+    return _TUNED[key]

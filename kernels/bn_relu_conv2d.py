@@ -22,6 +22,8 @@ from ._common import (
     KernelConfig,
     acc_is_fp64,
     allow_tf32,
+    autotune_enabled,
+    autotuned,
     cdiv,
     chan_combine,
     dtype_name,
@@ -174,6 +176,12 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
     y = torch.empty((n, co, ho, wo), device=x.device, dtype=weight.dtype,
                     memory_format=memory_format)
     m = n * ho * wo
+    if config is None and autotune_enabled(x, weight):
+        key = ("fwd", x.shape, x.stride(), weight.shape, weight.dtype, x.dtype, tuple(stride),
+               tuple(padding), tuple(dilation), bias is not None, residual is not None, genstats)
+        config = autotuned(key, configs_for(weight.dtype), lambda cfg: bn_relu_conv2d_fwd(
+            x, weight, bias, scale, shift, residual, stride, padding, dilation, memory_format,
+            genstats, cfg))
     cfg = config or pick_config(m, co, c, weight.dtype)
     bm, bn = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"]
     grid = (cdiv(m, bm), cdiv(co, bn))

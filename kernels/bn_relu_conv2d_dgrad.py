@@ -25,6 +25,8 @@ from ._common import (
     KernelConfig,
     acc_is_fp64,
     allow_tf32,
+    autotune_enabled,
+    autotuned,
     cdiv,
     dtype_name,
     interp_bf16,
@@ -219,6 +221,14 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     co, _, kh, kw = weight.shape
     ho, wo = grad_out.shape[2], grad_out.shape[3]
     m = n * h * w
+    if config is None and autotune_enabled(x, weight):
+        key = ("dgrad", x.shape, x.stride(), weight.shape, weight.dtype, x.dtype, tuple(stride),
+               tuple(padding), tuple(dilation), batch_stats, grad_x is None, want_sums,
+               sums is None, strategy)
+        config = autotuned(key, configs_for(weight.dtype), lambda cfg: bn_relu_conv2d_dgrad(
+            grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
+            batch_stats=batch_stats, grad_x=grad_x, want_sums=want_sums, sums=sums,
+            strategy=strategy, config=cfg))
     cfg = config or pick_config(m, c, co, weight.dtype)
     grid = (cdiv(m, cfg.meta["BLOCK_M"]), cdiv(c, cfg.meta["BLOCK_N"]))
     fp64 = acc_is_fp64(weight.dtype)

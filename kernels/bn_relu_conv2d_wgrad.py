@@ -33,6 +33,8 @@ from ._common import (
     KernelConfig,
     acc_is_fp64,
     allow_tf32,
+    autotune_enabled,
+    autotuned,
     cdiv,
     dtype_name,
     interp_bf16,
@@ -223,6 +225,15 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     co, _, kh, kw = weight.shape
     ho, wo = grad_out.shape[2], grad_out.shape[3]
     m = n * ho * wo
+    if config is None and autotune_enabled(x, weight):
+        key = ("wgrad", x.shape, x.stride(), weight.shape, grad_out.dtype, x.dtype,
+               tuple(stride), tuple(padding), tuple(dilation), want_bias, bn_affine is None,
+               split)
+        config = autotuned(key, configs_for(grad_out.dtype, bn_affine is not None),
+                           lambda cfg: bn_relu_conv2d_wgrad(
+                               grad_out, x, weight, scale, shift, stride, padding, dilation,
+                               want_weight=want_weight, want_bias=want_bias, bn_affine=bn_affine,
+                               mean=mean, invstd=invstd, out=out, config=cfg, split=split))
     cfg = config or pick_config(co, c, grad_out.dtype, sums=bn_affine is not None)
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
     if split is None:

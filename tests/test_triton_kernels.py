@@ -430,3 +430,38 @@ def test_empty_and_huge_tensors_take_the_portable_path():
     outs = triton_backend.backward(torch.randn(0, 4, 5, 5).to(DEVICE), x, wt, one, zero, zero,
                                    one, (1, 1), (1, 1), (1, 1), False, [True] * 5)
     assert outs[0].shape == x.shape and torch.equal(outs[1], torch.zeros_like(wt))
+
+
+def test_autotune_times_every_config_and_caches(monkeypatch):
+    """FUSEDRES_TRITON_AUTOTUNE=1: each config runs once through the launcher, the fastest is
+    kept per shape key (the timer is faked here: the interpreter's times mean nothing)."""
+    from fusedres.kernels import _common
+
+    monkeypatch.setenv("FUSEDRES_TRITON_AUTOTUNE", "1")
+    monkeypatch.setattr(_common, "_TUNED", {})
+    seen = []
+
+    def fake_bench(fn):
+        before = len(seen)
+        fn()
+        seen.append(before)
+        return -len(seen)  # the last config timed is the "fastest"
+    monkeypatch.setattr(_common, "_bench", fake_bench)
+    x, wt, gamma, beta, mean, invstd = _backward_inputs(torch.float32, True)
+    scale, shift = _scale_shift(gamma, beta, mean, invstd)
+    y = fwd.bn_relu_conv2d_fwd(x, wt, None, scale, shift, None, (1, 1), (1, 1), (1, 1),
+                               torch.channels_last)
+    configs = fwd.configs_for(torch.float32)
+    assert len(seen) == len(configs)
+    assert list(_common._TUNED.values()) == [configs[-1]]
+    assert rel_err(y, _ref_forward(x, wt, None, scale, shift, None, 1, 1, 1)) < 1e-5
+    fwd.bn_relu_conv2d_fwd(x, wt, None, scale, shift, None, (1, 1), (1, 1), (1, 1),
+                           torch.channels_last)
+    assert len(seen) == len(configs)  # cached: no second tuning
+    # The backward launchers tune too, and stay correct.
+    dy = torch.randn(2, 6, 7, 9).to(DEVICE)
+    outs = triton_backend.backward(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1),
+                                   True, [True] * 5)
+    ref = _portable64(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1), True)
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(outs, ref))
+    assert len(_common._TUNED) == 3
