@@ -9,6 +9,7 @@ from . import (
     _extension,
     functional,
     memory,
+    models,
     ops,  # registers the torch.library ops  # noqa: F401
 )
 from ._backend import (
@@ -19,6 +20,7 @@ from ._backend import (
     set_backend,
     use_backend,
 )
+from .convert import fuse
 from .modules import BNReLUConv2d, PreActBasicBlock, PreActBottleneck
 
 __version__ = "0.1.0"
@@ -31,8 +33,10 @@ __all__ = [
     "PreActBottleneck",
     "available_backends",
     "functional",
+    "fuse",
     "get_backend",
     "memory",
+    "models",
     "set_backend",
     "use_backend",
     "_extension",

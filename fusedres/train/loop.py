@@ -313,18 +313,11 @@ class Run:
             print(f"fusedres train: {line}", file=sys.stderr)
 
     def _plan(self, model, budget: int):
-        plan = getattr(fusedres.memory, "plan", None)
-        if plan is None:
-            try:
-                from fusedres.planner import plan
-            except ImportError:
-                plan = None
-        if plan is None:
-            raise UsageError("--memory-budget: this fusedres has no memory planner "
-                             "(fusedres.memory.plan)")
         shape = (self.batches.local, *self.data.image_shape)
         try:
-            return plan(model, shape, budget, dtype=self.amp_dtype_for_plan())
+            # Under --amp the weights' half copies that autocast saves count too.
+            return fusedres.memory.plan(model, shape, budget, dtype=self.amp_dtype_for_plan(),
+                                        autocast=_AMP[self.cfg["amp"]] is not None)
         except (ValueError, RuntimeError, MemoryError) as e:
             raise UsageError(f"--memory-budget {self.cfg['memory_budget']}: "
                              f"{_first_line(e)}") from None
