@@ -82,6 +82,7 @@ def dgrad_kernel(
     gx_ptr, s1_ptr, s2_ptr,
     C, H, W, Co, Ho, Wo, M, KH, KW,
     SH, SW, PH, PW, DH, DW,
+    PA, PB, HP, WP, ROW0,
     sdn, sdc, sdh, sdw,
     swo, swc, swh, sww,
     sxn, sxc, sxh, sxw,
@@ -99,32 +100,37 @@ def dgrad_kernel(
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     p_ok = p < M
     c_ok = c < C
-    hw = H * W
-    n = p // hw
-    rem = p % hw
-    ih = rem // W
-    iw = rem % W
+    # Rows are the pixels of one stride phase: ih = PA + SH*k, iw = PB + SW*l. A tap feeds
+    # either all of them or none, so a strided conv skips the taps that do not (no masked MMA).
+    hwp = HP * WP
+    n = p // hwp
+    rem = p % hwp
+    ih = PA + SH * (rem // WP)
+    iw = PB + SW * (rem % WP)
     n64 = n
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
     for t in range(0, KH * KW):
         i = t // KW
         j = t % KW
-        oh_s = ih + PH - i * DH
-        ow_s = iw + PW - j * DW
-        oh = oh_s // SH
-        ow = ow_s // SW
-        row_ok = (p_ok & (oh_s >= 0) & (ow_s >= 0) & (oh_s % SH == 0) & (ow_s % SW == 0)
-                  & (oh < Ho) & (ow < Wo))
-        row_off = n64 * sdn + oh * sdh + ow * sdw
-        for k0 in range(0, Co, BLOCK_K):
-            co = k0 + kk
-            co_ok = co < Co
-            a = tl.load(dy_ptr + row_off[:, None] + co[None, :] * sdc,
-                        mask=row_ok[:, None] & co_ok[None, :], other=0.0).to(op_t)
-            b = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
-                        mask=co_ok[:, None] & c_ok[None, :], other=0.0)
-            acc = mma(acc, a, b, TF32, INTERP_BF16)
+        # (ih + PH - i*DH) divisible by SH, for the phase (offset keeps the operand >= 0).
+        tap_h = (PA + PH + SH * KH * DH - i * DH) % SH == 0
+        tap_w = (PB + PW + SW * KW * DW - j * DW) % SW == 0
+        if tap_h and tap_w:
+            oh_s = ih + PH - i * DH
+            ow_s = iw + PW - j * DW
+            oh = oh_s // SH
+            ow = ow_s // SW
+            row_ok = p_ok & (oh_s >= 0) & (ow_s >= 0) & (oh < Ho) & (ow < Wo)
+            row_off = n64 * sdn + oh * sdh + ow * sdw
+            for k0 in range(0, Co, BLOCK_K):
+                co = k0 + kk
+                co_ok = co < Co
+                a = tl.load(dy_ptr + row_off[:, None] + co[None, :] * sdc,
+                            mask=row_ok[:, None] & co_ok[None, :], other=0.0).to(op_t)
+                b = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
+                            mask=co_ok[:, None] & c_ok[None, :], other=0.0)
+                acc = mma(acc, a, b, TF32, INTERP_BF16)
     mask = p_ok[:, None] & c_ok[None, :]
     x_off = n64 * sxn + ih * sxh + iw * sxw
     xv = tl.load(x_ptr + x_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
@@ -137,8 +143,9 @@ def dgrad_kernel(
         mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
         inv = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
         xhat = ((xv.to(mu.dtype) - mu[None, :]) * inv[None, :]).to(acc_t)
-        tl.store(s1_ptr + pid_m * C + c, tl.sum(dz, axis=0), mask=c_ok)
-        tl.store(s2_ptr + pid_m * C + c, tl.sum(dz * xhat, axis=0), mask=c_ok)
+        row = ROW0 + pid_m
+        tl.store(s1_ptr + row * C + c, tl.sum(dz, axis=0), mask=c_ok)
+        tl.store(s2_ptr + row * C + c, tl.sum(dz * xhat, axis=0), mask=c_ok)
     g_off = n64 * sgn + ih * sgh + iw * sgw
     g_ptrs = gx_ptr + g_off[:, None] + c[None, :] * sgc
     if WRITE_DZ:
@@ -230,28 +237,38 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
             batch_stats=batch_stats, grad_x=grad_x, want_sums=want_sums, sums=sums,
             strategy=strategy, config=cfg))
     cfg = config or pick_config(m, c, co, weight.dtype)
-    grid = (cdiv(m, cfg.meta["BLOCK_M"]), cdiv(c, cfg.meta["BLOCK_N"]))
+    bm, col_tiles = cfg.meta["BLOCK_M"], cdiv(c, cfg.meta["BLOCK_N"])
+    # One launch per stride phase (pixels with ih % sh, iw % sw fixed), see dgrad_kernel.
+    phases = []
+    rows = 0
+    for pa in range(min(stride[0], h)):
+        for pb in range(min(stride[1], w)):
+            hp, wp = cdiv(h - pa, stride[0]), cdiv(w - pb, stride[1])
+            phases.append((pa, pb, hp, wp, rows))
+            rows += cdiv(n * hp * wp, bm)
     fp64 = acc_is_fp64(weight.dtype)
     acc = torch.float64 if fp64 else torch.float32
     train = batch_stats and grad_x is not None
-    s1 = torch.empty((grid[0], c), device=x.device, dtype=acc)
-    s2 = torch.empty((grid[0], c), device=x.device, dtype=acc)
+    s1 = torch.empty((rows, c), device=x.device, dtype=acc)
+    s2 = torch.empty((rows, c), device=x.device, dtype=acc)
     dummy = scale.new_empty((1,))
     g = grad_x if grad_x is not None else x.new_empty((1,))
     g_strides = grad_x.stride() if grad_x is not None else (0, 0, 0, 0)
     common = (
         grad_out, weight, x, scale, shift, mean, invstd,
     )
-    shape_args = (c, h, w, co, ho, wo, m, kh, kw, *stride, *padding, *dilation,
-                  *grad_out.stride(), *weight.stride(), *x.stride(), *g_strides)
+    strides = (*grad_out.stride(), *weight.stride(), *x.stride(), *g_strides)
     flags = dict(FP64=fp64, TF32=allow_tf32(weight.dtype),
                  INTERP_BF16=interp_bf16(weight.dtype, x.dtype),
                  **cfg.launch_kwargs())
-    kernel = launcher(dgrad_kernel)[(grid[0] * grid[1],)]
 
     def run(m1, m2, write_dz, write_dx, stats):
-        kernel(*common, m1, m2, g, s1, s2, *shape_args, WRITE_DZ=write_dz, WRITE_DX=write_dx,
-               STATS=stats, TRAIN=batch_stats, **flags)
+        for pa, pb, hp, wp, row0 in phases:
+            mp = n * hp * wp
+            launcher(dgrad_kernel)[(cdiv(mp, bm) * col_tiles,)](
+                *common, m1, m2, g, s1, s2, c, h, w, co, ho, wo, mp, kh, kw, *stride,
+                *padding, *dilation, pa, pb, hp, wp, row0, *strides, WRITE_DZ=write_dz,
+                WRITE_DX=write_dx, STATS=stats, TRAIN=batch_stats, **flags)
 
     def reduced():
         return s1.sum(0), s2.sum(0)

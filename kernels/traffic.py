@@ -110,6 +110,21 @@ def _dtype_name(elem: int) -> str:
     return {2: "fp16", 4: "fp32", 8: "fp64"}[elem]
 
 
+def _dgrad_flops(u: Unit, cfg) -> int:
+    """Padded-tile FLOPs of the data gradient: one launch per stride phase, each running only
+    the taps that feed its pixels."""
+    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
+    p, s = u.padding, u.stride
+    total = 0
+    for pa in range(min(s, u.h)):
+        for pb in range(min(s, u.h)):
+            taps = (sum((pa + p - i) % s == 0 for i in range(u.k))
+                    * sum((pb + p - j) % s == 0 for j in range(u.k)))
+            rows = u.n * cdiv(u.h - pa, s) * cdiv(u.h - pb, s)
+            total += 2 * cdiv(rows, bm) * bm * cdiv(u.c, bn) * bn * taps * cdiv(u.co, bk) * bk
+    return total
+
+
 def fused_step(u: Unit, genstats: bool = False, strategy: str = "sums") -> Step:
     """The fused kernels' traffic, from the tiles the GPU host rules pick. ``strategy`` is the
     backend's FUSEDRES_TRITON_BACKWARD: "sums" (default) or "store"."""
@@ -143,9 +158,8 @@ def fused_step(u: Unit, genstats: bool = False, strategy: str = "sums") -> Step:
     s.add("wgrad reduce", partials, (u.weight() if split > 1 else 0) + 2 * vec)
     # Data gradient writing dx directly.
     cfg = _dgrad.pick_config(m_in, u.c, u.co, dt, interpret=False)
-    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
-    flops = 2 * cdiv(m_in, bm) * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(u.co, bk) * bk
-    s.add("dgrad+dx", u.act_out() + u.weight() + u.act_in() + 6 * vec, u.act_in(), flops)
+    s.add("dgrad+dx", u.act_out() + u.weight() + u.act_in() + 6 * vec, u.act_in(),
+          _dgrad_flops(u, cfg))
     return s
 
 
@@ -162,11 +176,9 @@ def _store_backward(s: Step, u: Unit, dt, vec: int, m_in: int, m_out: int) -> St
     if split > 1:
         s.add("wgrad reduce", partials, u.weight())
     cfg = _dgrad.pick_config(m_in, u.c, u.co, dt, interpret=False)
-    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
-    rows = cdiv(m_in, bm)
-    flops = 2 * rows * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(u.co, bk) * bk
+    rows = cdiv(m_in, cfg.meta["BLOCK_M"])
     s.add("dgrad+sums (dz)", u.act_out() + u.weight() + u.act_in() + 4 * vec,
-          u.act_in() + 2 * rows * vec, flops)
+          u.act_in() + 2 * rows * vec, _dgrad_flops(u, cfg))
     s.add("sums reduce", 2 * rows * vec, 2 * vec)
     s.add("dx", 2 * u.act_in() + 5 * vec, u.act_in())
     return s

@@ -65,6 +65,14 @@ def test_flops_count_padded_tiles():
     assert fwd.flops == 2 * u.gemm_flops()  # Co = 16 on a 32-wide N tile
 
 
+def test_strided_dgrad_runs_only_the_feeding_taps():
+    """Stride 2, 3x3: the four stride phases run 4, 2, 2 and 1 of the 9 taps."""
+    a, b = T.Unit("s1", 8, 64, 16, 64), T.Unit("s2", 8, 64, 16, 64, stride=2)
+    flops = {u.name: next(k.flops for k in T.fused_step(u).kernels if k.name == "dgrad+dx")
+             for u in (a, b)}
+    assert flops["s2"] == pytest.approx(flops["s1"] * 9 / 36, rel=0.1)
+
+
 def test_modeled_time_is_roofline():
     k = T.Kernel("k", read=3_350_000_000_000, write=0, flops=10)
     assert k.seconds(2) == pytest.approx(1.0)
