@@ -73,9 +73,9 @@ def test_unit_forward_backward_gpu(benchmark, report, shape, impl, dtype):
         _step(x, w, gamma, beta, res)
         torch.cuda.synchronize()
 
+    benchmark.group = f"N={N} {name} {dtype}".replace("torch.", "")
     with fusedres.use_backend(impl):
         benchmark.pedantic(step, rounds=5 if QUICK else 20, warmup_rounds=2)
         nbytes = saved_bytes(lambda: fusedres.functional.bn_relu_conv2d(
             x, w, None, gamma, beta, None, None, training=True, padding=1, residual=res))
-    benchmark.group = f"N={N} {name} {dtype}".replace("torch.", "")
     report(benchmark, group=benchmark.group, impl=impl, saved_MiB=nbytes / 2**20)
