@@ -14,6 +14,10 @@ import torch  # noqa: E402
 
 import fusedres  # noqa: E402
 
+# Exact float32 on a GPU: the Triton kernels and cuDNN both honour these (TF32 is the default).
+torch.backends.cudnn.allow_tf32 = False
+torch.backends.cuda.matmul.allow_tf32 = False
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Backends that run the fused ops (reference is the oracle, not a backend under test).
 FUSED_BACKENDS = [b for b in fusedres.available_backends(DEVICE) if b != "reference"]
