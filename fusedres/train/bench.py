@@ -28,11 +28,7 @@ from .metrics import format_bytes
 def run_one(depth: int, fused: bool, args, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        # torch first: fusedres._C must load after torch's libraries (see the lead's note on
-        # fusedres/__init__.py import order); with that fixed, this equals -m fusedres.train.
-        launch = ("import torch, runpy; "
-                  "runpy.run_module('fusedres.train', run_name='__main__', alter_sys=True)")
-        cmd = [sys.executable, "-c", launch, "--dataset", "synthetic", "--model",
+        cmd = [sys.executable, "-m", "fusedres.train", "--dataset", "synthetic", "--model",
                f"preact_resnet{depth}", "--fused" if fused else "--no-fused",
                "--max-iters", str(args.iters), "--batch-size", str(args.batch_size),
                "--log-every", "1", "--eval-batch-size", str(args.batch_size), "--no-progress",
