@@ -18,13 +18,14 @@
 namespace fusedres::cpu {
 namespace {
 
-// Default bytes of (activation + conv output) per tile: set by measurement (RESULTS.md).
-constexpr int64_t kDefaultTileBytes = int64_t(1) << 20;
-
+// Bytes of (activation + conv output) per tile, set by measurement (RESULTS.md): 1 MiB on one
+// thread (half the core's L2); with more threads each oneDNN call is split between them and its
+// fixed cost grows, so larger tiles win: 4 MiB per thread (8 MiB on this 2-core machine).
 int64_t tile_bytes() {
   // Read at every call so that benchmarks can sweep it; 0 or less means one tile.
   if (const char* env = std::getenv("FUSEDRES_CPU_TILE_BYTES")) return std::atoll(env);
-  return kDefaultTileBytes;
+  const int64_t threads = at::get_num_threads();
+  return threads <= 1 ? int64_t(1) << 20 : threads * (int64_t(4) << 20);
 }
 
 // Samples per tile: as many as fit the budget (at least one), balanced across tiles. Every
