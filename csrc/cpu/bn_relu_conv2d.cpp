@@ -31,10 +31,13 @@ int64_t tile_bytes() {
 // Samples per tile: as many as fit the budget (at least one), balanced across tiles. Every
 // tile re-reads the weights and, in backward, adds a full weight gradient, so the budget grows
 // to 4x the weight bytes: weight-heavy layers (ResNet-50's last stages) run in few tiles.
+// FUSEDRES_CPU_TILE_WEIGHT_X overrides the 4 (8 and 16 measured no better, RESULTS.md).
 int64_t tile_batch(int64_t N, int64_t bytes_per_sample, const at::Tensor& weight) {
   int64_t budget = tile_bytes();
   if (budget <= 0 || N == 0) return std::max<int64_t>(N, 1);
-  budget = std::max<int64_t>(budget, 4 * weight.numel() * weight.element_size());
+  const char* wx = std::getenv("FUSEDRES_CPU_TILE_WEIGHT_X");
+  const int64_t times = wx ? std::atoll(wx) : 4;
+  budget = std::max<int64_t>(budget, times * weight.numel() * weight.element_size());
   int64_t nb = std::clamp<int64_t>(budget / std::max<int64_t>(bytes_per_sample, 1), 1, N);
   const int64_t tiles = (N + nb - 1) / nb;
   return (N + tiles - 1) / tiles;
