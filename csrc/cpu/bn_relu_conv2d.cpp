@@ -2,13 +2,15 @@
 // backward, registered for the CPU dispatch key of the fusedres_cpu namespace.
 //
 // Algorithm (measured against the alternatives in benchmarks/RESULTS.md): the batch is cut into
-// tiles of a few samples whose activation fits in cache. Per tile, our kernel writes
+// tiles of a few samples whose activation fits in cache (tile_batch). Per tile, our kernel writes
 // a = relu(scale * x + shift) into a small scratch buffer, and ATen's convolution (oneDNN for
-// float32/bfloat16) consumes it while it is still hot; the activation never exists at full
-// size. Backward recomputes the tile's activation, calls convolution_backward for the tile
-// (data gradient and the tile's share of the weight gradient), and fuses the recomputed ReLU
-// mask with both BatchNorm reductions into one pass over the tile's data gradient; a second
-// pass applies the BatchNorm data gradient once the batch-wide sums are known.
+// float32/bfloat16/float16) consumes it while it is still hot; the activation never exists at
+// full size. For spatial kernels the tile is written NHWC, oneDNN's fast layout, and the output
+// tile is transposed back in cache (conv_layout). Backward recomputes the tile's activation,
+// calls convolution_backward for the tile (data gradient and the tile's share of the weight
+// gradient, summed in float32), and fuses the recomputed ReLU mask with both BatchNorm
+// reductions into one pass over the tile's data gradient; a second pass applies the BatchNorm
+// data gradient once the batch-wide sums are known (none in eval mode).
 #include <torch/library.h>
 
 #include <cstdlib>
