@@ -139,12 +139,13 @@ def test_batch_stats_long_planes_are_chunked():
     (torch.float64, torch.bfloat16)],
     ids=["f32", "f64", "bf16", "f32x-bf16w", "f64x-bf16w"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc", "x-nchw-w-nhwc", "x-nhwc-w-nchw"])
-def test_ops_match_portable(layout, dtype, wdtype, batch_stats):
+@pytest.mark.parametrize("k", [3, 1], ids=["3x3", "1x1"])  # 1x1 NCHW runs as batched GEMMs
+def test_ops_match_portable(k, layout, dtype, wdtype, batch_stats):
     cl, cf = torch.channels_last, torch.contiguous_format
     x_format, w_format = {"nchw": (cf, cf), "nhwc": (cl, cl), "x-nchw-w-nhwc": (cf, cl),
                           "x-nhwc-w-nchw": (cl, cf)}[layout]
-    args = _inputs(n=3, c=17, h=7, w=13, co=5, dtype=dtype, wdtype=wdtype, x_format=x_format,
-                   w_format=w_format)
+    args = _inputs(n=3, c=17, h=7, w=13, co=5, k=(k, k), padding=(k // 2, k // 2), dtype=dtype,
+                   wdtype=wdtype, x_format=x_format, w_format=w_format)
     _compare_with_portable(args, dtype if dtype in HALF else wdtype, batch_stats)
 
 

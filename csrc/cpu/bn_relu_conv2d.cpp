@@ -73,6 +73,22 @@ at::MemoryFormat out_memory_format(const at::Tensor& x, const at::Tensor& weight
              : at::MemoryFormat::Contiguous;
 }
 
+// A 1x1, stride-1, unpadded convolution of NCHW tiles is one GEMM per sample,
+// y[n] (Co x HW) = W (Co x C) @ a[n] (C x HW): batched GEMMs write straight into y's slice (no
+// output tile to copy) and add the weight gradient into one float32 accumulator (addbmm). On
+// maps of at least 8x8 that is 1.1-2x faster than oneDNN's 1x1 convolution of the same tiles; on
+// 7x7 maps (ResNet-50's last stage) it is slower (RESULTS.md). FUSEDRES_CPU_GEMM_1X1=0 turns it
+// off. float32 and float64 only (addbmm needs one dtype).
+bool use_gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
+                  const std::vector<int64_t>& padding, Layout a_layout, int64_t spatial) {
+  const char* env = std::getenv("FUSEDRES_CPU_GEMM_1X1");
+  if (env && env[0] == '0') return false;
+  const auto dt = weight.scalar_type();
+  return a_layout == Layout::NCHW && weight.size(2) == 1 && weight.size(3) == 1 &&
+         stride[0] == 1 && stride[1] == 1 && padding[0] == 0 && padding[1] == 0 &&
+         (dt == at::kFloat || dt == at::kDouble) && spatial >= 64;
+}
+
 std::vector<int64_t> out_shape(const at::Tensor& x, const at::Tensor& w,
                                const std::vector<int64_t>& s, const std::vector<int64_t>& p,
                                const std::vector<int64_t>& d) {
@@ -141,10 +157,20 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
   const int64_t wsize = weight.element_size();
   const int64_t nb = tile_batch(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize, weight);
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(memory_format(a_layout)));
+  const bool gemm = use_gemm_1x1(weight, stride, padding, a_layout, H * W) && dense_in(y, Layout::NCHW);
+  const int64_t Co = weight.size(0);
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     at::Tensor a = a_buf.narrow(0, 0, len);
     bn_relu_kernel(x.narrow(0, n0, len), bn.scale, bn.shift, a, layout, a_layout);
+    if (gemm) {
+      at::Tensor ys = y.narrow(0, n0, len);
+      at::Tensor y3 = ys.view({len, Co, H * W});
+      at::bmm_out(y3, w.view({1, Co, C}).expand({len, Co, C}), a.view({len, C, H * W}));
+      if (bias.has_value()) ys.add_(bias->view({1, Co, 1, 1}));
+      if (residual.has_value()) ys.add_(residual->narrow(0, n0, len));
+      continue;
+    }
     at::Tensor yt = at::convolution(a, w, bias, stride, padding, dilation, false, {0, 0}, 1);
     if (nb >= N && yt.strides() == y.strides()) {  // one tile, already in y's layout
       if (residual.has_value()) yt.add_(*residual);
@@ -211,6 +237,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   const at::Tensor w = weight.contiguous(a_fmt);
   const int64_t nb = tile_batch(N, (C * H * W + go[0].numel()) * weight.element_size(), weight);
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(a_fmt));
+  const bool gemm = use_gemm_1x1(weight, stride, padding, a_layout, H * W) && dense_in(go, Layout::NCHW);
+  at::Tensor gemm_da_buf;
+  if (gemm && want_w) gw_acc = at::zeros(weight.sizes(), weight.options().dtype(wacc));
+  if (gemm && need_da) gemm_da_buf = at::empty({nb, C, H, W}, weight.options());
   // Tile buffers for the layout changes around an NHWC convolution of NCHW tensors.
   at::Tensor go_buf, da_buf;
   if (a_layout != layout) {
@@ -231,10 +261,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     }
     at::Tensor a = a_buf.narrow(0, 0, len);
     bn_relu_kernel(xt, bn.scale, bn.shift, a, layout, a_layout);
-    auto [da, dw, unused] = at::convolution_backward(
-        got, a, w, std::nullopt, stride, padding, dilation, false, {0, 0}, 1,
-        {need_da, want_w, false});
-    if (want_w) {
+    at::Tensor da, dw;
+    if (gemm) {
+      const at::Tensor got3 = got.reshape({len, Co, H * W}), a3 = a.view({len, C, H * W});
+      if (need_da) {
+        da = gemm_da_buf.narrow(0, 0, len);
+        at::Tensor da3 = da.view({len, C, H * W});
+        at::bmm_out(da3, w.view({1, Co, C}).transpose(1, 2).expand({len, C, Co}), got3);
+      }
+      if (want_w) gw_acc.view({Co, C}).addbmm_(got3, a3.transpose(1, 2));
+    } else {
+      std::tie(da, dw, std::ignore) = at::convolution_backward(
+          got, a, w, std::nullopt, stride, padding, dilation, false, {0, 0}, 1,
+          {need_da, want_w, false});
+    }
+    if (want_w && dw.defined()) {
       if (nb >= N && dw.scalar_type() == wacc && dw.strides() == gw.strides()) {
         gw = dw;  // one tile: its weight gradient is the result
       } else if (gw_acc.defined()) {
