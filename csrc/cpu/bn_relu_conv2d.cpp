@@ -6,7 +6,8 @@
 // a = relu(scale * x + shift) into a small scratch buffer, and ATen's convolution (oneDNN for
 // float32/bfloat16/float16) consumes it while it is still hot; the activation never exists at
 // full size. For spatial kernels the tile is written NHWC, oneDNN's fast layout, and the output
-// tile is transposed back in cache (conv_layout). Backward recomputes the tile's activation,
+// tile is transposed back in cache (conv_layout); 1x1 stride-1 convolutions run as batched GEMMs
+// straight into the output (use_gemm_1x1). Backward recomputes the tile's activation,
 // calls convolution_backward for the tile (data gradient and the tile's share of the weight
 // gradient, summed in float32), and fuses the recomputed ReLU mask with both BatchNorm
 // reductions into one pass over the tile's data gradient; a second pass applies the BatchNorm
