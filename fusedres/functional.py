@@ -68,8 +68,16 @@ def _check_vector(t: Tensor | None, name: str, c: int, x: Tensor) -> None:
         raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
 
 
-def _autocast_on(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+def _autocast_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
+    """The dtype autocast runs this conv in, or None when it leaves it alone (autocast off, or
+    float64 operands, which autocast never casts)."""
+    device_type = x.device.type
+    if not (torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)):
+        return None
+    if x.dtype == torch.float64 or weight.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def _check_x(x: Tensor) -> None:
@@ -158,9 +166,9 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
         return reference.conv2d(state.activated, weight, bias, stride=stride, padding=padding,
                                 dilation=dilation, residual=residual)
 
-    if _autocast_on(x.device.type):
+    dt = _autocast_dtype(x, weight)
+    if dt is not None:
         # As the plain block under autocast: BN in float32, the conv in the autocast dtype.
-        dt = torch.get_autocast_dtype(x.device.type)
         weight = weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
     # A residual of another dtype is added outside, following PyTorch's type promotion.
@@ -190,7 +198,7 @@ def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> None:
                          f"got {weight.device}")
     if weight.dtype not in _FLOAT:
         raise TypeError(f"weight: expected a floating-point tensor, got {weight.dtype}")
-    autocast = _autocast_on(x.device.type)
+    autocast = _autocast_dtype(x, weight) is not None
     if not autocast and weight.dtype != x.dtype:
         raise TypeError(f"weight: expected dtype {x.dtype} (the dtype of x), got {weight.dtype}")
     co, _, kh, kw = weight.shape

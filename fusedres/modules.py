@@ -45,6 +45,15 @@ def check_convs(*convs: nn.Conv2d | None) -> None:
                 f"conv.padding_mode: fusedres supports 'zeros', got {c.padding_mode!r}")
 
 
+def check_inputs(x: Tensor, *convs: nn.Conv2d | None) -> None:
+    """Everything that could make ``conv(prepare(bn, x), c)`` fail for the convs ``x`` feeds,
+    checked before ``prepare`` touches the running statistics."""
+    check_convs(*convs)
+    for c in convs:
+        if c is not None:
+            FR.check_conv_args(x, c.weight, c.bias, None, c.stride, c.padding, c.dilation)
+
+
 def conv(state: FR.BatchNormState, conv: nn.Conv2d, residual: Tensor | None = None) -> Tensor:
     """``conv(relu(bn(x))) + residual`` through the fused op, for a prepared BatchNorm."""
     check_convs(conv)
@@ -107,7 +116,8 @@ class PreActBasicBlock(nn.Module):
             a = _plain(self.bn1, x)
             short = self.shortcut(a) if self.shortcut is not None else x
             return self.conv2(_plain(self.bn2, self.conv1(a))) + short
-        check_convs(self.conv1, self.conv2, self.shortcut)
+        check_convs(self.conv2)
+        check_inputs(x, self.conv1, self.shortcut)
         s1 = prepare(self.bn1, x)
         short = conv(s1, self.shortcut) if self.shortcut is not None else x
         out = conv(s1, self.conv1)
@@ -149,7 +159,8 @@ class PreActBottleneck(nn.Module):
             short = self.shortcut(a) if self.shortcut is not None else x
             out = self.conv2(_plain(self.bn2, self.conv1(a)))
             return self.conv3(_plain(self.bn3, out)) + short
-        check_convs(self.conv1, self.conv2, self.conv3, self.shortcut)
+        check_convs(self.conv2, self.conv3)
+        check_inputs(x, self.conv1, self.shortcut)
         s1 = prepare(self.bn1, x)
         short = conv(s1, self.shortcut) if self.shortcut is not None else x
         out = conv(prepare(self.bn2, conv(s1, self.conv1)), self.conv2)

@@ -154,6 +154,19 @@ def test_autocast_bf16_matches_plain_block(backend):
         assert run(case, inp2, training=True).dtype == torch.bfloat16
 
 
+def test_autocast_leaves_float64_alone(backend):
+    """Autocast never casts float64: a float64 unit stays float64, as the plain one does."""
+    case = CASES[0]
+    inp = make_inputs(case, torch.float64)
+    ref = inp.clone()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = run(case, inp, training=True)
+        with fusedres.use_backend("reference"):
+            y_ref = run(case, ref, training=True)
+    assert y.dtype == y_ref.dtype == torch.float64
+    torch.testing.assert_close(y, y_ref)
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_nan_and_inf_propagate_as_in_pytorch(backend, value):
     case = CASES[0]

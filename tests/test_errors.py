@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn as nn
 
 import fusedres
 from fusedres import functional as FR
@@ -89,3 +90,17 @@ def test_module_wrong_channels_named():
     with pytest.raises(ValueError, match=r"to match the 5 channels of x"):
         m(torch.randn(2, 5, 6, 6))
     assert int(m.bn.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: fusedres.PreActBasicBlock(4, 8, stride=2),
+    lambda: fusedres.PreActBottleneck(4, 2),
+    lambda: fusedres.fuse(nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3))),
+], ids=["basic", "bottleneck", "fused_graph"])
+def test_blocks_check_before_running_stats_change(make):
+    block = make()
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    with pytest.raises(TypeError, match="weight: expected dtype torch.float64"):
+        block(torch.randn(2, 4, 8, 8, dtype=torch.float64))
+    for k, v in block.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed before the error"
