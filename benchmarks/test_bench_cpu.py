@@ -90,6 +90,21 @@ def _wrap(module: nn.Module, impl: str):
     return module
 
 
+def _forward_backward(fn, x):
+    """One timed step: forward and backward with a fixed random output gradient."""
+    gy = None
+
+    def step():
+        nonlocal gy
+        x.grad = None
+        y = fn(x)
+        if gy is None:
+            gy = torch.randn_like(y)
+        y.backward(gy)
+
+    return step
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("unit", UNITS, ids=[u[0] for u in UNITS])
 def test_unit_forward_backward(benchmark, report, unit, impl):
@@ -102,15 +117,7 @@ def test_unit_forward_backward(benchmark, report, unit, impl):
     fn = _wrap(block, impl)
     backend = "cpu" if impl == "cpu" else "reference"
     warmup = 2 if impl == "compile" else 1
-    gy = None
-
-    def step():
-        nonlocal gy
-        x.grad = None
-        y = fn(x)
-        if gy is None:
-            gy = torch.randn_like(y)
-        y.backward(gy)
+    step = _forward_backward(fn, x)
 
     benchmark.group = f"unit N={n} {name}"
     with fusedres.use_backend(backend):
@@ -129,15 +136,7 @@ def test_conv_unit_forward_backward(benchmark, report, conv, impl):
     fused = fusedres.BNReLUConv2d(cin, cout, k, stride=stride, padding=k // 2)
     module = fused if impl == "cpu" else nn.Sequential(fused.bn, nn.ReLU(), fused.conv)
     x = torch.randn(n, cin, hw, hw, requires_grad=True)
-    gy = None
-
-    def step():
-        nonlocal gy
-        x.grad = None
-        y = module(x)
-        if gy is None:
-            gy = torch.randn_like(y)
-        y.backward(gy)
+    step = _forward_backward(module, x)
 
     benchmark.group = f"conv N={n} {name}"
     with fusedres.use_backend("cpu" if impl == "cpu" else "reference"):
