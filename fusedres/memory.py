@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["SavedTensor", "plan", "saved_bytes", "saved_tensors"]
+__all__ = ["SavedTensor", "SavedTensorCounter", "plan", "saved_bytes", "saved_tensors"]
 
 
 @dataclass(frozen=True)
@@ -26,28 +26,56 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+class SavedTensorCounter:
+    """Context manager recording the distinct storages autograd saves inside the block.
+
+    ``exclude``: a module whose parameters and buffers are not counted (they are kept whether or
+    not autograd saves them). After the block, :attr:`saved` lists one :class:`SavedTensor` per
+    storage and :attr:`total_bytes` sums them. Usable around a real training step: the counted
+    tensors are released when the block ends, the graph keeps what it needs.
+    """
+
+    def __init__(self, exclude: nn.Module | None = None):
+        self._excluded = set()
+        if exclude is not None:
+            self._excluded = {_storage_key(t) for t in (*exclude.parameters(), *exclude.buffers())}
+        self._found: dict[int, SavedTensor] = {}
+        self._kept: list[torch.Tensor] = []  # no storage address is reused while counting
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        self._kept.append(t)
+        if key not in self._excluded and key not in self._found:
+            self._found[key] = SavedTensor(tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
+        return t
+
+    def __enter__(self) -> SavedTensorCounter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._kept.clear()
+
+    @property
+    def saved(self) -> list[SavedTensor]:
+        return list(self._found.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.storage_bytes for s in self._found.values())
+
+
 def saved_tensors(fn: Callable[..., Any], *args, **kwargs) -> list[SavedTensor]:
     """Distinct storages saved for backward while ``fn(*args, **kwargs)`` runs, one entry per
     storage (views of one storage count once). When ``fn`` is an ``nn.Module`` its parameters
     and buffers are not counted: they are kept whether or not autograd saves them."""
-    excluded = set()
-    if isinstance(fn, nn.Module):
-        excluded = {_storage_key(t) for t in (*fn.parameters(), *fn.buffers())}
-    kept: list[torch.Tensor] = []  # hold references so no storage address is reused mid-count
-    found: dict[int, SavedTensor] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
-        kept.append(t)
-        if key not in excluded and key not in found:
-            found[key] = SavedTensor(tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    counter = SavedTensorCounter(fn if isinstance(fn, nn.Module) else None)
+    with counter:
         out = fn(*args, **kwargs)
-    del out
-    kept.clear()
-    return list(found.values())
+        del out
+    return counter.saved
 
 
 def saved_bytes(fn: Callable[..., Any], *args, **kwargs) -> int:

@@ -21,6 +21,7 @@ import yaml
 
 import fusedres
 from fusedres import _backend
+from fusedres.memory import SavedTensorCounter
 
 from . import checkpoint as ckpt
 from . import data as data_mod
@@ -111,27 +112,6 @@ def lr_at(cfg, iteration: int, steps: list[int]) -> float:
     if iteration < cfg["warmup_iters"]:
         lr *= (iteration + 1) / cfg["warmup_iters"]
     return lr * cfg["lr_decay"] ** sum(iteration >= m for m in steps)
-
-
-class _SavedBytes:
-    """Counts distinct storages saved for backward (parameters and buffers excluded)."""
-
-    def __init__(self, model: nn.Module):
-        self.excluded = {t.untyped_storage()._cdata
-                         for t in (*model.parameters(), *model.buffers())}
-        self.found: dict[int, int] = {}
-        self.kept: list[torch.Tensor] = []
-
-    def pack(self, t):
-        key = t.untyped_storage()._cdata
-        self.kept.append(t)
-        if key not in self.excluded and key not in self.found:
-            self.found[key] = t.untyped_storage().nbytes()
-        return t
-
-    def total(self) -> int:
-        self.kept.clear()
-        return sum(self.found.values())
 
 
 # --------------------------------------------------------------------------- the run
@@ -327,12 +307,11 @@ class Run:
 
         try:
             meta = copy.deepcopy(model).to("meta")
-            counter = _SavedBytes(meta)
             x = torch.empty((self.batches.local, *self.data.image_shape), device="meta")
             y = torch.zeros(self.batches.local, dtype=torch.int64, device="meta")
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            with SavedTensorCounter(exclude=meta) as counter:
                 F.cross_entropy(meta(x), y)
-            return counter.total()
+            return counter.total_bytes
         except Exception:  # a model that cannot run on meta: no count, no failure
             return None
 
@@ -448,14 +427,12 @@ class Run:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         measure = self.saved_bytes is None and not self.cfg["compile"]
-        counter = _SavedBytes(self.model) if measure else None
-        hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
-                 if measure else contextlib.nullcontext())
-        with hooks, self._autocast():
+        counter = SavedTensorCounter(exclude=self.model) if measure else contextlib.nullcontext()
+        with counter, self._autocast():
             out = self.train_model(x)
             loss = F.cross_entropy(out.float(), y)
         if measure:
-            self.saved_bytes = self._all_sum([float(counter.total())])[0] / self.world
+            self.saved_bytes = self._all_sum([float(counter.total_bytes)])[0] / self.world
             self.saved_bytes = int(self.saved_bytes)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
