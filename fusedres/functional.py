@@ -113,7 +113,7 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
         raise TypeError(f"momentum: expected a float or None, got {type(momentum).__name__}")
     use_batch = training or running_mean is None
     count = x.numel() // c if c else 0
-    if use_batch and count <= 1:
+    if use_batch and count == 1:
         raise ValueError("x: expected more than 1 value per channel when training, got input "
                          f"size {tuple(x.shape)}")
 
@@ -124,7 +124,13 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
         return BatchNormState(x, bn_weight, bn_bias, None, None, use_batch, a)
 
     sdt = ops.stats_dtype(x.dtype)
-    if use_batch:
+    if use_batch and count == 0:
+        # An empty batch, as nn.BatchNorm2d: counted, running statistics unchanged, empty output.
+        if training and num_batches_tracked is not None:
+            with torch.no_grad():
+                num_batches_tracked.add_(1)
+        mean, var = x.new_zeros((c,), dtype=sdt), x.new_ones((c,), dtype=sdt)
+    elif use_batch:
         mean, var = torch.ops.fusedres.batch_stats(x.detach())
         if training and running_mean is not None:
             _update_running_stats(running_mean, running_var, num_batches_tracked, mean, var,

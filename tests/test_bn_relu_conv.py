@@ -154,6 +154,21 @@ def test_autocast_bf16_matches_plain_block(backend):
         assert run(case, inp2, training=True).dtype == torch.bfloat16
 
 
+def test_empty_batch_as_batchnorm(backend):
+    """N=0: an empty output, num_batches_tracked counts it, running statistics unchanged."""
+    case = Case(0, 3, 5, 5, 4, k=3, padding=1, bias=True)
+    inp = make_inputs(case)
+    ref = inp.clone()
+    y, grads, gy = run_with_grads(case, inp, training=True)
+    y_ref, grads_ref, _ = run_reference(case, ref, gy, training=True)
+    assert y.shape == y_ref.shape == (0, 4, 5, 5)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref)
+    assert torch.equal(inp.running_mean, ref.running_mean)
+    assert torch.equal(inp.running_var, ref.running_var)
+    assert int(inp.num_batches_tracked) == int(ref.num_batches_tracked) == 1
+
+
 def test_autocast_leaves_float64_alone(backend):
     """Autocast never casts float64: a float64 unit stays float64, as the plain one does."""
     case = CASES[0]
