@@ -164,9 +164,8 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
     (N, Co, Ho, Wo). groups=1 only."""
     x = state.x
     stride = _pair(stride, "stride", minimum=1)
-    padding = _pair(padding, "padding", minimum=0)
     dilation = _pair(dilation, "dilation", minimum=1)
-    _check_conv(x, weight, bias, residual, stride, padding, dilation)
+    padding = _check_conv(x, weight, bias, residual, stride, padding, dilation)
 
     if state.activated is not None:
         return reference.conv2d(state.activated, weight, bias, stride=stride, padding=padding,
@@ -188,7 +187,27 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
     return y
 
 
-def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> None:
+def _resolve_padding(padding, kernel: tuple[int, int], stride, dilation) -> tuple[int, int]:
+    """``nn.Conv2d``'s padding: ints, or ``'valid'`` / ``'same'`` (symmetric cases)."""
+    if not isinstance(padding, str):
+        return _pair(padding, "padding", minimum=0)
+    if padding == "valid":
+        return (0, 0)
+    if padding != "same":
+        raise ValueError(f"padding: expected an int, a pair of ints, 'valid' or 'same', "
+                         f"got {padding!r}")
+    if stride != (1, 1):
+        raise ValueError(f"padding: 'same' needs stride 1 (as nn.Conv2d), got stride {stride}")
+    total = tuple(d * (k - 1) for d, k in zip(dilation, kernel))
+    if any(t % 2 for t in total):
+        raise ValueError(f"padding: 'same' for a {kernel[0]}x{kernel[1]} kernel with dilation "
+                         f"{dilation} pads unevenly, which the fused op does not support; give "
+                         "explicit padding")
+    return (total[0] // 2, total[1] // 2)
+
+
+def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> tuple[int, int]:
+    """Check the convolution's arguments; returns the padding as a pair of ints."""
     c = x.shape[1]
     if not isinstance(weight, Tensor) or weight.dim() != 4:
         raise ValueError("weight: expected a 4-D (out_channels, in_channels, kh, kw) tensor, got "
@@ -208,6 +227,7 @@ def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> None:
     if not autocast and weight.dtype != x.dtype:
         raise TypeError(f"weight: expected dtype {x.dtype} (the dtype of x), got {weight.dtype}")
     co, _, kh, kw = weight.shape
+    padding = _resolve_padding(padding, (kh, kw), stride, dilation)
     if bias is not None:
         if bias.shape != (co,):
             raise ValueError(f"bias: expected shape ({co},), got {tuple(bias.shape)}")
@@ -229,14 +249,15 @@ def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> None:
             raise ValueError(f"residual: expected device {x.device}, got {residual.device}")
         if residual.dtype not in _FLOAT:
             raise TypeError(f"residual: expected a floating-point tensor, got {residual.dtype}")
+    return padding
 
 
 def check_conv_args(x, weight, bias=None, residual=None, stride=1, padding=0, dilation=1):
     """Raise the error :func:`conv2d_from_prepared` would raise, without computing anything.
     Callers run it before :func:`prepare_batch_norm` so that bad arguments leave state alone."""
     _check_x(x)
-    _check_conv(x, weight, bias, residual, _pair(stride, "stride", minimum=1),
-                _pair(padding, "padding", minimum=0), _pair(dilation, "dilation", minimum=1))
+    _check_conv(x, weight, bias, residual, _pair(stride, "stride", minimum=1), padding,
+                _pair(dilation, "dilation", minimum=1))
 
 
 def bn_relu_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, bn_weight: Tensor | None,

@@ -104,7 +104,10 @@ def test_shared_preactivation_costs_one_stats_pass_and_one_update(backend, monke
     dict(kernel_size=3, padding=2, dilation=2, momentum=None),
     dict(kernel_size=3, affine=False),
     dict(kernel_size=3, padding=1, track_running_stats=False),
-], ids=["bias", "1x1s2", "dilated_cumulative", "no_affine", "no_running_stats"])
+    dict(kernel_size=5, padding="same", dilation=2),
+    dict(kernel_size=3, padding="valid", stride=2),
+], ids=["bias", "1x1s2", "dilated_cumulative", "no_affine", "no_running_stats", "same",
+        "valid"])
 def test_bnreluconv2d_matches_modules(backend, kwargs):
     m = fusedres.BNReLUConv2d(5, 7, **kwargs)
     plain = copy.deepcopy(m)
