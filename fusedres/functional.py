@@ -162,11 +162,14 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
     """``conv2d(relu(bn(x)), weight, bias, stride, padding, dilation) + residual`` for the
     BatchNorm prepared in ``state``. Shapes: weight (Co, C, kh, kw), bias (Co,), residual
     (N, Co, Ho, Wo). groups=1 only."""
-    x = state.x
-    stride = _pair(stride, "stride", minimum=1)
-    dilation = _pair(dilation, "dilation", minimum=1)
-    padding = _check_conv(x, weight, bias, residual, stride, padding, dilation)
+    stride, padding, dilation = check_conv_args(state.x, weight, bias, residual, stride,
+                                                padding, dilation)
+    return _conv2d_checked(state, weight, bias, stride, padding, dilation, residual)
 
+
+def _conv2d_checked(state: BatchNormState, weight, bias, stride, padding, dilation, residual):
+    """:func:`conv2d_from_prepared` for arguments :func:`check_conv_args` already resolved."""
+    x = state.x
     if state.activated is not None:
         return reference.conv2d(state.activated, weight, bias, stride=stride, padding=padding,
                                 dilation=dilation, residual=residual)
@@ -254,10 +257,13 @@ def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> tuple[i
 
 def check_conv_args(x, weight, bias=None, residual=None, stride=1, padding=0, dilation=1):
     """Raise the error :func:`conv2d_from_prepared` would raise, without computing anything.
-    Callers run it before :func:`prepare_batch_norm` so that bad arguments leave state alone."""
+    Callers run it before :func:`prepare_batch_norm` so that bad arguments leave state alone.
+    Returns (stride, padding, dilation) as pairs of ints."""
     _check_x(x)
-    _check_conv(x, weight, bias, residual, _pair(stride, "stride", minimum=1), padding,
-                _pair(dilation, "dilation", minimum=1))
+    stride = _pair(stride, "stride", minimum=1)
+    dilation = _pair(dilation, "dilation", minimum=1)
+    padding = _check_conv(x, weight, bias, residual, stride, padding, dilation)
+    return stride, padding, dilation
 
 
 def bn_relu_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, bn_weight: Tensor | None,
@@ -276,9 +282,8 @@ def bn_relu_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, bn_weight: Te
     the running statistics are touched.
     """
     # Check the convolution's arguments first too: nothing may change if they are wrong.
-    check_conv_args(x, weight, bias, residual, stride, padding, dilation)
+    conv_args = check_conv_args(x, weight, bias, residual, stride, padding, dilation)
     state = prepare_batch_norm(x, bn_weight, bn_bias, running_mean, running_var,
                                num_batches_tracked, training=training, momentum=momentum,
                                eps=eps)
-    return conv2d_from_prepared(state, weight, bias, stride=stride, padding=padding,
-                                dilation=dilation, residual=residual)
+    return _conv2d_checked(state, weight, bias, *conv_args, residual)
