@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .config import UsageError, resolve
 
-    initialised = False
+    initialised = finished = False
     try:
         cfg, explicit = resolve(argv)
         from .loop import Run
@@ -32,13 +32,35 @@ def main(argv: list[str] | None = None) -> int:
         initialised = _init_distributed(cfg)
         with contextlib.ExitStack() as scope:  # the backend choice ends with the run
             run = Run(cfg, explicit, scope)
-            return run.train()
+            code = run.train()
+        finished = True  # every process got here: done, or stopped together by a signal
+        return code
     except (UsageError, BackendUnavailableError) as e:
         print(f"fusedres train: error: {e}", file=sys.stderr)
         return 2
     finally:
         if initialised:
-            dist.destroy_process_group()
+            _leave_distributed(dist, finished)
+
+
+def _leave_distributed(dist, finished: bool) -> None:
+    """Leave the process group so that the interpreter can exit cleanly.
+
+    A gloo worker thread frees each finished collective's tensors itself, and freeing a tensor
+    Python has already let go of takes the GIL. If that thread is still waiting for the GIL when
+    the interpreter starts to finalise, CPython ends the thread and the C++ runtime aborts the
+    process ("terminate called without an active exception", pytorch/pytorch#190489); torchrun
+    then kills the other ranks. destroy_process_group() does not join those threads (torch keeps
+    references to the default group), so instead the main thread gives up the GIL after the last
+    collective: first in a barrier (only when every process finished, else it could hang), then
+    for a moment after leaving the group.
+    """
+    import time
+
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
+    time.sleep(0.05)
 
 
 def _init_distributed(cfg) -> bool:
