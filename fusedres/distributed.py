@@ -266,13 +266,13 @@ def install_prepare_hook() -> None:
     if getattr(original, "_routes_fused_prepare", False):
         return
 
-    def prepare(bn, x):
+    def prepare(bn, x, stats=None):
         custom = getattr(bn, "fused_prepare", None)
         if custom is not None:
             return custom(x)
         if isinstance(bn, nn.SyncBatchNorm):
             return prepare_batch_norm_sync(x, bn, bn.process_group)
-        return original(bn, x)
+        return original(bn, x, stats)
 
     prepare._routes_fused_prepare = True
     prepare.__doc__ = original.__doc__

@@ -68,6 +68,19 @@ def _check_vector(t: Tensor | None, name: str, c: int, x: Tensor) -> None:
         raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
 
 
+def _check_stats(stats, x: Tensor) -> None:
+    c, sdt = x.shape[1], ops.stats_dtype(x.dtype)
+    if not (isinstance(stats, (tuple, list)) and len(stats) == 2
+            and all(isinstance(t, Tensor) for t in stats)):
+        raise TypeError("stats: expected a pair of tensors (mean, biased variance) or None, got "
+                        f"{type(stats).__name__}")
+    for t, name in zip(stats, ("stats[0] (mean)", "stats[1] (variance)")):
+        if t.shape != (c,) or t.dtype != sdt or t.device != x.device:
+            raise ValueError(f"{name}: expected shape ({c},), dtype {sdt} and device {x.device} "
+                             f"(the statistics of x), got shape {tuple(t.shape)}, dtype "
+                             f"{t.dtype}, device {t.device}")
+
+
 def _autocast_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
     """The dtype autocast runs this conv in, or None when it leaves it alone (autocast off, or
     float64 operands, which autocast never casts)."""
@@ -92,18 +105,25 @@ def _check_x(x: Tensor) -> None:
 def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | None,
                        running_mean: Tensor | None, running_var: Tensor | None,
                        num_batches_tracked: Tensor | None = None, *, training: bool,
-                       momentum: float | None = 0.1, eps: float = 1e-5) -> BatchNormState:
+                       momentum: float | None = 0.1, eps: float = 1e-5,
+                       stats: tuple[Tensor, Tensor] | None = None) -> BatchNormState:
     """Batch statistics and running-stats update of ``nn.BatchNorm2d``, once.
 
     Args are those of ``F.batch_norm`` plus ``num_batches_tracked`` (incremented in training;
-    needed when ``momentum`` is None, the cumulative average). All checks run before any state
-    is touched. Returns a :class:`BatchNormState` for :func:`conv2d_from_prepared`.
+    needed when ``momentum`` is None, the cumulative average) and ``stats``: the batch mean and
+    biased variance of ``x`` per channel when they are already known, as
+    ``conv2d_from_prepared(..., return_stats=True)`` gives them for its output (then no
+    statistics pass runs; ignored when the BatchNorm uses its running statistics). All checks
+    run before any state is touched. Returns a :class:`BatchNormState` for
+    :func:`conv2d_from_prepared`.
     """
     _check_x(x)
     c = x.shape[1]
     for t, name in ((bn_weight, "bn_weight"), (bn_bias, "bn_bias"),
                     (running_mean, "running_mean"), (running_var, "running_var")):
         _check_vector(t, name, c, x)
+    if stats is not None:
+        _check_stats(stats, x)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean, running_var: give both or neither")
     if momentum is None and training and running_mean is not None and num_batches_tracked is None:
@@ -131,7 +151,7 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
                 num_batches_tracked.add_(1)
         mean, var = x.new_zeros((c,), dtype=sdt), x.new_ones((c,), dtype=sdt)
     elif use_batch:
-        mean, var = torch.ops.fusedres.batch_stats(x.detach())
+        mean, var = stats if stats is not None else torch.ops.fusedres.batch_stats(x.detach())
         if training and running_mean is not None:
             _update_running_stats(running_mean, running_var, num_batches_tracked, mean, var,
                                   momentum, count)
@@ -157,22 +177,30 @@ def _update_running_stats(running_mean, running_var, num_batches_tracked, mean, 
 
 
 def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | None = None, *,
-                         stride=1, padding=0, dilation=1,
-                         residual: Tensor | None = None) -> Tensor:
+                         stride=1, padding=0, dilation=1, residual: Tensor | None = None,
+                         return_stats: bool = False):
     """``conv2d(relu(bn(x)), weight, bias, stride, padding, dilation) + residual`` for the
     BatchNorm prepared in ``state``. Shapes: weight (Co, C, kh, kw), bias (Co,), residual
-    (N, Co, Ho, Wo). groups=1 only."""
+    (N, Co, Ho, Wo). groups=1 only.
+
+    ``return_stats=True`` returns ``(y, stats)``, ``stats`` being the per-channel batch mean and
+    biased variance of ``y`` for the ``prepare_batch_norm`` of the BatchNorm that ``y`` feeds
+    (None on the reference backend, which keeps no statistics). The Triton backend reduces them
+    in the convolution's epilogue, so the next BatchNorm reads ``y`` once fewer."""
     stride, padding, dilation = check_conv_args(state.x, weight, bias, residual, stride,
                                                 padding, dilation)
-    return _conv2d_checked(state, weight, bias, stride, padding, dilation, residual)
+    return _conv2d_checked(state, weight, bias, stride, padding, dilation, residual,
+                           return_stats)
 
 
-def _conv2d_checked(state: BatchNormState, weight, bias, stride, padding, dilation, residual):
+def _conv2d_checked(state: BatchNormState, weight, bias, stride, padding, dilation, residual,
+                    return_stats: bool = False):
     """:func:`conv2d_from_prepared` for arguments :func:`check_conv_args` already resolved."""
     x = state.x
     if state.activated is not None:
-        return reference.conv2d(state.activated, weight, bias, stride=stride, padding=padding,
-                                dilation=dilation, residual=residual)
+        y = reference.conv2d(state.activated, weight, bias, stride=stride, padding=padding,
+                             dilation=dilation, residual=residual)
+        return (y, None) if return_stats else y
 
     dt = _autocast_dtype(x, weight)
     if dt is not None:
@@ -181,12 +209,16 @@ def _conv2d_checked(state: BatchNormState, weight, bias, stride, padding, dilati
         bias = bias.to(dt) if bias is not None else None
     # A residual of another dtype is added outside, following PyTorch's type promotion.
     inner = residual if residual is not None and residual.dtype == weight.dtype else None
-    y = torch.ops.fusedres.bn_relu_conv2d(
-        x, weight, bias, state.bn_weight, state.bn_bias, state.mean, state.invstd, inner,
-        stride, padding, dilation, state.batch_stats,
-    )
+    args = (x, weight, bias, state.bn_weight, state.bn_bias, state.mean, state.invstd, inner,
+            stride, padding, dilation, state.batch_stats)
+    if return_stats and (residual is None or inner is not None):
+        y, mean, var = torch.ops.fusedres.bn_relu_conv2d_genstats(*args)
+        return y, (mean, var)
+    y = torch.ops.fusedres.bn_relu_conv2d(*args)
     if residual is not None and inner is None:
         y = y + residual
+    if return_stats:  # the residual was added outside: the statistics of the sum
+        return y, tuple(torch.ops.fusedres.batch_stats(y.detach()))
     return y
 
 

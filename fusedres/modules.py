@@ -13,24 +13,42 @@ from . import functional as FR
 __all__ = ["BNReLUConv2d", "PreActBasicBlock", "PreActBottleneck"]
 
 
-def prepare(bn: nn.BatchNorm2d, x: Tensor) -> FR.BatchNormState:
+def _synchronised(bn: nn.BatchNorm2d) -> bool:
+    return isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized()
+
+
+def wants_stats(bn: nn.BatchNorm2d) -> bool:
+    """Whether ``prepare(bn, x, stats)`` would use the local batch statistics of ``x`` (a
+    training-mode BatchNorm that is not synchronised): then the producer of ``x`` should return
+    them (``conv(..., return_stats=True)``)."""
+    return ((bn.training or bn.running_mean is None) and getattr(bn, "fused_prepare", None) is None
+            and not _synchronised(bn))
+
+
+def prepare(bn: nn.BatchNorm2d, x: Tensor, stats=None) -> FR.BatchNormState:
     """Statistics and running-stats update of ``bn`` for input ``x`` (one pass, once).
 
+    ``stats``: the batch (mean, biased variance) of ``x`` when its producer computed them
+    (:func:`conv` with ``return_stats=True``); then no statistics pass runs.
     A BatchNorm with a ``fused_prepare(x)`` method (``fusedres.distributed.SyncBatchNorm2d``)
     prepares itself; an ``nn.SyncBatchNorm`` in a running process group synchronises its
-    statistics across processes (``fusedres.distributed.prepare_batch_norm_sync``).
+    statistics across processes (``fusedres.distributed.prepare_batch_norm_sync``); both ignore
+    ``stats``.
     """
     custom = getattr(bn, "fused_prepare", None)
     if custom is not None:
         return custom(x)
-    if isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized():
+    if _synchronised(bn):
         from .distributed import prepare_batch_norm_sync
 
         return prepare_batch_norm_sync(x, bn, bn.process_group)
     return FR.prepare_batch_norm(
         x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked,
-        training=bn.training, momentum=bn.momentum, eps=bn.eps,
+        training=bn.training, momentum=bn.momentum, eps=bn.eps, stats=stats,
     )
+
+
+prepare._routes_fused_prepare = True  # fusedres.distributed.install_prepare_hook: nothing to do
 
 
 def check_convs(*convs: nn.Conv2d | None) -> None:
@@ -54,12 +72,24 @@ def check_inputs(x: Tensor, *convs: nn.Conv2d | None) -> None:
             FR.check_conv_args(x, c.weight, c.bias, None, c.stride, c.padding, c.dilation)
 
 
-def conv(state: FR.BatchNormState, conv: nn.Conv2d, residual: Tensor | None = None) -> Tensor:
-    """``conv(relu(bn(x))) + residual`` through the fused op, for a prepared BatchNorm."""
+def conv(state: FR.BatchNormState, conv: nn.Conv2d, residual: Tensor | None = None,
+         return_stats: bool = False):
+    """``conv(relu(bn(x))) + residual`` through the fused op, for a prepared BatchNorm; with
+    ``return_stats`` also the batch statistics of the output (see
+    :func:`fusedres.functional.conv2d_from_prepared`)."""
     check_convs(conv)
     return FR.conv2d_from_prepared(state, conv.weight, conv.bias, stride=conv.stride,
                                    padding=conv.padding, dilation=conv.dilation,
-                                   residual=residual)
+                                   residual=residual, return_stats=return_stats)
+
+
+def conv_into(state: FR.BatchNormState, c: nn.Conv2d, bn: nn.BatchNorm2d) -> FR.BatchNormState:
+    """``prepare(bn, conv(state, c))``: the output's statistics come from the convolution
+    (its epilogue on the Triton backend) whenever ``bn`` uses local batch statistics."""
+    if wants_stats(bn):
+        out, stats = conv(state, c, return_stats=True)
+        return prepare(bn, out, stats)
+    return prepare(bn, conv(state, c))
 
 
 class BNReLUConv2d(nn.Module):
@@ -120,8 +150,7 @@ class PreActBasicBlock(nn.Module):
         check_inputs(x, self.conv1, self.shortcut)
         s1 = prepare(self.bn1, x)
         short = conv(s1, self.shortcut) if self.shortcut is not None else x
-        out = conv(s1, self.conv1)
-        return conv(prepare(self.bn2, out), self.conv2, residual=short)
+        return conv(conv_into(s1, self.conv1, self.bn2), self.conv2, residual=short)
 
 
 class PreActBottleneck(nn.Module):
@@ -163,5 +192,5 @@ class PreActBottleneck(nn.Module):
         check_inputs(x, self.conv1, self.shortcut)
         s1 = prepare(self.bn1, x)
         short = conv(s1, self.shortcut) if self.shortcut is not None else x
-        out = conv(prepare(self.bn2, conv(s1, self.conv1)), self.conv2)
-        return conv(prepare(self.bn3, out), self.conv3, residual=short)
+        s3 = conv_into(conv_into(s1, self.conv1, self.bn2), self.conv2, self.bn3)
+        return conv(s3, self.conv3, residual=short)

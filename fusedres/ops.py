@@ -7,6 +7,12 @@ Three ops implement the unit of shared/design.md:
   differentiable: the fused backward accounts for the statistics' dependence on ``x``.
 * ``fusedres::bn_relu_conv2d(...) -> y``: ``conv2d(relu(scale * x + shift), weight, bias) +
   residual`` with ``scale = bn_weight * invstd`` and ``shift = bn_bias - mean * scale``.
+* ``fusedres::bn_relu_conv2d_genstats(...) -> (y, mean, var)``: the same ``y`` and, per output
+  channel, its mean and biased variance over (N, H, W) in the statistics dtype: what the next
+  BatchNorm needs. The Triton backend reduces them in the convolution's epilogue ("genstats"),
+  saving the next statistics pass over ``y``; the others run ``batch_stats(y)``. The statistics
+  are not differentiable (their consumer, a fused op with ``batch_stats=True``, accounts for
+  them).
 * ``fusedres::bn_relu_conv2d_backward(...)``: gradients of x, weight, bias, bn_weight, bn_bias,
   recomputing the activation from ``x``. With ``batch_stats=True`` the gradient of ``x`` includes
   the path through the batch statistics (training-mode BatchNorm).
@@ -119,13 +125,54 @@ def out_shape(x: Tensor, weight: Tensor, stride, padding, dilation) -> tuple[int
 
 
 @bn_relu_conv2d.register_fake
-def _(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding, dilation,
-      batch_stats):
+def _forward_fake(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
+                  dilation, batch_stats):
     torch._check(x.dim() == 4 and weight.dim() == 4, lambda: "x and weight must be 4-D")
     torch._check(weight.shape[1] == x.shape[1], lambda: "weight.shape[1] must equal x.shape[1]")
     shape = out_shape(x, weight, stride, padding, dilation)
     y = x.new_empty(shape, dtype=weight.dtype)
     return y.contiguous(memory_format=out_memory_format(x, weight))
+
+
+# --------------------------------------------------------------------------- genstats
+
+_GENSTATS_SCHEMA = _FWD_SCHEMA.replace("-> Tensor", "-> (Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op(
+    "fusedres::bn_relu_conv2d_genstats", mutates_args=(), schema=_GENSTATS_SCHEMA
+)
+def bn_relu_conv2d_genstats(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    bn_weight: Tensor | None,
+    bn_bias: Tensor | None,
+    mean: Tensor,
+    invstd: Tensor,
+    residual: Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    batch_stats: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    backend = _impl(x)
+    args = (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
+            dilation)
+    native = getattr(backend, "forward_genstats", None)
+    if native is not None:
+        return native(*args)
+    y = backend.forward(*args)
+    return (y, *_impl(y).batch_stats(y))
+
+
+@bn_relu_conv2d_genstats.register_fake
+def _(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding, dilation,
+      batch_stats):
+    y = _forward_fake(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
+                      padding, dilation, batch_stats)
+    dt = stats_dtype(y.dtype)
+    return y, y.new_empty((y.shape[1],), dtype=dt), y.new_empty((y.shape[1],), dtype=dt)
 
 
 # --------------------------------------------------------------------------- backward
@@ -218,3 +265,16 @@ def _backward(ctx, grad_out):
 
 
 bn_relu_conv2d.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _setup_context_genstats(ctx, inputs, output):
+    _setup_context(ctx, inputs, output[0])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _backward_genstats(ctx, grad_out, grad_mean, grad_var):
+    return _backward(ctx, grad_out)
+
+
+bn_relu_conv2d_genstats.register_autograd(_backward_genstats,
+                                          setup_context=_setup_context_genstats)

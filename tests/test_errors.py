@@ -108,3 +108,30 @@ def test_blocks_check_before_running_stats_change(make):
         block(torch.randn(2, 4, 8, 8, dtype=torch.float64))
     for k, v in block.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed before the error"
+
+
+@pytest.mark.parametrize("stats, exc, match", [
+    ((torch.zeros(C + 1), torch.ones(C)), ValueError, r"stats\[0\] \(mean\): expected shape"),
+    ((torch.zeros(C), torch.ones(C, dtype=torch.float64)), ValueError,
+     r"stats\[1\] \(variance\): expected shape \(4,\), dtype torch.float32"),
+    (torch.zeros(C), TypeError, "stats: expected a pair of tensors"),
+], ids=["mean_shape", "var_dtype", "not_a_pair"])
+def test_bad_precomputed_stats_named_before_state_changes(stats, exc, match):
+    g = _good()
+    with pytest.raises(exc, match=match):
+        FR.prepare_batch_norm(g["x"], g["bn_weight"], g["bn_bias"], g["running_mean"],
+                              g["running_var"], g["num_batches_tracked"], training=True,
+                              stats=stats)
+    assert torch.equal(g["running_mean"], torch.zeros(C))
+    assert int(g["num_batches_tracked"]) == 0
+
+
+def test_precomputed_stats_update_running_stats_as_a_stats_pass(backend):
+    g = _good()
+    x = g["x"] * 3 + 1
+    computed = [t.clone() for t in (g["running_mean"], g["running_var"])]
+    FR.prepare_batch_norm(x, g["bn_weight"], g["bn_bias"], *computed, training=True)
+    given = [t.clone() for t in (g["running_mean"], g["running_var"])]
+    stats = (x.mean((0, 2, 3)), x.var((0, 2, 3), correction=0))
+    FR.prepare_batch_norm(x, g["bn_weight"], g["bn_bias"], *given, training=True, stats=stats)
+    torch.testing.assert_close(given, computed)

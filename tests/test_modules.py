@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedres
 
@@ -81,21 +82,53 @@ def test_block_keys_are_he_et_al():
         fusedres.PreActBottleneck(8, 4, stride_on="conv3")
 
 
-def test_shared_preactivation_costs_one_stats_pass_and_one_update(backend, monkeypatch):
+class _OpCounter(TorchDispatchMode):
+    """Counts the calls of each ``fusedres`` op (with its first argument's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fusedres":
+            self.calls.append((func._opname, tuple(args[0].shape)))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name: str) -> int:
+        return sum(n == name for n, _ in self.calls)
+
+
+def test_shared_preactivation_costs_one_stats_pass_and_one_update(backend):
     block = fusedres.PreActBottleneck(8, 4, stride=2)
-    calls = []
-    real = torch.ops.fusedres.batch_stats
+    with _OpCounter() as ops:
+        block(torch.randn(2, 8, 8, 8))
+    # bn1 feeds conv1 and the shortcut: one pass. bn2 and bn3 take the statistics of their
+    # inputs from the convolutions that make them (genstats), with no pass of their own.
+    assert ops.calls.count(("batch_stats", (2, 8, 8, 8))) == 1
+    assert ops.count("batch_stats") == 1
+    assert ops.count("bn_relu_conv2d_genstats") == 2  # conv1 -> bn2, conv2 -> bn3
+    assert ops.count("bn_relu_conv2d") == 2  # shortcut, conv3
+    assert all(int(bn.num_batches_tracked) == 1 for bn in (block.bn1, block.bn2, block.bn3))
 
-    class Spy:
-        def __call__(self, x):
-            calls.append(tuple(x.shape))
-            return real(x)
 
-    monkeypatch.setattr(torch.ops.fusedres, "batch_stats", Spy())
-    block(torch.randn(2, 8, 8, 8))
-    assert calls.count((2, 8, 8, 8)) == 1  # bn1 feeds conv1 and the shortcut, one pass
-    assert len(calls) == 3  # bn1, bn2, bn3
-    assert int(block.bn1.num_batches_tracked) == 1
+def test_eval_mode_computes_no_statistics(backend):
+    block = fusedres.PreActBasicBlock(8, 16, stride=2).eval()
+    with _OpCounter() as ops:
+        block(torch.randn(2, 8, 8, 8))
+    assert ops.count("batch_stats") == ops.count("bn_relu_conv2d_genstats") == 0
+    assert ops.count("bn_relu_conv2d") == 3
+
+
+def test_synchronised_batch_norm_gets_no_local_statistics(backend):
+    """A BatchNorm that prepares itself (SyncBatchNorm2d) is not handed the producer's local
+    statistics: the producing conv runs without genstats."""
+    from fusedres import distributed as fdist
+
+    block = fdist.convert_sync_batchnorm(fusedres.PreActBasicBlock(8, 8))
+    with _OpCounter() as ops:
+        block(torch.randn(2, 8, 8, 8))
+    assert ops.count("bn_relu_conv2d_genstats") == 0
+    assert ops.count("bn_relu_conv2d") == 2
 
 
 @pytest.mark.parametrize("kwargs", [

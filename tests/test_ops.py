@@ -31,6 +31,30 @@ def test_opcheck(backend, case, channels_last):
     bwd_args = (gy, inp.x.detach(), inp.weight.detach(), d(inp.bn_weight), d(inp.bn_bias),
                 *args[5:7], *args[8:12], mask)
     torch.library.opcheck(torch.ops.fusedres.bn_relu_conv2d_backward, bwd_args)
+    torch.library.opcheck(torch.ops.fusedres.bn_relu_conv2d_genstats, args)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5]], ids=["c0", "c2", "c5"])
+def test_genstats_gives_the_output_and_its_statistics(backend, case, channels_last):
+    inp = make_inputs(case, channels_last=channels_last)
+    args = _fwd_args(case, inp)
+    y, mean, var = torch.ops.fusedres.bn_relu_conv2d_genstats(*args)
+    ref = torch.ops.fusedres.bn_relu_conv2d(*args)
+    torch.testing.assert_close(y, ref, atol=0, rtol=0)
+    assert y.stride() == ref.stride()
+    ref_mean, ref_var = torch.ops.fusedres.batch_stats(ref.detach())
+    tol = dict(atol=1e-5, rtol=1e-5) if y.dtype == torch.float32 else {}
+    torch.testing.assert_close(mean, ref_mean, **tol)
+    torch.testing.assert_close(var, ref_var, **tol)
+    assert not mean.requires_grad and not var.requires_grad
+    # The gradients are those of the plain op (the statistics take none).
+    gy = torch.randn_like(y)
+    leaves = [t for t in (inp.x, inp.weight, inp.bias, inp.bn_weight, inp.bn_bias, inp.residual)
+              if t is not None and t.requires_grad]
+    ours = torch.autograd.grad(y, leaves, gy)
+    theirs = torch.autograd.grad(ref, leaves, gy)
+    torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
 
 
 def _tiny_net(fused: bool) -> nn.Module:

@@ -176,33 +176,43 @@ def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.ops.fusedres_triton.batch_stats(x)
 
 
-def forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-            dilation) -> Tensor:
+def _forward_portable_case(x, weight, residual, stride, padding, dilation) -> bool:
     n, _, h, w = x.shape
     out = (n, weight.shape[0], conv_out_size(h, weight.shape[2], stride[0], padding[0],
                                              dilation[0]),
            conv_out_size(w, weight.shape[3], stride[1], padding[1], dilation[1]))
-    if _portable_case(x, weight, residual) or not _fits_int32(torch.empty(out, device="meta")):
-        return portable.forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
-                                stride, padding, dilation)
+    return _portable_case(x, weight, residual) or not _fits_int32(torch.empty(out, device="meta"))
+
+
+def _forward_args(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
+                  dilation):
     scale, shift = _scale_shift(bn_weight, bn_bias, mean, invstd)
     channels_last = out_memory_format(x, weight) == torch.channels_last
     if residual is not None and residual.dtype != weight.dtype:
         residual = residual.to(weight.dtype)
-    return torch.ops.fusedres_triton.bn_relu_conv2d(
-        x, weight, bias, scale, shift, residual, list(stride), list(padding), list(dilation),
-        channels_last)
+    return (x, weight, bias, scale, shift, residual, list(stride), list(padding), list(dilation),
+            channels_last)
+
+
+def forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
+            dilation) -> Tensor:
+    args = (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
+            dilation)
+    if _forward_portable_case(x, weight, residual, stride, padding, dilation):
+        return portable.forward(*args)
+    return torch.ops.fusedres_triton.bn_relu_conv2d(*_forward_args(*args))
 
 
 def forward_genstats(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
                      padding, dilation) -> tuple[Tensor, Tensor, Tensor]:
     """``forward`` plus the (mean, biased var) of its output per channel, in the statistics
     dtype of y: what the next unit's BatchNorm needs, without a pass over y."""
-    scale, shift = _scale_shift(bn_weight, bn_bias, mean, invstd)
-    channels_last = out_memory_format(x, weight) == torch.channels_last
-    y, m, v = torch.ops.fusedres_triton.bn_relu_conv2d_genstats(
-        x, weight, bias, scale, shift, residual, list(stride), list(padding), list(dilation),
-        channels_last)
+    args = (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
+            dilation)
+    if _forward_portable_case(x, weight, residual, stride, padding, dilation):
+        y = portable.forward(*args)
+        return (y, *portable.batch_stats(y))
+    y, m, v = torch.ops.fusedres_triton.bn_relu_conv2d_genstats(*_forward_args(*args))
     return y, m.to(stats_dtype(y.dtype)), v.to(stats_dtype(y.dtype))
 
 
