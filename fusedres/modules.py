@@ -141,16 +141,25 @@ class PreActBasicBlock(nn.Module):
         if stride != 1 or in_planes != planes:
             self.shortcut = nn.Conv2d(in_planes, planes, 1, stride, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, stats=None, return_stats: bool = False):
+        """``x`` (N, in_planes, H, W) -> (N, planes, H / stride, W / stride).
+
+        ``stats``/``return_stats`` hand the batch statistics of the unit's output to the next
+        fused unit (:class:`fusedres.models.PreActResNet` does): ``stats`` are the (mean,
+        biased variance) of ``x`` when known, and ``return_stats=True`` returns
+        ``(y, stats of y)``. Plain blocks ignore ``stats`` and return ``(y, None)``.
+        """
         if not self.fused:
             a = _plain(self.bn1, x)
             short = self.shortcut(a) if self.shortcut is not None else x
-            return self.conv2(_plain(self.bn2, self.conv1(a))) + short
+            y = self.conv2(_plain(self.bn2, self.conv1(a))) + short
+            return (y, None) if return_stats else y
         check_convs(self.conv2)
         check_inputs(x, self.conv1, self.shortcut)
-        s1 = prepare(self.bn1, x)
+        s1 = prepare(self.bn1, x, stats)
         short = conv(s1, self.shortcut) if self.shortcut is not None else x
-        return conv(conv_into(s1, self.conv1, self.bn2), self.conv2, residual=short)
+        return conv(conv_into(s1, self.conv1, self.bn2), self.conv2, residual=short,
+                    return_stats=return_stats)
 
 
 class PreActBottleneck(nn.Module):
@@ -182,15 +191,18 @@ class PreActBottleneck(nn.Module):
         if stride != 1 or in_planes != out_planes:
             self.shortcut = nn.Conv2d(in_planes, out_planes, 1, stride, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, stats=None, return_stats: bool = False):
+        """``x`` (N, in_planes, H, W) -> (N, 4 * planes, H / stride, W / stride); ``stats`` and
+        ``return_stats`` as :meth:`PreActBasicBlock.forward`."""
         if not self.fused:
             a = _plain(self.bn1, x)
             short = self.shortcut(a) if self.shortcut is not None else x
             out = self.conv2(_plain(self.bn2, self.conv1(a)))
-            return self.conv3(_plain(self.bn3, out)) + short
+            y = self.conv3(_plain(self.bn3, out)) + short
+            return (y, None) if return_stats else y
         check_convs(self.conv2, self.conv3)
         check_inputs(x, self.conv1, self.shortcut)
-        s1 = prepare(self.bn1, x)
+        s1 = prepare(self.bn1, x, stats)
         short = conv(s1, self.shortcut) if self.shortcut is not None else x
         s3 = conv_into(conv_into(s1, self.conv1, self.bn2), self.conv2, self.bn3)
-        return conv(s3, self.conv3, residual=short)
+        return conv(s3, self.conv3, residual=short, return_stats=return_stats)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checkpoint import checkpoint_segments, even_segments
-from ..modules import PreActBasicBlock, PreActBottleneck
+from ..modules import PreActBasicBlock, PreActBottleneck, wants_stats
 
 __all__ = ["PreActResNet", "preact_resnet", "valid_depths"]
 
@@ -39,6 +39,30 @@ IMAGENET_LAYERS = {
     200: ("bottleneck", (3, 24, 36, 3)),
 }
 _BLOCKS = {"basic": PreActBasicBlock, "bottleneck": PreActBottleneck}
+
+
+def _hands_over(unit: nn.Module) -> bool:
+    """A fused unit whose output may come with its statistics: a forward hook would see the
+    (y, stats) pair instead of y, so a hooked unit runs as usual."""
+    return (getattr(unit, "fused", False) and not unit._forward_hooks
+            and not nn.modules.module._global_forward_hooks)
+
+
+def _run_units(units: Sequence[nn.Module], x: Tensor) -> Tensor:
+    """The units in order. A fused unit feeding another one whose first BatchNorm uses batch
+    statistics returns the statistics of its output with it (reduced in its last
+    convolution's epilogue on the Triton backend), and the next unit takes them instead of
+    running a statistics pass over its input."""
+    stats = None
+    for i, unit in enumerate(units):
+        nxt = units[i + 1] if i + 1 < len(units) else None
+        if (_hands_over(unit) and nxt is not None and getattr(nxt, "fused", False)
+                and wants_stats(nxt.bn1)):
+            x, stats = unit(x, stats=stats, return_stats=True)
+        else:
+            x = unit(x, stats=stats) if stats is not None else unit(x)
+            stats = None
+    return x
 
 
 def valid_depths(variant: str) -> str:
@@ -190,8 +214,7 @@ class PreActResNet(nn.Module):
         if self.checkpoint_ranges and torch.is_grad_enabled():
             x = checkpoint_segments(units, x, self.checkpoint_ranges)
         else:
-            for u in units:
-                x = u(x)
+            x = _run_units(units, x)
         return F.relu(self.bn(x))
 
     def forward_head(self, x: Tensor) -> Tensor:
