@@ -2,8 +2,9 @@
 
 What a user with a GPU runs first. For each case (shape x dtype x layout) it runs one fused
 unit, forward and backward, on the ``triton`` backend and on ``reference`` (plain BatchNorm2d ->
-ReLU -> Conv2d), and prints pass/fail, the worst relative error over the output and every
-gradient, the fused/reference time ratio of a training step and the ratio of their
+ReLU -> Conv2d), and prints pass/fail, the worst relative error over the output, every
+gradient and the output's batch statistics as the forward's genstats epilogue hands them to the
+next BatchNorm, the fused/reference time ratio of a training step and the ratio of their
 saved-activation bytes (plus peak CUDA memory on a GPU).
 
 Without a GPU it sets ``TRITON_INTERPRET=1`` (unless set) and runs small shapes on CPU through
@@ -134,8 +135,11 @@ def run_case(case: Case, dtype, device, channels_last: bool, reps: int) -> dict:
         y_ref, g_ref = _step(case, args)
     with fusedres.use_backend("triton"):
         y, gr = _step(case, args)
-    err = max(_rel_err(a, b) for a, b in zip((y, *gr), (y64, *g64)))
-    err_torch = max(_rel_err(a, b) for a, b in zip((y_ref, *g_ref), (y64, *g64)))
+        stats = _output_stats(case, args)  # genstats: reduced in the forward's epilogue
+    stats64 = _batch_moments(y64)
+    err = max(_rel_err(a, b) for a, b in zip((y, *gr, *stats), (y64, *g64, *stats64)))
+    err_torch = max(_rel_err(a, b) for a, b in zip((y_ref, *g_ref, *_batch_moments(y_ref)),
+                                                   (y64, *g64, *stats64)))
     # Pass: within the dtype's bound, or within twice the reference's own error.
     ok = err <= max(TOL[dtype], 2 * err_torch)
     row = dict(case=case.name, dtype=str(dtype).replace("torch.", ""),
@@ -154,6 +158,23 @@ def run_case(case: Case, dtype, device, channels_last: bool, reps: int) -> dict:
         row["time_ratio"] = timing["triton"] / timing["reference"]
         row["time_ms"] = timing["triton"] * 1e3
     return row
+
+
+def _batch_moments(y):
+    """Per-channel mean and biased variance of ``y``, as the next BatchNorm computes them."""
+    y = y.detach().float() if y.dtype in (torch.float16, torch.bfloat16) else y.detach()
+    return y.mean((0, 2, 3)), y.var((0, 2, 3), correction=0)
+
+
+def _output_stats(case: Case, args: dict):
+    """The statistics of the unit's output as the forward hands them to the next BatchNorm."""
+    with torch.no_grad():
+        state = FR.prepare_batch_norm(args["x"], args["bn_weight"], args["bn_bias"], None, None,
+                                      training=True)
+        _, stats = FR.conv2d_from_prepared(state, args["weight"], stride=case.stride,
+                                           padding=case.padding, residual=args["residual"],
+                                           return_stats=True)
+    return stats
 
 
 def _step_forward(case: Case, args: dict):
