@@ -151,7 +151,7 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
                 num_batches_tracked.add_(1)
         mean, var = x.new_zeros((c,), dtype=sdt), x.new_ones((c,), dtype=sdt)
     elif use_batch:
-        mean, var = stats if stats is not None else torch.ops.fusedres.batch_stats(x.detach())
+        mean, var = stats if stats is not None else _batch_stats(x.detach())
         if training and running_mean is not None:
             _update_running_stats(running_mean, running_var, num_batches_tracked, mean, var,
                                   momentum, count)
@@ -212,14 +212,52 @@ def _conv2d_checked(state: BatchNormState, weight, bias, stride, padding, dilati
     args = (x, weight, bias, state.bn_weight, state.bn_bias, state.mean, state.invstd, inner,
             stride, padding, dilation, state.batch_stats)
     if return_stats and (residual is None or inner is not None):
-        y, mean, var = torch.ops.fusedres.bn_relu_conv2d_genstats(*args)
+        y, mean, var = _unit(args, genstats=True)
         return y, (mean, var)
-    y = torch.ops.fusedres.bn_relu_conv2d(*args)
+    y = _unit(args, genstats=False)
     if residual is not None and inner is None:
         y = y + residual
     if return_stats:  # the residual was added outside: the statistics of the sum
-        return y, tuple(torch.ops.fusedres.batch_stats(y.detach()))
+        return y, _batch_stats(y.detach())
     return y
+
+
+@torch.compiler.assume_constant_result
+def _auto_cuda_backend() -> str:
+    return _backend.resolve_backend(torch.device("cuda"))
+
+
+@torch.compiler.assume_constant_result
+def _triton_runs_on_cuda() -> bool:
+    return _backend.unavailable_reason("triton", "cuda") is None
+
+
+def _compiled_triton(x: Tensor) -> bool:
+    """True while torch.compile traces a unit on a GPU with the triton backend in force: then the
+    unit is built from the ``fusedres_triton`` triton_ops, which Inductor sees down to their
+    kernels (the public ops are opaque to it). Eager code always runs the public ops."""
+    if x.device.type != "cuda" or not torch.compiler.is_compiling():
+        return False
+    name = _backend.get_backend()
+    return (_auto_cuda_backend() if name == "auto" else name) == "triton" and _triton_runs_on_cuda()
+
+
+def _unit(args, genstats: bool):
+    if _compiled_triton(args[0]):
+        from .backends import triton as triton_backend
+
+        return triton_backend.compiled_unit(*args, genstats=genstats)
+    if genstats:
+        return torch.ops.fusedres.bn_relu_conv2d_genstats(*args)
+    return torch.ops.fusedres.bn_relu_conv2d(*args)
+
+
+def _batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    if _compiled_triton(x):
+        from .backends import triton as triton_backend
+
+        return triton_backend.compiled_batch_stats(x)
+    return tuple(torch.ops.fusedres.batch_stats(x))
 
 
 def _resolve_padding(padding, kernel: tuple[int, int], stride, dilation) -> tuple[int, int]:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+import fusedres  # noqa: E402
 from fusedres.backends import portable  # noqa: E402
 from fusedres.backends import triton as triton_backend  # noqa: E402
 from fusedres.kernels import batch_stats as bs  # noqa: E402
@@ -415,6 +416,107 @@ def test_triton_ops_decompose_into_kernels_under_compile():
     assert int(counts["forward"]) == 1
     assert int(counts["batch_stats"]) == 1
     assert int(counts["backward"]) == 2  # the weight-gradient (+ sums) pass and the dx pass
+
+
+_CAPTURE_BLOCK = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "0"
+import torch
+import torch._functorch.config as fconfig
+import triton
+from torch._dynamo.backends.common import aot_autograd
+from triton.backends.compiler import GPUTarget
+
+import fusedres
+from fusedres import functional as FR
+
+
+class Sm80:  # the target Inductor's mutation analysis lowers the kernels for (nothing runs)
+    def get_current_target(self):
+        return GPUTarget("cuda", 80, 32)
+
+
+triton.runtime.driver.set_active(Sm80())
+FR._compiled_triton = lambda x: torch.compiler.is_compiling()  # what a GPU's tensors select
+fconfig.force_non_lazy_backward_lowering = True  # trace the backward graph now
+graphs = {"fw": [], "bw": []}
+
+
+def capture(kind):
+    def compiler(gm, example_inputs):
+        graphs[kind].append(gm)
+
+        def stop(*args):
+            raise RuntimeError("captured")
+        return stop
+    return compiler
+
+
+block = fusedres.PreActBasicBlock(8, 16, stride=2)
+x = torch.randn(2, 8, 9, 9).contiguous(memory_format=torch.channels_last).requires_grad_()
+fn = torch.compile(block, fullgraph=True,
+                   backend=aot_autograd(fw_compiler=capture("fw"), bw_compiler=capture("bw")))
+try:
+    fn(x)
+except RuntimeError as exc:
+    if "captured" not in str(exc):
+        raise
+for kind, gs in graphs.items():
+    nodes = [n for g in gs for n in g.graph.nodes if n.op == "call_function"]
+    kernels = sum(str(n.target) == "triton_kernel_wrapper_functional" for n in nodes)
+    opaque = sum("fusedres" in str(n.target) for n in nodes)
+    print(kind, len(gs), kernels, opaque)
+"""
+
+
+def test_compiled_block_traces_down_to_the_triton_kernels():
+    """Under torch.compile on a GPU with the triton backend, a fused block is built from the
+    fusedres_triton triton_ops (fusedres.backends.triton.CompiledUnit), so the forward and the
+    backward graphs hold the Triton kernels themselves and no opaque fusedres op. Traced on CPU
+    in a subprocess (TRITON_INTERPRET=0, sm_80 as the target of the kernels' analysis)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", _CAPTURE_BLOCK], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = {line.split()[0]: [int(v) for v in line.split()[1:]]
+              for line in proc.stdout.splitlines() if line.strip()}
+    graphs, kernels, opaque = counts["fw"]
+    # bn1's statistics, conv1 (with bn2's statistics in its epilogue), shortcut, conv2
+    assert (graphs, kernels, opaque) == (1, 4, 0)
+    graphs, kernels, opaque = counts["bw"]
+    assert graphs == 1 and kernels >= 6 and opaque == 0  # two passes per convolution at least
+
+
+@pytest.mark.parametrize("genstats", [False, True])
+def test_compiled_unit_matches_the_public_op(genstats):
+    """CompiledUnit (the traced form) gives the public op's outputs and gradients, eagerly."""
+    torch.manual_seed(3)
+    x = (torch.randn(2, 5, 7, 7) * 2 + 1).to(DEVICE).requires_grad_()
+    w = torch.randn(6, 5, 3, 3).to(DEVICE).requires_grad_()
+    gamma = (torch.rand(5) + 0.5).to(DEVICE).requires_grad_()
+    beta = torch.randn(5).to(DEVICE).requires_grad_()
+    res = torch.randn(2, 6, 7, 7).to(DEVICE).requires_grad_()
+    mean, var = triton_backend.batch_stats(x.detach())
+    invstd = torch.rsqrt(var + 1e-5)
+    args = (x, w, None, gamma, beta, mean, invstd, res, [1, 1], [1, 1], [1, 1], True)
+    with fusedres.use_backend("triton"):
+        ours = triton_backend.CompiledUnit.apply(*args, genstats)
+        theirs = (torch.ops.fusedres.bn_relu_conv2d_genstats(*args) if genstats
+                  else torch.ops.fusedres.bn_relu_conv2d(*args))
+    y, y_ref = (ours[0], theirs[0]) if genstats else (ours, theirs)
+    torch.testing.assert_close(y, y_ref, atol=0, rtol=0)
+    if genstats:
+        torch.testing.assert_close(ours[1:], theirs[1:], atol=0, rtol=0)
+        assert not ours[1].requires_grad
+    gy = torch.randn_like(y)
+    leaves = (x, w, gamma, beta, res)
+    with fusedres.use_backend("triton"):  # the public op's backward runs the backend in force
+        grads = torch.autograd.grad(y, leaves, gy), torch.autograd.grad(y_ref, leaves, gy)
+    for name, g, g_ref in zip(("x", "weight", "bn_weight", "bn_bias", "residual"), *grads):
+        torch.testing.assert_close(g, g_ref, atol=0, rtol=0, msg=name)
 
 
 def test_empty_and_huge_tensors_take_the_portable_path():

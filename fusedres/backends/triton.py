@@ -216,6 +216,66 @@ def forward_genstats(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual
     return y, m.to(stats_dtype(y.dtype)), v.to(stats_dtype(y.dtype))
 
 
+class CompiledUnit(torch.autograd.Function):
+    """The fused unit over the ``fusedres_triton`` ops, for graphs that torch.compile traces on a
+    GPU (:func:`fusedres.functional` routes there): the public ``fusedres`` ops are opaque to
+    Inductor, these triton_ops decompose into their Triton kernels, forward and backward.
+    Same arguments, outputs and autograd rule as ``fusedres::bn_relu_conv2d`` (with
+    ``genstats``: ``fusedres::bn_relu_conv2d_genstats``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
+                dilation, batch_stats, genstats):
+        args = _forward_args(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
+                             padding, dilation)
+        ctx.save_for_backward(x, weight, bn_weight, bn_bias, mean, invstd)
+        ctx.conv_args = (list(stride), list(padding), list(dilation))
+        ctx.batch_stats = batch_stats
+        ctx.has_bias = bias is not None
+        ctx.has_residual = residual is not None
+        if not genstats:
+            return torch.ops.fusedres_triton.bn_relu_conv2d(*args)
+        y, m, v = torch.ops.fusedres_triton.bn_relu_conv2d_genstats(*args)
+        m, v = m.to(stats_dtype(y.dtype)), v.to(stats_dtype(y.dtype))
+        ctx.mark_non_differentiable(m, v)
+        return y, m, v
+
+    @staticmethod
+    def backward(ctx, grad_out, *_stats_grads):
+        x, weight, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        mask = [need[0], need[1], need[2] and ctx.has_bias, need[3] and bn_weight is not None,
+                need[4] and bn_bias is not None]
+        grads = [None] * 5
+        if any(mask):
+            outs = torch.ops.fusedres_triton.bn_relu_conv2d_backward(
+                grad_out, x, weight, bn_weight, bn_bias, mean, invstd, *ctx.conv_args,
+                ctx.batch_stats, mask)
+            grads = [g if m else None for g, m in zip(outs, mask)]
+        grad_residual = grad_out if ctx.has_residual and need[7] else None
+        return (*grads, None, None, grad_residual, None, None, None, None, None)
+
+
+def compiled_unit(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
+                  dilation, batch_stats, genstats: bool):
+    """:class:`CompiledUnit`, or the public op for the cases the kernels leave to the portable
+    code (empty tensors, int32 overflow)."""
+    args = (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
+            dilation, batch_stats)
+    if _forward_portable_case(x, weight, residual, stride, padding, dilation):
+        op = (torch.ops.fusedres.bn_relu_conv2d_genstats if genstats
+              else torch.ops.fusedres.bn_relu_conv2d)
+        return op(*args)
+    return CompiledUnit.apply(*args, genstats)
+
+
+def compiled_batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``batch_stats`` through the triton_op, for traced graphs (see :class:`CompiledUnit`)."""
+    if _portable_case(x):
+        return tuple(torch.ops.fusedres.batch_stats(x))
+    return tuple(torch.ops.fusedres_triton.batch_stats(x))
+
+
 def backward(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
              batch_stats, output_mask):
     if _portable_case(grad_out, x, weight):
