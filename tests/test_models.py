@@ -225,6 +225,37 @@ def test_hooked_unit_sees_a_tensor_and_computes_its_own_statistics():
     assert count.passes == 2  # the first unit, and the unit after the hooked one
 
 
+def test_pre_hook_that_changes_the_input_gets_its_statistics_recomputed():
+    """A forward pre-hook on the receiving unit may replace its input: the producer's statistics
+    no longer describe it, so none are handed over (fused == plain, running stats included)."""
+    fused = models.preact_resnet(20, num_classes=3).double()
+    plain = models.preact_resnet(20, num_classes=3, fused=False).double()
+    plain.load_state_dict(fused.state_dict())
+    for model in (fused, plain):
+        model.units()[1].register_forward_pre_hook(lambda m, args: (3 * args[0] + 1,))
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    _assert_same_step(fused, plain, x, 1e-9, 1e-10)
+
+
+def test_backward_hook_sees_one_output_gradient():
+    model = models.preact_resnet(20, num_classes=3)
+    seen = []
+    model.units()[2].register_full_backward_hook(lambda m, gi, go: seen.append(len(go)))
+    model(torch.randn(2, 3, 5, 5)).sum().backward()
+    assert seen == [1]
+
+
+def test_global_pre_hook_turns_the_hand_over_off():
+    model = models.preact_resnet(20, num_classes=3)
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda m, args: None)
+    try:
+        with _StatsPasses() as count:
+            model(torch.randn(2, 3, 5, 5))
+    finally:
+        handle.remove()
+    assert count.passes == len(model.units())
+
+
 def test_state_dict_round_trip():
     plain = models.preact_resnet164(fused=False, num_classes=3)
     x = torch.randn(2, 3, 8, 8)

@@ -41,27 +41,35 @@ IMAGENET_LAYERS = {
 _BLOCKS = {"basic": PreActBasicBlock, "bottleneck": PreActBottleneck}
 
 
-def _hands_over(unit: nn.Module) -> bool:
-    """A fused unit whose output may come with its statistics: a forward hook would see the
-    (y, stats) pair instead of y, so a hooked unit runs as usual."""
-    return (getattr(unit, "fused", False) and not unit._forward_hooks
-            and not nn.modules.module._global_forward_hooks)
+def _no_global_hooks() -> bool:
+    m = nn.modules.module
+    return not (m._global_forward_hooks or m._global_forward_pre_hooks
+                or m._global_backward_hooks or m._global_backward_pre_hooks)
+
+
+def _hands_over(unit: nn.Module, nxt: nn.Module | None) -> bool:
+    """Whether ``unit`` returns its output's statistics for ``nxt``: both fused, ``nxt``'s first
+    BatchNorm uses local batch statistics, and no hook could tell: a forward or backward hook on
+    ``unit`` would see the (y, stats) pair, a forward pre-hook on ``nxt`` could replace the input
+    that the statistics describe. Hooked units run as usual and compute their own."""
+    return (nxt is not None and getattr(unit, "fused", False) and getattr(nxt, "fused", False)
+            and not (unit._forward_hooks or unit._backward_hooks or unit._backward_pre_hooks)
+            and not nxt._forward_pre_hooks and _no_global_hooks() and wants_stats(nxt.bn1))
 
 
 def _run_units(units: Sequence[nn.Module], x: Tensor) -> Tensor:
-    """The units in order. A fused unit feeding another one whose first BatchNorm uses batch
-    statistics returns the statistics of its output with it (reduced in its last
+    """The units in order. A fused unit feeding another fused unit whose first BatchNorm uses
+    batch statistics returns the statistics of its output with it (reduced in its last
     convolution's epilogue on the Triton backend), and the next unit takes them instead of
     running a statistics pass over its input."""
     stats = None
     for i, unit in enumerate(units):
         nxt = units[i + 1] if i + 1 < len(units) else None
-        if (_hands_over(unit) and nxt is not None and getattr(nxt, "fused", False)
-                and wants_stats(nxt.bn1)):
-            x, stats = unit(x, stats=stats, return_stats=True)
+        kwargs = {} if stats is None else {"stats": stats}
+        if _hands_over(unit, nxt):
+            x, stats = unit(x, return_stats=True, **kwargs)
         else:
-            x = unit(x, stats=stats) if stats is not None else unit(x)
-            stats = None
+            x, stats = unit(x, **kwargs), None
     return x
 
 
