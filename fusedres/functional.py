@@ -222,24 +222,32 @@ def _conv2d_checked(state: BatchNormState, weight, bias, stride, padding, dilati
     return y
 
 
-@torch.compiler.assume_constant_result
-def _auto_cuda_backend() -> str:
-    return _backend.resolve_backend(torch.device("cuda"))
+# The device whose traced units go through the triton_ops (a test traces "cpu" tensors instead).
+_TRACED_DEVICE_TYPE = "cuda"
 
 
 @torch.compiler.assume_constant_result
-def _triton_runs_on_cuda() -> bool:
-    return _backend.unavailable_reason("triton", "cuda") is None
+def _auto_traced_backend() -> str:
+    # Constant for the process: which backends can run is a property of the build and machine.
+    return _backend.resolve_backend(torch.device(_TRACED_DEVICE_TYPE))
+
+
+@torch.compiler.assume_constant_result
+def _triton_runs_traced() -> bool:
+    return _backend.unavailable_reason("triton", _TRACED_DEVICE_TYPE) is None
 
 
 def _compiled_triton(x: Tensor) -> bool:
     """True while torch.compile traces a unit on a GPU with the triton backend in force: then the
     unit is built from the ``fusedres_triton`` triton_ops, which Inductor sees down to their
-    kernels (the public ops are opaque to it). Eager code always runs the public ops."""
-    if x.device.type != "cuda" or not torch.compiler.is_compiling():
+    kernels (the public ops are opaque to it). Eager code always runs the public ops. The backend
+    name in force is read here, so torch.compile guards on it and retraces when it changes."""
+    if x.device.type != _TRACED_DEVICE_TYPE or not torch.compiler.is_compiling():
         return False
     name = _backend.get_backend()
-    return (_auto_cuda_backend() if name == "auto" else name) == "triton" and _triton_runs_on_cuda()
+    if name == "auto":
+        name = _auto_traced_backend()
+    return name == "triton" and _triton_runs_traced()
 
 
 def _unit(args, genstats: bool):

@@ -429,6 +429,7 @@ from triton.backends.compiler import GPUTarget
 
 import fusedres
 from fusedres import functional as FR
+from fusedres.backends import triton as triton_backend
 
 
 class Sm80:  # the target Inductor's mutation analysis lowers the kernels for (nothing runs)
@@ -437,7 +438,11 @@ class Sm80:  # the target Inductor's mutation analysis lowers the kernels for (n
 
 
 triton.runtime.driver.set_active(Sm80())
-FR._compiled_triton = lambda x: torch.compiler.is_compiling()  # what a GPU's tensors select
+# What a GPU's tensors select, for CPU tensors: traced "cpu" units go through the triton_ops,
+# triton counts as runnable (nothing runs), and auto prefers it.
+FR._TRACED_DEVICE_TYPE = "cpu"
+triton_backend.unavailable_reason = lambda device: None
+fusedres._backend.AUTO_ORDER["cpu"] = ("triton", "cpu", "portable")
 fconfig.force_non_lazy_backward_lowering = True  # trace the backward graph now
 graphs = {"fw": [], "bw": []}
 
@@ -456,16 +461,21 @@ block = fusedres.PreActBasicBlock(8, 16, stride=2)
 x = torch.randn(2, 8, 9, 9).contiguous(memory_format=torch.channels_last).requires_grad_()
 fn = torch.compile(block, fullgraph=True,
                    backend=aot_autograd(fw_compiler=capture("fw"), bw_compiler=capture("bw")))
-try:
-    fn(x)
-except RuntimeError as exc:
-    if "captured" not in str(exc):
-        raise
-for kind, gs in graphs.items():
-    nodes = [n for g in gs for n in g.graph.nodes if n.op == "call_function"]
-    kernels = sum(str(n.target) == "triton_kernel_wrapper_functional" for n in nodes)
-    opaque = sum("fusedres" in str(n.target) for n in nodes)
-    print(kind, len(gs), kernels, opaque)
+# auto (-> triton), then portable (the guard on the backend name retraces: opaque public ops).
+for phase in ("auto", "portable"):
+    for gs in graphs.values():
+        gs.clear()
+    with fusedres.use_backend(phase):
+        try:
+            fn(x)
+        except RuntimeError as exc:
+            if "captured" not in str(exc):
+                raise
+    for kind, gs in graphs.items():
+        nodes = [n for g in gs for n in g.graph.nodes if n.op == "call_function"]
+        kernels = sum(str(n.target) == "triton_kernel_wrapper_functional" for n in nodes)
+        opaque = sum("fusedres" in str(n.target) for n in nodes)
+        print(phase, kind, len(gs), kernels, opaque)
 """
 
 
@@ -481,13 +491,16 @@ def test_compiled_block_traces_down_to_the_triton_kernels():
     proc = subprocess.run([sys.executable, "-c", _CAPTURE_BLOCK], capture_output=True,
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = {line.split()[0]: [int(v) for v in line.split()[1:]]
+    counts = {tuple(line.split()[:2]): [int(v) for v in line.split()[2:]]
               for line in proc.stdout.splitlines() if line.strip()}
-    graphs, kernels, opaque = counts["fw"]
+    graphs, kernels, opaque = counts["auto", "fw"]
     # bn1's statistics, conv1 (with bn2's statistics in its epilogue), shortcut, conv2
     assert (graphs, kernels, opaque) == (1, 4, 0)
-    graphs, kernels, opaque = counts["bw"]
+    graphs, kernels, opaque = counts["auto", "bw"]
     assert graphs == 1 and kernels >= 6 and opaque == 0  # two passes per convolution at least
+    # Another backend in force after compiling: retraced, through the public (opaque) ops.
+    graphs, kernels, opaque = counts["portable", "fw"]
+    assert graphs == 1 and kernels == 0 and opaque == 4
 
 
 @pytest.mark.parametrize("genstats", [False, True])
