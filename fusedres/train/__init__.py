@@ -52,13 +52,22 @@ def _leave_distributed(dist, finished: bool) -> None:
     process ("terminate called without an active exception", pytorch/pytorch#190489); torchrun
     then kills the other ranks. destroy_process_group() does not join those threads (torch keeps
     references to the default group), so instead the main thread gives up the GIL after the last
-    collective: first in a barrier (only when every process finished, else it could hang), then
-    for a moment after leaving the group.
+    collective: in a barrier (only when every process finished, else it could wait for a dead
+    peer; bounded by a timeout, and never in the way of the exit code), then for a moment after
+    leaving the group.
     """
+    import datetime
     import time
 
     if finished:
-        dist.barrier()
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+            else:
+                dist.barrier()
+        except RuntimeError as e:  # a peer gone: nothing left to wait for
+            print(f"fusedres train: warning: final barrier: {str(e).splitlines()[0]}",
+                  file=sys.stderr)
     dist.destroy_process_group()
     time.sleep(0.05)
 
