@@ -231,7 +231,8 @@ def _(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, di
 
 # --------------------------------------------------------------------------- autograd
 
-def _setup_context(ctx, inputs, output):
+def unit_setup_context(ctx, inputs, output):
+    """What the autograd rule keeps: x, the conv weight, the BN parameters and statistics."""
     (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding, dilation,
      batch_stats) = inputs
     ctx.save_for_backward(x, weight, bn_weight, bn_bias, mean, invstd)
@@ -241,7 +242,10 @@ def _setup_context(ctx, inputs, output):
     ctx.has_residual = residual is not None
 
 
-def _backward(ctx, grad_out):
+def unit_backward(ctx, grad_out, backward_op) -> tuple[Tensor | None, ...]:
+    """The autograd rule of the fused unit for a ``ctx`` filled by ``unit_setup_context``: the
+    gradients of its 12 inputs, computed by ``backward_op`` (an op with the schema of
+    ``fusedres::bn_relu_conv2d_backward``)."""
     x, weight, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
     need = ctx.needs_input_grad
     mask = [
@@ -253,7 +257,7 @@ def _backward(ctx, grad_out):
     ]
     grads: list[Tensor | None] = [None] * 5
     if any(mask):
-        outs = torch.ops.fusedres.bn_relu_conv2d_backward(
+        outs = backward_op(
             grad_out, x, weight, bn_weight, bn_bias, mean, invstd, *ctx.conv_args,
             ctx.batch_stats, mask,
         )
@@ -264,11 +268,15 @@ def _backward(ctx, grad_out):
     return (*grads, None, None, grad_residual, None, None, None, None)
 
 
-bn_relu_conv2d.register_autograd(_backward, setup_context=_setup_context)
+def _backward(ctx, grad_out):
+    return unit_backward(ctx, grad_out, torch.ops.fusedres.bn_relu_conv2d_backward)
+
+
+bn_relu_conv2d.register_autograd(_backward, setup_context=unit_setup_context)
 
 
 def _setup_context_genstats(ctx, inputs, output):
-    _setup_context(ctx, inputs, output[0])
+    unit_setup_context(ctx, inputs, output[0])
     ctx.mark_non_differentiable(output[1], output[2])
 
 

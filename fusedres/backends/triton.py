@@ -13,7 +13,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops import backward_empty_outputs, conv_out_size, out_memory_format, stats_dtype
+from ..ops import (
+    backward_empty_outputs,
+    conv_out_size,
+    out_memory_format,
+    stats_dtype,
+    unit_backward,
+    unit_setup_context,
+)
 from . import portable
 
 _KERNELS_ERROR: Optional[str] = None
@@ -226,13 +233,10 @@ class CompiledUnit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
                 dilation, batch_stats, genstats):
-        args = _forward_args(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                             padding, dilation)
-        ctx.save_for_backward(x, weight, bn_weight, bn_bias, mean, invstd)
-        ctx.conv_args = (list(stride), list(padding), list(dilation))
-        ctx.batch_stats = batch_stats
-        ctx.has_bias = bias is not None
-        ctx.has_residual = residual is not None
+        inputs = (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
+                  dilation)
+        unit_setup_context(ctx, (*inputs, batch_stats), None)
+        args = _forward_args(*inputs)
         if not genstats:
             return torch.ops.fusedres_triton.bn_relu_conv2d(*args)
         y, m, v = torch.ops.fusedres_triton.bn_relu_conv2d_genstats(*args)
@@ -242,18 +246,8 @@ class CompiledUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_stats_grads):
-        x, weight, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        mask = [need[0], need[1], need[2] and ctx.has_bias, need[3] and bn_weight is not None,
-                need[4] and bn_bias is not None]
-        grads = [None] * 5
-        if any(mask):
-            outs = torch.ops.fusedres_triton.bn_relu_conv2d_backward(
-                grad_out, x, weight, bn_weight, bn_bias, mean, invstd, *ctx.conv_args,
-                ctx.batch_stats, mask)
-            grads = [g if m else None for g, m in zip(outs, mask)]
-        grad_residual = grad_out if ctx.has_residual and need[7] else None
-        return (*grads, None, None, grad_residual, None, None, None, None, None)
+        grads = unit_backward(ctx, grad_out, torch.ops.fusedres_triton.bn_relu_conv2d_backward)
+        return (*grads, None)  # genstats takes no gradient
 
 
 def compiled_unit(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
