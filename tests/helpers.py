@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedres
 from fusedres import functional as FR
@@ -118,3 +119,19 @@ def run_with_grads(case: Case, inp: Inputs, grad_out=None, **kw):
 def run_reference(case: Case, inp: Inputs, grad_out=None, **kw):
     with fusedres.use_backend("reference"):
         return run_with_grads(case, inp, grad_out, **kw)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the calls of each ``fusedres`` op (with its first argument's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fusedres":
+            self.calls.append((func._opname, tuple(args[0].shape)))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name: str) -> int:
+        return sum(n == name for n, _ in self.calls)

@@ -5,12 +5,12 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedres
 from conftest import FUSED_BACKENDS
 from fusedres import models
 from fusedres.modules import PreActBasicBlock, PreActBottleneck
+from helpers import OpCounter
 
 # Whole networks on every compiled/portable backend. Triton runs here under its interpreter
 # (Python speed), so it gets the smallest net only; tests/test_ops.py covers its numerics.
@@ -183,19 +183,6 @@ def test_fused_matches_plain_56_default_backend():
     _assert_same_step(fused, plain, torch.randn(3, 3, 8, 8, dtype=torch.float64), 1e-9, 1e-10)
 
 
-class _StatsPasses(TorchDispatchMode):
-    """Counts statistics passes (batch_stats) and statistics-producing convolutions."""
-
-    def __init__(self):
-        super().__init__()
-        self.passes = self.genstats = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.passes += func is torch.ops.fusedres.batch_stats.default
-        self.genstats += func is torch.ops.fusedres.bn_relu_conv2d_genstats.default
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("depth", [20, 11])
 def test_units_hand_their_output_statistics_to_the_next(any_backend, depth):
     """Training: only the first unit's BatchNorm runs a statistics pass; every other BatchNorm
@@ -204,11 +191,11 @@ def test_units_hand_their_output_statistics_to_the_next(any_backend, depth):
     plain = models.preact_resnet(depth, num_classes=3, fused=False)
     plain.load_state_dict(model.state_dict())
     x = torch.randn(2, 3, 5, 5)
-    with _StatsPasses() as count:
+    with OpCounter() as ops:
         y = model(x)
     bns = sum(isinstance(m, nn.BatchNorm2d) for u in model.units() for m in u.modules())
-    assert count.passes == 1
-    assert count.genstats == bns - 1
+    assert ops.count("batch_stats") == 1
+    assert ops.count("bn_relu_conv2d_genstats") == bns - 1
     # The same step as the plain network: output and running statistics.
     torch.testing.assert_close(y, plain(x), rtol=1e-4, atol=1e-5)
     for (name, b), pb in zip(model.named_buffers(), plain.buffers()):
@@ -219,10 +206,10 @@ def test_hooked_unit_sees_a_tensor_and_computes_its_own_statistics():
     model = models.preact_resnet(20, num_classes=3)
     seen = []
     model.units()[3].register_forward_hook(lambda m, i, o: seen.append(type(o)))
-    with _StatsPasses() as count:
+    with OpCounter() as ops:
         model(torch.randn(2, 3, 5, 5))
     assert seen == [torch.Tensor]
-    assert count.passes == 2  # the first unit, and the unit after the hooked one
+    assert ops.count("batch_stats") == 2  # the first unit, and the unit after the hooked one
 
 
 def test_pre_hook_that_changes_the_input_gets_its_statistics_recomputed():
@@ -249,11 +236,11 @@ def test_global_pre_hook_turns_the_hand_over_off():
     model = models.preact_resnet(20, num_classes=3)
     handle = nn.modules.module.register_module_forward_pre_hook(lambda m, args: None)
     try:
-        with _StatsPasses() as count:
+        with OpCounter() as ops:
             model(torch.randn(2, 3, 5, 5))
     finally:
         handle.remove()
-    assert count.passes == len(model.units())
+    assert ops.count("batch_stats") == len(model.units())
 
 
 def test_state_dict_round_trip():

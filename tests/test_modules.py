@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedres
+from helpers import OpCounter
 
 BLOCKS = [
     ("basic_identity", lambda fused: fusedres.PreActBasicBlock(8, 8, fused=fused)),
@@ -82,25 +82,9 @@ def test_block_keys_are_he_et_al():
         fusedres.PreActBottleneck(8, 4, stride_on="conv3")
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts the calls of each ``fusedres`` op (with its first argument's shape)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[str, tuple[int, ...]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "fusedres":
-            self.calls.append((func._opname, tuple(args[0].shape)))
-        return func(*args, **(kwargs or {}))
-
-    def count(self, name: str) -> int:
-        return sum(n == name for n, _ in self.calls)
-
-
 def test_shared_preactivation_costs_one_stats_pass_and_one_update(backend):
     block = fusedres.PreActBottleneck(8, 4, stride=2)
-    with _OpCounter() as ops:
+    with OpCounter() as ops:
         block(torch.randn(2, 8, 8, 8))
     # bn1 feeds conv1 and the shortcut: one pass. bn2 and bn3 take the statistics of their
     # inputs from the convolutions that make them (genstats), with no pass of their own.
@@ -113,7 +97,7 @@ def test_shared_preactivation_costs_one_stats_pass_and_one_update(backend):
 
 def test_eval_mode_computes_no_statistics(backend):
     block = fusedres.PreActBasicBlock(8, 16, stride=2).eval()
-    with _OpCounter() as ops:
+    with OpCounter() as ops:
         block(torch.randn(2, 8, 8, 8))
     assert ops.count("batch_stats") == ops.count("bn_relu_conv2d_genstats") == 0
     assert ops.count("bn_relu_conv2d") == 3
@@ -125,7 +109,7 @@ def test_synchronised_batch_norm_gets_no_local_statistics(backend):
     from fusedres import distributed as fdist
 
     block = fdist.convert_sync_batchnorm(fusedres.PreActBasicBlock(8, 8))
-    with _OpCounter() as ops:
+    with OpCounter() as ops:
         block(torch.randn(2, 8, 8, 8))
     assert ops.count("bn_relu_conv2d_genstats") == 0
     assert ops.count("bn_relu_conv2d") == 2
