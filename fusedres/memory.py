@@ -5,13 +5,17 @@ A count, not a timing: exact and the same on every machine, so tests can assert 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["SavedTensor", "SavedTensorCounter", "plan", "saved_bytes", "saved_tensors"]
+__all__ = ["LiveTensorTracker", "SavedTensor", "SavedTensorCounter", "plan", "saved_bytes",
+           "saved_tensors"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,50 @@ class SavedTensorCounter:
     @property
     def total_bytes(self) -> int:
         return sum(s.storage_bytes for s in self._found.values())
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Context manager measuring the bytes of tensor storages created inside the block that are
+    alive at once, on any device (meta and fake tensors included).
+
+    Every storage an op run under it returns is counted from its creation until it is freed
+    (a finalizer on the storage), each storage once however many views share it. Storages that
+    existed before the block (parameters, the input) are not counted; neither are buffers a
+    kernel allocates and frees inside one op (they never reach the dispatcher).
+
+    :attr:`current_bytes` is what is alive now, :attr:`peak_bytes` the most that was alive at
+    any point since entering; :meth:`reset_peak` restarts the peak from the current figure.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._live: dict[int, int] = {}
+        self.current_bytes = 0
+        self.peak_bytes = 0
+
+    def _free(self, key: int) -> None:
+        self.current_bytes -= self._live.pop(key, 0)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.current_bytes
+
+    def track(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage from now until it is freed (once per storage)."""
+        st = t.untyped_storage()
+        key = _storage_key(t)
+        if key in self._live:
+            return
+        self._live[key] = st.nbytes()
+        self.current_bytes += st.nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        weakref.finalize(st, self._free, key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
 
 
 def saved_tensors(fn: Callable[..., Any], *args, **kwargs) -> list[SavedTensor]:

@@ -24,18 +24,15 @@ gradients and the gradient of the activation flowing back):
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import _backend
-from .memory import _storage_key, saved_bytes
+from .memory import LiveTensorTracker, _storage_key, saved_bytes
 
 __all__ = ["MemoryPlan", "PlanError", "UnitProfile", "measure_step", "plan", "profile_units"]
 
@@ -255,36 +252,6 @@ def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dty
     return UnitProfile(saved, inputs, flops, stem_head[0], stem_head[1], step_flops)
 
 
-class _LiveTensors(TorchDispatchMode):
-    """Tracks the bytes of live storages created by ops run under it (freed storages leave)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def track(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self.live:
-            return
-        self.live[key] = st.nbytes()
-        self.current += st.nbytes()
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(st, self._free, key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.track(t)
-        return out
-
-
 def measure_step(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
     """Run one training step (forward, ``sum`` loss, backward) of ``model`` on ``x`` and
     measure memory by storage, on any device (meta included):
@@ -305,12 +272,12 @@ def measure_step(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
         saved = saved_bytes(model, x)
     for p in model.parameters():
         p.grad = None
-    live = _LiveTensors()
+    live = LiveTensorTracker()
     with live:
         model(x).float().sum().backward()
     grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters()
                 if p.grad is not None)
-    return {"saved": saved, "peak": live.peak, "grads": grads}
+    return {"saved": saved, "peak": live.peak_bytes, "grads": grads}
 
 
 # --------------------------------------------------------------------------- choice

@@ -54,3 +54,19 @@ def test_counts_on_meta_equal_real():
     meta = saved_bytes(block.to("meta"), torch.randn(2, 16, 8, 8, device="meta",
                                                       requires_grad=True))
     assert meta == real
+
+
+def test_live_tensor_tracker_counts_storages_while_alive():
+    with fusedres.memory.LiveTensorTracker() as live:
+        a = torch.empty(1000)                      # 4000 bytes
+        b = torch.empty(500, dtype=torch.float64)  # 4000 bytes
+        view = a[10:20].view(2, 5)                 # same storage as a: not counted again
+        del a
+        assert live.current_bytes == 8000          # the view keeps a's storage alive
+        del view
+        c = torch.empty(100)
+        assert live.peak_bytes == 8000 and live.current_bytes == 4400
+        live.reset_peak()
+        d = c * 2
+        assert live.peak_bytes == 4800
+    del b, c, d
