@@ -77,8 +77,16 @@ class LiveTensorTracker(TorchDispatchMode):
 
     Every storage an op run under it returns is counted from its creation until it is freed
     (a finalizer on the storage), each storage once however many views share it. Storages that
-    existed before the block (parameters, the input) are not counted; neither are buffers a
-    kernel allocates and frees inside one op (they never reach the dispatcher).
+    existed before the block (parameters, the input) are not counted unless handed to
+    :meth:`count`; buffers a kernel allocates and frees inside one op are never counted (they
+    do not reach the dispatcher).
+
+    The whole-step peak of a training step, on any device::
+
+        with LiveTensorTracker() as live:
+            live.count(model, optimizer, x)       # parameters, buffers, grads, optimizer state
+            loss_fn(model(x), y).backward(); optimizer.step()
+        live.peak_bytes
 
     :attr:`current_bytes` is what is alive now, :attr:`peak_bytes` the most that was alive at
     any point since entering; :meth:`reset_peak` restarts the peak from the current figure.
@@ -106,6 +114,24 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current_bytes += st.nbytes()
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         weakref.finalize(st, self._free, key)
+
+    def count(self, *objs: torch.Tensor | nn.Module | torch.optim.Optimizer) -> None:
+        """Count storages that already exist: tensors, a module's parameters, buffers and
+        gradients, an optimizer's state tensors (each storage once, until freed)."""
+        for obj in objs:
+            if isinstance(obj, torch.Tensor):
+                tensors = [obj]
+            elif isinstance(obj, nn.Module):
+                tensors = [*obj.parameters(), *obj.buffers()]
+                tensors += [p.grad for p in obj.parameters() if p.grad is not None]
+            elif isinstance(obj, torch.optim.Optimizer):
+                tensors = [v for state in obj.state.values() for v in tree_flatten(state)[0]
+                           if isinstance(v, torch.Tensor)]
+            else:
+                raise TypeError(f"count(*objs): expected tensors, modules or optimizers, got "
+                                f"{type(obj).__name__}")
+            for t in tensors:
+                self.track(t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

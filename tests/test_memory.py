@@ -70,3 +70,19 @@ def test_live_tensor_tracker_counts_storages_while_alive():
         d = c * 2
         assert live.peak_bytes == 4800
     del b, c, d
+
+
+def test_live_tensor_tracker_counts_a_whole_sgd_step():
+    net = nn.Linear(100, 10)                       # 4040 bytes of parameters
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, 100)                        # 3200 bytes
+    with fusedres.memory.LiveTensorTracker() as live:
+        live.count(net, opt, x)
+        assert live.current_bytes == 4040 + 3200
+        net(x).sum().backward()
+        opt.step()
+    # parameters, their gradients and momentum buffers (4040 each) and x are alive at the end
+    assert live.current_bytes == 3 * 4040 + 3200
+    assert live.peak_bytes >= live.current_bytes
+    with pytest.raises(TypeError, match="count"):
+        fusedres.memory.LiveTensorTracker().count("x")
