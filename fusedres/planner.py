@@ -1,5 +1,13 @@
 """Memory planning: choose which residual units to checkpoint so one training step fits a budget.
 
+``budget_bytes`` bounds the peak of the whole training step on the device: parameters and
+buffers, gradients, optimizer state, the batch, saved activations and the largest transient
+(the segment recomputed during backward, the gradients in flight, the optimizer step's
+temporaries, the evaluation forward at its batch size), plus the cpu backend's kernel
+workspace and whatever the caller keeps resident (:mod:`fusedres.accounting` itemises and
+simulates it). ``activation_budget`` keeps the older, narrower meaning: saved activations only,
+as described below.
+
 The planner measures, for the given input shape and dtype, what every residual unit saves for
 backward (a count of storages, :mod:`fusedres.memory`'s rule) and its forward FLOPs, on the
 meta device by default (no real memory is touched, so ResNet-1001 at batch 128 plans on a
@@ -7,7 +15,7 @@ laptop). It then picks contiguous segments of units to checkpoint with
 :mod:`fusedres.checkpoint` (BatchNorm-safe), minimising the recomputed FLOPs, and applies the
 choice with ``model.set_grad_checkpointing(ranges)``.
 
-What the budget bounds (all figures are bytes of saved activations, excluding parameters,
+The activation model the search uses (bytes of saved activations, excluding parameters,
 gradients and the gradient of the activation flowing back):
 
 * ``saved_bytes``: what is saved when the forward pass ends: every storage the stem, the head
@@ -32,15 +40,21 @@ import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import _backend
-from .memory import LiveTensorTracker, _storage_key, saved_bytes
+from .accounting import (
+    LiveTensorTracker,
+    StepMemory,
+    _storage_key,
+    format_bytes,
+    saved_bytes,
+    simulate_step,
+)
 
 __all__ = ["MemoryPlan", "PlanError", "UnitProfile", "measure_step", "plan", "profile_units"]
 
 GiB = 2 ** 30
 
 
-def _size(n: float) -> str:
-    return f"{n / GiB:.3f} GiB" if n >= 0.1 * GiB else f"{n / 2 ** 20:.2f} MiB"
+_size = format_bytes
 
 
 class PlanError(ValueError):
@@ -75,17 +89,35 @@ class UnitProfile:
 
 @dataclass
 class MemoryPlan:
-    """What :func:`plan` chose, and what it predicts. Bytes are saved-activation bytes."""
+    """What :func:`plan` chose, and what it predicts.
 
-    budget_bytes: int
+    ``budget_bytes``: the whole-step budget (None when only ``activation_budget_bytes`` was
+    given). ``step``: the simulated whole step with the chosen checkpointing, itemised
+    (:class:`fusedres.accounting.StepMemory`); ``peak_bytes`` is its peak, the figure the
+    budget bounds. ``cuda_step``: the same step counted as the CUDA caching allocator would
+    (what ``torch.cuda.max_memory_allocated`` reports), when asked for. ``saved_bytes`` /
+    ``activation_peak_bytes`` / ``unplanned_bytes``: saved activations after the forward, at
+    their peak during backward, and without checkpointing (the activation model).
+    """
+
+    budget_bytes: int | None
     segments: list[tuple[int, int]]
     n_units: int
     saved_bytes: int
-    peak_bytes: int
+    activation_peak_bytes: int
     unplanned_bytes: int
     recompute_flops: int
     step_flops: int
     profile: UnitProfile = field(repr=False)
+    step: StepMemory | None = None
+    cuda_step: StepMemory | None = None
+    activation_budget_bytes: int | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """Predicted peak of the whole training step (the activation peak when the step was
+        not simulated)."""
+        return self.step.peak_bytes if self.step is not None else self.activation_peak_bytes
 
     @property
     def n_checkpointed(self) -> int:
@@ -97,16 +129,31 @@ class MemoryPlan:
 
     def __str__(self) -> str:
         longest = max((b - a for a, b in self.segments), default=0)
-        return "\n".join([
-            f"memory plan for a budget of {_size(self.budget_bytes)}:",
+        if self.budget_bytes is not None:
+            head = f"memory plan for a budget of {_size(self.budget_bytes)} (whole step):"
+        else:
+            head = (f"memory plan for an activation budget of "
+                    f"{_size(self.activation_budget_bytes)} (saved activations only):")
+        lines = [
+            head,
             f"  checkpointed {self.n_checkpointed} of {self.n_units} units in "
             f"{len(self.segments)} segments (longest {longest} units)",
-            f"  saved after forward {_size(self.saved_bytes)}, peak during backward "
-            f"{_size(self.peak_bytes)} (without checkpointing {_size(self.unplanned_bytes)})",
+            f"  saved activations after forward {_size(self.saved_bytes)}, at most "
+            f"{_size(self.activation_peak_bytes)} during backward (without checkpointing "
+            f"{_size(self.unplanned_bytes)})",
             f"  recompute {self.recompute_flops / 1e9:.2f} GFLOP = "
             f"{100 * self.recompute_fraction:.1f}% of the step's {self.step_flops / 1e9:.2f} "
             f"GFLOP",
-        ])
+        ]
+        if self.step is not None:
+            lines += ["  predicted " + line.strip() if i == 0 else "  " + line
+                      for i, line in enumerate(self.step.lines())]
+        if self.cuda_step is not None:
+            c = self.cuda_step
+            lines.append(f"  predicted on a GPU (torch.cuda.max_memory_allocated; 512-byte "
+                         f"blocks, no cuDNN/cuBLAS workspace): {_size(c.peak_bytes)} during the "
+                         f"{c.phase}")
+        return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- measurement
@@ -351,51 +398,154 @@ def _choose(p: UnitProfile, budget: int):
     return best, min_peak
 
 
-def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int,
+
+def _min_peak_segments(p: UnitProfile):
+    """The segments of the smallest activation peak the search can reach."""
+    n = len(p.saved)
+    order = sorted(range(n), key=lambda i: (-p.saved[i] / max(p.flops[i], 1), i))
+    lo_s, hi_s = max(min(p.saved), 1), max(sum(p.saved), 1)
+    steps = 48
+    best = None
+    for limit in sorted({int(lo_s * (hi_s / lo_s) ** (k / steps)) for k in range(steps + 1)}):
+        chosen = [False] * n
+        for i in order:
+            chosen[i] = True
+        segs, saved, peak = _evaluate(p, chosen, limit)
+        if best is None or peak < best[2]:
+            best = (segs, saved, peak, sum(p.flops))
+    return best
+
+
+def _activation_choice(prof: UnitProfile, budget: int):
+    """(segments, saved, activation peak, recompute flops) for an activation budget, or None."""
+    if prof.total_saved <= budget:
+        return [], prof.total_saved, prof.total_saved, 0
+    best, _ = _choose(prof, int(budget))
+    if best is None:
+        return None
+    _, segs, saved, peak, cost = best
+    return list(segs), saved, peak, cost
+
+
+def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None = None,
          dtype: torch.dtype = torch.float32, *, autocast: bool = False,
+         activation_budget: int | None = None, optimizer: torch.optim.Optimizer | None = None,
+         eval_batch_size: int | None = None, resident_bytes: int = 0,
+         channels_last: bool = False, predict_cuda: bool = True,
          device: str | torch.device = "meta", apply: bool = True,
          verbose: bool = False) -> MemoryPlan:
-    """Choose where to checkpoint ``model`` so the saved activations of one training step on
-    an input of ``input_shape`` (N, C, H, W) in ``dtype`` stay within ``budget_bytes``.
+    """Choose where to checkpoint ``model`` so that one whole training step on an input of
+    ``input_shape`` (N, C, H, W) peaks at no more than ``budget_bytes``.
+
+    The peak bounded is the device's: parameters and buffers, gradients, the state of
+    ``optimizer`` (any ``torch.optim`` optimizer, simulated by class and hyperparameters; None:
+    SGD with momentum, as the trainer), the batch, saved activations and the largest transient
+    (the recomputed segment, gradients in flight, the optimizer step, the evaluation forward at
+    ``eval_batch_size`` when given), the cpu backend's kernel workspace, and
+    ``resident_bytes`` the caller keeps on the device (e.g. a dataset). The step is simulated on
+    fake tensors (:func:`fusedres.accounting.simulate_step`), so the prediction is the peak
+    :class:`fusedres.memory.LiveTensorTracker` measures on the real step.
+
+    ``activation_budget``: instead of (or with) ``budget_bytes``, bound only the saved
+    activations alive at once, the planner's older meaning.
 
     ``dtype`` is the dtype of the activations: the count casts the parameters and the input to
     it (pure half-precision training). For training under ``torch.autocast`` pass the autocast
-    dtype and ``autocast=True``: autocast's half copies of the weights, saved for backward,
-    are then counted too (tests/test_planner.py checks the count against a real autocast step).
+    dtype and ``autocast=True``. ``predict_cuda``: also simulate the step as the CUDA caching
+    allocator counts it (``plan.cuda_step``).
 
     The model must expose ``units()`` and ``set_grad_checkpointing(ranges)``, as
-    :mod:`fusedres.models` do. Per-unit saved bytes and FLOPs are measured on ``device``
-    (default meta: nothing is allocated). The choice minimises recomputed FLOPs subject to
-    ``peak_bytes <= budget_bytes`` (see this module's docstring) and is applied to the model
-    unless ``apply=False``. Returns a :class:`MemoryPlan` (``print`` it for a summary).
+    :mod:`fusedres.models` do. The choice minimises recomputed FLOPs and is applied to the model
+    unless ``apply=False``. Returns a :class:`MemoryPlan` (``print`` it for the itemised plan).
 
-    Raises :class:`PlanError` (a ``ValueError``) naming the smallest budget the planner can
-    meet when even checkpointing every unit does not fit.
+    Raises :class:`PlanError` (a ``ValueError``) naming the smallest budget the planner can meet
+    (``min_budget_bytes``) when even checkpointing every unit does not fit.
     """
-    if not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0 or math.isnan(
-            budget_bytes):
-        raise ValueError(f"budget_bytes: expected a positive number of bytes, got "
-                         f"{budget_bytes!r}")
+    for name, value in (("budget_bytes", budget_bytes), ("activation_budget", activation_budget)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or math.isnan(value) or value <= 0):
+            raise ValueError(f"{name}: expected a positive number of bytes, got {value!r}")
+    if budget_bytes is None and activation_budget is None:
+        raise ValueError("budget_bytes: give budget_bytes (whole step) or activation_budget "
+                         "(saved activations only)")
     if len(tuple(input_shape)) != 4:
         raise ValueError(f"input_shape: expected (N, C, H, W), got {tuple(input_shape)}")
+    if eval_batch_size is not None and (not isinstance(eval_batch_size, int)
+                                        or eval_batch_size <= 0):
+        raise ValueError(f"eval_batch_size: expected a positive int, got {eval_batch_size!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got "
+                        f"{type(optimizer).__name__}")
     prof = profile_units(model, input_shape, dtype, device, autocast=autocast)
     unplanned = prof.total_saved
-    if unplanned <= budget_bytes:
-        chosen = ([], unplanned, unplanned, 0)
-    else:
-        best, min_peak = _choose(prof, int(budget_bytes))
-        if best is None:
+    ranges = list(getattr(model, "checkpoint_ranges", []))
+    sim_kwargs = dict(amp_dtype=dtype if autocast else None,
+                      param_dtype=None if autocast or dtype == torch.float32 else dtype,
+                      optimizer=optimizer, eval_batch_size=eval_batch_size,
+                      channels_last=channels_last, resident_bytes=resident_bytes)
+
+    def simulate(segs, cuda=False) -> StepMemory:
+        model.set_grad_checkpointing(list(segs))
+        try:
+            return simulate_step(model, input_shape, cuda_rules=cuda, **sim_kwargs)
+        finally:
+            model.set_grad_checkpointing(ranges)
+
+    what = f"input {tuple(input_shape)} in {dtype}" + (" autocast" if autocast else "")
+    act_cap = activation_budget if activation_budget is not None else float("inf")
+    choice = step = None
+    if activation_budget is not None:
+        choice = _activation_choice(prof, int(activation_budget))
+        if choice is None:
+            smallest = _min_peak_segments(prof)[2]
             raise PlanError(
-                f"budget_bytes: {budget_bytes} bytes ({_size(budget_bytes)}) cannot be met for "
-                f"input {tuple(input_shape)} in {dtype} even with every unit checkpointed; the "
-                f"smallest budget that works is {min_peak} bytes ({_size(min_peak)}); without "
-                f"checkpointing the step saves {unplanned} bytes ({_size(unplanned)})",
-                min_peak)
-        _, segs, saved, peak, cost = best
-        chosen = (segs, saved, peak, cost)
-    segs, saved, peak, cost = chosen
-    result = MemoryPlan(int(budget_bytes), list(segs), len(prof.saved), saved, peak, unplanned,
-                        cost, prof.step_flops, prof)
+                f"activation_budget: {activation_budget} bytes ({_size(activation_budget)}) "
+                f"cannot be met for {what} even with every unit checkpointed; the smallest "
+                f"activation budget that works is {smallest} bytes ({_size(smallest)})",
+                smallest)
+    if budget_bytes is not None:
+        budget = int(budget_bytes)
+        first = choice if choice is not None else ([], unplanned, unplanned, 0)
+        step = simulate(first[0])
+        if step.peak_bytes > budget:
+            # Saved activations get what the rest of the step leaves; the simulation checks
+            # each choice and the shortfall tightens the next one.
+            target = min(act_cap, first[2] - (step.peak_bytes - budget))
+            choice = None
+            for _ in range(8):
+                if target <= 0:
+                    break
+                c = _activation_choice(prof, target)
+                if c is None:
+                    break
+                s = simulate(c[0])
+                if s.peak_bytes <= budget:
+                    choice, step = c, s
+                    break
+                target = min(target - (s.peak_bytes - budget) - (budget >> 10), c[2] - 1)
+            if choice is None:
+                c = _min_peak_segments(prof)
+                s = simulate(c[0])
+                if s.peak_bytes > budget or c[2] > act_cap:
+                    raise PlanError(
+                        f"budget_bytes: {budget} bytes ({_size(budget)}) cannot be met for "
+                        f"{what}; the smallest budget that works is {s.peak_bytes} bytes "
+                        f"({_size(s.peak_bytes)}), with every unit checkpointed; without "
+                        f"checkpointing the step peaks at {_size(step.peak_bytes)} "
+                        f"(the {s.phase} is the peak: " + "; ".join(
+                            " ".join(line.split()) for line in s.lines()[1:]) + ")",
+                        s.peak_bytes)
+                choice, step = c, s
+        else:
+            choice = first
+    segs, saved, peak, cost = choice
+    if step is None:
+        step = simulate(segs)
+    cuda_step = simulate(segs, cuda=True) if predict_cuda else None
+    result = MemoryPlan(None if budget_bytes is None else int(budget_bytes), list(segs),
+                        len(prof.saved), saved, peak, unplanned, cost, prof.step_flops, prof,
+                        step, cuda_step,
+                        None if activation_budget is None else int(activation_budget))
     if apply:
         model.set_grad_checkpointing(result.segments)
     if verbose:

@@ -121,9 +121,10 @@ def test_plan_fits_when_measured(fused, frac):
     model = models.preact_resnet(56, fused=fused)
     unplanned = measure_step(copy.deepcopy(model).to("meta"), x)
     budget = int(frac * unplanned["saved"])
-    p = plan(model, shape, budget)
+    p = plan(model, shape, activation_budget=budget)
     assert p.segments == model.checkpoint_ranges and p.n_checkpointed > 0
-    assert p.saved_bytes <= p.peak_bytes <= budget < p.unplanned_bytes == unplanned["saved"]
+    assert p.saved_bytes <= p.activation_peak_bytes <= budget < p.unplanned_bytes
+    assert p.unplanned_bytes == unplanned["saved"]
     measured = measure_step(model.to("meta"), x)
     assert measured["saved"] == p.saved_bytes
     # The step's whole live set: the saved activations (within budget) plus the parameter
@@ -137,7 +138,8 @@ def test_plan_real_run_matches_prediction_and_step():
     shape = (3, 3, 13, 13)
     model = models.preact_resnet(20, num_classes=4).double()
     ref = copy.deepcopy(model)
-    p = plan(model, shape, profile_units(model, shape, torch.float64).total_saved // 2,
+    p = plan(model, shape, activation_budget=profile_units(model, shape,
+                                                           torch.float64).total_saved // 2,
              dtype=torch.float64, device="cpu")
     x = torch.randn(shape, dtype=torch.float64)
     measured = measure_step(model, x)
@@ -155,7 +157,7 @@ def test_plan_without_need_and_apply_false():
     model.set_grad_checkpointing(2)
     p = plan(model, (2, 3, 8, 8), 10 * GiB)
     assert p.segments == [] and p.recompute_flops == 0 and model.checkpoint_ranges == []
-    p = plan(model, (2, 3, 8, 8), p.unplanned_bytes // 2, apply=False)
+    p = plan(model, (2, 3, 8, 8), activation_budget=p.unplanned_bytes // 2, apply=False)
     assert p.segments and model.checkpoint_ranges == []
     assert "checkpointed" in str(p) and "GFLOP" in str(p)
 
@@ -177,6 +179,14 @@ def test_plan_bad_arguments():
         plan(nn.Conv2d(3, 3, 1), (1, 3, 4, 4), GiB)
     with pytest.raises(ValueError, match="budget_bytes"):
         plan(models.preact_resnet20(), (1, 3, 4, 4), -5)
+    with pytest.raises(ValueError, match="activation_budget"):
+        plan(models.preact_resnet20(), (1, 3, 4, 4), activation_budget=float("nan"))
+    with pytest.raises(ValueError, match="budget_bytes"):
+        plan(models.preact_resnet20(), (1, 3, 4, 4))
+    with pytest.raises(ValueError, match="eval_batch_size"):
+        plan(models.preact_resnet20(), (1, 3, 4, 4), GiB, eval_batch_size=0)
+    with pytest.raises(TypeError, match="optimizer"):
+        plan(models.preact_resnet20(), (1, 3, 4, 4), GiB, optimizer="sgd")
     with pytest.raises(ValueError, match="input_shape"):
         plan(models.preact_resnet20(), (3, 4, 4), GiB)
 
@@ -193,11 +203,11 @@ def test_resnet1001_goals():
     x = torch.empty(128, 3, 32, 32, device="meta")
     plain = saved_bytes(models.preact_resnet1001(fused=False).to("meta"), x)
     fused_model = models.preact_resnet1001()
-    p = plan(fused_model, (128, 3, 32, 32), 4 * GiB)
+    p = plan(fused_model, (128, 3, 32, 32), activation_budget=4 * GiB, predict_cuda=False)
     fused = p.unplanned_bytes  # the fused model's count, without checkpointing
     assert 18 * GiB < plain < 18.6 * GiB
     assert fused <= 0.52 * plain
-    assert p.peak_bytes <= 4 * GiB and p.recompute_fraction < 0.25
+    assert p.activation_peak_bytes <= 4 * GiB and p.recompute_fraction < 0.25
     assert saved_bytes(fused_model.to("meta"), x) == p.saved_bytes
 
 
