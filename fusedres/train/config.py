@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "threads": None,
     "device": "auto",
     "memory_budget": None,
+    "activation_budget": None,
     "amp": "none",
     "channels_last": False,
     "compile": False,
@@ -149,7 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("memory and speed")
     g.add_argument("--device", choices=CHOICES["device"], help="auto: cuda when available")
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    g.add_argument("--memory-budget", help="activation budget for the planner, e.g. 4GiB")
+    g.add_argument("--memory-budget",
+                   help="peak device memory of a whole training step, e.g. 4GiB: parameters, "
+                        "gradients, optimizer state, activations, the recomputation and other "
+                        "transients, the evaluation forward and the dataset on the device; the "
+                        "planner checkpoints to fit it. auto: the free GPU memory (CPU: the "
+                        "available memory) minus a margin of 5%% of the total + 256 MiB")
+    g.add_argument("--activation-budget",
+                   help="bound only the saved activations alive at once, e.g. 4GiB (the "
+                        "planner's older, narrower budget)")
     g.add_argument("--amp", choices=CHOICES["amp"], help="autocast dtype (none)")
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction)
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile")
@@ -178,16 +187,19 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "tib": 2**40}
 
 
-def parse_bytes(text) -> int:
+def parse_bytes(text, flag: str = "--memory-budget") -> int:
     """'4GiB' -> 4294967296; '500MB' -> 500000000; a bare number is bytes."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text <= 0:
+            raise UsageError(f"{flag}: expected a positive size, got {text!r}")
         return int(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise UsageError(f"--memory-budget: expected a size such as 4GiB or 500MB, got {text!r}")
+        raise UsageError(f"{flag}: expected a size such as 4GiB or 500MB"
+                         + (" or auto" if flag == "--memory-budget" else "") + f", got {text!r}")
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
-        raise UsageError(f"--memory-budget: expected a positive size, got {text!r}")
+        raise UsageError(f"{flag}: expected a positive size, got {text!r}")
     return value
 
 
@@ -251,8 +263,10 @@ def _check_values(cfg: dict[str, Any]) -> None:
     if not isinstance(ms, list) or not all(
             isinstance(m, (int, float)) and not isinstance(m, bool) and m > 0 for m in ms):
         raise UsageError(f"--milestones: expected positive iterations (or fractions), got {ms!r}")
-    if cfg["memory_budget"] is not None:
+    if cfg["memory_budget"] is not None and cfg["memory_budget"] != "auto":
         parse_bytes(cfg["memory_budget"])
+    if cfg["activation_budget"] is not None:
+        parse_bytes(cfg["activation_budget"], "--activation-budget")
 
 
 def resolve(argv: list[str] | None) -> tuple[dict[str, Any], set[str]]:

@@ -21,7 +21,7 @@ import yaml
 
 import fusedres
 from fusedres import _backend
-from fusedres.memory import SavedTensorCounter
+from fusedres.memory import LiveTensorTracker, PlanError, SavedTensorCounter
 
 from . import checkpoint as ckpt
 from . import data as data_mod
@@ -114,6 +114,33 @@ def lr_at(cfg, iteration: int, steps: list[int]) -> float:
     return lr * cfg["lr_decay"] ** sum(iteration >= m for m in steps)
 
 
+AUTO_MARGIN_FRACTION, AUTO_MARGIN_BYTES = 0.05, 256 * 2 ** 20
+
+
+def auto_budget(device: torch.device) -> int:
+    """``--memory-budget auto``: the free GPU memory (on CPU, MemAvailable) minus a margin of
+    5% of the device's total + 256 MiB (what the plan does not model: the CUDA context, cuDNN
+    and cuBLAS workspaces, allocator fragmentation)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    else:
+        info = {}
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    key, value = line.split(":", 1)
+                    info[key] = int(value.split()[0]) * 1024
+        except (OSError, ValueError):
+            raise UsageError("--memory-budget auto: cannot read the available memory "
+                             "(/proc/meminfo); give a size such as 4GiB") from None
+        free, total = info.get("MemAvailable", 0), info.get("MemTotal", 0)
+    budget = int(free - AUTO_MARGIN_FRACTION * total - AUTO_MARGIN_BYTES)
+    if budget <= 0:
+        raise UsageError(f"--memory-budget auto: only {free / 2 ** 30:.2f} GiB free on "
+                         f"{device.type}, less than the margin")
+    return budget
+
+
 # --------------------------------------------------------------------------- the run
 
 class Run:
@@ -200,8 +227,10 @@ class Run:
         if cfg["channels_last"]:
             model = model.to(memory_format=torch.channels_last)
         self.plan_summary = None
-        if cfg["memory_budget"] is not None:
-            self.plan_summary = self._plan(model, parse_bytes(cfg["memory_budget"]))
+        self.memory_budget = None
+        self.live: LiveTensorTracker | None = None
+        if cfg["memory_budget"] is not None or cfg["activation_budget"] is not None:
+            self.plan_summary = self._plan(model)
         if state is not None:
             try:
                 model.load_state_dict(state["model"])
@@ -292,14 +321,42 @@ class Run:
         for line in lines:
             print(f"fusedres train: {line}", file=sys.stderr)
 
-    def _plan(self, model, budget: int):
+    def _data_bytes(self) -> int:
+        """Bytes of the dataset this process keeps on the device (one count per storage)."""
+        d = self.data
+        tensors = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                   for t in (d.train_x, d.train_y, d.test_x, d.test_y, d.mean, d.std)}
+        return sum(tensors.values())
+
+    def _plan(self, model):
+        cfg = self.cfg
+        budget, flag = None, "--activation-budget"
+        if cfg["memory_budget"] is not None:
+            flag = "--memory-budget"
+            budget = (auto_budget(self.device) if cfg["memory_budget"] == "auto"
+                      else parse_bytes(cfg["memory_budget"]))
+        activation = (None if cfg["activation_budget"] is None
+                      else parse_bytes(cfg["activation_budget"], "--activation-budget"))
+        self.memory_budget = budget
         shape = (self.batches.local, *self.data.image_shape)
+        # The trainer's optimizer, as the planner simulates it (class and hyperparameters).
+        spec = torch.optim.SGD(_param_groups(model, cfg), lr=cfg["lr"],
+                               momentum=cfg["momentum"], nesterov=cfg["nesterov"])
+        n_eval = min(cfg["eval_batch_size"], math.ceil(len(self.data.test_y) / self.world))
         try:
             # Under --amp the weights' half copies that autocast saves count too.
-            return fusedres.memory.plan(model, shape, budget, dtype=self.amp_dtype_for_plan(),
-                                        autocast=_AMP[self.cfg["amp"]] is not None)
+            return fusedres.memory.plan(
+                model, shape, budget, dtype=self.amp_dtype_for_plan(),
+                autocast=_AMP[cfg["amp"]] is not None, activation_budget=activation,
+                optimizer=spec, eval_batch_size=n_eval, resident_bytes=self._data_bytes(),
+                channels_last=cfg["channels_last"])
+        except PlanError as e:
+            hint = ("; or lower --eval-batch-size" if "eval forward is the peak" in str(e)
+                    else "")
+            raise UsageError(f"{flag} {cfg[flag[2:].replace('-', '_')]}: {_first_line(e)}"
+                             f"{hint}") from None
         except (ValueError, RuntimeError, MemoryError) as e:
-            raise UsageError(f"--memory-budget {self.cfg['memory_budget']}: "
+            raise UsageError(f"{flag} {cfg[flag[2:].replace('-', '_')]}: "
                              f"{_first_line(e)}") from None
 
     def _saved_bytes_on_meta(self, model: nn.Module) -> int | None:
@@ -410,10 +467,24 @@ class Run:
         return flag != 0
 
     # ------------------------------------------------------------------ loop
+    def _memory_tracker(self) -> contextlib.AbstractContextManager:
+        """On CPU, with a plan to check, the live-tensor tracker over the run (the figure the
+        plan predicts); on a GPU the CUDA allocator's own peak serves."""
+        if (self.plan_summary is None or self.device.type != "cpu" or self.world > 1
+                or self.cfg["compile"]):
+            return contextlib.nullcontext()
+        self.live = LiveTensorTracker()
+        return self.live
+
     def train(self) -> int:
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            code = self._loop()
+            with self._memory_tracker():
+                if self.live is not None:
+                    d = self.data
+                    self.live.count(self.model, self.optimizer, d.train_x, d.train_y, d.test_x,
+                                    d.test_y, d.mean, d.std)
+                code = self._loop()
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -428,13 +499,15 @@ class Run:
             group["lr"] = lr
         measure = self.saved_bytes is None and not self.cfg["compile"]
         counter = SavedTensorCounter(exclude=self.model) if measure else contextlib.nullcontext()
+        # The previous step's gradients go before the forward, not after: they would otherwise
+        # be alive beside every saved activation (fusedres.accounting simulates this order).
+        self.optimizer.zero_grad(set_to_none=True)
         with counter, self._autocast():
             out = self.train_model(x)
             loss = F.cross_entropy(out.float(), y)
         if measure:
             self.saved_bytes = self._all_sum([float(counter.total_bytes)])[0] / self.world
             self.saved_bytes = int(self.saved_bytes)
-        self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -545,6 +618,38 @@ class Run:
         return 0
 
     # ------------------------------------------------------------------ report
+    def _memory_report(self) -> dict[str, Any]:
+        """Predicted and measured peak side by side (stderr), a warning when the measured one
+        exceeds --memory-budget; the figures for summary.json."""
+        p = self.plan_summary
+        if p is None or p.step is None:
+            return {}
+        cuda = self.device.type == "cuda"
+        if cuda:
+            pred = (p.cuda_step or p.step).peak_bytes
+            measured, kind = torch.cuda.max_memory_allocated(self.device), "CUDA max allocated"
+            pred_text = f"{M.format_bytes(pred)}"
+        else:
+            pred = p.step.peak_bytes
+            measured = None if self.live is None else self.live.peak_bytes
+            kind = "live tensors (LiveTensorTracker)"
+            tensors = p.step.tensor_peak_bytes + p.step.resident
+            pred_text = (f"{M.format_bytes(pred)} = tensors {M.format_bytes(tensors)} + kernel "
+                         f"workspace {M.format_bytes(p.step.workspace)} (not seen by the tracker)")
+        lines = [f"memory: predicted peak {pred_text}; measured {M.format_bytes(measured)} "
+                 f"({kind})"]
+        budget = self.memory_budget
+        if budget is not None and measured is not None and measured > budget:
+            lines.append(f"warning: the measured peak {M.format_bytes(measured)} exceeds "
+                         f"--memory-budget {self.cfg['memory_budget']} "
+                         f"({M.format_bytes(budget)})")
+        for line in lines:
+            print(f"fusedres train: {line}", file=sys.stderr)
+        return {"memory_budget_bytes": budget, "predicted_peak_bytes": pred,
+                "predicted_cuda_peak_bytes": None if p.cuda_step is None
+                else p.cuda_step.peak_bytes,
+                "measured_peak_bytes": measured, "measured_peak_kind": kind}
+
     def _finish(self) -> None:
         self.save_checkpoint()
         if self.rank != 0:
@@ -565,6 +670,7 @@ class Run:
             "parameters": self.parameters,
             "memory_plan": None if self.plan_summary is None else str(self.plan_summary),
         }
+        extra.update(self._memory_report())
         s = M.summary(self.history, extra)
         if s.get("peak_memory_bytes") is None:
             s["peak_memory_bytes"] = M.peak_memory_bytes(self.device)
