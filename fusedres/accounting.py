@@ -16,17 +16,21 @@ checks them against each other). :class:`StepMemory` itemises that peak.
 What the tracker cannot see, and how it is treated:
 
 * buffers a kernel allocates and frees inside one op (the cpu backend's tile buffers in
-  ``csrc/cpu/bn_relu_conv2d.cpp``; oneDNN's, cuDNN's and cuBLAS's scratch space) do not reach the
-  dispatcher. For the cpu backend they are a predicted term, :func:`cpu_workspace_bytes` (an
-  upper bound from the kernel's tiling rule), added to the prediction and checked separately
-  against the CPU allocator's own record (tests/test_memory.py); the workspaces of oneDNN,
-  cuDNN and cuBLAS are not modelled.
+  ``csrc/cpu/bn_relu_conv2d.cpp``, oneDNN's scratch inside them; cuDNN's and cuBLAS's) do not
+  reach the dispatcher. For the cpu backend's fused ops they are a predicted term,
+  :func:`cpu_op_workspace_bytes` (an upper bound per call from the kernel's tiling rule; the
+  step's term is the largest call's, added to the tensor peak), checked separately against the
+  process's peak resident memory around single op calls, with glibc's mmap threshold fixed so
+  that freed buffers leave the resident set (tests/test_memory.py). Not modelled: the scratch
+  of plain PyTorch ops (oneDNN convolutions of the plain blocks), cuDNN and cuBLAS workspaces.
 * CUDA: ``torch.cuda.max_memory_allocated`` counts the caching allocator's blocks, each
-  allocation rounded up to a multiple of 512 bytes. :func:`simulate_step` with
-  ``cuda_rules=True`` counts that way (only tensors that would be on the GPU, each rounded),
-  and runs the optimizer as on a GPU (``foreach`` kernels, whose temporaries are alive
-  together). It runs on fake CPU tensors: torch's autograd engine needs a CUDA driver to run a
-  backward on fake CUDA tensors. Not modelled: cuDNN and cuBLAS workspaces, the CUDA context.
+  allocation rounded up to a multiple of 512 bytes (``CUDA_BLOCK_BYTES``; an empty tensor
+  allocates nothing). :func:`simulate_step` with ``cuda_rules=True`` counts that way and runs
+  the optimizer as on a GPU (``foreach`` kernels, whose temporaries are alive together). It
+  runs on meta tensors (fake CPU tensors under autocast): torch's autograd engine needs a CUDA
+  driver to run a backward on fake CUDA tensors. Not modelled: cuDNN and cuBLAS workspaces
+  (cuBLAS's is allocated through the caching allocator and counted by
+  ``max_memory_allocated``), the CUDA context (not counted there).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["CUDA_BLOCK_BYTES", "LiveTensorTracker", "SavedTensor", "SavedTensorCounter",
-           "StepMemory", "cpu_workspace_bytes", "format_bytes", "optimizer_spec", "saved_bytes",
+           "StepMemory", "cpu_op_workspace_bytes", "format_bytes", "optimizer_spec", "saved_bytes",
            "saved_tensors", "simulate_step"]
 
 GiB = 2 ** 30
@@ -269,7 +273,7 @@ class StepMemory:
     ``transient`` (everything else: a checkpointed segment being recomputed, the gradients in
     flight, an op's outputs). ``tensor_peak_bytes`` is their sum, the peak the
     :class:`LiveTensorTracker` measures on the real step. ``workspace``: kernel scratch the
-    tracker cannot see (predicted, :func:`cpu_workspace_bytes`); ``resident``: other tensors the
+    tracker cannot see (predicted, :func:`cpu_op_workspace_bytes`); ``resident``: other tensors the
     caller keeps on the device (the trainer's dataset). ``peak_bytes`` adds them all.
     ``saved_after_forward``: saved activations when the forward ends; ``train_peak_bytes`` /
     ``eval_peak_bytes``: the tensor peaks of the training step and of the evaluation forward.
@@ -347,58 +351,41 @@ def _tile_budget() -> int:
     return MiB if threads <= 1 else threads * 4 * MiB
 
 
-def cpu_workspace_bytes(model: nn.Module, input_shape: Sequence[int],
-                        dtype: torch.dtype = torch.float32) -> int:
-    """Upper bound of the tile buffers the cpu backend's kernels allocate inside one op
-    (``csrc/cpu/bn_relu_conv2d.cpp``): a backward holds at most four tile buffers (activation,
-    data gradient, and the two layout-change buffers), each at most one tile: the larger of
-    ``FUSEDRES_CPU_TILE_BYTES`` (default 4 MiB per thread, 1 MiB on one thread), four times
-    the layer's weight bytes, and one sample's activation + output. 0 for a model without
-    fused units. The tile size depends on the spatial size, so the per-sample term is bounded
-    by the input's spatial size times the widest fused convolution's channels."""
-    convs = [m for m in model.modules() if getattr(m, "fused", False) and hasattr(m, "conv")]
-    convs += [c for m in model.modules() if getattr(m, "fused", False)
-              for c in m.children() if isinstance(c, nn.Conv2d)]
-    if not convs:
-        return 0
-    size = dtype.itemsize
-    hw = int(input_shape[2]) * int(input_shape[3])
-    per_sample = max((c.in_channels + c.out_channels) * hw * size for c in convs)
-    weights = max(4 * c.weight.numel() * size for c in convs)
-    tile = max(_tile_budget(), weights, per_sample)
-    return 4 * tile
-
-
-def _cpu_op_workspace(func, args) -> int:
-    """Bytes of the tile buffers one call of a fused op allocates inside the cpu backend
-    (``csrc/cpu/bn_relu_conv2d.cpp``): the activation tile, the convolution's output tile, and
-    in backward the data-gradient, layout-change and weight-gradient buffers. 0 for other ops.
-    An upper bound of the kernel's rule: buffers it allocates only on some paths are counted on
-    every path."""
-    name = getattr(func, "__name__", "")
+def cpu_op_workspace_bytes(func, args) -> int:
+    """Bytes one call of a fused op allocates and frees inside the cpu backend
+    (``csrc/cpu/bn_relu_conv2d.cpp``), an upper bound: tiles of ``nb`` samples (the kernel's
+    ``tile_batch`` rule), a the activation tile and o the output tile. Forward: a, o and a
+    re-laid copy of the weight (plus oneDNN's own copy), and a second activation tile (a strided
+    1x1 convolution subsamples it). Backward: the activation, data-gradient
+    and layout-change buffers and what oneDNN's per-tile backward returns (4a + 4o), the weight
+    copy and two weight-gradient accumulators (3w), the per-thread sums. Checked against the
+    process's peak resident memory around single op calls (tests/test_memory.py). 0 for other
+    ops."""
     ns = getattr(getattr(func, "_schema", None), "name", "")
     if not ns.startswith("fusedres::bn_relu_conv2d"):
         return 0
-    x, weight = (args[1], args[2]) if "backward" in name or ns.endswith("_backward") else args[:2]
+    backward = ns.endswith("_backward")
+    x, weight = (args[1], args[2]) if backward else args[:2]
     n, c, h, w = x.shape
-    co = weight.shape[0]
+    co, _, kh, kw = weight.shape
+    stride = args[7] if backward else args[8]
+    padding = args[8] if backward else args[9]
+    # (dilation ignored: it only shrinks the output)
+    ho = (h + 2 * padding[0] - kh) // stride[0] + 1
+    wo = (w + 2 * padding[1] - kw) // stride[1] + 1
     size = weight.element_size()
-    kh, kw = weight.shape[2], weight.shape[3]
-    ho, wo = h - kh + 1 + 2 * (kh // 2), w - kw + 1 + 2 * (kw // 2)  # at most (same padding)
-    out_sample = co * max(ho, 1) * max(wo, 1)
+    per_sample = (c * h * w + co * ho * wo) * size
     budget = _tile_budget()
-    if budget <= 0:
-        nb = n
-    else:
+    nb = n
+    if budget > 0 and n > 0:
         budget = max(budget, 4 * weight.numel() * size)
-        nb = min(max(budget // max((c * h * w + out_sample) * size, 1), 1), n)
-        tiles = -(-n // nb)
-        nb = -(-n // tiles)
-    a_tile, o_tile = nb * c * h * w * size, nb * out_sample * size
-    if ns.endswith("_backward"):
-        acc = weight.numel() * 4
-        return 3 * a_tile + 2 * o_tile + 2 * acc + torch.get_num_threads() * 2 * c * 8
-    return a_tile + o_tile
+        nb = min(max(budget // max(per_sample, 1), 1), n)
+        nb = -(-n // -(-n // nb))  # balanced over the tiles, as the kernel does
+    a_tile, o_tile = nb * c * h * w * size, nb * co * ho * wo * size
+    w_bytes = weight.numel() * max(size, 4)
+    if backward:
+        return 4 * a_tile + 4 * o_tile + 3 * w_bytes + torch.get_num_threads() * 2 * c * 8
+    return 2 * a_tile + o_tile + 2 * w_bytes
 
 
 class _StepTracker(LiveTensorTracker):
@@ -412,7 +399,7 @@ class _StepTracker(LiveTensorTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._ws:
-            self.workspace_bytes = max(self.workspace_bytes, _cpu_op_workspace(func, args))
+            self.workspace_bytes = max(self.workspace_bytes, cpu_op_workspace_bytes(func, args))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

@@ -17,7 +17,7 @@ from .accounting import (
     SavedTensorCounter,
     StepMemory,
     _storage_key,  # noqa: F401  (used by older callers)
-    cpu_workspace_bytes,
+    cpu_op_workspace_bytes,
     saved_bytes,
     saved_tensors,
     simulate_step,
@@ -25,5 +25,5 @@ from .accounting import (
 from .planner import MemoryPlan, PlanError, plan
 
 __all__ = ["CUDA_BLOCK_BYTES", "LiveTensorTracker", "MemoryPlan", "PlanError", "SavedTensor",
-           "SavedTensorCounter", "StepMemory", "cpu_workspace_bytes", "plan", "saved_bytes",
+           "SavedTensorCounter", "StepMemory", "cpu_op_workspace_bytes", "plan", "saved_bytes",
            "saved_tensors", "simulate_step"]
