@@ -400,7 +400,25 @@ class _StepTracker(LiveTensorTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._ws:
             self.workspace_bytes = max(self.workspace_bytes, cpu_op_workspace_bytes(func, args))
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in _BN_WITH_STATS and args[0].dtype in (torch.float16, torch.bfloat16):
+            # The meta kernel gives a half input half-precision saved statistics; the CPU and
+            # CUDA kernels give float32 ones (torch 2.14): count them at float32's size.
+            for t in out[1:3]:
+                key = _storage_key(t)
+                if key in self._live and t.dtype != torch.float32:
+                    extra = t.untyped_storage().nbytes()
+                    if self._round > 1:
+                        extra = -(-2 * extra // self._round) * self._round - self._live[key]
+                    self._live[key] += extra
+                    self.current_bytes += extra
+                    self._bump()
+        return out
+
+
+_BN_WITH_STATS = (torch.ops.aten.native_batch_norm.default,
+                  torch.ops.aten._native_batch_norm_legit.default,
+                  torch.ops.aten._native_batch_norm_legit_no_training.default)
 
 
 def _fake_state(model: nn.Module, mode, param_dtype: torch.dtype | None):
@@ -431,8 +449,9 @@ def simulate_step(model: nn.Module, input_shape: Sequence[int], *,
     ``torch.autocast("cpu", amp_dtype)`` when ``amp_dtype`` is given, cross-entropy loss,
     backward, ``optimizer.step()``; then, when ``eval_batch_size`` is given, the evaluation
     forward (``no_grad``, eval mode) at that batch while the gradients are still alive. The
-    model's checkpointing (``set_grad_checkpointing``) and backend are used as they are. A first
-    step, not counted, creates the optimizer state; the second is measured.
+    model's checkpointing (``set_grad_checkpointing``) and backend are used as they are. The
+    optimizer state is created first (one update from zero gradients, not counted), so the
+    measured step is a steady-state one.
 
     ``input_shape``: (N, C, H, W); ``param_dtype``: cast floating parameters and the input (pure
     half-precision training; None keeps them). ``optimizer``: simulated by class and
@@ -512,7 +531,13 @@ def simulate_step(model: nn.Module, input_shape: Sequence[int], *,
         sim.train()
         with mode if mode is not None else contextlib.nullcontext():
             x, y = batch(shape[0])
-            step(x, y, tracked=False)
+            # The optimizer state exists from the second step on: create it with one update
+            # from zero gradients (cheaper than a whole first step), then measure a step.
+            with torch.no_grad():
+                for p in params:
+                    if p.requires_grad:
+                        p.grad = torch.zeros_like(p)
+                opt.step()
             with live:
                 for tag, objs in (("parameters", state.values()), ("optimizer state", [opt]),
                                   ("batch", (x, y))):

@@ -1,10 +1,18 @@
 """Saved-activation accounting: exact byte counts, so they can be asserted."""
 
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fusedres
+from fusedres import models
 from fusedres.memory import saved_bytes, saved_tensors
 
 UNITS = [
@@ -86,3 +94,147 @@ def test_live_tensor_tracker_counts_a_whole_sgd_step():
     assert live.peak_bytes >= live.current_bytes
     with pytest.raises(TypeError, match="count"):
         fusedres.memory.LiveTensorTracker().count("x")
+
+
+# --------------------------------------------------------------------------- whole-step peak
+
+GiB = 2 ** 30
+
+
+def test_live_tensor_tracker_rounds_like_the_cuda_allocator_and_tags():
+    with fusedres.memory.LiveTensorTracker(round_to=512, keep_peak_set=True) as live:
+        a = torch.empty(1000)                      # 4000 bytes -> 4096
+        b = torch.empty(1)                         # 4 bytes -> 512
+        c = torch.empty(0)                         # nothing allocated
+        assert live.current_bytes == 4096 + 512
+        live.retag(a, "saved activations")
+        live.tag = "batch"
+        d = torch.empty(128)                       # exactly 512: a new peak
+        assert live.peak_by_tag() == {"saved activations": 4096, "transient": 512,
+                                      "batch": 512}
+    del a, b, c, d
+    with pytest.raises(ValueError, match="round_to"):
+        fusedres.memory.LiveTensorTracker(round_to=0)
+
+
+def _real_step(model, opt, x, y, amp=None):
+    """The trainer's step: autocast around the forward and the loss only."""
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+        loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    opt.step()
+
+
+def _measure(model, opt, shape, eval_batch=None, amp=None):
+    """The trainer's step on real CPU tensors: one to create the optimizer state, the second
+    (and the evaluation forward) measured by the tracker."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g)
+    y = torch.randint(0, 10, (shape[0],), generator=g)
+    ctx = (torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext())
+    _real_step(model, opt, x, y, amp)
+    with fusedres.memory.LiveTensorTracker() as live:
+        live.count(model, opt, x, y)
+        live.reset_peak()
+        _real_step(model, opt, x, y, amp)
+        if eval_batch is not None:
+            del x, y
+            model.eval()
+            ex = torch.randn(eval_batch, *shape[1:])
+            ey = torch.randint(0, 10, (eval_batch,))
+            with torch.no_grad(), ctx:
+                F.cross_entropy(model(ex).float(), ey, reduction="sum")
+            model.train()
+    return live.peak_bytes
+
+
+CASES = [  # depth, batch, budget as a share of the unplanned step's peak, eval batch, amp
+    (56, 8, 0.8, None, None),
+    (56, 8, 0.6, 24, None),
+    (164, 4, 0.85, None, None),
+    (164, 4, 0.6, None, None),
+    (1001, 16, 0.5, None, None),
+    (56, 8, 0.85, None, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+@pytest.mark.parametrize("depth,batch,frac,eval_batch,amp", CASES,
+                         ids=[f"r{c[0]}-b{c[1]}-{c[2]}" + ("-eval" if c[3] else "")
+                              + ("-bf16" if c[4] else "") for c in CASES])
+def test_predicted_step_peak_matches_measured(depth, batch, frac, eval_batch, amp, fused):
+    """The plan's predicted whole-step peak of live tensors against the tracker's measure of
+    the real step: predicted >= measured and <= 1.10 x measured; and the plan meets its
+    budget, which is below the unplanned step's peak (checkpointing was needed)."""
+    torch.manual_seed(0)
+    model = models.preact_resnet(depth, fused=fused)
+    shape = (batch, 3, 32, 32)
+    dtype = amp or torch.float32
+    unplanned = fusedres.memory.simulate_step(model, shape, amp_dtype=amp,
+                                              eval_batch_size=eval_batch)
+    budget = int(frac * unplanned.peak_bytes)
+    if eval_batch is not None:  # the evaluation forward cannot be checkpointed
+        budget = max(budget, unplanned.eval_peak_bytes + unplanned.workspace)
+    p = fusedres.memory.plan(model, shape, budget, dtype=dtype, autocast=amp is not None,
+                             eval_batch_size=eval_batch, predict_cuda=False)
+    assert p.peak_bytes <= budget < unplanned.peak_bytes
+    assert p.segments == model.checkpoint_ranges
+    if frac <= 0.6 and eval_batch is None:
+        assert p.n_checkpointed > 0
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    measured = _measure(model, opt, shape, eval_batch, amp)
+    predicted = p.step.tensor_peak_bytes
+    assert measured <= predicted <= 1.10 * measured, (predicted, measured)
+    assert measured + p.step.workspace <= budget
+
+
+def test_step_items_add_up_for_any_optimizer():
+    model = models.preact_resnet(11, num_classes=3)
+    params = sum(t.numel() * t.element_size() for t in (*model.parameters(),
+                                                        *model.buffers()))
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    step = fusedres.memory.simulate_step(model, (2, 3, 8, 8), optimizer=opt)
+    assert step.parameters == params
+    assert step.optimizer_state == 2 * weights + 4 * len(list(model.parameters()))  # + steps
+    sgd = fusedres.memory.simulate_step(model, (2, 3, 8, 8))  # default: SGD with momentum
+    assert sgd.optimizer_state == weights
+    assert step.tensor_peak_bytes == sum((step.parameters, step.gradients, step.optimizer_state,
+                                          step.inputs, step.saved_activations, step.transient))
+    # What the forward leaves for backward: the saved activations (the batch is its own item;
+    # the loss's few bytes join), parameters excluded on both sides.
+    x = torch.randn(2, 3, 8, 8)
+    expected = fusedres.memory.saved_bytes(model, x) - x.numel() * 4
+    assert expected <= step.saved_after_forward <= expected + 64
+    assert opt.state == {}  # the real optimizer is untouched
+    with pytest.raises(TypeError, match="optimizer"):
+        fusedres.memory.simulate_step(model, (2, 3, 8, 8), optimizer="adam")
+
+
+def test_cuda_rules_round_every_storage_to_512_bytes():
+    model = models.preact_resnet(11, num_classes=3)
+    cpu = fusedres.memory.simulate_step(model, (2, 3, 8, 8))
+    cuda = fusedres.memory.simulate_step(model, (2, 3, 8, 8), cuda_rules=True)
+    rounded = sum(-(-t.numel() * t.element_size() // 512) * 512 if t.numel() else 0
+                  for t in (*model.parameters(), *model.buffers()))
+    assert cuda.parameters == rounded > cpu.parameters
+    assert cuda.peak_bytes > cpu.tensor_peak_bytes and cuda.workspace == 0
+
+
+def test_cpu_workspace_prediction_bounds_the_kernels_scratch():
+    """The cpu backend's in-op tile buffers, which the tracker cannot see, measured as the
+    process's peak resident memory around single op calls (in a subprocess whose glibc returns
+    freed buffers to the system at once) minus the op's outputs: never above the prediction."""
+    if "cpu" not in fusedres.available_backends():
+        pytest.skip("cpu backend not built")
+    script = Path(__file__).with_name("helpers_workspace.py")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", FUSEDRES_BACKEND="cpu")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("op ")]
+    assert len(rows) == 10
+    for _, name, predicted, measured in rows:
+        assert int(measured) <= int(predicted), (name, predicted, measured)
+        assert int(predicted) <= 4 * int(measured) + 2 ** 20, (name, predicted, measured)
