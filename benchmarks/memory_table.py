@@ -1,7 +1,12 @@
-"""Saved-activation table: plain PyTorch vs fused vs fused + planned checkpointing.
+"""Saved-activation table: plain PyTorch vs fused vs fused + planned checkpointing; and the
+whole-step table: plans for total budgets, their itemised predicted peak, the measured peak and
+step time of real CPU training steps.
 
-    python benchmarks/memory_table.py                 # writes benchmarks/MEMORY.md
+    python benchmarks/memory_table.py                 # saved-activation tables -> MEMORY.md
+    python benchmarks/memory_table.py --whole-step    # whole-step table (real steps, ~30 min)
     python benchmarks/memory_table.py --quick         # small configuration, prints only
+
+Each mode rewrites its own part of benchmarks/MEMORY.md and keeps the other's.
 
 Every figure is a count (``fusedres.memory``'s rule: distinct storages saved for backward), taken
 on the meta device, so ResNet-1001 at batch 128 (about 18 GiB of real tensors) costs nothing to
@@ -13,16 +18,19 @@ rows the planner's prediction is checked against a measured meta training step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
+import statistics
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 import fusedres
 from fusedres import models
-from fusedres.memory import saved_bytes
+from fusedres.memory import LiveTensorTracker, saved_bytes
 from fusedres.planner import PlanError, measure_step, plan, profile_units
 
 GiB = 2 ** 30
@@ -148,13 +156,171 @@ def render(results, amp, quick: bool, elapsed: float) -> str:
     return "\n".join(out)
 
 
+# --------------------------------------------------------------------------- whole step
+
+MARK = "<!-- whole-step table: python benchmarks/memory_table.py --whole-step -->"
+WHOLE_BUDGETS_GIB = (16, 8, 4, 2)
+
+
+def _step(model, opt, x, y, amp):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+        loss = F.cross_entropy(model(x).float(), y)
+    loss.backward()
+    opt.step()
+
+
+def whole_step_rows(depths, batch, amps, budgets_gib, rounds, log=print, plan_only=()):
+    """For each (depth, amp): plan every budget, then on one real model and optimizer measure
+    each plan's peak with the tracker (after a warm-up step) and time the steps of every plan
+    and of the unplanned fused model in interleaved rounds (medians)."""
+    out = []
+    for depth in depths:
+        for amp in amps:
+            torch.manual_seed(0)
+            model = models.preact_resnet(depth)
+            shape = (batch, 3, 32, 32)
+            dtype = amp or torch.float32
+            configs = [("none", None)]
+            for b in budgets_gib:
+                try:
+                    p = plan(model, shape, int(b * GiB), dtype=dtype, autocast=amp is not None,
+                             apply=False, predict_cuda=False)
+                    configs.append((b, p))
+                except PlanError as e:
+                    configs.append((b, e))
+                log(f"ResNet-{depth} {dtype} budget {b} GiB planned")
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+            x = torch.randn(shape)
+            y = torch.randint(0, 10, (batch,))
+            peaks, times = {}, {b: [] for b, _ in configs}
+            # A plan without checkpointing is the unplanned step: measured once, as "none".
+            runnable = [(b, p) for b, p in configs
+                        if p is None or (not isinstance(p, Exception) and p.segments)]
+            if (depth, "bf16" if amp is not None else "float32") in plan_only:
+                runnable = []
+            for b, p in runnable:
+                model.set_grad_checkpointing(p.segments if p is not None else 0)
+                _step(model, opt, x, y, amp)  # warm-up: optimizer state exists from here
+                with LiveTensorTracker() as live:
+                    live.count(model, opt, x, y)
+                    live.reset_peak()
+                    _step(model, opt, x, y, amp)
+                peaks[b] = live.peak_bytes
+                del live
+                log(f"ResNet-{depth} {dtype} budget {b}: measured {peaks[b] / GiB:.3f} GiB")
+            for r in range(rounds):
+                for b, p in runnable:
+                    model.set_grad_checkpointing(p.segments if p is not None else 0)
+                    t0 = time.perf_counter()
+                    _step(model, opt, x, y, amp)
+                    times[b].append(time.perf_counter() - t0)
+                log(f"ResNet-{depth} {dtype} round {r + 1}: "
+                    + ", ".join(f"{b}: {times[b][-1]:.1f} s" for b, _ in runnable))
+            base = statistics.median(times["none"]) if times["none"] else None
+            for b, p in configs:
+                same = b if times.get(b) else "none"  # no checkpointing: the unplanned figures
+                t = statistics.median(times[same]) if times.get(same) else None
+                out.append((depth, amp, b, p, peaks.get(same), t, base, times.get(same, [])))
+            del model, opt
+    return out
+
+
+def render_whole(rows, batch, rounds, elapsed) -> str:
+    def gib(n):
+        return "" if n is None else f"{n / GiB:.3f}"
+
+    out = [
+        MARK,
+        "## Whole training step within a total budget",
+        "",
+        f"`fusedres.memory.plan(model, ({batch}, 3, 32, 32), budget_bytes, dtype, autocast=...)`"
+        " bounds the peak of the whole step: the trainer's step (`zero_grad`, forward, "
+        "cross-entropy, backward, SGD with momentum 0.9 and weight decay), counted from the "
+        "second step on (the optimizer state exists). *predicted* is the plan's simulated peak "
+        "(meta tensors, fake CPU tensors under autocast), itemised at the moment of the peak: "
+        "*P+G+O* parameters and buffers + gradients + optimizer state, *saved* saved "
+        "activations still alive, *trans.* the transient (recomputed segment, gradients in "
+        "flight), *ws* the cpu backend's predicted kernel workspace (an upper bound; the "
+        "tracker cannot see it). *measured* is `fusedres.memory.LiveTensorTracker`'s peak of "
+        "live tensors over a real CPU step (to compare with *predicted* minus *ws*). "
+        "*recompute*: the checkpointed units' forward FLOPs as a share of the step's. *step "
+        "time*: median of the real steps, relative to the unplanned fused step (no "
+        "checkpointing) of the same model, measured in interleaved rounds "
+        f"({rounds} per configuration) on this 2-core CPU, which other engineers' jobs shared "
+        "while it ran (load average 6-9): ratios are indicative, not precise.",
+        "",
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend "
+        f"{fusedres._backend.resolve_backend(torch.device('cpu'))}; {elapsed / 60:.0f} min "
+        "to generate.",
+        "",
+        "| model | dtype | budget GiB | units ckpt / segments | predicted GiB (P+G+O / saved / "
+        "trans. / ws) | measured GiB | recompute | step time (median s) | vs unplanned |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for depth, amp, b, p, peak, t, base, _ in rows:
+        dt = "bf16 autocast" if amp is not None else "float32"
+        head = f"| ResNet-{depth} | {dt} | {b} |"
+        ts = "not run" if t is None else f"{t:.2f}"
+        rel = "" if t is None or base is None else f"{t / base:.2f}"
+        if b == "none":
+            out.append(f"{head} unplanned fused | | {gib(peak)} | 0% | {ts} | {rel} |")
+            continue
+        if isinstance(p, Exception):
+            out.append(f"{head} infeasible: smallest {p.min_budget_bytes / GiB:.2f} GiB | | | "
+                       "| | |")
+            continue
+        s = p.step
+        pgo = s.parameters + s.gradients + s.optimizer_state + s.inputs
+        out.append(
+            f"{head} {p.n_checkpointed}/{p.n_units} in {len(p.segments)} | "
+            f"**{gib(s.peak_bytes)}** ({gib(pgo)} / {gib(s.saved_activations)} / "
+            f"{gib(s.transient)} / {gib(s.workspace)}) | {gib(peak)} | "
+            f"{100 * p.recompute_fraction:.1f}% | {ts} | {rel} |")
+    out.append("")
+    return "\n".join(out)
+
+
+def _merge(path, text, whole: bool) -> str:
+    """The new part and the other part of the existing file."""
+    old = open(path).read() if os.path.exists(path) else ""
+    head, _, tail = old.partition(MARK)
+    if whole:
+        return head.rstrip("\n") + "\n\n" + text
+    return text.rstrip("\n") + ("\n\n" + MARK + tail if tail else "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="ResNet-164 at batch 16 only")
+    ap.add_argument("--whole-step", action="store_true",
+                    help="the whole-step table: ResNet-164/1001, batch 128, float32 and bf16 "
+                         "autocast, budgets 16/8/4/2 GiB, real CPU steps")
+    ap.add_argument("--rounds", type=int, default=3, help="timed steps per configuration")
+    ap.add_argument("--depths", default="164,1001", help="--whole-step depths")
+    ap.add_argument("--batch", type=int, default=128, help="--whole-step batch")
+    ap.add_argument("--plan-only", default="",
+                    help="--whole-step rows planned but not run, e.g. 1001:bf16")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "MEMORY.md"),
                     help="markdown output (not written in --quick mode)")
     args = ap.parse_args(argv)
     start = time.time()
+    if args.whole_step:
+        plan_only = {(int(d), a) for d, a in (item.split(":") for item in
+                                               args.plan_only.split(",") if item)}
+        rows = []
+        for depth in (int(d) for d in args.depths.split(",")):
+            for amp in (None, torch.bfloat16):
+                # Written after each model and dtype: a long run leaves what it finished.
+                rows += whole_step_rows([depth], args.batch, (amp,), WHOLE_BUDGETS_GIB,
+                                        args.rounds, plan_only=plan_only,
+                                        log=lambda m: print(m, file=sys.stderr, flush=True))
+                text = render_whole(rows, args.batch, args.rounds, time.time() - start)
+                with open(args.out + ".tmp", "w") as f:
+                    f.write(_merge(args.out, text, True))
+                os.replace(args.out + ".tmp", args.out)
+        print(text)
+        return 0
     if args.quick:
         results = list(rows((164,), (16,), (torch.float32,), {164: (0.1,)}))
         amp = list(autocast_rows((164,), (16,)))
@@ -165,8 +331,9 @@ def main(argv=None) -> int:
     text = render(results, amp, args.quick, time.time() - start)
     print(text)
     if not args.quick:
+        merged = _merge(args.out, text, False)
         with open(args.out, "w") as f:
-            f.write(text)
+            f.write(merged)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -334,6 +334,6 @@ def test_memory_budget_plans_checkpointing_within_the_budget(tmp_path):
 
     plain = saved()["saved_activation_bytes"]
     budget = int(plain * 0.8)  # measured: checkpointing 2 of 3 units needs ~0.67 x
-    planned = saved("--memory-budget", str(budget))
+    planned = saved("--activation-budget", str(budget))  # saved activations only
     assert planned["saved_activation_bytes"] <= budget < plain
     assert planned["memory_plan"]
