@@ -248,7 +248,9 @@ def render_whole(rows, batch, rounds, elapsed) -> str:
         "time*: median of the real steps, relative to the unplanned fused step (no "
         "checkpointing) of the same model, measured in interleaved rounds "
         f"({rounds} per configuration) on this 2-core CPU, which other engineers' jobs shared "
-        "while it ran (load average 6-9): ratios are indicative, not precise.",
+        f"while it ran (1-minute load average {os.getloadavg()[0]:.1f} on 2 cores when this "
+        "part was written): ratios are indicative, not precise. Rows of different models may "
+        "come from separate runs (`--depths`).",
         "",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend "
         f"{fusedres._backend.resolve_backend(torch.device('cpu'))}; {elapsed / 60:.0f} min "
@@ -281,11 +283,26 @@ def render_whole(rows, batch, rounds, elapsed) -> str:
     return "\n".join(out)
 
 
+def _row_key(line: str) -> tuple[str, str]:
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    return cells[0], cells[1]
+
+
 def _merge(path, text, whole: bool) -> str:
-    """The new part and the other part of the existing file."""
+    """The new part and the other part of the existing file. The whole-step table keeps the
+    rows of models and dtypes this run did not measure (``--depths`` runs add up)."""
     old = open(path).read() if os.path.exists(path) else ""
     head, _, tail = old.partition(MARK)
     if whole:
+        new_lines = text.splitlines()
+        ours = {_row_key(x) for x in new_lines if x.startswith("| ResNet-")}
+        kept = [x for x in tail.splitlines() if x.startswith("| ResNet-")
+                and _row_key(x) not in ours]
+        rows = sorted([x for x in new_lines if x.startswith("| ResNet-")] + kept,
+                      key=lambda x: (int(_row_key(x)[0].split("-")[1]), _row_key(x)[1]))
+        first = next(i for i, x in enumerate(new_lines) if x.startswith("|---"))
+        rest = [x for x in new_lines[first + 1:] if not x.startswith("| ResNet-")]
+        text = "\n".join(new_lines[:first + 1] + rows + rest) + "\n"
         return head.rstrip("\n") + "\n\n" + text
     return text.rstrip("\n") + ("\n\n" + MARK + tail if tail else "\n")
 
