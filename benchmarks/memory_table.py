@@ -170,11 +170,13 @@ def _step(model, opt, x, y, amp):
     opt.step()
 
 
-def whole_step_rows(depths, batch, amps, budgets_gib, rounds, log=print, plan_only=()):
+def whole_step_rows(depths, batch, amps, budgets_gib, rounds, log=print, plan_only=(),
+                    measure_only=None):
     """For each (depth, amp): plan every budget, then on one real model and optimizer measure
     each plan's peak with the tracker (after a warm-up step) and time the steps of every plan
     and of the unplanned fused model in interleaved rounds (medians)."""
     out = []
+    measure_only = measure_only or {}
     for depth in depths:
         for amp in amps:
             torch.manual_seed(0)
@@ -199,17 +201,23 @@ def whole_step_rows(depths, batch, amps, budgets_gib, rounds, log=print, plan_on
                         if p is None or (not isinstance(p, Exception) and p.segments)]
             if (depth, "bf16" if amp is not None else "float32") in plan_only:
                 runnable = []
+            if depth in measure_only:
+                runnable = [(b, p) for b, p in runnable if b == "none" or b in measure_only[depth]]
             for b, p in runnable:
                 model.set_grad_checkpointing(p.segments if p is not None else 0)
                 _step(model, opt, x, y, amp)  # warm-up: optimizer state exists from here
                 with LiveTensorTracker() as live:
                     live.count(model, opt, x, y)
                     live.reset_peak()
+                    t0 = time.perf_counter()
                     _step(model, opt, x, y, amp)
+                    t1 = time.perf_counter()
                 peaks[b] = live.peak_bytes
+                if rounds == 0:  # the measured step is the timing (same tracker overhead)
+                    times[b].append(t1 - t0)
                 del live
                 log(f"ResNet-{depth} {dtype} budget {b}: measured {peaks[b] / GiB:.3f} GiB")
-            for r in range(rounds):
+            for r in range(rounds):  # interleaved: the machine's load hits every plan alike
                 for b, p in runnable:
                     model.set_grad_checkpointing(p.segments if p is not None else 0)
                     t0 = time.perf_counter()
@@ -219,7 +227,9 @@ def whole_step_rows(depths, batch, amps, budgets_gib, rounds, log=print, plan_on
                     + ", ".join(f"{b}: {times[b][-1]:.1f} s" for b, _ in runnable))
             base = statistics.median(times["none"]) if times["none"] else None
             for b, p in configs:
-                same = b if times.get(b) else "none"  # no checkpointing: the unplanned figures
+                # A plan without checkpointing is the unplanned step: its figures.
+                same = "none" if p is None or (not isinstance(p, Exception)
+                                               and not p.segments) else b
                 t = statistics.median(times[same]) if times.get(same) else None
                 out.append((depth, amp, b, p, peaks.get(same), t, base, times.get(same, [])))
             del model, opt
@@ -247,7 +257,9 @@ def render_whole(rows, batch, rounds, elapsed) -> str:
         "*recompute*: the checkpointed units' forward FLOPs as a share of the step's. *step "
         "time*: median of the real steps, relative to the unplanned fused step (no "
         "checkpointing) of the same model, measured in interleaved rounds "
-        f"({rounds} per configuration) on this 2-core CPU, which other engineers' jobs shared "
+        f"({rounds} per configuration; 0: the measured step itself, timed under the tracker, "
+        "whose overhead every configuration shares) on this 2-core CPU, which other "
+        "engineers' jobs shared "
         f"while it ran (1-minute load average {os.getloadavg()[0]:.1f} on 2 cores when this "
         "part was written): ratios are indicative, not precise. Rows of different models may "
         "come from separate runs (`--depths`).",
@@ -316,6 +328,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="timed steps per configuration")
     ap.add_argument("--depths", default="164,1001", help="--whole-step depths")
     ap.add_argument("--batch", type=int, default=128, help="--whole-step batch")
+    ap.add_argument("--measure", default="",
+                    help="--whole-step: only these budgets of a depth run real steps, e.g. "
+                         "1001:2 (the others are planned only)")
     ap.add_argument("--plan-only", default="",
                     help="--whole-step rows planned but not run, e.g. 1001:bf16")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "MEMORY.md"),
@@ -325,12 +340,17 @@ def main(argv=None) -> int:
     if args.whole_step:
         plan_only = {(int(d), a) for d, a in (item.split(":") for item in
                                                args.plan_only.split(",") if item)}
+        measure_only: dict[int, set] = {}
+        for item in filter(None, args.measure.split(",")):
+            d, b = item.split(":")
+            measure_only.setdefault(int(d), set()).add(float(b) if "." in b else int(b))
         rows = []
         for depth in (int(d) for d in args.depths.split(",")):
             for amp in (None, torch.bfloat16):
                 # Written after each model and dtype: a long run leaves what it finished.
                 rows += whole_step_rows([depth], args.batch, (amp,), WHOLE_BUDGETS_GIB,
                                         args.rounds, plan_only=plan_only,
+                                        measure_only=measure_only,
                                         log=lambda m: print(m, file=sys.stderr, flush=True))
                 text = render_whole(rows, args.batch, args.rounds, time.time() - start)
                 with open(args.out + ".tmp", "w") as f:
