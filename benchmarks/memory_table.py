@@ -62,7 +62,8 @@ def rows(depths, batches, dtypes, budgets):
                         continue
                     model = models.preact_resnet(depth)
                     try:
-                        p = plan(model, shape, budget, dtype=dtype)
+                        p = plan(model, shape, activation_budget=budget, dtype=dtype,
+                                 predict_cuda=False)
                     except PlanError as e:
                         planned.append((b, None, f"infeasible (smallest {_gib(e.min_budget_bytes)}"
                                                  f" GiB)"))
@@ -122,7 +123,9 @@ def render(results, amp, quick: bool, elapsed: float) -> str:
         "",
         "## Fused + planned checkpointing",
         "",
-        "`fusedres.memory.plan(model, (N, 3, 32, 32), budget, dtype)`. *saved* is what is "
+        "`fusedres.memory.plan(model, (N, 3, 32, 32), activation_budget=budget, dtype=dtype)`: "
+        "the budget bounds saved activations only (the whole-step budget is the next "
+        "section's). *saved* is what is "
         "saved when the forward pass ends (checked equal to a measured meta step); *peak* is "
         "the planner's bound on saved activations alive at once during the step, including the "
         "segment being recomputed (kept <= budget); *step peak* is the measured peak of every "
@@ -130,7 +133,7 @@ def render(results, amp, quick: bool, elapsed: float) -> str:
         "back, parameter gradients), on the meta device; *recompute* is the checkpointed "
         "units' forward FLOPs as a share of the step's FLOPs (forward + backward). The step "
         "peak exceeds the budget by the parameter gradients and the activation gradients in "
-        "flight, which the activation budget does not cover.",
+        "flight, which an activation budget does not cover.",
         "",
         "| model | batch | dtype | budget GiB | units ckpt / segments | saved GiB | peak GiB | "
         "step peak GiB | recompute |",
@@ -144,7 +147,8 @@ def render(results, amp, quick: bool, elapsed: float) -> str:
                 continue
             out.append(
                 f"{head} {p.n_checkpointed}/{p.n_units} in {len(p.segments)} | "
-                f"{_gib(p.saved_bytes)} | {_gib(p.peak_bytes)} | {_gib(measured['peak'])} | "
+                f"{_gib(p.saved_bytes)} | {_gib(p.activation_peak_bytes)} | "
+                f"{_gib(measured['peak'])} | "
                 f"{100 * p.recompute_fraction:.1f}% |")
     out += [
         "",
