@@ -332,6 +332,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="timed steps per configuration")
     ap.add_argument("--depths", default="164,1001", help="--whole-step depths")
     ap.add_argument("--batch", type=int, default=128, help="--whole-step batch")
+    ap.add_argument("--amps", default="float32,bf16", help="--whole-step dtypes")
     ap.add_argument("--measure", default="",
                     help="--whole-step: only these budgets of a depth run real steps, e.g. "
                          "1001:2 (the others are planned only)")
@@ -350,7 +351,8 @@ def main(argv=None) -> int:
             measure_only.setdefault(int(d), set()).add(float(b) if "." in b else int(b))
         rows = []
         for depth in (int(d) for d in args.depths.split(",")):
-            for amp in (None, torch.bfloat16):
+            for amp in [{"float32": None, "bf16": torch.bfloat16}[a]
+                        for a in args.amps.split(",")]:
                 # Written after each model and dtype: a long run leaves what it finished.
                 rows += whole_step_rows([depth], args.batch, (amp,), WHOLE_BUDGETS_GIB,
                                         args.rounds, plan_only=plan_only,
