@@ -1,5 +1,7 @@
 """The cpu backend (csrc/cpu) against plain PyTorch on CPU: forward+backward of pre-activation
-bottleneck units, of single BN-ReLU-conv units, and a whole ResNet-164 training step.
+bottleneck units, of single BN-ReLU-conv units (the convs of the CIFAR bottlenecks, and
+``BASIC_SWEEP``: basic 3x3 units over channels, strides and residual), and a whole ResNet-164
+training step.
 
 Each group times, in the same run: ``reference`` (the plain unit: ``nn.BatchNorm2d`` + ReLU +
 ``nn.Conv2d`` on oneDNN), ``cpu`` (the fused unit on the cpu backend), ``checkpoint``
@@ -10,13 +12,15 @@ reference print at the end (benchmarks/conftest.py); saved-activation bytes
 sit beside them. Nothing is asserted about speed.
 
 Run: ``pytest benchmarks/test_bench_cpu.py --benchmark-only`` (``-k unit``, ``-k conv``,
-``-k step`` for one part). Environment: ``FUSEDRES_BENCH_QUICK=1`` tiny shapes (CI smoke run in
-seconds); ``FUSEDRES_BENCH_THREADS`` sets torch's thread count; ``FUSEDRES_BENCH_COMPILE=0``
-leaves out the torch.compile rows (inductor compiles each shape for tens of seconds).
+``-k basic``, ``-k step`` for one part). Environment: ``FUSEDRES_BENCH_QUICK=1`` tiny shapes (CI
+smoke run in seconds); ``FUSEDRES_BENCH_THREADS`` sets torch's thread count;
+``FUSEDRES_BENCH_COMPILE=0`` leaves out the torch.compile rows (inductor compiles each shape for
+tens of seconds).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -75,10 +79,34 @@ CONVS = [
     ("64>64 3x3 @8", 128, 64, 64, 3, 1, 8),
     ("64>256 1x1 @8", 128, 64, 256, 1, 1, 8),
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class BasicShape:
+    """One fused basic unit: BN -> ReLU -> Conv3x3(C -> C, stride, padding 1, no bias), plus a
+    residual of the output's shape when ``residual``; input (n, channels, spatial, spatial)
+    float32 NCHW, timed forward+backward in training mode."""
+
+    channels: int
+    stride: int
+    residual: bool
+    n: int = 64
+    spatial: int = 16
+
+    @property
+    def id(self) -> str:
+        return f"basic C={self.channels} s{self.stride}" + (" +res" if self.residual else "")
+
+
+# Basic 3x3 units (issue 10): channels 16..256 in steps that are not only powers of two,
+# strides 1 and 2, with and without residual; N=64 at 16x16. 40 shapes.
+BASIC_SWEEP = [BasicShape(c, s, r) for c in (16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+               for s in (1, 2) for r in (False, True)]
 STEP_DEPTH, STEP_N = (20, 4) if QUICK else (164, 64)
 if QUICK:
     UNITS = [("quick 16-8-32 /2 @8", 4, 16, 8, 2, 8, "conv2")]
     CONVS = [("quick 8>8 3x3 @8", 4, 8, 8, 3, 1, 8)]
+    BASIC_SWEEP = [BasicShape(8, 2, True, n=4, spatial=8)]
 
 
 def _wrap(module: nn.Module, impl: str):
@@ -139,6 +167,42 @@ def test_conv_unit_forward_backward(benchmark, report, conv, impl):
     step = _forward_backward(module, x)
 
     benchmark.group = f"conv N={n} {name}"
+    with fusedres.use_backend("cpu" if impl == "cpu" else "reference"):
+        benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=1)
+        nbytes = saved_bytes(module, x)
+    report(benchmark, group=benchmark.group, impl=impl, saved_MiB=nbytes / 2**20)
+
+
+def basic_units(shape: BasicShape):
+    """(fused, plain, x, residual) for ``shape``: the fused ``BNReLUConv2d`` and the plain
+    ``BatchNorm2d-ReLU-Conv2d`` sharing its parameters, a random input and residual (or None)."""
+    fused = fusedres.BNReLUConv2d(shape.channels, shape.channels, 3, stride=shape.stride,
+                                  padding=1)
+    plain = nn.Sequential(fused.bn, nn.ReLU(), fused.conv)
+    x = torch.randn(shape.n, shape.channels, shape.spatial, shape.spatial, requires_grad=True)
+    out = (shape.spatial - 1) // shape.stride + 1
+    residual = torch.randn(shape.n, shape.channels, out, out) if shape.residual else None
+    return fused, plain, x, residual
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("shape", BASIC_SWEEP, ids=[b.id for b in BASIC_SWEEP])
+def test_basic_unit_forward_backward(benchmark, report, shape, impl):
+    """One basic 3x3 unit of ``BASIC_SWEEP``, fused (``BNReLUConv2d(x, residual)``) against the
+    plain unit plus the residual add."""
+    torch.manual_seed(0)
+    fused, plain, x, residual = basic_units(shape)
+    if impl == "cpu":
+        def module(t):
+            return fused(t, residual)
+    elif residual is None:
+        module = plain
+    else:
+        def module(t):
+            return plain(t) + residual
+    step = _forward_backward(module, x)
+
+    benchmark.group = f"{shape.id} N={shape.n} @{shape.spatial}"
     with fusedres.use_backend("cpu" if impl == "cpu" else "reference"):
         benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=1)
         nbytes = saved_bytes(module, x)

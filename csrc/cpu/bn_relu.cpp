@@ -226,6 +226,81 @@ void backward_reduce_impl(const at::Tensor& da, const at::Tensor& x, const at::T
   }
 }
 
+// NCHW x with an NHWC da (the data gradient of an NHWC convolution tile), float only: blocks of
+// 16 positions x 16 channels of da are transposed into an L1 buffer and meet x's contiguous
+// runs there, so da is never written out in x's layout. Sums run in float lanes per channel
+// over one sample (as the NCHW walk sums one plane) and are then added to the double rows.
+void backward_reduce_da_nhwc_impl(const at::Tensor& da, const at::Tensor& x,
+                                  const at::Tensor& scale, const at::Tensor& shift,
+                                  const at::Tensor& mean, const at::Tensor& out_scale,
+                                  at::Tensor& sums, at::Tensor* dz_out) {
+  using V = Vectorized<float>;
+  constexpr int64_t L = V::size();
+  constexpr int64_t B = 16;  // block edge; L (16 or 8) divides it
+  const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  const float* xp = cptr<float>(x);
+  const float* dp = cptr<float>(da);
+  const float* sp = cptr<float>(scale);
+  const float* tp = cptr<float>(shift);
+  const float* mp = cptr<float>(mean);
+  const float* op = cptr<float>(out_scale);
+  float* zp = dz_out ? dz_out->data_ptr<float>() : nullptr;
+  double* acc = sums.data_ptr<double>();
+  const int64_t hw_blocks = (HW + B - 1) / B;
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / (B * C));
+  const V zero(0);
+  auto add = [](V u, V v) { return u + v; };
+  at::parallel_for(0, N * hw_blocks, grain, [&](int64_t b, int64_t e) {
+    double* mine = acc + at::get_thread_num() * 2 * C;
+    std::vector<float> lanes(2 * C * L, 0.f);  // per channel: L lanes of sum(dz), of sum(dz*xm)
+    float* s1 = lanes.data();
+    float* s2 = lanes.data() + C * L;
+    auto flush = [&] {
+      for (int64_t c = 0; c < C; ++c) {
+        mine[c] += at::vec::vec_reduce_all<float>(add, V::loadu(s1 + c * L));
+        mine[C + c] += at::vec::vec_reduce_all<float>(add, V::loadu(s2 + c * L));
+      }
+      std::fill(lanes.begin(), lanes.end(), 0.f);
+    };
+    alignas(64) float buf[B * B];
+    int64_t cur = b / hw_blocks;
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t n = blk / hw_blocks, p0 = (blk % hw_blocks) * B;
+      const int64_t np = std::min(B, HW - p0);
+      if (n != cur) {
+        flush();
+        cur = n;
+      }
+      for (int64_t c0 = 0; c0 < C; c0 += B) {
+        const int64_t nc = std::min(B, C - c0);
+        at::vec::transpose_mxn<float>(dp + (n * HW + p0) * C + c0, C, buf, B,
+                                      static_cast<int>(np), static_cast<int>(nc));
+        for (int64_t j = 0; j < nc; ++j) {
+          const int64_t c = c0 + j;
+          const V sv(sp[c]), tv(tp[c]), mv(mp[c]), osv(op[c]);
+          const float* xr = xp + (n * C + c) * HW + p0;
+          const float* dr = buf + j * B;
+          float* zr = zp ? zp + (n * C + c) * HW + p0 : nullptr;
+          V a1 = V::loadu(s1 + c * L), a2 = V::loadu(s2 + c * L);
+          for (int64_t i = 0; i < np; i += L) {
+            // Tails load zeros: x = 0 and da = 0 give dz = 0, which adds nothing.
+            const int64_t cnt = std::min(L, np - i);
+            const V xv = V::loadu(xr + i, cnt);
+            const V z = at::vec::fmadd(xv, sv, tv);
+            const V dz = V::blendv(zero, V::loadu(dr + i, cnt), z > zero);
+            a1 += dz;
+            a2 = at::vec::fmadd(dz, xv - mv, a2);
+            if (zr) (dz * osv).store(zr + i, cnt);
+          }
+          a1.store(s1 + c * L);
+          a2.store(s2 + c * L);
+        }
+      }
+    }
+    flush();
+  });
+}
+
 // ----------------------------------------------------------------------------- backward 2
 
 template <typename X>
@@ -282,9 +357,10 @@ void backward_apply_impl(const at::Tensor& dz, const at::Tensor& x, const at::Te
 
 // ----------------------------------------------------------------------------- transposes
 
-// Per sample, src is an R x Q matrix (row stride Q) and dst its Q x R transpose.
+// Per sample, src is an R x Q matrix (row stride Q) and dst its Q x R transpose; plus `add`
+// (laid out as dst) when given, added to each block of dst while it is in L1.
 template <typename T>
-void transpose_impl(const T* src, T* dst, int64_t N, int64_t R, int64_t Q) {
+void transpose_impl(const T* src, T* dst, int64_t N, int64_t R, int64_t Q, const T* add) {
   constexpr int64_t B = 16;
   const int64_t row_blocks = (R + B - 1) / B;
   const int64_t grain = std::max<int64_t>(1, kGrainElems / (B * Q));
@@ -295,8 +371,18 @@ void transpose_impl(const T* src, T* dst, int64_t N, int64_t R, int64_t Q) {
       const T* s = src + n * R * Q + r0 * Q;
       T* d = dst + n * R * Q + r0;
       for (int64_t q0 = 0; q0 < Q; q0 += B) {
-        at::vec::transpose_mxn<T>(s + q0, Q, d + q0 * R, R, rows,
-                                  static_cast<int>(std::min(B, Q - q0)));
+        const int64_t cols = std::min(B, Q - q0);
+        at::vec::transpose_mxn<T>(s + q0, Q, d + q0 * R, R, rows, static_cast<int>(cols));
+        if (!add) continue;
+        const T* a = add + n * R * Q + r0 + q0 * R;
+        T* dq = d + q0 * R;
+        for (int64_t j = 0; j < cols; ++j) {
+          for (int64_t i = 0; i < rows; i += Vectorized<T>::size()) {
+            const int64_t cnt = std::min<int64_t>(Vectorized<T>::size(), rows - i);
+            (Vectorized<T>::loadu(dq + j * R + i, cnt) + Vectorized<T>::loadu(a + j * R + i, cnt))
+                .store(dq + j * R + i, cnt);
+          }
+        }
       }
     }
   });
@@ -304,14 +390,16 @@ void transpose_impl(const T* src, T* dst, int64_t N, int64_t R, int64_t Q) {
 
 }  // namespace
 
-void transpose_layout_kernel(const at::Tensor& src, at::Tensor& dst, Layout src_layout) {
+void transpose_layout_kernel(const at::Tensor& src, at::Tensor& dst, Layout src_layout,
+                             const at::Tensor* add) {
   RECORD_FUNCTION("fusedres_cpu::transpose (kernel)", c10::ArrayRef<c10::IValue>{});
   const int64_t N = src.size(0), C = src.size(1), HW = src.size(2) * src.size(3);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, src.scalar_type(), "transpose", [&] {
+    const scalar_t* ap = add ? add->const_data_ptr<scalar_t>() : nullptr;
     if (src_layout == Layout::NHWC) {
-      transpose_impl(src.const_data_ptr<scalar_t>(), dst.data_ptr<scalar_t>(), N, HW, C);
+      transpose_impl(src.const_data_ptr<scalar_t>(), dst.data_ptr<scalar_t>(), N, HW, C, ap);
     } else {
-      transpose_impl(src.const_data_ptr<scalar_t>(), dst.data_ptr<scalar_t>(), N, C, HW);
+      transpose_impl(src.const_data_ptr<scalar_t>(), dst.data_ptr<scalar_t>(), N, C, HW, ap);
     }
   });
 }
@@ -341,8 +429,15 @@ void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tens
 void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
                                     const at::Tensor& scale, const at::Tensor& shift,
                                     const at::Tensor& mean, const at::Tensor& out_scale,
-                                    at::Tensor& sums, at::Tensor* dz_out, Layout layout) {
+                                    at::Tensor& sums, at::Tensor* dz_out, Layout layout,
+                                    Layout da_layout) {
   RECORD_FUNCTION("fusedres_cpu::relu_mask_bn_sums (kernel)", c10::ArrayRef<c10::IValue>{});
+  if (da_layout != layout) {
+    TORCH_INTERNAL_ASSERT(layout == Layout::NCHW && da_layout == Layout::NHWC &&
+                          x.scalar_type() == at::kFloat && da.scalar_type() == at::kFloat);
+    backward_reduce_da_nhwc_impl(da, x, scale, shift, mean, out_scale, sums, dz_out);
+    return;
+  }
   const bool done = dispatch_pair(x.scalar_type(), da.scalar_type(), [&](auto xv, auto wv) {
     using X = decltype(xv);
     using W = decltype(wv);
@@ -352,7 +447,7 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
   });
   if (!done) {
     bn_relu_backward_reduce_kernel(da.to(x.scalar_type()), x, scale, shift, mean, out_scale,
-                                   sums, dz_out, layout);
+                                   sums, dz_out, layout, layout);
   }
 }
 

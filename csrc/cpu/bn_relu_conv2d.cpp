@@ -111,20 +111,35 @@ void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
               "fusedres_cpu: mean and invstd must have one value per channel");
 }
 
-// Per-channel affine of the BatchNorm in the acc dtype of x: bn(x) = scale * x + shift.
+// Per-channel affine of the BatchNorm in the acc dtype of x: bn(x) = scale * x + shift. The four
+// vectors are rows of one (4, C) tensor filled by one loop: a unit's fixed cost is a few dozen
+// small ATen calls, which a small unit (C = 16 at 16x16) feels.
 struct Affine {
   at::Tensor scale, shift, mean, invstd;
 };
 
 Affine affine(const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
               const at::Tensor& mean, const at::Tensor& invstd, at::ScalarType acc) {
-  Affine r;
-  r.mean = mean.to(acc).contiguous();
-  r.invstd = invstd.to(acc).contiguous();
-  r.scale = bn_weight.has_value() ? (bn_weight->to(acc) * r.invstd).contiguous() : r.invstd;
-  r.shift = bn_bias.has_value() ? (bn_bias->to(acc) - r.mean * r.scale).contiguous()
-                                : (-r.mean * r.scale).contiguous();
-  return r;
+  const int64_t C = mean.numel();
+  const at::Tensor m = mean.to(acc).contiguous(), is = invstd.to(acc).contiguous();
+  at::Tensor g, b;
+  if (bn_weight.has_value()) g = bn_weight->to(acc).contiguous();
+  if (bn_bias.has_value()) b = bn_bias->to(acc).contiguous();
+  at::Tensor rows = at::empty({4, C}, mean.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES(acc, "affine", [&] {
+    const scalar_t *mp = m.const_data_ptr<scalar_t>(), *ip = is.const_data_ptr<scalar_t>();
+    const scalar_t* gp = g.defined() ? g.const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* bp = b.defined() ? b.const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* r = rows.data_ptr<scalar_t>();
+    for (int64_t c = 0; c < C; ++c) {
+      const scalar_t scale = gp ? gp[c] * ip[c] : ip[c];
+      r[c] = scale;
+      r[C + c] = (bp ? bp[c] : scalar_t(0)) - mp[c] * scale;
+      r[2 * C + c] = mp[c];
+      r[3 * C + c] = ip[c];
+    }
+  });
+  return {rows[0], rows[1], rows[2], rows[3]};
 }
 
 // ----------------------------------------------------------------------------- ops
@@ -179,8 +194,11 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
     }
     at::Tensor ys = y.narrow(0, n0, len);
     if (a_layout != layout && dense_in(yt, a_layout) && dense_in(ys, layout)) {
-      transpose_layout_kernel(yt, ys, a_layout);  // NHWC tile back to NCHW y, in cache
-      if (residual.has_value()) ys.add_(residual->narrow(0, n0, len));
+      // NHWC tile back to NCHW y in cache, the residual added on the way when it lies as y.
+      const at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
+      const bool fuse = rs.defined() && rs.scalar_type() == ys.scalar_type() && dense_in(rs, layout);
+      transpose_layout_kernel(yt, ys, a_layout, fuse ? &rs : nullptr);
+      if (rs.defined() && !fuse) ys.add_(rs);
     } else if (residual.has_value()) {
       at::add_out(ys, yt, residual->narrow(0, n0, len));
     } else {
@@ -242,11 +260,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   at::Tensor gemm_da_buf;
   if (gemm && want_w) gw_acc = at::zeros(weight.sizes(), weight.options().dtype(wacc));
   if (gemm && need_da) gemm_da_buf = at::empty({nb, C, H, W}, weight.options());
-  // Tile buffers for the layout changes around an NHWC convolution of NCHW tensors.
+  // Tile buffers for the layout changes around an NHWC convolution of NCHW tensors. A float32
+  // NHWC data gradient is read as it is by the first backward pass (no transposed copy).
   at::Tensor go_buf, da_buf;
+  const bool da_as_is = a_layout == Layout::NHWC && layout == Layout::NCHW &&
+                        x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat;
   if (a_layout != layout) {
     go_buf = at::empty({nb, go.size(1), go.size(2), go.size(3)}, go.options().memory_format(a_fmt));
-    if (need_da) da_buf = at::empty({nb, C, H, W}, weight.options().memory_format(fmt));
   }
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
@@ -286,7 +306,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
       }
     }
     if (need_da) {
-      if (a_layout != layout && dense_in(da, a_layout)) {
+      Layout da_layout = layout;
+      if (da_as_is && dense_in(da, Layout::NHWC)) {
+        da_layout = Layout::NHWC;
+      } else if (a_layout != layout && dense_in(da, a_layout)) {
+        if (!da_buf.defined()) da_buf = at::empty({nb, C, H, W}, weight.options().memory_format(fmt));
         at::Tensor t = da_buf.narrow(0, 0, len);
         transpose_layout_kernel(da, t, a_layout);
         da = t;
@@ -295,30 +319,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
       }
       at::Tensor dzt = want_x ? dz.narrow(0, n0, len) : at::Tensor();
       bn_relu_backward_reduce_kernel(da, xt, bn.scale, bn.shift, bn.mean, out_scale, sums,
-                                     want_x ? &dzt : nullptr, layout);
+                                     want_x ? &dzt : nullptr, layout, da_layout);
     }
   }
   if (want_w && gw_acc.defined()) gw.copy_(gw_acc);
   if (want_b) gb.copy_(gb_acc);
   if (!need_da) return {gx, gw, gb, gg, gbeta};
 
-  const at::Tensor total = sums.sum(0);  // (2, C) double
-  const at::Tensor sum_dz = total[0], sum_dz_xm = total[1];
-  const at::Tensor invstd_d = bn.invstd.to(at::kDouble);
-  if (want_g) gg.copy_(sum_dz_xm * invstd_d);
-  if (want_beta) gbeta.copy_(sum_dz);
-  if (want_x) {
-    if (batch_stats) {
-      // dx = scale * (dz - mean(dz) - xhat * mean(dz * xhat)), xhat = (x - mean) * invstd.
-      const double inv_m = 1.0 / static_cast<double>(N * H * W);
-      const at::Tensor scale_d = bn.scale.to(at::kDouble);
-      const at::Tensor k2 = -scale_d * invstd_d * invstd_d * sum_dz_xm * inv_m;
-      const at::Tensor k3 = -scale_d * sum_dz * inv_m;
-      bn_backward_apply_kernel(dz, x, bn.mean, bn.scale, k2.to(acc), k3.to(acc), gx_work, layout);
-    } else if (!dz.is_same(gx_work)) {  // dz already holds scale * dz: cast to x's dtype
-      const at::Tensor one = at::ones_like(bn.scale), zero = at::zeros_like(bn.scale);
-      bn_backward_apply_kernel(dz, x, bn.mean, one, zero, zero, gx_work, layout);
+  // One loop over C: the threads' sums (double), the BN parameter gradients, and the
+  // coefficients of the data gradient dx = k1 * dz + k2 * (x - mean) + k3. Training:
+  // dx = scale * (dz - mean(dz) - xhat * mean(dz * xhat)), xhat = (x - mean) * invstd; eval:
+  // dz already holds scale * dz (k1 = 1, k2 = k3 = 0; only a cast to x's dtype is left).
+  const bool apply = want_x && (batch_stats || !dz.is_same(gx_work));
+  at::Tensor grads = at::empty({2, C}, sums.options());  // sum(dz), sum(dz * xhat)
+  at::Tensor coef = at::empty({3, C}, x.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES(acc, "bn_backward_coef", [&] {
+    const double* sp = sums.const_data_ptr<double>();
+    const int64_t threads = sums.size(0);
+    const scalar_t* scale = bn.scale.const_data_ptr<scalar_t>();
+    const scalar_t* inv = bn.invstd.const_data_ptr<scalar_t>();
+    double* gp = grads.data_ptr<double>();
+    scalar_t* k = coef.data_ptr<scalar_t>();
+    const double inv_m = 1.0 / static_cast<double>(N * H * W);
+    for (int64_t c = 0; c < C; ++c) {
+      double sum_dz = 0, sum_dz_xm = 0;
+      for (int64_t t = 0; t < threads; ++t) {
+        sum_dz += sp[t * 2 * C + c];
+        sum_dz_xm += sp[t * 2 * C + C + c];
+      }
+      const double sc = scale[c], is = inv[c];
+      gp[c] = sum_dz;
+      gp[C + c] = sum_dz_xm * is;
+      k[c] = batch_stats ? scale[c] : scalar_t(1);
+      k[C + c] = batch_stats ? static_cast<scalar_t>(-sc * is * is * sum_dz_xm * inv_m) : 0;
+      k[2 * C + c] = batch_stats ? static_cast<scalar_t>(-sc * sum_dz * inv_m) : 0;
     }
+  });
+  if (want_g) gg.copy_(grads[1]);
+  if (want_beta) gbeta.copy_(grads[0]);
+  if (want_x) {
+    if (apply) bn_backward_apply_kernel(dz, x, bn.mean, coef[0], coef[1], coef[2], gx_work, layout);
     if (!gx_work.is_same(gx)) gx.copy_(gx_work);
   }
   return {gx, gw, gb, gg, gbeta};

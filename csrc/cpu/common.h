@@ -115,7 +115,8 @@ std::tuple<at::Tensor, at::Tensor> batch_stats_kernel(const at::Tensor& x, Layou
 void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
                     at::Tensor& a, Layout x_layout, Layout a_layout);
 
-// Backward, first pass over one batch tile (da and x dense in `layout`):
+// Backward, first pass over one batch tile (x and dz_out dense in `layout`, da in da_layout:
+// the same, or NHWC da with NCHW x when both are float32, read through in-cache transposes):
 //   dz = da * [scale * x + shift > 0]
 //   sum_dz[c] += sum(dz), sum_dz_xm[c] += sum(dz * (x - mean))   (per-thread double rows)
 //   when dz_out is defined: dz_out = out_scale[c] * dz (acc dtype of x)
@@ -123,7 +124,8 @@ void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tens
 void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
                                     const at::Tensor& scale, const at::Tensor& shift,
                                     const at::Tensor& mean, const at::Tensor& out_scale,
-                                    at::Tensor& sums, at::Tensor* dz_out, Layout layout);
+                                    at::Tensor& sums, at::Tensor* dz_out, Layout layout,
+                                    Layout da_layout);
 
 // Backward, second pass: gx = k1[c] * dz + k2[c] * (x - mean[c]) + k3[c]; dz in acc dtype of x,
 // gx in x.dtype (may alias dz when they share a dtype).
@@ -132,8 +134,10 @@ void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const a
                               at::Tensor& gx, Layout layout);
 
 // dst = src in the other layout (NCHW <-> NHWC), same shape and dtype, both dense; blocked
-// 16 x 16 register transposes (at::vec::transpose_mxn).
-void transpose_layout_kernel(const at::Tensor& src, at::Tensor& dst, Layout src_layout);
+// 16 x 16 register transposes (at::vec::transpose_mxn). With `add` (dst's shape, dtype and
+// layout, dense): dst = transposed src + add, added block by block while dst is in L1.
+void transpose_layout_kernel(const at::Tensor& src, at::Tensor& dst, Layout src_layout,
+                             const at::Tensor* add = nullptr);
 
 // True when t is dense in `layout` (size-1 dimensions make both layouts hold).
 inline bool dense_in(const at::Tensor& t, Layout layout) {
