@@ -15,11 +15,11 @@ when every case passes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 
 import fusedres  # noqa: E402
 from fusedres import functional as FR  # noqa: E402
+from fusedres.bench.shapes import SELFTEST_CPU, SELFTEST_GPU, ConvUnit  # noqa: E402
 from fusedres.memory import saved_bytes  # noqa: E402
 
 # Relative error bound (max |err| / max |ref|) per dtype against a float64 reference; the
@@ -35,41 +36,22 @@ from fusedres.memory import saved_bytes  # noqa: E402
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
-@dataclass
-class Case:
-    name: str
-    n: int
-    c: int
-    h: int
-    co: int
-    k: int = 3
-    stride: int = 1
-    padding: int = 1
-    residual: bool = True
-
-
-GPU_CASES = [
-    Case("cifar 16ch 32x32", 128, 16, 32, 16),
-    Case("cifar 64ch 8x8 s2", 128, 32, 16, 64, stride=2, residual=False),
-    Case("imagenet 64ch 56x56", 32, 64, 56, 64),
-    Case("imagenet 1x1 256->64", 32, 256, 56, 64, k=1, padding=0, residual=False),
-    Case("imagenet 256ch 14x14", 32, 256, 14, 256),
-]
-CPU_CASES = [
-    Case("tiny 5ch 7x7", 2, 5, 7, 6),
-    Case("tiny 3->17 s2", 1, 3, 9, 17, stride=2, residual=False),
-]
+# The cases are the shared shape table's (fusedres.bench.shapes): one BN-ReLU-conv each.
+Case = ConvUnit
+GPU_CASES = SELFTEST_GPU
+CPU_CASES = SELFTEST_CPU
 
 
 def _inputs(case: Case, dtype, device, channels_last: bool):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(case.n, case.c, case.h, case.h, generator=g)
-    w = torch.randn(case.co, case.c, case.k, case.k, generator=g) / (case.c * case.k ** 2) ** 0.5
-    ho = (case.h + 2 * case.padding - case.k) // case.stride + 1
-    res = torch.randn(case.n, case.co, ho, ho, generator=g) if case.residual else None
-    gamma = 1 + 0.1 * torch.randn(case.c, generator=g)
-    beta = 0.1 * torch.randn(case.c, generator=g)
-    gy = torch.randn(case.n, case.co, ho, ho, generator=g)
+    x = torch.randn(case.n, case.cin, case.hw, case.hw, generator=g)
+    w = torch.randn(case.cout, case.cin, case.k, case.k, generator=g) / (
+        case.cin * case.k ** 2) ** 0.5
+    ho = case.ho
+    res = torch.randn(case.n, case.cout, ho, ho, generator=g) if case.residual else None
+    gamma = 1 + 0.1 * torch.randn(case.cin, generator=g)
+    beta = 0.1 * torch.randn(case.cin, generator=g)
+    gy = torch.randn(case.n, case.cout, ho, ho, generator=g)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
 
     def make(dt):
@@ -201,19 +183,16 @@ def format_rows(rows: list[dict], device) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Triton kernels vs the reference, with a table.")
-    ap.add_argument("--reps", type=int, default=None,
-                    help="timed repetitions per case (default: 10 on a GPU, 0 on CPU)")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    args = ap.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    reason = fusedres._backend.unavailable_reason("triton", device)
-    if reason is not None:
-        print(f"fusedres selftest: the triton backend cannot run on {device}: {reason}")
-        return 2
+def unavailable(device) -> str | None:
+    """Why the triton backend cannot run on ``device``, or None."""
+    return fusedres._backend.unavailable_reason("triton", torch.device(device))
+
+
+def run(device, reps: int) -> list[dict]:
+    """Every case on ``device``: on a GPU all dtypes and both layouts; on CPU (the
+    interpreter) the tiny cases, float32 in both layouts and bfloat16 channels_last."""
+    device = torch.device(device)
     gpu = device.type == "cuda"
-    reps = args.reps if args.reps is not None else (10 if gpu else 0)
     cases = GPU_CASES if gpu else CPU_CASES
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if gpu else [torch.float32,
                                                                         torch.bfloat16]
@@ -224,7 +203,28 @@ def main(argv=None) -> int:
                 if not gpu and dtype != torch.float32 and not cl:
                     continue  # keep the CPU run short
                 rows.append(run_case(case, dtype, device, cl, reps))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Triton kernels vs the reference, with a table.")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed repetitions per case (default: 10 on a GPU, 0 on CPU)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also write the rows to PATH (fusedres bench gpu-report reads them)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    reason = unavailable(device)
+    if reason is not None:
+        print(f"fusedres selftest: the triton backend cannot run on {device}: {reason}")
+        return 2
+    reps = args.reps if args.reps is not None else (10 if device.type == "cuda" else 0)
+    rows = run(device, reps)
     print(format_rows(rows, device))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     failed = sum(not r["ok"] for r in rows)
     print(f"{len(rows) - failed}/{len(rows)} passed")
     return 1 if failed else 0
