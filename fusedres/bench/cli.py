@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--baselines", default="plain,channels_last,compile,checkpoint",
                    help="which plain variants to time (plain is always timed: every ratio is "
                         "to it)")
+    u.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none",
+                   help="run the forwards under torch.autocast to this dtype (float32 "
+                        "parameters, as mixed-precision training does)")
     u.add_argument("--backends", default=None,
                    help="fused backends to time (default: every one that runs on the device)")
     s = sub.add_parser("step", help="whole training steps of zoo models: images/s, peak "

@@ -101,8 +101,9 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
         bar.write("\n".join(text[2:]))
 
     with bar:
+        amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(getattr(args, "amp", "none"))
         rows = units_mod.run_units(units, args.device, baselines=baselines,
-                                   backends=args.backends, warmup=warmup, reps=reps,
+                                   backends=args.backends, warmup=warmup, reps=reps, amp=amp,
                                    deadline=deadline, progress=bar, on_shape=on_shape)
     measured = units_mod.table_rows(rows)
     skipped = [r["shape"] for r in rows if r.get("skipped")]

@@ -8,6 +8,7 @@ files in ``benchmarks/`` time too.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -24,7 +25,7 @@ from .measure import peak_bytes, summarize, time_interleaved
 from .shapes import BlockUnit, ConvUnit
 
 __all__ = ["BASELINES", "Case", "PlainConvUnit", "bandwidth_columns", "device_peak_bandwidth",
-           "fused_backends", "make_case", "make_step", "run_units"]
+           "fused_backends", "make_case", "make_step", "run_units", "saved_bytes_of"]
 
 # The plain unit in other clothes: the ratios of every row are to "plain" (NCHW, eager).
 BASELINES = ("plain", "channels_last", "compile", "checkpoint")
@@ -68,12 +69,14 @@ class Case:
     x: torch.Tensor
     residual: torch.Tensor | None
     grad: torch.Tensor
+    amp: torch.dtype | None = None
 
 
 def make_case(shape: ConvUnit | BlockUnit, impl: str, device: torch.device,
-              dtype: torch.dtype = torch.float32) -> Case:
+              dtype: torch.dtype = torch.float32, amp: torch.dtype | None = None) -> Case:
     """``impl``: one of :data:`BASELINES`, or a fused backend's name (optionally with
-    ``" channels_last"``). Inputs are seeded, so every candidate of a shape sees the same."""
+    ``" channels_last"``). Inputs are seeded, so every candidate of a shape sees the same.
+    ``amp``: run the forward under ``torch.autocast`` to that dtype (float32 parameters)."""
     backend, _, layout = impl.partition(" ")
     fused = impl not in BASELINES
     if impl == "channels_last":
@@ -103,7 +106,9 @@ def make_case(shape: ConvUnit | BlockUnit, impl: str, device: torch.device,
         fn = torch.compile(module)
     else:
         fn = module
-    return Case(impl, backend if fused else "reference", layout, module, fn, x, res, gy)
+    if amp is not None:
+        gy = gy.to(amp)
+    return Case(impl, backend if fused else "reference", layout, module, fn, x, res, gy, amp)
 
 
 def _backend_ctx(case: Case):
@@ -111,7 +116,10 @@ def _backend_ctx(case: Case):
 
 
 def _call(case: Case):
-    return case.fn(case.x) if case.residual is None else case.fn(case.x, case.residual)
+    amp = (torch.autocast(case.x.device.type, dtype=case.amp) if case.amp is not None
+           else contextlib.nullcontext())
+    with amp:
+        return case.fn(case.x) if case.residual is None else case.fn(case.x, case.residual)
 
 
 def make_step(case: Case) -> Callable[[], None]:
@@ -197,7 +205,8 @@ def shape_info(shape: ConvUnit | BlockUnit) -> dict:
 
 def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=None,
               warmup: int = 2, reps: int = 7, dtype: torch.dtype = torch.float32,
-              deadline: float | None = None, progress=None, on_shape=None) -> list[dict]:
+              amp: torch.dtype | None = None, deadline: float | None = None, progress=None,
+              on_shape=None) -> list[dict]:
     """Measure every shape; returns one row per (shape, impl) with the median and spread of
     the step time, ``ratio`` to the plain row of the same shape and run, ``saved_bytes``
     (autograd's saved activations) and ``peak_bytes`` (see :func:`measure.peak_bytes`).
@@ -215,7 +224,7 @@ def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=Non
             if progress is not None:
                 progress.update(reps)
             continue
-        cases = {impl: make_case(shape, impl, device, dtype) for impl in impls}
+        cases = {impl: make_case(shape, impl, device, dtype, amp) for impl in impls}
         steps = {impl: make_step(c) for impl, c in cases.items()}
         times = time_interleaved(steps, device, warmup=warmup, reps=reps,
                                  on_round=progress.update if progress is not None else None)
@@ -223,6 +232,7 @@ def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=Non
         for impl, case in cases.items():
             row = {**shape_info(shape), "impl": impl, "backend": case.backend,
                    "layout": case.layout, "dtype": str(dtype).replace("torch.", ""),
+                   "amp": str(amp).replace("torch.", "") if amp is not None else None,
                    **summarize(times[impl])}
             row["saved_bytes"] = _saved(case)
             row["peak_bytes"] = _peak(steps[impl], device, case)
@@ -230,12 +240,17 @@ def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=Non
         plain = next((r for r in shape_rows if r["impl"] == "plain"), None)
         for row in shape_rows:
             row["ratio"] = row["median_s"] / plain["median_s"] if plain else None
-            bandwidth_columns(row, shape, dtype, peak_bw)
+            bandwidth_columns(row, shape, amp or dtype, peak_bw)
         rows += shape_rows
         if on_shape is not None:
             on_shape(shape_rows)
         del cases, steps
     return rows
+
+
+def saved_bytes_of(case: Case) -> int | None:
+    """Bytes autograd saves for backward in one forward of the case (None for compile)."""
+    return _saved(case)
 
 
 def _saved(case: Case) -> int | None:
