@@ -231,10 +231,11 @@ def test_gpu_report_quick_end_to_end_on_cpu(tmp_path):
     for p in pngs:
         assert (out / p).read_bytes()[:8] == PNG_MAGIC
     doc = json.loads((out / "results.json").read_text())
-    assert list(doc["parts"]) == ["selftest", "units", "step", "fit"]
+    assert list(doc["parts"]) == ["selftest", "units", "convs", "compile", "step", "fit"]
     # Printed as each part finished, in order.
     text = proc.stdout
-    marks = ["[self-test:", "[units:", "[step:", "[fit:", "gpu-report finished"]
+    marks = ["[self-test:", "[units:", "[convs:", "[compile:", "[step:", "[fit:",
+             "gpu-report finished"]
     assert all(m in text for m in marks), text[-2000:]
     assert [text.index(m) for m in marks] == sorted(text.index(m) for m in marks)
     md = (out / "report.md").read_text()
@@ -244,7 +245,10 @@ def test_gpu_report_quick_end_to_end_on_cpu(tmp_path):
     if "skipped" not in st:
         assert st["failed"] == 0 and st["passed"] > 0
     units_rows = _check_units_rows(doc["parts"]["units"]["rows"])
-    assert {"compile", "channels_last", "checkpoint"} <= {r["impl"] for r in units_rows}
+    assert {"channels_last", "checkpoint"} <= {r["impl"] for r in units_rows}
+    _check_units_rows(doc["parts"]["convs"]["rows"])
+    compiled = [r for r in doc["parts"]["compile"]["rows"] if r.get("impl") == "compile"]
+    assert compiled and compiled[0]["ratio"] > 0
     steps = {r["variant"]: r for r in doc["parts"]["step"]["rows"]}
     assert set(steps) == {"plain", "fused", "fused+plan", "plain+ckpt"}
     assert all(r["images_per_s"] > 0 for r in steps.values())

@@ -298,8 +298,9 @@ def run(args) -> int:
 
 
 def gpu_report(rep: Report, args, start: float) -> int:
-    """Self-test, then units (CIFAR and ResNet-50 shapes), step (ResNet-164 and -1001 at batch
-    128), fit (8 GiB): each part printed and written as it finishes. The time limit (default
+    """Self-test, then units (CIFAR and ResNet-50 shapes; single convs; torch.compile on a
+    few), step (ResNet-164 and -1001 at batch 128), fit (8 GiB): each part printed and written
+    as it finishes. The time limit (default
     8.5 minutes) is shared out so that every part starts: a part stops starting new shapes,
     models or probes at its share's end."""
     total = args.time_limit or 510.0
@@ -307,19 +308,24 @@ def gpu_report(rep: Report, args, start: float) -> int:
     args.backends = None  # every fused backend that runs on the device
     quick = args.quick
     failed = _timed("self-test", lambda: part_selftest(rep, args))
-    # Units: whole blocks against every baseline (torch.compile included); the single
-    # BN-ReLU-convs (whose modeled bytes give the achieved bandwidth) without torch.compile,
-    # whose per-shape compilation would take the lease.
-    blocks = S.QUICK_CONVS[:1] if quick else S.CIFAR_BOTTLENECKS + S.CIFAR_BASIC_BLOCKS + \
-        S.R50_BOTTLENECKS
-    convs = [] if quick else S.CIFAR_CONVS + S.GPU_CONVS
-    _timed("units", lambda: part_units(rep, args, blocks, baselines=units_mod.BASELINES,
-                                       deadline=shares["units"] - (0 if quick else 60),
-                                       title="Units, forward+backward"))
-    if convs:
-        _timed("units (single convs)", lambda: part_units(
-            rep, args, convs, baselines=("plain", "channels_last", "checkpoint"),
-            name="convs", deadline=shares["units"], title="Single BN-ReLU-convs"))
+    # Units without torch.compile first (seconds per shape): whole blocks, then the single
+    # BN-ReLU-convs whose modeled bytes give the achieved bandwidth; then torch.compile on a
+    # few shapes (inductor compiles each for tens of seconds) until its share runs out.
+    quick_unit = S.QUICK_CONVS[:1]
+    blocks = S.QUICK_BLOCKS[:1] if quick else (S.CIFAR_BOTTLENECKS + S.CIFAR_BASIC_BLOCKS
+                                               + S.R50_BOTTLENECKS)
+    convs = quick_unit if quick else S.CIFAR_CONVS + S.GPU_CONVS
+    compiled = quick_unit if quick else [S.CIFAR_BOTTLENECKS[0], S.CIFAR_BOTTLENECKS[3],
+                                         S.R50_BOTTLENECKS[1], S.R50_BOTTLENECKS[6],
+                                         S.CIFAR_BASIC_BLOCKS[0]]
+    eager = ("plain", "channels_last", "checkpoint")
+    _timed("units", lambda: part_units(rep, args, blocks, baselines=eager,
+                                       deadline=shares["units"], title="Units, forward+backward"))
+    _timed("convs", lambda: part_units(rep, args, convs, baselines=eager, name="convs",
+                                       deadline=shares["convs"], title="Single BN-ReLU-convs"))
+    _timed("compile", lambda: part_units(rep, args, compiled, baselines=("plain", "compile"),
+                                         name="compile", deadline=shares["compile"],
+                                         title="Against torch.compile of the plain unit"))
     models = ["preact_resnet20"] if quick else ["preact_resnet164", "preact_resnet1001"]
     batch = 4 if quick else 128
     _timed("step", lambda: part_step(rep, args, models, batch, variants=step_mod.VARIANTS,
@@ -340,9 +346,11 @@ def gpu_report(rep: Report, args, start: float) -> int:
 
 
 def _shares(start: float, total: float) -> dict[str, float]:
-    """Deadlines of the parts: the self-test runs to completion; units may start shapes until
-    60% of the time, step models until 72%, fit probes until 97%."""
-    return {"units": start + 0.60 * total, "step": start + 0.72 * total,
+    """Deadlines of the parts (the self-test runs to completion): units may start shapes until
+    35% of the time, convs until 45%, compile until 58%, step models until 70%, fit probes
+    until 97%."""
+    return {"units": start + 0.35 * total, "convs": start + 0.45 * total,
+            "compile": start + 0.58 * total, "step": start + 0.70 * total,
             "fit": start + 0.97 * total}
 
 
