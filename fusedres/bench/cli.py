@@ -56,15 +56,18 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _common(p: argparse.ArgumentParser, reps: int, warmup: int) -> None:
+def _common(p: argparse.ArgumentParser, reps: int | None, warmup: int | None) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: cuda when a GPU is visible")
     p.add_argument("--threads", type=_positive_int("--threads"),
                    help="torch CPU threads (default: torch's)")
-    p.add_argument("--reps", type=_positive_int("--reps"), default=None,
-                   help=f"timed repetitions per candidate (default {reps}; --quick 2)")
-    p.add_argument("--warmup", type=_nonneg_int, default=None,
-                   help=f"untimed calls per candidate first (default {warmup}; --quick 1)")
+    if reps is not None:
+        p.add_argument("--reps", type=_positive_int("--reps"), default=None,
+                       help=f"timed repetitions per candidate (default {reps}; --quick 2)")
+        p.add_argument("--warmup", type=_nonneg_int, default=None,
+                       help=f"untimed calls per candidate first (default {warmup}; --quick 1)")
+    else:
+        p.set_defaults(reps=None, warmup=None)
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes and few repetitions: a smoke run in seconds (on CPU one "
                         "thread unless --threads)")
@@ -113,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="input size (default 32 for CIFAR models, 224 for ImageNet ones)")
     f = sub.add_parser("fit", help="the largest batch and the deepest CIFAR ResNet that train "
                                    "within --budget, plain vs fused vs fused + planner")
-    _common(f, reps=1, warmup=0)
+    _common(f, reps=None, warmup=None)  # fit counts memory: nothing is timed
     f.add_argument("--budget", type=_size, default=None,
                    help="memory budget, e.g. 8GiB (default 8GiB on CUDA, 512MiB on CPU; --quick "
                         "12MiB)")

@@ -69,7 +69,9 @@ def machine_line(m: dict[str, Any]) -> str:
 def short_machine(m: dict[str, Any]) -> str:
     """For plot titles: the device, threads, torch."""
     dev = m.get("gpu") or f"{m['cpu']}, {m['torch_threads']} threads"
-    return f"{dev}; torch {m['torch'].split('+')[0]}"
+    load = f", load {m['load_average_1m']:.1f}" if "load_average_1m" in m and not m.get("gpu") \
+        else ""
+    return f"{dev}{load}; torch {m['torch'].split('+')[0]}"
 
 
 def mem_unit(largest: float) -> tuple[float, str]:

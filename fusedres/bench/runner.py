@@ -6,6 +6,7 @@ each part so a cut-off run still leaves what it did."""
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ class Report:
     def __init__(self, out: str | None, title: str, device: torch.device, argv: list[str]):
         self.out = Path(out) if out is not None else None
         self.title = title
-        self.doc: dict[str, Any] = {"title": title, "command": "fusedres bench " + " ".join(argv),
+        self.doc: dict[str, Any] = {"title": title, "command": "fusedres bench " + shlex.join(argv),
                                     "machine": R.machine(device), "parts": {}}
         self.markdown: dict[str, str] = {}
         if self.out is not None:
@@ -53,12 +54,19 @@ class Report:
         if self.out is None:
             return
         self.doc["machine"]["time_utc_end"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+        try:
+            self.doc["machine"]["load_average_1m_end"] = os.getloadavg()[0]
+        except OSError:
+            pass
         R.write_json(self.out / "results.json", self.doc)
         m = self.doc["machine"]
         head = [f"# {self.title}", "",
                 f"Command: `{self.doc['command']}`", "",
                 f"Machine: {R.machine_line(m)}; Python {m['python']}, triton {m['triton']}; "
-                f"{m['time_utc']} to {m['time_utc_end']} UTC.", ""]
+                f"{m['time_utc']} to {m['time_utc_end']} UTC"
+                + (f"; 1-minute load average {m['load_average_1m']:.1f} at the start, "
+                   f"{m['load_average_1m_end']:.1f} at the end" if "load_average_1m_end" in m
+                   else "") + ".", ""]
         if m.get("device", "cpu").startswith("cpu"):
             head += ["Times on a CPU are wall clock, and noisy when the machine is shared (this "
                      "one may have been: see the load average): every ratio is between rows "

@@ -327,8 +327,8 @@ def plot_ratios(rows: list[dict], path, title: str) -> None:
     from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
     lo = min(r["ratio"] for r in rows if r.get("ratio"))
     hi = max(r["ratio"] for r in rows if r.get("ratio"))
-    ticks = [t * 10.0 ** e for e in range(-3, 4) for t in (1, 2, 5)
-             if lo / 1.3 <= t * 10.0 ** e <= hi * 1.3] or [1.0]
+    ticks = [t * 10.0 ** e for e in range(-3, 4) for t in (1, 1.5, 2, 3, 5, 7)
+             if lo / 1.15 <= t * 10.0 ** e <= hi * 1.15] or [1.0]
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.set_xticklabels([f"{t:g}" for t in ticks])
     ax.xaxis.set_minor_locator(NullLocator())
