@@ -48,7 +48,7 @@ def _cli(*argv, timeout=600):
     (["step", "--batch", "ten"], "--batch"),
     (["step", "--plan-budget", "lots"], "--plan-budget"),
     (["fit", "--budget", "0GiB"], "--budget"),
-    (["fit", "--depth", "20"], "--depth"),
+    (["fit", "--depth", "21"], "--depth"),
     (["gpu-report", "--time-limit", "-5"], "--time-limit"),
 ])
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(argv, flag, capsys):
