@@ -213,8 +213,9 @@ def part_fit(rep: Report, args, budget, depth, batch, max_batch, max_depth,
           f"ResNet (bottleneck units, depth 9n+2) at batch {batch} whose training step's peak "
           f"memory stays within {R.fmt_bytes(budget)} (doubling, then bisection; caps: batch "
           f"{max_batch}, depth {max_depth}). `fused+plan` gives the budget to "
-          "fusedres.memory.plan. `search`: exact, or a lower bound when the cap or the time "
-          "limit stopped it.", "",
+          "fusedres.memory.plan, and plans again with the overshoot taken off (at most 3 "
+          "plans) when the step went over it. `search`: exact, or a lower bound when the cap "
+          "or the time limit stopped it.", "",
           R.markdown_table(doc["results"], cols), "",
           "<details><summary>every probe</summary>", "",
           R.markdown_table(doc["probes"], probe_cols), "", "</details>", ""]
