@@ -1,30 +1,23 @@
-"""Helpers the benchmark files share (imported by name; pytest puts benchmarks/ on sys.path)."""
+"""Helpers the benchmark files share (imported by name; pytest puts benchmarks/ on sys.path).
+
+The shapes and the measuring code are ``fusedres.bench``'s (one copy for these files, the
+``fusedres bench`` CLI and the self-test): ``fusedres.bench.shapes`` holds the tables,
+``fusedres.bench.units.make_case``/``make_step`` build the timed step of each candidate.
+"""
 
 from __future__ import annotations
 
 import os
-import platform
 
 import torch
 
-import fusedres
+from fusedres.bench.report import cpu_model, machine, machine_line
+
+__all__ = ["QUICK", "cpu_model", "machine_info"]
 
 # FUSEDRES_BENCH_QUICK=1: tiny shapes and few rounds, so CI can smoke-run every benchmark file.
 QUICK = os.environ.get("FUSEDRES_BENCH_QUICK") == "1"
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def machine_info() -> str:
-    return (f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), fusedres {fusedres.__version__}, "
-            f"backends {', '.join(fusedres.available_backends('cpu'))}")
+    return machine_line(machine(torch.device("cpu")))

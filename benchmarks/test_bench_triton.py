@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 
-import fusedres
 from benchutil import QUICK
-from fusedres.memory import saved_bytes
+from fusedres.bench.shapes import GPU_CONVS, QUICK_CONVS
+from fusedres.bench.units import make_case, make_step, saved_bytes_of
 
 traffic = pytest.importorskip("fusedres.kernels.traffic")
 
@@ -37,45 +37,27 @@ def test_traffic_model_report(benchmark, report):
     report(benchmark, group="traffic model", impl="model")
 
 
-N = 8 if QUICK else 64
-SHAPES = [
-    ("cifar 16@32 3x3", 16, 32, 16),
-    ("cifar 64@8 3x3", 64, 8, 64),
-    ("imagenet 64@56 3x3", 64, 56, 64),
-]
-
-
-def _step(x, w, gamma, beta, res):
-    y = fusedres.functional.bn_relu_conv2d(x, w, None, gamma, beta, None, None, training=True,
-                                           padding=1, residual=res)
-    y.backward(torch.ones_like(y))
+SHAPES = QUICK_CONVS[:1] if QUICK else GPU_CONVS
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="measured on a GPU only (the interpreter's times mean nothing)")
-@pytest.mark.parametrize("impl", ["reference", "triton"])
-@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_unit_forward_backward_gpu(benchmark, report, shape, impl, dtype):
-    name, c, hw, co = shape
-    torch.manual_seed(0)
-    dev = "cuda"
-    x = torch.randn(N, c, hw, hw, device=dev, dtype=dtype).to(
-        memory_format=torch.channels_last).requires_grad_()
-    w = (torch.randn(co, c, 3, 3, device=dev, dtype=dtype) / (9 * c) ** 0.5).to(
-        memory_format=torch.channels_last).requires_grad_()
-    gamma = torch.ones(c, device=dev, requires_grad=True)
-    beta = torch.zeros(c, device=dev, requires_grad=True)
-    res = torch.randn(N, co, hw, hw, device=dev, dtype=dtype).to(
-        memory_format=torch.channels_last)
+@pytest.mark.parametrize("impl", ["channels_last", "triton channels_last"],
+                         ids=["reference", "triton"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.name for s in SHAPES])
+@pytest.mark.parametrize("amp", [torch.bfloat16, None], ids=["bf16", "fp32"])
+def test_unit_forward_backward_gpu(benchmark, report, shape, impl, amp):
+    """One BN-ReLU-conv3x3 + residual, channels_last, float32 or under bf16 autocast: the
+    step ``fusedres bench units --set gpu-convs`` times (fusedres.bench.units.make_step)."""
+    dev = torch.device("cuda")
+    case = make_case(shape, impl, dev, amp=amp)
+    step = make_step(case)
 
-    def step():
-        _step(x, w, gamma, beta, res)
+    def timed():
+        step()
         torch.cuda.synchronize()
 
-    benchmark.group = f"N={N} {name} {dtype}".replace("torch.", "")
-    with fusedres.use_backend(impl):
-        benchmark.pedantic(step, rounds=5 if QUICK else 20, warmup_rounds=2)
-        nbytes = saved_bytes(lambda: fusedres.functional.bn_relu_conv2d(
-            x, w, None, gamma, beta, None, None, training=True, padding=1, residual=res))
-    report(benchmark, group=benchmark.group, impl=impl, saved_MiB=nbytes / 2**20)
+    benchmark.group = f"N={shape.n} {shape.name} {'bf16 autocast' if amp else 'fp32'}"
+    benchmark.pedantic(timed, rounds=5 if QUICK else 20, warmup_rounds=2)
+    name = "reference" if impl == "channels_last" else "triton"
+    report(benchmark, group=benchmark.group, impl=name, saved_MiB=saved_bytes_of(case) / 2**20)

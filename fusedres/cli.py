@@ -1,4 +1,4 @@
-"""The ``fusedres`` command: ``fusedres train|demo|selftest [args]``."""
+"""The ``fusedres`` command: ``fusedres train|bench|demo|selftest [args]``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import sys
 
 COMMANDS = {
     "train": ("fusedres.train", "train a pre-activation ResNet (He et al.'s recipe)"),
+    "bench": ("fusedres.bench", "time and memory of the fused units on this machine "
+                                "(units, step, fit, gpu-report)"),
     "demo": ("fusedres.demo", "fused unit vs plain PyTorch: agreement and saved memory"),
     "selftest": ("fusedres.selftest", "run the kernels against the reference on this machine"),
 }

@@ -1,11 +1,11 @@
-"""``python -m fusedres.selftest``: the Triton kernels against the reference, with a table.
+"""``python -m fusedres.selftest``: the GPU kernels against the reference, with a table.
 
 What a user with a GPU runs first. For each case (shape x dtype x layout) it runs one fused
-unit, forward and backward, on the ``triton`` backend and on ``reference`` (plain BatchNorm2d ->
-ReLU -> Conv2d), and prints pass/fail, the worst relative error over the output, every
-gradient and the output's batch statistics as the forward's genstats epilogue hands them to the
-next BatchNorm, the fused/reference time ratio of a training step and the ratio of their
-saved-activation bytes (plus peak CUDA memory on a GPU).
+unit, forward and backward, on every GPU backend that runs (``triton``, ``cuda``) and on
+``reference`` (plain BatchNorm2d -> ReLU -> Conv2d), and prints pass/fail, the worst relative
+error over the output, every gradient and the output's batch statistics as the forward's
+genstats epilogue hands them to the next BatchNorm, the fused/reference time ratio of a
+training step and the ratio of their saved-activation bytes (plus peak CUDA memory on a GPU).
 
 Without a GPU it sets ``TRITON_INTERPRET=1`` (unless set) and runs small shapes on CPU through
 the interpreter: numerics only, the times are the interpreter's and mean nothing. Exit status 0
@@ -15,11 +15,11 @@ when every case passes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 
 import fusedres  # noqa: E402
 from fusedres import functional as FR  # noqa: E402
+from fusedres.bench.shapes import SELFTEST_CPU, SELFTEST_GPU, ConvUnit  # noqa: E402
 from fusedres.memory import saved_bytes  # noqa: E402
 
 # Relative error bound (max |err| / max |ref|) per dtype against a float64 reference; the
@@ -35,41 +36,22 @@ from fusedres.memory import saved_bytes  # noqa: E402
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
-@dataclass
-class Case:
-    name: str
-    n: int
-    c: int
-    h: int
-    co: int
-    k: int = 3
-    stride: int = 1
-    padding: int = 1
-    residual: bool = True
-
-
-GPU_CASES = [
-    Case("cifar 16ch 32x32", 128, 16, 32, 16),
-    Case("cifar 64ch 8x8 s2", 128, 32, 16, 64, stride=2, residual=False),
-    Case("imagenet 64ch 56x56", 32, 64, 56, 64),
-    Case("imagenet 1x1 256->64", 32, 256, 56, 64, k=1, padding=0, residual=False),
-    Case("imagenet 256ch 14x14", 32, 256, 14, 256),
-]
-CPU_CASES = [
-    Case("tiny 5ch 7x7", 2, 5, 7, 6),
-    Case("tiny 3->17 s2", 1, 3, 9, 17, stride=2, residual=False),
-]
+# The cases are the shared shape table's (fusedres.bench.shapes): one BN-ReLU-conv each.
+Case = ConvUnit
+GPU_CASES = SELFTEST_GPU
+CPU_CASES = SELFTEST_CPU
 
 
 def _inputs(case: Case, dtype, device, channels_last: bool):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(case.n, case.c, case.h, case.h, generator=g)
-    w = torch.randn(case.co, case.c, case.k, case.k, generator=g) / (case.c * case.k ** 2) ** 0.5
-    ho = (case.h + 2 * case.padding - case.k) // case.stride + 1
-    res = torch.randn(case.n, case.co, ho, ho, generator=g) if case.residual else None
-    gamma = 1 + 0.1 * torch.randn(case.c, generator=g)
-    beta = 0.1 * torch.randn(case.c, generator=g)
-    gy = torch.randn(case.n, case.co, ho, ho, generator=g)
+    x = torch.randn(case.n, case.cin, case.hw, case.hw, generator=g)
+    w = torch.randn(case.cout, case.cin, case.k, case.k, generator=g) / (
+        case.cin * case.k ** 2) ** 0.5
+    ho = case.ho
+    res = torch.randn(case.n, case.cout, ho, ho, generator=g) if case.residual else None
+    gamma = 1 + 0.1 * torch.randn(case.cin, generator=g)
+    beta = 0.1 * torch.randn(case.cin, generator=g)
+    gy = torch.randn(case.n, case.cout, ho, ho, generator=g)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
 
     def make(dt):
@@ -128,12 +110,13 @@ def _peak(fn, device) -> int:
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def run_case(case: Case, dtype, device, channels_last: bool, reps: int) -> dict:
+def run_case(case: Case, dtype, device, channels_last: bool, reps: int,
+             backend: str = "triton") -> dict:
     args, exact = _inputs(case, dtype, device, channels_last)
     with fusedres.use_backend("reference"):
         y64, g64 = _step(case, exact)
         y_ref, g_ref = _step(case, args)
-    with fusedres.use_backend("triton"):
+    with fusedres.use_backend(backend):
         y, gr = _step(case, args)
         stats = _output_stats(case, args)  # genstats: reduced in the forward's epilogue
     stats64 = _batch_moments(y64)
@@ -142,21 +125,21 @@ def run_case(case: Case, dtype, device, channels_last: bool, reps: int) -> dict:
                                                    (y64, *g64, *stats64)))
     # Pass: within the dtype's bound, or within twice the reference's own error.
     ok = err <= max(TOL[dtype], 2 * err_torch)
-    row = dict(case=case.name, dtype=str(dtype).replace("torch.", ""),
+    row = dict(backend=backend, case=case.name, dtype=str(dtype).replace("torch.", ""),
                layout="nhwc" if channels_last else "nchw", ok=ok, err=err, err_torch=err_torch)
 
     def fwd_only(backend):
         with fusedres.use_backend(backend):
             return saved_bytes(lambda: _step_forward(case, args))
-    row["saved_ratio"] = fwd_only("triton") / max(fwd_only("reference"), 1)
+    row["saved_ratio"] = fwd_only(backend) / max(fwd_only("reference"), 1)
     if reps:
         timing = {}
-        for backend in ("triton", "reference"):
-            with fusedres.use_backend(backend):
-                timing[backend] = _time(lambda: _step(case, args), device, reps)
-                row[f"peak_{backend}"] = _peak(lambda: _step(case, args), device)
-        row["time_ratio"] = timing["triton"] / timing["reference"]
-        row["time_ms"] = timing["triton"] * 1e3
+        for name, b in (("fused", backend), ("reference", "reference")):
+            with fusedres.use_backend(b):
+                timing[name] = _time(lambda: _step(case, args), device, reps)
+                row[f"peak_{name}"] = _peak(lambda: _step(case, args), device)
+        row["time_ratio"] = timing["fused"] / timing["reference"]
+        row["time_ms"] = timing["fused"] * 1e3
     return row
 
 
@@ -184,7 +167,7 @@ def _step_forward(case: Case, args: dict):
 
 
 def format_rows(rows: list[dict], device) -> str:
-    head = (f"{'case':<24}{'dtype':<9}{'layout':<7}{'result':<7}{'max rel err':>12}"
+    head = (f"{'backend':<8}{'case':<24}{'dtype':<9}{'layout':<7}{'result':<7}{'max rel err':>12}"
             f"{'torch err':>11}{'saved':>7}{'time':>8}{'ms':>9}{'peak':>7}")
     lines = [f"fusedres selftest on {device} (torch {torch.__version__}"
              + (", TRITON_INTERPRET=1: times are the interpreter's" if device.type == "cpu"
@@ -193,38 +176,79 @@ def format_rows(rows: list[dict], device) -> str:
              "peak = peak CUDA memory fused/reference", head, "-" * len(head)]
     for r in rows:
         t = f"{r['time_ratio']:>8.2f}{r['time_ms']:>9.2f}" if "time_ratio" in r else " " * 17
-        peak = (f"{r['peak_triton'] / max(r['peak_reference'], 1):>7.2f}"
+        peak = (f"{r['peak_fused'] / max(r['peak_reference'], 1):>7.2f}"
                 if r.get("peak_reference") else " " * 7)
-        lines.append(f"{r['case']:<24}{r['dtype']:<9}{r['layout']:<7}"
-                     f"{'pass' if r['ok'] else 'FAIL':<7}{r['err']:>12.2e}{r['err_torch']:>11.2e}"
-                     f"{r['saved_ratio']:>7.2f}{t}{peak}")
+        lines.append(f"{r.get('backend', 'triton'):<8}{r['case']:<24}{r['dtype']:<9}"
+                     f"{r['layout']:<7}{'pass' if r['ok'] else 'FAIL':<7}{r['err']:>12.2e}"
+                     f"{r['err_torch']:>11.2e}{r['saved_ratio']:>7.2f}{t}{peak}")
+        if "error" in r:
+            lines.append(f"        raised {r['error']}")
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Triton kernels vs the reference, with a table.")
-    ap.add_argument("--reps", type=int, default=None,
-                    help="timed repetitions per case (default: 10 on a GPU, 0 on CPU)")
-    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    args = ap.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    reason = fusedres._backend.unavailable_reason("triton", device)
-    if reason is not None:
-        print(f"fusedres selftest: the triton backend cannot run on {device}: {reason}")
-        return 2
+GPU_BACKENDS = ("triton", "cuda")
+
+
+def gpu_backends(device) -> list[str]:
+    """The GPU backends that run on ``device`` (on CPU: triton under the interpreter)."""
+    return [b for b in GPU_BACKENDS
+            if fusedres._backend.unavailable_reason(b, torch.device(device)) is None]
+
+
+def unavailable(device) -> str | None:
+    """Why no GPU backend can run on ``device``, or None."""
+    if gpu_backends(device):
+        return None
+    return "; ".join(f"{b}: {fusedres._backend.unavailable_reason(b, torch.device(device))}"
+                     for b in GPU_BACKENDS)
+
+
+def run(device, reps: int) -> list[dict]:
+    """Every case on ``device``: on a GPU all dtypes and both layouts; on CPU (the
+    interpreter) the tiny cases, float32 in both layouts and bfloat16 channels_last."""
+    device = torch.device(device)
     gpu = device.type == "cuda"
-    reps = args.reps if args.reps is not None else (10 if gpu else 0)
     cases = GPU_CASES if gpu else CPU_CASES
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if gpu else [torch.float32,
                                                                         torch.bfloat16]
     rows = []
-    for case in cases:
-        for dtype in dtypes:
-            for cl in (True, False):
-                if not gpu and dtype != torch.float32 and not cl:
-                    continue  # keep the CPU run short
-                rows.append(run_case(case, dtype, device, cl, reps))
+    for backend in gpu_backends(device):
+        for case in cases:
+            for dtype in dtypes:
+                for cl in (True, False):
+                    if not gpu and dtype != torch.float32 and not cl:
+                        continue  # keep the CPU run short
+                    try:
+                        rows.append(run_case(case, dtype, device, cl, reps, backend))
+                    except Exception as e:  # a kernel that raises fails its case, not the run
+                        rows.append(dict(backend=backend, case=case.name,
+                                         dtype=str(dtype).replace("torch.", ""),
+                                         layout="nhwc" if cl else "nchw", ok=False,
+                                         err=float("nan"), err_torch=float("nan"),
+                                         saved_ratio=float("nan"),
+                                         error=f"{type(e).__name__}: {str(e)[:200]}"))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="GPU kernels vs the reference, with a table.")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed repetitions per case (default: 10 on a GPU, 0 on CPU)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also write the rows to PATH (fusedres bench gpu-report reads them)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    reason = unavailable(device)
+    if reason is not None:
+        print(f"fusedres selftest: no GPU backend can run on {device}: {reason}")
+        return 2
+    reps = args.reps if args.reps is not None else (10 if device.type == "cuda" else 0)
+    rows = run(device, reps)
     print(format_rows(rows, device))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     failed = sum(not r["ok"] for r in rows)
     print(f"{len(rows) - failed}/{len(rows)} passed")
     return 1 if failed else 0

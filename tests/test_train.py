@@ -52,6 +52,67 @@ def test_yaml_sets_defaults_and_flags_win(tmp_path):
     assert cfg["dataset"] == "digits" and cfg["model"] == "preact_resnet20"
 
 
+def test_flags_win_over_the_config_file_and_replace_what_they_conflict_with(tmp_path):
+    # digits sets epochs: 40; --max-iters on the command line replaces it.
+    cfg, explicit = resolve(["--config", "digits", "--max-iters", "12"])
+    assert (cfg["max_iters"], cfg["epochs"]) == (12, None) and "epochs" in explicit
+    cfg, _ = resolve(["--config", "digits", "--epochs", "3"])
+    assert cfg["epochs"] == 3
+    # --depth over the config's named model: preact_resnet of that depth, same family.
+    cfg, explicit = resolve(["--config", "digits", "--depth", "56"])
+    assert (cfg["model"], cfg["depth"], cfg["variant"]) == ("preact_resnet", 56, "cifar")
+    assert {"model", "variant"} <= explicit
+    # A named --model over a config's preact_resnet/depth/variant drops them.
+    path = tmp_path / "c.yaml"
+    path.write_text("model: preact_resnet\ndepth: 56\nvariant: cifar\n")
+    cfg, _ = resolve(["--config", str(path), "--model", "preact_resnet20"])
+    assert (cfg["model"], cfg["depth"], cfg["variant"]) == ("preact_resnet20", None, None)
+    # A file may hold both epochs and max_iters (a saved run's config.yaml does): epochs wins.
+    path.write_text("epochs: 2\nmax_iters: 64000\n")
+    cfg, _ = resolve(["--config", str(path)])
+    assert (cfg["epochs"], cfg["max_iters"]) == (2, 64000)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--epochs", "3", "--max-iters", "12"], "--epochs and --max-iters: give one of them"),
+    (["--model", "preact_resnet20", "--depth", "56"],
+     "--depth: only with --model preact_resnet (preact_resnet20 fixes the depth)"),
+    (["--model", "preact_resnet50", "--variant", "cifar"],
+     "--variant: only with --model preact_resnet (preact_resnet50 fixes the variant)"),
+])
+def test_conflicting_flags_are_an_error(argv, match, capsys):
+    with pytest.raises(UsageError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        resolve(argv)
+    assert main([*argv, "--dataset", "digits", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and match in err, err
+
+
+def test_conflict_inside_a_config_file_names_the_option(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: preact_resnet20\ndepth: 56\n")
+    with pytest.raises(UsageError, match="--depth: only with --model preact_resnet .*--config"):
+        resolve(["--config", str(path)])
+
+
+def test_max_iters_flag_wins_over_config_epochs_in_a_run_and_on_resume(tmp_path):
+    """The bug of issue 10: under --config digits (epochs: 40) --max-iters was ignored."""
+    out = tmp_path / "run"
+    tiny = ["--config", "digits", "--depth", "8", "--no-progress", "--checkpoint-every", "100",
+            "--log-every", "5"]
+    assert main([*tiny, "--max-iters", "3", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["iterations"] == 3
+    # A run stopped by epochs (1 epoch = 11 iterations), resumed with --max-iters: the flag
+    # replaces the saved config's epochs.
+    out2 = tmp_path / "run2"
+    assert main([*tiny, "--epochs", "1", "--out", str(out2)]) == 0
+    assert json.loads((out2 / "summary.json").read_text())["iterations"] == 11
+    assert main(["--out", str(out2), "--resume", "--max-iters", "13", "--no-progress"]) == 0
+    assert ckpt.load(ckpt.latest(out2))["iteration"] == 13
+    saved = yaml.safe_load((out2 / "config.yaml").read_text())
+    assert (saved["epochs"], saved["max_iters"]) == (None, 13)
+
+
 @pytest.mark.parametrize("text, match", [
     ("bogus: 1\n", "unknown option 'bogus'"),
     ("batch_size: many\n", "--batch-size: expected an integer"),

@@ -2,6 +2,9 @@
 
 Precedence, lowest first: the defaults below (He et al.'s CIFAR recipe), the run directory's
 saved ``config.yaml`` when resuming, a ``--config`` YAML file, flags given on the command line.
+An option also replaces the options it conflicts with from lower layers (``--max-iters`` over a
+config's ``epochs``, a named ``--model`` over its ``depth``); giving both of such a pair as
+flags is an error (exit 2). See :func:`_apply`.
 The resolved configuration is written beside each run as ``config.yaml``.
 """
 
@@ -144,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-decay", type=float, help="lr factor at each milestone (0.1)")
     g.add_argument("--max-iters", type=int, help="stop after this many iterations (64000)")
     g.add_argument("--epochs", type=int, help="stop after this many epochs (replaces "
-                                               "--max-iters when given)")
+                                               "--max-iters; not both)")
     g.add_argument("--seed", type=int, help="seed of initialisation, data order and "
                                             "augmentation (0)")
     g = p.add_argument_group("memory and speed")
@@ -187,19 +190,21 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "tib": 2**40}
 
 
-def parse_bytes(text, flag: str = "--memory-budget") -> int:
-    """'4GiB' -> 4294967296; '500MB' -> 500000000; a bare number is bytes."""
+def parse_bytes(text, flag: str | None = "--memory-budget") -> int:
+    """'4GiB' -> 4294967296; '500MB' -> 500000000; a bare number is bytes. Errors name
+    ``flag`` (none when ``flag`` is None)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if text <= 0:
             raise UsageError(f"{flag}: expected a positive size, got {text!r}")
         return int(text)
+    where = f"{flag}: " if flag else ""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise UsageError(f"{flag}: expected a size such as 4GiB or 500MB"
+        raise UsageError(f"{where}expected a size such as 4GiB or 500MB"
                          + (" or auto" if flag == "--memory-budget" else "") + f", got {text!r}")
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
-        raise UsageError(f"{flag}: expected a positive size, got {text!r}")
+        raise UsageError(f"{where}expected a positive size, got {text!r}")
     return value
 
 
@@ -269,29 +274,81 @@ def _check_values(cfg: dict[str, Any]) -> None:
         parse_bytes(cfg["activation_budget"], "--activation-budget")
 
 
-def resolve(argv: list[str] | None) -> tuple[dict[str, Any], set[str]]:
-    """Parse ``argv``; returns the configuration and the names set explicitly by flags.
+# Named zoo models of the CIFAR family (the others are ImageNet ones): what a --depth or
+# --variant given over a named model keeps of it.
+_CIFAR_DEPTHS = (20, 56, 110, 164, 1001)
 
-    Explicit names are the flags given and the keys of the --config file. The run directory's
-    saved config (when resuming) is layered in by the caller through :func:`merge_saved`,
-    since the run directory itself is a flag.
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _apply(cfg: dict[str, Any], layer: dict[str, Any], source: str) -> set[str]:
+    """Put ``layer`` (the options one source sets: ``"flags"``, ``"--config"``) over ``cfg``.
+
+    An option replaces the options it conflicts with that lower layers set: ``--max-iters``
+    drops a lower ``epochs`` (``--epochs`` replaces ``--max-iters`` anyway); a named
+    ``--model`` drops a lower ``depth`` and ``variant``; ``--depth`` or ``--variant`` over a
+    lower named model turns it into ``preact_resnet`` of that depth and variant. Both options
+    of a pair in one layer is an error for flags (``--epochs`` and ``--max-iters``; a named
+    ``--model`` with ``--depth``/``--variant``); a file may set ``epochs`` and ``max_iters``
+    (a saved run's config does; ``epochs`` wins). Returns the option names changed beyond
+    ``layer``'s own.
+    """
+    changed: set[str] = set()
+    given = {k for k, v in layer.items() if v is not None}
+    if {"epochs", "max_iters"} <= given and source == "flags":
+        raise UsageError("--epochs and --max-iters: give one of them (--epochs replaces "
+                         "--max-iters)")
+    if "max_iters" in given and "epochs" not in layer:
+        cfg["epochs"] = None
+        changed.add("epochs")
+    model = layer.get("model")
+    # An unknown model name is left to the model builder's error.
+    if model is not None and re.fullmatch(r"preact_resnet\d+", str(model)):
+        for name in ("depth", "variant"):
+            if name in given:
+                where = "" if source == "flags" else f" (both set by {source})"
+                raise UsageError(f"{_flag(name)}: only with --model preact_resnet ({model} "
+                                 f"fixes the {name}){where}")
+            cfg[name] = None
+            changed.add(name)
+    elif model is None and given & {"depth", "variant"}:
+        lower = str(cfg.get("model"))
+        m = re.fullmatch(r"preact_resnet(\d+)", lower)
+        if m is not None:
+            depth = int(m.group(1))
+            cfg.update(model="preact_resnet", depth=depth,
+                       variant="cifar" if depth in _CIFAR_DEPTHS else "imagenet")
+            changed |= {"model", "depth", "variant"}
+    cfg.update(layer)
+    return changed
+
+
+def resolve(argv: list[str] | None) -> tuple[dict[str, Any], set[str]]:
+    """Parse ``argv``; returns the configuration and the names set explicitly.
+
+    Explicit names are the flags given, the keys of the --config file, and the options these
+    replaced (see :func:`_apply`). The run directory's saved config (when resuming) is
+    layered in by the caller through :func:`merge_saved`, since the run directory itself is a
+    flag.
     """
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
     config_file = ns.pop("config", None)
     cfg = dict(DEFAULTS)
     from_file = load_yaml(config_file, "--config") if config_file is not None else {}
-    cfg.update(from_file)
-    cfg.update(ns)
+    changed = _apply(cfg, from_file, "--config")
+    changed |= _apply(cfg, ns, "flags")
     _check_types(cfg)
     _check_values(cfg)
     cfg["config"] = str(config_file) if config_file is not None else None
-    return cfg, set(ns) | set(from_file)
+    return cfg, set(ns) | set(from_file) | changed
 
 
 def merge_saved(cfg: dict[str, Any], explicit: set[str], saved: dict[str, Any]) -> dict[str, Any]:
     """Resume: the saved run configuration, with what this command line (flags and its
-    --config file) set explicitly on top."""
+    --config file, and what they replaced) set explicitly on top."""
     merged = dict(DEFAULTS)
     merged.update({k: v for k, v in saved.items() if k in DEFAULTS})
     for k in explicit:

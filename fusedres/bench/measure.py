@@ -1,0 +1,125 @@
+"""Measuring: device-aware timing with interleaved order, peak memory of one step, statistics.
+
+On CUDA a step is timed with CUDA events and its peak memory is ``torch.cuda.
+max_memory_allocated``; on CPU the clock is ``time.perf_counter`` and the peak is that of live
+tensor storages (:class:`fusedres.memory.LiveTensorTracker`), not the process RSS. Both peaks
+mean the same thing: the bytes of the objects named (model, optimizer state, inputs) plus
+everything the step allocates and holds at its worst moment.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Iterable
+from typing import Callable
+
+import torch
+
+from fusedres.memory import LiveTensorTracker
+
+__all__ = ["peak_bytes", "resolve_device", "summarize", "sync", "time_interleaved"]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when a GPU is visible, else cpu. Raises ``ValueError`` naming
+    ``--device`` when CUDA is asked for and absent."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected auto, cpu or cuda, got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to torch")
+    return torch.device(name)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_once(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of ``fn``: CUDA events on a GPU, the wall clock on CPU."""
+    if device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.device, *,
+                     warmup: int, reps: int, on_round: Callable[[], None] | None = None
+                     ) -> dict[str, list[float]]:
+    """Time each of ``steps`` ``reps`` times, after ``warmup`` untimed calls each.
+
+    Rounds interleave the candidates (A B C, then C B A, then B C A ...): a slow phase of a
+    shared machine falls on all of them instead of on whichever ran during it. Returns the
+    seconds of every timed call per name; ``on_round`` is called after each round (progress).
+    """
+    names = list(steps)
+    for name in names:
+        for _ in range(warmup):
+            steps[name]()
+        sync(device)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        shift = (r // 2) % len(names)
+        order = names[shift:] + names[:shift]
+        if r % 2:
+            order.reverse()
+        for name in order:
+            out[name].append(_time_once(steps[name], device))
+        if on_round is not None:
+            on_round()
+    return out
+
+
+def summarize(times: Iterable[float]) -> dict[str, float]:
+    """Median, quartiles (their difference is the IQR), minimum and maximum, in seconds."""
+    ts = sorted(times)
+    if not ts:
+        raise ValueError("summarize: no times")
+    if len(ts) >= 2:
+        q1, _, q3 = statistics.quantiles(ts, n=4, method="inclusive")
+    else:
+        q1 = q3 = ts[0]
+    return {"median_s": statistics.median(ts), "q25_s": q1, "q75_s": q3, "iqr_s": q3 - q1,
+            "min_s": ts[0], "max_s": ts[-1], "reps": len(ts)}
+
+
+def held_bytes(*objs) -> int:
+    """Bytes of the distinct storages of ``objs`` (tensors, modules with their parameters,
+    buffers and grads, optimizers' state), each storage once."""
+    tracker = LiveTensorTracker()
+    tracker.count(*(o for o in objs if o is not None))
+    return tracker.current_bytes
+
+
+def peak_bytes(step: Callable[[], object], device: torch.device, *held) -> int:
+    """Peak memory of one call of ``step``: the bytes of ``held`` (model, optimizer, inputs)
+    plus the most that the step allocated and held at once (``None`` in ``held`` is skipped).
+
+    CUDA: ``max_memory_allocated`` during the step, less what was allocated before it, plus
+    ``held``'s bytes (so other objects alive in the process do not count). CPU: the peak of
+    :class:`~fusedres.memory.LiveTensorTracker` with ``held`` counted.
+    """
+    held = tuple(o for o in held if o is not None)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before + held_bytes(*held)
+    with LiveTensorTracker() as live:
+        live.count(*held)
+        step()
+    return live.peak_bytes

@@ -1,0 +1,237 @@
+"""``fusedres bench step``: whole training steps (forward, cross-entropy, backward, SGD step) of
+the zoo's models for plain / fused / fused + planner / plain + checkpointing: images/s, peak
+memory of the step, saved activations."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fusedres
+from fusedres import models
+from fusedres.memory import saved_bytes
+
+from .measure import peak_bytes, summarize, sync, time_interleaved
+
+__all__ = ["VARIANTS", "build_variant", "model_input", "run_steps"]
+
+VARIANTS = ("plain", "fused", "fused+plan", "plain+ckpt")
+
+
+def model_name(depth_or_name: str) -> str:
+    """``"164"`` or ``"resnet164"`` or ``"preact_resnet164"`` -> ``"preact_resnet164"``;
+    raises ``ValueError`` naming ``--models`` for a model the zoo does not have."""
+    text = str(depth_or_name).strip().lower()
+    for prefix in ("preact_resnet", "resnet"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    name = f"preact_resnet{text}"
+    if name not in models.MODELS:
+        raise ValueError(f"--models: unknown model {depth_or_name!r}; expected one of "
+                         + ", ".join(k.replace("preact_resnet", "") for k in models.MODELS))
+    return name
+
+
+def model_input(name: str, image_size: int | None = None) -> tuple[int, int]:
+    """(image size, classes) of a zoo model: CIFAR 32x32/10, ImageNet 224x224/1000."""
+    cifar = int(name.replace("preact_resnet", "")) in (20, 56, 110, 164, 1001)
+    return (image_size or (32 if cifar else 224)), (10 if cifar else 1000)
+
+
+class Trainer:
+    """One variant of one model, with its optimizer and a fixed batch."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor,
+                 backend: str, info: dict):
+        self.model, self.x, self.target, self.backend, self.info = model, x, target, backend, info
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        with fusedres.use_backend(self.backend):
+            F.cross_entropy(self.model(self.x), self.target).backward()
+        self.opt.step()
+
+
+def fused_backend(device: torch.device) -> str:
+    """The backend the fused variants run on: what ``auto`` picks for ``device``."""
+    return fusedres._backend.resolve_backend(device)
+
+
+def build_variant(name: str, variant: str, batch: int, device: torch.device, *,
+                  plan_budget: int | None = None, image_size: int | None = None,
+                  depth: int | None = None) -> Trainer:
+    """A :class:`Trainer` for ``variant`` of zoo model ``name`` (or of the CIFAR ResNet of
+    ``depth`` bottleneck layers when ``depth`` is given). ``fused+plan`` calls
+    ``fusedres.memory.plan(model, input_shape, budget_bytes=plan_budget)``, which raises
+    ``fusedres.planner.PlanError`` when the budget cannot be met."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
+    fused = variant.startswith("fused")
+    torch.manual_seed(0)
+    if depth is not None:
+        model = models.preact_resnet(depth, fused=fused, block="bottleneck")
+        size, classes = 32, 10
+    else:
+        model = models.MODELS[name](fused=fused)
+        size, classes = model_input(name, image_size)
+    model = model.to(device)
+    info: dict = {"variant": variant}
+    shape = (batch, 3, size, size)
+    if variant == "fused+plan":
+        if plan_budget is None:
+            raise ValueError("plan_budget: needed for the fused+plan variant")
+        plan = fusedres.memory.plan(model, shape, budget_bytes=plan_budget)
+        info.update(plan_budget_bytes=int(plan_budget), units_checkpointed=plan.n_checkpointed,
+                    segments=len(plan.segments), recompute_fraction=plan.recompute_fraction)
+    elif variant == "plain+ckpt":
+        model.set_grad_checkpointing(True)  # every unit its own segment (timm's default)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(device)
+    target = torch.randint(0, classes, (batch,), generator=g).to(device)
+    backend = fused_backend(device) if fused else "reference"
+    info["backend"] = backend
+    return Trainer(model, x, target, backend, info)
+
+
+def step_peak(tr: Trainer, device: torch.device) -> int:
+    """Peak memory of one training step: parameters, gradients, optimizer state, the batch,
+    and everything the step allocates at its worst moment."""
+    return peak_bytes(tr.step, device, tr.model, tr.opt, tr.x, tr.target)
+
+
+def default_plan_budget(name: str, batch: int, image_size: int | None = None) -> int:
+    """Half the fused model's saved activations (counted on the meta device): a budget that
+    makes the planner checkpoint."""
+    size, _ = model_input(name, image_size)
+    with torch.device("meta"):
+        model = models.MODELS[name](fused=True)
+    x = torch.empty(batch, 3, size, size, device="meta")
+    return max(1, saved_bytes(model, x) // 2)
+
+
+def run_steps(names, batch: int, device: torch.device, *, variants=VARIANTS,
+              plan_budget: int | None = None, warmup: int = 1, reps: int = 5,
+              image_size: int | None = None, deadline: float | None = None, progress=None,
+              on_model=None) -> list[dict]:
+    """One row per (model, variant): ``images_per_s`` (batch / median step time) with the
+    spread of the step times, ``peak_bytes``, ``saved_bytes``; the planner's choices for
+    ``fused+plan`` (budget: ``plan_budget``, or half the fused model's saved bytes)."""
+    rows: list[dict] = []
+    for name in names:
+        if deadline is not None and time.monotonic() > deadline:
+            rows.append({"model": name, "batch": batch, "variant": None,
+                         "skipped": "time limit reached"})
+            continue
+        budget = plan_budget or default_plan_budget(name, batch, image_size)
+        trainers, model_rows = {}, []
+        for v in variants:
+            try:
+                trainers[v] = build_variant(name, v, batch, device, plan_budget=budget,
+                                            image_size=image_size)
+            except fusedres.planner.PlanError as e:
+                model_rows.append({"model": name, "batch": batch, "variant": v,
+                                   "skipped": f"planner: {str(e).splitlines()[0]}"})
+        try:
+            times = time_interleaved({v: t.step for v, t in trainers.items()}, device,
+                                     warmup=warmup, reps=reps,
+                                     on_round=progress.update if progress else None)
+        except torch.cuda.OutOfMemoryError as e:
+            trainers.clear()
+            _free(device)
+            rows.append({"model": name, "batch": batch, "variant": None,
+                         "skipped": f"out of memory: {str(e).splitlines()[0]}"})
+            continue
+        for v, tr in trainers.items():
+            stats = summarize(times[v])
+            row = {"model": name, "batch": batch, **tr.info, **stats,
+                   "images_per_s": batch / stats["median_s"],
+                   "images_per_s_min": batch / stats["max_s"],
+                   "images_per_s_max": batch / stats["min_s"]}
+            with fusedres.use_backend(tr.backend):
+                row["saved_bytes"] = saved_bytes(tr.model, tr.x)
+            row["peak_bytes"] = step_peak(tr, device)
+            model_rows.append(row)
+        plain = next((r for r in model_rows if r["variant"] == "plain" and "median_s" in r),
+                     None)
+        for r in model_rows:
+            if plain and "median_s" in r:
+                r["time_ratio"] = r["median_s"] / plain["median_s"]
+                r["peak_ratio"] = r["peak_bytes"] / plain["peak_bytes"]
+        rows += model_rows
+        if on_model is not None:
+            on_model(model_rows)
+        del trainers
+        _free(device)
+    return rows
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- output
+
+def columns():
+    from .report import Column, fmt_bytes
+    return [Column("model", lambda r: r["model"].replace("preact_resnet", "ResNet-"),
+                   right=False),
+            Column("batch", "batch"), Column("variant", "variant", right=False),
+            Column("backend", "backend", right=False),
+            Column("images/s", "images_per_s", "{:.1f}"),
+            Column("(min-max)", lambda r: (r["images_per_s_min"], r["images_per_s_max"]),
+                   lambda v: f"{v[0]:.1f}-{v[1]:.1f}"),
+            Column("x plain time", "time_ratio", "{:.2f}"),
+            Column("peak", "peak_bytes", fmt_bytes),
+            Column("saved", "saved_bytes", fmt_bytes),
+            Column("plan", lambda r: (r["units_checkpointed"], r["plan_budget_bytes"],
+                                      r["recompute_fraction"])
+                   if "units_checkpointed" in r else None,
+                   lambda v: f"{v[0]} units ckpt @ {fmt_bytes(v[1])}, +{v[2]:.0%} FLOPs")]
+
+
+def plot(rows: list[dict], path, title: str) -> None:
+    """Two panels per model: images/s and peak memory of each variant."""
+    from .report import pyplot
+    plt = pyplot()
+    rows = [r for r in rows if "median_s" in r]
+    names = list(dict.fromkeys(r["model"] for r in rows))
+    if not names:
+        return
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+    colors = dict(zip(VARIANTS, ("tab:gray", "tab:blue", "tab:green", "tab:orange")))
+    from .report import mem_unit
+    fig, axes = plt.subplots(1, 2, figsize=(10, 1.8 + 0.55 * len(names) * len(variants) / 2))
+    width = 0.8 / len(variants)
+    mem_scale, unit = mem_unit(max(r["peak_bytes"] for r in rows))
+    for panel, (key, label, scale) in enumerate(
+            (("images_per_s", "images/s (higher is better)", 1),
+             ("peak_bytes", f"peak memory of the step, {unit}", mem_scale))):
+        ax = axes[panel]
+        for j, v in enumerate(variants):
+            ys, xs = [], []
+            for i, n in enumerate(names):
+                r = next((r for r in rows if r["model"] == n and r["variant"] == v), None)
+                if r is not None:
+                    ys.append(i + (j - (len(variants) - 1) / 2) * width)
+                    xs.append(r[key] / scale)
+            bars = ax.barh(ys, xs, height=width, color=colors[v], label=v)
+            ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=2)
+        ax.set_yticks(range(len(names)))
+        ax.set_yticklabels([n.replace("preact_resnet", "ResNet-") for n in names])
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+        ax.margins(x=0.18)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,361 @@
+"""``fusedres bench units``: forward+backward of single units, fused on every backend that runs
+here, against the plain unit (NCHW and channels_last), ``torch.compile`` of the plain unit and
+``torch.utils.checkpoint`` of it, measured in the same interleaved run.
+
+The builders here (:func:`make_case`, :func:`make_step`) are the ones the pytest-benchmark
+files in ``benchmarks/`` time too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import fusedres
+from fusedres.memory import saved_bytes
+
+from .measure import peak_bytes, summarize, time_interleaved
+from .shapes import BlockUnit, ConvUnit
+
+__all__ = ["BASELINES", "Case", "PlainConvUnit", "bandwidth_columns", "device_peak_bandwidth",
+           "fused_backends", "make_case", "make_step", "run_units", "saved_bytes_of"]
+
+# The plain unit in other clothes: the ratios of every row are to "plain" (NCHW, eager).
+BASELINES = ("plain", "channels_last", "compile", "checkpoint")
+
+
+class PlainConvUnit(nn.Module):
+    """``conv(relu(bn(x))) [+ residual]`` with ``nn.BatchNorm2d`` and ``nn.Conv2d`` (oneDNN on
+    CPU, cuDNN on CUDA): what a user writes without fusedres."""
+
+    def __init__(self, bn: nn.BatchNorm2d, conv: nn.Conv2d):
+        super().__init__()
+        self.bn, self.conv = bn, conv
+
+    def forward(self, x, residual=None):
+        y = self.conv(F.relu(self.bn(x)))
+        return y if residual is None else y + residual
+
+
+def build_module(shape: ConvUnit | BlockUnit, fused: bool) -> nn.Module:
+    """The unit of ``shape``, fused or plain, with seed-0 parameters (the same either way)."""
+    torch.manual_seed(0)
+    if isinstance(shape, ConvUnit):
+        unit = fusedres.BNReLUConv2d(shape.cin, shape.cout, shape.k, stride=shape.stride,
+                                     padding=shape.padding)
+        return unit if fused else PlainConvUnit(unit.bn, unit.conv)
+    if shape.block == "basic":
+        return fusedres.PreActBasicBlock(shape.cin, shape.planes, shape.stride, fused=fused)
+    return fusedres.PreActBottleneck(shape.cin, shape.planes, shape.stride, fused=fused,
+                                     stride_on=shape.stride_on)
+
+
+@dataclass
+class Case:
+    """One candidate on one shape: the module, its inputs, and how it is called."""
+
+    impl: str
+    backend: str
+    layout: str
+    module: nn.Module
+    fn: Callable
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    grad: torch.Tensor
+    amp: torch.dtype | None = None
+
+
+def make_case(shape: ConvUnit | BlockUnit, impl: str, device: torch.device,
+              dtype: torch.dtype = torch.float32, amp: torch.dtype | None = None) -> Case:
+    """``impl``: one of :data:`BASELINES`, or a fused backend's name (optionally with
+    ``" channels_last"``). Inputs are seeded, so every candidate of a shape sees the same.
+    ``amp``: run the forward under ``torch.autocast`` to that dtype (float32 parameters)."""
+    backend, _, layout = impl.partition(" ")
+    fused = impl not in BASELINES
+    if impl == "channels_last":
+        layout = "channels_last"
+    layout = layout or "nchw"
+    module = build_module(shape, fused).to(device=device, dtype=dtype)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    module = module.to(memory_format=fmt)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape.n, shape.cin, shape.hw, shape.hw, generator=g)
+    ho = shape.ho if isinstance(shape, ConvUnit) else -(-shape.hw // shape.stride)
+    gy = torch.randn(shape.n, shape.cout, ho, ho, generator=g)
+    res = None
+    if isinstance(shape, ConvUnit) and shape.residual:
+        res = torch.randn(shape.n, shape.cout, ho, ho, generator=g)
+
+    def put(t, grad):
+        if t is None:
+            return None
+        return t.to(device=device, dtype=dtype).contiguous(memory_format=fmt).requires_grad_(grad)
+
+    x, res, gy = put(x, True), put(res, True), put(gy, False)
+    if impl == "checkpoint":
+        def fn(*a):
+            return checkpoint(module, *a, use_reentrant=False)
+    elif impl == "compile":
+        fn = torch.compile(module)
+    else:
+        fn = module
+    if amp is not None:
+        gy = gy.to(amp)
+    return Case(impl, backend if fused else "reference", layout, module, fn, x, res, gy, amp)
+
+
+def _backend_ctx(case: Case):
+    return fusedres.use_backend(case.backend)
+
+
+def _call(case: Case):
+    amp = (torch.autocast(case.x.device.type, dtype=case.amp) if case.amp is not None
+           else contextlib.nullcontext())
+    with amp:
+        return case.fn(case.x) if case.residual is None else case.fn(case.x, case.residual)
+
+
+def make_step(case: Case) -> Callable[[], None]:
+    """One training step of the unit: forward, backward with a fixed output gradient; the
+    gradients of the previous step are dropped first (as ``zero_grad(set_to_none=True)``)."""
+    def step():
+        case.x.grad = None
+        if case.residual is not None:
+            case.residual.grad = None
+        for p in case.module.parameters():
+            p.grad = None
+        with _backend_ctx(case):
+            _call(case).backward(case.grad)
+    return step
+
+
+def fused_backends(device: torch.device) -> list[str]:
+    """The fused backends that run on ``device``, for timing: the Triton interpreter on CPU is
+    left out (its times mean nothing)."""
+    out = []
+    for b in fusedres.available_backends(device):
+        if b == "reference" or (b == "triton" and device.type != "cuda"):
+            continue
+        out.append(b)
+    return out
+
+
+def device_peak_bandwidth(device: torch.device) -> float | None:
+    """Peak DRAM bandwidth of a CUDA device in bytes/s (2 x memory clock x bus width), or None."""
+    if device.type != "cuda":
+        return None
+    p = torch.cuda.get_device_properties(device)
+    clock_khz, bus_bits = getattr(p, "memory_clock_rate", 0), getattr(p, "memory_bus_width", 0)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2.0 * clock_khz * 1e3 * bus_bits / 8
+
+
+def modeled_bytes(shape: ConvUnit | BlockUnit, dtype: torch.dtype) -> int | None:
+    """DRAM bytes of one fused training step of a single unit as kernels/traffic.py models the
+    Triton kernels (None for whole blocks, or when the kernels are not installed)."""
+    if not isinstance(shape, ConvUnit):
+        return None
+    try:
+        from fusedres.kernels import traffic
+    except Exception:  # triton missing: no model
+        return None
+    elem = torch.tensor([], dtype=dtype).element_size()
+    unit = traffic.Unit(shape.name, shape.n, shape.cin, shape.hw, shape.cout, shape.k,
+                        shape.stride, shape.residual, elem)
+    return traffic.fused_step(unit).bytes
+
+
+def bandwidth_columns(row: dict, shape, dtype, peak_bw: float | None) -> None:
+    """Adds ``modeled_bytes``, ``achieved_Bps`` and ``bandwidth_fraction`` to a triton row on
+    CUDA (modeled bytes / measured median; fraction of the device's peak bandwidth)."""
+    if not row["impl"].startswith("triton") or peak_bw is None:
+        return
+    nbytes = modeled_bytes(shape, dtype)
+    if nbytes is None:
+        return
+    row["modeled_bytes"] = nbytes
+    row["achieved_Bps"] = nbytes / row["median_s"]
+    row["bandwidth_fraction"] = row["achieved_Bps"] / peak_bw
+
+
+def _impls(device: torch.device, baselines, backends) -> list[str]:
+    impls = [b for b in BASELINES if b in baselines]
+    for b in backends:
+        impls.append(b)
+        if device.type == "cuda":
+            impls.append(f"{b} channels_last")
+    return impls
+
+
+def shape_info(shape: ConvUnit | BlockUnit) -> dict:
+    info = {"shape": shape.name, "kind": shape.kind, "n": shape.n, "cin": shape.cin,
+            "cout": shape.cout, "hw": shape.hw, "stride": shape.stride}
+    if isinstance(shape, ConvUnit):
+        info.update(k=shape.k, residual=shape.residual)
+    return info
+
+
+def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=None,
+              warmup: int = 2, reps: int = 7, dtype: torch.dtype = torch.float32,
+              amp: torch.dtype | None = None, deadline: float | None = None, progress=None,
+              on_shape=None) -> list[dict]:
+    """Measure every shape; returns one row per (shape, impl) with the median and spread of
+    the step time, ``ratio`` to the plain row of the same shape and run, ``saved_bytes``
+    (autograd's saved activations) and ``peak_bytes`` (see :func:`measure.peak_bytes`).
+
+    ``deadline`` (a ``time.monotonic()`` value): shapes not started by then are skipped and
+    listed in a row with ``skipped``. ``on_shape(rows_of_shape)`` is called as each finishes.
+    """
+    backends = fused_backends(device) if backends is None else list(backends)
+    impls = _impls(device, baselines, backends)
+    peak_bw = device_peak_bandwidth(device)
+    rows: list[dict] = []
+    for shape in shapes:
+        if deadline is not None and time.monotonic() > deadline:
+            rows.append({**shape_info(shape), "impl": None, "skipped": "time limit reached"})
+            if progress is not None:
+                progress.update(reps)
+            continue
+        cases = {impl: make_case(shape, impl, device, dtype, amp) for impl in impls}
+        steps = {impl: make_step(c) for impl, c in cases.items()}
+        times = time_interleaved(steps, device, warmup=warmup, reps=reps,
+                                 on_round=progress.update if progress is not None else None)
+        shape_rows = []
+        for impl, case in cases.items():
+            row = {**shape_info(shape), "impl": impl, "backend": case.backend,
+                   "layout": case.layout, "dtype": str(dtype).replace("torch.", ""),
+                   "amp": str(amp).replace("torch.", "") if amp is not None else None,
+                   **summarize(times[impl])}
+            row["saved_bytes"] = _saved(case)
+            row["peak_bytes"] = _peak(steps[impl], device, case)
+            shape_rows.append(row)
+        plain = next((r for r in shape_rows if r["impl"] == "plain"), None)
+        for row in shape_rows:
+            row["ratio"] = row["median_s"] / plain["median_s"] if plain else None
+            bandwidth_columns(row, shape, amp or dtype, peak_bw)
+        rows += shape_rows
+        if on_shape is not None:
+            on_shape(shape_rows)
+        del cases, steps
+    return rows
+
+
+def saved_bytes_of(case: Case) -> int | None:
+    """Bytes autograd saves for backward in one forward of the case (None for compile)."""
+    return _saved(case)
+
+
+def _saved(case: Case) -> int | None:
+    if case.impl == "compile":
+        return None  # compiled graphs save through AOTAutograd, not autograd's hooks
+    with _backend_ctx(case):
+        return saved_bytes(lambda: _call(case))
+
+
+def _peak(step, device, case: Case) -> int | None:
+    if case.impl == "compile" and device.type != "cuda":
+        # The live-tensor tracker is a dispatch mode: under it the compiled graph would not be
+        # what runs, so its peak would be the eager unit's. CUDA's allocator sees the real one.
+        return None
+    return peak_bytes(step, device, case.module, case.x, case.residual, case.grad)
+
+
+# --------------------------------------------------------------------------- output
+
+def columns():
+    from .report import Column, fmt_bytes
+    return [Column("shape", "shape", right=False), Column("impl", "impl", right=False),
+            Column("median ms", lambda r: r["median_s"] * 1e3, "{:.2f}"),
+            Column("IQR ms", lambda r: r["iqr_s"] * 1e3, "{:.2f}"),
+            Column("x plain", "ratio", "{:.2f}"),
+            Column("saved", "saved_bytes", fmt_bytes),
+            Column("peak", "peak_bytes", fmt_bytes)]
+
+
+def bandwidth_cols():
+    from .report import Column
+    return [Column("modeled MB", lambda r: r["modeled_bytes"] / 1e6, "{:.1f}"),
+            Column("GB/s", lambda r: r["achieved_Bps"] / 1e9, "{:.0f}"),
+            Column("of peak", "bandwidth_fraction", "{:.0%}")]
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """Measured rows, then one per skipped shape."""
+    return [r for r in rows if r.get("impl") is not None]
+
+
+def plot_ratios(rows: list[dict], path, title: str) -> None:
+    """Dot plot: one line per shape, the ratio to the plain unit of every other candidate (log
+    scale; left of 1 is faster than plain)."""
+    from .report import pyplot
+    plt = pyplot()
+    rows = table_rows(rows)
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    impls = [i for i in dict.fromkeys(r["impl"] for r in rows) if i != "plain"]
+    if not shapes or not impls:
+        return
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.28 * len(shapes)))
+    markers = "oDs^v<>P*X"
+    for j, impl in enumerate(impls):
+        pts = [(r["ratio"], shapes.index(r["shape"])) for r in rows
+               if r["impl"] == impl and r.get("ratio")]
+        if pts:
+            xs, ys = zip(*pts)
+            fused = impl not in BASELINES
+            ax.scatter(xs, ys, marker=markers[j % len(markers)], s=46 if fused else 30,
+                       label=impl + (" (fused)" if fused else ""), zorder=3,
+                       edgecolors="black" if fused else "none", linewidths=0.6)
+    ax.axvline(1.0, color="black", lw=1)
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(shapes)))
+    ax.set_yticklabels(shapes, fontsize=8)
+    ax.invert_yaxis()
+    ax.grid(axis="x", which="both", alpha=0.3)
+    ax.grid(axis="y", alpha=0.15)
+    ax.set_xlabel("step time / plain unit's step time (same run; < 1 is faster)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.9 / (1.6 + 0.28 * len(shapes))),
+              ncol=min(len(impls), 4), fontsize=8, frameon=False)
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+    lo = min(r["ratio"] for r in rows if r.get("ratio"))
+    hi = max(r["ratio"] for r in rows if r.get("ratio"))
+    ticks = [t * 10.0 ** e for e in range(-3, 4) for t in (1, 1.5, 2, 3, 5, 7)
+             if lo / 1.15 <= t * 10.0 ** e <= hi * 1.15] or [1.0]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.set_xticklabels([f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_bandwidth(rows: list[dict], path, title: str) -> bool:
+    """Bars: achieved bandwidth of each fused Triton unit as a fraction of the device's peak."""
+    pts = [r for r in table_rows(rows) if r.get("bandwidth_fraction") is not None]
+    if not pts:
+        return False
+    from .report import pyplot
+    plt = pyplot()
+    labels = [f"{r['shape']} [{r['layout']}]" for r in pts]
+    fig, ax = plt.subplots(figsize=(8, 1.4 + 0.3 * len(pts)))
+    ax.barh(range(len(pts)), [100 * r["bandwidth_fraction"] for r in pts], color="tab:green")
+    ax.set_yticks(range(len(pts)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("modeled DRAM bytes / measured time, % of the device's peak bandwidth")
+    ax.set_xlim(0, 100)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

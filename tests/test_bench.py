@@ -1,0 +1,267 @@
+"""fusedres bench: argument errors, the measuring helpers, and quick runs of units, fit and the
+whole gpu-report on CPU (JSON, Markdown and PNG written, figures consistent). No wall-clock
+assertions: times are only checked to be positive and ratios to be computed from the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusedres.bench import main
+from fusedres.bench import shapes as S
+from fusedres.bench.fit import search
+from fusedres.bench.measure import summarize, time_interleaved
+from fusedres.bench.runner import QUICK_FIT, Report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _cli(*argv, timeout=600):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "fusedres.bench", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    return proc
+
+
+# --------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("argv, flag", [
+    ([], "expected a command"),
+    (["units", "--reps", "0"], "--reps"),
+    (["units", "--warmup", "-1"], "--warmup"),
+    (["units", "--set", "nonesuch"], "--set"),
+    (["units", "--shapes", "conv:N=1,C=8,CO=8,HW=8"], "--shapes"),
+    (["units", "--shapes", "resnet"], "--shapes"),
+    (["units", "--baselines", "eager"], "--baselines"),
+    (["units", "--backends", "triton"], "--backends"),
+    (["units", "--amp", "fp8"], "--amp"),
+    (["units", "--bogus"], "--bogus"),
+    (["units", "--device", "tpu"], "--device"),
+    (["step", "--models", "21"], "--models"),
+    (["step", "--variants", "fast"], "--variants"),
+    (["step", "--batch", "ten"], "--batch"),
+    (["step", "--plan-budget", "lots"], "--plan-budget"),
+    (["fit", "--budget", "0GiB"], "--budget"),
+    (["fit", "--depth", "21"], "--depth"),
+    (["gpu-report", "--time-limit", "-5"], "--time-limit"),
+])
+def test_bad_flags_exit_2_with_one_line_naming_the_flag(argv, flag, capsys):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("fusedres bench: error: ") and flag in err, err
+    assert captured.out == ""  # nothing ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_cuda_without_a_gpu_and_out_that_is_a_file(tmp_path, capsys):
+    assert main(["units", "--device", "cuda"]) == 2
+    assert "--device cuda: no CUDA device" in capsys.readouterr().err
+    path = tmp_path / "file"
+    path.write_text("mine")
+    assert main(["units", "--quick", "--out", str(path)]) == 2
+    assert "--out" in capsys.readouterr().err and path.read_text() == "mine"
+
+
+def test_parse_shape_and_select():
+    u = S.parse_shape("conv:N=64,C=48,K=3,CO=48,HW=16,S=2,res")
+    assert (u.n, u.cin, u.cout, u.hw, u.k, u.stride, u.residual) == (64, 48, 48, 16, 3, 2, True)
+    assert u.ho == 8 and u.padding == 1
+    b = S.parse_shape("bottleneck:N=32,C=256,P=64,HW=56,S=2")
+    assert (b.block, b.cout, b.projection, b.stride_on) == ("bottleneck", 256, True, "conv2")
+    assert not S.parse_shape("basic:N=8,C=16,P=16,HW=32").projection
+    with pytest.raises(ValueError, match="--shapes"):
+        S.parse_shape("bottleneck:N=32,C=256,P=64,HW=56,res")
+    assert S.select("basic C=48 s2 +res,cifar", False, "x")[0].name == "basic C=48 s2 +res"
+    assert S.select(None, True, "cifar") == S.SETS["quick"]
+
+
+def test_basic_sweep_is_the_issue_sweep():
+    """40 single basic units: C in 16..256 (not only powers of two), s in 1, 2, +-residual,
+    N=64, 16x16, 3x3 C -> C, padding 1."""
+    sweep = S.BASIC_SWEEP
+    assert len(sweep) == 40 and len({u.name for u in sweep}) == 40
+    assert {u.cin for u in sweep} == {16, 24, 32, 48, 64, 96, 128, 160, 192, 256}
+    assert all(u.cin == u.cout and u.n == 64 and u.hw == 16 and u.k == 3 and u.padding == 1
+               for u in sweep)
+    assert {(u.stride, u.residual) for u in sweep} == {(1, False), (1, True), (2, False),
+                                                       (2, True)}
+    assert any(u.name == "basic C=48 s2 +res" for u in sweep)
+
+
+# --------------------------------------------------------------------------- measuring
+
+def test_time_interleaved_warms_up_then_alternates_the_order():
+    calls = []
+    steps = {name: (lambda n=name: calls.append(n)) for name in "ABC"}
+    times = time_interleaved(steps, torch.device("cpu"), warmup=2, reps=4)
+    assert calls[:6] == ["A", "A", "B", "B", "C", "C"]
+    rounds = [calls[6 + 3 * r: 9 + 3 * r] for r in range(4)]
+    assert rounds[0] == ["A", "B", "C"] and rounds[1] == ["C", "B", "A"]
+    assert all(sorted(r) == ["A", "B", "C"] for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 2  # not the same two orders over and over
+    assert {k: len(v) for k, v in times.items()} == {"A": 4, "B": 4, "C": 4}
+    assert all(t >= 0 for v in times.values() for t in v)
+
+
+def test_summarize():
+    s = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s["median_s"], s["min_s"], s["max_s"], s["reps"]) == (3.0, 1.0, 5.0, 5)
+    assert (s["q25_s"], s["q75_s"], s["iqr_s"]) == (2.0, 4.0, 2.0)
+
+
+def test_search_finds_the_largest_size_that_fits():
+    probed = []
+
+    def fits(k):
+        probed.append(k)
+        return k <= 37
+
+    assert search(fits, 2, 4096) == (37, "exact")
+    assert len(probed) == len(set(probed)) < 14  # doubling, then bisection; no repeats
+    assert search(lambda k: k <= 37, 2, 20) == (20, "cap reached: a lower bound")
+    assert search(lambda k: False, 2, 20) == (None, "the smallest size does not fit")
+
+
+def test_report_writes_each_part_as_it_finishes(tmp_path, capsys):
+    rep = Report(str(tmp_path), "t", torch.device("cpu"), ["units"])
+    rep.add("first", {"a": 1}, "table one", "## One")
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["parts"] == {"first": {"a": 1}} and doc["machine"]["torch"] == torch.__version__
+    assert "## One" in (tmp_path / "report.md").read_text()
+    rep.add("second", {"b": 2}, "table two", "## Two")
+    md = (tmp_path / "report.md").read_text()
+    assert md.index("## One") < md.index("## Two")
+    assert list(json.loads((tmp_path / "results.json").read_text())["parts"]) == ["first",
+                                                                                 "second"]
+    assert capsys.readouterr().out.splitlines() == ["table one", "table two"]
+
+
+# --------------------------------------------------------------------------- quick runs
+
+UNIT_ROW_KEYS = {"shape", "kind", "impl", "backend", "layout", "median_s", "iqr_s", "q25_s",
+                 "q75_s", "min_s", "max_s", "reps", "ratio", "saved_bytes", "peak_bytes"}
+
+
+def _check_units_rows(rows):
+    measured = [r for r in rows if r.get("impl") is not None]
+    assert measured
+    for shape in {r["shape"] for r in measured}:
+        group = [r for r in measured if r["shape"] == shape]
+        plain = [r for r in group if r["impl"] == "plain"]
+        assert len(plain) == 1 and plain[0]["ratio"] == 1.0
+        for r in group:
+            assert UNIT_ROW_KEYS <= set(r), set(r) ^ UNIT_ROW_KEYS
+            assert r["median_s"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"]
+            # The ratio is to the plain row of the same shape in the same run.
+            assert r["ratio"] == r["median_s"] / plain[0]["median_s"]
+        fused = [r for r in group if r["backend"] not in ("reference",)]
+        assert fused, "no fused backend timed"
+        for r in fused:  # the fused unit keeps less for backward (x, not relu(bn(x)))
+            assert r["saved_bytes"] < plain[0]["saved_bytes"]
+            assert r["peak_bytes"] < plain[0]["peak_bytes"]
+        ckpt = [r for r in group if r["impl"] == "checkpoint"]
+        assert ckpt and ckpt[0]["saved_bytes"] < plain[0]["saved_bytes"]
+    return measured
+
+
+def test_units_quick_writes_json_markdown_and_png(tmp_path):
+    out = tmp_path / "units"
+    proc = _cli("units", "--quick", "--baselines", "plain,channels_last,checkpoint",
+                "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((out / "results.json").read_text())
+    assert {"title", "command", "machine", "parts"} <= set(doc)
+    assert {"cpu", "cores", "torch_threads", "torch", "fusedres", "backends", "device",
+            "python"} <= set(doc["machine"])
+    assert doc["machine"]["device"] == "cpu" and doc["machine"]["torch_threads"] == 1
+    rows = _check_units_rows(doc["parts"]["units"]["rows"])
+    assert {r["shape"] for r in rows} == {u.name for u in S.SETS["quick"]}
+    assert {r["impl"] for r in rows} >= {"plain", "channels_last", "checkpoint"}
+    md = (out / "report.md").read_text()
+    assert "| shape | impl | median ms |" in md and "![units](units-ratio.png)" in md
+    assert (out / "units-ratio.png").read_bytes()[:8] == PNG_MAGIC
+    assert "x plain" in proc.stdout and "quick basic 8-8 @8" in proc.stdout
+
+
+def test_fit_quick_finds_a_budget_bound_answer(tmp_path):
+    proc = _cli("fit", "--quick", "--no-progress", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    fit = json.loads((tmp_path / "results.json").read_text())["parts"]["fit"]
+    budget = QUICK_FIT["budget"]
+    assert fit["budget_bytes"] == budget
+    _check_fit(fit, budget)
+    assert (tmp_path / "fit.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def _check_fit(fit, budget):
+    res = {(r["variant"], r["search"]): r for r in fit["results"]}
+    plain = res["plain", "batch"]
+    # Bound by the budget, not by a cap: the answer fits, one more does not.
+    assert plain["how"] == "exact" and plain["largest"] is not None
+    assert plain["peak_bytes"] <= budget
+    over = [p for p in fit["probes"] if p["variant"] == "plain" and p["search"] == "batch"
+            and p["batch"] == plain["largest"] + 1]
+    assert over and not over[0]["fits"] and over[0]["peak_bytes"] > budget
+    for p in fit["probes"]:
+        if "peak_bytes" in p:
+            assert p["fits"] == (p["peak_bytes"] <= budget)
+    # Peaks are counted (LiveTensorTracker), not timed: fused fits at least plain's batch.
+    assert res["fused", "batch"]["largest"] >= plain["largest"]
+    assert res["fused", "depth"]["largest"] >= res["plain", "depth"]["largest"]
+
+
+def test_gpu_report_quick_end_to_end_on_cpu(tmp_path):
+    """``make gpu-report``'s command on CPU: the parts in order, one directory with one
+    Markdown file, <= 6 PNGs and a JSON."""
+    out = tmp_path / "report"
+    proc = _cli("gpu-report", "--quick", "--device", "cpu", "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    pngs = [f for f in files if f.endswith(".png")]
+    assert [f for f in files if not f.endswith(".png")] == ["report.md", "results.json"]
+    assert 3 <= len(pngs) <= 6
+    for p in pngs:
+        assert (out / p).read_bytes()[:8] == PNG_MAGIC
+    doc = json.loads((out / "results.json").read_text())
+    assert list(doc["parts"]) == ["selftest", "units", "convs", "compile", "step", "fit"]
+    # Printed as each part finished, in order.
+    text = proc.stdout
+    marks = ["[self-test:", "[units:", "[convs:", "[compile:", "[step:", "[fit:",
+             "gpu-report finished"]
+    assert all(m in text for m in marks), text[-2000:]
+    assert [text.index(m) for m in marks] == sorted(text.index(m) for m in marks)
+    md = (out / "report.md").read_text()
+    for section in ("## Self-test", "## Units", "## Whole training steps", "## What fits in"):
+        assert section in md
+    st = doc["parts"]["selftest"]
+    if "skipped" not in st:
+        assert st["failed"] == 0 and st["passed"] > 0
+    units_rows = _check_units_rows(doc["parts"]["units"]["rows"])
+    assert {"channels_last", "checkpoint"} <= {r["impl"] for r in units_rows}
+    _check_units_rows(doc["parts"]["convs"]["rows"])
+    compiled = [r for r in doc["parts"]["compile"]["rows"] if r.get("impl") == "compile"]
+    assert compiled and compiled[0]["ratio"] > 0
+    steps = {r["variant"]: r for r in doc["parts"]["step"]["rows"]}
+    assert set(steps) == {"plain", "fused", "fused+plan", "plain+ckpt"}
+    assert all(r["images_per_s"] > 0 for r in steps.values())
+    assert steps["fused"]["saved_bytes"] < steps["plain"]["saved_bytes"]
+    assert steps["fused+plan"]["saved_bytes"] <= steps["fused"]["saved_bytes"]
+    assert steps["fused+plan"]["units_checkpointed"] > 0  # default budget: half of fused
+    assert steps["plain+ckpt"]["saved_bytes"] < steps["plain"]["saved_bytes"]
+    assert steps["fused"]["peak_bytes"] < steps["plain"]["peak_bytes"]
+    _check_fit(doc["parts"]["fit"], QUICK_FIT["budget"])
+
+
+def test_python_m_fusedres_bench_and_fusedres_bench_are_one_command():
+    from fusedres.cli import COMMANDS
+    assert COMMANDS["bench"][0] == "fusedres.bench"
+    proc = _cli("--help")
+    assert proc.returncode == 0 and "units" in proc.stdout and "gpu-report" in proc.stdout
