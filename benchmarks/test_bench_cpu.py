@@ -20,7 +20,6 @@ tens of seconds).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -34,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fusedres
 from benchutil import QUICK
+from fusedres.bench import shapes
 from fusedres.memory import saved_bytes
 
 if os.environ.get("FUSEDRES_BENCH_THREADS"):
@@ -48,65 +48,18 @@ COMPILE = os.environ.get("FUSEDRES_BENCH_COMPILE", "1") != "0"
 IMPLS = ["reference", "cpu", "checkpoint"] + (["compile"] if COMPILE else [])
 ROUNDS = 2 if QUICK else 7
 
-# (name, N, in_planes, planes, stride, spatial, stride_on)
-# CIFAR ResNet-164/1001 units (He et al.: stride on the first 1x1) at N=128, and ResNet-50
-# ImageNet units (torchvision/timm: stride on the 3x3) at N=32, incl. the stride-2 first units.
-UNITS = [
-    ("c164 s1 64-16-64 @32", 128, 64, 16, 1, 32, "conv1"),
-    ("c164 s2-first 64-32-128 /2 @32", 128, 64, 32, 2, 32, "conv1"),
-    ("c164 s2 128-32-128 @16", 128, 128, 32, 1, 16, "conv1"),
-    ("c164 s3-first 128-64-256 /2 @16", 128, 128, 64, 2, 16, "conv1"),
-    ("c164 s3 256-64-256 @8", 128, 256, 64, 1, 8, "conv1"),
-    ("r50 s1-first 64-64-256 @56", 32, 64, 64, 1, 56, "conv2"),
-    ("r50 s1 256-64-256 @56", 32, 256, 64, 1, 56, "conv2"),
-    ("r50 s2-first 256-128-512 /2 @56", 32, 256, 128, 2, 56, "conv2"),
-    ("r50 s2 512-128-512 @28", 32, 512, 128, 1, 28, "conv2"),
-    ("r50 s3-first 512-256-1024 /2 @28", 32, 512, 256, 2, 28, "conv2"),
-    ("r50 s3 1024-256-1024 @14", 32, 1024, 256, 1, 14, "conv2"),
-    ("r50 s4-first 1024-512-2048 /2 @14", 32, 1024, 512, 2, 14, "conv2"),
-    ("r50 s4 2048-512-2048 @7", 32, 2048, 512, 1, 7, "conv2"),
-]
-# (name, N, cin, cout, k, stride, spatial): the BN-ReLU-conv units of the CIFAR bottlenecks.
-CONVS = [
-    ("64>16 1x1 @32", 128, 64, 16, 1, 1, 32),
-    ("16>16 3x3 @32", 128, 16, 16, 3, 1, 32),
-    ("16>64 1x1 @32", 128, 16, 64, 1, 1, 32),
-    ("64>32 1x1 /2 @32", 128, 64, 32, 1, 2, 32),
-    ("128>32 1x1 @16", 128, 128, 32, 1, 1, 16),
-    ("32>32 3x3 @16", 128, 32, 32, 3, 1, 16),
-    ("32>128 1x1 @16", 128, 32, 128, 1, 1, 16),
-    ("256>64 1x1 @8", 128, 256, 64, 1, 1, 8),
-    ("64>64 3x3 @8", 128, 64, 64, 3, 1, 8),
-    ("64>256 1x1 @8", 128, 64, 256, 1, 1, 8),
-]
-
-
-@dataclasses.dataclass(frozen=True)
-class BasicShape:
-    """One fused basic unit: BN -> ReLU -> Conv3x3(C -> C, stride, padding 1, no bias), plus a
-    residual of the output's shape when ``residual``; input (n, channels, spatial, spatial)
-    float32 NCHW, timed forward+backward in training mode."""
-
-    channels: int
-    stride: int
-    residual: bool
-    n: int = 64
-    spatial: int = 16
-
-    @property
-    def id(self) -> str:
-        return f"basic C={self.channels} s{self.stride}" + (" +res" if self.residual else "")
-
-
-# Basic 3x3 units (issue 10): channels 16..256 in steps that are not only powers of two,
-# strides 1 and 2, with and without residual; N=64 at 16x16. 40 shapes.
-BASIC_SWEEP = [BasicShape(c, s, r) for c in (16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
-               for s in (1, 2) for r in (False, True)]
+# The shapes are fusedres.bench.shapes' (the `fusedres bench units` CLI measures the same ones):
+# CIFAR ResNet-164/1001 bottlenecks (stride on the first 1x1) at N=128 and ResNet-50 ones (stride
+# on the 3x3) at N=32, the BN-ReLU-conv units inside the CIFAR bottlenecks, and issue 10's sweep
+# of basic 3x3 units (C 16..256, stride 1/2, +-residual, N=64 @16).
+UNITS = shapes.CIFAR_BOTTLENECKS + shapes.R50_BOTTLENECKS
+CONVS = shapes.CIFAR_CONVS
+BASIC_SWEEP = shapes.BASIC_SWEEP
 STEP_DEPTH, STEP_N = (20, 4) if QUICK else (164, 64)
 if QUICK:
-    UNITS = [("quick 16-8-32 /2 @8", 4, 16, 8, 2, 8, "conv2")]
-    CONVS = [("quick 8>8 3x3 @8", 4, 8, 8, 3, 1, 8)]
-    BASIC_SWEEP = [BasicShape(8, 2, True, n=4, spatial=8)]
+    UNITS = [shapes.BlockUnit("quick 16-8-32 /2 @8", "bottleneck", 4, 16, 8, 8, 2, "conv2")]
+    CONVS = [shapes.ConvUnit("quick 8>8 3x3 @8", 4, 8, 8, 8)]
+    BASIC_SWEEP = [shapes.ConvUnit("quick basic C=8 s2 +res", 4, 8, 8, 8, 3, 2, True)]
 
 
 def _wrap(module: nn.Module, impl: str):
@@ -134,20 +87,19 @@ def _forward_backward(fn, x):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("unit", UNITS, ids=[u[0] for u in UNITS])
+@pytest.mark.parametrize("unit", UNITS, ids=[u.name for u in UNITS])
 def test_unit_forward_backward(benchmark, report, unit, impl):
     """One pre-activation bottleneck unit (three BN-ReLU-convs, shortcut, residual add)."""
-    name, n, cin, planes, stride, hw, stride_on = unit
     torch.manual_seed(0)
-    block = fusedres.PreActBottleneck(cin, planes, stride, fused=impl == "cpu",
-                                      stride_on=stride_on)
-    x = torch.randn(n, cin, hw, hw, requires_grad=True)
+    block = fusedres.PreActBottleneck(unit.cin, unit.planes, unit.stride, fused=impl == "cpu",
+                                      stride_on=unit.stride_on)
+    x = torch.randn(unit.n, unit.cin, unit.hw, unit.hw, requires_grad=True)
     fn = _wrap(block, impl)
     backend = "cpu" if impl == "cpu" else "reference"
     warmup = 2 if impl == "compile" else 1
     step = _forward_backward(fn, x)
 
-    benchmark.group = f"unit N={n} {name}"
+    benchmark.group = f"unit N={unit.n} {unit.name}"
     with fusedres.use_backend(backend):
         benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=warmup)
         extra = {} if impl == "compile" else {"saved_MiB": saved_bytes(fn, x) / 2**20}
@@ -155,38 +107,38 @@ def test_unit_forward_backward(benchmark, report, unit, impl):
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
-@pytest.mark.parametrize("conv", CONVS, ids=[c[0] for c in CONVS])
+@pytest.mark.parametrize("conv", CONVS, ids=[c.name for c in CONVS])
 def test_conv_unit_forward_backward(benchmark, report, conv, impl):
     """One BN-ReLU-conv (``BNReLUConv2d``) against ``BatchNorm2d`` + ``ReLU`` + ``Conv2d``:
     where inside a bottleneck the time goes."""
-    name, n, cin, cout, k, stride, hw = conv
     torch.manual_seed(0)
-    fused = fusedres.BNReLUConv2d(cin, cout, k, stride=stride, padding=k // 2)
+    fused = fusedres.BNReLUConv2d(conv.cin, conv.cout, conv.k, stride=conv.stride,
+                                  padding=conv.padding)
     module = fused if impl == "cpu" else nn.Sequential(fused.bn, nn.ReLU(), fused.conv)
-    x = torch.randn(n, cin, hw, hw, requires_grad=True)
+    x = torch.randn(conv.n, conv.cin, conv.hw, conv.hw, requires_grad=True)
     step = _forward_backward(module, x)
 
-    benchmark.group = f"conv N={n} {name}"
+    benchmark.group = f"conv N={conv.n} {conv.name}"
     with fusedres.use_backend("cpu" if impl == "cpu" else "reference"):
         benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=1)
         nbytes = saved_bytes(module, x)
     report(benchmark, group=benchmark.group, impl=impl, saved_MiB=nbytes / 2**20)
 
 
-def basic_units(shape: BasicShape):
+def basic_units(shape: shapes.ConvUnit):
     """(fused, plain, x, residual) for ``shape``: the fused ``BNReLUConv2d`` and the plain
     ``BatchNorm2d-ReLU-Conv2d`` sharing its parameters, a random input and residual (or None)."""
-    fused = fusedres.BNReLUConv2d(shape.channels, shape.channels, 3, stride=shape.stride,
-                                  padding=1)
+    fused = fusedres.BNReLUConv2d(shape.cin, shape.cout, shape.k, stride=shape.stride,
+                                  padding=shape.padding)
     plain = nn.Sequential(fused.bn, nn.ReLU(), fused.conv)
-    x = torch.randn(shape.n, shape.channels, shape.spatial, shape.spatial, requires_grad=True)
-    out = (shape.spatial - 1) // shape.stride + 1
-    residual = torch.randn(shape.n, shape.channels, out, out) if shape.residual else None
+    x = torch.randn(shape.n, shape.cin, shape.hw, shape.hw, requires_grad=True)
+    out = (shape.n, shape.cout, shape.ho, shape.ho)
+    residual = torch.randn(out) if shape.residual else None
     return fused, plain, x, residual
 
 
 @pytest.mark.parametrize("impl", ["reference", "cpu"])
-@pytest.mark.parametrize("shape", BASIC_SWEEP, ids=[b.id for b in BASIC_SWEEP])
+@pytest.mark.parametrize("shape", BASIC_SWEEP, ids=[b.name for b in BASIC_SWEEP])
 def test_basic_unit_forward_backward(benchmark, report, shape, impl):
     """One basic 3x3 unit of ``BASIC_SWEEP``, fused (``BNReLUConv2d(x, residual)``) against the
     plain unit plus the residual add."""
@@ -202,7 +154,7 @@ def test_basic_unit_forward_backward(benchmark, report, shape, impl):
             return plain(t) + residual
     step = _forward_backward(module, x)
 
-    benchmark.group = f"{shape.id} N={shape.n} @{shape.spatial}"
+    benchmark.group = f"{shape.name} N={shape.n} @{shape.hw}"
     with fusedres.use_backend("cpu" if impl == "cpu" else "reference"):
         benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=1)
         nbytes = saved_bytes(module, x)
