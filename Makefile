@@ -5,7 +5,7 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 DEPS    := $(VENV)/.deps-stamp
 INSTALL := $(VENV)/.install-stamp
-EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h csrc/cuda/*.cuh)
+EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/host/*.cpp csrc/cuda/host/*.h)
 EXT     := $(VENV)/.ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1
