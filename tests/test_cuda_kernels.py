@@ -138,10 +138,13 @@ def test_forward_half_within_twice_torch_error(pair, case, channels_last):
 MASKS = list(itertools.product([False, True], repeat=5))
 
 
+@pytest.mark.parametrize("strategy", ["sums", "store"])
 @pytest.mark.parametrize("batch_stats", [True, False], ids=["train", "eval"])
-def test_backward_every_output_mask(batch_stats):
-    """All 32 output_mask combinations: the metadata of ops.backward_empty_outputs, and every
-    requested gradient equal to the float64 reference."""
+def test_backward_every_output_mask(monkeypatch, batch_stats, strategy):
+    """All 32 output_mask combinations, with either backward strategy (FUSEDRES_CUDA_BACKWARD):
+    the metadata of ops.backward_empty_outputs, and every requested gradient equal to the
+    float64 reference."""
+    monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
     args = make(CASES[1], torch.float64, channels_last=False)
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d = args
     gy = torch.randn_like(portable.forward(*args))
@@ -161,6 +164,7 @@ def test_backward_every_output_mask(batch_stats):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_backward_full_precision(case, dtype, channels_last):
+    """Both BatchNorm modes (sums strategy, the default)."""
     args = make(case, dtype, channels_last=channels_last)
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d = args
     gy = torch.randn(portable.forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
@@ -175,9 +179,11 @@ def test_backward_full_precision(case, dtype, channels_last):
         assert got[0].stride() == x.stride() and got[1].stride() == weight.stride()
 
 
+@pytest.mark.parametrize("strategy", ["sums", "store"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=["c0", "c4"])
 @pytest.mark.parametrize("pair", HALF_PAIRS, ids=HALF_IDS)
-def test_backward_half_within_twice_torch_error(pair, case):
+def test_backward_half_within_twice_torch_error(monkeypatch, pair, case, strategy):
+    monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
     xdt, wdt = pair
     args = make(case, xdt, wdt, channels_last=True)
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d = args
@@ -209,6 +215,16 @@ def test_weight_gradient_split_k(monkeypatch, split, dtype):
                               mask)
     tol = TOL[dtype] if dtype in TOL else 1e-2
     assert rel_err(got[1], exact[1]) <= tol and rel_err(got[2], exact[2]) <= tol
+
+
+def test_bad_strategy_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", "fast")
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d = make(CASES[0], torch.float64)
+    gy = torch.randn_like(portable.forward(x, weight, None, gamma, beta, mean, invstd, None, s,
+                                           p, d))
+    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_BACKWARD: expected sums or store"):
+        OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d, True,
+                                    [True] * 5)
 
 
 def test_unsupported_dtype_pair_is_a_clear_error():

@@ -19,13 +19,14 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "conv_tiles.cuh"
 
 namespace fusedres::FUSEDRES_CUDA_NS {
 namespace {
 
-// What the data-gradient epilogue writes.
+// What the data-gradient epilogue writes: dz (then the dx pass), dx, or nothing (sums only).
 enum DgradWrite : int { kWriteNothing = 0, kWriteDz = 1, kWriteDx = 2 };
 
 template <typename X, typename W, typename T>
@@ -35,6 +36,7 @@ __global__ void __launch_bounds__(T::THREADS)
                  const acc_t<X>* __restrict__ mean, const acc_t<X>* __restrict__ invstd,
                  X* __restrict__ gx, acc_t<X>* __restrict__ dz_out,
                  acc_t<X>* __restrict__ part_dz, acc_t<X>* __restrict__ part_dzx,
+                 const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
                  Dims4 dyd, Dims4 wd, Dims4 xd, Dims4 gd, ConvGeom g, int write) {
   using A = acc_t<X>;
   static_assert(std::is_same_v<A, acc_t<W>>, "x and weight must share an accumulator type");
@@ -125,10 +127,15 @@ __global__ void __launch_bounds__(T::THREADS)
       const A xv = static_cast<A>(x[xd.offset(row_n[m], c, row_ih[m], row_iw[m])]);
       // The gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
       dz = xv * scale[c] + shift[c] <= A(0) ? A(0) : Cs[m][n];
-      dzx = dz * ((xv - mean[c]) * invstd[c]);
+      const A xhat = (xv - mean[c]) * invstd[c];
+      dzx = dz * xhat;
       const int64_t go = gd.offset(row_n[m], c, row_ih[m], row_iw[m]);
       if (write == kWriteDz) dz_out[go] = dz;
-      if (write == kWriteDx) gx[go] = static_cast<X>(scale[c] * dz);
+      // dx: training (the sums known before this pass: m1 = mean dz, m2 = mean dz xhat) or eval.
+      if (write == kWriteDx) {
+        gx[go] = static_cast<X>(m1 != nullptr ? scale[c] * (dz - m1[c] - xhat * m2[c])
+                                              : scale[c] * dz);
+      }
     }
     if (stats) {
       Cs[m][n] = dz;
@@ -153,18 +160,33 @@ __global__ void __launch_bounds__(T::THREADS)
   }
 }
 
-template <typename X, typename W, typename T>
+// Per-channel BatchNorm quantities the SUMS variant of the weight gradient reads.
+template <typename A>
+struct BnSums {
+  const A* mean;
+  const A* invstd;
+  const A* gamma;  // the BatchNorm weight (1 without one)
+  const A* beta;   // the BatchNorm bias (0 without one)
+  const void* weight;  // the conv weight (W), contracted with G1 and G2
+  A* part_dz;      // (split * Co blocks * taps, C) partials of sum dz
+  A* part_dzx;     // and of sum dz * xhat
+};
+
+template <typename X, typename W, typename T, bool SUMS>
 __global__ void __launch_bounds__(T::THREADS)
     wgrad_kernel(const W* __restrict__ dy, const X* __restrict__ x,
                  const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
                  W* __restrict__ gw, acc_t<W>* __restrict__ part_dw,
-                 acc_t<W>* __restrict__ part_db, Dims4 dyd, Dims4 xd, Dims4 gwd, ConvGeom g,
-                 int64_t k_steps_per_split) {
+                 acc_t<W>* __restrict__ part_db, BnSums<acc_t<X>> bs, Dims4 dyd, Dims4 xd,
+                 Dims4 gwd, Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
   using A = acc_t<X>;
   using C = acc_t<W>;
+  static_assert(std::is_same_v<A, C>, "x and weight must share an accumulator type");
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
   __shared__ __align__(32) W As[BK][BM + T::APAD];  // dy: (pixels) x (Co slice)
-  __shared__ __align__(32) W Bs[BK][BN + T::BPAD];  // a: (pixels) x (C slice)
+  // a (plain), or the ReLU mask m (SUMS): (pixels) x (C slice)
+  __shared__ __align__(32) W Bs[BK][BN + T::BPAD];
+  __shared__ __align__(32) W B2s[SUMS ? BK : 1][BN + T::BPAD];  // SUMS: m * xhat
   __shared__ __align__(32) C Cs[BM][BN + T::CPAD];
   __shared__ int64_t pix_dy[BK];  // offset of dy[n, 0, oh, ow], -1 past the pixels
   __shared__ int64_t pix_x[BK];   // offset of x[n, 0, ih, iw] at this tap, -1 outside the image
@@ -179,8 +201,10 @@ __global__ void __launch_bounds__(T::THREADS)
   const int64_t M = dyd.n * dyd.h * dyd.w;
   const bool bias_block = part_db != nullptr && blockIdx.y == 0;
   C db = C(0);
-  Accum<W, T> acc;
+  Accum<W, T> acc;   // plain: sum dy * a; SUMS: G1 = sum dy * m
+  Accum<W, T> acc2;  // SUMS: G2 = sum dy * m * xhat
   acc.zero();
+  if constexpr (SUMS) acc2.zero();
   const bool dy_channels_fast = dyd.sc == 1, x_channels_fast = xd.sc == 1;
   const int64_t k_begin = static_cast<int64_t>(blockIdx.z) * k_steps_per_split * BK;
   const int64_t k_end = k_begin + k_steps_per_split * BK < M ? k_begin + k_steps_per_split * BK : M;
@@ -208,9 +232,21 @@ __global__ void __launch_bounds__(T::THREADS)
       const int n = x_channels_fast ? e % BN : e / BK;
       const int k = x_channels_fast ? e / BN : e % BK;
       const int64_t c = c0 + n;
-      A a = A(0);
-      if (pix_x[k] >= 0 && c < Cin) a = bn_relu(static_cast<A>(x[pix_x[k] + c * xd.sc]), scale[c], shift[c]);
-      Bs[k][n] = static_cast<W>(a);
+      if constexpr (SUMS) {
+        A on = A(0), xhat = A(0);
+        if (pix_x[k] >= 0 && c < Cin) {
+          const A xv = static_cast<A>(x[pix_x[k] + c * xd.sc]);
+          // The gradient passes unless z <= 0 (NaN passes, as torch's ReLU backward).
+          on = xv * scale[c] + shift[c] <= A(0) ? A(0) : A(1);
+          xhat = on * ((xv - bs.mean[c]) * bs.invstd[c]);
+        }
+        Bs[k][n] = static_cast<W>(on);
+        B2s[k][n] = static_cast<W>(xhat);
+      } else {
+        A a = A(0);
+        if (pix_x[k] >= 0 && c < Cin) a = bn_relu(static_cast<A>(x[pix_x[k] + c * xd.sc]), scale[c], shift[c]);
+        Bs[k][n] = static_cast<W>(a);
+      }
     }
     __syncthreads();
     if (bias_block) {
@@ -218,25 +254,66 @@ __global__ void __launch_bounds__(T::THREADS)
         for (int k = 0; k < BK; ++k) db += static_cast<C>(As[k][m]);
     }
     acc.mma(As, Bs, tid);
+    if constexpr (SUMS) acc2.mma(As, B2s, tid);
     __syncthreads();
   }
-  acc.store(Cs, tid);
-  __syncthreads();
   if (bias_block) {
     for (int m = tid; m < BM; m += THREADS) {
       if (co0 + m < Co) part_db[blockIdx.z * Co + co0 + m] = db;
     }
   }
+  acc.store(Cs, tid);
+  __syncthreads();
   // Consecutive threads along C: the contiguous dimension of a channels_last weight, and the
   // partials' row.
-  for (int e = tid; e < BM * BN; e += THREADS) {
+  constexpr int kPerThread = (BM * BN + THREADS - 1) / THREADS;
+  C dw_part[SUMS ? kPerThread : 1];
+  if constexpr (SUMS) {
+    // dW = gamma * G2 + beta * G1; sum dz = sum over (co, tap) of W * G1, sum dz xhat of W * G2.
+    // G1 first: its beta * G1 share kept in registers, its contraction with W per column.
+    const W* wt = static_cast<const W*>(bs.weight);
+    const int64_t row = (static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x) * taps + t;
+#pragma unroll
+    for (int r = 0; r < kPerThread; ++r) {
+      const int e = tid + r * THREADS;
+      const int n = e % BN, m = e / BN;
+      const int64_t c = c0 + n;
+      dw_part[r] = (e < BM * BN && c < Cin) ? bs.beta[c] * Cs[m][n] : C(0);
+    }
+    for (int n = tid; n < BN; n += THREADS) {
+      const int64_t c = c0 + n;
+      if (c >= Cin) continue;
+      C s = C(0);
+      for (int m = 0; m < BM && co0 + m < Co; ++m) {
+        s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
+      }
+      bs.part_dz[row * Cin + c] = s;
+    }
+    __syncthreads();
+    acc2.store(Cs, tid);
+    __syncthreads();
+    for (int n = tid; n < BN; n += THREADS) {
+      const int64_t c = c0 + n;
+      if (c >= Cin) continue;
+      C s = C(0);
+      for (int m = 0; m < BM && co0 + m < Co; ++m) {
+        s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
+      }
+      bs.part_dzx[row * Cin + c] = s;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kPerThread; ++r) {
+    const int e = tid + r * THREADS;
     const int n = e % BN, m = e / BN;
     const int64_t co = co0 + m, c = c0 + n;
-    if (co >= Co || c >= Cin) continue;
+    if (e >= BM * BN || co >= Co || c >= Cin) continue;
+    C v = Cs[m][n];
+    if constexpr (SUMS) v = bs.gamma[c] * v + dw_part[r];
     if (part_dw != nullptr) {
-      part_dw[((blockIdx.z * Co + co) * taps + t) * Cin + c] = Cs[m][n];
+      part_dw[((blockIdx.z * Co + co) * taps + t) * Cin + c] = v;
     } else {
-      gw[gwd.offset(co, c, i, j)] = static_cast<W>(Cs[m][n]);
+      gw[gwd.offset(co, c, i, j)] = static_cast<W>(v);
     }
   }
 }
@@ -303,9 +380,15 @@ int64_t pick_split(int64_t co, int64_t c, int64_t taps, int64_t m, int64_t bm, i
   return ceil_div(k_steps, ceil_div(k_steps, split));  // no empty split
 }
 
+// The BatchNorm backward sums from the weight-gradient pass (its SUMS variant).
+struct SumsArgs {
+  at::Tensor gamma, beta, mean, invstd, weight;  // (C,) in the statistics dtype; the conv weight
+  at::Tensor sum_dz, sum_dzx;                    // out: (C,) float64
+};
+
 template <typename X, typename W>
 void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, at::Tensor& gw,
-                  at::Tensor* gb, const ConvGeom& g) {
+                  at::Tensor* gb, SumsArgs* sums, const ConvGeom& g) {
   using T = typename TilesFor<W>::Fwd;
   using A = acc_t<X>;
   using C = acc_t<W>;
@@ -320,27 +403,52 @@ void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, a
     part_dw = at::empty({split, Co, taps, Cin}, acc_opts);
   }
   at::Tensor part_db = gb != nullptr ? at::empty({split, Co}, acc_opts) : at::Tensor();
-  const dim3 grid(static_cast<unsigned>(ceil_div(Co, T::BM)),
+  const int64_t co_blocks = ceil_div(Co, T::BM);
+  const dim3 grid(static_cast<unsigned>(co_blocks),
                   static_cast<unsigned>(ceil_div(Cin, T::BN) * taps), static_cast<unsigned>(split));
-  FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), wgrad_kernel<X, W, T>)(
-      go.const_data_ptr<W>(), x.const_data_ptr<X>(), bn.scale.const_data_ptr<A>(),
-      bn.shift.const_data_ptr<A>(), gw.data_ptr<W>(),
-      part_dw.defined() ? part_dw.data_ptr<C>() : nullptr,
-      gb != nullptr ? part_db.data_ptr<C>() : nullptr, dims_of(go), dims_of(x), dims_of(gw), g,
-      steps);
+  BnSums<A> bs{};
+  at::Tensor part_dz, part_dzx;
+  if (sums != nullptr) {
+    part_dz = at::empty({split * co_blocks * taps, Cin}, acc_opts);
+    part_dzx = at::empty_like(part_dz);
+    bs = {sums->mean.const_data_ptr<A>(), sums->invstd.const_data_ptr<A>(),
+          sums->gamma.const_data_ptr<A>(), sums->beta.const_data_ptr<A>(),
+          sums->weight.const_data_ptr<W>(), part_dz.data_ptr<A>(), part_dzx.data_ptr<A>()};
+  }
+  const W* gop = go.const_data_ptr<W>();
+  const X* xp = x.const_data_ptr<X>();
+  const A* sc = bn.scale.const_data_ptr<A>();
+  const A* sh = bn.shift.const_data_ptr<A>();
+  C* pdw = part_dw.defined() ? part_dw.data_ptr<C>() : nullptr;
+  C* pdb = gb != nullptr ? part_db.data_ptr<C>() : nullptr;
+  const Dims4 wd = sums != nullptr ? dims_of(sums->weight) : Dims4{};
+  if (sums != nullptr) {
+    FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), wgrad_kernel<X, W, T, true>)(
+        gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, dims_of(go), dims_of(x), dims_of(gw),
+        wd, g, steps);
+  } else {
+    FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), wgrad_kernel<X, W, T, false>)(
+        gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, dims_of(go), dims_of(x), dims_of(gw),
+        wd, g, steps);
+  }
   FUSEDRES_CHECK_LAUNCH();
   if (part_dw.defined()) {
     // (split, Co, taps, C) -> (Co, C, kh, kw)
     gw.copy_(part_dw.sum(0).view({Co, g.kh, g.kw, Cin}).permute({0, 3, 1, 2}));
   }
   if (gb != nullptr) gb->copy_(part_db.sum(0));
+  if (sums != nullptr) {
+    sums->sum_dz = part_dz.sum(0, false, at::kDouble);
+    sums->sum_dzx = part_dzx.sum(0, false, at::kDouble);
+  }
 }
 
 template <typename X, typename W>
 void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight,
                   const Affine& bn, const at::Tensor& mean, const at::Tensor& invstd,
                   at::Tensor* gx, at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
-                  int write, const ConvGeom& g, int64_t phases, int64_t row_tiles) {
+                  const at::Tensor* m1, const at::Tensor* m2, int write, const ConvGeom& g,
+                  int64_t phases, int64_t row_tiles) {
   using T = typename TilesFor<W>::Fwd;
   using A = acc_t<X>;
   const dim3 grid(static_cast<unsigned>(row_tiles),
@@ -352,7 +460,9 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
       invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
       dz != nullptr ? dz->data_ptr<A>() : nullptr,
       part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
-      part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr, dims_of(go), dims_of(weight),
+      part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
+      m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
+      m2 != nullptr ? m2->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(weight),
       dims_of(x), dims_of(out), g, write);
   FUSEDRES_CHECK_LAUNCH();
 }
@@ -371,6 +481,20 @@ void launch_dx(const at::Tensor& dz, at::Tensor& gx, const at::Tensor& x, const 
       bn.scale.const_data_ptr<A>(), mean.const_data_ptr<A>(), invstd.const_data_ptr<A>(),
       m1.const_data_ptr<A>(), m2.const_data_ptr<A>(), dims_of(x), dims_of(gx));
   FUSEDRES_CHECK_LAUNCH();
+}
+
+// FUSEDRES_CUDA_BACKWARD (read at every call): "sums" (default: the weight-gradient pass also
+// yields the BatchNorm sums, then one pass writes dx; two GEMMs in the first pass) or "store"
+// (one GEMM each; the data-gradient pass stores dz with the sums, an elementwise pass writes
+// dx: three more activation passes). The same strategies as the Triton backend's.
+enum class Strategy { kSums, kStore };
+
+Strategy backward_strategy() {
+  const char* env = std::getenv("FUSEDRES_CUDA_BACKWARD");
+  if (env == nullptr || std::string(env) == "sums") return Strategy::kSums;
+  TORCH_CHECK(std::string(env) == "store", "FUSEDRES_CUDA_BACKWARD: expected sums or store, got '",
+              env, "'");
+  return Strategy::kStore;
 }
 
 int64_t tile_rows(at::ScalarType wt) {
@@ -421,19 +545,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd);
   const ConvGeom g = geom_of(weight, stride, padding, dilation);
 
+  const bool need_sums = want_g || want_beta || (want_x && batch_stats);
+  const double inv_m = 1.0 / static_cast<double>(N * H * W);
+  const int64_t phases = std::min(stride[0], H) * std::min(stride[1], W);
+  const int64_t row_tiles = ceil_div(N * ceil_div(H, stride[0]) * ceil_div(W, stride[1]),
+                                     tile_rows(weight.scalar_type()));
+  auto dgrad = [&](at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
+                   const at::Tensor* m1, const at::Tensor* m2, int write) {
+    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
+      launch_dgrad<decltype(xt), decltype(wt)>(go, x, weight, bn, mean, invstd,
+                                               want_x ? &gx : nullptr, dz, part_dz, part_dzx,
+                                               m1, m2, write, g, phases, row_tiles);
+    });
+  };
+
+  if (want_w && need_sums && backward_strategy() == Strategy::kSums) {
+    // "sums": the weight-gradient pass also yields the BatchNorm sums; dx in one more pass.
+    SumsArgs sums{bn_weight.has_value() ? bn_weight->contiguous() : at::ones_like(mean),
+                  bn_bias.has_value() ? bn_bias->contiguous() : at::zeros_like(mean), mean,
+                  invstd, weight, {}, {}};
+    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
+      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, &sums, g);
+    });
+    if (want_g) gg.copy_(sums.sum_dzx);
+    if (want_beta) gbeta.copy_(sums.sum_dz);
+    if (want_x) {
+      const at::Tensor m1 = (sums.sum_dz * inv_m).to(mean.scalar_type());
+      const at::Tensor m2 = (sums.sum_dzx * inv_m).to(mean.scalar_type());
+      const bool train = batch_stats;
+      dgrad(nullptr, nullptr, nullptr, train ? &m1 : nullptr, train ? &m2 : nullptr, kWriteDx);
+    }
+    return {gx, gw, gb, gg, gbeta};
+  }
+
+  // "store": one GEMM each; the data-gradient epilogue reduces the sums and stores dz
+  // (training), then the dx pass; in eval it writes dx = scale * dz directly.
   if (want_w) {
     dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
-      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, g);
+      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, nullptr,
+                                               g);
     });
   } else if (want_b) {
     gb.copy_(go.sum({0, 2, 3}, false, weight.scalar_type() == at::kDouble ? at::kDouble
                                                                           : at::kFloat));
   }
   if (!need_da) return {gx, gw, gb, gg, gbeta};
-
-  const bool need_sums = want_g || want_beta || (want_x && batch_stats);
-  const int64_t phases = std::min(stride[0], H) * std::min(stride[1], W);
-  const int64_t row_tiles = ceil_div(N * ceil_div(H, stride[0]) * ceil_div(W, stride[1]), tile_rows(weight.scalar_type()));
   at::Tensor part_dz, part_dzx;
   if (need_sums) {
     part_dz = at::zeros({phases * row_tiles, Cin}, mean.options());
@@ -447,23 +603,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   } else if (want_x) {
     write = kWriteDx;
   }
-  dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
-    launch_dgrad<decltype(xt), decltype(wt)>(
-        go, x, weight, bn, mean, invstd, want_x ? &gx : nullptr, dz.defined() ? &dz : nullptr,
-        need_sums ? &part_dz : nullptr, need_sums ? &part_dzx : nullptr, write, g, phases,
-        row_tiles);
-  });
+  dgrad(dz.defined() ? &dz : nullptr, need_sums ? &part_dz : nullptr,
+        need_sums ? &part_dzx : nullptr, nullptr, nullptr, write);
   if (!need_sums) return {gx, gw, gb, gg, gbeta};
   const at::Tensor sum_dz = part_dz.sum(0, false, at::kDouble);
   const at::Tensor sum_dzx = part_dzx.sum(0, false, at::kDouble);
   if (want_g) gg.copy_(sum_dzx);
   if (want_beta) gbeta.copy_(sum_dz);
   if (want_x && batch_stats) {
-    const double inv_m = 1.0 / static_cast<double>(N * H * W);
     const at::Tensor m1 = (sum_dz * inv_m).to(mean.scalar_type());
     const at::Tensor m2 = (sum_dzx * inv_m).to(mean.scalar_type());
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fusedres_cuda_dx",
-                                    [&] { launch_dx<scalar_t>(dz, gx, x, bn, mean, invstd, m1, m2); });
+    FUSEDRES_DISPATCH_FLOATING(x.scalar_type(), "fusedres_cuda_dx", [&] {
+      launch_dx<scalar_t>(dz, gx, x, bn, mean, invstd, m1, m2);
+    });
   }
   return {gx, gw, gb, gg, gbeta};
 }
