@@ -398,8 +398,8 @@ void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, a
   const int64_t steps = ceil_div(ceil_div(M, T::BK), split);
   constexpr at::ScalarType acc_type = c10::CppTypeToScalarType<C>::value;
   const auto acc_opts = gw.options().dtype(acc_type);
-  at::Tensor part_dw;
-  if (split > 1 || gw.scalar_type() != acc_type) {
+  at::Tensor part_dw;  // unsplit: the blocks write the weight gradient itself
+  if (split > 1) {
     part_dw = at::empty({split, Co, taps, Cin}, acc_opts);
   }
   at::Tensor part_db = gb != nullptr ? at::empty({split, Co}, acc_opts) : at::Tensor();
