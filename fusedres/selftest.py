@@ -1,15 +1,19 @@
-"""``python -m fusedres.selftest``: the Triton kernels against the reference, with a table.
+"""``python -m fusedres.selftest``: the GPU kernels (Triton, CUDA C++) against the reference,
+with a table.
 
 What a user with a GPU runs first. For each case (shape x dtype x layout) it runs one fused
-unit, forward and backward, on the ``triton`` backend and on ``reference`` (plain BatchNorm2d ->
-ReLU -> Conv2d), and prints pass/fail, the worst relative error over the output, every
+unit, forward and backward, on each GPU backend that can run (``triton``, ``cuda``; or those
+named by ``--backends``) and on ``reference`` (plain BatchNorm2d -> ReLU -> Conv2d: cuDNN on a
+GPU), and prints pass/fail, each backend's worst relative error over the output, every
 gradient and the output's batch statistics as the forward's genstats epilogue hands them to the
-next BatchNorm, the fused/reference time ratio of a training step and the ratio of their
-saved-activation bytes (plus peak CUDA memory on a GPU).
+next BatchNorm, the milliseconds of a training step (forward + backward) of each backend and of
+the reference side by side, the first backend's step time and saved-activation bytes against
+the reference's (plus peak CUDA memory on a GPU).
 
 Without a GPU it sets ``TRITON_INTERPRET=1`` (unless set) and runs small shapes on CPU through
-the interpreter: numerics only, the times are the interpreter's and mean nothing. Exit status 0
-when every case passes.
+the interpreter (and, with ``FUSEDRES_CUDA_ON_CPU=1``, the CUDA kernels through their CPU
+execution layer): numerics only, those times mean nothing. Exit status 0 when every case
+passes.
 """
 
 from __future__ import annotations
@@ -128,35 +132,40 @@ def _peak(fn, device) -> int:
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def run_case(case: Case, dtype, device, channels_last: bool, reps: int) -> dict:
+def run_case(case: Case, dtype, device, channels_last: bool, reps: int,
+             backends: tuple[str, ...] = ("triton",)) -> dict:
     args, exact = _inputs(case, dtype, device, channels_last)
     with fusedres.use_backend("reference"):
         y64, g64 = _step(case, exact)
         y_ref, g_ref = _step(case, args)
-    with fusedres.use_backend("triton"):
-        y, gr = _step(case, args)
-        stats = _output_stats(case, args)  # genstats: reduced in the forward's epilogue
     stats64 = _batch_moments(y64)
-    err = max(_rel_err(a, b) for a, b in zip((y, *gr, *stats), (y64, *g64, *stats64)))
     err_torch = max(_rel_err(a, b) for a, b in zip((y_ref, *g_ref, *_batch_moments(y_ref)),
                                                    (y64, *g64, *stats64)))
+    errs = {}
+    for backend in backends:
+        with fusedres.use_backend(backend):
+            y, gr = _step(case, args)
+            stats = _output_stats(case, args)  # genstats: reduced in the forward's epilogue
+        errs[backend] = max(_rel_err(a, b) for a, b in zip((y, *gr, *stats),
+                                                            (y64, *g64, *stats64)))
     # Pass: within the dtype's bound, or within twice the reference's own error.
-    ok = err <= max(TOL[dtype], 2 * err_torch)
+    bound = max(TOL[dtype], 2 * err_torch)
     row = dict(case=case.name, dtype=str(dtype).replace("torch.", ""),
-               layout="nhwc" if channels_last else "nchw", ok=ok, err=err, err_torch=err_torch)
+               layout="nhwc" if channels_last else "nchw",
+               ok=all(e <= bound for e in errs.values()), errs=errs, err_torch=err_torch)
 
     def fwd_only(backend):
         with fusedres.use_backend(backend):
             return saved_bytes(lambda: _step_forward(case, args))
-    row["saved_ratio"] = fwd_only("triton") / max(fwd_only("reference"), 1)
+    row["saved_ratio"] = fwd_only(backends[0]) / max(fwd_only("reference"), 1)
     if reps:
         timing = {}
-        for backend in ("triton", "reference"):
+        for backend in (*backends, "reference"):
             with fusedres.use_backend(backend):
                 timing[backend] = _time(lambda: _step(case, args), device, reps)
                 row[f"peak_{backend}"] = _peak(lambda: _step(case, args), device)
-        row["time_ratio"] = timing["triton"] / timing["reference"]
-        row["time_ms"] = timing["triton"] * 1e3
+        row["time_ratio"] = timing[backends[0]] / timing["reference"]
+        row["ms"] = {b: t * 1e3 for b, t in timing.items()}
     return row
 
 
@@ -184,34 +193,66 @@ def _step_forward(case: Case, args: dict):
 
 
 def format_rows(rows: list[dict], device) -> str:
-    head = (f"{'case':<24}{'dtype':<9}{'layout':<7}{'result':<7}{'max rel err':>12}"
-            f"{'torch err':>11}{'saved':>7}{'time':>8}{'ms':>9}{'peak':>7}")
+    backends = list(rows[0]["errs"]) if rows else []
+    first = backends[0] if backends else "fused"
+    err_cols = "".join(f"{'err ' + b:>13}" for b in backends)
+    ms_cols = "".join(f"{'ms ' + b:>14}" for b in (*backends, "reference"))
+    head = (f"{'case':<24}{'dtype':<9}{'layout':<7}{'result':<7}{err_cols}"
+            f"{'torch err':>11}{'saved':>7}{'time':>7}{ms_cols}{'peak':>7}")
+    ref = "cuDNN" if device.type == "cuda" else "PyTorch CPU"
     lines = [f"fusedres selftest on {device} (torch {torch.__version__}"
-             + (", TRITON_INTERPRET=1: times are the interpreter's" if device.type == "cpu"
-                else f", {torch.cuda.get_device_name(device)}") + ")",
-             "saved = saved-activation bytes fused/reference; time = step time fused/reference; "
-             "peak = peak CUDA memory fused/reference", head, "-" * len(head)]
+             + (", on CPU: the times are the interpreter's / the CPU layer's and mean nothing"
+                if device.type == "cpu" else f", {torch.cuda.get_device_name(device)}") + ")",
+             f"err = max relative error vs float64 (output, gradients, genstats); saved = "
+             f"saved-activation bytes {first}/reference; time = step time {first}/reference; "
+             f"ms = forward+backward of one unit (reference: {ref}); peak = peak CUDA memory "
+             f"{first}/reference", head, "-" * len(head)]
     for r in rows:
-        t = f"{r['time_ratio']:>8.2f}{r['time_ms']:>9.2f}" if "time_ratio" in r else " " * 17
-        peak = (f"{r['peak_triton'] / max(r['peak_reference'], 1):>7.2f}"
+        errs = "".join(f"{r['errs'][b]:>13.2e}" for b in backends)
+        if "ms" in r:
+            t = f"{r['time_ratio']:>7.2f}" + "".join(f"{r['ms'][b]:>14.2f}"
+                                                     for b in (*backends, "reference"))
+        else:
+            t = " " * (7 + 14 * (len(backends) + 1))
+        peak = (f"{r[f'peak_{first}'] / max(r['peak_reference'], 1):>7.2f}"
                 if r.get("peak_reference") else " " * 7)
         lines.append(f"{r['case']:<24}{r['dtype']:<9}{r['layout']:<7}"
-                     f"{'pass' if r['ok'] else 'FAIL':<7}{r['err']:>12.2e}{r['err_torch']:>11.2e}"
+                     f"{'pass' if r['ok'] else 'FAIL':<7}{errs}{r['err_torch']:>11.2e}"
                      f"{r['saved_ratio']:>7.2f}{t}{peak}")
     return "\n".join(lines)
 
 
+GPU_BACKENDS = ("triton", "cuda")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Triton kernels vs the reference, with a table.")
+    ap = argparse.ArgumentParser(
+        description="The GPU kernels (Triton, CUDA C++) vs the reference, with a table.")
     ap.add_argument("--reps", type=int, default=None,
                     help="timed repetitions per case (default: 10 on a GPU, 0 on CPU)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--backends", default=None,
+                    help="comma-separated fused backends to check (default: those of "
+                         f"{', '.join(GPU_BACKENDS)} that can run on the device)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    reason = fusedres._backend.unavailable_reason("triton", device)
-    if reason is not None:
-        print(f"fusedres selftest: the triton backend cannot run on {device}: {reason}")
-        return 2
+    reasons = {b: fusedres._backend.unavailable_reason(b, device) for b in GPU_BACKENDS}
+    if args.backends is None:
+        backends = tuple(b for b in GPU_BACKENDS if reasons[b] is None)
+        if not backends:
+            for b, reason in reasons.items():
+                print(f"fusedres selftest: the {b} backend cannot run on {device}: {reason}")
+            return 2
+        for b in GPU_BACKENDS:
+            if reasons[b] is not None:
+                print(f"fusedres selftest: skipping the {b} backend: {reasons[b]}")
+    else:
+        backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+        for b in backends:
+            reason = fusedres._backend.unavailable_reason(b, device)
+            if reason is not None:
+                print(f"fusedres selftest: the {b} backend cannot run on {device}: {reason}")
+                return 2
     gpu = device.type == "cuda"
     reps = args.reps if args.reps is not None else (10 if gpu else 0)
     cases = GPU_CASES if gpu else CPU_CASES
@@ -223,7 +264,7 @@ def main(argv=None) -> int:
             for cl in (True, False):
                 if not gpu and dtype != torch.float32 and not cl:
                     continue  # keep the CPU run short
-                rows.append(run_case(case, dtype, device, cl, reps))
+                rows.append(run_case(case, dtype, device, cl, reps, backends))
     print(format_rows(rows, device))
     failed = sum(not r["ok"] for r in rows)
     print(f"{len(rows) - failed}/{len(rows)} passed")

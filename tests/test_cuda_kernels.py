@@ -259,3 +259,25 @@ def test_index_helpers_use_int64():
     assert got.dtype == torch.int64
     assert got.tolist() == expect
     assert max(expect) > 2**40
+
+
+# --------------------------------------------------------------------------- selftest
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU `make selftest` runs it for real")
+def test_selftest_runs_the_cuda_backend(monkeypatch, capsys):
+    """`python -m fusedres.selftest --backends cuda` on CPU tensors through the CPU layer (the
+    backend made available as FUSEDRES_CUDA_ON_CPU=1 at import would): every case passes and
+    the table has the cuda backend's error and time columns."""
+    from fusedres import _backend, selftest
+    from fusedres.backends import cuda as cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "ON_CPU", True)
+    _backend._unavailable_reason.cache_clear()
+    try:
+        assert selftest.main(["--backends", "cuda", "--reps", "1"]) == 0
+    finally:
+        monkeypatch.undo()
+        _backend._unavailable_reason.cache_clear()
+    out = capsys.readouterr().out
+    assert "err cuda" in out and "ms cuda" in out and "ms reference" in out
+    assert "passed" in out and "FAIL" not in out
