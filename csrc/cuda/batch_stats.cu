@@ -7,7 +7,9 @@
 //      with Welford updates per thread and Chan merges across threads (warp shuffles, then
 //      shared memory), writing (count, mean, M2) per (channel, split) in the accumulate type;
 //   2. finalize: one warp per channel merges its splits in double and writes mean and M2 / n.
-// Offsets are int64 throughout. No E[x^2] - E[x]^2 anywhere: a large offset keeps precision.
+// Values are shifted by the channel's first value before they are accumulated (the shifted-data
+// algorithm): float Welford updates then see deviations, not a large offset, and x = 1000 +
+// noise keeps its variance's digits. Offsets are int64 throughout.
 #include "common.cuh"
 
 namespace fusedres::FUSEDRES_CUDA_NS {
@@ -20,7 +22,9 @@ constexpr int64_t kTargetPerBlock = kThreads * 16;  // values a split aims at
 constexpr int64_t kMaxPerBlock = int64_t(1) << 22;  // keeps float counts exact
 constexpr int64_t kMaxSplits = 256;
 
-// (count, mean, M2) of channel c over values [begin, end) of its N*HW values (NCHW).
+// (count, mean, M2) of channel c over values [begin, end) of its N*HW values (NCHW). The split
+// starts at plane n0, offset hw0; within it the offsets fit 32 bits (hw0 + per_split < 2^32),
+// so the per-value plane index is a 32-bit division (inline, no 64-bit division routine).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     stats_nchw_kernel(const scalar_t* __restrict__ x, int64_t C, int64_t HW, int64_t per_split,
@@ -31,11 +35,17 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t split = blockIdx.y;
   const int64_t begin = split * per_split;
   const int64_t end = begin + per_split < total ? begin + per_split : total;
+  const int64_t n0 = begin / HW;
+  const uint32_t hw0 = static_cast<uint32_t>(begin - n0 * HW);
+  const uint32_t hw32 = static_cast<uint32_t>(HW);
+  const uint32_t count = static_cast<uint32_t>(end - begin);
+  const scalar_t* base = x + (n0 * C + c) * HW;
+  const A shift = static_cast<A>(x[c * HW]);
   Moments<A> m{A(0), A(0), A(0)};
-  for (int64_t j = begin + threadIdx.x; j < end; j += kThreads) {
-    const int64_t n = j / HW;
-    const int64_t hw = j - n * HW;
-    m.add(static_cast<A>(x[(n * C + c) * HW + hw]));
+  for (uint32_t k = threadIdx.x; k < count; k += kThreads) {
+    const uint32_t q = (hw0 + k) / hw32;  // planes past n0
+    const uint32_t hw = hw0 + k - q * hw32;
+    m.add(static_cast<A>(base[static_cast<int64_t>(q) * C * HW + hw]) - shift);
   }
   m.warp_merge();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -72,8 +82,9 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
   const int64_t end = begin + rows_per_split < rows ? begin + rows_per_split : rows;
   Moments<A> m{A(0), A(0), A(0)};
   if (c < C) {
+    const A shift = static_cast<A>(x[c]);
     for (int64_t r = begin + threadIdx.y; r < end; r += kRowsPerBlock) {
-      m.add(static_cast<A>(x[r * C + c]));
+      m.add(static_cast<A>(x[r * C + c]) - shift);
     }
   }
   s_n[threadIdx.y][threadIdx.x] = m.n;
@@ -91,10 +102,12 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
   }
 }
 
-// One warp per channel: merge the channel's splits in double, write mean and biased variance.
-template <typename A>
+// One warp per channel: merge the channel's splits in double, write mean (the shift, the
+// channel's first value x[c * shift_stride], added back) and biased variance.
+template <typename scalar_t, typename A>
 __global__ void __launch_bounds__(256)
-    stats_finalize_kernel(const A* __restrict__ partial, int64_t C, int64_t splits,
+    stats_finalize_kernel(const scalar_t* __restrict__ x, int64_t shift_stride,
+                          const A* __restrict__ partial, int64_t C, int64_t splits,
                           A* __restrict__ mean, A* __restrict__ var) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (c >= C) return;  // a whole warp leaves together (blockDim.x == 32)
@@ -105,7 +118,8 @@ __global__ void __launch_bounds__(256)
   }
   m.warp_merge();
   if (threadIdx.x == 0) {
-    mean[c] = static_cast<A>(m.mean);
+    const double shift = static_cast<double>(static_cast<A>(x[c * shift_stride]));
+    mean[c] = static_cast<A>(shift + m.mean);
     var[c] = static_cast<A>(m.m2 / m.n);
   }
 }
@@ -129,6 +143,8 @@ std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
   const at::Tensor x = x_in.contiguous(nhwc ? at::MemoryFormat::ChannelsLast
                                             : at::MemoryFormat::Contiguous);
   const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  TORCH_CHECK(HW < (int64_t(1) << 31), "fusedres_cuda.batch_stats: H * W must be below 2^31, got ",
+              HW);
   const int64_t values = N * HW;
   const auto acc_type = at::toOpMathType(x.scalar_type());
   at::Tensor mean = at::empty({C}, x.options().dtype(acc_type));
@@ -161,8 +177,8 @@ std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
     FUSEDRES_CHECK_LAUNCH();
     const dim3 block(32, 8);
     FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(ceil_div(C, 8))), block, 0, stream,
-                    stats_finalize_kernel<A>)(pp, C, splits, mean.mutable_data_ptr<A>(),
-                                              var.mutable_data_ptr<A>());
+                    stats_finalize_kernel<scalar_t, A>)(
+        xp, nhwc ? 1 : HW, pp, C, splits, mean.mutable_data_ptr<A>(), var.mutable_data_ptr<A>());
     FUSEDRES_CHECK_LAUNCH();
   });
   return {mean, var};

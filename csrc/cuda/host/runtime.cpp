@@ -483,11 +483,13 @@ void warp_exchange(const char* op, unsigned mask, const void* value, size_t size
     wait(b, lk, op, [g] { return g->complete; });
   }
   if (src >= 0) {
-    if (src >= 32 || !(mask >> src & 1u)) {
-      device_error(std::string(op) + ": lane " + std::to_string(t.lane) + " reads lane " +
-                   std::to_string(src) + ", which is not in the mask " + hex(mask));
+    if (src < 32 && (mask >> src & 1u)) {
+      std::memcpy(out, g->values[src], size);
+    } else {
+      // CUDA: reading a lane that does not take part gives an undefined value. Here all bits
+      // set: NaN for floating point, -1 for integers, so that using it shows.
+      std::memset(out, 0xff, size);
     }
-    std::memcpy(out, g->values[src], size);
   }
   if (ballot) *ballot = g->ballot;
   g->read |= bit;

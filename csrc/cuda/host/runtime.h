@@ -10,9 +10,10 @@
 // is on one OS thread, and that OS thread runs one block at a time), `static` with OS threads
 // (blocks are serial). Dynamic shared memory is a per-block buffer (fusedres_dynamic_shared).
 // Warp shuffles and votes meet in a per-warp exchange keyed by the lane mask: a lane outside
-// its own mask, lanes that disagree on the mask, reading a lane outside the mask, or a lane
-// of the mask that has exited raise an error (on a GPU: undefined behaviour). Atomics are
-// std::atomic_ref. The WMMA fragment API is emulated whole-tile (host/wmma.h).
+// its own mask, a mask naming lanes that have exited or do not exist, or lanes that disagree
+// on the mask (a deadlock) raise an error (on a GPU: undefined behaviour); reading a lane
+// outside the mask gives all bits set (NaN, -1), as CUDA leaves that value undefined. Atomics
+// are std::atomic_ref. The WMMA fragment API is emulated whole-tile (host/wmma.h).
 //
 // Errors inside a kernel (layer checks, __trap) end the block; the launch then throws a
 // c10::Error naming the kernel, as a checked launch on a GPU would.
