@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include "conv_tiles.cuh"
+#include "ops.h"
 
 namespace fusedres::FUSEDRES_CUDA_NS {
 namespace {
@@ -230,6 +231,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   return {y, gmean.to(sdt), (gm2 / static_cast<double>(M)).to(sdt)};
 }
 
+}  // namespace
+
 at::Tensor bn_relu_conv2d(const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& bn_weight,
@@ -250,7 +253,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
                  dilation, true);
 }
 
-}  // namespace
 }  // namespace fusedres::FUSEDRES_CUDA_NS
 
 FUSEDRES_CUDA_LIBRARY_IMPL(m) {

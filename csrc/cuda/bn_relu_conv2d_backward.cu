@@ -22,6 +22,7 @@
 #include <string>
 
 #include "conv_tiles.cuh"
+#include "ops.h"
 
 namespace fusedres::FUSEDRES_CUDA_NS {
 namespace {
@@ -506,6 +507,8 @@ int64_t tile_rows(at::ScalarType wt) {
   }
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
@@ -620,7 +623,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   return {gx, gw, gb, gg, gbeta};
 }
 
-}  // namespace
 }  // namespace fusedres::FUSEDRES_CUDA_NS
 
 FUSEDRES_CUDA_LIBRARY_IMPL(m) {
