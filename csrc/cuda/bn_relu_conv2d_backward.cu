@@ -377,7 +377,7 @@ int64_t pick_split(int64_t co, int64_t c, int64_t taps, int64_t m, int64_t bm, i
     const int64_t traffic_cap = std::max<int64_t>(1, m * (c + co) / (32 * co * c * taps));
     split = std::min({ceil_div(2 * sms, tiles), std::max<int64_t>(1, k_steps / 4), traffic_cap});
   }
-  split = std::clamp<int64_t>(split, 1, k_steps);
+  split = std::clamp<int64_t>(split, 1, std::min<int64_t>(k_steps, 65535));  // grid.z limit
   return ceil_div(k_steps, ceil_div(k_steps, split));  // no empty split
 }
 

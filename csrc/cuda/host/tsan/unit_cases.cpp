@@ -16,8 +16,9 @@ struct Unit {
   std::vector<int64_t> s, p, d;
 };
 
-// c = 17 input channels: two K-steps per tap on every tile (BK = 16 or 32 channels for the
-// forward; 16 pixels for the weight gradient), so the barriers between steps are exercised.
+// c = 17 input channels: two K-steps per tap on the FMA tiles (BK = 16 channels), and the weight
+// gradient's reduction runs over several 16- or 32-pixel K-steps, so the barriers between K-steps
+// are exercised, not only those between taps.
 Unit make_unit(at::ScalarType dt, bool channels_last, std::vector<int64_t> s) {
   const auto fmt = channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   const auto sdt = dt == at::kDouble ? at::kDouble : at::kFloat;
