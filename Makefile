@@ -5,12 +5,16 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 DEPS    := $(VENV)/.deps-stamp
 INSTALL := $(VENV)/.install-stamp
-EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h csrc/cuda/*.cuh)
+EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/host/*.cpp csrc/cuda/host/*.h)
 EXT     := $(VENV)/.ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1
+# The nvcc copy of csrc/cuda only runs on a GPU: off by default here (the CPU copy of the same
+# kernels is always built; `make cuda-table` and tests/test_cuda_host.py compile csrc/cuda with
+# nvcc for sm_80/sm_90). On a GPU machine: FUSEDRES_BUILD_CUDA=1 make install.
+export FUSEDRES_BUILD_CUDA ?= 0
 PYTEST_ARGS ?=
-.PHONY: install demo compare test selftest bench gpu-report lint format clean
+.PHONY: install demo compare test selftest bench gpu-report lint format clean tsan cuda-table
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +50,14 @@ test: install
 # On a GPU: the kernels against the reference, with a table (on CPU: interpreter, small shapes).
 selftest: install
 	$(PY) -m fusedres.selftest
+
+# The CUDA kernels on CPU under ThreadSanitizer (one OS thread per CUDA thread): zero reports.
+tsan: install
+	$(PY) -m fusedres.cuda_tsan
+
+# nvcc compiles csrc/cuda for sm_80 and sm_90; registers, spills, shared memory, occupancy.
+cuda-table: install
+	$(PY) -m fusedres.cuda_aot --out csrc/cuda/COMPILE.md
 
 bench: install
 	$(PY) -m pytest benchmarks --benchmark-only $(PYTEST_ARGS)

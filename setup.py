@@ -69,8 +69,11 @@ def extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     _max_jobs()
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
+    # csrc/cuda/host/*.cpp: the CUDA kernels compiled by the host compiler through the CPU
+    # execution layer (always built: the `cuda` backend's CPU test vehicle, fusedres_cuda on CPU).
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp")
+                     + glob.glob("csrc/cuda/host/*.cpp"))
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     cuda_switch = _switch("FUSEDRES_BUILD_CUDA")
     cuda_home = _cuda_home()
     use_cuda = cuda_switch == "1" or (

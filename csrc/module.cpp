@@ -26,4 +26,11 @@ PyObject* PyInit__C(void) {
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
 
 TORCH_LIBRARY(fusedres_cpu, m) { FUSEDRES_DEFINE_OPS(m) }
-TORCH_LIBRARY(fusedres_cuda, m) { FUSEDRES_DEFINE_OPS(m) }
+TORCH_LIBRARY(fusedres_cuda, m) {
+  FUSEDRES_DEFINE_OPS(m)
+  // The forward with its output's per-channel (mean, biased var): the conv epilogue reduces them.
+  m.def(
+      "bn_relu_conv2d_genstats(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, "
+      "Tensor? bn_bias, Tensor mean, Tensor invstd, Tensor? residual, SymInt[2] stride, "
+      "SymInt[2] padding, SymInt[2] dilation) -> (Tensor, Tensor, Tensor)");
+}

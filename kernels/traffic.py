@@ -184,6 +184,64 @@ def _store_backward(s: Step, u: Unit, dt, vec: int, m_in: int, m_out: int) -> St
     return s
 
 
+# ----------------------------------------------------------------------------- CUDA C++ kernels
+
+# Tiles of the CUDA C++ kernels (csrc/cuda/conv_tiles.cuh, TilesFor): (BM, BN, BK) by operand
+# size; the same tile for the forward, the data gradient and the weight gradient.
+CUDA_TILES = {2: (64, 64, 32), 4: (64, 64, 16), 8: (32, 32, 16)}
+
+
+def cuda_wgrad_split(u: Unit) -> int:
+    """The weight gradient's split-K count: pick_split of csrc/cuda/bn_relu_conv2d_backward.cu
+    (about two waves of blocks, >= 4 K-steps a split, partials small against dy and x)."""
+    bm, bn, bk = CUDA_TILES[u.elem]
+    m = u.n * u.ho * u.ho
+    taps = u.k * u.k
+    k_steps = cdiv(m, bk)
+    tiles = cdiv(u.co, bm) * cdiv(u.c, bn) * taps
+    traffic_cap = max(1, m * (u.c + u.co) // (32 * u.co * u.c * taps))
+    split = min(cdiv(2 * H100_SMS, tiles), max(1, k_steps // 4), traffic_cap)
+    split = max(1, min(split, k_steps))
+    return cdiv(k_steps, cdiv(k_steps, split))
+
+
+def cuda_fused_step(u: Unit, genstats: bool = False) -> Step:
+    """The CUDA C++ kernels' traffic (csrc/cuda, default "sums" backward): batch statistics
+    (dropped with genstats), forward (genstats partials per row tile), the weight-gradient pass
+    with the BatchNorm sums (two GEMMs; float32 partials of dW when the reduction is split, and of
+    the sums, then reduced), and the data gradient writing dx."""
+    from ._common import KernelConfig
+
+    bm, bn, bk = CUDA_TILES[u.elem]
+    s = Step()
+    vec = u.c * 4
+    m_out = u.n * u.ho * u.ho
+    acc = 8 if u.elem == 8 else 4
+    if not genstats:
+        # csrc/cuda/batch_stats.cu: (count, mean, M2) partials per channel and split.
+        values = u.n * u.h * u.h
+        splits = max(min(1024, max(1, cdiv(values, 256 * 16))), cdiv(values, 1 << 22))
+        s.add("batch_stats", u.act_in() + 3 * splits * u.c * acc, 3 * splits * u.c * acc + 2 * vec)
+    flops = 2 * cdiv(m_out, bm) * bm * cdiv(u.co, bn) * bn * u.k * u.k * cdiv(u.c, bk) * bk
+    stats = 2 * cdiv(m_out, bm) * u.co * acc if genstats else 0
+    s.add("fwd", u.act_in() + u.weight() + (u.act_out() if u.residual else 0) + 2 * vec,
+          u.act_out() + stats, flops)
+    if genstats:
+        s.add("genstats merge", stats, 2 * u.co * 4)
+    split = cuda_wgrad_split(u)
+    taps = u.k * u.k
+    sums = 2 * split * cdiv(u.co, bm) * taps * vec
+    dw_partials = split * u.co * u.c * taps * acc if split > 1 else 0
+    flops = 2 * 2 * cdiv(u.co, bm) * bm * cdiv(u.c, bn) * bn * taps * cdiv(m_out, bk) * bk
+    s.add("wgrad+sums", u.act_out() + u.act_in() + 2 * u.weight() + 6 * vec,
+          dw_partials + sums + (0 if dw_partials else u.weight()), flops)
+    s.add("wgrad reduce", dw_partials + sums, (u.weight() if dw_partials else 0) + 2 * vec)
+    cfg = KernelConfig.of(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    s.add("dgrad+dx", u.act_out() + u.weight() + u.act_in() + 6 * vec, u.act_in(),
+          _dgrad_flops(u, cfg))
+    return s
+
+
 def unfused_step(u: Unit) -> Step:
     """BatchNorm (stats + normalise), ReLU, conv, add; backward of each (cuDNN-style)."""
     s = Step()
@@ -238,31 +296,41 @@ def bottleneck_blocks() -> list[tuple[str, list[Unit]]]:
     return out
 
 
-def report(units=None, genstats: bool = False, strategy: str = "sums") -> str:
-    """A table: bytes and modeled H100 time of the fused and unfused training step."""
+def report(units=None, genstats: bool = False, strategy: str = "sums",
+           kernels: str = "triton") -> str:
+    """A table: bytes and modeled H100 time of the fused and unfused training step, for the
+    Triton kernels (``strategy``: their backward) or the CUDA C++ kernels (``kernels="cuda"``)."""
     units = units or CIFAR_UNITS + IMAGENET_UNITS + EXPANDING_UNITS
+    if kernels == "cuda":
+        def fused_step_(u, genstats, strategy):  # noqa: ARG001 - one strategy ("sums")
+            return cuda_fused_step(u, genstats)
+        title = "CUDA C++ kernels (csrc/cuda), "
+    else:
+        fused_step_ = fused_step
+        title = "Triton kernels, "
     head = (f"{'unit':<38}{'unfused MB':>11}{'fused MB':>10}{'bytes':>7}"
             f"{'unfused us':>11}{'fused us':>10}{'time':>7}")
-    lines = ["MODEL (not measured): DRAM bytes and H100 time of one training step, "
+    lines = [f"MODEL (not measured): DRAM bytes and H100 time of one training step, {title}"
              f"{'with' if genstats else 'without'} genstats, backward strategy {strategy}",
              head, "-" * len(head)]
     for u in units:
-        a, b = unfused_step(u), fused_step(u, genstats, strategy)
+        a, b = unfused_step(u), fused_step_(u, genstats, strategy)
         ta, tb = a.seconds(u.elem), b.seconds(u.elem)
         lines.append(f"{u.name:<38}{a.bytes / 1e6:>11.1f}{b.bytes / 1e6:>10.1f}"
                      f"{b.bytes / a.bytes:>7.2f}{ta * 1e6:>11.1f}{tb * 1e6:>10.1f}{tb / ta:>7.2f}")
     for name, block in bottleneck_blocks():
         a = sum(unfused_step(u).bytes for u in block)
-        b = sum(fused_step(u, genstats, strategy).bytes for u in block)
+        b = sum(fused_step_(u, genstats, strategy).bytes for u in block)
         ta = sum(unfused_step(u).seconds(u.elem) for u in block)
-        tb = sum(fused_step(u, genstats, strategy).seconds(u.elem) for u in block)
+        tb = sum(fused_step_(u, genstats, strategy).seconds(u.elem) for u in block)
         lines.append(f"{name:<38}{a / 1e6:>11.1f}{b / 1e6:>10.1f}{b / a:>7.2f}"
                      f"{ta * 1e6:>11.1f}{tb * 1e6:>10.1f}{tb / ta:>7.2f}")
     return "\n".join(lines)
 
 
 def full_report() -> str:
-    return "\n\n".join((report(), report(genstats=True), report(strategy="store")))
+    return "\n\n".join((report(), report(genstats=True), report(strategy="store"),
+                        report(kernels="cuda"), report(genstats=True, kernels="cuda")))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """Shared test set-up.
 
-Triton kernels run on CPU tensors under the interpreter here; the variable must be set before
-any kernel module is imported, so it is set first thing (an explicit TRITON_INTERPRET=0 in the
-environment keeps it off, e.g. on a GPU machine).
+Triton kernels run on CPU tensors under the interpreter here, and the CUDA C++ kernels through
+their CPU execution layer; the variables must be set before any kernel module is imported, so
+they are set first thing (an explicit TRITON_INTERPRET=0 or FUSEDRES_CUDA_ON_CPU=0 in the
+environment keeps them off, e.g. on a GPU machine).
 """
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The cuda backend's kernels (csrc/cuda) run on CPU tensors through their CPU execution layer, so
+# the whole op matrix runs them too (fusedres/backends/cuda.py reads this at import).
+os.environ.setdefault("FUSEDRES_CUDA_ON_CPU", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,5 +1,6 @@
 """Backend choice: names, precedence, the auto fallback and errors for backends that can't run."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import torch
 
 import fusedres
 from fusedres import _backend
+from fusedres.backends import cuda as backend_cuda
 from helpers import CASES, make_inputs, run
 
 
@@ -48,12 +50,16 @@ def test_auto_picks_the_first_that_runs():
         assert _backend.resolve_backend(torch.device("cpu")) == expected
 
 
-def test_named_backend_that_cannot_run_raises_before_state_changes():
+def test_named_backend_that_cannot_run_raises_before_state_changes(monkeypatch):
     inp = make_inputs(CASES[0])
     before = inp.running_mean.clone()
+    # The cuda backend without FUSEDRES_CUDA_ON_CPU (conftest switches it on for the matrix).
+    monkeypatch.setattr(backend_cuda, "ON_CPU", False)
+    monkeypatch.setattr(_backend, "_unavailable_reason",
+                        functools.cache(_backend._unavailable_reason.__wrapped__))
     with fusedres.use_backend("cuda"):
         with pytest.raises(fusedres.BackendUnavailableError, match="'cuda' cannot run on cpu: "
-                           "it runs on CUDA tensors only"):
+                           "it runs on CUDA tensors"):
             run(CASES[0], inp, training=True)
     assert torch.equal(inp.running_mean, before)
     assert int(inp.num_batches_tracked) == 0

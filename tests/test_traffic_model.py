@@ -85,3 +85,33 @@ def test_report_is_marked_as_a_model():
     assert text.startswith("MODEL (not measured)")
     for u in T.CIFAR_UNITS + T.IMAGENET_UNITS:
         assert u.name in text
+
+
+# --------------------------------------------------------------------------- CUDA C++ kernels
+
+@pytest.mark.parametrize("unit", T.CIFAR_UNITS + T.IMAGENET_UNITS, ids=lambda u: u.name)
+@pytest.mark.parametrize("genstats", [False, True], ids=["stats-pass", "genstats"])
+def test_cuda_fused_step_moves_at_most_half_the_bytes(unit, genstats):
+    """The same goal for the CUDA C++ kernels (csrc/cuda, their own tiles and split rule)."""
+    fused, unfused = T.cuda_fused_step(unit, genstats), T.unfused_step(unit)
+    assert fused.bytes <= 0.5 * unfused.bytes, (unit.name, fused.bytes / unfused.bytes)
+
+
+def test_cuda_compulsory_traffic_accounting():
+    """As the Triton "sums" backward: 9 activation passes (stats 1, forward 3, weight gradient
+    with the BatchNorm sums 2, data gradient writing dx 3); genstats drops the stats pass."""
+    u = T.Unit("t", 64, 64, 32, 64, residual=True)
+    s = u.act_in()
+    fused = T.cuda_fused_step(u)
+    assert fused.bytes == pytest.approx(9 * s, rel=0.05) and fused.bytes >= 9 * s
+    assert T.cuda_fused_step(u, genstats=True).bytes < fused.bytes - 0.8 * s  # - partials
+    names = [k.name for k in fused.kernels]
+    assert names == ["batch_stats", "fwd", "wgrad+sums", "wgrad reduce", "dgrad+dx"]
+
+
+def test_cuda_split_rule_splits_long_reductions():
+    """Few output tiles over many pixels (a 1x1 conv with 16 channels): the weight gradient's
+    reduction is split; a wide 3x3 conv on a small map is not."""
+    assert T.cuda_wgrad_split(T.Unit("long", 128, 16, 32, 16, k=1)) > 1
+    assert T.cuda_wgrad_split(T.Unit("wide", 256, 512, 7, 512)) == 1
+    assert "CUDA C++ kernels" in T.full_report()

@@ -1,0 +1,630 @@
+// Backward of the fused unit (shared/design.md), recomputing the activation from x:
+//
+//   da = conv_transpose(dy, W);  dz = da * [scale * x + shift > 0]
+//   dgamma = sum dz * xhat;  dbeta = sum dz;  dx = scale * (dz - mean(dz) - xhat * mean(dz xhat))
+//   dW = sum over pixels of dy * relu(scale * x + shift) (shifted by the tap);  dbias = sum dy
+//
+// Three kernels, the algorithm of kernels/bn_relu_conv2d_{dgrad,wgrad}.py ("store" strategy):
+// * dgrad: implicit-GEMM transposed convolution, one stride phase per blockIdx.z (the input
+//   pixels with ih % sh, iw % sw fixed), so a tap feeds all rows of a block or none and a strided
+//   convolution skips the taps that do not. Its epilogue loads x, recomputes the ReLU mask, and
+//   reduces per channel sum dz and sum dz * xhat over the tile (partials per tile, summed on the
+//   host in float64); it writes dz (training), dx = scale * dz (eval), or nothing (only the
+//   BatchNorm parameter gradients wanted).
+// * wgrad: implicit GEMM per tap (rows Co, columns C, reduction over the output pixels), the
+//   activation recomputed while x is staged into shared memory, the reduction split over
+//   blockIdx.z (split-K, partials summed on the host) when it is long against the tile count;
+//   the first column block of the first tap also sums dy for the bias gradient.
+// * dx: elementwise, in place over dz: dx = scale * (dz - sum_dz / M - xhat * sum_dzxhat / M).
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "conv_tiles.cuh"
+#include "ops.h"
+
+namespace fusedres::FUSEDRES_CUDA_NS {
+namespace {
+
+// What the data-gradient epilogue writes: dz (then the dx pass), dx, or nothing (sums only).
+enum DgradWrite : int { kWriteNothing = 0, kWriteDz = 1, kWriteDx = 2 };
+
+template <typename X, typename W, typename T>
+__global__ void __launch_bounds__(T::THREADS)
+    dgrad_kernel(const W* __restrict__ dy, const W* __restrict__ w, const X* __restrict__ x,
+                 const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
+                 const acc_t<X>* __restrict__ mean, const acc_t<X>* __restrict__ invstd,
+                 X* __restrict__ gx, acc_t<X>* __restrict__ dz_out,
+                 acc_t<X>* __restrict__ part_dz, acc_t<X>* __restrict__ part_dzx,
+                 const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
+                 Dims4 dyd, Dims4 wd, Dims4 xd, Dims4 gd, ConvGeom g, int write) {
+  using A = acc_t<X>;
+  static_assert(std::is_same_v<A, acc_t<W>>, "x and weight must share an accumulator type");
+  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
+  __shared__ __align__(32) W As[BK][BM + T::APAD];  // dy: (Co slice) x (pixels)
+  __shared__ __align__(32) W Bs[BK][BN + T::BPAD];  // W: (Co slice) x (C slice)
+  __shared__ __align__(32) A Cs[BM][BN + T::CPAD];  // da, then dz
+  __shared__ __align__(32) A Ds[BM][BN + T::CPAD];  // dz * xhat
+  __shared__ int64_t row_n[BM];  // sample of the row, -1 past the phase's pixels
+  __shared__ int32_t row_ih[BM];
+  __shared__ int32_t row_iw[BM];
+  __shared__ int64_t tap_off[BM];  // offset of dy[n, 0, oh, ow] feeding the row, -1 if none
+
+  // The stride phase of this block and its pixel grid (HP x WP pixels per sample).
+  const int phases_w = static_cast<int>(xd.w < g.sw ? xd.w : g.sw);
+  const int pa = blockIdx.z / phases_w, pb = blockIdx.z % phases_w;
+  const int64_t HP = (xd.h - pa + g.sh - 1) / g.sh, WP = (xd.w - pb + g.sw - 1) / g.sw;
+  const int64_t Mp = xd.n * HP * WP;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
+  if (m0 >= Mp) return;  // the phase has fewer pixels than the largest one (partials stay 0)
+  const int tid = threadIdx.x;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * BN;
+  const int64_t Cin = xd.c, Co = dyd.c;
+  for (int r = tid; r < BM; r += THREADS) {
+    const int64_t m = m0 + r;
+    if (m < Mp) {
+      const Pixel p = pixel_of(m, HP, WP);
+      row_n[r] = p.n;
+      row_ih[r] = pa + g.sh * p.h;
+      row_iw[r] = pb + g.sw * p.w;
+    } else {
+      row_n[r] = -1;
+      row_ih[r] = row_iw[r] = 0;
+    }
+  }
+  Accum<W, T> acc;
+  acc.zero();
+  const bool dy_channels_fast = dyd.sc == 1;
+  for (int t = 0; t < g.kh * g.kw; ++t) {
+    const int i = t / g.kw, j = t % g.kw;
+    // (ih + ph - i*dh) must be a multiple of the stride: the same for every row of the phase.
+    if (mod_pos(pa + g.ph - i * g.dh, g.sh) != 0 || mod_pos(pb + g.pw - j * g.dw, g.sw) != 0) {
+      continue;
+    }
+    __syncthreads();
+    for (int r = tid; r < BM; r += THREADS) {
+      int64_t off = -1;
+      if (row_n[r] >= 0) {
+        const int64_t oh_s = int64_t(row_ih[r]) + g.ph - int64_t(i) * g.dh;
+        const int64_t ow_s = int64_t(row_iw[r]) + g.pw - int64_t(j) * g.dw;
+        if (oh_s >= 0 && ow_s >= 0) {
+          const int64_t oh = oh_s / g.sh, ow = ow_s / g.sw;
+          if (oh < dyd.h && ow < dyd.w) off = dyd.offset(row_n[r], 0, oh, ow);
+        }
+      }
+      tap_off[r] = off;
+    }
+    __syncthreads();
+    for (int64_t k0 = 0; k0 < Co; k0 += BK) {
+      for (int e = tid; e < BM * BK; e += THREADS) {
+        const int m = dy_channels_fast ? e / BK : e % BM;
+        const int k = dy_channels_fast ? e % BK : e / BM;
+        const int64_t co = k0 + k;
+        const int64_t off = tap_off[m];
+        As[k][m] = (off >= 0 && co < Co) ? dy[off + co * dyd.sc] : static_cast<W>(0.0f);
+      }
+      for (int e = tid; e < BN * BK; e += THREADS) {
+        const int n = e % BN, k = e / BN;
+        const int64_t co = k0 + k, c = c0 + n;
+        Bs[k][n] = (co < Co && c < Cin) ? w[wd.offset(co, c, i, j)] : static_cast<W>(0.0f);
+      }
+      __syncthreads();
+      acc.mma(As, Bs, tid);
+      __syncthreads();
+    }
+  }
+  acc.store(Cs, tid);
+  __syncthreads();
+
+  const bool stats = part_dz != nullptr;
+  const bool x_channels_fast = xd.sc == 1;
+  for (int e = tid; e < BM * BN; e += THREADS) {
+    const int m = x_channels_fast ? e / BN : e % BM;
+    const int n = x_channels_fast ? e % BN : e / BM;
+    const int64_t c = c0 + n;
+    A dz = A(0), dzx = A(0);
+    if (row_n[m] >= 0 && c < Cin) {
+      const A xv = static_cast<A>(x[xd.offset(row_n[m], c, row_ih[m], row_iw[m])]);
+      // The gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
+      dz = xv * scale[c] + shift[c] <= A(0) ? A(0) : Cs[m][n];
+      const A xhat = (xv - mean[c]) * invstd[c];
+      dzx = dz * xhat;
+      const int64_t go = gd.offset(row_n[m], c, row_ih[m], row_iw[m]);
+      if (write == kWriteDz) dz_out[go] = dz;
+      // dx: training (the sums known before this pass: m1 = mean dz, m2 = mean dz xhat) or eval.
+      if (write == kWriteDx) {
+        gx[go] = static_cast<X>(m1 != nullptr ? scale[c] * (dz - m1[c] - xhat * m2[c])
+                                              : scale[c] * dz);
+      }
+    }
+    if (stats) {
+      Cs[m][n] = dz;
+      Ds[m][n] = dzx;
+    }
+  }
+  if (!stats) return;
+  __syncthreads();
+  const int64_t row = static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x;
+  for (int q = tid; q < 2 * BN; q += THREADS) {
+    const int n = q % BN;
+    const int64_t c = c0 + n;
+    if (c >= Cin) continue;
+    A s = A(0);
+    if (q < BN) {
+      for (int m = 0; m < BM; ++m) s += Cs[m][n];
+      part_dz[row * Cin + c] = s;
+    } else {
+      for (int m = 0; m < BM; ++m) s += Ds[m][n];
+      part_dzx[row * Cin + c] = s;
+    }
+  }
+}
+
+// Per-channel BatchNorm quantities the SUMS variant of the weight gradient reads.
+template <typename A>
+struct BnSums {
+  const A* mean;
+  const A* invstd;
+  const A* gamma;  // the BatchNorm weight (1 without one)
+  const A* beta;   // the BatchNorm bias (0 without one)
+  const void* weight;  // the conv weight (W), contracted with G1 and G2
+  A* part_dz;      // (split * Co blocks * taps, C) partials of sum dz
+  A* part_dzx;     // and of sum dz * xhat
+};
+
+template <typename X, typename W, typename T, bool SUMS>
+__global__ void __launch_bounds__(T::THREADS)
+    wgrad_kernel(const W* __restrict__ dy, const X* __restrict__ x,
+                 const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
+                 W* __restrict__ gw, acc_t<W>* __restrict__ part_dw,
+                 acc_t<W>* __restrict__ part_db, BnSums<acc_t<X>> bs, Dims4 dyd, Dims4 xd,
+                 Dims4 gwd, Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
+  using A = acc_t<X>;
+  using C = acc_t<W>;
+  static_assert(std::is_same_v<A, C>, "x and weight must share an accumulator type");
+  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
+  __shared__ __align__(32) W As[BK][BM + T::APAD];  // dy: (pixels) x (Co slice)
+  // a (plain), or the ReLU mask m (SUMS): (pixels) x (C slice)
+  __shared__ __align__(32) W Bs[BK][BN + T::BPAD];
+  __shared__ __align__(32) W B2s[SUMS ? BK : 1][BN + T::BPAD];  // SUMS: m * xhat
+  __shared__ __align__(32) C Cs[BM][BN + T::CPAD];
+  __shared__ int64_t pix_dy[BK];  // offset of dy[n, 0, oh, ow], -1 past the pixels
+  __shared__ int64_t pix_x[BK];   // offset of x[n, 0, ih, iw] at this tap, -1 outside the image
+
+  const int tid = threadIdx.x;
+  const int taps = g.kh * g.kw;
+  const int t = blockIdx.y % taps;
+  const int i = t / g.kw, j = t % g.kw;
+  const int64_t co0 = static_cast<int64_t>(blockIdx.x) * BM;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y / taps) * BN;
+  const int64_t Co = dyd.c, Cin = xd.c;
+  const int64_t M = dyd.n * dyd.h * dyd.w;
+  const bool bias_block = part_db != nullptr && blockIdx.y == 0;
+  C db = C(0);
+  Accum<W, T> acc;   // plain: sum dy * a; SUMS: G1 = sum dy * m
+  Accum<W, T> acc2;  // SUMS: G2 = sum dy * m * xhat
+  acc.zero();
+  if constexpr (SUMS) acc2.zero();
+  const bool dy_channels_fast = dyd.sc == 1, x_channels_fast = xd.sc == 1;
+  const int64_t k_begin = static_cast<int64_t>(blockIdx.z) * k_steps_per_split * BK;
+  const int64_t k_end = k_begin + k_steps_per_split * BK < M ? k_begin + k_steps_per_split * BK : M;
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
+    for (int k = tid; k < BK; k += THREADS) {
+      int64_t ody = -1, ox = -1;
+      if (k0 + k < k_end) {
+        const Pixel p = pixel_of(k0 + k, dyd.h, dyd.w);
+        ody = dyd.offset(p.n, 0, p.h, p.w);
+        const int64_t ih = int64_t(p.h) * g.sh - g.ph + int64_t(i) * g.dh;
+        const int64_t iw = int64_t(p.w) * g.sw - g.pw + int64_t(j) * g.dw;
+        if (ih >= 0 && ih < xd.h && iw >= 0 && iw < xd.w) ox = xd.offset(p.n, 0, ih, iw);
+      }
+      pix_dy[k] = ody;
+      pix_x[k] = ox;
+    }
+    __syncthreads();
+    for (int e = tid; e < BM * BK; e += THREADS) {
+      const int m = dy_channels_fast ? e % BM : e / BK;
+      const int k = dy_channels_fast ? e / BM : e % BK;
+      const int64_t co = co0 + m;
+      As[k][m] = (pix_dy[k] >= 0 && co < Co) ? dy[pix_dy[k] + co * dyd.sc] : static_cast<W>(0.0f);
+    }
+    for (int e = tid; e < BN * BK; e += THREADS) {
+      const int n = x_channels_fast ? e % BN : e / BK;
+      const int k = x_channels_fast ? e / BN : e % BK;
+      const int64_t c = c0 + n;
+      if constexpr (SUMS) {
+        A on = A(0), xhat = A(0);
+        if (pix_x[k] >= 0 && c < Cin) {
+          const A xv = static_cast<A>(x[pix_x[k] + c * xd.sc]);
+          // The gradient passes unless z <= 0 (NaN passes, as torch's ReLU backward).
+          on = xv * scale[c] + shift[c] <= A(0) ? A(0) : A(1);
+          xhat = on * ((xv - bs.mean[c]) * bs.invstd[c]);
+        }
+        Bs[k][n] = static_cast<W>(on);
+        B2s[k][n] = static_cast<W>(xhat);
+      } else {
+        A a = A(0);
+        if (pix_x[k] >= 0 && c < Cin) a = bn_relu(static_cast<A>(x[pix_x[k] + c * xd.sc]), scale[c], shift[c]);
+        Bs[k][n] = static_cast<W>(a);
+      }
+    }
+    __syncthreads();
+    if (bias_block) {
+      for (int m = tid; m < BM; m += THREADS)
+        for (int k = 0; k < BK; ++k) db += static_cast<C>(As[k][m]);
+    }
+    acc.mma(As, Bs, tid);
+    if constexpr (SUMS) acc2.mma(As, B2s, tid);
+    __syncthreads();
+  }
+  if (bias_block) {
+    for (int m = tid; m < BM; m += THREADS) {
+      if (co0 + m < Co) part_db[blockIdx.z * Co + co0 + m] = db;
+    }
+  }
+  acc.store(Cs, tid);
+  __syncthreads();
+  // Consecutive threads along C: the contiguous dimension of a channels_last weight, and the
+  // partials' row.
+  constexpr int kPerThread = (BM * BN + THREADS - 1) / THREADS;
+  C dw_part[SUMS ? kPerThread : 1];
+  if constexpr (SUMS) {
+    // dW = gamma * G2 + beta * G1; sum dz = sum over (co, tap) of W * G1, sum dz xhat of W * G2.
+    // G1 first: its beta * G1 share kept in registers, its contraction with W per column.
+    const W* wt = static_cast<const W*>(bs.weight);
+    const int64_t row = (static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x) * taps + t;
+#pragma unroll
+    for (int r = 0; r < kPerThread; ++r) {
+      const int e = tid + r * THREADS;
+      const int n = e % BN, m = e / BN;
+      const int64_t c = c0 + n;
+      dw_part[r] = (e < BM * BN && c < Cin) ? bs.beta[c] * Cs[m][n] : C(0);
+    }
+    for (int n = tid; n < BN; n += THREADS) {
+      const int64_t c = c0 + n;
+      if (c >= Cin) continue;
+      C s = C(0);
+      for (int m = 0; m < BM && co0 + m < Co; ++m) {
+        s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
+      }
+      bs.part_dz[row * Cin + c] = s;
+    }
+    __syncthreads();
+    acc2.store(Cs, tid);
+    __syncthreads();
+    for (int n = tid; n < BN; n += THREADS) {
+      const int64_t c = c0 + n;
+      if (c >= Cin) continue;
+      C s = C(0);
+      for (int m = 0; m < BM && co0 + m < Co; ++m) {
+        s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
+      }
+      bs.part_dzx[row * Cin + c] = s;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kPerThread; ++r) {
+    const int e = tid + r * THREADS;
+    const int n = e % BN, m = e / BN;
+    const int64_t co = co0 + m, c = c0 + n;
+    if (e >= BM * BN || co >= Co || c >= Cin) continue;
+    C v = Cs[m][n];
+    if constexpr (SUMS) v = bs.gamma[c] * v + dw_part[r];
+    if (part_dw != nullptr) {
+      part_dw[((blockIdx.z * Co + co) * taps + t) * Cin + c] = v;
+    } else {
+      gw[gwd.offset(co, c, i, j)] = static_cast<W>(v);
+    }
+  }
+}
+
+// In place over the data gradient: dx = scale * (dz - m1 - xhat * m2), m1 = sum dz / M,
+// m2 = sum dz xhat / M (per channel). dz (acc dtype) and gx share their strides; they are the
+// same memory when x has the acc dtype.
+template <typename X>
+__global__ void __launch_bounds__(256)
+    dx_kernel(const acc_t<X>* dz, X* gx, const X* __restrict__ x,
+              const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ mean,
+              const acc_t<X>* __restrict__ invstd, const acc_t<X>* __restrict__ m1,
+              const acc_t<X>* __restrict__ m2, Dims4 xd, Dims4 gd) {
+  using A = acc_t<X>;
+  const int64_t total = xd.n * xd.c * xd.h * xd.w;
+  const bool channels_fast = gd.sc == 1;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += step) {
+    int64_t n, c, h, w;
+    if (channels_fast) {
+      c = e % xd.c;
+      const int64_t p = e / xd.c;
+      w = p % xd.w;
+      h = (p / xd.w) % xd.h;
+      n = p / (xd.w * xd.h);
+    } else {
+      w = e % xd.w;
+      h = (e / xd.w) % xd.h;
+      c = (e / (xd.w * xd.h)) % xd.c;
+      n = e / (xd.w * xd.h * xd.c);
+    }
+    const int64_t go = gd.offset(n, c, h, w);
+    const A xhat = (static_cast<A>(x[xd.offset(n, c, h, w)]) - mean[c]) * invstd[c];
+    gx[go] = static_cast<X>(scale[c] * (dz[go] - m1[c] - xhat * m2[c]));
+  }
+}
+
+// ----------------------------------------------------------------------------- host
+
+ConvGeom geom_of(const at::Tensor& weight, const std::vector<int64_t>& s,
+                 const std::vector<int64_t>& p, const std::vector<int64_t>& d) {
+  return {static_cast<int32_t>(weight.size(2)), static_cast<int32_t>(weight.size(3)),
+          static_cast<int32_t>(s[0]), static_cast<int32_t>(s[1]), static_cast<int32_t>(p[0]),
+          static_cast<int32_t>(p[1]), static_cast<int32_t>(d[0]), static_cast<int32_t>(d[1])};
+}
+
+// Split of the weight gradient's reduction: about two waves of blocks, at least 4 K-steps a
+// split, and the partials' traffic (a float32 Co*C*kh*kw tile per split, written and read)
+// small against the dy and x the pass reads. FUSEDRES_CUDA_WGRAD_SPLIT forces a split count
+// (read at every call, for tests and measurements).
+int64_t pick_split(int64_t co, int64_t c, int64_t taps, int64_t m, int64_t bm, int64_t bn,
+                   int64_t bk, int64_t sms) {
+  const int64_t k_steps = ceil_div(m, bk);
+  int64_t split;
+  if (const char* env = std::getenv("FUSEDRES_CUDA_WGRAD_SPLIT")) {
+    split = std::atoll(env);
+  } else {
+    const int64_t tiles = ceil_div(co, bm) * ceil_div(c, bn) * taps;
+    const int64_t traffic_cap = std::max<int64_t>(1, m * (c + co) / (32 * co * c * taps));
+    split = std::min({ceil_div(2 * sms, tiles), std::max<int64_t>(1, k_steps / 4), traffic_cap});
+  }
+  split = std::clamp<int64_t>(split, 1, std::min<int64_t>(k_steps, 65535));  // grid.z limit
+  return ceil_div(k_steps, ceil_div(k_steps, split));  // no empty split
+}
+
+// The BatchNorm backward sums from the weight-gradient pass (its SUMS variant).
+struct SumsArgs {
+  at::Tensor gamma, beta, mean, invstd, weight;  // (C,) in the statistics dtype; the conv weight
+  at::Tensor sum_dz, sum_dzx;                    // out: (C,) float64
+};
+
+template <typename X, typename W>
+void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, at::Tensor& gw,
+                  at::Tensor* gb, SumsArgs* sums, const ConvGeom& g) {
+  using T = typename TilesFor<W>::Fwd;
+  using A = acc_t<X>;
+  using C = acc_t<W>;
+  const int64_t Co = gw.size(0), Cin = x.size(1), taps = int64_t(g.kh) * g.kw;
+  const int64_t M = go.size(0) * go.size(2) * go.size(3);
+  const int64_t split = pick_split(Co, Cin, taps, M, T::BM, T::BN, T::BK, sm_count());
+  const int64_t steps = ceil_div(ceil_div(M, T::BK), split);
+  constexpr at::ScalarType acc_type = c10::CppTypeToScalarType<C>::value;
+  const auto acc_opts = gw.options().dtype(acc_type);
+  at::Tensor part_dw;  // unsplit: the blocks write the weight gradient itself
+  if (split > 1) {
+    part_dw = at::empty({split, Co, taps, Cin}, acc_opts);
+  }
+  at::Tensor part_db = gb != nullptr ? at::empty({split, Co}, acc_opts) : at::Tensor();
+  const int64_t co_blocks = ceil_div(Co, T::BM);
+  const dim3 grid(static_cast<unsigned>(co_blocks),
+                  static_cast<unsigned>(ceil_div(Cin, T::BN) * taps), static_cast<unsigned>(split));
+  BnSums<A> bs{};
+  at::Tensor part_dz, part_dzx;
+  if (sums != nullptr) {
+    part_dz = at::empty({split * co_blocks * taps, Cin}, acc_opts);
+    part_dzx = at::empty_like(part_dz);
+    bs = {sums->mean.const_data_ptr<A>(), sums->invstd.const_data_ptr<A>(),
+          sums->gamma.const_data_ptr<A>(), sums->beta.const_data_ptr<A>(),
+          sums->weight.const_data_ptr<W>(), part_dz.data_ptr<A>(), part_dzx.data_ptr<A>()};
+  }
+  const W* gop = go.const_data_ptr<W>();
+  const X* xp = x.const_data_ptr<X>();
+  const A* sc = bn.scale.const_data_ptr<A>();
+  const A* sh = bn.shift.const_data_ptr<A>();
+  C* pdw = part_dw.defined() ? part_dw.data_ptr<C>() : nullptr;
+  C* pdb = gb != nullptr ? part_db.data_ptr<C>() : nullptr;
+  const Dims4 wd = sums != nullptr ? dims_of(sums->weight) : Dims4{};
+  if (sums != nullptr) {
+    FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), wgrad_kernel<X, W, T, true>)(
+        gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, dims_of(go), dims_of(x), dims_of(gw),
+        wd, g, steps);
+  } else {
+    FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), wgrad_kernel<X, W, T, false>)(
+        gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, dims_of(go), dims_of(x), dims_of(gw),
+        wd, g, steps);
+  }
+  FUSEDRES_CHECK_LAUNCH();
+  if (part_dw.defined()) {
+    // (split, Co, taps, C) -> (Co, C, kh, kw)
+    gw.copy_(part_dw.sum(0).view({Co, g.kh, g.kw, Cin}).permute({0, 3, 1, 2}));
+  }
+  if (gb != nullptr) gb->copy_(part_db.sum(0));
+  if (sums != nullptr) {
+    sums->sum_dz = part_dz.sum(0, false, at::kDouble);
+    sums->sum_dzx = part_dzx.sum(0, false, at::kDouble);
+  }
+}
+
+template <typename X, typename W>
+void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight,
+                  const Affine& bn, const at::Tensor& mean, const at::Tensor& invstd,
+                  at::Tensor* gx, at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
+                  const at::Tensor* m1, const at::Tensor* m2, int write, const ConvGeom& g,
+                  int64_t phases, int64_t row_tiles) {
+  using T = typename TilesFor<W>::Fwd;
+  using A = acc_t<X>;
+  const dim3 grid(static_cast<unsigned>(row_tiles),
+                  static_cast<unsigned>(ceil_div(x.size(1), T::BN)), static_cast<unsigned>(phases));
+  const at::Tensor& out = gx != nullptr ? *gx : (dz != nullptr ? *dz : x);
+  FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), dgrad_kernel<X, W, T>)(
+      go.const_data_ptr<W>(), weight.const_data_ptr<W>(), x.const_data_ptr<X>(),
+      bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
+      invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
+      dz != nullptr ? dz->data_ptr<A>() : nullptr,
+      part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
+      part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
+      m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
+      m2 != nullptr ? m2->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(weight),
+      dims_of(x), dims_of(out), g, write);
+  FUSEDRES_CHECK_LAUNCH();
+}
+
+template <typename X>
+void launch_dx(const at::Tensor& dz, at::Tensor& gx, const at::Tensor& x, const Affine& bn,
+               const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& m1,
+               const at::Tensor& m2) {
+  using A = acc_t<X>;
+  constexpr int threads = 256;
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>(ceil_div(x.numel(), threads), 8 * sm_count()));
+  FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, current_stream(),
+                  dx_kernel<X>)(
+      dz.const_data_ptr<A>(), gx.data_ptr<X>(), x.const_data_ptr<X>(),
+      bn.scale.const_data_ptr<A>(), mean.const_data_ptr<A>(), invstd.const_data_ptr<A>(),
+      m1.const_data_ptr<A>(), m2.const_data_ptr<A>(), dims_of(x), dims_of(gx));
+  FUSEDRES_CHECK_LAUNCH();
+}
+
+// FUSEDRES_CUDA_BACKWARD (read at every call): "sums" (default: the weight-gradient pass also
+// yields the BatchNorm sums, then one pass writes dx; two GEMMs in the first pass) or "store"
+// (one GEMM each; the data-gradient pass stores dz with the sums, an elementwise pass writes
+// dx: three more activation passes). The same strategies as the Triton backend's.
+enum class Strategy { kSums, kStore };
+
+Strategy backward_strategy() {
+  const char* env = std::getenv("FUSEDRES_CUDA_BACKWARD");
+  if (env == nullptr || std::string(env) == "sums") return Strategy::kSums;
+  TORCH_CHECK(std::string(env) == "store", "FUSEDRES_CUDA_BACKWARD: expected sums or store, got '",
+              env, "'");
+  return Strategy::kStore;
+}
+
+int64_t tile_rows(at::ScalarType wt) {
+  switch (wt) {
+    case at::kDouble: return TilesFor<double>::Fwd::BM;
+    case at::kHalf: return TilesFor<at::Half>::Fwd::BM;
+    case at::kBFloat16: return TilesFor<at::BFloat16>::Fwd::BM;
+    default: return TilesFor<float>::Fwd::BM;
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean_in, const at::Tensor& invstd_in, c10::SymIntArrayRef stride_,
+    c10::SymIntArrayRef padding_, c10::SymIntArrayRef dilation_, bool batch_stats,
+    std::array<bool, 5> output_mask) {
+  const char* op = "fusedres_cuda.bn_relu_conv2d_backward";
+  check_unit_inputs(op, x, weight, mean_in, invstd_in);
+  const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
+  const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
+  const int64_t N = x.size(0), Cin = x.size(1), H = x.size(2), W = x.size(3);
+  const int64_t Co = weight.size(0);
+  const int64_t Ho = out_size(H, weight.size(2), stride[0], padding[0], dilation[0]);
+  const int64_t Wo = out_size(W, weight.size(3), stride[1], padding[1], dilation[1]);
+  TORCH_CHECK(grad_out.dim() == 4 && grad_out.sizes() == at::IntArrayRef({N, Co, Ho, Wo}), op,
+              ": grad_out must be (", N, ", ", Co, ", ", Ho, ", ", Wo, "), got ",
+              grad_out.sizes());
+  const DeviceGuard guard(x.device());
+  // Outputs with the metadata of ops.backward_empty_outputs.
+  at::Tensor gx = want_x ? at::empty_like(x) : x.new_empty({0});
+  at::Tensor gw = want_w ? at::empty_like(weight) : weight.new_empty({0});
+  at::Tensor gb = weight.new_empty({want_b ? Co : 0});
+  at::Tensor gg = mean_in.new_empty({want_g ? Cin : 0});
+  at::Tensor gbeta = mean_in.new_empty({want_beta ? Cin : 0});
+  const bool need_da = want_x || want_g || want_beta;
+  if (!(need_da || want_w || want_b)) return {gx, gw, gb, gg, gbeta};
+  if (x.numel() == 0 || Co == 0) {
+    if (want_x) gx.zero_();
+    if (want_w) gw.zero_();
+    if (want_b) gb.zero_();
+    if (want_g) gg.zero_();
+    if (want_beta) gbeta.zero_();
+    return {gx, gw, gb, gg, gbeta};
+  }
+  const at::Tensor go = grad_out.to(weight.scalar_type());
+  const at::Tensor mean = mean_in.contiguous(), invstd = invstd_in.contiguous();
+  const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd);
+  const ConvGeom g = geom_of(weight, stride, padding, dilation);
+
+  const bool need_sums = want_g || want_beta || (want_x && batch_stats);
+  const double inv_m = 1.0 / static_cast<double>(N * H * W);
+  const int64_t phases = std::min(stride[0], H) * std::min(stride[1], W);
+  const int64_t row_tiles = ceil_div(N * ceil_div(H, stride[0]) * ceil_div(W, stride[1]),
+                                     tile_rows(weight.scalar_type()));
+  auto dgrad = [&](at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
+                   const at::Tensor* m1, const at::Tensor* m2, int write) {
+    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
+      launch_dgrad<decltype(xt), decltype(wt)>(go, x, weight, bn, mean, invstd,
+                                               want_x ? &gx : nullptr, dz, part_dz, part_dzx,
+                                               m1, m2, write, g, phases, row_tiles);
+    });
+  };
+
+  if (want_w && need_sums && backward_strategy() == Strategy::kSums) {
+    // "sums": the weight-gradient pass also yields the BatchNorm sums; dx in one more pass.
+    SumsArgs sums{bn_weight.has_value() ? bn_weight->contiguous() : at::ones_like(mean),
+                  bn_bias.has_value() ? bn_bias->contiguous() : at::zeros_like(mean), mean,
+                  invstd, weight, {}, {}};
+    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
+      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, &sums, g);
+    });
+    if (want_g) gg.copy_(sums.sum_dzx);
+    if (want_beta) gbeta.copy_(sums.sum_dz);
+    if (want_x) {
+      const at::Tensor m1 = (sums.sum_dz * inv_m).to(mean.scalar_type());
+      const at::Tensor m2 = (sums.sum_dzx * inv_m).to(mean.scalar_type());
+      const bool train = batch_stats;
+      dgrad(nullptr, nullptr, nullptr, train ? &m1 : nullptr, train ? &m2 : nullptr, kWriteDx);
+    }
+    return {gx, gw, gb, gg, gbeta};
+  }
+
+  // "store": one GEMM each; the data-gradient epilogue reduces the sums and stores dz
+  // (training), then the dx pass; in eval it writes dx = scale * dz directly.
+  if (want_w) {
+    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
+      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, nullptr,
+                                               g);
+    });
+  } else if (want_b) {
+    gb.copy_(go.sum({0, 2, 3}, false, weight.scalar_type() == at::kDouble ? at::kDouble
+                                                                          : at::kFloat));
+  }
+  if (!need_da) return {gx, gw, gb, gg, gbeta};
+  at::Tensor part_dz, part_dzx;
+  if (need_sums) {
+    part_dz = at::zeros({phases * row_tiles, Cin}, mean.options());
+    part_dzx = at::zeros_like(part_dz);
+  }
+  at::Tensor dz;
+  int write = kWriteNothing;
+  if (want_x && batch_stats) {
+    write = kWriteDz;
+    dz = gx.scalar_type() == mean.scalar_type() ? gx : at::empty_like(gx, mean.options());
+  } else if (want_x) {
+    write = kWriteDx;
+  }
+  dgrad(dz.defined() ? &dz : nullptr, need_sums ? &part_dz : nullptr,
+        need_sums ? &part_dzx : nullptr, nullptr, nullptr, write);
+  if (!need_sums) return {gx, gw, gb, gg, gbeta};
+  const at::Tensor sum_dz = part_dz.sum(0, false, at::kDouble);
+  const at::Tensor sum_dzx = part_dzx.sum(0, false, at::kDouble);
+  if (want_g) gg.copy_(sum_dzx);
+  if (want_beta) gbeta.copy_(sum_dz);
+  if (want_x && batch_stats) {
+    const at::Tensor m1 = (sum_dz * inv_m).to(mean.scalar_type());
+    const at::Tensor m2 = (sum_dzx * inv_m).to(mean.scalar_type());
+    FUSEDRES_DISPATCH_FLOATING(x.scalar_type(), "fusedres_cuda_dx", [&] {
+      launch_dx<scalar_t>(dz, gx, x, bn, mean, invstd, m1, m2);
+    });
+  }
+  return {gx, gw, gb, gg, gbeta};
+}
+
+}  // namespace fusedres::FUSEDRES_CUDA_NS
+
+FUSEDRES_CUDA_LIBRARY_IMPL(m) {
+  m.impl("bn_relu_conv2d_backward", &fusedres::FUSEDRES_CUDA_NS::bn_relu_conv2d_backward);
+}

@@ -1,0 +1,193 @@
+// The one header every kernel in csrc/cuda includes.
+//
+// Under nvcc it brings the CUDA runtime, fp16/bf16 and WMMA headers; compiled by the host C++
+// compiler it brings the CPU execution layer (host/runtime.h) that provides the same names, so
+// a kernel body is the same text in both builds (no #ifdef in kernels). The two builds live in
+// different namespaces (FUSEDRES_CUDA_NS: fusedres::cuda, fusedres::cuda_host) and register
+// their ops for different dispatch keys (CUDA, CPU) of the fusedres_cuda library, so both copies
+// link into one fusedres._C.
+//
+// A kernel file looks like:
+//   #include "common.cuh"
+//   namespace fusedres::FUSEDRES_CUDA_NS {
+//   template <typename scalar_t> __global__ void my_kernel(const scalar_t* x, int64_t n) {...}
+//   at::Tensor my_op(const at::Tensor& x) {
+//     check_device(x, "my_op", "x");
+//     DeviceGuard guard(x);
+//     FUSEDRES_DISPATCH_FLOATING(x.scalar_type(), "my_op", [&] {
+//       FUSEDRES_LAUNCH(grid, block, smem_bytes, current_stream(), my_kernel<scalar_t>)(
+//           x.const_data_ptr<scalar_t>(), x.numel());
+//       FUSEDRES_CHECK_LAUNCH();
+//     });
+//   }
+//   }  // namespace fusedres::FUSEDRES_CUDA_NS
+//   FUSEDRES_CUDA_LIBRARY_IMPL(m) { m.impl("my_op", &fusedres::FUSEDRES_CUDA_NS::my_op); }
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#if defined(__CUDACC__)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+#else
+// Last: its keyword and built-in macros (threadIdx, __shared__, ...) stay out of ATen's headers.
+#include "host/runtime.h"
+#endif
+
+#if defined(__CUDACC__)
+
+#define FUSEDRES_CUDA_NS cuda
+#define FUSEDRES_CUDA_KEY CUDA
+// kernel<<<grid, block, smem, stream>>>(args...); the kernel last, so that template arguments
+// with commas need no parentheses: FUSEDRES_LAUNCH(g, b, 0, s, k<float, 128>)(args...).
+#define FUSEDRES_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
+// After every launch: a launch error becomes a c10::Error here, not at the next sync.
+#define FUSEDRES_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
+
+// The block's dynamic shared memory (the launch's `smem` bytes), 128-byte aligned. One extern
+// array for every kernel and type, as nvcc requires.
+template <typename T>
+__device__ __forceinline__ T* fusedres_dynamic_shared() {
+  extern __shared__ __align__(128) unsigned char fusedres_smem[];
+  return reinterpret_cast<T*>(fusedres_smem);
+}
+
+#else
+
+#define FUSEDRES_CUDA_NS cuda_host
+#define FUSEDRES_CUDA_KEY CPU
+// The host layer throws c10::Error from the launch itself.
+#define FUSEDRES_CHECK_LAUNCH() ((void)0)
+
+#endif
+
+// TORCH_LIBRARY_IMPL(fusedres_cuda, CUDA or CPU, m): one per kernel file is fine.
+#define FUSEDRES_CUDA_LIBRARY_IMPL(m) TORCH_LIBRARY_IMPL(fusedres_cuda, FUSEDRES_CUDA_KEY, m)
+
+// float, double, half, bfloat16 (scalar_t = float, double, at::Half, at::BFloat16).
+#define FUSEDRES_DISPATCH_FLOATING(TYPE, NAME, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
+
+namespace fusedres::FUSEDRES_CUDA_NS {
+
+// The device type this copy of the kernels runs on.
+#if defined(__CUDACC__)
+constexpr c10::DeviceType kDeviceType = c10::DeviceType::CUDA;
+using DeviceGuard = c10::cuda::CUDAGuard;
+inline cudaStream_t current_stream() { return at::cuda::getCurrentCUDAStream(); }
+#else
+constexpr c10::DeviceType kDeviceType = c10::DeviceType::CPU;
+// No devices to switch between on the host; the same call sites compile.
+struct DeviceGuard {
+  explicit DeviceGuard(const at::Device&) {}
+};
+inline cudaStream_t current_stream() { return nullptr; }
+#endif
+
+// A clear error when a tensor is on the wrong device for this copy of the kernels.
+inline void check_device(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().type() == kDeviceType, "fusedres_cuda.", op, ": ", name, " must be a ",
+              c10::DeviceTypeName(kDeviceType), " tensor, got ", t.device());
+}
+
+// Arithmetic type for storage type T: float for half, bfloat16 and float; double for double.
+template <typename T>
+using acc_t = at::opmath_type<T>;
+
+// The CUDA native type of a storage type, for WMMA fragments: __half, __nv_bfloat16, float,
+// double (on the host __half is c10::Half, so the mapping is the identity there).
+template <typename T>
+struct native {
+  using type = T;
+};
+template <>
+struct native<at::Half> {
+  using type = __half;
+};
+template <>
+struct native<at::BFloat16> {
+  using type = __nv_bfloat16;
+};
+template <typename T>
+using native_t = typename native<T>::type;
+
+// ----------------------------------------------------------------------------- indexing
+
+// Offsets are int64: N*C*H*W may pass 2^31. These keep the widening explicit.
+__device__ __forceinline__ int64_t global_thread_x() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t grid_stride_x() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+// Blocks of `threads` that cover n items, capped at CUDA's grid.x limit (loops stride past it).
+inline unsigned blocks_for(int64_t n, int64_t threads, int64_t cap = 2147483647) {
+  const int64_t b = (n + threads - 1) / threads;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, cap)));
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// As ops.out_memory_format: channels_last when the tensor is channels_last-dense and not also
+// plain-contiguous (size-1 dimensions make both hold).
+inline bool suggests_channels_last(const at::Tensor& t) {
+  return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
+}
+
+// ----------------------------------------------------------------------------- statistics
+
+// Count, mean and M2 (sum of squared deviations) of a set of values; Welford updates one value,
+// Chan's formula merges two sets. Non-finite values leave a non-finite mean and a nan M2.
+template <typename A>
+struct Moments {
+  A n, mean, m2;
+
+  __device__ __forceinline__ void add(A v) {
+    n += A(1);
+    const A d = v - mean;
+    mean += d / n;
+    m2 += d * (v - mean);
+  }
+
+  __device__ __forceinline__ void merge(A nb, A mean_b, A m2_b) {
+    if (nb == A(0)) return;
+    if (n == A(0)) {
+      n = nb;
+      mean = mean_b;
+      m2 = m2_b;
+      return;
+    }
+    const A total = n + nb;
+    const A w = nb / total;
+    const A delta = mean_b - mean;
+    mean += delta * w;
+    m2 += m2_b + delta * delta * n * w;
+    n = total;
+  }
+
+  // Merged over the 32 lanes of a full warp; every lane ends with the total.
+  __device__ __forceinline__ void warp_merge() {
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const A nb = __shfl_xor_sync(0xffffffffu, n, offset);
+      const A mb = __shfl_xor_sync(0xffffffffu, mean, offset);
+      const A qb = __shfl_xor_sync(0xffffffffu, m2, offset);
+      merge(nb, mb, qb);
+    }
+  }
+};
+
+}  // namespace fusedres::FUSEDRES_CUDA_NS

@@ -1,0 +1,303 @@
+// Pieces shared by the fused unit's CUDA kernels (bn_relu_conv2d.cu, bn_relu_conv2d_backward.cu):
+// element types, the 4-D index helpers (int64 offsets), the tile shapes, the operand staging that
+// recomputes the activation, the two inner products (FMA micro-tiles, or WMMA m16n16k16 for 16-bit
+// operands) and host helpers (dtype dispatch, arguments). Kernel code here is plain CUDA: the same
+// source is compiled by nvcc and, through the execution layer of common.cuh, by the host compiler.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <type_traits>
+#include <vector>
+
+#include "common.cuh"
+
+namespace fusedres::FUSEDRES_CUDA_NS {
+
+// ----------------------------------------------------------------------------- element types
+
+template <typename T>
+constexpr bool is_16bit = std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>;
+
+// relu(scale * x + shift): a NaN stays NaN (z <= 0 is false), as torch.relu does.
+template <typename A>
+__device__ __forceinline__ A bn_relu(A x, A scale, A shift) {
+  const A z = x * scale + shift;
+  return z <= A(0) ? A(0) : z;
+}
+
+// ----------------------------------------------------------------------------- index helpers
+
+// Sizes and element strides of a 4-D tensor; every offset is int64, so N*C*H*W (or any stride)
+// past 2^31 is addressed correctly.
+struct Dims4 {
+  int64_t n, c, h, w;      // sizes
+  int64_t sn, sc, sh, sw;  // element strides
+
+  __host__ __device__ int64_t offset(int64_t in, int64_t ic, int64_t ih, int64_t iw) const {
+    return in * sn + ic * sc + ih * sh + iw * sw;
+  }
+};
+
+inline Dims4 dims_of(const at::Tensor& t) {
+  return {t.size(0), t.size(1), t.size(2), t.size(3),
+          t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+// Row index of an implicit GEMM (one output or input pixel) split into (n, h, w) of an
+// (N, *, H, W) map: the row count N*H*W may pass 2^31.
+struct Pixel {
+  int64_t n;
+  int32_t h, w;
+};
+
+__host__ __device__ inline Pixel pixel_of(int64_t row, int64_t height, int64_t width) {
+  const int64_t hw = height * width;
+  const int64_t n = row / hw;
+  const int64_t r = row - n * hw;
+  return {n, static_cast<int32_t>(r / width), static_cast<int32_t>(r % width)};
+}
+
+// Convolution geometry (kernel taps, stride, padding, dilation) in the forward's terms.
+struct ConvGeom {
+  int32_t kh, kw, sh, sw, ph, pw, dh, dw;
+};
+
+// Smallest non-negative residue: the stride-phase tests take it of negative operands too.
+__host__ __device__ inline int32_t mod_pos(int32_t a, int32_t m) {
+  const int32_t r = a % m;
+  return r < 0 ? r + m : r;
+}
+
+// ----------------------------------------------------------------------------- tile shapes
+
+// A GEMM tile of BM x BN outputs reduced BK at a time by THREADS threads. FMA tiles: each
+// thread owns a TM x TN micro-tile (rows strided by BM / TM, columns by BN / TN). WMMA tiles:
+// warps of 32 own WM x WN sub-tiles of 16 x 16 fragments. Operand tiles in shared memory are
+// k-major, As[BK][BM + APAD] and Bs[BK][BN + BPAD]: a column-major A and a row-major B for the
+// fragments (ldm a multiple of 8 halves, every fragment pointer 32-byte aligned), and
+// conflict-free broadcasts for the micro-tiles.
+template <int BM_, int BN_, int BK_, int THREADS_, bool WMMA_>
+struct Tile {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, THREADS = THREADS_;
+  static constexpr bool WMMA = WMMA_;
+  static constexpr int APAD = WMMA ? 8 : 4;
+  static constexpr int BPAD = WMMA ? 8 : 4;
+  static constexpr int CPAD = 4;
+  // FMA micro-tile
+  static constexpr int TN = 4;
+  static constexpr int TM = BM * BN / (THREADS * TN);
+  static constexpr int COLS = BN / TN;  // threads along N
+  static constexpr int ROWS = BM / TM;  // threads along M
+  // WMMA warp grid
+  static constexpr int WARPS = THREADS / 32;
+  static constexpr int WARPS_N = (BN / 16) >= 2 && WARPS >= 2 ? 2 : 1;
+  static constexpr int WARPS_M = WARPS / WARPS_N;
+  static constexpr int FM = BM / 16 / WARPS_M;  // fragments per warp along M
+  static constexpr int FN = BN / 16 / WARPS_N;  // and along N
+  static_assert(WMMA || (TM >= 1 && ROWS * TM == BM && COLS * TN == BN &&
+                         ROWS * COLS == THREADS), "FMA tile does not divide among the threads");
+  static_assert(!WMMA || (FM >= 1 && FN >= 1 && FM * 16 * WARPS_M == BM &&
+                          FN * 16 * WARPS_N == BN && BK % 16 == 0),
+                "WMMA tile does not divide among the warps");
+};
+
+// The tiles each kernel launches with, by operand type: float32 and float64 on FMA (no TF32:
+// float32 products stay exact as on the other backends), 16-bit types on tensor cores.
+template <typename W>
+struct TilesFor {
+  using Fwd = Tile<64, 64, 16, 256, false>;
+};
+template <>
+struct TilesFor<double> {
+  using Fwd = Tile<32, 32, 16, 128, false>;
+};
+template <>
+struct TilesFor<at::Half> {
+  using Fwd = Tile<64, 64, 32, 128, true>;
+};
+template <>
+struct TilesFor<at::BFloat16> {
+  using Fwd = Tile<64, 64, 32, 128, true>;
+};
+
+// ----------------------------------------------------------------------------- inner products
+
+// Registers of one thread for a Tile: the FMA micro-tile accumulators, or WMMA fragments.
+template <typename W, typename T, bool WMMA = T::WMMA>
+struct Accum;
+
+template <typename W, typename T>
+struct Accum<W, T, false> {
+  using A = acc_t<W>;
+  A v[T::TM][T::TN];
+
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < T::TM; ++i)
+#pragma unroll
+      for (int j = 0; j < T::TN; ++j) v[i][j] = A(0);
+  }
+
+  // acc += As^T Bs over the BK slice (As[k][m], Bs[k][n] in shared memory).
+  __device__ __forceinline__ void mma(const W (*As)[T::BM + T::APAD],
+                                     const W (*Bs)[T::BN + T::BPAD], int tid) {
+    const int tx = tid % T::COLS, ty = tid / T::COLS;
+#pragma unroll 4
+    for (int k = 0; k < T::BK; ++k) {
+      A a[T::TM], b[T::TN];
+#pragma unroll
+      for (int i = 0; i < T::TM; ++i) a[i] = static_cast<A>(As[k][ty + i * T::ROWS]);
+#pragma unroll
+      for (int j = 0; j < T::TN; ++j) b[j] = static_cast<A>(Bs[k][tx + j * T::COLS]);
+#pragma unroll
+      for (int i = 0; i < T::TM; ++i)
+#pragma unroll
+        for (int j = 0; j < T::TN; ++j) v[i][j] += a[i] * b[j];
+    }
+  }
+
+  // The accumulators into Cs[BM][BN + CPAD] (row-major).
+  __device__ __forceinline__ void store(A (*Cs)[T::BN + T::CPAD], int tid) const {
+    const int tx = tid % T::COLS, ty = tid / T::COLS;
+#pragma unroll
+    for (int i = 0; i < T::TM; ++i)
+#pragma unroll
+      for (int j = 0; j < T::TN; ++j) Cs[ty + i * T::ROWS][tx + j * T::COLS] = v[i][j];
+  }
+};
+
+template <typename W, typename T>
+struct Accum<W, T, true> {
+  using A = float;
+  using E = native_t<W>;
+  nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> c[T::FM][T::FN];
+
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+      for (int j = 0; j < T::FN; ++j) nvcuda::wmma::fill_fragment(c[i][j], 0.0f);
+  }
+
+  __device__ __forceinline__ void mma(const W (*As)[T::BM + T::APAD],
+                                      const W (*Bs)[T::BN + T::BPAD], int tid) {
+    using namespace nvcuda;
+    const int warp = tid / 32;
+    const int wm = (warp / T::WARPS_N) * T::FM * 16, wn = (warp % T::WARPS_N) * T::FN * 16;
+#pragma unroll
+    for (int k = 0; k < T::BK; k += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, E, wmma::col_major> fa[T::FM];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, E, wmma::row_major> fb[T::FN];
+#pragma unroll
+      for (int i = 0; i < T::FM; ++i) {
+        wmma::load_matrix_sync(fa[i], reinterpret_cast<const E*>(&As[k][wm + 16 * i]),
+                               T::BM + T::APAD);
+      }
+#pragma unroll
+      for (int j = 0; j < T::FN; ++j) {
+        wmma::load_matrix_sync(fb[j], reinterpret_cast<const E*>(&Bs[k][wn + 16 * j]),
+                               T::BN + T::BPAD);
+      }
+#pragma unroll
+      for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+        for (int j = 0; j < T::FN; ++j) wmma::mma_sync(c[i][j], fa[i], fb[j], c[i][j]);
+    }
+  }
+
+  __device__ __forceinline__ void store(float (*Cs)[T::BN + T::CPAD], int tid) const {
+    using namespace nvcuda;
+    const int warp = tid / 32;
+    const int wm = (warp / T::WARPS_N) * T::FM * 16, wn = (warp % T::WARPS_N) * T::FN * 16;
+#pragma unroll
+    for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+      for (int j = 0; j < T::FN; ++j) {
+        wmma::store_matrix_sync(&Cs[wm + 16 * i][wn + 16 * j], c[i][j], T::BN + T::CPAD,
+                                wmma::mem_row_major);
+      }
+  }
+};
+
+// ----------------------------------------------------------------------------- host helpers
+
+inline std::vector<int64_t> ints(c10::SymIntArrayRef v) {
+  return C10_AS_INTARRAYREF_SLOW(v).vec();
+}
+
+// Streaming multiprocessors of the current device (split-K sizing); the host copy sizes its
+// grids as for an H100's 132, so it runs the same decomposition as the GPU.
+inline int64_t sm_count() {
+#if defined(__CUDACC__)
+  return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+#else
+  return 132;
+#endif
+}
+
+// Storage type pairs (x, weight) the kernels are built for: equal types, and float32 with a
+// 16-bit type either way (autocast: BatchNorm input in float32, convolution in the autocast
+// dtype; or 16-bit activations with float32 weights).
+template <typename X, typename W>
+constexpr bool supported_pair =
+    std::is_same_v<X, W> || (std::is_same_v<X, float> && is_16bit<W>) ||
+    (is_16bit<X> && std::is_same_v<W, float>);
+
+// Calls f(X{}, W{}) with the storage types of x and weight (AT_DISPATCH over both).
+template <typename F>
+void dispatch_x_w(const char* name, at::ScalarType xt, at::ScalarType wt, F&& f) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xt, "fusedres_cuda_x", [&] {
+    using X = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, wt, "fusedres_cuda_w", [&] {
+      using W = scalar_t;
+      if constexpr (supported_pair<X, W>) {
+        f(X{}, W{});
+      } else {
+        TORCH_CHECK(false, name, ": x of dtype ", xt, " with weight of dtype ", wt,
+                    " is not supported (equal dtypes, or float32 with float16/bfloat16)");
+      }
+    });
+  });
+}
+
+// Per-channel BatchNorm affine in the statistics dtype: bn(x) = scale * x + shift.
+struct Affine {
+  at::Tensor scale, shift;
+};
+
+inline Affine bn_affine(const std::optional<at::Tensor>& bn_weight,
+                        const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
+                        const at::Tensor& invstd) {
+  const at::Tensor scale = bn_weight.has_value() ? *bn_weight * invstd : invstd.clone();
+  const at::Tensor shift = bn_bias.has_value() ? *bn_bias - mean * scale : -mean * scale;
+  return {scale.contiguous(), shift.contiguous()};
+}
+
+inline int64_t out_size(int64_t n, int64_t k, int64_t s, int64_t p, int64_t d) {
+  return (n + 2 * p - d * (k - 1) - 1) / s + 1;
+}
+
+inline at::MemoryFormat out_memory_format(const at::Tensor& x, const at::Tensor& weight) {
+  return suggests_channels_last(x) || suggests_channels_last(weight)
+             ? at::MemoryFormat::ChannelsLast
+             : at::MemoryFormat::Contiguous;
+}
+
+inline void check_unit_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                              const at::Tensor& mean, const at::Tensor& invstd) {
+  TORCH_CHECK(x.dim() == 4, op, ": x must be 4-D (N, C, H, W), got ", x.dim(), "-D");
+  TORCH_CHECK(weight.dim() == 4 && weight.size(1) == x.size(1), op,
+              ": weight must be (Co, C, kh, kw) with C = ", x.size(1), ", got ", weight.sizes());
+  check_device(x, op, "x");
+  TORCH_CHECK(weight.device() == x.device(), op, ": weight must be on the device of x (",
+              x.device(), "), got ", weight.device());
+  TORCH_CHECK(mean.numel() == x.size(1) && invstd.numel() == x.size(1), op,
+              ": mean and invstd must have one value per channel (", x.size(1), ")");
+  const auto sdt = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(mean.scalar_type() == sdt && invstd.scalar_type() == sdt, op,
+              ": mean and invstd must have dtype ", sdt, " (the statistics dtype of x), got ",
+              mean.scalar_type(), " and ", invstd.scalar_type());
+}
+
+}  // namespace fusedres::FUSEDRES_CUDA_NS

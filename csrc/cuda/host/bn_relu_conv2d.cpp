@@ -1,0 +1,36 @@
+// The CPU-executed copy of csrc/cuda/bn_relu_conv2d.cu (see ../common.cuh).
+#include "../bn_relu_conv2d.cu"
+
+// Test hook, host copy only (tests/test_cuda_kernels.py): the index helpers every fused kernel
+// uses (conv_tiles.cuh: a GEMM row -> (n, h, w) -> element offset), on int64 rows, so that
+// offsets past 2^31 are checked without a tensor of that size.
+namespace fusedres::cuda_host {
+namespace {
+
+at::Tensor pixel_offsets(const at::Tensor& rows, int64_t height, int64_t width,
+                         at::IntArrayRef sizes, at::IntArrayRef strides, int64_t channel) {
+  TORCH_CHECK(sizes.size() == 4 && strides.size() == 4,
+              "pixel_offsets: sizes and strides must have 4 entries");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1,
+              "pixel_offsets: rows must be a 1-D int64 tensor");
+  const Dims4 d{sizes[0], sizes[1], sizes[2], sizes[3],
+                strides[0], strides[1], strides[2], strides[3]};
+  const at::Tensor r = rows.contiguous();
+  at::Tensor out = at::empty_like(r);
+  const int64_t* rp = r.const_data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r.numel(); ++i) {
+    const Pixel p = pixel_of(rp[i], height, width);
+    op[i] = d.offset(p.n, channel, p.h, p.w);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace fusedres::cuda_host
+
+TORCH_LIBRARY(fusedres_cuda_testing, m) {
+  m.def("pixel_offsets(Tensor rows, int height, int width, int[] sizes, int[] strides, "
+        "int channel) -> Tensor");
+  m.impl("pixel_offsets", c10::DispatchKey::CPU, &fusedres::cuda_host::pixel_offsets);
+}

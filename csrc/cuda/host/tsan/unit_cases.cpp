@@ -1,0 +1,108 @@
+// ThreadSanitizer cases of the fused unit's kernels (bn_relu_conv2d.cu,
+// bn_relu_conv2d_backward.cu): small shapes (one or a few blocks per kernel: every CUDA thread is
+// an OS thread here), FMA and WMMA tiles, both layouts, strided taps, both backward strategies
+// and a split weight-gradient reduction; results against ATen in float64.
+#include <cstdlib>
+
+#include "cases.h"
+
+namespace {
+
+using fusedres_tsan::expect_close;
+namespace k = fusedres::cuda_host;
+
+struct Unit {
+  at::Tensor x, w, bias, gamma, beta, mean, invstd, res;
+  std::vector<int64_t> s, p, d;
+};
+
+// c = 17 input channels: two K-steps per tap on the FMA tiles (BK = 16 channels), and the weight
+// gradient's reduction runs over several 16- or 32-pixel K-steps, so the barriers between K-steps
+// are exercised, not only those between taps.
+Unit make_unit(at::ScalarType dt, bool channels_last, std::vector<int64_t> s) {
+  const auto fmt = channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  const auto sdt = dt == at::kDouble ? at::kDouble : at::kFloat;
+  Unit u;
+  u.s = s;
+  u.p = {1, 0};
+  u.d = {1, 1};
+  u.x = (at::randn({2, 17, 7, 6}, at::kDouble) * 2 + 0.5).to(dt).contiguous(fmt);
+  u.w = (at::randn({6, 17, 3, 1}, at::kDouble) * 0.3).to(dt).contiguous(fmt);
+  u.bias = at::randn({6}, at::kDouble).to(dt);
+  u.gamma = (at::rand({17}, at::kDouble) + 0.5).to(sdt);
+  u.beta = at::randn({17}, at::kDouble).to(sdt);
+  u.mean = (at::randn({17}, at::kDouble) * 0.3 + 0.5).to(sdt);
+  u.invstd = (at::rand({17}, at::kDouble) * 0.5 + 0.3).to(sdt);
+  const int64_t ho = (7 + 2 - 3) / s[0] + 1, wo = (6 - 1) / s[1] + 1;
+  u.res = at::randn({2, 6, ho, wo}, at::kDouble).to(dt).contiguous(fmt);
+  return u;
+}
+
+c10::SymIntArrayRef sym(const std::vector<int64_t>& v) { return c10::fromIntArrayRefSlow(v); }
+
+at::Tensor z64(const Unit& u) {
+  const auto v = [](const at::Tensor& t) { return t.to(at::kDouble).view({1, -1, 1, 1}); };
+  const at::Tensor scale = v(u.gamma) * v(u.invstd);
+  return u.x.to(at::kDouble) * scale + (v(u.beta) - v(u.mean) * scale);
+}
+
+void check_forward(at::ScalarType dt, bool channels_last, double tol) {
+  const Unit u = make_unit(dt, channels_last, {2, 1});
+  auto [y, mean, var] = k::bn_relu_conv2d_genstats(u.x, u.w, u.bias, u.gamma, u.beta, u.mean,
+                                                   u.invstd, u.res, sym(u.s), sym(u.p),
+                                                   sym(u.d));
+  const at::Tensor want = at::convolution(z64(u).relu().to(dt).to(at::kDouble),
+                                          u.w.to(at::kDouble), u.bias.to(at::kDouble), u.s, u.p,
+                                          u.d, false, {0, 0}, 1) + u.res.to(at::kDouble);
+  expect_close(y, want, tol, tol, "bn_relu_conv2d y");
+  auto [var64, mean64] = at::var_mean(y.to(at::kDouble), {0, 2, 3}, 0, false);
+  expect_close(mean, mean64, 1e-5, 1e-5, "genstats mean");
+  expect_close(var, var64, 1e-5, 1e-5, "genstats var");
+}
+
+void check_backward(at::ScalarType dt, bool channels_last, const char* strategy,
+                    const char* split, double tol) {
+  setenv("FUSEDRES_CUDA_BACKWARD", strategy, 1);
+  setenv("FUSEDRES_CUDA_WGRAD_SPLIT", split, 1);
+  const Unit u = make_unit(dt, channels_last, {2, 1});
+  const at::Tensor z = z64(u), a = z.relu();
+  const at::Tensor w64 = u.w.to(at::kDouble);
+  const at::Tensor y = at::convolution(a, w64, {}, u.s, u.p, u.d, false, {0, 0}, 1);
+  const at::Tensor gy = at::randn(y.sizes(), at::kDouble).to(dt);
+  auto [gx, gw, gb, gg, gbeta] = k::bn_relu_conv2d_backward(
+      gy, u.x, u.w, u.gamma, u.beta, u.mean, u.invstd, sym(u.s), sym(u.p), sym(u.d), true,
+      {true, true, true, true, true});
+  unsetenv("FUSEDRES_CUDA_BACKWARD");
+  unsetenv("FUSEDRES_CUDA_WGRAD_SPLIT");
+  auto [da, dw, db] = at::convolution_backward(gy.to(at::kDouble), a, w64, {{6}}, u.s, u.p,
+                                               u.d, false, {0, 0}, 1, {true, true, true});
+  const at::Tensor dz = da * (z > 0);
+  const auto v = [](const at::Tensor& t) { return t.to(at::kDouble).view({1, -1, 1, 1}); };
+  const at::Tensor xhat = (u.x.to(at::kDouble) - v(u.mean)) * v(u.invstd);
+  const at::Tensor sum_dz = dz.sum({0, 2, 3}), sum_dzx = (dz * xhat).sum({0, 2, 3});
+  const double m = static_cast<double>(u.x.numel() / u.x.size(1));
+  const at::Tensor dx = v(u.gamma) * v(u.invstd) *
+                        (dz - v(sum_dz) / m - xhat * v(sum_dzx) / m);
+  expect_close(gx, dx, tol, tol, "grad_x");
+  expect_close(gw, dw, tol, tol, "grad_weight");
+  expect_close(gb, db, tol, tol, "grad_bias");
+  expect_close(gg, sum_dzx, tol, tol, "grad_bn_weight");
+  expect_close(gbeta, sum_dz, tol, tol, "grad_bn_bias");
+}
+
+}  // namespace
+
+FUSEDRES_TSAN_CASE(unit_forward_fma) {
+  check_forward(at::kFloat, false, 1e-5);
+  check_forward(at::kDouble, true, 1e-12);
+}
+
+FUSEDRES_TSAN_CASE(unit_forward_wmma) { check_forward(at::kBFloat16, true, 3e-2); }
+
+FUSEDRES_TSAN_CASE(unit_backward_sums) { check_backward(at::kFloat, false, "sums", "1", 1e-5); }
+
+FUSEDRES_TSAN_CASE(unit_backward_store_split) {
+  check_backward(at::kFloat, true, "store", "2", 1e-5);
+}
+
+FUSEDRES_TSAN_CASE(unit_backward_wmma) { check_backward(at::kHalf, true, "sums", "2", 2e-2); }

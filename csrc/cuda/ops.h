@@ -1,0 +1,43 @@
+// The op functions of the kernel files in csrc/cuda, for C++ callers of one copy (the
+// ThreadSanitizer driver calls the host copy, fusedres::cuda_host). Include after common.cuh.
+// Each kernel file adds its op here; the ops are registered in that file.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+namespace fusedres::FUSEDRES_CUDA_NS {
+
+// batch_stats.cu: per-channel (mean, biased var) of x over (N, H, W), float32 (float64 for
+// float64 x).
+std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x);
+
+// bn_relu_conv2d.cu: the fused unit's forward, y = conv2d(relu(scale * x + shift), weight) +
+// bias + residual (scale, shift from bn_weight, bn_bias, mean, invstd); genstats also returns
+// y's per-channel (mean, biased var). Schemas in csrc/module.cpp.
+at::Tensor bn_relu_conv2d(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& bn_weight,
+                          const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
+                          const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
+                          c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
+                          c10::SymIntArrayRef dilation);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
+    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation);
+
+// bn_relu_conv2d_backward.cu: (grad_x, grad_weight, grad_bias, grad_bn_weight, grad_bn_bias);
+// an output whose output_mask entry is false is empty. FUSEDRES_CUDA_BACKWARD: sums | store.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
+    std::array<bool, 5> output_mask);
+
+}  // namespace fusedres::FUSEDRES_CUDA_NS

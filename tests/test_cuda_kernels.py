@@ -1,0 +1,283 @@
+"""The CUDA C++ kernels (csrc/cuda) through their ``fusedres_cuda`` ops, against float64 PyTorch:
+what the generic backend matrix does not reach. On a machine without a GPU the ops run on CPU
+tensors through the execution layer (the same kernel source, compiled by the host compiler);
+on a GPU, on CUDA tensors. Covered here: the tensor-core (WMMA) paths for float16/bfloat16 and
+the mixed autocast pair under the rule "error at most twice PyTorch's own against float64",
+float32 without TF32, every ``output_mask`` with and without batch statistics, split-K of the
+weight gradient, strides larger than the kernel (stride phases no tap feeds), the native
+genstats epilogue, and the int64 index helpers."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fusedres import _extension
+from fusedres.backends import portable
+from fusedres.ops import backward_empty_outputs
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+_KEY = "CUDA" if DEVICE.type == "cuda" else "CPU"
+_OPS = ("bn_relu_conv2d", "bn_relu_conv2d_genstats", "bn_relu_conv2d_backward")
+pytestmark = pytest.mark.skipif(
+    not (_extension.LOADED and _extension.has_kernels("fusedres_cuda", _KEY, *_OPS)),
+    reason=f"fusedres._C has no {_KEY} kernels of the fusedres_cuda ops")
+
+OPS = torch.ops.fusedres_cuda
+HALF = (torch.float16, torch.bfloat16)
+# Relative error bounds (max |err| / max |ref|) against float64 for the full-precision dtypes,
+# from measured errors (float32 ~3e-7 with no TF32, float64 ~1e-15).
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+# (n, c, h, w, co, (kh, kw), stride, padding, dilation, bias, residual): sizes that are not
+# multiples of any tile; strides larger than the kernel leave stride phases no tap feeds.
+CASES = [
+    (2, 3, 7, 7, 5, (3, 3), (1, 1), (1, 1), (1, 1), True, True),
+    (1, 17, 13, 7, 4, (3, 3), (2, 2), (1, 1), (1, 1), False, False),
+    (2, 4, 9, 11, 6, (5, 3), (1, 2), (2, 1), (2, 1), True, False),
+    (2, 5, 8, 7, 3, (1, 1), (3, 2), (0, 0), (1, 1), False, True),
+    (1, 6, 5, 6, 70, (2, 2), (3, 3), (1, 1), (2, 2), True, True),
+]
+IDS = [f"c{i}" for i in range(len(CASES))]
+
+
+def _sdt(dtype):
+    return torch.float32 if dtype in HALF else dtype
+
+
+def make(case, xdt=torch.float32, wdt=None, channels_last=False, seed=0):
+    """Inputs of one unit: x, weight, bias, gamma, beta, mean, invstd, residual, conv args."""
+    n, c, h, w, co, (kh, kw), s, p, d, has_bias, has_res = case
+    wdt = wdt or xdt
+    g = torch.Generator().manual_seed(seed)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    x = (r(n, c, h, w) * 2 + 0.5).to(DEVICE, xdt).contiguous(memory_format=fmt)
+    weight = (r(co, c, kh, kw) / (c * kh * kw) ** 0.5).to(DEVICE, wdt)
+    weight = weight.contiguous(memory_format=fmt)
+    sdt = _sdt(xdt)
+    gamma = (torch.rand(c, generator=g, dtype=torch.float64) + 0.5).to(DEVICE, sdt)
+    beta = (r(c) * 0.5).to(DEVICE, sdt)
+    mean = (r(c) * 0.3 + 0.5).to(DEVICE, sdt)
+    invstd = (torch.rand(c, generator=g, dtype=torch.float64) * 0.5 + 0.3).to(DEVICE, sdt)
+    ho = (h + 2 * p[0] - d[0] * (kh - 1) - 1) // s[0] + 1
+    wo = (w + 2 * p[1] - d[1] * (kw - 1) - 1) // s[1] + 1
+    bias = r(co).to(DEVICE, wdt) if has_bias else None
+    res = r(n, co, ho, wo).to(DEVICE, wdt).contiguous(memory_format=fmt) if has_res else None
+    return x, weight, bias, gamma, beta, mean, invstd, res, list(s), list(p), list(d)
+
+
+def as64(args):
+    return tuple(a.double() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def rel_err(a, b) -> float:
+    b = b.double()
+    return (a.double() - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+
+
+def abs_err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+# --------------------------------------------------------------------------- forward
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_forward_and_genstats_full_precision(case, dtype, channels_last):
+    """float32 (FMA, no TF32) and float64 against float64; genstats' statistics of y."""
+    args = make(case, dtype, channels_last=channels_last)
+    y = OPS.bn_relu_conv2d(*args)
+    y2, mean, var = OPS.bn_relu_conv2d_genstats(*args)
+    ref = portable.forward(*as64(args))
+    assert y.dtype == dtype and y.shape == ref.shape
+    assert y.is_contiguous(memory_format=torch.channels_last if channels_last
+                           else torch.contiguous_format)
+    assert rel_err(y, ref) <= TOL[dtype]
+    assert torch.equal(y, y2)
+    var64, mean64 = torch.var_mean(y.double(), dim=(0, 2, 3), correction=0)
+    assert mean.dtype == var.dtype == dtype
+    assert rel_err(mean, mean64) <= TOL[dtype] and rel_err(var, var64) <= TOL[dtype]
+
+
+# The tensor-core path (16-bit weights) and the autocast pair (float32 x, 16-bit weights).
+HALF_PAIRS = [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+              (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+              (torch.bfloat16, torch.float32)]
+HALF_IDS = ["f16", "bf16", "f32x-f16w", "f32x-bf16w", "bf16x-f32w"]
+
+
+def _torch_own(args):
+    """PyTorch's own result at the inputs' dtypes (the unfused sequence, portable's ops)."""
+    return portable.forward(*args)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=["c0", "c2", "c4"])
+@pytest.mark.parametrize("pair", HALF_PAIRS, ids=HALF_IDS)
+def test_forward_half_within_twice_torch_error(pair, case, channels_last):
+    xdt, wdt = pair
+    args = make(case, xdt, wdt, channels_last=channels_last)
+    y, mean, var = OPS.bn_relu_conv2d_genstats(*args)
+    exact = portable.forward(*as64(args))
+    own = _torch_own(args)
+    assert y.dtype == wdt
+    floor = 1e-3 * exact.abs().max().item()
+    assert abs_err(y, exact) <= 2 * abs_err(own, exact) + floor
+    # Statistics of y as stored (rounded), reduced in float32.
+    var64, mean64 = torch.var_mean(y.double(), dim=(0, 2, 3), correction=0)
+    assert mean.dtype == var.dtype == _sdt(wdt)
+    assert rel_err(mean, mean64) <= 1e-5 and rel_err(var, var64) <= 1e-5
+
+
+# --------------------------------------------------------------------------- backward
+
+MASKS = list(itertools.product([False, True], repeat=5))
+
+
+@pytest.mark.parametrize("strategy", ["sums", "store"])
+@pytest.mark.parametrize("batch_stats", [True, False], ids=["train", "eval"])
+def test_backward_every_output_mask(monkeypatch, batch_stats, strategy):
+    """All 32 output_mask combinations, with either backward strategy (FUSEDRES_CUDA_BACKWARD):
+    the metadata of ops.backward_empty_outputs, and every requested gradient equal to the
+    float64 reference."""
+    monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
+    args = make(CASES[1], torch.float64, channels_last=False)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d = args
+    gy = torch.randn_like(portable.forward(*args))
+    for mask in MASKS:
+        got = OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d,
+                                          batch_stats, list(mask))
+        ref = portable.backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d, batch_stats,
+                                list(mask))
+        expect = backward_empty_outputs(x, weight, mean, mask)
+        for i, (g, r, e) in enumerate(zip(got, ref, expect)):
+            assert (g.shape, g.dtype, g.stride()) == (e.shape, e.dtype, e.stride()), (mask, i)
+            if mask[i]:
+                assert rel_err(g, r) <= TOL[torch.float64], (mask, i)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_backward_full_precision(case, dtype, channels_last):
+    """Both BatchNorm modes (sums strategy, the default)."""
+    args = make(case, dtype, channels_last=channels_last)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d = args
+    gy = torch.randn(portable.forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
+    for batch_stats in (True, False):
+        got = OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d,
+                                          batch_stats, [True] * 5)
+        ref = portable.backward(*as64((gy, x, weight, gamma, beta, mean, invstd)), s, p, d,
+                                batch_stats, [True] * 5)
+        for i, (g, r) in enumerate(zip(got, ref)):
+            assert g.dtype == (dtype if i < 3 else _sdt(dtype))
+            assert rel_err(g, r) <= TOL[dtype], (batch_stats, i)
+        assert got[0].stride() == x.stride() and got[1].stride() == weight.stride()
+
+
+@pytest.mark.parametrize("strategy", ["sums", "store"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=["c0", "c4"])
+@pytest.mark.parametrize("pair", HALF_PAIRS, ids=HALF_IDS)
+def test_backward_half_within_twice_torch_error(monkeypatch, pair, case, strategy):
+    monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
+    xdt, wdt = pair
+    args = make(case, xdt, wdt, channels_last=True)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d = args
+    gy = torch.randn(portable.forward(*args).shape, dtype=torch.float64).to(DEVICE, wdt)
+    bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, True, [True] * 5)
+    got = OPS.bn_relu_conv2d_backward(*bargs)
+    own = portable.backward(*bargs)
+    exact = portable.backward(*as64(bargs[:7]), s, p, d, True, [True] * 5)
+    for i, (g, o, e) in enumerate(zip(got, own, exact)):
+        assert g.dtype == o.dtype
+        floor = 1e-3 * e.abs().max().item()
+        assert abs_err(g, e) <= 2 * abs_err(o, e) + floor, i
+
+
+@pytest.mark.parametrize("split", ["1", "3", "1000"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_weight_gradient_split_k(monkeypatch, split, dtype):
+    """The weight-gradient reduction split over blockIdx.z (partials summed after) gives the
+    same gradients for any split count (more than the K-steps is clamped)."""
+    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", split)
+    case = (2, 6, 12, 10, 9, (3, 3), (1, 1), (1, 1), (1, 1), True, False)
+    args = make(case, dtype, channels_last=False)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d = args
+    gy = torch.randn(portable.forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
+    mask = [False, True, True, False, False]
+    got = OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d, True,
+                                      mask)
+    exact = portable.backward(*as64((gy, x, weight, gamma, beta, mean, invstd)), s, p, d, True,
+                              mask)
+    tol = TOL[dtype] if dtype in TOL else 1e-2
+    assert rel_err(got[1], exact[1]) <= tol and rel_err(got[2], exact[2]) <= tol
+
+
+def test_bad_strategy_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", "fast")
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d = make(CASES[0], torch.float64)
+    gy = torch.randn_like(portable.forward(x, weight, None, gamma, beta, mean, invstd, None, s,
+                                           p, d))
+    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_BACKWARD: expected sums or store"):
+        OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d, True,
+                                    [True] * 5)
+
+
+def test_unsupported_dtype_pair_is_a_clear_error():
+    args = list(make(CASES[0], torch.float64))
+    args[1] = args[1].float()
+    args[2] = args[2].float()
+    args[7] = args[7].float()
+    with pytest.raises(RuntimeError, match="not supported"):
+        OPS.bn_relu_conv2d(*args)
+
+
+# --------------------------------------------------------------------------- index helpers
+
+@pytest.mark.skipif(not hasattr(torch.ops, "fusedres_cuda_testing")
+                    or not hasattr(torch.ops.fusedres_cuda_testing, "pixel_offsets"),
+                    reason="the index-helper test op is built with the host copy only")
+def test_index_helpers_use_int64():
+    """Row -> (n, h, w) -> element offset, as the kernels compute them, for rows and offsets
+    past 2^31 (a batch of more than 2^31 pixels; strides of a tensor of 2^40 elements)."""
+    height, width = 1000, 3000
+    sizes = [2**20, 7, height, width]
+    strides = [7 * height * width, 1, 7 * width, 7]  # channels_last
+    rows = torch.tensor([0, 1, 2**31 - 1, 2**31, 2**31 + 12345, 3 * 2**31 + 7, 2**40 + 5])
+    channel = 5
+    got = torch.ops.fusedres_cuda_testing.pixel_offsets(rows, height, width, sizes, strides,
+                                                        channel)
+    expect = []
+    for r in rows.tolist():
+        n, rem = divmod(r, height * width)
+        h, w = divmod(rem, width)
+        expect.append(n * strides[0] + channel * strides[1] + h * strides[2] + w * strides[3])
+    assert got.dtype == torch.int64
+    assert got.tolist() == expect
+    assert max(expect) > 2**40
+
+
+# --------------------------------------------------------------------------- selftest
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU `make selftest` runs it for real")
+def test_selftest_runs_the_cuda_backend(monkeypatch, capsys):
+    """`python -m fusedres.selftest --backends cuda` on CPU tensors through the CPU layer (the
+    backend made available as FUSEDRES_CUDA_ON_CPU=1 at import would): every case passes and
+    the table has the cuda backend's error and time columns."""
+    from fusedres import _backend, selftest
+    from fusedres.backends import cuda as cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "ON_CPU", True)
+    _backend._unavailable_reason.cache_clear()
+    try:
+        assert selftest.main(["--backends", "cuda", "--reps", "1"]) == 0
+    finally:
+        monkeypatch.undo()
+        _backend._unavailable_reason.cache_clear()
+    out = capsys.readouterr().out
+    assert "err cuda" in out and "ms cuda" in out and "ms reference" in out
+    assert "passed" in out and "FAIL" not in out
