@@ -66,7 +66,6 @@ def extensions():
         print("fusedres: no C++ compiler found, installing Python-only")
         return [], {}
     import torch
-    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     _max_jobs()
     # csrc/cuda/host/*.cpp: the CUDA kernels compiled by the host compiler through the CPU
@@ -79,12 +78,17 @@ def extensions():
     use_cuda = cuda_switch == "1" or (
         cuda_switch == "auto" and cuda_sources and cuda_home and torch.version.cuda
     )
+    if use_cuda:
+        # Before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, and would derive
+        # it from the folder of the nvcc wrapper script otherwise.
+        os.environ.setdefault("CUDA_HOME", cuda_home)
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
     cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas"]
     if os.environ.get("FUSEDRES_CPU_NATIVE", "1") == "1":
         cxx.append("-march=native")
     kwargs = {"extra_compile_args": {"cxx": cxx}, "extra_link_args": ["-fopenmp"]}
     if use_cuda:
-        os.environ.setdefault("CUDA_HOME", cuda_home)
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         include = os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu13", "include")
         kwargs["include_dirs"] = [os.path.abspath(include)] if os.path.isdir(include) else []

@@ -63,6 +63,9 @@ def nvcc_command(nvcc: str, src: str, obj: str, keep_dir: str, archs=ARCHS) -> l
     import sysconfig
 
     import torch
+
+    # torch.utils.cpp_extension reads CUDA_HOME at import (else it guesses from the wrapper).
+    os.environ.setdefault("CUDA_HOME", os.path.dirname(os.path.dirname(nvcc)))
     from torch.utils import cpp_extension
 
     includes = list(cpp_extension.include_paths())

@@ -156,12 +156,16 @@ template <typename A>
 struct Moments {
   A n, mean, m2;
 
+  // The reciprocal is an IEEE round-to-nearest intrinsic: a true division calls a subroutine
+  // whose calling convention spilled registers in the NHWC statistics kernel on sm_90.
   __device__ __forceinline__ void add(A v) {
     n += A(1);
     const A d = v - mean;
-    mean += d / n;
+    mean += d * reciprocal(n);
     m2 += d * (v - mean);
   }
+  __device__ __forceinline__ static float reciprocal(float v) { return __frcp_rn(v); }
+  __device__ __forceinline__ static double reciprocal(double v) { return __drcp_rn(v); }
 
   __device__ __forceinline__ void merge(A nb, A mean_b, A m2_b) {
     if (nb == A(0)) return;

@@ -280,11 +280,11 @@ void run_thread(Block& b, Thread& t, void (*body)(void*), void* ctx) {
     body(ctx);
   } catch (const Aborted&) {
   } catch (...) {
-    Lock lk = lock(b);
+    [[maybe_unused]] Lock lk = lock(b);
     fail(b, std::current_exception());
     notify(b);
   }
-  Lock lk = lock(b);
+  [[maybe_unused]] Lock lk = lock(b);
   thread_exit(b, t);
 }
 
@@ -405,7 +405,7 @@ namespace {
 // Returns the number of threads whose pred was non-zero, and in `met` how many met.
 int barrier(int pred, unsigned* met = nullptr) {
   Block& b = *self().block;
-  Lock lk = lock(b);
+  [[maybe_unused]] Lock lk = lock(b);
   b.reduce += pred;
   b.arrived++;
   b.events++;
@@ -437,7 +437,7 @@ int syncthreads_and(int pred) {
 unsigned active_mask() {
   Thread& t = self();
   Block& b = *t.block;
-  Lock lk = lock(b);
+  [[maybe_unused]] Lock lk = lock(b);
   return b.exists[t.warp] & ~b.exited[t.warp];
 }
 
@@ -450,7 +450,7 @@ void warp_exchange(const char* op, unsigned mask, const void* value, size_t size
     device_error(std::string(op) + ": lane " + std::to_string(t.lane) +
                  " is not in its mask " + hex(mask));
   }
-  Lock lk = lock(b);
+  [[maybe_unused]] Lock lk = lock(b);
   if (mask & ~b.exists[t.warp]) {
     device_error(std::string(op) + ": mask " + hex(mask) + " names lanes " +
                  hex(mask & ~b.exists[t.warp]) + " that are not threads of the block");

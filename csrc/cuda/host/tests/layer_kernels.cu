@@ -15,7 +15,7 @@ __global__ void block_sum_kernel(const float* x, float* out, bool barrier) {
   s[threadIdx.x] = x[threadIdx.x];
   if (barrier) __syncthreads();
   for (int stride = kBlock / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) s[threadIdx.x] += s[threadIdx.x + stride];
+    if (static_cast<int>(threadIdx.x) < stride) s[threadIdx.x] += s[threadIdx.x + stride];
     if (barrier) __syncthreads();
   }
   if (threadIdx.x == 0) *out = s[0];
