@@ -306,7 +306,15 @@ def test_finished_run_has_its_outputs(finished_run):
     (["--batch-size", "4096"], "--batch-size: 4096 is larger than the 1433 training images"),
 ])
 def test_bad_input_is_one_line_exit_2_and_the_run_is_untouched(finished_run, capsys, argv,
-                                                               match):
+                                                               match, monkeypatch):
+    if "cuda" in argv:  # conftest runs the cuda backend on CPU (FUSEDRES_CUDA_ON_CPU=1): undo
+        import functools
+
+        from fusedres import _backend
+        from fusedres.backends import cuda as backend_cuda
+        monkeypatch.setattr(backend_cuda, "ON_CPU", False)
+        monkeypatch.setattr(_backend, "_unavailable_reason",
+                            functools.cache(_backend._unavailable_reason.__wrapped__))
     before = _snapshot(finished_run)
     code = main([*TINY, "--out", str(finished_run), "--resume", *argv])
     err = capsys.readouterr().err.strip()

@@ -9,10 +9,19 @@
 //   2. finalize: one warp per channel merges its splits in double and writes mean and M2 / n.
 // Values are shifted by the channel's first value before they are accumulated (the shifted-data
 // algorithm): float Welford updates then see deviations, not a large offset, and x = 1000 +
-// noise keeps its variance's digits. Offsets are int64 throughout.
+// noise keeps its variance's digits. A first value that is inf or NaN is no shift (0), so it
+// does not poison the other values. Known gap: a channel holding an inf gets a NaN mean (the
+// Welford update computes inf - inf), where PyTorch's sum gives inf. Offsets are int64 throughout.
 #include "common.cuh"
 
 namespace fusedres::FUSEDRES_CUDA_NS {
+
+// The shift of the shifted-data algorithm: the channel's first value when finite, else 0
+// (v - v is 0 only for finite v; no math-library call, the same on nvcc and the host layer).
+template <typename A>
+__device__ __forceinline__ A stats_shift(A v) {
+  return v - v == A(0) ? v : A(0);
+}
 namespace {
 
 constexpr int kThreads = 256;        // NCHW block: 8 warps
@@ -40,7 +49,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t hw32 = static_cast<uint32_t>(HW);
   const uint32_t count = static_cast<uint32_t>(end - begin);
   const scalar_t* base = x + (n0 * C + c) * HW;
-  const A shift = static_cast<A>(x[c * HW]);
+  const A shift = stats_shift(static_cast<A>(x[c * HW]));
   Moments<A> m{A(0), A(0), A(0)};
   for (uint32_t k = threadIdx.x; k < count; k += kThreads) {
     const uint32_t q = (hw0 + k) / hw32;  // planes past n0
@@ -82,7 +91,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
   const int64_t end = begin + rows_per_split < rows ? begin + rows_per_split : rows;
   Moments<A> m{A(0), A(0), A(0)};
   if (c < C) {
-    const A shift = static_cast<A>(x[c]);
+    const A shift = stats_shift(static_cast<A>(x[c]));
     for (int64_t r = begin + threadIdx.y; r < end; r += kRowsPerBlock) {
       m.add(static_cast<A>(x[r * C + c]) - shift);
     }
@@ -118,7 +127,7 @@ __global__ void __launch_bounds__(256)
   }
   m.warp_merge();
   if (threadIdx.x == 0) {
-    const double shift = static_cast<double>(static_cast<A>(x[c * shift_stride]));
+    const double shift = static_cast<double>(stats_shift(static_cast<A>(x[c * shift_stride])));
     mean[c] = static_cast<A>(shift + m.mean);
     var[c] = static_cast<A>(m.m2 / m.n);
   }
