@@ -203,8 +203,8 @@ def _kernel_names() -> set[str]:
 @pytest.mark.skipif(cuda_aot.find_nvcc() is None, reason="nvcc not found: csrc/cuda cannot be "
                     "compiled for sm_80/sm_90 on this machine")
 def test_nvcc_compiles_every_kernel_for_sm80_and_sm90(tmp_path):
-    """The CI compile of csrc/cuda: every kernel for both architectures, its spills reported, and the
-    committed table (csrc/cuda/COMPILE.md) lists every kernel the compile reports."""
+    """The CI compile of csrc/cuda: every kernel for both architectures, its spills reported,
+    and the committed table (csrc/cuda/COMPILE.md) lists every kernel the compile reports."""
     out = tmp_path / "COMPILE.md"
     res = subprocess.run([sys.executable, "-m", "fusedres.cuda_aot", "--out", str(out)],
                          capture_output=True, text=True)
