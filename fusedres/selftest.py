@@ -203,16 +203,17 @@ def unavailable(device) -> str | None:
                      for b in GPU_BACKENDS)
 
 
-def run(device, reps: int) -> list[dict]:
-    """Every case on ``device``: on a GPU all dtypes and both layouts; on CPU (the
-    interpreter) the tiny cases, float32 in both layouts and bfloat16 channels_last."""
+def run(device, reps: int, backends: list[str] | None = None) -> list[dict]:
+    """Every case on ``device`` for each GPU backend that runs there (or those of
+    ``backends``): on a GPU all dtypes and both layouts; on CPU (the interpreter, the cuda
+    backend's CPU layer) the tiny cases, float32 in both layouts and bfloat16 channels_last."""
     device = torch.device(device)
     gpu = device.type == "cuda"
     cases = GPU_CASES if gpu else CPU_CASES
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if gpu else [torch.float32,
                                                                         torch.bfloat16]
     rows = []
-    for backend in gpu_backends(device):
+    for backend in backends or gpu_backends(device):
         for case in cases:
             for dtype in dtypes:
                 for cl in (True, False):
@@ -235,6 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None,
                     help="timed repetitions per case (default: 10 on a GPU, 0 on CPU)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--backends", default=None, metavar="NAMES",
+                    help=f"comma-separated, from {', '.join(GPU_BACKENDS)} (default: those that "
+                    "run on the device)")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the rows to PATH (fusedres bench gpu-report reads them)")
     args = ap.parse_args(argv)
@@ -243,8 +247,16 @@ def main(argv=None) -> int:
     if reason is not None:
         print(f"fusedres selftest: no GPU backend can run on {device}: {reason}")
         return 2
+    backends = None
+    if args.backends is not None:
+        backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+        running = gpu_backends(device)
+        bad = [b for b in backends if b not in running]
+        if not backends or bad:
+            ap.error(f"--backends: expected names from {', '.join(running) or '(none)'} "
+                     f"(the GPU backends that run on {device}), got {args.backends!r}")
     reps = args.reps if args.reps is not None else (10 if device.type == "cuda" else 0)
-    rows = run(device, reps)
+    rows = run(device, reps, backends)
     print(format_rows(rows, device))
     if args.json:
         with open(args.json, "w") as f:

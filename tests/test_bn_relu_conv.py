@@ -183,11 +183,7 @@ def test_autocast_leaves_float64_alone(backend):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_nan_and_inf_propagate_as_in_pytorch(backend, value, request):
-    if backend == "cuda" and value == float("inf"):
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="cuda batch_stats: Welford's update turns a channel's inf into "
-            "a NaN mean (inf - inf); PyTorch's sum gives inf. Known gap, not fixed yet"))
+def test_nan_and_inf_propagate_as_in_pytorch(backend, value):
     case = CASES[0]
     inp = make_inputs(case)
     with torch.no_grad():

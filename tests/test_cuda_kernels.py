@@ -267,7 +267,7 @@ def test_index_helpers_use_int64():
 def test_selftest_runs_the_cuda_backend(monkeypatch, capsys):
     """`python -m fusedres.selftest --backends cuda` on CPU tensors through the CPU layer (the
     backend made available as FUSEDRES_CUDA_ON_CPU=1 at import would): every case passes and
-    the table has the cuda backend's error and time columns."""
+    every row of the table is the cuda backend's."""
     from fusedres import _backend, selftest
     from fusedres.backends import cuda as cuda_backend
 
@@ -279,5 +279,6 @@ def test_selftest_runs_the_cuda_backend(monkeypatch, capsys):
         monkeypatch.undo()
         _backend._unavailable_reason.cache_clear()
     out = capsys.readouterr().out
-    assert "err cuda" in out and "ms cuda" in out and "ms reference" in out
-    assert "passed" in out and "FAIL" not in out
+    rows = [line for line in out.splitlines() if line.startswith(("cuda ", "triton "))]
+    assert rows and all(line.startswith("cuda ") and " pass " in line for line in rows), out
+    assert "max rel err" in out and "FAIL" not in out

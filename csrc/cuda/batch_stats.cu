@@ -10,8 +10,8 @@
 // Values are shifted by the channel's first value before they are accumulated (the shifted-data
 // algorithm): float Welford updates then see deviations, not a large offset, and x = 1000 +
 // noise keeps its variance's digits. A first value that is inf or NaN is no shift (0), so it
-// does not poison the other values. Known gap: a channel holding an inf gets a NaN mean (the
-// Welford update computes inf - inf), where PyTorch's sum gives inf. Offsets are int64 throughout.
+// does not poison the other values; an infinite mean stays infinite (Moments), as PyTorch's sum
+// gives. Offsets are int64 throughout.
 #include "common.cuh"
 
 namespace fusedres::FUSEDRES_CUDA_NS {

@@ -158,10 +158,16 @@ struct Moments {
 
   // The reciprocal is an IEEE round-to-nearest intrinsic: a true division calls a subroutine
   // whose calling convention spilled registers in the NHWC statistics kernel on sm_90.
+  // An infinite mean stays infinite as a sum would (inf + finite = inf, inf - inf = NaN): the
+  // update mean + d / n would compute inf - inf for any later finite value and give NaN where
+  // PyTorch's mean is inf. No math-library call: x - x is 0 only for finite x.
+  __device__ __forceinline__ static bool is_inf(A x) { return x == x && !(x - x == A(0)); }
+
   __device__ __forceinline__ void add(A v) {
     n += A(1);
     const A d = v - mean;
-    mean += d * reciprocal(n);
+    const bool inf_mean = is_inf(mean);
+    mean = inf_mean ? (v - v == A(0) ? mean : mean + v) : mean + d * reciprocal(n);
     m2 += d * (v - mean);
   }
   __device__ __forceinline__ static float reciprocal(float v) { return __frcp_rn(v); }
@@ -178,7 +184,7 @@ struct Moments {
     const A total = n + nb;
     const A w = nb / total;
     const A delta = mean_b - mean;
-    mean += delta * w;
+    mean = is_inf(mean) || is_inf(mean_b) ? mean + mean_b : mean + delta * w;
     m2 += m2_b + delta * delta * n * w;
     n = total;
   }
