@@ -9,10 +9,10 @@ EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/
 EXT     := $(VENV)/.ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1
-# The nvcc copy of csrc/cuda only runs on a GPU: off by default here (the CPU copy of the same
+# The nvcc copy of csrc/cuda only runs on a GPU: off without one (the CPU copy of the same
 # kernels is always built; `make cuda-table` and tests/test_cuda_host.py compile csrc/cuda with
-# nvcc for sm_80/sm_90). On a GPU machine: FUSEDRES_BUILD_CUDA=1 make install.
-export FUSEDRES_BUILD_CUDA ?= 0
+# nvcc for sm_80/sm_90). Where a GPU is visible (nvidia-smi -L) the nvcc copy is built too (auto).
+export FUSEDRES_BUILD_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo auto || echo 0)
 PYTEST_ARGS ?=
 .PHONY: install demo compare test selftest bench gpu-report lint format clean tsan cuda-table
 
