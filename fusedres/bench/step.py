@@ -105,13 +105,20 @@ def step_peak(tr: Trainer, device: torch.device) -> int:
 
 
 def default_plan_budget(name: str, batch: int, image_size: int | None = None) -> int:
-    """Half the fused model's saved activations (counted on the meta device): a budget that
-    makes the planner checkpoint."""
+    """A whole-step budget that makes the planner checkpoint: the fused model's step peak as
+    the planner predicts it (SGD with momentum, on the meta device) less half the activations
+    its forward saves, or the smallest budget the planner can meet when that is less."""
     size, _ = model_input(name, image_size)
     with torch.device("meta"):
         model = models.MODELS[name](fused=True)
-    x = torch.empty(batch, 3, size, size, device="meta")
-    return max(1, saved_bytes(model, x) // 2)
+    shape = (batch, 3, size, size)
+    unplanned = fusedres.memory.plan(model, shape, budget_bytes=2**62)
+    target = max(1, unplanned.peak_bytes - unplanned.step.saved_after_forward // 2)
+    try:
+        fusedres.memory.plan(model, shape, budget_bytes=target)
+    except fusedres.planner.PlanError as e:
+        return e.min_budget_bytes
+    return target
 
 
 def run_steps(names, batch: int, device: torch.device, *, variants=VARIANTS,
