@@ -248,19 +248,23 @@ void wait(Block& b, Lock&, const char* where, Pred ready) {
 
 #endif
 
+// Every live thread has arrived at __syncthreads: release them (a new generation) with the
+// barrier's reduction (__syncthreads_count/and/or). Called with the block's lock held.
+void release_barrier(Block& b) {
+  b.released = b.arrived;
+  b.arrived = 0;
+  b.reduced = b.reduce;
+  b.reduce = 0;
+  b.generation++;
+  notify(b);
+}
+
 // A thread returned from the kernel: the barrier and the warp collectives stop counting it.
 void thread_exit(Block& b, Thread& t) {
   b.live--;
   b.exited[t.warp] |= 1u << t.lane;
   b.events++;
-  if (b.arrived > 0 && b.arrived == b.live) {
-    b.released = b.arrived;
-    b.arrived = 0;
-    b.reduced = b.reduce;
-    b.reduce = 0;
-    b.generation++;
-    notify(b);
-  }
+  if (b.arrived > 0 && b.arrived == b.live) release_barrier(b);
   for (const Group& g : b.groups[t.warp]) {
     if (!g.complete && (g.mask >> t.lane & 1u) && !(g.arrived >> t.lane & 1u) && !b.failed) {
       try {
@@ -411,12 +415,7 @@ int barrier(int pred, unsigned* met = nullptr) {
   b.events++;
   const uint64_t gen = b.generation;
   if (b.arrived == b.live) {
-    b.released = b.arrived;
-    b.arrived = 0;
-    b.reduced = b.reduce;
-    b.reduce = 0;
-    b.generation++;
-    notify(b);
+    release_barrier(b);
   } else {
     wait(b, lk, "__syncthreads", [&] { return b.generation != gen; });
   }
