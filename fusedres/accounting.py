@@ -347,8 +347,12 @@ def _tile_budget() -> int:
             return int(env)
         except ValueError:
             pass
-    threads = torch.get_num_threads()
-    return MiB if threads <= 1 else threads * 4 * MiB
+    return max(torch.get_num_threads(), 1) * MiB  # csrc/cpu/bn_relu_conv2d.cpp's tile_bytes()
+
+
+# oneDNN's per-call scratchpad and primitive state beside the tiles: up to 180 KiB measured
+# with one-sample tiles of a strided 1x1 convolution (tests/test_memory.py).
+_ONEDNN_SLACK = 256 * 1024
 
 
 def cpu_op_workspace_bytes(func, args) -> int:
@@ -356,9 +360,11 @@ def cpu_op_workspace_bytes(func, args) -> int:
     (``csrc/cpu/bn_relu_conv2d.cpp``), an upper bound: tiles of ``nb`` samples (the kernel's
     ``tile_batch`` rule), a the activation tile and o the output tile. Forward: a, o and a
     re-laid copy of the weight (plus oneDNN's own copy), and a second activation tile (a strided
-    1x1 convolution subsamples it). Backward: the activation, data-gradient
+    1x1 convolution subsamples it). Backward: a whole copy of a grad_out that is not dense or
+    not of the weight's dtype, the activation, data-gradient
     and layout-change buffers and what oneDNN's per-tile backward returns (4a + 4o), the weight
-    copy and two weight-gradient accumulators (3w), the per-thread sums. Checked against the
+    copy and two weight-gradient accumulators (3w), the per-thread sums. Both: 256 KiB for
+    oneDNN's scratchpad. Checked against the
     process's peak resident memory around single op calls (tests/test_memory.py). 0 for other
     ops."""
     ns = getattr(getattr(func, "_schema", None), "name", "")
@@ -384,8 +390,14 @@ def cpu_op_workspace_bytes(func, args) -> int:
     a_tile, o_tile = nb * c * h * w * size, nb * co * ho * wo * size
     w_bytes = weight.numel() * max(size, 4)
     if backward:
-        return 4 * a_tile + 4 * o_tile + 3 * w_bytes + torch.get_num_threads() * 2 * c * 8
-    return 2 * a_tile + o_tile + 2 * w_bytes
+        go = args[0]
+        # A grad_out that is not dense (the expanded gradient of a sum()) or of another dtype
+        # is first copied whole.
+        dense = go.is_contiguous() or go.is_contiguous(memory_format=torch.channels_last)
+        go_copy = 0 if dense and go.dtype == weight.dtype else n * co * ho * wo * size
+        return (go_copy + 4 * a_tile + 4 * o_tile + 3 * w_bytes
+                + torch.get_num_threads() * 2 * c * 8 + _ONEDNN_SLACK)
+    return 2 * a_tile + o_tile + 2 * w_bytes + _ONEDNN_SLACK
 
 
 class _StepTracker(LiveTensorTracker):

@@ -21,14 +21,15 @@
 namespace fusedres::cpu {
 namespace {
 
-// Bytes of (activation + conv output) per tile, set by measurement (RESULTS.md): 1 MiB on one
-// thread (half the core's L2); with more threads each oneDNN call is split between them and its
-// fixed cost grows, so larger tiles win: 4 MiB per thread (8 MiB on this 2-core machine).
+// Bytes of (activation + conv output) per tile, set by measurement (RESULTS.md): 1 MiB per
+// thread, half a core's L2, so that each thread's share of a tile stays in its own cache through
+// the BN-ReLU, the convolution and the transposes. (4 MiB per thread, the rule before, was
+// measured under a load of 9 on 2 cores; on a quiet machine it is 1.1-2x slower for the 3x3
+// units of 16-64 channels, whose whole batch then becomes one tile that spills L2.)
 int64_t tile_bytes() {
   // Read at every call so that benchmarks can sweep it; 0 or less means one tile.
   if (const char* env = std::getenv("FUSEDRES_CPU_TILE_BYTES")) return std::atoll(env);
-  const int64_t threads = at::get_num_threads();
-  return threads <= 1 ? int64_t(1) << 20 : threads * (int64_t(4) << 20);
+  return std::max<int64_t>(at::get_num_threads(), 1) * (int64_t(1) << 20);
 }
 
 // Samples per tile: as many as fit the budget (at least one), balanced across tiles. Every
