@@ -251,6 +251,10 @@ def _compiled_triton(x: Tensor) -> bool:
 
 
 def _unit(args, genstats: bool):
+    if ops.eager_cpu(args[0]):
+        y = ops.EagerCpuUnit.apply(*args)
+        # The cpu backend has no statistics epilogue: the op itself runs batch_stats(y).
+        return (y, *torch.ops.fusedres_cpu.batch_stats(y.detach())) if genstats else y
     if _compiled_triton(args[0]):
         from .backends import triton as triton_backend
 
@@ -261,6 +265,8 @@ def _unit(args, genstats: bool):
 
 
 def _batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    if ops.eager_cpu(x):
+        return tuple(torch.ops.fusedres_cpu.batch_stats(x))
     if _compiled_triton(x):
         from .backends import triton as triton_backend
 
