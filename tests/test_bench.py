@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -109,6 +110,22 @@ def test_time_interleaved_warms_up_then_alternates_the_order():
     assert len({tuple(r) for r in rounds}) > 2  # not the same two orders over and over
     assert {k: len(v) for k, v in times.items()} == {"A": 4, "B": 4, "C": 4}
     assert all(t >= 0 for v in times.values() for t in v)
+
+
+def test_time_interleaved_samples_several_calls_in_a_row():
+    calls = []
+
+    def slow(name):
+        calls.append(name)
+        time.sleep(0.002)
+
+    steps = {"A": lambda: slow("A"), "B": lambda: slow("B")}
+    times = time_interleaved(steps, torch.device("cpu"), warmup=1, reps=3, min_sample_s=0.01)
+    # 1 warm-up call each, then samples of ceil(0.01 / ~0.002) <= 5 calls in a row
+    timed = len(calls) - 2  # 3 rounds of k_A + k_B calls, 2 <= k <= 5
+    assert timed % 3 == 0 and 3 * 4 <= timed <= 3 * 10, timed
+    assert {k: len(v) for k, v in times.items()} == {"A": 3, "B": 3}
+    assert all(0.0019 < t < 0.05 for v in times.values() for t in v)  # seconds per call
 
 
 def test_summarize():

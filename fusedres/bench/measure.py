@@ -10,6 +10,7 @@ everything the step allocates and holds at its worst moment.
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 from collections.abc import Iterable
@@ -55,18 +56,30 @@ def _time_once(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.device, *,
-                     warmup: int, reps: int, on_round: Callable[[], None] | None = None
-                     ) -> dict[str, list[float]]:
+                     warmup: int, reps: int, on_round: Callable[[], None] | None = None,
+                     min_sample_s: float = 0.0) -> dict[str, list[float]]:
     """Time each of ``steps`` ``reps`` times, after ``warmup`` untimed calls each.
 
     Rounds interleave the candidates (A B C, then C B A, then B C A ...): a slow phase of a
-    shared machine falls on all of them instead of on whichever ran during it. Returns the
-    seconds of every timed call per name; ``on_round`` is called after each round (progress).
+    shared machine falls on all of them instead of on whichever ran during it. A sample is
+    ``k`` consecutive calls of one candidate divided by ``k``, ``k`` the fewest calls lasting
+    ``min_sample_s`` (from the last warm-up call's time; 1 when ``min_sample_s`` is 0): on a
+    CPU a single millisecond call right after another candidate's runs with that candidate's
+    data in the caches and its freed blocks in the allocator, which measured up to 2x slower
+    than the same call in a training loop; a few calls in a row time the steady state.
+    Returns the seconds per call of every sample per name; ``on_round`` is called after each
+    round (progress).
     """
     names = list(steps)
+    calls = {}
     for name in names:
+        last = 0.0
         for _ in range(warmup):
-            steps[name]()
+            last = _time_once(steps[name], device)
+        if min_sample_s > 0 and warmup == 0:
+            last = _time_once(steps[name], device)
+        calls[name] = max(1, min(64, math.ceil(min_sample_s / last))) if min_sample_s > 0 and \
+            last > 0 else 1
         sync(device)
     out: dict[str, list[float]] = {name: [] for name in names}
     for r in range(reps):
@@ -75,7 +88,11 @@ def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.devic
         if r % 2:
             order.reverse()
         for name in order:
-            out[name].append(_time_once(steps[name], device))
+            k = calls[name]
+            if k == 1:
+                out[name].append(_time_once(steps[name], device))
+            else:
+                out[name].append(_time_once(lambda: [steps[name]() for _ in range(k)], device) / k)
         if on_round is not None:
             on_round()
     return out

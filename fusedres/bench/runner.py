@@ -112,7 +112,8 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
         amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(getattr(args, "amp", "none"))
         rows = units_mod.run_units(units, args.device, baselines=baselines,
                                    backends=args.backends, warmup=warmup, reps=reps, amp=amp,
-                                   deadline=deadline, progress=bar, on_shape=on_shape)
+                                   deadline=deadline, progress=bar, on_shape=on_shape,
+                                   min_sample_s=0.0 if args.quick else None)
     measured = units_mod.table_rows(rows)
     skipped = [r["shape"] for r in rows if r.get("skipped")]
     plot_path = rep.png(f"{name}-ratio.png")
@@ -128,8 +129,12 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
                                                        "bandwidth of the Triton kernels"):
         plots.append(bw_path.name)
     md = [f"## {title}", "",
-          f"`{name}`: {len(units) - len(skipped)} shapes, {warmup} warm-up and {reps} timed "
-          "steps per candidate, interleaved; `x plain` is the median step time over the plain "
+          f"`{name}`: {len(units) - len(skipped)} shapes, {warmup} warm-up steps and {reps} "
+          "timed samples per candidate, interleaved"
+          + (" (a sample: the mean of as many consecutive steps as last 50 ms, the steady "
+             "state of a training loop)" if args.device.type == "cpu" and not args.quick
+             else "")
+          + "; `x plain` is the median step time over the plain "
           "unit's (nn.BatchNorm2d + ReLU + nn.Conv2d, NCHW, eager) in the same run; `saved` "
           "is what autograd keeps for backward (fusedres.memory.saved_bytes), `peak` the peak "
           "memory of the step (unit parameters, inputs and everything the step allocates).",

@@ -206,17 +206,21 @@ def shape_info(shape: ConvUnit | BlockUnit) -> dict:
 def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=None,
               warmup: int = 2, reps: int = 7, dtype: torch.dtype = torch.float32,
               amp: torch.dtype | None = None, deadline: float | None = None, progress=None,
-              on_shape=None) -> list[dict]:
+              on_shape=None, min_sample_s: float | None = None) -> list[dict]:
     """Measure every shape; returns one row per (shape, impl) with the median and spread of
     the step time, ``ratio`` to the plain row of the same shape and run, ``saved_bytes``
     (autograd's saved activations) and ``peak_bytes`` (see :func:`measure.peak_bytes`).
 
+    ``min_sample_s``: see :func:`measure.time_interleaved` (default: 0.05 s on CPU, where a
+    sample is then the steady state of a few calls in a row; single calls on CUDA).
     ``deadline`` (a ``time.monotonic()`` value): shapes not started by then are skipped and
     listed in a row with ``skipped``. ``on_shape(rows_of_shape)`` is called as each finishes.
     """
     backends = fused_backends(device) if backends is None else list(backends)
     impls = _impls(device, baselines, backends)
     peak_bw = device_peak_bandwidth(device)
+    if min_sample_s is None:
+        min_sample_s = 0.05 if device.type == "cpu" else 0.0
     rows: list[dict] = []
     for shape in shapes:
         if deadline is not None and time.monotonic() > deadline:
@@ -227,6 +231,7 @@ def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=Non
         cases = {impl: make_case(shape, impl, device, dtype, amp) for impl in impls}
         steps = {impl: make_step(c) for impl, c in cases.items()}
         times = time_interleaved(steps, device, warmup=warmup, reps=reps,
+                                 min_sample_s=min_sample_s,
                                  on_round=progress.update if progress is not None else None)
         shape_rows = []
         for impl, case in cases.items():
