@@ -532,7 +532,9 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
                         f"{what}; the smallest budget that works is {s.peak_bytes} bytes "
                         f"({_size(s.peak_bytes)}), with every unit checkpointed; without "
                         f"checkpointing the step peaks at {_size(step.peak_bytes)} "
-                        f"(the {s.phase} is the peak: " + "; ".join(
+                        + ("(the eval forward, which checkpointing does not shrink, is the "
+                           "peak: a smaller eval batch lowers it: " if s.phase == "eval forward"
+                           else f"(the {s.phase} is the peak: ") + "; ".join(
                             " ".join(line.split()) for line in s.lines()[1:]) + ")",
                         s.peak_bytes)
                 choice, step = c, s

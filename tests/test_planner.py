@@ -174,6 +174,14 @@ def test_plan_impossible_budget_names_smallest():
         plan(model, (2, 3, 8, 8), smallest - 1)
 
 
+def test_plan_error_names_the_eval_forward_when_it_is_the_peak():
+    """An eval batch far larger than the training batch: no checkpointing lowers the peak,
+    and the error says what does."""
+    model = models.preact_resnet20()
+    with pytest.raises(PlanError, match="eval forward, which checkpointing does not shrink"):
+        plan(model, (2, 3, 8, 8), 1000, eval_batch_size=512)
+
+
 def test_plan_bad_arguments():
     with pytest.raises(TypeError, match="units"):
         plan(nn.Conv2d(3, 3, 1), (1, 3, 4, 4), GiB)
