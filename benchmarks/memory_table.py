@@ -262,11 +262,11 @@ def render_whole(rows, batch, rounds, elapsed) -> str:
         "time*: median of the real steps, relative to the unplanned fused step (no "
         "checkpointing) of the same model, measured in interleaved rounds "
         f"({rounds} per configuration; 0: the measured step itself, timed under the tracker, "
-        "whose overhead every configuration shares) on this 2-core CPU, which other "
-        "engineers' jobs shared "
-        f"while it ran (1-minute load average {os.getloadavg()[0]:.1f} on 2 cores when this "
-        "part was written): ratios are indicative, not precise. Rows of different models may "
-        "come from separate runs (`--depths`).",
+        "whose overhead every configuration shares) on this CPU "
+        f"({os.cpu_count()} cores; 1-minute load average {os.getloadavg()[0]:.1f} when this "
+        "part was written: above the core count, other jobs shared the machine and the "
+        "ratios are indicative only). Rows of different models may come from separate runs "
+        "(`--depths`).",
         "",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend "
         f"{fusedres._backend.resolve_backend(torch.device('cpu'))}; {elapsed / 60:.0f} min "
@@ -336,6 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--measure", default="",
                     help="--whole-step: only these budgets of a depth run real steps, e.g. "
                          "1001:2 (the others are planned only)")
+    ap.add_argument("--budgets", default=",".join(map(str, WHOLE_BUDGETS_GIB)),
+                    help="--whole-step budgets in GiB, e.g. 16,8,4,2,1.5")
     ap.add_argument("--plan-only", default="",
                     help="--whole-step rows planned but not run, e.g. 1001:bf16")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "MEMORY.md"),
@@ -354,7 +356,8 @@ def main(argv=None) -> int:
             for amp in [{"float32": None, "bf16": torch.bfloat16}[a]
                         for a in args.amps.split(",")]:
                 # Written after each model and dtype: a long run leaves what it finished.
-                rows += whole_step_rows([depth], args.batch, (amp,), WHOLE_BUDGETS_GIB,
+                budgets = [float(b) if "." in b else int(b) for b in args.budgets.split(",")]
+                rows += whole_step_rows([depth], args.batch, (amp,), budgets,
                                         args.rounds, plan_only=plan_only,
                                         measure_only=measure_only,
                                         log=lambda m: print(m, file=sys.stderr, flush=True))
