@@ -23,6 +23,10 @@ import time
 
 import torch
 
+# Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when the fusedres package is
+# imported, which `python -m fusedres.selftest` does before this module runs: the __main__
+# block below starts the process again with it set.
+_NEEDS_INTERPRETER = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -267,4 +271,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if _NEEDS_INTERPRETER:  # the kernels were defined without the interpreter: run again
+        os.execv(sys.executable, [sys.executable, "-m", "fusedres.selftest", *sys.argv[1:]])
     sys.exit(main())

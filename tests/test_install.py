@@ -8,6 +8,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,3 +45,16 @@ def test_fresh_venv_non_editable_install(tmp_path):
     assert kernels.endswith(os.path.join("fusedres", "kernels", "__init__.py"))
     # Python-only: no extension, and importing still works with the portable backend.
     assert backends.startswith("False") and "'portable'" in backends
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="on a GPU the self-test runs the kernels for real")
+def test_selftest_module_runs_without_triton_interpret_set():
+    """`python -m fusedres.selftest` (what `make selftest` runs) on a machine without a GPU
+    and without TRITON_INTERPRET in the environment: it must turn the interpreter on itself
+    (the package defines its Triton kernels at import, before the module's own code runs)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "fusedres.selftest", "--backends", "triton"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "6/6 passed" in out.stdout
