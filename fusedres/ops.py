@@ -314,8 +314,8 @@ def eager_cpu(x: Tensor) -> bool:
     """True when a unit on ``x`` may take :class:`EagerCpuUnit`: a plain CPU tensor, eager mode
     (no tracing, no dispatch mode, no torch.func transform), a non-empty batch and the cpu
     backend in force (by name or by ``auto``)."""
-    return (type(x) is Tensor and x.is_cpu and x.numel() > 0
-            and not torch.compiler.is_compiling()
+    return (not torch.compiler.is_compiling()  # first: nothing below becomes a guard
+            and type(x) is Tensor and x.is_cpu and x.numel() > 0
             and torch._C._len_torch_dispatch_stack() == 0
             and not torch._C._are_functorch_transforms_active()
             and _backend.resolve_backend(x.device) == "cpu")

@@ -257,3 +257,31 @@ def test_saves_half_the_bytes_of_the_plain_unit():
     # The plain unit keeps x and relu(bn(x)); the fused one x and per-channel vectors only.
     assert plain_bytes >= 2 * x.nbytes
     assert x.nbytes <= fused_bytes < x.nbytes + 1024
+
+
+def test_eager_route_is_taken_and_agrees_with_the_public_op():
+    """Eager units on CPU tensors take ops.EagerCpuUnit (no custom-op layers); under a dispatch
+    mode (as under the memory tracker) they take the public op. Same kernels, same results."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    unit = fusedres.BNReLUConv2d(8, 5, 3, padding=1, dtype=torch.float64)
+    x = torch.randn(4, 8, 6, 6, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(4, 5, 6, 6, dtype=torch.float64, requires_grad=True)
+    wrt = [x, r, *unit.parameters()]
+    with fusedres.use_backend("cpu"):
+        y = unit(x, r)
+        assert type(y.grad_fn).__name__ == "EagerCpuUnitBackward"
+        g = torch.autograd.grad(y.square().sum(), wrt)
+        with Passthrough():
+            y_op = unit(x, r)
+        assert "EagerCpu" not in type(y_op.grad_fn).__name__
+        g_op = torch.autograd.grad(y_op.square().sum(), wrt)
+    torch.testing.assert_close(y, y_op, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g, g_op):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert unit.bn.num_batches_tracked.item() == 2

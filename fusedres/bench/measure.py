@@ -55,6 +55,17 @@ def _time_once(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def _repeated(fn: Callable[[], object], k: int) -> Callable[[], object]:
+    """``fn`` called ``k`` times in a row (``fn`` itself when ``k`` is 1)."""
+    if k == 1:
+        return fn
+
+    def run():
+        for _ in range(k):
+            fn()
+    return run
+
+
 def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.device, *,
                      warmup: int, reps: int, on_round: Callable[[], None] | None = None,
                      min_sample_s: float = 0.0) -> dict[str, list[float]]:
@@ -89,10 +100,7 @@ def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.devic
             order.reverse()
         for name in order:
             k = calls[name]
-            if k == 1:
-                out[name].append(_time_once(steps[name], device))
-            else:
-                out[name].append(_time_once(lambda: [steps[name]() for _ in range(k)], device) / k)
+            out[name].append(_time_once(_repeated(steps[name], k), device) / k)
         if on_round is not None:
             on_round()
     return out
