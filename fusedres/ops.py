@@ -18,7 +18,9 @@ Three ops implement the unit of shared/design.md:
   the path through the batch statistics (training-mode BatchNorm).
 
 Every op routes at run time to the backend in force (see :mod:`fusedres._backend`); a backend
-module provides ``batch_stats``, ``forward`` and ``backward`` with these signatures. The
+module provides ``batch_stats``, ``forward`` and ``backward`` with these signatures. Eager units
+on plain CPU tensors with the cpu backend in force skip the custom-op layers
+(:class:`EagerCpuUnit`: the same kernels and autograd rule). The
 autograd rule saves ``x``, the conv weight, the BN parameters and the per-channel statistics,
 never the normalised or activated tensor.
 """
@@ -294,7 +296,7 @@ class EagerCpuUnit(torch.autograd.Function):
     """The fused unit on the cpu backend, for eager calls on plain CPU tensors: the same kernels
     (``torch.ops.fusedres_cpu``) and the same autograd rule as ``fusedres::bn_relu_conv2d``,
     without the custom-op layers in between (argument normalisation, the autograd wrapper's
-    redispatch, the run-time backend routing), which cost ~0.1 ms a unit: a tenth of a small
+    redispatch, the run-time backend routing), which cost ~0.15 ms a unit: a tenth of a small
     unit's work. :func:`eager_cpu` says when it may be used; everything else (torch.compile,
     fake and meta tensors, dispatch modes, torch.func) goes through the public ops."""
 
@@ -319,4 +321,3 @@ def eager_cpu(x: Tensor) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0
             and not torch._C._are_functorch_transforms_active()
             and _backend.resolve_backend(x.device) == "cpu")
-

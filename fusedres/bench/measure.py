@@ -89,8 +89,9 @@ def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.devic
             last = _time_once(steps[name], device)
         if min_sample_s > 0 and warmup == 0:
             last = _time_once(steps[name], device)
-        calls[name] = max(1, min(64, math.ceil(min_sample_s / last))) if min_sample_s > 0 and \
-            last > 0 else 1
+        calls[name] = 1
+        if min_sample_s > 0 and last > 0:
+            calls[name] = max(1, min(64, math.ceil(min_sample_s / last)))
         sync(device)
     out: dict[str, list[float]] = {name: [] for name in names}
     for r in range(reps):
