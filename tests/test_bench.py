@@ -201,7 +201,9 @@ def test_units_quick_writes_json_markdown_and_png(tmp_path):
     assert doc["machine"]["device"] == "cpu" and doc["machine"]["torch_threads"] == 1
     rows = _check_units_rows(doc["parts"]["units"]["rows"])
     assert {r["shape"] for r in rows} == {u.name for u in S.SETS["quick"]}
-    assert {r["impl"] for r in rows} >= {"plain", "channels_last", "checkpoint"}
+    # with the plain channels_last unit, the fused one on channels_last tensors too
+    assert {r["impl"] for r in rows} >= {"plain", "channels_last", "checkpoint", "cpu",
+                                         "cpu channels_last"}
     md = (out / "report.md").read_text()
     assert "| shape | impl | median ms |" in md and "![units](units-ratio.png)" in md
     assert (out / "units-ratio.png").read_bytes()[:8] == PNG_MAGIC

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "res or bottleneck:N=32,C=256,P=64,HW=56,S=2 (replaces --set)")
     u.add_argument("--baselines", default="plain,channels_last,compile,checkpoint",
                    help="which plain variants to time (plain is always timed: every ratio is "
-                        "to it)")
+                        "to it); with channels_last, each fused backend is timed on "
+                        "channels_last tensors too")
     u.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none",
                    help="run the forwards under torch.autocast to this dtype (float32 "
                         "parameters, as mixed-precision training does)")
