@@ -254,7 +254,7 @@ def _unit(args, genstats: bool):
     if ops.eager_cpu(args[0]):
         y = ops.EagerCpuUnit.apply(*args)
         # The cpu backend has no statistics epilogue: the op itself runs batch_stats(y).
-        return (y, *torch.ops.fusedres_cpu.batch_stats(y.detach())) if genstats else y
+        return (y, *_batch_stats(y.detach())) if genstats else y
     if _compiled_triton(args[0]):
         from .backends import triton as triton_backend
 

@@ -131,9 +131,9 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
     md = [f"## {title}", "",
           f"`{name}`: {len(units) - len(skipped)} shapes, {warmup} warm-up steps and {reps} "
           "timed samples per candidate, interleaved"
-          + (" (a sample: the mean of as many consecutive steps as last 50 ms, the steady "
-             "state of a training loop)" if args.device.type == "cpu" and not args.quick
-             else "")
+          + (" (a sample: the mean of as many consecutive steps as last "
+             f"{units_mod.CPU_MIN_SAMPLE_S * 1e3:.0f} ms, the steady state of a training loop)"
+             if args.device.type == "cpu" and not args.quick else "")
           + "; `x plain` is the median step time over the plain "
           "unit's (nn.BatchNorm2d + ReLU + nn.Conv2d, NCHW, eager) in the same run; `saved` "
           "is what autograd keeps for backward (fusedres.memory.saved_bytes), `peak` the peak "

@@ -29,6 +29,8 @@ __all__ = ["BASELINES", "Case", "PlainConvUnit", "bandwidth_columns", "device_pe
 
 # The plain unit in other clothes: the ratios of every row are to "plain" (NCHW, eager).
 BASELINES = ("plain", "channels_last", "compile", "checkpoint")
+# Seconds a timed sample lasts at least on CPU (measure.time_interleaved's min_sample_s).
+CPU_MIN_SAMPLE_S = 0.05
 
 
 class PlainConvUnit(nn.Module):
@@ -222,7 +224,7 @@ def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=Non
     impls = _impls(device, baselines, backends)
     peak_bw = device_peak_bandwidth(device)
     if min_sample_s is None:
-        min_sample_s = 0.05 if device.type == "cpu" else 0.0
+        min_sample_s = CPU_MIN_SAMPLE_S if device.type == "cpu" else 0.0
     rows: list[dict] = []
     for shape in shapes:
         if deadline is not None and time.monotonic() > deadline:
