@@ -1,22 +1,40 @@
 """Loads the compiled extension ``fusedres._C`` if it was built; never raises.
 
-``LOAD_ERROR`` says why it is missing (used in backend error messages).
+The C++ kernels' op namespaces (``fusedres_cpu``, ``fusedres_cuda``) are defined here from
+:data:`fusedres.opdefs.SCHEMAS` whether or not the extension is built; the extension registers
+implementations only. It is loaded first, then the schemas defined: the dispatcher checks each
+registered C++ function against its schema then, and a mismatch (an extension built from other
+sources) becomes ``LOAD_ERROR`` instead of an abort inside the library's loader.
+
+``LOAD_ERROR`` says why the extension is missing (used in backend error messages).
 """
 
 from __future__ import annotations
 
 import importlib
 
-import torch  # noqa: F401  (torch's libraries must be loaded before fusedres._C links to them)
+import torch
+
+from . import opdefs
 
 LOADED = False
 LOAD_ERROR: str | None = None
+NAMESPACES = ("fusedres_cpu", "fusedres_cuda")
 
 try:
-    importlib.import_module("fusedres._C")  # registers its ops with the dispatcher
+    importlib.import_module("fusedres._C")  # registers its kernels with the dispatcher
     LOADED = True
 except ImportError as exc:  # not built (Python-only install) or built for another torch
     LOAD_ERROR = f"the compiled extension fusedres._C is not available ({exc})"
+
+_LIBRARIES = []
+for _namespace in NAMESPACES:
+    try:
+        _LIBRARIES.append(opdefs.define_namespace(_namespace))
+    except RuntimeError as exc:  # a kernel of fusedres._C does not match its schema
+        LOADED = False
+        LOAD_ERROR = (f"fusedres._C does not match the op schemas of fusedres/opdefs.py "
+                      f"(rebuild it): {str(exc).splitlines()[0]}")
 
 
 def has_kernels(namespace: str, dispatch_key: str, *names: str) -> bool:

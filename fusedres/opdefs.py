@@ -1,0 +1,178 @@
+"""The fused ops' signatures, and the rules every backend shares: defined once, here.
+
+:data:`SCHEMAS` is the one definition of each op's signature. Every registration is made from
+it: the public ``fusedres::`` custom ops (:mod:`fusedres.ops`), the C++ kernels' namespaces
+``fusedres_cpu::`` and ``fusedres_cuda::`` (:func:`define_namespace`, called before
+``fusedres._C`` loads: csrc/ registers implementations only, and the dispatcher checks each C++
+function against the schema it implements), and the Triton backend's ``fusedres_triton::``
+triton_ops. A backend implements the ops under the same names with the same arguments.
+
+Above the op layer the arguments travel as named tuples built from the same table
+(:class:`UnitArgs`, :class:`BackwardArgs`), so no caller reads them by position;
+:func:`bind` names the arguments of an op call seen by a dispatch mode.
+
+The shared rules: :func:`stats_dtype`, :func:`conv_out_size`, :func:`out_shape`,
+:func:`out_memory_format`, :func:`scale_shift`, :func:`backward_outputs`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import namedtuple
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["SCHEMAS", "BackwardArgs", "ConvGeometry", "UnitArgs", "arg_names",
+           "backward_outputs", "bind", "conv_out_size", "define_namespace", "out_memory_format",
+           "out_shape", "scale_shift", "stats_dtype"]
+
+# The fused unit's inputs (shared/design.md): the BatchNorm's input, the convolution, the
+# BatchNorm's affine and statistics (mean, 1/sqrt(var + eps)), the residual, the conv geometry,
+# and whether the statistics are this batch's (then the backward differentiates through them).
+_UNIT = ("Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, "
+         "Tensor mean, Tensor invstd, Tensor? residual, SymInt[2] stride, SymInt[2] padding, "
+         "SymInt[2] dilation, bool batch_stats")
+
+SCHEMAS: dict[str, str] = {
+    # Per-channel batch mean and biased variance over (N, H, W), in the statistics dtype.
+    "batch_stats": "(Tensor x) -> (Tensor, Tensor)",
+    # y = conv2d(relu(scale * x + shift), weight, bias) + residual.
+    "bn_relu_conv2d": f"({_UNIT}) -> Tensor",
+    # The same y and its per-channel (mean, biased var): what the next BatchNorm needs.
+    "bn_relu_conv2d_genstats": f"({_UNIT}) -> (Tensor, Tensor, Tensor)",
+    # (grad_x, grad_weight, grad_bias, grad_bn_weight, grad_bn_bias), recomputing the
+    # activation from x; an output whose output_mask entry is False is empty.
+    "bn_relu_conv2d_backward": (
+        "(Tensor grad_out, Tensor x, Tensor weight, Tensor? bn_weight, Tensor? bn_bias, "
+        "Tensor mean, Tensor invstd, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, "
+        "bool batch_stats, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"),
+}
+
+
+def arg_names(op: str) -> tuple[str, ...]:
+    """The argument names of ``op`` (a key of :data:`SCHEMAS`), in order."""
+    inner = SCHEMAS[op].split(") ->")[0].lstrip("(")
+    return tuple(re.split(r"\s+", a.strip())[-1] for a in inner.split(","))
+
+
+class UnitArgs(namedtuple("UnitArgs", arg_names("bn_relu_conv2d"))):
+    """The inputs of ``bn_relu_conv2d`` (and ``_genstats``) by name, in schema order:
+    ``op(*args)`` calls the op."""
+
+    __slots__ = ()
+
+    @property
+    def geometry(self) -> ConvGeometry:
+        return ConvGeometry(tuple(self.stride), tuple(self.padding), tuple(self.dilation))
+
+
+class BackwardArgs(namedtuple("BackwardArgs", arg_names("bn_relu_conv2d_backward"))):
+    """The inputs of ``bn_relu_conv2d_backward`` by name, in schema order."""
+
+    __slots__ = ()
+
+    @property
+    def geometry(self) -> ConvGeometry:
+        return ConvGeometry(tuple(self.stride), tuple(self.padding), tuple(self.dilation))
+
+
+class ConvGeometry(NamedTuple):
+    """A convolution's stride, padding and dilation, each a pair of ints."""
+
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+
+    def out_hw(self, h: int, w: int, kh: int, kw: int) -> tuple[int, int]:
+        """The output's (height, width) for an input of h x w and a kh x kw kernel."""
+        return (conv_out_size(h, kh, self.stride[0], self.padding[0], self.dilation[0]),
+                conv_out_size(w, kw, self.stride[1], self.padding[1], self.dilation[1]))
+
+
+_ARG_NAMES = {op: arg_names(op) for op in SCHEMAS}
+
+
+def bind(func: Any, args: tuple, kwargs: dict | None = None) -> dict[str, Any] | None:
+    """The arguments of a call of one of the fused ops (any namespace; an OpOverload as a
+    dispatch mode sees it) by name; None for any other function."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    namespace, _, name = schema.name.partition("::")
+    if not namespace.startswith("fusedres") or name not in _ARG_NAMES:
+        return None
+    bound = dict(zip(_ARG_NAMES[name], args))
+    bound.update(kwargs or {})
+    return bound
+
+
+def define_namespace(namespace: str) -> torch.library.Library:
+    """Define every op of :data:`SCHEMAS` in ``namespace`` (no implementation): the C++
+    extension registers its kernels against these definitions. Keep the returned library
+    alive for as long as the ops are used."""
+    lib = torch.library.Library(namespace, "DEF")
+    for name, schema in SCHEMAS.items():
+        lib.define(name + schema)
+    return lib
+
+
+# --------------------------------------------------------------------------- shared rules
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of BN statistics and of the normalisation arithmetic for inputs of ``dtype``."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def conv_out_size(size: int, k: int, s: int, p: int, d: int) -> int:
+    """One spatial dimension of a convolution's output (``nn.Conv2d``'s formula)."""
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def out_shape(x: Tensor, weight: Tensor, stride, padding, dilation) -> tuple[int, ...]:
+    """(N, Co, Ho, Wo) of the fused op's output."""
+    n, _, h, w = x.shape
+    co, _, kh, kw = weight.shape
+    return (n, co, *ConvGeometry(stride, padding, dilation).out_hw(h, w, kh, kw))
+
+
+def _suggests_channels_last(t: Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+def out_memory_format(x: Tensor, weight: Tensor) -> torch.memory_format:
+    """Layout of the op's output: channels_last when ``x`` or ``weight`` is, as conv2d does.
+
+    Every backend returns exactly this layout so that real and fake kernels agree on strides
+    (the C++ kernels' copy of the rule is csrc/common.h's; opcheck compares them).
+    """
+    if _suggests_channels_last(x) or _suggests_channels_last(weight):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def scale_shift(bn_weight: Tensor | None, bn_bias: Tensor | None, mean: Tensor,
+                invstd: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel affine of the fused BatchNorm: ``bn(x) = scale * x + shift``."""
+    scale = invstd if bn_weight is None else bn_weight * invstd
+    shift = -mean * scale if bn_bias is None else bn_bias - mean * scale
+    return scale, shift
+
+
+def backward_outputs(x: Tensor, weight: Tensor, mean: Tensor,
+                     output_mask) -> tuple[Tensor, ...]:
+    """The backward's outputs, allocated with the exact metadata every backend returns: an
+    output whose ``output_mask`` entry is False is empty (0 elements)."""
+    co, c = weight.shape[0], x.shape[1]
+    want_x, want_w, want_b, want_g, want_beta = output_mask
+    return (
+        torch.empty_like(x) if want_x else x.new_empty((0,)),
+        torch.empty_like(weight) if want_w else weight.new_empty((0,)),
+        weight.new_empty((co,)) if want_b else weight.new_empty((0,)),
+        mean.new_empty((c,)) if want_g else mean.new_empty((0,)),
+        mean.new_empty((c,)) if want_beta else mean.new_empty((0,)),
+    )

@@ -1,0 +1,134 @@
+"""Every ``FUSEDRES_*`` environment variable: its type, default, when it is read, what it does.
+
+The one place they are declared. Python code reads them through :func:`get` (which parses and
+checks the value, naming the variable in the error); the C++ kernels read theirs with
+``std::getenv`` at the moment this table says; ``setup.py`` loads this file by path (it needs no
+torch). ``python -m fusedres.settings`` prints the table that README.md carries
+(tests/test_layout.py checks that every variable the sources read is declared here and that the
+README's table is this one).
+
+This module imports nothing from fusedres or torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["SETTINGS", "Setting", "get", "markdown_table"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: str  # "choice", "bool", "int" or "str"
+    default: str  # as written in the environment; "" means unset
+    read: str  # when the value is read
+    what: str
+    choices: tuple[str, ...] = ()
+
+    def parse(self, raw: str):
+        value = raw.strip()
+        if self.kind == "choice":
+            if value.lower() not in self.choices:
+                raise ValueError(f"{self.name}: expected one of {', '.join(self.choices)}, "
+                                 f"got {raw!r}")
+            return value.lower()
+        if self.kind == "bool":
+            if value not in ("0", "1"):
+                raise ValueError(f"{self.name}: expected 0 or 1, got {raw!r}")
+            return value == "1"
+        if self.kind == "int":
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{self.name}: expected an integer, got {raw!r}") from None
+        return value
+
+
+_BACKENDS = ("auto", "reference", "portable", "cpu", "triton", "cuda")
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    # ---- selection and behaviour (Python)
+    Setting("FUSEDRES_BACKEND", "choice", "auto", "when fusedres is imported",
+            "The backend in force when neither `use_backend` nor `set_backend` says otherwise.",
+            _BACKENDS),
+    Setting("FUSEDRES_CUDA_ON_CPU", "bool", "0",
+            "when the cuda backend is first asked whether it can run",
+            "Run the cuda backend on CPU tensors through the CUDA-on-CPU execution layer "
+            "(the test extension `fusedres._C_cuda_host`; a test vehicle, never picked by auto)."),
+    Setting("FUSEDRES_TRITON_BACKWARD", "choice", "sums", "at every triton backward call",
+            "The Triton backward's plan: `sums` (the weight-gradient pass also reduces the "
+            "BatchNorm sums, then one pass writes dx), `store` (dz stored, then an elementwise "
+            "pass), `auto` (the lower modeled H100 time).", ("sums", "store", "auto")),
+    Setting("FUSEDRES_TRITON_AUTOTUNE", "bool", "0", "at every Triton kernel launch",
+            "Time every config of a kernel once per shape key and keep the fastest (else the "
+            "config is chosen by rule)."),
+    # ---- kernel tuning, read by the C++ kernels (csrc/)
+    Setting("FUSEDRES_CPU_TILE_BYTES", "int", "",
+            "at every cpu-backend call (csrc/cpu)",
+            "Bytes of activation + output per tile of the cpu backend; unset: 1 MiB per thread; "
+            "0 or less: the whole batch in one tile."),
+    Setting("FUSEDRES_CPU_TILE_WEIGHT_X", "int", "4", "at every cpu-backend call (csrc/cpu)",
+            "A tile's budget is at least this many times the weight's bytes."),
+    Setting("FUSEDRES_CPU_CONV_NHWC", "str", "", "at every cpu-backend call (csrc/cpu)",
+            "`0`: convolve tiles in x's layout; `1`: always NHWC; unset: NHWC for spatial "
+            "kernels on maps of at least 8x8."),
+    Setting("FUSEDRES_CPU_GEMM_1X1", "bool", "1", "at every cpu-backend call (csrc/cpu)",
+            "Run stride-1 unpadded 1x1 convolutions of NCHW tiles as batched GEMMs."),
+    Setting("FUSEDRES_CUDA_BACKWARD", "choice", "sums", "at every cuda backward call (csrc/cuda)",
+            "The CUDA backward's plan: `sums` or `store` (as FUSEDRES_TRITON_BACKWARD).",
+            ("sums", "store")),
+    Setting("FUSEDRES_CUDA_WGRAD_SPLIT", "int", "", "at every cuda backward call (csrc/cuda)",
+            "Force the weight gradient's split-K count; unset: sized to the SMs."),
+    Setting("FUSEDRES_HOST_STACK_KB", "int", "256",
+            "at the first launch of the CUDA-on-CPU layer (csrc/cuda/host)",
+            "Stack size of each emulated CUDA thread (a fibre), in KiB."),
+    # ---- build (setup.py)
+    Setting("FUSEDRES_BUILD_EXT", "choice", "auto", "by setup.py",
+            "`auto`: build `fusedres._C` when a C++ compiler is found (a failed build warns and "
+            "installs Python-only); `1`: a failure is an error; `0`: Python-only.",
+            ("auto", "0", "1")),
+    Setting("FUSEDRES_BUILD_CUDA", "choice", "auto", "by setup.py",
+            "Build the nvcc copy of csrc/cuda into `fusedres._C`: `auto` when nvcc is found and "
+            "torch has CUDA.", ("auto", "0", "1")),
+    Setting("FUSEDRES_BUILD_TEST_EXT", "choice", "0", "by setup.py",
+            "Build the test extension `fusedres._C_cuda_host` (csrc/cuda compiled by the host "
+            "compiler through the execution layer, and the layer's own test ops); `make test` "
+            "and CI build it, `pip install .` does not.", ("auto", "0", "1")),
+    Setting("FUSEDRES_CPU_NATIVE", "bool", "1", "by setup.py",
+            "Compile the CPU kernels with `-march=native`."),
+    # ---- benchmarks (benchmarks/)
+    Setting("FUSEDRES_BENCH_QUICK", "bool", "0", "when benchmarks/ is collected",
+            "Tiny shapes and few rounds, so CI can smoke-run every benchmark file."),
+    Setting("FUSEDRES_BENCH_THREADS", "int", "", "when benchmarks/ is collected",
+            "torch's thread count for the benchmark run; unset: torch's default."),
+    Setting("FUSEDRES_BENCH_COMPILE", "bool", "1", "when benchmarks/ is collected",
+            "Include the torch.compile rows."),
+)}
+
+
+def get(name: str, environ=None):
+    """The value of setting ``name`` from the environment, parsed; its default when unset
+    (``None`` for a setting whose default is unset). Raises ``ValueError`` naming the
+    variable for a value of the wrong form, ``KeyError`` for an undeclared name."""
+    setting = SETTINGS[name]
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or raw == "":
+        return None if setting.default == "" else setting.parse(setting.default)
+    return setting.parse(raw)
+
+
+def markdown_table() -> str:
+    """The README's table of settings."""
+    rows = ["| variable | values | default | read | what it does |",
+            "|---|---|---|---|---|"]
+    for s in SETTINGS.values():
+        values = ("/".join(s.choices) if s.kind == "choice"
+                  else {"bool": "0/1", "int": "integer", "str": "text"}[s.kind])
+        rows.append(f"| `{s.name}` | {values} | {s.default or 'unset'} | {s.read} | {s.what} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,271 @@
+"""The package's import graph and the places that spell the fused op's argument list, read from
+the source with ``ast`` (nothing is imported). tests/test_layout.py asserts the rules; run it
+as a script for the figures (``python tests/layout.py``).
+
+Rules (issue "the house"):
+
+* the library never imports its apps (``APPS``);
+* no import cycles between the package's modules, counting imports inside functions too (a
+  function-level import hides a cycle, it does not remove it);
+* apps use only public names of the library: no ``_name`` imported from, or read as an
+  attribute of, a library module;
+* library modules import no private function, class or variable (``_name`` defined in another
+  module); the library's private modules (``fusedres._backend``...) may be imported inside it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Package directories and the dotted name they install as (setup.py's package_dir).
+PACKAGE_DIRS = {"fusedres": ROOT / "fusedres", "fusedres.kernels": ROOT / "kernels"}
+# Applications built on the library: they use its public API, as a user's code would.
+APPS = ("fusedres.train", "fusedres.bench", "fusedres.selftest", "fusedres.demo",
+        "fusedres.cli")
+
+
+def is_app(module: str) -> bool:
+    return any(module == a or module.startswith(a + ".") for a in APPS)
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    tree: ast.Module
+    # (target module, imported name or None, line, at module level)
+    imports: list[tuple[str, str | None, int, bool]] = field(default_factory=list)
+    private_attrs: list[tuple[str, str, int]] = field(default_factory=list)
+
+
+def discover() -> dict[str, Module]:
+    modules: dict[str, Module] = {}
+    for dotted, folder in PACKAGE_DIRS.items():
+        for path in sorted(folder.rglob("*.py")):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = list(rel.parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            name = ".".join([dotted, *parts])
+            if name == "fusedres.kernels" and dotted == "fusedres":
+                continue
+            modules[name] = Module(name, path, is_package, ast.parse(path.read_text(), str(path)))
+    return modules
+
+
+def _resolve(module: Module, level: int, target: str | None) -> str:
+    if level == 0:
+        return target or ""
+    base = module.name.split(".")
+    if not module.is_package:
+        base = base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                for n in ast.walk(sub):
+                    if hasattr(n, "lineno"):
+                        lines.add(n.lineno)
+    return lines
+
+
+def analyse(modules: dict[str, Module] | None = None) -> dict[str, Module]:
+    modules = modules if modules is not None else discover()
+    for mod in modules.values():
+        skip = _type_checking_lines(mod.tree)
+        top_level = {id(n) for n in mod.tree.body}
+        for node in ast.walk(mod.tree):
+            top = id(node) in top_level or any(
+                id(node) in {id(x) for x in ast.walk(t)} and not isinstance(
+                    t, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                for t in mod.tree.body)
+            if getattr(node, "lineno", None) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("fusedres"):
+                        mod.imports.append((alias.name, None, node.lineno, top))
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, node.level, node.module)
+                if not base.startswith("fusedres"):
+                    continue
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    if sub in modules:
+                        mod.imports.append((sub, None, node.lineno, top))
+                    else:
+                        mod.imports.append((base, alias.name, node.lineno, top))
+        # Private attributes read off an imported library module: FR._conv2d_checked.
+        aliases: dict[str, str] = {}
+        for target, name, _, _ in mod.imports:
+            if name is None:
+                aliases[target.rsplit(".", 1)[-1]] = target
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, node.level, node.module)
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in modules:
+                        aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("fusedres"):
+                        aliases[alias.asname or alias.name.split(".")[0]] = (
+                            alias.name if alias.asname else alias.name.split(".")[0])
+        for node in ast.walk(mod.tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                mod.private_attrs.append((aliases[node.value.id], node.attr, node.lineno))
+    return modules
+
+
+def edges(modules: dict[str, Module]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for mod in modules.values():
+        for target, _, _, _ in mod.imports:
+            if target in modules and target != mod.name:
+                graph[mod.name].add(target)
+    return graph
+
+
+def cycles(modules: dict[str, Module]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    graph = edges(modules)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    sys.setrecursionlimit(10000)
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _private(name: str | None) -> bool:
+    return name is not None and name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(modules: dict[str, Module]) -> list[str]:
+    """Violations of the two private-name rules, as 'module:line: what'."""
+    out = []
+    for mod in modules.values():
+        app = is_app(mod.name)
+        for target, name, line, _ in mod.imports:
+            if is_app(target) and app:
+                continue  # an app's own modules
+            if app:
+                private_module = any(_private(p) for p in target.split("."))
+                if private_module or _private(name):
+                    out.append(f"{mod.name}:{line}: {target}{'.' + name if name else ''}")
+            elif _private(name) and target != mod.name:
+                out.append(f"{mod.name}:{line}: {target}.{name}")
+        for target, attr, line in mod.private_attrs:
+            if target == mod.name or (is_app(target) and app):
+                continue
+            if app or not any(_private(p) for p in target.split(".")):
+                out.append(f"{mod.name}:{line}: {target}.{attr} (attribute)")
+    return sorted(set(out))
+
+
+def library_imports_apps(modules: dict[str, Module]) -> list[str]:
+    return sorted(f"{m.name}:{line}: {t}" for m in modules.values() if not is_app(m.name)
+                  for t, _, line, _ in m.imports if is_app(t))
+
+
+def function_level_imports(modules: dict[str, Module]) -> int:
+    return sum(1 for m in modules.values() for *_, top in m.imports if not top)
+
+
+def app_cross_imports(modules: dict[str, Module]) -> list[str]:
+    """Imports from one app into another (e.g. bench reading the trainer's config)."""
+    def app_of(name: str) -> str | None:
+        return next((a for a in APPS if name == a or name.startswith(a + ".")), None)
+    return sorted(f"{m.name}:{line}: {t}" for m in modules.values() if app_of(m.name)
+                  for t, _, line, _ in m.imports
+                  if app_of(t) and app_of(t) != app_of(m.name) and app_of(m.name) != "fusedres.cli")
+
+
+# --------------------------------------------------------------------------- the op's arguments
+
+# The fused op's argument list, in the order of its schema (fusedres/opdefs.py).
+_UNIT_ARGS = ("x", "weight", "bias", "bn_weight", "bn_bias", "mean", "invstd", "residual",
+              "stride", "padding", "dilation")
+_SPELLED = re.compile(r"bn_weight,\s*bn_bias,\s*(?:state\.)?mean,\s*(?:state\.)?invstd")
+
+
+def spelled_argument_lists(paths=None) -> list[str]:
+    """Places (file:line) in the product code that spell the op's BatchNorm/conv argument list
+    out (``..., bn_weight, bn_bias, mean, invstd, ...``)."""
+    roots = paths or [ROOT / "fusedres", ROOT / "kernels"]
+    out = []
+    for root in roots:
+        for path in sorted(Path(root).rglob("*.py")):
+            text = path.read_text()
+            for m in _SPELLED.finditer(text):
+                line = text.count("\n", 0, m.start()) + 1
+                out.append(f"{path.relative_to(ROOT)}:{line}")
+    return out
+
+
+def main() -> None:
+    modules = analyse()
+    print(f"modules: {len(modules)}")
+    cyc = cycles(modules)
+    print(f"import cycles: {len(cyc)}")
+    for c in cyc:
+        print("   ", " <-> ".join(c))
+    priv = private_imports(modules)
+    print(f"private cross-module imports: {len(priv)}")
+    for p in priv:
+        print("   ", p)
+    lib = library_imports_apps(modules)
+    print(f"library imports of apps: {len(lib)}")
+    for p in lib:
+        print("   ", p)
+    cross = app_cross_imports(modules)
+    print(f"imports between apps: {len(cross)}")
+    for p in cross:
+        print("   ", p)
+    print(f"function-level imports of fusedres modules: {function_level_imports(modules)}")
+    spelled = spelled_argument_lists()
+    print(f"places spelling the op's argument list: {len(spelled)}")
+
+
+if __name__ == "__main__":
+    main()
