@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +47,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from . import _extension
+from .opdefs import ConvGeometry, bind
 
 __all__ = ["CUDA_BLOCK_BYTES", "LiveTensorTracker", "SavedTensor", "SavedTensorCounter",
            "StepMemory", "cpu_op_workspace_bytes", "format_bytes", "optimizer_spec", "saved_bytes",
@@ -340,57 +342,38 @@ def optimizer_spec(optimizer: torch.optim.Optimizer | None
     return build
 
 
-def _tile_budget() -> int:
-    env = os.environ.get("FUSEDRES_CPU_TILE_BYTES")
-    if env is not None:
-        try:
-            return int(env)
-        except ValueError:
-            pass
-    return max(torch.get_num_threads(), 1) * MiB  # csrc/cpu/bn_relu_conv2d.cpp's tile_bytes()
-
-
 # oneDNN's per-call scratchpad and primitive state beside the tiles: up to 180 KiB measured
 # with one-sample tiles of a strided 1x1 convolution (tests/test_memory.py).
 _ONEDNN_SLACK = 256 * 1024
 
 
-def cpu_op_workspace_bytes(func, args) -> int:
+def cpu_op_workspace_bytes(func, args, kwargs=None) -> int:
     """Bytes one call of a fused op allocates and frees inside the cpu backend
-    (``csrc/cpu/bn_relu_conv2d.cpp``), an upper bound: tiles of ``nb`` samples (the kernel's
-    ``tile_batch`` rule), a the activation tile and o the output tile. Forward: a, o and a
-    re-laid copy of the weight (plus oneDNN's own copy), and a second activation tile (a strided
-    1x1 convolution subsamples it). Backward: a whole copy of a grad_out that is not dense or
-    not of the weight's dtype, the activation, data-gradient
-    and layout-change buffers and what oneDNN's per-tile backward returns (4a + 4o), the weight
-    copy and two weight-gradient accumulators (3w), the per-thread sums. Both: 256 KiB for
-    oneDNN's scratchpad. Checked against the
-    process's peak resident memory around single op calls (tests/test_memory.py). 0 for other
-    ops."""
-    ns = getattr(getattr(func, "_schema", None), "name", "")
-    if not ns.startswith("fusedres::bn_relu_conv2d"):
+    (``csrc/cpu/bn_relu_conv2d.cpp``), an upper bound: tiles of ``nb`` samples (the kernel's own
+    tiling rule, ``fusedres._C``'s ``cpu_tile_samples``), a the activation tile and o the output
+    tile. Forward: a, o and a re-laid copy of the weight (plus oneDNN's own copy), and a second
+    activation tile (a strided 1x1 convolution subsamples it). Backward: a whole copy of a
+    grad_out that is not dense or not of the weight's dtype, the activation, data-gradient and
+    layout-change buffers and what oneDNN's per-tile backward returns (4a + 4o), the weight copy
+    and two weight-gradient accumulators (3w), the per-thread sums. Both: 256 KiB for oneDNN's
+    scratchpad. Checked against the process's peak resident memory around single op calls
+    (tests/test_memory.py). 0 for other ops, and when the extension is not built."""
+    bound = bind(func, args, kwargs)
+    if bound is None or "weight" not in bound:
         return 0
-    backward = ns.endswith("_backward")
-    x, weight = (args[1], args[2]) if backward else args[:2]
+    x, weight = bound["x"], bound["weight"]
     n, c, h, w = x.shape
     co, _, kh, kw = weight.shape
-    stride = args[7] if backward else args[8]
-    padding = args[8] if backward else args[9]
-    # (dilation ignored: it only shrinks the output)
-    ho = (h + 2 * padding[0] - kh) // stride[0] + 1
-    wo = (w + 2 * padding[1] - kw) // stride[1] + 1
+    ho, wo = ConvGeometry(bound["stride"], bound["padding"], bound["dilation"]).out_hw(h, w, kh, kw)
     size = weight.element_size()
     per_sample = (c * h * w + co * ho * wo) * size
-    budget = _tile_budget()
-    nb = n
-    if budget > 0 and n > 0:
-        budget = max(budget, 4 * weight.numel() * size)
-        nb = min(max(budget // max(per_sample, 1), 1), n)
-        nb = -(-n // -(-n // nb))  # balanced over the tiles, as the kernel does
+    nb = _extension.cpu_tile_samples(n, per_sample, weight.numel() * size)
+    if nb is None:
+        return 0
     a_tile, o_tile = nb * c * h * w * size, nb * co * ho * wo * size
     w_bytes = weight.numel() * max(size, 4)
-    if backward:
-        go = args[0]
+    if "grad_out" in bound:
+        go = bound["grad_out"]
         # A grad_out that is not dense (the expanded gradient of a sum()) or of another dtype
         # is first copied whole.
         dense = go.is_contiguous() or go.is_contiguous(memory_format=torch.channels_last)
@@ -411,7 +394,8 @@ class _StepTracker(LiveTensorTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._ws:
-            self.workspace_bytes = max(self.workspace_bytes, cpu_op_workspace_bytes(func, args))
+            self.workspace_bytes = max(self.workspace_bytes,
+                                       cpu_op_workspace_bytes(func, args, kwargs))
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func in _BN_WITH_STATS and args[0].dtype in (torch.float16, torch.bfloat16):
             # The meta kernel gives a half input half-precision saved statistics; the CPU and

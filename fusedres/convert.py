@@ -36,6 +36,7 @@ from torch import Tensor
 
 from . import modules as _modules
 from .functional import BatchNormState
+from .opdefs import out_shape
 
 __all__ = ["FuseReport", "fuse"]
 
@@ -63,16 +64,10 @@ def fused_conv(state: BatchNormState, conv: nn.Conv2d, residual=None) -> Tensor:
         return _modules.conv(state, conv)
     if isinstance(residual, Tensor) and residual.dim() == 4:
         x, w = state.x, conv.weight
-        shape = (x.shape[0], w.shape[0],
-                 *(_out(x.shape[2 + i], w.shape[2 + i], conv.stride[i], conv.padding[i],
-                        conv.dilation[i]) for i in range(2)))
+        shape = out_shape(x, w, conv.stride, conv.padding, conv.dilation)
         if tuple(residual.shape) == shape and residual.device == x.device:
             return _modules.conv(state, conv, residual)
     return _modules.conv(state, conv) + residual
-
-
-def _out(size, k, s, p, d):
-    return (size + 2 * p - d * (k - 1) - 1) // s + 1
 
 
 # --------------------------------------------------------------------------- report

@@ -15,11 +15,14 @@ import torch
 from torch import Tensor
 
 from . import _backend, ops, reference
+from .opdefs import ConvGeometry, UnitArgs, out_shape, stats_dtype
 
 __all__ = [
     "BatchNormState",
+    "ConvGeometry",
     "bn_relu_conv2d",
     "check_conv_args",
+    "check_x",
     "conv2d_from_prepared",
     "prepare_batch_norm",
 ]
@@ -69,7 +72,7 @@ def _check_vector(t: Tensor | None, name: str, c: int, x: Tensor) -> None:
 
 
 def _check_stats(stats, x: Tensor) -> None:
-    c, sdt = x.shape[1], ops.stats_dtype(x.dtype)
+    c, sdt = x.shape[1], stats_dtype(x.dtype)
     if not (isinstance(stats, (tuple, list)) and len(stats) == 2
             and all(isinstance(t, Tensor) for t in stats)):
         raise TypeError("stats: expected a pair of tensors (mean, biased variance) or None, got "
@@ -93,7 +96,8 @@ def _autocast_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-def _check_x(x: Tensor) -> None:
+def check_x(x: Tensor) -> None:
+    """Raise the error the fused functions raise for an ``x`` that is not a 4-D float tensor."""
     if not isinstance(x, Tensor):
         raise TypeError(f"x: expected a Tensor, got {type(x).__name__}")
     if x.dim() != 4:
@@ -117,7 +121,7 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
     run before any state is touched. Returns a :class:`BatchNormState` for
     :func:`conv2d_from_prepared`.
     """
-    _check_x(x)
+    check_x(x)
     c = x.shape[1]
     for t, name in ((bn_weight, "bn_weight"), (bn_bias, "bn_bias"),
                     (running_mean, "running_mean"), (running_var, "running_var")):
@@ -143,7 +147,7 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
                                       momentum=momentum, eps=eps)
         return BatchNormState(x, bn_weight, bn_bias, None, None, use_batch, a)
 
-    sdt = ops.stats_dtype(x.dtype)
+    sdt = stats_dtype(x.dtype)
     if use_batch and count == 0:
         # An empty batch, as nn.BatchNorm2d: counted, running statistics unchanged, empty output.
         if training and num_batches_tracked is not None:
@@ -178,7 +182,7 @@ def _update_running_stats(running_mean, running_var, num_batches_tracked, mean, 
 
 def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | None = None, *,
                          stride=1, padding=0, dilation=1, residual: Tensor | None = None,
-                         return_stats: bool = False):
+                         return_stats: bool = False, geometry: ConvGeometry | None = None):
     """``conv2d(relu(bn(x)), weight, bias, stride, padding, dilation) + residual`` for the
     BatchNorm prepared in ``state``. Shapes: weight (Co, C, kh, kw), bias (Co,), residual
     (N, Co, Ho, Wo). groups=1 only.
@@ -186,20 +190,18 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
     ``return_stats=True`` returns ``(y, stats)``, ``stats`` being the per-channel batch mean and
     biased variance of ``y`` for the ``prepare_batch_norm`` of the BatchNorm that ``y`` feeds
     (None on the reference backend, which keeps no statistics). The Triton backend reduces them
-    in the convolution's epilogue, so the next BatchNorm reads ``y`` once fewer."""
-    stride, padding, dilation = check_conv_args(state.x, weight, bias, residual, stride,
-                                                padding, dilation)
-    return _conv2d_checked(state, weight, bias, stride, padding, dilation, residual,
-                           return_stats)
+    in the convolution's epilogue, so the next BatchNorm reads ``y`` once fewer.
 
-
-def _conv2d_checked(state: BatchNormState, weight, bias, stride, padding, dilation, residual,
-                    return_stats: bool = False):
-    """:func:`conv2d_from_prepared` for arguments :func:`check_conv_args` already resolved."""
+    ``geometry``: the :class:`ConvGeometry` that :func:`check_conv_args` returned for these
+    arguments (a module that checked them before preparing its BatchNorm); then they are not
+    checked again and ``stride``, ``padding``, ``dilation`` are ignored."""
+    if geometry is None:
+        geometry = check_conv_args(state.x, weight, bias, residual, stride, padding, dilation)
     x = state.x
     if state.activated is not None:
-        y = reference.conv2d(state.activated, weight, bias, stride=stride, padding=padding,
-                             dilation=dilation, residual=residual)
+        y = reference.conv2d(state.activated, weight, bias, stride=geometry.stride,
+                             padding=geometry.padding, dilation=geometry.dilation,
+                             residual=residual)
         return (y, None) if return_stats else y
 
     dt = _autocast_dtype(x, weight)
@@ -209,8 +211,10 @@ def _conv2d_checked(state: BatchNormState, weight, bias, stride, padding, dilati
         bias = bias.to(dt) if bias is not None else None
     # A residual of another dtype is added outside, following PyTorch's type promotion.
     inner = residual if residual is not None and residual.dtype == weight.dtype else None
-    args = (x, weight, bias, state.bn_weight, state.bn_bias, state.mean, state.invstd, inner,
-            stride, padding, dilation, state.batch_stats)
+    args = UnitArgs(x=x, weight=weight, bias=bias, bn_weight=state.bn_weight,
+                    bn_bias=state.bn_bias, mean=state.mean, invstd=state.invstd, residual=inner,
+                    stride=geometry.stride, padding=geometry.padding,
+                    dilation=geometry.dilation, batch_stats=state.batch_stats)
     if return_stats and (residual is None or inner is not None):
         y, mean, var = _unit(args, genstats=True)
         return y, (mean, var)
@@ -250,15 +254,13 @@ def _compiled_triton(x: Tensor) -> bool:
     return name == "triton" and _triton_runs_traced()
 
 
-def _unit(args, genstats: bool):
-    if ops.eager_cpu(args[0]):
-        y = ops.EagerCpuUnit.apply(*args)
-        # The cpu backend has no statistics epilogue: the op itself runs batch_stats(y).
-        return (y, *_batch_stats(y.detach())) if genstats else y
-    if _compiled_triton(args[0]):
+def _unit(args: UnitArgs, genstats: bool):
+    if ops.eager_cpu(args.x):
+        return ops.EagerCpuUnit.apply(genstats, *args)
+    if _compiled_triton(args.x):
         from .backends import triton as triton_backend
 
-        return triton_backend.compiled_unit(*args, genstats=genstats)
+        return triton_backend.compiled_unit(args, genstats=genstats)
     if genstats:
         return torch.ops.fusedres.bn_relu_conv2d_genstats(*args)
     return torch.ops.fusedres.bn_relu_conv2d(*args)
@@ -323,7 +325,7 @@ def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> tuple[i
         if not autocast and bias.dtype != weight.dtype:
             raise TypeError(f"bias: expected dtype {weight.dtype} (the dtype of weight), "
                             f"got {bias.dtype}")
-    shape = ops.out_shape(x, weight, stride, padding, dilation)
+    shape = out_shape(x, weight, stride, padding, dilation)
     if shape[2] <= 0 or shape[3] <= 0:
         raise ValueError(
             f"x: spatial size {tuple(x.shape[2:])} is too small for a {kh}x{kw} kernel with "
@@ -339,15 +341,17 @@ def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> tuple[i
     return padding
 
 
-def check_conv_args(x, weight, bias=None, residual=None, stride=1, padding=0, dilation=1):
+def check_conv_args(x, weight, bias=None, residual=None, stride=1, padding=0,
+                    dilation=1) -> ConvGeometry:
     """Raise the error :func:`conv2d_from_prepared` would raise, without computing anything.
     Callers run it before :func:`prepare_batch_norm` so that bad arguments leave state alone.
-    Returns (stride, padding, dilation) as pairs of ints."""
-    _check_x(x)
+    Returns the :class:`ConvGeometry` (stride, padding, dilation as pairs of ints), which
+    ``conv2d_from_prepared(..., geometry=)`` takes to skip checking again."""
+    check_x(x)
     stride = _pair(stride, "stride", minimum=1)
     dilation = _pair(dilation, "dilation", minimum=1)
     padding = _check_conv(x, weight, bias, residual, stride, padding, dilation)
-    return stride, padding, dilation
+    return ConvGeometry(stride, padding, dilation)
 
 
 def bn_relu_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, bn_weight: Tensor | None,
@@ -366,8 +370,8 @@ def bn_relu_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, bn_weight: Te
     the running statistics are touched.
     """
     # Check the convolution's arguments first too: nothing may change if they are wrong.
-    conv_args = check_conv_args(x, weight, bias, residual, stride, padding, dilation)
+    geometry = check_conv_args(x, weight, bias, residual, stride, padding, dilation)
     state = prepare_batch_norm(x, bn_weight, bn_bias, running_mean, running_var,
                                num_batches_tracked, training=training, momentum=momentum,
                                eps=eps)
-    return _conv2d_checked(state, weight, bias, *conv_args, residual)
+    return conv2d_from_prepared(state, weight, bias, residual=residual, geometry=geometry)

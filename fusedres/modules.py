@@ -112,10 +112,12 @@ class BNReLUConv2d(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         c = self.conv
         check_convs(c)
-        args = FR.check_conv_args(x, c.weight, c.bias, residual, c.stride, c.padding, c.dilation)
+        geometry = FR.check_conv_args(x, c.weight, c.bias, residual, c.stride, c.padding,
+                                      c.dilation)
         # The convolution's arguments are checked (before prepare touches the running stats):
-        # the checked entry point, not conv(), which would check them again.
-        return FR._conv2d_checked(prepare(self.bn, x), c.weight, c.bias, *args, residual)
+        # given their geometry, conv2d_from_prepared does not check them again.
+        return FR.conv2d_from_prepared(prepare(self.bn, x), c.weight, c.bias, residual=residual,
+                                       geometry=geometry)
 
 
 def _plain(bn: nn.BatchNorm2d, x: Tensor) -> Tensor:

@@ -155,11 +155,12 @@ def out_memory_format(x: Tensor, weight: Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def scale_shift(bn_weight: Tensor | None, bn_bias: Tensor | None, mean: Tensor,
-                invstd: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-channel affine of the fused BatchNorm: ``bn(x) = scale * x + shift``."""
-    scale = invstd if bn_weight is None else bn_weight * invstd
-    shift = -mean * scale if bn_bias is None else bn_bias - mean * scale
+def scale_shift(bn) -> tuple[Tensor, Tensor]:
+    """Per-channel affine of the fused BatchNorm, ``bn(x) = scale * x + shift``, for ``bn``:
+    anything with ``bn_weight``, ``bn_bias``, ``mean`` and ``invstd`` (:class:`UnitArgs`,
+    :class:`BackwardArgs`, :class:`fusedres.functional.BatchNormState`)."""
+    scale = bn.invstd if bn.bn_weight is None else bn.bn_weight * bn.invstd
+    shift = -bn.mean * scale if bn.bn_bias is None else bn.bn_bias - bn.mean * scale
     return scale, shift
 
 

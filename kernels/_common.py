@@ -16,8 +16,6 @@ from typing import Callable
 
 import torch
 
-_HALF = (torch.float16, torch.bfloat16)
-
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
@@ -54,10 +52,6 @@ def dtype_name(dtype) -> str:
         return dtype
     return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
             torch.float64: "fp64"}[dtype]
-
-
-def stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in _HALF else dtype
 
 
 def acc_is_fp64(dtype: torch.dtype) -> bool:

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..opdefs import stats_dtype as _stats_dtype
 from ._common import KernelConfig, cdiv, chan_combine, interpreting, launcher, sm_count
-from ._common import stats_dtype as _stats_dtype
 
 CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_C=32, num_warps=4, num_stages=1),

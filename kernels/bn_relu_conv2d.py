@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..opdefs import ConvGeometry
 from ._common import (
     KernelConfig,
     acc_is_fp64,
@@ -171,8 +172,7 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
     sh, sw = stride
     ph, pw = padding
     dh, dw = dilation
-    ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    ho, wo = ConvGeometry(stride, padding, dilation).out_hw(h, w, kh, kw)
     y = torch.empty((n, co, ho, wo), device=x.device, dtype=weight.dtype,
                     memory_format=memory_format)
     m = n * ho * wo

@@ -10,7 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops import backward_empty_outputs, out_memory_format, stats_dtype
+from ..opdefs import (
+    BackwardArgs,
+    UnitArgs,
+    backward_outputs,
+    out_memory_format,
+    scale_shift,
+    stats_dtype,
+)
 
 _REDUCE = (0, 2, 3)
 
@@ -26,35 +33,35 @@ def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     return xs.mean(dim=_REDUCE), torch.var(xs, dim=_REDUCE, correction=0)
 
 
-def scale_shift(bn_weight, bn_bias, mean, invstd) -> tuple[Tensor, Tensor]:
-    """Per-channel affine of the fused BatchNorm: ``bn(x) = scale * x + shift``."""
-    scale = invstd if bn_weight is None else bn_weight * invstd
-    shift = -mean * scale if bn_bias is None else bn_bias - mean * scale
-    return scale, shift
-
-
 def _preactivation(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     c = x.shape[1]
     return torch.addcmul(shift.view(1, c, 1, 1), x.to(scale.dtype), scale.view(1, c, 1, 1))
 
 
-def forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-            dilation) -> Tensor:
-    scale, shift = scale_shift(bn_weight, bn_bias, mean, invstd)
-    a = _preactivation(x, scale, shift).relu_().to(weight.dtype)
-    y = F.conv2d(a, weight, bias, list(stride), list(padding), list(dilation))
+def bn_relu_conv2d(*inputs) -> Tensor:
+    u = UnitArgs(*inputs)
+    scale, shift = scale_shift(u)
+    a = _preactivation(u.x, scale, shift).relu_().to(u.weight.dtype)
+    y = F.conv2d(a, u.weight, u.bias, list(u.stride), list(u.padding), list(u.dilation))
     del a
-    y = y.contiguous(memory_format=out_memory_format(x, weight))
-    if residual is not None:
-        y.add_(residual)
+    y = y.contiguous(memory_format=out_memory_format(u.x, u.weight))
+    if u.residual is not None:
+        y.add_(u.residual)
     return y
 
 
-def backward(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
-             batch_stats, output_mask):
-    want_x, want_w, want_b, want_g, want_beta = output_mask
-    outs = list(backward_empty_outputs(x, weight, mean, output_mask))
-    scale, shift = scale_shift(bn_weight, bn_bias, mean, invstd)
+def bn_relu_conv2d_genstats(*inputs) -> tuple[Tensor, Tensor, Tensor]:
+    y = bn_relu_conv2d(*inputs)
+    return (y, *batch_stats(y))
+
+
+def bn_relu_conv2d_backward(*inputs) -> tuple[Tensor, ...]:
+    b = BackwardArgs(*inputs)
+    grad_out, x, weight, mean, invstd = b.grad_out, b.x, b.weight, b.mean, b.invstd
+    stride, padding, dilation = b.stride, b.padding, b.dilation
+    want_x, want_w, want_b, want_g, want_beta = b.output_mask
+    outs = list(backward_outputs(x, weight, mean, b.output_mask))
+    scale, shift = scale_shift(b)
     z = _preactivation(x, scale, shift)
     a = z.relu().to(weight.dtype)
     need_da = want_x or want_g or want_beta
@@ -82,7 +89,7 @@ def backward(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padd
     if want_beta:
         outs[4].copy_(sum_dz)
     if want_x:
-        if batch_stats:
+        if b.batch_stats:
             m = x.numel() // c
             dz.sub_(sum_dz.view(1, c, 1, 1) / m)
             dz.sub_(xhat * (sum_dz_xhat.view(1, c, 1, 1) / m))

@@ -13,14 +13,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..ops import (
-    backward_empty_outputs,
-    conv_out_size,
+from .. import settings
+from ..opdefs import (
+    SCHEMAS,
+    BackwardArgs,
+    UnitArgs,
+    backward_outputs,
     out_memory_format,
+    out_shape,
+    scale_shift,
     stats_dtype,
-    unit_backward,
-    unit_setup_context,
 )
+from ..ops import direct_unit
 from . import portable
 
 _KERNELS_ERROR: Optional[str] = None
@@ -51,59 +55,65 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
     return None
 
 
-def _scale_shift(bn_weight, bn_bias, mean, invstd) -> tuple[Tensor, Tensor]:
-    scale = invstd if bn_weight is None else bn_weight * invstd
-    shift = -mean * scale if bn_bias is None else bn_bias - mean * scale
+def _contiguous_scale_shift(bn) -> tuple[Tensor, Tensor]:
+    scale, shift = scale_shift(bn)
     return scale.contiguous(), shift.contiguous()
 
 
 # --------------------------------------------------------------------------- triton ops
+# The schemas of fusedres.opdefs; the bodies launch the kernels through wrap_triton.
 
-@torch.library.triton_op("fusedres_triton::batch_stats", mutates_args=())
-def batch_stats_op(x: Tensor) -> tuple[Tensor, Tensor]:
+@torch.library.triton_op("fusedres_triton::batch_stats", mutates_args=(),
+                         schema=SCHEMAS["batch_stats"])
+def _batch_stats_op(x: Tensor) -> tuple[Tensor, Tensor]:
     return _batch_stats(x)
 
 
-@torch.library.triton_op("fusedres_triton::bn_relu_conv2d", mutates_args=())
-def forward_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Tensor, shift: Tensor,
-               residual: Optional[Tensor], stride: list[int], padding: list[int],
-               dilation: list[int], channels_last: bool) -> Tensor:
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return _fwd(x, weight, bias, scale, shift, residual, stride, padding, dilation, fmt)
+def _launch_forward(u: UnitArgs, genstats: bool):
+    scale, shift = _contiguous_scale_shift(u)
+    residual = u.residual
+    if residual is not None and residual.dtype != u.weight.dtype:
+        residual = residual.to(u.weight.dtype)
+    return _fwd(u.x, u.weight, u.bias, scale, shift, residual, list(u.stride), list(u.padding),
+                list(u.dilation), out_memory_format(u.x, u.weight), genstats=genstats)
 
 
-@torch.library.triton_op("fusedres_triton::bn_relu_conv2d_genstats", mutates_args=())
-def forward_genstats_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], scale: Tensor,
-                        shift: Tensor, residual: Optional[Tensor], stride: list[int],
-                        padding: list[int], dilation: list[int],
-                        channels_last: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Forward that also returns (mean, biased var) of y per output channel."""
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    return _fwd(x, weight, bias, scale, shift, residual, stride, padding, dilation, fmt,
-                genstats=True)
+@torch.library.triton_op("fusedres_triton::bn_relu_conv2d", mutates_args=(),
+                         schema=SCHEMAS["bn_relu_conv2d"])
+def _forward_op(*inputs) -> Tensor:
+    return _launch_forward(UnitArgs(*inputs), genstats=False)
 
 
-@torch.library.triton_op("fusedres_triton::bn_relu_conv2d_backward", mutates_args=())
-def backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, bn_weight: Optional[Tensor],
-                bn_bias: Optional[Tensor], mean: Tensor, invstd: Tensor, stride: list[int],
-                padding: list[int], dilation: list[int], batch_stats: bool,
-                output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    want_x, want_w, want_b, want_g, want_beta = output_mask
-    outs = list(backward_empty_outputs(x, weight, mean, output_mask))
-    scale, shift = _scale_shift(bn_weight, bn_bias, mean, invstd)
-    grad_out = grad_out.to(weight.dtype)
-    mean, invstd = mean.contiguous(), invstd.contiguous()
-    need_sums = want_g or want_beta or (want_x and batch_stats)
+@torch.library.triton_op("fusedres_triton::bn_relu_conv2d_genstats", mutates_args=(),
+                         schema=SCHEMAS["bn_relu_conv2d_genstats"])
+def _forward_genstats_op(*inputs) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward that also returns (mean, biased var) of y per output channel, reduced in the
+    convolution's epilogue."""
+    y, m, v = _launch_forward(UnitArgs(*inputs), genstats=True)
+    return y, m.to(stats_dtype(y.dtype)), v.to(stats_dtype(y.dtype))
+
+
+@torch.library.triton_op("fusedres_triton::bn_relu_conv2d_backward", mutates_args=(),
+                         schema=SCHEMAS["bn_relu_conv2d_backward"])
+def _backward_op(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    b = BackwardArgs(*inputs)
+    x, weight, mean, invstd = b.x, b.weight, b.mean.contiguous(), b.invstd.contiguous()
+    stride, padding, dilation = b.stride, b.padding, b.dilation
+    want_x, want_w, want_b, want_g, want_beta = b.output_mask
+    outs = list(backward_outputs(x, weight, b.mean, b.output_mask))
+    scale, shift = _contiguous_scale_shift(b)
+    grad_out = b.grad_out.to(weight.dtype)
+    need_sums = want_g or want_beta or (want_x and b.batch_stats)
     if backward_strategy(grad_out, x, weight, stride) == "store":
         return _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, padding,
-                               dilation, batch_stats, output_mask, outs, need_sums)
+                               dilation, b.batch_stats, b.output_mask, outs, need_sums)
     sums = None
     if want_w or want_b or need_sums:
         # One pass over dy and x: weight and bias gradients, and the BatchNorm backward sums.
         affine = None
         if need_sums:
-            affine = (bn_weight if bn_weight is not None else torch.ones_like(mean),
-                      bn_bias if bn_bias is not None else torch.zeros_like(mean))
+            affine = (b.bn_weight if b.bn_weight is not None else torch.ones_like(mean),
+                      b.bn_bias if b.bn_bias is not None else torch.zeros_like(mean))
         _, gb, sums = _wgrad.bn_relu_conv2d_wgrad(
             grad_out, x, weight, scale, shift, stride, padding, dilation, want_weight=want_w,
             want_bias=want_b, bn_affine=affine, mean=mean, invstd=invstd,
@@ -119,7 +129,7 @@ def backward_op(grad_out: Tensor, x: Tensor, weight: Tensor, bn_weight: Optional
         # Second pass: dx written directly (the sums are known).
         _dgrad.bn_relu_conv2d_dgrad(
             grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
-            batch_stats=batch_stats, grad_x=outs[0], want_sums=False, sums=sums)
+            batch_stats=b.batch_stats, grad_x=outs[0], want_sums=False, sums=sums)
     return tuple(outs)
 
 
@@ -130,9 +140,7 @@ def backward_strategy(grad_out=None, x=None, weight=None, stride=(1, 1)) -> str:
     elementwise pass writes dx: ~3 more activation passes, one GEMM fewer), or "auto" (the one
     with the lower modeled H100 time, kernels/traffic.py: "store" where wide channels make the
     GEMMs compute-bound)."""
-    value = os.environ.get("FUSEDRES_TRITON_BACKWARD", "sums")
-    if value not in ("sums", "store", "auto"):
-        raise ValueError(f"FUSEDRES_TRITON_BACKWARD: expected sums, store or auto, got {value!r}")
+    value = settings.get("FUSEDRES_TRITON_BACKWARD")
     if value != "auto" or x is None:
         return "sums" if value == "auto" else value
     from ..kernels import traffic
@@ -170,11 +178,16 @@ def _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, pad
 
 
 # --------------------------------------------------------------------------- backend interface
+# The ops of fusedres.opdefs under their names; cases the kernels leave to the portable code
+# (empty tensors, offsets past int32, the kernels' index type) go there.
 
 def _portable_case(*tensors) -> bool:
-    """Empty tensors, or offsets past int32 (the kernels' index type): the portable code runs
-    those (torch's own kernels, same algorithm)."""
     return any(t is not None and t.numel() == 0 for t in tensors) or not _fits_int32(*tensors)
+
+
+def _forward_portable_case(u: UnitArgs) -> bool:
+    out = torch.empty(out_shape(u.x, u.weight, u.stride, u.padding, u.dilation), device="meta")
+    return _portable_case(u.x, u.weight, u.residual) or not _fits_int32(out)
 
 
 def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -183,98 +196,47 @@ def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.ops.fusedres_triton.batch_stats(x)
 
 
-def _forward_portable_case(x, weight, residual, stride, padding, dilation) -> bool:
-    n, _, h, w = x.shape
-    out = (n, weight.shape[0], conv_out_size(h, weight.shape[2], stride[0], padding[0],
-                                             dilation[0]),
-           conv_out_size(w, weight.shape[3], stride[1], padding[1], dilation[1]))
-    return _portable_case(x, weight, residual) or not _fits_int32(torch.empty(out, device="meta"))
+def bn_relu_conv2d(*inputs) -> Tensor:
+    if _forward_portable_case(UnitArgs(*inputs)):
+        return portable.bn_relu_conv2d(*inputs)
+    return torch.ops.fusedres_triton.bn_relu_conv2d(*inputs)
 
 
-def _forward_args(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-                  dilation):
-    scale, shift = _scale_shift(bn_weight, bn_bias, mean, invstd)
-    channels_last = out_memory_format(x, weight) == torch.channels_last
-    if residual is not None and residual.dtype != weight.dtype:
-        residual = residual.to(weight.dtype)
-    return (x, weight, bias, scale, shift, residual, list(stride), list(padding), list(dilation),
-            channels_last)
+def bn_relu_conv2d_genstats(*inputs) -> tuple[Tensor, Tensor, Tensor]:
+    """``bn_relu_conv2d`` plus the (mean, biased var) of its output per channel, in the
+    statistics dtype of y: what the next unit's BatchNorm needs, without a pass over y."""
+    if _forward_portable_case(UnitArgs(*inputs)):
+        return portable.bn_relu_conv2d_genstats(*inputs)
+    return torch.ops.fusedres_triton.bn_relu_conv2d_genstats(*inputs)
 
 
-def forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-            dilation) -> Tensor:
-    args = (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-            dilation)
-    if _forward_portable_case(x, weight, residual, stride, padding, dilation):
-        return portable.forward(*args)
-    return torch.ops.fusedres_triton.bn_relu_conv2d(*_forward_args(*args))
+def bn_relu_conv2d_backward(*inputs) -> tuple[Tensor, ...]:
+    b = BackwardArgs(*inputs)
+    if _portable_case(b.grad_out, b.x, b.weight):
+        return portable.bn_relu_conv2d_backward(*inputs)
+    return torch.ops.fusedres_triton.bn_relu_conv2d_backward(*inputs)
 
 
-def forward_genstats(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                     padding, dilation) -> tuple[Tensor, Tensor, Tensor]:
-    """``forward`` plus the (mean, biased var) of its output per channel, in the statistics
-    dtype of y: what the next unit's BatchNorm needs, without a pass over y."""
-    args = (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-            dilation)
-    if _forward_portable_case(x, weight, residual, stride, padding, dilation):
-        y = portable.forward(*args)
-        return (y, *portable.batch_stats(y))
-    y, m, v = torch.ops.fusedres_triton.bn_relu_conv2d_genstats(*_forward_args(*args))
-    return y, m.to(stats_dtype(y.dtype)), v.to(stats_dtype(y.dtype))
+# The fused unit over the fusedres_triton ops, for graphs that torch.compile traces on a GPU
+# (fusedres.functional routes there): the public fusedres ops are opaque to Inductor, these
+# triton_ops decompose into their Triton kernels, forward and backward.
+CompiledUnit = direct_unit(torch.ops.fusedres_triton.bn_relu_conv2d,
+                           torch.ops.fusedres_triton.bn_relu_conv2d_genstats,
+                           torch.ops.fusedres_triton.bn_relu_conv2d_backward)
 
 
-class CompiledUnit(torch.autograd.Function):
-    """The fused unit over the ``fusedres_triton`` ops, for graphs that torch.compile traces on a
-    GPU (:func:`fusedres.functional` routes there): the public ``fusedres`` ops are opaque to
-    Inductor, these triton_ops decompose into their Triton kernels, forward and backward.
-    Same arguments, outputs and autograd rule as ``fusedres::bn_relu_conv2d`` (with
-    ``genstats``: ``fusedres::bn_relu_conv2d_genstats``)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-                dilation, batch_stats, genstats):
-        inputs = (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-                  dilation)
-        unit_setup_context(ctx, (*inputs, batch_stats), None)
-        args = _forward_args(*inputs)
-        if not genstats:
-            return torch.ops.fusedres_triton.bn_relu_conv2d(*args)
-        y, m, v = torch.ops.fusedres_triton.bn_relu_conv2d_genstats(*args)
-        m, v = m.to(stats_dtype(y.dtype)), v.to(stats_dtype(y.dtype))
-        ctx.mark_non_differentiable(m, v)
-        return y, m, v
-
-    @staticmethod
-    def backward(ctx, grad_out, *_stats_grads):
-        grads = unit_backward(ctx, grad_out, torch.ops.fusedres_triton.bn_relu_conv2d_backward)
-        return (*grads, None)  # genstats takes no gradient
-
-
-def compiled_unit(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-                  dilation, batch_stats, genstats: bool):
-    """:class:`CompiledUnit`, or the public op for the cases the kernels leave to the portable
-    code (empty tensors, int32 overflow)."""
-    args = (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-            dilation, batch_stats)
-    if _forward_portable_case(x, weight, residual, stride, padding, dilation):
+def compiled_unit(args: UnitArgs, genstats: bool):
+    """:data:`CompiledUnit` on ``args``, or the public op for the cases the kernels leave to the
+    portable code."""
+    if _forward_portable_case(args):
         op = (torch.ops.fusedres.bn_relu_conv2d_genstats if genstats
               else torch.ops.fusedres.bn_relu_conv2d)
         return op(*args)
-    return CompiledUnit.apply(*args, genstats)
+    return CompiledUnit.apply(genstats, *args)
 
 
 def compiled_batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``batch_stats`` through the triton_op, for traced graphs (see :class:`CompiledUnit`)."""
+    """``batch_stats`` through the triton_op, for traced graphs (see :data:`CompiledUnit`)."""
     if _portable_case(x):
         return tuple(torch.ops.fusedres.batch_stats(x))
     return tuple(torch.ops.fusedres_triton.batch_stats(x))
-
-
-def backward(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
-             batch_stats, output_mask):
-    if _portable_case(grad_out, x, weight):
-        return portable.backward(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride,
-                                 padding, dilation, batch_stats, output_mask)
-    return torch.ops.fusedres_triton.bn_relu_conv2d_backward(
-        grad_out, x, weight, bn_weight, bn_bias, mean, invstd, list(stride), list(padding),
-        list(dilation), batch_stats, list(output_mask))
