@@ -171,37 +171,38 @@ bn_relu_conv2d_genstats.register_autograd(_backward_genstats,
 
 # --------------------------------------------------------------------------- the direct route
 
-def direct_unit(forward, forward_genstats, backward) -> type[torch.autograd.Function]:
-    """An ``autograd.Function`` running the fused unit on one backend's ops (``forward``,
-    ``forward_genstats``, ``backward``: ops with the schemas of ``bn_relu_conv2d``, ``_genstats``
-    and ``_backward``) with the public ops' autograd rule. ``apply(genstats, *UnitArgs)``
-    returns ``y``, or ``(y, mean, var)`` when ``genstats``."""
+def direct_unit(name: str, forward, forward_genstats, backward) -> type[torch.autograd.Function]:
+    """An ``autograd.Function`` class called ``name`` running the fused unit on one backend's ops
+    (``forward``, ``forward_genstats``, ``backward``: ops with the schemas of
+    ``bn_relu_conv2d``, ``_genstats`` and ``_backward``) with the public ops' autograd rule.
+    ``apply(*UnitArgs, genstats)`` returns ``y``, or ``(y, mean, var)`` when ``genstats`` (last,
+    so that ``ctx.needs_input_grad`` lines up with :class:`UnitArgs`)."""
 
-    class DirectUnit(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, genstats, *inputs):
-            # The ctx-first form: with a separate setup_context, apply() binds the arguments
-            # with inspect.signature on every call (~20 us).
-            unit_setup_context(ctx, inputs, None)
-            if not genstats:
-                return forward(*inputs)
-            y, mean, var = forward_genstats(*inputs)
-            ctx.mark_non_differentiable(mean, var)
-            return y, mean, var
+    def forward_fn(ctx, *inputs_and_genstats):
+        *inputs, genstats = inputs_and_genstats
+        # The ctx-first form: with a separate setup_context, apply() binds the arguments with
+        # inspect.signature on every call (~20 us).
+        unit_setup_context(ctx, inputs, None)
+        if not genstats:
+            return forward(*inputs)
+        y, mean, var = forward_genstats(*inputs)
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
 
-        @staticmethod
-        def backward(ctx, grad_out, *_stats_grads):
-            return (None, *unit_backward(ctx, grad_out, backward))  # genstats: no gradient
+    def backward_fn(ctx, grad_out, *_stats_grads):
+        return (*unit_backward(ctx, grad_out, backward), None)  # genstats takes no gradient
 
-    return DirectUnit
+    # Built with type() so that the class, and its grad_fn (``<name>Backward``), carry the name.
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward_fn), "backward": staticmethod(backward_fn),
+        "__doc__": f"The fused unit on {forward} and its backward (fusedres.ops.direct_unit)."})
 
 
 EagerCpuUnit = None
 if _extension.LOADED:  # else the cpu backend never runs (and its namespace may lack the ops)
-    EagerCpuUnit = direct_unit(torch.ops.fusedres_cpu.bn_relu_conv2d,
+    EagerCpuUnit = direct_unit("EagerCpuUnit", torch.ops.fusedres_cpu.bn_relu_conv2d,
                                torch.ops.fusedres_cpu.bn_relu_conv2d_genstats,
                                torch.ops.fusedres_cpu.bn_relu_conv2d_backward)
-    EagerCpuUnit.__name__ = EagerCpuUnit.__qualname__ = "EagerCpuUnit"
 
 
 def eager_cpu(x: Tensor) -> bool:

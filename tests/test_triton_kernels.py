@@ -171,8 +171,9 @@ def _backward_inputs(dtype, channels_last, k=3, co=6):
 
 def _portable64(dy, x, wt, gamma, beta, mean, invstd, stride, padding, dilation, train):
     d = lambda t: t.double()
-    return portable.backward(d(dy), d(x), d(wt), d(gamma), d(beta), d(mean), d(invstd), stride,
-                             padding, dilation, train, [True] * 5)
+    return portable.bn_relu_conv2d_backward(d(dy), d(x), d(wt), d(gamma), d(beta), d(mean),
+                                            d(invstd), stride, padding, dilation, train,
+                                            [True] * 5)
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
@@ -280,8 +281,8 @@ def test_backend_backward_output_mask(dtype, mask):
     """Masked-out outputs are empty; the others match the float64 reference at the dtype."""
     x, wt, gamma, beta, mean, invstd = _backward_inputs(dtype, False)
     dy = torch.randn(2, 6, 7, 9).to(DEVICE, dtype)
-    outs = triton_backend.backward(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1),
-                                   True, mask)
+    outs = triton_backend.bn_relu_conv2d_backward(dy, x, wt, gamma, beta, mean, invstd, (1, 1),
+                                                  (1, 1), (1, 1), True, mask)
     ref = _portable64(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1), True)
     for want, got, exp in zip(mask, outs, ref):
         if not want:
@@ -301,7 +302,7 @@ def test_backend_backward_strategies(monkeypatch, strategy, train):
     ref = _portable64(dy, *args)
     for mask in ([True] * 5, [True, False, False, False, False], [False, False, False, True,
                                                                    True]):
-        outs = triton_backend.backward(dy, *args, mask)
+        outs = triton_backend.bn_relu_conv2d_backward(dy, *args, mask)
         for want, got, exp in zip(mask, outs, ref):
             assert got.numel() == 0 if not want else rel_err(got, exp) < 1e-5
 
@@ -325,8 +326,8 @@ def test_backend_backward_strategy_is_checked(monkeypatch):
 
 def test_backend_forward_genstats_interface():
     x, wt, gamma, beta, mean, invstd = _backward_inputs(torch.float32, True)
-    y, m, v = triton_backend.forward_genstats(x, wt, None, gamma, beta, mean, invstd, None,
-                                              (1, 1), (1, 1), (1, 1))
+    y, m, v = triton_backend.bn_relu_conv2d_genstats(x, wt, None, gamma, beta, mean, invstd,
+                                                     None, (1, 1), (1, 1), (1, 1), True)
     m2, v2 = triton_backend.batch_stats(y)
     assert rel_err(m, m2) < 1e-5 and rel_err(v, v2) < 1e-5
 
@@ -383,7 +384,7 @@ sc, sh = torch.rand(5), torch.randn(5)
 dy = torch.randn(2, 6, 7, 9)
 fns = {
     "forward": lambda: torch.ops.fusedres_triton.bn_relu_conv2d(
-        x, w, None, sc, sh, None, [1, 1], [1, 1], [1, 1], True),
+        x, w, None, sc, sh, sh, sc, None, [1, 1], [1, 1], [1, 1], True),
     "backward": lambda: torch.ops.fusedres_triton.bn_relu_conv2d_backward(
         dy, x, w, sc, sh, sc, sh, [1, 1], [1, 1], [1, 1], True, [True] * 5),
     "batch_stats": lambda: torch.ops.fusedres_triton.batch_stats(x),
@@ -540,10 +541,12 @@ def test_empty_and_huge_tensors_take_the_portable_path():
     x = torch.randn(0, 3, 5, 5).to(DEVICE)
     wt = torch.randn(4, 3, 3, 3).to(DEVICE)
     one, zero = torch.ones(3).to(DEVICE), torch.zeros(3).to(DEVICE)
-    y = triton_backend.forward(x, wt, None, one, zero, zero, one, None, (1, 1), (1, 1), (1, 1))
+    y = triton_backend.bn_relu_conv2d(x, wt, None, one, zero, zero, one, None, (1, 1), (1, 1),
+                                      (1, 1), True)
     assert y.shape == (0, 4, 5, 5)
-    outs = triton_backend.backward(torch.randn(0, 4, 5, 5).to(DEVICE), x, wt, one, zero, zero,
-                                   one, (1, 1), (1, 1), (1, 1), False, [True] * 5)
+    outs = triton_backend.bn_relu_conv2d_backward(torch.randn(0, 4, 5, 5).to(DEVICE), x, wt, one,
+                                                  zero, zero, one, (1, 1), (1, 1), (1, 1), False,
+                                                  [True] * 5)
     assert outs[0].shape == x.shape and torch.equal(outs[1], torch.zeros_like(wt))
 
 
@@ -575,8 +578,8 @@ def test_autotune_times_every_config_and_caches(monkeypatch):
     assert len(seen) == len(configs)  # cached: no second tuning
     # The backward launchers tune too, and stay correct.
     dy = torch.randn(2, 6, 7, 9).to(DEVICE)
-    outs = triton_backend.backward(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1),
-                                   True, [True] * 5)
+    outs = triton_backend.bn_relu_conv2d_backward(dy, x, wt, gamma, beta, mean, invstd, (1, 1),
+                                                  (1, 1), (1, 1), True, [True] * 5)
     ref = _portable64(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1), True)
     assert all(rel_err(a, b) < 1e-5 for a, b in zip(outs, ref))
     assert len(_common._TUNED) == 3

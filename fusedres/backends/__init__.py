@@ -1,2 +1,4 @@
-"""Backend implementations of the ``fusedres`` ops. Each module defines ``unavailable_reason``,
-``batch_stats``, ``forward`` and ``backward`` with the signatures of :mod:`fusedres.ops`."""
+"""Backend implementations of the ``fusedres`` ops. Each module defines ``unavailable_reason``
+and the ops of :data:`fusedres.opdefs.SCHEMAS` under their names (``batch_stats``,
+``bn_relu_conv2d``, ``bn_relu_conv2d_genstats``, ``bn_relu_conv2d_backward``), taking the
+schema's arguments in order."""

@@ -220,7 +220,7 @@ def bn_relu_conv2d_backward(*inputs) -> tuple[Tensor, ...]:
 # The fused unit over the fusedres_triton ops, for graphs that torch.compile traces on a GPU
 # (fusedres.functional routes there): the public fusedres ops are opaque to Inductor, these
 # triton_ops decompose into their Triton kernels, forward and backward.
-CompiledUnit = direct_unit(torch.ops.fusedres_triton.bn_relu_conv2d,
+CompiledUnit = direct_unit("CompiledUnit", torch.ops.fusedres_triton.bn_relu_conv2d,
                            torch.ops.fusedres_triton.bn_relu_conv2d_genstats,
                            torch.ops.fusedres_triton.bn_relu_conv2d_backward)
 
@@ -232,7 +232,7 @@ def compiled_unit(args: UnitArgs, genstats: bool):
         op = (torch.ops.fusedres.bn_relu_conv2d_genstats if genstats
               else torch.ops.fusedres.bn_relu_conv2d)
         return op(*args)
-    return CompiledUnit.apply(genstats, *args)
+    return CompiledUnit.apply(*args, genstats)
 
 
 def compiled_batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
