@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..opdefs import ConvGeometry
+from ..opdefs import ConvGeometry, stats_dtype
 from ._common import (
     KernelConfig,
     acc_is_fp64,
@@ -208,5 +208,4 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
     counts = (m - torch.arange(grid[0], device=x.device, dtype=torch.float64) * bm)
     counts = counts.clamp(max=bm).view(-1, 1)
     mean, var = chan_combine(counts, smean, sm2)
-    out_sdt = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
-    return y, mean.to(out_sdt), var.to(out_sdt)
+    return y, mean.to(stats_dtype(y.dtype)), var.to(stats_dtype(y.dtype))

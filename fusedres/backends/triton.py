@@ -22,7 +22,6 @@ from ..opdefs import (
     out_memory_format,
     out_shape,
     scale_shift,
-    stats_dtype,
 )
 from ..ops import direct_unit
 from . import portable
@@ -89,8 +88,7 @@ def _forward_op(*inputs) -> Tensor:
 def _forward_genstats_op(*inputs) -> tuple[Tensor, Tensor, Tensor]:
     """Forward that also returns (mean, biased var) of y per output channel, reduced in the
     convolution's epilogue."""
-    y, m, v = _launch_forward(UnitArgs(*inputs), genstats=True)
-    return y, m.to(stats_dtype(y.dtype)), v.to(stats_dtype(y.dtype))
+    return _launch_forward(UnitArgs(*inputs), genstats=True)
 
 
 @torch.library.triton_op("fusedres_triton::bn_relu_conv2d_backward", mutates_args=(),
