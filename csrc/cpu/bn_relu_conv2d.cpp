@@ -69,12 +69,6 @@ Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial) {
   return weight.size(2) * weight.size(3) > 1 && spatial >= 64 ? Layout::NHWC : x_layout;
 }
 
-at::MemoryFormat out_memory_format(const at::Tensor& x, const at::Tensor& weight) {
-  return suggests_channels_last(x) || suggests_channels_last(weight)
-             ? at::MemoryFormat::ChannelsLast
-             : at::MemoryFormat::Contiguous;
-}
-
 // A 1x1, stride-1, unpadded convolution of NCHW tiles is one GEMM per sample,
 // y[n] (Co x HW) = W (Co x C) @ a[n] (C x HW): batched GEMMs write straight into y's slice (no
 // output tile to copy) and add the weight gradient into one float32 accumulator (addbmm). On
@@ -94,11 +88,8 @@ bool use_gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
 std::vector<int64_t> out_shape(const at::Tensor& x, const at::Tensor& w,
                                const std::vector<int64_t>& s, const std::vector<int64_t>& p,
                                const std::vector<int64_t>& d) {
-  auto size = [](int64_t n, int64_t k, int64_t s, int64_t p, int64_t d) {
-    return (n + 2 * p - d * (k - 1) - 1) / s + 1;
-  };
-  return {x.size(0), w.size(0), size(x.size(2), w.size(2), s[0], p[0], d[0]),
-          size(x.size(3), w.size(3), s[1], p[1], d[1])};
+  return {x.size(0), w.size(0), conv_out_size(x.size(2), w.size(2), s[0], p[0], d[0]),
+          conv_out_size(x.size(3), w.size(3), s[1], p[1], d[1])};
 }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& mean,

@@ -174,8 +174,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   check_unit_inputs(op, x, weight, mean, invstd);
   const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
   const int64_t N = x.size(0), Co = weight.size(0);
-  const int64_t Ho = out_size(x.size(2), weight.size(2), stride[0], padding[0], dilation[0]);
-  const int64_t Wo = out_size(x.size(3), weight.size(3), stride[1], padding[1], dilation[1]);
+  const int64_t Ho =
+      conv_out_size(x.size(2), weight.size(2), stride[0], padding[0], dilation[0]);
+  const int64_t Wo =
+      conv_out_size(x.size(3), weight.size(3), stride[1], padding[1], dilation[1]);
   TORCH_CHECK(Ho > 0 && Wo > 0, op, ": the output would be empty (", Ho, " x ", Wo, ")");
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == Co && bias->scalar_type() == weight.scalar_type(), op,

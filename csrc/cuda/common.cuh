@@ -34,6 +34,9 @@
 #include <limits>
 #include <type_traits>
 
+// conv_out_size, suggests_channels_last, out_memory_format: the rules csrc/cpu shares.
+#include "../common.h"
+
 #if defined(__CUDACC__)
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -141,12 +144,6 @@ inline unsigned blocks_for(int64_t n, int64_t threads, int64_t cap = 2147483647)
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// As ops.out_memory_format: channels_last when the tensor is channels_last-dense and not also
-// plain-contiguous (size-1 dimensions make both hold).
-inline bool suggests_channels_last(const at::Tensor& t) {
-  return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
-}
 
 // ----------------------------------------------------------------------------- statistics
 
