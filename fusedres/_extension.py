@@ -27,6 +27,14 @@ try:
 except ImportError as exc:  # not built (Python-only install) or built for another torch
     LOAD_ERROR = f"the compiled extension fusedres._C is not available ({exc})"
 
+
+def _schema_error(exc: Exception) -> str:
+    # The dispatcher's message: a headline, then "operator:", the two schemas and "reason:".
+    lines = [line.strip() for line in str(exc).splitlines()]
+    keep = [line for line in lines[1:] if line.startswith(("operator:", "reason:"))]
+    return " ".join(lines[:1] + keep)
+
+
 _LIBRARIES = []
 for _namespace in NAMESPACES:
     try:
@@ -34,7 +42,7 @@ for _namespace in NAMESPACES:
     except RuntimeError as exc:  # a kernel of fusedres._C does not match its schema
         LOADED = False
         LOAD_ERROR = (f"fusedres._C does not match the op schemas of fusedres/opdefs.py "
-                      f"(rebuild it): {str(exc).splitlines()[0]}")
+                      f"(rebuild it): {_schema_error(exc)}")
 
 
 def has_kernels(namespace: str, dispatch_key: str, *names: str) -> bool:

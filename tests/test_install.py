@@ -58,3 +58,35 @@ def test_selftest_module_runs_without_triton_interpret_set():
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "6/6 passed" in out.stdout
+
+
+_MISMATCH = """
+import importlib.util, sys
+# fusedres/opdefs.py loaded first, with one schema changed: the C++ functions no longer match it.
+spec = importlib.util.spec_from_file_location("fusedres.opdefs", {opdefs!r})
+opdefs = importlib.util.module_from_spec(spec)
+sys.modules["fusedres.opdefs"] = opdefs
+spec.loader.exec_module(opdefs)
+opdefs.SCHEMAS["bn_relu_conv2d"] = opdefs.SCHEMAS["bn_relu_conv2d"].replace(
+    ", bool batch_stats", "")
+import torch
+from fusedres import _extension
+print("LOADED", _extension.LOADED)
+print("LOAD_ERROR", _extension.LOAD_ERROR)
+"""
+
+
+def test_kernel_that_does_not_match_its_schema_is_a_load_error():
+    """A C++ function whose signature differs from fusedres/opdefs.py's schema (an extension
+    built from other sources) is reported, not an abort: fusedres._C (registered first, then the
+    schema defined) as LOAD_ERROR."""
+    code = _MISMATCH.format(opdefs=str(ROOT / "fusedres" / "opdefs.py"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    if "not available" in lines["LOAD_ERROR"]:
+        pytest.skip("fusedres._C is not built")
+    assert lines["LOADED"] == "False"
+    assert "does not match the op schemas" in lines["LOAD_ERROR"]
+    assert "operator: fusedres_cpu::bn_relu_conv2d" in lines["LOAD_ERROR"]

@@ -148,7 +148,7 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
                           const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
                           c10::SymIntArrayRef stride_, c10::SymIntArrayRef padding_,
-                          c10::SymIntArrayRef dilation_) {
+                          c10::SymIntArrayRef dilation_, bool /*batch_stats*/) {
   check_inputs(x_in, weight, mean, invstd);
   const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
   const Layout layout = layout_of(x_in);
@@ -198,6 +198,21 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
     }
   }
   return y;
+}
+
+// The forward, then y's per-channel (mean, biased var) in the statistics dtype: what the next
+// BatchNorm of a training step needs. A second pass over y (the cuda copy reduces them in the
+// convolution's epilogue); y is still in cache for a small unit.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
+    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
+    bool stats_of_batch) {
+  at::Tensor y = bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
+                                stride, padding, dilation, stats_of_batch);
+  auto [y_mean, y_var] = batch_stats(y);
+  return {std::move(y), std::move(y_mean), std::move(y_var)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
@@ -362,5 +377,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
 TORCH_LIBRARY_IMPL(fusedres_cpu, CPU, m) {
   m.impl("batch_stats", &fusedres::cpu::batch_stats);
   m.impl("bn_relu_conv2d", &fusedres::cpu::bn_relu_conv2d);
+  m.impl("bn_relu_conv2d_genstats", &fusedres::cpu::bn_relu_conv2d_genstats);
   m.impl("bn_relu_conv2d_backward", &fusedres::cpu::bn_relu_conv2d_backward);
 }

@@ -241,7 +241,7 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
                           const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
                           c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
-                          c10::SymIntArrayRef dilation) {
+                          c10::SymIntArrayRef dilation, bool /*batch_stats*/) {
   return std::get<0>(forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
                              padding, dilation, false));
 }
@@ -250,7 +250,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
-    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation) {
+    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
+    bool /*batch_stats*/) {
   return forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
                  dilation, true);
 }
