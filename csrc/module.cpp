@@ -1,14 +1,49 @@
-// fusedres._C: a Python module with no Python API of its own. Importing it runs the static
-// TORCH_LIBRARY_IMPL registrations in csrc/cpu and csrc/cuda (fusedres_cpu and fusedres_cuda).
-// The ops' schemas are not defined here: fusedres/_extension.py defines the namespaces from
-// fusedres/opdefs.py (SCHEMAS) after this module is imported, and the dispatcher then checks
-// every C++ function registered here against its schema.
+// fusedres._C. Importing it runs the static TORCH_LIBRARY_IMPL registrations in csrc/cpu and
+// csrc/cuda (fusedres_cpu and fusedres_cuda). The ops' schemas are not defined here:
+// fusedres/_extension.py defines the namespaces from fusedres/opdefs.py (SCHEMAS) after this
+// module is imported, and the dispatcher then checks every C++ function registered here against
+// its schema.
+//
+// Its one Python function, cpu_tile_samples, gives Python (fusedres/accounting.py) the CPU
+// kernels' tile rule instead of a copy of it.
 #include <Python.h>
+
+#include <cstdint>
+#include <exception>
+
+#include "cpu/tile.h"
+
+namespace {
+
+// cpu_tile_samples(n, bytes_per_sample, weight_bytes) -> int
+PyObject* cpu_tile_samples(PyObject* /*self*/, PyObject* args) {
+  long long n = 0, bytes_per_sample = 0, weight_bytes = 0;
+  if (!PyArg_ParseTuple(args, "LLL:cpu_tile_samples", &n, &bytes_per_sample, &weight_bytes)) {
+    return nullptr;
+  }
+  try {
+    return PyLong_FromLongLong(fusedres::cpu::tile_samples(n, bytes_per_sample, weight_bytes));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef methods[] = {
+    {"cpu_tile_samples", cpu_tile_samples, METH_VARARGS,
+     "cpu_tile_samples(n, bytes_per_sample, weight_bytes) -> int\n\n"
+     "Samples per batch tile of the cpu backend's fused unit (csrc/cpu/bn_relu_conv2d.cpp) for\n"
+     "a batch of n samples of bytes_per_sample bytes (activation + output) each and a weight of\n"
+     "weight_bytes. Reads FUSEDRES_CPU_TILE_BYTES, FUSEDRES_CPU_TILE_WEIGHT_X and torch's\n"
+     "thread count now."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
 
 extern "C" {
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", "fusedres compiled kernels", -1, nullptr};
+      PyModuleDef_HEAD_INIT, "_C", "fusedres compiled kernels", -1, methods};
   return PyModule_Create(&module_def);
 }
 }

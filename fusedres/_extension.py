@@ -7,6 +7,8 @@ registered C++ function against its schema then, and a mismatch (an extension bu
 sources) becomes ``LOAD_ERROR`` instead of an abort inside the library's loader.
 
 ``LOAD_ERROR`` says why the extension is missing (used in backend error messages).
+
+:func:`cpu_tile_samples` is the CPU kernels' batch tiling rule, from the extension itself.
 """
 
 from __future__ import annotations
@@ -51,3 +53,16 @@ def has_kernels(namespace: str, dispatch_key: str, *names: str) -> bool:
         torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{name}", dispatch_key)
         for name in names
     )
+
+
+def cpu_tile_samples(n: int, bytes_per_sample: int, weight_bytes: int) -> int | None:
+    """Samples per batch tile of the cpu backend's fused unit, for a batch of ``n`` samples of
+    ``bytes_per_sample`` bytes each (activation + output, in the weight's dtype) and a weight of
+    ``weight_bytes``: the rule csrc/cpu/bn_relu_conv2d.cpp runs, evaluated now (it reads
+    FUSEDRES_CPU_TILE_BYTES, FUSEDRES_CPU_TILE_WEIGHT_X and torch's thread count). None when
+    ``fusedres._C`` is not loaded."""
+    if not LOADED:
+        return None
+    return importlib.import_module("fusedres._C").cpu_tile_samples(
+        int(n), int(bytes_per_sample), int(weight_bytes))
+

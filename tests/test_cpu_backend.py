@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusedres
-from fusedres import _backend, opdefs
+from fusedres import _backend, _extension, opdefs
 from fusedres.backends import portable
 
 pytestmark = pytest.mark.skipif(
@@ -117,6 +117,35 @@ def test_genstats_is_the_forward_and_its_statistics(dtype, channels_last):
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(mean.double(), mean64, atol=tol, rtol=tol)
     torch.testing.assert_close(var.double(), var64, atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------- tiling rule
+
+def _tile_rule(n, bytes_per_sample, weight_bytes, tile_bytes, weight_x=4):
+    """csrc/cpu/bn_relu_conv2d.cpp's tile_samples, restated for the test."""
+    if tile_bytes <= 0 or n <= 0:
+        return max(n, 1)
+    budget = max(tile_bytes, weight_x * weight_bytes)
+    nb = min(max(budget // max(bytes_per_sample, 1), 1), n)
+    tiles = -(-n // nb)
+    return -(-n // tiles)
+
+
+def test_tile_rule_is_exported_from_the_extension(monkeypatch):
+    """_extension.cpu_tile_samples runs the kernels' own rule, reading the environment and the
+    thread count at the call."""
+    default = torch.get_num_threads() * 2**20
+    for n, per_sample, weight in [(128, 131072, 9216), (7, 300_000, 0), (1, 10, 10),
+                                  (64, 1 << 20, 1 << 22), (5, 0, 0)]:
+        assert _extension.cpu_tile_samples(n, per_sample, weight) == _tile_rule(
+            n, per_sample, weight, default), (n, per_sample, weight)
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "300000")
+    assert _extension.cpu_tile_samples(7, 100_000, 0) == 3  # 3 fit: tiles of 3, 3 and 1
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "0")
+    assert _extension.cpu_tile_samples(7, 100_000, 0) == 7
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "1000")
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_WEIGHT_X", "2")
+    assert _extension.cpu_tile_samples(10, 1000, 2500) == _tile_rule(10, 1000, 2500, 1000, 2)
 
 
 # --------------------------------------------------------------------------- batch statistics

@@ -2,7 +2,7 @@
 // backward, registered for the CPU dispatch key of the fusedres_cpu namespace.
 //
 // Algorithm (measured against the alternatives in benchmarks/RESULTS.md): the batch is cut into
-// tiles of a few samples whose activation fits in cache (tile_batch). Per tile, our kernel writes
+// tiles of a few samples whose activation fits in cache (tile_samples). Per tile, our kernel writes
 // a = relu(scale * x + shift) into a small scratch buffer, and ATen's convolution (oneDNN for
 // float32/bfloat16/float16) consumes it while it is still hot; the activation never exists at
 // full size. For spatial kernels the tile is written NHWC, oneDNN's fast layout, and the output
@@ -19,6 +19,7 @@
 #include "common.h"
 
 namespace fusedres::cpu {
+
 namespace {
 
 // Bytes of (activation + conv output) per tile, set by measurement (RESULTS.md): 1 MiB per
@@ -32,19 +33,27 @@ int64_t tile_bytes() {
   return std::max<int64_t>(at::get_num_threads(), 1) * (int64_t(1) << 20);
 }
 
+}  // namespace
+
 // Samples per tile: as many as fit the budget (at least one), balanced across tiles. Every
 // tile re-reads the weights and, in backward, adds a full weight gradient, so the budget grows
 // to 4x the weight bytes: weight-heavy layers (ResNet-50's last stages) run in few tiles.
 // FUSEDRES_CPU_TILE_WEIGHT_X overrides the 4 (8 and 16 measured no better, RESULTS.md).
-int64_t tile_batch(int64_t N, int64_t bytes_per_sample, const at::Tensor& weight) {
+int64_t tile_samples(int64_t n, int64_t bytes_per_sample, int64_t weight_bytes) {
   int64_t budget = tile_bytes();
-  if (budget <= 0 || N == 0) return std::max<int64_t>(N, 1);
+  if (budget <= 0 || n <= 0) return std::max<int64_t>(n, 1);
   const char* wx = std::getenv("FUSEDRES_CPU_TILE_WEIGHT_X");
   const int64_t times = wx ? std::atoll(wx) : 4;
-  budget = std::max<int64_t>(budget, times * weight.numel() * weight.element_size());
-  int64_t nb = std::clamp<int64_t>(budget / std::max<int64_t>(bytes_per_sample, 1), 1, N);
-  const int64_t tiles = (N + nb - 1) / nb;
-  return (N + tiles - 1) / tiles;
+  budget = std::max<int64_t>(budget, times * weight_bytes);
+  const int64_t nb = std::clamp<int64_t>(budget / std::max<int64_t>(bytes_per_sample, 1), 1, n);
+  const int64_t tiles = (n + nb - 1) / nb;
+  return (n + tiles - 1) / tiles;
+}
+
+namespace {
+
+int64_t weight_bytes(const at::Tensor& weight) {
+  return weight.numel() * weight.element_size();
 }
 
 std::vector<int64_t> ints(c10::SymIntArrayRef v) { return C10_AS_INTARRAYREF_SLOW(v).vec(); }
@@ -163,7 +172,8 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
   const Layout a_layout = conv_layout(weight, layout, H * W);
   const at::Tensor w = weight.contiguous(memory_format(a_layout));
   const int64_t wsize = weight.element_size();
-  const int64_t nb = tile_batch(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize, weight);
+  const int64_t nb =
+      tile_samples(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize, weight_bytes(weight));
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(memory_format(a_layout)));
   const bool gemm = use_gemm_1x1(weight, stride, padding, a_layout, H * W) && dense_in(y, Layout::NCHW);
   const int64_t Co = weight.size(0);
@@ -261,7 +271,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   const Layout a_layout = conv_layout(weight, layout, H * W);
   const at::MemoryFormat a_fmt = memory_format(a_layout);
   const at::Tensor w = weight.contiguous(a_fmt);
-  const int64_t nb = tile_batch(N, (C * H * W + go[0].numel()) * weight.element_size(), weight);
+  const int64_t nb = tile_samples(N, (C * H * W + go[0].numel()) * weight.element_size(),
+                                  weight_bytes(weight));
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(a_fmt));
   const bool gemm = use_gemm_1x1(weight, stride, padding, a_layout, H * W) && dense_in(go, Layout::NCHW);
   at::Tensor gemm_da_buf;

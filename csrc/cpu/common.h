@@ -34,6 +34,7 @@
 
 // conv_out_size, suggests_channels_last, out_memory_format: the rules csrc/cuda shares.
 #include "../common.h"
+#include "tile.h"
 
 namespace fusedres::cpu {
 
