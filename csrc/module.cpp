@@ -1,8 +1,9 @@
-// fusedres._C. Importing it runs the static TORCH_LIBRARY_IMPL registrations in csrc/cpu and
-// csrc/cuda (fusedres_cpu and fusedres_cuda). The ops' schemas are not defined here:
-// fusedres/_extension.py defines the namespaces from fusedres/opdefs.py (SCHEMAS) after this
-// module is imported, and the dispatcher then checks every C++ function registered here against
-// its schema.
+// fusedres._C, the product extension: the CPU kernels (csrc/cpu) and, when built with nvcc
+// (FUSEDRES_BUILD_CUDA), the CUDA kernels (csrc/cuda). Importing it runs their static
+// TORCH_LIBRARY_IMPL registrations for fusedres_cpu (CPU) and fusedres_cuda (CUDA). The ops'
+// schemas are not defined here: fusedres/_extension.py defines the namespaces from
+// fusedres/opdefs.py (SCHEMAS) after this module is imported, and the dispatcher then checks
+// every C++ function registered here against its schema.
 //
 // Its one Python function, cpu_tile_samples, gives Python (fusedres/accounting.py) the CPU
 // kernels' tile rule instead of a copy of it.
@@ -43,7 +44,7 @@ PyMethodDef methods[] = {
 extern "C" {
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", "fusedres compiled kernels", -1, methods};
+      PyModuleDef_HEAD_INIT, "_C", "fusedres compiled kernels (csrc/cpu, csrc/cuda)", -1, methods};
   return PyModule_Create(&module_def);
 }
 }

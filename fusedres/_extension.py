@@ -8,6 +8,11 @@ sources) becomes ``LOAD_ERROR`` instead of an abort inside the library's loader.
 
 ``LOAD_ERROR`` says why the extension is missing (used in backend error messages).
 
+The test extension ``fusedres._C_cuda_host`` (csrc/cuda executed on CPU: the ``fusedres_cuda``
+ops' CPU kernels, and the layer's test ops) is loaded on demand by :func:`load_cuda_host`, after
+the schemas exist; it registers from its module initialiser, so a mismatch there is an
+ImportError too.
+
 :func:`cpu_tile_samples` is the CPU kernels' batch tiling rule, from the extension itself.
 """
 
@@ -28,6 +33,7 @@ try:
     LOADED = True
 except ImportError as exc:  # not built (Python-only install) or built for another torch
     LOAD_ERROR = f"the compiled extension fusedres._C is not available ({exc})"
+
 
 
 def _schema_error(exc: Exception) -> str:
@@ -66,3 +72,24 @@ def cpu_tile_samples(n: int, bytes_per_sample: int, weight_bytes: int) -> int | 
     return importlib.import_module("fusedres._C").cpu_tile_samples(
         int(n), int(bytes_per_sample), int(weight_bytes))
 
+
+CUDA_HOST_MODULE = "fusedres._C_cuda_host"
+_cuda_host_error: list[str | None] = []  # filled by the first load_cuda_host()
+
+
+def load_cuda_host() -> str | None:
+    """Import the test extension ``fusedres._C_cuda_host`` once; None when it is loaded, else
+    why not. It registers the ``fusedres_cuda`` CPU kernels against the schemas defined above."""
+    if not _cuda_host_error:
+        try:
+            importlib.import_module(CUDA_HOST_MODULE)
+            error = None
+        except ModuleNotFoundError as exc:
+            if exc.name != CUDA_HOST_MODULE:
+                raise
+            error = (f"the test extension {CUDA_HOST_MODULE} is not built (make test builds it; "
+                     "FUSEDRES_BUILD_TEST_EXT=1)")
+        except ImportError as exc:  # built for another torch, or from other sources
+            error = f"the test extension {CUDA_HOST_MODULE} cannot be loaded ({exc})"
+        _cuda_host_error.append(error)
+    return _cuda_host_error[0]

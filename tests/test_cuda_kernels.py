@@ -19,9 +19,11 @@ from fusedres.backends import portable
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _KEY = "CUDA" if DEVICE.type == "cuda" else "CPU"
+# On CPU the kernels are the test extension's (fusedres._C_cuda_host), on a GPU fusedres._C's.
+_WHY_NOT = _extension.load_cuda_host() if DEVICE.type == "cpu" else _extension.LOAD_ERROR
 pytestmark = pytest.mark.skipif(
-    not (_extension.LOADED and _extension.has_kernels("fusedres_cuda", _KEY, *opdefs.SCHEMAS)),
-    reason=f"fusedres._C has no {_KEY} kernels of the fusedres_cuda ops")
+    not _extension.has_kernels("fusedres_cuda", _KEY, *opdefs.SCHEMAS),
+    reason=f"no {_KEY} kernels of the fusedres_cuda ops ({_WHY_NOT or 'not built'})")
 
 OPS = torch.ops.fusedres_cuda
 HALF = (torch.float16, torch.bfloat16)

@@ -60,6 +60,23 @@ def test_selftest_module_runs_without_triton_interpret_set():
     assert "6/6 passed" in out.stdout
 
 
+@pytest.mark.parametrize("switch", ["0", "1", "auto"])
+def test_test_extension_is_built_only_when_asked(switch):
+    """`pip install .` (FUSEDRES_BUILD_TEST_EXT unset: 0) builds the product extension only;
+    the test extension fusedres._C_cuda_host when asked, or with auto for an in-place build."""
+    env = dict(os.environ, FUSEDRES_BUILD_EXT="1", FUSEDRES_BUILD_TEST_EXT=switch)
+    plans = {}
+    for args in (["--name"], ["build_ext", "--inplace", "--help"]):
+        out = subprocess.run([sys.executable, "setup.py", *args], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True)
+        plans[args[0]] = next(line for line in out.stdout.splitlines()
+                              if line.startswith("fusedres: building"))
+    for command, plan in plans.items():
+        assert "fusedres._C (" in plan, plan
+        want = switch == "1" or (switch == "auto" and command == "build_ext")
+        assert ("fusedres._C_cuda_host" in plan) == want, (command, plan)
+
+
 _MISMATCH = """
 import importlib.util, sys
 # fusedres/opdefs.py loaded first, with one schema changed: the C++ functions no longer match it.
@@ -73,13 +90,14 @@ import torch
 from fusedres import _extension
 print("LOADED", _extension.LOADED)
 print("LOAD_ERROR", _extension.LOAD_ERROR)
+print("CUDA_HOST", _extension.load_cuda_host())
 """
 
 
 def test_kernel_that_does_not_match_its_schema_is_a_load_error():
     """A C++ function whose signature differs from fusedres/opdefs.py's schema (an extension
     built from other sources) is reported, not an abort: fusedres._C (registered first, then the
-    schema defined) as LOAD_ERROR."""
+    schema defined) as LOAD_ERROR, the test extension (registered after) as an ImportError."""
     code = _MISMATCH.format(opdefs=str(ROOT / "fusedres" / "opdefs.py"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
@@ -90,3 +108,5 @@ def test_kernel_that_does_not_match_its_schema_is_a_load_error():
     assert lines["LOADED"] == "False"
     assert "does not match the op schemas" in lines["LOAD_ERROR"]
     assert "operator: fusedres_cpu::bn_relu_conv2d" in lines["LOAD_ERROR"]
+    if "not built" not in lines["CUDA_HOST"]:
+        assert "registering the fusedres_cuda kernels failed" in lines["CUDA_HOST"]

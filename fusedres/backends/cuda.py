@@ -1,11 +1,12 @@
-"""The CUDA C++ backend: ``torch.ops.fusedres_cuda.*`` from ``fusedres._C`` (csrc/cuda/).
+"""The CUDA C++ backend: ``torch.ops.fusedres_cuda.*``, kernels from csrc/cuda/.
 
-The kernels in csrc/cuda are compiled twice into ``fusedres._C``: by nvcc for sm_80/sm_90 (when
-built with ``FUSEDRES_BUILD_CUDA``), registered for the CUDA dispatch key, and always by the host
-C++ compiler through the CPU execution layer (csrc/cuda/host), registered for the CPU key. The
-CPU copy is a test vehicle, not a product: with ``FUSEDRES_CUDA_ON_CPU=1`` in the environment
-when this module is imported, this backend runs CPU tensors through it (``auto`` never picks it
-for CPU tensors).
+The kernels in csrc/cuda are compiled twice: by nvcc for sm_80/sm_90 into the product extension
+``fusedres._C`` (when built with ``FUSEDRES_BUILD_CUDA``), registered for the CUDA dispatch key;
+and by the host C++ compiler through the CPU execution layer (csrc/cuda/host) into the test
+extension ``fusedres._C_cuda_host`` (built with ``FUSEDRES_BUILD_TEST_EXT=1``: ``make test``,
+CI), registered for the CPU key. The CPU copy is a test vehicle, not a product: with
+``FUSEDRES_CUDA_ON_CPU=1`` in the environment when this module is imported, this backend loads
+it and runs CPU tensors through it (``auto`` never picks it for CPU tensors).
 
 The op handles are named as the ops and take exactly the arguments of
 :data:`fusedres.opdefs.SCHEMAS`; statistics come back in the statistics dtype.
@@ -36,11 +37,13 @@ def unavailable_reason(device: torch.device) -> str | None:
         if not ON_CPU:
             return ("it runs on CUDA tensors; on CPU tensors only with FUSEDRES_CUDA_ON_CPU=1 "
                     "(the CUDA kernels executed by the CPU layer, a test vehicle)")
-        if not _extension.LOADED:
-            return _extension.LOAD_ERROR
+        error = _extension.load_cuda_host()
+        if error is not None:
+            return error
         missing = missing_ops("CPU")
         if missing:
-            return f"fusedres._C has no CPU kernel for {NAMESPACE}::{', '.join(missing)}"
+            return (f"{_extension.CUDA_HOST_MODULE} has no CPU kernel for "
+                    f"{NAMESPACE}::{', '.join(missing)}")
         return None
     if not _extension.LOADED:
         return _extension.LOAD_ERROR
