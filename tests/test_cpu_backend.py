@@ -98,6 +98,17 @@ def test_available_and_picked_by_auto():
         assert _backend.resolve_backend(torch.device("cpu")) == "cpu"
 
 
+def test_backend_handles_are_the_ops():
+    """The backend module's op handles are the fusedres_cpu ops, named as the ops, with the
+    schemas of opdefs.SCHEMAS (what the public ops call with the same arguments)."""
+    from fusedres.backends import cpu
+
+    for name, schema in opdefs.SCHEMAS.items():
+        handle = getattr(cpu, name)
+        assert handle is getattr(torch.ops.fusedres_cpu, name)
+        assert str(handle.default._schema) == f"fusedres_cpu::{name}{schema}"
+
+
 # --------------------------------------------------------------------------- genstats
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
