@@ -5,16 +5,21 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 DEPS    := $(VENV)/.deps-stamp
 INSTALL := $(VENV)/.install-stamp
-EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/host/*.cpp csrc/cuda/host/*.h)
+# The product extension fusedres._C: csrc/cpu, and csrc/cuda by nvcc (FUSEDRES_BUILD_CUDA).
+EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh)
 EXT     := $(VENV)/.ext-stamp
+# The test extension fusedres._C_cuda_host: csrc/cuda by the host compiler through the CPU
+# execution layer (csrc/cuda/host), the cuda backend's CPU test vehicle; `make test` builds it.
+TEST_EXT_SRC := $(wildcard csrc/common.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/host/*.cpp csrc/cuda/host/*.h csrc/cuda/host/tests/*.cu)
+TEST_EXT     := $(VENV)/.test-ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1
-# The nvcc copy of csrc/cuda only runs on a GPU: off without one (the CPU copy of the same
-# kernels is always built; `make cuda-table` and tests/test_cuda_host.py compile csrc/cuda with
-# nvcc for sm_80/sm_90). Where a GPU is visible (nvidia-smi -L) the nvcc copy is built too (auto).
+# The nvcc copy of csrc/cuda only runs on a GPU: off without one (the test extension runs the
+# same kernels on CPU; `make cuda-table` and tests/test_cuda_host.py compile csrc/cuda with nvcc
+# for sm_80/sm_90). Where a GPU is visible (nvidia-smi -L) the nvcc copy is built too (auto).
 export FUSEDRES_BUILD_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo auto || echo 0)
 PYTEST_ARGS ?=
-.PHONY: install demo compare test selftest bench gpu-report lint format clean tsan cuda-table
+.PHONY: install test-ext demo compare test selftest bench gpu-report lint format clean tsan cuda-table
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +29,11 @@ $(DEPS): $(PY) requirements-dev.txt
 	$(PIP) install -q -r requirements-dev.txt
 	touch $@
 
+# The editable install itself is Python-only: $(EXT) builds the extension right after, in place
+# and incrementally (an extension built by pip's editable build, in a temporary folder, would be
+# compiled from scratch there and then again here).
 $(INSTALL): $(DEPS) setup.py
-	$(PIP) install -q --no-build-isolation --no-deps -e .
+	FUSEDRES_BUILD_EXT=0 $(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 # Rebuild fusedres._C in place (incremental with ninja) when a C++/CUDA source changed.
@@ -34,6 +42,13 @@ $(EXT): $(INSTALL) $(EXT_SRC)
 	touch $@
 
 install: $(EXT)
+
+# Both extensions in place (ninja: fusedres._C is rebuilt only if its sources changed).
+$(TEST_EXT): $(EXT) $(TEST_EXT_SRC)
+	FUSEDRES_BUILD_TEST_EXT=1 $(PY) setup.py -q build_ext --inplace
+	touch $@
+
+test-ext: $(TEST_EXT)
 
 # The main job: train and evaluate a pre-activation ResNet-20 on scikit-learn's digits (shipped
 # with the package, no download). A second run reprints the finished run's summary.
@@ -44,7 +59,8 @@ demo: install
 compare: install
 	$(PY) -m fusedres.demo
 
-test: install
+# With the test extension: the cuda backend's kernels run on CPU tensors (tests/conftest.py).
+test: install $(TEST_EXT)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 # On a GPU: the kernels against the reference, with a table (on CPU: interpreter, small shapes).
@@ -52,6 +68,7 @@ selftest: install
 	$(PY) -m fusedres.selftest
 
 # The CUDA kernels on CPU under ThreadSanitizer (one OS thread per CUDA thread): zero reports.
+# The test extension's sources built into a standalone driver (build/tsan), not the extension.
 tsan: install
 	$(PY) -m fusedres.cuda_tsan
 
@@ -77,4 +94,4 @@ format: $(DEPS)
 	$(VENV)/bin/ruff format fusedres kernels tests benchmarks setup.py
 
 clean:
-	rm -rf build *.egg-info fusedres/_C*.so $(INSTALL) $(EXT)
+	rm -rf build *.egg-info fusedres/_C*.so $(INSTALL) $(EXT) $(TEST_EXT)

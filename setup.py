@@ -1,18 +1,24 @@
-"""Build of fusedres and its optional extension ``fusedres._C``.
+"""Build of fusedres, its optional product extension ``fusedres._C`` and the test extension
+``fusedres._C_cuda_host``.
 
-Switches (environment variables):
-  FUSEDRES_BUILD_EXT   auto (default: build when a C++ compiler is found; a failed build warns
-                       and installs Python-only) | 1 (build, failure is fatal) | 0 (Python-only)
-  FUSEDRES_BUILD_CUDA  auto (default: when nvcc is found, torch has CUDA and csrc/cuda has
-                       sources) | 1 | 0
-  TORCH_CUDA_ARCH_LIST default "8.0;9.0" when no GPU is visible
-  FUSEDRES_CPU_NATIVE  1 (default): compile the CPU kernels with -march=native
-  MAX_JOBS             default: the number of cores, capped by free memory (2 GiB a job)
+Switches (environment variables, declared in fusedres/settings.py):
+  FUSEDRES_BUILD_EXT      auto (default: build fusedres._C when a C++ compiler is found; a
+                          failed build warns and installs Python-only) | 1 (failure is fatal) | 0
+  FUSEDRES_BUILD_CUDA     auto (default: when nvcc is found, torch has CUDA and csrc/cuda has
+                          sources) | 1 | 0: the nvcc copy of csrc/cuda in fusedres._C
+  FUSEDRES_BUILD_TEST_EXT 0 (default) | 1 | auto (when the build is in place: `setup.py
+                          build_ext --inplace` or `develop`, a developer's checkout): the test
+                          extension fusedres._C_cuda_host, csrc/cuda/host (the CUDA kernels
+                          executed on CPU, and the layer's test ops). `make test` and CI build it.
+  TORCH_CUDA_ARCH_LIST    default "8.0;9.0" when no GPU is visible
+  FUSEDRES_CPU_NATIVE     1 (default): compile the CPU kernels with -march=native
+  MAX_JOBS                default: the number of cores, capped by free memory (2 GiB a job)
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import shutil
 import sys
@@ -22,11 +28,25 @@ from setuptools import find_packages, setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
-def _switch(name: str, default: str = "auto") -> str:
-    value = os.environ.get(name, default).strip().lower()
-    if value not in ("auto", "0", "1"):
-        sys.exit(f"{name}: expected auto, 0 or 1, got {value!r}")
-    return value
+def _load_settings():
+    # fusedres/settings.py by path: importing the package here would need torch and the
+    # extension this script builds.
+    spec = importlib.util.spec_from_file_location(
+        "_fusedres_settings", os.path.join(ROOT, "fusedres", "settings.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+_SETTINGS = _load_settings()
+
+
+def _setting(name: str):
+    try:
+        return _SETTINGS.get(name)
+    except ValueError as exc:
+        sys.exit(str(exc))
 
 
 def _cuda_home() -> str | None:
@@ -57,8 +77,12 @@ def _max_jobs() -> None:
     os.environ["MAX_JOBS"] = str(jobs)
 
 
+def _in_place() -> bool:
+    return any(a in ("--inplace", "-i", "develop") for a in sys.argv[1:])
+
+
 def extensions():
-    build_ext_switch = _switch("FUSEDRES_BUILD_EXT")
+    build_ext_switch = _setting("FUSEDRES_BUILD_EXT")
     if build_ext_switch == "0":
         print("fusedres: FUSEDRES_BUILD_EXT=0, installing Python-only")
         return [], {}
@@ -68,12 +92,10 @@ def extensions():
     import torch
 
     _max_jobs()
-    # csrc/cuda/host/*.cpp: the CUDA kernels compiled by the host compiler through the CPU
-    # execution layer (always built: the `cuda` backend's CPU test vehicle, fusedres_cuda on CPU).
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp")
-                     + glob.glob("csrc/cuda/host/*.cpp"))
+    # The product: the CPU kernels, and the nvcc copy of csrc/cuda when CUDA is built.
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
-    cuda_switch = _switch("FUSEDRES_BUILD_CUDA")
+    cuda_switch = _setting("FUSEDRES_BUILD_CUDA")
     cuda_home = _cuda_home()
     use_cuda = cuda_switch == "1" or (
         cuda_switch == "auto" and cuda_sources and cuda_home and torch.version.cuda
@@ -85,19 +107,30 @@ def extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas"]
-    if os.environ.get("FUSEDRES_CPU_NATIVE", "1") == "1":
+    if _setting("FUSEDRES_CPU_NATIVE"):
         cxx.append("-march=native")
-    kwargs = {"extra_compile_args": {"cxx": cxx}, "extra_link_args": ["-fopenmp"]}
+    kwargs = {"extra_compile_args": {"cxx": list(cxx)}, "extra_link_args": ["-fopenmp"]}
     if use_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         include = os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu13", "include")
         kwargs["include_dirs"] = [os.path.abspath(include)] if os.path.isdir(include) else []
         kwargs["extra_compile_args"]["nvcc"] = ["-O3"]
-        kwargs["extra_compile_args"]["cxx"].append("-DFUSEDRES_WITH_CUDA")
-        ext = CUDAExtension("fusedres._C", sources + cuda_sources, **kwargs)
+        exts = [CUDAExtension("fusedres._C", sources + cuda_sources, **kwargs)]
     else:
-        ext = CppExtension("fusedres._C", sources, **kwargs)
-    print(f"fusedres: building fusedres._C ({'CPU+CUDA' if use_cuda else 'CPU'})")
+        exts = [CppExtension("fusedres._C", sources, **kwargs)]
+    built = [f"fusedres._C ({'CPU+CUDA' if use_cuda else 'CPU'})"]
+
+    # The test extension: csrc/cuda compiled by the host compiler through the CPU execution layer
+    # (the cuda backend's CPU test vehicle, fusedres_cuda on the CPU key) and the layer's tests.
+    # Self-contained: it links against libtorch, not fusedres._C.
+    test_switch = _setting("FUSEDRES_BUILD_TEST_EXT")
+    if test_switch == "1" or (test_switch == "auto" and _in_place()):
+        exts.append(CppExtension("fusedres._C_cuda_host",
+                                 sorted(glob.glob("csrc/cuda/host/*.cpp")),
+                                 extra_compile_args={"cxx": list(cxx)},
+                                 extra_link_args=["-fopenmp"]))
+        built.append("fusedres._C_cuda_host (test extension)")
+    print(f"fusedres: building {', '.join(built)}")
 
     class OptionalBuildExt(BuildExtension):
         def run(self):
@@ -106,10 +139,10 @@ def extensions():
             except Exception as exc:  # noqa: BLE001 - any build failure
                 if build_ext_switch == "1":
                     raise
-                print(f"fusedres: building fusedres._C failed ({exc}); installing Python-only. "
-                      "Set FUSEDRES_BUILD_EXT=1 to make this an error.")
+                print(f"fusedres: building the extensions failed ({exc}); installing "
+                      "Python-only. Set FUSEDRES_BUILD_EXT=1 to make this an error.")
 
-    return [ext], {"build_ext": OptionalBuildExt.with_options(use_ninja=True)}
+    return exts, {"build_ext": OptionalBuildExt.with_options(use_ninja=True)}
 
 
 ext_modules, cmdclass = extensions()

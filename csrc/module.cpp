@@ -1,36 +1,50 @@
-// fusedres._C: a Python module with no Python API of its own. Importing it runs the static
-// TORCH_LIBRARY registrations below and in csrc/cpu, csrc/cuda; the ops are then reached as
-// torch.ops.fusedres_cpu.* and torch.ops.fusedres_cuda.* (fusedres/backends/*.py).
+// fusedres._C, the product extension: the CPU kernels (csrc/cpu) and, when built with nvcc
+// (FUSEDRES_BUILD_CUDA), the CUDA kernels (csrc/cuda). Importing it runs their static
+// TORCH_LIBRARY_IMPL registrations for fusedres_cpu (CPU) and fusedres_cuda (CUDA). The ops'
+// schemas are not defined here: fusedres/_extension.py defines the namespaces from
+// fusedres/opdefs.py (SCHEMAS) after this module is imported, and the dispatcher then checks
+// every C++ function registered here against its schema.
+//
+// Its one Python function, cpu_tile_samples, gives Python (fusedres/accounting.py) the CPU
+// kernels' tile rule instead of a copy of it.
 #include <Python.h>
-#include <torch/library.h>
+
+#include <cstdint>
+#include <exception>
+
+#include "cpu/tile.h"
+
+namespace {
+
+// cpu_tile_samples(n, bytes_per_sample, weight_bytes) -> int
+PyObject* cpu_tile_samples(PyObject* /*self*/, PyObject* args) {
+  long long n = 0, bytes_per_sample = 0, weight_bytes = 0;
+  if (!PyArg_ParseTuple(args, "LLL:cpu_tile_samples", &n, &bytes_per_sample, &weight_bytes)) {
+    return nullptr;
+  }
+  try {
+    return PyLong_FromLongLong(fusedres::cpu::tile_samples(n, bytes_per_sample, weight_bytes));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef methods[] = {
+    {"cpu_tile_samples", cpu_tile_samples, METH_VARARGS,
+     "cpu_tile_samples(n, bytes_per_sample, weight_bytes) -> int\n\n"
+     "Samples per batch tile of the cpu backend's fused unit (csrc/cpu/bn_relu_conv2d.cpp) for\n"
+     "a batch of n samples of bytes_per_sample bytes (activation + output) each and a weight of\n"
+     "weight_bytes. Reads FUSEDRES_CPU_TILE_BYTES, FUSEDRES_CPU_TILE_WEIGHT_X and torch's\n"
+     "thread count now."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
 
 extern "C" {
-PyObject* PyInit__C(void) {
+PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", "fusedres compiled kernels", -1, nullptr};
+      PyModuleDef_HEAD_INIT, "_C", "fusedres compiled kernels (csrc/cpu, csrc/cuda)", -1, methods};
   return PyModule_Create(&module_def);
 }
-}
-
-// One schema per op, the same as fusedres/ops.py (the public ops route to these by backend).
-#define FUSEDRES_DEFINE_OPS(m)                                                                \
-  m.def("batch_stats(Tensor x) -> (Tensor, Tensor)");                                         \
-  m.def(                                                                                      \
-      "bn_relu_conv2d(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, "             \
-      "Tensor? bn_bias, Tensor mean, Tensor invstd, Tensor? residual, SymInt[2] stride, "     \
-      "SymInt[2] padding, SymInt[2] dilation) -> Tensor");                                    \
-  m.def(                                                                                      \
-      "bn_relu_conv2d_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? bn_weight, " \
-      "Tensor? bn_bias, Tensor mean, Tensor invstd, SymInt[2] stride, SymInt[2] padding, "    \
-      "SymInt[2] dilation, bool batch_stats, bool[5] output_mask) -> "                        \
-      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
-
-TORCH_LIBRARY(fusedres_cpu, m) { FUSEDRES_DEFINE_OPS(m) }
-TORCH_LIBRARY(fusedres_cuda, m) {
-  FUSEDRES_DEFINE_OPS(m)
-  // The forward with its output's per-channel (mean, biased var): the conv epilogue reduces them.
-  m.def(
-      "bn_relu_conv2d_genstats(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, "
-      "Tensor? bn_bias, Tensor mean, Tensor invstd, Tensor? residual, SymInt[2] stride, "
-      "SymInt[2] padding, SymInt[2] dilation) -> (Tensor, Tensor, Tensor)");
 }

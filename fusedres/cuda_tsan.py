@@ -24,15 +24,17 @@ REPORT = "WARNING: ThreadSanitizer:"
 
 
 def sources() -> list[str]:
+    """The test extension's sources (csrc/cuda/host) less its Python module, plus the driver."""
     host = os.path.join(ROOT, "csrc", "cuda", "host")
-    return sorted(glob.glob(os.path.join(host, "*.cpp")) + glob.glob(os.path.join(host, "tsan",
-                                                                                    "*.cpp")))
+    layer = [p for p in glob.glob(os.path.join(host, "*.cpp"))
+             if os.path.basename(p) != "module.cpp"]
+    return sorted(layer + glob.glob(os.path.join(host, "tsan", "*.cpp")))
 
 
 def _headers() -> list[str]:
     base = os.path.join(ROOT, "csrc", "cuda")
-    return [p for ext in ("h", "cuh", "cu") for p in glob.glob(f"{base}/**/*.{ext}",
-                                                                recursive=True)]
+    return [os.path.join(ROOT, "csrc", "common.h")] + [
+        p for ext in ("h", "cuh", "cu") for p in glob.glob(f"{base}/**/*.{ext}", recursive=True)]
 
 
 def _flags() -> tuple[list[str], list[str]]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusedres
-from fusedres import _backend
+from fusedres import _backend, _extension, opdefs
 from fusedres.backends import portable
 
 pytestmark = pytest.mark.skipif(
@@ -27,7 +27,8 @@ def _stats_dtype(dtype):
 def _inputs(n=3, c=5, h=7, w=13, co=6, k=(3, 3), dtype=torch.float32, wdtype=None,
             x_format=torch.contiguous_format, w_format=torch.contiguous_format, bias=True,
             residual=True, stride=(1, 1), padding=(1, 1), dilation=(1, 1), affine=True):
-    """Arguments of fusedres_cpu.bn_relu_conv2d; BN statistics come from the batch."""
+    """Arguments of fusedres_cpu.bn_relu_conv2d (opdefs.UnitArgs order); BN statistics come
+    from the batch."""
     wdtype = wdtype or dtype
     sdt = _stats_dtype(dtype)
     x = (torch.randn(n, c, h, w) * 2 + 0.5).to(dtype).contiguous(memory_format=x_format)
@@ -36,18 +37,25 @@ def _inputs(n=3, c=5, h=7, w=13, co=6, k=(3, 3), dtype=torch.float32, wdtype=Non
     b = torch.randn(co).to(wdtype) if bias else None
     gamma = (torch.rand(c) + 0.5).to(sdt) if affine else None
     beta = torch.randn(c).to(sdt) if affine else None
-    mean, var = portable.batch_stats(x)
+    var, mean = torch.var_mean(x.to(sdt), dim=(0, 2, 3), correction=0)
     invstd = torch.rsqrt(var + 1e-5)
-    shape = torch.ops.fusedres.bn_relu_conv2d(x.to("meta"), weight.to("meta"), None, None, None,
-                                              mean.to("meta"), invstd.to("meta"), None, stride,
-                                              padding, dilation, True).shape
+    shape = opdefs.out_shape(x, weight, stride, padding, dilation)
     res = torch.randn(shape).to(wdtype) if residual else None
     return [x, weight, b, gamma, beta, mean, invstd, res, list(stride), list(padding),
-            list(dilation)]
+            list(dilation), True]
+
+
+def ref_forward(*args):
+    """The portable backend's forward (PyTorch ops), the same arguments as the op."""
+    return portable.bn_relu_conv2d(*args)
+
+
+def ref_backward(*args):
+    return portable.bn_relu_conv2d_backward(*args)
 
 
 def _backward_args(fwd_args, grad_out, batch_stats, mask=None):
-    x, weight, b, gamma, beta, mean, invstd, _, stride, padding, dilation = fwd_args
+    x, weight, b, gamma, beta, mean, invstd, _, stride, padding, dilation, _ = fwd_args
     if mask is None:
         mask = [True, True, b is not None, gamma is not None, beta is not None]
     return (grad_out, x, weight, gamma, beta, mean, invstd, stride, padding, dilation,
@@ -74,13 +82,13 @@ def _assert_same(actual, expected, dtype, what):
 
 def _compare_with_portable(args, dtype, batch_stats=True, mask=None):
     y = OPS.bn_relu_conv2d(*args)
-    y_ref = portable.forward(*args)
+    y_ref = ref_forward(*args)
     _assert_same(y, y_ref, dtype, "output")
     gy = torch.randn_like(y_ref)
     bargs = _backward_args(args, gy, batch_stats, mask)
     names = ["grad_x", "grad_weight", "grad_bias", "grad_bn_weight", "grad_bn_bias"]
     for name, g, g_ref in zip(names, OPS.bn_relu_conv2d_backward(*bargs),
-                              portable.backward(*bargs)):
+                              ref_backward(*bargs)):
         _assert_same(g, g_ref, dtype, name)
 
 
@@ -88,6 +96,67 @@ def test_available_and_picked_by_auto():
     assert "cpu" in fusedres.available_backends("cpu")
     with fusedres.use_backend("auto"):
         assert _backend.resolve_backend(torch.device("cpu")) == "cpu"
+
+
+def test_backend_handles_are_the_ops():
+    """The backend module's op handles are the fusedres_cpu ops, named as the ops, with the
+    schemas of opdefs.SCHEMAS (what the public ops call with the same arguments)."""
+    from fusedres.backends import cpu
+
+    for name, schema in opdefs.SCHEMAS.items():
+        handle = getattr(cpu, name)
+        assert handle is getattr(torch.ops.fusedres_cpu, name)
+        assert str(handle.default._schema) == f"fusedres_cpu::{name}{schema}"
+
+
+# --------------------------------------------------------------------------- genstats
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16],
+                         ids=["f32", "f64", "bf16"])
+def test_genstats_is_the_forward_and_its_statistics(dtype, channels_last):
+    """bn_relu_conv2d_genstats: the forward's y exactly, and y's per-channel mean and biased
+    variance (as stored) in the statistics dtype, as the cuda backend's genstats returns."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    args = _inputs(n=3, c=17, h=9, w=7, co=11, dtype=dtype, x_format=fmt)
+    y = OPS.bn_relu_conv2d(*args)
+    y2, mean, var = OPS.bn_relu_conv2d_genstats(*args)
+    assert torch.equal(y, y2) and y.stride() == y2.stride()
+    assert mean.dtype == var.dtype == opdefs.stats_dtype(y.dtype)
+    assert mean.shape == var.shape == (y.shape[1],)
+    var64, mean64 = torch.var_mean(y.double(), dim=(0, 2, 3), correction=0)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(mean.double(), mean64, atol=tol, rtol=tol)
+    torch.testing.assert_close(var.double(), var64, atol=tol, rtol=tol)
+
+
+# --------------------------------------------------------------------------- tiling rule
+
+def _tile_rule(n, bytes_per_sample, weight_bytes, tile_bytes, weight_x=4):
+    """csrc/cpu/bn_relu_conv2d.cpp's tile_samples, restated for the test."""
+    if tile_bytes <= 0 or n <= 0:
+        return max(n, 1)
+    budget = max(tile_bytes, weight_x * weight_bytes)
+    nb = min(max(budget // max(bytes_per_sample, 1), 1), n)
+    tiles = -(-n // nb)
+    return -(-n // tiles)
+
+
+def test_tile_rule_is_exported_from_the_extension(monkeypatch):
+    """_extension.cpu_tile_samples runs the kernels' own rule, reading the environment and the
+    thread count at the call."""
+    default = torch.get_num_threads() * 2**20
+    for n, per_sample, weight in [(128, 131072, 9216), (7, 300_000, 0), (1, 10, 10),
+                                  (64, 1 << 20, 1 << 22), (5, 0, 0)]:
+        assert _extension.cpu_tile_samples(n, per_sample, weight) == _tile_rule(
+            n, per_sample, weight, default), (n, per_sample, weight)
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "300000")
+    assert _extension.cpu_tile_samples(7, 100_000, 0) == 3  # 3 fit: tiles of 3, 3 and 1
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "0")
+    assert _extension.cpu_tile_samples(7, 100_000, 0) == 7
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "1000")
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_WEIGHT_X", "2")
+    assert _extension.cpu_tile_samples(10, 1000, 2500) == _tile_rule(10, 1000, 2500, 1000, 2)
 
 
 # --------------------------------------------------------------------------- batch statistics
@@ -183,10 +252,10 @@ def test_non_dense_input_and_grad():
     assert not args[0].is_contiguous() and not args[0].is_contiguous(
         memory_format=torch.channels_last)
     y = OPS.bn_relu_conv2d(*args)
-    _assert_same(y, portable.forward(*args), torch.float32, "output")
+    _assert_same(y, ref_forward(*args), torch.float32, "output")
     gy = torch.randn(y.shape[0], y.shape[2], y.shape[1], y.shape[3]).transpose(1, 2)
     bargs = _backward_args(args, gy, True)
-    for g, g_ref in zip(OPS.bn_relu_conv2d_backward(*bargs), portable.backward(*bargs)):
+    for g, g_ref in zip(OPS.bn_relu_conv2d_backward(*bargs), ref_backward(*bargs)):
         _assert_same(g, g_ref, torch.float32, "grad")
 
 

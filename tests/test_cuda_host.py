@@ -15,11 +15,13 @@ import fusedres
 from fusedres import _backend, _extension, cuda_aot, cuda_tsan
 from fusedres.backends import cuda
 
+# The CPU copy of the kernels and the layer's test ops are the test extension's.
+_WHY_NOT = _extension.load_cuda_host()
 pytestmark = pytest.mark.skipif(
-    not _extension.has_kernels("fusedres_cuda", "CPU", "batch_stats"),
-    reason="fusedres._C was built without the CPU copy of the CUDA kernels")
+    _WHY_NOT is not None or not _extension.has_kernels("fusedres_cuda", "CPU", "batch_stats"),
+    reason=f"no CPU copy of the CUDA kernels: {_WHY_NOT}")
 
-LT = torch.ops.fusedres_cuda_layer_test if _extension.LOADED else None
+LT = torch.ops.fusedres_cuda_layer_test if _WHY_NOT is None else None
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 IDS = ["f32", "f64", "f16", "bf16"]
 
@@ -255,3 +257,15 @@ def test_switch_is_read_at_import():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, check=True)
         assert out.stdout.startswith(expected), out.stdout
+
+
+def test_missing_test_extension_is_named():
+    """Without fusedres._C_cuda_host (a `pip install .`), the backend on CPU says how to get it."""
+    code = ("import sys; sys.modules['fusedres._C_cuda_host'] = None\n"
+            "import torch; from fusedres.backends import cuda\n"
+            "print(cuda.unavailable_reason(torch.device('cpu')))")
+    env = dict(os.environ, FUSEDRES_CUDA_ON_CPU="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert ("the test extension fusedres._C_cuda_host is not built (make test builds it; "
+            "FUSEDRES_BUILD_TEST_EXT=1)") in out.stdout, out.stdout

@@ -14,16 +14,16 @@ import itertools
 import pytest
 import torch
 
-from fusedres import _extension
+from fusedres import _extension, opdefs
 from fusedres.backends import portable
-from fusedres.ops import backward_empty_outputs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _KEY = "CUDA" if DEVICE.type == "cuda" else "CPU"
-_OPS = ("bn_relu_conv2d", "bn_relu_conv2d_genstats", "bn_relu_conv2d_backward")
+# On CPU the kernels are the test extension's (fusedres._C_cuda_host), on a GPU fusedres._C's.
+_WHY_NOT = _extension.load_cuda_host() if DEVICE.type == "cpu" else _extension.LOAD_ERROR
 pytestmark = pytest.mark.skipif(
-    not (_extension.LOADED and _extension.has_kernels("fusedres_cuda", _KEY, *_OPS)),
-    reason=f"fusedres._C has no {_KEY} kernels of the fusedres_cuda ops")
+    not _extension.has_kernels("fusedres_cuda", _KEY, *opdefs.SCHEMAS),
+    reason=f"no {_KEY} kernels of the fusedres_cuda ops ({_WHY_NOT or 'not built'})")
 
 OPS = torch.ops.fusedres_cuda
 HALF = (torch.float16, torch.bfloat16)
@@ -48,7 +48,8 @@ def _sdt(dtype):
 
 
 def make(case, xdt=torch.float32, wdt=None, channels_last=False, seed=0):
-    """Inputs of one unit: x, weight, bias, gamma, beta, mean, invstd, residual, conv args."""
+    """Inputs of one unit (opdefs.UnitArgs order): x, weight, bias, gamma, beta, mean, invstd,
+    residual, conv args, batch_stats."""
     n, c, h, w, co, (kh, kw), s, p, d, has_bias, has_res = case
     wdt = wdt or xdt
     g = torch.Generator().manual_seed(seed)
@@ -66,7 +67,16 @@ def make(case, xdt=torch.float32, wdt=None, channels_last=False, seed=0):
     wo = (w + 2 * p[1] - d[1] * (kw - 1) - 1) // s[1] + 1
     bias = r(co).to(DEVICE, wdt) if has_bias else None
     res = r(n, co, ho, wo).to(DEVICE, wdt).contiguous(memory_format=fmt) if has_res else None
-    return x, weight, bias, gamma, beta, mean, invstd, res, list(s), list(p), list(d)
+    return x, weight, bias, gamma, beta, mean, invstd, res, list(s), list(p), list(d), True
+
+
+def ref_forward(*args):
+    """The portable backend's forward (PyTorch ops), the same arguments as the op."""
+    return portable.bn_relu_conv2d(*args)
+
+
+def ref_backward(*args):
+    return portable.bn_relu_conv2d_backward(*args)
 
 
 def as64(args):
@@ -92,7 +102,7 @@ def test_forward_and_genstats_full_precision(case, dtype, channels_last):
     args = make(case, dtype, channels_last=channels_last)
     y = OPS.bn_relu_conv2d(*args)
     y2, mean, var = OPS.bn_relu_conv2d_genstats(*args)
-    ref = portable.forward(*as64(args))
+    ref = ref_forward(*as64(args))
     assert y.dtype == dtype and y.shape == ref.shape
     assert y.is_contiguous(memory_format=torch.channels_last if channels_last
                            else torch.contiguous_format)
@@ -112,7 +122,7 @@ HALF_IDS = ["f16", "bf16", "f32x-f16w", "f32x-bf16w", "bf16x-f32w"]
 
 def _torch_own(args):
     """PyTorch's own result at the inputs' dtypes (the unfused sequence, portable's ops)."""
-    return portable.forward(*args)
+    return ref_forward(*args)
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
@@ -122,7 +132,7 @@ def test_forward_half_within_twice_torch_error(pair, case, channels_last):
     xdt, wdt = pair
     args = make(case, xdt, wdt, channels_last=channels_last)
     y, mean, var = OPS.bn_relu_conv2d_genstats(*args)
-    exact = portable.forward(*as64(args))
+    exact = ref_forward(*as64(args))
     own = _torch_own(args)
     assert y.dtype == wdt
     floor = 1e-3 * exact.abs().max().item()
@@ -142,18 +152,18 @@ MASKS = list(itertools.product([False, True], repeat=5))
 @pytest.mark.parametrize("batch_stats", [True, False], ids=["train", "eval"])
 def test_backward_every_output_mask(monkeypatch, batch_stats, strategy):
     """All 32 output_mask combinations, with either backward strategy (FUSEDRES_CUDA_BACKWARD):
-    the metadata of ops.backward_empty_outputs, and every requested gradient equal to the
+    the metadata of opdefs.backward_outputs, and every requested gradient equal to the
     float64 reference."""
     monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
     args = make(CASES[1], torch.float64, channels_last=False)
-    x, weight, _, gamma, beta, mean, invstd, _, s, p, d = args
-    gy = torch.randn_like(portable.forward(*args))
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
+    gy = torch.randn_like(ref_forward(*args))
     for mask in MASKS:
         got = OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d,
                                           batch_stats, list(mask))
-        ref = portable.backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d, batch_stats,
-                                list(mask))
-        expect = backward_empty_outputs(x, weight, mean, mask)
+        ref = ref_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d, batch_stats,
+                           list(mask))
+        expect = opdefs.backward_outputs(x, weight, mean, mask)
         for i, (g, r, e) in enumerate(zip(got, ref, expect)):
             assert (g.shape, g.dtype, g.stride()) == (e.shape, e.dtype, e.stride()), (mask, i)
             if mask[i]:
@@ -166,13 +176,13 @@ def test_backward_every_output_mask(monkeypatch, batch_stats, strategy):
 def test_backward_full_precision(case, dtype, channels_last):
     """Both BatchNorm modes (sums strategy, the default)."""
     args = make(case, dtype, channels_last=channels_last)
-    x, weight, _, gamma, beta, mean, invstd, _, s, p, d = args
-    gy = torch.randn(portable.forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
+    gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
     for batch_stats in (True, False):
         got = OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d,
                                           batch_stats, [True] * 5)
-        ref = portable.backward(*as64((gy, x, weight, gamma, beta, mean, invstd)), s, p, d,
-                                batch_stats, [True] * 5)
+        ref = ref_backward(*as64((gy, x, weight, gamma, beta, mean, invstd)), s, p, d,
+                           batch_stats, [True] * 5)
         for i, (g, r) in enumerate(zip(got, ref)):
             assert g.dtype == (dtype if i < 3 else _sdt(dtype))
             assert rel_err(g, r) <= TOL[dtype], (batch_stats, i)
@@ -186,12 +196,12 @@ def test_backward_half_within_twice_torch_error(monkeypatch, pair, case, strateg
     monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
     xdt, wdt = pair
     args = make(case, xdt, wdt, channels_last=True)
-    x, weight, _, gamma, beta, mean, invstd, _, s, p, d = args
-    gy = torch.randn(portable.forward(*args).shape, dtype=torch.float64).to(DEVICE, wdt)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
+    gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, wdt)
     bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, True, [True] * 5)
     got = OPS.bn_relu_conv2d_backward(*bargs)
-    own = portable.backward(*bargs)
-    exact = portable.backward(*as64(bargs[:7]), s, p, d, True, [True] * 5)
+    own = ref_backward(*bargs)
+    exact = ref_backward(*as64(bargs[:7]), s, p, d, True, [True] * 5)
     for i, (g, o, e) in enumerate(zip(got, own, exact)):
         assert g.dtype == o.dtype
         floor = 1e-3 * e.abs().max().item()
@@ -206,22 +216,22 @@ def test_weight_gradient_split_k(monkeypatch, split, dtype):
     monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", split)
     case = (2, 6, 12, 10, 9, (3, 3), (1, 1), (1, 1), (1, 1), True, False)
     args = make(case, dtype, channels_last=False)
-    x, weight, _, gamma, beta, mean, invstd, _, s, p, d = args
-    gy = torch.randn(portable.forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
+    gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
     mask = [False, True, True, False, False]
     got = OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d, True,
                                       mask)
-    exact = portable.backward(*as64((gy, x, weight, gamma, beta, mean, invstd)), s, p, d, True,
-                              mask)
+    exact = ref_backward(*as64((gy, x, weight, gamma, beta, mean, invstd)), s, p, d, True,
+                         mask)
     tol = TOL[dtype] if dtype in TOL else 1e-2
     assert rel_err(got[1], exact[1]) <= tol and rel_err(got[2], exact[2]) <= tol
 
 
 def test_bad_strategy_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", "fast")
-    x, weight, _, gamma, beta, mean, invstd, _, s, p, d = make(CASES[0], torch.float64)
-    gy = torch.randn_like(portable.forward(x, weight, None, gamma, beta, mean, invstd, None, s,
-                                           p, d))
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = make(CASES[0], torch.float64)
+    gy = torch.randn_like(ref_forward(x, weight, None, gamma, beta, mean, invstd, None, s, p, d,
+                                      True))
     with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_BACKWARD: expected sums or store"):
         OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d, True,
                                     [True] * 5)

@@ -58,3 +58,55 @@ def test_selftest_module_runs_without_triton_interpret_set():
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "6/6 passed" in out.stdout
+
+
+@pytest.mark.parametrize("switch", ["0", "1", "auto"])
+def test_test_extension_is_built_only_when_asked(switch):
+    """`pip install .` (FUSEDRES_BUILD_TEST_EXT unset: 0) builds the product extension only;
+    the test extension fusedres._C_cuda_host when asked, or with auto for an in-place build."""
+    env = dict(os.environ, FUSEDRES_BUILD_EXT="1", FUSEDRES_BUILD_TEST_EXT=switch)
+    plans = {}
+    for args in (["--name"], ["build_ext", "--inplace", "--help"]):
+        out = subprocess.run([sys.executable, "setup.py", *args], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True)
+        plans[args[0]] = next(line for line in out.stdout.splitlines()
+                              if line.startswith("fusedres: building"))
+    for command, plan in plans.items():
+        assert "fusedres._C (" in plan, plan
+        want = switch == "1" or (switch == "auto" and command == "build_ext")
+        assert ("fusedres._C_cuda_host" in plan) == want, (command, plan)
+
+
+_MISMATCH = """
+import importlib.util, sys
+# fusedres/opdefs.py loaded first, with one schema changed: the C++ functions no longer match it.
+spec = importlib.util.spec_from_file_location("fusedres.opdefs", {opdefs!r})
+opdefs = importlib.util.module_from_spec(spec)
+sys.modules["fusedres.opdefs"] = opdefs
+spec.loader.exec_module(opdefs)
+opdefs.SCHEMAS["bn_relu_conv2d"] = opdefs.SCHEMAS["bn_relu_conv2d"].replace(
+    ", bool batch_stats", "")
+import torch
+from fusedres import _extension
+print("LOADED", _extension.LOADED)
+print("LOAD_ERROR", _extension.LOAD_ERROR)
+print("CUDA_HOST", _extension.load_cuda_host())
+"""
+
+
+def test_kernel_that_does_not_match_its_schema_is_a_load_error():
+    """A C++ function whose signature differs from fusedres/opdefs.py's schema (an extension
+    built from other sources) is reported, not an abort: fusedres._C (registered first, then the
+    schema defined) as LOAD_ERROR, the test extension (registered after) as an ImportError."""
+    code = _MISMATCH.format(opdefs=str(ROOT / "fusedres" / "opdefs.py"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    if "not available" in lines["LOAD_ERROR"]:
+        pytest.skip("fusedres._C is not built")
+    assert lines["LOADED"] == "False"
+    assert "does not match the op schemas" in lines["LOAD_ERROR"]
+    assert "operator: fusedres_cpu::bn_relu_conv2d" in lines["LOAD_ERROR"]
+    if "not built" not in lines["CUDA_HOST"]:
+        assert "registering the fusedres_cuda kernels failed" in lines["CUDA_HOST"]

@@ -2,7 +2,7 @@
 // backward, registered for the CPU dispatch key of the fusedres_cpu namespace.
 //
 // Algorithm (measured against the alternatives in benchmarks/RESULTS.md): the batch is cut into
-// tiles of a few samples whose activation fits in cache (tile_batch). Per tile, our kernel writes
+// tiles of a few samples whose activation fits in cache (tile_samples). Per tile, our kernel writes
 // a = relu(scale * x + shift) into a small scratch buffer, and ATen's convolution (oneDNN for
 // float32/bfloat16/float16) consumes it while it is still hot; the activation never exists at
 // full size. For spatial kernels the tile is written NHWC, oneDNN's fast layout, and the output
@@ -19,6 +19,7 @@
 #include "common.h"
 
 namespace fusedres::cpu {
+
 namespace {
 
 // Bytes of (activation + conv output) per tile, set by measurement (RESULTS.md): 1 MiB per
@@ -32,19 +33,27 @@ int64_t tile_bytes() {
   return std::max<int64_t>(at::get_num_threads(), 1) * (int64_t(1) << 20);
 }
 
+}  // namespace
+
 // Samples per tile: as many as fit the budget (at least one), balanced across tiles. Every
 // tile re-reads the weights and, in backward, adds a full weight gradient, so the budget grows
 // to 4x the weight bytes: weight-heavy layers (ResNet-50's last stages) run in few tiles.
 // FUSEDRES_CPU_TILE_WEIGHT_X overrides the 4 (8 and 16 measured no better, RESULTS.md).
-int64_t tile_batch(int64_t N, int64_t bytes_per_sample, const at::Tensor& weight) {
+int64_t tile_samples(int64_t n, int64_t bytes_per_sample, int64_t weight_bytes) {
   int64_t budget = tile_bytes();
-  if (budget <= 0 || N == 0) return std::max<int64_t>(N, 1);
+  if (budget <= 0 || n <= 0) return std::max<int64_t>(n, 1);
   const char* wx = std::getenv("FUSEDRES_CPU_TILE_WEIGHT_X");
   const int64_t times = wx ? std::atoll(wx) : 4;
-  budget = std::max<int64_t>(budget, times * weight.numel() * weight.element_size());
-  int64_t nb = std::clamp<int64_t>(budget / std::max<int64_t>(bytes_per_sample, 1), 1, N);
-  const int64_t tiles = (N + nb - 1) / nb;
-  return (N + tiles - 1) / tiles;
+  budget = std::max<int64_t>(budget, times * weight_bytes);
+  const int64_t nb = std::clamp<int64_t>(budget / std::max<int64_t>(bytes_per_sample, 1), 1, n);
+  const int64_t tiles = (n + nb - 1) / nb;
+  return (n + tiles - 1) / tiles;
+}
+
+namespace {
+
+int64_t weight_bytes(const at::Tensor& weight) {
+  return weight.numel() * weight.element_size();
 }
 
 std::vector<int64_t> ints(c10::SymIntArrayRef v) { return C10_AS_INTARRAYREF_SLOW(v).vec(); }
@@ -69,12 +78,6 @@ Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial) {
   return weight.size(2) * weight.size(3) > 1 && spatial >= 64 ? Layout::NHWC : x_layout;
 }
 
-at::MemoryFormat out_memory_format(const at::Tensor& x, const at::Tensor& weight) {
-  return suggests_channels_last(x) || suggests_channels_last(weight)
-             ? at::MemoryFormat::ChannelsLast
-             : at::MemoryFormat::Contiguous;
-}
-
 // A 1x1, stride-1, unpadded convolution of NCHW tiles is one GEMM per sample,
 // y[n] (Co x HW) = W (Co x C) @ a[n] (C x HW): batched GEMMs write straight into y's slice (no
 // output tile to copy) and add the weight gradient into one float32 accumulator (addbmm). On
@@ -94,11 +97,8 @@ bool use_gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
 std::vector<int64_t> out_shape(const at::Tensor& x, const at::Tensor& w,
                                const std::vector<int64_t>& s, const std::vector<int64_t>& p,
                                const std::vector<int64_t>& d) {
-  auto size = [](int64_t n, int64_t k, int64_t s, int64_t p, int64_t d) {
-    return (n + 2 * p - d * (k - 1) - 1) / s + 1;
-  };
-  return {x.size(0), w.size(0), size(x.size(2), w.size(2), s[0], p[0], d[0]),
-          size(x.size(3), w.size(3), s[1], p[1], d[1])};
+  return {x.size(0), w.size(0), conv_out_size(x.size(2), w.size(2), s[0], p[0], d[0]),
+          conv_out_size(x.size(3), w.size(3), s[1], p[1], d[1])};
 }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& mean,
@@ -157,7 +157,7 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
                           const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
                           c10::SymIntArrayRef stride_, c10::SymIntArrayRef padding_,
-                          c10::SymIntArrayRef dilation_) {
+                          c10::SymIntArrayRef dilation_, bool /*batch_stats*/) {
   check_inputs(x_in, weight, mean, invstd);
   const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
   const Layout layout = layout_of(x_in);
@@ -172,7 +172,8 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
   const Layout a_layout = conv_layout(weight, layout, H * W);
   const at::Tensor w = weight.contiguous(memory_format(a_layout));
   const int64_t wsize = weight.element_size();
-  const int64_t nb = tile_batch(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize, weight);
+  const int64_t nb =
+      tile_samples(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize, weight_bytes(weight));
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(memory_format(a_layout)));
   const bool gemm = use_gemm_1x1(weight, stride, padding, a_layout, H * W) && dense_in(y, Layout::NCHW);
   const int64_t Co = weight.size(0);
@@ -207,6 +208,21 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
     }
   }
   return y;
+}
+
+// The forward, then y's per-channel (mean, biased var) in the statistics dtype: what the next
+// BatchNorm of a training step needs. A second pass over y (the cuda copy reduces them in the
+// convolution's epilogue); y is still in cache for a small unit.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
+    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
+    bool stats_of_batch) {
+  at::Tensor y = bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
+                                stride, padding, dilation, stats_of_batch);
+  auto [y_mean, y_var] = batch_stats(y);
+  return {std::move(y), std::move(y_mean), std::move(y_var)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
@@ -255,7 +271,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   const Layout a_layout = conv_layout(weight, layout, H * W);
   const at::MemoryFormat a_fmt = memory_format(a_layout);
   const at::Tensor w = weight.contiguous(a_fmt);
-  const int64_t nb = tile_batch(N, (C * H * W + go[0].numel()) * weight.element_size(), weight);
+  const int64_t nb = tile_samples(N, (C * H * W + go[0].numel()) * weight.element_size(),
+                                  weight_bytes(weight));
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(a_fmt));
   const bool gemm = use_gemm_1x1(weight, stride, padding, a_layout, H * W) && dense_in(go, Layout::NCHW);
   at::Tensor gemm_da_buf;
@@ -371,5 +388,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
 TORCH_LIBRARY_IMPL(fusedres_cpu, CPU, m) {
   m.impl("batch_stats", &fusedres::cpu::batch_stats);
   m.impl("bn_relu_conv2d", &fusedres::cpu::bn_relu_conv2d);
+  m.impl("bn_relu_conv2d_genstats", &fusedres::cpu::bn_relu_conv2d_genstats);
   m.impl("bn_relu_conv2d_backward", &fusedres::cpu::bn_relu_conv2d_backward);
 }

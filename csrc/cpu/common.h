@@ -32,6 +32,10 @@
 #include <cstdint>
 #include <vector>
 
+// conv_out_size, suggests_channels_last, out_memory_format: the rules csrc/cuda shares.
+#include "../common.h"
+#include "tile.h"
+
 namespace fusedres::cpu {
 
 using at::vec::Vectorized;
@@ -91,12 +95,6 @@ struct VecIO<at::Half> {
 // Memory layout the kernels walk: NCHW planes or NHWC rows. Any other strides are made
 // contiguous by the caller first.
 enum class Layout { NCHW, NHWC };
-
-// As ops.out_memory_format: a tensor "suggests" channels_last when it is channels_last-contiguous
-// and not also plain-contiguous (size-1 dimensions make both hold).
-inline bool suggests_channels_last(const at::Tensor& t) {
-  return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
-}
 
 inline at::MemoryFormat memory_format(Layout layout) {
   return layout == Layout::NHWC ? at::MemoryFormat::ChannelsLast

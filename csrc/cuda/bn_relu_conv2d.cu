@@ -174,8 +174,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   check_unit_inputs(op, x, weight, mean, invstd);
   const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
   const int64_t N = x.size(0), Co = weight.size(0);
-  const int64_t Ho = out_size(x.size(2), weight.size(2), stride[0], padding[0], dilation[0]);
-  const int64_t Wo = out_size(x.size(3), weight.size(3), stride[1], padding[1], dilation[1]);
+  const int64_t Ho =
+      conv_out_size(x.size(2), weight.size(2), stride[0], padding[0], dilation[0]);
+  const int64_t Wo =
+      conv_out_size(x.size(3), weight.size(3), stride[1], padding[1], dilation[1]);
   TORCH_CHECK(Ho > 0 && Wo > 0, op, ": the output would be empty (", Ho, " x ", Wo, ")");
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == Co && bias->scalar_type() == weight.scalar_type(), op,
@@ -239,7 +241,7 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
                           const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
                           c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
-                          c10::SymIntArrayRef dilation) {
+                          c10::SymIntArrayRef dilation, bool /*batch_stats*/) {
   return std::get<0>(forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
                              padding, dilation, false));
 }
@@ -248,7 +250,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
-    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation) {
+    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
+    bool /*batch_stats*/) {
   return forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
                  dilation, true);
 }

@@ -521,8 +521,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
   const int64_t N = x.size(0), Cin = x.size(1), H = x.size(2), W = x.size(3);
   const int64_t Co = weight.size(0);
-  const int64_t Ho = out_size(H, weight.size(2), stride[0], padding[0], dilation[0]);
-  const int64_t Wo = out_size(W, weight.size(3), stride[1], padding[1], dilation[1]);
+  const int64_t Ho = conv_out_size(H, weight.size(2), stride[0], padding[0], dilation[0]);
+  const int64_t Wo = conv_out_size(W, weight.size(3), stride[1], padding[1], dilation[1]);
   TORCH_CHECK(grad_out.dim() == 4 && grad_out.sizes() == at::IntArrayRef({N, Co, Ho, Wo}), op,
               ": grad_out must be (", N, ", ", Co, ", ", Ho, ", ", Wo, "), got ",
               grad_out.sizes());

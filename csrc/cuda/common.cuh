@@ -3,9 +3,10 @@
 // Under nvcc it brings the CUDA runtime, fp16/bf16 and WMMA headers; compiled by the host C++
 // compiler it brings the CPU execution layer (host/runtime.h) that provides the same names, so
 // a kernel body is the same text in both builds (no #ifdef in kernels). The two builds live in
-// different namespaces (FUSEDRES_CUDA_NS: fusedres::cuda, fusedres::cuda_host) and register
-// their ops for different dispatch keys (CUDA, CPU) of the fusedres_cuda library, so both copies
-// link into one fusedres._C.
+// different namespaces (FUSEDRES_CUDA_NS: fusedres::cuda, fusedres::cuda_host), register their
+// ops for different dispatch keys (CUDA, CPU) of the fusedres_cuda library, and link into
+// different extensions: fusedres._C (the product) and fusedres._C_cuda_host (the test
+// extension, host/module.cpp).
 //
 // A kernel file looks like:
 //   #include "common.cuh"
@@ -33,6 +34,10 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
+
+// conv_out_size, suggests_channels_last, out_memory_format: the rules csrc/cpu shares.
+#include "../common.h"
 
 #if defined(__CUDACC__)
 #include <ATen/cuda/CUDAContext.h>
@@ -74,8 +79,30 @@ __device__ __forceinline__ T* fusedres_dynamic_shared() {
 
 #endif
 
-// TORCH_LIBRARY_IMPL(fusedres_cuda, CUDA or CPU, m): one per kernel file is fine.
+// The kernel file's registrations for fusedres_cuda (schemas: fusedres/opdefs.py), for CUDA or
+// CPU; one per kernel file. nvcc's copy registers as fusedres._C loads (TORCH_LIBRARY_IMPL), and
+// fusedres._extension defines the schemas after that import. The host copy, in the test extension
+// fusedres._C_cuda_host that is imported after the schemas exist, registers from its PyInit inside
+// a try block (host/module.cpp): a C++ signature that differs from its schema becomes an
+// ImportError there, where a static registration would abort the process inside the loader.
+#if defined(__CUDACC__)
 #define FUSEDRES_CUDA_LIBRARY_IMPL(m) TORCH_LIBRARY_IMPL(fusedres_cuda, FUSEDRES_CUDA_KEY, m)
+#else
+namespace fusedres_host {
+using Registration = void (*)(torch::Library&);
+// Every FUSEDRES_CUDA_LIBRARY_IMPL of the host copy, in load order (runtime.cpp).
+std::vector<Registration>& registrations();
+inline bool add_registration(Registration r) {
+  registrations().push_back(r);
+  return true;
+}
+}  // namespace fusedres_host
+#define FUSEDRES_CUDA_LIBRARY_IMPL(m)                                         \
+  static void C10_CONCATENATE(fusedres_register_, __LINE__)(torch::Library&); \
+  [[maybe_unused]] static const bool C10_CONCATENATE(fusedres_registered_, __LINE__) = \
+      fusedres_host::add_registration(&C10_CONCATENATE(fusedres_register_, __LINE__)); \
+  static void C10_CONCATENATE(fusedres_register_, __LINE__)(torch::Library & m)
+#endif
 
 // float, double, half, bfloat16 (scalar_t = float, double, at::Half, at::BFloat16).
 #define FUSEDRES_DISPATCH_FLOATING(TYPE, NAME, ...) \
@@ -141,12 +168,6 @@ inline unsigned blocks_for(int64_t n, int64_t threads, int64_t cap = 2147483647)
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// As ops.out_memory_format: channels_last when the tensor is channels_last-dense and not also
-// plain-contiguous (size-1 dimensions make both hold).
-inline bool suggests_channels_last(const at::Tensor& t) {
-  return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
-}
 
 // ----------------------------------------------------------------------------- statistics
 

@@ -274,16 +274,6 @@ inline Affine bn_affine(const std::optional<at::Tensor>& bn_weight,
   return {scale.contiguous(), shift.contiguous()};
 }
 
-inline int64_t out_size(int64_t n, int64_t k, int64_t s, int64_t p, int64_t d) {
-  return (n + 2 * p - d * (k - 1) - 1) / s + 1;
-}
-
-inline at::MemoryFormat out_memory_format(const at::Tensor& x, const at::Tensor& weight) {
-  return suggests_channels_last(x) || suggests_channels_last(weight)
-             ? at::MemoryFormat::ChannelsLast
-             : at::MemoryFormat::Contiguous;
-}
-
 inline void check_unit_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& mean, const at::Tensor& invstd) {
   TORCH_CHECK(x.dim() == 4, op, ": x must be 4-D (N, C, H, W), got ", x.dim(), "-D");

@@ -1,12 +1,18 @@
-"""The C++ CPU backend: ``torch.ops.fusedres_cpu.*`` from ``fusedres._C`` (csrc/cpu/)."""
+"""The C++ CPU backend: ``torch.ops.fusedres_cpu.*``, kernels from ``fusedres._C`` (csrc/cpu/).
+
+The op handles are named as the ops and take exactly the arguments of
+:data:`fusedres.opdefs.SCHEMAS` (``bn_relu_conv2d``, ``bn_relu_conv2d_genstats``,
+``bn_relu_conv2d_backward``, ``batch_stats``); statistics come back in the statistics dtype.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .. import _extension
+from .. import _extension, opdefs
 
-_OPS = ("batch_stats", "bn_relu_conv2d", "bn_relu_conv2d_backward")
+NAMESPACE = "fusedres_cpu"
+OPS = tuple(opdefs.SCHEMAS)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -14,23 +20,17 @@ def unavailable_reason(device: torch.device) -> str | None:
         return f"it runs on CPU tensors only, not {device.type}"
     if not _extension.LOADED:
         return _extension.LOAD_ERROR
-    if not _extension.has_kernels("fusedres_cpu", "CPU", *_OPS):
-        return "fusedres._C was built without the CPU kernels"
+    missing = [op for op in OPS if not _extension.has_kernels(NAMESPACE, "CPU", op)]
+    if missing:
+        return f"fusedres._C has no CPU kernel for {NAMESPACE}::{', '.join(missing)}"
     return None
 
 
-def batch_stats(x):
-    return tuple(torch.ops.fusedres_cpu.batch_stats(x))
-
-
-def forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-            dilation):
-    return torch.ops.fusedres_cpu.bn_relu_conv2d(
-        x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding, dilation)
-
-
-def backward(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
-             batch_stats, output_mask):
-    return tuple(torch.ops.fusedres_cpu.bn_relu_conv2d_backward(
-        grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
-        batch_stats, output_mask))
+def __getattr__(name: str):
+    # The op handles (torch.ops.fusedres_cpu.<op>), looked up on first use: a namespace whose
+    # definition failed (fusedres._extension.LOAD_ERROR) must not break importing this module.
+    if name in OPS:
+        op = getattr(getattr(torch.ops, NAMESPACE), name)
+        globals()[name] = op  # later lookups find it directly
+        return op
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,9 +20,19 @@
 #include <ucontext.h>
 #endif
 
+namespace torch {
+class Library;
+}
+
 namespace fusedres_host {
 
 thread_local Thread* tls_thread = nullptr;
+
+// The host copy's fusedres_cuda registrations (../common.cuh), run by host/module.cpp.
+std::vector<void (*)(torch::Library&)>& registrations() {
+  static std::vector<void (*)(torch::Library&)> all;
+  return all;
+}
 
 namespace {
 

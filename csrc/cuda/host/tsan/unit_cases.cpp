@@ -50,7 +50,7 @@ void check_forward(at::ScalarType dt, bool channels_last, double tol) {
   const Unit u = make_unit(dt, channels_last, {2, 1});
   auto [y, mean, var] = k::bn_relu_conv2d_genstats(u.x, u.w, u.bias, u.gamma, u.beta, u.mean,
                                                    u.invstd, u.res, sym(u.s), sym(u.p),
-                                                   sym(u.d));
+                                                   sym(u.d), /*batch_stats=*/false);
   const at::Tensor want = at::convolution(z64(u).relu().to(dt).to(at::kDouble),
                                           u.w.to(at::kDouble), u.bias.to(at::kDouble), u.s, u.p,
                                           u.d, false, {0, 0}, 1) + u.res.to(at::kDouble);

@@ -1,0 +1,47 @@
+// fusedres._C_cuda_host, the test extension (built with FUSEDRES_BUILD_TEST_EXT=1: `make test`,
+// `make tsan`, CI; never by `pip install .`): the CUDA kernels of csrc/cuda compiled by the host
+// compiler through the CPU execution layer (runtime.cpp), registered as the CPU kernels of
+// fusedres_cuda, plus the layer's own test ops (fusedres_cuda_layer_test, layer_tests.cpp) and
+// the kernels' test hooks (fusedres_cuda_testing). It links against libtorch only, not against
+// fusedres._C. fusedres/backends/cuda.py imports it (FUSEDRES_CUDA_ON_CPU=1) after
+// fusedres._extension has defined the fusedres_cuda schemas.
+#include <Python.h>
+#include <torch/library.h>
+
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fusedres_host {
+std::vector<void (*)(torch::Library&)>& registrations();
+}
+
+extern "C" {
+PyMODINIT_FUNC PyInit__C_cuda_host(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C_cuda_host",
+      "fusedres test extension: csrc/cuda executed on CPU (fusedres_cuda ops, CPU key)", -1,
+      nullptr};
+  // The dispatcher checks each function against the schema already defined and throws on a
+  // mismatch; the library is then destroyed, which undoes the registrations made before it.
+  static std::unique_ptr<torch::Library> library;
+  if (!library) {
+    try {
+      auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "fusedres_cuda",
+                                                  c10::DispatchKey::CPU, __FILE__, __LINE__);
+      for (auto reg : fusedres_host::registrations()) reg(*lib);
+      library = std::move(lib);
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      PyErr_SetString(PyExc_ImportError,
+                      ("fusedres._C_cuda_host: registering the fusedres_cuda kernels failed (an "
+                       "extension built from other sources? rebuild it): " +
+                       what.substr(0, what.find("\nException raised from")))
+                          .c_str());
+      return nullptr;
+    }
+  }
+  return PyModule_Create(&module_def);
+}
+}
