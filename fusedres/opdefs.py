@@ -2,10 +2,10 @@
 
 :data:`SCHEMAS` is the one definition of each op's signature. Every registration is made from
 it: the public ``fusedres::`` custom ops (:mod:`fusedres.ops`), the C++ kernels' namespaces
-``fusedres_cpu::`` and ``fusedres_cuda::`` (:func:`define_namespace`, called before
-``fusedres._C`` loads: csrc/ registers implementations only, and the dispatcher checks each C++
-function against the schema it implements), and the Triton backend's ``fusedres_triton::``
-triton_ops. A backend implements the ops under the same names with the same arguments.
+``fusedres_cpu::`` and ``fusedres_cuda::`` (:func:`define_namespace`, called by
+:mod:`fusedres._extension` right after ``fusedres._C`` loads: csrc/ registers implementations
+only, and the dispatcher checks each C++ function against the schema it implements then), and
+the Triton backend's ``fusedres_triton::`` triton_ops. A backend implements the ops under the same names with the same arguments.
 
 Above the op layer the arguments travel as named tuples built from the same table
 (:class:`UnitArgs`, :class:`BackwardArgs`), so no caller reads them by position;
