@@ -51,13 +51,31 @@ SCHEMAS: dict[str, str] = {
 }
 
 
+def _arguments(op: str) -> list[tuple[str, str | None]]:
+    """(name, default as written in the schema, or None) for each argument of ``op``."""
+    inner = SCHEMAS[op].split(") ->")[0].lstrip("(")
+    out = []
+    for arg in inner.split(","):
+        decl, _, default = arg.partition("=")
+        out.append((decl.split()[-1], default.strip() or None))
+    return out
+
+
 def arg_names(op: str) -> tuple[str, ...]:
     """The argument names of ``op`` (a key of :data:`SCHEMAS`), in order."""
-    inner = SCHEMAS[op].split(") ->")[0].lstrip("(")
-    return tuple(re.split(r"\s+", a.strip())[-1] for a in inner.split(","))
+    return tuple(name for name, _ in _arguments(op))
 
 
-class UnitArgs(namedtuple("UnitArgs", arg_names("bn_relu_conv2d"))):
+def _defaults(op: str) -> tuple:
+    """The Python defaults of ``op``'s trailing arguments that have one (``None`` only)."""
+    defaults = [d for _, d in _arguments(op) if d is not None]
+    if any(d != "None" for d in defaults):
+        raise NotImplementedError(f"{op}: only None defaults are supported, got {defaults}")
+    return (None,) * len(defaults)
+
+
+class UnitArgs(namedtuple("UnitArgs", arg_names("bn_relu_conv2d"),
+                          defaults=_defaults("bn_relu_conv2d"))):
     """The inputs of ``bn_relu_conv2d`` (and ``_genstats``) by name, in schema order:
     ``op(*args)`` calls the op."""
 
@@ -68,7 +86,8 @@ class UnitArgs(namedtuple("UnitArgs", arg_names("bn_relu_conv2d"))):
         return ConvGeometry(tuple(self.stride), tuple(self.padding), tuple(self.dilation))
 
 
-class BackwardArgs(namedtuple("BackwardArgs", arg_names("bn_relu_conv2d_backward"))):
+class BackwardArgs(namedtuple("BackwardArgs", arg_names("bn_relu_conv2d_backward"),
+                              defaults=_defaults("bn_relu_conv2d_backward"))):
     """The inputs of ``bn_relu_conv2d_backward`` by name, in schema order."""
 
     __slots__ = ()
