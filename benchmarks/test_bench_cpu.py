@@ -21,7 +21,6 @@ tens of seconds).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -33,18 +32,20 @@ from torch.utils.checkpoint import checkpoint
 
 import fusedres
 from benchutil import QUICK
+from fusedres import settings
 from fusedres.bench import shapes
 from fusedres.memory import saved_bytes
 
-if os.environ.get("FUSEDRES_BENCH_THREADS"):
-    torch.set_num_threads(int(os.environ["FUSEDRES_BENCH_THREADS"]))
+THREADS = settings.get("FUSEDRES_BENCH_THREADS")
+if THREADS is not None:
+    torch.set_num_threads(THREADS)
 
 pytestmark = pytest.mark.skipif(
     fusedres._backend.unavailable_reason("cpu") is not None,
     reason=f"cpu backend unavailable: {fusedres._backend.unavailable_reason('cpu')}",
 )
 
-COMPILE = os.environ.get("FUSEDRES_BENCH_COMPILE", "1") != "0"
+COMPILE = settings.get("FUSEDRES_BENCH_COMPILE")
 IMPLS = ["reference", "cpu", "checkpoint"] + (["compile"] if COMPILE else [])
 ROUNDS = 2 if QUICK else 7
 
