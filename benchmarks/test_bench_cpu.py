@@ -41,8 +41,8 @@ if THREADS is not None:
     torch.set_num_threads(THREADS)
 
 pytestmark = pytest.mark.skipif(
-    fusedres._backend.unavailable_reason("cpu") is not None,
-    reason=f"cpu backend unavailable: {fusedres._backend.unavailable_reason('cpu')}",
+    fusedres.unavailable_reason("cpu") is not None,
+    reason=f"cpu backend unavailable: {fusedres.unavailable_reason('cpu')}",
 )
 
 COMPILE = settings.get("FUSEDRES_BENCH_COMPILE")

@@ -17,7 +17,9 @@ from ._backend import (
     BackendUnavailableError,
     available_backends,
     get_backend,
+    resolve_backend,
     set_backend,
+    unavailable_reason,
     use_backend,
 )
 from .convert import fuse
@@ -37,7 +39,9 @@ __all__ = [
     "get_backend",
     "memory",
     "models",
+    "resolve_backend",
     "set_backend",
+    "unavailable_reason",
     "use_backend",
     "_extension",
 ]

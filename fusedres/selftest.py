@@ -196,14 +196,14 @@ GPU_BACKENDS = ("triton", "cuda")
 def gpu_backends(device) -> list[str]:
     """The GPU backends that run on ``device`` (on CPU: triton under the interpreter)."""
     return [b for b in GPU_BACKENDS
-            if fusedres._backend.unavailable_reason(b, torch.device(device)) is None]
+            if fusedres.unavailable_reason(b, torch.device(device)) is None]
 
 
 def unavailable(device) -> str | None:
     """Why no GPU backend can run on ``device``, or None."""
     if gpu_backends(device):
         return None
-    return "; ".join(f"{b}: {fusedres._backend.unavailable_reason(b, torch.device(device))}"
+    return "; ".join(f"{b}: {fusedres.unavailable_reason(b, torch.device(device))}"
                      for b in GPU_BACKENDS)
 
 

@@ -59,7 +59,7 @@ class Trainer:
 
 def fused_backend(device: torch.device) -> str:
     """The backend the fused variants run on: what ``auto`` picks for ``device``."""
-    return fusedres._backend.resolve_backend(device)
+    return fusedres.resolve_backend(device)
 
 
 def build_variant(name: str, variant: str, batch: int, device: torch.device, *,

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 import yaml
 
 import fusedres
-from fusedres import _backend
 from fusedres.memory import LiveTensorTracker, PlanError, SavedTensorCounter
 
 from . import checkpoint as ckpt
@@ -80,7 +79,7 @@ def _device(cfg, local_rank: int) -> torch.device:
 def _check_backend(cfg, device: torch.device) -> None:
     if not cfg["fused"]:
         return
-    reason = _backend.unavailable_reason(cfg["backend"], device)
+    reason = fusedres.unavailable_reason(cfg["backend"], device)
     if reason is not None:
         raise UsageError(f"--backend {cfg['backend']}: cannot run on {device.type}: {reason}")
 
@@ -297,7 +296,7 @@ class Run:
 
     def _banner(self) -> None:
         cfg, d = self.cfg, self.data
-        backend = (_backend.resolve_backend(self.device) if cfg["fused"] else "plain PyTorch")
+        backend = (fusedres.resolve_backend(self.device) if cfg["fused"] else "plain PyTorch")
         c, h, w = d.image_shape
         ipe = self.batches.iters_per_epoch
         lines = [
@@ -659,7 +658,7 @@ class Run:
             else f"preact_resnet (depth {self.cfg['depth']})",
             "dataset": self.cfg["dataset"], "iterations": self.iteration,
             "fused": self.cfg["fused"],
-            "backend": (_backend.resolve_backend(self.device) if self.cfg["fused"]
+            "backend": (fusedres.resolve_backend(self.device) if self.cfg["fused"]
                         else "plain PyTorch"),
             "device": str(self.device), "world_size": self.world,
             "batch_size": self.cfg["batch_size"], "amp": self.cfg["amp"],
