@@ -6,12 +6,15 @@ app-to-app imports (tests/layout.py reads the graph; ``python tests/layout.py`` 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
+import sys
 from pathlib import Path
 
 import layout
+import pytest
 
-from fusedres import settings
+from fusedres import activation_checkpoint, settings
 
 ROOT = layout.ROOT
 _NAME = re.compile(r"FUSEDRES_[A-Z0-9_]+")
@@ -145,3 +148,10 @@ def test_get_parses_and_names_the_variable():
     else:
         raise AssertionError("no error for a malformed value")
 
+
+
+def test_old_checkpoint_module_warns_and_forwards():
+    sys.modules.pop("fusedres.checkpoint", None)
+    with pytest.warns(DeprecationWarning, match="fusedres.activation_checkpoint"):
+        old = importlib.import_module("fusedres.checkpoint")
+    assert old.checkpoint is activation_checkpoint.checkpoint
