@@ -19,6 +19,7 @@ from . import _backend, ops, reference
 __all__ = [
     "BatchNormState",
     "bn_relu_conv2d",
+    "check_batch_norm_input",
     "check_conv_args",
     "conv2d_from_prepared",
     "prepare_batch_norm",
@@ -178,7 +179,7 @@ def _update_running_stats(running_mean, running_var, num_batches_tracked, mean, 
 
 def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | None = None, *,
                          stride=1, padding=0, dilation=1, residual: Tensor | None = None,
-                         return_stats: bool = False):
+                         return_stats: bool = False, checked: bool = False):
     """``conv2d(relu(bn(x)), weight, bias, stride, padding, dilation) + residual`` for the
     BatchNorm prepared in ``state``. Shapes: weight (Co, C, kh, kw), bias (Co,), residual
     (N, Co, Ho, Wo). groups=1 only.
@@ -186,9 +187,14 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
     ``return_stats=True`` returns ``(y, stats)``, ``stats`` being the per-channel batch mean and
     biased variance of ``y`` for the ``prepare_batch_norm`` of the BatchNorm that ``y`` feeds
     (None on the reference backend, which keeps no statistics). The Triton backend reduces them
-    in the convolution's epilogue, so the next BatchNorm reads ``y`` once fewer."""
-    stride, padding, dilation = check_conv_args(state.x, weight, bias, residual, stride,
-                                                padding, dilation)
+    in the convolution's epilogue, so the next BatchNorm reads ``y`` once fewer.
+
+    ``checked=True``: ``stride``, ``padding`` and ``dilation`` are the pairs that
+    :func:`check_conv_args` returned for these tensors (a caller that had to check before
+    preparing the BatchNorm), so they are not checked again."""
+    if not checked:
+        stride, padding, dilation = check_conv_args(state.x, weight, bias, residual, stride,
+                                                    padding, dilation)
     return _conv2d_checked(state, weight, bias, stride, padding, dilation, residual,
                            return_stats)
 
@@ -371,3 +377,10 @@ def bn_relu_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, bn_weight: Te
                                num_batches_tracked, training=training, momentum=momentum,
                                eps=eps)
     return _conv2d_checked(state, weight, bias, *conv_args, residual)
+
+
+def check_batch_norm_input(x: Tensor) -> None:
+    """Raise the error :func:`prepare_batch_norm` raises for an ``x`` it cannot take (not a 4-D
+    float16/bfloat16/float32/float64 tensor), for callers that compute the statistics
+    themselves (:func:`fusedres.distributed.prepare_batch_norm_sync`)."""
+    _check_x(x)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import functional as FR
+from .distributed import prepare_batch_norm_sync
 
 __all__ = ["BNReLUConv2d", "PreActBasicBlock", "PreActBottleneck"]
 
@@ -39,16 +40,11 @@ def prepare(bn: nn.BatchNorm2d, x: Tensor, stats=None) -> FR.BatchNormState:
     if custom is not None:
         return custom(x)
     if _synchronised(bn):
-        from .distributed import prepare_batch_norm_sync
-
         return prepare_batch_norm_sync(x, bn, bn.process_group)
     return FR.prepare_batch_norm(
         x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked,
         training=bn.training, momentum=bn.momentum, eps=bn.eps, stats=stats,
     )
-
-
-prepare._routes_fused_prepare = True  # fusedres.distributed.install_prepare_hook: nothing to do
 
 
 def check_convs(*convs: nn.Conv2d | None) -> None:
@@ -113,9 +109,12 @@ class BNReLUConv2d(nn.Module):
         c = self.conv
         check_convs(c)
         args = FR.check_conv_args(x, c.weight, c.bias, residual, c.stride, c.padding, c.dilation)
-        # The convolution's arguments are checked (before prepare touches the running stats):
-        # the checked entry point, not conv(), which would check them again.
-        return FR._conv2d_checked(prepare(self.bn, x), c.weight, c.bias, *args, residual)
+        # The convolution's arguments are checked before prepare touches the running stats;
+        # checked=True: conv2d_from_prepared does not check them again.
+        stride, padding, dilation = args
+        return FR.conv2d_from_prepared(prepare(self.bn, x), c.weight, c.bias, stride=stride,
+                                       padding=padding, dilation=dilation, residual=residual,
+                                       checked=True)
 
 
 def _plain(bn: nn.BatchNorm2d, x: Tensor) -> Tensor:

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import yaml
 
 import fusedres
+from fusedres import distributed as fdist
+from fusedres import models
 from fusedres.memory import LiveTensorTracker, PlanError, SavedTensorCounter
 
 from . import checkpoint as ckpt
@@ -38,11 +40,6 @@ def _first_line(e: BaseException) -> str:
 # --------------------------------------------------------------------------- set-up
 
 def build_model(cfg: dict[str, Any], in_chans: int, num_classes: int) -> nn.Module:
-    try:
-        from fusedres import models
-    except ImportError as e:
-        raise UsageError(f"--model: fusedres.models cannot be imported ({_first_line(e)})") \
-            from None
     name = cfg["model"]
     kwargs = {"num_classes": num_classes, "fused": cfg["fused"], "in_chans": in_chans,
               "zero_init_last": cfg["zero_init_last"]}
@@ -240,12 +237,10 @@ class Run:
         self.parameters = sum(p.numel() for p in model.parameters())
 
         if self.world > 1 and cfg["sync_bn"]:
-            from fusedres import distributed as fdist
             # On GPUs torch's own SyncBatchNorm serves the plain BatchNorms (the fused ones are
             # routed to fusedres.distributed either way); it does not run on CPU tensors.
             model = (nn.SyncBatchNorm.convert_sync_batchnorm(model)
                      if self.device.type == "cuda" else fdist.convert_sync_batchnorm(model))
-            fdist.install_prepare_hook()
         self.optimizer = torch.optim.SGD(_param_groups(model, cfg), lr=cfg["lr"],
                                          momentum=cfg["momentum"], nesterov=cfg["nesterov"])
         self.amp_dtype = _AMP[cfg["amp"]]
