@@ -1,7 +1,7 @@
 """Helpers the benchmark files share (imported by name; pytest puts benchmarks/ on sys.path).
 
 The shapes and the measuring code are ``fusedres.bench``'s (one copy for these files, the
-``fusedres bench`` CLI and the self-test): ``fusedres.bench.shapes`` holds the tables,
+``fusedres bench`` CLI and the self-test): ``fusedres.unit_shapes`` holds the tables,
 ``fusedres.bench.units.make_case``/``make_step`` build the timed step of each candidate.
 """
 

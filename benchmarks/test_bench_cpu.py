@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 import fusedres
 from benchutil import QUICK
 from fusedres import settings
-from fusedres.bench import shapes
+from fusedres import unit_shapes as shapes
 from fusedres.memory import saved_bytes
 
 THREADS = settings.get("FUSEDRES_BENCH_THREADS")
@@ -49,7 +49,7 @@ COMPILE = settings.get("FUSEDRES_BENCH_COMPILE")
 IMPLS = ["reference", "cpu", "checkpoint"] + (["compile"] if COMPILE else [])
 ROUNDS = 2 if QUICK else 7
 
-# The shapes are fusedres.bench.shapes' (the `fusedres bench units` CLI measures the same ones):
+# The shapes are fusedres.unit_shapes' (the `fusedres bench units` CLI measures the same ones):
 # CIFAR ResNet-164/1001 bottlenecks (stride on the first 1x1) at N=128 and ResNet-50 ones (stride
 # on the 3x3) at N=32, the BN-ReLU-conv units inside the CIFAR bottlenecks, and issue 10's sweep
 # of basic 3x3 units (C 16..256, stride 1/2, +-residual, N=64 @16).
