@@ -6,7 +6,7 @@ Importing never initialises CUDA and never fails for a missing compiled backend.
 from __future__ import annotations
 
 from . import (
-    _extension,
+    _extension,  # loads fusedres._C (its load error is reported, not raised)  # noqa: F401
     functional,
     memory,
     models,
@@ -43,5 +43,4 @@ __all__ = [
     "set_backend",
     "unavailable_reason",
     "use_backend",
-    "_extension",
 ]
