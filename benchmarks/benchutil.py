@@ -1,22 +1,21 @@
 """Helpers the benchmark files share (imported by name; pytest puts benchmarks/ on sys.path).
 
 The shapes and the measuring code are ``fusedres.bench``'s (one copy for these files, the
-``fusedres bench`` CLI and the self-test): ``fusedres.bench.shapes`` holds the tables,
+``fusedres bench`` CLI and the self-test): ``fusedres.unit_shapes`` holds the tables,
 ``fusedres.bench.units.make_case``/``make_step`` build the timed step of each candidate.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from fusedres import settings
 from fusedres.bench.report import cpu_model, machine, machine_line
 
 __all__ = ["QUICK", "cpu_model", "machine_info"]
 
 # FUSEDRES_BENCH_QUICK=1: tiny shapes and few rounds, so CI can smoke-run every benchmark file.
-QUICK = os.environ.get("FUSEDRES_BENCH_QUICK") == "1"
+QUICK = settings.get("FUSEDRES_BENCH_QUICK")
 
 
 def machine_info() -> str:

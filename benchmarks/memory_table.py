@@ -269,7 +269,7 @@ def render_whole(rows, batch, rounds, elapsed) -> str:
         "(`--depths`).",
         "",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, backend "
-        f"{fusedres._backend.resolve_backend(torch.device('cpu'))}; {elapsed / 60:.0f} min "
+        f"{fusedres.resolve_backend(torch.device('cpu'))}; {elapsed / 60:.0f} min "
         "to generate.",
         "",
         "| model | dtype | budget GiB | units ckpt / segments | predicted GiB (P+G+O / saved / "

@@ -21,7 +21,6 @@ tens of seconds).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -33,22 +32,24 @@ from torch.utils.checkpoint import checkpoint
 
 import fusedres
 from benchutil import QUICK
-from fusedres.bench import shapes
+from fusedres import settings
+from fusedres import unit_shapes as shapes
 from fusedres.memory import saved_bytes
 
-if os.environ.get("FUSEDRES_BENCH_THREADS"):
-    torch.set_num_threads(int(os.environ["FUSEDRES_BENCH_THREADS"]))
+THREADS = settings.get("FUSEDRES_BENCH_THREADS")
+if THREADS is not None:
+    torch.set_num_threads(THREADS)
 
 pytestmark = pytest.mark.skipif(
-    fusedres._backend.unavailable_reason("cpu") is not None,
-    reason=f"cpu backend unavailable: {fusedres._backend.unavailable_reason('cpu')}",
+    fusedres.unavailable_reason("cpu") is not None,
+    reason=f"cpu backend unavailable: {fusedres.unavailable_reason('cpu')}",
 )
 
-COMPILE = os.environ.get("FUSEDRES_BENCH_COMPILE", "1") != "0"
+COMPILE = settings.get("FUSEDRES_BENCH_COMPILE")
 IMPLS = ["reference", "cpu", "checkpoint"] + (["compile"] if COMPILE else [])
 ROUNDS = 2 if QUICK else 7
 
-# The shapes are fusedres.bench.shapes' (the `fusedres bench units` CLI measures the same ones):
+# The shapes are fusedres.unit_shapes' (the `fusedres bench units` CLI measures the same ones):
 # CIFAR ResNet-164/1001 bottlenecks (stride on the first 1x1) at N=128 and ResNet-50 ones (stride
 # on the 3x3) at N=32, the BN-ReLU-conv units inside the CIFAR bottlenecks, and issue 10's sweep
 # of basic 3x3 units (C 16..256, stride 1/2, +-residual, N=64 @16).

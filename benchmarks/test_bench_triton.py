@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from benchutil import QUICK
-from fusedres.bench.shapes import GPU_CONVS, QUICK_CONVS
 from fusedres.bench.units import make_case, make_step, saved_bytes_of
+from fusedres.unit_shapes import GPU_CONVS, QUICK_CONVS
 
 traffic = pytest.importorskip("fusedres.kernels.traffic")
 

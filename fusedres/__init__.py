@@ -6,7 +6,7 @@ Importing never initialises CUDA and never fails for a missing compiled backend.
 from __future__ import annotations
 
 from . import (
-    _extension,
+    _extension,  # loads fusedres._C (its load error is reported, not raised)  # noqa: F401
     functional,
     memory,
     models,
@@ -17,7 +17,9 @@ from ._backend import (
     BackendUnavailableError,
     available_backends,
     get_backend,
+    resolve_backend,
     set_backend,
+    unavailable_reason,
     use_backend,
 )
 from .convert import fuse
@@ -37,7 +39,8 @@ __all__ = [
     "get_backend",
     "memory",
     "models",
+    "resolve_backend",
     "set_backend",
+    "unavailable_reason",
     "use_backend",
-    "_extension",
 ]

@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 import warnings
 from collections.abc import Iterator
 
 import torch
+
+from . import settings
 
 BACKENDS = ("reference", "portable", "cpu", "triton", "cuda")
 # Best first. The compiled backends fill in through later issues; portable always runs.
@@ -42,7 +43,7 @@ def _check_name(name: str, what: str) -> str:
 
 # Plain module globals (no thread-local): torch.compile guards on them, so switching backends
 # after compiling retraces instead of silently keeping the old choice.
-_global_name = _check_name(os.environ.get("FUSEDRES_BACKEND", "auto"), "env FUSEDRES_BACKEND")
+_global_name = settings.get("FUSEDRES_BACKEND")
 _stack: list[str] = []
 _warned: set[str] = set()
 

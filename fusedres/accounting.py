@@ -53,7 +53,7 @@ from .opdefs import ConvGeometry, bind
 
 __all__ = ["CUDA_BLOCK_BYTES", "LiveTensorTracker", "SavedTensor", "SavedTensorCounter",
            "StepMemory", "cpu_op_workspace_bytes", "format_bytes", "optimizer_spec", "saved_bytes",
-           "saved_tensors", "simulate_step"]
+           "saved_tensors", "simulate_step", "storage_key"]
 
 GiB = 2 ** 30
 MiB = 2 ** 20
@@ -73,7 +73,7 @@ class SavedTensor:
     storage_bytes: int
 
 
-def _storage_key(t: torch.Tensor) -> int:
+def storage_key(t: torch.Tensor) -> int:
     # The StorageImpl pointer identifies a storage on every device, meta included.
     return t.untyped_storage()._cdata
 
@@ -90,13 +90,13 @@ class SavedTensorCounter:
     def __init__(self, exclude: nn.Module | None = None):
         self._excluded = set()
         if exclude is not None:
-            self._excluded = {_storage_key(t) for t in (*exclude.parameters(), *exclude.buffers())}
+            self._excluded = {storage_key(t) for t in (*exclude.parameters(), *exclude.buffers())}
         self._found: dict[int, SavedTensor] = {}
         self._kept: list[torch.Tensor] = []  # no storage address is reused while counting
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        key = storage_key(t)
         self._kept.append(t)
         if key not in self._excluded and key not in self._found:
             self._found[key] = SavedTensor(tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
@@ -183,12 +183,12 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def retag(self, t: torch.Tensor | None, tag: str) -> None:
         """Label ``t``'s storage (when it is counted) ``tag`` from now on."""
-        if t is not None and _storage_key(t) in self._live:
-            self._tags[_storage_key(t)] = tag
+        if t is not None and storage_key(t) in self._live:
+            self._tags[storage_key(t)] = tag
 
     def retag_all(self, old: str, new: str, keep: Sequence[torch.Tensor] = ()) -> None:
         """Label every live storage tagged ``old`` as ``new``, except those of ``keep``."""
-        skip = {_storage_key(t) for t in keep}
+        skip = {storage_key(t) for t in keep}
         for k, tag in self._tags.items():
             if tag == old and k not in skip:
                 self._tags[k] = new
@@ -207,7 +207,7 @@ class LiveTensorTracker(TorchDispatchMode):
         if self._device_type is not None and t.device.type != self._device_type:
             return
         st = t.untyped_storage()
-        key = _storage_key(t)
+        key = storage_key(t)
         if key in self._live:
             return
         n = st.nbytes()
@@ -401,7 +401,7 @@ class _StepTracker(LiveTensorTracker):
             # The meta kernel gives a half input half-precision saved statistics; the CPU and
             # CUDA kernels give float32 ones (torch 2.14): count them at float32's size.
             for t in out[1:3]:
-                key = _storage_key(t)
+                key = storage_key(t)
                 if key in self._live and t.dtype != torch.float32:
                     extra = t.untyped_storage().nbytes()
                     if self._round > 1:

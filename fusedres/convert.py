@@ -50,7 +50,7 @@ _FUNCTIONAL_BN = {F.batch_norm, torch.batch_norm}
 # The rewritten graph calls these; they take the original modules (get_attr nodes), so
 # train()/eval() and the BatchNorm's hyper-parameters are read at run time.
 
-def fused_prepare(bn: nn.BatchNorm2d, x: Tensor, *convs: nn.Conv2d) -> BatchNormState:
+def check_and_prepare(bn: nn.BatchNorm2d, x: Tensor, *convs: nn.Conv2d) -> BatchNormState:
     """One statistics pass and running-stats update of ``bn`` for ``x``, after checking that
     every conv ``x`` feeds can run (a bad input must leave the running statistics alone)."""
     _modules.check_inputs(x, *convs)
@@ -284,7 +284,7 @@ def _rewrite(gm: fx.GraphModule, prefix: str, report: FuseReport) -> None:
         with graph.inserting_before(act if act is not node else node):
             bn_ref = graph.get_attr(node.target)
             conv_refs = tuple(graph.get_attr(c.target) for c in convs)
-            state = graph.call_function(fused_prepare, (bn_ref, node.args[0], *conv_refs))
+            state = graph.call_function(check_and_prepare, (bn_ref, node.args[0], *conv_refs))
         for conv in convs:
             added = _residual_add(conv)
             target = added[0] if added else conv

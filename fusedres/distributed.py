@@ -36,7 +36,6 @@ from . import ops
 __all__ = [
     "SyncBatchNorm2d",
     "convert_sync_batchnorm",
-    "install_prepare_hook",
     "prepare_batch_norm_sync",
     "sync_active",
 ]
@@ -140,7 +139,7 @@ def prepare_batch_norm_sync(x: Tensor, bn: nn.Module, process_group=None) -> FR.
     if not sync_active(bn, process_group):
         return FR.prepare_batch_norm(x, weight, bias, running_mean, running_var, tracked,
                                      training=bn.training, momentum=bn.momentum, eps=bn.eps)
-    FR._check_x(x)
+    FR.check_x(x)
     c = x.shape[1]
     if c != bn.num_features:
         raise ValueError(f"x: expected {bn.num_features} channels (bn.num_features), got {c}")
@@ -251,29 +250,3 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
         if converted is not child:
             setattr(module, name, converted)
     return module
-
-
-def install_prepare_hook() -> None:
-    """Route ``fusedres.modules.prepare(bn, x)`` to ``bn.fused_prepare(x)`` when ``bn`` has one.
-
-    A stop-gap until ``fusedres.modules.prepare`` does this itself (idempotent; harmless once it
-    does). Modules that imported ``prepare`` by name before this call are reached only through
-    ``fusedres.modules``' global, which is what the fused blocks look up at call time.
-    """
-    from . import modules
-
-    original = modules.prepare
-    if getattr(original, "_routes_fused_prepare", False):
-        return
-
-    def prepare(bn, x, stats=None):
-        custom = getattr(bn, "fused_prepare", None)
-        if custom is not None:
-            return custom(x)
-        if isinstance(bn, nn.SyncBatchNorm):
-            return prepare_batch_norm_sync(x, bn, bn.process_group)
-        return original(bn, x, stats)
-
-    prepare._routes_fused_prepare = True
-    prepare.__doc__ = original.__doc__
-    modules.prepare = prepare

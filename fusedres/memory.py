@@ -16,7 +16,6 @@ from .accounting import (
     SavedTensor,
     SavedTensorCounter,
     StepMemory,
-    _storage_key,  # noqa: F401  (used by older callers)
     cpu_op_workspace_bytes,
     saved_bytes,
     saved_tensors,

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import functional as FR
+from .distributed import prepare_batch_norm_sync
 
 __all__ = ["BNReLUConv2d", "PreActBasicBlock", "PreActBottleneck"]
 
@@ -39,16 +40,11 @@ def prepare(bn: nn.BatchNorm2d, x: Tensor, stats=None) -> FR.BatchNormState:
     if custom is not None:
         return custom(x)
     if _synchronised(bn):
-        from .distributed import prepare_batch_norm_sync
-
         return prepare_batch_norm_sync(x, bn, bn.process_group)
     return FR.prepare_batch_norm(
         x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked,
         training=bn.training, momentum=bn.momentum, eps=bn.eps, stats=stats,
     )
-
-
-prepare._routes_fused_prepare = True  # fusedres.distributed.install_prepare_hook: nothing to do
 
 
 def check_convs(*convs: nn.Conv2d | None) -> None:

@@ -5,7 +5,8 @@ it: the public ``fusedres::`` custom ops (:mod:`fusedres.ops`), the C++ kernels'
 ``fusedres_cpu::`` and ``fusedres_cuda::`` (:func:`define_namespace`, called by
 :mod:`fusedres._extension` right after ``fusedres._C`` loads: csrc/ registers implementations
 only, and the dispatcher checks each C++ function against the schema it implements then), and
-the Triton backend's ``fusedres_triton::`` triton_ops. A backend implements the ops under the same names with the same arguments.
+the Triton backend's ``fusedres_triton::`` triton_ops. A backend implements the ops under the
+same names with the same arguments.
 
 Above the op layer the arguments travel as named tuples built from the same table
 (:class:`UnitArgs`, :class:`BackwardArgs`), so no caller reads them by position;
@@ -17,7 +18,6 @@ The shared rules: :func:`stats_dtype`, :func:`conv_out_size`, :func:`out_shape`,
 
 from __future__ import annotations
 
-import re
 from collections import namedtuple
 from typing import Any, NamedTuple
 

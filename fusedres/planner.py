@@ -12,8 +12,8 @@ The planner measures, for the given input shape and dtype, what every residual u
 backward (a count of storages, :mod:`fusedres.memory`'s rule) and its forward FLOPs, on the
 meta device by default (no real memory is touched, so ResNet-1001 at batch 128 plans on a
 laptop). It then picks contiguous segments of units to checkpoint with
-:mod:`fusedres.checkpoint` (BatchNorm-safe), minimising the recomputed FLOPs, and applies the
-choice with ``model.set_grad_checkpointing(ranges)``.
+:mod:`fusedres.activation_checkpoint` (BatchNorm-safe), minimising the recomputed FLOPs, and
+applies the choice with ``model.set_grad_checkpointing(ranges)``.
 
 The activation model the search uses (bytes of saved activations, excluding parameters,
 gradients and the gradient of the activation flowing back):
@@ -43,11 +43,12 @@ from . import _backend
 from .accounting import (
     LiveTensorTracker,
     StepMemory,
-    _storage_key,
     format_bytes,
     saved_bytes,
     simulate_step,
+    storage_key,
 )
+from .activation_checkpoint import RestoreBuffers
 
 __all__ = ["MemoryPlan", "PlanError", "UnitProfile", "measure_step", "plan", "profile_units"]
 
@@ -243,7 +244,7 @@ def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dty
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         kept.append(t)
-        key = _storage_key(t)
+        key = storage_key(t)
         if key in excluded or key in seen:
             return t
         seen.add(key)
@@ -265,7 +266,7 @@ def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dty
         # fused backend saves the same tensors (the autograd rule is shared), so on the meta
         # device the portable one stands in for whichever will run.
         state = _meta_state(model, device, dtype, autocast)
-        excluded = {_storage_key(t) for t in state.values()}
+        excluded = {storage_key(t) for t in state.values()}
         name = _backend.get_backend()
         if device.type == "meta" and name not in ("reference", "auto"):
             name = "portable"
@@ -313,9 +314,7 @@ def measure_step(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
     keep what they saw alive until the graph dies, which would distort ``peak``); the step that
     ``peak`` measures is the only one that counts for the running statistics.
     """
-    from .checkpoint import _RestoreBuffers
-
-    with _RestoreBuffers([model]):
+    with RestoreBuffers([model]):
         saved = saved_bytes(model, x)
     for p in model.parameters():
         p.grad = None

@@ -32,15 +32,15 @@ if not torch.cuda.is_available():
 
 import fusedres  # noqa: E402
 from fusedres import functional as FR  # noqa: E402
-from fusedres.bench.shapes import SELFTEST_CPU, SELFTEST_GPU, ConvUnit  # noqa: E402
 from fusedres.memory import saved_bytes  # noqa: E402
+from fusedres.unit_shapes import SELFTEST_CPU, SELFTEST_GPU, ConvUnit  # noqa: E402
 
 # Relative error bound (max |err| / max |ref|) per dtype against a float64 reference; the
 # reference backend's own error at that dtype is printed beside ours.
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
-# The cases are the shared shape table's (fusedres.bench.shapes): one BN-ReLU-conv each.
+# The cases are the shared shape table's (fusedres.unit_shapes): one BN-ReLU-conv each.
 Case = ConvUnit
 GPU_CASES = SELFTEST_GPU
 CPU_CASES = SELFTEST_CPU
@@ -196,14 +196,14 @@ GPU_BACKENDS = ("triton", "cuda")
 def gpu_backends(device) -> list[str]:
     """The GPU backends that run on ``device`` (on CPU: triton under the interpreter)."""
     return [b for b in GPU_BACKENDS
-            if fusedres._backend.unavailable_reason(b, torch.device(device)) is None]
+            if fusedres.unavailable_reason(b, torch.device(device)) is None]
 
 
 def unavailable(device) -> str | None:
     """Why no GPU backend can run on ``device``, or None."""
     if gpu_backends(device):
         return None
-    return "; ".join(f"{b}: {fusedres._backend.unavailable_reason(b, torch.device(device))}"
+    return "; ".join(f"{b}: {fusedres.unavailable_reason(b, torch.device(device))}"
                      for b in GPU_BACKENDS)
 
 

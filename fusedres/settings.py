@@ -54,9 +54,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "The backend in force when neither `use_backend` nor `set_backend` says otherwise.",
             _BACKENDS),
     Setting("FUSEDRES_CUDA_ON_CPU", "bool", "0",
-            "when the cuda backend is first asked whether it can run",
-            "Run the cuda backend on CPU tensors through the CUDA-on-CPU execution layer "
-            "(the test extension `fusedres._C_cuda_host`; a test vehicle, never picked by auto)."),
+            "when fusedres.backends.cuda is imported (with fusedres)",
+            "Run the cuda backend on CPU tensors: the CUDA kernels compiled by the host "
+            "compiler into `fusedres._C` through the CPU execution layer (csrc/cuda/host; a test "
+            "vehicle, never picked by auto)."),
     Setting("FUSEDRES_TRITON_BACKWARD", "choice", "sums", "at every triton backward call",
             "The Triton backward's plan: `sums` (the weight-gradient pass also reduces the "
             "BatchNorm sums, then one pass writes dx), `store` (dz stored, then an elementwise "
@@ -66,14 +67,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "config is chosen by rule)."),
     # ---- kernel tuning, read by the C++ kernels (csrc/)
     Setting("FUSEDRES_CPU_TILE_BYTES", "int", "",
-            "at every cpu-backend call (csrc/cpu)",
+            "at every cpu-backend call (csrc/cpu); by the memory accounting's CPU workspace rule",
             "Bytes of activation + output per tile of the cpu backend; unset: 1 MiB per thread; "
             "0 or less: the whole batch in one tile."),
     Setting("FUSEDRES_CPU_TILE_WEIGHT_X", "int", "4", "at every cpu-backend call (csrc/cpu)",
             "A tile's budget is at least this many times the weight's bytes."),
-    Setting("FUSEDRES_CPU_CONV_NHWC", "str", "", "at every cpu-backend call (csrc/cpu)",
+    Setting("FUSEDRES_CPU_CONV_NHWC", "choice", "", "at every cpu-backend call (csrc/cpu)",
             "`0`: convolve tiles in x's layout; `1`: always NHWC; unset: NHWC for spatial "
-            "kernels on maps of at least 8x8."),
+            "kernels on maps of at least 8x8.", ("0", "1")),
     Setting("FUSEDRES_CPU_GEMM_1X1", "bool", "1", "at every cpu-backend call (csrc/cpu)",
             "Run stride-1 unpadded 1x1 convolutions of NCHW tiles as batched GEMMs."),
     Setting("FUSEDRES_CUDA_BACKWARD", "choice", "sums", "at every cuda backward call (csrc/cuda)",
@@ -82,20 +83,18 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("FUSEDRES_CUDA_WGRAD_SPLIT", "int", "", "at every cuda backward call (csrc/cuda)",
             "Force the weight gradient's split-K count; unset: sized to the SMs."),
     Setting("FUSEDRES_HOST_STACK_KB", "int", "256",
-            "at the first launch of the CUDA-on-CPU layer (csrc/cuda/host)",
+            "once, at the first launch of the CUDA-on-CPU layer (csrc/cuda/host)",
             "Stack size of each emulated CUDA thread (a fibre), in KiB."),
     # ---- build (setup.py)
     Setting("FUSEDRES_BUILD_EXT", "choice", "auto", "by setup.py",
             "`auto`: build `fusedres._C` when a C++ compiler is found (a failed build warns and "
-            "installs Python-only); `1`: a failure is an error; `0`: Python-only.",
+            "installs Python-only); `1`: a failure is an error; `0`: Python-only. The Makefile "
+            "sets 1.",
             ("auto", "0", "1")),
     Setting("FUSEDRES_BUILD_CUDA", "choice", "auto", "by setup.py",
             "Build the nvcc copy of csrc/cuda into `fusedres._C`: `auto` when nvcc is found and "
-            "torch has CUDA.", ("auto", "0", "1")),
-    Setting("FUSEDRES_BUILD_TEST_EXT", "choice", "0", "by setup.py",
-            "Build the test extension `fusedres._C_cuda_host` (csrc/cuda compiled by the host "
-            "compiler through the execution layer, and the layer's own test ops); `make test` "
-            "and CI build it, `pip install .` does not.", ("auto", "0", "1")),
+            "torch has CUDA. The Makefile sets `auto` where `nvidia-smi -L` sees a GPU, else `0`.",
+            ("auto", "0", "1")),
     Setting("FUSEDRES_CPU_NATIVE", "bool", "1", "by setup.py",
             "Compile the CPU kernels with `-march=native`."),
     # ---- benchmarks (benchmarks/)

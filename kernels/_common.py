@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from .. import settings
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
@@ -115,7 +117,7 @@ _TUNED: dict[tuple, KernelConfig] = {}
 
 def autotune_enabled(*tensors) -> bool:
     """FUSEDRES_TRITON_AUTOTUNE=1, on real (not fake, not meta) tensors."""
-    if os.environ.get("FUSEDRES_TRITON_AUTOTUNE", "0") != "1":
+    if not settings.get("FUSEDRES_TRITON_AUTOTUNE"):
         return False
     from torch._subclasses.fake_tensor import is_fake
 

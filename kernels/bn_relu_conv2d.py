@@ -54,8 +54,8 @@ INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps
 
 
 @triton.jit
-def _bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, out_dtype,
-                  INTERP_BF16: tl.constexpr):
+def bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, out_dtype,
+                 INTERP_BF16: tl.constexpr):
     """relu(scale * x + shift) for a (rows, channels) tile, 0 where the row or channel is out."""
     c_ok = c < C
     mask = row_ok[:, None] & c_ok[None, :]
@@ -109,8 +109,8 @@ def bn_relu_conv2d_fwd_kernel(
         row_off = x_base + ih * sxh + iw * sxw
         for c0 in range(0, C, BLOCK_K):
             c = c0 + kk
-            a = _bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, op_t,
-                              INTERP_BF16)
+            a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, op_t,
+                             INTERP_BF16)
             w_mask = (c < C)[:, None] & co_ok[None, :]
             b = tl.load(w_ptr + co[None, :] * swo + c[:, None] * swc + i * swh + j * sww,
                         mask=w_mask, other=0.0)

@@ -43,7 +43,7 @@ from ._common import (
     sm_count,
 )
 from ._tl import cast, mma
-from .bn_relu_conv2d import _bn_relu_tile
+from .bn_relu_conv2d import bn_relu_tile
 
 CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
@@ -139,8 +139,8 @@ def wgrad_kernel(
             acc1 = mma(acc1, g, b1, TF32, INTERP_BF16)
             acc2 = mma(acc2, g, b2, TF32, INTERP_BF16)
         else:
-            a = _bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, g.dtype,
-                              INTERP_BF16)
+            a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, g.dtype,
+                             INTERP_BF16)
             acc1 = mma(acc1, g, a, TF32, INTERP_BF16)
     # dW: float32 partials (split, Co, C, KH, KW), or the weight gradient itself when SPLIT is 1.
     off = split * sgs + co[:, None] * sgo + c[None, :] * sgc + i * sgh + j * sgw

@@ -10,7 +10,9 @@ Rules (issue "the house"):
 * apps use only public names of the library: no ``_name`` imported from, or read as an
   attribute of, a library module;
 * library modules import no private function, class or variable (``_name`` defined in another
-  module); the library's private modules (``fusedres._backend``...) may be imported inside it.
+  module); the library's private modules (``fusedres._backend``...) may be imported inside it;
+* apps do not import each other, except the dispatcher ``fusedres.cli`` (which starts them and
+  holds the command-line conventions they share).
 """
 
 from __future__ import annotations
@@ -85,12 +87,16 @@ def analyse(modules: dict[str, Module] | None = None) -> dict[str, Module]:
     modules = modules if modules is not None else discover()
     for mod in modules.values():
         skip = _type_checking_lines(mod.tree)
-        top_level = {id(n) for n in mod.tree.body}
+        # Nodes that run at import: everything outside function and class bodies (one walk per
+        # top-level statement; testing each node against every statement's walk was quadratic).
+        top_level: set[int] = set()
+        for t in mod.tree.body:
+            if isinstance(t, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                top_level.add(id(t))
+            else:
+                top_level.update(id(x) for x in ast.walk(t))
         for node in ast.walk(mod.tree):
-            top = id(node) in top_level or any(
-                id(node) in {id(x) for x in ast.walk(t)} and not isinstance(
-                    t, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                for t in mod.tree.body)
+            top = id(node) in top_level
             if getattr(node, "lineno", None) in skip:
                 continue
             if isinstance(node, ast.Import):
@@ -212,13 +218,20 @@ def function_level_imports(modules: dict[str, Module]) -> int:
     return sum(1 for m in modules.values() for *_, top in m.imports if not top)
 
 
+# The dispatcher: it starts the apps (by name, importlib) and holds the command-line conventions
+# they share (UsageError, parse_bytes); an app may import it, and it the apps.
+DISPATCHER = "fusedres.cli"
+
+
 def app_cross_imports(modules: dict[str, Module]) -> list[str]:
-    """Imports from one app into another (e.g. bench reading the trainer's config)."""
+    """Imports from one app into another (e.g. bench reading the trainer's config), other than
+    to or from the dispatcher."""
     def app_of(name: str) -> str | None:
         return next((a for a in APPS if name == a or name.startswith(a + ".")), None)
     return sorted(f"{m.name}:{line}: {t}" for m in modules.values() if app_of(m.name)
                   for t, _, line, _ in m.imports
-                  if app_of(t) and app_of(t) != app_of(m.name) and app_of(m.name) != "fusedres.cli")
+                  if app_of(t) and app_of(t) != app_of(m.name)
+                  and DISPATCHER not in (app_of(m.name), app_of(t)))
 
 
 # --------------------------------------------------------------------------- the op's arguments

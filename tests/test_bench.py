@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
+from fusedres import unit_shapes as S
 from fusedres.bench import main
-from fusedres.bench import shapes as S
 from fusedres.bench.fit import search
 from fusedres.bench.measure import summarize, time_interleaved
 from fusedres.bench.runner import QUICK_FIT, Report

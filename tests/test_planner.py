@@ -1,4 +1,5 @@
-"""BatchNorm-safe checkpointing and the memory planner (fusedres.checkpoint, fusedres.planner)."""
+"""BatchNorm-safe checkpointing and the memory planner (fusedres.activation_checkpoint,
+fusedres.planner)."""
 
 import copy
 
@@ -9,7 +10,7 @@ import torch.utils.checkpoint
 
 import fusedres
 from fusedres import models
-from fusedres.checkpoint import checkpoint, even_segments
+from fusedres.activation_checkpoint import checkpoint, even_segments
 from fusedres.memory import saved_bytes
 from fusedres.planner import PlanError, measure_step, plan, profile_units
 

@@ -71,7 +71,6 @@ def _worker(rank, port, fused, convert, backend, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        fdist.install_prepare_hook()
         if convert == "torch":  # nn.SyncBatchNorm modules are routed to the same sync
             block = nn.SyncBatchNorm.convert_sync_batchnorm(_make_block(fused))
         else:
@@ -130,7 +129,6 @@ def test_single_process_sync_batch_norm_is_plain_batch_norm():
     assert all(isinstance(m, fdist.SyncBatchNorm2d) for m in synced.modules()
                if isinstance(m, nn.BatchNorm2d))
     assert synced.state_dict().keys() == block.state_dict().keys()
-    fdist.install_prepare_hook()
     x, gy = _inputs()
     a = _step(block, x, gy)
     b = _step(synced, x, gy)

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import torch
 
-from . import shapes as S
+from fusedres import unit_shapes as S
+from fusedres.cli import UsageError, parse_bytes
+
+from .measure import resolve_device
+from .runner import run
+from .step import VARIANTS, model_name
+from .units import BASELINES, fused_backends
 
 __all__ = ["UsageError", "build_parser", "main"]
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed on one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,11 +50,9 @@ def _nonneg_int(text: str) -> int:
 
 
 def _size(text: str) -> int:
-    from fusedres.train.config import UsageError as ConfigError
-    from fusedres.train.config import parse_bytes
     try:
         return parse_bytes(text, flag=None)
-    except ConfigError as e:
+    except UsageError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -146,7 +146,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
         raise UsageError(f"--time-limit: expected a positive number of seconds, got "
                          f"{args.time_limit}")
     try:
-        from .measure import resolve_device
         args.device = resolve_device(args.device)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -170,7 +169,6 @@ def _split(text: str) -> list[str]:
 
 
 def _check_units(args) -> None:
-    from .units import BASELINES, fused_backends
     baselines = _split(args.baselines)
     bad = [b for b in baselines if b not in BASELINES]
     if bad:
@@ -195,7 +193,6 @@ def _check_units(args) -> None:
 
 
 def _check_step(args) -> None:
-    from .step import VARIANTS, model_name
     try:
         args.models = [model_name(m) for m in _split(args.models)]
     except ValueError as e:
@@ -238,7 +235,6 @@ def main(argv: list[str] | None = None) -> int:
         # Smoke runs of tiny ops: one thread, or a busy machine descheduling the second
         # OpenMP thread makes every op wait (seen here: 20-40x slower steps at load 5-8).
         torch.set_num_threads(1)
-    from .runner import run
     return run(args)
 
 

@@ -21,6 +21,7 @@ import torch
 from fusedres.planner import PlanError
 
 from .measure import sync
+from .report import Column, fmt_bytes, mem_unit, pyplot
 from .step import build_variant, step_peak
 
 __all__ = ["FIT_VARIANTS", "probe", "search", "run_fit"]
@@ -156,7 +157,6 @@ def _result(variant, what, fixed, best, how, probes) -> dict:
 # --------------------------------------------------------------------------- output
 
 def columns():
-    from .report import Column, fmt_bytes
     return [Column("variant", "variant", right=False),
             Column("largest", lambda r: (r["search"], r["largest"]),
                    lambda v: f"{v[0]} {v[1]}" if v[1] is not None else f"{v[0]}: none"),
@@ -168,13 +168,11 @@ def columns():
 def plot(doc: dict, path, title: str) -> None:
     """Depth vs peak memory and batch vs peak memory, one line per variant, the budget as a
     horizontal line; probes that did not fit in the budget are drawn hollow."""
-    from .report import pyplot
     plt = pyplot()
     probes = [p for p in doc["probes"] if p.get("peak_bytes") is not None]
     if not probes:
         return
     colors = dict(zip(FIT_VARIANTS, ("tab:gray", "tab:blue", "tab:green")))
-    from .report import mem_unit
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     gib, unit = mem_unit(max(doc["budget_bytes"], *(p["peak_bytes"] for p in probes)))
     styles = {"plain": ("-", "o"), "fused": ("-", "o"), "fused+plan": ("--", "s")}

@@ -14,9 +14,10 @@ from typing import Any, Callable
 
 import torch
 
+from fusedres import unit_shapes as S
+
 from . import fit as fit_mod
 from . import report as R
-from . import shapes as S
 from . import step as step_mod
 from . import units as units_mod
 

@@ -16,6 +16,7 @@ from fusedres import models
 from fusedres.memory import saved_bytes
 
 from .measure import peak_bytes, summarize, sync, time_interleaved
+from .report import Column, fmt_bytes, mem_unit, pyplot
 
 __all__ = ["VARIANTS", "build_variant", "model_input", "run_steps"]
 
@@ -59,7 +60,7 @@ class Trainer:
 
 def fused_backend(device: torch.device) -> str:
     """The backend the fused variants run on: what ``auto`` picks for ``device``."""
-    return fusedres._backend.resolve_backend(device)
+    return fusedres.resolve_backend(device)
 
 
 def build_variant(name: str, variant: str, batch: int, device: torch.device, *,
@@ -187,7 +188,6 @@ def _free(device: torch.device) -> None:
 # --------------------------------------------------------------------------- output
 
 def columns():
-    from .report import Column, fmt_bytes
     return [Column("model", lambda r: r["model"].replace("preact_resnet", "ResNet-"),
                    right=False),
             Column("batch", "batch"), Column("variant", "variant", right=False),
@@ -206,7 +206,6 @@ def columns():
 
 def plot(rows: list[dict], path, title: str) -> None:
     """Two panels per model: images/s and peak memory of each variant."""
-    from .report import pyplot
     plt = pyplot()
     rows = [r for r in rows if "median_s" in r]
     names = list(dict.fromkeys(r["model"] for r in rows))
@@ -214,7 +213,6 @@ def plot(rows: list[dict], path, title: str) -> None:
         return
     variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
     colors = dict(zip(VARIANTS, ("tab:gray", "tab:blue", "tab:green", "tab:orange")))
-    from .report import mem_unit
     fig, axes = plt.subplots(1, 2, figsize=(10, 1.8 + 0.55 * len(names) * len(variants) / 2))
     width = 0.8 / len(variants)
     mem_scale, unit = mem_unit(max(r["peak_bytes"] for r in rows))

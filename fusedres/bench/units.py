@@ -20,9 +20,10 @@ from torch.utils.checkpoint import checkpoint
 
 import fusedres
 from fusedres.memory import saved_bytes
+from fusedres.unit_shapes import BlockUnit, ConvUnit
 
 from .measure import peak_bytes, summarize, time_interleaved
-from .shapes import BlockUnit, ConvUnit
+from .report import Column, fmt_bytes, pyplot
 
 __all__ = ["BASELINES", "Case", "PlainConvUnit", "bandwidth_columns", "device_peak_bandwidth",
            "fused_backends", "make_case", "make_step", "run_units", "saved_bytes_of"]
@@ -280,7 +281,6 @@ def _peak(step, device, case: Case) -> int | None:
 # --------------------------------------------------------------------------- output
 
 def columns():
-    from .report import Column, fmt_bytes
     return [Column("shape", "shape", right=False), Column("impl", "impl", right=False),
             Column("median ms", lambda r: r["median_s"] * 1e3, "{:.2f}"),
             Column("IQR ms", lambda r: r["iqr_s"] * 1e3, "{:.2f}"),
@@ -290,7 +290,6 @@ def columns():
 
 
 def bandwidth_cols():
-    from .report import Column
     return [Column("modeled MB", lambda r: r["modeled_bytes"] / 1e6, "{:.1f}"),
             Column("GB/s", lambda r: r["achieved_Bps"] / 1e9, "{:.0f}"),
             Column("of peak", "bandwidth_fraction", "{:.0%}")]
@@ -304,7 +303,6 @@ def table_rows(rows: list[dict]) -> list[dict]:
 def plot_ratios(rows: list[dict], path, title: str) -> None:
     """Dot plot: one line per shape, the ratio to the plain unit of every other candidate (log
     scale; left of 1 is faster than plain)."""
-    from .report import pyplot
     plt = pyplot()
     rows = table_rows(rows)
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
@@ -352,7 +350,6 @@ def plot_bandwidth(rows: list[dict], path, title: str) -> bool:
     pts = [r for r in table_rows(rows) if r.get("bandwidth_fraction") is not None]
     if not pts:
         return False
-    from .report import pyplot
     plt = pyplot()
     labels = [f"{r['shape']} [{r['layout']}]" for r in pts]
     fig, ax = plt.subplots(figsize=(8, 1.4 + 0.3 * len(pts)))

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpoint import checkpoint_segments, even_segments
+from ..activation_checkpoint import checkpoint_segments, even_segments
 from ..modules import PreActBasicBlock, PreActBottleneck, wants_stats
 
 __all__ = ["PreActResNet", "preact_resnet", "valid_depths"]

@@ -13,22 +13,21 @@ from __future__ import annotations
 import contextlib
 import sys
 
+import torch.distributed as dist
+
+from fusedres import BackendUnavailableError
+
+from .config import UsageError, resolve
+from .loop import Run
+
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``fusedres train`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    import torch.distributed as dist
-
-    from fusedres import BackendUnavailableError
-
-    from .config import UsageError, resolve
-
     initialised = finished = False
     try:
         cfg, explicit = resolve(argv)
-        from .loop import Run
-
         initialised = _init_distributed(cfg)
         with contextlib.ExitStack() as scope:  # the backend choice ends with the run
             run = Run(cfg, explicit, scope)
@@ -77,7 +76,6 @@ def _init_distributed(cfg) -> bool:
     import os
 
     import torch
-    import torch.distributed as dist
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return False

@@ -17,14 +17,12 @@ from typing import Any
 
 import yaml
 
+from fusedres.cli import UsageError, parse_bytes
+
 __all__ = ["UsageError", "build_parser", "parse_bytes", "resolve"]
 
 # Named configs ship inside the package (fusedres/configs/*.yaml): `--config digits`.
 PACKAGE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-
-
-class UsageError(Exception):
-    """A problem with what the user asked for: reported on one line, exit code 2."""
 
 
 # He et al. (2016), "Identity Mappings in Deep Residual Networks", CIFAR recipe.
@@ -183,29 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="a progress bar per epoch (on)")
     return p
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
-
-
-def parse_bytes(text, flag: str | None = "--memory-budget") -> int:
-    """'4GiB' -> 4294967296; '500MB' -> 500000000; a bare number is bytes. Errors name
-    ``flag`` (none when ``flag`` is None)."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text <= 0:
-            raise UsageError(f"{flag}: expected a positive size, got {text!r}")
-        return int(text)
-    where = f"{flag}: " if flag else ""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise UsageError(f"{where}expected a size such as 4GiB or 500MB"
-                         + (" or auto" if flag == "--memory-budget" else "") + f", got {text!r}")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise UsageError(f"{where}expected a positive size, got {text!r}")
-    return value
 
 
 def load_yaml(path: str | Path, what: str) -> dict[str, Any]:

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 import yaml
 
 import fusedres
-from fusedres import _backend
+from fusedres import distributed as fdist
+from fusedres import models
 from fusedres.memory import LiveTensorTracker, PlanError, SavedTensorCounter
 
 from . import checkpoint as ckpt
@@ -39,11 +40,6 @@ def _first_line(e: BaseException) -> str:
 # --------------------------------------------------------------------------- set-up
 
 def build_model(cfg: dict[str, Any], in_chans: int, num_classes: int) -> nn.Module:
-    try:
-        from fusedres import models
-    except ImportError as e:
-        raise UsageError(f"--model: fusedres.models cannot be imported ({_first_line(e)})") \
-            from None
     name = cfg["model"]
     kwargs = {"num_classes": num_classes, "fused": cfg["fused"], "in_chans": in_chans,
               "zero_init_last": cfg["zero_init_last"]}
@@ -80,7 +76,7 @@ def _device(cfg, local_rank: int) -> torch.device:
 def _check_backend(cfg, device: torch.device) -> None:
     if not cfg["fused"]:
         return
-    reason = _backend.unavailable_reason(cfg["backend"], device)
+    reason = fusedres.unavailable_reason(cfg["backend"], device)
     if reason is not None:
         raise UsageError(f"--backend {cfg['backend']}: cannot run on {device.type}: {reason}")
 
@@ -241,12 +237,10 @@ class Run:
         self.parameters = sum(p.numel() for p in model.parameters())
 
         if self.world > 1 and cfg["sync_bn"]:
-            from fusedres import distributed as fdist
             # On GPUs torch's own SyncBatchNorm serves the plain BatchNorms (the fused ones are
             # routed to fusedres.distributed either way); it does not run on CPU tensors.
             model = (nn.SyncBatchNorm.convert_sync_batchnorm(model)
                      if self.device.type == "cuda" else fdist.convert_sync_batchnorm(model))
-            fdist.install_prepare_hook()
         self.optimizer = torch.optim.SGD(_param_groups(model, cfg), lr=cfg["lr"],
                                          momentum=cfg["momentum"], nesterov=cfg["nesterov"])
         self.amp_dtype = _AMP[cfg["amp"]]
@@ -297,7 +291,7 @@ class Run:
 
     def _banner(self) -> None:
         cfg, d = self.cfg, self.data
-        backend = (_backend.resolve_backend(self.device) if cfg["fused"] else "plain PyTorch")
+        backend = (fusedres.resolve_backend(self.device) if cfg["fused"] else "plain PyTorch")
         c, h, w = d.image_shape
         ipe = self.batches.iters_per_epoch
         lines = [
@@ -659,7 +653,7 @@ class Run:
             else f"preact_resnet (depth {self.cfg['depth']})",
             "dataset": self.cfg["dataset"], "iterations": self.iteration,
             "fused": self.cfg["fused"],
-            "backend": (_backend.resolve_backend(self.device) if self.cfg["fused"]
+            "backend": (fusedres.resolve_backend(self.device) if self.cfg["fused"]
                         else "plain PyTorch"),
             "device": str(self.device), "world_size": self.world,
             "batch_size": self.cfg["batch_size"], "amp": self.cfg["amp"],

@@ -1,5 +1,7 @@
-"""The shapes every benchmark and the self-test measure: one table, imported by
-``fusedres bench``, the pytest-benchmark files in ``benchmarks/`` and ``fusedres.selftest``.
+"""The unit shapes every benchmark and the self-test measure: one table, imported by
+``fusedres bench``, the pytest-benchmark files in ``benchmarks/`` and ``fusedres.selftest``
+(a library module, so that those apps share it without importing each other; plain data, it
+imports nothing).
 
 Two kinds of unit:
 
