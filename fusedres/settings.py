@@ -56,8 +56,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("FUSEDRES_CUDA_ON_CPU", "bool", "0",
             "when fusedres.backends.cuda is imported (with fusedres)",
             "Run the cuda backend on CPU tensors: the CUDA kernels compiled by the host "
-            "compiler into `fusedres._C` through the CPU execution layer (csrc/cuda/host; a test "
-            "vehicle, never picked by auto)."),
+            "compiler through the CPU execution layer (csrc/cuda/host) into the test extension "
+            "`fusedres._C_cuda_host` (a test vehicle, never picked by auto; `make test` builds "
+            "it)."),
     Setting("FUSEDRES_TRITON_BACKWARD", "choice", "sums", "at every triton backward call",
             "The Triton backward's plan: `sums` (the weight-gradient pass also reduces the "
             "BatchNorm sums, then one pass writes dx), `store` (dz stored, then an elementwise "
@@ -67,7 +68,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "config is chosen by rule)."),
     # ---- kernel tuning, read by the C++ kernels (csrc/)
     Setting("FUSEDRES_CPU_TILE_BYTES", "int", "",
-            "at every cpu-backend call (csrc/cpu); by the memory accounting's CPU workspace rule",
+            "at every cpu-backend call (csrc/cpu), and by the memory accounting through "
+            "`fusedres._C`'s `cpu_tile_samples`",
             "Bytes of activation + output per tile of the cpu backend; unset: 1 MiB per thread; "
             "0 or less: the whole batch in one tile."),
     Setting("FUSEDRES_CPU_TILE_WEIGHT_X", "int", "4", "at every cpu-backend call (csrc/cpu)",
@@ -94,6 +96,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("FUSEDRES_BUILD_CUDA", "choice", "auto", "by setup.py",
             "Build the nvcc copy of csrc/cuda into `fusedres._C`: `auto` when nvcc is found and "
             "torch has CUDA. The Makefile sets `auto` where `nvidia-smi -L` sees a GPU, else `0`.",
+            ("auto", "0", "1")),
+    Setting("FUSEDRES_BUILD_TEST_EXT", "choice", "0", "by setup.py",
+            "Build the test extension `fusedres._C_cuda_host` (csrc/cuda compiled by the host "
+            "compiler through the execution layer, and the layer's own test ops): `auto` for "
+            "in-place builds; `make test` and CI build it, `pip install .` does not.",
             ("auto", "0", "1")),
     Setting("FUSEDRES_CPU_NATIVE", "bool", "1", "by setup.py",
             "Compile the CPU kernels with `-march=native`."),

@@ -25,15 +25,6 @@ _GETENV = re.compile(r"\bgetenv\(\s*\"(FUSEDRES_[A-Z0-9_]+)\"")
 _MAKE_EXPORT = re.compile(r"^export\s+(FUSEDRES_[A-Z0-9_]+)", re.M)
 _C_SUFFIXES = {".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"}
 
-# Python files, not yet converted to ``settings.get``, that still read a FUSEDRES_ variable
-# from os.environ: their owners convert them (the lead: backends/, accounting.py; setup.py's
-# owner). Remove a file here once it is converted; the test fails until the list is exact.
-PENDING_DIRECT_READS = {
-    "fusedres/accounting.py",
-    "fusedres/backends/cuda.py",
-    "fusedres/backends/triton.py",
-    "setup.py",
-}
 
 
 def _python_files() -> list[Path]:
@@ -115,10 +106,7 @@ def test_python_reads_variables_through_settings():
         reads = _environ_reads(ast.parse(path.read_text(), rel))
         if reads:
             direct[rel] = [f"{line}: {name}" for line, name in reads]
-    unexpected = {f: r for f, r in direct.items() if f not in PENDING_DIRECT_READS}
-    assert unexpected == {}, "read these through fusedres.settings.get"
-    converted = PENDING_DIRECT_READS - set(direct)
-    assert not converted, f"converted, remove from PENDING_DIRECT_READS: {sorted(converted)}"
+    assert direct == {}, "read these through fusedres.settings.get"
 
 
 def test_environ_reads_are_found():
@@ -128,6 +116,7 @@ def test_environ_reads_are_found():
             'raise ValueError("FUSEDRES_E: bad")\n')
     found = sorted(n for _, n in _environ_reads(ast.parse(code)))
     assert found == ["FUSEDRES_A", "FUSEDRES_B", "FUSEDRES_C", "FUSEDRES_D"]
+
 
 def test_readme_settings_table_is_the_declared_one():
     text = (ROOT / "README.md").read_text()
