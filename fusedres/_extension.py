@@ -53,6 +53,22 @@ for _namespace in NAMESPACES:
                       f"(rebuild it): {_schema_error(exc)}")
 
 
+def op_handles(module_name: str, module_globals: dict, namespace: str):
+    """A module ``__getattr__`` giving, under the names of :data:`fusedres.opdefs.SCHEMAS`, the op
+    handles ``torch.ops.<namespace>.<op>``, each looked up on first use and then kept in the
+    module: a namespace whose definition failed (``LOAD_ERROR``) must not break importing the
+    backend module."""
+
+    def __getattr__(name: str):
+        if name in opdefs.SCHEMAS:
+            op = getattr(getattr(torch.ops, namespace), name)
+            module_globals[name] = op  # later lookups find it directly
+            return op
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
 def has_kernels(namespace: str, dispatch_key: str, *names: str) -> bool:
     """Whether every op ``<namespace>::<name>`` has a kernel for ``dispatch_key``."""
     return all(

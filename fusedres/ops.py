@@ -21,8 +21,9 @@ activated tensor.
 Two routes reach the kernels, sharing that rule: the public ops, and :func:`direct_unit`, an
 ``autograd.Function`` over one backend's own ops. The second serves eager units on plain CPU
 tensors with the cpu backend (:func:`eager_cpu`), where the custom-op layers (argument
-normalisation, the autograd wrapper's redispatch, the run-time routing) measured ~0.15 ms a unit,
-a tenth of a small unit's work (benchmarks/RESULTS.md, "eager CPU overhead"); and graphs that
+normalisation, the autograd wrapper's redispatch, the run-time routing) measured ~0.16 ms a unit
+more than this route, a third of a small unit's forward+backward (benchmarks/RESULTS.md,
+"Eager CPU overhead"); and graphs that
 torch.compile traces on a GPU with the triton backend (fusedres.backends.triton), where the
 public ops would be opaque to Inductor.
 """
@@ -124,7 +125,10 @@ def unit_setup_context(ctx, inputs, output) -> None:
     ctx.has_residual = a.residual is not None
 
 
-_NO_GRADS = dict.fromkeys(UnitArgs._fields)
+# Where each gradient goes among the op's inputs (UnitArgs order), looked up once.
+_SLOT = {name: UnitArgs._fields.index(name)
+         for name in ("x", "weight", "bias", "bn_weight", "bn_bias", "residual")}
+_BACKWARD_SLOTS = tuple(_SLOT[n] for n in ("x", "weight", "bias", "bn_weight", "bn_bias"))
 
 
 def unit_backward(ctx, grad_out, backward_op) -> tuple[Tensor | None, ...]:
@@ -132,21 +136,23 @@ def unit_backward(ctx, grad_out, backward_op) -> tuple[Tensor | None, ...]:
     the gradients of its inputs (in :class:`UnitArgs` order), computed by ``backward_op`` (an
     op with the schema of ``bn_relu_conv2d_backward``)."""
     x, weight, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
-    need = dict(zip(UnitArgs._fields, ctx.needs_input_grad))
-    grads = dict(_NO_GRADS)
-    mask = [need["x"], need["weight"], need["bias"] and ctx.has_bias,
-            need["bn_weight"] and bn_weight is not None, need["bn_bias"] and bn_bias is not None]
+    need = ctx.needs_input_grad
+    mask = [need[_SLOT["x"]], need[_SLOT["weight"]], need[_SLOT["bias"]] and ctx.has_bias,
+            need[_SLOT["bn_weight"]] and bn_weight is not None,
+            need[_SLOT["bn_bias"]] and bn_bias is not None]
+    grads: list[Tensor | None] = [None] * len(UnitArgs._fields)
     if any(mask):
         stride, padding, dilation = ctx.geometry
         outs = backward_op(*BackwardArgs(grad_out, x, weight, bn_weight, bn_bias, mean, invstd,
                                          stride, padding, dilation, ctx.batch_stats, mask))
-        for name, g, m in zip(("x", "weight", "bias", "bn_weight", "bn_bias"), outs, mask):
-            grads[name] = g if m else None
+        for slot, g, m in zip(_BACKWARD_SLOTS, outs, mask):
+            if m:
+                grads[slot] = g
     # mean and invstd are functions of x when batch_stats is set; their contribution is folded
     # into grad_x, so they take no gradient of their own. The residual's gradient is grad_out.
-    if ctx.has_residual and need["residual"]:
-        grads["residual"] = grad_out
-    return tuple(grads.values())
+    if ctx.has_residual and need[_SLOT["residual"]]:
+        grads[_SLOT["residual"]] = grad_out
+    return tuple(grads)
 
 
 def _backward(ctx, grad_out):

@@ -57,11 +57,4 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def __getattr__(name: str):
-    # The op handles (torch.ops.fusedres_cuda.<op>), looked up on first use: a namespace whose
-    # definition failed (fusedres._extension.LOAD_ERROR) must not break importing this module.
-    if name in OPS:
-        op = getattr(getattr(torch.ops, NAMESPACE), name)
-        globals()[name] = op  # later lookups find it directly
-        return op
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _extension.op_handles(__name__, globals(), NAMESPACE)
