@@ -7,10 +7,15 @@ from __future__ import annotations
 
 from . import (
     _extension,  # loads fusedres._C (its load error is reported, not raised)  # noqa: F401
+    activation_checkpoint,
+    distributed,
     functional,
     memory,
     models,
-    ops,  # registers the torch.library ops  # noqa: F401
+    opdefs,
+    ops,  # registers the torch.library ops
+    settings,
+    unit_shapes,
 )
 from ._backend import (
     BACKENDS,
@@ -33,14 +38,20 @@ __all__ = [
     "BackendUnavailableError",
     "PreActBasicBlock",
     "PreActBottleneck",
+    "activation_checkpoint",
     "available_backends",
+    "distributed",
     "functional",
     "fuse",
     "get_backend",
     "memory",
     "models",
+    "opdefs",
+    "ops",
     "resolve_backend",
     "set_backend",
+    "settings",
     "unavailable_reason",
+    "unit_shapes",
     "use_backend",
 ]

@@ -209,6 +209,39 @@ def private_imports(modules: dict[str, Module]) -> list[str]:
     return sorted(set(out))
 
 
+def _literal_all(module: Module) -> set[str] | None:
+    for node in module.tree.body:
+        if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == "__all__"):
+            try:
+                return set(ast.literal_eval(node.value))
+            except ValueError:
+                return None
+    return None
+
+
+def non_public_app_imports(modules: dict[str, Module]) -> list[str]:
+    """What apps import from the library that its ``__all__`` does not export: a name missing
+    from its module's ``__all__``, or a module missing from its package's ``__all__``."""
+    out = []
+    for mod in modules.values():
+        if not is_app(mod.name):
+            continue
+        for target, name, line, _ in mod.imports:
+            if is_app(target) or target not in modules:
+                continue
+            if name is None:
+                package, _, sub = target.rpartition(".")
+                exported = _literal_all(modules[package]) if package in modules else None
+                if exported is not None and sub not in exported:
+                    out.append(f"{mod.name}:{line}: module {target} (not in {package}.__all__)")
+            else:
+                exported = _literal_all(modules[target])
+                if exported is not None and name not in exported:
+                    out.append(f"{mod.name}:{line}: {target}.{name} (not in its __all__)")
+    return sorted(set(out))
+
+
 def library_imports_apps(modules: dict[str, Module]) -> list[str]:
     return sorted(f"{m.name}:{line}: {t}" for m in modules.values() if not is_app(m.name)
                   for t, _, line, _ in m.imports if is_app(t))

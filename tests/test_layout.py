@@ -157,6 +157,10 @@ def test_no_private_cross_module_imports():
     assert layout.private_imports(_graph()) == []
 
 
+def test_apps_import_only_what_the_library_exports():
+    assert layout.non_public_app_imports(_graph()) == []
+
+
 def test_library_never_imports_apps():
     assert layout.library_imports_apps(_graph()) == []
 
