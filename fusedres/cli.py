@@ -44,6 +44,7 @@ COMMANDS = {
                                 "(units, step, fit, gpu-report)"),
     "demo": ("fusedres.demo", "fused unit vs plain PyTorch: agreement and saved memory"),
     "selftest": ("fusedres.selftest", "run the kernels against the reference on this machine"),
+    "settings": ("fusedres.settings", "the FUSEDRES_* environment variables, and those set here"),
 }
 
 

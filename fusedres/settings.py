@@ -3,7 +3,7 @@
 The one place they are declared. Python code reads them through :func:`get` (which parses and
 checks the value, naming the variable in the error); the C++ kernels read theirs with
 ``std::getenv`` at the moment this table says; ``setup.py`` loads this file by path (it needs no
-torch). ``python -m fusedres.settings`` prints the table that README.md carries
+torch). ``fusedres settings`` prints the table that README.md carries
 (tests/test_layout.py checks that every variable the sources read is declared here and that the
 README's table is this one).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["SETTINGS", "Setting", "get", "markdown_table"]
+__all__ = ["SETTINGS", "Setting", "get", "main", "markdown_table"]
 
 
 @dataclass(frozen=True)
@@ -136,5 +136,20 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """``fusedres settings``: the table, then the variables set in this environment and the
+    value each is read as (exit 2 when one is malformed)."""
     print(markdown_table())
+    status = 0
+    for name in SETTINGS:
+        if name in os.environ:
+            try:
+                print(f"{name}={os.environ[name]!r}: read as {get(name)!r}")
+            except ValueError as exc:
+                print(f"error: {exc}")
+                status = 2
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

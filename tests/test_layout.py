@@ -124,7 +124,7 @@ def test_readme_settings_table_is_the_declared_one():
     assert len(section) == 2, "README.md has no '## Settings' section"
     lines = section[1].split("\n## ", 1)[0].splitlines()
     table = "\n".join(line for line in lines if line.startswith("|"))
-    assert table == settings.markdown_table(), "paste `python -m fusedres.settings` into README"
+    assert table == settings.markdown_table(), "paste `fusedres settings` into README"
 
 
 def test_get_parses_and_names_the_variable():
