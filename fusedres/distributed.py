@@ -25,6 +25,8 @@ the fused modules call instead of the local statistics pass.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -250,3 +252,10 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
         if converted is not child:
             setattr(module, name, converted)
     return module
+
+
+def install_prepare_hook() -> None:
+    """Deprecated, does nothing: ``fusedres.modules.prepare`` routes synchronised BatchNorms
+    (and a BatchNorm's own ``fused_prepare``) itself. Kept so that scripts calling it run on."""
+    warnings.warn("fusedres.distributed.install_prepare_hook is no longer needed and does "
+                  "nothing; remove the call", DeprecationWarning, stacklevel=2)
