@@ -66,6 +66,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("FUSEDRES_TRITON_AUTOTUNE", "bool", "0", "at every Triton kernel launch",
             "Time every config of a kernel once per shape key and keep the fastest (else the "
             "config is chosen by rule)."),
+    Setting("FUSEDRES_RELEASE_FREED_MEMORY", "bool", "1",
+            "when `fusedres train` sets up a CPU run with --memory-budget",
+            "Tell glibc's malloc to return freed blocks to the system "
+            "(`fusedres.memory.release_freed_memory`), so that the budget bounds the process's "
+            "resident set; 0: leave the allocator as it is."),
     # ---- kernel tuning, read by the C++ kernels (csrc/)
     Setting("FUSEDRES_CPU_TILE_BYTES", "int", "",
             "at every cpu-backend call (csrc/cpu), and by the memory accounting through "

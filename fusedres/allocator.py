@@ -1,0 +1,100 @@
+"""The process's memory as the system sees it: glibc's allocator told to hand freed blocks back,
+and the resident set (current and peak) read from Linux.
+
+Why: a budget planned over live tensors (:mod:`fusedres.planner`) bounds the process only if
+freed memory leaves it. glibc's malloc serves large blocks with mmap, but its threshold is
+dynamic: once a block of size s is freed it raises the threshold to s (and the trim threshold
+to 2s), so later blocks of that size come from the heap and stay resident after ``free``. A
+training step frees and reallocates activations of every size each step; the process then
+holds the freed blocks as well as the live ones. Setting both thresholds explicitly turns the
+dynamic adjustment off (``mallopt(3)``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+
+__all__ = ["MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "peak_rss_bytes",
+           "release_freed_memory", "reset_peak_rss", "rss_bytes"]
+
+# glibc's malloc.h: #define M_TRIM_THRESHOLD -1, #define M_MMAP_THRESHOLD -3.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# Blocks of 64 KiB and up are mmapped (unmapped at free); the heap's top is given back once
+# 128 KiB of it is free (glibc's own starting values are 128 KiB and 256 KiB).
+MMAP_THRESHOLD_BYTES = 64 * 2 ** 10
+TRIM_THRESHOLD_BYTES = 128 * 2 ** 10
+
+_applied = False
+
+
+def _glibc_version() -> str | None:
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.36"; absent or None elsewhere
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def release_freed_memory() -> tuple[bool, str]:
+    """Make glibc return freed memory to the system: ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` and
+    ``mallopt(M_TRIM_THRESHOLD, 128 KiB)``, which also turn off its dynamic thresholds.
+
+    Affects blocks allocated from now on (allocate the model after calling it). Idempotent.
+    Returns ``(True, what was set)``, or ``(False, why not)`` on a platform without glibc or
+    when ``mallopt`` refuses; nothing is changed then."""
+    global _applied
+    if _applied:
+        return True, "already set"
+    version = _glibc_version()
+    if not version or not version.startswith("glibc"):
+        return False, "not glibc (mallopt's thresholds are glibc's)"
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError) as e:
+        return False, f"mallopt not found ({e})"
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    for param, value, name in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES, "M_MMAP_THRESHOLD"),
+                               (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES, "M_TRIM_THRESHOLD")):
+        if mallopt(param, value) != 1:  # mallopt returns 1 on success
+            return False, f"mallopt({name}, {value}) failed"
+    _applied = True
+    return True, (f"{version}: M_MMAP_THRESHOLD {MMAP_THRESHOLD_BYTES} B, "
+                  f"M_TRIM_THRESHOLD {TRIM_THRESHOLD_BYTES} B")
+
+
+def rss_bytes() -> int | None:
+    """The process's resident set now, in bytes (``/proc/self/statm``); None where there is no
+    /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set, in bytes: ``VmHWM`` from ``/proc/self/status`` (this
+    address space's high-water mark, which :func:`reset_peak_rss` can lower), else
+    ``getrusage``'s ``ru_maxrss`` (KiB on Linux; a lifetime peak that can also hold the
+    pre-exec image's)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the peak resident set to the current one (Linux >= 4.0: ``5`` written to
+    ``/proc/self/clear_refs``), so that :func:`peak_rss_bytes` then reads the peak since now.
+    False where that is not allowed; the peak stays the lifetime one."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
