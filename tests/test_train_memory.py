@@ -41,7 +41,9 @@ def test_memory_report_warns_when_measured_exceeds_budget(capsys):
     p = fusedres.memory.plan(model, (4, 3, 8, 8), 2 ** 30, predict_cuda=False)
     run = types.SimpleNamespace(plan_summary=p, device=torch.device("cpu"),
                                 live=types.SimpleNamespace(peak_bytes=3 * 2 ** 20),
-                                memory_budget=2 ** 20, cfg={"memory_budget": "1MiB"})
+                                memory_budget=2 ** 20, cfg={"memory_budget": "1MiB"},
+                                rss_baseline=None, rss_peak_since_baseline=False,
+                                allocator=None)
     report = Run._memory_report(run)
     err = capsys.readouterr().err
     assert "warning: the measured peak 3.0 MiB exceeds --memory-budget 1MiB" in err
@@ -50,6 +52,34 @@ def test_memory_report_warns_when_measured_exceeds_budget(capsys):
     run.memory_budget = 4 * 2 ** 20
     Run._memory_report(run)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_run_reports_peak_rss_above_baseline(tmp_path, capsys):
+    """On CPU with --memory-budget the run sets glibc's thresholds, takes the resident set
+    before the first step, and reports the peak above it: present, positive, within budget."""
+    out = tmp_path / "run"
+    assert main([*TINY, "--out", str(out), "--memory-budget", "64MiB"]) == 0
+    err = capsys.readouterr().err
+    s = json.loads((out / "summary.json").read_text())
+    line = next(x for x in err.splitlines() if "memory: predicted peak" in x)
+    assert "process peak RSS" in line and "above the pre-step baseline" in line
+    assert s["allocator"].startswith("glibc") or s["allocator"] == "already set"
+    assert s["rss_baseline_bytes"] > 0
+    assert 0 < s["peak_rss_above_baseline_bytes"] <= s["memory_budget_bytes"]
+    assert "warning" not in err
+
+
+def test_release_freed_memory_returns_blocks_to_the_system():
+    applied, what = fusedres.memory.release_freed_memory()
+    assert applied, what  # this machine's libc is glibc
+    assert fusedres.memory.release_freed_memory()[0]  # idempotent
+    # A freed 64 MiB block leaves the resident set (it was mmapped); the peak keeps it.
+    assert fusedres.memory.reset_peak_rss()
+    before = fusedres.memory.rss_bytes()
+    block = torch.ones(16 * 2 ** 20)
+    del block
+    assert fusedres.memory.rss_bytes() - before < 8 * 2 ** 20
+    assert fusedres.memory.peak_rss_bytes() - before >= 60 * 2 ** 20
 
 
 def test_budget_flags(tmp_path, capsys):

@@ -21,7 +21,7 @@ import yaml
 
 import fusedres
 from fusedres import distributed as fdist
-from fusedres import models
+from fusedres import models, settings
 from fusedres.memory import LiveTensorTracker, PlanError, SavedTensorCounter
 
 from . import checkpoint as ckpt
@@ -204,6 +204,15 @@ class Run:
         self.device = _device(cfg, self.local_rank)
         _check_backend(cfg, self.device)
         self.scope.enter_context(fusedres.use_backend(cfg["backend"]))
+        # On CPU a budget bounds the process only if freed blocks leave it: set glibc's
+        # thresholds before the data, the model and the optimizer allocate.
+        self.allocator = None
+        if (self.device.type == "cpu" and cfg["memory_budget"] is not None
+                and settings.get("FUSEDRES_RELEASE_FREED_MEMORY")):
+            applied, self.allocator = fusedres.memory.release_freed_memory()
+            if not applied:
+                print(f"fusedres train: note: freed memory is not returned to the system: "
+                      f"{self.allocator}", file=sys.stderr)
         if cfg["amp"] == "fp16" and self.device.type == "cpu" and cfg["compile"]:
             raise UsageError("--amp fp16 with --compile: not supported on CPU; use --amp bf16")
 
@@ -470,8 +479,19 @@ class Run:
         self.live = LiveTensorTracker()
         return self.live
 
+    def _rss_baseline(self) -> None:
+        """On CPU with --memory-budget: the resident set once the data, the model and the
+        optimizer are built, before the first step. The peak is reset to it where Linux
+        allows, so the report's figure is the rise over the steps (else the peak is the
+        process's lifetime one and the figure an upper bound on that rise)."""
+        self.rss_baseline, self.rss_peak_since_baseline = None, False
+        if self.device.type == "cpu" and self.memory_budget is not None:
+            self.rss_peak_since_baseline = fusedres.memory.reset_peak_rss()
+            self.rss_baseline = fusedres.memory.rss_bytes()
+
     def train(self) -> int:
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._rss_baseline()
         try:
             with self._memory_tracker():
                 if self.live is not None:
@@ -630,19 +650,37 @@ class Run:
             tensors = p.step.tensor_peak_bytes + p.step.resident
             pred_text = (f"{M.format_bytes(pred)} = tensors {M.format_bytes(tensors)} + kernel "
                          f"workspace {M.format_bytes(p.step.workspace)} (not seen by the tracker)")
+        # The process's peak resident set above the baseline taken before the first step
+        # (Run._rss_baseline): what the steps added, tensors and the allocator's slack
+        # together. The tensors already resident then (weights, data) are in the budget and
+        # not in this figure.
+        rss = None
+        if not cuda and self.rss_baseline is not None:
+            rss = fusedres.memory.peak_rss_bytes() - self.rss_baseline
+        rss_text = ("" if rss is None else
+                    f"; process peak RSS {M.format_bytes(rss)} above the pre-step baseline"
+                    + ("" if self.rss_peak_since_baseline else " (lifetime peak: an upper bound)"))
         lines = [f"memory: predicted peak {pred_text}; measured {M.format_bytes(measured)} "
-                 f"({kind})"]
+                 f"({kind}){rss_text}"]
         budget = self.memory_budget
         if budget is not None and measured is not None and measured > budget:
             lines.append(f"warning: the measured peak {M.format_bytes(measured)} exceeds "
                          f"--memory-budget {self.cfg['memory_budget']} "
                          f"({M.format_bytes(budget)})")
+        if budget is not None and rss is not None and rss > budget:
+            lines.append(f"warning: the process's peak RSS above its baseline, "
+                         f"{M.format_bytes(rss)}, exceeds --memory-budget "
+                         f"{self.cfg['memory_budget']} ({M.format_bytes(budget)})"
+                         + ("" if self.allocator else
+                            "; FUSEDRES_RELEASE_FREED_MEMORY=0 leaves freed blocks resident"))
         for line in lines:
             print(f"fusedres train: {line}", file=sys.stderr)
         return {"memory_budget_bytes": budget, "predicted_peak_bytes": pred,
                 "predicted_cuda_peak_bytes": None if p.cuda_step is None
                 else p.cuda_step.peak_bytes,
-                "measured_peak_bytes": measured, "measured_peak_kind": kind}
+                "measured_peak_bytes": measured, "measured_peak_kind": kind,
+                "rss_baseline_bytes": None if cuda else self.rss_baseline,
+                "peak_rss_above_baseline_bytes": rss, "allocator": self.allocator}
 
     def _finish(self) -> None:
         self.save_checkpoint()
