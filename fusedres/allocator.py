@@ -40,12 +40,17 @@ def release_freed_memory() -> tuple[bool, str]:
     """Make glibc return freed memory to the system: ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` and
     ``mallopt(M_TRIM_THRESHOLD, 128 KiB)``, which also turn off its dynamic thresholds.
 
-    Affects blocks allocated from now on (allocate the model after calling it). Idempotent.
-    Returns ``(True, what was set)``, or ``(False, why not)`` on a platform without glibc or
-    when ``mallopt`` refuses; nothing is changed then."""
+    Affects blocks allocated from now on (allocate the model after calling it), for the whole
+    process. Idempotent. Returns ``(True, what was set)``, or ``(False, why not)`` on a platform
+    without glibc, when ``mallopt`` refuses, or when the environment already sets glibc's
+    ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` (the user's choice is kept);
+    nothing is changed then."""
     global _applied
     if _applied:
         return True, "already set"
+    own = [v for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if v in os.environ]
+    if own:
+        return False, f"the environment sets {', '.join(own)}: glibc keeps those"
     version = _glibc_version()
     if not version or not version.startswith("glibc"):
         return False, "not glibc (mallopt's thresholds are glibc's)"

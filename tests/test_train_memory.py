@@ -69,7 +69,16 @@ def test_run_reports_peak_rss_above_baseline(tmp_path, capsys):
     assert "warning" not in err
 
 
-def test_release_freed_memory_returns_blocks_to_the_system():
+def test_release_freed_memory_keeps_the_users_malloc_settings(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    monkeypatch.setattr(fusedres.allocator, "_applied", False)
+    applied, why = fusedres.memory.release_freed_memory()
+    assert not applied and "MALLOC_MMAP_THRESHOLD_" in why
+
+
+def test_release_freed_memory_returns_blocks_to_the_system(monkeypatch):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
     applied, what = fusedres.memory.release_freed_memory()
     assert applied, what  # this machine's libc is glibc
     assert fusedres.memory.release_freed_memory()[0]  # idempotent
