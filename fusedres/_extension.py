@@ -35,7 +35,6 @@ except ImportError as exc:  # not built (Python-only install) or built for anoth
     LOAD_ERROR = f"the compiled extension fusedres._C is not available ({exc})"
 
 
-
 def _schema_error(exc: Exception) -> str:
     # The dispatcher's message: a headline, then "operator:", the two schemas and "reason:".
     lines = [line.strip() for line in str(exc).splitlines()]
