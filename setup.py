@@ -1,17 +1,10 @@
 """Build of fusedres, its optional product extension ``fusedres._C`` and the test extension
 ``fusedres._C_cuda_host``.
 
-Switches (environment variables, declared in fusedres/settings.py):
-  FUSEDRES_BUILD_EXT      auto (default: build fusedres._C when a C++ compiler is found; a
-                          failed build warns and installs Python-only) | 1 (failure is fatal) | 0
-  FUSEDRES_BUILD_CUDA     auto (default: when nvcc is found, torch has CUDA and csrc/cuda has
-                          sources) | 1 | 0: the nvcc copy of csrc/cuda in fusedres._C
-  FUSEDRES_BUILD_TEST_EXT 0 (default) | 1 | auto (when the build is in place: `setup.py
-                          build_ext --inplace` or `develop`, a developer's checkout): the test
-                          extension fusedres._C_cuda_host, csrc/cuda/host (the CUDA kernels
-                          executed on CPU, and the layer's test ops). `make test` and CI build it.
+Switches: FUSEDRES_BUILD_EXT, FUSEDRES_BUILD_CUDA, FUSEDRES_BUILD_TEST_EXT and
+FUSEDRES_CPU_NATIVE, declared (values, defaults, meaning) in fusedres/settings.py, which this
+script loads by path; `fusedres settings` and README's Settings table list them. Also read:
   TORCH_CUDA_ARCH_LIST    default "8.0;9.0" when no GPU is visible
-  FUSEDRES_CPU_NATIVE     1 (default): compile the CPU kernels with -march=native
   MAX_JOBS                default: the number of cores, capped by free memory (2 GiB a job)
 """
 

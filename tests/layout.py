@@ -269,9 +269,6 @@ def app_cross_imports(modules: dict[str, Module]) -> list[str]:
 
 # --------------------------------------------------------------------------- the op's arguments
 
-# The fused op's argument list, in the order of its schema (fusedres/opdefs.py).
-_UNIT_ARGS = ("x", "weight", "bias", "bn_weight", "bn_bias", "mean", "invstd", "residual",
-              "stride", "padding", "dilation")
 _SPELLED = re.compile(r"bn_weight,\s*bn_bias,\s*(?:state\.)?mean,\s*(?:state\.)?invstd")
 
 
