@@ -16,14 +16,17 @@
 
 namespace {
 
-// cpu_tile_samples(n, bytes_per_sample, weight_bytes) -> int
+// cpu_tile_samples(n, bytes_per_sample, weight_bytes, channels_last=False) -> int
 PyObject* cpu_tile_samples(PyObject* /*self*/, PyObject* args) {
   long long n = 0, bytes_per_sample = 0, weight_bytes = 0;
-  if (!PyArg_ParseTuple(args, "LLL:cpu_tile_samples", &n, &bytes_per_sample, &weight_bytes)) {
+  int channels_last = 0;
+  if (!PyArg_ParseTuple(args, "LLL|p:cpu_tile_samples", &n, &bytes_per_sample, &weight_bytes,
+                        &channels_last)) {
     return nullptr;
   }
   try {
-    return PyLong_FromLongLong(fusedres::cpu::tile_samples(n, bytes_per_sample, weight_bytes));
+    return PyLong_FromLongLong(
+        fusedres::cpu::tile_samples(n, bytes_per_sample, weight_bytes, channels_last != 0));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -32,10 +35,10 @@ PyObject* cpu_tile_samples(PyObject* /*self*/, PyObject* args) {
 
 PyMethodDef methods[] = {
     {"cpu_tile_samples", cpu_tile_samples, METH_VARARGS,
-     "cpu_tile_samples(n, bytes_per_sample, weight_bytes) -> int\n\n"
+     "cpu_tile_samples(n, bytes_per_sample, weight_bytes, channels_last=False) -> int\n\n"
      "Samples per batch tile of the cpu backend's fused unit (csrc/cpu/bn_relu_conv2d.cpp) for\n"
      "a batch of n samples of bytes_per_sample bytes (activation + output) each and a weight of\n"
-     "weight_bytes. Reads FUSEDRES_CPU_TILE_BYTES, FUSEDRES_CPU_TILE_WEIGHT_X and torch's\n"
+     "weight_bytes; channels_last: the unit's input is channels_last. Reads FUSEDRES_CPU_TILE_BYTES, FUSEDRES_CPU_TILE_WEIGHT_X and torch's\n"
      "thread count now."},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -76,16 +76,18 @@ def has_kernels(namespace: str, dispatch_key: str, *names: str) -> bool:
     )
 
 
-def cpu_tile_samples(n: int, bytes_per_sample: int, weight_bytes: int) -> int | None:
+def cpu_tile_samples(n: int, bytes_per_sample: int, weight_bytes: int,
+                     channels_last: bool = False) -> int | None:
     """Samples per batch tile of the cpu backend's fused unit, for a batch of ``n`` samples of
-    ``bytes_per_sample`` bytes each (activation + output, in the weight's dtype) and a weight of
-    ``weight_bytes``: the rule csrc/cpu/bn_relu_conv2d.cpp runs, evaluated now (it reads
-    FUSEDRES_CPU_TILE_BYTES, FUSEDRES_CPU_TILE_WEIGHT_X and torch's thread count). None when
-    ``fusedres._C`` is not loaded."""
+    ``bytes_per_sample`` bytes each (activation + output, in the weight's dtype), a weight of
+    ``weight_bytes`` and an input in channels_last (``channels_last``) or NCHW: the rule
+    csrc/cpu/bn_relu_conv2d.cpp runs, evaluated now (it reads FUSEDRES_CPU_TILE_BYTES,
+    FUSEDRES_CPU_TILE_WEIGHT_X and torch's thread count). None when ``fusedres._C`` is not
+    loaded."""
     if not LOADED:
         return None
     return importlib.import_module("fusedres._C").cpu_tile_samples(
-        int(n), int(bytes_per_sample), int(weight_bytes))
+        int(n), int(bytes_per_sample), int(weight_bytes), bool(channels_last))
 
 
 CUDA_HOST_MODULE = "fusedres._C_cuda_host"

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import _extension
-from .opdefs import ConvGeometry, bind
+from .opdefs import ConvGeometry, bind, suggests_channels_last
 
 __all__ = ["CUDA_BLOCK_BYTES", "LiveTensorTracker", "SavedTensor", "SavedTensorCounter",
            "StepMemory", "cpu_op_workspace_bytes", "format_bytes", "optimizer_spec", "saved_bytes",
@@ -367,7 +367,8 @@ def cpu_op_workspace_bytes(func, args, kwargs=None) -> int:
     ho, wo = ConvGeometry(bound["stride"], bound["padding"], bound["dilation"]).out_hw(h, w, kh, kw)
     size = weight.element_size()
     per_sample = (c * h * w + co * ho * wo) * size
-    nb = _extension.cpu_tile_samples(n, per_sample, weight.numel() * size)
+    nb = _extension.cpu_tile_samples(n, per_sample, weight.numel() * size,
+                                     suggests_channels_last(x))
     if nb is None:
         return 0
     a_tile, o_tile = nb * c * h * w * size, nb * co * ho * wo * size

@@ -26,7 +26,7 @@ from torch import Tensor
 
 __all__ = ["SCHEMAS", "BackwardArgs", "ConvGeometry", "UnitArgs", "arg_names",
            "backward_outputs", "bind", "conv_out_size", "define_namespace", "out_memory_format",
-           "out_shape", "scale_shift", "stats_dtype"]
+           "out_shape", "scale_shift", "stats_dtype", "suggests_channels_last"]
 
 # The fused unit's inputs (shared/design.md): the BatchNorm's input, the convolution, the
 # BatchNorm's affine and statistics (mean, 1/sqrt(var + eps)), the residual, the conv geometry,
@@ -159,7 +159,9 @@ def out_shape(x: Tensor, weight: Tensor, stride, padding, dilation) -> tuple[int
     return (n, co, *ConvGeometry(stride, padding, dilation).out_hw(h, w, kh, kw))
 
 
-def _suggests_channels_last(t: Tensor) -> bool:
+def suggests_channels_last(t: Tensor) -> bool:
+    """channels_last-dense and not also plain-contiguous (csrc/common.h's rule): the layout the
+    kernels walk ``t`` in."""
     return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 
@@ -169,7 +171,7 @@ def out_memory_format(x: Tensor, weight: Tensor) -> torch.memory_format:
     Every backend returns exactly this layout so that real and fake kernels agree on strides
     (the C++ kernels' copy of the rule is csrc/common.h's; opcheck compares them).
     """
-    if _suggests_channels_last(x) or _suggests_channels_last(weight):
+    if suggests_channels_last(x) or suggests_channels_last(weight):
         return torch.channels_last
     return torch.contiguous_format
 

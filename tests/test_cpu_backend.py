@@ -144,14 +144,18 @@ def _tile_rule(n, bytes_per_sample, weight_bytes, tile_bytes, weight_x=4):
 
 def test_tile_rule_is_exported_from_the_extension(monkeypatch):
     """_extension.cpu_tile_samples runs the kernels' own rule, reading the environment and the
-    thread count at the call."""
-    default = torch.get_num_threads() * 2**20
-    for n, per_sample, weight in [(128, 131072, 9216), (7, 300_000, 0), (1, 10, 10),
-                                  (64, 1 << 20, 1 << 22), (5, 0, 0)]:
-        assert _extension.cpu_tile_samples(n, per_sample, weight) == _tile_rule(
-            n, per_sample, weight, default), (n, per_sample, weight)
+    thread count at the call: 1 MiB per thread for NCHW inputs, 4 MiB for channels_last."""
+    for channels_last, mib in ((False, 1), (True, 4)):
+        default = torch.get_num_threads() * mib * 2**20
+        for n, per_sample, weight in [(128, 131072, 9216), (7, 300_000, 0), (1, 10, 10),
+                                      (64, 1 << 20, 1 << 22), (5, 0, 0), (128, 81920, 65536)]:
+            assert _extension.cpu_tile_samples(n, per_sample, weight, channels_last) == _tile_rule(
+                n, per_sample, weight, default), (n, per_sample, weight, channels_last)
+    assert _extension.cpu_tile_samples(128, 81920, 65536) < _extension.cpu_tile_samples(
+        128, 81920, 65536, True)
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "300000")
     assert _extension.cpu_tile_samples(7, 100_000, 0) == 3  # 3 fit: tiles of 3, 3 and 1
+    assert _extension.cpu_tile_samples(7, 100_000, 0, True) == 3  # the variable sets both
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "0")
     assert _extension.cpu_tile_samples(7, 100_000, 0) == 7
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "1000")
@@ -277,6 +281,46 @@ def test_batch_tiling_is_invisible(monkeypatch, k, tile_bytes, channels_last, co
               a.dim() == 4 else a for a in args]
         bf[2] = bf[2].bfloat16()
         _compare_with_portable(bf, torch.bfloat16)
+
+
+@pytest.mark.parametrize("gemm", ["1", "0"], ids=["gemm", "onednn"])
+@pytest.mark.parametrize("residual", ["nhwc", "nchw", "none"])
+@pytest.mark.parametrize("tile_bytes", ["300000", "0"], ids=["tiles", "one"])
+def test_channels_last_1x1_as_one_gemm(monkeypatch, gemm, residual, tile_bytes):
+    """A channels_last 1x1 unit runs as one GEMM per tile (the residual added by the GEMM when
+    it is channels_last too, afterwards when not) and gives what oneDNN's convolution gives."""
+    cl = torch.channels_last
+    args = _inputs(n=7, c=19, h=9, w=10, co=24, k=(1, 1), padding=(0, 0), x_format=cl,
+                   w_format=cl, residual=residual != "none")
+    if residual == "nhwc":
+        args[7] = args[7].contiguous(memory_format=cl)
+    monkeypatch.setenv("FUSEDRES_CPU_GEMM_1X1", gemm)
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
+    _compare_with_portable(args, torch.float32)
+    _compare_with_portable(args, torch.float32, mask=[True, True, True, False, False])
+    f64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+           for a in args]
+    _compare_with_portable(f64, torch.float64)
+
+
+@pytest.mark.parametrize("c,pixels", [(24, (3, 5, 5)), (17, (2, 9, 9)), (40, (1, 3, 3)),
+                                      (3, (2, 7, 5)), (1000, (2, 3, 2))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_nhwc_channels_off_the_vector_width(c, pixels, dtype):
+    """NHWC tensors whose channel count is not a multiple of the vector width are walked in
+    rows of lcm(C, lanes) values, the leftover pixels (here 75 = 2 * 36 + 3 of 24 channels;
+    fewer pixels than one period for C=40 at 1x3x3) as ordinary rows: statistics, forward
+    and backward agree with the portable backend."""
+    n, h, w = pixels
+    args = _inputs(n=n, c=c, h=h, w=w, co=5, k=(1, 1), padding=(0, 0), dtype=dtype,
+                   x_format=torch.channels_last)
+    _compare_with_portable(args, dtype)
+    x = args[0]
+    mean, var = OPS.batch_stats(x)
+    var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(mean.double(), mean64, atol=tol, rtol=tol)
+    torch.testing.assert_close(var.double(), var64, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

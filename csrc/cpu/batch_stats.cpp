@@ -170,9 +170,23 @@ std::tuple<at::Tensor, at::Tensor> batch_stats_kernel(const at::Tensor& x, Layou
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     if (layout == Layout::NCHW) {
       stats_nchw(xp, N * C, C, HW, acc);
-    } else {
-      stats_nhwc(xp, N * HW, C, acc);
+      return;
     }
+    const Periods pr = nhwc_periods(x);
+    if (!pr.P) {
+      stats_nhwc(xp, N * HW, C, acc);
+      return;
+    }
+    // Rows of P = lcm(C, lanes) values, then each lane's moments merged into its channel's.
+    std::vector<Moments> acc_p(static_cast<size_t>(threads) * pr.P);
+    stats_nhwc(xp, pr.rows, pr.P, acc_p);
+    for (int t = 0; t < threads; ++t) {
+      for (int64_t j = 0; j < pr.P; ++j) {
+        const Moments& m = acc_p[static_cast<size_t>(t) * pr.P + j];
+        acc[static_cast<size_t>(t) * C + j % C].merge(m.n, m.mean, m.m2);
+      }
+    }
+    if (pr.rest) stats_nhwc(xp + pr.rows * pr.P, pr.rest, C, acc);
   });
   auto stats_type = at::toOpMathType(x.scalar_type());
   at::Tensor mean = at::empty({C}, x.options().dtype(at::kDouble));

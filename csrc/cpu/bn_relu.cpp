@@ -388,6 +388,29 @@ void transpose_impl(const T* src, T* dst, int64_t N, int64_t R, int64_t Q, const
   });
 }
 
+
+// ----------------------------------------------------------------------------- NHWC periods
+
+// Rows [first, first + rows) of length len of a dense NHWC tensor t (counted from its start in
+// values), as an NHWC (rows, len, 1, 1) view.
+at::Tensor rows_view(const at::Tensor& t, int64_t first, int64_t rows, int64_t len) {
+  return t.as_strided({rows, len, 1, 1}, {len, 1, len, len}, t.storage_offset() + first);
+}
+
+// v (C,) repeated to P values.
+// (A plain loop: at::repeat costs ~20 us a call, several times a 16-channel tile's kernel.)
+at::Tensor repeated(const at::Tensor& v, int64_t P) {
+  const at::Tensor src = v.contiguous();
+  at::Tensor out = at::empty({P}, src.options());
+  const int64_t C = src.numel();
+  AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "repeated", [&] {
+    const scalar_t* in = src.const_data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t j = 0; j < P; ++j) o[j] = in[j % C];
+  });
+  return out;
+}
+
 }  // namespace
 
 void transpose_layout_kernel(const at::Tensor& src, at::Tensor& dst, Layout src_layout,
@@ -408,6 +431,21 @@ void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tens
                     at::Tensor& a, Layout x_layout, Layout a_layout) {
   RECORD_FUNCTION("fusedres_cpu::bn_relu (kernel)", c10::ArrayRef<c10::IValue>{});
   TORCH_INTERNAL_ASSERT(x_layout == a_layout || a_layout == Layout::NHWC);
+  if (x_layout == Layout::NHWC && a_layout == Layout::NHWC) {
+    const Periods pr = nhwc_periods(x);
+    if (pr.P) {
+      const int64_t C = x.size(1), head = pr.rows * pr.P;
+      at::Tensor a_rows = rows_view(a, 0, pr.rows, pr.P);
+      bn_relu_kernel(rows_view(x, 0, pr.rows, pr.P), repeated(scale, pr.P),
+                     repeated(shift, pr.P), a_rows, Layout::NHWC, Layout::NHWC);
+      if (pr.rest) {
+        at::Tensor a_rest = rows_view(a, head, pr.rest, C);
+        bn_relu_kernel(rows_view(x, head, pr.rest, C), scale, shift, a_rest, Layout::NHWC,
+                       Layout::NHWC);
+      }
+      return;
+    }
+  }
   const bool done = dispatch_pair(x.scalar_type(), a.scalar_type(), [&](auto xv, auto wv) {
     using X = decltype(xv);
     using W = decltype(wv);
@@ -438,6 +476,27 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
     backward_reduce_da_nhwc_impl(da, x, scale, shift, mean, out_scale, sums, dz_out);
     return;
   }
+  if (layout == Layout::NHWC) {
+    const Periods pr = nhwc_periods(x);
+    if (pr.P) {
+      const int64_t C = x.size(1), head = pr.rows * pr.P, threads = sums.size(0);
+      at::Tensor sums_p = at::zeros({threads, 2, pr.P}, sums.options());
+      at::Tensor dz_rows = dz_out ? rows_view(*dz_out, 0, pr.rows, pr.P) : at::Tensor();
+      bn_relu_backward_reduce_kernel(
+          rows_view(da, 0, pr.rows, pr.P), rows_view(x, 0, pr.rows, pr.P),
+          repeated(scale, pr.P), repeated(shift, pr.P), repeated(mean, pr.P),
+          repeated(out_scale, pr.P), sums_p, dz_out ? &dz_rows : nullptr, layout, layout);
+      sums.add_(sums_p.view({threads, 2, pr.P / C, C}).sum(2));
+      if (pr.rest) {
+        at::Tensor dz_rest = dz_out ? rows_view(*dz_out, head, pr.rest, C) : at::Tensor();
+        bn_relu_backward_reduce_kernel(rows_view(da, head, pr.rest, C),
+                                       rows_view(x, head, pr.rest, C), scale, shift, mean,
+                                       out_scale, sums, dz_out ? &dz_rest : nullptr, layout,
+                                       layout);
+      }
+      return;
+    }
+  }
   const bool done = dispatch_pair(x.scalar_type(), da.scalar_type(), [&](auto xv, auto wv) {
     using X = decltype(xv);
     using W = decltype(wv);
@@ -455,6 +514,22 @@ void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const a
                               const at::Tensor& k1, const at::Tensor& k2, const at::Tensor& k3,
                               at::Tensor& gx, Layout layout) {
   RECORD_FUNCTION("fusedres_cpu::bn_dx (kernel)", c10::ArrayRef<c10::IValue>{});
+  if (layout == Layout::NHWC) {
+    const Periods pr = nhwc_periods(x);
+    if (pr.P) {
+      const int64_t C = x.size(1), head = pr.rows * pr.P;
+      at::Tensor gx_rows = rows_view(gx, 0, pr.rows, pr.P);
+      bn_backward_apply_kernel(rows_view(dz, 0, pr.rows, pr.P), rows_view(x, 0, pr.rows, pr.P),
+                               repeated(mean, pr.P), repeated(k1, pr.P), repeated(k2, pr.P),
+                               repeated(k3, pr.P), gx_rows, layout);
+      if (pr.rest) {
+        at::Tensor gx_rest = rows_view(gx, head, pr.rest, C);
+        bn_backward_apply_kernel(rows_view(dz, head, pr.rest, C), rows_view(x, head, pr.rest, C),
+                                 mean, k1, k2, k3, gx_rest, layout);
+      }
+      return;
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bn_bwd_apply", [&] {
     backward_apply_impl<scalar_t>(dz, x, mean, k1, k2, k3, gx, layout);
   });

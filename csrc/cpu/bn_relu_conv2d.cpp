@@ -7,7 +7,7 @@
 // float32/bfloat16/float16) consumes it while it is still hot; the activation never exists at
 // full size. For spatial kernels the tile is written NHWC, oneDNN's fast layout, and the output
 // tile is transposed back in cache (conv_layout); 1x1 stride-1 convolutions run as batched GEMMs
-// straight into the output (use_gemm_1x1). Backward recomputes the tile's activation,
+// straight into the output (gemm_1x1). Backward recomputes the tile's activation,
 // calls convolution_backward for the tile (data gradient and the tile's share of the weight
 // gradient, summed in float32), and fuses the recomputed ReLU mask with both BatchNorm
 // reductions into one pass over the tile's data gradient; a second pass applies the BatchNorm
@@ -22,15 +22,18 @@ namespace fusedres::cpu {
 
 namespace {
 
-// Bytes of (activation + conv output) per tile, set by measurement (RESULTS.md): 1 MiB per
-// thread, half a core's L2, so that each thread's share of a tile stays in its own cache through
-// the BN-ReLU, the convolution and the transposes. (4 MiB per thread, the rule before, was
-// measured under a load of 9 on 2 cores; on a quiet machine it is 1.1-2x slower for the 3x3
-// units of 16-64 channels, whose whole batch then becomes one tile that spills L2.)
-int64_t tile_bytes() {
+// Bytes of (activation + conv output) per tile, set by measurement (RESULTS.md). NCHW units: 1 MiB
+// per thread, half a core's L2, so that each thread's share of a tile stays in its own cache
+// through the BN-ReLU, the convolution and the layout transposes. (4 MiB per thread, the rule
+// before, was measured under a load of 9 on 2 cores; on a quiet machine it is 1.1-2x slower for
+// the 3x3 units of 16-64 channels, whose whole batch then becomes one tile that spills L2.)
+// channels_last units: 4 MiB per thread. They have no transposes to keep in cache, and
+// oneDNN's and the GEMMs' per-call efficiency falls with small tiles (a 26-sample tile of the
+// 256-channel 8x8 1x1 convolution ran at half the rate of the whole batch on 2 threads).
+int64_t tile_bytes(bool channels_last) {
   // Read at every call so that benchmarks can sweep it; 0 or less means one tile.
   if (const char* env = std::getenv("FUSEDRES_CPU_TILE_BYTES")) return std::atoll(env);
-  return std::max<int64_t>(at::get_num_threads(), 1) * (int64_t(1) << 20);
+  return std::max<int64_t>(at::get_num_threads(), 1) * (int64_t(channels_last ? 4 : 1) << 20);
 }
 
 }  // namespace
@@ -39,8 +42,9 @@ int64_t tile_bytes() {
 // tile re-reads the weights and, in backward, adds a full weight gradient, so the budget grows
 // to 4x the weight bytes: weight-heavy layers (ResNet-50's last stages) run in few tiles.
 // FUSEDRES_CPU_TILE_WEIGHT_X overrides the 4 (8 and 16 measured no better, RESULTS.md).
-int64_t tile_samples(int64_t n, int64_t bytes_per_sample, int64_t weight_bytes) {
-  int64_t budget = tile_bytes();
+int64_t tile_samples(int64_t n, int64_t bytes_per_sample, int64_t weight_bytes,
+                     bool channels_last) {
+  int64_t budget = tile_bytes(channels_last);
   if (budget <= 0 || n <= 0) return std::max<int64_t>(n, 1);
   const char* wx = std::getenv("FUSEDRES_CPU_TILE_WEIGHT_X");
   const int64_t times = wx ? std::atoll(wx) : 4;
@@ -78,20 +82,31 @@ Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial) {
   return weight.size(2) * weight.size(3) > 1 && spatial >= 64 ? Layout::NHWC : x_layout;
 }
 
-// A 1x1, stride-1, unpadded convolution of NCHW tiles is one GEMM per sample,
-// y[n] (Co x HW) = W (Co x C) @ a[n] (C x HW): batched GEMMs write straight into y's slice (no
-// output tile to copy) and add the weight gradient into one float32 accumulator (addbmm). On
-// maps of at least 8x8 that is 1.1-2x faster than oneDNN's 1x1 convolution of the same tiles; on
-// 7x7 maps (ResNet-50's last stage) it is slower (RESULTS.md). FUSEDRES_CPU_GEMM_1X1=0 turns it
-// off. float32 and float64 only (addbmm needs one dtype).
-bool use_gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
-                  const std::vector<int64_t>& padding, Layout a_layout, int64_t spatial) {
+// A 1x1, stride-1, unpadded convolution is a GEMM, run by ATen's BLAS instead of oneDNN's
+// convolution (FUSEDRES_CPU_GEMM_1X1=0 turns both routes off; float32 and float64 only: the
+// weight gradient accumulates in one dtype):
+// - NCHW tiles: one GEMM per sample, y[n] (Co x HW) = W (Co x C) @ a[n] (C x HW), batched
+//   GEMMs straight into y's slice (no output tile to copy) and the weight gradient added into
+//   one float32 accumulator (addbmm). On maps of at least 8x8 that is 1.1-2x faster than
+//   oneDNN's 1x1 convolution of the same tiles; on 7x7 maps (ResNet-50's last stage) it is
+//   slower (RESULTS.md).
+// - channels_last tiles: one GEMM for the whole tile, y (len*H*W x Co) = a (len*H*W x C) @ W^T,
+//   the residual added by the GEMM itself (beta = 1), the data gradient go @ W and the weight
+//   gradient go^T @ a added into the accumulator; backward 1.2-2x faster than oneDNN's on the
+//   CIFAR bottlenecks' 1x1 convolutions (RESULTS.md), forward about the same, at every size.
+enum class Gemm1x1 { None, PerSample, Whole };
+
+Gemm1x1 gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
+                 const std::vector<int64_t>& padding, Layout a_layout, int64_t spatial) {
   const char* env = std::getenv("FUSEDRES_CPU_GEMM_1X1");
-  if (env && env[0] == '0') return false;
+  if (env && env[0] == '0') return Gemm1x1::None;
   const auto dt = weight.scalar_type();
-  return a_layout == Layout::NCHW && weight.size(2) == 1 && weight.size(3) == 1 &&
-         stride[0] == 1 && stride[1] == 1 && padding[0] == 0 && padding[1] == 0 &&
-         (dt == at::kFloat || dt == at::kDouble) && spatial >= 64;
+  if (!(weight.size(2) == 1 && weight.size(3) == 1 && stride[0] == 1 && stride[1] == 1 &&
+        padding[0] == 0 && padding[1] == 0 && (dt == at::kFloat || dt == at::kDouble))) {
+    return Gemm1x1::None;
+  }
+  if (a_layout == Layout::NHWC) return Gemm1x1::Whole;
+  return spatial >= 64 ? Gemm1x1::PerSample : Gemm1x1::None;
 }
 
 std::vector<int64_t> out_shape(const at::Tensor& x, const at::Tensor& w,
@@ -172,21 +187,39 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
   const Layout a_layout = conv_layout(weight, layout, H * W);
   const at::Tensor w = weight.contiguous(memory_format(a_layout));
   const int64_t wsize = weight.element_size();
-  const int64_t nb =
-      tile_samples(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize, weight_bytes(weight));
+  const int64_t nb = tile_samples(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize,
+                                  weight_bytes(weight), layout == Layout::NHWC);
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(memory_format(a_layout)));
-  const bool gemm = use_gemm_1x1(weight, stride, padding, a_layout, H * W) && dense_in(y, Layout::NCHW);
+  Gemm1x1 gemm = gemm_1x1(weight, stride, padding, a_layout, H * W);
+  if (gemm != Gemm1x1::None && !dense_in(y, a_layout)) gemm = Gemm1x1::None;
   const int64_t Co = weight.size(0);
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     at::Tensor a = a_buf.narrow(0, 0, len);
     bn_relu_kernel(x.narrow(0, n0, len), bn.scale, bn.shift, a, layout, a_layout);
-    if (gemm) {
+    if (gemm == Gemm1x1::PerSample) {
       at::Tensor ys = y.narrow(0, n0, len);
       at::Tensor y3 = ys.view({len, Co, H * W});
       at::bmm_out(y3, w.view({1, Co, C}).expand({len, Co, C}), a.view({len, C, H * W}));
       if (bias.has_value()) ys.add_(bias->view({1, Co, 1, 1}));
       if (residual.has_value()) ys.add_(residual->narrow(0, n0, len));
+      continue;
+    }
+    if (gemm == Gemm1x1::Whole) {
+      // Rows of a channels_last tile are pixels: (len*H*W, C) @ (C, Co) into y's rows.
+      at::Tensor ys = y.narrow(0, n0, len);
+      at::Tensor y2 = ys.permute({0, 2, 3, 1}).view({len * H * W, Co});
+      const at::Tensor a2 = a.permute({0, 2, 3, 1}).view({len * H * W, C});
+      const at::Tensor wt = w.view({Co, C}).t();
+      at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
+      if (rs.defined() && rs.scalar_type() == y.scalar_type() && dense_in(rs, Layout::NHWC)) {
+        at::addmm_out(y2, rs.permute({0, 2, 3, 1}).view({len * H * W, Co}), a2, wt);
+        rs = at::Tensor();
+      } else {
+        at::mm_out(y2, a2, wt);
+      }
+      if (bias.has_value()) y2.add_(*bias);
+      if (rs.defined()) ys.add_(rs);
       continue;
     }
     at::Tensor yt = at::convolution(a, w, bias, stride, padding, dilation, false, {0, 0}, 1);
@@ -272,12 +305,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   const at::MemoryFormat a_fmt = memory_format(a_layout);
   const at::Tensor w = weight.contiguous(a_fmt);
   const int64_t nb = tile_samples(N, (C * H * W + go[0].numel()) * weight.element_size(),
-                                  weight_bytes(weight));
+                                  weight_bytes(weight), layout == Layout::NHWC);
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(a_fmt));
-  const bool gemm = use_gemm_1x1(weight, stride, padding, a_layout, H * W) && dense_in(go, Layout::NCHW);
+  Gemm1x1 gemm = gemm_1x1(weight, stride, padding, a_layout, H * W);
+  if (gemm != Gemm1x1::None && !dense_in(go, a_layout)) gemm = Gemm1x1::None;
   at::Tensor gemm_da_buf;
-  if (gemm && want_w) gw_acc = at::zeros(weight.sizes(), weight.options().dtype(wacc));
-  if (gemm && need_da) gemm_da_buf = at::empty({nb, C, H, W}, weight.options());
+  if (gemm != Gemm1x1::None && want_w) gw_acc = at::zeros(weight.sizes(), weight.options().dtype(wacc));
+  if (gemm != Gemm1x1::None && need_da) gemm_da_buf = at::empty({nb, C, H, W}, weight.options().memory_format(a_fmt));
   // Tile buffers for the layout changes around an NHWC convolution of NCHW tensors. A float32
   // NHWC data gradient is read as it is by the first backward pass (no transposed copy).
   at::Tensor go_buf, da_buf;
@@ -301,7 +335,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     at::Tensor a = a_buf.narrow(0, 0, len);
     bn_relu_kernel(xt, bn.scale, bn.shift, a, layout, a_layout);
     at::Tensor da, dw;
-    if (gemm) {
+    if (gemm == Gemm1x1::Whole) {
+      const at::Tensor go2 = got.permute({0, 2, 3, 1}).view({len * H * W, Co});
+      const at::Tensor a2 = a.permute({0, 2, 3, 1}).view({len * H * W, C});
+      if (need_da) {
+        da = gemm_da_buf.narrow(0, 0, len);
+        at::Tensor da2 = da.permute({0, 2, 3, 1}).view({len * H * W, C});
+        at::mm_out(da2, go2, w.view({Co, C}));
+      }
+      if (want_w) gw_acc.view({Co, C}).addmm_(go2.t(), a2);
+    } else if (gemm == Gemm1x1::PerSample) {
       const at::Tensor got3 = got.reshape({len, Co, H * W}), a3 = a.view({len, C, H * W});
       if (need_da) {
         da = gemm_da_buf.narrow(0, 0, len);
