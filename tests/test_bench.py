@@ -16,6 +16,7 @@ import torch
 
 from fusedres import unit_shapes as S
 from fusedres.bench import main
+from fusedres.bench import units as units_mod
 from fusedres.bench.fit import search
 from fusedres.bench.measure import summarize, time_interleaved
 from fusedres.bench.runner import QUICK_FIT, Report
@@ -161,6 +162,73 @@ def test_report_writes_each_part_as_it_finishes(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == ["table one", "table two"]
 
 
+def _unit_row(shape, impl, backend, layout, median_s):
+    return {"shape": shape, "impl": impl, "backend": backend, "layout": layout,
+            "median_s": median_s}
+
+
+def test_layout_ratios_from_known_medians():
+    """Same-layout and best-vs-best ratios of the units report, from given medians: shape A
+    has plain channels_last faster than plain NCHW, shape B the other way round."""
+    rows = [
+        _unit_row("A", "plain", "reference", "nchw", 10.0),
+        _unit_row("A", "channels_last", "reference", "channels_last", 6.0),
+        _unit_row("A", "checkpoint", "reference", "nchw", 13.0),
+        _unit_row("A", "cpu", "cpu", "nchw", 8.0),
+        _unit_row("A", "cpu channels_last", "cpu", "channels_last", 6.6),
+        _unit_row("B", "plain", "reference", "nchw", 4.0),
+        _unit_row("B", "channels_last", "reference", "channels_last", 5.0),
+        _unit_row("B", "cpu", "cpu", "nchw", 2.8),
+        _unit_row("B", "cpu channels_last", "cpu", "channels_last", 5.25),
+    ]
+    for shape in "AB":
+        units_mod.layout_ratios([r for r in rows if r["shape"] == shape])
+    a_nchw, a_cl, b_nchw, b_cl = (r for r in rows if r["backend"] == "cpu")
+    assert a_nchw["same_layout_ratio"] == pytest.approx(0.8)        # 8 / 10
+    assert a_cl["same_layout_ratio"] == pytest.approx(1.1)          # 6.6 / 6
+    assert b_nchw["same_layout_ratio"] == pytest.approx(0.7)        # 2.8 / 4
+    assert b_cl["same_layout_ratio"] == pytest.approx(1.05)         # 5.25 / 5
+    # A: the fused unit's faster layout is channels_last (6.6), plain's too (6): 1.1, on
+    # both rows of the backend; the channels_last row is marked as the faster one.
+    assert a_nchw["best_ratio"] == a_cl["best_ratio"] == pytest.approx(1.1)
+    assert (a_cl["best_fused_layout"], a_cl["best_plain_layout"]) == ("channels_last",
+                                                                      "channels_last")
+    assert a_cl["is_best_layout"] and not a_nchw["is_best_layout"]
+    # B: fused NCHW (2.8) against plain NCHW (4).
+    assert b_cl["best_ratio"] == pytest.approx(0.7) and b_nchw["is_best_layout"]
+    assert b_nchw["best_plain_layout"] == "nchw"
+    # The plain rows get no layout ratios; the table shows best x best once per backend.
+    assert all("same_layout_ratio" not in r for r in rows if r["backend"] == "reference")
+    cells = [units_mod.columns(layouts=True)[6].cell(r) for r in rows]
+    assert [c for c in cells if c != "-"] == ["1.10 (vs cl)", "0.70 (vs nchw)"]
+
+    summary = {s["comparison"]: s for s in units_mod.layout_summary(rows)}
+    assert set(summary) == {"nchw", "channels_last", "best"}
+    assert summary["nchw"]["median_ratio"] == pytest.approx(0.75)
+    assert (summary["nchw"]["above_1"], summary["nchw"]["shapes"]) == (0, 2)
+    assert (summary["channels_last"]["above_1"], summary["channels_last"]["worst_shape"]) == (
+        2, "A")
+    assert summary["channels_last"]["worst_ratio"] == pytest.approx(1.1)
+    assert summary["best"]["median_ratio"] == pytest.approx((1.1 + 0.7) / 2)
+    assert (summary["best"]["above_1"], summary["best"]["worst_shape"]) == (1, "A")
+    lines = units_mod.summary_lines(units_mod.layout_summary(rows))
+    assert lines[2] == ("cpu, best fused / best plain: median 0.90, above 1.0 on 1 of 2 shapes,"
+                        " worst A (1.10)")
+
+
+def test_layout_ratios_without_plain_channels_last():
+    """Plain timed in NCHW only (``--baselines plain``, or a GPU's fused channels_last rows):
+    the same-layout ratio exists for NCHW, best-vs-best does not."""
+    rows = [_unit_row("A", "plain", "reference", "nchw", 10.0),
+            _unit_row("A", "cpu", "cpu", "nchw", 8.0),
+            _unit_row("A", "cpu channels_last", "cpu", "channels_last", 7.0)]
+    units_mod.layout_ratios(rows)
+    assert rows[1]["same_layout_ratio"] == pytest.approx(0.8)
+    assert rows[2]["same_layout_ratio"] is None
+    assert rows[1]["best_ratio"] is None and rows[2]["best_ratio"] is None
+    assert [s["comparison"] for s in units_mod.layout_summary(rows)] == ["nchw"]
+
+
 # --------------------------------------------------------------------------- quick runs
 
 UNIT_ROW_KEYS = {"shape", "kind", "impl", "backend", "layout", "median_s", "iqr_s", "q25_s",
@@ -204,10 +272,27 @@ def test_units_quick_writes_json_markdown_and_png(tmp_path):
     # with the plain channels_last unit, the fused one on channels_last tensors too
     assert {r["impl"] for r in rows} >= {"plain", "channels_last", "checkpoint", "cpu",
                                          "cpu channels_last"}
+    # Same-layout and best-vs-best ratios: on every fused row, from the medians of the run.
+    for r in rows:
+        if r["backend"] == "reference":
+            continue
+        group = {g["impl"]: g for g in rows if g["shape"] == r["shape"]}
+        same = group["plain" if r["layout"] == "nchw" else "channels_last"]
+        assert r["same_layout_ratio"] == r["median_s"] / same["median_s"]
+        mine = [g for g in group.values() if g["backend"] == r["backend"]]
+        best_plain = min(group["plain"]["median_s"], group["channels_last"]["median_s"])
+        assert r["best_ratio"] == min(g["median_s"] for g in mine) / best_plain
+    summary = doc["parts"]["units"]["summary"]
+    assert {(s["backend"], s["comparison"]) for s in summary} >= {
+        ("cpu", "nchw"), ("cpu", "channels_last"), ("cpu", "best")}
+    assert all(s["shapes"] == len(S.SETS["quick"]) for s in summary)
     md = (out / "report.md").read_text()
     assert "| shape | impl | median ms |" in md and "![units](units-ratio.png)" in md
+    assert "| x plain same layout | best x best plain |" in md
+    assert "cpu, best fused / best plain: median" in md
     assert (out / "units-ratio.png").read_bytes()[:8] == PNG_MAGIC
     assert "x plain" in proc.stdout and "quick basic 8-8 @8" in proc.stdout
+    assert "cpu, fused channels_last / plain channels_last: median" in proc.stdout
 
 
 def test_fit_quick_finds_a_budget_bound_answer(tmp_path):

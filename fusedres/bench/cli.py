@@ -95,9 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="your own shape (repeatable), e.g. conv:N=64,C=48,K=3,CO=48,HW=16,S=2,"
                         "res or bottleneck:N=32,C=256,P=64,HW=56,S=2 (replaces --set)")
     u.add_argument("--baselines", default="plain,channels_last,compile,checkpoint",
-                   help="which plain variants to time (plain is always timed: every ratio is "
-                        "to it); with channels_last, each fused backend is timed on "
-                        "channels_last tensors too")
+                   help="which plain variants to time (plain, NCHW, is always timed: `x "
+                        "plain` is to it); with channels_last, each fused backend is timed on "
+                        "channels_last tensors too, and the report adds `x plain same layout` "
+                        "(fused / plain in the same layout) and `best x best plain` (the "
+                        "backend's faster layout / the faster of plain NCHW and plain "
+                        "channels_last), with a summary per backend")
     u.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none",
                    help="run the forwards under torch.autocast to this dtype (float32 "
                         "parameters, as mixed-precision training does)")

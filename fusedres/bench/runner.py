@@ -98,7 +98,9 @@ def _warmup(args, default: int, quick: int) -> int:
 def part_units(rep: Report, args, units, *, baselines, name="units", deadline=None,
                title="Single units, forward+backward") -> list[dict]:
     reps, warmup = _reps(args, 7, 2), _warmup(args, 2, 1)
-    cols = units_mod.columns()
+    # Plain PyTorch timed in both layouts: the same-layout and best-vs-best columns.
+    layouts = "channels_last" in baselines
+    cols = units_mod.columns(layouts=layouts)
     bar = _bar(len(units) * reps, f"bench {name}", args)
     printed_header = []
 
@@ -140,18 +142,32 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
           "is what autograd keeps for backward (fusedres.memory.saved_bytes), `peak` the peak "
           "memory of the step (unit parameters, inputs and everything the step allocates).",
           ""]
+    if layouts:
+        md += ["`x plain same layout`: a fused row over the plain unit in its own layout (fused "
+               "NCHW / plain NCHW, fused channels_last / plain channels_last). `best x best "
+               "plain`, on the row of each backend's faster layout: that row over the faster "
+               "of plain NCHW and plain channels_last (named in brackets, `cl` = "
+               "channels_last): the fused unit against plain PyTorch in the layout a user "
+               "would pick.", ""]
     if any("bandwidth_fraction" in r for r in measured):
         md += ["Bandwidth: modeled DRAM bytes of the fused Triton step (kernels/traffic.py) / "
                "measured median time, and its fraction of the device's peak (2 x memory clock "
                "x bus width).", ""]
     md += [R.markdown_table(measured, all_cols), ""]
+    summary = units_mod.layout_summary(rows) if layouts else []
+    lines = units_mod.summary_lines(summary)
+    if lines:
+        md += ["Per backend, over the shapes (median ratio; shapes where the fused unit is "
+               "slower; the worst):", ""] + [f"- {line}" for line in lines] + [""]
     if skipped:
         md += [f"Not run (time limit): {', '.join(skipped)}.", ""]
     md += [f"![{name}]({p})" for p in plots]
     text = f"\n{title}\n" + R.text_table(measured, all_cols)
+    if lines:
+        text += "\n" + "\n".join(lines)
     if skipped:
         text += f"\nnot run (time limit): {', '.join(skipped)}"
-    rep.add(name, {"rows": rows, "plots": plots}, text, "\n".join(md))
+    rep.add(name, {"rows": rows, "summary": summary, "plots": plots}, text, "\n".join(md))
     return rows
 
 
