@@ -1,6 +1,7 @@
-"""fusedres bench: argument errors, the measuring helpers, and quick runs of units, fit and the
-whole gpu-report on CPU (JSON, Markdown and PNG written, figures consistent). No wall-clock
-assertions: times are only checked to be positive and ratios to be computed from the same run.
+"""fusedres bench: argument errors, the measuring helpers, the report's ratios from known
+medians, and quick runs of units, step, fit and the whole gpu-report on CPU (JSON, Markdown
+and PNG written, figures consistent). No wall-clock assertions: times are only checked to be
+positive and ratios to be computed from the same run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from fusedres import unit_shapes as S
 from fusedres.bench import main
+from fusedres.bench import step as step_mod
 from fusedres.bench import units as units_mod
 from fusedres.bench.fit import search
 from fusedres.bench.measure import summarize, time_interleaved
@@ -47,6 +49,9 @@ def _cli(*argv, timeout=600):
     (["units", "--device", "tpu"], "--device"),
     (["step", "--models", "21"], "--models"),
     (["step", "--variants", "fast"], "--variants"),
+    (["step", "--layouts", "nhwc"], "--layouts: unknown 'nhwc'; expected some of nchw, "
+                                    "channels_last"),
+    (["step", "--layouts", ","], "--layouts: none given"),
     (["step", "--batch", "ten"], "--batch"),
     (["step", "--plan-budget", "lots"], "--plan-budget"),
     (["fit", "--budget", "0GiB"], "--budget"),
@@ -229,6 +234,53 @@ def test_layout_ratios_without_plain_channels_last():
     assert [s["comparison"] for s in units_mod.layout_summary(rows)] == ["nchw"]
 
 
+def test_step_ratios_are_to_the_best_plain_row():
+    rows = [{"variant": "plain", "layout": "nchw", "median_s": 2.0, "peak_bytes": 100},
+            {"variant": "plain", "layout": "channels_last", "median_s": 1.6, "peak_bytes": 90},
+            {"variant": "fused", "layout": "nchw", "median_s": 1.8, "peak_bytes": 50},
+            {"variant": "fused", "layout": "channels_last", "median_s": 1.2, "peak_bytes": 45},
+            {"variant": "fused+plan", "layout": "channels_last", "skipped": "planner: ..."}]
+    step_mod.best_plain_ratios(rows)
+    plain_nchw, plain_cl, fused_nchw, fused_cl, skipped = rows
+    assert {r["best_plain_layout"] for r in rows[:4]} == {"channels_last"}
+    assert plain_cl["time_ratio"] == 1.0 and plain_nchw["time_ratio"] == pytest.approx(1.25)
+    assert fused_nchw["time_ratio"] == pytest.approx(1.125)
+    assert fused_cl["time_ratio"] == pytest.approx(0.75)
+    assert fused_cl["peak_ratio"] == pytest.approx(0.5)
+    assert fused_nchw["same_layout_time_ratio"] == pytest.approx(0.9)
+    assert fused_cl["same_layout_time_ratio"] == pytest.approx(0.75)
+    assert "time_ratio" not in skipped
+    # One layout: the best plain row is the only one, the old "x plain".
+    one = [dict(r) for r in rows[::2] if "median_s" in r]
+    step_mod.best_plain_ratios(one)
+    assert one[1]["time_ratio"] == pytest.approx(0.9) and one[0]["time_ratio"] == 1.0
+
+
+# --------------------------------------------------------------------------- quick runs
+
+
+def test_step_quick_in_both_layouts(tmp_path):
+    out = tmp_path / "step"
+    proc = _cli("step", "--quick", "--layouts", "nchw,channels_last", "--variants",
+                "plain,fused", "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((out / "results.json").read_text())
+    rows = {(r["variant"], r["layout"]): r for r in doc["parts"]["step"]["rows"]}
+    assert set(rows) == {(v, lay) for v in ("plain", "fused")
+                         for lay in ("nchw", "channels_last")}
+    best = min(rows["plain", "nchw"], rows["plain", "channels_last"],
+               key=lambda r: r["median_s"])
+    for r in rows.values():
+        assert r["images_per_s"] > 0 and r["best_plain_layout"] == best["layout"]
+        assert r["time_ratio"] == r["median_s"] / best["median_s"]
+        assert r["peak_ratio"] == r["peak_bytes"] / best["peak_bytes"]
+    for layout in ("nchw", "channels_last"):  # counted, not timed: same in either layout
+        assert rows["fused", layout]["saved_bytes"] < rows["plain", layout]["saved_bytes"]
+    md = (out / "report.md").read_text()
+    assert "| variant | layout |" in md and "time x best plain" in md
+    assert "channels_last" in proc.stdout and (out / "step.png").read_bytes()[:8] == PNG_MAGIC
+
+
 # --------------------------------------------------------------------------- quick runs
 
 UNIT_ROW_KEYS = {"shape", "kind", "impl", "backend", "layout", "median_s", "iqr_s", "q25_s",
@@ -353,8 +405,11 @@ def test_gpu_report_quick_end_to_end_on_cpu(tmp_path):
     _check_units_rows(doc["parts"]["convs"]["rows"])
     compiled = [r for r in doc["parts"]["compile"]["rows"] if r.get("impl") == "compile"]
     assert compiled and compiled[0]["ratio"] > 0
-    steps = {r["variant"]: r for r in doc["parts"]["step"]["rows"]}
-    assert set(steps) == {"plain", "fused", "fused+plan", "plain+ckpt"}
+    # On CPU every variant in both layouts (the NCHW rows checked here).
+    step_rows = doc["parts"]["step"]["rows"]
+    assert {(r["variant"], r["layout"]) for r in step_rows} == {
+        (v, lay) for v in step_mod.VARIANTS for lay in ("nchw", "channels_last")}
+    steps = {r["variant"]: r for r in step_rows if r["layout"] == "nchw"}
     assert all(r["images_per_s"] > 0 for r in steps.values())
     assert steps["fused"]["saved_bytes"] < steps["plain"]["saved_bytes"]
     assert steps["fused+plan"]["saved_bytes"] <= steps["fused"]["saved_bytes"]

@@ -14,7 +14,7 @@ from fusedres.cli import UsageError, parse_bytes
 
 from .measure import resolve_device
 from .runner import run
-from .step import VARIANTS, model_name
+from .step import LAYOUTS, VARIANTS, default_layouts, model_name
 from .units import BASELINES, fused_backends
 
 __all__ = ["UsageError", "build_parser", "main"]
@@ -106,13 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "parameters, as mixed-precision training does)")
     u.add_argument("--backends", default=None,
                    help="fused backends to time (default: every one that runs on the device)")
-    s = sub.add_parser("step", help="whole training steps of zoo models: images/s, peak "
-                                    "memory, saved activations")
+    s = sub.add_parser("step", help="whole training steps of zoo models in NCHW and/or "
+                                    "channels_last: images/s, peak memory, saved "
+                                    "activations, ratios to the faster plain layout")
     _common(s, reps=5, warmup=1)
     s.add_argument("--models", default="20,56,164",
                    help="zoo models by depth: 20,56,110,164,1001 (CIFAR), 18..200 (ImageNet)")
     s.add_argument("--batch", type=_positive_int("--batch"), default=128)
-    s.add_argument("--variants", default="plain,fused,fused+plan,plain+ckpt")
+    s.add_argument("--variants", default="plain,fused,fused+plan,plain+ckpt",
+                   help="comma-separated, some of plain, fused, fused+plan, plain+ckpt (plain "
+                        "is always run: the ratios are to it)")
+    s.add_argument("--layouts", default=None,
+                   help="memory layouts to run each variant in, comma-separated: nchw, "
+                        "channels_last (default both on CPU, where oneDNN's convolutions run "
+                        "NHWC natively; nchw on CUDA); the ratios are to the faster plain "
+                        "layout")
     s.add_argument("--plan-budget", type=_size, default=None,
                    help="budget for fused+plan, e.g. 1GiB (default: half the fused model's "
                         "saved activations)")
@@ -208,6 +216,15 @@ def _check_step(args) -> None:
         raise UsageError(f"--variants: unknown {bad[0] if bad else ''!r}; expected some of "
                          f"{', '.join(VARIANTS)}")
     args.variants = ["plain"] + [v for v in variants if v != "plain"]
+    if args.layouts is None:
+        args.layouts = list(default_layouts(args.device))
+    else:
+        layouts = _split(args.layouts)
+        bad = [v for v in layouts if v not in LAYOUTS]
+        if bad or not layouts:
+            raise UsageError(f"--layouts: {'unknown ' + repr(bad[0]) if bad else 'none given'}"
+                             f"; expected some of {', '.join(LAYOUTS)} (comma-separated)")
+        args.layouts = list(dict.fromkeys(layouts))
     if args.quick:
         args.models, args.batch, args.image_size = ["preact_resnet20"], 4, 16
 

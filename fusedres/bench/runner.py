@@ -171,20 +171,21 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
     return rows
 
 
-def part_step(rep: Report, args, models, batch, *, variants, plan_budget=None, image_size=None,
-              deadline=None) -> list[dict]:
+def part_step(rep: Report, args, models, batch, *, variants, layouts=("nchw",),
+              plan_budget=None, image_size=None, deadline=None) -> list[dict]:
     reps, warmup = _reps(args, 5, 2), _warmup(args, 1, 1)
     cols = step_mod.columns()
     bar = _bar(len(models) * reps, "bench step", args)
     with bar:
         rows = step_mod.run_steps(models, batch, args.device, variants=variants,
-                                  plan_budget=plan_budget, warmup=warmup, reps=reps,
-                                  image_size=image_size, deadline=deadline, progress=bar,
+                                  layouts=layouts, plan_budget=plan_budget, warmup=warmup,
+                                  reps=reps, image_size=image_size, deadline=deadline,
+                                  progress=bar,
                                   on_model=lambda rs: bar.write(R.text_table(
                                       [r for r in rs if "median_s" in r], cols)))
     measured = [r for r in rows if "median_s" in r]
-    skipped = [f"{r['model']} {r.get('variant') or ''}: {r['skipped']}" for r in rows
-               if r.get("skipped")]
+    skipped = [f"{r['model']} {r.get('variant') or ''} {r.get('layout') or ''}: "
+               f"{r['skipped']}".replace("  ", " ") for r in rows if r.get("skipped")]
     plots = []
     path = rep.png("step.png")
     if path is not None and measured:
@@ -193,11 +194,15 @@ def part_step(rep: Report, args, models, batch, *, variants, plan_budget=None, i
         plots.append(path.name)
     md = ["## Whole training steps", "",
           f"Forward, cross-entropy, backward and an SGD step at batch {batch}; {warmup} warm-up "
-          f"and {reps} timed steps per variant, interleaved. images/s is batch / median step "
-          "time (min-max over the steps); `peak` is the step's peak memory (parameters, "
-          "gradients, optimizer state, batch and everything the step allocates); `saved` the "
-          "activations autograd keeps. `plain+ckpt`: the plain model with every unit "
-          "checkpointed; `fused+plan`: fusedres.memory.plan at the budget shown.", "",
+          f"and {reps} timed steps per variant and layout ({', '.join(layouts)}: model and "
+          "batch `.to(memory_format=...)`), all of a model interleaved. images/s is batch / "
+          "median step time (min-max over the steps), `ms` the median; `peak` is the step's "
+          "peak memory (parameters, gradients, optimizer state, batch and everything the step "
+          "allocates); `saved` the activations autograd keeps. `time x best plain` and `peak x "
+          "best plain`: over the model's best plain row, the faster of its plain rows"
+          + (" (plain NCHW and plain channels_last)" if len(layouts) > 1 else "")
+          + ". `plain+ckpt`: the plain model with every unit checkpointed; `fused+plan`: "
+          "fusedres.memory.plan at the budget shown.", "",
           R.markdown_table(measured, cols), ""]
     if skipped:
         md += ["Not run: " + "; ".join(skipped) + ".", ""]
@@ -311,7 +316,8 @@ def run(args) -> int:
         part_units(rep, args, args.units, baselines=args.baselines, deadline=deadline)
     elif args.command == "step":
         part_step(rep, args, args.models, args.batch, variants=args.variants,
-                  plan_budget=args.plan_budget, image_size=args.image_size, deadline=deadline)
+                  layouts=args.layouts, plan_budget=args.plan_budget,
+                  image_size=args.image_size, deadline=deadline)
     elif args.command == "fit":
         cuda = args.device.type == "cuda"
         q = QUICK_FIT if args.quick else {}
@@ -360,6 +366,7 @@ def gpu_report(rep: Report, args, start: float) -> int:
     models = ["preact_resnet20"] if quick else ["preact_resnet164", "preact_resnet1001"]
     batch = 4 if quick else 128
     _timed("step", lambda: part_step(rep, args, models, batch, variants=step_mod.VARIANTS,
+                                     layouts=step_mod.default_layouts(args.device),
                                      image_size=16 if quick else None,
                                      deadline=shares["step"]))
     q = QUICK_FIT if quick else {"budget": 8 * GIB, "depth": 164, "batch": 128,
