@@ -1,6 +1,7 @@
-"""fusedres bench: argument errors, the measuring helpers, and quick runs of units, fit and the
-whole gpu-report on CPU (JSON, Markdown and PNG written, figures consistent). No wall-clock
-assertions: times are only checked to be positive and ratios to be computed from the same run.
+"""fusedres bench: argument errors, the measuring helpers, the report's ratios from known
+medians, and quick runs of units, step, fit and the whole gpu-report on CPU (JSON, Markdown
+and PNG written, figures consistent). No wall-clock assertions: times are only checked to be
+positive and ratios to be computed from the same run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 
 from fusedres import unit_shapes as S
 from fusedres.bench import main
+from fusedres.bench import step as step_mod
+from fusedres.bench import units as units_mod
 from fusedres.bench.fit import search
 from fusedres.bench.measure import summarize, time_interleaved
 from fusedres.bench.runner import QUICK_FIT, Report
@@ -46,6 +49,9 @@ def _cli(*argv, timeout=600):
     (["units", "--device", "tpu"], "--device"),
     (["step", "--models", "21"], "--models"),
     (["step", "--variants", "fast"], "--variants"),
+    (["step", "--layouts", "nhwc"], "--layouts: unknown 'nhwc'; expected some of nchw, "
+                                    "channels_last"),
+    (["step", "--layouts", ","], "--layouts: none given"),
     (["step", "--batch", "ten"], "--batch"),
     (["step", "--plan-budget", "lots"], "--plan-budget"),
     (["fit", "--budget", "0GiB"], "--budget"),
@@ -161,6 +167,120 @@ def test_report_writes_each_part_as_it_finishes(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == ["table one", "table two"]
 
 
+def _unit_row(shape, impl, backend, layout, median_s):
+    return {"shape": shape, "impl": impl, "backend": backend, "layout": layout,
+            "median_s": median_s}
+
+
+def test_layout_ratios_from_known_medians():
+    """Same-layout and best-vs-best ratios of the units report, from given medians: shape A
+    has plain channels_last faster than plain NCHW, shape B the other way round."""
+    rows = [
+        _unit_row("A", "plain", "reference", "nchw", 10.0),
+        _unit_row("A", "channels_last", "reference", "channels_last", 6.0),
+        _unit_row("A", "checkpoint", "reference", "nchw", 13.0),
+        _unit_row("A", "cpu", "cpu", "nchw", 8.0),
+        _unit_row("A", "cpu channels_last", "cpu", "channels_last", 6.6),
+        _unit_row("B", "plain", "reference", "nchw", 4.0),
+        _unit_row("B", "channels_last", "reference", "channels_last", 5.0),
+        _unit_row("B", "cpu", "cpu", "nchw", 2.8),
+        _unit_row("B", "cpu channels_last", "cpu", "channels_last", 5.25),
+    ]
+    for shape in "AB":
+        units_mod.layout_ratios([r for r in rows if r["shape"] == shape])
+    a_nchw, a_cl, b_nchw, b_cl = (r for r in rows if r["backend"] == "cpu")
+    assert a_nchw["same_layout_ratio"] == pytest.approx(0.8)        # 8 / 10
+    assert a_cl["same_layout_ratio"] == pytest.approx(1.1)          # 6.6 / 6
+    assert b_nchw["same_layout_ratio"] == pytest.approx(0.7)        # 2.8 / 4
+    assert b_cl["same_layout_ratio"] == pytest.approx(1.05)         # 5.25 / 5
+    # A: the fused unit's faster layout is channels_last (6.6), plain's too (6): 1.1, on
+    # both rows of the backend; the channels_last row is marked as the faster one.
+    assert a_nchw["best_ratio"] == a_cl["best_ratio"] == pytest.approx(1.1)
+    assert (a_cl["best_fused_layout"], a_cl["best_plain_layout"]) == ("channels_last",
+                                                                      "channels_last")
+    assert a_cl["is_best_layout"] and not a_nchw["is_best_layout"]
+    # B: fused NCHW (2.8) against plain NCHW (4).
+    assert b_cl["best_ratio"] == pytest.approx(0.7) and b_nchw["is_best_layout"]
+    assert b_nchw["best_plain_layout"] == "nchw"
+    # The plain rows get no layout ratios; the table shows best x best once per backend.
+    assert all("same_layout_ratio" not in r for r in rows if r["backend"] == "reference")
+    cells = [units_mod.columns(layouts=True)[6].cell(r) for r in rows]
+    assert [c for c in cells if c != "-"] == ["1.10 (vs cl)", "0.70 (vs nchw)"]
+
+    summary = {s["comparison"]: s for s in units_mod.layout_summary(rows)}
+    assert set(summary) == {"nchw", "channels_last", "best"}
+    assert summary["nchw"]["median_ratio"] == pytest.approx(0.75)
+    assert (summary["nchw"]["above_1"], summary["nchw"]["shapes"]) == (0, 2)
+    assert (summary["channels_last"]["above_1"], summary["channels_last"]["worst_shape"]) == (
+        2, "A")
+    assert summary["channels_last"]["worst_ratio"] == pytest.approx(1.1)
+    assert summary["best"]["median_ratio"] == pytest.approx((1.1 + 0.7) / 2)
+    assert (summary["best"]["above_1"], summary["best"]["worst_shape"]) == (1, "A")
+    lines = units_mod.summary_lines(units_mod.layout_summary(rows))
+    assert lines[2] == ("cpu, best fused / best plain: median 0.90, above 1.0 on 1 of 2 shapes,"
+                        " worst A (1.10)")
+
+
+def test_layout_ratios_without_plain_channels_last():
+    """Plain timed in NCHW only (``--baselines plain``, or a GPU's fused channels_last rows):
+    the same-layout ratio exists for NCHW, best-vs-best does not."""
+    rows = [_unit_row("A", "plain", "reference", "nchw", 10.0),
+            _unit_row("A", "cpu", "cpu", "nchw", 8.0),
+            _unit_row("A", "cpu channels_last", "cpu", "channels_last", 7.0)]
+    units_mod.layout_ratios(rows)
+    assert rows[1]["same_layout_ratio"] == pytest.approx(0.8)
+    assert rows[2]["same_layout_ratio"] is None
+    assert rows[1]["best_ratio"] is None and rows[2]["best_ratio"] is None
+    assert [s["comparison"] for s in units_mod.layout_summary(rows)] == ["nchw"]
+
+
+def test_step_ratios_are_to_the_best_plain_row():
+    rows = [{"variant": "plain", "layout": "nchw", "median_s": 2.0, "peak_bytes": 100},
+            {"variant": "plain", "layout": "channels_last", "median_s": 1.6, "peak_bytes": 90},
+            {"variant": "fused", "layout": "nchw", "median_s": 1.8, "peak_bytes": 50},
+            {"variant": "fused", "layout": "channels_last", "median_s": 1.2, "peak_bytes": 45},
+            {"variant": "fused+plan", "layout": "channels_last", "skipped": "planner: ..."}]
+    step_mod.best_plain_ratios(rows)
+    plain_nchw, plain_cl, fused_nchw, fused_cl, skipped = rows
+    assert {r["best_plain_layout"] for r in rows[:4]} == {"channels_last"}
+    assert plain_cl["time_ratio"] == 1.0 and plain_nchw["time_ratio"] == pytest.approx(1.25)
+    assert fused_nchw["time_ratio"] == pytest.approx(1.125)
+    assert fused_cl["time_ratio"] == pytest.approx(0.75)
+    assert fused_cl["peak_ratio"] == pytest.approx(0.5)
+    assert fused_nchw["same_layout_time_ratio"] == pytest.approx(0.9)
+    assert fused_cl["same_layout_time_ratio"] == pytest.approx(0.75)
+    assert "time_ratio" not in skipped
+    # One layout: the best plain row is the only one, the old "x plain".
+    one = [dict(r) for r in rows[::2] if "median_s" in r]
+    step_mod.best_plain_ratios(one)
+    assert one[1]["time_ratio"] == pytest.approx(0.9) and one[0]["time_ratio"] == 1.0
+
+
+# --------------------------------------------------------------------------- quick runs
+
+
+def test_step_quick_in_both_layouts(tmp_path):
+    out = tmp_path / "step"
+    proc = _cli("step", "--quick", "--layouts", "nchw,channels_last", "--variants",
+                "plain,fused", "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((out / "results.json").read_text())
+    rows = {(r["variant"], r["layout"]): r for r in doc["parts"]["step"]["rows"]}
+    assert set(rows) == {(v, lay) for v in ("plain", "fused")
+                         for lay in ("nchw", "channels_last")}
+    best = min(rows["plain", "nchw"], rows["plain", "channels_last"],
+               key=lambda r: r["median_s"])
+    for r in rows.values():
+        assert r["images_per_s"] > 0 and r["best_plain_layout"] == best["layout"]
+        assert r["time_ratio"] == r["median_s"] / best["median_s"]
+        assert r["peak_ratio"] == r["peak_bytes"] / best["peak_bytes"]
+    for layout in ("nchw", "channels_last"):  # counted, not timed: same in either layout
+        assert rows["fused", layout]["saved_bytes"] < rows["plain", layout]["saved_bytes"]
+    md = (out / "report.md").read_text()
+    assert "| variant | layout |" in md and "time x best plain" in md
+    assert "channels_last" in proc.stdout and (out / "step.png").read_bytes()[:8] == PNG_MAGIC
+
+
 # --------------------------------------------------------------------------- quick runs
 
 UNIT_ROW_KEYS = {"shape", "kind", "impl", "backend", "layout", "median_s", "iqr_s", "q25_s",
@@ -204,10 +324,27 @@ def test_units_quick_writes_json_markdown_and_png(tmp_path):
     # with the plain channels_last unit, the fused one on channels_last tensors too
     assert {r["impl"] for r in rows} >= {"plain", "channels_last", "checkpoint", "cpu",
                                          "cpu channels_last"}
+    # Same-layout and best-vs-best ratios: on every fused row, from the medians of the run.
+    for r in rows:
+        if r["backend"] == "reference":
+            continue
+        group = {g["impl"]: g for g in rows if g["shape"] == r["shape"]}
+        same = group["plain" if r["layout"] == "nchw" else "channels_last"]
+        assert r["same_layout_ratio"] == r["median_s"] / same["median_s"]
+        mine = [g for g in group.values() if g["backend"] == r["backend"]]
+        best_plain = min(group["plain"]["median_s"], group["channels_last"]["median_s"])
+        assert r["best_ratio"] == min(g["median_s"] for g in mine) / best_plain
+    summary = doc["parts"]["units"]["summary"]
+    assert {(s["backend"], s["comparison"]) for s in summary} >= {
+        ("cpu", "nchw"), ("cpu", "channels_last"), ("cpu", "best")}
+    assert all(s["shapes"] == len(S.SETS["quick"]) for s in summary)
     md = (out / "report.md").read_text()
     assert "| shape | impl | median ms |" in md and "![units](units-ratio.png)" in md
+    assert "| x plain same layout | best x best plain |" in md
+    assert "cpu, best fused / best plain: median" in md
     assert (out / "units-ratio.png").read_bytes()[:8] == PNG_MAGIC
     assert "x plain" in proc.stdout and "quick basic 8-8 @8" in proc.stdout
+    assert "cpu, fused channels_last / plain channels_last: median" in proc.stdout
 
 
 def test_fit_quick_finds_a_budget_bound_answer(tmp_path):
@@ -268,8 +405,11 @@ def test_gpu_report_quick_end_to_end_on_cpu(tmp_path):
     _check_units_rows(doc["parts"]["convs"]["rows"])
     compiled = [r for r in doc["parts"]["compile"]["rows"] if r.get("impl") == "compile"]
     assert compiled and compiled[0]["ratio"] > 0
-    steps = {r["variant"]: r for r in doc["parts"]["step"]["rows"]}
-    assert set(steps) == {"plain", "fused", "fused+plan", "plain+ckpt"}
+    # On CPU every variant in both layouts (the NCHW rows checked here).
+    step_rows = doc["parts"]["step"]["rows"]
+    assert {(r["variant"], r["layout"]) for r in step_rows} == {
+        (v, lay) for v in step_mod.VARIANTS for lay in ("nchw", "channels_last")}
+    steps = {r["variant"]: r for r in step_rows if r["layout"] == "nchw"}
     assert all(r["images_per_s"] > 0 for r in steps.values())
     assert steps["fused"]["saved_bytes"] < steps["plain"]["saved_bytes"]
     assert steps["fused+plan"]["saved_bytes"] <= steps["fused"]["saved_bytes"]

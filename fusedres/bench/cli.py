@@ -14,7 +14,7 @@ from fusedres.cli import UsageError, parse_bytes
 
 from .measure import resolve_device
 from .runner import run
-from .step import VARIANTS, model_name
+from .step import LAYOUTS, VARIANTS, default_layouts, model_name
 from .units import BASELINES, fused_backends
 
 __all__ = ["UsageError", "build_parser", "main"]
@@ -95,21 +95,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="your own shape (repeatable), e.g. conv:N=64,C=48,K=3,CO=48,HW=16,S=2,"
                         "res or bottleneck:N=32,C=256,P=64,HW=56,S=2 (replaces --set)")
     u.add_argument("--baselines", default="plain,channels_last,compile,checkpoint",
-                   help="which plain variants to time (plain is always timed: every ratio is "
-                        "to it); with channels_last, each fused backend is timed on "
-                        "channels_last tensors too")
+                   help="which plain variants to time (plain, NCHW, is always timed: `x "
+                        "plain` is to it); with channels_last, each fused backend is timed on "
+                        "channels_last tensors too, and the report adds `x plain same layout` "
+                        "(fused / plain in the same layout) and `best x best plain` (the "
+                        "backend's faster layout / the faster of plain NCHW and plain "
+                        "channels_last), with a summary per backend")
     u.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none",
                    help="run the forwards under torch.autocast to this dtype (float32 "
                         "parameters, as mixed-precision training does)")
     u.add_argument("--backends", default=None,
                    help="fused backends to time (default: every one that runs on the device)")
-    s = sub.add_parser("step", help="whole training steps of zoo models: images/s, peak "
-                                    "memory, saved activations")
+    s = sub.add_parser("step", help="whole training steps of zoo models in NCHW and/or "
+                                    "channels_last: images/s, peak memory, saved "
+                                    "activations, ratios to the faster plain layout")
     _common(s, reps=5, warmup=1)
     s.add_argument("--models", default="20,56,164",
                    help="zoo models by depth: 20,56,110,164,1001 (CIFAR), 18..200 (ImageNet)")
     s.add_argument("--batch", type=_positive_int("--batch"), default=128)
-    s.add_argument("--variants", default="plain,fused,fused+plan,plain+ckpt")
+    s.add_argument("--variants", default="plain,fused,fused+plan,plain+ckpt",
+                   help="comma-separated, some of plain, fused, fused+plan, plain+ckpt (plain "
+                        "is always run: the ratios are to it)")
+    s.add_argument("--layouts", default=None,
+                   help="memory layouts to run each variant in, comma-separated: nchw, "
+                        "channels_last (default both on CPU, where oneDNN's convolutions run "
+                        "NHWC natively; nchw on CUDA); the ratios are to the faster plain "
+                        "layout")
     s.add_argument("--plan-budget", type=_size, default=None,
                    help="budget for fused+plan, e.g. 1GiB (default: half the fused model's "
                         "saved activations)")
@@ -205,6 +216,15 @@ def _check_step(args) -> None:
         raise UsageError(f"--variants: unknown {bad[0] if bad else ''!r}; expected some of "
                          f"{', '.join(VARIANTS)}")
     args.variants = ["plain"] + [v for v in variants if v != "plain"]
+    if args.layouts is None:
+        args.layouts = list(default_layouts(args.device))
+    else:
+        layouts = _split(args.layouts)
+        bad = [v for v in layouts if v not in LAYOUTS]
+        if bad or not layouts:
+            raise UsageError(f"--layouts: {'unknown ' + repr(bad[0]) if bad else 'none given'}"
+                             f"; expected some of {', '.join(LAYOUTS)} (comma-separated)")
+        args.layouts = list(dict.fromkeys(layouts))
     if args.quick:
         args.models, args.batch, args.image_size = ["preact_resnet20"], 4, 16
 

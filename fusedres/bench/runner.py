@@ -98,7 +98,9 @@ def _warmup(args, default: int, quick: int) -> int:
 def part_units(rep: Report, args, units, *, baselines, name="units", deadline=None,
                title="Single units, forward+backward") -> list[dict]:
     reps, warmup = _reps(args, 7, 2), _warmup(args, 2, 1)
-    cols = units_mod.columns()
+    # Plain PyTorch timed in both layouts: the same-layout and best-vs-best columns.
+    layouts = "channels_last" in baselines
+    cols = units_mod.columns(layouts=layouts)
     bar = _bar(len(units) * reps, f"bench {name}", args)
     printed_header = []
 
@@ -140,35 +142,50 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
           "is what autograd keeps for backward (fusedres.memory.saved_bytes), `peak` the peak "
           "memory of the step (unit parameters, inputs and everything the step allocates).",
           ""]
+    if layouts:
+        md += ["`x plain same layout`: a fused row over the plain unit in its own layout (fused "
+               "NCHW / plain NCHW, fused channels_last / plain channels_last). `best x best "
+               "plain`, on the row of each backend's faster layout: that row over the faster "
+               "of plain NCHW and plain channels_last (named in brackets, `cl` = "
+               "channels_last): the fused unit against plain PyTorch in the layout a user "
+               "would pick.", ""]
     if any("bandwidth_fraction" in r for r in measured):
         md += ["Bandwidth: modeled DRAM bytes of the fused Triton step (kernels/traffic.py) / "
                "measured median time, and its fraction of the device's peak (2 x memory clock "
                "x bus width).", ""]
     md += [R.markdown_table(measured, all_cols), ""]
+    summary = units_mod.layout_summary(rows) if layouts else []
+    lines = units_mod.summary_lines(summary)
+    if lines:
+        md += ["Per backend, over the shapes (median ratio; shapes where the fused unit is "
+               "slower; the worst):", ""] + [f"- {line}" for line in lines] + [""]
     if skipped:
         md += [f"Not run (time limit): {', '.join(skipped)}.", ""]
     md += [f"![{name}]({p})" for p in plots]
     text = f"\n{title}\n" + R.text_table(measured, all_cols)
+    if lines:
+        text += "\n" + "\n".join(lines)
     if skipped:
         text += f"\nnot run (time limit): {', '.join(skipped)}"
-    rep.add(name, {"rows": rows, "plots": plots}, text, "\n".join(md))
+    rep.add(name, {"rows": rows, "summary": summary, "plots": plots}, text, "\n".join(md))
     return rows
 
 
-def part_step(rep: Report, args, models, batch, *, variants, plan_budget=None, image_size=None,
-              deadline=None) -> list[dict]:
+def part_step(rep: Report, args, models, batch, *, variants, layouts=("nchw",),
+              plan_budget=None, image_size=None, deadline=None) -> list[dict]:
     reps, warmup = _reps(args, 5, 2), _warmup(args, 1, 1)
     cols = step_mod.columns()
     bar = _bar(len(models) * reps, "bench step", args)
     with bar:
         rows = step_mod.run_steps(models, batch, args.device, variants=variants,
-                                  plan_budget=plan_budget, warmup=warmup, reps=reps,
-                                  image_size=image_size, deadline=deadline, progress=bar,
+                                  layouts=layouts, plan_budget=plan_budget, warmup=warmup,
+                                  reps=reps, image_size=image_size, deadline=deadline,
+                                  progress=bar,
                                   on_model=lambda rs: bar.write(R.text_table(
                                       [r for r in rs if "median_s" in r], cols)))
     measured = [r for r in rows if "median_s" in r]
-    skipped = [f"{r['model']} {r.get('variant') or ''}: {r['skipped']}" for r in rows
-               if r.get("skipped")]
+    skipped = [f"{r['model']} {r.get('variant') or ''} {r.get('layout') or ''}: "
+               f"{r['skipped']}".replace("  ", " ") for r in rows if r.get("skipped")]
     plots = []
     path = rep.png("step.png")
     if path is not None and measured:
@@ -177,11 +194,15 @@ def part_step(rep: Report, args, models, batch, *, variants, plan_budget=None, i
         plots.append(path.name)
     md = ["## Whole training steps", "",
           f"Forward, cross-entropy, backward and an SGD step at batch {batch}; {warmup} warm-up "
-          f"and {reps} timed steps per variant, interleaved. images/s is batch / median step "
-          "time (min-max over the steps); `peak` is the step's peak memory (parameters, "
-          "gradients, optimizer state, batch and everything the step allocates); `saved` the "
-          "activations autograd keeps. `plain+ckpt`: the plain model with every unit "
-          "checkpointed; `fused+plan`: fusedres.memory.plan at the budget shown.", "",
+          f"and {reps} timed steps per variant and layout ({', '.join(layouts)}: model and "
+          "batch `.to(memory_format=...)`), all of a model interleaved. images/s is batch / "
+          "median step time (min-max over the steps), `ms` the median; `peak` is the step's "
+          "peak memory (parameters, gradients, optimizer state, batch and everything the step "
+          "allocates); `saved` the activations autograd keeps. `time x best plain` and `peak x "
+          "best plain`: over the model's best plain row, the faster of its plain rows"
+          + (" (plain NCHW and plain channels_last)" if len(layouts) > 1 else "")
+          + ". `plain+ckpt`: the plain model with every unit checkpointed; `fused+plan`: "
+          "fusedres.memory.plan at the budget shown.", "",
           R.markdown_table(measured, cols), ""]
     if skipped:
         md += ["Not run: " + "; ".join(skipped) + ".", ""]
@@ -295,7 +316,8 @@ def run(args) -> int:
         part_units(rep, args, args.units, baselines=args.baselines, deadline=deadline)
     elif args.command == "step":
         part_step(rep, args, args.models, args.batch, variants=args.variants,
-                  plan_budget=args.plan_budget, image_size=args.image_size, deadline=deadline)
+                  layouts=args.layouts, plan_budget=args.plan_budget,
+                  image_size=args.image_size, deadline=deadline)
     elif args.command == "fit":
         cuda = args.device.type == "cuda"
         q = QUICK_FIT if args.quick else {}
@@ -344,6 +366,7 @@ def gpu_report(rep: Report, args, start: float) -> int:
     models = ["preact_resnet20"] if quick else ["preact_resnet164", "preact_resnet1001"]
     batch = 4 if quick else 128
     _timed("step", lambda: part_step(rep, args, models, batch, variants=step_mod.VARIANTS,
+                                     layouts=step_mod.default_layouts(args.device),
                                      image_size=16 if quick else None,
                                      deadline=shares["step"]))
     q = QUICK_FIT if quick else {"budget": 8 * GIB, "depth": 164, "batch": 128,

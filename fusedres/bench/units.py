@@ -9,6 +9,7 @@ files in ``benchmarks/`` time too.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -26,7 +27,8 @@ from .measure import peak_bytes, summarize, time_interleaved
 from .report import Column, fmt_bytes, pyplot
 
 __all__ = ["BASELINES", "Case", "PlainConvUnit", "bandwidth_columns", "device_peak_bandwidth",
-           "fused_backends", "make_case", "make_step", "run_units", "saved_bytes_of"]
+           "fused_backends", "layout_ratios", "layout_summary", "make_case", "make_step",
+           "run_units", "saved_bytes_of"]
 
 # The plain unit in other clothes: the ratios of every row are to "plain" (NCHW, eager).
 BASELINES = ("plain", "channels_last", "compile", "checkpoint")
@@ -251,11 +253,91 @@ def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=Non
         for row in shape_rows:
             row["ratio"] = row["median_s"] / plain["median_s"] if plain else None
             bandwidth_columns(row, shape, amp or dtype, peak_bw)
+        layout_ratios(shape_rows)
         rows += shape_rows
         if on_shape is not None:
             on_shape(shape_rows)
         del cases, steps
     return rows
+
+
+# The plain unit in each layout, by the impl name its row carries.
+PLAIN_BY_LAYOUT = {"nchw": "plain", "channels_last": "channels_last"}
+
+
+def layout_ratios(shape_rows: list[dict]) -> None:
+    """Adds to the fused rows of one shape (in place) the two comparisons a user who picks
+    the faster layout cares about:
+
+    * ``same_layout_ratio``: the fused unit over the plain unit in the same layout (fused
+      NCHW / plain NCHW, fused channels_last / plain channels_last); None when the plain unit
+      was not timed in that layout.
+    * ``best_ratio``: the backend's faster layout over plain PyTorch's faster layout (the
+      faster of plain NCHW and plain channels_last), on both rows of the backend, with
+      ``best_fused_layout`` and ``best_plain_layout``; None unless both plain layouts were
+      timed. ``is_best_layout`` marks the row whose layout is the backend's faster one.
+
+    Ratios of medians measured in the same run; ``x plain`` (``ratio``) is left as it is.
+    """
+    measured = [r for r in shape_rows if r.get("median_s") is not None]
+    plain = {layout: next((r for r in measured if r["impl"] == impl), None)
+             for layout, impl in PLAIN_BY_LAYOUT.items()}
+    best_plain = None
+    if all(plain.values()):
+        best_plain = min(plain.values(), key=lambda r: r["median_s"])
+    fused = [r for r in measured if r["impl"] not in BASELINES]
+    for backend in dict.fromkeys(r["backend"] for r in fused):
+        rows = [r for r in fused if r["backend"] == backend]
+        best = min(rows, key=lambda r: r["median_s"])
+        for r in rows:
+            same = plain.get(r["layout"])
+            r["same_layout_ratio"] = r["median_s"] / same["median_s"] if same else None
+            r["is_best_layout"] = r is best
+            if best_plain is None:
+                r["best_ratio"] = r["best_fused_layout"] = r["best_plain_layout"] = None
+                continue
+            r["best_ratio"] = best["median_s"] / best_plain["median_s"]
+            r["best_fused_layout"] = best["layout"]
+            r["best_plain_layout"] = best_plain["layout"]
+
+
+def layout_summary(rows: list[dict]) -> list[dict]:
+    """Per fused backend and comparison (``nchw``: fused NCHW / plain NCHW, ``channels_last``:
+    fused channels_last / plain channels_last, ``best``: best fused / best plain), over the
+    shapes that have it: the median ratio, how many shapes are above 1.0 (fused slower), and
+    the worst shape. Rows as :func:`layout_ratios` leaves them."""
+    out = []
+    fused = [r for r in table_rows(rows) if r["impl"] not in BASELINES]
+    for backend in dict.fromkeys(r["backend"] for r in fused):
+        mine = [r for r in fused if r["backend"] == backend]
+        for comparison in ("nchw", "channels_last", "best"):
+            if comparison == "best":
+                pts = [(r["shape"], r["best_ratio"]) for r in mine
+                       if r.get("is_best_layout") and r.get("best_ratio") is not None]
+            else:
+                pts = [(r["shape"], r["same_layout_ratio"]) for r in mine
+                       if r["layout"] == comparison and r.get("same_layout_ratio") is not None]
+            if not pts:
+                continue
+            ratios = [v for _, v in pts]
+            worst = max(pts, key=lambda p: p[1])
+            out.append({"backend": backend, "comparison": comparison,
+                        "median_ratio": statistics.median(ratios), "shapes": len(pts),
+                        "above_1": sum(v > 1.0 for v in ratios),
+                        "worst_shape": worst[0], "worst_ratio": worst[1]})
+    return out
+
+
+COMPARISON_TEXT = {"nchw": "fused NCHW / plain NCHW",
+                   "channels_last": "fused channels_last / plain channels_last",
+                   "best": "best fused / best plain"}
+
+
+def summary_lines(summary: list[dict]) -> list[str]:
+    """One line per entry of :func:`layout_summary`."""
+    return [f"{s['backend']}, {COMPARISON_TEXT[s['comparison']]}: median {s['median_ratio']:.2f}"
+            f", above 1.0 on {s['above_1']} of {s['shapes']} shapes, worst {s['worst_shape']} "
+            f"({s['worst_ratio']:.2f})" for s in summary]
 
 
 def saved_bytes_of(case: Case) -> int | None:
@@ -280,13 +362,25 @@ def _peak(step, device, case: Case) -> int | None:
 
 # --------------------------------------------------------------------------- output
 
-def columns():
-    return [Column("shape", "shape", right=False), Column("impl", "impl", right=False),
+LAYOUT_SHORT = {"nchw": "nchw", "channels_last": "cl"}
+
+
+def columns(layouts: bool = False):
+    """The table's columns; ``layouts``: with the same-layout and best-vs-best ratios (when
+    the plain unit is timed in both layouts)."""
+    cols = [Column("shape", "shape", right=False), Column("impl", "impl", right=False),
             Column("median ms", lambda r: r["median_s"] * 1e3, "{:.2f}"),
             Column("IQR ms", lambda r: r["iqr_s"] * 1e3, "{:.2f}"),
-            Column("x plain", "ratio", "{:.2f}"),
-            Column("saved", "saved_bytes", fmt_bytes),
-            Column("peak", "peak_bytes", fmt_bytes)]
+            Column("x plain", "ratio", "{:.2f}")]
+    if layouts:
+        cols += [Column("x plain same layout", "same_layout_ratio", "{:.2f}"),
+                 Column("best x best plain",
+                        lambda r: (r["best_ratio"], r["best_plain_layout"])
+                        if r.get("is_best_layout") and r.get("best_ratio") is not None
+                        else None,
+                        lambda v: f"{v[0]:.2f} (vs {LAYOUT_SHORT[v[1]]})")]
+    return cols + [Column("saved", "saved_bytes", fmt_bytes),
+                   Column("peak", "peak_bytes", fmt_bytes)]
 
 
 def bandwidth_cols():
@@ -302,47 +396,72 @@ def table_rows(rows: list[dict]) -> list[dict]:
 
 def plot_ratios(rows: list[dict], path, title: str) -> None:
     """Dot plot: one line per shape, the ratio to the plain unit of every other candidate (log
-    scale; left of 1 is faster than plain)."""
+    scale; left of 1 is faster than plain). When the plain unit was timed in both layouts, a
+    second panel: each fused backend's faster layout over plain PyTorch's faster layout."""
     plt = pyplot()
     rows = table_rows(rows)
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     impls = [i for i in dict.fromkeys(r["impl"] for r in rows) if i != "plain"]
     if not shapes or not impls:
         return
-    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.28 * len(shapes)))
-    markers = "oDs^v<>P*X"
-    for j, impl in enumerate(impls):
+    series = []
+    for impl in impls:
         pts = [(r["ratio"], shapes.index(r["shape"])) for r in rows
                if r["impl"] == impl and r.get("ratio")]
         if pts:
-            xs, ys = zip(*pts)
-            fused = impl not in BASELINES
-            ax.scatter(xs, ys, marker=markers[j % len(markers)], s=46 if fused else 30,
-                       label=impl + (" (fused)" if fused else ""), zorder=3,
-                       edgecolors="black" if fused else "none", linewidths=0.6)
+            series.append((impl + (" (fused)" if impl not in BASELINES else ""),
+                           impl not in BASELINES, pts))
+    best = []
+    for backend in dict.fromkeys(r["backend"] for r in rows if r["impl"] not in BASELINES):
+        pts = [(r["best_ratio"], shapes.index(r["shape"])) for r in rows
+               if r["backend"] == backend and r.get("is_best_layout") and r.get("best_ratio")]
+        if pts:
+            best.append((f"{backend} (fused, faster layout)", True, pts))
+    height = 1.6 + 0.28 * len(shapes)
+    panels = [(series, "step time / plain NCHW unit's step time (same run; < 1 is faster)")]
+    if best:
+        panels.append((best, "best fused / best plain (each in its faster layout; < 1: the "
+                             "fused unit is faster)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(9 if len(panels) == 1 else 14, height),
+                             sharey=True, squeeze=False)
+    for ax, (data, xlabel) in zip(axes[0], panels):
+        _dot_panel(ax, data, shapes, xlabel)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _dot_panel(ax, series, shapes, xlabel) -> None:
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+    from matplotlib.transforms import offset_copy
+    markers = "oDs^v<>P*X"
+    for j, (label, fused, pts) in enumerate(series):
+        xs, ys = zip(*pts)
+        ax.scatter(xs, ys, marker=markers[j % len(markers)], s=46 if fused else 30,
+                   label=label, zorder=3, edgecolors="black" if fused else "none",
+                   linewidths=0.6)
     ax.axvline(1.0, color="black", lw=1)
     ax.set_xscale("log")
     ax.set_yticks(range(len(shapes)))
     ax.set_yticklabels(shapes, fontsize=8)
-    ax.invert_yaxis()
+    if not ax.yaxis_inverted():  # shared y axes: the first panel's inversion holds for all
+        ax.invert_yaxis()
     ax.grid(axis="x", which="both", alpha=0.3)
     ax.grid(axis="y", alpha=0.15)
-    ax.set_xlabel("step time / plain unit's step time (same run; < 1 is faster)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.9 / (1.6 + 0.28 * len(shapes))),
-              ncol=min(len(impls), 4), fontsize=8, frameon=False)
-    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
-    lo = min(r["ratio"] for r in rows if r.get("ratio"))
-    hi = max(r["ratio"] for r in rows if r.get("ratio"))
+    ax.set_xlabel(xlabel, fontsize=8)
+    # Below the tick labels and the axis label, whatever the figure's height.
+    below = offset_copy(ax.transAxes, fig=ax.figure, y=-36, units="points")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), bbox_transform=below,
+              ncol=min(len(series), 4), fontsize=8, frameon=False)
+    values = [x for _, _, pts in series for x, _ in pts] + [1.0]
+    lo, hi = min(values), max(values)
     ticks = [t * 10.0 ** e for e in range(-3, 4) for t in (1, 1.5, 2, 3, 5, 7)
              if lo / 1.15 <= t * 10.0 ** e <= hi * 1.15] or [1.0]
     ax.xaxis.set_major_locator(FixedLocator(ticks))
     ax.set_xticklabels([f"{t:g}" for t in ticks])
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_minor_formatter(NullFormatter())
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
 
 
 def plot_bandwidth(rows: list[dict], path, title: str) -> bool:

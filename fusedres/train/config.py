@@ -6,6 +6,9 @@ An option also replaces the options it conflicts with from lower layers (``--max
 config's ``epochs``, a named ``--model`` over its ``depth``); giving both of such a pair as
 flags is an error (exit 2). See :func:`_apply`.
 The resolved configuration is written beside each run as ``config.yaml``.
+
+``channels_last`` is ``"auto"`` (the default), true or false; the run resolves ``auto`` with
+:func:`resolve_channels_last` once its device is known, and saves the resolved value.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from fusedres.cli import UsageError, parse_bytes
 
-__all__ = ["UsageError", "build_parser", "parse_bytes", "resolve"]
+__all__ = ["UsageError", "build_parser", "channels_last_setting", "parse_bytes", "resolve",
+           "resolve_channels_last"]
 
 # Named configs ship inside the package (fusedres/configs/*.yaml): `--config digits`.
 PACKAGE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -58,7 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "memory_budget": None,
     "activation_budget": None,
     "amp": "none",
-    "channels_last": False,
+    "channels_last": "auto",
     "compile": False,
     "sync_bn": False,
     "checkpoint_every": 1000,
@@ -93,6 +98,62 @@ def _int_list(text: str) -> list:
             f"expected comma-separated iterations (or fractions of the run), got {text!r}"
         ) from None
     return values
+
+
+_ON = ("on", "true", "yes", "1")
+_OFF = ("off", "false", "no", "0")
+
+
+def channels_last_setting(value: Any) -> bool | str:
+    """``--channels-last``'s value as the configuration holds it: ``"auto"``, True or False.
+    Accepts those, and on/off, true/false, yes/no, 1/0 as text (any case); raises
+    :class:`UsageError` naming the flag for anything else."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text == "auto":
+        return "auto"
+    if text in _ON:
+        return True
+    if text in _OFF:
+        return False
+    raise UsageError(f"--channels-last: expected auto, on or off (or true/false), got {value!r}")
+
+
+def _channels_last_arg(text: str) -> bool | str:
+    try:
+        return channels_last_setting(text)
+    except UsageError:
+        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}") from None
+
+
+def resolve_channels_last(setting: bool | str, device: torch.device,
+                          dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
+    """The memory layout of a run: (channels_last, why), the reason one line.
+
+    ``setting`` True or False is the user's choice and is kept. ``"auto"``: channels_last on
+    a CPU with oneDNN (``torch.backends.mkldnn.is_available()``) for float32 or bfloat16
+    activations (``dtype``: the autocast dtype, else the parameters'), since oneDNN's
+    convolutions run NHWC natively and plain PyTorch's fastest CPU step is often the
+    channels_last one; NCHW everywhere else, on CUDA because it is the layout fusedres's GPU
+    kernels are built and modelled for.
+    """
+    setting = channels_last_setting(setting)
+    if setting is not True and setting is not False:  # "auto"
+        if device.type == "cpu":
+            if not torch.backends.mkldnn.is_available():
+                return False, ("auto: NCHW, this torch has no oneDNN "
+                               "(torch.backends.mkldnn.is_available() is False)")
+            if dtype not in (torch.float32, torch.bfloat16):
+                return False, (f"auto: NCHW, channels_last is picked on CPU for float32 and "
+                               f"bfloat16 activations only, not {str(dtype)[6:]}")
+            return True, ("auto: on CPU oneDNN's convolutions run NHWC natively; whole-step "
+                          "comparison of the two layouts: benchmarks/RESULTS.md")
+        if device.type == "cuda":
+            return False, ("auto: NCHW on CUDA, the layout fusedres's GPU kernels are built and "
+                           "modelled for (--channels-last on to change it)")
+        return False, f"auto: NCHW on {device.type}"
+    return setting, f"asked for (--channels-last {'on' if setting else 'off'})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,7 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bound only the saved activations alive at once, e.g. 4GiB (the "
                         "planner's older, narrower budget)")
     g.add_argument("--amp", choices=CHOICES["amp"], help="autocast dtype (none)")
-    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction)
+    g.add_argument("--channels-last", nargs="?", const=True, type=_channels_last_arg,
+                   metavar="{auto,on,off}",
+                   help="memory layout of the model and the batches: on (also the flag alone) "
+                        "channels_last, off NCHW, auto (default) channels_last on a CPU with "
+                        "oneDNN for float32/bf16, NCHW on CUDA; the run prints which and why, "
+                        "and saves the resolved value (a resumed run keeps it)")
+    g.add_argument("--no-channels-last", dest="channels_last", action="store_const",
+                   const=False, help="NCHW (as --channels-last off)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile")
     g.add_argument("--sync-bn", action=argparse.BooleanOptionalAction,
                    help="BatchNorm statistics over all processes (torchrun)")
@@ -208,6 +276,7 @@ def load_yaml(path: str | Path, what: str) -> dict[str, Any]:
 
 
 def _check_types(cfg: dict[str, Any]) -> None:
+    cfg["channels_last"] = channels_last_setting(cfg["channels_last"])  # "auto", True, False
     for name, default in DEFAULTS.items():
         value = cfg[name]
         if value is None:

@@ -27,7 +27,7 @@ from fusedres.memory import LiveTensorTracker, PlanError, SavedTensorCounter
 from . import checkpoint as ckpt
 from . import data as data_mod
 from . import metrics as M
-from .config import UsageError, merge_saved, parse_bytes
+from .config import UsageError, merge_saved, parse_bytes, resolve_channels_last
 
 _AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -215,6 +215,7 @@ class Run:
                       f"{self.allocator}", file=sys.stderr)
         if cfg["amp"] == "fp16" and self.device.type == "cpu" and cfg["compile"]:
             raise UsageError("--amp fp16 with --compile: not supported on CPU; use --amp bf16")
+        self._resolve_layout(explicit)
 
         self.data = data_mod.load(cfg["dataset"], cfg["data_dir"], cfg["download"],
                                   explicit_dir="data_dir" in explicit)
@@ -298,6 +299,35 @@ class Run:
         if self.rank == 0:
             self._banner()
 
+    RESUMED = "as the run it resumes: "
+
+    def _resolve_layout(self, explicit) -> None:
+        """channels_last or NCHW, and why (``self.layout``), before anything is built.
+
+        The resolved value replaces ``auto`` in ``self.cfg``, so config.yaml and the
+        checkpoints hold it: a resumed run keeps its layout unless this command line sets
+        --channels-last (its checkpoint's ``layout`` says where the value came from)."""
+        cfg, state = self.cfg, self.resume_state
+        if state is not None and "channels_last" not in explicit \
+                and cfg["channels_last"] != "auto":
+            saved = state.get("layout") or {}  # absent in checkpoints of older versions
+            on = cfg["channels_last"]
+            origin = saved.get("origin", "set")
+            reason = saved.get("reason", f"its config's channels_last: {str(on).lower()}")
+            if not reason.startswith(self.RESUMED):
+                reason = self.RESUMED + reason
+        else:
+            dtype = _AMP[cfg["amp"]] or torch.float32
+            on, reason = resolve_channels_last(cfg["channels_last"], self.device, dtype)
+            origin = "auto" if cfg["channels_last"] == "auto" else "set"
+        cfg["channels_last"] = on
+        self.layout = {"channels_last": on, "origin": origin, "reason": reason}
+
+    def layout_line(self) -> str:
+        """The banner's layout line: ``layout: channels_last (auto: ...)``."""
+        name = "channels_last" if self.layout["channels_last"] else "NCHW"
+        return f"layout: {name} ({self.layout['reason']})"
+
     def _banner(self) -> None:
         cfg, d = self.cfg, self.data
         backend = (fusedres.resolve_backend(self.device) if cfg["fused"] else "plain PyTorch")
@@ -313,6 +343,7 @@ class Run:
             + (f" over {self.world} processes" if self.world > 1 else ""),
             f"device {self.device}, {torch.get_num_threads()} threads, amp {cfg['amp']}; "
             f"run directory {self.out}",
+            self.layout_line(),
         ]
         if self.resume_state is not None:
             lines.append(f"resumed at iteration {self.iteration}")
@@ -384,6 +415,7 @@ class Run:
         resolved["resume"] = None
         tmp = self.out / "config.yaml.tmp"
         tmp.write_text("# fusedres train: the resolved configuration of this run\n"
+                       f"# {self.layout_line()}\n"
                        + yaml.safe_dump(resolved, sort_keys=True))
         os.replace(tmp, self.out / "config.yaml")
 
@@ -405,6 +437,7 @@ class Run:
             "metrics": self.history,
             "accum": self.accum,
             "config": cfg,
+            "layout": dict(self.layout),
             "saved_activation_bytes": self.saved_bytes,
             "elapsed_s": self.elapsed,
             "world_size": self.world,
@@ -695,6 +728,9 @@ class Run:
                         else "plain PyTorch"),
             "device": str(self.device), "world_size": self.world,
             "batch_size": self.cfg["batch_size"], "amp": self.cfg["amp"],
+            "channels_last": self.layout["channels_last"],
+            "channels_last_origin": self.layout["origin"],
+            "layout_reason": self.layout["reason"],
             "threads": torch.get_num_threads(),
             "saved_activation_bytes": self.saved_bytes,
             "memory_kind": ("CUDA max allocated" if self.device.type == "cuda"
