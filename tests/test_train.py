@@ -113,8 +113,33 @@ def test_max_iters_flag_wins_over_config_epochs_in_a_run_and_on_resume(tmp_path)
     assert (saved["epochs"], saved["max_iters"]) == (None, 13)
 
 
+def test_a_runs_saved_config_reruns_it(tmp_path, capsys):
+    """A run's config.yaml is a --config file: the rerun resolves to the same settings."""
+    out = tmp_path / "run"
+    assert main(["--config", "digits", "--depth", "8", "--max-iters", "1", "--threads", "1",
+                 "--no-progress", "--log-every", "1", "--out", str(out)]) == 0
+    path = out / "config.yaml"
+    text = path.read_text()
+    saved = yaml.safe_load(text)
+    # The file the run was given is a comment, not a key: a config file cannot include another.
+    assert "config" not in saved and "# --config digits\n" in text
+    cfg, _ = resolve(["--config", str(path)])
+    assert {k: cfg[k] for k in saved} == saved
+    # Rerun (a new --out: the saved one already holds the run).
+    assert main(["--config", str(path)]) == 2
+    assert "--out: " in capsys.readouterr().err
+    again = tmp_path / "again"
+    assert main(["--config", str(path), "--out", str(again)]) == 0
+    assert json.loads((again / "summary.json").read_text())["iterations"] == 1
+    rerun = yaml.safe_load((again / "config.yaml").read_text())
+    assert rerun.pop("out") == str(again) and saved.pop("out") == str(out)
+    assert rerun == saved
+    assert f"# --config {path}\n" in (again / "config.yaml").read_text()
+
+
 @pytest.mark.parametrize("text, match", [
     ("bogus: 1\n", "unknown option 'bogus'"),
+    ("config: other.yaml\n", "--config: .* sets 'config': a config file cannot include"),
     ("batch_size: many\n", "--batch-size: expected an integer"),
     ("- a\n- b\n", "must hold a mapping"),
     ("lr: [\n", "not valid YAML"),

@@ -5,7 +5,9 @@ saved ``config.yaml`` when resuming, a ``--config`` YAML file, flags given on th
 An option also replaces the options it conflicts with from lower layers (``--max-iters`` over a
 config's ``epochs``, a named ``--model`` over its ``depth``); giving both of such a pair as
 flags is an error (exit 2). See :func:`_apply`.
-The resolved configuration is written beside each run as ``config.yaml``.
+The resolved configuration is written beside each run as ``config.yaml``, a file ``--config``
+reads back (the file the run was given is named in its header comment, not as a key: a config
+file cannot name another).
 
 ``channels_last`` is ``"auto"`` (the default), true or false; the run resolves ``auto`` with
 :func:`resolve_channels_last` once its device is known, and saves the resolved value.
@@ -269,6 +271,10 @@ def load_yaml(path: str | Path, what: str) -> dict[str, Any]:
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name == "config":
+            raise UsageError(f"{what}: {path} sets 'config': a config file cannot include "
+                             "another (a config.yaml saved by an older fusedres records its "
+                             "run's --config there: delete that line)")
         if name not in DEFAULTS:
             raise UsageError(f"{what}: unknown option {key!r} in {path}")
         out[name] = value

@@ -410,12 +410,14 @@ class Run:
         return _AMP[self.cfg["amp"]] or torch.float32
 
     def _write_config(self) -> None:
-        resolved = {k: v for k, v in self.cfg.items()}
+        # A file --config reads back: options only, the file the run was given a comment.
+        resolved = {k: v for k, v in self.cfg.items() if k != "config"}
         resolved["out"] = str(self.out)
         resolved["resume"] = None
+        given = f"# --config {self.cfg['config']}\n" if self.cfg.get("config") else ""
         tmp = self.out / "config.yaml.tmp"
         tmp.write_text("# fusedres train: the resolved configuration of this run\n"
-                       f"# {self.layout_line()}\n"
+                       f"# {self.layout_line()}\n" + given
                        + yaml.safe_dump(resolved, sort_keys=True))
         os.replace(tmp, self.out / "config.yaml")
 
