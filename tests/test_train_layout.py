@@ -184,6 +184,14 @@ def test_resume_in_the_other_layout(tmp_path, capsys):
     assert state.keys() == momentum.keys()
     for k, v in momentum.items():
         assert torch.equal(state[k]["momentum_buffer"], v["momentum_buffer"])
+    # The momentum takes its parameter's layout (the foreach/fused update's fast path).
+    for p in run.model.parameters():
+        buf = run.optimizer.state[p]["momentum_buffer"]
+        assert buf.stride() == p.stride()
+        assert (buf.is_contiguous(memory_format=torch.channels_last)
+                == p.is_contiguous(memory_format=torch.channels_last))
+    buf = run.optimizer.state[conv]["momentum_buffer"]
+    assert buf.is_contiguous(memory_format=torch.channels_last) and not buf.is_contiguous()
     # One step: buf <- momentum * buf + grad + weight_decay * p, from the loaded buffers.
     params = [(p, g["weight_decay"]) for g in run.optimizer.param_groups for p in g["params"]]
     before = [(p.detach().clone(), run.optimizer.state[p]["momentum_buffer"].clone())

@@ -98,6 +98,20 @@ def _param_groups(model: nn.Module, cfg) -> list[dict[str, Any]]:
     return groups
 
 
+def _state_like_params(optimizer: torch.optim.Optimizer) -> None:
+    """Give the optimizer's per-parameter tensors of a parameter's shape (SGD's momentum) that
+    parameter's strides. ``load_state_dict`` keeps a checkpoint's strides: resumed in the other
+    layout (channels_last vs NCHW) they would differ from the parameters', which is correct but
+    can keep the fused/foreach update off its fast path. Values are copied exactly."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for name, value in state.items():
+                if (torch.is_tensor(value) and value.shape == p.shape
+                        and value.stride() != p.stride()):
+                    state[name] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
 def milestones(cfg, max_iters: int) -> list[int]:
     return sorted(int(round(m * max_iters)) if m < 1 else int(m) for m in cfg["milestones"])
 
@@ -258,6 +272,7 @@ class Run:
         if state is not None:
             try:
                 self.optimizer.load_state_dict(state["optimizer"])
+                _state_like_params(self.optimizer)
                 if state.get("scaler"):
                     self.scaler.load_state_dict(state["scaler"])
             except (ValueError, KeyError, RuntimeError) as e:
