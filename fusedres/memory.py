@@ -23,10 +23,11 @@ from .accounting import (
     saved_tensors,
     simulate_step,
 )
-from .allocator import peak_rss_bytes, release_freed_memory, reset_peak_rss, rss_bytes
+from .allocator import (keep_freed_memory, peak_rss_bytes, release_freed_memory, reset_peak_rss,
+                        rss_bytes)
 from .planner import MemoryPlan, PlanError, plan
 
 __all__ = ["CUDA_BLOCK_BYTES", "LiveTensorTracker", "MemoryPlan", "PlanError", "SavedTensor",
-           "SavedTensorCounter", "StepMemory", "cpu_op_workspace_bytes", "peak_rss_bytes", "plan",
-           "release_freed_memory", "reset_peak_rss", "rss_bytes", "saved_bytes", "saved_tensors",
-           "simulate_step"]
+           "SavedTensorCounter", "StepMemory", "cpu_op_workspace_bytes", "keep_freed_memory",
+           "peak_rss_bytes", "plan", "release_freed_memory", "reset_peak_rss", "rss_bytes",
+           "saved_bytes", "saved_tensors", "simulate_step"]

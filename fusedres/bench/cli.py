@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+import fusedres.memory
 from fusedres import unit_shapes as S
 from fusedres.cli import UsageError, parse_bytes
 
@@ -76,6 +77,11 @@ def _common(p: argparse.ArgumentParser, reps: int | None, warmup: int | None) ->
                    help="start no new shape / model / probe after this many seconds")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="CPU: keep, glibc keeps freed blocks for reuse (no mmap, no trim: "
+                        "no page faults from one step to the next, whose count otherwise "
+                        "depends on what ran before in the process); default, glibc's own "
+                        "dynamic thresholds (fusedres.memory.keep_freed_memory)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             for u in units:
                 print(f"  {u.name}")
         return 0
+    args.allocator = None
+    if args.device.type == "cpu" and args.malloc == "keep" and args.command in ("units", "step"):
+        applied, why = fusedres.memory.keep_freed_memory()
+        args.allocator = why if applied else f"glibc defaults ({why})"
+        if not applied:
+            print(f"fusedres bench: note: --malloc keep not applied: {why}", file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
     elif args.quick and args.device.type == "cpu":

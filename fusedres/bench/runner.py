@@ -72,7 +72,8 @@ class Report:
             head += ["Times on a CPU are wall clock, and noisy when the machine is shared (this "
                      "one may have been: see the load average): every ratio is between rows "
                      "measured in the same run, in interleaved order. Peak memory on CPU is the "
-                     "peak of live tensor bytes (fusedres.memory.LiveTensorTracker), not RSS.",
+                     "peak of live tensor bytes (fusedres.memory.LiveTensorTracker), not RSS. "
+                     f"C allocator: {m.get('allocator') or 'glibc defaults (--malloc default)'}.",
                      ""]
         else:
             head += ["Times are CUDA events; peak memory is torch.cuda.max_memory_allocated "
@@ -311,6 +312,7 @@ def run(args) -> int:
     title = {"units": "fusedres bench units", "step": "fusedres bench step",
              "fit": "fusedres bench fit", "gpu-report": "fusedres GPU report"}[args.command]
     rep = Report(args.out, title, args.device, argv)
+    rep.doc["machine"]["allocator"] = getattr(args, "allocator", None)
     print(R.machine_line(rep.doc["machine"]), flush=True)
     if args.command == "units":
         part_units(rep, args, args.units, baselines=args.baselines, deadline=deadline)
