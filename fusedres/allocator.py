@@ -15,9 +15,13 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+from dataclasses import dataclass
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "peak_rss_bytes",
-           "release_freed_memory", "reset_peak_rss", "rss_bytes"]
+__all__ = ["IMPORT_BASELINE_BYTES", "MMAP_THRESHOLD_BYTES", "SLACK_BYTES", "SLACK_FRACTION",
+           "TRIM_THRESHOLD_BYTES", "ProcessMemory", "allocator_slack_bytes", "peak_rss_bytes",
+           "release_freed_memory", "released", "reset_peak_rss", "rss_bytes"]
+
+MiB = 2 ** 20
 
 # glibc's malloc.h: #define M_TRIM_THRESHOLD -1, #define M_MMAP_THRESHOLD -3.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -27,6 +31,85 @@ MMAP_THRESHOLD_BYTES = 64 * 2 ** 10
 TRIM_THRESHOLD_BYTES = 128 * 2 ** 10
 
 _applied = False
+
+# The process a budget counts from, and what it holds beyond the step's tensors
+# (benchmarks/MEMORY.md, "The process under a CPU budget", has the runs behind each figure).
+#
+# IMPORT_BASELINE_BYTES: VmRSS of a fresh ``python -c "import torch, fusedres"`` on the machine
+# the figures were taken on (torch 2.14.1+cu130, Python 3.11, glibc 2.36; the CUDA build of
+# torch maps its CUDA libraries whether or not a GPU is there). Another build or machine has
+# another baseline: pass the process's own (``rss_bytes()``) where it matters.
+IMPORT_BASELINE_BYTES = 658 * MiB
+# The allocator's slack under a budget, with the thresholds above set: the peak resident set
+# above the baseline minus the step's predicted peak (tensors, the cpu backend's workspace,
+# the data), over trainer runs of several sizes: a constant (code paged in at the first step,
+# oneDNN's and OpenMP's per-thread state, the planner's own leftovers) and a share of the
+# tensor peak (blocks under the mmap threshold on the heap, page rounding).
+SLACK_BYTES = 25 * MiB
+SLACK_FRACTION = 0.01
+# Without the thresholds (release_freed_memory not applied), glibc keeps freed blocks
+# resident and reuses them: the slack grows with the step's freed volume, not modelled beyond
+# this share of the tensor peak (the largest seen).
+SLACK_FRACTION_UNRELEASED = 0.4
+
+
+def released() -> bool:
+    """Whether :func:`release_freed_memory` has set glibc's thresholds in this process."""
+    return _applied
+
+
+def allocator_slack_bytes(tensor_bytes: int, released: bool = True) -> int:
+    """Predicted resident bytes beyond ``tensor_bytes`` (a training step's predicted peak of
+    tensors and kernel workspace) that a process holds at its peak: ``SLACK_BYTES +
+    SLACK_FRACTION * tensor_bytes`` with glibc's thresholds set (``released``), else the share
+    ``SLACK_FRACTION_UNRELEASED`` on top (an estimate: glibc then keeps freed blocks)."""
+    if tensor_bytes < 0:
+        raise ValueError(f"tensor_bytes: expected a non-negative number of bytes, got "
+                         f"{tensor_bytes!r}")
+    fraction = SLACK_FRACTION if released else SLACK_FRACTION + SLACK_FRACTION_UNRELEASED
+    return int(SLACK_BYTES + fraction * tensor_bytes)
+
+
+@dataclass
+class ProcessMemory:
+    """The process under a CPU budget, predicted (bytes).
+
+    ``baseline``: the resident set the budget counts from (a process that has imported torch
+    and fusedres); ``tensors``: the training step's predicted peak (tensors, the cpu backend's
+    workspace, the data kept resident: :attr:`fusedres.memory.MemoryPlan.peak_bytes`);
+    ``slack``: the allocator's (:func:`allocator_slack_bytes`). ``above_baseline`` (tensors +
+    slack) is the figure a budget bounds and the trainer measures (peak resident set above the
+    baseline); ``total`` adds the baseline. ``released``/``allocator``: whether glibc was told
+    to return freed memory, and what :func:`release_freed_memory` said."""
+
+    baseline: int
+    baseline_source: str
+    tensors: int
+    slack: int
+    released: bool
+    allocator: str
+
+    @property
+    def above_baseline(self) -> int:
+        return self.tensors + self.slack
+
+    @property
+    def total(self) -> int:
+        return self.baseline + self.above_baseline
+
+    def lines(self) -> list[str]:
+        from .accounting import format_bytes as size
+
+        terms = [(f"baseline ({self.baseline_source})", self.baseline),
+                 ("the step's peak (above)", self.tensors),
+                 ("allocator slack (predicted)", self.slack)]
+        out = [f"process peak {size(self.total)}, {size(self.above_baseline)} above the "
+               f"baseline (the figure the budget bounds):"]
+        out += [f"  {name:<44} {size(n):>12}" for name, n in terms]
+        if not self.released:
+            out.append(f"  freed memory is not returned to the system ({self.allocator}): "
+                       f"the slack is an estimate")
+        return out
 
 
 def _glibc_version() -> str | None:
