@@ -17,7 +17,8 @@ import os
 import resource
 from dataclasses import dataclass
 
-__all__ = ["IMPORT_BASELINE_BYTES", "MMAP_THRESHOLD_BYTES", "SLACK_BYTES", "SLACK_FRACTION",
+__all__ = ["IMPORT_BASELINE_BYTES", "MMAP_THRESHOLD_BYTES", "SLACK_BYTES",
+           "SLACK_BYTES_PER_UNIT", "SLACK_FRACTION", "SLACK_FRACTION_UNRELEASED",
            "TRIM_THRESHOLD_BYTES", "ProcessMemory", "allocator_slack_bytes", "peak_rss_bytes",
            "release_freed_memory", "released", "reset_peak_rss", "rss_bytes"]
 
@@ -40,17 +41,21 @@ _applied = False
 # torch maps its CUDA libraries whether or not a GPU is there). Another build or machine has
 # another baseline: pass the process's own (``rss_bytes()``) where it matters.
 IMPORT_BASELINE_BYTES = 658 * MiB
-# The allocator's slack under a budget, with the thresholds above set: the peak resident set
-# above the baseline minus the step's predicted peak (tensors, the cpu backend's workspace,
-# the data), over trainer runs of several sizes: a constant (code paged in at the first step,
-# oneDNN's and OpenMP's per-thread state, the planner's own leftovers) and a share of the
-# tensor peak (blocks under the mmap threshold on the heap, page rounding).
-SLACK_BYTES = 25 * MiB
-SLACK_FRACTION = 0.01
-# Without the thresholds (release_freed_memory not applied), glibc keeps freed blocks
-# resident and reuses them: the slack grows with the step's freed volume, not modelled beyond
-# this share of the tensor peak (the largest seen).
-SLACK_FRACTION_UNRELEASED = 0.4
+# The slack under a budget, with the thresholds above set: the peak resident set above the
+# baseline minus the step's predicted peak (tensors, the cpu backend's workspace, the data),
+# over trainer runs of several sizes (benchmarks/process_memory.py), bounded by three terms:
+# a constant (code paged in at the first step, oneDNN's and OpenMP's per-thread state), a
+# share per residual unit (the model's Python objects, the autograd graph, what planning it
+# leaves in Python's arenas: ResNet-1001's 333 units hold ~70 MiB of them before the first
+# step, ResNet-164's 54 units ~20 MiB) and a share of the step's peak (blocks under the mmap
+# threshold on the heap, page rounding).
+SLACK_BYTES = 22 * MiB
+SLACK_BYTES_PER_UNIT = 192 * 2 ** 10
+SLACK_FRACTION = 0.005
+# Without the thresholds (release_freed_memory not applied) glibc keeps freed blocks resident
+# and serves later requests from them: the slack then grows with what the step frees, from
+# 0.5x to 1.44x the step's peak in the runs measured. An estimate: the largest seen, rounded up.
+SLACK_FRACTION_UNRELEASED = 1.5
 
 
 def released() -> bool:
@@ -58,16 +63,17 @@ def released() -> bool:
     return _applied
 
 
-def allocator_slack_bytes(tensor_bytes: int, released: bool = True) -> int:
+def allocator_slack_bytes(tensor_bytes: int, units: int = 0, released: bool = True) -> int:
     """Predicted resident bytes beyond ``tensor_bytes`` (a training step's predicted peak of
-    tensors and kernel workspace) that a process holds at its peak: ``SLACK_BYTES +
-    SLACK_FRACTION * tensor_bytes`` with glibc's thresholds set (``released``), else the share
-    ``SLACK_FRACTION_UNRELEASED`` on top (an estimate: glibc then keeps freed blocks)."""
-    if tensor_bytes < 0:
-        raise ValueError(f"tensor_bytes: expected a non-negative number of bytes, got "
-                         f"{tensor_bytes!r}")
+    tensors and kernel workspace) that a process training a model of ``units`` residual units
+    holds at its peak: ``SLACK_BYTES + SLACK_BYTES_PER_UNIT * units + SLACK_FRACTION *
+    tensor_bytes`` with glibc's thresholds set (``released``); else ``SLACK_FRACTION_UNRELEASED
+    * tensor_bytes`` more (an estimate: glibc then keeps freed blocks)."""
+    for name, value in (("tensor_bytes", tensor_bytes), ("units", units)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
     fraction = SLACK_FRACTION if released else SLACK_FRACTION + SLACK_FRACTION_UNRELEASED
-    return int(SLACK_BYTES + fraction * tensor_bytes)
+    return int(SLACK_BYTES + SLACK_BYTES_PER_UNIT * units + fraction * tensor_bytes)
 
 
 @dataclass

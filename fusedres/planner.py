@@ -562,7 +562,8 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
         """What the budget bounds: the step's peak, plus the allocator's slack (process)."""
         if not process:
             return s.peak_bytes
-        return s.peak_bytes + allocator.allocator_slack_bytes(s.peak_bytes, released)
+        return s.peak_bytes + allocator.allocator_slack_bytes(s.peak_bytes, len(prof.saved),
+                                                              released)
 
     what = f"input {tuple(input_shape)} in {dtype}" + (" autocast" if autocast else "")
     act_cap = activation_budget if activation_budget is not None else float("inf")

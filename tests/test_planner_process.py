@@ -32,14 +32,14 @@ def test_process_plan_fits_step_plus_slack(no_release):
     tensors_only = plan(model, SHAPE, 10 * GiB, apply=False, predict_cuda=False)
     unplanned = tensors_only.peak_bytes
     # A budget the unplanned step meets but not with the allocator's slack on top.
-    budget = unplanned + allocator_slack_bytes(unplanned) // 2
+    budget = unplanned + allocator_slack_bytes(unplanned, tensors_only.n_units) // 2
     assert plan(model, SHAPE, budget, apply=False, predict_cuda=False).segments == []
     p = plan(model, SHAPE, budget, process=True, apply=False, predict_cuda=False)
     assert no_release == [1]
     proc = p.process
     assert p.segments, "the slack does not fit beside the unplanned step: it must checkpoint"
     assert proc.tensors == p.peak_bytes < unplanned
-    assert proc.slack == allocator_slack_bytes(p.peak_bytes) > 0
+    assert proc.slack == allocator_slack_bytes(p.peak_bytes, p.n_units) > 0
     assert p.budgeted_bytes == proc.above_baseline == proc.tensors + proc.slack <= budget
     assert proc.baseline == fusedres.memory.IMPORT_BASELINE_BYTES
     assert proc.total == proc.baseline + proc.above_baseline
@@ -74,8 +74,8 @@ def test_release_switch_is_honoured(no_release, monkeypatch):
     assert no_release == []
     assert not p.process.released and "FUSEDRES_RELEASE_FREED_MEMORY=0" in str(p)
     # Freed blocks then stay resident: a larger slack is predicted.
-    assert p.process.slack == allocator_slack_bytes(p.peak_bytes, released=False)
-    assert p.process.slack >= allocator_slack_bytes(p.peak_bytes)
+    assert p.process.slack == allocator_slack_bytes(p.peak_bytes, p.n_units, released=False)
+    assert p.process.slack > allocator_slack_bytes(p.peak_bytes, p.n_units)
 
 
 def test_bad_arguments_fail_before_anything_is_set(no_release):
@@ -105,6 +105,9 @@ def test_bad_arguments_fail_before_anything_is_set(no_release):
 
 def test_slack_model():
     assert allocator_slack_bytes(0) == allocator.SLACK_BYTES
-    assert allocator_slack_bytes(GiB) >= allocator_slack_bytes(MiB)
+    assert allocator_slack_bytes(GiB) > allocator_slack_bytes(MiB)
+    assert allocator_slack_bytes(MiB, 333) > allocator_slack_bytes(MiB, 54)
     with pytest.raises(ValueError, match="tensor_bytes"):
         allocator_slack_bytes(-1)
+    with pytest.raises(ValueError, match="units"):
+        allocator_slack_bytes(MiB, -3)

@@ -31,7 +31,8 @@ def test_run_reports_predicted_and_measured_peak(tmp_path, capsys):
     assert main([*TINY, "--out", str(out), "--memory-budget", "256MiB"]) == 0
     err = capsys.readouterr().err
     s = json.loads((out / "summary.json").read_text())
-    assert "whole step" in s["memory_plan"] and "predicted peak" in s["memory_plan"]
+    assert "resident set above its baseline" in s["memory_plan"]
+    assert "predicted peak" in s["memory_plan"]
     line = next(x for x in err.splitlines() if "memory: predicted peak" in x)
     assert "measured" in line and "LiveTensorTracker" in line
     assert s["memory_budget_bytes"] == 256 * 2 ** 20

@@ -691,8 +691,9 @@ class Run:
             measured = None if self.live is None else self.live.peak_bytes
             kind = "live tensors (LiveTensorTracker)"
             tensors = p.step.tensor_peak_bytes + p.step.resident
-            pred_text = (f"{M.format_bytes(pred)} = tensors {M.format_bytes(tensors)} + kernel "
-                         f"workspace {M.format_bytes(p.step.workspace)} (not seen by the tracker)")
+            pred_text = (f"{M.format_bytes(pred)} = tensors {M.format_bytes(tensors)} (the data at "
+                         f"what loading it added to the resident set) + kernel workspace "
+                         f"{M.format_bytes(p.step.workspace)} (not seen by the tracker)")
         lines = [f"memory: predicted peak {pred_text}; measured {M.format_bytes(measured)} "
                  f"({kind})"]
         if reserved is not None and p.cuda is not None:
