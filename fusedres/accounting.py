@@ -28,9 +28,11 @@ What the tracker cannot see, and how it is treated:
   allocates nothing). :func:`simulate_step` with ``cuda_rules=True`` counts that way and runs
   the optimizer as on a GPU (``foreach`` kernels, whose temporaries are alive together). It
   runs on meta tensors (fake CPU tensors under autocast): torch's autograd engine needs a CUDA
-  driver to run a backward on fake CUDA tensors. Not modelled: cuDNN and cuBLAS workspaces
+  driver to run a backward on fake CUDA tensors. Not counted here: cuDNN and cuBLAS workspaces
   (cuBLAS's is allocated through the caching allocator and counted by
-  ``max_memory_allocated``), the CUDA context (not counted there).
+  ``max_memory_allocated``), the CUDA context (not counted there); :mod:`fusedres.cuda_memory`
+  replays the step's allocations (``StepMemory.events``) through the allocator's rules for
+  the reserved memory, and states the workspaces and the context beside it.
 """
 
 from __future__ import annotations
