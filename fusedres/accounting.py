@@ -28,9 +28,11 @@ What the tracker cannot see, and how it is treated:
   allocates nothing). :func:`simulate_step` with ``cuda_rules=True`` counts that way and runs
   the optimizer as on a GPU (``foreach`` kernels, whose temporaries are alive together). It
   runs on meta tensors (fake CPU tensors under autocast): torch's autograd engine needs a CUDA
-  driver to run a backward on fake CUDA tensors. Not modelled: cuDNN and cuBLAS workspaces
+  driver to run a backward on fake CUDA tensors. Not counted here: cuDNN and cuBLAS workspaces
   (cuBLAS's is allocated through the caching allocator and counted by
-  ``max_memory_allocated``), the CUDA context (not counted there).
+  ``max_memory_allocated``), the CUDA context (not counted there); :mod:`fusedres.cuda_memory`
+  replays the step's allocations (``StepMemory.events``) through the allocator's rules for
+  the reserved memory, and states the workspaces and the context beside it.
 """
 
 from __future__ import annotations
@@ -161,8 +163,13 @@ class LiveTensorTracker(TorchDispatchMode):
         self._peak_tags: dict[int, str] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
+        # When a list: ("alloc", key, nbytes) and ("free", key) in order, nbytes unrounded
+        # (the allocator replay of fusedres.cuda_memory reads it).
+        self.events: list[tuple] | None = None
 
     def _free(self, key: int) -> None:
+        if self.events is not None and key in self._live:
+            self.events.append(("free", key))
         self.current_bytes -= self._live.pop(key, 0)
         self._tags.pop(key, None)
 
@@ -211,6 +218,8 @@ class LiveTensorTracker(TorchDispatchMode):
         if key in self._live:
             return
         n = st.nbytes()
+        if self.events is not None:
+            self.events.append(("alloc", key, n))
         if self._round > 1:
             n = -(-n // self._round) * self._round
         self._live[key] = n
@@ -296,6 +305,9 @@ class StepMemory:
     device: str
     cuda_rules: bool = False
     notes: list[str] = field(default_factory=list)
+    # cuda_rules: the step's allocations and frees in order (LiveTensorTracker.events), for
+    # fusedres.cuda_memory's allocator replay.
+    events: list[tuple] | None = field(default=None, repr=False)
 
     @property
     def tensor_peak_bytes(self) -> int:
@@ -491,6 +503,8 @@ def simulate_step(model: nn.Module, input_shape: Sequence[int], *,
         cpu_ws = _backend.resolve_backend(torch.device("cpu")) == "cpu"
     live = _StepTracker(cpu_ws, round_to=CUDA_BLOCK_BYTES if cuda_rules else 1,
                         keep_peak_set=True)
+    if cuda_rules:
+        live.events = []
     phases: dict[str, tuple[int, dict[str, int]]] = {}
     saved_after = 0
     hooks = [p.register_post_accumulate_grad_hook(lambda p: live.retag(p.grad, "gradients"))
@@ -569,4 +583,5 @@ def simulate_step(model: nn.Module, input_shape: Sequence[int], *,
     return StepMemory(*terms, phase=phase, workspace=live.workspace_bytes,
                       resident=int(resident_bytes), saved_after_forward=saved_after,
                       train_peak_bytes=train_peak, eval_peak_bytes=eval_peak,
-                      device="cuda" if cuda_rules else "cpu", cuda_rules=cuda_rules)
+                      device="cuda" if cuda_rules else "cpu", cuda_rules=cuda_rules,
+                      events=None if live.events is None else list(live.events))

@@ -15,9 +15,14 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+from dataclasses import dataclass
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "keep_freed_memory",
-           "peak_rss_bytes", "release_freed_memory", "reset_peak_rss", "rss_bytes"]
+__all__ = ["IMPORT_BASELINE_BYTES", "MMAP_THRESHOLD_BYTES", "SLACK_BYTES",
+           "SLACK_BYTES_PER_UNIT", "SLACK_FRACTION", "SLACK_FRACTION_UNRELEASED",
+           "TRIM_THRESHOLD_BYTES", "ProcessMemory", "allocator_slack_bytes", "keep_freed_memory",
+           "peak_rss_bytes", "release_freed_memory", "released", "reset_peak_rss", "rss_bytes"]
+
+MiB = 2 ** 20
 
 # glibc's malloc.h: #define M_TRIM_THRESHOLD -1, #define M_MMAP_THRESHOLD -3.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -28,6 +33,90 @@ TRIM_THRESHOLD_BYTES = 128 * 2 ** 10
 
 _applied = False
 _kept = False  # keep_freed_memory() applied
+
+# The process a budget counts from, and what it holds beyond the step's tensors
+# (benchmarks/MEMORY.md, "The process under a CPU budget", has the runs behind each figure).
+#
+# IMPORT_BASELINE_BYTES: VmRSS of a fresh ``python -c "import torch, fusedres"`` on the machine
+# the figures were taken on (torch 2.14.1+cu130, Python 3.11, glibc 2.36; the CUDA build of
+# torch maps its CUDA libraries whether or not a GPU is there). Another build or machine has
+# another baseline: pass the process's own (``rss_bytes()``) where it matters.
+IMPORT_BASELINE_BYTES = 658 * MiB
+# The slack under a budget, with the thresholds above set: the peak resident set above the
+# baseline minus the step's predicted peak (tensors, the cpu backend's workspace, the data),
+# over trainer runs of several sizes (benchmarks/process_memory.py), bounded by three terms:
+# a constant (code paged in at the first step, oneDNN's and OpenMP's per-thread state), a
+# share per residual unit (the model's Python objects, the autograd graph, what planning it
+# leaves in Python's arenas: ResNet-1001's 333 units hold ~70 MiB of them before the first
+# step, ResNet-164's 54 units ~20 MiB) and a share of the step's peak (blocks under the mmap
+# threshold on the heap, page rounding).
+SLACK_BYTES = 22 * MiB
+SLACK_BYTES_PER_UNIT = 192 * 2 ** 10
+SLACK_FRACTION = 0.005
+# Without the thresholds (release_freed_memory not applied) glibc keeps freed blocks resident
+# and serves later requests from them: the slack then grows with what the step frees, from
+# 0.5x to 1.44x the step's peak in the runs measured. An estimate: the largest seen, rounded up.
+SLACK_FRACTION_UNRELEASED = 1.5
+
+
+def released() -> bool:
+    """Whether :func:`release_freed_memory` has set glibc's thresholds in this process."""
+    return _applied
+
+
+def allocator_slack_bytes(tensor_bytes: int, units: int = 0, released: bool = True) -> int:
+    """Predicted resident bytes beyond ``tensor_bytes`` (a training step's predicted peak of
+    tensors and kernel workspace) that a process training a model of ``units`` residual units
+    holds at its peak: ``SLACK_BYTES + SLACK_BYTES_PER_UNIT * units + SLACK_FRACTION *
+    tensor_bytes`` with glibc's thresholds set (``released``); else ``SLACK_FRACTION_UNRELEASED
+    * tensor_bytes`` more (an estimate: glibc then keeps freed blocks)."""
+    for name, value in (("tensor_bytes", tensor_bytes), ("units", units)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
+    fraction = SLACK_FRACTION if released else SLACK_FRACTION + SLACK_FRACTION_UNRELEASED
+    return int(SLACK_BYTES + SLACK_BYTES_PER_UNIT * units + fraction * tensor_bytes)
+
+
+@dataclass
+class ProcessMemory:
+    """The process under a CPU budget, predicted (bytes).
+
+    ``baseline``: the resident set the budget counts from (a process that has imported torch
+    and fusedres); ``tensors``: the training step's predicted peak (tensors, the cpu backend's
+    workspace, the data kept resident: :attr:`fusedres.memory.MemoryPlan.peak_bytes`);
+    ``slack``: the allocator's (:func:`allocator_slack_bytes`). ``above_baseline`` (tensors +
+    slack) is the figure a budget bounds and the trainer measures (peak resident set above the
+    baseline); ``total`` adds the baseline. ``released``/``allocator``: whether glibc was told
+    to return freed memory, and what :func:`release_freed_memory` said."""
+
+    baseline: int
+    baseline_source: str
+    tensors: int
+    slack: int
+    released: bool
+    allocator: str
+
+    @property
+    def above_baseline(self) -> int:
+        return self.tensors + self.slack
+
+    @property
+    def total(self) -> int:
+        return self.baseline + self.above_baseline
+
+    def lines(self) -> list[str]:
+        from .accounting import format_bytes as size
+
+        terms = [(f"baseline ({self.baseline_source})", self.baseline),
+                 ("the step's peak (above)", self.tensors),
+                 ("allocator slack (predicted)", self.slack)]
+        out = [f"process peak {size(self.total)}, {size(self.above_baseline)} above the "
+               f"baseline (the figure the budget bounds):"]
+        out += [f"  {name:<44} {size(n):>12}" for name, n in terms]
+        if not self.released:
+            out.append(f"  freed memory is not returned to the system ({self.allocator}): "
+                       f"the slack is an estimate")
+        return out
 
 
 def _glibc_version() -> str | None:

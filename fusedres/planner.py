@@ -6,7 +6,12 @@ buffers, gradients, optimizer state, the batch, saved activations and the larges
 temporaries, the evaluation forward at its batch size), plus the cpu backend's kernel
 workspace and whatever the caller keeps resident (:mod:`fusedres.accounting` itemises and
 simulates it). ``activation_budget`` keeps the older, narrower meaning: saved activations only,
-as described below.
+as described below. ``process=True`` (training on CPU) makes ``budget_bytes`` bound the
+process instead: its peak resident set above a baseline, the step's peak plus the allocator's
+slack (:mod:`fusedres.allocator`: glibc told to return freed memory, the slack measured).
+With ``predict_cuda`` the plan also replays the step through the CUDA caching allocator's
+rules (:mod:`fusedres.cuda_memory`): reserved memory with and without expandable segments,
+and what the GPU holds beside it.
 
 The planner measures, for the given input shape and dtype, what every residual unit saves for
 backward (a count of storages, :mod:`fusedres.memory`'s rule) and its forward FLOPs, on the
@@ -39,7 +44,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _backend
+from . import _backend, allocator, cuda_memory, settings
 from .accounting import (
     LiveTensorTracker,
     StepMemory,
@@ -95,10 +100,15 @@ class MemoryPlan:
     ``budget_bytes``: the whole-step budget (None when only ``activation_budget_bytes`` was
     given). ``step``: the simulated whole step with the chosen checkpointing, itemised
     (:class:`fusedres.accounting.StepMemory`); ``peak_bytes`` is its peak, the figure the
-    budget bounds. ``cuda_step``: the same step counted as the CUDA caching allocator would
-    (what ``torch.cuda.max_memory_allocated`` reports), when asked for. ``saved_bytes`` /
-    ``activation_peak_bytes`` / ``unplanned_bytes``: saved activations after the forward, at
-    their peak during backward, and without checkpointing (the activation model).
+    budget bounds, unless ``process`` (a :class:`fusedres.allocator.ProcessMemory`, with
+    ``process=True``): then the budget bounds ``process.above_baseline``, the peak plus the
+    allocator's slack (``budgeted_bytes`` is whichever applies). ``cuda_step``: the same step
+    counted as the CUDA caching allocator would (what ``torch.cuda.max_memory_allocated``
+    reports), when asked for; ``cuda``: its replay through the allocator's rules
+    (:class:`fusedres.cuda_memory.CudaMemory`: reserved memory, workspaces, the context).
+    ``saved_bytes`` / ``activation_peak_bytes`` / ``unplanned_bytes``: saved activations after
+    the forward, at their peak during backward, and without checkpointing (the activation
+    model).
     """
 
     budget_bytes: int | None
@@ -113,6 +123,14 @@ class MemoryPlan:
     step: StepMemory | None = None
     cuda_step: StepMemory | None = None
     activation_budget_bytes: int | None = None
+    process: allocator.ProcessMemory | None = None
+    cuda: cuda_memory.CudaMemory | None = None
+
+    @property
+    def budgeted_bytes(self) -> int:
+        """The figure the budget bounds: the process above its baseline (``process=True``),
+        else the step's peak."""
+        return self.process.above_baseline if self.process is not None else self.peak_bytes
 
     @property
     def peak_bytes(self) -> int:
@@ -130,7 +148,10 @@ class MemoryPlan:
 
     def __str__(self) -> str:
         longest = max((b - a for a, b in self.segments), default=0)
-        if self.budget_bytes is not None:
+        if self.budget_bytes is not None and self.process is not None:
+            head = (f"memory plan for a budget of {_size(self.budget_bytes)} (the process's "
+                    f"resident set above its baseline):")
+        elif self.budget_bytes is not None:
             head = f"memory plan for a budget of {_size(self.budget_bytes)} (whole step):"
         else:
             head = (f"memory plan for an activation budget of "
@@ -149,11 +170,17 @@ class MemoryPlan:
         if self.step is not None:
             lines += ["  predicted " + line.strip() if i == 0 else "  " + line
                       for i, line in enumerate(self.step.lines())]
-        if self.cuda_step is not None:
+        if self.process is not None:
+            lines += ["  predicted " + line.strip() if i == 0 else "  " + line
+                      for i, line in enumerate(self.process.lines())]
+        if self.cuda_step is not None and self.cuda is None:
             c = self.cuda_step
             lines.append(f"  predicted on a GPU (torch.cuda.max_memory_allocated; 512-byte "
                          f"blocks, no cuDNN/cuBLAS workspace): {_size(c.peak_bytes)} during the "
                          f"{c.phase}")
+        if self.cuda is not None:
+            lines += ["  predicted " + line.strip() if i == 0 else "  " + line
+                      for i, line in enumerate(self.cuda.lines())]
         return "\n".join(lines)
 
 
@@ -431,6 +458,8 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
          activation_budget: int | None = None, optimizer: torch.optim.Optimizer | None = None,
          eval_batch_size: int | None = None, resident_bytes: int = 0,
          channels_last: bool = False, predict_cuda: bool = True,
+         process: bool = False, baseline_bytes: int | None = None,
+         cuda_capability: tuple[int, int] = (9, 0),
          device: str | torch.device = "meta", apply: bool = True,
          verbose: bool = False) -> MemoryPlan:
     """Choose where to checkpoint ``model`` so that one whole training step on an input of
@@ -451,7 +480,22 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
     ``dtype`` is the dtype of the activations: the count casts the parameters and the input to
     it (pure half-precision training). For training under ``torch.autocast`` pass the autocast
     dtype and ``autocast=True``. ``predict_cuda``: also simulate the step as the CUDA caching
-    allocator counts it (``plan.cuda_step``).
+    allocator counts it (``plan.cuda_step``) and replay it through the allocator's rules
+    (``plan.cuda``, a :class:`fusedres.memory.CudaMemory`: ``max_memory_allocated`` and
+    ``max_memory_reserved`` with and without ``expandable_segments``, cuBLAS's workspace for a
+    GPU of compute capability ``cuda_capability``, cuDNN's allowance and the CUDA context).
+
+    ``process=True`` (training on CPU): ``budget_bytes`` bounds the process instead, its peak
+    resident set above ``baseline_bytes``: the step's peak as above (the tensors, the kernel
+    workspace, ``resident_bytes``) plus the allocator's slack
+    (:func:`fusedres.memory.allocator_slack_bytes`, measured). The plan first calls
+    :func:`fusedres.memory.release_freed_memory` (glibc returns freed blocks; without it the
+    slack is larger and only estimated; ``FUSEDRES_RELEASE_FREED_MEMORY=0`` leaves glibc
+    alone): make the plan before the data and the model allocate, as the trainer does.
+    ``baseline_bytes``: the resident set the budget counts from, reported with the prediction
+    (``plan.process``); None: ``fusedres.memory.IMPORT_BASELINE_BYTES``, a fresh process that
+    has imported torch and fusedres; ``fusedres.memory.rss_bytes()`` taken before the data and
+    the model exist: this process's own.
 
     The model must expose ``units()`` and ``set_grad_checkpointing(ranges)``, as
     :mod:`fusedres.models` do. The choice minimises recomputed FLOPs and is applied to the model
@@ -472,9 +516,33 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
     if eval_batch_size is not None and (not isinstance(eval_batch_size, int)
                                         or eval_batch_size <= 0):
         raise ValueError(f"eval_batch_size: expected a positive int, got {eval_batch_size!r}")
+    if not isinstance(process, bool):
+        raise TypeError(f"process: expected True or False, got {process!r}")
+    if process and budget_bytes is None:
+        raise ValueError("process: bounds the process with budget_bytes; give budget_bytes")
+    if baseline_bytes is not None and (isinstance(baseline_bytes, bool)
+                                       or not isinstance(baseline_bytes, int)
+                                       or baseline_bytes < 0):
+        raise ValueError(f"baseline_bytes: expected a non-negative int or None, got "
+                         f"{baseline_bytes!r}")
+    if baseline_bytes is not None and not process:
+        raise ValueError("baseline_bytes: only with process=True")
+    if (not isinstance(cuda_capability, (tuple, list)) or len(cuda_capability) != 2
+            or not all(isinstance(v, int) and v >= 0 for v in cuda_capability)):
+        raise ValueError(f"cuda_capability: expected (major, minor), e.g. (9, 0), got "
+                         f"{cuda_capability!r}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got "
                         f"{type(optimizer).__name__}")
+    _units_of(model)  # a model the planner cannot work on fails here, before anything is set
+    released, allocator_note = False, "not asked"
+    if process:
+        # The slack model holds with glibc's thresholds set; set them before anything here
+        # allocates (the caller's data and model should come after the plan, too).
+        if settings.get("FUSEDRES_RELEASE_FREED_MEMORY"):
+            released, allocator_note = allocator.release_freed_memory()
+        else:
+            released, allocator_note = allocator.released(), "FUSEDRES_RELEASE_FREED_MEMORY=0"
     prof = profile_units(model, input_shape, dtype, device, autocast=autocast)
     unplanned = prof.total_saved
     ranges = list(getattr(model, "checkpoint_ranges", []))
@@ -489,6 +557,13 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
             return simulate_step(model, input_shape, cuda_rules=cuda, **sim_kwargs)
         finally:
             model.set_grad_checkpointing(ranges)
+
+    def total(s: StepMemory) -> int:
+        """What the budget bounds: the step's peak, plus the allocator's slack (process)."""
+        if not process:
+            return s.peak_bytes
+        return s.peak_bytes + allocator.allocator_slack_bytes(s.peak_bytes, len(prof.saved),
+                                                              released)
 
     what = f"input {tuple(input_shape)} in {dtype}" + (" autocast" if autocast else "")
     act_cap = activation_budget if activation_budget is not None else float("inf")
@@ -506,10 +581,10 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
         budget = int(budget_bytes)
         first = choice if choice is not None else ([], unplanned, unplanned, 0)
         step = simulate(first[0])
-        if step.peak_bytes > budget:
+        if total(step) > budget:
             # Saved activations get what the rest of the step leaves; the simulation checks
             # each choice and the shortfall tightens the next one.
-            target = min(act_cap, first[2] - (step.peak_bytes - budget))
+            target = min(act_cap, first[2] - (total(step) - budget))
             choice = None
             for _ in range(8):
                 if target <= 0:
@@ -518,24 +593,27 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
                 if c is None:
                     break
                 s = simulate(c[0])
-                if s.peak_bytes <= budget:
+                if total(s) <= budget:
                     choice, step = c, s
                     break
-                target = min(target - (s.peak_bytes - budget) - (budget >> 10), c[2] - 1)
+                target = min(target - (total(s) - budget) - (budget >> 10), c[2] - 1)
             if choice is None:
                 c = _min_peak_segments(prof)
                 s = simulate(c[0])
-                if s.peak_bytes > budget or c[2] > act_cap:
+                if total(s) > budget or c[2] > act_cap:
+                    smallest = total(s)
+                    slack = (f" (the step's {_size(s.peak_bytes)} + the allocator's slack "
+                             f"{_size(smallest - s.peak_bytes)})" if process else "")
                     raise PlanError(
                         f"budget_bytes: {budget} bytes ({_size(budget)}) cannot be met for "
-                        f"{what}; the smallest budget that works is {s.peak_bytes} bytes "
-                        f"({_size(s.peak_bytes)}), with every unit checkpointed; without "
+                        f"{what}; the smallest budget that works is {smallest} bytes "
+                        f"({_size(smallest)}){slack}, with every unit checkpointed; without "
                         f"checkpointing the step peaks at {_size(step.peak_bytes)} "
                         + ("(the eval forward, which checkpointing does not shrink, is the "
                            "peak: a smaller eval batch lowers it: " if s.phase == "eval forward"
                            else f"(the {s.phase} is the peak: ") + "; ".join(
                             " ".join(line.split()) for line in s.lines()[1:]) + ")",
-                        s.peak_bytes)
+                        smallest)
                 choice, step = c, s
         else:
             choice = first
@@ -543,10 +621,23 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
     if step is None:
         step = simulate(segs)
     cuda_step = simulate(segs, cuda=True) if predict_cuda else None
+    cuda = (None if cuda_step is None
+            else cuda_memory.predict(cuda_step.events, resident_bytes=resident_bytes,
+                                     capability=tuple(cuda_capability)))
+    proc = None
+    if process:
+        proc = allocator.ProcessMemory(
+            baseline=allocator.IMPORT_BASELINE_BYTES if baseline_bytes is None
+            else baseline_bytes,
+            baseline_source="torch and fusedres imported" if baseline_bytes is None
+            else "this process, measured",
+            tensors=step.peak_bytes, slack=total(step) - step.peak_bytes, released=released,
+            allocator=allocator_note)
     result = MemoryPlan(None if budget_bytes is None else int(budget_bytes), list(segs),
                         len(prof.saved), saved, peak, unplanned, cost, prof.step_flops, prof,
                         step, cuda_step,
-                        None if activation_budget is None else int(activation_budget))
+                        None if activation_budget is None else int(activation_budget), proc,
+                        cuda)
     if apply:
         model.set_grad_checkpointing(result.segments)
     if verbose:

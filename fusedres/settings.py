@@ -67,7 +67,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "Time every config of a kernel once per shape key and keep the fastest (else the "
             "config is chosen by rule)."),
     Setting("FUSEDRES_RELEASE_FREED_MEMORY", "bool", "1",
-            "when `fusedres train` sets up a CPU run with --memory-budget",
+            "when `fusedres train` sets up a CPU run with --memory-budget, and by "
+            "`fusedres.memory.plan(..., process=True)`",
             "Tell glibc's malloc to return freed blocks to the system "
             "(`fusedres.memory.release_freed_memory`), so that the budget bounds the process's "
             "resident set; 0: leave the allocator as it is."),

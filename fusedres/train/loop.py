@@ -129,8 +129,9 @@ AUTO_MARGIN_FRACTION, AUTO_MARGIN_BYTES = 0.05, 256 * 2 ** 20
 
 def auto_budget(device: torch.device) -> int:
     """``--memory-budget auto``: the free GPU memory (on CPU, MemAvailable) minus a margin of
-    5% of the device's total + 256 MiB (what the plan does not model: the CUDA context, cuDNN
-    and cuBLAS workspaces, allocator fragmentation)."""
+    5% of the device's total + 256 MiB: headroom for what the budget does not bound (cuDNN's
+    workspaces, the caching allocator's reserved but unallocated blocks; on a GPU the plan
+    states both, ``plan.cuda``; the CUDA context is already out of the free figure)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
     else:
@@ -221,12 +222,24 @@ class Run:
         # On CPU a budget bounds the process only if freed blocks leave it: set glibc's
         # thresholds before the data, the model and the optimizer allocate.
         self.allocator = None
-        if (self.device.type == "cpu" and cfg["memory_budget"] is not None
-                and settings.get("FUSEDRES_RELEASE_FREED_MEMORY")):
-            applied, self.allocator = fusedres.memory.release_freed_memory()
-            if not applied:
-                print(f"fusedres train: note: freed memory is not returned to the system: "
-                      f"{self.allocator}", file=sys.stderr)
+        self.rss_baseline = None
+        if self.device.type == "cpu" and cfg["memory_budget"] is not None:
+            if settings.get("FUSEDRES_RELEASE_FREED_MEMORY"):
+                applied, self.allocator = fusedres.memory.release_freed_memory()
+                if not applied:
+                    print(f"fusedres train: note: freed memory is not returned to the system: "
+                          f"{self.allocator}", file=sys.stderr)
+            # What the budget counts from: the resident set with torch and fusedres imported,
+            # before the data and the model exist (the plan adds to it every tensor, the
+            # kernel workspace and the allocator's slack). The peak is reset to it where Linux
+            # allows, so that the report's peak is this run's, not the imports'.
+            fusedres.memory.reset_peak_rss()
+            self.rss_baseline = fusedres.memory.rss_bytes()
+        elif self.device.type == "cpu":
+            # No budget: glibc keeps freed blocks for the next step instead of unmapping them
+            # and faulting them in again (fusedres.memory.keep_freed_memory).
+            applied, why = fusedres.memory.keep_freed_memory()
+            self.allocator = why if applied else None
         if cfg["amp"] == "fp16" and self.device.type == "cpu" and cfg["compile"]:
             raise UsageError("--amp fp16 with --compile: not supported on CPU; use --amp bf16")
         self._resolve_layout(explicit)
@@ -234,6 +247,10 @@ class Run:
         self.data = data_mod.load(cfg["dataset"], cfg["data_dir"], cfg["download"],
                                   explicit_dir="data_dir" in explicit)
         self.data.to(self.device)
+        # What loading the data added to the process: its tensors, and what the loader left
+        # (scikit-learn's modules for digits); the plan counts the larger as resident.
+        self.data_rss = (None if self.rss_baseline is None
+                         else fusedres.memory.rss_bytes() - self.rss_baseline)
         self.batches = data_mod.Batches(self.data, cfg["batch_size"], cfg["seed"], cfg["pad"],
                                         cfg["flip"], self.rank, self.world,
                                         cfg["channels_last"])
@@ -249,8 +266,12 @@ class Run:
         self.plan_summary = None
         self.memory_budget = None
         self.live: LiveTensorTracker | None = None
+        self.device_warning = None
         if cfg["memory_budget"] is not None or cfg["activation_budget"] is not None:
             self.plan_summary = self._plan(model)
+            if self.device.type == "cuda":
+                total = torch.cuda.get_device_properties(self.device).total_memory
+                self.device_warning = self._device_fit(total)
         if state is not None:
             try:
                 model.load_state_dict(state["model"])
@@ -367,8 +388,19 @@ class Run:
                          else "--sync-bn: one process, nothing to synchronise")
         if self.plan_summary is not None:
             lines += str(self.plan_summary).splitlines()
+        if self.device_warning is not None:
+            lines.append(f"warning: {self.device_warning}")
         for line in lines:
             print(f"fusedres train: {line}", file=sys.stderr)
+
+    def _device_fit(self, total_bytes: int) -> str | None:
+        """On a GPU, before the first step: whether --memory-budget (or the plan's predicted
+        max_memory_reserved, when larger) + cuDNN's workspace allowance + the CUDA context fit
+        the device's ``total_bytes``; the warning naming the figures when they do not."""
+        p = self.plan_summary
+        if p is None or p.cuda is None:
+            return None
+        return fusedres.memory.device_fit_warning(p.cuda, self.memory_budget, total_bytes)
 
     def _data_bytes(self) -> int:
         """Bytes of the dataset this process keeps on the device (one count per storage)."""
@@ -376,6 +408,12 @@ class Run:
         tensors = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                    for t in (d.train_x, d.train_y, d.test_x, d.test_y, d.mean, d.std)}
         return sum(tensors.values())
+
+    def _resident_bytes(self) -> int:
+        """What the plan counts as resident beside the step: the dataset's tensors; on CPU
+        with --memory-budget, what loading it added to the resident set when that is more
+        (the loader's imports, its freed buffers that stay mapped)."""
+        return max(self._data_bytes(), self.data_rss or 0)
 
     def _plan(self, model):
         cfg = self.cfg
@@ -394,11 +432,17 @@ class Run:
         n_eval = min(cfg["eval_batch_size"], math.ceil(len(self.data.test_y) / self.world))
         try:
             # Under --amp the weights' half copies that autocast saves count too.
+            # On CPU the budget bounds the process above its baseline (the allocator's slack
+            # included; the plan sets glibc's thresholds, already set above).
+            process = self.rss_baseline is not None and budget is not None
             return fusedres.memory.plan(
                 model, shape, budget, dtype=self.amp_dtype_for_plan(),
                 autocast=_AMP[cfg["amp"]] is not None, activation_budget=activation,
-                optimizer=spec, eval_batch_size=n_eval, resident_bytes=self._data_bytes(),
-                channels_last=cfg["channels_last"])
+                optimizer=spec, eval_batch_size=n_eval, resident_bytes=self._resident_bytes(),
+                channels_last=cfg["channels_last"], process=process,
+                baseline_bytes=self.rss_baseline if process else None,
+                cuda_capability=(torch.cuda.get_device_capability(self.device)
+                                 if self.device.type == "cuda" else (9, 0)))
         except PlanError as e:
             hint = ("; or lower --eval-batch-size" if "eval forward is the peak" in str(e)
                     else "")
@@ -529,19 +573,20 @@ class Run:
         self.live = LiveTensorTracker()
         return self.live
 
-    def _rss_baseline(self) -> None:
+    def _rss_pre_step(self) -> None:
         """On CPU with --memory-budget: the resident set once the data, the model and the
-        optimizer are built, before the first step. The peak is reset to it where Linux
-        allows, so the report's figure is the rise over the steps (else the peak is the
-        process's lifetime one and the figure an upper bound on that rise)."""
-        self.rss_baseline, self.rss_peak_since_baseline = None, False
-        if self.device.type == "cpu" and self.memory_budget is not None:
-            self.rss_peak_since_baseline = fusedres.memory.reset_peak_rss()
-            self.rss_baseline = fusedres.memory.rss_bytes()
+        optimizer are built, before the first step, and the peak until then. The peak is
+        reset to it where Linux allows, so that the report also gives the rise over the steps
+        (else the peak is the process's lifetime one and that figure an upper bound)."""
+        self.rss_pre_step, self.rss_setup_peak, self.rss_peak_since_pre_step = None, None, False
+        if self.device.type == "cpu" and self.rss_baseline is not None:
+            self.rss_setup_peak = fusedres.memory.peak_rss_bytes()
+            self.rss_peak_since_pre_step = fusedres.memory.reset_peak_rss()
+            self.rss_pre_step = fusedres.memory.rss_bytes()
 
     def train(self) -> int:
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        self._rss_baseline()
+        self._rss_pre_step()
         try:
             with self._memory_tracker():
                 if self.live is not None:
@@ -689,48 +734,82 @@ class Run:
         if p is None or p.step is None:
             return {}
         cuda = self.device.type == "cuda"
+        reserved = None
         if cuda:
-            pred = (p.cuda_step or p.step).peak_bytes
+            # The allocator replay's figure (cuBLAS's workspace included) when there is one.
+            pred = p.cuda.allocated if p.cuda is not None else (p.cuda_step or p.step).peak_bytes
             measured, kind = torch.cuda.max_memory_allocated(self.device), "CUDA max allocated"
+            reserved = torch.cuda.max_memory_reserved(self.device)
             pred_text = f"{M.format_bytes(pred)}"
         else:
             pred = p.step.peak_bytes
             measured = None if self.live is None else self.live.peak_bytes
             kind = "live tensors (LiveTensorTracker)"
             tensors = p.step.tensor_peak_bytes + p.step.resident
-            pred_text = (f"{M.format_bytes(pred)} = tensors {M.format_bytes(tensors)} + kernel "
-                         f"workspace {M.format_bytes(p.step.workspace)} (not seen by the tracker)")
-        # The process's peak resident set above the baseline taken before the first step
-        # (Run._rss_baseline): what the steps added, tensors and the allocator's slack
-        # together. The tensors already resident then (weights, data) are in the budget and
-        # not in this figure.
-        rss = None
-        if not cuda and self.rss_baseline is not None:
-            rss = fusedres.memory.peak_rss_bytes() - self.rss_baseline
-        rss_text = ("" if rss is None else
-                    f"; process peak RSS {M.format_bytes(rss)} above the pre-step baseline"
-                    + ("" if self.rss_peak_since_baseline else " (lifetime peak: an upper bound)"))
+            pred_text = (f"{M.format_bytes(pred)} = tensors {M.format_bytes(tensors)} (the data at "
+                         f"what loading it added to the resident set) + kernel workspace "
+                         f"{M.format_bytes(p.step.workspace)} (not seen by the tracker)")
         lines = [f"memory: predicted peak {pred_text}; measured {M.format_bytes(measured)} "
-                 f"({kind}){rss_text}"]
+                 f"({kind})"]
+        if reserved is not None and p.cuda is not None:
+            setting = ("expandable_segments:True" if p.cuda.expandable
+                       else "default segments; expandable_segments:True is predicted "
+                       + M.format_bytes(p.cuda.reserved_expandable))
+            lines.append(f"memory: max_memory_reserved predicted {M.format_bytes(p.cuda.reserved)}"
+                         f" ({setting}); measured {M.format_bytes(reserved)}")
+        # On CPU the process: its peak resident set above the baseline the budget counts from
+        # (torch and fusedres imported, before the data and the model: Run._setup), beside the
+        # plan's prediction of it (the step's peak + the allocator's slack). The peak is the
+        # larger of the set-up's and the steps'.
+        rss = rss_steps = None
+        if not cuda and self.rss_baseline is not None:
+            peak = fusedres.memory.peak_rss_bytes()
+            if self.rss_pre_step is not None:
+                rss_steps = peak - self.rss_pre_step
+            rss = max(peak, self.rss_setup_peak or 0) - self.rss_baseline
+        proc = p.process
+        if rss is not None:
+            text = "process peak RSS above its baseline: "
+            if proc is not None:
+                text += (f"predicted {M.format_bytes(proc.above_baseline)} (the step "
+                         f"{M.format_bytes(proc.tensors)} + allocator slack "
+                         f"{M.format_bytes(proc.slack)}); ")
+            text += (f"measured {M.format_bytes(rss)} (baseline "
+                     f"{M.format_bytes(self.rss_baseline)}: torch and fusedres imported, "
+                     f"before the data and the model")
+            if rss_steps is not None:
+                text += (f"; the steps added {M.format_bytes(rss_steps)} to the resident set "
+                         f"before the first"
+                         + ("" if self.rss_peak_since_pre_step else " (an upper bound)"))
+            lines.append(text + ")")
         budget = self.memory_budget
         if budget is not None and measured is not None and measured > budget:
             lines.append(f"warning: the measured peak {M.format_bytes(measured)} exceeds "
                          f"--memory-budget {self.cfg['memory_budget']} "
                          f"({M.format_bytes(budget)})")
         if budget is not None and rss is not None and rss > budget:
+            released = proc.released if proc is not None else fusedres.memory.released()
             lines.append(f"warning: the process's peak RSS above its baseline, "
                          f"{M.format_bytes(rss)}, exceeds --memory-budget "
                          f"{self.cfg['memory_budget']} ({M.format_bytes(budget)})"
-                         + ("" if self.allocator else
-                            "; FUSEDRES_RELEASE_FREED_MEMORY=0 leaves freed blocks resident"))
+                         + ("" if released else
+                            "; freed blocks stay resident (FUSEDRES_RELEASE_FREED_MEMORY=0, or "
+                            "glibc's MALLOC_ thresholds set in the environment)"))
         for line in lines:
             print(f"fusedres train: {line}", file=sys.stderr)
         return {"memory_budget_bytes": budget, "predicted_peak_bytes": pred,
                 "predicted_cuda_peak_bytes": None if p.cuda_step is None
                 else p.cuda_step.peak_bytes,
+                "predicted_cuda_reserved_bytes": None if p.cuda is None else p.cuda.reserved,
+                "measured_cuda_reserved_bytes": reserved,
+                "device_warning": self.device_warning,
                 "measured_peak_bytes": measured, "measured_peak_kind": kind,
+                "predicted_process_bytes": None if proc is None else proc.above_baseline,
+                "predicted_slack_bytes": None if proc is None else proc.slack,
                 "rss_baseline_bytes": None if cuda else self.rss_baseline,
-                "peak_rss_above_baseline_bytes": rss, "allocator": self.allocator}
+                "peak_rss_above_baseline_bytes": rss,
+                "rss_pre_step_bytes": None if cuda else self.rss_pre_step,
+                "peak_rss_above_pre_step_bytes": rss_steps, "allocator": self.allocator}
 
     def _finish(self) -> None:
         self.save_checkpoint()
