@@ -12,13 +12,23 @@ from collections import defaultdict
 
 import pytest
 
+import fusedres.memory
 from benchutil import QUICK, machine_info
 
 _RESULTS: dict[str, dict[str, dict]] = defaultdict(dict)
+# glibc keeps freed blocks (no mmap, no trim), as `fusedres bench` does on CPU: with its dynamic
+# thresholds a candidate's page faults depend on what ran before it in the process.
+_ALLOCATOR: list[str] = []
+
+
+def pytest_configure(config):
+    applied, why = fusedres.memory.keep_freed_memory()
+    _ALLOCATOR.append(why if applied else f"glibc defaults ({why})")
 
 
 def pytest_report_header(config):
-    return [f"fusedres bench: {machine_info()}" + ("  [QUICK shapes]" if QUICK else "")]
+    return [f"fusedres bench: {machine_info()}" + ("  [QUICK shapes]" if QUICK else ""),
+            f"C allocator: {_ALLOCATOR[0] if _ALLOCATOR else 'glibc defaults'}"]
 
 
 @pytest.fixture

@@ -52,5 +52,5 @@ __all__ = ["CUDA_BLOCK_BYTES", "CUDA_CONTEXT_BYTES", "CUDNN_WORKSPACE_BYTES",
            "MemoryPlan", "PlanError", "ProcessMemory", "SavedTensor", "SavedTensorCounter",
            "StepMemory", "allocator_slack_bytes", "cpu_op_workspace_bytes",
            "cublas_workspace_bytes", "device_fit_warning", "expandable_segments_enabled",
-           "keep_freed_memory", "peak_rss_bytes", "plan", "release_freed_memory", "released", "reset_peak_rss",
-           "rss_bytes", "saved_bytes", "saved_tensors", "simulate_step"]
+           "keep_freed_memory", "peak_rss_bytes", "plan", "release_freed_memory", "released",
+           "reset_peak_rss", "rss_bytes", "saved_bytes", "saved_tensors", "simulate_step"]
