@@ -76,15 +76,16 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("FUSEDRES_CPU_TILE_BYTES", "int", "",
             "at every cpu-backend call (csrc/cpu), and by the memory accounting through "
             "`fusedres._C`'s `cpu_tile_samples`",
-            "Bytes of activation + output per tile of the cpu backend; unset: 1 MiB per thread; "
-            "0 or less: the whole batch in one tile."),
+            "Bytes of activation + output per tile of the cpu backend; unset: 1 MiB per thread "
+            "(4 MiB for channels_last inputs); 0 or less: the whole batch in one tile."),
     Setting("FUSEDRES_CPU_TILE_WEIGHT_X", "int", "4", "at every cpu-backend call (csrc/cpu)",
             "A tile's budget is at least this many times the weight's bytes."),
     Setting("FUSEDRES_CPU_CONV_NHWC", "choice", "", "at every cpu-backend call (csrc/cpu)",
             "`0`: convolve tiles in x's layout; `1`: always NHWC; unset: NHWC for spatial "
             "kernels on maps of at least 8x8.", ("0", "1")),
     Setting("FUSEDRES_CPU_GEMM_1X1", "bool", "1", "at every cpu-backend call (csrc/cpu)",
-            "Run stride-1 unpadded 1x1 convolutions of NCHW tiles as batched GEMMs."),
+            "Run stride-1 unpadded 1x1 convolutions as GEMMs (NCHW tiles: batched, one per "
+            "sample; channels_last tiles: one per tile)."),
     Setting("FUSEDRES_CUDA_BACKWARD", "choice", "sums", "at every cuda backward call (csrc/cuda)",
             "The CUDA backward's plan: `sums` or `store` (as FUSEDRES_TRITON_BACKWARD).",
             ("sums", "store")),
