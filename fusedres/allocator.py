@@ -26,6 +26,8 @@ MiB = 2 ** 20
 
 # glibc's malloc.h: #define M_TRIM_THRESHOLD -1, #define M_MMAP_THRESHOLD -3.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# glibc's malloc.h: #define M_MMAP_MAX -4; its default, DEFAULT_MMAP_MAX (malloc.c).
+_M_MMAP_MAX, _GLIBC_MMAP_MAX = -4, 65536
 # Blocks of 64 KiB and up are mmapped (unmapped at free); the heap's top is given back once
 # 128 KiB of it is free (glibc's own starting values are 128 KiB and 256 KiB).
 MMAP_THRESHOLD_BYTES = 64 * 2 ** 10
@@ -134,12 +136,11 @@ def release_freed_memory() -> tuple[bool, str]:
     process. Idempotent. Returns ``(True, what was set)``, or ``(False, why not)`` on a platform
     without glibc, when ``mallopt`` refuses, or when the environment already sets glibc's
     ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` (the user's choice is kept);
-    nothing is changed then."""
-    global _applied
+    nothing is changed then. After :func:`keep_freed_memory` (a run without a budget earlier in
+    the process) it turns that off too (``M_MMAP_MAX`` back to glibc's 65536): a budget wins."""
+    global _applied, _kept
     if _applied:
         return True, "already set"
-    if _kept:
-        return False, "keep_freed_memory() was applied: freed memory is kept for speed"
     own = [v for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if v in os.environ]
     if own:
         return False, f"the environment sets {', '.join(own)}: glibc keeps those"
@@ -151,11 +152,14 @@ def release_freed_memory() -> tuple[bool, str]:
     except (OSError, AttributeError) as e:
         return False, f"mallopt not found ({e})"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    for param, value, name in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES, "M_MMAP_THRESHOLD"),
-                               (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES, "M_TRIM_THRESHOLD")):
+    settings = [(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES, "M_MMAP_THRESHOLD"),
+                (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES, "M_TRIM_THRESHOLD")]
+    if _kept:
+        settings.insert(0, (_M_MMAP_MAX, _GLIBC_MMAP_MAX, "M_MMAP_MAX"))
+    for param, value, name in settings:
         if mallopt(param, value) != 1:  # mallopt returns 1 on success
             return False, f"mallopt({name}, {value}) failed"
-    _applied = True
+    _applied, _kept = True, False
     return True, (f"{version}: M_MMAP_THRESHOLD {MMAP_THRESHOLD_BYTES} B, "
                   f"M_TRIM_THRESHOLD {TRIM_THRESHOLD_BYTES} B")
 
@@ -197,8 +201,6 @@ def reset_peak_rss() -> bool:
         return False
 
 
-# glibc's malloc.h: #define M_MMAP_MAX -4.
-_M_MMAP_MAX = -4
 # The largest trim threshold mallopt takes (an int): the heap's top is kept until 2 GiB of it
 # is free.
 _KEEP_TRIM_BYTES = 2 ** 31 - 1
