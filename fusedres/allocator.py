@@ -52,7 +52,10 @@ IMPORT_BASELINE_BYTES = 658 * MiB
 # leaves in Python's arenas: ResNet-1001's 333 units hold ~70 MiB of them before the first
 # step, ResNet-164's 54 units ~20 MiB) and a share of the step's peak (blocks under the mmap
 # threshold on the heap, page rounding).
-SLACK_BYTES = 22 * MiB
+# The constant: 22 MiB bounded the developer machine's runs; a clean clone's CI run of the same
+# ResNet-20 test measured 36.5 MiB of slack (its baseline 875 MiB against 661 here: more of the
+# libraries resident, more of their pages touched in the first step), so 40 MiB.
+SLACK_BYTES = 40 * MiB
 SLACK_BYTES_PER_UNIT = 192 * 2 ** 10
 SLACK_FRACTION = 0.005
 # Without the thresholds (release_freed_memory not applied) glibc keeps freed blocks resident

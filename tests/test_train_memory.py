@@ -99,13 +99,14 @@ def test_run_reports_peak_rss_above_baseline(tmp_path):
 SMALL = ["--dataset", "synthetic", "--model", "preact_resnet", "--depth", "20",
          "--batch-size", "128", "--eval-batch-size", "64", "--threads", "2", "--no-progress",
          "--max-iters", "2", "--log-every", "1", "--warmup-iters", "1"]
-SMALL_BUDGET = 120 * 2 ** 20
+SMALL_BUDGET = 128 * 2 ** 20
 # channels_last (the trainer's default on CPU): larger cpu tiles, a larger workspace bound.
 SMALL_BUDGET_CL = 150 * 2 ** 20
 # How far the plan's process figure (step + slack) may be from the measured peak RSS above
-# the baseline, as a share of the budget: the slack model's spread over the runs it was
-# fitted on (benchmarks/MEMORY.md) with room for the thread pools' variation.
-PROCESS_TOLERANCE = 0.15
+# the baseline, as a share of the budget: the slack's spread between the environments measured
+# (22-36.5 MiB of it: this machine's checkout and a clean clone's CI run, benchmarks/MEMORY.md)
+# with room for the thread pools' variation.
+PROCESS_TOLERANCE = 0.2
 
 
 @pytest.mark.parametrize("layout,budget", [("--no-channels-last", SMALL_BUDGET),
