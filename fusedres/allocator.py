@@ -131,6 +131,27 @@ def _glibc_version() -> str | None:
         return None
 
 
+def _mallopt(env_vars: tuple[str, ...], settings) -> tuple[bool, str]:
+    """Apply ``settings`` ((param, value, name), ...) with glibc's ``mallopt``, in order.
+    ``(True, glibc's version)``, or ``(False, why not)``: the environment sets one of
+    ``env_vars`` (the user's choice is kept), not glibc, no ``mallopt``, or a call refused."""
+    own = [v for v in env_vars if v in os.environ]
+    if own:
+        return False, f"the environment sets {', '.join(own)}: glibc keeps those"
+    version = _glibc_version()
+    if not version or not version.startswith("glibc"):
+        return False, "not glibc (mallopt's settings are glibc's)"
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError) as e:
+        return False, f"mallopt not found ({e})"
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    for param, value, name in settings:
+        if mallopt(param, value) != 1:  # mallopt returns 1 on success
+            return False, f"mallopt({name}, {value}) failed"
+    return True, version
+
+
 def release_freed_memory() -> tuple[bool, str]:
     """Make glibc return freed memory to the system: ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` and
     ``mallopt(M_TRIM_THRESHOLD, 128 KiB)``, which also turn off its dynamic thresholds.
@@ -144,24 +165,13 @@ def release_freed_memory() -> tuple[bool, str]:
     global _applied, _kept
     if _applied:
         return True, "already set"
-    own = [v for v in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if v in os.environ]
-    if own:
-        return False, f"the environment sets {', '.join(own)}: glibc keeps those"
-    version = _glibc_version()
-    if not version or not version.startswith("glibc"):
-        return False, "not glibc (mallopt's thresholds are glibc's)"
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError) as e:
-        return False, f"mallopt not found ({e})"
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     settings = [(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES, "M_MMAP_THRESHOLD"),
                 (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES, "M_TRIM_THRESHOLD")]
     if _kept:
         settings.insert(0, (_M_MMAP_MAX, _GLIBC_MMAP_MAX, "M_MMAP_MAX"))
-    for param, value, name in settings:
-        if mallopt(param, value) != 1:  # mallopt returns 1 on success
-            return False, f"mallopt({name}, {value}) failed"
+    ok, version = _mallopt(("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"), settings)
+    if not ok:
+        return False, version
     _applied, _kept = True, False
     return True, (f"{version}: M_MMAP_THRESHOLD {MMAP_THRESHOLD_BYTES} B, "
                   f"M_TRIM_THRESHOLD {TRIM_THRESHOLD_BYTES} B")
@@ -231,22 +241,12 @@ def keep_freed_memory() -> tuple[bool, str]:
         return True, "already set"
     if _applied:
         return False, "release_freed_memory() was applied: freed memory is returned"
-    own = [v for v in ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-           if v in os.environ]
-    if own:
-        return False, f"the environment sets {', '.join(own)}: glibc keeps those"
-    version = _glibc_version()
-    if not version or not version.startswith("glibc"):
-        return False, "not glibc (mallopt's settings are glibc's)"
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError) as e:
-        return False, f"mallopt not found ({e})"
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    for param, value, name in ((_M_MMAP_MAX, 0, "M_MMAP_MAX"),
-                               (_M_TRIM_THRESHOLD, _KEEP_TRIM_BYTES, "M_TRIM_THRESHOLD")):
-        if mallopt(param, value) != 1:
-            return False, f"mallopt({name}, {value}) failed"
+    ok, version = _mallopt(("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
+                            "MALLOC_TRIM_THRESHOLD_"),
+                           ((_M_MMAP_MAX, 0, "M_MMAP_MAX"),
+                            (_M_TRIM_THRESHOLD, _KEEP_TRIM_BYTES, "M_TRIM_THRESHOLD")))
+    if not ok:
+        return False, version
     _kept = True
     return True, f"{version}: M_MMAP_MAX 0, M_TRIM_THRESHOLD {_KEEP_TRIM_BYTES} B"
 
