@@ -99,9 +99,11 @@ def test_run_reports_peak_rss_above_baseline(tmp_path):
 SMALL = ["--dataset", "synthetic", "--model", "preact_resnet", "--depth", "20",
          "--batch-size", "128", "--eval-batch-size", "64", "--threads", "2", "--no-progress",
          "--max-iters", "2", "--log-every", "1", "--warmup-iters", "1"]
-SMALL_BUDGET = 128 * 2 ** 20
+# What loading the data adds to the resident set varies between environments (13 MiB here,
+# 22 MiB in a clean clone's CI run): the budgets leave room for it.
+SMALL_BUDGET = 144 * 2 ** 20
 # channels_last (the trainer's default on CPU): larger cpu tiles, a larger workspace bound.
-SMALL_BUDGET_CL = 150 * 2 ** 20
+SMALL_BUDGET_CL = 176 * 2 ** 20
 # How far the plan's process figure (step + slack) may be from the measured peak RSS above
 # the baseline, as a share of the budget: the slack's spread between the environments measured
 # (22-36.5 MiB of it: this machine's checkout and a clean clone's CI run, benchmarks/MEMORY.md)
@@ -118,7 +120,7 @@ def test_process_within_a_budget_that_needs_checkpointing(tmp_path, layout, budg
     within PROCESS_TOLERANCE of it. In channels_last the cpu backend's workspace bound is loose
     (its 4 MiB tiles are bounded as 4 activation + 4 output tiles; the GEMM route allocates
     less): the prediction is only checked to be at or above the measured figure there
-    (147.5 vs 120.8 MiB measured here for this run)."""
+    (at 150 MiB: 147.5 planned, 120.8 MiB measured here)."""
     proc, s = _train_fresh([*SMALL, layout, "--out", str(tmp_path / "run"),
                             "--memory-budget", str(budget)])
     plan = s["memory_plan"]
