@@ -1,8 +1,24 @@
 """Drop-in modules. Parameters, buffers and state_dict keys are those of the plain PyTorch blocks
-(``nn.BatchNorm2d`` and ``nn.Conv2d`` submodules), so checkpoints move both ways."""
+(``nn.BatchNorm2d`` and ``nn.Conv2d`` submodules), so checkpoints move both ways.
+
+Blocks are built from swappable layers, as timm's take ``norm_layer``: a residual block runs its
+BatchNorm -> ReLU -> conv chains through the *layer* it is given, :data:`FUSED` (one fused op per
+chain, nothing but the chain's input kept for backward) or :data:`PLAIN` (``nn.BatchNorm2d``,
+``F.relu`` and ``nn.Conv2d`` as PyTorch runs them). Fused and plain are one block class with one
+forward; ``fused=True/False`` picks the layer.
+
+The blocks implement He et al.'s unit orderings (``unit=``, "Identity Mappings in Deep Residual
+Networks", 2016, Fig. 4) and shortcut variants (``shortcut=``, Table 1 / Fig. 2), plain units
+without shortcuts (``shortcut="none"``), units without normalisation (``norm="none"``) and
+stochastic depth (``drop_path=``, Huang et al. 2016; ``drop_path_mode="batch"`` or ``"row"``).
+Every BatchNorm -> ReLU -> conv chain of every variant runs through the layer (so fused when the
+layer is); the rest of a variant (a BatchNorm with no ReLU -> conv after it, a post-addition
+ReLU, a gate) is plain PyTorch: :attr:`ResidualBlock.plain_parts` lists it.
+"""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
@@ -11,19 +27,29 @@ from torch import Tensor
 from . import functional as FR
 from .distributed import prepare_batch_norm_sync
 
-__all__ = ["BNReLUConv2d", "PreActBasicBlock", "PreActBottleneck"]
+__all__ = ["BNReLUConv2d", "BasicBlock", "Bottleneck", "BNReLUConvLayer", "DROP_PATH_MODES",
+           "FUSED", "FusedBNReLUConv", "NORMS", "PLAIN", "PlainBNReLUConv",
+           "PreActBasicBlock", "PreActBottleneck", "ResidualBlock", "SHORTCUTS", "UNITS"]
+
+# He et al. 2016, Fig. 4: (a) original, (b) BN after addition, (c) ReLU before addition,
+# (d) ReLU-only pre-activation, (e) full pre-activation.
+UNITS = ("preact", "original", "bn_after_add", "relu_before_add", "relu_only_preact")
+# He et al. 2016, Fig. 2 / Table 1, and "none": no shortcut at all (a plain network).
+SHORTCUTS = ("identity", "scale", "exclusive_gate", "shortcut_gate", "conv1x1", "dropout", "none")
+DROP_PATH_MODES = ("batch", "row")
+NORMS = ("batch", "none")
 
 
 def _synchronised(bn: nn.BatchNorm2d) -> bool:
     return isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized()
 
 
-def wants_stats(bn: nn.BatchNorm2d) -> bool:
+def wants_stats(bn: nn.BatchNorm2d | None) -> bool:
     """Whether ``prepare(bn, x, stats)`` would use the local batch statistics of ``x`` (a
     training-mode BatchNorm that is not synchronised): then the producer of ``x`` should return
     them (``conv(..., return_stats=True)``)."""
-    return ((bn.training or bn.running_mean is None) and getattr(bn, "fused_prepare", None) is None
-            and not _synchronised(bn))
+    return (bn is not None and (bn.training or bn.running_mean is None)
+            and getattr(bn, "fused_prepare", None) is None and not _synchronised(bn))
 
 
 def prepare(bn: nn.BatchNorm2d, x: Tensor, stats=None) -> FR.BatchNormState:
@@ -69,11 +95,18 @@ def check_inputs(x: Tensor, *convs: nn.Conv2d | None) -> None:
 
 
 def conv(state: FR.BatchNormState, conv: nn.Conv2d, residual: Tensor | None = None,
-         return_stats: bool = False):
-    """``conv(relu(bn(x))) + residual`` through the fused op, for a prepared BatchNorm; with
-    ``return_stats`` also the batch statistics of the output (see
+         return_stats: bool = False, branch_scale: Tensor | None = None):
+    """``branch_scale[n] * conv(relu(bn(x))) + residual`` through the fused op, for a prepared
+    BatchNorm; with ``return_stats`` also the batch statistics of the output (see
     :func:`fusedres.functional.conv2d_from_prepared`)."""
     check_convs(conv)
+    if branch_scale is not None:
+        # TODO(branch_scale): the op's own argument once every backend has it.
+        y = FR.conv2d_from_prepared(state, conv.weight, conv.bias, stride=conv.stride,
+                                    padding=conv.padding, dilation=conv.dilation)
+        y = _scaled(y, branch_scale)
+        y = y if residual is None else residual + y
+        return (y, None) if return_stats else y
     return FR.conv2d_from_prepared(state, conv.weight, conv.bias, stride=conv.stride,
                                    padding=conv.padding, dilation=conv.dilation,
                                    residual=residual, return_stats=return_stats)
@@ -87,6 +120,81 @@ def conv_into(state: FR.BatchNormState, c: nn.Conv2d, bn: nn.BatchNorm2d) -> FR.
         return prepare(bn, out, stats)
     return prepare(bn, conv(state, c))
 
+
+def _scaled(y: Tensor, scale: Tensor | None) -> Tensor:
+    return y if scale is None else y * scale.view(-1, *([1] * (y.dim() - 1))).to(y.dtype)
+
+
+# --------------------------------------------------------------------------- the layers
+
+class BNReLUConvLayer:
+    """How a block runs a BatchNorm -> ReLU -> conv chain (``bn`` None: ReLU -> conv).
+
+    ``act(bn, x, stats)`` prepares ``relu(bn(x))`` (the BatchNorm's statistics pass and running
+    statistics update, once, however many convolutions read it); ``conv(a, conv, residual,
+    branch_scale, return_stats)`` is ``branch_scale[n] * conv(a) + residual``; ``conv_into(a,
+    conv, bn)`` is ``act(bn, conv(a))``; ``check(x, *convs)`` raises before ``act`` changes any
+    state if the convolutions cannot run on ``x``. ``fused`` says which kind it is.
+    """
+
+    fused: bool = False
+
+    def act(self, bn: nn.Module | None, x: Tensor, stats=None):
+        raise NotImplementedError
+
+    def conv(self, a, conv: nn.Conv2d, residual: Tensor | None = None,
+             branch_scale: Tensor | None = None, return_stats: bool = False):
+        raise NotImplementedError
+
+    def conv_into(self, a, conv: nn.Conv2d, bn: nn.Module | None):
+        return self.act(bn, self.conv(a, conv))
+
+    def check(self, x: Tensor, *convs: nn.Conv2d | None) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return type(self).__name__ + "()"
+
+
+class PlainBNReLUConv(BNReLUConvLayer):
+    """``conv(relu(bn(x)))`` as PyTorch runs it: every intermediate is kept for backward."""
+
+    fused = False
+
+    def act(self, bn, x, stats=None):
+        return F.relu(bn(x) if bn is not None else x)
+
+    def conv(self, a, conv, residual=None, branch_scale=None, return_stats=False):
+        y = _scaled(conv(a), branch_scale)
+        y = y if residual is None else residual + y
+        return (y, None) if return_stats else y
+
+
+class FusedBNReLUConv(BNReLUConvLayer):
+    """The fused op: ``relu(bn(x))`` is never stored; backward recomputes it from ``x``. A chain
+    without BatchNorm (``bn`` None, ``norm="none"``) is the fused op with the identity
+    normalisation (mean 0, 1/std 1), so ``relu(x)`` is not stored either."""
+
+    fused = True
+
+    def act(self, bn, x, stats=None):
+        return prepare(bn, x, stats) if bn is not None else FR.prepare_relu(x)
+
+    def conv(self, a, c, residual=None, branch_scale=None, return_stats=False):
+        return conv(a, c, residual=residual, return_stats=return_stats, branch_scale=branch_scale)
+
+    def conv_into(self, a, c, bn):
+        return conv_into(a, c, bn) if bn is not None else FR.prepare_relu(conv(a, c))
+
+    def check(self, x, *convs):
+        check_inputs(x, *convs)
+
+
+FUSED = FusedBNReLUConv()
+PLAIN = PlainBNReLUConv()
+
+
+# --------------------------------------------------------------------------- BNReLUConv2d
 
 class BNReLUConv2d(nn.Module):
     """``conv(relu(bn(x))) + residual`` in one fused op.
@@ -116,93 +224,342 @@ class BNReLUConv2d(nn.Module):
                                        geometry=geometry)
 
 
-def _plain(bn: nn.BatchNorm2d, x: Tensor) -> Tensor:
-    return F.relu(bn(x))
+# --------------------------------------------------------------------------- residual blocks
+
+def _choice(value, name: str, options) -> str:
+    if value not in options:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, options))}, "
+                         f"got {value!r}")
+    return value
 
 
-class PreActBasicBlock(nn.Module):
-    """He et al.'s full pre-activation basic unit: (BN-ReLU-conv3x3) x 2 plus the shortcut.
+class ResidualBlock(nn.Module):
+    """A residual unit of He et al.: a chain of convolutions (the residual branch ``F``) and a
+    shortcut ``h``, combined as ``unit`` orders them. Subclasses give the convolutions.
 
-    ``shortcut`` is a 1x1 conv when the stride or width changes, fed by the first BN-ReLU (one
-    statistics pass serves both convolutions); otherwise the identity. ``fused=False`` builds
-    the plain PyTorch block with the same state_dict keys.
+    Arguments (keyword-only after ``stride``):
+
+    - ``unit``: one of :data:`UNITS`. ``"preact"`` (default): (BN-ReLU-conv) x k, then
+      ``y = h(x) + F``. ``"original"`` (He et al. 2015): conv-BN-ReLU ... conv-BN, add, ReLU.
+      ``"bn_after_add"``: conv-BN-ReLU ... conv, add, BN-ReLU. ``"relu_before_add"``: conv-BN-ReLU
+      ... conv-BN-ReLU, add. ``"relu_only_preact"``: ReLU-conv-BN-ReLU ... conv-BN, add.
+    - ``shortcut``: one of :data:`SHORTCUTS`, applied in units that keep the input's shape (a
+      unit that changes width or stride has the 1x1 projection, except with ``"none"``):
+      ``"identity"`` h = x; ``"scale"`` h = ``scale * x`` and, with ``scale_branch``, F scaled by
+      ``1 - scale``; ``"exclusive_gate"`` y = (1 - g) x + g F and ``"shortcut_gate"`` y = (1 - g)
+      x + F with g = sigmoid(1x1 conv of x, bias initialised to ``gate_bias``); ``"conv1x1"`` h =
+      the 1x1 projection; ``"dropout"`` h = dropout(x, ``shortcut_dropout``); ``"none"`` y = F.
+      ``scale`` (0.5), ``scale_branch`` (False), ``gate_bias`` (-6.0), ``shortcut_dropout`` (0.5)
+      are refused with any other shortcut.
+    - ``norm``: ``"batch"`` (BatchNorm) or ``"none"`` (no normalisation; convolutions get a bias).
+    - ``drop_path``: probability of dropping the branch in training (stochastic depth);
+      ``drop_path_mode`` ``"row"`` draws per sample (timm's DropPath, torchvision's
+      ``StochasticDepth(mode="row")``), ``"batch"`` once for the whole batch (Huang et al.: a
+      dropped unit computes no branch and keeps no activations). The kept branch is scaled by
+      ``1 / (1 - drop_path)`` in training, as torchvision's ``stochastic_depth`` does, so eval
+      uses the unit unchanged. Draws: ``torch.empty(size, dtype=x.dtype, device=x.device)
+      .bernoulli_(1 - drop_path)``, as torchvision draws them.
+    - ``layer``: a :class:`BNReLUConvLayer`; default :data:`FUSED` if ``fused`` else
+      :data:`PLAIN`.
+
+    Submodules (state_dict keys): pre-activation units ``bn{i}`` before ``conv{i}``; the others
+    ``conv{i}`` then ``bn{i}`` (``bn_after_add``: the last ``bn`` after the addition); a
+    projection ``shortcut`` (1x1 conv; in post-activation units followed by ``shortcut_bn``), a
+    ``gate``. In a pre-activation unit the projection reads the first BN-ReLU (one statistics
+    pass for both convolutions).
     """
 
     expansion = 1
 
-    def __init__(self, in_planes: int, planes: int, stride: int = 1, fused: bool = True):
+    def __init__(self, convs, in_planes: int, out_planes: int, stride: int, *, fused: bool = True,
+                 layer: BNReLUConvLayer | None = None, unit: str = "preact",
+                 shortcut: str = "identity", scale: float | None = None,
+                 scale_branch: bool | None = None, gate_bias: float | None = None,
+                 shortcut_dropout: float | None = None, norm: str = "batch",
+                 drop_path: float = 0.0, drop_path_mode: str = "row"):
         super().__init__()
-        self.fused = fused
-        self.bn1 = nn.BatchNorm2d(in_planes)
-        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.unit = _choice(unit, "unit", UNITS)
+        self.shortcut_kind = _choice(shortcut, "shortcut", SHORTCUTS)
+        self.norm = _choice(norm, "norm", NORMS)
+        self.drop_path_mode = _choice(drop_path_mode, "drop_path_mode", DROP_PATH_MODES)
+        if layer is None:
+            layer = FUSED if fused else PLAIN
+        if not isinstance(layer, BNReLUConvLayer):
+            raise TypeError(f"layer: expected a fusedres.modules.BNReLUConvLayer, got "
+                            f"{type(layer).__name__}")
+        self.layer = layer
+        self._check_shortcut_args(scale, scale_branch, gate_bias, shortcut_dropout)
+        self.scale = 0.5 if scale is None else float(scale)
+        self.scale_branch = bool(scale_branch)
+        self.gate_bias = -6.0 if gate_bias is None else float(gate_bias)
+        self.shortcut_dropout = 0.5 if shortcut_dropout is None else float(shortcut_dropout)
+        self.drop_path = drop_path  # validated by the property setter
+        if self.shortcut_kind == "none" and self.drop_path > 0:
+            raise ValueError("drop_path: a unit without shortcut (shortcut='none') cannot drop "
+                             "its branch; expected 0")
+
+        bias = self.norm == "none"
+        preact = self.unit == "preact"
+        # Registered in forward order (bn1, conv1, ... pre-activation; conv1, bn1, ... else):
+        # the order of parameters() that optimizers' state and initialisation follow.
+        for i, (cin, cout, k, s) in enumerate(convs, 1):
+            bn = nn.BatchNorm2d(cin if preact else cout) if self.norm == "batch" else None
+            if preact:
+                setattr(self, f"bn{i}", bn)
+            setattr(self, f"conv{i}", nn.Conv2d(cin, cout, k, s, k // 2, bias=bias))
+            if not preact:
+                setattr(self, f"bn{i}", bn)
+        self.num_convs = len(convs)
+        # The shortcut: the projection where the shape changes, else the chosen variant.
+        self.projects = stride != 1 or in_planes != out_planes
+        if self.projects and self.shortcut_kind not in ("none",):
+            kind = "projection"
+        else:
+            kind = self.shortcut_kind
+        self.path = kind  # what h(x) does in this unit
         self.shortcut = None
-        if stride != 1 or in_planes != planes:
-            self.shortcut = nn.Conv2d(in_planes, planes, 1, stride, bias=False)
+        self.shortcut_bn = None
+        self.gate = None
+        if kind in ("projection", "conv1x1"):
+            self.shortcut = nn.Conv2d(in_planes, out_planes, 1, stride, bias=bias)
+            if not preact and self.norm == "batch":
+                self.shortcut_bn = nn.BatchNorm2d(out_planes)
+        elif kind in ("exclusive_gate", "shortcut_gate"):
+            self.gate = nn.Conv2d(in_planes, out_planes, 1, bias=True)
+            nn.init.constant_(self.gate.bias, self.gate_bias)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _check_shortcut_args(self, scale, scale_branch, gate_bias, shortcut_dropout) -> None:
+        kind = self.shortcut_kind
+        for value, name, owner in ((scale, "scale", ("scale",)),
+                                   (scale_branch, "scale_branch", ("scale",)),
+                                   (gate_bias, "gate_bias", ("exclusive_gate", "shortcut_gate")),
+                                   (shortcut_dropout, "shortcut_dropout", ("dropout",))):
+            if value is not None and kind not in owner:
+                raise ValueError(f"{name}: only the shortcut {' or '.join(map(repr, owner))} "
+                                 f"takes it, got shortcut={kind!r}")
+        if shortcut_dropout is not None and not 0 <= shortcut_dropout < 1:
+            raise ValueError(f"shortcut_dropout: expected a probability in [0, 1), got "
+                             f"{shortcut_dropout!r}")
+
+    @property
+    def drop_path(self) -> float:
+        return self._drop_path
+
+    @drop_path.setter
+    def drop_path(self, p: float) -> None:
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+            raise ValueError(f"drop_path: expected a probability in [0, 1), got {p!r}")
+        self._drop_path = float(p)
+
+    @property
+    def fused(self) -> bool:
+        return self.layer.fused
+
+    @property
+    def convs(self) -> list[nn.Conv2d]:
+        return [getattr(self, f"conv{i}") for i in range(1, self.num_convs + 1)]
+
+    @property
+    def bns(self) -> list[nn.BatchNorm2d | None]:
+        return [getattr(self, f"bn{i}") for i in range(1, self.num_convs + 1)]
+
+    @property
+    def bn_in(self) -> nn.BatchNorm2d | None:
+        """The BatchNorm that reads the unit's input (pre-activation units), else None."""
+        return self.bn1 if self.unit == "preact" else None
+
+    @property
+    def fused_chains(self) -> int:
+        """How many BN-ReLU -> conv chains the layer runs (the fused ops, with a fused layer)."""
+        k = self.num_convs
+        if self.unit == "preact":
+            return k + (self.shortcut is not None)
+        return k - 1 + (self.unit == "relu_only_preact")
+
+    @property
+    def plain_parts(self) -> list[str]:
+        """What this unit runs as plain PyTorch whatever the layer (no BN-ReLU -> conv chain)."""
+        parts = []
+        k = self.num_convs
+        if self.unit in ("original", "bn_after_add", "relu_before_add"):
+            parts.append("conv1 (reads the unit's input, no BN-ReLU before it)")
+        if self.unit != "preact":
+            if self.shortcut is not None:
+                parts.append("shortcut (1x1 conv of the unit's input)"
+                             + (" and shortcut_bn" if self.shortcut_bn is not None else ""))
+            last = {"original": f"bn{k} and the ReLU after the addition",
+                    "bn_after_add": f"the addition's bn{k} and ReLU",
+                    "relu_before_add": f"bn{k}-ReLU before the addition",
+                    "relu_only_preact": f"bn{k} before the addition"}[self.unit]
+            parts.append(last if self.norm == "batch" else last.replace(f"bn{k} and ", "")
+                         .replace(f"bn{k}-", "").replace(f"the addition's bn{k} and ", ""))
+        if self.gate is not None:
+            parts.append("gate (sigmoid of a 1x1 conv) and the gated sum")
+        return parts
+
+    def extra_repr(self) -> str:
+        bits = [f"unit={self.unit!r}", f"shortcut={self.path!r}", f"layer={self.layer!r}"]
+        if self.norm != "batch":
+            bits.append(f"norm={self.norm!r}")
+        if self.drop_path:
+            bits.append(f"drop_path={self.drop_path:g}, drop_path_mode={self.drop_path_mode!r}")
+        return ", ".join(bits)
+
+    # ------------------------------------------------------------------ forward
+
+    def _draw(self, x: Tensor):
+        """(dropped, branch scale) for this training step: the scale is a (N,) tensor or None."""
+        p = self.drop_path
+        if not (self.training and p > 0):
+            return False, None
+        keep = 1.0 - p
+        n = x.shape[0]
+        if self.drop_path_mode == "batch":
+            noise = torch.empty([1] * x.dim(), dtype=x.dtype, device=x.device).bernoulli_(keep)
+            if not bool(noise):  # a dropped unit computes no branch at all
+                return True, None
+            return False, noise.div_(keep).reshape(1).expand(n)
+        noise = torch.empty([n] + [1] * (x.dim() - 1), dtype=x.dtype, device=x.device)
+        return False, noise.bernoulli_(keep).div_(keep).reshape(n)
+
+    def _branch_scale(self, drawn: Tensor | None, x: Tensor) -> Tensor | None:
+        if self.path == "scale" and self.scale_branch:
+            s = x.new_full((x.shape[0],), 1.0 - self.scale)
+            return s if drawn is None else s * drawn
+        return drawn
+
+    def _short(self, x: Tensor, a) -> Tensor | None:
+        """h(x) for the additive shortcuts (gates are combined in :meth:`_combine`)."""
+        kind = self.path
+        if kind == "identity" or kind in ("exclusive_gate", "shortcut_gate"):
+            return x
+        if kind == "scale":
+            return x * self.scale
+        if kind == "dropout":
+            return F.dropout(x, self.shortcut_dropout, self.training)
+        if kind == "none":
+            return None
+        if self.unit == "preact":  # the projection shares the first BN-ReLU
+            return self.layer.conv(a, self.shortcut)
+        h = self.shortcut(x)
+        return self.shortcut_bn(h) if self.shortcut_bn is not None else h
+
+    def _combine(self, x: Tensor, short: Tensor | None, f: Tensor | None) -> Tensor:
+        """h(x) + F for a branch ``f`` already scaled (None: dropped, zero)."""
+        if self.gate is not None:
+            g = torch.sigmoid(self.gate(x))
+            kept = (1 - g) * x
+            if f is None:
+                return kept
+            return kept + (g * f if self.path == "exclusive_gate" else f)
+        if f is None:
+            return short if short is not None else torch.zeros_like(x)
+        return f if short is None else short + f
 
     def forward(self, x: Tensor, stats=None, return_stats: bool = False):
-        """``x`` (N, in_planes, H, W) -> (N, planes, H / stride, W / stride).
+        """``x`` (N, in_planes, H, W) -> (N, out_planes, H / stride, W / stride).
 
         ``stats``/``return_stats`` hand the batch statistics of the unit's output to the next
-        fused unit (:class:`fusedres.models.PreActResNet` does): ``stats`` are the (mean,
-        biased variance) of ``x`` when known, and ``return_stats=True`` returns
-        ``(y, stats of y)``. Plain blocks ignore ``stats`` and return ``(y, None)``.
+        unit (:class:`fusedres.models.PreActResNet` does): ``stats`` are the (mean, biased
+        variance) of ``x`` when known, and ``return_stats=True`` returns ``(y, stats of y)``
+        (stats None when this unit cannot produce them: the next unit computes its own).
         """
-        if not self.fused:
-            a = _plain(self.bn1, x)
-            short = self.shortcut(a) if self.shortcut is not None else x
-            y = self.conv2(_plain(self.bn2, self.conv1(a))) + short
-            return (y, None) if return_stats else y
-        check_convs(self.conv2)
-        check_inputs(x, self.conv1, self.shortcut)
-        s1 = prepare(self.bn1, x, stats)
-        short = conv(s1, self.shortcut) if self.shortcut is not None else x
-        return conv(conv_into(s1, self.conv1, self.bn2), self.conv2, residual=short,
-                    return_stats=return_stats)
+        if self.unit == "preact":
+            y, out_stats = self._forward_preact(x, stats, return_stats)
+        else:
+            y, out_stats = self._forward_post(x), None
+        return (y, out_stats) if return_stats else y
+
+    def _forward_preact(self, x: Tensor, stats, return_stats: bool):
+        L = self.layer
+        convs, bns = self.convs, self.bns
+        L.check(x, convs[0], self.shortcut)
+        check_convs(*convs[1:])
+        dropped, drawn = self._draw(x)
+        if dropped:  # the shortcut alone: only a projection reads the BN-ReLU
+            a = L.act(bns[0], x, stats) if self.path in ("projection", "conv1x1") else None
+            return self._combine(x, self._short(x, a), None), None
+        a = L.act(bns[0], x, stats)
+        short = self._short(x, a)
+        for i in range(1, self.num_convs):
+            a = L.conv_into(a, convs[i - 1], bns[i])
+        last = convs[-1]
+        scale = self._branch_scale(drawn, x)
+        if self.gate is None:
+            out = L.conv(a, last, residual=short, branch_scale=scale,
+                         return_stats=return_stats)
+            return out if return_stats else (out, None)
+        return self._combine(x, short, L.conv(a, last, branch_scale=scale)), None
+
+    def _forward_post(self, x: Tensor) -> Tensor:
+        L = self.layer
+        convs, bns = self.convs, self.bns
+        k = self.num_convs
+        first_relu = self.unit == "relu_only_preact"
+        if first_relu:
+            L.check(x, convs[0])
+        check_convs(*convs[1:])
+        dropped, drawn = self._draw(x)
+        short = self._short(x, None)
+        if dropped:
+            f = None
+        else:
+            t = L.conv(L.act(None, x), convs[0]) if first_relu else convs[0](x)
+            if k > 1:
+                a = L.act(bns[0], t)
+                for i in range(1, k - 1):
+                    a = L.conv_into(a, convs[i], bns[i])
+                t = L.conv(a, convs[-1])
+            bn = bns[-1]
+            if self.unit in ("original", "relu_only_preact"):
+                f = bn(t) if bn is not None else t
+            elif self.unit == "relu_before_add":
+                f = F.relu(bn(t) if bn is not None else t)
+            else:  # bn_after_add: the BatchNorm comes after the addition
+                f = t
+            f = _scaled(f, self._branch_scale(drawn, x))
+        y = self._combine(x, short, f)
+        if self.unit == "original":
+            return F.relu(y)
+        if self.unit == "bn_after_add":
+            bn = bns[-1]
+            return F.relu(bn(y) if bn is not None else y)
+        return y
 
 
-class PreActBottleneck(nn.Module):
-    """He et al.'s full pre-activation bottleneck: BN-ReLU-conv1x1, BN-ReLU-conv3x3,
-    BN-ReLU-conv1x1 (to ``4 * planes``) plus the shortcut.
+class BasicBlock(ResidualBlock):
+    """He et al.'s basic unit: two 3x3 convolutions, ``in_planes -> planes -> planes`` (the
+    first strided). Default: the full pre-activation unit, as :class:`PreActBasicBlock`."""
+
+    expansion = 1
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1, fused: bool = True,
+                 **kwargs):
+        convs = [(in_planes, planes, 3, stride), (planes, planes, 3, 1)]
+        super().__init__(convs, in_planes, planes, stride, fused=fused, **kwargs)
+
+
+class Bottleneck(ResidualBlock):
+    """He et al.'s bottleneck: 1x1 to ``planes``, 3x3, 1x1 to ``4 * planes``.
 
     ``stride_on="conv1"`` strides the first 1x1 conv (He et al.'s code); ``"conv2"`` the 3x3
-    (torchvision, timm). The 1x1 projection ``shortcut`` exists when the stride or width changes
-    and shares the first BN-ReLU. ``fused=False`` builds the plain block with identical keys.
+    (torchvision, timm). Default: the full pre-activation unit, as :class:`PreActBottleneck`.
     """
 
     expansion = 4
 
     def __init__(self, in_planes: int, planes: int, stride: int = 1, fused: bool = True,
-                 stride_on: str = "conv1"):
-        super().__init__()
+                 stride_on: str = "conv1", **kwargs):
         if stride_on not in ("conv1", "conv2"):
             raise ValueError(f"stride_on: expected 'conv1' or 'conv2', got {stride_on!r}")
-        self.fused = fused
-        out_planes = planes * self.expansion
         s1, s2 = (stride, 1) if stride_on == "conv1" else (1, stride)
-        self.bn1 = nn.BatchNorm2d(in_planes)
-        self.conv1 = nn.Conv2d(in_planes, planes, 1, s1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, s2, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(planes)
-        self.conv3 = nn.Conv2d(planes, out_planes, 1, bias=False)
-        self.shortcut = None
-        if stride != 1 or in_planes != out_planes:
-            self.shortcut = nn.Conv2d(in_planes, out_planes, 1, stride, bias=False)
+        out_planes = planes * self.expansion
+        convs = [(in_planes, planes, 1, s1), (planes, planes, 3, s2), (planes, out_planes, 1, 1)]
+        super().__init__(convs, in_planes, out_planes, stride, fused=fused, **kwargs)
 
-    def forward(self, x: Tensor, stats=None, return_stats: bool = False):
-        """``x`` (N, in_planes, H, W) -> (N, 4 * planes, H / stride, W / stride); ``stats`` and
-        ``return_stats`` as :meth:`PreActBasicBlock.forward`."""
-        if not self.fused:
-            a = _plain(self.bn1, x)
-            short = self.shortcut(a) if self.shortcut is not None else x
-            out = self.conv2(_plain(self.bn2, self.conv1(a)))
-            y = self.conv3(_plain(self.bn3, out)) + short
-            return (y, None) if return_stats else y
-        check_convs(self.conv2, self.conv3)
-        check_inputs(x, self.conv1, self.shortcut)
-        s1 = prepare(self.bn1, x, stats)
-        short = conv(s1, self.shortcut) if self.shortcut is not None else x
-        s3 = conv_into(conv_into(s1, self.conv1, self.bn2), self.conv2, self.bn3)
-        return conv(s3, self.conv3, residual=short, return_stats=return_stats)
+
+# The names of the full pre-activation units (the default unit of both classes).
+PreActBasicBlock = BasicBlock
+PreActBottleneck = Bottleneck

@@ -14,6 +14,16 @@ ImageNet variant: a 7x7/2 conv to 64 channels and a 3x3/2 max pool, four stages 
 
 ``fused=False`` builds the same network from plain PyTorch modules with identical state_dict
 keys, so weights move between the two.
+
+He et al.'s variants (:mod:`fusedres.modules`): ``unit=`` the unit ordering (``"preact"``, the
+default; ``"original"``, ``"bn_after_add"``, ``"relu_before_add"``, ``"relu_only_preact"``),
+``shortcut=`` the shortcut (``"identity"``; ``"scale"``, the gates, ``"conv1x1"``,
+``"dropout"``; ``"none"``: a plain network), ``norm="none"`` without BatchNorm, and stochastic
+depth (``drop_path_rate=``, Huang et al.'s linear rule: unit l of L drops with probability
+``rate * l / L``). The stem and head follow the unit: pre-activation units have a bare stem conv
+and a final BN-ReLU (``relu_only_preact``: a stem conv-BN and a final ReLU); post-activation
+units (``original``, ``bn_after_add``, ``relu_before_add``) a stem conv-BN-ReLU and no final
+BN-ReLU, as in He et al. 2015.
 """
 
 from __future__ import annotations
@@ -26,9 +36,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..activation_checkpoint import checkpoint_segments, even_segments
-from ..modules import PreActBasicBlock, PreActBottleneck, wants_stats
+from ..modules import (
+    DROP_PATH_MODES,
+    NORMS,
+    SHORTCUTS,
+    UNITS,
+    BasicBlock,
+    Bottleneck,
+    ResidualBlock,
+    wants_stats,
+)
 
-__all__ = ["PreActResNet", "preact_resnet", "valid_depths"]
+__all__ = ["PreActResNet", "check_variant", "preact_resnet", "valid_depths"]
 
 IMAGENET_LAYERS = {
     18: ("basic", (2, 2, 2, 2)),
@@ -38,7 +57,7 @@ IMAGENET_LAYERS = {
     152: ("bottleneck", (3, 8, 36, 3)),
     200: ("bottleneck", (3, 24, 36, 3)),
 }
-_BLOCKS = {"basic": PreActBasicBlock, "bottleneck": PreActBottleneck}
+_BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
 
 
 def _no_global_hooks() -> bool:
@@ -53,8 +72,10 @@ def _hands_over(unit: nn.Module, nxt: nn.Module | None) -> bool:
     ``unit`` would see the (y, stats) pair, a forward pre-hook on ``nxt`` could replace the input
     that the statistics describe. Hooked units run as usual and compute their own."""
     return (nxt is not None and getattr(unit, "fused", False) and getattr(nxt, "fused", False)
+            and getattr(unit, "unit", None) == "preact" and getattr(unit, "gate", None) is None
             and not (unit._forward_hooks or unit._backward_hooks or unit._backward_pre_hooks)
-            and not nxt._forward_pre_hooks and _no_global_hooks() and wants_stats(nxt.bn1))
+            and not nxt._forward_pre_hooks and _no_global_hooks()
+            and wants_stats(getattr(nxt, "bn_in", None)))
 
 
 def _run_units(units: Sequence[nn.Module], x: Tensor) -> Tensor:
@@ -79,6 +100,23 @@ def valid_depths(variant: str) -> str:
         return ("6n+2 with basic units (8, 14, 20, 56, 110, ...) or 9n+2 with bottleneck units "
                 "(11, 29, 164, 1001, ...), n >= 1")
     return "one of " + ", ".join(str(d) for d in IMAGENET_LAYERS)
+
+
+def check_variant(*, unit: str = "preact", shortcut: str = "identity", norm: str = "batch",
+                  drop_path_rate: float = 0.0, drop_path_mode: str = "row") -> None:
+    """Raise ``ValueError`` naming the argument when a variant's names or rate are invalid."""
+    for value, name, options in ((unit, "unit", UNITS), (shortcut, "shortcut", SHORTCUTS),
+                                 (norm, "norm", NORMS),
+                                 (drop_path_mode, "drop_path_mode", DROP_PATH_MODES)):
+        if value not in options:
+            raise ValueError(f"{name}: expected one of {', '.join(map(repr, options))}, "
+                             f"got {value!r}")
+    if (isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float))
+            or not 0 <= drop_path_rate < 1):
+        raise ValueError(f"drop_path_rate: expected a rate in [0, 1), got {drop_path_rate!r}")
+    if shortcut == "none" and drop_path_rate > 0:
+        raise ValueError("drop_path_rate: a network without shortcuts (shortcut='none') cannot "
+                         "drop units; expected 0")
 
 
 def _cifar_layout(depth: int, block: str | None) -> tuple[str, tuple[int, ...]]:
@@ -108,33 +146,52 @@ class PreActResNet(nn.Module):
     def __init__(self, block: str, layers: Sequence[int], widths: Sequence[int], *,
                  variant: str, depth: int, num_classes: int = 10, fused: bool = True,
                  in_chans: int = 3, stem_width: int = 16, stride_on: str = "conv1",
-                 zero_init_last: bool = False):
+                 zero_init_last: bool = False, unit: str = "preact", shortcut: str = "identity",
+                 norm: str = "batch", drop_path_rate: float = 0.0, drop_path_mode: str = "row",
+                 **shortcut_args):
         super().__init__()
         if block not in _BLOCKS:
             raise ValueError(f"block: expected 'basic' or 'bottleneck', got {block!r}")
+        check_variant(unit=unit, shortcut=shortcut, norm=norm, drop_path_rate=drop_path_rate,
+                      drop_path_mode=drop_path_mode)
         self.depth, self.variant, self.block, self.fused = depth, variant, block, fused
+        self.unit, self.shortcut, self.norm = unit, shortcut, norm
+        self.drop_path_rate, self.drop_path_mode = float(drop_path_rate), drop_path_mode
         self.num_classes = num_classes
         cls = _BLOCKS[block]
+        conv_bias = norm == "none"
         if variant == "cifar":
-            self.conv1 = nn.Conv2d(in_chans, stem_width, 3, 1, 1, bias=False)
-            self.pool = None
+            self.conv1 = nn.Conv2d(in_chans, stem_width, 3, 1, 1, bias=conv_bias)
         else:
-            self.conv1 = nn.Conv2d(in_chans, stem_width, 7, 2, 3, bias=False)
-            self.pool = nn.MaxPool2d(3, 2, 1)
+            self.conv1 = nn.Conv2d(in_chans, stem_width, 7, 2, 3, bias=conv_bias)
+        # Post-activation units read an activated input: the stem ends with BN-ReLU (He et al.
+        # 2015); ReLU-only pre-activation units begin with a ReLU: the stem ends with BN.
+        self.stem_bn = (nn.BatchNorm2d(stem_width) if unit != "preact" and norm == "batch"
+                        else None)
+        self.stem_relu = unit not in ("preact", "relu_only_preact")
+        self.pool = nn.MaxPool2d(3, 2, 1) if variant != "cifar" else None
         in_planes = stem_width
         self.stage_names: list[str] = []
+        total = sum(layers)
+        index = 0
         for i, (n, planes) in enumerate(zip(layers, widths)):
             stride = 1 if i == 0 else 2
             units = []
             for j in range(n):
+                index += 1
                 kw = {"stride_on": stride_on} if block == "bottleneck" else {}
-                units.append(cls(in_planes, planes, stride if j == 0 else 1, fused=fused, **kw))
+                units.append(cls(in_planes, planes, stride if j == 0 else 1, fused=fused,
+                                 unit=unit, shortcut=shortcut, norm=norm,
+                                 drop_path=drop_path_rate * index / total,
+                                 drop_path_mode=drop_path_mode, **shortcut_args, **kw))
                 in_planes = planes * cls.expansion
             name = f"layer{i + 1}"
             self.add_module(name, nn.Sequential(*units))
             self.stage_names.append(name)
         self.num_features = in_planes
-        self.bn = nn.BatchNorm2d(in_planes)
+        # The final BN-ReLU of pre-activation networks (post-activation units end activated).
+        self.bn = nn.BatchNorm2d(in_planes) if unit == "preact" and norm == "batch" else None
+        self.head_relu = unit in ("preact", "relu_only_preact")
         self.fc = nn.Linear(in_planes, num_classes)
         self.checkpoint_ranges: list[tuple[int, int]] = []
         self.reset_parameters(zero_init_last)
@@ -156,10 +213,12 @@ class PreActResNet(nn.Module):
                 nn.init.zeros_(m.bias)
         self.fc.reset_parameters()
         nn.init.zeros_(self.fc.bias)
+        for u in self.units():
+            if u.gate is not None:
+                nn.init.constant_(u.gate.bias, u.gate_bias)
         if zero_init_last:
             for u in self.units():
-                last = u.conv3 if isinstance(u, PreActBottleneck) else u.conv2
-                nn.init.zeros_(last.weight)
+                nn.init.zeros_(u.convs[-1].weight)
 
     def get_classifier(self) -> nn.Module:
         return self.fc
@@ -171,7 +230,7 @@ class PreActResNet(nn.Module):
         nn.init.zeros_(fc.bias)
         self.fc, self.num_classes = fc, num_classes
 
-    def units(self) -> list[nn.Module]:
+    def units(self) -> list[ResidualBlock]:
         """The residual units, in forward order (the planner's unit of checkpointing)."""
         return [u for name in self.stage_names for u in getattr(self, name)]
 
@@ -179,8 +238,12 @@ class PreActResNet(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     def extra_repr(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v, d in (
+            ("unit", self.unit, "preact"), ("shortcut", self.shortcut, "identity"),
+            ("norm", self.norm, "batch"), ("drop_path_rate", self.drop_path_rate, 0.0))
+            if v != d)
         return (f"depth={self.depth}, variant={self.variant!r}, block={self.block!r}, "
-                f"fused={self.fused}, params={self.num_params() / 1e6:.3f}M")
+                f"fused={self.fused}{extra}, params={self.num_params() / 1e6:.3f}M")
 
     def set_grad_checkpointing(self, segments=True) -> None:
         """Checkpoint the residual units during training (timm's method name).
@@ -216,6 +279,10 @@ class PreActResNet(nn.Module):
 
     def forward_features(self, x: Tensor) -> Tensor:
         x = self.conv1(x)
+        if self.stem_bn is not None:
+            x = self.stem_bn(x)
+        if self.stem_relu:
+            x = F.relu(x)
         if self.pool is not None:
             x = self.pool(x)
         units = self.units()
@@ -223,7 +290,9 @@ class PreActResNet(nn.Module):
             x = checkpoint_segments(units, x, self.checkpoint_ranges)
         else:
             x = _run_units(units, x)
-        return F.relu(self.bn(x))
+        if self.bn is not None:
+            x = self.bn(x)
+        return F.relu(x) if self.head_relu else x
 
     def forward_head(self, x: Tensor) -> Tensor:
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
@@ -234,7 +303,9 @@ class PreActResNet(nn.Module):
 
 def preact_resnet(depth: int, num_classes: int = 10, variant: str = "cifar", fused: bool = True,
                   in_chans: int = 3, stride_on: str = "conv1", zero_init_last: bool = False,
-                  block: str | None = None) -> PreActResNet:
+                  block: str | None = None, unit: str = "preact", shortcut: str = "identity",
+                  norm: str = "batch", drop_path_rate: float = 0.0, drop_path_mode: str = "row",
+                  **shortcut_args) -> PreActResNet:
     """A pre-activation ResNet of ``depth`` layers.
 
     ``variant``: ``"cifar"`` (depth 6n+2 basic or 9n+2 bottleneck; ``block`` picks when both
@@ -242,7 +313,14 @@ def preact_resnet(depth: int, num_classes: int = 10, variant: str = "cifar", fus
     ``stride_on``: ``"conv1"`` (He et al.) or ``"conv2"`` (stride on the 3x3, as torchvision)
     for bottlenecks. A depth the variant cannot build raises ``ValueError`` naming the valid
     ones.
+
+    ``unit``, ``shortcut`` (with ``scale``, ``scale_branch``, ``gate_bias``,
+    ``shortcut_dropout``), ``norm``, ``drop_path_mode``: as :class:`fusedres.modules.
+    ResidualBlock`; ``drop_path_rate``: the last unit's drop probability, unit l of L dropping
+    with ``drop_path_rate * l / L`` (Huang et al.'s linear rule).
     """
+    check_variant(unit=unit, shortcut=shortcut, norm=norm, drop_path_rate=drop_path_rate,
+                  drop_path_mode=drop_path_mode)
     if not isinstance(depth, int) or isinstance(depth, bool):
         raise TypeError(f"depth: expected an int, got {type(depth).__name__}")
     if variant == "cifar":
@@ -262,4 +340,6 @@ def preact_resnet(depth: int, num_classes: int = 10, variant: str = "cifar", fus
         raise ValueError(f"stride_on: expected 'conv1' or 'conv2', got {stride_on!r}")
     return PreActResNet(kind, layers, widths, variant=variant, depth=depth,
                         num_classes=num_classes, fused=fused, in_chans=in_chans,
-                        stem_width=stem, stride_on=stride_on, zero_init_last=zero_init_last)
+                        stem_width=stem, stride_on=stride_on, zero_init_last=zero_init_last,
+                        unit=unit, shortcut=shortcut, norm=norm, drop_path_rate=drop_path_rate,
+                        drop_path_mode=drop_path_mode, **shortcut_args)

@@ -38,6 +38,15 @@ DEFAULTS: dict[str, Any] = {
     "depth": None,
     "variant": None,
     "zero_init_last": False,
+    "unit": "preact",
+    "shortcut": "identity",
+    "shortcut_scale": None,
+    "scale_branch": None,
+    "gate_bias": None,
+    "shortcut_dropout": None,
+    "norm": "batch",
+    "drop_path_rate": 0.0,
+    "drop_path_mode": "row",
     "fused": True,
     "backend": "auto",
     "dataset": "cifar10",
@@ -84,6 +93,13 @@ CHOICES = {
     "log_format": ("jsonl", "csv"),
     "backend": ("auto", "reference", "portable", "cpu", "triton", "cuda"),
     "variant": (None, "cifar", "imagenet"),
+    # fusedres.modules.UNITS, SHORTCUTS, NORMS, DROP_PATH_MODES (not imported: the parser
+    # loads without torch's model code).
+    "unit": ("preact", "original", "bn_after_add", "relu_before_add", "relu_only_preact"),
+    "shortcut": ("identity", "scale", "exclusive_gate", "shortcut_gate", "conv1x1", "dropout",
+                 "none"),
+    "norm": ("batch", "none"),
+    "drop_path_mode": ("batch", "row"),
 }
 
 
@@ -178,6 +194,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="network family for --model preact_resnet (default cifar)")
     g.add_argument("--zero-init-last", action=argparse.BooleanOptionalAction,
                    help="zero the last BN/conv of each residual branch")
+    g.add_argument("--unit", choices=CHOICES["unit"],
+                   help="residual unit ordering (He et al. 2016, Fig. 4): preact (default, full "
+                        "pre-activation), original, bn_after_add, relu_before_add, "
+                        "relu_only_preact")
+    g.add_argument("--shortcut", choices=CHOICES["shortcut"],
+                   help="shortcut of the units that keep their shape (He et al. 2016, Table 1): "
+                        "identity (default), scale, exclusive_gate, shortcut_gate, conv1x1, "
+                        "dropout, or none (a plain network)")
+    g.add_argument("--shortcut-scale", type=float,
+                   help="--shortcut scale: the factor on the shortcut (0.5)")
+    g.add_argument("--scale-branch", action=argparse.BooleanOptionalAction,
+                   help="--shortcut scale: scale the branch by 1 - factor too (off)")
+    g.add_argument("--gate-bias", type=float,
+                   help="gate shortcuts: initial bias of the 1x1 gate conv (-6)")
+    g.add_argument("--shortcut-dropout", type=float,
+                   help="--shortcut dropout: dropout probability on the shortcut (0.5)")
+    g.add_argument("--norm", choices=CHOICES["norm"],
+                   help="batch (default) or none: no BatchNorm (convolutions get biases)")
+    g.add_argument("--drop-path-rate", type=float,
+                   help="stochastic depth: the last unit's drop probability, linear in depth "
+                        "(Huang et al. 2016; default 0)")
+    g.add_argument("--drop-path-mode", choices=CHOICES["drop_path_mode"],
+                   help="row (per sample, default) or batch (the whole batch skips a unit)")
     g.add_argument("--fused", action=argparse.BooleanOptionalAction,
                    help="fused BN-ReLU-conv blocks (default) or plain PyTorch ones")
     g.add_argument("--backend", choices=CHOICES["backend"], help="fusedres backend (auto)")
@@ -316,6 +355,15 @@ def _check_values(cfg: dict[str, Any]) -> None:
         if cfg[name] < 0:
             raise UsageError(f"--{name.replace('_', '-')}: expected a value >= 0, "
                              f"got {cfg[name]}")
+    for name in ("shortcut_scale", "gate_bias", "shortcut_dropout"):
+        value = cfg[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UsageError(f"{_flag(name)}: expected a number, got {value!r}")
+    if cfg["scale_branch"] is not None and not isinstance(cfg["scale_branch"], bool):
+        raise UsageError(f"--scale-branch: expected true or false, got {cfg['scale_branch']!r}")
+    if not 0 <= cfg["drop_path_rate"] < 1:
+        raise UsageError(f"--drop-path-rate: expected a rate in [0, 1), got "
+                         f"{cfg['drop_path_rate']}")
     ms = cfg["milestones"]
     if not isinstance(ms, list) or not all(
             isinstance(m, (int, float)) and not isinstance(m, bool) and m > 0 for m in ms):

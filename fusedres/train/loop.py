@@ -39,10 +39,50 @@ def _first_line(e: BaseException) -> str:
 
 # --------------------------------------------------------------------------- set-up
 
+# Model arguments of the variants, by the trainer option that sets them.
+_SHORTCUT_ARGS = {"shortcut_scale": "scale", "scale_branch": "scale_branch",
+                  "gate_bias": "gate_bias", "shortcut_dropout": "shortcut_dropout"}
+_VARIANT_FLAGS = {"unit": "--unit", "shortcut": "--shortcut", "norm": "--norm",
+                  "drop_path_rate": "--drop-path-rate", "drop_path_mode": "--drop-path-mode",
+                  "drop_path": "--drop-path-rate", "scale": "--shortcut-scale",
+                  "scale_branch": "--scale-branch", "gate_bias": "--gate-bias",
+                  "shortcut_dropout": "--shortcut-dropout"}
+
+
+def _flagged(message: str) -> str | None:
+    """A variant's model error ``"name: ..."`` as the trainer's ``"--flag: ..."``, else None."""
+    name, sep, rest = message.partition(":")
+    return f"{_VARIANT_FLAGS[name]}:{rest}" if sep and name in _VARIANT_FLAGS else None
+
+
+def _variant_line(cfg: dict[str, Any]) -> str:
+    """The banner's line for a model that is not the default He et al. 2016 network ('' if it
+    is)."""
+    parts = []
+    if cfg["unit"] != "preact":
+        parts.append(f"unit {cfg['unit']}")
+    if cfg["shortcut"] != "identity":
+        args = ", ".join(f"{arg} {cfg[opt]}" for opt, arg in _SHORTCUT_ARGS.items()
+                         if cfg[opt] is not None)
+        parts.append(f"shortcut {cfg['shortcut']}" + (f" ({args})" if args else ""))
+    if cfg["norm"] != "batch":
+        parts.append(f"norm {cfg['norm']}")
+    if cfg["drop_path_rate"]:
+        parts.append(f"stochastic depth {cfg['drop_path_rate']:g} (last unit; linear in depth, "
+                     f"{cfg['drop_path_mode']} mode)")
+    return "variant: " + "; ".join(parts) if parts else ""
+
+
 def build_model(cfg: dict[str, Any], in_chans: int, num_classes: int) -> nn.Module:
     name = cfg["model"]
     kwargs = {"num_classes": num_classes, "fused": cfg["fused"], "in_chans": in_chans,
               "zero_init_last": cfg["zero_init_last"]}
+    variant = {k: cfg[k] for k in ("unit", "shortcut", "norm", "drop_path_rate",
+                                   "drop_path_mode")}
+    for option, arg in _SHORTCUT_ARGS.items():
+        if cfg[option] is not None:
+            variant[arg] = cfg[option]
+    kwargs.update(variant)
     if name == "preact_resnet":
         if cfg["depth"] is None:
             raise UsageError("--model preact_resnet: give the depth with --depth")
@@ -61,6 +101,9 @@ def build_model(cfg: dict[str, Any], in_chans: int, num_classes: int) -> nn.Modu
     try:
         return ctor(**kwargs)
     except (ValueError, TypeError, NotImplementedError) as e:
+        flagged = _flagged(_first_line(e))
+        if flagged is not None:
+            raise UsageError(flagged) from None
         what = f"--depth {cfg['depth']}" if name == "preact_resnet" else f"--model {name}"
         raise UsageError(f"{what}: {_first_line(e)}") from None
 
@@ -383,6 +426,9 @@ class Run:
         ]
         if self.resume_state is not None:
             lines.append(f"resumed at iteration {self.iteration}")
+        variant = _variant_line(cfg)
+        if variant:
+            lines.insert(1, variant)
         if cfg["sync_bn"]:
             lines.append("BatchNorm statistics synchronised over all processes" if self.world > 1
                          else "--sync-bn: one process, nothing to synchronise")
