@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--config", help="YAML file of defaults (keys are flag names, - or _), or the name of "
                          "one shipped in fusedres/configs (digits, cifar10_resnet164, "
-                         "cifar10_resnet1001)")
+                         "cifar10_resnet1001, imagenet_resnet200)")
     g = p.add_argument_group("model")
     g.add_argument("--model", help="a fusedres.models name (preact_resnet110, ...), or "
                                    "preact_resnet with --depth (default preact_resnet110)")
@@ -294,11 +294,15 @@ def _add_imagefolder_group(p: argparse.ArgumentParser) -> None:
                         "images), averaging the softmax (off: the centre crop)")
 
 
-def _check_imagefolder(cfg: dict[str, Any]) -> None:
+def _check_imagefolder(cfg: dict[str, Any], resuming: bool = False) -> None:
     """The imagefolder options: only with --dataset imagefolder, where their defaults are
     filled in (so that the saved configuration says what the run did). ``workers`` stays
-    None (auto): it depends on the machine, never on the result."""
+    None (auto): it depends on the machine, never on the result. ``resuming``: the command
+    line of a resumed run, whose dataset is the saved configuration's (checked again once
+    merged with it)."""
     if cfg["dataset"] != "imagefolder":
+        if resuming:
+            return
         for name in IMAGEFOLDER_OPTIONS:
             if cfg[name] not in (None, False):
                 raise UsageError(f"{_flag(name)}: only with --dataset imagefolder")
@@ -401,7 +405,6 @@ def _check_values(cfg: dict[str, Any]) -> None:
         parse_bytes(cfg["memory_budget"])
     if cfg["activation_budget"] is not None:
         parse_bytes(cfg["activation_budget"], "--activation-budget")
-    _check_imagefolder(cfg)
 
 
 # Named zoo models of the CIFAR family (the others are ImageNet ones): what a --depth or
@@ -472,6 +475,7 @@ def resolve(argv: list[str] | None) -> tuple[dict[str, Any], set[str]]:
     changed |= _apply(cfg, ns, "flags")
     _check_types(cfg)
     _check_values(cfg)
+    _check_imagefolder(cfg, resuming=cfg["resume"] is not None)
     cfg["config"] = str(config_file) if config_file is not None else None
     return cfg, set(ns) | set(from_file) | changed
 
@@ -487,4 +491,5 @@ def merge_saved(cfg: dict[str, Any], explicit: set[str], saved: dict[str, Any]) 
     merged["config"] = cfg.get("config")
     _check_types(merged)
     _check_values(merged)
+    _check_imagefolder(merged)
     return merged
