@@ -153,7 +153,7 @@ setup(
     install_requires=["torch>=2.6", "numpy", "tqdm", "pyyaml"],
     extras_require={
         "test": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],
-        "train": ["torchvision", "matplotlib", "scikit-learn"],
+        "train": ["torchvision", "pillow", "matplotlib", "scikit-learn"],
         "triton": ["triton"],
     },
     entry_points={"console_scripts": ["fusedres = fusedres.cli:main"]},

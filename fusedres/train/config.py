@@ -84,10 +84,23 @@ DEFAULTS: dict[str, Any] = {
     "log_format": "jsonl",
     "tensorboard": True,
     "progress": True,
+    # --dataset imagefolder (streamed from disk): None is the dataset's default, which the
+    # resolved configuration records (:func:`_check_imagefolder`).
+    "workers": None,
+    "crop_size": None,
+    "scale_range": None,
+    "eval_resize": None,
+    "eval_crop": None,
+    "ten_crop": False,
 }
 
+# He et al. (2016) [1]'s ImageNet augmentation and testing (fusedres.train.data explains).
+IMAGEFOLDER_DEFAULTS = {"crop_size": 224, "scale_range": [256, 480]}
+IMAGEFOLDER_OPTIONS = ("workers", "crop_size", "scale_range", "eval_resize", "eval_crop",
+                       "ten_crop")
+
 CHOICES = {
-    "dataset": ("cifar10", "cifar100", "digits", "synthetic"),
+    "dataset": ("cifar10", "cifar100", "digits", "synthetic", "imagefolder"),
     "amp": ("none", "bf16", "fp16"),
     "device": ("auto", "cpu", "cuda"),
     "log_format": ("jsonl", "csv"),
@@ -185,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = p.add_argument
     add("--config", help="YAML file of defaults (keys are flag names, - or _), or the name of "
                          "one shipped in fusedres/configs (digits, cifar10_resnet164, "
-                         "cifar10_resnet1001)")
+                         "cifar10_resnet1001, imagenet_resnet200)")
     g = p.add_argument_group("model")
     g.add_argument("--model", help="a fusedres.models name (preact_resnet110, ...), or "
                                    "preact_resnet with --depth (default preact_resnet110)")
@@ -224,13 +237,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset", choices=CHOICES["dataset"],
                    help="cifar10 (default), cifar100, or digits (scikit-learn's 8x8 "
                         "handwritten digits, shipped with the package: works offline), or "
-                        "synthetic (random CIFAR-shaped images: speed and memory only)")
-    g.add_argument("--data-dir", help="where the CIFAR files are or go (default data)")
+                        "synthetic (random CIFAR-shaped images: speed and memory only), or "
+                        "imagefolder (ImageNet and the like: --data-dir holds train/ and val/ "
+                        "in torchvision's ImageFolder layout, streamed from disk)")
+    g.add_argument("--data-dir", help="where the CIFAR files are or go; for imagefolder the "
+                                      "folder holding train/ and val/ (default data)")
     g.add_argument("--download", action=argparse.BooleanOptionalAction,
                    help="download CIFAR when missing (default on)")
     g.add_argument("--pad", type=int, help="random-translation padding in pixels (4)")
     g.add_argument("--flip", action=argparse.BooleanOptionalAction,
                    help="random horizontal flips (on)")
+    _add_imagefolder_group(p)
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=int, help="global batch, split over processes (128)")
     g.add_argument("--eval-batch-size", type=int, help="batch for evaluation (500)")
@@ -292,6 +309,70 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="a progress bar per epoch (on)")
     return p
+
+
+def _add_imagefolder_group(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "imagefolder", "--dataset imagefolder only: He et al.'s ImageNet augmentation (shorter "
+                       "side resized to a random size in --scale-range, a random --crop-size "
+                       "crop, --flip) and testing (shorter side to --eval-resize, the centre "
+                       "--eval-crop crop, or ten crops)")
+    g.add_argument("--workers", type=int, help="DataLoader worker processes per training "
+                   "process (default: the CPUs this process may use / processes on this "
+                   "machine - 1, at most 8)")
+    g.add_argument("--crop-size", type=int, help="training crop, pixels square (224)")
+    g.add_argument("--scale-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help="shorter side resized to a random size in [MIN, MAX] before the "
+                        "crop (256 480)")
+    g.add_argument("--eval-resize", type=int, help="evaluation: shorter side resized to this "
+                   "(default: the --scale-range minimum, 256)")
+    g.add_argument("--eval-crop", type=int, help="evaluation crop (default: --crop-size, 224; "
+                   "the paper's Table 5 tests 320 crops of --eval-resize 320)")
+    g.add_argument("--ten-crop", action=argparse.BooleanOptionalAction,
+                   help="evaluate on ten crops (4 corners and centre, and their mirror "
+                        "images), averaging the softmax (off: the centre crop)")
+
+
+def _check_imagefolder(cfg: dict[str, Any], resuming: bool = False) -> None:
+    """The imagefolder options: only with --dataset imagefolder, where their defaults are
+    filled in (so that the saved configuration says what the run did). ``workers`` stays
+    None (auto): it depends on the machine, never on the result. ``resuming``: the command
+    line of a resumed run, whose dataset is the saved configuration's (checked again once
+    merged with it)."""
+    if cfg["dataset"] != "imagefolder":
+        if resuming:
+            return
+        for name in IMAGEFOLDER_OPTIONS:
+            if cfg[name] not in (None, False):
+                raise UsageError(f"{_flag(name)}: only with --dataset imagefolder")
+        return
+    for name, value in IMAGEFOLDER_DEFAULTS.items():
+        if cfg[name] is None:
+            cfg[name] = list(value) if isinstance(value, list) else value
+    scale = cfg["scale_range"]
+    if (not isinstance(scale, (list, tuple)) or len(scale) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in scale)):
+        raise UsageError(f"--scale-range: expected two integers MIN MAX, got {scale!r}")
+    cfg["scale_range"] = list(scale)
+    if cfg["eval_resize"] is None:
+        cfg["eval_resize"] = scale[0]
+    if cfg["eval_crop"] is None:
+        cfg["eval_crop"] = cfg["crop_size"]
+    for name in ("crop_size", "eval_resize", "eval_crop", "workers"):
+        value = cfg[name]
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UsageError(f"{_flag(name)}: expected an integer, got {value!r}")
+        if value < (0 if name == "workers" else 1):
+            raise UsageError(f"{_flag(name)}: expected a value >= "
+                             f"{0 if name == 'workers' else 1}, got {value}")
+    if not cfg["crop_size"] <= scale[0] <= scale[1]:
+        raise UsageError(f"--scale-range: expected --crop-size ({cfg['crop_size']}) <= MIN <= "
+                         f"MAX, got {scale[0]} {scale[1]}")
+    if cfg["eval_crop"] > cfg["eval_resize"]:
+        raise UsageError(f"--eval-crop: {cfg['eval_crop']} is larger than --eval-resize "
+                         f"{cfg['eval_resize']}")
 
 
 def load_yaml(path: str | Path, what: str) -> dict[str, Any]:
@@ -442,6 +523,7 @@ def resolve(argv: list[str] | None) -> tuple[dict[str, Any], set[str]]:
     changed |= _apply(cfg, ns, "flags")
     _check_types(cfg)
     _check_values(cfg)
+    _check_imagefolder(cfg, resuming=cfg["resume"] is not None)
     cfg["config"] = str(config_file) if config_file is not None else None
     return cfg, set(ns) | set(from_file) | changed
 
@@ -457,4 +539,5 @@ def merge_saved(cfg: dict[str, Any], explicit: set[str], saved: dict[str, Any]) 
     merged["config"] = cfg.get("config")
     _check_types(merged)
     _check_values(merged)
+    _check_imagefolder(merged)
     return merged

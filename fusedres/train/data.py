@@ -1,4 +1,6 @@
-"""Datasets held whole in memory (on the training device), deterministic batches, augmentation.
+"""Datasets held whole in memory (on the training device), deterministic batches, augmentation;
+:func:`open_data`, the loop's one entry, also opens the streamed ``imagefolder`` path
+(fusedres.train.imagefolder) for datasets too large to hold.
 
 The batch of iteration ``i`` is a pure function of (seed, i): the epoch's permutation comes from
 a generator seeded by (seed, epoch) and the augmentation (translation by padding + random crop,
@@ -20,7 +22,7 @@ from torch import Tensor
 
 from .config import UsageError
 
-__all__ = ["Data", "derived_seed", "load"]
+__all__ = ["Data", "derived_seed", "load", "open_data"]
 
 
 def derived_seed(seed: int, stream: str, index: int) -> int:
@@ -43,6 +45,18 @@ class Data:
     @property
     def image_shape(self) -> tuple[int, int, int]:
         return tuple(self.train_x.shape[1:])
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_y)
+
+    @property
+    def num_test(self) -> int:
+        return len(self.test_y)
+
+    def resident_tensors(self) -> tuple[Tensor, ...]:
+        """What the dataset keeps on the device (the memory plan counts it)."""
+        return (self.train_x, self.train_y, self.test_x, self.test_y, self.mean, self.std)
 
     def to(self, device: torch.device) -> Data:
         for f in ("train_x", "train_y", "test_x", "test_y", "mean", "std"):
@@ -135,6 +149,28 @@ def load(name: str, data_dir: str, download: bool, explicit_dir: bool) -> Data:
     return _load_cifar(name, data_dir, download, explicit_dir)
 
 
+def open_data(cfg: dict, explicit_dir: bool, device: torch.device, rank: int = 0,
+              world: int = 1):
+    """(data, batches) of a run: ``data`` describes the dataset (``name``, ``num_classes``,
+    ``image_shape``, ``num_train``, ``num_test``, ``resident_tensors()``), ``batches`` serves
+    it (``train_batch(i)``, ``eval_batches(n)``, ``local``, ``iters_per_epoch``,
+    ``eval_scale``, ``describe()``, ``close()``). In memory on ``device`` (:class:`Batches`),
+    or streamed from disk for ``imagefolder``
+    (:class:`fusedres.train.imagefolder.StreamingBatches`)."""
+    if cfg["dataset"] == "imagefolder":
+        from . import imagefolder
+
+        data = imagefolder.load_imagefolder(cfg["data_dir"], cfg["crop_size"]).to(device)
+        batches = imagefolder.StreamingBatches(
+            data, cfg["batch_size"], cfg["seed"], cfg["flip"], cfg["scale_range"],
+            cfg["eval_resize"], cfg["eval_crop"], cfg["ten_crop"], device, cfg["workers"],
+            rank, world, cfg["channels_last"])
+        return data, batches
+    data = load(cfg["dataset"], cfg["data_dir"], cfg["download"], explicit_dir).to(device)
+    return data, Batches(data, cfg["batch_size"], cfg["seed"], cfg["pad"], cfg["flip"], rank,
+                         world, cfg["channels_last"])
+
+
 class Batches:
     """Training and evaluation batches for one process of ``world``.
 
@@ -142,6 +178,8 @@ class Batches:
     An epoch is ``len(train) // batch_size`` iterations (the remainder, a different random
     subset each epoch, is skipped so that every batch has the same shape).
     """
+
+    eval_scale = 1.0  # the evaluation forward's images per evaluated image (one, whole)
 
     def __init__(self, data: Data, batch_size: int, seed: int, pad: int, flip: bool,
                  rank: int = 0, world: int = 1, channels_last: bool = False):
@@ -194,6 +232,13 @@ class Batches:
         for start in range(0, len(mine), batch_size):
             idx = mine[start:start + batch_size]
             yield self.normalise(self.data.test_x[idx]), self.data.test_y[idx]
+
+    def describe(self) -> str | None:
+        """A line for the run's banner beyond the data line (none here)."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release (the streamed path ends its workers)."""
 
 
 def augment(x: Tensor, offsets: Tensor, flips: Tensor | None, pad: int) -> Tensor:

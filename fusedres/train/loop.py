@@ -167,6 +167,19 @@ def lr_at(cfg, iteration: int, steps: list[int]) -> float:
     return lr * cfg["lr_decay"] ** sum(iteration >= m for m in steps)
 
 
+def crop_average(model: nn.Module, x: torch.Tensor,
+                 autocast: contextlib.AbstractContextManager | None = None) -> torch.Tensor:
+    """Several crops per image, x (B, crops, C, H, W): the log of the mean over the crops of
+    ``model``'s softmax, (B, classes) float32. Krizhevsky et al.'s 10-crop testing averages
+    the softmax outputs (not the logits); the log is taken stably, as a logsumexp of
+    log-softmaxes. The model as it is: call in eval mode, without grad."""
+    b, k = x.shape[:2]
+    with autocast if autocast is not None else contextlib.nullcontext():
+        out = model(x.flatten(0, 1))
+    log_p = out.float().log_softmax(1).view(b, k, -1)
+    return torch.logsumexp(log_p, 1) - math.log(k)
+
+
 AUTO_MARGIN_FRACTION, AUTO_MARGIN_BYTES = 0.05, 256 * 2 ** 20
 
 
@@ -287,16 +300,13 @@ class Run:
             raise UsageError("--amp fp16 with --compile: not supported on CPU; use --amp bf16")
         self._resolve_layout(explicit)
 
-        self.data = data_mod.load(cfg["dataset"], cfg["data_dir"], cfg["download"],
-                                  explicit_dir="data_dir" in explicit)
-        self.data.to(self.device)
+        # In memory on the device, or streamed from disk (--dataset imagefolder).
+        self.data, self.batches = data_mod.open_data(cfg, "data_dir" in explicit, self.device,
+                                                     self.rank, self.world)
         # What loading the data added to the process: its tensors, and what the loader left
         # (scikit-learn's modules for digits); the plan counts the larger as resident.
         self.data_rss = (None if self.rss_baseline is None
                          else fusedres.memory.rss_bytes() - self.rss_baseline)
-        self.batches = data_mod.Batches(self.data, cfg["batch_size"], cfg["seed"], cfg["pad"],
-                                        cfg["flip"], self.rank, self.world,
-                                        cfg["channels_last"])
         ipe = self.batches.iters_per_epoch
         self.max_iters = cfg["epochs"] * ipe if cfg["epochs"] else cfg["max_iters"]
         self.milestones = milestones(cfg, self.max_iters)
@@ -416,7 +426,7 @@ class Run:
             f"model {cfg['model']}{'' if cfg['depth'] is None else ' depth ' + str(cfg['depth'])}"
             f" ({self.parameters / 1e6:.3f} M parameters, "
             f"{'fused' if cfg['fused'] else 'plain'} blocks, backend {backend})",
-            f"data {d.name}: {len(d.train_y)} train / {len(d.test_y)} test images {c}x{h}x{w}; "
+            f"data {d.name}: {d.num_train} train / {d.num_test} test images {c}x{h}x{w}; "
             f"{self.max_iters} iterations = {self.max_iters / ipe:.1f} epochs of {ipe}, "
             f"batch {cfg['batch_size']}"
             + (f" over {self.world} processes" if self.world > 1 else ""),
@@ -424,6 +434,8 @@ class Run:
             f"run directory {self.out}",
             self.layout_line(),
         ]
+        if self.batches.describe() is not None:
+            lines.append(self.batches.describe())
         if self.resume_state is not None:
             lines.append(f"resumed at iteration {self.iteration}")
         variant = _variant_line(cfg)
@@ -452,7 +464,7 @@ class Run:
         """Bytes of the dataset this process keeps on the device (one count per storage)."""
         d = self.data
         tensors = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                   for t in (d.train_x, d.train_y, d.test_x, d.test_y, d.mean, d.std)}
+                   for t in d.resident_tensors()}
         return sum(tensors.values())
 
     def _resident_bytes(self) -> int:
@@ -475,7 +487,10 @@ class Run:
         # The trainer's optimizer, as the planner simulates it (class and hyperparameters).
         spec = torch.optim.SGD(_param_groups(model, cfg), lr=cfg["lr"],
                                momentum=cfg["momentum"], nesterov=cfg["nesterov"])
-        n_eval = min(cfg["eval_batch_size"], math.ceil(len(self.data.test_y) / self.world))
+        n_eval = min(cfg["eval_batch_size"], math.ceil(self.data.num_test / self.world))
+        # Ten crops, or crops larger than the training one (imagefolder): the evaluation
+        # forward as a batch of training-sized images (activations scale with the pixels).
+        n_eval = math.ceil(n_eval * self.batches.eval_scale)
         try:
             # Under --amp the weights' half copies that autocast saves count too.
             # On CPU the budget bounds the process above its baseline (the allocator's slack
@@ -579,10 +594,15 @@ class Run:
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
         n = 0
         for x, y in self.batches.eval_batches(self.cfg["eval_batch_size"]):
-            with self._autocast():
-                out = model(x)
-            loss_sum += F.cross_entropy(out.float(), y, reduction="sum").double()
-            correct += (out.argmax(1) == y).sum()
+            if x.dim() == 5:  # (B, crops, C, H, W): --ten-crop
+                log_probs = crop_average(model, x, self._autocast())
+                loss_sum += F.nll_loss(log_probs, y, reduction="sum").double()
+                correct += (log_probs.argmax(1) == y).sum()
+            else:
+                with self._autocast():
+                    out = model(x)
+                loss_sum += F.cross_entropy(out.float(), y, reduction="sum").double()
+                correct += (out.argmax(1) == y).sum()
             n += len(y)
         model.train(was_training)
         loss_sum, correct, n = self._all_sum([loss_sum.item(), float(correct.item()), float(n)])
@@ -636,11 +656,10 @@ class Run:
         try:
             with self._memory_tracker():
                 if self.live is not None:
-                    d = self.data
-                    self.live.count(self.model, self.optimizer, d.train_x, d.train_y, d.test_x,
-                                    d.test_y, d.mean, d.std)
+                    self.live.count(self.model, self.optimizer, *self.data.resident_tensors())
                 code = self._loop()
         finally:
+            self.batches.close()
             for s, h in handlers.items():
                 signal.signal(s, h)
         if code == 0:
