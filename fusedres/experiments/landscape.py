@@ -352,7 +352,8 @@ def _run(args, asked: dict[str, Any], argv: list[str]) -> int:
     mode, dims, grid = asked["mode"], asked["dims"], asked["grid"]
     checkpoint = args.interpolate[0] if mode == "interpolate" else args.checkpoint
     run = runs.open_run(args.run, checkpoint, args.device, args.backend, args.data_dir,
-                        local_rank=local)
+                        local_rank=local,
+                        flag="--interpolate" if mode == "interpolate" else "--checkpoint")
     batch_size = args.batch_size or run.cfg["eval_batch_size"]
     data = run.train_batches(batch_size, args.batches)
     samples = sum(len(y) for _, y in data)

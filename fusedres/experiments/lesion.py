@@ -2,12 +2,12 @@
 Networks Behave Like Ensembles of Relatively Shallow Networks".
 
 Test error of a trained network with each residual unit deleted alone, and with k random units
-deleted together (k = 1 .. --max-deleted, --draws subsets each; every subset when there are no
-more than --draws of them). Deleting a unit replaces it by the identity, so only units whose
-output has their input's shape can be deleted (Veit et al. delete the identity-shortcut units);
-units that change the width or the resolution are kept and listed. A plain network (no
-shortcuts) given beside a residual one is the contrast: deleting any of its layer pairs should
-destroy it.
+deleted together (k = 2 .. --max-deleted, --draws subsets each; every subset when there are no
+more than --draws of them; the row k = 1 is every unit alone). Deleting a unit replaces it by
+the identity, so only units whose output has their input's shape can be deleted (Veit et al.
+delete the identity-shortcut units); units that change the width or the resolution are kept and
+listed. A plain network (no shortcuts) given beside a residual one is the contrast: deleting any
+of its layer pairs should destroy it.
 
 Deletion touches no model code: the unit's entry in its stage ``nn.Sequential`` is swapped for an
 ``nn.Identity`` and put back afterwards (:func:`deleted_units`). The model only has to list its
@@ -178,7 +178,9 @@ def plan(run: runs.LoadedRun, max_deleted: int | None, draws: int, seed: int,
         units = units_of(run.model, test[0][0][:2])
     pool = [u.index for u in units if u.deletable]
     k_max = min(DEFAULT_MAX_DELETED if max_deleted is None else max_deleted, len(pool))
-    subsets = {k: draw_subsets(pool, k, draws, seed) for k in range(1, k_max + 1)}
+    # k = 1: every single unit (evaluated anyway for the single-unit errors).
+    subsets = {k: [(i,) for i in pool] if k == 1 else draw_subsets(pool, k, draws, seed)
+               for k in range(1, k_max + 1)}
     wanted = [()] + [(i,) for i in pool] + [s for k in subsets for s in subsets[k]]
     todo = list(dict.fromkeys(wanted))  # each distinct subset evaluated once
     return Study(run, test, units, pool, subsets, todo, draws, seed)
@@ -324,8 +326,8 @@ def build_parser() -> runs.Parser:
                    help=f"delete up to K units together (default: the deletable units, at "
                         f"most {DEFAULT_MAX_DELETED}; larger K is cut to the deletable units)")
     p.add_argument("--draws", type=int, default=5,
-                   help="random subsets per number of deleted units (5; every subset when "
-                        "there are no more)")
+                   help="random subsets per number of deleted units k >= 2 (5; every subset "
+                        "when there are no more; k = 1 is every unit alone)")
     p.add_argument("--seed", type=int, default=0, help="seed of the subsets (0)")
     p.add_argument("--out", help="output directory (default: RUN/lesion of the first RUN)")
     runs.add_run_options(p)

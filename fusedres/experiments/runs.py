@@ -79,21 +79,23 @@ def check_checkpoint(path: str | Path, flag: str) -> Path:
     return p
 
 
-def locate(run: str | Path, checkpoint: str | Path | None = None) -> tuple[Path, Path]:
+def locate(run: str | Path, checkpoint: str | Path | None = None, flag: str = "--checkpoint"
+           ) -> tuple[Path, Path]:
     """(run directory, checkpoint file) for ``RUN`` (a run directory, or one of its checkpoint
-    files) and ``--checkpoint`` (default: the run's latest). Only looks at paths."""
+    files) and ``checkpoint`` given by option ``flag`` (default: the run's latest). Only looks
+    at paths."""
     path = Path(run)
     if not path.exists():
         raise UsageError(f"RUN: {str(path)!r} does not exist (expected the directory of a "
                          "fusedres train run, or one of its checkpoint files)")
     if path.is_file():
         if checkpoint is not None:
-            raise UsageError(f"--checkpoint: RUN {str(path)!r} is a checkpoint file already; "
-                             "give a run directory with --checkpoint, or the file alone")
+            raise UsageError(f"{flag}: RUN {str(path)!r} is a checkpoint file already; give a "
+                             f"run directory with {flag}")
         run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return run_dir, path
     if checkpoint is not None:
-        return path, check_checkpoint(checkpoint, "--checkpoint")
+        return path, check_checkpoint(checkpoint, flag)
     latest = ckpt.latest(path)
     if latest is None:
         raise UsageError(f"RUN: no checkpoint in {str(ckpt.checkpoint_dir(path))!r} (expected a "
@@ -240,14 +242,16 @@ class LoadedRun:
 
 def open_run(run: str | Path, checkpoint: str | Path | None = None, device: str = "auto",
              backend: str | None = None, data_dir: str | None = None,
-             local_rank: int = 0) -> LoadedRun:
+             local_rank: int = 0, flag: str | None = None) -> LoadedRun:
     """Load RUN at ``checkpoint`` (default its latest) for evaluation on ``device``.
 
     ``backend``: fusedres backend for a fused model (default: the run's; when the run's cannot
     run here, ``auto`` with a note). ``data_dir``: where the dataset is, when not where the run
-    found it."""
-    run_dir, path = locate(run, checkpoint)
-    flag = "--checkpoint" if checkpoint is not None else "RUN"
+    found it. ``flag``: the option that named ``checkpoint``, for messages (--checkpoint)."""
+    flag = flag or "--checkpoint"
+    run_dir, path = locate(run, checkpoint, flag)
+    if checkpoint is None:
+        flag = "RUN"
     state = load_checkpoint(path, flag)
     cfg = _config(run_dir, state)
     dev = pick_device(device, local_rank)
