@@ -58,6 +58,7 @@ __all__ = ["SurfaceFile", "build_parser", "directions", "grid_rows", "main",
 FORMAT = "fusedres-landscape"
 VERSION = 1
 DEFAULT_GRID = {1: 51, 2: 51, "interpolate": 41}  # 41 over [-0.5, 1.5]: t = 0 and 1 on the grid
+SURFACE_CLIP = 10.0  # the 3-D plot's loss axis stops here
 DEFAULT_RANGE = {"directions": (-1.0, 1.0), "interpolate": (-0.5, 1.5)}
 
 
@@ -541,10 +542,14 @@ def plot(surface: SurfaceFile, out: Path, name: str, title: str) -> list[Path]:
     written.append(path)
     fig = plt.figure(figsize=(7, 6))
     ax = fig.add_subplot(projection="3d")
-    ax.plot_surface(X, Y, loss, cmap="coolwarm", linewidth=0, antialiased=True)
+    # Far from the minimum the loss explodes and would flatten the bowl: clipped at Li et al.'s
+    # plotting limit (vmax 10) when it goes above.
+    clipped = np.nanmax(loss) > SURFACE_CLIP
+    z = np.minimum(loss, SURFACE_CLIP) if clipped else loss
+    ax.plot_surface(X, Y, z, cmap="coolwarm", linewidth=0, antialiased=True)
     ax.set_xlabel("x")
     ax.set_ylabel("y")
-    ax.set_zlabel("training loss")
+    ax.set_zlabel(f"training loss{f' (clipped at {SURFACE_CLIP:g})' if clipped else ''}")
     ax.set_title(title)
     fig.tight_layout()
     path = out / f"{name}_surface.png"
