@@ -216,7 +216,7 @@ def build_parser() -> runs.Parser:
     p.add_argument("--grid", type=int,
                    help="points per axis (default 51; 41 with --interpolate, which puts t = 0 "
                         "and 1 on the grid)")
-    p.add_argument("--range", type=float, nargs="+", metavar="A [B]",
+    p.add_argument("--range", type=float, nargs="+", metavar="BOUND",
                    help="the axes' range: A B, or R for [-R, R] (default -1 1; with "
                         "--interpolate -0.5 1.5)")
     p.add_argument("--batches", type=int, metavar="B",
@@ -475,7 +475,8 @@ def _report(args, argv, run, surface: SurfaceFile, centre, out: Path, name: str,
     lines.append(f"  grid minimum: loss {float(loss[i_min]):.4f} at {where}; "
                  f"maximum {float(np.nanmax(loss)):.4f}")
     lines.append(f"  written: {out / (name + '.npz')}, {out / (name + '.json')}"
-                 + "".join(f", {p}" for p in pngs))
+                 + ("".join(f", {p}" for p in pngs) if pngs
+                    else " (no plots: matplotlib is not installed)"))
     print("\n".join(lines))
     return 0
 

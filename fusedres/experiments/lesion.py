@@ -101,12 +101,6 @@ class Unit:
     def deletable(self) -> bool:
         return self.input_shape == self.output_shape
 
-    def shapes(self) -> str:
-        def fmt(s):
-            return "x".join(str(v) for v in s)
-        return (fmt(self.input_shape) if self.deletable
-                else f"{fmt(self.input_shape)} -> {fmt(self.output_shape)}")
-
 
 @torch.no_grad()
 def units_of(model: nn.Module, x: Tensor) -> list[Unit]:
