@@ -1,6 +1,7 @@
-"""The ``fusedres`` command: ``fusedres train|bench|demo|selftest [args]``, and the
-command-line conventions its apps share (:class:`UsageError`, :func:`parse_bytes`): the apps
-import them from here, not from each other. Imports nothing from fusedres at module level."""
+"""The ``fusedres`` command: ``fusedres train|bench|demo|selftest|lesion|landscape [args]``,
+and the command-line conventions its apps share (:class:`UsageError`, :func:`parse_bytes`):
+the apps import them from here, not from each other. Imports nothing from fusedres at module
+level."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ COMMANDS = {
                                 "(units, step, fit, gpu-report)"),
     "demo": ("fusedres.demo", "fused unit vs plain PyTorch: agreement and saved memory"),
     "selftest": ("fusedres.selftest", "run the kernels against the reference on this machine"),
+    "lesion": ("fusedres.experiments.lesion", "test error of a trained run with residual units "
+                                              "deleted (Veit et al. 2016)"),
+    "landscape": ("fusedres.experiments.landscape", "loss and accuracy around a run's trained "
+                                                    "weights (Li et al. 2018)"),
     "settings": ("fusedres.settings", "the FUSEDRES_* environment variables, and those set here"),
 }
 
@@ -51,7 +56,8 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        lines = [f"  {name:9} {help_}" for name, (_, help_) in COMMANDS.items()]
+        width = max(map(len, COMMANDS))
+        lines = [f"  {name:{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
         print("usage: fusedres {" + ",".join(COMMANDS) + "} [args]\n\ncommands:\n"
               + "\n".join(lines))
         if argv and argv[0] not in ("-h", "--help"):

@@ -37,3 +37,21 @@ def backend(request):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# A finished tiny training run for the experiments on runs (tests/test_lesion.py,
+# tests/test_landscape.py): digits, pre-activation ResNet-14 (6 units, 4 of them keep their
+# input's shape), 6 iterations, checkpoints at iterations 3 and 6. About 10 s on 2 cores.
+TINY_RUN = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "14", "--threads",
+            "1", "--pad", "1", "--no-flip", "--warmup-iters", "2", "--milestones", "0.5",
+            "--no-progress", "--no-tensorboard", "--log-every", "3", "--checkpoint-every", "3",
+            "--max-iters", "6"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    from fusedres.train import main
+
+    out = tmp_path_factory.mktemp("tiny_run") / "run"
+    assert main([*TINY_RUN, "--out", str(out)]) == 0
+    return out

@@ -12,7 +12,9 @@ Rules (issue "the house"):
 * library modules import no private function, class or variable (``_name`` defined in another
   module); the library's private modules (``fusedres._backend``...) may be imported inside it;
 * apps do not import each other, except the dispatcher ``fusedres.cli`` (which starts them and
-  holds the command-line conventions they share).
+  holds the command-line conventions they share), and the experiments on trained runs
+  (``fusedres.experiments``) the trainer (``fusedres.train``): a run is what the trainer wrote
+  (its config, checkpoint format, data and model builder), read through its own code, not a copy.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = {"fusedres": ROOT / "fusedres", "fusedres.kernels": ROOT / "kernels"}
 # Applications built on the library: they use its public API, as a user's code would.
 APPS = ("fusedres.train", "fusedres.bench", "fusedres.selftest", "fusedres.demo",
-        "fusedres.cli")
+        "fusedres.experiments", "fusedres.cli")
 
 
 def is_app(module: str) -> bool:
@@ -254,6 +256,9 @@ def function_level_imports(modules: dict[str, Module]) -> int:
 # The dispatcher: it starts the apps (by name, importlib) and holds the command-line conventions
 # they share (UsageError, parse_bytes); an app may import it, and it the apps.
 DISPATCHER = "fusedres.cli"
+# (importer, imported) app pairs allowed beside the dispatcher: the experiments read the
+# trainer's runs with the trainer's own config, checkpoint, data and build_model.
+ALLOWED_APP_IMPORTS = {("fusedres.experiments", "fusedres.train")}
 
 
 def app_cross_imports(modules: dict[str, Module]) -> list[str]:
@@ -264,7 +269,8 @@ def app_cross_imports(modules: dict[str, Module]) -> list[str]:
     return sorted(f"{m.name}:{line}: {t}" for m in modules.values() if app_of(m.name)
                   for t, _, line, _ in m.imports
                   if app_of(t) and app_of(t) != app_of(m.name)
-                  and DISPATCHER not in (app_of(m.name), app_of(t)))
+                  and DISPATCHER not in (app_of(m.name), app_of(t))
+                  and (app_of(m.name), app_of(t)) not in ALLOWED_APP_IMPORTS)
 
 
 # --------------------------------------------------------------------------- the op's arguments

@@ -1,0 +1,564 @@
+"""``fusedres landscape RUN``: loss landscapes of Li et al. (2018), "Visualizing the Loss
+Landscape of Neural Nets".
+
+The loss and accuracy of ``theta + x d1`` (1-D) or ``theta + x d1 + y d2`` (2-D) over a grid,
+``theta`` the trained weights and ``d1``, ``d2`` random filter-normalised directions: each drawn
+from N(0, 1) in the weight's shape, then every filter (output row of a conv or linear weight)
+rescaled to the norm of the same filter in ``theta``. Parameters of one dimension (biases and
+BatchNorm's weight and bias) are not perturbed (zero in the directions) unless
+``--no-ignore-biasbn``, which then moves them along themselves as the reference code's
+``--xignore`` off does. BatchNorm runs in eval mode with the trained running statistics, which
+are never perturbed. The loss is the mean cross-entropy on the run's training set, normalised,
+not augmented, in the dataset's order (``--batches B``: its first B batches).
+
+The directions are drawn on CPU from ``torch.Generator``s seeded by ``--seed`` (direction i from
+``derived_seed(seed, "landscape-direction", i)``), so every device and process gets the same
+ones, and a 1-D landscape follows the 2-D one's x direction.
+
+``--interpolate A B``: the 1-D path ``(1 - t) A + t B`` between two checkpoints (every floating
+entry of the state, BatchNorm's running statistics included, as the reference code's ``states``
+directions), t over ``--range`` (default -0.5 1.5).
+
+The surface is saved (``<name>.npz``) after every row, written to a temporary file and renamed,
+with the settings it was computed with: a rerun with the same settings continues from the rows
+missing, other settings are an error naming the option (``--overwrite`` starts again). Under
+torchrun the rows are split over the processes (process r computes rows r, r + W, ... of those
+missing), each writes its own part file, and process 0 merges them at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch import Tensor
+
+from fusedres import BackendUnavailableError
+from fusedres.cli import UsageError
+from fusedres.train.data import derived_seed
+
+from . import runs
+
+__all__ = ["SurfaceFile", "build_parser", "directions", "grid_rows", "main",
+           "perturbable_parameters", "split_rows"]
+
+FORMAT = "fusedres-landscape"
+VERSION = 1
+DEFAULT_GRID = {1: 51, 2: 51, "interpolate": 41}  # 41 over [-0.5, 1.5]: t = 0 and 1 on the grid
+SURFACE_CLIP = 10.0  # the 3-D plot's loss axis stops here
+DEFAULT_RANGE = {"directions": (-1.0, 1.0), "interpolate": (-0.5, 1.5)}
+
+
+# --------------------------------------------------------------------------- directions
+
+def perturbable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The model's parameters in ``named_parameters`` order (the order directions are drawn)."""
+    return list(model.named_parameters())
+
+
+@torch.no_grad()
+def directions(model: nn.Module, seed: int, count: int = 2, ignore_biasbn: bool = True
+               ) -> list[dict[str, Tensor]]:
+    """``count`` filter-normalised random directions for ``model``'s parameters (CPU float32
+    tensors in each parameter's shape, keyed by parameter name).
+
+    Direction i: every parameter's entries drawn from N(0, 1) by a generator seeded by
+    ``derived_seed(seed, "landscape-direction", i)`` (one draw per parameter, in
+    ``named_parameters`` order, whatever is kept of it), then for a parameter of two or more
+    dimensions each filter ``d[j]`` rescaled to ``||w[j]|| / (||d[j]|| + 1e-10)`` (Li et al.);
+    a parameter of one dimension is zero with ``ignore_biasbn``, else the parameter itself.
+    """
+    out = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(derived_seed(seed, "landscape-direction", i))
+        d_all = {}
+        for name, p in perturbable_parameters(model):
+            w = p.detach().to("cpu", torch.float32)
+            d = torch.randn(tuple(p.shape), generator=g)
+            if p.dim() <= 1:
+                d = torch.zeros_like(d) if ignore_biasbn else w.clone()
+            else:
+                scale = w.flatten(1).norm(dim=1) / (d.flatten(1).norm(dim=1) + 1e-10)
+                d = d * scale.view(-1, *([1] * (d.dim() - 1)))
+            d_all[name] = d.contiguous()
+        out.append(d_all)
+    return out
+
+
+# --------------------------------------------------------------------------- the grid
+
+def _axis(lo: float, hi: float, n: int) -> np.ndarray:
+    """``n`` points from ``lo`` to ``hi``; those within rounding of 0 and 1 made exact, so that
+    the trained weights (and an interpolation's end points) are evaluated as they are."""
+    axis = np.linspace(lo, hi, n)
+    for exact in (0.0, 1.0):
+        axis[np.abs(axis - exact) <= 1e-9 * (hi - lo)] = exact
+    return axis
+
+
+def grid_rows(dims: int, coords: Sequence[np.ndarray]) -> list[list[tuple[float, ...]]]:
+    """The points of each row: 1-D, one point a row; 2-D, row j holds (x_i, y_j) for every i."""
+    if dims == 1:
+        return [[(float(x),)] for x in coords[0]]
+    return [[(float(x), float(y)) for x in coords[0]] for y in coords[1]]
+
+
+def split_rows(missing: Sequence[int], rank: int, world: int) -> list[int]:
+    """The rows process ``rank`` of ``world`` computes: every world-th of those missing."""
+    return list(missing[rank::world])
+
+
+@dataclass
+class SurfaceFile:
+    """The saved surface: ``loss`` and ``accuracy`` (1-D: (n,); 2-D: (ny, nx), [y, x]), ``done``
+    (one flag a row), the grid's coordinates and the settings that made it (a JSON object)."""
+    settings: dict[str, Any]
+    coords: list[np.ndarray]
+    loss: np.ndarray
+    accuracy: np.ndarray
+    done: np.ndarray
+
+    @classmethod
+    def empty(cls, settings: dict[str, Any], coords: list[np.ndarray]) -> SurfaceFile:
+        shape = tuple(len(c) for c in reversed(coords))  # (ny, nx) or (n,)
+        return cls(settings, coords, np.full(shape, np.nan), np.full(shape, np.nan),
+                   np.zeros(shape[0], dtype=bool))
+
+    def set_row(self, row: int, loss: Sequence[float], accuracy: Sequence[float]) -> None:
+        self.loss.reshape(len(self.done), -1)[row] = loss
+        self.accuracy.reshape(len(self.done), -1)[row] = accuracy
+        self.done[row] = True
+
+    def merge(self, other: SurfaceFile) -> None:
+        rows = np.flatnonzero(other.done & ~self.done)
+        for r in rows:
+            self.set_row(r, other.loss.reshape(len(other.done), -1)[r],
+                         other.accuracy.reshape(len(other.done), -1)[r])
+
+    def save(self, path: Path) -> None:
+        """Atomically: a temporary file in the same folder, renamed over ``path``."""
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                arrays = {"loss": self.loss, "accuracy": self.accuracy, "done": self.done,
+                          "x": self.coords[0],
+                          "settings": np.array(json.dumps(self.settings, sort_keys=True))}
+                if len(self.coords) > 1:
+                    arrays["y"] = self.coords[1]
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path) -> SurfaceFile:
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                settings = json.loads(str(z["settings"]))
+                coords = [z["x"]] + ([z["y"]] if "y" in z.files else [])
+                return cls(settings, coords, z["loss"].copy(), z["accuracy"].copy(),
+                           z["done"].copy())
+        except Exception as e:  # missing, truncated, not an npz, keys missing
+            raise UsageError(f"--out: {str(path)!r} is not a readable surface file "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                             "--overwrite starts again") from None
+
+
+# The option each setting comes from, for the message when a rerun asks for other settings.
+_FLAGS = {"format": "--overwrite", "mode": "--interpolate", "dims": "--dims", "grid": "--grid",
+          "range": "--range", "seed": "--seed", "ignore_biasbn": "--ignore-biasbn",
+          "samples": "--batches", "checkpoint": "--checkpoint",
+          "interpolate": "--interpolate", "dataset": "RUN", "model": "RUN"}
+
+
+def _conflict(saved: dict[str, Any], wanted: dict[str, Any], path: Path) -> str | None:
+    for key in wanted:
+        if saved.get(key) != wanted[key]:
+            flag = _FLAGS.get(key, key)
+            hint = " (with --batch-size)" if key == "samples" else ""
+            return (f"{flag}: the surface in {str(path)!r} was computed with {key} "
+                    f"{saved.get(key)!r}{hint}, this command asks for {wanted[key]!r}; rerun "
+                    f"with the same settings to continue it, or give --overwrite to start again")
+    extra = sorted(set(saved) - set(wanted))
+    if extra:
+        return (f"--overwrite: the surface in {str(path)!r} has settings this fusedres does not "
+                f"know ({', '.join(extra)}); give --overwrite to start again")
+    return None
+
+
+# --------------------------------------------------------------------------- command line
+
+def build_parser() -> runs.Parser:
+    p = runs.Parser(prog="fusedres landscape",
+                    description="Loss landscape (Li et al. 2018) around a run's trained weights "
+                                "along random filter-normalised directions, or between two "
+                                "checkpoints.")
+    p.add_argument("run", metavar="RUN",
+                   help="run directory of fusedres train, or one of its checkpoint files")
+    p.add_argument("--dims", type=int, choices=(1, 2), default=None,
+                   help="1-D curve or 2-D surface (default 2; --interpolate is 1-D)")
+    p.add_argument("--grid", type=int,
+                   help="points per axis (default 51; 41 with --interpolate, which puts t = 0 "
+                        "and 1 on the grid)")
+    p.add_argument("--range", type=float, nargs="+", metavar="BOUND",
+                   help="the axes' range: A B, or R for [-R, R] (default -1 1; with "
+                        "--interpolate -0.5 1.5)")
+    p.add_argument("--batches", type=int, metavar="B",
+                   help="use the first B training batches of --batch-size (default: the whole "
+                        "training set)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the directions (0)")
+    p.add_argument("--ignore-biasbn", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave biases and BatchNorm parameters (every 1-D parameter) "
+                        "unperturbed (default on; off moves them along themselves, as the "
+                        "reference code)")
+    p.add_argument("--interpolate", nargs=2, metavar=("CKPT_A", "CKPT_B"),
+                   help="the 1-D path (1 - t) A + t B between two checkpoints of the run's "
+                        "model instead of random directions")
+    p.add_argument("--out", help="output directory (default RUN/landscape)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start again when --out holds a surface computed with other settings")
+    runs.add_run_options(p)
+    return p
+
+
+def _range(args, mode: str) -> tuple[float, float]:
+    if args.range is None:
+        return DEFAULT_RANGE[mode]
+    r = args.range
+    if len(r) == 1:
+        if not r[0] > 0:
+            raise UsageError(f"--range: expected R > 0 (the range [-R, R]) or A B with A < B, "
+                             f"got {r[0]:g}")
+        return (-r[0], r[0])
+    if len(r) != 2:
+        raise UsageError(f"--range: expected A B or R, got {len(r)} values")
+    if not r[0] < r[1]:
+        raise UsageError(f"--range: expected A < B, got {r[0]:g} {r[1]:g}")
+    return (r[0], r[1])
+
+
+def _check(args) -> dict[str, Any]:
+    """What the command line asks for, checked; nothing is read from disk."""
+    mode = "interpolate" if args.interpolate else "directions"
+    if mode == "interpolate":
+        if args.dims == 2:
+            raise UsageError("--dims: --interpolate gives a 1-D path; leave --dims out")
+        if args.checkpoint is not None:
+            raise UsageError("--checkpoint: not with --interpolate (its two checkpoints are the "
+                             "weights)")
+    dims = 1 if mode == "interpolate" else (args.dims or 2)
+    runs.at_least(args.grid, 1, "--grid", "a positive number of points")
+    runs.at_least(args.batches, 1, "--batches", "at least 1 batch")
+    runs.at_least(args.batch_size, 1, "--batch-size", "a positive batch")
+    runs.at_least(args.threads, 1, "--threads", "at least 1 thread")
+    runs.at_least(args.seed, 0, "--seed")
+    lo, hi = _range(args, mode)
+    grid = args.grid or DEFAULT_GRID["interpolate" if mode == "interpolate" else dims]
+    out = Path(args.out) if args.out else None
+    if out is not None and out.exists() and not out.is_dir():
+        raise UsageError(f"--out: {str(out)!r} exists and is not a directory")
+    if mode == "interpolate":
+        for path in args.interpolate:
+            runs.check_checkpoint(path, "--interpolate")
+    return {"mode": mode, "dims": dims, "grid": grid, "range": [lo, hi]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    joined = False
+    try:
+        args = build_parser().parse_args(argv)
+        asked = _check(args)
+        joined = _join_processes(args.device)
+        with runs.threads(args.threads):
+            return _run(args, asked, argv)
+    except (UsageError, BackendUnavailableError) as e:
+        if runs.rank_and_world()[0] == 0:
+            print(f"fusedres landscape: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if joined:
+            dist.destroy_process_group()
+            time.sleep(0.05)  # see fusedres.train's _leave_distributed: let gloo's threads go
+
+
+def _join_processes(device: str) -> bool:
+    """Join torchrun's process group (gloo on CPU, nccl on GPUs) when WORLD_SIZE > 1."""
+    rank, world, local = runs.rank_and_world()
+    if world <= 1 or dist.is_initialized():
+        return False
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return True
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class _Weights:
+    """Sets the model's weights to a point of the grid. Directions: ``theta + sum c_i d_i``
+    over the parameters; interpolation: ``(1 - t) A + t B`` over every floating state entry."""
+
+    def __init__(self, model: nn.Module, base: dict[str, Tensor], dirs: list[dict[str, Tensor]]
+                 | None = None, target: dict[str, Tensor] | None = None):
+        state = model.state_dict(keep_vars=True)
+        if target is None:  # random directions: the parameters only
+            names = [n for n, _ in perturbable_parameters(model)]
+        else:
+            names = [n for n, v in state.items() if v.is_floating_point()]
+        self.slots = [state[n] for n in names]
+        dev = self.slots[0].device if self.slots else torch.device("cpu")
+        self.base = [base[n].to(dev, self.slots[i].dtype) for i, n in enumerate(names)]
+        self.dirs = None if dirs is None else [
+            [d[n].to(dev, self.slots[i].dtype) for i, n in enumerate(names)] for d in dirs]
+        self.target = None if target is None else [
+            target[n].to(dev, self.slots[i].dtype) for i, n in enumerate(names)]
+
+    @torch.no_grad()
+    def set(self, point: tuple[float, ...]) -> None:
+        for i, slot in enumerate(self.slots):
+            if self.target is not None:
+                (t,) = point
+                value = self.base[i] * (1.0 - t) + self.target[i] * t
+            else:
+                value = self.base[i].clone()
+                for c, d in zip(point, self.dirs):
+                    if c != 0.0:
+                        value.add_(d[i], alpha=c)
+            slot.copy_(value)
+
+
+def _run(args, asked: dict[str, Any], argv: list[str]) -> int:
+    rank, world, local = runs.rank_and_world()
+    mode, dims, grid = asked["mode"], asked["dims"], asked["grid"]
+    checkpoint = args.interpolate[0] if mode == "interpolate" else args.checkpoint
+    run = runs.open_run(args.run, checkpoint, args.device, args.backend, args.data_dir,
+                        local_rank=local,
+                        flag="--interpolate" if mode == "interpolate" else "--checkpoint")
+    batch_size = args.batch_size or run.cfg["eval_batch_size"]
+    data = run.train_batches(batch_size, args.batches)
+    samples = sum(len(y) for _, y in data)
+    lo, hi = asked["range"]
+    coords = [_axis(lo, hi, grid) for _ in range(dims)]
+    settings: dict[str, Any] = {"format": VERSION, "mode": mode, "dims": dims, "grid": grid,
+                                "range": [lo, hi], "samples": samples,
+                                "dataset": run.cfg["dataset"], "model": run.model_name}
+    if mode == "interpolate":
+        a, b = (Path(p).resolve() for p in args.interpolate)
+        target = run.model_state(b, "--interpolate")
+        settings["interpolate"] = [str(a), str(b)]
+        base = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+        weights = _Weights(run.model, base, target=target)
+    else:
+        settings.update(seed=args.seed, ignore_biasbn=args.ignore_biasbn,
+                        checkpoint=f"{run.checkpoint.resolve()} (iteration {run.iteration})")
+        dirs = directions(run.model, args.seed, dims, args.ignore_biasbn)
+        base = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+        weights = _Weights(run.model, base, dirs)
+
+    out = Path(args.out) if args.out else run.directory / "landscape"
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out: {str(out)!r} exists and is not a directory")
+    name = "interpolation" if mode == "interpolate" else f"landscape_{dims}d"
+    main_file = out / f"{name}.npz"
+    parts = sorted(out.glob(f"{name}.rank*.npz")) if out.is_dir() else []
+    surface = SurfaceFile.empty(settings, coords)
+    if not args.overwrite:
+        for path in ([main_file] if main_file.exists() else []) + parts:
+            saved = SurfaceFile.load(path)
+            why = _conflict(saved.settings, settings, path)
+            if why is not None:
+                raise UsageError(why)
+            surface.merge(saved)
+    # Everything is checked: from here on files are written.
+    _barrier()  # every process has read the old files before any writes
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if args.overwrite:
+            for path in [main_file, *parts]:
+                path.unlink(missing_ok=True)
+    _barrier()
+    mine = split_rows(np.flatnonzero(~surface.done).tolist(), rank, world)
+    resumed = int(surface.done.sum())
+    own_file = main_file if world == 1 else out / f"{name}.rank{rank}.npz"
+    rows = grid_rows(dims, coords)
+
+    from tqdm import tqdm
+
+    total = sum(len(rows[r]) for r in mine)
+    with run.use_backend(), tqdm(total=total, file=sys.stderr, dynamic_ncols=True,
+                                 disable=not args.progress or rank != 0, unit="point",
+                                 desc=f"{name} rows {len(mine)}" + (f" (of {len(rows)}, "
+                                      f"{resumed} done)" if resumed else "")) as bar:
+        centre = _centre(run, data, weights, mode)
+        for r in mine:
+            losses, accs = [], []
+            for point in rows[r]:
+                weights.set(point)
+                ev = runs.evaluate(run.model, data, run.amp_dtype)
+                losses.append(ev.loss)
+                accs.append(1.0 - ev.error)
+                bar.update(1)
+            surface.set_row(r, losses, accs)
+            surface.save(own_file)
+    weights.set((0.0,) * dims)  # the trained weights again
+    _barrier()
+    if rank != 0:
+        return 0
+    if world > 1 or parts:  # merge every part into the surface file
+        for path in sorted(out.glob(f"{name}.rank*.npz")):
+            surface.merge(SurfaceFile.load(path))
+        surface.save(main_file)
+        for path in sorted(out.glob(f"{name}.rank*.npz")):
+            path.unlink()
+    return _report(args, argv, run, surface, centre, out, name, world, resumed)
+
+
+def _centre(run, data, weights: _Weights, mode: str) -> dict[str, Any]:
+    """The loss and accuracy at the trained weights (interpolation: at A and at B)."""
+    points = {"A": (0.0,), "B": (1.0,)} if mode == "interpolate" else {
+        "trained": (0.0,) * len(weights.dirs)}
+    out = {}
+    for key, point in points.items():
+        weights.set(point)
+        ev = runs.evaluate(run.model, data, run.amp_dtype)
+        out[key] = {"loss": ev.loss, "accuracy": 1.0 - ev.error}
+    return out
+
+
+def _report(args, argv, run, surface: SurfaceFile, centre, out: Path, name: str, world: int,
+            resumed: int) -> int:
+    s = surface.settings
+    loss = surface.loss
+    i_min = np.unravel_index(np.nanargmin(loss), loss.shape)
+    axes = ["t"] if s["mode"] == "interpolate" else ["x", "y"][:s["dims"]]
+    at_min = {ax: float(surface.coords[k][i_min[len(i_min) - 1 - k]])
+              for k, ax in enumerate(axes)}
+    doc = {"command": "fusedres landscape " + shlex.join(argv), "settings": s,
+           "run": str(run.directory), "label": run.label, "iteration": run.iteration,
+           "training_images": s["samples"], "at": centre,
+           "grid_min": {"loss": float(loss[i_min]), **at_min},
+           "grid_max_loss": float(np.nanmax(loss)),
+           "processes": world, "rows_resumed": resumed, "notes": list(run.notes),
+           "files": {"surface": f"{name}.npz"}}
+    pngs = plot(surface, out, name, run.label)
+    doc["files"]["plots"] = [p.name for p in pngs]
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    for note in run.notes:
+        print(f"fusedres landscape: note: {note}", file=sys.stderr)
+    where = ", ".join(f"{k} = {v:+.3g}" for k, v in at_min.items())
+    lines = [f"{name}: {run.label}, iteration {run.iteration}; {s['grid']} points per axis over "
+             f"[{s['range'][0]:g}, {s['range'][1]:g}] on {s['samples']} training images"
+             + (f"; {resumed} rows resumed" if resumed else "")]
+    for key, v in centre.items():
+        lines.append(f"  at {key}: loss {v['loss']:.4f}, accuracy {100 * v['accuracy']:.2f} %")
+    lines.append(f"  grid minimum: loss {float(loss[i_min]):.4f} at {where}; "
+                 f"maximum {float(np.nanmax(loss)):.4f}")
+    lines.append(f"  written: {out / (name + '.npz')}, {out / (name + '.json')}"
+                 + ("".join(f", {p}" for p in pngs) if pngs
+                    else " (no plots: matplotlib is not installed)"))
+    print("\n".join(lines))
+    return 0
+
+
+# --------------------------------------------------------------------------- plots
+
+def plot(surface: SurfaceFile, out: Path, name: str, title: str) -> list[Path]:
+    """1-D: loss and accuracy against the coordinate; 2-D: contours of loss and accuracy, and
+    a 3-D surface of the loss. Returns the files written (none without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    s = surface.settings
+    loss, acc = surface.loss, 100 * surface.accuracy
+    written = []
+    if s["dims"] == 1:
+        x = surface.coords[0]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.plot(x, loss, "b-", label="loss")
+        if np.nanmin(loss) > 0 and np.nanmax(loss) > 10 * np.nanmin(loss):
+            ax.set_yscale("log")
+        ax.set_ylabel("training loss", color="b")
+        ax2 = ax.twinx()
+        ax2.plot(x, acc, "r--", label="accuracy")
+        ax2.set_ylabel("training accuracy (%)", color="r")
+        if s["mode"] == "interpolate":
+            ax.set_xlabel("t: (1 - t) A + t B")
+            for t in (0, 1):
+                ax.axvline(t, color="gray", lw=0.8, ls=":")
+        else:
+            ax.set_xlabel("x (filter-normalised direction)")
+            ax.axvline(0, color="gray", lw=0.8, ls=":")
+        ax.grid(alpha=0.3)
+        ax.set_title(title)
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return [path]
+    x, y = surface.coords
+    X, Y = np.meshgrid(x, y)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
+    if len(x) > 1 and len(y) > 1:
+        lo, hi = float(np.nanmin(loss)), float(np.nanmax(loss))
+        levels = np.geomspace(max(lo, 1e-6), hi, 30) if hi > lo > 0 else 30
+        cs = ax.contour(X, Y, loss, levels=levels, cmap="summer")
+        ax.clabel(cs, cs.levels[::3], fontsize=6, fmt="%.3g")
+        cs2 = ax2.contourf(X, Y, acc, levels=20, cmap="viridis")
+        fig.colorbar(cs2, ax=ax2, label="training accuracy (%)")
+    for a, what in ((ax, "training loss (log-spaced contours)"), (ax2, "training accuracy")):
+        a.plot([0], [0], "r*", ms=10)
+        a.set_xlabel("x")
+        a.set_ylabel("y")
+        a.set_title(what)
+        a.set_aspect("equal")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = out / f"{name}_contour.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+    fig = plt.figure(figsize=(7, 6))
+    ax = fig.add_subplot(projection="3d")
+    # Far from the minimum the loss explodes and would flatten the bowl: clipped at Li et al.'s
+    # plotting limit (vmax 10) when it goes above.
+    clipped = np.nanmax(loss) > SURFACE_CLIP
+    z = np.minimum(loss, SURFACE_CLIP) if clipped else loss
+    ax.plot_surface(X, Y, z, cmap="coolwarm", linewidth=0, antialiased=True)
+    ax.set_xlabel("x")
+    ax.set_ylabel("y")
+    ax.set_zlabel(f"training loss{f' (clipped at {SURFACE_CLIP:g})' if clipped else ''}")
+    ax.set_title(title)
+    fig.tight_layout()
+    path = out / f"{name}_surface.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

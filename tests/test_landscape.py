@@ -1,0 +1,239 @@
+"""fusedres landscape (Li et al. 2018) on a tiny run trained here (conftest's ``tiny_run``):
+the centre is the model's evaluated loss, directions are filter-normalised filter by filter,
+a seed gives one surface, an interrupted surface resumes to the uninterrupted one, the
+interpolation's end points are the checkpoints' losses, processes split the rows, bad input
+exits 2 before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fusedres import cli
+from fusedres.experiments import landscape, runs
+
+BATCH = ["--batches", "1", "--batch-size", "48"]  # 48 training images: a few ms a point
+FAST = ["--threads", "1", "--no-progress", *BATCH]
+
+
+def _surface(out: Path, name: str = "landscape_2d") -> landscape.SurfaceFile:
+    return landscape.SurfaceFile.load(out / f"{name}.npz")
+
+
+def _run(tiny_run, out, *argv) -> int:
+    return landscape.main([str(tiny_run), "--out", str(out), *FAST, *argv])
+
+
+@pytest.fixture(scope="module")
+def surface_2d(tiny_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("landscape")
+    assert _run(tiny_run, out, "--grid", "5", "--seed", "3") == 0
+    return out
+
+
+def test_centre_is_the_models_evaluated_loss(surface_2d, tiny_run):
+    s = _surface(surface_2d)
+    assert s.done.all() and s.loss.shape == (5, 5) and not np.isnan(s.loss).any()
+    assert s.coords[0][2] == 0.0 and s.coords[1][2] == 0.0
+    run = runs.open_run(tiny_run)
+    with run.use_backend():
+        ev = runs.evaluate(run.model, run.train_batches(48, 1))
+    assert s.loss[2, 2] == pytest.approx(ev.loss, rel=1e-6, abs=0)
+    assert s.accuracy[2, 2] == pytest.approx(1 - ev.error, abs=1e-12)
+    doc = json.loads((surface_2d / "landscape_2d.json").read_text())
+    assert doc["at"]["trained"]["loss"] == pytest.approx(ev.loss, rel=1e-6, abs=0)
+    assert doc["training_images"] == 48 and doc["settings"]["seed"] == 3
+    # Away from the trained weights the loss moves.
+    assert np.ptp(s.loss) > 1e-3
+
+
+def test_plots_and_files_are_written(surface_2d):
+    names = {p.name for p in surface_2d.iterdir()}
+    assert names == {"landscape_2d.npz", "landscape_2d.json", "landscape_2d_contour.png",
+                     "landscape_2d_surface.png"}
+    for png in ("landscape_2d_contour.png", "landscape_2d_surface.png"):
+        assert (surface_2d / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_directions_are_filter_normalised_filter_by_filter(tiny_run):
+    model = runs.open_run(tiny_run).model
+    d1, d2 = landscape.directions(model, seed=7, count=2)
+    params = dict(model.named_parameters())
+    assert set(d1) == set(params)
+    n_filters = 0
+    for name, w in params.items():
+        w = w.detach().float().cpu()
+        for d in (d1[name], d2[name]):
+            assert d.shape == w.shape
+            if w.dim() <= 1:  # biases and BatchNorm's weight and bias: not perturbed
+                assert not d.any(), name
+                continue
+            torch.testing.assert_close(d.flatten(1).norm(dim=1), w.flatten(1).norm(dim=1),
+                                       rtol=1e-5, atol=1e-7, msg=name)
+            n_filters += w.shape[0]
+    assert n_filters > 100
+    conv = next(n for n, p in params.items() if p.dim() == 4)
+    assert not torch.allclose(d1[conv], d2[conv])
+    # The same seed: the same directions; another seed: others.
+    again = landscape.directions(model, seed=7, count=1)[0]
+    assert all(torch.equal(again[n], d1[n]) for n in d1)
+    assert not torch.equal(landscape.directions(model, seed=8, count=1)[0][conv], d1[conv])
+    # --no-ignore-biasbn moves 1-D parameters along themselves; the rest is unchanged.
+    whole = landscape.directions(model, seed=7, count=1, ignore_biasbn=False)[0]
+    for name, w in params.items():
+        expected = w.detach().float().cpu() if w.dim() <= 1 else d1[name]
+        assert torch.equal(whole[name], expected), name
+
+
+def test_same_seed_same_surface_and_1d_follows_the_x_direction(surface_2d, tiny_run, tmp_path):
+    assert _run(tiny_run, tmp_path / "again", "--grid", "5", "--seed", "3") == 0
+    a, b = _surface(surface_2d), _surface(tmp_path / "again")
+    assert np.array_equal(a.loss, b.loss) and np.array_equal(a.accuracy, b.accuracy)
+    assert _run(tiny_run, tmp_path / "other", "--grid", "5", "--seed", "4") == 0
+    assert not np.array_equal(_surface(tmp_path / "other").loss, a.loss)
+    # The 1-D curve of a seed is the 2-D surface's row at y = 0.
+    assert _run(tiny_run, tmp_path / "one", "--grid", "5", "--seed", "3", "--dims", "1") == 0
+    one = _surface(tmp_path / "one", "landscape_1d")
+    assert one.loss.shape == (5,) and np.array_equal(one.loss, a.loss[2])
+    assert (tmp_path / "one" / "landscape_1d.png").exists()
+
+
+def test_an_interrupted_surface_resumes_to_the_uninterrupted_one(surface_2d, tiny_run, tmp_path,
+                                                                 monkeypatch):
+    out = tmp_path / "cut"
+    save = landscape.SurfaceFile.save
+    saves = []
+
+    def save_then_stop(self, path):  # killed right after the second row reached the disk
+        save(self, path)
+        saves.append(path)
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(landscape.SurfaceFile, "save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_run, out, "--grid", "5", "--seed", "3")
+    monkeypatch.setattr(landscape.SurfaceFile, "save", save)
+    cut = _surface(out)
+    assert cut.done.tolist() == [True, True, False, False, False]
+    assert np.isnan(cut.loss[2:]).all()
+    assert _run(tiny_run, out, "--grid", "5", "--seed", "3") == 0
+    resumed, whole = _surface(out), _surface(surface_2d)
+    assert np.array_equal(resumed.loss, whole.loss)
+    assert np.array_equal(resumed.accuracy, whole.accuracy)
+    assert json.loads((out / "landscape_2d.json").read_text())["rows_resumed"] == 2
+
+
+def test_other_settings_over_a_saved_surface(surface_2d, tiny_run, tmp_path, capsys):
+    out = tmp_path / "s"
+    assert _run(tiny_run, out, "--grid", "3") == 0
+    before = (out / "landscape_2d.npz").read_bytes()
+    for argv, flag in ((["--grid", "5"], "--grid: "), (["--grid", "3", "--seed", "1"], "--seed: "),
+                       (["--grid", "3", "--range", "0.5"], "--range: ")):
+        capsys.readouterr()
+        assert _run(tiny_run, out, *argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and flag in err and "--overwrite" in err, err
+        assert (out / "landscape_2d.npz").read_bytes() == before
+    # The same settings: nothing left to compute, the same surface.
+    assert _run(tiny_run, out, "--grid", "3") == 0
+    assert json.loads((out / "landscape_2d.json").read_text())["rows_resumed"] == 3
+    assert _run(tiny_run, out, "--grid", "5", "--seed", "3", "--overwrite") == 0
+    assert np.array_equal(_surface(out).loss, _surface(surface_2d).loss)
+
+
+def test_interpolation_end_points_are_the_checkpoints_losses(tiny_run, tmp_path):
+    a, b = (tiny_run / "checkpoints" / f"iter_0000000{i}.pt" for i in (3, 6))
+    out = tmp_path / "interp"
+    assert _run(tiny_run, out, "--interpolate", str(a), str(b), "--range", "0", "1",
+                "--grid", "3") == 0
+    s = _surface(out, "interpolation")
+    assert s.coords[0].tolist() == [0.0, 0.5, 1.0]
+    for i, ckpt in ((0, a), (2, b)):
+        run = runs.open_run(tiny_run, ckpt)
+        with run.use_backend():
+            ev = runs.evaluate(run.model, run.train_batches(48, 1))
+        assert s.loss[i] == pytest.approx(ev.loss, rel=1e-6, abs=0), ckpt.name
+    assert s.loss[0] != s.loss[2]
+    doc = json.loads((out / "interpolation.json").read_text())
+    assert doc["at"]["A"]["loss"] == pytest.approx(s.loss[0], rel=1e-6)
+    assert doc["at"]["B"]["loss"] == pytest.approx(s.loss[2], rel=1e-6)
+
+
+def test_rows_split_over_processes_and_merge():
+    rows = list(range(7))
+    parts = [landscape.split_rows(rows, r, 3) for r in range(3)]
+    assert parts == [[0, 3, 6], [1, 4], [2, 5]]
+    settings = {"grid": 7}
+    coords = [np.arange(7.0), np.arange(7.0)]
+    whole = landscape.SurfaceFile.empty(settings, coords)
+    merged = landscape.SurfaceFile.empty(settings, coords)
+    for part_rows in parts:
+        part = landscape.SurfaceFile.empty(settings, coords)
+        for r in part_rows:
+            values = np.arange(7.0) + 10 * r
+            part.set_row(r, values, values / 100)
+            whole.set_row(r, values, values / 100)
+        merged.merge(part)
+    assert merged.done.all()
+    assert np.array_equal(merged.loss, whole.loss)
+    assert np.array_equal(merged.accuracy, whole.accuracy)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_give_the_one_process_surface(surface_2d, tiny_run, tmp_path):
+    out = tmp_path / "two"
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+         "-m", "fusedres.experiments.landscape", str(tiny_run), "--out", str(out), *FAST,
+         "--grid", "5", "--seed", "3"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert sorted(p.name for p in out.glob("*.npz")) == ["landscape_2d.npz"]  # parts merged
+    two, one = _surface(out), _surface(surface_2d)
+    assert two.done.all()
+    assert np.array_equal(two.loss, one.loss) and np.array_equal(two.accuracy, one.accuracy)
+    assert json.loads((out / "landscape_2d.json").read_text())["processes"] == 2
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--grid", "0"], "--grid: expected a positive number of points, got 0"),
+    (["--range", "1", "1"], "--range: expected A < B, got 1 1"),
+    (["--range", "-1"], "--range: expected R > 0"),
+    (["--range", "1", "2", "3"], "--range: expected A B or R, got 3 values"),
+    (["--batches", "0"], "--batches: expected at least 1 batch, got 0"),
+    (["--checkpoint", "/nonexistent.pt"], "--checkpoint: '/nonexistent.pt' does not exist"),
+    (["--interpolate", "/nonexistent.pt", "/nonexistent2.pt"],
+     "--interpolate: '/nonexistent.pt' does not exist"),
+    (["--interpolate", "a", "b", "--dims", "2"], "--dims: --interpolate gives a 1-D path"),
+    (["--dims", "3"], "argument --dims: invalid choice"),
+])
+def test_bad_input_exits_2_before_writing(tiny_run, tmp_path, capsys, argv, match):
+    out = tmp_path / "out"
+    assert cli.main(["landscape", str(tiny_run), "--out", str(out), *FAST, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and match in err, err
+    assert not out.exists()
+
+
+def test_a_run_without_checkpoints_exits_2(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert landscape.main([str(empty), *FAST]) == 2
+    assert "RUN: no checkpoint in" in capsys.readouterr().err
+    assert list(empty.iterdir()) == []
