@@ -1,0 +1,209 @@
+"""The paper experiments of issue 15 on the shipped digits data, with the CLI, resumable.
+
+    python reproduction/digits.py run [--only orderings,shortcuts,...] [--jobs 2]
+    python reproduction/digits.py report            # reproduction/RESULTS.md and the plots
+
+``run`` trains every missing run (a run with a summary.json is done; an interrupted one resumes
+from its checkpoint) as ``python -m fusedres.train --config digits --out reproduction/runs/NAME
+--seed S --threads 1 ...``, then the lesion studies and loss landscapes; ``report`` reads the run
+directories and writes reproduction/results.json, RESULTS.md and the PNGs. Run directories are
+not committed (reproduction/runs is ignored); results.json keeps every figure the tables use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RUNS = HERE / "runs"
+SEEDS = (0, 1, 2)
+
+# name -> (extra flags, seeds)
+ORDERINGS = {f"order-{u}": (["--depth", "56", "--unit", u], SEEDS)
+             for u in ("original", "bn_after_add", "relu_before_add", "relu_only_preact",
+                       "preact")}
+# He et al. 2016 Table 1 was run on the original unit (ResNet-110); here depth 56. The identity
+# shortcut's row is order-original.
+SHORTCUTS = {
+    "short-scale": (["--depth", "56", "--unit", "original", "--shortcut", "scale",
+                     "--shortcut-scale", "0.5", "--scale-branch"], SEEDS),
+    "short-exclusive_gate": (["--depth", "56", "--unit", "original", "--shortcut",
+                              "exclusive_gate", "--gate-bias", "-6"], SEEDS),
+    "short-shortcut_gate": (["--depth", "56", "--unit", "original", "--shortcut",
+                             "shortcut_gate", "--gate-bias", "-6"], SEEDS),
+    "short-conv1x1": (["--depth", "56", "--unit", "original", "--shortcut", "conv1x1"], SEEDS),
+    "short-dropout": (["--depth", "56", "--unit", "original", "--shortcut", "dropout",
+                       "--shortcut-dropout", "0.5"], SEEDS),
+}
+DEPTHS = (8, 20, 56, 110)
+DEPTH_STUDY = {}
+for _d in DEPTHS:
+    for _short, _sname in (("identity", "res"), ("none", "plain")):
+        for _norm, _nname in (("batch", "bn"), ("none", "nobn")):
+            DEPTH_STUDY[f"depth-{_sname}-{_nname}-{_d}"] = (
+                ["--depth", str(_d), "--shortcut", _short, "--norm", _norm], SEEDS)
+DEEPEST = {"depth-res-bn-1001": (["--depth", "1001"], (0,))}
+# Huang et al.: linear rule to p_L = 0.5, whole mini-batches skip a unit. Without: depth-res-bn-110.
+STOCHASTIC = {
+    "sd-batch-110": (["--depth", "110", "--drop-path-rate", "0.5", "--drop-path-mode",
+                      "batch"], SEEDS),
+}
+EXPERIMENTS = {"orderings": ORDERINGS, "shortcuts": SHORTCUTS, "depth": DEPTH_STUDY,
+               "stochastic": STOCHASTIC, "deepest": DEEPEST}
+# Rows the tables share: the identity shortcut on the original unit, training without
+# stochastic depth.
+SAME_AS = {"short-identity": "order-original", "sd-none-110": "depth-res-bn-110"}
+# Analyses on finished runs: (kind, runs, extra flags, out folder).
+LESION = ("lesion", ["depth-res-bn-56-s0", "depth-plain-bn-56-s0"],
+          ["--max-deleted", "10", "--draws", "5"], "lesion-56")
+LANDSCAPES = [("landscape", [run], ["--grid", "31", "--batches", "4"], f"landscape-{run}")
+              for run in ("depth-res-bn-56-s0", "depth-plain-bn-56-s0")]
+
+
+def _python() -> str:
+    return sys.executable
+
+
+def train_command(name: str, flags: list[str], seed: int) -> list[str]:
+    return [_python(), "-m", "fusedres.train", "--config", "digits", "--model", "preact_resnet",
+            *flags, "--seed", str(seed), "--threads", "1", "--no-progress",
+            "--out", str(RUNS / f"{name}-s{seed}")]
+
+
+def _done(run_dir: Path) -> bool:
+    return (run_dir / "summary.json").exists()
+
+
+def _run(cmd: list[str], log: Path) -> int:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with open(log, "a") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    print(f"[{time.strftime('%H:%M:%S')}] exit {code} in {time.time() - start:.0f} s: "
+          f"{log.parent.name}", flush=True)
+    return code
+
+
+def run(only: list[str], jobs: int) -> int:
+    todo = []
+    for group in only:
+        if group in ("lesion", "landscape"):
+            continue
+        for name, (flags, seeds) in EXPERIMENTS[group].items():
+            for seed in seeds:
+                out = RUNS / f"{name}-s{seed}"
+                if not _done(out):
+                    cmd = train_command(name, flags, seed)
+                    if (out / "checkpoints").is_dir():
+                        cmd.append("--resume")
+                    todo.append((cmd, out / "train.log"))
+    print(f"{len(todo)} runs to train, {jobs} at a time", flush=True)
+    with ThreadPoolExecutor(jobs) as pool:
+        codes = list(pool.map(lambda job: _run(*job), todo))
+    analyses = []
+    if "lesion" in only:
+        analyses.append(LESION)
+    if "landscape" in only:
+        analyses += LANDSCAPES
+    for kind, runs, flags, out in analyses:
+        if not all(_done(RUNS / r) for r in runs):
+            print(f"skipping {kind} {out}: runs not finished", flush=True)
+            continue
+        target = RUNS / out
+        if (target / "lesion.json").exists() or (target / "landscape_2d.png").exists():
+            continue
+        cmd = [_python(), "-m", "fusedres.cli", kind, *[str(RUNS / r) for r in runs], *flags,
+               "--threads", "2", "--out", str(target), "--no-progress"]
+        codes.append(_run(cmd, target / f"{kind}.log"))
+    return 1 if any(codes) else 0
+
+
+# --------------------------------------------------------------------------- report
+
+def _final_train_loss(run_dir: Path) -> float:
+    loss = float("nan")
+    with open(run_dir / "metrics.jsonl") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("kind") == "epoch":
+                loss = rec["loss"]
+    return loss
+
+
+def collect() -> dict:
+    out = {}
+    for group, runs in EXPERIMENTS.items():
+        for name, (flags, seeds) in runs.items():
+            rows = []
+            for seed in seeds:
+                d = RUNS / f"{name}-s{seed}"
+                if not _done(d):
+                    continue
+                s = json.loads((d / "summary.json").read_text())
+                rows.append({"seed": seed, "test_error": s["final_test_error"],
+                             "train_loss": _final_train_loss(d),
+                             "time_per_epoch_s": s["time_per_epoch_s"],
+                             "parameters": s["parameters"],
+                             "command": " ".join(["fusedres train"]
+                                                 + train_command(name, flags, seed)[3:])})
+            out[name] = {"group": group, "flags": flags, "runs": rows}
+    return out
+
+
+def _median(values):
+    values = [v for v in values if not math.isnan(v)]
+    return statistics.median(values) if values else float("nan")
+
+
+def _cell(entry, key="test_error", pct=True) -> str:
+    if not entry or not entry["runs"]:
+        return "not run"
+    vals = [r[key] for r in entry["runs"]]
+    scale = 100 if pct else 1
+    med = _median(vals)
+    if math.isnan(med):
+        return "diverged (NaN loss)"
+    spread = f" ({min(vals) * scale:.2f}-{max(vals) * scale:.2f})" if len(vals) > 1 else ""
+    return f"{med * scale:.2f}{spread}"
+
+
+def report() -> None:
+    data = collect()
+    (HERE / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {HERE / 'results.json'}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="reproduction/digits.py")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--only", default="orderings,shortcuts,depth,stochastic,lesion,landscape",
+                   help="comma-separated: " + ",".join(list(EXPERIMENTS) +
+                                                       ["lesion", "landscape"]))
+    r.add_argument("--jobs", type=int, default=2)
+    sub.add_parser("report")
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        only = [g for g in args.only.split(",") if g]
+        unknown = set(only) - set(EXPERIMENTS) - {"lesion", "landscape"}
+        if unknown:
+            p.error(f"--only: unknown {sorted(unknown)}")
+        return run(only, args.jobs)
+    report()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
