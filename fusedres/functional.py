@@ -25,7 +25,6 @@ __all__ = [
     "check_x",
     "conv2d_from_prepared",
     "prepare_batch_norm",
-    "prepare_relu",
 ]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -179,18 +178,6 @@ def _update_running_stats(running_mean, running_var, num_batches_tracked, mean, 
     unbiased = var * (count / (count - 1))
     running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype) * factor)
     running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype) * factor)
-
-
-def prepare_relu(x: Tensor) -> BatchNormState:
-    """The identity normalisation (mean 0, 1/std 1, no affine), for a ReLU -> conv chain without
-    BatchNorm: ``conv2d_from_prepared(prepare_relu(x), w)`` is ``conv2d(relu(x), w)``, and
-    ``relu(x)`` is recomputed in backward instead of stored (``x`` is what is kept)."""
-    check_x(x)
-    if _backend.get_backend() == "reference":
-        return BatchNormState(x, None, None, None, None, False, torch.relu(x))
-    sdt, c = stats_dtype(x.dtype), x.shape[1]
-    return BatchNormState(x, None, None, x.new_zeros((c,), dtype=sdt),
-                          x.new_ones((c,), dtype=sdt), False)
 
 
 def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | None = None, *,

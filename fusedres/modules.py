@@ -171,20 +171,29 @@ class PlainBNReLUConv(BNReLUConvLayer):
 
 
 class FusedBNReLUConv(BNReLUConvLayer):
-    """The fused op: ``relu(bn(x))`` is never stored; backward recomputes it from ``x``. A chain
-    without BatchNorm (``bn`` None, ``norm="none"``) is the fused op with the identity
-    normalisation (mean 0, 1/std 1), so ``relu(x)`` is not stored either."""
+    """The fused op: ``relu(bn(x))`` is never stored; backward recomputes it from ``x``.
+
+    A ReLU -> conv chain without BatchNorm (``bn`` None: ``norm="none"``, the first ReLU of a
+    ReLU-only pre-activation unit) runs as PyTorch runs it: PyTorch's ReLU keeps only its
+    output, which the convolution keeps anyway, so fusing it would save nothing (measured:
+    benchmarks/MEMORY.md, the variants' table) and cost the recomputation."""
 
     fused = True
 
     def act(self, bn, x, stats=None):
-        return prepare(bn, x, stats) if bn is not None else FR.prepare_relu(x)
+        return prepare(bn, x, stats) if bn is not None else F.relu(x)
 
     def conv(self, a, c, residual=None, branch_scale=None, return_stats=False):
+        if isinstance(a, Tensor):  # a ReLU without BatchNorm: plain
+            return PLAIN.conv(a, c, residual, branch_scale, return_stats)
         return conv(a, c, residual=residual, return_stats=return_stats, branch_scale=branch_scale)
 
     def conv_into(self, a, c, bn):
-        return conv_into(a, c, bn) if bn is not None else FR.prepare_relu(conv(a, c))
+        if bn is None:
+            return F.relu(self.conv(a, c))
+        if isinstance(a, Tensor):
+            return prepare(bn, c(a))
+        return conv_into(a, c, bn)
 
     def check(self, x, *convs):
         check_inputs(x, *convs)
@@ -372,11 +381,14 @@ class ResidualBlock(nn.Module):
 
     @property
     def fused_chains(self) -> int:
-        """How many BN-ReLU -> conv chains the layer runs (the fused ops, with a fused layer)."""
+        """How many BN-ReLU -> conv chains the unit has (each one fused op with a fused
+        layer); ReLU -> conv chains without BatchNorm are not counted (they stay plain)."""
+        if self.norm == "none":
+            return 0
         k = self.num_convs
         if self.unit == "preact":
             return k + (self.shortcut is not None)
-        return k - 1 + (self.unit == "relu_only_preact")
+        return k - 1
 
     @property
     def plain_parts(self) -> list[str]:
@@ -395,6 +407,10 @@ class ResidualBlock(nn.Module):
                     "relu_only_preact": f"bn{k} before the addition"}[self.unit]
             parts.append(last if self.norm == "batch" else last.replace(f"bn{k} and ", "")
                          .replace(f"bn{k}-", "").replace(f"the addition's bn{k} and ", ""))
+        if self.unit == "relu_only_preact":
+            parts.append("the first ReLU -> conv1 (no BatchNorm: fusing would save nothing)")
+        if self.norm == "none":
+            parts.append("every ReLU -> conv (no BatchNorm: fusing would save nothing)")
         if self.gate is not None:
             parts.append("gate (sigmoid of a 1x1 conv) and the gated sum")
         return parts
