@@ -121,6 +121,13 @@ def conv_into(state: FR.BatchNormState, c: nn.Conv2d, bn: nn.BatchNorm2d) -> FR.
     return prepare(bn, conv(state, c))
 
 
+def _has_no_data(x: Tensor) -> bool:
+    """A meta or fake tensor (the planner's simulated step): no value to branch on."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return x.is_meta or is_fake(x)
+
+
 def _scaled(y: Tensor, scale: Tensor | None) -> Tensor:
     return y if scale is None else y * scale.view(-1, *([1] * (y.dim() - 1))).to(y.dtype)
 
@@ -434,6 +441,8 @@ class ResidualBlock(nn.Module):
         n = x.shape[0]
         if self.drop_path_mode == "batch":
             noise = torch.empty([1] * x.dim(), dtype=x.dtype, device=x.device).bernoulli_(keep)
+            if _has_no_data(x):  # the memory planner's meta/fake step: plan for a kept unit
+                return False, noise.reshape(1).expand(n)
             if not bool(noise):  # a dropped unit computes no branch at all
                 return True, None
             return False, noise.div_(keep).reshape(1).expand(n)

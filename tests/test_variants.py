@@ -304,3 +304,16 @@ def test_bad_input_leaves_running_stats_alone():
         block(torch.randn(2, 5, 6, 6))  # wrong channel count
     for k, v in block.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("mode", ["row", "batch"])
+def test_planner_takes_stochastic_depth(mode):
+    # The planner's simulated step has no values: a batch-mode unit is planned as kept (the
+    # worst case), a row-mode one keeps its (N,) draw.
+    net = models.preact_resnet(20, num_classes=3, drop_path_rate=0.5, drop_path_mode=mode)
+    ref = models.preact_resnet(20, num_classes=3)
+    shape = (8, 3, 16, 16)
+    plan = fusedres.memory.plan(net, shape, budget_bytes=2**30)
+    base = fusedres.memory.plan(ref, shape, budget_bytes=2**30)
+    extra = plan.step.saved_after_forward - base.step.saved_after_forward
+    assert extra == 9 * 4 * (8 if mode == "row" else 1)  # one draw per unit: (N,) or (1,)
