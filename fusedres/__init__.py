@@ -28,7 +28,14 @@ from ._backend import (
     use_backend,
 )
 from .convert import fuse
-from .modules import BNReLUConv2d, PreActBasicBlock, PreActBottleneck
+from .modules import (
+    BasicBlock,
+    BNReLUConv2d,
+    Bottleneck,
+    PreActBasicBlock,
+    PreActBottleneck,
+    ResidualBlock,
+)
 
 __version__ = "0.1.0"
 
@@ -36,8 +43,11 @@ __all__ = [
     "BACKENDS",
     "BNReLUConv2d",
     "BackendUnavailableError",
+    "BasicBlock",
+    "Bottleneck",
     "PreActBasicBlock",
     "PreActBottleneck",
+    "ResidualBlock",
     "activation_checkpoint",
     "available_backends",
     "distributed",

@@ -329,6 +329,13 @@ def test_finished_run_has_its_outputs(finished_run):
     (["--backend", "cuda"], "--backend cuda: cannot run on cpu"),
     (["--config", "/nonexistent.yaml"], "--config: cannot read"),
     (["--batch-size", "4096"], "--batch-size: 4096 is larger than the 1433 training images"),
+    (["--unit", "postact"], "argument --unit: invalid choice: 'postact'"),
+    (["--shortcut", "gated"], "argument --shortcut: invalid choice: 'gated'"),
+    (["--drop-path-rate", "1"], "--drop-path-rate: expected a rate in [0, 1), got 1.0"),
+    (["--gate-bias", "-6"], "--gate-bias: only the shortcut 'exclusive_gate' or "
+                            "'shortcut_gate' takes it, got shortcut='identity'"),
+    (["--shortcut", "none", "--drop-path-rate", "0.1"],
+     "--drop-path-rate: a network without shortcuts (shortcut='none') cannot drop units"),
 ])
 def test_bad_input_is_one_line_exit_2_and_the_run_is_untouched(finished_run, capsys, argv,
                                                                match, monkeypatch):
@@ -418,6 +425,43 @@ def test_training_options_run(tmp_path, flags):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["saved_activation_bytes"] > 0
     assert summary["final_test_error"] == summary["final_test_error"]  # not NaN
+
+
+@pytest.mark.parametrize("flags", [
+    ["--unit", "original", "--shortcut", "exclusive_gate", "--gate-bias", "-2"],
+    ["--unit", "relu_only_preact", "--shortcut", "scale", "--shortcut-scale", "0.7",
+     "--scale-branch"],
+    ["--shortcut", "none", "--norm", "none"],
+    ["--drop-path-rate", "0.3", "--drop-path-mode", "batch"],
+], ids=lambda f: " ".join(f))
+def test_model_variants_train_and_are_saved(tmp_path, flags):
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "2", "--out", str(out), *flags]) == 0
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    given = dict(zip(flags[::2], flags[1::2]))
+    for flag, value in given.items():
+        key = flag[2:].replace("-", "_")
+        if value.startswith("--"):
+            continue
+        want = float(value) if key in ("gate_bias", "shortcut_scale", "drop_path_rate") else value
+        assert cfg[key] == want and summary["variant"][key] == want, key
+    # The saved config rebuilds the same network (what fusedres lesion/landscape do).
+    state = ckpt.load(ckpt.latest(out))["model"]
+    from fusedres.train.config import merge_saved
+    from fusedres.train.loop import build_model
+    model = build_model(merge_saved(*resolve([]), cfg), 1, 10)
+    model.load_state_dict(state)
+
+
+def test_a_diverging_run_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "4", "--norm", "none", "--lr", "1e12", "--warmup-iters",
+                 "0", "--out", str(out)]) == 0
+    assert "the run has diverged" in capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["diverged_at_iteration"] == 2
+    assert "training loss not finite by iteration 2" in (out / "summary.md").read_text()
 
 
 def test_memory_budget_plans_checkpointing_within_the_budget(tmp_path):

@@ -376,6 +376,8 @@ class Run:
         if state is not None and self.saved_bytes is None:
             self.saved_bytes = state.get("saved_activation_bytes")
         self.elapsed = state.get("elapsed_s", 0.0) if state is not None else 0.0
+        # The first iteration whose training loss was not finite (kept across resumes).
+        self.diverged_at = self.accum.get("diverged_at")
         if state is not None:
             ckpt.set_rng_state(state["rng"])
         self.log = None
@@ -746,6 +748,13 @@ class Run:
                           "images_per_s": rate, "peak_memory_bytes": mem,
                           "time_s": self.elapsed}
                 self._record(record)
+                if not math.isfinite(record["loss"]) and self.diverged_at is None:
+                    self.diverged_at = self.iteration
+                    if self.rank == 0:
+                        print(f"\nfusedres train: warning: the training loss is "
+                              f"{record['loss']} by iteration {self.iteration}: the run has "
+                              "diverged (a lower --lr or a longer --warmup-iters may help); "
+                              "training goes on to the end", file=sys.stderr)
                 if bar is not None:
                     bar.set_postfix(loss=f"{record['loss']:.3f}",
                                     acc=f"{100 * (1 - record['error']):.1f}%",
@@ -773,7 +782,8 @@ class Run:
                     ep_correct.zero_()
                     ep_seen, ep_time = 0, 0.0
                 self.accum = {"ep_loss": ep_loss.item(), "ep_correct": int(ep_correct.item()),
-                              "ep_seen": ep_seen, "ep_time": ep_time}
+                              "ep_seen": ep_seen, "ep_time": ep_time,
+                              "diverged_at": self.diverged_at}
                 if (epoch_end or stop or self.iteration % cfg["checkpoint_every"] == 0
                         or self.iteration == self.max_iters):
                     self.save_checkpoint()
@@ -897,6 +907,9 @@ class Run:
             "memory_kind": ("CUDA max allocated" if self.device.type == "cuda"
                             else "process peak RSS"),
             "parameters": self.parameters,
+            "variant": {k: self.cfg[k] for k in ("unit", "shortcut", "norm", "drop_path_rate",
+                                                 "drop_path_mode", *_SHORTCUT_ARGS)},
+            "diverged_at_iteration": self.diverged_at,
             "memory_plan": None if self.plan_summary is None else str(self.plan_summary),
         }
         extra.update(self._memory_report())

@@ -167,6 +167,9 @@ def summary_table(s: dict[str, Any]) -> str:
         ("peak memory", f"{format_bytes(s.get('peak_memory_bytes'))} ({s.get('memory_kind')})"),
         ("parameters", f"{s.get('parameters', 0) / 1e6:.3f} M"),
     ]
+    if s.get("diverged_at_iteration") is not None:
+        rows.insert(3, ("diverged", f"training loss not finite by iteration "
+                                    f"{s['diverged_at_iteration']}"))
     if s.get("channels_last") is not None:
         rows.append(("layout", ("channels_last" if s["channels_last"] else "NCHW")
                      + f" ({s.get('channels_last_origin')})"))
