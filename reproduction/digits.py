@@ -279,7 +279,7 @@ def report() -> None:
           "| unit | digits, depth 56 | paper CIFAR-10 ResNet-110 | paper ResNet-164 |",
           "|---|---|---|---|"]
     for u, (p110, p164) in PAPER_ORDERINGS.items():
-        L.append(f"| {u} | {_cell(_entry(data, f'order-{u}'))} | {p110} | {p164} |")
+        L.append(f"| {u} | {_cell(_entry(data, f'order-{u}'))} | {p110:.2f} | {p164:.2f} |")
     L += ["", "## Shortcuts (He et al. 2016, Table 1), original units, depth 56", "",
           "| shortcut | digits, depth 56 | paper CIFAR-10 ResNet-110 |", "|---|---|---|"]
     for sc, paper in PAPER_SHORTCUTS.items():
@@ -291,7 +291,7 @@ def report() -> None:
     for d in DEPTHS + (1001,):
         cells = [_cell(data.get(f"depth-{a}-{b}-{d}")) for a, b in
                  (("res", "bn"), ("plain", "bn"), ("res", "nobn"), ("plain", "nobn"))]
-        ref = " / ".join(map(str, PAPER_DEPTH[d])) if d in PAPER_DEPTH else ""
+        ref = " / ".join(f"{v:.2f}" for v in PAPER_DEPTH[d]) if d in PAPER_DEPTH else ""
         L.append(f"| {d} | " + " | ".join(cells) + f" | {ref} |")
     L += ["", "Final training loss (last epoch's mean, augmented batches):", "",
           "| depth | residual + BN | plain + BN | residual, no BN | plain, no BN |",
