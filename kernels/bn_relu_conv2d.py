@@ -1,11 +1,12 @@
-"""Forward of the fused unit: y = conv2d(relu(scale * x + shift), weight) + bias + residual.
+"""Forward of the fused unit: y = residual + s[n] * (conv2d(relu(scale * x + shift), weight) +
+bias), s the optional per-sample branch scale (stochastic depth).
 
 Implicit GEMM: rows are output pixels (M = N*Ho*Wo), columns output channels (Co), the reduction
 runs over the kernel taps and then the input channels (K = kh*kw*C), so each A tile is a
 (pixels, channels) slice of x at one tap: contiguous in channels for channels_last x. The A
 operand load applies the BatchNorm affine and the ReLU in registers and zeroes out-of-image taps
-after the activation (zero padding of ``a``, never of ``x``); ``a`` never reaches memory. Bias
-and residual are added in the epilogue.
+after the activation (zero padding of ``a``, never of ``x``); ``a`` never reaches memory. Bias,
+the branch scale (one factor per row's sample) and residual are applied in the epilogue.
 
 ``genstats``: the epilogue also reduces each output tile to per-channel (mean, M2) over its
 valid rows, so the next BatchNorm's batch statistics need no pass over y (merged on the host
@@ -70,7 +71,7 @@ def bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, out_dt
 
 @triton.jit
 def bn_relu_conv2d_fwd_kernel(
-    x_ptr, w_ptr, scale_ptr, shift_ptr, bias_ptr, res_ptr, y_ptr, smean_ptr, sm2_ptr,
+    x_ptr, w_ptr, scale_ptr, shift_ptr, bias_ptr, res_ptr, bscale_ptr, y_ptr, smean_ptr, sm2_ptr,
     C, H, W, Co, Ho, Wo, M, KH, KW,
     SH, SW, PH, PW, DH, DW,
     sxn, sxc, sxh, sxw,
@@ -80,6 +81,7 @@ def bn_relu_conv2d_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GENSTATS: tl.constexpr,
     FP64: tl.constexpr, TF32: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BSCALE: tl.constexpr = False,
 ):
     # Column tiles of one row block run back to back, so its x tiles are read from DRAM once
     # and then hit L2.
@@ -118,6 +120,8 @@ def bn_relu_conv2d_fwd_kernel(
     mask = m_ok[:, None] & co_ok[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + co, mask=co_ok, other=0.0).to(acc_t)[None, :]
+    if HAS_BSCALE:
+        acc *= tl.load(bscale_ptr + n, mask=m_ok, other=0.0).to(acc_t)[:, None]
     if HAS_RES:
         r_off = n * srn + oh * srh + ow * srw
         acc += tl.load(res_ptr + r_off[:, None] + co[None, :] * src, mask=mask,
@@ -160,12 +164,15 @@ def _dummy(t: torch.Tensor) -> torch.Tensor:
 
 
 def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding, dilation,
-                       memory_format, genstats: bool = False, config: KernelConfig | None = None):
+                       memory_format, genstats: bool = False, config: KernelConfig | None = None,
+                       branch_scale=None):
     """y (N, Co, Ho, Wo) in weight.dtype and ``memory_format``; with ``genstats`` also the
     (mean, biased var) of y per output channel in the statistics dtype of y.
 
     x: (N, C, H, W) any float dtype and strides; weight (Co, C, kh, kw); scale, shift (C,) in the
-    statistics dtype of x; bias (Co,) or None; residual (N, Co, Ho, Wo) in weight.dtype or None.
+    statistics dtype of x; bias (Co,) or None; residual (N, Co, Ho, Wo) in weight.dtype or None;
+    branch_scale (N,) contiguous in the accumulator dtype (float32, float64 for float64) or None:
+    y = residual + branch_scale[n] * (conv + bias).
     """
     n, c, h, w = x.shape
     co, _, kh, kw = weight.shape
@@ -178,10 +185,11 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
     m = n * ho * wo
     if config is None and autotune_enabled(x, weight):
         key = ("fwd", x.shape, x.stride(), weight.shape, weight.dtype, x.dtype, tuple(stride),
-               tuple(padding), tuple(dilation), bias is not None, residual is not None, genstats)
+               tuple(padding), tuple(dilation), bias is not None, residual is not None, genstats,
+               branch_scale is not None)
         config = autotuned(key, configs_for(weight.dtype), lambda cfg: bn_relu_conv2d_fwd(
             x, weight, bias, scale, shift, residual, stride, padding, dilation, memory_format,
-            genstats, cfg))
+            genstats, cfg, branch_scale))
     cfg = config or pick_config(m, co, c, weight.dtype)
     bm, bn = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"]
     grid = (cdiv(m, bm), cdiv(co, bn))
@@ -195,12 +203,13 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
     res = residual if residual is not None else _dummy(y)
     res_strides = residual.stride() if residual is not None else (0, 0, 0, 0)
     launcher(bn_relu_conv2d_fwd_kernel)[(grid[0] * grid[1],)](
-        x, weight, scale, shift, bias if bias is not None else _dummy(weight), res, y,
-        smean, sm2,
+        x, weight, scale, shift, bias if bias is not None else _dummy(weight), res,
+        branch_scale if branch_scale is not None else _dummy(scale), y, smean, sm2,
         c, h, w, co, ho, wo, m, kh, kw, sh, sw, ph, pw, dh, dw,
         *x.stride(), *weight.stride(), *y.stride(), *res_strides,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, GENSTATS=genstats,
-        FP64=fp64, TF32=allow_tf32(weight.dtype), INTERP_BF16=interp_bf16(weight.dtype),
+        HAS_BSCALE=branch_scale is not None, FP64=fp64, TF32=allow_tf32(weight.dtype),
+        INTERP_BF16=interp_bf16(weight.dtype),
         **cfg.launch_kwargs(),
     )
     if not genstats:
