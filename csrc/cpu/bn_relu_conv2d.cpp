@@ -165,9 +165,9 @@ Affine affine(const std::optional<at::Tensor>& bn_weight, const std::optional<at
   return {rows[0], rows[1], rows[2], rows[3]};
 }
 
-// The branch scale as an (N, 1, 1, 1) tensor of the conv's dtype (undefined without one):
-// multiplied into tiles of y and grad_out, in that dtype (as torchvision's stochastic_depth
-// multiplies its noise).
+// The branch scale as an (N, 1, 1, 1) tensor in the conv's accumulator dtype (float32 for half
+// weights; undefined without one): multiplied into tiles of y and grad_out in that dtype and
+// rounded once, as the cuda and triton epilogues do.
 at::Tensor branch_factor(const std::optional<at::Tensor>& branch_scale, const at::Tensor& x,
                          const at::Tensor& weight) {
   if (!branch_scale.has_value()) return {};
@@ -176,7 +176,7 @@ at::Tensor branch_factor(const std::optional<at::Tensor>& branch_scale, const at
                   at::isFloatingType(s.scalar_type()),
               "fusedres_cpu: branch_scale must be a floating (N,) CPU tensor with N = ",
               x.size(0), ", got ", s.sizes(), " ", s.scalar_type());
-  return s.to(weight.scalar_type()).contiguous().view({-1, 1, 1, 1});
+  return s.to(at::toOpMathType(weight.scalar_type())).contiguous().view({-1, 1, 1, 1});
 }
 
 // A forward tile's epilogue with a branch scale, in place while the tile is in cache:
