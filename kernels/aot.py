@@ -166,13 +166,13 @@ def run(archs, dtypes, workers: int | None = None, kernels=None) -> list[Result]
 
 
 def format_table(results: list[Result]) -> str:
-    head = f"{'kernel':<20}{'dtype':<6}{'config':<30}{'arch':>5}{'smem':>8}{'regs':>6}" \
+    head = f"{'kernel':<20}{'dtype':<6}{'config':<42}{'arch':>5}{'smem':>8}{'regs':>6}" \
            f"{'spill':>7}{'sec':>6}  status"
     lines = [head, "-" * len(head)]
     for r in results:
         status = "ok" if r.ok else (r.error or (
             "spills" if r.spill_bytes else "shared memory over the limit"))
-        lines.append(f"{r.kernel:<20}{r.dtype:<6}{r.config:<30}{'sm_' + str(r.arch):>5}"
+        lines.append(f"{r.kernel:<20}{r.dtype:<6}{r.config:<42}{'sm_' + str(r.arch):>5}"
                      f"{r.shared:>8}{r.registers:>6}{r.spill_bytes:>7}{r.seconds:>6.1f}  {status}")
     return "\n".join(lines)
 

@@ -8,7 +8,8 @@ loads the x tile, recomputes the ReLU mask from ``scale * x + shift``, and reduc
 ``sum dz`` and ``sum dz * xhat`` over the tile's rows (partials per row block, summed on the
 host). With a branch scale (stochastic depth) the conv branch's gradient is s[n] * dy: a row is
 an input pixel of one sample, so the epilogue scales the row's accumulator (s[n] *
-conv_transpose(dy) = conv_transpose(s[n] * dy)). What it writes is chosen by constexprs:
+conv_transpose(dy) = conv_transpose(s[n] * dy)); float64 scales dy as it loads it instead.
+What it writes is chosen by constexprs:
 
 * ``WRITE_DZ``: dz into the grad_x buffer; ``dx_kernel`` then turns it into dx in place once
   the sums are complete (training: dx depends on the batch-wide sums).
@@ -112,6 +113,9 @@ def dgrad_kernel(
     iw = PB + SW * (rem % WP)
     n64 = n
     kk = tl.arange(0, BLOCK_K)
+    if HAS_BSCALE:
+        if FP64:  # float64: applied to dy as it is loaded (see the epilogue)
+            bsc = tl.load(bscale_ptr + n64, mask=p_ok, other=0.0).to(acc_t)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
     for t in range(0, KH * KW):
         i = t // KW
@@ -131,18 +135,25 @@ def dgrad_kernel(
                 co_ok = co < Co
                 a = tl.load(dy_ptr + row_off[:, None] + co[None, :] * sdc,
                             mask=row_ok[:, None] & co_ok[None, :], other=0.0).to(op_t)
+                if HAS_BSCALE:
+                    if FP64:
+                        a = a * bsc[:, None]
                 b = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
                             mask=co_ok[:, None] & c_ok[None, :], other=0.0)
                 acc = mma(acc, a, b, TF32, INTERP_BF16)
     mask = p_ok[:, None] & c_ok[None, :]
-    if HAS_BSCALE:
-        acc *= tl.load(bscale_ptr + n64, mask=p_ok, other=0.0).to(acc_t)[:, None]
     x_off = n64 * sxn + ih * sxh + iw * sxw
     xv = tl.load(x_ptr + x_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
     sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
     sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
     z = xv.to(sc.dtype) * sc[None, :] + sh[None, :]
     # Gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
+    if HAS_BSCALE:
+        if not FP64:
+            # The row's sample's factor: s[n] * conv_transpose(dy), once per output value, and
+            # dy goes from memory to the MMA untouched. (float64 scales dy in the loop instead:
+            # there, ptxas allocates the epilogue form 128 registers and spills 8 bytes, sm_90.)
+            acc = acc * tl.load(bscale_ptr + n64, mask=p_ok, other=0.0).to(acc_t)[:, None]
     dz = tl.where(mask & ~(z <= 0), acc, 0.0)
     if STATS:
         mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)

@@ -6,9 +6,10 @@ Implicit GEMM per tap: rows are output channels, columns input channels, the red
 over the output pixels (K = N*Ho*Wo). Small Co*C*kh*kw gives few tiles, so the reduction is
 split over ``SPLIT`` programs writing float32 (float64) partials, summed on the host. The conv
 bias gradient (sum of dy) is reduced by the programs of the first column block and tap, from
-the dy tiles they load anyway. With a branch scale (stochastic depth) each dy tile is scaled
-by its pixels' samples' factors as it is loaded (s[n] * dy, rounded to the operand dtype as the
-unfused product is): the weight and bias gradients and the SUMS all see it.
+the dy tiles they load anyway. With a branch scale (stochastic depth) every result is linear in
+s[n] * dy per pixel, so the factor goes on the x-side operand, which is computed in registers
+anyway (the activation, or the SUMS variant's mask and mask * xhat), and on the bias sum; dy
+tiles still go from memory to the MMA untouched.
 
 ``SUMS`` variant. With m = [scale*x + shift > 0] and xhat = (x - mean) * invstd, the activation
 is a = m * (gamma * xhat + beta), so two correlations of dy,
@@ -126,10 +127,12 @@ def wgrad_kernel(
                     mask=co_ok[:, None] & o_ok[None, :], other=0.0)
         if HAS_BSCALE:
             bsc = tl.load(bscale_ptr + n, mask=o_ok, other=0.0).to(acc_t)
-            g = cast(g.to(acc_t) * bsc[None, :], g.dtype, INTERP_BF16)
         if HAS_DB:
             if pid_nt == 0:
-                db += tl.sum(g.to(acc_t), axis=1)
+                if HAS_BSCALE:
+                    db += tl.sum(g.to(acc_t) * bsc[None, :], axis=1)
+                else:
+                    db += tl.sum(g.to(acc_t), axis=1)
         ih = oh * SH - PH + i * DH
         iw = ow * SW - PW + j * DW
         row_ok = o_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
@@ -140,13 +143,22 @@ def wgrad_kernel(
             xs = xv.to(sc.dtype)
             on = mask & ~(xs * sc[None, :] + sh[None, :] <= 0)  # NaN passes, as in torch
             xhat = (xs - mu[None, :]) * inv[None, :]
-            b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
-            b2 = cast(tl.where(on, xhat, 0.0), g.dtype, INTERP_BF16)
+            if HAS_BSCALE:  # the pixel's factor on the operand computed in registers anyway
+                b1 = cast(tl.where(on, bsc[:, None], 0.0), g.dtype, INTERP_BF16)
+                b2 = cast(tl.where(on, xhat * bsc[:, None], 0.0), g.dtype, INTERP_BF16)
+            else:
+                b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
+                b2 = cast(tl.where(on, xhat, 0.0), g.dtype, INTERP_BF16)
             acc1 = mma(acc1, g, b1, TF32, INTERP_BF16)
             acc2 = mma(acc2, g, b2, TF32, INTERP_BF16)
         else:
-            a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, g.dtype,
-                             INTERP_BF16)
+            if HAS_BSCALE:
+                a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, acc_t,
+                                 False)
+                a = cast(a * bsc[:, None], g.dtype, INTERP_BF16)
+            else:
+                a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, g.dtype,
+                                 INTERP_BF16)
             acc1 = mma(acc1, g, a, TF32, INTERP_BF16)
     # dW: float32 partials (split, Co, C, KH, KW), or the weight gradient itself when SPLIT is 1.
     off = split * sgs + co[:, None] * sgo + c[None, :] * sgc + i * sgh + j * sgw

@@ -339,3 +339,37 @@ def test_compile_fullgraph_with_branch_scale(name):
         gc = torch.autograd.grad(yc, leaves, torch.ones_like(yc))
     torch.testing.assert_close(yc, y, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(gc, g, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64],
+                         ids=["f16", "f32", "f64"])
+def test_triton_forward_every_config_placement(dtype):
+    """The Triton forward applies the branch scale where each config says (BSCALE_AT: epilogue,
+    operand load, broadcast tile; chosen per config so that none spills, kernels/aot.py): every
+    config of the dtype, run under the interpreter, against the portable op."""
+    if "triton" not in fusedres.available_backends("cpu"):
+        pytest.skip("triton does not run here")
+    from fusedres.backends import portable
+    from fusedres.kernels import bn_relu_conv2d as fwd
+
+    case = Case(3, 5, 6, 6, 7, k=3, padding=1, bias=True, residual=True)
+    inp = make_inputs(case, dtype)
+    x, w, b, res = (t.detach() for t in (inp.x, inp.weight, inp.bias, inp.residual))
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    mean, var = (torch.rand(case.c, dtype=sdt) for _ in range(2))
+    invstd = torch.rsqrt(var + 0.5)
+    gamma, beta = inp.bn_weight.detach().to(sdt), inp.bn_bias.detach().to(sdt)
+    s = torch.tensor([1.25, 0.0, 2.5], dtype=sdt)
+    want = portable.bn_relu_conv2d(x, w, b, gamma, beta, mean, invstd, res, [1, 1], [1, 1],
+                                   [1, 1], True, s)
+    scale = gamma * invstd
+    shift = beta - mean * scale
+    tol = {torch.float16: 2e-2, torch.float32: 1e-4, torch.float64: 1e-10}[dtype]
+    places = set()
+    for cfg in fwd.configs_for(dtype):
+        places.add(cfg.meta.get("BSCALE_AT", 0))
+        y = fwd.bn_relu_conv2d_fwd(x, w, b, scale, shift, res, [1, 1], [1, 1], [1, 1],
+                                   torch.contiguous_format, config=cfg, branch_scale=s)
+        torch.testing.assert_close(y, want, atol=tol, rtol=tol, msg=lambda m, c=cfg: f"{c}: {m}")
+    assert places == {torch.float16: {0, 1}, torch.float32: {0},
+                      torch.float64: {2}}[dtype]
