@@ -373,3 +373,25 @@ def test_triton_forward_every_config_placement(dtype):
         torch.testing.assert_close(y, want, atol=tol, rtol=tol, msg=lambda m, c=cfg: f"{c}: {m}")
     assert places == {torch.float16: {0, 1}, torch.float32: {0},
                       torch.float64: {2}}[dtype]
+
+
+def test_autocast_bf16_matches_plain_stochastic_depth(backend):
+    """Under bf16 autocast (BN in float32, the conv in bfloat16, a float32 residual added in
+    float32) the branch scale applies as on the plain block."""
+    case = CASES[0]
+    p = 0.4
+    seed = mixed_seed(case.n, p)
+    inp = make_inputs(case, torch.float32)
+    ref = inp.clone()
+    torch.manual_seed(seed)
+    s = draw_branch_scale(case.n, p)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, grads, gy = run_fused(case, inp, s)
+        y_ref, grads_ref = run_plain_stochastic_depth(case, ref, p, seed, gy)
+    assert y.dtype == y_ref.dtype == torch.float32
+    torch.testing.assert_close(y, y_ref, atol=5e-2, rtol=2e-2)
+    for name, g, g_ref in zip(_names(inp), grads, grads_ref):
+        assert g.dtype == g_ref.dtype, name
+        scale = g_ref.abs().max().item()
+        torch.testing.assert_close(g, g_ref, atol=3e-2 * scale, rtol=5e-2, msg=name)
+    torch.testing.assert_close(inp.running_mean, ref.running_mean)
