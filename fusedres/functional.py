@@ -212,10 +212,13 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
 
     ``branch_scale``: stochastic depth / drop-path's per-sample factor (0 for a dropped sample,
     1 / keep-probability for a kept one, as ``torchvision.ops.stochastic_depth(..., mode="row")``
-    draws it), any floating dtype on x's device; the kernels apply it in the convolution's
-    epilogue (forward) and where they load grad_out (backward), in the statistics dtype
-    (float32 for half inputs; cast to it here). The residual is not scaled and its gradient is
-    grad_out. ``branch_scale`` takes no gradient: it is a random draw, not a parameter.
+    draws it), any floating dtype on x's device; cast here to the statistics dtype (float32 for
+    half inputs). The kernels apply it inside the convolution, no extra pass (forward: the
+    epilogue or the operand load; backward: where grad_out is loaded or in the data gradient's
+    epilogue). The residual is not scaled and its gradient is grad_out. ``branch_scale`` takes
+    no gradient: it is a random draw, not a parameter. A caller passing ``geometry`` checks the
+    branch scale too (``check_conv_args(..., branch_scale=)``) before preparing the BatchNorm, so
+    that a bad one leaves the running statistics alone.
 
     ``return_stats=True`` returns ``(y, stats)``, ``stats`` being the per-channel batch mean and
     biased variance of ``y`` for the ``prepare_batch_norm`` of the BatchNorm that ``y`` feeds
