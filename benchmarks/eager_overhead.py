@@ -41,7 +41,7 @@ def _kernels_only(m, x):
     invstd = torch.rsqrt(var + 1e-5)
     args = [x.detach(), m.conv.weight.detach(), None, m.bn.weight.detach(), m.bn.bias.detach(),
             mean, invstd, None, [1, 1], [1, 1], [1, 1]]
-    if len(cpu.bn_relu_conv2d.default._schema.arguments) == 12:
+    if len(cpu.bn_relu_conv2d.default._schema.arguments) >= 12:
         args.append(True)
     y = cpu.bn_relu_conv2d(*args)
     cpu.bn_relu_conv2d_backward(torch.ones_like(y), x.detach(), m.conv.weight.detach(),

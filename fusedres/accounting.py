@@ -366,7 +366,8 @@ def cpu_op_workspace_bytes(func, args, kwargs=None) -> int:
     tile. Forward: a, o and a re-laid copy of the weight (plus oneDNN's own copy), and a second
     activation tile (a strided 1x1 convolution subsamples it). Backward: a whole copy of a
     grad_out that is not dense or not of the weight's dtype, the activation, data-gradient and
-    layout-change buffers and what oneDNN's per-tile backward returns (4a + 4o), the weight copy
+    layout-change buffers and what oneDNN's per-tile backward returns (4a + 4o), with a branch
+    scale one more output tile (grad_out's tile staged scaled), the weight copy
     and two weight-gradient accumulators (3w), the per-thread sums. Both: 256 KiB for oneDNN's
     scratchpad. Checked against the process's peak resident memory around single op calls
     (tests/test_memory.py). 0 for other ops, and when the extension is not built."""
@@ -391,7 +392,9 @@ def cpu_op_workspace_bytes(func, args, kwargs=None) -> int:
         # is first copied whole.
         dense = go.is_contiguous() or go.is_contiguous(memory_format=torch.channels_last)
         go_copy = 0 if dense and go.dtype == weight.dtype else n * co * ho * wo * size
-        return (go_copy + 4 * a_tile + 4 * o_tile + 3 * w_bytes
+        # A branch scale stages each grad_out tile scaled, in a tile buffer of its own.
+        scaled = o_tile if bound.get("branch_scale") is not None else 0
+        return (go_copy + scaled + 4 * a_tile + 4 * o_tile + 3 * w_bytes
                 + torch.get_num_threads() * 2 * c * 8 + _ONEDNN_SLACK)
     return 2 * a_tile + o_tile + 2 * w_bytes + _ONEDNN_SLACK
 

@@ -1,4 +1,5 @@
-"""Functional API: fused BatchNorm -> ReLU -> Conv2d (+ residual).
+"""Functional API: fused BatchNorm -> ReLU -> Conv2d (+ residual), optionally with a per-sample
+branch scale (stochastic depth / drop-path): ``y = residual + branch_scale[n] * conv(...)``.
 
 ``bn_relu_conv2d`` is the one-call form. A BatchNorm-ReLU that feeds two convolutions (the
 projection shortcut of He et al.'s dimension-changing unit) uses the two-step form:
@@ -21,6 +22,7 @@ __all__ = [
     "BatchNormState",
     "ConvGeometry",
     "bn_relu_conv2d",
+    "check_branch_scale",
     "check_conv_args",
     "check_x",
     "conv2d_from_prepared",
@@ -94,6 +96,26 @@ def _autocast_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
     if x.dtype == torch.float64 or weight.dtype == torch.float64:
         return None
     return torch.get_autocast_dtype(device_type)
+
+
+def check_branch_scale(branch_scale, x: Tensor) -> None:
+    """Raise the error the fused functions raise for a ``branch_scale`` that is not a floating
+    (N,) tensor on the device of ``x``."""
+    if branch_scale is None:
+        return
+    if not isinstance(branch_scale, Tensor):
+        raise TypeError(f"branch_scale: expected a Tensor or None, got "
+                        f"{type(branch_scale).__name__}")
+    n = x.shape[0]
+    if tuple(branch_scale.shape) != (n,):
+        raise ValueError(f"branch_scale: expected shape ({n},) (one factor per sample of x), "
+                         f"got {tuple(branch_scale.shape)}")
+    if branch_scale.device != x.device:
+        raise ValueError(f"branch_scale: expected device {x.device} (the device of x), got "
+                         f"{branch_scale.device}")
+    if branch_scale.dtype not in _FLOAT:
+        raise ValueError(f"branch_scale: expected a floating-point tensor, got "
+                         f"{branch_scale.dtype}")
 
 
 def check_x(x: Tensor) -> None:
@@ -182,10 +204,21 @@ def _update_running_stats(running_mean, running_var, num_batches_tracked, mean, 
 
 def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | None = None, *,
                          stride=1, padding=0, dilation=1, residual: Tensor | None = None,
-                         return_stats: bool = False, geometry: ConvGeometry | None = None):
-    """``conv2d(relu(bn(x)), weight, bias, stride, padding, dilation) + residual`` for the
-    BatchNorm prepared in ``state``. Shapes: weight (Co, C, kh, kw), bias (Co,), residual
-    (N, Co, Ho, Wo). groups=1 only.
+                         return_stats: bool = False, geometry: ConvGeometry | None = None,
+                         branch_scale: Tensor | None = None):
+    """``residual + branch_scale[n] * conv2d(relu(bn(x)), weight, bias, stride, padding,
+    dilation)`` for the BatchNorm prepared in ``state``. Shapes: weight (Co, C, kh, kw), bias
+    (Co,), residual (N, Co, Ho, Wo), branch_scale (N,). groups=1 only.
+
+    ``branch_scale``: stochastic depth / drop-path's per-sample factor (0 for a dropped sample,
+    1 / keep-probability for a kept one, as ``torchvision.ops.stochastic_depth(..., mode="row")``
+    draws it), any floating dtype on x's device; cast here to the statistics dtype (float32 for
+    half inputs). The kernels apply it inside the convolution, no extra pass (forward: the
+    epilogue or the operand load; backward: where grad_out is loaded or in the data gradient's
+    epilogue). The residual is not scaled and its gradient is grad_out. ``branch_scale`` takes
+    no gradient: it is a random draw, not a parameter. A caller passing ``geometry`` checks the
+    branch scale too (``check_conv_args(..., branch_scale=)``) before preparing the BatchNorm, so
+    that a bad one leaves the running statistics alone.
 
     ``return_stats=True`` returns ``(y, stats)``, ``stats`` being the per-channel batch mean and
     biased variance of ``y`` for the ``prepare_batch_norm`` of the BatchNorm that ``y`` feeds
@@ -196,13 +229,21 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
     arguments (a module that checked them before preparing its BatchNorm); then they are not
     checked again and ``stride``, ``padding``, ``dilation`` are ignored."""
     if geometry is None:
-        geometry = check_conv_args(state.x, weight, bias, residual, stride, padding, dilation)
+        geometry = check_conv_args(state.x, weight, bias, residual, stride, padding, dilation,
+                                   branch_scale=branch_scale)
+    elif branch_scale is not None:
+        check_branch_scale(branch_scale, state.x)
     x = state.x
     if state.activated is not None:
         y = reference.conv2d(state.activated, weight, bias, stride=geometry.stride,
                              padding=geometry.padding, dilation=geometry.dilation,
-                             residual=residual)
+                             residual=residual, branch_scale=branch_scale)
         return (y, None) if return_stats else y
+    if branch_scale is not None:
+        sdt = stats_dtype(x.dtype)
+        branch_scale = branch_scale.detach()
+        if branch_scale.dtype != sdt:
+            branch_scale = branch_scale.to(sdt)
 
     dt = _autocast_dtype(x, weight)
     if dt is not None:
@@ -214,7 +255,8 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
     args = UnitArgs(x=x, weight=weight, bias=bias, bn_weight=state.bn_weight,
                     bn_bias=state.bn_bias, mean=state.mean, invstd=state.invstd, residual=inner,
                     stride=geometry.stride, padding=geometry.padding,
-                    dilation=geometry.dilation, batch_stats=state.batch_stats)
+                    dilation=geometry.dilation, batch_stats=state.batch_stats,
+                    branch_scale=branch_scale)
     if return_stats and (residual is None or inner is not None):
         y, mean, var = _unit(args, genstats=True)
         return y, (mean, var)
@@ -342,12 +384,14 @@ def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> tuple[i
 
 
 def check_conv_args(x, weight, bias=None, residual=None, stride=1, padding=0,
-                    dilation=1) -> ConvGeometry:
+                    dilation=1, *, branch_scale=None) -> ConvGeometry:
     """Raise the error :func:`conv2d_from_prepared` would raise, without computing anything.
     Callers run it before :func:`prepare_batch_norm` so that bad arguments leave state alone.
     Returns the :class:`ConvGeometry` (stride, padding, dilation as pairs of ints), which
-    ``conv2d_from_prepared(..., geometry=)`` takes to skip checking again."""
+    ``conv2d_from_prepared(..., geometry=)`` takes to skip checking again (the branch scale
+    alone is checked again there, a few attribute reads)."""
     check_x(x)
+    check_branch_scale(branch_scale, x)
     stride = _pair(stride, "stride", minimum=1)
     dilation = _pair(dilation, "dilation", minimum=1)
     padding = _check_conv(x, weight, bias, residual, stride, padding, dilation)
@@ -360,18 +404,24 @@ def bn_relu_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, bn_weight: Te
                    training: bool, momentum: float | None = 0.1, eps: float = 1e-5,
                    stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
                    dilation: int | Sequence[int] = 1,
-                   residual: Tensor | None = None) -> Tensor:
-    """``conv2d(relu(batch_norm(x)), weight, bias, stride, padding, dilation) + residual``.
+                   residual: Tensor | None = None,
+                   branch_scale: Tensor | None = None) -> Tensor:
+    """``residual + branch_scale[n] * conv2d(relu(batch_norm(x)), weight, bias, stride, padding,
+    dilation)`` (no residual: 0; no branch_scale: 1).
 
     Shapes: x (N, C, H, W); weight (Co, C, kh, kw); bias (Co,); BN tensors (C,); residual
-    (N, Co, Ho, Wo). BatchNorm semantics are ``nn.BatchNorm2d``'s (running statistics updated in
-    training, used in eval; batch statistics when there are none). Backward keeps ``x`` and
-    per-channel statistics only and recomputes the activation. Every argument is checked before
-    the running statistics are touched.
+    (N, Co, Ho, Wo); branch_scale (N,), stochastic depth's per-sample factor (see
+    :func:`conv2d_from_prepared`; no gradient). BatchNorm semantics are ``nn.BatchNorm2d``'s
+    (running statistics updated in training, used in eval; batch statistics when there are
+    none). Backward keeps ``x``, per-channel statistics and the (N,) branch scale only and
+    recomputes the activation. Every argument is checked before the running statistics are
+    touched.
     """
     # Check the convolution's arguments first too: nothing may change if they are wrong.
-    geometry = check_conv_args(x, weight, bias, residual, stride, padding, dilation)
+    geometry = check_conv_args(x, weight, bias, residual, stride, padding, dilation,
+                               branch_scale=branch_scale)
     state = prepare_batch_norm(x, bn_weight, bn_bias, running_mean, running_var,
                                num_batches_tracked, training=training, momentum=momentum,
                                eps=eps)
-    return conv2d_from_prepared(state, weight, bias, residual=residual, geometry=geometry)
+    return conv2d_from_prepared(state, weight, bias, residual=residual, geometry=geometry,
+                                branch_scale=branch_scale)

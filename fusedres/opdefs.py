@@ -30,24 +30,28 @@ __all__ = ["SCHEMAS", "BackwardArgs", "ConvGeometry", "UnitArgs", "arg_names",
 
 # The fused unit's inputs (shared/design.md): the BatchNorm's input, the convolution, the
 # BatchNorm's affine and statistics (mean, 1/sqrt(var + eps)), the residual, the conv geometry,
-# and whether the statistics are this batch's (then the backward differentiates through them).
+# and whether the statistics are this batch's (then the backward differentiates through them);
+# last, the per-sample factor of the conv branch (stochastic depth / drop-path): (N,), one
+# factor per sample, applied in the accumulator dtype (float32 for half operands); no gradient.
 _UNIT = ("Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, "
          "Tensor mean, Tensor invstd, Tensor? residual, SymInt[2] stride, SymInt[2] padding, "
-         "SymInt[2] dilation, bool batch_stats")
+         "SymInt[2] dilation, bool batch_stats, Tensor? branch_scale=None")
 
 SCHEMAS: dict[str, str] = {
     # Per-channel batch mean and biased variance over (N, H, W), in the statistics dtype.
     "batch_stats": "(Tensor x) -> (Tensor, Tensor)",
-    # y = conv2d(relu(scale * x + shift), weight, bias) + residual.
+    # y = residual + branch_scale[n] * (conv2d(relu(scale * x + shift), weight) + bias).
     "bn_relu_conv2d": f"({_UNIT}) -> Tensor",
     # The same y and its per-channel (mean, biased var): what the next BatchNorm needs.
     "bn_relu_conv2d_genstats": f"({_UNIT}) -> (Tensor, Tensor, Tensor)",
     # (grad_x, grad_weight, grad_bias, grad_bn_weight, grad_bn_bias), recomputing the
-    # activation from x; an output whose output_mask entry is False is empty.
+    # activation from x; an output whose output_mask entry is False is empty. The conv branch's
+    # incoming gradient is branch_scale[n] * grad_out[n] (the residual's gradient is grad_out).
     "bn_relu_conv2d_backward": (
         "(Tensor grad_out, Tensor x, Tensor weight, Tensor? bn_weight, Tensor? bn_bias, "
         "Tensor mean, Tensor invstd, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, "
-        "bool batch_stats, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"),
+        "bool batch_stats, bool[5] output_mask, Tensor? branch_scale=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"),
 }
 
 

@@ -4,19 +4,23 @@ fake kernels and the fused unit's autograd rule.
 * ``fusedres::batch_stats(x) -> (mean, var)``: per-channel batch mean and biased variance over
   (N, H, W), in the statistics dtype (float32 for half inputs, else ``x.dtype``). Not
   differentiable: the fused backward accounts for the statistics' dependence on ``x``.
-* ``fusedres::bn_relu_conv2d(...) -> y``: ``conv2d(relu(scale * x + shift), weight, bias) +
-  residual`` with ``scale = bn_weight * invstd`` and ``shift = bn_bias - mean * scale``.
+* ``fusedres::bn_relu_conv2d(...) -> y``: ``residual + branch_scale[n] * conv2d(relu(scale * x
+  + shift), weight, bias)`` with ``scale = bn_weight * invstd`` and ``shift = bn_bias - mean *
+  scale``. ``branch_scale`` (optional, (N,), floating): the per-sample factor of stochastic
+  depth / drop-path (a Bernoulli draw divided by the keep probability), applied in the
+  convolution's epilogue; it takes no gradient (the autograd rule returns None for it).
 * ``fusedres::bn_relu_conv2d_genstats(...) -> (y, mean, var)``: the same ``y`` and, per output
   channel, its mean and biased variance: what the next BatchNorm needs (reduced in the
   convolution's epilogue on the triton and cuda backends). Not differentiable statistics.
 * ``fusedres::bn_relu_conv2d_backward(...)``: gradients of x, weight, bias, bn_weight, bn_bias,
   recomputing the activation from ``x``. With ``batch_stats=True`` the gradient of ``x``
-  includes the path through the batch statistics (training-mode BatchNorm).
+  includes the path through the batch statistics (training-mode BatchNorm). With
+  ``branch_scale`` every gradient sees ``branch_scale[n] * grad_out[n]``.
 
 Every op routes at run time to the backend in force (:mod:`fusedres._backend`), whose module
 implements the op under the same name with the same arguments. The autograd rule saves ``x``,
-the conv weight, the BN parameters and the per-channel statistics, never the normalised or
-activated tensor.
+the conv weight, the BN parameters, the per-channel statistics and the (N,) branch scale when
+there is one, never the normalised or activated tensor.
 
 Two routes reach the kernels, sharing that rule: the public ops, and :func:`direct_unit`, an
 ``autograd.Function`` over one backend's own ops. The second serves eager units on plain CPU
@@ -92,6 +96,9 @@ def _forward_fake(*inputs) -> Tensor:
     torch._check(a.x.dim() == 4 and a.weight.dim() == 4, lambda: "x and weight must be 4-D")
     torch._check(a.weight.shape[1] == a.x.shape[1],
                  lambda: "weight.shape[1] must equal x.shape[1]")
+    if a.branch_scale is not None:
+        torch._check(a.branch_scale.dim() == 1 and a.branch_scale.shape[0] == a.x.shape[0],
+                     lambda: "branch_scale must be (N,), one factor per sample of x")
     y = a.x.new_empty(out_shape(a.x, a.weight, a.stride, a.padding, a.dilation),
                       dtype=a.weight.dtype)
     return y.contiguous(memory_format=out_memory_format(a.x, a.weight))
@@ -116,9 +123,11 @@ def _(*inputs):
 # --------------------------------------------------------------------------- autograd
 
 def unit_setup_context(ctx, inputs, output) -> None:
-    """What the autograd rule keeps: x, the conv weight, the BN parameters and statistics."""
+    """What the autograd rule keeps: x, the conv weight, the BN parameters and statistics, and
+    the (N,) branch scale when there is one."""
     a = UnitArgs(*inputs)
-    ctx.save_for_backward(a.x, a.weight, a.bn_weight, a.bn_bias, a.mean, a.invstd)
+    ctx.save_for_backward(a.x, a.weight, a.bn_weight, a.bn_bias, a.mean, a.invstd,
+                          a.branch_scale)
     ctx.geometry = (a.stride, a.padding, a.dilation)
     ctx.batch_stats = a.batch_stats
     ctx.has_bias = a.bias is not None
@@ -135,7 +144,7 @@ def unit_backward(ctx, grad_out, backward_op) -> tuple[Tensor | None, ...]:
     """The autograd rule of the fused unit for a ``ctx`` filled by :func:`unit_setup_context`:
     the gradients of its inputs (in :class:`UnitArgs` order), computed by ``backward_op`` (an
     op with the schema of ``bn_relu_conv2d_backward``)."""
-    x, weight, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
+    x, weight, bn_weight, bn_bias, mean, invstd, branch_scale = ctx.saved_tensors
     need = ctx.needs_input_grad
     mask = [need[_SLOT["x"]], need[_SLOT["weight"]], need[_SLOT["bias"]] and ctx.has_bias,
             need[_SLOT["bn_weight"]] and bn_weight is not None,
@@ -144,12 +153,14 @@ def unit_backward(ctx, grad_out, backward_op) -> tuple[Tensor | None, ...]:
     if any(mask):
         stride, padding, dilation = ctx.geometry
         outs = backward_op(*BackwardArgs(grad_out, x, weight, bn_weight, bn_bias, mean, invstd,
-                                         stride, padding, dilation, ctx.batch_stats, mask))
+                                         stride, padding, dilation, ctx.batch_stats, mask,
+                                         branch_scale))
         for slot, g, m in zip(_BACKWARD_SLOTS, outs, mask):
             if m:
                 grads[slot] = g
     # mean and invstd are functions of x when batch_stats is set; their contribution is folded
-    # into grad_x, so they take no gradient of their own. The residual's gradient is grad_out.
+    # into grad_x, so they take no gradient of their own. The residual's gradient is grad_out
+    # (not scaled). branch_scale takes none: a random draw over the keep probability.
     if ctx.has_residual and need[_SLOT["residual"]]:
         grads[_SLOT["residual"]] = grad_out
     return tuple(grads)

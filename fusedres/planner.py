@@ -16,9 +16,12 @@ and what the GPU holds beside it.
 The planner measures, for the given input shape and dtype, what every residual unit saves for
 backward (a count of storages, :mod:`fusedres.memory`'s rule) and its forward FLOPs, on the
 meta device by default (no real memory is touched, so ResNet-1001 at batch 128 plans on a
-laptop). It then picks contiguous segments of units to checkpoint with
-:mod:`fusedres.activation_checkpoint` (BatchNorm-safe), minimising the recomputed FLOPs, and
-applies the choice with ``model.set_grad_checkpointing(ranges)``.
+laptop); a unit with stochastic depth saves its (N,) branch scale beside x, counted the same way
+(N * 4 bytes in float32), and a checkpointed one redraws the same scale on recompute
+(:func:`fusedres.activation_checkpoint.checkpoint` preserves the RNG state). It then picks
+contiguous segments of units to checkpoint with :mod:`fusedres.activation_checkpoint`
+(BatchNorm-safe), minimising the recomputed FLOPs, and applies the choice with
+``model.set_grad_checkpointing(ranges)``.
 
 The activation model the search uses (bytes of saved activations, excluding parameters,
 gradients and the gradient of the activation flowing back):

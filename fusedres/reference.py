@@ -1,6 +1,10 @@
 """The oracle: plain ``F.batch_norm`` -> ReLU -> ``F.conv2d`` (+ residual), exactly as a block of
 ``nn.BatchNorm2d``, ``nn.ReLU`` and ``nn.Conv2d`` computes it. Tests and benchmarks import this
-one; it saves every intermediate for backward, which is what fusedres removes."""
+one; it saves every intermediate for backward, which is what fusedres removes.
+
+``branch_scale`` (N,): the per-sample factor of stochastic depth, applied as
+``torchvision.ops.stochastic_depth(branch, p, mode="row")`` applies its noise: the branch times
+the factor in the branch's dtype, then the residual added."""
 
 from __future__ import annotations
 
@@ -21,15 +25,23 @@ def batch_norm_relu(x, bn_weight, bn_bias, running_mean, running_var, num_batche
     )
 
 
-def conv2d(a, weight, bias, *, stride, padding, dilation, residual=None) -> Tensor:
-    y = F.conv2d(a, weight, bias, stride, padding, dilation)
+def scale_branch(branch: Tensor, branch_scale: Tensor | None) -> Tensor:
+    """``branch * branch_scale[n]`` per sample, in the branch's dtype (torchvision's noise)."""
+    if branch_scale is None:
+        return branch
+    return branch * branch_scale.to(branch.dtype).view(-1, 1, 1, 1)
+
+
+def conv2d(a, weight, bias, *, stride, padding, dilation, residual=None,
+           branch_scale=None) -> Tensor:
+    y = scale_branch(F.conv2d(a, weight, bias, stride, padding, dilation), branch_scale)
     return y if residual is None else y + residual
 
 
 def bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
                    num_batches_tracked=None, *, training, momentum=0.1, eps=1e-5, stride=1,
-                   padding=0, dilation=1, residual=None) -> Tensor:
+                   padding=0, dilation=1, residual=None, branch_scale=None) -> Tensor:
     a = batch_norm_relu(x, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
                         training=training, momentum=momentum, eps=eps)
     return conv2d(a, weight, bias, stride=stride, padding=padding, dilation=dilation,
-                  residual=residual)
+                  residual=residual, branch_scale=branch_scale)

@@ -65,34 +65,36 @@ def kernel_specs():
     dgrad_roles = {
         "dy_ptr": "w", "w_ptr": "w", "x_ptr": "x", "scale_ptr": "stat", "shift_ptr": "stat",
         "mean_ptr": "stat", "invstd_ptr": "stat", "m1_ptr": "stat", "m2_ptr": "stat",
-        "gx_ptr": "x", "s1_ptr": "acc", "s2_ptr": "acc"}
+        "gx_ptr": "x", "s1_ptr": "acc", "s2_ptr": "acc", "bscale_ptr": "acc"}
     wgrad_roles = {
         "dy_ptr": "w", "x_ptr": "x", "scale_ptr": "stat", "shift_ptr": "stat",
         "mean_ptr": "stat", "invstd_ptr": "stat", "w_ptr": "w", "gamma_ptr": "stat",
-        "beta_ptr": "stat", "dw_ptr": "w", "s1_ptr": "acc", "s2_ptr": "acc", "db_ptr": "acc"}
+        "beta_ptr": "stat", "dw_ptr": "w", "s1_ptr": "acc", "s2_ptr": "acc", "db_ptr": "acc",
+        "bscale_ptr": "acc"}
     return [
         ("batch_stats", bs.batch_stats_kernel, bs.configs_for,
          {"x_ptr": "x", "mean_ptr": "f64", "m2_ptr": "f64"},
          lambda d: {"FP64": d == "fp64"}),
         ("bn_relu_conv2d_fwd", fwd.bn_relu_conv2d_fwd_kernel, fwd.configs_for,
          {"x_ptr": "x", "w_ptr": "w", "scale_ptr": "stat", "shift_ptr": "stat", "bias_ptr": "w",
-          "res_ptr": "w", "y_ptr": "w", "smean_ptr": "acc", "sm2_ptr": "acc"},
-         lambda d: {"HAS_BIAS": True, "HAS_RES": True, "GENSTATS": True, **flags(d)}),
+          "res_ptr": "w", "bscale_ptr": "acc", "y_ptr": "w", "smean_ptr": "acc", "sm2_ptr": "acc"},
+         lambda d: {"HAS_BIAS": True, "HAS_RES": True, "GENSTATS": True, "HAS_BSCALE": True,
+                    **flags(d)}),
         # Launch variants: dz stored for the dx pass (training), or dx written directly.
         ("dgrad_store", dg.dgrad_kernel, dg.configs_for, dgrad_roles,
          lambda d: {"WRITE_DZ": True, "WRITE_DX": False, "STATS": True, "TRAIN": True,
-                    **flags(d)}),
+                    "HAS_BSCALE": True, **flags(d)}),
         ("dgrad_dx", dg.dgrad_kernel, dg.configs_for, dgrad_roles,
          lambda d: {"WRITE_DZ": False, "WRITE_DX": True, "STATS": True, "TRAIN": True,
-                    **flags(d)}),
+                    "HAS_BSCALE": True, **flags(d)}),
         ("dx", dg.dx_kernel, dg.dx_configs_for,
          {"g_ptr": "x", "x_ptr": "x", "scale_ptr": "stat", "mean_ptr": "stat",
           "invstd_ptr": "stat", "m1_ptr": "stat", "m2_ptr": "stat"},
          lambda d: {"FP64": d == "fp64", "INTERP_BF16": False}),
         ("wgrad", wg.wgrad_kernel, wg.configs_for, wgrad_roles,
-         lambda d: {"SUMS": False, "HAS_DB": True, **flags(d)}),
+         lambda d: {"SUMS": False, "HAS_DB": True, "HAS_BSCALE": True, **flags(d)}),
         ("wgrad_sums", wg.wgrad_kernel, wg.sums_configs_for, wgrad_roles,
-         lambda d: {"SUMS": True, "HAS_DB": True, **flags(d)}),
+         lambda d: {"SUMS": True, "HAS_DB": True, "HAS_BSCALE": True, **flags(d)}),
     ]
 
 
@@ -164,13 +166,13 @@ def run(archs, dtypes, workers: int | None = None, kernels=None) -> list[Result]
 
 
 def format_table(results: list[Result]) -> str:
-    head = f"{'kernel':<20}{'dtype':<6}{'config':<30}{'arch':>5}{'smem':>8}{'regs':>6}" \
+    head = f"{'kernel':<20}{'dtype':<6}{'config':<42}{'arch':>5}{'smem':>8}{'regs':>6}" \
            f"{'spill':>7}{'sec':>6}  status"
     lines = [head, "-" * len(head)]
     for r in results:
         status = "ok" if r.ok else (r.error or (
             "spills" if r.spill_bytes else "shared memory over the limit"))
-        lines.append(f"{r.kernel:<20}{r.dtype:<6}{r.config:<30}{'sm_' + str(r.arch):>5}"
+        lines.append(f"{r.kernel:<20}{r.dtype:<6}{r.config:<42}{'sm_' + str(r.arch):>5}"
                      f"{r.shared:>8}{r.registers:>6}{r.spill_bytes:>7}{r.seconds:>6.1f}  {status}")
     return "\n".join(lines)
 

@@ -1,11 +1,20 @@
-"""Forward of the fused unit: y = conv2d(relu(scale * x + shift), weight) + bias + residual.
+"""Forward of the fused unit: y = residual + s[n] * (conv2d(relu(scale * x + shift), weight) +
+bias), s the optional per-sample branch scale (stochastic depth).
 
 Implicit GEMM: rows are output pixels (M = N*Ho*Wo), columns output channels (Co), the reduction
 runs over the kernel taps and then the input channels (K = kh*kw*C), so each A tile is a
 (pixels, channels) slice of x at one tap: contiguous in channels for channels_last x. The A
 operand load applies the BatchNorm affine and the ReLU in registers and zeroes out-of-image taps
 after the activation (zero padding of ``a``, never of ``x``); ``a`` never reaches memory. Bias
-and residual are added in the epilogue.
+and residual are added in the epilogue. The branch scale (``HAS_BSCALE``: one factor per row's
+sample, y = residual + s[n] * (conv + bias)) is applied where the config's ``BSCALE_AT`` says
+(0 when absent): 0, the accumulator rows in the epilogue; 1, the activation rows in the operand
+load, which computes them in registers anyway (s[n] * conv(a) = conv(s[n] * a) for a row of one
+sample), and the bias in the epilogue; 2, the epilogue with the factors loaded as a broadcast
+tile in the accumulator's layout. The kernel is at the register limit in most configs and
+ptxas spills one form or another depending on config and arch (kernels/aot.py checks every
+config with the scale on): 1 for the fp16/bf16 64x64 w=8 tile (0 spills 8 bytes on sm_80),
+2 for float64 (0 spills on sm_80, 1 on sm_90), 0 elsewhere (1 spills fp32 128x32 on sm_90).
 
 ``genstats``: the epilogue also reduces each output tile to per-channel (mean, M2) over its
 valid rows, so the next BatchNorm's batch statistics need no pass over y (merged on the host
@@ -38,7 +47,7 @@ from ._tl import cast, mma
 # tiles (FMA / DMMA, twice the registers per accumulator).
 CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3, BSCALE_AT=1),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
 ]
 FP32_CONFIGS = [
@@ -47,8 +56,8 @@ FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
 ]
 FP64_CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=3, BSCALE_AT=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3, BSCALE_AT=2),
 ]
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
 
@@ -69,8 +78,20 @@ def bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, out_dt
 
 
 @triton.jit
+def _activation(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, bsc, op_t, acc_t,
+                SCALED: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """The A operand: the activation tile, times each row's branch scale when ``SCALED``."""
+    if SCALED:
+        a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, acc_t, False)
+        return cast(a * bsc[:, None], op_t, INTERP_BF16)
+    else:
+        return bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, op_t,
+                            INTERP_BF16)
+
+
+@triton.jit
 def bn_relu_conv2d_fwd_kernel(
-    x_ptr, w_ptr, scale_ptr, shift_ptr, bias_ptr, res_ptr, y_ptr, smean_ptr, sm2_ptr,
+    x_ptr, w_ptr, scale_ptr, shift_ptr, bias_ptr, res_ptr, bscale_ptr, y_ptr, smean_ptr, sm2_ptr,
     C, H, W, Co, Ho, Wo, M, KH, KW,
     SH, SW, PH, PW, DH, DW,
     sxn, sxc, sxh, sxw,
@@ -80,6 +101,7 @@ def bn_relu_conv2d_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GENSTATS: tl.constexpr,
     FP64: tl.constexpr, TF32: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BSCALE: tl.constexpr = False, BSCALE_AT: tl.constexpr = 0,
 ):
     # Column tiles of one row block run back to back, so its x tiles are read from DRAM once
     # and then hit L2.
@@ -99,6 +121,10 @@ def bn_relu_conv2d_fwd_kernel(
     ow = r % Wo
     x_base = n * sxn
     kk = tl.arange(0, BLOCK_K)
+    bsc = tl.zeros((BLOCK_M,), dtype=acc_t)  # unused unless the scale goes on the operand
+    if HAS_BSCALE:
+        if BSCALE_AT == 1:  # the rows' samples' branch scales, for the operand load
+            bsc = tl.load(bscale_ptr + n, mask=m_ok, other=0.0).to(acc_t)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
     for t in range(0, KH * KW):
         i = t // KW
@@ -109,15 +135,28 @@ def bn_relu_conv2d_fwd_kernel(
         row_off = x_base + ih * sxh + iw * sxw
         for c0 in range(0, C, BLOCK_K):
             c = c0 + kk
-            a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, op_t,
-                             INTERP_BF16)
+            a = _activation(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, bsc, op_t,
+                            acc_t, HAS_BSCALE and BSCALE_AT == 1, INTERP_BF16)
             w_mask = (c < C)[:, None] & co_ok[None, :]
             b = tl.load(w_ptr + co[None, :] * swo + c[:, None] * swc + i * swh + j * sww,
                         mask=w_mask, other=0.0)
             acc = mma(acc, a, b, TF32, INTERP_BF16)
     mask = m_ok[:, None] & co_ok[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + co, mask=co_ok, other=0.0).to(acc_t)[None, :]
+        bias = tl.load(bias_ptr + co, mask=co_ok, other=0.0).to(acc_t)
+        if HAS_BSCALE:
+            if BSCALE_AT == 1:
+                acc += bsc[:, None] * bias[None, :]
+            else:
+                acc += bias[None, :]
+        else:
+            acc += bias[None, :]
+    if HAS_BSCALE:
+        if BSCALE_AT == 0:
+            acc *= tl.load(bscale_ptr + n, mask=m_ok, other=0.0).to(acc_t)[:, None]
+        elif BSCALE_AT == 2:
+            acc *= tl.load(bscale_ptr + n[:, None] + 0 * co[None, :], mask=mask,
+                           other=0.0).to(acc_t)
     if HAS_RES:
         r_off = n * srn + oh * srh + ow * srw
         acc += tl.load(res_ptr + r_off[:, None] + co[None, :] * src, mask=mask,
@@ -160,12 +199,15 @@ def _dummy(t: torch.Tensor) -> torch.Tensor:
 
 
 def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding, dilation,
-                       memory_format, genstats: bool = False, config: KernelConfig | None = None):
+                       memory_format, genstats: bool = False, config: KernelConfig | None = None,
+                       branch_scale=None):
     """y (N, Co, Ho, Wo) in weight.dtype and ``memory_format``; with ``genstats`` also the
     (mean, biased var) of y per output channel in the statistics dtype of y.
 
     x: (N, C, H, W) any float dtype and strides; weight (Co, C, kh, kw); scale, shift (C,) in the
-    statistics dtype of x; bias (Co,) or None; residual (N, Co, Ho, Wo) in weight.dtype or None.
+    statistics dtype of x; bias (Co,) or None; residual (N, Co, Ho, Wo) in weight.dtype or None;
+    branch_scale (N,) contiguous in the accumulator dtype (float32, float64 for float64) or None:
+    y = residual + branch_scale[n] * (conv + bias).
     """
     n, c, h, w = x.shape
     co, _, kh, kw = weight.shape
@@ -178,10 +220,11 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
     m = n * ho * wo
     if config is None and autotune_enabled(x, weight):
         key = ("fwd", x.shape, x.stride(), weight.shape, weight.dtype, x.dtype, tuple(stride),
-               tuple(padding), tuple(dilation), bias is not None, residual is not None, genstats)
+               tuple(padding), tuple(dilation), bias is not None, residual is not None, genstats,
+               branch_scale is not None)
         config = autotuned(key, configs_for(weight.dtype), lambda cfg: bn_relu_conv2d_fwd(
             x, weight, bias, scale, shift, residual, stride, padding, dilation, memory_format,
-            genstats, cfg))
+            genstats, cfg, branch_scale))
     cfg = config or pick_config(m, co, c, weight.dtype)
     bm, bn = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"]
     grid = (cdiv(m, bm), cdiv(co, bn))
@@ -195,12 +238,13 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
     res = residual if residual is not None else _dummy(y)
     res_strides = residual.stride() if residual is not None else (0, 0, 0, 0)
     launcher(bn_relu_conv2d_fwd_kernel)[(grid[0] * grid[1],)](
-        x, weight, scale, shift, bias if bias is not None else _dummy(weight), res, y,
-        smean, sm2,
+        x, weight, scale, shift, bias if bias is not None else _dummy(weight), res,
+        branch_scale if branch_scale is not None else _dummy(scale), y, smean, sm2,
         c, h, w, co, ho, wo, m, kh, kw, sh, sw, ph, pw, dh, dw,
         *x.stride(), *weight.stride(), *y.stride(), *res_strides,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, GENSTATS=genstats,
-        FP64=fp64, TF32=allow_tf32(weight.dtype), INTERP_BF16=interp_bf16(weight.dtype),
+        HAS_BSCALE=branch_scale is not None, FP64=fp64, TF32=allow_tf32(weight.dtype),
+        INTERP_BF16=interp_bf16(weight.dtype),
         **cfg.launch_kwargs(),
     )
     if not genstats:

@@ -6,7 +6,10 @@ channels (K = kh*kw*Co). A tap contributes to an input pixel when (ih + ph - i*d
 of the stride inside the output; other rows of that tap load nothing (masked). Its epilogue
 loads the x tile, recomputes the ReLU mask from ``scale * x + shift``, and reduces per channel
 ``sum dz`` and ``sum dz * xhat`` over the tile's rows (partials per row block, summed on the
-host). What it writes is chosen by constexprs:
+host). With a branch scale (stochastic depth) the conv branch's gradient is s[n] * dy: a row is
+an input pixel of one sample, so the epilogue scales the row's accumulator (s[n] *
+conv_transpose(dy) = conv_transpose(s[n] * dy)); float64 scales dy as it loads it instead.
+What it writes is chosen by constexprs:
 
 * ``WRITE_DZ``: dz into the grad_x buffer; ``dx_kernel`` then turns it into dx in place once
   the sums are complete (training: dx depends on the batch-wide sums).
@@ -79,7 +82,7 @@ def _dx_from_dz(dz, xv, c, c_ok, scale_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr
 @triton.jit
 def dgrad_kernel(
     dy_ptr, w_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr,
-    gx_ptr, s1_ptr, s2_ptr,
+    gx_ptr, s1_ptr, s2_ptr, bscale_ptr,
     C, H, W, Co, Ho, Wo, M, KH, KW,
     SH, SW, PH, PW, DH, DW,
     PA, PB, HP, WP, ROW0,
@@ -90,6 +93,7 @@ def dgrad_kernel(
     WRITE_DZ: tl.constexpr, WRITE_DX: tl.constexpr, STATS: tl.constexpr, TRAIN: tl.constexpr,
     FP64: tl.constexpr, TF32: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BSCALE: tl.constexpr = False,
 ):
     num_n = tl.cdiv(C, BLOCK_N)  # column tiles of a row block back to back (L2 reuse of dy)
     pid_m = tl.program_id(0) // num_n
@@ -109,6 +113,9 @@ def dgrad_kernel(
     iw = PB + SW * (rem % WP)
     n64 = n
     kk = tl.arange(0, BLOCK_K)
+    if HAS_BSCALE:
+        if FP64:  # float64: applied to dy as it is loaded (see the epilogue)
+            bsc = tl.load(bscale_ptr + n64, mask=p_ok, other=0.0).to(acc_t)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
     for t in range(0, KH * KW):
         i = t // KW
@@ -128,6 +135,9 @@ def dgrad_kernel(
                 co_ok = co < Co
                 a = tl.load(dy_ptr + row_off[:, None] + co[None, :] * sdc,
                             mask=row_ok[:, None] & co_ok[None, :], other=0.0).to(op_t)
+                if HAS_BSCALE:
+                    if FP64:
+                        a = a * bsc[:, None]
                 b = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
                             mask=co_ok[:, None] & c_ok[None, :], other=0.0)
                 acc = mma(acc, a, b, TF32, INTERP_BF16)
@@ -138,6 +148,12 @@ def dgrad_kernel(
     sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
     z = xv.to(sc.dtype) * sc[None, :] + sh[None, :]
     # Gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
+    if HAS_BSCALE:
+        if not FP64:
+            # The row's sample's factor: s[n] * conv_transpose(dy), once per output value, and
+            # dy goes from memory to the MMA untouched. (float64 scales dy in the loop instead:
+            # there, ptxas allocates the epilogue form 128 registers and spills 8 bytes, sm_90.)
+            acc = acc * tl.load(bscale_ptr + n64, mask=p_ok, other=0.0).to(acc_t)[:, None]
     dz = tl.where(mask & ~(z <= 0), acc, 0.0)
     if STATS:
         mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
@@ -213,7 +229,7 @@ def pick_dx_config(x: torch.Tensor) -> KernelConfig:
 def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride, padding,
                          dilation, *, batch_stats: bool, grad_x: torch.Tensor | None,
                          want_sums: bool, sums=None, strategy: str = "store",
-                         config: KernelConfig | None = None):
+                         config: KernelConfig | None = None, branch_scale=None):
     """Data gradient of y = conv2d(relu(scale*x + shift), weight) w.r.t. x, and the sums.
 
     grad_out (N, Co, Ho, Wo); x (N, C, H, W); scale, shift, mean, invstd (C,) in the statistics
@@ -222,7 +238,8 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     (from the weight-gradient pass, see bn_relu_conv2d_wgrad): dx is written in one pass.
     Otherwise ``strategy``: "store" (dz written, one elementwise pass) or "recompute" (sums-only
     GEMM pass, then a GEMM pass that writes dx). Returns (sum dz, sum dz * xhat) per channel in
-    the statistics dtype (None when not needed).
+    the statistics dtype (None when not needed). ``branch_scale`` (N,) contiguous in the
+    accumulator dtype, or None: the conv branch's gradient is branch_scale[n] * grad_out[n].
     """
     n, c, h, w = x.shape
     co, _, kh, kw = weight.shape
@@ -231,11 +248,11 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     if config is None and autotune_enabled(x, weight):
         key = ("dgrad", x.shape, x.stride(), weight.shape, weight.dtype, x.dtype, tuple(stride),
                tuple(padding), tuple(dilation), batch_stats, grad_x is None, want_sums,
-               sums is None, strategy)
+               sums is None, strategy, branch_scale is not None)
         config = autotuned(key, configs_for(weight.dtype), lambda cfg: bn_relu_conv2d_dgrad(
             grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
             batch_stats=batch_stats, grad_x=grad_x, want_sums=want_sums, sums=sums,
-            strategy=strategy, config=cfg))
+            strategy=strategy, config=cfg, branch_scale=branch_scale))
     cfg = config or pick_config(m, c, co, weight.dtype)
     bm, col_tiles = cfg.meta["BLOCK_M"], cdiv(c, cfg.meta["BLOCK_N"])
     # One launch per stride phase (pixels with ih % sh, iw % sw fixed), see dgrad_kernel.
@@ -260,13 +277,14 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     strides = (*grad_out.stride(), *weight.stride(), *x.stride(), *g_strides)
     flags = dict(FP64=fp64, TF32=allow_tf32(weight.dtype),
                  INTERP_BF16=interp_bf16(weight.dtype, x.dtype),
-                 **cfg.launch_kwargs())
+                 HAS_BSCALE=branch_scale is not None, **cfg.launch_kwargs())
+    bscale = branch_scale if branch_scale is not None else dummy
 
     def run(m1, m2, write_dz, write_dx, stats):
         for pa, pb, hp, wp, row0 in phases:
             mp = n * hp * wp
             launcher(dgrad_kernel)[(cdiv(mp, bm) * col_tiles,)](
-                *common, m1, m2, g, s1, s2, c, h, w, co, ho, wo, mp, kh, kw, *stride,
+                *common, m1, m2, g, s1, s2, bscale, c, h, w, co, ho, wo, mp, kh, kw, *stride,
                 *padding, *dilation, pa, pb, hp, wp, row0, *strides, WRITE_DZ=write_dz,
                 WRITE_DX=write_dx, STATS=stats, TRAIN=batch_stats, **flags)
 

@@ -6,7 +6,10 @@ Implicit GEMM per tap: rows are output channels, columns input channels, the red
 over the output pixels (K = N*Ho*Wo). Small Co*C*kh*kw gives few tiles, so the reduction is
 split over ``SPLIT`` programs writing float32 (float64) partials, summed on the host. The conv
 bias gradient (sum of dy) is reduced by the programs of the first column block and tap, from
-the dy tiles they load anyway.
+the dy tiles they load anyway. With a branch scale (stochastic depth) every result is linear in
+s[n] * dy per pixel, so the factor goes on the x-side operand, which is computed in registers
+anyway (the activation, or the SUMS variant's mask and mask * xhat), and on the bias sum; dy
+tiles still go from memory to the MMA untouched.
 
 ``SUMS`` variant. With m = [scale*x + shift > 0] and xhat = (x - mean) * invstd, the activation
 is a = m * (gamma * xhat + beta), so two correlations of dy,
@@ -73,7 +76,7 @@ INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps
 @triton.jit
 def wgrad_kernel(
     dy_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, w_ptr, gamma_ptr, beta_ptr,
-    dw_ptr, s1_ptr, s2_ptr, db_ptr,
+    dw_ptr, s1_ptr, s2_ptr, db_ptr, bscale_ptr,
     C, H, W, Co, Ho, Wo, M, KH, KW,
     SH, SW, PH, PW, DH, DW,
     sdn, sdc, sdh, sdw,
@@ -84,6 +87,7 @@ def wgrad_kernel(
     SUMS: tl.constexpr, HAS_DB: tl.constexpr, FP64: tl.constexpr, TF32: tl.constexpr,
     INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BSCALE: tl.constexpr = False,
 ):
     """dW partials (SPLIT, Co, C, KH, KW); with SUMS also the BN sums' partials
     (SPLIT, Co blocks, KH*KW, C): sum over the block's co of W * G1 and W * G2."""
@@ -121,9 +125,14 @@ def wgrad_kernel(
         dy_off = n * sdn + oh * sdh + ow * sdw
         g = tl.load(dy_ptr + co[:, None] * sdc + dy_off[None, :],
                     mask=co_ok[:, None] & o_ok[None, :], other=0.0)
+        if HAS_BSCALE:
+            bsc = tl.load(bscale_ptr + n, mask=o_ok, other=0.0).to(acc_t)
         if HAS_DB:
             if pid_nt == 0:
-                db += tl.sum(g.to(acc_t), axis=1)
+                if HAS_BSCALE:
+                    db += tl.sum(g.to(acc_t) * bsc[None, :], axis=1)
+                else:
+                    db += tl.sum(g.to(acc_t), axis=1)
         ih = oh * SH - PH + i * DH
         iw = ow * SW - PW + j * DW
         row_ok = o_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
@@ -134,13 +143,22 @@ def wgrad_kernel(
             xs = xv.to(sc.dtype)
             on = mask & ~(xs * sc[None, :] + sh[None, :] <= 0)  # NaN passes, as in torch
             xhat = (xs - mu[None, :]) * inv[None, :]
-            b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
-            b2 = cast(tl.where(on, xhat, 0.0), g.dtype, INTERP_BF16)
+            if HAS_BSCALE:  # the pixel's factor on the operand computed in registers anyway
+                b1 = cast(tl.where(on, bsc[:, None], 0.0), g.dtype, INTERP_BF16)
+                b2 = cast(tl.where(on, xhat * bsc[:, None], 0.0), g.dtype, INTERP_BF16)
+            else:
+                b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
+                b2 = cast(tl.where(on, xhat, 0.0), g.dtype, INTERP_BF16)
             acc1 = mma(acc1, g, b1, TF32, INTERP_BF16)
             acc2 = mma(acc2, g, b2, TF32, INTERP_BF16)
         else:
-            a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, g.dtype,
-                             INTERP_BF16)
+            if HAS_BSCALE:
+                a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, acc_t,
+                                 False)
+                a = cast(a * bsc[:, None], g.dtype, INTERP_BF16)
+            else:
+                a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, g.dtype,
+                                 INTERP_BF16)
             acc1 = mma(acc1, g, a, TF32, INTERP_BF16)
     # dW: float32 partials (split, Co, C, KH, KW), or the weight gradient itself when SPLIT is 1.
     off = split * sgs + co[:, None] * sgo + c[None, :] * sgc + i * sgh + j * sgw
@@ -211,7 +229,8 @@ def _normalise_split(split: int, k_iters: int) -> tuple[int, int]:
 def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dilation, *,
                          want_weight: bool = True, want_bias: bool,
                          bn_affine=None, mean=None, invstd=None, out=None,
-                         config: KernelConfig | None = None, split: int | None = None):
+                         config: KernelConfig | None = None, split: int | None = None,
+                         branch_scale=None):
     """Weight and bias gradients; with ``bn_affine`` also the BatchNorm backward sums.
 
     grad_out (N, Co, Ho, Wo) in the weight dtype; x (N, C, H, W); scale, shift (C,) in the
@@ -220,6 +239,8 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     contiguous or None, grad_bias (Co,) or None, sums) in the accumulation dtype (float32,
     float64 for float64), ``sums = (sum dz, sum dz * xhat)`` per input channel or None. With
     ``out`` (like weight) the weight gradient is written there (directly when unsplit).
+    ``branch_scale`` (N,) contiguous in the accumulation dtype, or None: every result sees
+    branch_scale[n] * grad_out[n].
     """
     n, c, h, w = x.shape
     co, _, kh, kw = weight.shape
@@ -228,12 +249,13 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     if config is None and autotune_enabled(x, weight):
         key = ("wgrad", x.shape, x.stride(), weight.shape, grad_out.dtype, x.dtype,
                tuple(stride), tuple(padding), tuple(dilation), want_bias, bn_affine is None,
-               split)
+               split, branch_scale is not None)
         config = autotuned(key, configs_for(grad_out.dtype, bn_affine is not None),
                            lambda cfg: bn_relu_conv2d_wgrad(
                                grad_out, x, weight, scale, shift, stride, padding, dilation,
                                want_weight=want_weight, want_bias=want_bias, bn_affine=bn_affine,
-                               mean=mean, invstd=invstd, out=out, config=cfg, split=split))
+                               mean=mean, invstd=invstd, out=out, config=cfg, split=split,
+                               branch_scale=branch_scale))
     cfg = config or pick_config(co, c, grad_out.dtype, sums=bn_affine is not None)
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
     if split is None:
@@ -255,9 +277,11 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     launcher(wgrad_kernel)[grid](
         grad_out, x, scale, shift, mean if sums else scale, invstd if sums else scale,
         weight, gamma, beta, dw, s1, s2, db,
+        branch_scale if branch_scale is not None else scale,
         c, h, w, co, ho, wo, m, kh, kw, *stride, *padding, *dilation,
         *grad_out.stride(), *x.stride(), *weight.stride(), *dw_strides, ips,
-        SUMS=sums, HAS_DB=want_bias, FP64=fp64, TF32=allow_tf32(grad_out.dtype),
+        SUMS=sums, HAS_DB=want_bias, HAS_BSCALE=branch_scale is not None, FP64=fp64,
+        TF32=allow_tf32(grad_out.dtype),
         INTERP_BF16=interp_bf16(grad_out.dtype), **cfg.launch_kwargs(),
     )
     grad_b = db.sum(0) if want_bias else None

@@ -42,6 +42,34 @@ def test_fused_unit_saves_only_its_input_at_activation_size(backend):
     assert len(big_plain) >= 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_branch_scale_is_saved_as_one_small_vector(backend, dtype):
+    """A unit with a branch scale (stochastic depth) saves what the unit without one saves plus
+    the (N,) scale in the statistics dtype, N * 4 bytes here: no activation-sized tensor."""
+    n, c, co = 4, 8, 8
+    x = torch.randn(n, c, 10, 10, dtype=dtype, requires_grad=True)
+    w = (torch.randn(co, c, 3, 3) * 0.1).to(dtype).requires_grad_()
+    gamma, beta = torch.rand(c, dtype=dtype) + 0.5, torch.randn(c, dtype=dtype)
+    res = torch.randn(n, co, 10, 10, dtype=dtype)
+
+    def unit(x, s):
+        return fusedres.functional.bn_relu_conv2d(x, w, None, gamma, beta, None, None,
+                                                  training=True, padding=1, residual=res,
+                                                  branch_scale=s)
+
+    plain = saved_tensors(lambda t: unit(t, None), x)
+    scale = torch.tensor([0.0, 1.25, 1.25, 0.0], dtype=dtype)
+    scaled = saved_tensors(lambda t: unit(t, scale), x)
+    extra = [t for t in scaled if t not in plain]
+    assert extra == [fusedres.memory.SavedTensor((n,), torch.float32, n * 4)]
+    assert saved_bytes(lambda t: unit(t, scale), x) == saved_bytes(
+        lambda t: unit(t, None), x) + n * 4
+    # x is the only saved tensor of activation size, with or without the scale.
+    big = [t for t in scaled if t.storage_bytes >= x.numel() * x.element_size()]
+    assert big == [fusedres.memory.SavedTensor(tuple(x.shape), dtype,
+                                               x.numel() * x.element_size())]
+
+
 def test_saved_bytes_exact_for_known_graph():
     x = torch.randn(3, 5, requires_grad=True)
     # x * x saves x twice (one storage); exp saves its result (3*5*4 bytes).

@@ -32,6 +32,11 @@ def test_opcheck(backend, case, channels_last):
                 *args[5:7], *args[8:12], mask)
     torch.library.opcheck(torch.ops.fusedres.bn_relu_conv2d_backward, bwd_args)
     torch.library.opcheck(torch.ops.fusedres.bn_relu_conv2d_genstats, args)
+    if case is CASES[0]:  # with a branch scale (stochastic depth), one sample dropped
+        s = torch.tensor([0.0, 1.25][:case.n] + [0.8] * (case.n - 2))
+        torch.library.opcheck(torch.ops.fusedres.bn_relu_conv2d, (*args, s))
+        torch.library.opcheck(torch.ops.fusedres.bn_relu_conv2d_genstats, (*args, s))
+        torch.library.opcheck(torch.ops.fusedres.bn_relu_conv2d_backward, (*bwd_args, s))
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])

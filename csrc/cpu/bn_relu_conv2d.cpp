@@ -12,6 +12,13 @@
 // gradient, summed in float32), and fuses the recomputed ReLU mask with both BatchNorm
 // reductions into one pass over the tile's data gradient; a second pass applies the BatchNorm
 // data gradient once the batch-wide sums are known (none in eval mode).
+//
+// Branch scale (stochastic depth, y = residual + s[n] * conv): forward, each output tile is
+// scaled while it is in cache, in the residual add when there is one (addcmul: one pass over
+// the tile); backward, each grad_out tile is scaled once as it is staged for the convolution
+// (into the tile buffer the layout change uses), so the data gradient, the weight and bias
+// gradients and the BatchNorm sums all see s[n] * dy. No pass over a whole tensor, nothing
+// saved beyond the (N,) vector.
 #include <torch/library.h>
 
 #include <cstdlib>
@@ -158,6 +165,30 @@ Affine affine(const std::optional<at::Tensor>& bn_weight, const std::optional<at
   return {rows[0], rows[1], rows[2], rows[3]};
 }
 
+// The branch scale as an (N, 1, 1, 1) tensor in the conv's accumulator dtype (float32 for half
+// weights; undefined without one): multiplied into tiles of y and grad_out in that dtype and
+// rounded once, as the cuda and triton epilogues do.
+at::Tensor branch_factor(const std::optional<at::Tensor>& branch_scale, const at::Tensor& x,
+                         const at::Tensor& weight) {
+  if (!branch_scale.has_value()) return {};
+  const at::Tensor& s = *branch_scale;
+  TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0) && s.device().is_cpu() &&
+                  at::isFloatingType(s.scalar_type()),
+              "fusedres_cpu: branch_scale must be a floating (N,) CPU tensor with N = ",
+              x.size(0), ", got ", s.sizes(), " ", s.scalar_type());
+  return s.to(at::toOpMathType(weight.scalar_type())).contiguous().view({-1, 1, 1, 1});
+}
+
+// A forward tile's epilogue with a branch scale, in place while the tile is in cache:
+// ys = rs + s * ys (ys holds conv + bias; rs undefined: no residual).
+void scale_tile(at::Tensor& ys, const at::Tensor& s, const at::Tensor& rs) {
+  if (rs.defined()) {
+    at::addcmul_out(ys, rs, ys, s);
+  } else {
+    ys.mul_(s);
+  }
+}
+
 // ----------------------------------------------------------------------------- ops
 
 std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
@@ -172,8 +203,10 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
                           const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
                           c10::SymIntArrayRef stride_, c10::SymIntArrayRef padding_,
-                          c10::SymIntArrayRef dilation_, bool /*batch_stats*/) {
+                          c10::SymIntArrayRef dilation_, bool /*batch_stats*/,
+                          const std::optional<at::Tensor>& branch_scale) {
   check_inputs(x_in, weight, mean, invstd);
+  const at::Tensor bs = branch_factor(branch_scale, x_in, weight);
   const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
   const Layout layout = layout_of(x_in);
   const at::MemoryFormat fmt = memory_format(layout);
@@ -202,7 +235,12 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
       at::Tensor y3 = ys.view({len, Co, H * W});
       at::bmm_out(y3, w.view({1, Co, C}).expand({len, Co, C}), a.view({len, C, H * W}));
       if (bias.has_value()) ys.add_(bias->view({1, Co, 1, 1}));
-      if (residual.has_value()) ys.add_(residual->narrow(0, n0, len));
+      if (bs.defined()) {
+        scale_tile(ys, bs.narrow(0, n0, len),
+                   residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor());
+      } else if (residual.has_value()) {
+        ys.add_(residual->narrow(0, n0, len));
+      }
       continue;
     }
     if (gemm == Gemm1x1::Whole) {
@@ -212,6 +250,12 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
       const at::Tensor a2 = a.permute({0, 2, 3, 1}).view({len * H * W, C});
       const at::Tensor wt = w.view({Co, C}).t();
       at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
+      if (bs.defined()) {  // y = rs + s * (a @ W^T + bias): the GEMM, then the tile's epilogue
+        at::mm_out(y2, a2, wt);
+        if (bias.has_value()) y2.add_(*bias);
+        scale_tile(ys, bs.narrow(0, n0, len), rs);
+        continue;
+      }
       if (rs.defined() && rs.scalar_type() == y.scalar_type() && dense_in(rs, Layout::NHWC)) {
         at::addmm_out(y2, rs.permute({0, 2, 3, 1}).view({len * H * W, Co}), a2, wt);
         rs = at::Tensor();
@@ -223,6 +267,7 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
       continue;
     }
     at::Tensor yt = at::convolution(a, w, bias, stride, padding, dilation, false, {0, 0}, 1);
+    if (bs.defined()) yt.mul_(bs.narrow(0, n0, len));  // the tile in cache, before its residual
     if (nb >= N && yt.strides() == y.strides()) {  // one tile, already in y's layout
       if (residual.has_value()) yt.add_(*residual);
       return yt;
@@ -251,9 +296,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
     c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
-    bool stats_of_batch) {
+    bool stats_of_batch, const std::optional<at::Tensor>& branch_scale) {
   at::Tensor y = bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
-                                stride, padding, dilation, stats_of_batch);
+                                stride, padding, dilation, stats_of_batch, branch_scale);
   auto [y_mean, y_var] = batch_stats(y);
   return {std::move(y), std::move(y_mean), std::move(y_var)};
 }
@@ -263,8 +308,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride_,
     c10::SymIntArrayRef padding_, c10::SymIntArrayRef dilation_, bool batch_stats,
-    std::array<bool, 5> output_mask) {
+    std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale) {
   check_inputs(x_in, weight, mean, invstd);
+  const at::Tensor bs = branch_factor(branch_scale, x_in, weight);
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
   const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
   const int64_t Co = weight.size(0), C = x_in.size(1);
@@ -317,21 +363,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   at::Tensor go_buf, da_buf;
   const bool da_as_is = a_layout == Layout::NHWC && layout == Layout::NCHW &&
                         x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat;
-  if (a_layout != layout) {
+  if (a_layout != layout || bs.defined()) {  // layout changes; the scaled grad_out tiles
     go_buf = at::empty({nb, go.size(1), go.size(2), go.size(3)}, go.options().memory_format(a_fmt));
   }
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     const at::Tensor xt = x.narrow(0, n0, len);
-    if (want_b) gb_acc.add_(go.narrow(0, n0, len).sum({0, 2, 3}, false, wacc));
     at::Tensor got = go.narrow(0, n0, len);
     if (a_layout != layout && dense_in(got, layout)) {
       at::Tensor t = go_buf.narrow(0, 0, len);
       transpose_layout_kernel(got, t, layout);
+      if (bs.defined()) t.mul_(bs.narrow(0, n0, len));  // in cache, just transposed
+      got = t;
+    } else if (bs.defined()) {
+      // The conv branch's gradient s[n] * dy, staged once per tile for every use below.
+      at::Tensor t = go_buf.narrow(0, 0, len);
+      at::mul_out(t, got, bs.narrow(0, n0, len));
       got = t;
     } else {
       got = got.contiguous(a_fmt);
     }
+    if (want_b) gb_acc.add_(got.sum({0, 2, 3}, false, wacc));
     at::Tensor a = a_buf.narrow(0, 0, len);
     bn_relu_kernel(xt, bn.scale, bn.shift, a, layout, a_layout);
     at::Tensor da, dw;

@@ -8,8 +8,9 @@
 // and the ReLU are applied on the way, a tap outside the image stages 0 (zero padding of a,
 // never of x), and a is rounded to the weight dtype, as the unfused sequence does. float32 and
 // float64 accumulate on FMA micro-tiles (no TF32), float16 and bfloat16 on tensor cores (WMMA
-// m16n16k16, float32 accumulators). The epilogue adds bias and residual in the accumulator
-// dtype, stores y once, and with genstats reduces each tile column to (mean, M2) of the stored
+// m16n16k16, float32 accumulators). The epilogue adds bias, multiplies by the sample's branch
+// scale (stochastic depth; y = residual + s[n] * (conv + bias)) and adds the residual in the
+// accumulator dtype, stores y once, and with genstats reduces each tile column to (mean, M2) of the stored
 // (rounded) y over the tile's rows; the host merges the tiles with Chan's formula in float64.
 #include <torch/library.h>
 
@@ -24,7 +25,8 @@ __global__ void __launch_bounds__(T::THREADS)
     bn_relu_conv2d_fwd_kernel(const X* __restrict__ x, const W* __restrict__ w,
                               const acc_t<X>* __restrict__ scale,
                               const acc_t<X>* __restrict__ shift, const W* __restrict__ bias,
-                              const W* __restrict__ res, W* __restrict__ y,
+                              const W* __restrict__ res,
+                              const acc_t<W>* __restrict__ branch_scale, W* __restrict__ y,
                               acc_t<W>* __restrict__ part_mean, acc_t<W>* __restrict__ part_m2,
                               Dims4 xd, Dims4 wd, Dims4 yd, Dims4 rd, ConvGeom g, int64_t M) {
   using A = acc_t<X>;  // BatchNorm arithmetic
@@ -104,6 +106,7 @@ __global__ void __launch_bounds__(T::THREADS)
     if (row_n[m] >= 0 && co < Co) {
       C v = Cs[m][n];
       if (bias != nullptr) v += static_cast<C>(bias[co]);
+      if (branch_scale != nullptr) v *= branch_scale[row_n[m]];
       if (res != nullptr) v += static_cast<C>(res[rd.offset(row_n[m], co, row_oh[m], row_ow[m])]);
       const W out = static_cast<W>(v);
       y[yd.offset(row_n[m], co, row_oh[m], row_ow[m])] = out;
@@ -135,7 +138,8 @@ __global__ void __launch_bounds__(T::THREADS)
 
 template <typename X, typename W>
 void launch_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
-                    const Affine& bn, const at::Tensor* residual, at::Tensor& y,
+                    const Affine& bn, const at::Tensor* residual, const at::Tensor* bscale,
+                    at::Tensor& y,
                     at::Tensor* part_mean, at::Tensor* part_m2, const ConvGeom& g, int64_t M) {
   using T = typename TilesFor<W>::Fwd;
   using A = acc_t<X>;
@@ -147,7 +151,8 @@ void launch_forward(const at::Tensor& x, const at::Tensor& weight, const at::Ten
                   bn_relu_conv2d_fwd_kernel<X, W, T>)(
       x.const_data_ptr<X>(), weight.const_data_ptr<W>(), bn.scale.const_data_ptr<A>(),
       bn.shift.const_data_ptr<A>(), bias != nullptr ? bias->const_data_ptr<W>() : nullptr,
-      residual != nullptr ? residual->const_data_ptr<W>() : nullptr, y.data_ptr<W>(),
+      residual != nullptr ? residual->const_data_ptr<W>() : nullptr,
+      bscale != nullptr ? bscale->const_data_ptr<C>() : nullptr, y.data_ptr<W>(),
       part_mean != nullptr ? part_mean->data_ptr<C>() : nullptr,
       part_m2 != nullptr ? part_m2->data_ptr<C>() : nullptr, dims_of(x), dims_of(weight),
       dims_of(y), rd, g, M);
@@ -169,7 +174,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
     c10::SymIntArrayRef stride_, c10::SymIntArrayRef padding_, c10::SymIntArrayRef dilation_,
-    bool genstats) {
+    bool genstats, const std::optional<at::Tensor>& branch_scale) {
   const char* op = genstats ? "fusedres_cuda.bn_relu_conv2d_genstats" : "fusedres_cuda.bn_relu_conv2d";
   check_unit_inputs(op, x, weight, mean, invstd);
   const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
@@ -190,6 +195,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
                 weight.scalar_type(), ", got ", residual->sizes(), " ", residual->scalar_type());
   }
   const DeviceGuard guard(x.device());
+  // The branch scale in the accumulator dtype, one factor per sample.
+  const at::Tensor bscale = branch_scale_acc(op, branch_scale, x, weight);
   at::Tensor y = at::empty({N, Co, Ho, Wo},
                            weight.options().memory_format(out_memory_format(x, weight)));
   const auto sdt = weight.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -197,6 +204,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     // Nothing to reduce: y is bias (+ residual); its statistics come from the portable rule.
     y.zero_();
     if (bias.has_value()) y.add_(bias->view({1, Co, 1, 1}));
+    if (bscale.defined()) y.mul_(bscale.view({-1, 1, 1, 1}));
     if (residual.has_value()) y.add_(*residual);
     at::Tensor ys = y.to(sdt);
     return {y, ys.mean({0, 2, 3}), ys.var({0, 2, 3}, /*unbiased=*/false)};
@@ -220,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
     using X = decltype(xt);
     using W = decltype(wt);
-    launch_forward<X, W>(x, weight, b, bn, r, y, genstats ? &part_mean : nullptr,
+    launch_forward<X, W>(x, weight, b, bn, r, bscale.defined() ? &bscale : nullptr, y, genstats ? &part_mean : nullptr,
                          genstats ? &part_m2 : nullptr, g, M);
   });
   if (!genstats) return {y, at::Tensor(), at::Tensor()};
@@ -241,9 +249,10 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
                           const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
                           c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
-                          c10::SymIntArrayRef dilation, bool /*batch_stats*/) {
+                          c10::SymIntArrayRef dilation, bool /*batch_stats*/,
+                          const std::optional<at::Tensor>& branch_scale) {
   return std::get<0>(forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                             padding, dilation, false));
+                             padding, dilation, false, branch_scale));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
@@ -251,9 +260,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
     c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
-    bool /*batch_stats*/) {
+    bool /*batch_stats*/, const std::optional<at::Tensor>& branch_scale) {
   return forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding,
-                 dilation, true);
+                 dilation, true, branch_scale);
 }
 
 }  // namespace fusedres::FUSEDRES_CUDA_NS

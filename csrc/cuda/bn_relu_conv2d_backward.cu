@@ -16,6 +16,12 @@
 //   blockIdx.z (split-K, partials summed on the host) when it is long against the tile count;
 //   the first column block of the first tap also sums dy for the bias gradient.
 // * dx: elementwise, in place over dz: dx = scale * (dz - sum_dz / M - xhat * sum_dzxhat / M).
+//
+// Branch scale (stochastic depth, y = residual + s[n] * conv): the conv branch's gradient is
+// s[n] * dy. dgrad's rows are input pixels of one sample, so it scales its accumulator row in
+// the epilogue (s[n] * conv_transpose(dy) = conv_transpose(s[n] * dy)); wgrad reduces over the
+// pixels of all samples, so it scales each dy value as it stages it (with the sample's factor
+// kept per staged pixel in shared memory), and its bias sum sees the scaled values.
 #include <torch/library.h>
 
 #include <cstdlib>
@@ -38,7 +44,8 @@ __global__ void __launch_bounds__(T::THREADS)
                  X* __restrict__ gx, acc_t<X>* __restrict__ dz_out,
                  acc_t<X>* __restrict__ part_dz, acc_t<X>* __restrict__ part_dzx,
                  const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
-                 Dims4 dyd, Dims4 wd, Dims4 xd, Dims4 gd, ConvGeom g, int write) {
+                 const acc_t<X>* __restrict__ branch_scale, Dims4 dyd, Dims4 wd, Dims4 xd,
+                 Dims4 gd, ConvGeom g, int write) {
   using A = acc_t<X>;
   static_assert(std::is_same_v<A, acc_t<W>>, "x and weight must share an accumulator type");
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
@@ -126,8 +133,10 @@ __global__ void __launch_bounds__(T::THREADS)
     A dz = A(0), dzx = A(0);
     if (row_n[m] >= 0 && c < Cin) {
       const A xv = static_cast<A>(x[xd.offset(row_n[m], c, row_ih[m], row_iw[m])]);
+      // da of the row's sample: s[n] * conv_transpose(dy) with a branch scale.
+      const A da = branch_scale != nullptr ? Cs[m][n] * branch_scale[row_n[m]] : Cs[m][n];
       // The gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
-      dz = xv * scale[c] + shift[c] <= A(0) ? A(0) : Cs[m][n];
+      dz = xv * scale[c] + shift[c] <= A(0) ? A(0) : da;
       const A xhat = (xv - mean[c]) * invstd[c];
       dzx = dz * xhat;
       const int64_t go = gd.offset(row_n[m], c, row_ih[m], row_iw[m]);
@@ -178,8 +187,9 @@ __global__ void __launch_bounds__(T::THREADS)
     wgrad_kernel(const W* __restrict__ dy, const X* __restrict__ x,
                  const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
                  W* __restrict__ gw, acc_t<W>* __restrict__ part_dw,
-                 acc_t<W>* __restrict__ part_db, BnSums<acc_t<X>> bs, Dims4 dyd, Dims4 xd,
-                 Dims4 gwd, Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
+                 acc_t<W>* __restrict__ part_db, BnSums<acc_t<X>> bs,
+                 const acc_t<W>* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gwd,
+                 Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
   using A = acc_t<X>;
   using C = acc_t<W>;
   static_assert(std::is_same_v<A, C>, "x and weight must share an accumulator type");
@@ -191,6 +201,7 @@ __global__ void __launch_bounds__(T::THREADS)
   __shared__ __align__(32) C Cs[BM][BN + T::CPAD];
   __shared__ int64_t pix_dy[BK];  // offset of dy[n, 0, oh, ow], -1 past the pixels
   __shared__ int64_t pix_x[BK];   // offset of x[n, 0, ih, iw] at this tap, -1 outside the image
+  __shared__ C pix_s[BK];         // the pixel's branch scale (with one)
 
   const int tid = threadIdx.x;
   const int taps = g.kh * g.kw;
@@ -212,22 +223,28 @@ __global__ void __launch_bounds__(T::THREADS)
   for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
     for (int k = tid; k < BK; k += THREADS) {
       int64_t ody = -1, ox = -1;
+      C sn = C(0);
       if (k0 + k < k_end) {
         const Pixel p = pixel_of(k0 + k, dyd.h, dyd.w);
         ody = dyd.offset(p.n, 0, p.h, p.w);
+        if (branch_scale != nullptr) sn = branch_scale[p.n];
         const int64_t ih = int64_t(p.h) * g.sh - g.ph + int64_t(i) * g.dh;
         const int64_t iw = int64_t(p.w) * g.sw - g.pw + int64_t(j) * g.dw;
         if (ih >= 0 && ih < xd.h && iw >= 0 && iw < xd.w) ox = xd.offset(p.n, 0, ih, iw);
       }
       pix_dy[k] = ody;
       pix_x[k] = ox;
+      pix_s[k] = sn;
     }
     __syncthreads();
     for (int e = tid; e < BM * BK; e += THREADS) {
       const int m = dy_channels_fast ? e % BM : e / BK;
       const int k = dy_channels_fast ? e / BM : e % BK;
       const int64_t co = co0 + m;
-      As[k][m] = (pix_dy[k] >= 0 && co < Co) ? dy[pix_dy[k] + co * dyd.sc] : static_cast<W>(0.0f);
+      W v = (pix_dy[k] >= 0 && co < Co) ? dy[pix_dy[k] + co * dyd.sc] : static_cast<W>(0.0f);
+      // The conv branch's gradient s[n] * dy, rounded to W as the unfused product would be.
+      if (branch_scale != nullptr) v = static_cast<W>(static_cast<C>(v) * pix_s[k]);
+      As[k][m] = v;
     }
     for (int e = tid; e < BN * BK; e += THREADS) {
       const int n = x_channels_fast ? e % BN : e / BK;
@@ -389,7 +406,7 @@ struct SumsArgs {
 
 template <typename X, typename W>
 void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, at::Tensor& gw,
-                  at::Tensor* gb, SumsArgs* sums, const ConvGeom& g) {
+                  at::Tensor* gb, SumsArgs* sums, const at::Tensor* bscale, const ConvGeom& g) {
   using T = typename TilesFor<W>::Fwd;
   using A = acc_t<X>;
   using C = acc_t<W>;
@@ -423,14 +440,15 @@ void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, a
   C* pdw = part_dw.defined() ? part_dw.data_ptr<C>() : nullptr;
   C* pdb = gb != nullptr ? part_db.data_ptr<C>() : nullptr;
   const Dims4 wd = sums != nullptr ? dims_of(sums->weight) : Dims4{};
+  const C* bsp = bscale != nullptr ? bscale->const_data_ptr<C>() : nullptr;
   if (sums != nullptr) {
     FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), wgrad_kernel<X, W, T, true>)(
-        gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, dims_of(go), dims_of(x), dims_of(gw),
-        wd, g, steps);
+        gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, bsp, dims_of(go), dims_of(x),
+        dims_of(gw), wd, g, steps);
   } else {
     FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), wgrad_kernel<X, W, T, false>)(
-        gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, dims_of(go), dims_of(x), dims_of(gw),
-        wd, g, steps);
+        gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, bsp, dims_of(go), dims_of(x),
+        dims_of(gw), wd, g, steps);
   }
   FUSEDRES_CHECK_LAUNCH();
   if (part_dw.defined()) {
@@ -448,8 +466,8 @@ template <typename X, typename W>
 void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight,
                   const Affine& bn, const at::Tensor& mean, const at::Tensor& invstd,
                   at::Tensor* gx, at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
-                  const at::Tensor* m1, const at::Tensor* m2, int write, const ConvGeom& g,
-                  int64_t phases, int64_t row_tiles) {
+                  const at::Tensor* m1, const at::Tensor* m2, const at::Tensor* bscale,
+                  int write, const ConvGeom& g, int64_t phases, int64_t row_tiles) {
   using T = typename TilesFor<W>::Fwd;
   using A = acc_t<X>;
   const dim3 grid(static_cast<unsigned>(row_tiles),
@@ -463,7 +481,8 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
       part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
       part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
       m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
-      m2 != nullptr ? m2->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(weight),
+      m2 != nullptr ? m2->const_data_ptr<A>() : nullptr,
+      bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(weight),
       dims_of(x), dims_of(out), g, write);
   FUSEDRES_CHECK_LAUNCH();
 }
@@ -514,7 +533,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean_in, const at::Tensor& invstd_in, c10::SymIntArrayRef stride_,
     c10::SymIntArrayRef padding_, c10::SymIntArrayRef dilation_, bool batch_stats,
-    std::array<bool, 5> output_mask) {
+    std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale) {
   const char* op = "fusedres_cuda.bn_relu_conv2d_backward";
   check_unit_inputs(op, x, weight, mean_in, invstd_in);
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
@@ -527,6 +546,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
               ": grad_out must be (", N, ", ", Co, ", ", Ho, ", ", Wo, "), got ",
               grad_out.sizes());
   const DeviceGuard guard(x.device());
+  const at::Tensor bscale = branch_scale_acc(op, branch_scale, x, weight);
+  const at::Tensor* bsp = bscale.defined() ? &bscale : nullptr;
   // Outputs with the metadata of ops.backward_empty_outputs.
   at::Tensor gx = want_x ? at::empty_like(x) : x.new_empty({0});
   at::Tensor gw = want_w ? at::empty_like(weight) : weight.new_empty({0});
@@ -558,7 +579,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
       launch_dgrad<decltype(xt), decltype(wt)>(go, x, weight, bn, mean, invstd,
                                                want_x ? &gx : nullptr, dz, part_dz, part_dzx,
-                                               m1, m2, write, g, phases, row_tiles);
+                                               m1, m2, bsp, write, g, phases, row_tiles);
     });
   };
 
@@ -568,7 +589,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
                   bn_bias.has_value() ? bn_bias->contiguous() : at::zeros_like(mean), mean,
                   invstd, weight, {}, {}};
     dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
-      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, &sums, g);
+      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, &sums, bsp,
+                                               g);
     });
     if (want_g) gg.copy_(sums.sum_dzx);
     if (want_beta) gbeta.copy_(sums.sum_dz);
@@ -586,11 +608,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   if (want_w) {
     dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
       launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, nullptr,
-                                               g);
+                                               bsp, g);
     });
   } else if (want_b) {
-    gb.copy_(go.sum({0, 2, 3}, false, weight.scalar_type() == at::kDouble ? at::kDouble
-                                                                          : at::kFloat));
+    const auto acc = weight.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    if (bsp != nullptr) {  // sum over n of s[n] * (dy[n] summed over the pixels)
+      gb.copy_((go.sum({2, 3}, false, acc) * bscale.view({-1, 1})).sum(0));
+    } else {
+      gb.copy_(go.sum({0, 2, 3}, false, acc));
+    }
   }
   if (!need_da) return {gx, gw, gb, gg, gbeta};
   at::Tensor part_dz, part_dzx;

@@ -290,4 +290,19 @@ inline void check_unit_inputs(const char* op, const at::Tensor& x, const at::Ten
               mean.scalar_type(), " and ", invstd.scalar_type());
 }
 
+// The branch scale (stochastic depth's per-sample factor) as a contiguous (N,) tensor in the
+// accumulator dtype of the weight (float64 for float64, else float32); undefined without one.
+inline at::Tensor branch_scale_acc(const char* op, const std::optional<at::Tensor>& branch_scale,
+                                   const at::Tensor& x, const at::Tensor& weight) {
+  if (!branch_scale.has_value()) return {};
+  const at::Tensor& s = *branch_scale;
+  TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0) && at::isFloatingType(s.scalar_type()), op,
+              ": branch_scale must be a floating (N,) tensor with N = ", x.size(0), ", got ",
+              s.sizes(), " ", s.scalar_type());
+  TORCH_CHECK(s.device() == x.device(), op, ": branch_scale must be on the device of x (",
+              x.device(), "), got ", s.device());
+  const auto acc = weight.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return s.to(acc).contiguous();
+}
+
 }  // namespace fusedres::FUSEDRES_CUDA_NS

@@ -16,7 +16,9 @@ namespace fusedres::FUSEDRES_CUDA_NS {
 std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x);
 
 // bn_relu_conv2d.cu: the fused unit's forward, y = conv2d(relu(scale * x + shift), weight) +
-// bias + residual (scale, shift from bn_weight, bn_bias, mean, invstd); genstats also returns
+// bias + residual (scale, shift from bn_weight, bn_bias, mean, invstd); with branch_scale (N,),
+// y = residual + branch_scale[n] * (conv + bias) (stochastic depth), and the backward's conv
+// branch sees branch_scale[n] * grad_out[n]; genstats also returns
 // y's per-channel (mean, biased var) in the statistics dtype. batch_stats (whether mean and
 // invstd are this batch's) is in the schema for the backward's sake; the forward ignores it.
 // Every signature here is the schema of fusedres/opdefs.py (SCHEMAS): the dispatcher rejects a
@@ -27,13 +29,14 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
                           const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
                           c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
-                          c10::SymIntArrayRef dilation, bool batch_stats);
+                          c10::SymIntArrayRef dilation, bool batch_stats,
+                          const std::optional<at::Tensor>& branch_scale);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
     c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
-    bool batch_stats);
+    bool batch_stats, const std::optional<at::Tensor>& branch_scale);
 
 // bn_relu_conv2d_backward.cu: (grad_x, grad_weight, grad_bias, grad_bn_weight, grad_bn_bias);
 // an output whose output_mask entry is false is empty. FUSEDRES_CUDA_BACKWARD: sums | store.
@@ -42,6 +45,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
     c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
-    std::array<bool, 5> output_mask);
+    std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale);
 
 }  // namespace fusedres::FUSEDRES_CUDA_NS

@@ -38,6 +38,11 @@ def _preactivation(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     return torch.addcmul(shift.view(1, c, 1, 1), x.to(scale.dtype), scale.view(1, c, 1, 1))
 
 
+def _per_sample(branch_scale: Tensor) -> Tensor:
+    """The (N,) branch scale as an (N, 1, 1, 1) factor."""
+    return branch_scale.view(-1, 1, 1, 1)
+
+
 def bn_relu_conv2d(*inputs) -> Tensor:
     u = UnitArgs(*inputs)
     scale, shift = scale_shift(u)
@@ -45,6 +50,8 @@ def bn_relu_conv2d(*inputs) -> Tensor:
     y = F.conv2d(a, u.weight, u.bias, list(u.stride), list(u.padding), list(u.dilation))
     del a
     y = y.contiguous(memory_format=out_memory_format(u.x, u.weight))
+    if u.branch_scale is not None:  # in place: computed in float32 for half y, then rounded
+        y.mul_(_per_sample(u.branch_scale))
     if u.residual is not None:
         y.add_(u.residual)
     return y
@@ -62,6 +69,8 @@ def bn_relu_conv2d_backward(*inputs) -> tuple[Tensor, ...]:
     want_x, want_w, want_b, want_g, want_beta = b.output_mask
     outs = list(backward_outputs(x, weight, mean, b.output_mask))
     scale, shift = scale_shift(b)
+    if b.branch_scale is not None:  # the conv branch's gradient: branch_scale[n] * grad_out[n]
+        grad_out = grad_out * _per_sample(b.branch_scale)
     z = _preactivation(x, scale, shift)
     a = z.relu().to(weight.dtype)
     need_da = want_x or want_g or want_beta

@@ -59,6 +59,14 @@ def _contiguous_scale_shift(bn) -> tuple[Tensor, Tensor]:
     return scale.contiguous(), shift.contiguous()
 
 
+def _branch_scale(branch_scale: Optional[Tensor], weight: Tensor) -> Optional[Tensor]:
+    """The (N,) branch scale as the kernels read it: contiguous, in the accumulator dtype."""
+    if branch_scale is None:
+        return None
+    return branch_scale.to(torch.float64 if weight.dtype == torch.float64
+                           else torch.float32).contiguous()
+
+
 # --------------------------------------------------------------------------- triton ops
 # The schemas of fusedres.opdefs; the bodies launch the kernels through wrap_triton.
 
@@ -74,7 +82,8 @@ def _launch_forward(u: UnitArgs, genstats: bool):
     if residual is not None and residual.dtype != u.weight.dtype:
         residual = residual.to(u.weight.dtype)
     return _fwd(u.x, u.weight, u.bias, scale, shift, residual, list(u.stride), list(u.padding),
-                list(u.dilation), out_memory_format(u.x, u.weight), genstats=genstats)
+                list(u.dilation), out_memory_format(u.x, u.weight), genstats=genstats,
+                branch_scale=_branch_scale(u.branch_scale, u.weight))
 
 
 @torch.library.triton_op("fusedres_triton::bn_relu_conv2d", mutates_args=(),
@@ -101,10 +110,11 @@ def _backward_op(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     outs = list(backward_outputs(x, weight, b.mean, b.output_mask))
     scale, shift = _contiguous_scale_shift(b)
     grad_out = b.grad_out.to(weight.dtype)
+    bscale = _branch_scale(b.branch_scale, weight)
     need_sums = want_g or want_beta or (want_x and b.batch_stats)
     if backward_strategy(grad_out, x, weight, stride) == "store":
         return _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, padding,
-                               dilation, b.batch_stats, b.output_mask, outs, need_sums)
+                               dilation, b.batch_stats, b.output_mask, outs, need_sums, bscale)
     sums = None
     if want_w or want_b or need_sums:
         # One pass over dy and x: weight and bias gradients, and the BatchNorm backward sums.
@@ -115,7 +125,7 @@ def _backward_op(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         _, gb, sums = _wgrad.bn_relu_conv2d_wgrad(
             grad_out, x, weight, scale, shift, stride, padding, dilation, want_weight=want_w,
             want_bias=want_b, bn_affine=affine, mean=mean, invstd=invstd,
-            out=outs[1] if want_w else None)
+            out=outs[1] if want_w else None, branch_scale=bscale)
         if want_b:
             outs[2].copy_(gb)
         if sums is not None:
@@ -127,7 +137,8 @@ def _backward_op(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         # Second pass: dx written directly (the sums are known).
         _dgrad.bn_relu_conv2d_dgrad(
             grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
-            batch_stats=b.batch_stats, grad_x=outs[0], want_sums=False, sums=sums)
+            batch_stats=b.batch_stats, grad_x=outs[0], want_sums=False, sums=sums,
+            branch_scale=bscale)
     return tuple(outs)
 
 
@@ -155,19 +166,19 @@ def backward_strategy(grad_out=None, x=None, weight=None, stride=(1, 1)) -> str:
 
 
 def _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
-                    batch_stats, output_mask, outs, need_sums):
+                    batch_stats, output_mask, outs, need_sums, bscale=None):
     want_x, want_w, want_b, want_g, want_beta = output_mask
     if want_w or want_b:
         _, gb, _ = _wgrad.bn_relu_conv2d_wgrad(
             grad_out, x, weight, scale, shift, stride, padding, dilation, want_weight=want_w,
-            want_bias=want_b, out=outs[1] if want_w else None)
+            want_bias=want_b, out=outs[1] if want_w else None, branch_scale=bscale)
         if want_b:
             outs[2].copy_(gb)
     if want_x or need_sums:
         sum_dz, sum_dzx = _dgrad.bn_relu_conv2d_dgrad(
             grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
             batch_stats=batch_stats, grad_x=outs[0] if want_x else None,
-            want_sums=want_g or want_beta, strategy="store")
+            want_sums=want_g or want_beta, strategy="store", branch_scale=bscale)
         if want_g:
             outs[3].copy_(sum_dzx)
         if want_beta:

@@ -38,6 +38,9 @@ Unit make_unit(at::ScalarType dt, bool channels_last, std::vector<int64_t> s) {
   return u;
 }
 
+// Stochastic depth's per-sample factor for the two samples: one dropped, one kept (1 / 0.8).
+at::Tensor branch_scale() { return at::tensor({0.0, 1.25}, at::kDouble); }
+
 c10::SymIntArrayRef sym(const std::vector<int64_t>& v) { return c10::fromIntArrayRefSlow(v); }
 
 at::Tensor z64(const Unit& u) {
@@ -50,10 +53,13 @@ void check_forward(at::ScalarType dt, bool channels_last, double tol) {
   const Unit u = make_unit(dt, channels_last, {2, 1});
   auto [y, mean, var] = k::bn_relu_conv2d_genstats(u.x, u.w, u.bias, u.gamma, u.beta, u.mean,
                                                    u.invstd, u.res, sym(u.s), sym(u.p),
-                                                   sym(u.d), /*batch_stats=*/false);
+                                                   sym(u.d), /*batch_stats=*/false,
+                                                   branch_scale());
   const at::Tensor want = at::convolution(z64(u).relu().to(dt).to(at::kDouble),
                                           u.w.to(at::kDouble), u.bias.to(at::kDouble), u.s, u.p,
-                                          u.d, false, {0, 0}, 1) + u.res.to(at::kDouble);
+                                          u.d, false, {0, 0}, 1) *
+                              branch_scale().view({-1, 1, 1, 1}) +
+                          u.res.to(at::kDouble);
   expect_close(y, want, tol, tol, "bn_relu_conv2d y");
   auto [var64, mean64] = at::var_mean(y.to(at::kDouble), {0, 2, 3}, 0, false);
   expect_close(mean, mean64, 1e-5, 1e-5, "genstats mean");
@@ -71,10 +77,11 @@ void check_backward(at::ScalarType dt, bool channels_last, const char* strategy,
   const at::Tensor gy = at::randn(y.sizes(), at::kDouble).to(dt);
   auto [gx, gw, gb, gg, gbeta] = k::bn_relu_conv2d_backward(
       gy, u.x, u.w, u.gamma, u.beta, u.mean, u.invstd, sym(u.s), sym(u.p), sym(u.d), true,
-      {true, true, true, true, true});
+      {true, true, true, true, true}, branch_scale());
   unsetenv("FUSEDRES_CUDA_BACKWARD");
   unsetenv("FUSEDRES_CUDA_WGRAD_SPLIT");
-  auto [da, dw, db] = at::convolution_backward(gy.to(at::kDouble), a, w64, {{6}}, u.s, u.p,
+  const at::Tensor gy_branch = gy.to(at::kDouble) * branch_scale().view({-1, 1, 1, 1});
+  auto [da, dw, db] = at::convolution_backward(gy_branch, a, w64, {{6}}, u.s, u.p,
                                                u.d, false, {0, 0}, 1, {true, true, true});
   const at::Tensor dz = da * (z > 0);
   const auto v = [](const at::Tensor& t) { return t.to(at::kDouble).view({1, -1, 1, 1}); };
