@@ -96,20 +96,15 @@ def check_inputs(x: Tensor, *convs: nn.Conv2d | None) -> None:
 
 def conv(state: FR.BatchNormState, conv: nn.Conv2d, residual: Tensor | None = None,
          return_stats: bool = False, branch_scale: Tensor | None = None):
-    """``branch_scale[n] * conv(relu(bn(x))) + residual`` through the fused op, for a prepared
-    BatchNorm; with ``return_stats`` also the batch statistics of the output (see
+    """``branch_scale[n] * conv(relu(bn(x))) + residual`` through the fused op (the per-sample
+    scale applied in its residual epilogue and its backward), for a prepared BatchNorm; with
+    ``return_stats`` also the batch statistics of the output (see
     :func:`fusedres.functional.conv2d_from_prepared`)."""
     check_convs(conv)
-    if branch_scale is not None:
-        # TODO(branch_scale): the op's own argument once every backend has it.
-        y = FR.conv2d_from_prepared(state, conv.weight, conv.bias, stride=conv.stride,
-                                    padding=conv.padding, dilation=conv.dilation)
-        y = _scaled(y, branch_scale)
-        y = y if residual is None else residual + y
-        return (y, None) if return_stats else y
     return FR.conv2d_from_prepared(state, conv.weight, conv.bias, stride=conv.stride,
                                    padding=conv.padding, dilation=conv.dilation,
-                                   residual=residual, return_stats=return_stats)
+                                   residual=residual, return_stats=return_stats,
+                                   branch_scale=branch_scale)
 
 
 def conv_into(state: FR.BatchNormState, c: nn.Conv2d, bn: nn.BatchNorm2d) -> FR.BatchNormState:

@@ -317,3 +317,26 @@ def test_planner_takes_stochastic_depth(mode):
     base = fusedres.memory.plan(ref, shape, budget_bytes=2**30)
     extra = plan.step.saved_after_forward - base.step.saved_after_forward
     assert extra == 9 * 4 * (8 if mode == "row" else 1)  # one draw per unit: (N,) or (1,)
+
+
+@pytest.mark.parametrize("mode", ["row", "batch"])
+def test_model_with_stochastic_depth_fused_matches_plain(backend, mode):
+    # Units hand their output's statistics to the next one through the fused op's epilogue,
+    # with the branch scale applied: the fused and plain networks draw alike and agree.
+    kw = dict(num_classes=3, drop_path_rate=0.6, drop_path_mode=mode)
+    fused = models.preact_resnet(8, **kw).double()
+    plain = models.preact_resnet(8, fused=False, **kw).double()
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(6, 3, 6, 6, dtype=F64)
+    for step in range(2):
+        for model in (fused, plain):
+            torch.manual_seed(step)
+            model.zero_grad()
+            model(x).square().sum().backward()
+        for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
+            if a.grad is None:
+                assert b.grad is None, name
+            else:
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-9, msg=name)
+    for (name, a), b in zip(fused.named_buffers(), plain.buffers()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
