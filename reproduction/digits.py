@@ -168,15 +168,17 @@ def _median(values):
 
 
 def _cell(entry, key="test_error", pct=True) -> str:
-    if not entry or not entry["runs"]:
+    if not entry:
+        return ""
+    if not entry["runs"]:
         return "not run"
     vals = [r[key] for r in entry["runs"]]
-    scale = 100 if pct else 1
+    fmt = (lambda v: f"{100 * v:.2f}") if pct else (lambda v: f"{v:.3g}")
     med = _median(vals)
     if math.isnan(med):
         return "diverged (NaN loss)"
-    spread = f" ({min(vals) * scale:.2f}-{max(vals) * scale:.2f})" if len(vals) > 1 else ""
-    return f"{med * scale:.2f}{spread}"
+    spread = f" ({fmt(min(vals))}-{fmt(max(vals))})" if len(vals) > 1 else ""
+    return f"{fmt(med)}{spread}"
 
 
 # The papers' CIFAR-10 test errors (%), for reference.
