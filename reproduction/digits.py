@@ -174,11 +174,12 @@ def _cell(entry, key="test_error", pct=True) -> str:
         return "not run"
     vals = [r[key] for r in entry["runs"]]
     fmt = (lambda v: f"{100 * v:.2f}") if pct else (lambda v: f"{v:.3g}")
-    med = _median(vals)
-    if math.isnan(med):
+    finite = [v for v in vals if not math.isnan(v)]
+    if not finite:
         return "diverged (NaN loss)"
-    spread = f" ({fmt(min(vals))}-{fmt(max(vals))})" if len(vals) > 1 else ""
-    return f"{fmt(med)}{spread}"
+    spread = f" ({fmt(min(finite))}-{fmt(max(finite))})" if len(finite) > 1 else ""
+    lost = len(vals) - len(finite)
+    return f"{fmt(_median(finite))}{spread}" + (f", {lost} diverged" if lost else "")
 
 
 # The papers' CIFAR-10 test errors (%), for reference.
