@@ -319,6 +319,23 @@ def report() -> None:
     if _plot_landscapes([r[1][0] for r in LANDSCAPES], HERE / "landscapes.png"):
         L += ["", "## Loss landscapes (Li et al. 2018), depth 56, seed 0", "",
               "![landscapes](landscapes.png)", ""]
+    L += ["", "## The same experiments on CIFAR-10 (a GPU)", "",
+          "The papers' settings with the CLI (the trainer's defaults are He et al.'s CIFAR "
+          "recipe: 64k iterations, batch 128, lr 0.1 with steps at 32k and 48k; add `--seed S` "
+          "per seed):", "", "```bash"]
+    for unit in PAPER_ORDERINGS:  # Table 2, ResNet-110 and ResNet-164
+        L.append(f"fusedres train --dataset cifar10 --model preact_resnet110 --unit {unit} "
+                 f"--out runs/c10-110-{unit}")
+    for sc, (flags, _) in SHORTCUTS.items():  # Table 1, original ResNet-110
+        extra = " ".join(flags[2:])
+        L.append(f"fusedres train --dataset cifar10 --model preact_resnet --depth 110 {extra} "
+                 f"--out runs/c10-110-{sc}")
+    L += ["fusedres train --dataset cifar10 --model preact_resnet --depth 56 --shortcut none "
+          "--out runs/c10-56-noshort          # Li et al.'s noshort",
+          "fusedres train --dataset cifar10 --model preact_resnet110 --drop-path-rate 0.5 "
+          "--drop-path-mode batch --out runs/c10-110-sd   # Huang et al.",
+          "fusedres lesion runs/c10-110-original runs/c10-56-noshort",
+          "fusedres landscape runs/c10-56-noshort", "```"]
     _plot_depth(data, HERE / "depth.png")
     (HERE / "RESULTS.md").write_text("\n".join(L) + "\n")
     print(f"wrote {HERE / 'RESULTS.md'}, results.json and the plots")
