@@ -72,6 +72,16 @@ class Inputs:
             "x", "weight", "bias", "bn_weight", "bn_bias", "residual", "running_mean",
             "running_var", "num_batches_tracked")))
 
+    def float64(self) -> Inputs:
+        """A float64 copy (the exact reference of the half-precision tests)."""
+        exact = self.clone()
+        for f in ("x", "weight", "bias", "bn_weight", "bn_bias", "residual", "running_mean",
+                  "running_var"):
+            t = getattr(exact, f)
+            if t is not None:
+                setattr(exact, f, t.detach().double().requires_grad_(t.requires_grad))
+        return exact
+
 
 def make_inputs(case: Case, dtype=torch.float32, device="cpu", channels_last=False,
                 param_dtype=None) -> Inputs:

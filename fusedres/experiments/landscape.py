@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +46,7 @@ from torch import Tensor
 
 from fusedres import BackendUnavailableError
 from fusedres.cli import UsageError
+from fusedres.train.checkpoint import write_atomically
 from fusedres.train.data import derived_seed
 
 from . import runs
@@ -150,21 +149,12 @@ class SurfaceFile:
 
     def save(self, path: Path) -> None:
         """Atomically: a temporary file in the same folder, renamed over ``path``."""
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                arrays = {"loss": self.loss, "accuracy": self.accuracy, "done": self.done,
-                          "x": self.coords[0],
-                          "settings": np.array(json.dumps(self.settings, sort_keys=True))}
-                if len(self.coords) > 1:
-                    arrays["y"] = self.coords[1]
-                np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        arrays = {"loss": self.loss, "accuracy": self.accuracy, "done": self.done,
+                  "x": self.coords[0],
+                  "settings": np.array(json.dumps(self.settings, sort_keys=True))}
+        if len(self.coords) > 1:
+            arrays["y"] = self.coords[1]
+        write_atomically(path, lambda f: np.savez(f, **arrays))
 
     @classmethod
     def load(cls, path: Path) -> SurfaceFile:

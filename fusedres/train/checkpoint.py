@@ -13,13 +13,13 @@ import random
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 import torch
 
 __all__ = ["CheckpointError", "FORMAT", "latest", "list_checkpoints", "load", "rng_state",
-           "save", "set_rng_state"]
+           "save", "set_rng_state", "write_atomically"]
 
 FORMAT = "fusedres-train-checkpoint"
 VERSION = 1
@@ -61,23 +61,29 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """``write(f)`` into a temporary file in ``path``'s folder, flushed to disk, then renamed
+    over ``path``: a reader (or a kill at any moment) sees the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=path.suffix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
 def save(run_dir: str | Path, state: dict[str, Any], iteration: int, keep: int) -> Path:
     """Write ``state`` atomically as the checkpoint of ``iteration``; prune to ``keep`` files."""
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"iter_{iteration:08d}.pt"
     payload = {"format": FORMAT, "version": VERSION, "iteration": iteration, **state}
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(folder)
+    write_atomically(final, lambda f: torch.save(payload, f))
     for old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
     return final
