@@ -142,6 +142,11 @@ def _final_train_loss(run_dir: Path) -> float:
     return loss
 
 
+def _relative(command: str) -> str:
+    """A command as run from the repository's root (no absolute paths of this checkout)."""
+    return command.replace(str(HERE.parent) + "/", "")
+
+
 def collect() -> dict:
     out = {}
     for group, runs in EXPERIMENTS.items():
@@ -156,8 +161,8 @@ def collect() -> dict:
                              "train_loss": _final_train_loss(d),
                              "time_per_epoch_s": s["time_per_epoch_s"],
                              "parameters": s["parameters"],
-                             "command": " ".join(["fusedres train"]
-                                                 + train_command(name, flags, seed)[3:])})
+                             "command": _relative(" ".join(
+                                 ["fusedres train"] + train_command(name, flags, seed)[3:]))})
             out[name] = {"group": group, "flags": flags, "runs": rows}
     return out
 
@@ -312,10 +317,18 @@ def report() -> None:
     if (lesion / "lesion.json").exists():
         shutil.copy(lesion / "lesion.png", HERE / "lesion.png")
         shutil.copy(lesion / "lesion.json", HERE / "lesion.json")
+        doc = json.loads((lesion / "lesion.json").read_text())
         L += ["", "## Lesion study (Veit et al. 2016), depth 56, seed 0", "",
               "![lesion](lesion.png)", "",
-              f"`{json.loads((lesion / 'lesion.json').read_text())['command']}`; "
-              "the table is `lesion.json`."]
+              "Test error (%) with k units deleted (k = 1: every deletable unit alone; k >= 2: "
+              "the mean of random subsets):", "",
+              "| k | " + " | ".join(r["run"].split("/")[-1] for r in doc["runs"]) + " |",
+              "|---|" + "---|" * len(doc["runs"])]
+        for i, row in enumerate(doc["runs"][0]["by_k"]):
+            cells = [f"{100 * r['by_k'][i]['mean']:.2f} ({100 * r['by_k'][i]['min']:.2f}-"
+                     f"{100 * r['by_k'][i]['max']:.2f})" for r in doc["runs"]]
+            L.append(f"| {row['k']} | " + " | ".join(cells) + " |")
+        L += ["", f"`{_relative(doc['command'])}`; every error is in `lesion.json`."]
     if _plot_landscapes([r[1][0] for r in LANDSCAPES], HERE / "landscapes.png"):
         L += ["", "## Loss landscapes (Li et al. 2018), depth 56, seed 0", "",
               "![landscapes](landscapes.png)", ""]
