@@ -316,7 +316,7 @@ def report() -> None:
     lesion = RUNS / LESION[3]
     if (lesion / "lesion.json").exists():
         shutil.copy(lesion / "lesion.png", HERE / "lesion.png")
-        shutil.copy(lesion / "lesion.json", HERE / "lesion.json")
+        (HERE / "lesion.json").write_text(_relative((lesion / "lesion.json").read_text()))
         doc = json.loads((lesion / "lesion.json").read_text())
         L += ["", "## Lesion study (Veit et al. 2016), depth 56, seed 0", "",
               "![lesion](lesion.png)", "",
