@@ -47,7 +47,7 @@ from torch import Tensor
 from fusedres import BackendUnavailableError
 from fusedres.cli import UsageError
 from fusedres.train.checkpoint import write_atomically
-from fusedres.train.data import derived_seed
+from fusedres.train.seeds import derived_seed
 
 from . import runs
 

@@ -12,7 +12,6 @@ training on one).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,14 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import UsageError
+from .seeds import derived_seed
 
 __all__ = ["Data", "derived_seed", "load", "open_data"]
-
-
-def derived_seed(seed: int, stream: str, index: int) -> int:
-    """A 63-bit seed for (seed, stream, index), the same on every machine and Python."""
-    digest = hashlib.sha256(f"{seed}:{stream}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 @dataclass

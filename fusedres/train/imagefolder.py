@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .config import UsageError
-from .data import derived_seed
+from .seeds import derived_seed
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "FolderData", "StreamingBatches", "default_workers",
            "load_imagefolder"]
