@@ -69,6 +69,12 @@ LANDSCAPES = [("landscape", [run], ["--grid", "31", "--batches", "4"], f"landsca
               for run in ("depth-res-bn-56-s0", "depth-plain-bn-56-s0")]
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def _python() -> str:
     return sys.executable
 
@@ -332,6 +338,13 @@ def report() -> None:
     if _plot_landscapes([r[1][0] for r in LANDSCAPES], HERE / "landscapes.png"):
         L += ["", "## Loss landscapes (Li et al. 2018), depth 56, seed 0", "",
               "![landscapes](landscapes.png)", ""]
+        for kind, runs, flags, out in LANDSCAPES:
+            L.append(f"`fusedres {kind} reproduction/runs/{runs[0]} {' '.join(flags)} --out "
+                     f"reproduction/runs/{out}`  ")
+    rev = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip() or "unknown"
+    L += ["", f"Runs made with fusedres at commit {rev}, 2-core Xeon (no GPU), torch "
+          f"{_torch_version()}."]
     L += ["", "## The same experiments on CIFAR-10 (a GPU)", "",
           "The papers' settings with the CLI (the trainer's defaults are He et al.'s CIFAR "
           "recipe: 64k iterations, batch 128, lr 0.1 with steps at 32k and 48k; add `--seed S` "
