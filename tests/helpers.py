@@ -145,3 +145,13 @@ class OpCounter(TorchDispatchMode):
 
     def count(self, name: str) -> int:
         return sum(n == name for n, _ in self.calls)
+
+
+def assert_within_twice_torch(names, ours, theirs, exact) -> None:
+    """Each of ``ours`` is within twice the error of PyTorch's own (``theirs``) against the
+    float64 ``exact``, plus a floor of 1e-3 of its magnitude (shared/design.md's rule)."""
+    for name, o, t, e in zip(names, ours, theirs, exact):
+        err = (o.double() - e).abs().max().item()
+        err_torch = (t.double() - e).abs().max().item()
+        floor = 1e-3 * e.abs().max().item()
+        assert err <= 2 * err_torch + floor, f"{name}: error {err:.3g} vs torch {err_torch:.3g}"

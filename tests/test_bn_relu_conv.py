@@ -5,7 +5,15 @@ import torch
 
 import fusedres
 from fusedres import functional as FR
-from helpers import CASES, Case, make_inputs, run, run_reference, run_with_grads
+from helpers import (
+    CASES,
+    Case,
+    assert_within_twice_torch,
+    make_inputs,
+    run,
+    run_reference,
+    run_with_grads,
+)
 
 # (atol, rtol) per dtype, from measured error against the reference (fp32: ~1e-6 relative).
 TOL = {torch.float32: (2e-4, 2e-4), torch.float64: (1e-9, 1e-9)}
@@ -118,12 +126,8 @@ def test_half_precision_within_twice_torch_error(backend, dtype):
     y64, grads64, _ = run_reference(case, exact, gy.double(), training=True)
     yt, grads_t, _ = run_reference(case, torch_half, gy, training=True)
     assert y.dtype == dtype
-    for name, ours, theirs, exact_ in zip(["output"] + _names(inp), [y, *grads], [yt, *grads_t],
-                                         [y64, *grads64]):
-        err = (ours.double() - exact_).abs().max().item()
-        err_torch = (theirs.double() - exact_).abs().max().item()
-        floor = 1e-3 * exact_.abs().max().item()
-        assert err <= 2 * err_torch + floor, f"{name}: error {err:.3g} vs torch {err_torch:.3g}"
+    assert_within_twice_torch(["output"] + _names(inp), [y, *grads], [yt, *grads_t],
+                              [y64, *grads64])
 
 
 def test_autocast_bf16_matches_plain_block(backend):

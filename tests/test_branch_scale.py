@@ -13,7 +13,7 @@ from torchvision.ops import stochastic_depth
 import fusedres
 from fusedres import functional as FR
 from fusedres import reference
-from helpers import Case, make_inputs
+from helpers import Case, assert_within_twice_torch, make_inputs
 
 TOL = {torch.float32: (2e-4, 2e-4), torch.float64: (1e-9, 1e-9)}
 GRAD_NAMES = ["x", "weight", "bias", "bn_weight", "bn_bias", "residual"]
@@ -228,12 +228,8 @@ def test_half_precision_within_twice_torch_error(backend, dtype):
     y64, grads64 = run_plain_stochastic_depth(case, exact, p, seed, gy.double())
     yt, grads_t = run_plain_stochastic_depth(case, torch_half, p, seed, gy)
     assert y.dtype == dtype
-    for name, ours, theirs, exact_ in zip(["output"] + _names(inp), [y, *grads], [yt, *grads_t],
-                                         [y64, *grads64]):
-        err = (ours.double() - exact_).abs().max().item()
-        err_torch = (theirs.double() - exact_).abs().max().item()
-        floor = 1e-3 * exact_.abs().max().item()
-        assert err <= 2 * err_torch + floor, f"{name}: error {err:.3g} vs torch {err_torch:.3g}"
+    assert_within_twice_torch(["output"] + _names(inp), [y, *grads], [yt, *grads_t],
+                              [y64, *grads64])
 
 
 def test_prepared_two_step_form_and_reference_backend():

@@ -62,27 +62,27 @@ SHAPES = [  # (class, in_planes, planes, stride): identity and projection units
 SHAPE_IDS = ["basic", "basic_proj", "bottleneck", "bottleneck_proj"]
 
 
+def _check_ordering(unit, shape, layer):
+    cls, cin, planes, stride = shape
+    block = _block(cls, cin, planes, stride, layer, unit=unit)
+    x = torch.randn(3, cin, 7, 7, dtype=F64)
+    _compare(block, unit_oracle(block), x)
+    _compare(block, unit_oracle(block), x, train=False, steps=1)
+
+
 # The fused layer on every backend for the units with a projection (every chain kind: shared
 # BN-ReLU, residual epilogue, ReLU-only); the rest on the default backend.
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=[SHAPE_IDS[1], SHAPE_IDS[3]])
 @pytest.mark.parametrize("unit", UNITS)
 def test_unit_orderings_every_backend(backend, unit, shape):
-    cls, cin, planes, stride = shape
-    block = _block(cls, cin, planes, stride, FUSED, unit=unit)
-    x = torch.randn(3, cin, 7, 7, dtype=F64)
-    _compare(block, unit_oracle(block), x)
-    _compare(block, unit_oracle(block), x, train=False, steps=1)
+    _check_ordering(unit, shape, FUSED)
 
 
 @pytest.mark.parametrize("layer", [FUSED, PLAIN], ids=["fused", "plain"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("unit", UNITS)
 def test_unit_orderings_match_oracle(unit, shape, layer):
-    cls, cin, planes, stride = shape
-    block = _block(cls, cin, planes, stride, layer, unit=unit)
-    x = torch.randn(3, cin, 7, 7, dtype=F64)
-    _compare(block, unit_oracle(block), x)
-    _compare(block, unit_oracle(block), x, train=False, steps=1)
+    _check_ordering(unit, shape, layer)
 
 
 SHORTCUT_ARGS = [
