@@ -155,3 +155,14 @@ def assert_within_twice_torch(names, ours, theirs, exact) -> None:
         err_torch = (t.double() - e).abs().max().item()
         floor = 1e-3 * e.abs().max().item()
         assert err <= 2 * err_torch + floor, f"{name}: error {err:.3g} vs torch {err_torch:.3g}"
+
+
+def assert_autocast_close(names, y, grads, y_ref, grads_ref) -> None:
+    """Under bf16 autocast: same output dtype, output and each gradient close to the plain
+    block's (gradients relative to their largest value)."""
+    assert y.dtype == y_ref.dtype == torch.float32
+    torch.testing.assert_close(y, y_ref, atol=5e-2, rtol=2e-2)
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert g.dtype == g_ref.dtype, name
+        scale = g_ref.abs().max().item()
+        torch.testing.assert_close(g, g_ref, atol=3e-2 * scale, rtol=5e-2, msg=name)

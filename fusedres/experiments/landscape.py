@@ -504,11 +504,7 @@ def plot(surface: SurfaceFile, out: Path, name: str, title: str) -> list[Path]:
             ax.axvline(0, color="gray", lw=0.8, ls=":")
         ax.grid(alpha=0.3)
         ax.set_title(title)
-        fig.tight_layout()
-        path = out / f"{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return [path]
+        return [_save(fig, out / f"{name}.png")]
     x, y = surface.coords
     X, Y = np.meshgrid(x, y)
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
@@ -526,11 +522,7 @@ def plot(surface: SurfaceFile, out: Path, name: str, title: str) -> list[Path]:
         a.set_title(what)
         a.set_aspect("equal")
     fig.suptitle(title)
-    fig.tight_layout()
-    path = out / f"{name}_contour.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(fig, out / f"{name}_contour.png"))
     fig = plt.figure(figsize=(7, 6))
     ax = fig.add_subplot(projection="3d")
     # Far from the minimum the loss explodes and would flatten the bowl: clipped at Li et al.'s
@@ -542,12 +534,18 @@ def plot(surface: SurfaceFile, out: Path, name: str, title: str) -> list[Path]:
     ax.set_ylabel("y")
     ax.set_zlabel(f"training loss{f' (clipped at {SURFACE_CLIP:g})' if clipped else ''}")
     ax.set_title(title)
+    written.append(_save(fig, out / f"{name}_surface.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    """Lay out, write at 100 dpi and close ``fig``."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    path = out / f"{name}_surface.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    written.append(path)
-    return written
+    return path
 
 
 if __name__ == "__main__":
