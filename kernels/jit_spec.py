@@ -496,12 +496,13 @@ def compile_launch(launch: Launch, arch: int | None = None, *, use_cache: bool =
                 num_warps=int(ck.metadata.num_warps), num_stages=int(ck.metadata.num_stages))
     cubin, ptx = ck.asm["cubin"], ck.asm.get("ptx")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    path.with_suffix(".cubin").write_bytes(cubin)
+    files = [(".cubin", cubin), (".json", json.dumps(meta).encode())]
     if ptx is not None:
-        path.with_suffix(".ptx").write_text(ptx)
-    tmp.write_text(json.dumps(meta))
-    tmp.replace(path)  # the .json last: its presence means the entry is whole
+        files.insert(1, (".ptx", ptx.encode()))
+    for suffix, data in files:  # each written whole, then renamed; the .json last: its
+        tmp = path.with_suffix(f"{suffix}.tmp{os.getpid()}")  # presence means the entry is
+        tmp.write_bytes(data)  # whole, whatever other processes write at the same time
+        tmp.replace(path.with_suffix(suffix))
     return Compiled(**meta, cubin=cubin, ptx=ptx if keep_ptx else None, seconds=seconds)
 
 
