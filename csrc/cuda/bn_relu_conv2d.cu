@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(T::THREADS)
                               const acc_t<W>* __restrict__ branch_scale, W* __restrict__ y,
                               acc_t<W>* __restrict__ part_mean, acc_t<W>* __restrict__ part_m2,
                               Dims4 xd, Dims4 wd, Dims4 yd, Dims4 rd, ConvGeom g, int64_t M) {
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
   using A = acc_t<X>;  // BatchNorm arithmetic
   using C = acc_t<W>;  // accumulators
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;

@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(T::THREADS)
                  const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
                  const acc_t<X>* __restrict__ branch_scale, Dims4 dyd, Dims4 wd, Dims4 xd,
                  Dims4 gd, ConvGeom g, int write) {
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
   using A = acc_t<X>;
   static_assert(std::is_same_v<A, acc_t<W>>, "x and weight must share an accumulator type");
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
@@ -190,6 +191,7 @@ __global__ void __launch_bounds__(T::THREADS)
                  acc_t<W>* __restrict__ part_db, BnSums<acc_t<X>> bs,
                  const acc_t<W>* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gwd,
                  Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
   using A = acc_t<X>;
   using C = acc_t<W>;
   static_assert(std::is_same_v<A, C>, "x and weight must share an accumulator type");
@@ -345,6 +347,7 @@ __global__ void __launch_bounds__(256)
               const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ mean,
               const acc_t<X>* __restrict__ invstd, const acc_t<X>* __restrict__ m1,
               const acc_t<X>* __restrict__ m2, Dims4 xd, Dims4 gd) {
+  FUSEDRES_LAUNCH_BOUNDS(256);
   using A = acc_t<X>;
   const int64_t total = xd.n * xd.c * xd.h * xd.w;
   const bool channels_fast = gd.sc == 1;

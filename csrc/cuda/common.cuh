@@ -61,6 +61,8 @@
 #define FUSEDRES_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
 // After every launch: a launch error becomes a c10::Error here, not at the next sync.
 #define FUSEDRES_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
+// The host layer's check of __launch_bounds__ (host/runtime.h); the GPU's launch enforces it.
+#define FUSEDRES_LAUNCH_BOUNDS(...) ((void)0)
 
 // The block's dynamic shared memory (the launch's `smem` bytes), 128-byte aligned. One extern
 // array for every kernel and type, as nvcc requires.

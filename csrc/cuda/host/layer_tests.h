@@ -13,3 +13,8 @@ std::tuple<at::Tensor, at::Tensor> atomics(const at::Tensor& x, int64_t threads)
 at::Tensor reverse_blocks(const at::Tensor& x, int64_t threads);
 at::Tensor wmma_matmul(const at::Tensor& a, const at::Tensor& b, bool tf32);
 }  // namespace fusedres::cuda_host::layer_test
+
+// mma.cuh and the layer's rules (tests/mma_kernels.cu).
+namespace fusedres::cuda_host::mma_test {
+at::Tensor gemm_tile(const at::Tensor& a, const at::Tensor& b, int64_t variant);
+}  // namespace fusedres::cuda_host::mma_test
