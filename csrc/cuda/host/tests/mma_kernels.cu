@@ -165,3 +165,26 @@ __global__ void __launch_bounds__(32) divergent_collective_kernel(float* out, in
 }
 
 }  // namespace fusedres::FUSEDRES_CUDA_NS::mma_test
+
+#if defined(__CUDACC__)
+// The instantiations the host tests launch, so that nvcc's compile of this file alone puts every
+// primitive's PTX through ptxas.
+namespace fusedres::FUSEDRES_CUDA_NS::mma_test {
+template __global__ void gemm_tile_kernel<__half>(const __half*, const __half*, float*, int);
+template __global__ void gemm_tile_kernel<__nv_bfloat16>(const __nv_bfloat16*,
+                                                         const __nv_bfloat16*, float*, int);
+template __global__ void ldmatrix_kernel<1, false>(const uint16_t*, uint32_t*, int, bool);
+template __global__ void ldmatrix_kernel<1, true>(const uint16_t*, uint32_t*, int, bool);
+template __global__ void ldmatrix_kernel<2, false>(const uint16_t*, uint32_t*, int, bool);
+template __global__ void ldmatrix_kernel<2, true>(const uint16_t*, uint32_t*, int, bool);
+template __global__ void ldmatrix_kernel<4, false>(const uint16_t*, uint32_t*, int, bool);
+template __global__ void ldmatrix_kernel<4, true>(const uint16_t*, uint32_t*, int, bool);
+template __global__ void cp_async_kernel<4>(const unsigned char*, unsigned char*, bool, int, int,
+                                            int, bool);
+template __global__ void cp_async_kernel<8>(const unsigned char*, unsigned char*, bool, int, int,
+                                            int, bool);
+template __global__ void cp_async_kernel<16>(const unsigned char*, unsigned char*, bool, int, int,
+                                             int, bool);
+template __global__ void dynamic_smem_kernel<0>(float*, int);
+}  // namespace fusedres::FUSEDRES_CUDA_NS::mma_test
+#endif
