@@ -31,7 +31,8 @@ def test_gemm_tile_on_mma_ldmatrix_cp_async_is_exact(dtype):
     """16 x 32 x 16 on two cp.async stages, ldmatrix.x4 (A) and .x4.trans (B), 4 mma.sync:
     small integers, so the product is exact in float32."""
     for seed in range(3):
-        a, b = _small_ints(16, 32, seed=seed).to(dtype), _small_ints(32, 16, seed=seed + 9).to(dtype)
+        a = _small_ints(16, 32, seed=seed).to(dtype)
+        b = _small_ints(32, 16, seed=seed + 9).to(dtype)
         c = LT.mma_gemm(a, b, RIGHT)
         assert c.dtype == torch.float32
         assert torch.equal(c.double(), a.double() @ b.double())
