@@ -539,6 +539,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale) {
   const char* op = "fusedres_cuda.bn_relu_conv2d_backward";
   check_unit_inputs(op, x, weight, mean_in, invstd_in);
+  check_bn_params(op, x, bn_weight, bn_bias);
+  check_same_device(op, "grad_out", grad_out, x);
+  TORCH_CHECK(at::isFloatingType(grad_out.scalar_type()), op,
+              ": grad_out must be a floating-point tensor, got ", grad_out.scalar_type());
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
   const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
   const int64_t N = x.size(0), Cin = x.size(1), H = x.size(2), W = x.size(3);

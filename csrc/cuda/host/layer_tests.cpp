@@ -127,8 +127,6 @@ at::Tensor gemm_tile(const at::Tensor& a, const at::Tensor& b, int64_t variant) 
   return c;
 }
 
-namespace {
-
 // (32, 4) int64: the registers ldmatrix.x<num>(.trans) gives each lane (unsigned 32-bit values).
 at::Tensor ldmatrix_probe(const at::Tensor& table, int64_t num, bool trans, int64_t offset,
                           bool from_global) {
@@ -213,7 +211,6 @@ at::Tensor divergent_collective(int64_t mode) {
   return out;
 }
 
-}  // namespace
 }  // namespace fusedres::cuda_host::mma_test
 
 TORCH_LIBRARY(fusedres_cuda_layer_test, m) {
