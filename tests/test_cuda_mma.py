@@ -133,6 +133,22 @@ def test_dynamic_shared_memory_above_48_kib_needs_the_opt_in():
         LT.dynamic_smem(164 * 1024, True)  # past sm_80's limit: refused even with the opt-in
 
 
+def test_every_bounded_kernel_states_its_bound_to_the_layer():
+    """The layer checks __launch_bounds__(X) where the kernel body starts with
+    FUSEDRES_LAUNCH_BOUNDS(X): every bounded kernel in csrc/cuda must, with the same X."""
+    import glob
+
+    base = os.path.join(cuda_aot.ROOT, "csrc", "cuda")
+    kernels = 0
+    for path in glob.glob(f"{base}/*.cu") + glob.glob(f"{base}/host/tests/*.cu"):
+        text = open(path).read()
+        for m in re.finditer(r"__launch_bounds__\(((?:[^()]|\([^()]*\))*)\)[^{;]*\{\s*(\S[^;]*;)",
+                             text):
+            kernels += 1
+            assert m.group(2) == f"FUSEDRES_LAUNCH_BOUNDS({m.group(1)});", (path, m.group(0)[:200])
+    assert kernels >= 12  # 7 in the ops, 5 test kernels
+
+
 @pytest.mark.parametrize("mode,message", [
     (1, r"every lane must execute the same \.aligned instruction"),
     (2, r"mma\.sync.*names lanes 0x80000000 that have returned"),
