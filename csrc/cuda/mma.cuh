@@ -36,6 +36,8 @@
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+// The host layer checks __launch_bounds__ at this statement (host/runtime.h); a GPU's launch
+// enforces the attribute itself.
 #ifndef FUSEDRES_LAUNCH_BOUNDS
 #define FUSEDRES_LAUNCH_BOUNDS(...) ((void)0)
 #endif
