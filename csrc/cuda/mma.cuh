@@ -2,10 +2,12 @@
 // operands, float32 accumulators), ldmatrix (x1, x2, x4, with and without .trans) and cp.async
 // (16-byte .cg, 4/8/16-byte .ca, the zero-fill src-size form, commit_group, wait_group).
 //
-// One header for both compilers. Under nvcc each call is one inline PTX instruction (syntax of
-// the PTX ISA 8.7: section 9.7.14.5.8 "Matrix Fragments for mma.m16n8k16 with floating point
-// type", 9.7.14.5.15 "ldmatrix", 9.7.9.25 "cp.async", "cp.async.commit_group",
-// "cp.async.wait_group"). Compiled by the host compiler the calls go to the CPU execution layer
+// One header for both compilers. Under nvcc each call is one inline PTX instruction (syntax and
+// layouts of the PTX ISA 8.7, NVIDIA, 2025: "Matrix Fragments for mma.m16n8k16 with floating
+// point type", "Warp-level matrix load instruction: ldmatrix", "cp.async",
+// "cp.async.commit_group", "cp.async.wait_group"; ptxas turns them into HMMA.16816.F32[.BF16],
+// LDSM.16.M88[T].{1,2,4}, LDGSTS[.BYPASS][.ZFILL], LDGDEPBAR and DEPBAR on sm_80 and sm_90,
+// which tests/test_cuda_mma.py checks in the SASS). Compiled by the host compiler the calls go to the CPU execution layer
 // (host/mma.cpp), which emulates them per lane with the fragment layouts the ISA documents, so
 // a kernel that assumes another layout computes a wrong answer on the CPU as it would on a GPU:
 //
