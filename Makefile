@@ -19,7 +19,7 @@ export FUSEDRES_BUILD_EXT ?= 1
 # for sm_80/sm_90). Where a GPU is visible (nvidia-smi -L) the nvcc copy is built too (auto).
 export FUSEDRES_BUILD_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo auto || echo 0)
 PYTEST_ARGS ?=
-.PHONY: install test-ext demo compare test selftest bench gpu-report lint format clean tsan cuda-table
+.PHONY: install test-ext demo compare test selftest bench gpu-report lint format clean tsan asan cuda-table
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ selftest: install
 # The test extension's sources built into a standalone driver (build/tsan), not the extension.
 tsan: install
 	$(PY) -m fusedres.cuda_tsan
+
+# The same kernel matrix under AddressSanitizer + UndefinedBehaviorSanitizer (build/asan): an
+# out-of-bounds access (global, or past a static __shared__ array) or undefined behaviour fails.
+asan: install
+	$(PY) -m fusedres.cuda_tsan --asan
 
 # nvcc compiles csrc/cuda for sm_80 and sm_90; registers, spills, shared memory, occupancy.
 cuda-table: install

@@ -1,10 +1,13 @@
-"""Build and run the CUDA kernels under ThreadSanitizer on the CPU (csrc/cuda/host/tsan).
+"""Build and run the CUDA kernels under a sanitizer on the CPU (csrc/cuda/host/tsan).
 
-``python -m fusedres.cuda_tsan [case ...]`` compiles the host copy of every kernel in csrc/cuda
-with one OS thread per CUDA thread (``FUSEDRES_HOST_THREADS``) and ``-fsanitize=thread`` into a
-standalone driver (no Python), then runs its cases (default: ``all``). Exit status 0 only when
-every case passed and ThreadSanitizer reported nothing. Objects are rebuilt when a source or a
-header under csrc/cuda changed (build/tsan/).
+``python -m fusedres.cuda_tsan [--asan] [case ...]`` compiles the host copy of every kernel in
+csrc/cuda with one OS thread per CUDA thread (``FUSEDRES_HOST_THREADS``) into a standalone driver
+(no Python), then runs its cases (default: ``all``): with ``-fsanitize=thread`` (make tsan;
+build/tsan/), or with ``--asan`` AddressSanitizer + UndefinedBehaviorSanitizer,
+``-fsanitize=address,undefined -fno-sanitize-recover=all`` (make asan; build/asan/): an
+out-of-bounds access or undefined behaviour ends the run with a report. Exit status 0 only when
+every case passed and the sanitizer reported nothing. Objects are rebuilt when a source or a
+header under csrc/cuda changed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ BUILD = os.path.join(ROOT, "build", "tsan")
 BINARY = os.path.join(BUILD, "cuda_host_tsan")
 TSAN_EXIT = 66  # TSAN_OPTIONS exitcode: the run had reports
 REPORT = "WARNING: ThreadSanitizer:"
+ASAN_BUILD = os.path.join(ROOT, "build", "asan")
+ASAN_BINARY = os.path.join(ASAN_BUILD, "cuda_host_asan")
+ASAN_EXIT = 67  # ASAN_OPTIONS / UBSAN_OPTIONS exitcode
+# AddressSanitizer's and UndefinedBehaviorSanitizer's report lines.
+ASAN_REPORTS = ("ERROR: AddressSanitizer:", "runtime error:")
 
 
 def sources() -> list[str]:
@@ -37,32 +45,40 @@ def _headers() -> list[str]:
         p for ext in ("h", "cuh", "cu") for p in glob.glob(f"{base}/**/*.{ext}", recursive=True)]
 
 
-def _flags() -> tuple[list[str], list[str]]:
+def _sanitize(asan: bool) -> list[str]:
+    return (["-fsanitize=address,undefined", "-fno-sanitize-recover=all"] if asan
+            else ["-fsanitize=thread"])
+
+
+def _flags(asan: bool = False) -> tuple[list[str], list[str]]:
     import torch
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cflags = ["-std=c++20", "-O1", "-g", "-fsanitize=thread", "-fno-omit-frame-pointer",
+    cflags = ["-std=c++20", "-O1", "-g", *_sanitize(asan), "-fno-omit-frame-pointer",
               "-DFUSEDRES_HOST_THREADS", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
               "-Wno-unknown-pragmas"]
     cflags += [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = cpp_extension.library_paths()
-    ldflags = ["-fsanitize=thread", *[f"-L{p}" for p in libs],
+    ldflags = [*_sanitize(asan), *[f"-L{p}" for p in libs],
                *[f"-Wl,-rpath,{p}" for p in libs], "-ltorch", "-ltorch_cpu", "-lc10",
                "-lpthread"]
     return cflags, ldflags
 
 
-def build(jobs: int | None = None, verbose: bool = True) -> str:
-    """Compile what changed and link the driver; returns its path."""
+def build(jobs: int | None = None, verbose: bool = True, asan: bool = False) -> str:
+    """Compile what changed and link the driver (ThreadSanitizer, or ASan + UBSan with
+    ``asan``); returns its path."""
     cxx = os.environ.get("CXX", "g++")
-    os.makedirs(BUILD, exist_ok=True)
-    cflags, ldflags = _flags()
+    build_dir, binary = (ASAN_BUILD, ASAN_BINARY) if asan else (BUILD, BINARY)
+    tag = "asan" if asan else "tsan"
+    os.makedirs(build_dir, exist_ok=True)
+    cflags, ldflags = _flags(asan)
     newest_header = max((os.path.getmtime(p) for p in _headers()), default=0)
     objects, stale = [], []
     for src in sources():
         rel = os.path.relpath(src, os.path.join(ROOT, "csrc", "cuda", "host"))
-        obj = os.path.join(BUILD, rel.replace(os.sep, "_").replace(".cpp", ".o"))
+        obj = os.path.join(build_dir, rel.replace(os.sep, "_").replace(".cpp", ".o"))
         objects.append(obj)
         if not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src),
                                                                     newest_header):
@@ -71,7 +87,7 @@ def build(jobs: int | None = None, verbose: bool = True) -> str:
     def compile_one(item):
         src, obj = item
         if verbose:
-            print(f"tsan: compiling {os.path.relpath(src, ROOT)}", flush=True)
+            print(f"{tag}: compiling {os.path.relpath(src, ROOT)}", flush=True)
         res = subprocess.run([cxx, *cflags, "-c", src, "-o", obj], capture_output=True,
                              text=True)
         if res.returncode != 0:
@@ -79,33 +95,49 @@ def build(jobs: int | None = None, verbose: bool = True) -> str:
 
     with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
         list(pool.map(compile_one, stale))
-    if stale or not os.path.exists(BINARY):
-        res = subprocess.run([cxx, *objects, "-o", BINARY, *ldflags], capture_output=True,
+    if stale or not os.path.exists(binary):
+        res = subprocess.run([cxx, *objects, "-o", binary, *ldflags], capture_output=True,
                              text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"linking the ThreadSanitizer driver failed:\n{res.stderr[-4000:]}")
-    return BINARY
+            raise RuntimeError(f"linking the {tag} driver failed:\n{res.stderr[-4000:]}")
+    return binary
 
 
-def run(cases=("all",), timeout: float | None = None) -> subprocess.CompletedProcess:
+def run(cases=("all",), timeout: float | None = None,
+        asan: bool = False) -> subprocess.CompletedProcess:
     """Run the driver (built) on ``cases``; stdout and stderr (the reports) together."""
     env = dict(os.environ)
-    env["TSAN_OPTIONS"] = f"exitcode={TSAN_EXIT} halt_on_error=0 history_size=4 " + env.get(
-        "TSAN_OPTIONS", "")
-    return subprocess.run([BINARY, *cases], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    if asan:
+        # libtorch is not instrumented and keeps allocations to the end: no leak check.
+        env["ASAN_OPTIONS"] = f"exitcode={ASAN_EXIT} detect_leaks=0 " + env.get(
+            "ASAN_OPTIONS", "")
+        env["UBSAN_OPTIONS"] = f"exitcode={ASAN_EXIT} print_stacktrace=1 " + env.get(
+            "UBSAN_OPTIONS", "")
+    else:
+        env["TSAN_OPTIONS"] = f"exitcode={TSAN_EXIT} halt_on_error=0 history_size=4 " + env.get(
+            "TSAN_OPTIONS", "")
+    return subprocess.run([ASAN_BINARY if asan else BINARY, *cases], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def count_reports(text: str, asan: bool = False) -> int:
+    return sum(text.count(r) for r in (ASAN_REPORTS if asan else (REPORT,)))
 
 
 def main(argv=None) -> int:
-    cases = (argv if argv is not None else sys.argv[1:]) or ["all"]
+    args = list(argv if argv is not None else sys.argv[1:])
+    asan = "--asan" in args
+    cases = [a for a in args if a != "--asan"] or ["all"]
+    name = "AddressSanitizer/UndefinedBehaviorSanitizer" if asan else "ThreadSanitizer"
     start = time.perf_counter()
-    build()
+    build(asan=asan)
     built = time.perf_counter()
-    res = run(cases)
+    res = run(cases, asan=asan)
     print(res.stdout + res.stderr, end="")
-    reports = res.stderr.count(REPORT) + res.stdout.count(REPORT)
-    print(f"tsan: build {built - start:.0f} s, run {time.perf_counter() - built:.0f} s, "
-          f"{reports} ThreadSanitizer reports, exit status {res.returncode}")
+    reports = count_reports(res.stdout + res.stderr, asan)
+    print(f"{'asan' if asan else 'tsan'}: build {built - start:.0f} s, run "
+          f"{time.perf_counter() - built:.0f} s, {reports} {name} reports, exit status "
+          f"{res.returncode}")
     return res.returncode if res.returncode else (1 if reports else 0)
 
 

@@ -38,6 +38,7 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     stats_nchw_kernel(const scalar_t* __restrict__ x, int64_t C, int64_t HW, int64_t per_split,
                       int64_t total, acc_t<scalar_t>* __restrict__ partial) {
+  FUSEDRES_LAUNCH_BOUNDS(kThreads);
   using A = acc_t<scalar_t>;
   __shared__ A warp_n[kWarps], warp_mean[kWarps], warp_m2[kWarps];
   const int64_t c = blockIdx.x;
@@ -83,6 +84,7 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(32 * kRowsPerBlock)
     stats_nhwc_kernel(const scalar_t* __restrict__ x, int64_t C, int64_t rows_per_split,
                       int64_t rows, acc_t<scalar_t>* __restrict__ partial) {
+  FUSEDRES_LAUNCH_BOUNDS(32 * kRowsPerBlock);
   using A = acc_t<scalar_t>;
   __shared__ A s_n[kRowsPerBlock][32], s_mean[kRowsPerBlock][32], s_m2[kRowsPerBlock][32];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
@@ -118,6 +120,7 @@ __global__ void __launch_bounds__(256)
     stats_finalize_kernel(const scalar_t* __restrict__ x, int64_t shift_stride,
                           const A* __restrict__ partial, int64_t C, int64_t splits,
                           A* __restrict__ mean, A* __restrict__ var) {
+  FUSEDRES_LAUNCH_BOUNDS(256);
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (c >= C) return;  // a whole warp leaves together (blockDim.x == 32)
   Moments<double> m{0.0, 0.0, 0.0};

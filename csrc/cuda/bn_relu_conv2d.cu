@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(T::THREADS)
                               const acc_t<W>* __restrict__ branch_scale, W* __restrict__ y,
                               acc_t<W>* __restrict__ part_mean, acc_t<W>* __restrict__ part_m2,
                               Dims4 xd, Dims4 wd, Dims4 yd, Dims4 rd, ConvGeom g, int64_t M) {
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
   using A = acc_t<X>;  // BatchNorm arithmetic
   using C = acc_t<W>;  // accumulators
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
@@ -177,6 +178,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     bool genstats, const std::optional<at::Tensor>& branch_scale) {
   const char* op = genstats ? "fusedres_cuda.bn_relu_conv2d_genstats" : "fusedres_cuda.bn_relu_conv2d";
   check_unit_inputs(op, x, weight, mean, invstd);
+  check_bn_params(op, x, bn_weight, bn_bias);
   const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
   const int64_t N = x.size(0), Co = weight.size(0);
   const int64_t Ho =
@@ -184,11 +186,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   const int64_t Wo =
       conv_out_size(x.size(3), weight.size(3), stride[1], padding[1], dilation[1]);
   TORCH_CHECK(Ho > 0 && Wo > 0, op, ": the output would be empty (", Ho, " x ", Wo, ")");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == Co && bias->scalar_type() == weight.scalar_type(), op,
-                ": bias must be (", Co, ",) of dtype ", weight.scalar_type());
-  }
+  if (bias.has_value()) check_vector(op, "bias", *bias, x, Co, weight.scalar_type());
   if (residual.has_value()) {
+    check_same_device(op, "residual", *residual, x);
     TORCH_CHECK(residual->sizes() == at::IntArrayRef({N, Co, Ho, Wo}) &&
                     residual->scalar_type() == weight.scalar_type(),
                 op, ": residual must be (", N, ", ", Co, ", ", Ho, ", ", Wo, ") of dtype ",
@@ -223,7 +223,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
                                                                                  : at::kFloat));
     part_m2 = at::empty_like(part_mean);
   }
-  const at::Tensor* b = bias.has_value() ? &*bias : nullptr;
+  // The kernel reads bias[co] with unit stride.
+  const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const at::Tensor* b = bias.has_value() ? &bias_c : nullptr;
   const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
   dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
     using X = decltype(xt);

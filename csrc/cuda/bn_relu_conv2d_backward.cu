@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(T::THREADS)
                  const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
                  const acc_t<X>* __restrict__ branch_scale, Dims4 dyd, Dims4 wd, Dims4 xd,
                  Dims4 gd, ConvGeom g, int write) {
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
   using A = acc_t<X>;
   static_assert(std::is_same_v<A, acc_t<W>>, "x and weight must share an accumulator type");
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
@@ -190,6 +191,7 @@ __global__ void __launch_bounds__(T::THREADS)
                  acc_t<W>* __restrict__ part_db, BnSums<acc_t<X>> bs,
                  const acc_t<W>* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gwd,
                  Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
   using A = acc_t<X>;
   using C = acc_t<W>;
   static_assert(std::is_same_v<A, C>, "x and weight must share an accumulator type");
@@ -345,6 +347,7 @@ __global__ void __launch_bounds__(256)
               const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ mean,
               const acc_t<X>* __restrict__ invstd, const acc_t<X>* __restrict__ m1,
               const acc_t<X>* __restrict__ m2, Dims4 xd, Dims4 gd) {
+  FUSEDRES_LAUNCH_BOUNDS(256);
   using A = acc_t<X>;
   const int64_t total = xd.n * xd.c * xd.h * xd.w;
   const bool channels_fast = gd.sc == 1;
@@ -536,6 +539,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale) {
   const char* op = "fusedres_cuda.bn_relu_conv2d_backward";
   check_unit_inputs(op, x, weight, mean_in, invstd_in);
+  check_bn_params(op, x, bn_weight, bn_bias);
+  check_same_device(op, "grad_out", grad_out, x);
+  TORCH_CHECK(at::isFloatingType(grad_out.scalar_type()), op,
+              ": grad_out must be a floating-point tensor, got ", grad_out.scalar_type());
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
   const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
   const int64_t N = x.size(0), Cin = x.size(1), H = x.size(2), W = x.size(3);

@@ -52,6 +52,9 @@
 #include "host/runtime.h"
 #endif
 
+// mma.sync, ldmatrix, cp.async (fusedres::ptx): inline PTX under nvcc, emulated by host/.
+#include "mma.cuh"
+
 #if defined(__CUDACC__)
 
 #define FUSEDRES_CUDA_NS cuda
@@ -61,6 +64,8 @@
 #define FUSEDRES_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
 // After every launch: a launch error becomes a c10::Error here, not at the next sync.
 #define FUSEDRES_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
+// FUSEDRES_LAUNCH_BOUNDS (mma.cuh under nvcc: nothing, the GPU's launch enforces
+// __launch_bounds__; host/runtime.h on the CPU: the layer's check).
 
 // The block's dynamic shared memory (the launch's `smem` bytes), 128-byte aligned. One extern
 // array for every kernel and type, as nvcc requires.

@@ -269,9 +269,29 @@ struct Affine {
 inline Affine bn_affine(const std::optional<at::Tensor>& bn_weight,
                         const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
                         const at::Tensor& invstd) {
+  // Callers check the shapes first (check_bn_params): a (1,) bn_weight would broadcast here.
   const at::Tensor scale = bn_weight.has_value() ? *bn_weight * invstd : invstd.clone();
   const at::Tensor shift = bn_bias.has_value() ? *bn_bias - mean * scale : -mean * scale;
   return {scale.contiguous(), shift.contiguous()};
+}
+
+// Every tensor argument is checked before a launch: a wrong device, dtype or size would reach
+// the kernel (a fault on a GPU, a wrong answer from a broadcast (1,) parameter).
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
+                              const at::Tensor& x) {
+  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on the device of x (",
+              x.device(), "), got ", t.device());
+}
+
+// A per-channel vector: 1-D (n,) of `dtype` on the device of x (any stride: the ops make it
+// contiguous before a kernel reads it).
+inline void check_vector(const char* op, const char* name, const at::Tensor& t,
+                         const at::Tensor& x, int64_t n, at::ScalarType dtype) {
+  check_same_device(op, name, t, x);
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", name, " must be a 1-D (", n,
+              ",) tensor, got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must have dtype ", dtype, ", got ",
+              t.scalar_type());
 }
 
 inline void check_unit_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
@@ -280,14 +300,19 @@ inline void check_unit_inputs(const char* op, const at::Tensor& x, const at::Ten
   TORCH_CHECK(weight.dim() == 4 && weight.size(1) == x.size(1), op,
               ": weight must be (Co, C, kh, kw) with C = ", x.size(1), ", got ", weight.sizes());
   check_device(x, op, "x");
-  TORCH_CHECK(weight.device() == x.device(), op, ": weight must be on the device of x (",
-              x.device(), "), got ", weight.device());
-  TORCH_CHECK(mean.numel() == x.size(1) && invstd.numel() == x.size(1), op,
-              ": mean and invstd must have one value per channel (", x.size(1), ")");
+  check_same_device(op, "weight", weight, x);
   const auto sdt = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(mean.scalar_type() == sdt && invstd.scalar_type() == sdt, op,
-              ": mean and invstd must have dtype ", sdt, " (the statistics dtype of x), got ",
-              mean.scalar_type(), " and ", invstd.scalar_type());
+  check_vector(op, "mean", mean, x, x.size(1), sdt);
+  check_vector(op, "invstd", invstd, x, x.size(1), sdt);
+}
+
+// The BatchNorm affine parameters, when given: (C,) in the statistics dtype, on x's device.
+inline void check_bn_params(const char* op, const at::Tensor& x,
+                            const std::optional<at::Tensor>& bn_weight,
+                            const std::optional<at::Tensor>& bn_bias) {
+  const auto sdt = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  if (bn_weight.has_value()) check_vector(op, "bn_weight", *bn_weight, x, x.size(1), sdt);
+  if (bn_bias.has_value()) check_vector(op, "bn_bias", *bn_bias, x, x.size(1), sdt);
 }
 
 // The branch scale (stochastic depth's per-sample factor) as a contiguous (N,) tensor in the
@@ -299,8 +324,7 @@ inline at::Tensor branch_scale_acc(const char* op, const std::optional<at::Tenso
   TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0) && at::isFloatingType(s.scalar_type()), op,
               ": branch_scale must be a floating (N,) tensor with N = ", x.size(0), ", got ",
               s.sizes(), " ", s.scalar_type());
-  TORCH_CHECK(s.device() == x.device(), op, ": branch_scale must be on the device of x (",
-              x.device(), "), got ", s.device());
+  check_same_device(op, "branch_scale", s, x);
   const auto acc = weight.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   return s.to(acc).contiguous();
 }

@@ -3,6 +3,7 @@
 #include "layer_tests.h"
 
 #include "tests/layer_kernels.cu"
+#include "tests/mma_kernels.cu"
 
 namespace fusedres::cuda_host::layer_test {
 
@@ -103,6 +104,115 @@ at::Tensor wmma_matmul(const at::Tensor& a, const at::Tensor& b, bool tf32) {
 
 }  // namespace fusedres::cuda_host::layer_test
 
+namespace fusedres::cuda_host::mma_test {
+
+at::Tensor gemm_tile(const at::Tensor& a, const at::Tensor& b, int64_t variant) {
+  TORCH_CHECK(a.sizes() == at::IntArrayRef({16, 32}) && b.sizes() == at::IntArrayRef({32, 16}) &&
+                  a.is_contiguous() && b.is_contiguous() && a.scalar_type() == b.scalar_type(),
+              "fusedres_cuda_layer_test.mma_gemm: a (16, 32) and b (32, 16), contiguous, one "
+              "dtype");
+  at::Tensor c = at::empty({16, 16}, a.options().dtype(at::kFloat));
+  const int v = static_cast<int>(variant);
+  if (a.scalar_type() == at::kHalf) {
+    FUSEDRES_LAUNCH(dim3(1), dim3(32), 0, nullptr, gemm_tile_kernel<__half>)(
+        reinterpret_cast<const __half*>(a.const_data_ptr()),
+        reinterpret_cast<const __half*>(b.const_data_ptr()), c.mutable_data_ptr<float>(), v);
+  } else {
+    TORCH_CHECK(a.scalar_type() == at::kBFloat16, "mma_gemm: float16 or bfloat16");
+    FUSEDRES_LAUNCH(dim3(1), dim3(32), 0, nullptr, gemm_tile_kernel<__nv_bfloat16>)(
+        reinterpret_cast<const __nv_bfloat16*>(a.const_data_ptr()),
+        reinterpret_cast<const __nv_bfloat16*>(b.const_data_ptr()), c.mutable_data_ptr<float>(),
+        v);
+  }
+  return c;
+}
+
+// (32, 4) int64: the registers ldmatrix.x<num>(.trans) gives each lane (unsigned 32-bit values).
+at::Tensor ldmatrix_probe(const at::Tensor& table, int64_t num, bool trans, int64_t offset,
+                          bool from_global) {
+  TORCH_CHECK(table.scalar_type() == at::kShort && table.is_contiguous() &&
+                  table.sizes() == at::IntArrayRef({32, 24}),
+              "ldmatrix_probe: table must be a contiguous (32, 24) int16 tensor");
+  at::Tensor out = at::zeros({32, 4}, at::kInt);
+  const auto* t = reinterpret_cast<const uint16_t*>(table.const_data_ptr());
+  auto* o = reinterpret_cast<uint32_t*>(out.mutable_data_ptr<int>());
+  const int off = static_cast<int>(offset);
+  auto run = [&](auto kernel) {
+    FUSEDRES_LAUNCH(dim3(1), dim3(32), 0, nullptr, kernel)(t, o, off, from_global);
+  };
+  if (num == 1) trans ? run(ldmatrix_kernel<1, true>) : run(ldmatrix_kernel<1, false>);
+  else if (num == 2) trans ? run(ldmatrix_kernel<2, true>) : run(ldmatrix_kernel<2, false>);
+  else if (num == 4) trans ? run(ldmatrix_kernel<4, true>) : run(ldmatrix_kernel<4, false>);
+  else TORCH_CHECK(false, "ldmatrix_probe: num must be 1, 2 or 4");
+  return out.to(at::kLong).bitwise_and(0xffffffffLL);
+}
+
+// (16,) uint8: the shared destination as the thread reads it after the copy (see the kernel).
+at::Tensor cp_async_probe(const at::Tensor& src, int64_t bytes, bool cg, int64_t src_offset,
+                          int64_t dst_offset, int64_t src_size, bool wait) {
+  TORCH_CHECK(src.scalar_type() == at::kByte && src.is_contiguous() && dst_offset >= 0 &&
+                  dst_offset + 16 <= 64,
+              "cp_async_probe: src must be contiguous uint8, dst_offset in [0, 48]");
+  at::Tensor out = at::zeros({16}, at::kByte);
+  const auto* p = src.const_data_ptr<uint8_t>();
+  auto* o = out.mutable_data_ptr<uint8_t>();
+  const int so = static_cast<int>(src_offset), d = static_cast<int>(dst_offset);
+  const int ss = static_cast<int>(src_size);
+  if (bytes == 4) {
+    FUSEDRES_LAUNCH(dim3(1), dim3(1), 0, nullptr, cp_async_kernel<4>)(p, o, cg, so, d, ss, wait);
+  } else if (bytes == 8) {
+    FUSEDRES_LAUNCH(dim3(1), dim3(1), 0, nullptr, cp_async_kernel<8>)(p, o, cg, so, d, ss, wait);
+  } else {
+    TORCH_CHECK(bytes == 16, "cp_async_probe: bytes must be 4, 8 or 16");
+    FUSEDRES_LAUNCH(dim3(1), dim3(1), 0, nullptr, cp_async_kernel<16>)(p, o, cg, so, d, ss, wait);
+  }
+  return out;
+}
+
+at::Tensor unwritten_shared(int64_t blocks, bool planted) {
+  at::Tensor out = at::zeros({blocks, 32}, at::kFloat);
+  FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(32), 0, nullptr,
+                  unwritten_shared_kernel)(out.mutable_data_ptr<float>(), planted);
+  return out;
+}
+
+at::Tensor bounded(int64_t threads) {
+  at::Tensor out = at::full({threads}, -1, at::kInt);
+  FUSEDRES_LAUNCH(dim3(1), dim3(static_cast<unsigned>(threads)), 0, nullptr, bounded_kernel)(
+      out.mutable_data_ptr<int>());
+  return out;
+}
+
+// Launches a kernel with `bytes` of dynamic shared memory; with opt_in after
+// cudaFuncSetAttribute(MaxDynamicSharedMemorySize, bytes), whose status comes back in out[32]
+// (0 cudaSuccess, 1 cudaErrorInvalidValue). A separate instantiation per opt_in, so that the
+// setting of one test does not carry into the other.
+at::Tensor dynamic_smem(int64_t bytes, bool opt_in) {
+  at::Tensor out = at::full({33}, -1.0f, at::kFloat);
+  float* o = out.mutable_data_ptr<float>();
+  const int b = static_cast<int>(bytes);
+  if (opt_in) {
+    const cudaError_t status = cudaFuncSetAttribute(
+        dynamic_smem_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, b);
+    o[32] = static_cast<float>(status);
+    FUSEDRES_LAUNCH(dim3(1), dim3(32), static_cast<size_t>(bytes), nullptr,
+                    dynamic_smem_kernel<1>)(o, b);
+  } else {
+    FUSEDRES_LAUNCH(dim3(1), dim3(32), static_cast<size_t>(bytes), nullptr,
+                    dynamic_smem_kernel<0>)(o, b);
+  }
+  return out;
+}
+
+at::Tensor divergent_collective(int64_t mode) {
+  at::Tensor out = at::zeros({32}, at::kFloat);
+  FUSEDRES_LAUNCH(dim3(1), dim3(32), 0, nullptr, divergent_collective_kernel)(
+      out.mutable_data_ptr<float>(), static_cast<int>(mode));
+  return out;
+}
+
+}  // namespace fusedres::cuda_host::mma_test
+
 TORCH_LIBRARY(fusedres_cuda_layer_test, m) {
   namespace t = fusedres::cuda_host::layer_test;
   m.def("block_sum(Tensor x, bool barrier) -> Tensor", &t::block_sum);
@@ -111,4 +221,14 @@ TORCH_LIBRARY(fusedres_cuda_layer_test, m) {
   m.def("atomics(Tensor x, int threads) -> (Tensor, Tensor)", &t::atomics);
   m.def("reverse_blocks(Tensor x, int threads) -> Tensor", &t::reverse_blocks);
   m.def("wmma_matmul(Tensor a, Tensor b, bool tf32) -> Tensor", &t::wmma_matmul);
+  namespace mt = fusedres::cuda_host::mma_test;
+  m.def("mma_gemm(Tensor a, Tensor b, int variant) -> Tensor", &mt::gemm_tile);
+  m.def("ldmatrix_probe(Tensor table, int num, bool trans, int offset, bool from_global) -> Tensor",
+        &mt::ldmatrix_probe);
+  m.def("cp_async_probe(Tensor src, int bytes, bool cg, int src_offset, int dst_offset, "
+        "int src_size, bool wait) -> Tensor", &mt::cp_async_probe);
+  m.def("unwritten_shared(int blocks, bool planted) -> Tensor", &mt::unwritten_shared);
+  m.def("bounded(int threads) -> Tensor", &mt::bounded);
+  m.def("dynamic_smem(int bytes, bool opt_in) -> Tensor", &mt::dynamic_smem);
+  m.def("divergent_collective(int mode) -> Tensor", &mt::divergent_collective);
 }

@@ -1,8 +1,13 @@
 // The CPU execution layer's run time: blocks, barriers, the warp exchange (see runtime.h).
 #include "runtime.h"
 
+#include <dlfcn.h>
+#include <elf.h>
+
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <fstream>
 #include <cstdlib>
 #include <exception>
 #include <list>
@@ -10,6 +15,7 @@
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_map>
 #include <vector>
 
 #if defined(FUSEDRES_HOST_THREADS)
@@ -49,14 +55,148 @@ std::string hex(unsigned v) {
   return s.str();
 }
 
-// A warp collective in progress: the lanes of `mask` meet here.
+// A warp collective in progress: the lanes of `mask` meet here. `op` is set for the .aligned
+// collectives (mma.sync, ldmatrix), which every lane must reach with the same instruction.
+constexpr size_t kMaxValue = 48;
 struct Group {
   unsigned mask = 0, arrived = 0, read = 0, ballot = 0;
   bool complete = false;
-  unsigned char values[32][16];
+  const char* op = nullptr;
+  unsigned char values[32][kMaxValue];
 };
 
 }  // namespace
+
+
+// ----------------------------------------------------------------------------- static shared
+
+// The static __shared__ variables of the kernels: every function-local static of namespace
+// fusedres::cuda_host (mangled _ZZN8fusedres9cuda_host...) in this module's symbol table,
+// thread-local (STT_TLS) in the fibre build, plain statics (STT_OBJECT, writable) in the
+// OS-thread build. GCC ignores section attributes on template instantiations' statics, so the
+// symbol table is the one place that lists them all. Offsets are relative to a known symbol of
+// this file (tls_thread, or smem_anchor), whose address locates the rest at run time.
+#if defined(FUSEDRES_HOST_THREADS)
+unsigned char smem_anchor[1];
+#endif
+
+namespace {
+
+struct SharedVar {
+  std::ptrdiff_t offset;  // from the anchor
+  size_t size;
+};
+
+struct SharedTable {
+  std::vector<SharedVar> vars;  // sorted by offset
+  std::string error;            // why the table is empty, if it is
+};
+
+std::string module_path() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&run_grid), &info) && info.dli_fname && *info.dli_fname) {
+    std::ifstream probe(info.dli_fname, std::ios::binary);
+    if (probe) return info.dli_fname;
+  }
+  return "/proc/self/exe";
+}
+
+SharedTable read_shared_table() {
+  SharedTable table;
+  const std::string path = module_path();
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (bytes.size() < sizeof(Elf64_Ehdr)) {
+    table.error = "cannot read " + path;
+    return table;
+  }
+  const auto* eh = reinterpret_cast<const Elf64_Ehdr*>(bytes.data());
+  const auto* sh = reinterpret_cast<const Elf64_Shdr*>(bytes.data() + eh->e_shoff);
+#if defined(FUSEDRES_HOST_THREADS)
+  const unsigned char want_type = STT_OBJECT;
+  const char* anchor = "_ZN13fusedres_host11smem_anchorE";
+#else
+  const unsigned char want_type = STT_TLS;
+  const char* anchor = "_ZN13fusedres_host10tls_threadE";
+#endif
+  const char* prefix = "_ZZN8fusedres9cuda_host";
+  bool have_anchor = false;
+  Elf64_Addr anchor_value = 0;
+  std::vector<std::pair<Elf64_Addr, size_t>> found;
+  for (int i = 0; i < eh->e_shnum; ++i) {
+    if (sh[i].sh_type != SHT_SYMTAB) continue;
+    const auto* syms = reinterpret_cast<const Elf64_Sym*>(bytes.data() + sh[i].sh_offset);
+    const char* names = bytes.data() + sh[sh[i].sh_link].sh_offset;
+    const size_t n = sh[i].sh_size / sizeof(Elf64_Sym);
+    for (size_t j = 0; j < n; ++j) {
+      const Elf64_Sym& sym = syms[j];
+      if (sym.st_shndx == SHN_UNDEF || sym.st_shndx >= eh->e_shnum) continue;
+      const char* name = names + sym.st_name;
+      if (std::strcmp(name, anchor) == 0) {
+        have_anchor = true;
+        anchor_value = sym.st_value;
+        continue;
+      }
+      if (ELF64_ST_TYPE(sym.st_info) != want_type || sym.st_size == 0) continue;
+      if (std::strncmp(name, prefix, std::strlen(prefix)) != 0) continue;
+      if (!(sh[sym.st_shndx].sh_flags & SHF_WRITE)) continue;  // __func__ and other constants
+      found.emplace_back(sym.st_value, sym.st_size);
+    }
+  }
+  if (!have_anchor) {
+    table.error = "no symbol table in " + path + " (stripped?)";
+    return table;
+  }
+  std::sort(found.begin(), found.end());
+  found.erase(std::unique(found.begin(), found.end()), found.end());
+  for (const auto& [value, size] : found) {
+    table.vars.push_back({static_cast<std::ptrdiff_t>(value - anchor_value), size});
+  }
+  return table;
+}
+
+const SharedTable& shared_table() {
+  static const SharedTable table = read_shared_table();
+  return table;
+}
+
+// Address of the anchor symbol for the calling OS thread.
+unsigned char* anchor_address() {
+#if defined(FUSEDRES_HOST_THREADS)
+  return smem_anchor;
+#else
+  return reinterpret_cast<unsigned char*>(&tls_thread);
+#endif
+}
+
+// Fills the static shared memory that the calling OS thread's blocks see with 0xff bytes.
+void poison_static_shared() {
+  const SharedTable& t = shared_table();
+  TORCH_CHECK(t.error.empty(), "fusedres cuda host layer: cannot find the kernels' static "
+              "__shared__ variables: ", t.error);
+  unsigned char* base = anchor_address();
+  for (const SharedVar& v : t.vars) std::memset(base + v.offset, 0xff, v.size);
+}
+
+bool in_static_shared(const void* p, size_t bytes) {
+  const auto* c = static_cast<const unsigned char*>(p);
+  const std::ptrdiff_t off = c - anchor_address();
+  const auto& vars = shared_table().vars;
+  auto it = std::upper_bound(vars.begin(), vars.end(), off,
+                             [](std::ptrdiff_t o, const SharedVar& v) { return o < v.offset; });
+  if (it == vars.begin()) return false;
+  --it;
+  return off >= it->offset &&
+         off + static_cast<std::ptrdiff_t>(bytes) <= it->offset + static_cast<std::ptrdiff_t>(it->size);
+}
+
+}  // namespace
+
+size_t static_shared_bytes() {
+  size_t total = 0;
+  for (const auto& v : shared_table().vars) total += v.size;
+  return total;
+}
 
 struct Block {
   BlockInfo info;
@@ -292,6 +432,10 @@ void run_thread(Block& b, Thread& t, void (*body)(void*), void* ctx) {
   tls_thread = &t;
   try {
     body(ctx);
+    if (!t.async.empty()) {
+      device_error("returned with " + std::to_string(t.async.size()) + " cp.async copies that "
+                   "no cp.async.wait_group completed (their data never lands)");
+    }
   } catch (const Aborted&) {
   } catch (...) {
     [[maybe_unused]] Lock lk = lock(b);
@@ -302,8 +446,8 @@ void run_thread(Block& b, Thread& t, void (*body)(void*), void* ctx) {
   thread_exit(b, t);
 }
 
-void init_block(Block& b, dim3 grid, dim3 block, uint3 idx, void* smem) {
-  b.info = BlockInfo{idx, block, grid, smem};
+void init_block(Block& b, dim3 grid, dim3 block, uint3 idx, void* smem, size_t smem_bytes) {
+  b.info = BlockInfo{idx, block, grid, smem, smem_bytes};
   b.nthreads = block.x * block.y * block.z;
   b.threads.resize(b.nthreads);
   const unsigned warps = (b.nthreads + 31) / 32;
@@ -354,8 +498,11 @@ void fiber_entry() {
 void run_block(dim3 grid, dim3 block, uint3 idx, void* smem, size_t smem_bytes,
                void (*body)(void*), void* ctx) {
   Block b;
-  if (smem_bytes) std::memset(smem, 0xff, smem_bytes);  // uninitialised reads give NaN
-  init_block(b, grid, block, idx, smem);
+  // Shared memory not written in this block reads as NaN (-1 for integers), not as the values
+  // of the block that ran before.
+  if (smem_bytes) std::memset(smem, 0xff, smem_bytes);
+  poison_static_shared();
+  init_block(b, grid, block, idx, smem, smem_bytes);
 #if defined(FUSEDRES_HOST_THREADS)
   std::vector<std::thread> threads;
   threads.reserve(b.nthreads);
@@ -450,8 +597,42 @@ unsigned active_mask() {
   return b.exists[t.warp] & ~b.exited[t.warp];
 }
 
+namespace {
+void exchange(const char* op, unsigned mask, const void* value, size_t size, int src, void* out,
+              bool pred, unsigned* ballot, bool aligned, void* all);
+}  // namespace
+
 void warp_exchange(const char* op, unsigned mask, const void* value, size_t size, int src,
                    void* out, bool pred, unsigned* ballot) {
+  exchange(op, mask, value, size, src, out, pred, ballot, false, nullptr);
+}
+
+void warp_aligned(const char* op, const void* value, size_t size, void* all) {
+  if (size > kMaxValue) device_error(std::string(op) + ": too many bytes per lane");
+  exchange(op, 0xffffffffu, value, size, -1, nullptr, false, nullptr, true, all);
+}
+
+bool in_shared(const void* p, size_t bytes) {
+  const BlockInfo& b = self().block->info;
+  const auto* c = static_cast<const unsigned char*>(p);
+  const auto* d = static_cast<const unsigned char*>(b.dynamic_smem);
+  if (d != nullptr && c >= d && c + bytes <= d + b.dynamic_smem_bytes) return true;
+  return in_static_shared(p, bytes);
+}
+
+void check_launch_bounds(const char* kernel, long bound) {
+  const BlockInfo& b = self().block->info;
+  const long threads = long(b.dim.x) * b.dim.y * b.dim.z;
+  if (threads > bound) {
+    device_error(std::string(kernel) + " is declared __launch_bounds__(" + std::to_string(bound) +
+                 ") but launched with " + std::to_string(threads) + " threads per block (on a "
+                 "GPU: cudaErrorInvalidValue, too many resources requested for launch)");
+  }
+}
+
+namespace {
+void exchange(const char* op, unsigned mask, const void* value, size_t size, int src, void* out,
+              bool pred, unsigned* ballot, bool aligned, void* all) {
   Thread& t = self();
   Block& b = *t.block;
   const unsigned bit = 1u << t.lane;
@@ -480,6 +661,11 @@ void warp_exchange(const char* op, unsigned mask, const void* value, size_t size
     groups.emplace_back();
     g = &groups.back();
     g->mask = mask;
+    g->op = aligned ? op : nullptr;
+  } else if ((aligned || g->op) && (!aligned || !g->op || std::strcmp(g->op, op) != 0)) {
+    device_error(std::string(op) + ": lanes " + hex(g->arrived) + " of the warp wait in " +
+                 (g->op ? g->op : "another warp collective") + ": every lane must execute the "
+                 "same .aligned instruction");
   }
   if (size) std::memcpy(g->values[t.lane], value, size);
   if (pred) g->ballot |= bit;
@@ -501,6 +687,11 @@ void warp_exchange(const char* op, unsigned mask, const void* value, size_t size
     }
   }
   if (ballot) *ballot = g->ballot;
+  if (all) {
+    for (int l = 0; l < 32; ++l) {
+      std::memcpy(static_cast<unsigned char*>(all) + l * size, g->values[l], size);
+    }
+  }
   g->read |= bit;
   if (g->read == mask) {
     for (auto it = groups.begin(); it != groups.end(); ++it) {
@@ -512,10 +703,27 @@ void warp_exchange(const char* op, unsigned mask, const void* value, size_t size
   }
 }
 
+}  // namespace
+
 // ----------------------------------------------------------------------------- launch
 
-void run_grid(const char* kernel, dim3 grid, dim3 block, size_t smem, void (*body)(void*),
-              void* ctx) {
+namespace {
+std::mutex attr_mu;
+std::unordered_map<const void*, long>& max_dynamic_smem() {
+  static std::unordered_map<const void*, long> m;
+  return m;
+}
+}  // namespace
+
+bool set_max_dynamic_smem(const void* fn, long bytes) {
+  if (bytes < 0 || static_cast<size_t>(bytes) > kMaxSmemOptIn) return false;
+  std::lock_guard<std::mutex> lk(attr_mu);
+  max_dynamic_smem()[fn] = bytes;
+  return true;
+}
+
+void run_grid(const char* kernel, const void* fn, dim3 grid, dim3 block, size_t smem,
+              void (*body)(void*), void* ctx) {
   const int64_t threads = int64_t(block.x) * block.y * block.z;
   TORCH_CHECK(threads >= 1 && threads <= 1024 && block.z <= 64,
               "fusedres cuda host layer: launch of ", kernel, ": block (", block.x, ", ",
@@ -523,8 +731,22 @@ void run_grid(const char* kernel, dim3 grid, dim3 block, size_t smem, void (*bod
   TORCH_CHECK(grid.x >= 1 && grid.y >= 1 && grid.z >= 1 && grid.y <= 65535 && grid.z <= 65535,
               "fusedres cuda host layer: launch of ", kernel, ": grid (", grid.x, ", ", grid.y,
               ", ", grid.z, ") is not a valid CUDA grid");
-  TORCH_CHECK(smem <= 227 * 1024, "fusedres cuda host layer: launch of ", kernel, ": ", smem,
-              " bytes of dynamic shared memory exceed the 227 KiB of a block on sm_90");
+  TORCH_CHECK(smem <= kMaxSmemOptIn, "fusedres cuda host layer: launch of ", kernel, ": ", smem,
+              " bytes of dynamic shared memory exceed the ", kMaxSmemOptIn, " bytes (163 KiB) "
+              "a block may have on sm_80");
+  if (smem > kDefaultSmem) {
+    long allowed = 0;
+    {
+      std::lock_guard<std::mutex> lk(attr_mu);
+      auto it = max_dynamic_smem().find(fn);
+      if (it != max_dynamic_smem().end()) allowed = it->second;
+    }
+    TORCH_CHECK(static_cast<long>(smem) <= allowed, "fusedres cuda host layer: launch of ",
+                kernel, ": ", smem, " bytes of dynamic shared memory exceed the 48 KiB default "
+                "without the opt-in (cudaFuncSetAttribute(kernel, "
+                "cudaFuncAttributeMaxDynamicSharedMemorySize, ", smem, ") allows ", allowed,
+                " bytes): on a GPU the launch fails");
+  }
   const int64_t blocks = int64_t(grid.x) * grid.y * grid.z;
   try {
 #if defined(FUSEDRES_HOST_THREADS)

@@ -8,7 +8,15 @@
 //     thread, barriers on a mutex + condition variable; blocks run one after the other.
 // `__shared__` is per-block storage: `static thread_local` with fibres (every fibre of a block
 // is on one OS thread, and that OS thread runs one block at a time), `static` with OS threads
-// (blocks are serial). Dynamic shared memory is a per-block buffer (fusedres_dynamic_shared).
+// (blocks are serial). The layer finds every such variable in the module's symbol table (the
+// function-local statics of namespace fusedres::cuda_host: template instantiations included) and
+// fills them with 0xff bytes before every block, as it does the dynamic shared memory (a
+// per-block buffer, fusedres_dynamic_shared): a kernel that reads shared memory it did not write
+// in this block reads NaN / -1, never the previous block's values. `__launch_bounds__` is checked by
+// FUSEDRES_LAUNCH_BOUNDS in the kernel body (a launch with more threads fails), dynamic shared
+// memory above 48 KiB needs cudaFuncSetAttribute(kernel, MaxDynamicSharedMemorySize, bytes) as on
+// a GPU, and never passes the 163 KiB of an sm_80 block (the stricter of the two targets).
+// mma.sync, ldmatrix and cp.async (../mma.cuh) are emulated per lane in the PTX ISA's layouts.
 // Warp shuffles and votes meet in a per-warp exchange keyed by the lane mask: a lane outside
 // its own mask, a mask naming lanes that have exited or do not exist, or lanes that disagree
 // on the mask (a deadlock) raise an error (on a GPU: undefined behaviour); reading a lane
@@ -30,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -43,8 +52,11 @@
 #define __noinline__ __attribute__((noinline))
 #define __restrict__ __restrict
 #define __align__(n) __attribute__((aligned(n)))
+// Checked in the kernel body instead (FUSEDRES_LAUNCH_BOUNDS): a prefix cannot carry the value.
 #define __launch_bounds__(...)
 #define __constant__ static const
+// Static __shared__ variables: found in the symbol table and poisoned before each block
+// (runtime.cpp, static_shared); a kernel may declare no other function-local static.
 #if defined(FUSEDRES_HOST_THREADS)
 #define __shared__ static
 #else
@@ -72,12 +84,23 @@ namespace fusedres_host {
 
 struct Block;
 
+// A cp.async copy issued and not yet complete: the source bytes (read at issue), performed at
+// the cp.async.wait_group that covers its group.
+struct AsyncCopy {
+  void* dst;
+  unsigned char data[16];
+  unsigned bytes;     // cp-size: 4, 8 or 16
+  unsigned group;     // commit groups before it (the group it will belong to)
+};
+
 // One CUDA thread.
 struct Thread {
   uint3 idx;
   unsigned linear;  // x + y * bx + z * bx * by
   unsigned lane, warp;
   Block* block;
+  std::vector<AsyncCopy> async;  // issued cp.async copies, oldest first
+  unsigned committed = 0;        // cp.async.commit_group executed so far
 };
 
 // The block being run (blockIdx, blockDim, gridDim of its grid).
@@ -85,6 +108,7 @@ struct BlockInfo {
   uint3 idx;
   dim3 dim, grid;
   void* dynamic_smem;
+  size_t dynamic_smem_bytes;
 };
 
 // Set for each CUDA thread while it runs (updated at every fibre switch).
@@ -107,12 +131,38 @@ int syncthreads_and(int pred);
 void warp_exchange(const char* op, unsigned mask, const void* value, size_t size, int src,
                    void* out, bool pred, unsigned* ballot);
 unsigned active_mask();
+// A warp-wide collective of the `.aligned` kind (mma.sync, ldmatrix): every lane of the warp
+// takes part with the same `op` (a lane that has exited, or lanes at different aligned
+// collectives, is an error); each contributes `size` bytes (at most 48) and receives the 32
+// lanes' contributions in all[lane * size].
+void warp_aligned(const char* op, const void* value, size_t size, void* all);
+// Whether [p, p + bytes) lies in the running block's shared memory (static or dynamic).
+bool in_shared(const void* p, size_t bytes);
+// The bound of __launch_bounds__(bound), checked against the block's threads.
+void check_launch_bounds(const char* kernel, long bound);
+
+// mma.sync, ldmatrix and cp.async per the PTX ISA (host/mma.cpp; the interface is ../mma.cuh).
+void mma_m16n8k16(bool bf16, float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                  const float (&c)[4]);
+void ldmatrix(int num, bool trans, uint32_t* r, const void* row);
+void cp_async(const char* op, void* dst, const void* src, unsigned cp_size, int src_size);
+void cp_async_commit();
+void cp_async_wait(unsigned n);
 
 // ----------------------------------------------------------------------------- launch
 
 // Runs `body(thread)` for every thread of every block; throws c10::Error on a layer error.
-void run_grid(const char* kernel, dim3 grid, dim3 block, size_t smem,
+// `fn` identifies the kernel for its cudaFuncSetAttribute settings.
+void run_grid(const char* kernel, const void* fn, dim3 grid, dim3 block, size_t smem,
               void (*body)(void* ctx), void* ctx);
+// cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes).
+bool set_max_dynamic_smem(const void* fn, long bytes);
+
+// The per-block shared-memory limits the layer enforces (CUDA C Programming Guide, compute
+// capabilities 8.0 and 9.0): 48 KiB without opt-in; with it 163 KiB on sm_80 (227 KiB on sm_90;
+// the kernels are built for both, so the smaller holds).
+constexpr size_t kDefaultSmem = 48 * 1024;
+constexpr size_t kMaxSmemOptIn = 163 * 1024;
 
 template <typename... P>
 struct Launch {
@@ -129,7 +179,7 @@ struct Launch {
       void (*fn)(P...);
       std::tuple<std::decay_t<P>...> args;
     } ctx{fn, std::tuple<std::decay_t<P>...>(std::forward<A>(args)...)};
-    run_grid(name, grid, block, smem, [](void* c) {
+    run_grid(name, reinterpret_cast<const void*>(fn), grid, block, smem, [](void* c) {
       auto* ctx = static_cast<Ctx*>(c);
       std::apply(ctx->fn, ctx->args);
     }, &ctx);
@@ -164,6 +214,30 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
   fusedres_host::warp_exchange("__syncwarp", mask, nullptr, 0, -1, nullptr, false, nullptr);
 }
 inline unsigned __activemask() { return fusedres_host::active_mask(); }
+// __launch_bounds__(N) on the host: the first statement of a bounded kernel,
+//   __global__ void __launch_bounds__(256) k(...) { FUSEDRES_LAUNCH_BOUNDS(256); ... }
+// (nothing under nvcc, whose launch enforces the attribute itself).
+#define FUSEDRES_LAUNCH_BOUNDS(...) \
+  ::fusedres_host::check_launch_bounds(__func__, fusedres_host_first_arg(__VA_ARGS__))
+constexpr long fusedres_host_first_arg(long bound, long = 0, long = 0) { return bound; }
+
+// cudaFuncSetAttribute: the one attribute the layer models (the dynamic shared-memory opt-in).
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+enum cudaFuncAttribute {
+  cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+  cudaFuncAttributePreferredSharedMemoryCarveout = 9,
+};
+template <typename F>
+cudaError_t cudaFuncSetAttribute(F* fn, cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
+  return fusedres_host::set_max_dynamic_smem(reinterpret_cast<const void*>(fn), value)
+             ? cudaSuccess
+             : cudaErrorInvalidValue;
+}
+inline const char* cudaGetErrorString(cudaError_t e) {
+  return e == cudaSuccess ? "no error" : "invalid argument";
+}
+
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 [[noreturn]] inline void __trap() { fusedres_host::device_error("__trap() called"); }

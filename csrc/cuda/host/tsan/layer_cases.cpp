@@ -75,3 +75,29 @@ FUSEDRES_TSAN_DEMO(racy_block_sum) {
 FUSEDRES_TSAN_DEMO(wrong_mask) {
   lt::warp_sum(at::ones({32}), 0xffff, 32, 16);
 }
+
+// mma.cuh: the GEMM tile (cp.async, ldmatrix, mma.sync) exact on small integers, and the probes.
+FUSEDRES_TSAN_CASE(layer_mma_gemm) {
+  namespace mt = fusedres::cuda_host::mma_test;
+  for (auto t : {at::kHalf, at::kBFloat16}) {
+    at::Tensor a = at::randint(-4, 5, {16, 32}).to(t), b = at::randint(-4, 5, {32, 16}).to(t);
+    expect_close(mt::gemm_tile(a, b, 0), at::matmul(a.to(at::kDouble), b.to(at::kDouble)), 0, 0,
+                 "mma gemm tile");
+  }
+  at::Tensor table = at::arange(32 * 24, at::kShort).view({32, 24});
+  at::Tensor regs = mt::ldmatrix_probe(table, 4, true, 0, false);
+  TORCH_CHECK(regs[5][2].item<int64_t>() == ((16 + 2) * 24 + 1) + (((16 + 3) * 24 + 1) << 16),
+              "ldmatrix.x4.trans: unexpected register");
+  at::Tensor src = at::arange(64, at::kByte);
+  expect_close(mt::cp_async_probe(src, 16, true, 16, 0, 16, true), src.slice(0, 16, 32), 0, 0,
+               "cp.async");
+  at::Tensor poisoned = mt::unwritten_shared(2, true);
+  TORCH_CHECK(poisoned[1].isnan().all().item<bool>(), "unwritten shared memory is not poisoned");
+}
+
+// Deliberately broken (the sanitizer build must catch it): a 16-byte cp.async from an 8-byte
+// tensor reads 8 bytes past its end.
+FUSEDRES_TSAN_DEMO(oob_read) {
+  at::Tensor src = at::arange(8, at::kByte);
+  fusedres::cuda_host::mma_test::cp_async_probe(src, 16, true, 0, 0, 16, true);
+}
