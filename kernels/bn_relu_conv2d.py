@@ -67,26 +67,37 @@ def bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, out_dt
                  INTERP_BF16: tl.constexpr):
     """relu(scale * x + shift) for a (rows, channels) tile, 0 where the row or channel is out."""
     c_ok = c < C
-    mask = row_ok[:, None] & c_ok[None, :]
-    xv = tl.load(x_ptr + row_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
-    sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
-    sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
-    # NaN stays NaN through the ReLU, as torch.relu does.
-    a = tl.maximum(xv.to(sc.dtype) * sc[None, :] + sh[None, :], 0.0,
-                   propagate_nan=tl.PropagateNan.ALL)
-    return cast(tl.where(mask, a, 0.0), out_dtype, INTERP_BF16)
+    return bn_relu_ptrs(x_ptr + row_off[:, None] + c[None, :] * sxc, row_ok, c_ok,
+                        scale_ptr + c, shift_ptr + c, out_dtype, INTERP_BF16)
 
 
 @triton.jit
-def _activation(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, bsc, op_t, acc_t,
+def bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, out_dtype, INTERP_BF16: tl.constexpr):
+    """relu(scale * x + shift) of the (rows, channels) tile at ``x_ptrs`` (scale and shift at
+    ``sc_ptrs``, ``sh_ptrs`` per channel), in float32 (float64), zero where the row (padding,
+    past the end) or the channel is out, then cast to ``out_dtype``."""
+    xv = tl.load(x_ptrs, mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+    sc = tl.load(sc_ptrs, mask=c_ok, other=0.0)
+    sh = tl.load(sh_ptrs, mask=c_ok, other=0.0)
+    # NaN stays NaN through the ReLU, as torch.relu does. A channel past C reads x = scale =
+    # shift = 0, so its a is 0 already; a row out of the image (zero padding of a) is zeroed by
+    # a float multiply by 0 in float32, before the ReLU (which then fuses into the packing
+    # convert, F2FP.RELU) and the cast: a select there is sunk past the cast by LLVM and done
+    # per 16-bit half (unpack, select, repack: twice the instructions).
+    a = tl.maximum((xv.to(sc.dtype) * sc[None, :] + sh[None, :]) * row_ok.to(sc.dtype)[:, None],
+                   0.0, propagate_nan=tl.PropagateNan.ALL)
+    return cast(a, out_dtype, INTERP_BF16)
+
+
+@triton.jit
+def _activation(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, bsc, op_t, acc_t,
                 SCALED: tl.constexpr, INTERP_BF16: tl.constexpr):
     """The A operand: the activation tile, times each row's branch scale when ``SCALED``."""
     if SCALED:
-        a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, acc_t, False)
+        a = bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, acc_t, False)
         return cast(a * bsc[:, None], op_t, INTERP_BF16)
     else:
-        return bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, op_t,
-                            INTERP_BF16)
+        return bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, op_t, INTERP_BF16)
 
 
 @triton.jit
@@ -119,28 +130,43 @@ def bn_relu_conv2d_fwd_kernel(
     r = m % hw
     oh = r // Wo
     ow = r % Wo
-    x_base = n * sxn
     kk = tl.arange(0, BLOCK_K)
     bsc = tl.zeros((BLOCK_M,), dtype=acc_t)  # unused unless the scale goes on the operand
     if HAS_BSCALE:
         if BSCALE_AT == 1:  # the rows' samples' branch scales, for the operand load
             bsc = tl.load(bscale_ptr + n, mask=m_ok, other=0.0).to(acc_t)
+    # Address arithmetic hoisted out of the loop: the tap (0, 0) pixel of each row and its
+    # offset, the channel offsets of the x and weight tiles; an iteration adds scalars.
+    ih0 = oh * SH - PH
+    iw0 = ow * SW - PW
+    x_tile = x_ptr + (n * sxn + ih0 * sxh + iw0 * sxw)[:, None] + kk[None, :] * sxc
+    w_tile = w_ptr + co[None, :] * swo + kk[:, None] * swc
+    # One pipelined loop over taps x channel blocks (the tap (i, j) and the channel block cb
+    # advance as counters, no division): the pipeline does not drain at each tap.
+    nkb = tl.cdiv(C, BLOCK_K)
+    cb = tl.program_id(0) * 0
+    i = cb
+    j = cb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
-    for t in range(0, KH * KW):
-        i = t // KW
-        j = t % KW
-        ih = oh * SH - PH + i * DH
-        iw = ow * SW - PW + j * DW
+    for _ in tl.range(0, KH * KW * nkb):
+        c0 = cb * BLOCK_K
+        ih = ih0 + i * DH
+        iw = iw0 + j * DW
         row_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        row_off = x_base + ih * sxh + iw * sxw
-        for c0 in range(0, C, BLOCK_K):
-            c = c0 + kk
-            a = _activation(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, bsc, op_t,
-                            acc_t, HAS_BSCALE and BSCALE_AT == 1, INTERP_BF16)
-            w_mask = (c < C)[:, None] & co_ok[None, :]
-            b = tl.load(w_ptr + co[None, :] * swo + c[:, None] * swc + i * swh + j * sww,
-                        mask=w_mask, other=0.0)
-            acc = mma(acc, a, b, TF32, INTERP_BF16)
+        c_ok = (c0 + kk) < C
+        a = _activation(x_tile + (i * DH * sxh + j * DW * sxw + c0 * sxc), row_ok, c_ok,
+                        scale_ptr + c0 + kk, shift_ptr + c0 + kk, bsc, op_t, acc_t,
+                        HAS_BSCALE and BSCALE_AT == 1, INTERP_BF16)
+        b = tl.load(w_tile + (c0 * swc + i * swh + j * sww), mask=c_ok[:, None] & co_ok[None, :],
+                    other=0.0)
+        acc = mma(acc, a, b, TF32, INTERP_BF16)
+        cb += 1
+        nxt = cb == nkb
+        cb = tl.where(nxt, 0, cb)
+        j = tl.where(nxt, j + 1, j)
+        nxt = j == KW
+        j = tl.where(nxt, 0, j)
+        i = tl.where(nxt, i + 1, i)
     mask = m_ok[:, None] & co_ok[None, :]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + co, mask=co_ok, other=0.0).to(acc_t)

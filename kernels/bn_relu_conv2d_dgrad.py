@@ -20,6 +20,8 @@ What it writes is chosen by constexprs:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -83,9 +85,10 @@ def _dx_from_dz(dz, xv, c, c_ok, scale_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr
 def dgrad_kernel(
     dy_ptr, w_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr,
     gx_ptr, s1_ptr, s2_ptr, bscale_ptr,
-    C, H, W, Co, Ho, Wo, M, KH, KW,
+    C, H, W, Co, Ho, Wo, M,
     SH, SW, PH, PW, DH, DW,
     PA, PB, HP, WP, ROW0,
+    TI0, TIS, TIN, TJ0, TJS, TJN,
     sdn, sdc, sdh, sdw,
     swo, swc, swh, sww,
     sxn, sxc, sxh, sxw,
@@ -104,45 +107,57 @@ def dgrad_kernel(
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     p_ok = p < M
     c_ok = c < C
-    # Rows are the pixels of one stride phase: ih = PA + SH*k, iw = PB + SW*l. A tap feeds
-    # either all of them or none, so a strided conv skips the taps that do not (no masked MMA).
+    # Rows are the pixels of one stride phase: ih = PA + SH*k, iw = PB + SW*l. The taps that
+    # feed them, those with (ih + PH - i*DH) divisible by SH, are i = TI0 + TIS*u (u < TIN),
+    # likewise j (host-computed): the loop runs over those only (no masked MMA), and each
+    # step u moves the output row by TIS*DH/SH.
     hwp = HP * WP
     n = p // hwp
     rem = p % hwp
     ih = PA + SH * (rem // WP)
     iw = PB + SW * (rem % WP)
-    n64 = n
+    oh0 = (ih + PH - TI0 * DH) // SH  # exact: a multiple of SH (negative rows masked)
+    ow0 = (iw + PW - TJ0 * DW) // SW
+    doh = TIS * DH // SH
+    dow = TJS * DW // SW
     kk = tl.arange(0, BLOCK_K)
     if HAS_BSCALE:
         if FP64:  # float64: applied to dy as it is loaded (see the epilogue)
-            bsc = tl.load(bscale_ptr + n64, mask=p_ok, other=0.0).to(acc_t)
+            bsc = tl.load(bscale_ptr + n, mask=p_ok, other=0.0).to(acc_t)
+    # Hoisted address arithmetic: per-row dy offsets at the first tap, the channel offsets of
+    # both tiles; an iteration adds scalars.
+    dy_tile = dy_ptr + (n * sdn + oh0 * sdh + ow0 * sdw)[:, None] + kk[None, :] * sdc
+    w_tile = w_ptr + kk[:, None] * swo + c[None, :] * swc + TI0 * swh + TJ0 * sww
+    # One pipelined loop over the feeding taps x output-channel blocks (counters, no
+    # division): the pipeline does not drain at each tap.
+    nkb = tl.cdiv(Co, BLOCK_K)
+    kb = tl.program_id(0) * 0
+    u = kb
+    v = kb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
-    for t in range(0, KH * KW):
-        i = t // KW
-        j = t % KW
-        # (ih + PH - i*DH) divisible by SH, for the phase (offset keeps the operand >= 0).
-        tap_h = (PA + PH + SH * KH * DH - i * DH) % SH == 0
-        tap_w = (PB + PW + SW * KW * DW - j * DW) % SW == 0
-        if tap_h and tap_w:
-            oh_s = ih + PH - i * DH
-            ow_s = iw + PW - j * DW
-            oh = oh_s // SH
-            ow = ow_s // SW
-            row_ok = p_ok & (oh_s >= 0) & (ow_s >= 0) & (oh < Ho) & (ow < Wo)
-            row_off = n64 * sdn + oh * sdh + ow * sdw
-            for k0 in range(0, Co, BLOCK_K):
-                co = k0 + kk
-                co_ok = co < Co
-                a = tl.load(dy_ptr + row_off[:, None] + co[None, :] * sdc,
-                            mask=row_ok[:, None] & co_ok[None, :], other=0.0).to(op_t)
-                if HAS_BSCALE:
-                    if FP64:
-                        a = a * bsc[:, None]
-                b = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
-                            mask=co_ok[:, None] & c_ok[None, :], other=0.0)
-                acc = mma(acc, a, b, TF32, INTERP_BF16)
+    for _ in tl.range(0, TIN * TJN * nkb):
+        k0 = kb * BLOCK_K
+        oh = oh0 - u * doh
+        ow = ow0 - v * dow
+        row_ok = p_ok & (oh >= 0) & (ow >= 0) & (oh < Ho) & (ow < Wo)
+        co_ok = (k0 + kk) < Co
+        a = tl.load(dy_tile + (k0 * sdc - u * doh * sdh - v * dow * sdw),
+                    mask=row_ok[:, None] & co_ok[None, :], other=0.0).to(op_t)
+        if HAS_BSCALE:
+            if FP64:
+                a = a * bsc[:, None]
+        b = tl.load(w_tile + (k0 * swo + u * TIS * swh + v * TJS * sww),
+                    mask=co_ok[:, None] & c_ok[None, :], other=0.0)
+        acc = mma(acc, a, b, TF32, INTERP_BF16)
+        kb += 1
+        nxt = kb == nkb
+        kb = tl.where(nxt, 0, kb)
+        v = tl.where(nxt, v + 1, v)
+        nxt = v == TJN
+        v = tl.where(nxt, 0, v)
+        u = tl.where(nxt, u + 1, u)
     mask = p_ok[:, None] & c_ok[None, :]
-    x_off = n64 * sxn + ih * sxh + iw * sxw
+    x_off = n * sxn + ih * sxh + iw * sxw
     xv = tl.load(x_ptr + x_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
     sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
     sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
@@ -153,7 +168,7 @@ def dgrad_kernel(
             # The row's sample's factor: s[n] * conv_transpose(dy), once per output value, and
             # dy goes from memory to the MMA untouched. (float64 scales dy in the loop instead:
             # there, ptxas allocates the epilogue form 128 registers and spills 8 bytes, sm_90.)
-            acc = acc * tl.load(bscale_ptr + n64, mask=p_ok, other=0.0).to(acc_t)[:, None]
+            acc = acc * tl.load(bscale_ptr + n, mask=p_ok, other=0.0).to(acc_t)[:, None]
     dz = tl.where(mask & ~(z <= 0), acc, 0.0)
     if STATS:
         mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
@@ -162,7 +177,7 @@ def dgrad_kernel(
         row = ROW0 + pid_m
         tl.store(s1_ptr + row * C + c, tl.sum(dz, axis=0), mask=c_ok)
         tl.store(s2_ptr + row * C + c, tl.sum(dz * xhat, axis=0), mask=c_ok)
-    g_off = n64 * sgn + ih * sgh + iw * sgw
+    g_off = n * sgn + ih * sgh + iw * sgw
     g_ptrs = gx_ptr + g_off[:, None] + c[None, :] * sgc
     if WRITE_DZ:
         tl.store(g_ptrs, cast(dz, gx_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
@@ -219,6 +234,15 @@ def pick_config(m: int, c: int, co: int, dtype: torch.dtype,
     return configs[0] if m * c >= 128 * 64 * 264 else configs[1]
 
 
+def phase_taps(pa: int, pad: int, dil: int, stride: int, k: int) -> tuple[int, int, int]:
+    """(first, step, count) of the taps i < k that feed the input pixels ih = pa + stride*t:
+    those with (pa + pad - i*dil) divisible by the stride, an arithmetic progression of step
+    stride / gcd(stride, dil) (so a step moves the output pixel by step*dil/stride)."""
+    valid = [i for i in range(k) if (pa + pad - i * dil) % stride == 0]
+    step = stride // math.gcd(stride, dil)
+    return (valid[0] if valid else 0), step, len(valid)
+
+
 def pick_dx_config(x: torch.Tensor) -> KernelConfig:
     if interpreting():
         return DX_INTERPRET_CONFIG
@@ -261,7 +285,9 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     for pa in range(min(stride[0], h)):
         for pb in range(min(stride[1], w)):
             hp, wp = cdiv(h - pa, stride[0]), cdiv(w - pb, stride[1])
-            phases.append((pa, pb, hp, wp, rows))
+            taps = (*phase_taps(pa, padding[0], dilation[0], stride[0], kh),
+                    *phase_taps(pb, padding[1], dilation[1], stride[1], kw))
+            phases.append((pa, pb, hp, wp, rows, taps))
             rows += cdiv(n * hp * wp, bm)
     fp64 = acc_is_fp64(weight.dtype)
     acc = torch.float64 if fp64 else torch.float32
@@ -281,11 +307,11 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     bscale = branch_scale if branch_scale is not None else dummy
 
     def run(m1, m2, write_dz, write_dx, stats):
-        for pa, pb, hp, wp, row0 in phases:
+        for pa, pb, hp, wp, row0, taps in phases:
             mp = n * hp * wp
             launcher(dgrad_kernel)[(cdiv(mp, bm) * col_tiles,)](
-                *common, m1, m2, g, s1, s2, bscale, c, h, w, co, ho, wo, mp, kh, kw, *stride,
-                *padding, *dilation, pa, pb, hp, wp, row0, *strides, WRITE_DZ=write_dz,
+                *common, m1, m2, g, s1, s2, bscale, c, h, w, co, ho, wo, mp, *stride,
+                *padding, *dilation, pa, pb, hp, wp, row0, *taps, *strides, WRITE_DZ=write_dz,
                 WRITE_DX=write_dx, STATS=stats, TRAIN=batch_stats, **flags)
 
     def reduced():
