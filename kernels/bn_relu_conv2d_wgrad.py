@@ -50,10 +50,11 @@ from .bn_relu_conv2d import bn_relu_tile
 
 # Roles by index: 0 mid, 1 big (Co >= 128, C >= 64), 2 small (<= 32 channels). M is Co, N is
 # C, K the output pixels. 16-bit: wgmma-sized (M 64 a warpgroup), 3-4 stages. sm_90 SASS (JIT
-# specialisation) at C = Co = 256, 14x14, issue / tensor-core cycles a K-step: see the
-# report in the commit; the loop stays issue-bound: each K-step splits its pixel indices
-# into (n, oh, ow) with integer division, for both operand tiles. Wider tiles (64x128 with 4
-# warps, K 64) spill in the unspecialised compile (kernels/aot.py).
+# specialisation) at C = Co = 256, 14x14, instructions a warp per K-step and issue /
+# tensor-core cycles a block: 297 at 128x128x32 (2.3; was 278 at 128x64x32, 4.3). Still
+# issue-bound: each K-step splits its pixel indices into (n, oh, ow) with integer division,
+# for both operand tiles. Wider tiles (64x128 with 4 warps, K 64) spill in the unspecialised
+# compile (kernels/aot.py).
 CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
@@ -68,6 +69,8 @@ FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
 ]
 # The SUMS variant carries two accumulators: 8 warps (two warpgroups) for the wide ones.
+# 64x128x32, 3 stages: 419 instructions a K-step (issue / tensor 3.3; 403 and 3.2 with 2
+# stages before), its grid 216 programs at C = Co = 256, 14x14 (split 3; 72 before).
 SUMS_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
