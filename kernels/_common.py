@@ -88,6 +88,44 @@ def fits_int32(*tensors) -> bool:
     return True
 
 
+def is_aligned(channels, *tensors) -> bool:
+    """Operands the ``ALIGNED`` configs may run on: every channel count in ``channels`` a
+    multiple of 16, every 4-D tensor with unit channel stride (channels-last, or any layout
+    whose channel axis is innermost), every data pointer 16-byte aligned (None skipped)."""
+    if any(ch % 16 for ch in channels):
+        return False
+    for t in tensors:
+        if t is None:
+            continue
+        if t.dim() == 4 and t.stride(1) != 1:
+            return False
+        if _byte_offset(t) % 16:
+            return False
+    return True
+
+
+def _byte_offset(t: torch.Tensor) -> int:
+    """The data pointer modulo the allocator's alignment: the pointer itself for real
+    tensors; for fake and meta ones (torch.compile tracing: the config chosen there is baked
+    into the graph) the storage offset, the storage base being allocator-aligned."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if t.device.type == "meta" or is_fake(t):
+        return int(t.storage_offset()) * t.element_size()
+    return t.data_ptr()
+
+
+def usable(cfg: KernelConfig, aligned: bool) -> bool:
+    """A config with ``ALIGNED`` in its meta runs only on aligned operands."""
+    return aligned or not cfg.meta.get("ALIGNED", False)
+
+
+def check_usable(cfg: KernelConfig, aligned: bool) -> None:
+    if not usable(cfg, aligned):
+        raise ValueError(f"config {cfg} (ALIGNED) needs channels-last operands with channel "
+                         "counts and data pointers multiples of 16")
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -36,19 +36,36 @@ from ._common import (
     autotuned,
     cdiv,
     chan_combine,
+    check_usable,
     dtype_name,
     interp_bf16,
     interpreting,
+    is_aligned,
     launcher,
+    sm_count,
+    usable,
 )
-from ._tl import cast, mma
+from ._tl import cast, load_tile, load_vec, mma
 
-# Tensor-core configs (fp16, bf16, fp32/tf32): big, wide-N, small-N. float64 runs on smaller
-# tiles (FMA / DMMA, twice the registers per accumulator).
+# Tensor-core configs (fp16, bf16), by role (index): 0, 1 and 2 for large C with Co >= 256,
+# >= 128 and 64 (wgmma-sized: m64 per warpgroup, N 256 / 128 / 64); 3 mid (64-channel units
+# with few pixels); 4 and 5 narrow (32 and 16-channel units: N = Co, K 16 = one channel block
+# a tap). Read from the sm_90 SASS (JIT specialisation, C = Co = 256, 14x14), instructions a
+# warp per K-step and issue / tensor-core cycles a block: 216 at 64x256x64 (0.84), 186 at
+# 128x128x32 (1.45), 185 at 128x64x32 (2.9; 200 and 3.1 before the loop was flattened). The
+# BatchNorm-ReLU of the A tile costs the same per K-step whatever BLOCK_N: wide tiles are
+# what make the loop tensor-bound. 128x256x64 and 128x128x64 (0.69, 1.3) spill in the
+# unspecialised compile kernels/aot.py checks (255 registers + 1.2 KB / 100 B), 64x128x64 with
+# 4 warps too. The first three run only on aligned operands (``ALIGNED``: vector loads;
+# scalar gathers at these sizes spill), where the others are the fallback. float64 runs on
+# smaller tiles (FMA / DMMA, twice the registers per accumulator).
 CONFIGS = [
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3, BSCALE_AT=1),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, ALIGNED=1),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, BSCALE_AT=1),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=3),
 ]
 FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=3),
@@ -67,26 +84,39 @@ def bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, out_dt
                  INTERP_BF16: tl.constexpr):
     """relu(scale * x + shift) for a (rows, channels) tile, 0 where the row or channel is out."""
     c_ok = c < C
-    mask = row_ok[:, None] & c_ok[None, :]
-    xv = tl.load(x_ptr + row_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
-    sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
-    sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
-    # NaN stays NaN through the ReLU, as torch.relu does.
-    a = tl.maximum(xv.to(sc.dtype) * sc[None, :] + sh[None, :], 0.0,
-                   propagate_nan=tl.PropagateNan.ALL)
-    return cast(tl.where(mask, a, 0.0), out_dtype, INTERP_BF16)
+    return bn_relu_ptrs(x_ptr + row_off[:, None] + c[None, :] * sxc, row_ok, c_ok,
+                        scale_ptr + c, shift_ptr + c, out_dtype, INTERP_BF16, False)
 
 
 @triton.jit
-def _activation(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, bsc, op_t, acc_t,
-                SCALED: tl.constexpr, INTERP_BF16: tl.constexpr):
+def bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, out_dtype, INTERP_BF16: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """relu(scale * x + shift) of the (rows, channels) tile at ``x_ptrs`` (scale and shift at
+    ``sc_ptrs``, ``sh_ptrs`` per channel), in float32 (float64), zero where the row (padding,
+    past the end) or the channel is out, then cast to ``out_dtype``. ``EVEN_K``: every
+    channel of the tile is in (``c_ok`` unused)."""
+    xv = load_tile(x_ptrs, row_ok, c_ok, False, EVEN_K)
+    sc = load_vec(sc_ptrs, c_ok, EVEN_K)
+    sh = load_vec(sh_ptrs, c_ok, EVEN_K)
+    # NaN stays NaN through the ReLU, as torch.relu does. A channel past C reads x = scale =
+    # shift = 0, so its a is 0 already; a row out of the image (zero padding of a) is zeroed by
+    # a float multiply by 0 in float32, before the ReLU (which then fuses into the packing
+    # convert, F2FP.RELU) and the cast: a select there is sunk past the cast by LLVM and done
+    # per 16-bit half (unpack, select, repack: twice the instructions).
+    a = tl.maximum((xv.to(sc.dtype) * sc[None, :] + sh[None, :]) * row_ok.to(sc.dtype)[:, None],
+                   0.0, propagate_nan=tl.PropagateNan.ALL)
+    return cast(a, out_dtype, INTERP_BF16)
+
+
+@triton.jit
+def _activation(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, bsc, op_t, acc_t,
+                SCALED: tl.constexpr, INTERP_BF16: tl.constexpr, EVEN_K: tl.constexpr):
     """The A operand: the activation tile, times each row's branch scale when ``SCALED``."""
     if SCALED:
-        a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, acc_t, False)
+        a = bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, acc_t, False, EVEN_K)
         return cast(a * bsc[:, None], op_t, INTERP_BF16)
     else:
-        return bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, op_t,
-                            INTERP_BF16)
+        return bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, op_t, INTERP_BF16, EVEN_K)
 
 
 @triton.jit
@@ -102,7 +132,19 @@ def bn_relu_conv2d_fwd_kernel(
     FP64: tl.constexpr, TF32: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BSCALE: tl.constexpr = False, BSCALE_AT: tl.constexpr = 0,
+    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, ALIGNED: tl.constexpr = False,
 ):
+    # EVEN_K: C % BLOCK_K == 0, EVEN_N: Co % BLOCK_N == 0 (host-checked): the channel masks
+    # of the loop's loads are left out (see _tl.load_tile). ALIGNED (a config's meta, launched
+    # only when ``is_aligned``): unit channel strides, and the channel runs of the tiles told
+    # to the compiler as 16-byte aligned (tl.multiple_of / max_contiguous): what the JIT infers
+    # by itself from its divisibility-16 specialisation, stated so that an unspecialised
+    # compile (kernels/aot.py) builds the same vector loads.
+    if ALIGNED:
+        sxc = 1
+        swc = 1
+        syc = 1
+        src = 1
     # Column tiles of one row block run back to back, so its x tiles are read from DRAM once
     # and then hit L2.
     num_n = tl.cdiv(Co, BLOCK_N)
@@ -119,28 +161,50 @@ def bn_relu_conv2d_fwd_kernel(
     r = m % hw
     oh = r // Wo
     ow = r % Wo
-    x_base = n * sxn
     kk = tl.arange(0, BLOCK_K)
     bsc = tl.zeros((BLOCK_M,), dtype=acc_t)  # unused unless the scale goes on the operand
     if HAS_BSCALE:
         if BSCALE_AT == 1:  # the rows' samples' branch scales, for the operand load
             bsc = tl.load(bscale_ptr + n, mask=m_ok, other=0.0).to(acc_t)
+    # Address arithmetic hoisted out of the loop: the tap (0, 0) pixel of each row and its
+    # offset, the channel offsets of the x and weight tiles; an iteration adds scalars.
+    ih0 = oh * SH - PH
+    iw0 = ow * SW - PW
+    x_tile = x_ptr + (n * sxn + ih0 * sxh + iw0 * sxw)[:, None] + kk[None, :] * sxc
+    w_tile = w_ptr + co[None, :] * swo + kk[:, None] * swc
+    # One pipelined loop over taps x channel blocks (the tap (i, j) and the channel block cb
+    # advance as counters, no division): the pipeline does not drain at each tap.
+    nkb = tl.cdiv(C, BLOCK_K)
+    cb = tl.program_id(0) * 0
+    i = cb
+    j = cb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
-    for t in range(0, KH * KW):
-        i = t // KW
-        j = t % KW
-        ih = oh * SH - PH + i * DH
-        iw = ow * SW - PW + j * DW
+    for _ in tl.range(0, KH * KW * nkb):
+        c0 = cb * BLOCK_K
+        ih = ih0 + i * DH
+        iw = iw0 + j * DW
         row_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        row_off = x_base + ih * sxh + iw * sxw
-        for c0 in range(0, C, BLOCK_K):
-            c = c0 + kk
-            a = _activation(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, bsc, op_t,
-                            acc_t, HAS_BSCALE and BSCALE_AT == 1, INTERP_BF16)
-            w_mask = (c < C)[:, None] & co_ok[None, :]
-            b = tl.load(w_ptr + co[None, :] * swo + c[:, None] * swc + i * swh + j * sww,
-                        mask=w_mask, other=0.0)
-            acc = mma(acc, a, b, TF32, INTERP_BF16)
+        c_ok = (c0 + kk) < C
+        x_ptrs = x_tile + (i * DH * sxh + j * DW * sxw + c0 * sxc)
+        w_ptrs = w_tile + (c0 * swc + i * swh + j * sww)
+        sc_ptrs = scale_ptr + c0 + kk
+        sh_ptrs = shift_ptr + c0 + kk
+        if ALIGNED:  # hints inline: through a helper's return they are lost
+            x_ptrs = tl.max_contiguous(tl.multiple_of(x_ptrs, [16, 16]), [1, BLOCK_K])
+            w_ptrs = tl.max_contiguous(tl.multiple_of(w_ptrs, [16, 16]), [BLOCK_K, 1])
+            sc_ptrs = tl.max_contiguous(tl.multiple_of(sc_ptrs, [16]), [BLOCK_K])
+            sh_ptrs = tl.max_contiguous(tl.multiple_of(sh_ptrs, [16]), [BLOCK_K])
+        a = _activation(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, bsc, op_t, acc_t,
+                        HAS_BSCALE and BSCALE_AT == 1, INTERP_BF16, EVEN_K)
+        b = load_tile(w_ptrs, c_ok, co_ok, EVEN_K, EVEN_N)
+        acc = mma(acc, a, b, TF32, INTERP_BF16)
+        cb += 1
+        nxt = cb == nkb
+        cb = tl.where(nxt, 0, cb)
+        j = tl.where(nxt, j + 1, j)
+        nxt = j == KW
+        j = tl.where(nxt, 0, j)
+        i = tl.where(nxt, i + 1, i)
     mask = m_ok[:, None] & co_ok[None, :]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + co, mask=co_ok, other=0.0).to(acc_t)
@@ -159,11 +223,16 @@ def bn_relu_conv2d_fwd_kernel(
                            other=0.0).to(acc_t)
     if HAS_RES:
         r_off = n * srn + oh * srh + ow * srw
-        acc += tl.load(res_ptr + r_off[:, None] + co[None, :] * src, mask=mask,
-                       other=0.0).to(acc_t)
+        r_ptrs = res_ptr + r_off[:, None] + co[None, :] * src
+        if ALIGNED:
+            r_ptrs = tl.max_contiguous(tl.multiple_of(r_ptrs, [16, 16]), [1, BLOCK_N])
+        acc += tl.load(r_ptrs, mask=mask, other=0.0).to(acc_t)
     y = cast(acc, y_ptr.dtype.element_ty, INTERP_BF16)
     y_off = n * syn + oh * syh + ow * syw
-    tl.store(y_ptr + y_off[:, None] + co[None, :] * syc, y, mask=mask)
+    y_ptrs = y_ptr + y_off[:, None] + co[None, :] * syc
+    if ALIGNED:
+        y_ptrs = tl.max_contiguous(tl.multiple_of(y_ptrs, [16, 16]), [1, BLOCK_N])
+    tl.store(y_ptrs, y, mask=mask)
     if GENSTATS:
         # Statistics of y as stored (rounded), the values the next BatchNorm will read.
         yv = tl.where(mask, y.to(acc_t), 0.0)
@@ -182,16 +251,41 @@ def configs_for(dtype) -> list[KernelConfig]:
 
 
 def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
-                interpret: bool | None = None) -> KernelConfig:
-    """Host rule: small Co -> narrow tiles; few pixels -> small tiles to fill the SMs."""
+                interpret: bool | None = None, sms: int = 132,
+                aligned: bool = True) -> KernelConfig:
+    """Host rule (16-bit operands; see CONFIGS for the roles):
+
+    * Co <= 16 / <= 32: the narrow tiles (N = Co, no padded columns), whatever the pixels.
+    * Co > 128 with C >= 64 when 64x256 tiles still give a full wave on ``sms`` SMs: the big
+      tile (the A-tile BatchNorm-ReLU amortised over 256 columns).
+    * Co >= 128 (and C >= 32) with a full wave of 128x128 tiles: the wide tile.
+    * C >= 32 with a full wave of 128x64 tiles: 128x64x32 (64-channel units, many pixels).
+    * otherwise the 64x64 tile (few pixels: more, smaller blocks to fill the SMs).
+
+    The first three only when ``aligned`` (see ``is_aligned``).
+    """
     if interpreting() if interpret is None else interpret:
         return INTERPRET_CONFIG
     if dtype == torch.float64:
         return FP64_CONFIGS[0] if m >= 64 * 264 else FP64_CONFIGS[1]
     configs = configs_for(dtype)
+    if dtype == torch.float32:
+        if co <= 32:
+            return configs[2]
+        return configs[0] if m * co >= 128 * 64 * 264 else configs[1]
+    if co <= 16:
+        return configs[5]
     if co <= 32:
+        return configs[4]
+    if not aligned:
+        return configs[3]
+    if co > 128 and c >= 64 and cdiv(m, 64) * cdiv(co, 256) >= sms:
+        return configs[0]
+    if co >= 128 and c >= 32 and cdiv(m, 128) * cdiv(co, 128) >= sms:
+        return configs[1]
+    if c >= 32 and cdiv(m, 128) * cdiv(co, 64) >= sms:
         return configs[2]
-    return configs[0] if m * co >= 128 * 64 * 264 else configs[1]
+    return configs[3]
 
 
 def _dummy(t: torch.Tensor) -> torch.Tensor:
@@ -218,14 +312,17 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
     y = torch.empty((n, co, ho, wo), device=x.device, dtype=weight.dtype,
                     memory_format=memory_format)
     m = n * ho * wo
+    aligned = is_aligned((c, co), x, weight, y, residual, scale, shift)
     if config is None and autotune_enabled(x, weight):
         key = ("fwd", x.shape, x.stride(), weight.shape, weight.dtype, x.dtype, tuple(stride),
                tuple(padding), tuple(dilation), bias is not None, residual is not None, genstats,
                branch_scale is not None)
-        config = autotuned(key, configs_for(weight.dtype), lambda cfg: bn_relu_conv2d_fwd(
+        configs = [cfg for cfg in configs_for(weight.dtype) if usable(cfg, aligned)]
+        config = autotuned(key, configs, lambda cfg: bn_relu_conv2d_fwd(
             x, weight, bias, scale, shift, residual, stride, padding, dilation, memory_format,
             genstats, cfg, branch_scale))
-    cfg = config or pick_config(m, co, c, weight.dtype)
+    cfg = config or pick_config(m, co, c, weight.dtype, sms=sm_count(x.device), aligned=aligned)
+    check_usable(cfg, aligned)
     bm, bn = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"]
     grid = (cdiv(m, bm), cdiv(co, bn))
     fp64 = acc_is_fp64(weight.dtype)
@@ -244,8 +341,11 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
         *x.stride(), *weight.stride(), *y.stride(), *res_strides,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, GENSTATS=genstats,
         HAS_BSCALE=branch_scale is not None, FP64=fp64, TF32=allow_tf32(weight.dtype),
+        EVEN_K=c % cfg.meta["BLOCK_K"] == 0, EVEN_N=co % bn == 0,
         INTERP_BF16=interp_bf16(weight.dtype),
-        **cfg.launch_kwargs(),
+        # Every constexpr passed, defaults included: torch.library.wrap_triton's analysis of
+        # which tensors a kernel writes needs them all (else it assumes every input written).
+        **{"BSCALE_AT": 0, "ALIGNED": 0, **cfg.launch_kwargs()},
     )
     if not genstats:
         return y

@@ -20,6 +20,8 @@ What it writes is chosen by constexprs:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -31,19 +33,31 @@ from ._common import (
     autotune_enabled,
     autotuned,
     cdiv,
+    check_usable,
     dtype_name,
     interp_bf16,
     interpreting,
+    is_aligned,
     launcher,
+    sm_count,
+    usable,
 )
-from ._tl import cast, mma
+from ._tl import cast, load_tile, mma
 
-# Same roles as the forward's configs: big, mid, narrow (small C); float32 (TF32) operands
-# take twice the registers of 16-bit ones in the epilogue, hence fewer stages.
+# 16-bit operands, by role: 0 big (C >= 128), 1 wide (C >= 64), K 64 = four k16 steps a
+# K-step; 2 mid (64-channel units with few pixels); 3 and 4 narrow (32 and 16-channel units:
+# N = C, K 16). Read from the sm_90 SASS (JIT specialisation, C = Co = 256, 14x14),
+# instructions a warp per K-step and issue / tensor-core cycles a block: 113 at 64x128x64
+# (0.88), 135 at 128x64x64 (1.05); 76 + a tap's pipeline drain at 128x64x32 before the loop
+# was flattened. No 128x128 tile: the WRITE_DX epilogue (x tile, ReLU mask, xhat, sums, dx)
+# on top of its accumulator spills (128x128x64: 255 registers + 12 bytes). 0 and 1 run only
+# on aligned operands (``ALIGNED``, as the forward's).
 CONFIGS = [
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, ALIGNED=1),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, ALIGNED=1),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=3),
 ]
 FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
@@ -83,9 +97,10 @@ def _dx_from_dz(dz, xv, c, c_ok, scale_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr
 def dgrad_kernel(
     dy_ptr, w_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, m1_ptr, m2_ptr,
     gx_ptr, s1_ptr, s2_ptr, bscale_ptr,
-    C, H, W, Co, Ho, Wo, M, KH, KW,
+    C, H, W, Co, Ho, Wo, M,
     SH, SW, PH, PW, DH, DW,
     PA, PB, HP, WP, ROW0,
+    TI0, TIS, TIN, TJ0, TJS, TJN,
     sdn, sdc, sdh, sdw,
     swo, swc, swh, sww,
     sxn, sxc, sxh, sxw,
@@ -94,7 +109,16 @@ def dgrad_kernel(
     FP64: tl.constexpr, TF32: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BSCALE: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, ALIGNED: tl.constexpr = False,
 ):
+    # EVEN_K: Co % BLOCK_K == 0, EVEN_N: C % BLOCK_N == 0 (host-checked): the channel masks
+    # of the loop's loads are left out (see _tl.load_tile). ALIGNED: as the forward's (unit
+    # channel strides, 16-aligned channel runs stated to the compiler).
+    if ALIGNED:
+        sdc = 1
+        swc = 1
+        sxc = 1
+        sgc = 1
     num_n = tl.cdiv(C, BLOCK_N)  # column tiles of a row block back to back (L2 reuse of dy)
     pid_m = tl.program_id(0) // num_n
     pid_n = tl.program_id(0) % num_n
@@ -104,46 +128,64 @@ def dgrad_kernel(
     c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     p_ok = p < M
     c_ok = c < C
-    # Rows are the pixels of one stride phase: ih = PA + SH*k, iw = PB + SW*l. A tap feeds
-    # either all of them or none, so a strided conv skips the taps that do not (no masked MMA).
+    # Rows are the pixels of one stride phase: ih = PA + SH*k, iw = PB + SW*l. The taps that
+    # feed them, those with (ih + PH - i*DH) divisible by SH, are i = TI0 + TIS*u (u < TIN),
+    # likewise j (host-computed): the loop runs over those only (no masked MMA), and each
+    # step u moves the output row by TIS*DH/SH.
     hwp = HP * WP
     n = p // hwp
     rem = p % hwp
     ih = PA + SH * (rem // WP)
     iw = PB + SW * (rem % WP)
-    n64 = n
+    oh0 = (ih + PH - TI0 * DH) // SH  # exact: a multiple of SH (negative rows masked)
+    ow0 = (iw + PW - TJ0 * DW) // SW
+    doh = TIS * DH // SH
+    dow = TJS * DW // SW
     kk = tl.arange(0, BLOCK_K)
     if HAS_BSCALE:
         if FP64:  # float64: applied to dy as it is loaded (see the epilogue)
-            bsc = tl.load(bscale_ptr + n64, mask=p_ok, other=0.0).to(acc_t)
+            bsc = tl.load(bscale_ptr + n, mask=p_ok, other=0.0).to(acc_t)
+    # Hoisted address arithmetic: per-row dy offsets at the first tap, the channel offsets of
+    # both tiles; an iteration adds scalars.
+    dy_tile = dy_ptr + (n * sdn + oh0 * sdh + ow0 * sdw)[:, None] + kk[None, :] * sdc
+    w_tile = w_ptr + kk[:, None] * swo + c[None, :] * swc + TI0 * swh + TJ0 * sww
+    # One pipelined loop over the feeding taps x output-channel blocks (counters, no
+    # division): the pipeline does not drain at each tap.
+    nkb = tl.cdiv(Co, BLOCK_K)
+    kb = tl.program_id(0) * 0
+    u = kb
+    v = kb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
-    for t in range(0, KH * KW):
-        i = t // KW
-        j = t % KW
-        # (ih + PH - i*DH) divisible by SH, for the phase (offset keeps the operand >= 0).
-        tap_h = (PA + PH + SH * KH * DH - i * DH) % SH == 0
-        tap_w = (PB + PW + SW * KW * DW - j * DW) % SW == 0
-        if tap_h and tap_w:
-            oh_s = ih + PH - i * DH
-            ow_s = iw + PW - j * DW
-            oh = oh_s // SH
-            ow = ow_s // SW
-            row_ok = p_ok & (oh_s >= 0) & (ow_s >= 0) & (oh < Ho) & (ow < Wo)
-            row_off = n64 * sdn + oh * sdh + ow * sdw
-            for k0 in range(0, Co, BLOCK_K):
-                co = k0 + kk
-                co_ok = co < Co
-                a = tl.load(dy_ptr + row_off[:, None] + co[None, :] * sdc,
-                            mask=row_ok[:, None] & co_ok[None, :], other=0.0).to(op_t)
-                if HAS_BSCALE:
-                    if FP64:
-                        a = a * bsc[:, None]
-                b = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
-                            mask=co_ok[:, None] & c_ok[None, :], other=0.0)
-                acc = mma(acc, a, b, TF32, INTERP_BF16)
+    for _ in tl.range(0, TIN * TJN * nkb):
+        k0 = kb * BLOCK_K
+        oh = oh0 - u * doh
+        ow = ow0 - v * dow
+        row_ok = p_ok & (oh >= 0) & (ow >= 0) & (oh < Ho) & (ow < Wo)
+        co_ok = (k0 + kk) < Co
+        dy_ptrs = dy_tile + (k0 * sdc - u * doh * sdh - v * dow * sdw)
+        w_ptrs = w_tile + (k0 * swo + u * TIS * swh + v * TJS * sww)
+        if ALIGNED:
+            dy_ptrs = tl.max_contiguous(tl.multiple_of(dy_ptrs, [16, 16]), [1, BLOCK_K])
+            w_ptrs = tl.max_contiguous(tl.multiple_of(w_ptrs, [16, 16]), [1, BLOCK_N])
+        a = load_tile(dy_ptrs, row_ok, co_ok, False, EVEN_K).to(op_t)
+        if HAS_BSCALE:
+            if FP64:
+                a = a * bsc[:, None]
+        b = load_tile(w_ptrs, co_ok, c_ok, EVEN_K, EVEN_N)
+        acc = mma(acc, a, b, TF32, INTERP_BF16)
+        kb += 1
+        nxt = kb == nkb
+        kb = tl.where(nxt, 0, kb)
+        v = tl.where(nxt, v + 1, v)
+        nxt = v == TJN
+        v = tl.where(nxt, 0, v)
+        u = tl.where(nxt, u + 1, u)
     mask = p_ok[:, None] & c_ok[None, :]
-    x_off = n64 * sxn + ih * sxh + iw * sxw
-    xv = tl.load(x_ptr + x_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
+    x_off = n * sxn + ih * sxh + iw * sxw
+    x_ptrs = x_ptr + x_off[:, None] + c[None, :] * sxc
+    if ALIGNED:
+        x_ptrs = tl.max_contiguous(tl.multiple_of(x_ptrs, [16, 16]), [1, BLOCK_N])
+    xv = tl.load(x_ptrs, mask=mask, other=0.0)
     sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
     sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
     z = xv.to(sc.dtype) * sc[None, :] + sh[None, :]
@@ -153,7 +195,7 @@ def dgrad_kernel(
             # The row's sample's factor: s[n] * conv_transpose(dy), once per output value, and
             # dy goes from memory to the MMA untouched. (float64 scales dy in the loop instead:
             # there, ptxas allocates the epilogue form 128 registers and spills 8 bytes, sm_90.)
-            acc = acc * tl.load(bscale_ptr + n64, mask=p_ok, other=0.0).to(acc_t)[:, None]
+            acc = acc * tl.load(bscale_ptr + n, mask=p_ok, other=0.0).to(acc_t)[:, None]
     dz = tl.where(mask & ~(z <= 0), acc, 0.0)
     if STATS:
         mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
@@ -162,8 +204,10 @@ def dgrad_kernel(
         row = ROW0 + pid_m
         tl.store(s1_ptr + row * C + c, tl.sum(dz, axis=0), mask=c_ok)
         tl.store(s2_ptr + row * C + c, tl.sum(dz * xhat, axis=0), mask=c_ok)
-    g_off = n64 * sgn + ih * sgh + iw * sgw
+    g_off = n * sgn + ih * sgh + iw * sgw
     g_ptrs = gx_ptr + g_off[:, None] + c[None, :] * sgc
+    if ALIGNED:
+        g_ptrs = tl.max_contiguous(tl.multiple_of(g_ptrs, [16, 16]), [1, BLOCK_N])
     if WRITE_DZ:
         tl.store(g_ptrs, cast(dz, gx_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
     if WRITE_DX:
@@ -208,15 +252,40 @@ def dx_configs_for(dtype) -> list[KernelConfig]:
 
 
 def pick_config(m: int, c: int, co: int, dtype: torch.dtype,
-                interpret: bool | None = None) -> KernelConfig:
+                interpret: bool | None = None, sms: int = 132,
+                aligned: bool = True) -> KernelConfig:
+    """Host rule (16-bit operands; see CONFIGS): C <= 16 / <= 32 the narrow tiles; aligned
+    operands with Co >= 64 and C >= 128 / >= 64 the big / wide tile when it gives a full wave
+    on ``sms`` SMs; otherwise 64x64 (more, smaller blocks). float32 and float64 keep their
+    own lists (same roles as before)."""
     if interpreting() if interpret is None else interpret:
         return INTERPRET_CONFIG
     if dtype == torch.float64:
         return FP64_CONFIGS[0] if m >= 64 * 264 else FP64_CONFIGS[1]
     configs = configs_for(dtype)
+    if dtype == torch.float32:
+        if c <= 32:
+            return configs[2]
+        return configs[0] if m * c >= 128 * 64 * 264 else configs[1]
+    if c <= 16:
+        return configs[4]
     if c <= 32:
-        return configs[2]
-    return configs[0] if m * c >= 128 * 64 * 264 else configs[1]
+        return configs[3]
+    if aligned and co >= 64:
+        if c >= 128 and cdiv(m, 64) * cdiv(c, 128) >= sms:
+            return configs[0]
+        if cdiv(m, 128) * cdiv(c, 64) >= sms:
+            return configs[1]
+    return configs[2]
+
+
+def phase_taps(pa: int, pad: int, dil: int, stride: int, k: int) -> tuple[int, int, int]:
+    """(first, step, count) of the taps i < k that feed the input pixels ih = pa + stride*t:
+    those with (pa + pad - i*dil) divisible by the stride, an arithmetic progression of step
+    stride / gcd(stride, dil) (so a step moves the output pixel by step*dil/stride)."""
+    valid = [i for i in range(k) if (pa + pad - i * dil) % stride == 0]
+    step = stride // math.gcd(stride, dil)
+    return (valid[0] if valid else 0), step, len(valid)
 
 
 def pick_dx_config(x: torch.Tensor) -> KernelConfig:
@@ -245,15 +314,18 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     co, _, kh, kw = weight.shape
     ho, wo = grad_out.shape[2], grad_out.shape[3]
     m = n * h * w
+    aligned = is_aligned((c, co), grad_out, weight, x, grad_x, scale, shift, mean, invstd)
     if config is None and autotune_enabled(x, weight):
         key = ("dgrad", x.shape, x.stride(), weight.shape, weight.dtype, x.dtype, tuple(stride),
                tuple(padding), tuple(dilation), batch_stats, grad_x is None, want_sums,
                sums is None, strategy, branch_scale is not None)
-        config = autotuned(key, configs_for(weight.dtype), lambda cfg: bn_relu_conv2d_dgrad(
+        configs = [cfg for cfg in configs_for(weight.dtype) if usable(cfg, aligned)]
+        config = autotuned(key, configs, lambda cfg: bn_relu_conv2d_dgrad(
             grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
             batch_stats=batch_stats, grad_x=grad_x, want_sums=want_sums, sums=sums,
             strategy=strategy, config=cfg, branch_scale=branch_scale))
-    cfg = config or pick_config(m, c, co, weight.dtype)
+    cfg = config or pick_config(m, c, co, weight.dtype, sms=sm_count(x.device), aligned=aligned)
+    check_usable(cfg, aligned)
     bm, col_tiles = cfg.meta["BLOCK_M"], cdiv(c, cfg.meta["BLOCK_N"])
     # One launch per stride phase (pixels with ih % sh, iw % sw fixed), see dgrad_kernel.
     phases = []
@@ -261,7 +333,9 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     for pa in range(min(stride[0], h)):
         for pb in range(min(stride[1], w)):
             hp, wp = cdiv(h - pa, stride[0]), cdiv(w - pb, stride[1])
-            phases.append((pa, pb, hp, wp, rows))
+            taps = (*phase_taps(pa, padding[0], dilation[0], stride[0], kh),
+                    *phase_taps(pb, padding[1], dilation[1], stride[1], kw))
+            phases.append((pa, pb, hp, wp, rows, taps))
             rows += cdiv(n * hp * wp, bm)
     fp64 = acc_is_fp64(weight.dtype)
     acc = torch.float64 if fp64 else torch.float32
@@ -277,15 +351,18 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     strides = (*grad_out.stride(), *weight.stride(), *x.stride(), *g_strides)
     flags = dict(FP64=fp64, TF32=allow_tf32(weight.dtype),
                  INTERP_BF16=interp_bf16(weight.dtype, x.dtype),
-                 HAS_BSCALE=branch_scale is not None, **cfg.launch_kwargs())
+                 HAS_BSCALE=branch_scale is not None, EVEN_K=co % cfg.meta["BLOCK_K"] == 0,
+                 EVEN_N=c % cfg.meta["BLOCK_N"] == 0,
+                 # every constexpr passed: wrap_triton's write analysis needs them all
+                 **{"ALIGNED": 0, **cfg.launch_kwargs()})
     bscale = branch_scale if branch_scale is not None else dummy
 
     def run(m1, m2, write_dz, write_dx, stats):
-        for pa, pb, hp, wp, row0 in phases:
+        for pa, pb, hp, wp, row0, taps in phases:
             mp = n * hp * wp
             launcher(dgrad_kernel)[(cdiv(mp, bm) * col_tiles,)](
-                *common, m1, m2, g, s1, s2, bscale, c, h, w, co, ho, wo, mp, kh, kw, *stride,
-                *padding, *dilation, pa, pb, hp, wp, row0, *strides, WRITE_DZ=write_dz,
+                *common, m1, m2, g, s1, s2, bscale, c, h, w, co, ho, wo, mp, *stride,
+                *padding, *dilation, pa, pb, hp, wp, row0, *taps, *strides, WRITE_DZ=write_dz,
                 WRITE_DX=write_dx, STATS=stats, TRAIN=batch_stats, **flags)
 
     def reduced():

@@ -48,7 +48,19 @@ from ._common import (
 from ._tl import cast, mma
 from .bn_relu_conv2d import bn_relu_tile
 
+# Roles by index: 0 mid, 1 big (Co >= 128, C >= 64), 2 small (<= 32 channels). M is Co, N is
+# C, K the output pixels. 16-bit: wgmma-sized (M 64 a warpgroup), 3-4 stages. sm_90 SASS (JIT
+# specialisation) at C = Co = 256, 14x14, instructions a warp per K-step and issue /
+# tensor-core cycles a block: 297 at 128x128x32 (2.3; was 278 at 128x64x32, 4.3). Still
+# issue-bound: each K-step splits its pixel indices into (n, oh, ow) with integer division,
+# for both operand tiles. Wider tiles (64x128 with 4 warps, K 64) spill in the unspecialised
+# compile (kernels/aot.py).
 CONFIGS = [
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2),
+]
+FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
@@ -56,11 +68,13 @@ CONFIGS = [
 FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
 ]
-# The SUMS variant carries two accumulators: more warps, fewer stages.
+# The SUMS variant carries two accumulators: 8 warps (two warpgroups) for the wide ones.
+# 64x128x32, 3 stages: 419 instructions a K-step (issue / tensor 3.3; 403 and 3.2 with 2
+# stages before), its grid 216 programs at C = Co = 256, 14x14 (split 3; 72 before).
 SUMS_CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
 ]
 SUMS_FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
@@ -186,7 +200,7 @@ def configs_for(dtype, sums: bool = False) -> list[KernelConfig]:
     name = dtype_name(dtype)
     if sums:
         return {"fp64": SUMS_FP64_CONFIGS, "fp32": SUMS_FP32_CONFIGS}.get(name, SUMS_CONFIGS)
-    return FP64_CONFIGS if name == "fp64" else CONFIGS
+    return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS}.get(name, CONFIGS)
 
 
 def sums_configs_for(dtype) -> list[KernelConfig]:
@@ -208,15 +222,39 @@ def pick_config(co: int, c: int, dtype: torch.dtype, interpret: bool | None = No
     return configs[0]
 
 
-def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms: int) -> int:
-    """Split the reduction until ~2 waves of programs, keeping >= 4 K-steps per program and
-    the partials' traffic (a (Co, C, kh, kw) float32 tile per split, written and read) small
-    against the dy and x the pass reads."""
-    tiles = cdiv(co, cfg.meta["BLOCK_M"]) * cdiv(c, cfg.meta["BLOCK_N"]) * kh * kw
-    k_iters = cdiv(m, cfg.meta["BLOCK_K"])
-    traffic_cap = max(1, m * (c + co) // (32 * co * c * kh * kw))
-    split = min(cdiv(2 * sms, tiles), max(1, k_iters // 4), traffic_cap)
-    return _normalise_split(split, k_iters)[0]
+# The split rule's device model (H100 SXM public figures: 989 TFLOP/s dense fp16 on 132 SMs,
+# 3.35 TB/s HBM3). The loop runs at about a third of the tensor-core rate, issue-bound (sm_90
+# SASS, see CONFIGS), hence the per-SM rate used.
+SM_FLOPS = 989e12 / 132 / 3
+DRAM_BYTES_PER_S = 3.35e12
+
+
+def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms: int,
+               gemms: int = 1) -> int:
+    """The split of the reduction with the least modeled time max(compute, DRAM): compute is
+    the waves of programs (one an SM) times a program's K-steps at ``SM_FLOPS`` (``gemms``
+    products a K-step: 2 for the SUMS variant); DRAM the
+    16-bit dy and x the pass reads plus the float32 partials (a (Co, C, kh, kw) tile per
+    split, written and read). Splits up to twice the smallest that gives ``sms`` programs,
+    >= 4 K-steps a program; the smaller on ties. So the grid fills the SMs where the pass is
+    compute-bound: C = Co = 256 at 14x14, batch 256 on 132 SMs, SUMS 128x64 tiles: 72 tiles ->
+    split 3, 216 programs (the old rule, ~2 waves capped at partials <= 1/8 of the operand
+    bytes, gave split 1: 72 programs of 64x128); plain 128x128: 36 tiles -> split 7, 252."""
+    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
+    tiles = cdiv(co, bm) * cdiv(c, bn) * kh * kw
+    k_iters = cdiv(m, bk)
+    operands = 2 * m * (c + co)
+    cap = min(2 * cdiv(sms, tiles), max(1, k_iters // 4),
+              max(1, operands // (2 * 8 * co * c * kh * kw)))
+    best, best_t = 1, float("inf")
+    for s in range(1, cap + 1):
+        s, ips = _normalise_split(s, k_iters)
+        t_comp = cdiv(tiles * s, sms) * ips * 2 * gemms * bm * bn * bk / SM_FLOPS
+        t_mem = (operands + (8 * co * c * kh * kw * s if s > 1 else 0)) / DRAM_BYTES_PER_S
+        t = max(t_comp, t_mem)
+        if t < best_t * (1 - 1e-9):
+            best, best_t = s, t
+    return best
 
 
 def _normalise_split(split: int, k_iters: int) -> tuple[int, int]:
@@ -259,7 +297,8 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     cfg = config or pick_config(co, c, grad_out.dtype, sums=bn_affine is not None)
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
     if split is None:
-        split = 1 if interpreting() else pick_split(co, c, kh, kw, m, cfg, sm_count(x.device))
+        split = 1 if interpreting() else pick_split(co, c, kh, kw, m, cfg, sm_count(x.device),
+                                                    gemms=2 if bn_affine is not None else 1)
     split, ips = _normalise_split(split, cdiv(m, bk))
     fp64 = acc_is_fp64(grad_out.dtype)
     acc = torch.float64 if fp64 else torch.float32

@@ -149,7 +149,7 @@ def fused_step(u: Unit, genstats: bool = False, strategy: str = "sums") -> Step:
     # to a dW partial and the sums' partials per split.
     cfg = _wgrad.pick_config(u.co, u.c, dt, interpret=False, sums=True)
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
-    split = _wgrad.pick_split(u.co, u.c, u.k, u.k, m_out, cfg, H100_SMS)
+    split = _wgrad.pick_split(u.co, u.c, u.k, u.k, m_out, cfg, H100_SMS, gemms=2)
     sums = 2 * split * cdiv(u.co, bm) * u.k * u.k * vec
     partials = (split * u.co * u.c * u.k * u.k * 4 if split > 1 else 0) + sums
     flops = 2 * 2 * cdiv(u.co, bm) * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(m_out, bk) * bk

@@ -343,7 +343,7 @@ def test_triton_forward_every_config_placement(dtype):
     from fusedres.backends import portable
     from fusedres.kernels import bn_relu_conv2d as fwd
 
-    case = Case(3, 5, 6, 6, 7, k=3, padding=1, bias=True, residual=True)
+    case = Case(3, 16, 6, 6, 16, k=3, padding=1, bias=True, residual=True)
     inp = make_inputs(case, dtype)
     x, w, b, res = (t.detach() for t in (inp.x, inp.weight, inp.bias, inp.residual))
     sdt = torch.float64 if dtype == torch.float64 else torch.float32
@@ -359,8 +359,11 @@ def test_triton_forward_every_config_placement(dtype):
     places = set()
     for cfg in fwd.configs_for(dtype):
         places.add(cfg.meta.get("BSCALE_AT", 0))
-        y = fwd.bn_relu_conv2d_fwd(x, w, b, scale, shift, res, [1, 1], [1, 1], [1, 1],
-                                   torch.contiguous_format, config=cfg, branch_scale=s)
+        # ALIGNED configs run on channels-last operands only (16 channels: aligned).
+        fmt = torch.channels_last if cfg.meta.get("ALIGNED") else torch.contiguous_format
+        xf, wf, rf = (t.contiguous(memory_format=fmt) for t in (x, w, res))
+        y = fwd.bn_relu_conv2d_fwd(xf, wf, b, scale, shift, rf, [1, 1], [1, 1], [1, 1], fmt,
+                                   config=cfg, branch_scale=s)
         torch.testing.assert_close(y, want, atol=tol, rtol=tol, msg=lambda m, c=cfg: f"{c}: {m}")
     assert places == {torch.float16: {0, 1}, torch.float32: {0},
                       torch.float64: {2}}[dtype]

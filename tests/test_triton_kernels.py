@@ -113,16 +113,17 @@ def _ref_forward(x, wt, bias, scale, shift, residual, stride, padding, dilation)
     return y if residual is None else y + residual.double()
 
 
-def _forward_case(dtype, channels_last, cfg, k=3, stride=(2, 1), padding=(1, 2), dilation=(1, 2)):
-    x, wt, gamma, beta = make(n=1, c=5, h=9, w=7, co=17, k=k, dtype=dtype,
+def _forward_case(dtype, channels_last, cfg, k=3, stride=(2, 1), padding=(1, 2), dilation=(1, 2),
+                  c=5, co=17):
+    x, wt, gamma, beta = make(n=1, c=c, h=9, w=7, co=co, k=k, dtype=dtype,
                               channels_last=channels_last)
-    mean = torch.randn(5).to(DEVICE, _sdt(dtype)) * 0.1
-    invstd = (torch.rand(5) + 0.5).to(DEVICE, _sdt(dtype))
+    mean = torch.randn(c).to(DEVICE, _sdt(dtype)) * 0.1
+    invstd = (torch.rand(c) + 0.5).to(DEVICE, _sdt(dtype))
     scale, shift = _scale_shift(gamma, beta, mean, invstd)
-    bias = torch.randn(17).to(DEVICE, dtype)
+    bias = torch.randn(co).to(DEVICE, dtype)
     y_ref = _ref_forward(x, wt, bias, scale, shift, None, stride, padding, dilation)
-    residual = torch.randn(y_ref.shape).to(DEVICE, dtype)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
+    residual = torch.randn(y_ref.shape).to(DEVICE, dtype).contiguous(memory_format=fmt)
     y, m, v = fwd.bn_relu_conv2d_fwd(x, wt, bias, scale, shift, residual, stride, padding,
                                      dilation, fmt, genstats=True, config=cfg)
     assert y.dtype == dtype and y.is_contiguous(memory_format=fmt)
@@ -141,7 +142,56 @@ def test_forward_genstats(dtype, channels_last):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_forward_every_gpu_config(dtype):
     for cfg in fwd.configs_for(dtype):
-        _forward_case(dtype, True, cfg, k=3, stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+        # ALIGNED configs run on channels-last operands with channel counts multiples of 16.
+        c, co = (16, 48) if cfg.meta.get("ALIGNED") else (5, 17)
+        _forward_case(dtype, True, cfg, k=3, stride=(1, 1), padding=(1, 1), dilation=(1, 1),
+                      c=c, co=co)
+
+
+def test_aligned_config_refuses_unaligned_operands():
+    """An ALIGNED config (vector loads stated to the compiler) on channel counts that are
+    not multiples of 16, or on NCHW operands, is an error naming the config, not a wrong
+    result; the host rule never picks one there."""
+    cfg = next(c for c in fwd.configs_for(torch.float16) if c.meta.get("ALIGNED"))
+    x, wt, gamma, beta = make(n=1, c=16, h=5, w=5, co=17, dtype=torch.float16,
+                              channels_last=True)
+    scale, shift = gamma, beta
+    with pytest.raises(ValueError, match="ALIGNED"):
+        fwd.bn_relu_conv2d_fwd(x, wt, None, scale, shift, None, (1, 1), (1, 1), (1, 1),
+                               torch.channels_last, config=cfg)
+    x, wt, gamma, beta = make(n=1, c=16, h=5, w=5, co=16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="ALIGNED"):
+        fwd.bn_relu_conv2d_fwd(x, wt, None, scale, shift, None, (1, 1), (1, 1), (1, 1),
+                               torch.contiguous_format, config=cfg)
+    assert not fwd.pick_config(10**6, 256, 256, torch.float16, interpret=False,
+                               aligned=False).meta.get("ALIGNED")
+    assert fwd.pick_config(10**6, 256, 256, torch.float16, interpret=False).meta.get("ALIGNED")
+    assert not dg.pick_config(10**6, 256, 256, torch.float16, interpret=False,
+                              aligned=False).meta.get("ALIGNED")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_even_channels_unmasked_loads(dtype):
+    """C and Co multiples of the interpreter's blocks (K 16, N 32): the forward and the data
+    gradient drop their channel masks (EVEN_K, EVEN_N) and still match float64, padding,
+    stride 2 phases and tap skipping included. (~2 s)"""
+    x, wt, gamma, beta = make(n=2, c=32, h=7, w=6, co=32, dtype=dtype, channels_last=True)
+    cfg = fwd.INTERPRET_CONFIG
+    assert 32 % cfg.meta["BLOCK_K"] == 0 and 32 % cfg.meta["BLOCK_N"] == 0
+    mean, var = bs.batch_stats(x)
+    invstd = torch.rsqrt(var + 1e-5)
+    scale, shift = _scale_shift(gamma, beta, mean, invstd)
+    for stride in ((1, 1), (2, 2)):
+        y = fwd.bn_relu_conv2d_fwd(x, wt, None, scale, shift, None, stride, (1, 1), (1, 1),
+                                   torch.channels_last)
+        y_ref = _ref_forward(x, wt, None, scale, shift, None, stride, (1, 1), 1)
+        assert rel_err(y, y_ref) < TOL[dtype]
+        dy = torch.randn(y.shape).to(DEVICE, dtype).contiguous(memory_format=torch.channels_last)
+        ref = _portable64(dy, x, wt, gamma, beta, mean, invstd, stride, (1, 1), (1, 1), False)
+        gx = torch.empty_like(x)
+        dg.bn_relu_conv2d_dgrad(dy, x, wt, scale, shift, mean, invstd, stride, (1, 1), (1, 1),
+                                batch_stats=False, grad_x=gx, want_sums=False)
+        assert rel_err(gx, ref[0]) < TOL[dtype] * (4 if dtype in HALF else 1)
 
 
 def test_forward_noncontiguous_input():
@@ -161,8 +211,8 @@ def test_forward_noncontiguous_input():
 
 # --------------------------------------------------------------------------- backward
 
-def _backward_inputs(dtype, channels_last, k=3, co=6):
-    x, wt, gamma, beta = make(n=2, c=5, h=7, w=9, co=co, k=k, dtype=dtype,
+def _backward_inputs(dtype, channels_last, k=3, co=6, c=5):
+    x, wt, gamma, beta = make(n=2, c=c, h=7, w=9, co=co, k=k, dtype=dtype,
                               channels_last=channels_last)
     mean, var = bs.batch_stats(x)
     invstd = torch.rsqrt(var + 1e-5)
@@ -253,7 +303,18 @@ def test_backward_every_gpu_config(dtype):
                                              want_bias=False, bn_affine=(gamma, beta),
                                              mean=mean, invstd=invstd, config=cfg)
         assert rel_err(sums[0], ref[4]) < tol and rel_err(sums[1], ref[3]) < tol, str(cfg)
+    # ALIGNED configs on an aligned case (16 channels each side, channels-last), eval mode.
+    xa, wa, ga, ba, mua, inva = _backward_inputs(dtype, True, co=16, c=16)
+    sca, sha = _scale_shift(ga, ba, mua, inva)
+    dya = torch.randn(2, 16, 7, 9).to(DEVICE, dtype).contiguous(memory_format=torch.channels_last)
+    refa = _portable64(dya, xa, wa, ga, ba, mua, inva, (1, 1), (1, 1), (1, 1), False)
     for cfg in dg.configs_for(dtype):
+        if cfg.meta.get("ALIGNED"):
+            gx = torch.empty_like(xa)
+            dg.bn_relu_conv2d_dgrad(dya, xa, wa, sca, sha, mua, inva, (1, 1), (1, 1), (1, 1),
+                                    batch_stats=False, grad_x=gx, want_sums=False, config=cfg)
+            assert rel_err(gx, refa[0]) < tol, str(cfg)
+            continue
         gx = torch.empty_like(x)
         dg.bn_relu_conv2d_dgrad(dy, x, wt, scale, shift, mean, invstd, (1, 1), (1, 1), (1, 1),
                                 batch_stats=True, grad_x=gx, want_sums=False, sums=sums,
