@@ -137,26 +137,27 @@ def test_specialisation_equals_triton_jit_run(probe):
 def test_launch_order_and_grids_of_a_known_shape(probe):
     """x (128, 16, 32, 32) fp16 channels_last, 3x3 16 -> 16, H100 (132 SMs). By the host rules:
     batch_stats (C <= 32, channels_last: 128 x 16 tiles): 1024 tiles, split min(4 * 132,
-    1024 / 8) = 128; forward and data gradient (<= 32 channels: 128 x 32 tiles): 131072 / 128
-    programs; wgrad (<= 32 channels: 32 x 32 x 64): 9 tiles, 2048 K-steps, split min(264 / 9,
-    2048 / 4, traffic cap 56) = 30; the dx pass 64 x 32 tiles."""
+    1024 / 8) = 128; forward and data gradient (16 channels: the 128 x 16 tiles, no padding
+    column): 131072 / 128 programs; wgrad (<= 32 channels: 32 x 32 x 64): 9 tiles, 2048 K-steps,
+    split the least modeled time of pick_split up to 2 * cdiv(132, 9) = 30: 29 (71 K-steps
+    each); the dx pass 64 x 32 tiles."""
     sums = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["sums"]]
     assert sums == [
         ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"),
-        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=32 K=16 w=4 s=2"),
-        ("wgrad_sums", [1, 9, 30], "M=32 N=32 K=64 w=4 s=2"),
-        ("dgrad_dx", [1024, 1, 1], "M=128 N=32 K=16 w=4 s=2"),
+        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
+        ("wgrad_sums", [1, 9, 29], "M=32 N=32 K=64 w=4 s=3"),
+        ("dgrad_dx", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
     ]
     store = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["store"]]
     assert store == [
         ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"),
-        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=32 K=16 w=4 s=2"),
-        ("wgrad", [1, 9, 30], "M=32 N=32 K=64 w=4 s=3"),
-        ("dgrad_store", [1024, 1, 1], "M=128 N=32 K=16 w=4 s=2"),
+        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
+        ("wgrad", [1, 9, 29], "M=32 N=32 K=64 w=4 s=2"),
+        ("dgrad_store", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
         ("dx", [2048, 1, 1], "M=64 C=32 w=4 s=1"),
     ]
-    # A100's 108 SMs: the weight gradient splits min(216 / 9, ...) = 24 ways.
-    assert [r["grid"] for r in probe["a100"]][2] == [1, 9, 24]
+    # A100's 108 SMs: 12 ways fill them in one wave (9 x 12 = 108 programs).
+    assert [r["grid"] for r in probe["a100"]][2] == [1, 9, 12]
 
 
 def test_divisibility_and_unit_strides(probe):
@@ -201,6 +202,6 @@ def test_command_lists_the_launches(probe):
     heads = [line for line in probe["cli"].splitlines() if not line.startswith(" ")]
     assert [h.split()[0] for h in heads] == ["batch_stats", "bn_relu_conv2d_fwd", "wgrad",
                                              "dgrad_store", "dx"]
-    assert heads[1].startswith("bn_relu_conv2d_fwd  grid=(1024, 1, 1)  M=128 N=32 K=16")
+    assert heads[1].startswith("bn_relu_conv2d_fwd  grid=(1024, 1, 1)  M=128 N=16 K=16")
     assert probe["from_values"] == {name: "1" for name in (
         "SH", "SW", "PH", "PW", "DH", "DW", "sxc", "swc", "syc")}
