@@ -1,0 +1,129 @@
+"""The fused unit's forward + backward on a device, kernel by kernel, beside the plain
+sequence (BatchNorm, ReLU, cuDNN conv, add and their backward passes).
+
+Fused: the Triton launches of launches.unit_launches, each compiled for the device's arch and
+modeled from its SASS (model.predict), with DRAM bytes from kernels/traffic.py's per-kernel
+model (fused_step; split between the launches of one role by their CTAs), and every PyTorch op
+the host launchers run between them (reductions of partials, per-channel vectors) as one
+DRAM-bound launch each.
+
+Plain: kernels/traffic.py's unfused_step, each kernel max(bytes / (bandwidth x
+DRAM_EFFICIENCY), FLOPs / (tensor peak x TENSOR_SUSTAINED)) + LAUNCH_S: cuDNN's convolution at
+the sustained tensor rate the calibration's cuBLAS figures reach (an upper bound on cuDNN, so
+the ratio favours the plain sequence), the BatchNorm, ReLU and add passes at DRAM speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..kernels import traffic
+from ..kernels._common import cdiv
+from ..unit_shapes import ConvUnit
+from . import model, sass
+from .devices import Device
+from .launches import Captured, Compiled, HostOp, compile_captured, unit_launches
+
+ELEM = {"fp16": 2, "bf16": 2, "fp32": 4}
+KIND = {"fp16": "fp16", "bf16": "fp16", "fp32": "tf32"}
+
+
+def conv_unit(u: traffic.Unit) -> ConvUnit:
+    return ConvUnit(u.name, u.n, u.c, u.co, u.h, u.k, u.stride, u.residual)
+
+
+def traffic_unit(u: traffic.Unit, dtype: str) -> traffic.Unit:
+    return traffic.Unit(u.name, u.n, u.c, u.h, u.co, u.k, u.stride, u.residual, ELEM[dtype])
+
+
+def trips(cap: Captured) -> model.Trips:
+    """Main-loop trips per CTA, from the launch's arguments and each kernel's loop structure:
+
+    * batch_stats_kernel: one loop over its split's row tiles (``tiles_per_split``);
+    * bn_relu_conv2d_fwd_kernel: taps (KH*KW, outer) x channel blocks (cdiv(C, BLOCK_K));
+    * wgrad_kernel: one loop over its split's pixel blocks (``iters_per_split``);
+    * dgrad_kernel: taps (KH*KW, outer; the body skips the taps that do not feed the launch's
+      stride phase) x output-channel blocks (cdiv(Co, BLOCK_K)) on the taps that do;
+    * dx_kernel: no loop.
+    """
+    a, name = cap.args, cap.name
+    if name == "batch_stats_kernel":
+        return model.Trips(a["tiles_per_split"])
+    if name == "bn_relu_conv2d_fwd_kernel":
+        return model.Trips(cdiv(a["C"], a["BLOCK_K"]), a["KH"] * a["KW"])
+    if name == "wgrad_kernel":
+        return model.Trips(a["iters_per_split"])
+    if name == "dgrad_kernel":
+        kh, kw, sh, sw = a["KH"], a["KW"], a["SH"], a["SW"]
+        ph, pw, dh, dw = a["PH"], a["PW"], a["DH"], a["DW"]
+        active = sum((a["PA"] + ph + sh * kh * dh - i * dh) % sh == 0 for i in range(kh)) * \
+            sum((a["PB"] + pw + sw * kw * dw - j * dw) % sw == 0 for j in range(kw))
+        return model.Trips(cdiv(a["Co"], a["BLOCK_K"]) * active / (kh * kw), kh * kw)
+    if name == "dx_kernel":
+        return model.Trips(0)
+    raise ValueError(f"trips: no loop structure documented for kernel {name!r}")
+
+
+@dataclass
+class KernelRow:
+    role: str
+    cap: Captured
+    comp: Compiled
+    sass: sass.KernelSass
+    trips: model.Trips
+    pred: model.Prediction
+
+
+@dataclass
+class UnitModel:
+    unit: traffic.Unit
+    dtype: str
+    device: Device
+    kernels: list[KernelRow] = field(default_factory=list)
+    host: list[HostOp] = field(default_factory=list)
+    host_s: float = 0.0
+    plain: list[tuple[str, float, str]] = field(default_factory=list)  # (kernel, s, bound)
+
+    @property
+    def fused_s(self) -> float:
+        return sum(k.pred.time_s for k in self.kernels) + self.host_s
+
+    @property
+    def plain_s(self) -> float:
+        return sum(t for _, t, _ in self.plain)
+
+
+def _dram_s(nbytes: float, dev: Device) -> float:
+    return nbytes / (dev.dram_bytes_s * model.DRAM_EFFICIENCY)
+
+
+def plain_step(u: traffic.Unit, dtype: str, dev: Device) -> list[tuple[str, float, str]]:
+    tu = traffic_unit(u, dtype)
+    peak = dev.tensor_peak_flops(KIND[dtype]) * model.TENSOR_SUSTAINED[dev.arch]
+    out = []
+    for k in traffic.unfused_step(tu).kernels:
+        mem, flop = _dram_s(k.bytes, dev), k.flops / peak
+        out.append((k.name, max(mem, flop) + model.LAUNCH_S, "tensor" if flop > mem else "dram"))
+    return out
+
+
+def model_unit(u: traffic.Unit, dtype: str, dev: Device) -> UnitModel:
+    tu = traffic_unit(u, dtype)
+    caps, host = unit_launches(conv_unit(u), dtype, sms=dev.sms)
+    dram = {k.name: k.bytes for k in traffic.fused_step(tu).kernels}
+    role_ctas: dict[str, int] = {}
+    for role, cap in caps:
+        role_ctas[role] = role_ctas.get(role, 0) + cap.ctas
+    um = UnitModel(u, dtype, dev, host=host)
+    for role, cap in caps:
+        comp = compile_captured(cap, dev.arch)
+        k = sass.analyse(comp.name, sass.parse(sass.disassemble(comp.cubin))[comp.name])
+        t = trips(cap)
+        nbytes = dram.get(role, 0) * cap.ctas / role_ctas[role]
+        launch = model.Launch(f"{u.name} {role}", k,
+                              model.Resources(comp.registers, comp.shared, comp.num_warps),
+                              cap.ctas, t, nbytes)
+        um.kernels.append(KernelRow(role, cap, comp, k, t, model.predict(launch, dev)))
+    um.host_s = sum(_dram_s(h.bytes, dev) + model.LAUNCH_S for h in host)
+    um.plain = plain_step(u, dtype, dev)
+    return um
