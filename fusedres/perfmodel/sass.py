@@ -331,16 +331,29 @@ class KernelSass:
 
 
 def pick_main_loop(code: list[Instr], loops: list[Loop]) -> Loop | None:
-    """The innermost loop carrying tensor-core instructions (the most MMA work); without any,
-    the innermost loop moving the most global bytes (then the largest)."""
-    inner = [lp for lp in loops if not lp.children]
-    if not inner:
+    """The innermost loop carrying tensor-core instructions (no loop inside it carries any;
+    the most MMA work among those); without any, the innermost loop moving the most global
+    bytes (then the largest). A main loop with loops inside it (nvcc's operand-staging loops
+    left rolled) counts their bodies once per iteration: a lower bound on its issue count."""
+    if not loops:
         return None
+    counts = {id(lp): count(code, lp.head, lp.tail) for lp in loops}
+
+    def mma(lp: Loop) -> int:
+        c = counts[id(lp)]
+        return sum(c.mma_warp.values()) + 4 * sum(c.mma_warpgroup.values())
+
+    def carriers_inside(lp: Loop) -> bool:
+        return any(mma(ch) or carriers_inside(ch) for ch in lp.children)
+
+    tensor = [lp for lp in loops if mma(lp) and not carriers_inside(lp)]
+    if tensor:
+        return max(tensor, key=lambda lp: (mma(lp), -lp.head))
+    inner = [lp for lp in loops if not lp.children]
 
     def work(lp: Loop) -> tuple:
-        c = count(code, lp.head, lp.tail)
-        mma = sum(c.mma_warp.values()) + 4 * sum(c.mma_warpgroup.values())
-        return (mma, c.global_load + c.global_store + 16 * c.tma, c.total, -lp.head)
+        c = counts[id(lp)]
+        return (c.global_load + c.global_store + 16 * c.tma, c.total, -lp.head)
 
     return max(inner, key=work)
 

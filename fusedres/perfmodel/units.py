@@ -127,3 +127,24 @@ def model_unit(u: traffic.Unit, dtype: str, dev: Device) -> UnitModel:
     um.host_s = sum(_dram_s(h.bytes, dev) + model.LAUNCH_S for h in host)
     um.plain = plain_step(u, dtype, dev)
     return um
+
+
+def device_for(capability: tuple[int, int], sms: int) -> Device:
+    """The modeled device for a GPU of compute ``capability`` with ``sms`` SMs: sm_80 -> A100
+    specs, sm_90 -> H100 specs, with the GPU's own SM count. Raises ValueError otherwise."""
+    import dataclasses
+
+    from .devices import A100, H100
+
+    base = {(8, 0): A100, (9, 0): H100}.get(tuple(capability))
+    if base is None:
+        raise ValueError(f"capability: the model has specs for sm_80 and sm_90 only, not "
+                         f"sm_{capability[0]}{capability[1]}")
+    return dataclasses.replace(base, sms=sms)
+
+
+def model_conv_unit(shape: ConvUnit, dtype: str, dev: Device) -> UnitModel:
+    """:func:`model_unit` for a ``unit_shapes.ConvUnit`` (the benchmarks' shapes)."""
+    return model_unit(traffic.Unit(shape.name, shape.n, shape.cin, shape.hw, shape.cout,
+                                   shape.k, shape.stride, shape.residual, ELEM[dtype]),
+                      dtype, dev)
