@@ -88,9 +88,10 @@ gpu-report: install
 	$(PY) -m fusedres.bench gpu-report --out $(GPU_REPORT_DIR) $(GPU_REPORT_ARGS)
 
 # No GPU needed: the performance model read from the kernels' sm_80/sm_90 SASS, calibrated on
-# published GEMM figures; every figure MODELED (benchmarks/GPU_MODEL.md; ~4 min on 2 cores).
+# published GEMM figures, and the CUDA C++ kernels' SASS (nvcc); every figure MODELED
+# (benchmarks/GPU_MODEL.md; ~10 min on 2 cores).
 gpu-model: install
-	TRITON_INTERPRET=0 $(PY) -m fusedres.perfmodel --out benchmarks/GPU_MODEL.md
+	TRITON_INTERPRET=0 $(PY) -m fusedres.perfmodel --cuda --out benchmarks/GPU_MODEL.md
 
 lint: $(DEPS)
 	$(VENV)/bin/ruff check fusedres kernels tests benchmarks setup.py

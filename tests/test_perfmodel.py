@@ -179,3 +179,17 @@ def test_device_for_a_gpu():
     assert device_for((8, 0), 108).tensor_fma_clk_sm == A100.tensor_fma_clk_sm
     with pytest.raises(ValueError, match="sm_86"):
         device_for((8, 6), 84)
+
+
+def test_cuda_row_ceiling_by_hand():
+    from fusedres.perfmodel.cuda_sass import _TILE, CudaKernelRow
+
+    m = _TILE.search("_ZN8fusedres4cuda4TileILi64ELi64ELi32ELi128ELb1EEE")
+    assert [m.group(i) for i in range(1, 6)] == ["64", "64", "32", "128", "1"]
+    r = CudaKernelRow("f.cu", "k", 80, 64, 64, 32, 128, 100, 0, 0, own=400, nested=3,
+                      nested_body=400, mma={"HMMA.16816": 16}, fma_cta=16 * 2048 * 4)
+    assert r.stage_trips == 16                       # 64 * 32 / 128 elements a thread
+    assert r.issue_cycles(False) == 800 and r.issue_cycles(True) == 400 + 16 * 400
+    assert r.tensor_cycles() == 128                  # 131072 multiply-adds / 1024 a clock
+    assert r.ceiling(False) == pytest.approx(128 / 800)
+    assert r.ceiling(True) == pytest.approx(128 / 6800)

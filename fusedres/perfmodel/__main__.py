@@ -1,7 +1,8 @@
 """``python -m fusedres.perfmodel``: the GPU performance model's report (MODELED figures).
 
 --out PATH writes the markdown there (benchmarks/GPU_MODEL.md); --quick models one CIFAR and
-one ImageNet unit in fp16 only; --no-calibration skips the GEMM calibration.
+one ImageNet unit in fp16 only; --no-calibration skips the GEMM calibration; --cuda adds the
+CUDA C++ kernels' SASS (nvcc compiles csrc/cuda: ~4 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ def main(argv=None) -> int:
                     choices=["fp16", "bf16", "fp32"])
     ap.add_argument("--quick", action="store_true", help="two units, fp16")
     ap.add_argument("--no-calibration", action="store_true")
+    ap.add_argument("--cuda", action="store_true", help="the CUDA C++ kernels' SASS too")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("fusedres.perfmodel: unset TRITON_INTERPRET (the kernels must be compiled)",
@@ -46,7 +48,16 @@ def main(argv=None) -> int:
                 print(f"modeled {u.name} {dtype} {dev.name}: fused "
                       f"{models[-1].fused_s * 1e6:.1f} us, plain "
                       f"{models[-1].plain_s * 1e6:.1f} us", file=sys.stderr, flush=True)
-    text = report.markdown(calib, models, time.perf_counter() - t0)
+    cuda = None
+    if args.cuda:
+        from .cuda_sass import cuda_rows
+
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        try:
+            cuda = cuda_rows(root)
+        except (FileNotFoundError, RuntimeError) as exc:
+            cuda = str(exc)
+    text = report.markdown(calib, models, time.perf_counter() - t0, cuda)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

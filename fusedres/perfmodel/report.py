@@ -119,7 +119,7 @@ reductions, per-channel vectors), counted on meta tensors, one DRAM-bound launch
 """
 
 
-def markdown(calib, models, runtime_s: float) -> str:
+def markdown(calib, models, runtime_s: float, cuda=None) -> str:
     import triton
 
     devs = "; ".join(f"{d.name}: {d.sms} SMs, {d.clock_hz / 1e9:.2f} GHz, dense fp16/bf16 "
@@ -148,4 +148,11 @@ def markdown(calib, models, runtime_s: float) -> str:
             "MMA/iter lists SASS tensor instructions per warp per iteration. Bound: the largest "
             "of issue, tensor, shared and DRAM time.", ""]
     out += kernel_table(models)
+    if cuda is not None:
+        from . import cuda_sass
+
+        out += ["", "## CUDA C++ kernels (csrc/cuda, nvcc -O3): main-loop SASS (MODELED)", "",
+                cuda_sass.__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), ""]
+        out += cuda_sass.table(cuda) if isinstance(cuda, list) else [
+            f"Not read: {cuda}."]
     return "\n".join(out) + "\n"
