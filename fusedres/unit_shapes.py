@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["BASIC_SWEEP", "BlockUnit", "CIFAR_BASIC_BLOCKS", "CIFAR_BOTTLENECKS", "CIFAR_CONVS",
-           "ConvUnit", "GPU_CONVS", "QUICK_BLOCKS", "QUICK_CONVS", "R50_BOTTLENECKS",
-           "SELFTEST_CPU", "SELFTEST_GPU", "SETS", "parse_shape", "select"]
+           "ConvUnit", "GPU_CONVS", "QUICK_BLOCKS", "QUICK_CONVS", "R50_BOTTLENECKS", "R50_CONVS",
+           "SELFTEST_CPU", "SELFTEST_GPU", "SETS", "conv_units", "parse_shape", "select"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,32 @@ class BlockUnit:
         return self.block + (" +proj" if self.projection else "")
 
 
+def conv_units(block: BlockUnit, n: int | None = None, prefix: str = "") -> list[ConvUnit]:
+    """The BN-ReLU-conv units of ``block`` (batch ``n``, default the block's), in forward
+    order: a bottleneck's 1x1 reduce, 3x3 and 1x1 expand (+ residual), a basic block's two 3x3s
+    (the second + residual), then the 1x1 projection shortcut when there is one (it reads the
+    same BN-ReLU output as the first conv). Names as :data:`CIFAR_CONVS`'s, after ``prefix``."""
+    n = block.n if n is None else n
+    p, s = block.planes, block.stride
+
+    def unit(cin, cout, hw, k, stride=1, residual=False):
+        name = (f"{prefix + ' ' if prefix else ''}{cin}>{cout} {k}x{k}"
+                f"{f' /{stride}' if stride > 1 else ''} @{hw}{' +res' if residual else ''}")
+        return ConvUnit(name, n, cin, cout, hw, k, stride, residual)
+
+    if block.block == "bottleneck":
+        s1, s2 = (s, 1) if block.stride_on == "conv1" else (1, s)
+        first = unit(block.cin, p, block.hw, 1, s1)
+        mid = unit(p, p, first.ho, 3, s2)
+        units = [first, mid, unit(p, block.cout, mid.ho, 1, residual=True)]
+    else:
+        first = unit(block.cin, p, block.hw, 3, s)
+        units = [first, unit(p, p, first.ho, 3, residual=True)]
+    if block.projection:
+        units.append(unit(block.cin, block.cout, block.hw, 1, s))
+    return units
+
+
 # CIFAR ResNet-164/1001 bottleneck units (He et al.: stride on the first 1x1) at N=128;
 # "first" is a stage's stride-2 / projection unit.
 CIFAR_BOTTLENECKS = [
@@ -119,6 +145,9 @@ CIFAR_CONVS = [
     ConvUnit("64>64 3x3 @8", 128, 64, 64, 8),
     ConvUnit("64>256 1x1 @8", 128, 64, 256, 8, k=1),
 ]
+# The distinct BN-ReLU-conv units of the ResNet-50 bottlenecks at the ImageNet batch of 256
+# (the performance model's and kernels/aot.py's ImageNet shapes).
+R50_CONVS = list(dict.fromkeys(u for b in R50_BOTTLENECKS for u in conv_units(b, 256, "r50")))
 # Single fused basic units: BN -> ReLU -> Conv3x3(C -> C, stride s, padding 1, no bias),
 # optional residual of the output's shape, N=64, H=W=16, float32 (issue 10's sweep: channel
 # counts that are not only powers of two, strides 1 and 2, with and without residual).

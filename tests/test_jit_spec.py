@@ -1,0 +1,187 @@
+"""kernels/jit_spec.py: the Triton kernels' launches captured on meta tensors and specialised as
+Triton's JIT specialises them (divisibility by 16, ints equal to 1 as constexprs, dtypes).
+
+Everything runs in one subprocess with TRITON_INTERPRET=0 (under the interpreter ``triton.jit``
+gives interpreter objects that cannot be specialised or compiled); no GPU. Cost: ~10 s (two
+small compiles, the rest is capture on meta tensors).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+_PROBE = r"""
+import json, os
+os.environ["TRITON_INTERPRET"] = "0"
+import torch
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from fusedres.kernels import jit_spec
+from fusedres.unit_shapes import ConvUnit
+
+out = {}
+
+
+class FakeDriver:
+    # What JITFunction.run asks of the driver before it compiles: device, stream, target.
+    def __init__(self, arch):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def jit_run_specialisation(launch):
+    # JITFunction.run itself, stopped by its jit_cache_hook before compiling.
+    seen = {}
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        seen.update(signature=compile["signature"], constants=compile["constants"],
+                    attrs=compile["configs"][0], num_warps=compile["num_warps"],
+                    num_stages=compile["num_stages"])
+        return True  # skip the compile
+
+    driver.set_active(FakeDriver(launch.arch))
+    knobs.runtime.jit_cache_hook = hook
+    launch.fn.device_caches.clear()
+    try:
+        launch.fn.run(*launch.args, grid=launch.grid, warmup=True, **launch.kwargs)
+    finally:
+        knobs.runtime.jit_cache_hook = None
+        launch.fn.device_caches.clear()
+    return seen
+
+
+def show(launch):
+    return {"kernel": launch.kernel, "grid": list(launch.grid), "config": str(launch.config),
+            "divisible": list(launch.divisible),
+            "constexprs": {k: repr(v) for k, v in launch.constexprs_by_name.items()},
+            "signature": launch.signature}
+
+
+cifar = ConvUnit("c 16>16 3x3 @32", 128, 16, 16, 32)
+same = []
+for arch in (80, 90):
+    for backward in ("sums", "store"):
+        for launch in jit_spec.unit_launches(cifar, "fp16", arch=arch, backward=backward):
+            ref = jit_run_specialisation(launch)
+            same.append([launch.kernel, arch, ref["signature"] == launch.signature,
+                         ref["constants"] == launch.constexprs, ref["attrs"] == launch.attrs,
+                         ref["num_warps"] == launch.num_warps,
+                         ref["num_stages"] == launch.num_stages])
+out["same_as_jit_run"] = same
+out["h100"] = {b: [show(l) for l in jit_spec.unit_launches(cifar, "fp16", backward=b)]
+               for b in ("sums", "store")}
+out["a100"] = [show(l) for l in jit_spec.unit_launches(cifar, "fp16", arch=80, sm_count=108)]
+out["odd"] = [show(l) for l in jit_spec.unit_launches(
+    ConvUnit("c 24>24 3x3 @14", 128, 24, 24, 14), "fp16")]
+out["nchw"] = [show(l) for l in jit_spec.unit_launches(cifar, "fp16", channels_last=False)]
+# A view's pointer: base (512-aligned) + storage_offset * itemsize.
+base = torch.empty(64, device="meta", dtype=torch.float16)
+out["view_ptr"] = [jit_spec.DevicePointer.of(base[k:], 1 << 20).data_ptr() % 16
+                   for k in (0, 3, 8)]
+# fp32 with and without TF32: the ieee variant compiles, with no TF32 MMA in its PTX.
+ieee = {}
+for tf32 in (True, False):
+    fwd = [l for l in jit_spec.unit_launches(cifar, "fp32", arch=80, tf32=tf32)
+           if l.kernel == "bn_relu_conv2d_fwd"][0]
+    c = jit_spec.compile_launch(fwd, use_cache=False)
+    again = jit_spec.compile_launch(fwd)
+    ieee[str(tf32)] = {"TF32": fwd.constexprs_by_name["TF32"], "registers": c.registers,
+                       "tf32_mma": ".tf32" in c.ptx, "name": c.name, "cubin": len(c.cubin),
+                       "cached": again.cached, "cached_registers": again.registers}
+out["fp32"] = ieee
+print("JSON" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("JSON"))
+    return json.loads(line[4:])
+
+
+def test_specialisation_equals_triton_jit_run(probe):
+    """Every launch of a training step, both backward plans, sm_80 and sm_90: signature,
+    constexprs, attrs, warps and stages equal what JITFunction.run computes for the same
+    arguments (run with a stand-in driver, stopped before compiling)."""
+    rows = probe["same_as_jit_run"]
+    assert len(rows) == 2 * (4 + 5)
+    for row in rows:
+        assert all(row[2:]), row
+
+
+def test_launch_order_and_grids_of_a_known_shape(probe):
+    """x (128, 16, 32, 32) fp16 channels_last, 3x3 16 -> 16, H100 (132 SMs). By the host rules:
+    batch_stats (C <= 32, channels_last: 128 x 16 tiles): 1024 tiles, split min(4 * 132,
+    1024 / 8) = 128; forward and data gradient (<= 32 channels: 128 x 32 tiles): 131072 / 128
+    programs; wgrad (<= 32 channels: 32 x 32 x 64): 9 tiles, 2048 K-steps, split min(264 / 9,
+    2048 / 4, traffic cap 56) = 30; the dx pass 64 x 32 tiles."""
+    sums = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["sums"]]
+    assert sums == [
+        ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"),
+        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=32 K=16 w=4 s=2"),
+        ("wgrad_sums", [1, 9, 30], "M=32 N=32 K=64 w=4 s=2"),
+        ("dgrad_dx", [1024, 1, 1], "M=128 N=32 K=16 w=4 s=2"),
+    ]
+    store = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["store"]]
+    assert store == [
+        ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"),
+        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=32 K=16 w=4 s=2"),
+        ("wgrad", [1, 9, 30], "M=32 N=32 K=64 w=4 s=3"),
+        ("dgrad_store", [1024, 1, 1], "M=128 N=32 K=16 w=4 s=2"),
+        ("dx", [2048, 1, 1], "M=64 C=32 w=4 s=1"),
+    ]
+    # A100's 108 SMs: the weight gradient splits min(216 / 9, ...) = 24 ways.
+    assert [r["grid"] for r in probe["a100"]][2] == [1, 9, 24]
+
+
+def test_divisibility_and_unit_strides(probe):
+    """channels_last: the channel stride 1 is a constexpr, C = 16 and every pointer are
+    divisible by 16; a unit with C = 24 and 14 x 14 pixels drops the attribute from C and the
+    strides that are multiples of C only; NCHW makes the pixel stride the constexpr instead."""
+    fwd = probe["h100"]["sums"][1]
+    assert fwd["kernel"] == "bn_relu_conv2d_fwd"
+    assert fwd["constexprs"]["sxc"] == "1" and fwd["signature"]["sxc"] == "constexpr"
+    assert fwd["constexprs"]["SH"] == "1" and fwd["constexprs"]["TF32"] == "False"
+    for name in ("x_ptr", "w_ptr", "y_ptr", "C", "Co", "M", "sxw", "sxh", "sxn"):
+        assert name in fwd["divisible"], name
+    assert "PH" not in fwd["divisible"] and fwd["constexprs"]["PH"] == "1"
+    assert fwd["signature"]["x_ptr"] == "*fp16" and fwd["signature"]["scale_ptr"] == "*fp32"
+    odd = probe["odd"][1]
+    assert odd["kernel"] == "bn_relu_conv2d_fwd"
+    for name in ("C", "Co", "sxw", "H", "W"):
+        assert name not in odd["divisible"], name
+    assert "x_ptr" in odd["divisible"] and "sxn" in odd["divisible"]  # 24 * 14 * 14 = 16 * 294
+    nchw = probe["nchw"][1]
+    assert nchw["constexprs"]["sxw"] == "1" and "sxc" in nchw["divisible"]
+    assert "sxc" not in nchw["constexprs"]
+    assert probe["view_ptr"] == [0, 6, 0]  # fp16 views at offsets 0, 3, 8 elements
+
+
+def test_fp32_ieee_variant_compiles(probe):
+    """fp32 without TF32 compiles its own kernel (TF32=False: no TF32 MMA in the PTX); with
+    TF32 the products are TF32 MMAs. The second compile comes from the disk cache."""
+    tf32, ieee = probe["fp32"]["True"], probe["fp32"]["False"]
+    assert tf32["TF32"] is True and ieee["TF32"] is False
+    assert tf32["tf32_mma"] and not ieee["tf32_mma"]
+    for c in (tf32, ieee):
+        assert c["name"] == "bn_relu_conv2d_fwd_kernel" and c["cubin"] > 0
+        assert 0 < c["registers"] <= 255
+        assert c["cached"] and c["cached_registers"] == c["registers"]
