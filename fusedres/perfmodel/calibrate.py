@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from . import model, sass
 from .devices import device
 from .gemm import TUTORIAL_CONFIGS, matmul_kernel
-from .launches import compile_launch
 from .published import MEASURED, Measured
 
 
@@ -38,45 +37,38 @@ class GemmPrediction:
         return (self.tflops - self.case.triton_tflops) / self.case.triton_tflops
 
 
-def _spec(m: int, n: int, k: int, cfg: tuple):
-    """(signature, constexprs, attrs) of the tutorial launch on row-major A (m,k), B (k,n),
-    C (m,n): the JIT makes the unit strides constexprs and marks the rest divisible by 16 when
-    they are."""
-    from triton.backends.compiler import BaseBackend
-    from triton.runtime.jit import native_specialize_impl
+def gemm_launch(m: int, n: int, k: int, cfg: tuple, arch: int):
+    """The tutorial launch on row-major fp16 A (m, k), B (k, n), C (m, n), specialised by
+    kernels/jit_spec.py as Triton's JIT would (the unit strides become constexprs, the rest
+    are marked divisible by 16 when they are)."""
+    import torch
 
-    bm, bn, bk, gm, _, _ = cfg
-    ints = {"M": m, "N": n, "K": k, "stride_am": k, "stride_ak": 1, "stride_bk": n,
-            "stride_bn": 1, "stride_cm": n, "stride_cn": 1}
-    sig = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp16"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3)}
-    consts = {}
-    for i, (name, v) in enumerate(ints.items(), start=3):
-        ty, spec = native_specialize_impl(BaseBackend, v, False, True, True)
-        sig[name] = ty
-        if ty == "constexpr":
-            consts[name] = spec
-        elif spec == "D":
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    for name, v in (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk), ("GROUP_M", gm)):
-        sig[name] = "constexpr"
-        consts[name] = v
-    return sig, consts, attrs
+    from ..kernels.jit_spec import DevicePointer, specialise
+
+    bm, bn, bk, gm, nw, ns = cfg
+    half = torch.float16
+    a = DevicePointer(half, 0x7F00_0000_0000, 2 * m * k)
+    b = DevicePointer(half, 0x7F04_0000_0000, 2 * k * n)
+    c = DevicePointer(half, 0x7F08_0000_0000, 2 * m * n)
+    grid = (-(-m // bm) * -(-n // bn),)
+    return specialise(matmul_kernel, grid, (a, b, c, m, n, k, k, 1, n, 1, n, 1),
+                      dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=nw,
+                           num_stages=ns), arch)
 
 
 def predict_gemm(case: Measured, cfg: tuple) -> GemmPrediction:
+    from ..kernels.jit_spec import compile_launch
+
     dev = device(case.device)
-    sig, consts, attrs = _spec(case.m, case.n, case.k, cfg)
-    bm, bn, bk, _, nw, ns = cfg
-    comp = compile_launch(matmul_kernel, sig, consts, attrs, dev.arch, nw, ns)
+    bm, bn, bk, _, nw, _ = cfg
+    launch = gemm_launch(case.m, case.n, case.k, cfg, dev.arch)
+    comp = compile_launch(launch)
     k = sass.analyse(comp.name, sass.parse(sass.disassemble(comp.cubin))[comp.name])
-    ctas = -(-case.m // bm) * -(-case.n // bn)
     dram = 2 * (case.m * case.k + case.k * case.n + case.m * case.n)
-    launch = model.Launch(f"matmul {case.m}x{case.n}x{case.k}", k,
-                          model.Resources(comp.registers, comp.shared, nw), ctas,
-                          model.Trips(-(-case.k // bk)), dram,
-                          flops=2 * case.m * case.n * case.k)
-    return GemmPrediction(case, cfg, model.predict(launch, dev), comp.registers, comp.shared,
+    ml = model.Launch(f"matmul {case.m}x{case.n}x{case.k}", k,
+                      model.Resources(comp.registers, comp.shared, nw), launch.programs,
+                      model.Trips(-(-case.k // bk)), dram, flops=2 * case.m * case.n * case.k)
+    return GemmPrediction(case, cfg, model.predict(ml, dev), comp.registers, comp.shared,
                           k.per_iter)
 
 

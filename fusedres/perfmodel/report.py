@@ -72,16 +72,14 @@ def kernel_table(models: list[UnitModel]) -> list[str]:
         dev = "A100" if um.device is A100 else "H100"
         for k in um.kernels:
             p, it = k.pred, k.sass.per_iter
-            cfg = " ".join(f"{n.replace('BLOCK_', '')}={v}" for n, v in k.cap.args.items()
-                           if n.startswith("BLOCK_")) + f" w={k.cap.num_warps} " \
-                                                        f"s={k.cap.num_stages}"
+            cfg = str(k.cap.config)
             mma = ", ".join(f"{s}x{n}" for s, n in sorted(it.mma_shapes.items())) or "-"
             lines.append(
                 f"| {um.unit.name} | {um.dtype} | {dev} | {k.role} | {cfg} | {k.comp.registers}"
                 f" | {k.comp.spill_bytes} | {k.comp.shared / 1024:.1f} | {p.blocks_sm} "
                 f"({p.occupancy_limit}) | {it.total} | {mma} | "
                 f"{it.global_load + it.global_store} | {it.barriers}+{it.waits} | "
-                f"{k.trips.inner:g} x {k.trips.outer:g} | {k.cap.ctas} | {p.waves} "
+                f"{k.trips.inner:g} x {k.trips.outer:g} | {k.cap.programs} | {p.waves} "
                 f"({p.tail_factor:.2f}) | {_us(p.issue_s)} | {_us(p.tensor_s)} | "
                 f"{_us(p.shared_s)} | {_us(p.dram_s)} | {p.bound} | {p.pct_tensor_peak:.0f} | "
                 f"{_us(p.time_s)} |")

@@ -22,7 +22,7 @@ from ..kernels._common import cdiv
 from ..unit_shapes import ConvUnit
 from . import model, sass
 from .devices import Device
-from .launches import Captured, Compiled, HostOp, compile_captured, unit_launches
+from .launches import HostOp, params, unit_step
 
 ELEM = {"fp16": 2, "bf16": 2, "fp32": 4}
 KIND = {"fp16": "fp16", "bf16": "fp16", "fp32": "tf32"}
@@ -36,7 +36,7 @@ def traffic_unit(u: traffic.Unit, dtype: str) -> traffic.Unit:
     return traffic.Unit(u.name, u.n, u.c, u.h, u.co, u.k, u.stride, u.residual, ELEM[dtype])
 
 
-def trips(cap: Captured) -> model.Trips:
+def trips(launch) -> model.Trips:
     """Main-loop trips per CTA, from the launch's arguments and each kernel's loop structure:
 
     * batch_stats_kernel: one loop over its split's row tiles (``tiles_per_split``);
@@ -46,7 +46,7 @@ def trips(cap: Captured) -> model.Trips:
       stride phase) x output-channel blocks (cdiv(Co, BLOCK_K)) on the taps that do;
     * dx_kernel: no loop.
     """
-    a, name = cap.args, cap.name
+    a, name = params(launch), launch.fn.__name__
     if name == "batch_stats_kernel":
         return model.Trips(a["tiles_per_split"])
     if name == "bn_relu_conv2d_fwd_kernel":
@@ -64,11 +64,17 @@ def trips(cap: Captured) -> model.Trips:
     raise ValueError(f"trips: no loop structure documented for kernel {name!r}")
 
 
+# jit_spec's role names -> kernels/traffic.py's kernel names (the DRAM bytes).
+TRAFFIC_NAME = {"batch_stats": "batch_stats", "bn_relu_conv2d_fwd": "fwd",
+                "wgrad_sums": "wgrad+sums", "wgrad": "wgrad", "dgrad_dx": "dgrad+dx",
+                "dgrad_store": "dgrad+sums (dz)", "dx": "dx"}
+
+
 @dataclass
 class KernelRow:
     role: str
-    cap: Captured
-    comp: Compiled
+    cap: object        # kernels.jit_spec.Launch
+    comp: object       # kernels.jit_spec.Compiled
     sass: sass.KernelSass
     trips: model.Trips
     pred: model.Prediction
@@ -108,22 +114,25 @@ def plain_step(u: traffic.Unit, dtype: str, dev: Device) -> list[tuple[str, floa
 
 
 def model_unit(u: traffic.Unit, dtype: str, dev: Device) -> UnitModel:
+    from ..kernels.jit_spec import compile_launch
+
     tu = traffic_unit(u, dtype)
-    caps, host = unit_launches(conv_unit(u), dtype, sms=dev.sms)
+    launches, host = unit_step(conv_unit(u), dtype, arch=dev.arch, sms=dev.sms)
     dram = {k.name: k.bytes for k in traffic.fused_step(tu).kernels}
     role_ctas: dict[str, int] = {}
-    for role, cap in caps:
-        role_ctas[role] = role_ctas.get(role, 0) + cap.ctas
+    for launch in launches:
+        role_ctas[launch.kernel] = role_ctas.get(launch.kernel, 0) + launch.programs
     um = UnitModel(u, dtype, dev, host=host)
-    for role, cap in caps:
-        comp = compile_captured(cap, dev.arch)
+    for launch in launches:
+        comp = compile_launch(launch)
         k = sass.analyse(comp.name, sass.parse(sass.disassemble(comp.cubin))[comp.name])
-        t = trips(cap)
-        nbytes = dram.get(role, 0) * cap.ctas / role_ctas[role]
-        launch = model.Launch(f"{u.name} {role}", k,
-                              model.Resources(comp.registers, comp.shared, comp.num_warps),
-                              cap.ctas, t, nbytes)
-        um.kernels.append(KernelRow(role, cap, comp, k, t, model.predict(launch, dev)))
+        t = trips(launch)
+        nbytes = dram.get(TRAFFIC_NAME.get(launch.kernel, launch.kernel), 0) \
+            * launch.programs / role_ctas[launch.kernel]
+        ml = model.Launch(f"{u.name} {launch.kernel}", k,
+                          model.Resources(comp.registers, comp.shared, comp.num_warps),
+                          launch.programs, t, nbytes)
+        um.kernels.append(KernelRow(launch.kernel, launch, comp, k, t, model.predict(ml, dev)))
     um.host_s = sum(_dram_s(h.bytes, dev) + model.LAUNCH_S for h in host)
     um.plain = plain_step(u, dtype, dev)
     return um
