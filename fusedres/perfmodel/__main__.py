@@ -57,7 +57,9 @@ def main(argv=None) -> int:
             cuda = cuda_rows(root)
         except (FileNotFoundError, RuntimeError) as exc:
             cuda = str(exc)
-    text = report.markdown(calib, models, time.perf_counter() - t0, cuda)
+    command = " ".join(["python -m fusedres.perfmodel", *(argv if argv is not None
+                                                          else sys.argv[1:])])
+    text = report.markdown(calib, models, time.perf_counter() - t0, cuda, command)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
