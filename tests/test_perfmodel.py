@@ -136,7 +136,7 @@ for arch_dev in ("h100", "a100"):
                      "warp": g.per_iter.mma_warp, "ldg": g.per_iter.global_load}
 um = units.model_unit(traffic.IMAGENET_UNITS[0], "fp16", H100)
 out["unit"] = [[k.role, k.comp.registers, k.sass.per_iter.total,
-                sorted(k.sass.per_iter.mma_shapes.items()), k.cap.ctas] for k in um.kernels]
+                sorted(k.sass.per_iter.mma_shapes.items()), k.cap.programs] for k in um.kernels]
 print(json.dumps(out))
 """
 
