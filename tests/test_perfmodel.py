@@ -137,6 +137,18 @@ for arch_dev in ("h100", "a100"):
 um = units.model_unit(traffic.IMAGENET_UNITS[0], "fp16", H100)
 out["unit"] = [[k.role, k.comp.registers, k.sass.per_iter.total,
                 sorted(k.sass.per_iter.mma_shapes.items()), k.cap.programs] for k in um.kernels]
+out["unit_s"] = [um.fused_s, um.plain_s]
+# fusedres bench's MODELED column on an "sm_90 GPU with 132 SMs" (the properties faked).
+import types, torch
+from fusedres.bench import units as bench_units
+from fusedres.unit_shapes import ConvUnit
+torch.cuda.get_device_properties = lambda d: types.SimpleNamespace(
+    major=9, minor=0, multi_processor_count=132)
+shape = ConvUnit("imagenet 64@56", 256, 64, 64, 56, residual=True)
+rows = [{"impl": "plain"}, {"impl": "triton channels_last"}, {"impl": "triton"}]
+for row in rows:
+    bench_units.modeled_columns(row, shape, torch.float16, torch.device("cuda", 0))
+out["bench"] = [row.get("modeled_s") for row in rows]
 print(json.dumps(out))
 """
 
@@ -156,6 +168,9 @@ def test_compiled_counts_and_committed_table():
     assert sum(a["warp"].values()) * 8 == 128 * 256 * 64 and a["wg"] == {}
     assert a["shapes"] == {"HMMA.16816": 128}
     assert h["ldg"] * 256 == a["ldg"] * 256 == (128 * 64 + 64 * 256) * 2
+    # fusedres bench puts the model's unit times beside the plain and triton channels_last rows.
+    fused_s, plain_s = got["unit_s"]
+    assert got["bench"] == [pytest.approx(plain_s), pytest.approx(fused_s), None]
     # The committed table's rows for this unit match the recomputation.
     table = (ROOT / "benchmarks" / "GPU_MODEL.md").read_text()
     for role, regs, instrs, shapes, ctas in got["unit"]:
