@@ -67,6 +67,9 @@ def test_nested_loops_and_classes():
     code = sass.parse(NESTED)["toy"]
     loops = sass.find_loops(code)
     assert [(lp.head, lp.tail, lp.depth) for lp in loops] == [(0x10, 0x80, 0), (0x20, 0x60, 1)]
+    # Leaders: entry, branch targets 0x10 and 0x20, and the instructions after each branch.
+    assert [(code[a].addr, code[b].addr) for a, b in sass.basic_blocks(code)] == [
+        (0x00, 0x00), (0x10, 0x10), (0x20, 0x60), (0x70, 0x80), (0x90, 0xA0), (0xB0, 0xB0)]
     k = sass.analyse("toy", code)
     assert (k.main.head, k.outer.head) == (0x20, 0x10)
     assert k.per_iter.total == 5 and k.per_iter.mma_warp == {"fp16": 2 * 16 * 8 * 16}
