@@ -1,11 +1,22 @@
-"""Ahead-of-time compile of every config of every Triton kernel, for given CUDA archs.
+"""Ahead-of-time compile of every Triton kernel as its JIT specialises it, for given CUDA archs.
 
-``python -m fusedres.kernels.aot --arch 80 90`` compiles each kernel's configs (each dtype it
-is launched with, the widest variant of its constexpr flags) with
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` - no GPU needed - and
-prints kernel, dtype, config, arch, shared memory, registers and spilled bytes (from the ptxas
-log). It exits non-zero when a compile fails, shared memory exceeds the arch's per-block limit,
-or registers spill.
+``python -m fusedres.kernels.aot --arch 80 90`` captures the launches of one training step
+(forward and both backward plans) of each representative unit shape (kernels/jit_spec.py: the
+host launchers on meta tensors, Triton's own binder for the specialisation: ints equal to 1 as
+constexprs, divisibility by 16, the dtypes of each tensor), for each dtype variant (fp16, bf16,
+fp32 with TF32, fp32 without TF32 = ``ieee`` products, fp64) on an A100 (108 SMs) for sm_80 and
+an H100 (132 SMs) for sm_90. Each distinct specialisation is compiled once with
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` - no GPU needed. A config
+of a kernel that no captured launch uses (the host rule picks it for other shapes or layouts;
+the autotuner may pick any) is compiled swapped into a captured launch of that kernel (same
+arguments, that config's block sizes, warps and stages): every config is checked.
+
+Prints kernel, dtype, config, arch, shared memory, registers, spilled bytes (ptxas's log), the
+unit shapes that launch it, and exits non-zero when a compile fails, shared memory exceeds the
+arch's per-block limit, or registers spill. Shape sets: ``benchmark`` (default: the ResNet-164
+CIFAR units at batch 128, the ResNet-50 ImageNet units at batch 256, channels_last; 1185
+compiles, ~16 min on two cores, ~15 s from the cache), ``ci`` (a CIFAR 3x3 unit and an ImageNet
+1x1 unit with a residual). Compiles are cached (kernels/jit_spec.py's cache).
 
 Needs ``TRITON_INTERPRET=0`` before the kernels are imported (``main`` sets it; a process that
 already imported them under the interpreter must start this as a subprocess).
@@ -14,18 +25,65 @@ already imported them under the interpreter must start this as a subprocess).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
-import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Max dynamic shared memory per block (opt-in), bytes.
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
-DTYPES = ("fp16", "bf16", "fp32", "fp64")
+# Dtype variants: (operand dtype, torch.backends.cudnn.allow_tf32).
+VARIANTS = {"fp16": ("fp16", True), "bf16": ("bf16", True), "fp32": ("fp32", True),
+            "fp32-ieee": ("fp32", False), "fp64": ("fp64", True)}
+DTYPES = tuple(VARIANTS)
+BACKWARDS = ("sums", "store")
+KERNELS = ("batch_stats", "bn_relu_conv2d_fwd", "dgrad_store", "dgrad_dx", "dx", "wgrad",
+           "wgrad_sums")
+
+
+def shape_set(name: str) -> list:
+    """The unit shapes (fusedres.unit_shapes.ConvUnit) of set ``name``."""
+    from ..unit_shapes import CIFAR_BOTTLENECKS, R50_CONVS, conv_units
+
+    cifar = list(dict.fromkeys(u for b in CIFAR_BOTTLENECKS for u in conv_units(b, 128, "c164")))
+    if name == "benchmark":
+        return cifar + R50_CONVS
+    if name == "ci":  # a 3x3 (taps loop) and a 1x1 + residual (KH = KW = 1: constexprs)
+        return [next(u for u in cifar if u.k == 3),
+                next(u for u in R50_CONVS if u.k == 1 and u.residual)]
+    raise ValueError(f"--set: expected benchmark or ci, got {name!r}")
+
+
+def role_configs() -> dict:
+    """Each kernel role's ``configs_for(dtype)``: the configs it may launch with."""
+    from . import batch_stats as bs
+    from . import bn_relu_conv2d as fwd
+    from . import bn_relu_conv2d_dgrad as dg
+    from . import bn_relu_conv2d_wgrad as wg
+
+    return {"batch_stats": bs.configs_for, "bn_relu_conv2d_fwd": fwd.configs_for,
+            "dgrad_store": dg.configs_for, "dgrad_dx": dg.configs_for,
+            "dx": dg.dx_configs_for, "wgrad": wg.configs_for,
+            "wgrad_sums": wg.sums_configs_for}
+
+
+@dataclass
+class Job:
+    """One distinct specialisation to compile: the launch, its dtype variant, the shapes that
+    launch it (``swapped``: the config was swapped into the first one's launch)."""
+
+    launch: object
+    dtype: str
+    shapes: list = field(default_factory=list)
+    swapped: bool = False
+
+    @property
+    def where(self) -> str:
+        if self.swapped:
+            return f"swapped into {self.shapes[0]}"
+        more = f" +{len(self.shapes) - 1}" if len(self.shapes) > 1 else ""
+        return f"{self.shapes[0]}{more}"
 
 
 @dataclass
@@ -39,150 +97,130 @@ class Result:
     spill_bytes: int = -1
     seconds: float = 0.0
     error: str = ""
+    where: str = ""
 
     @property
     def ok(self) -> bool:
         return (not self.error and self.spill_bytes == 0
                 and 0 <= self.shared <= SMEM_LIMIT.get(self.arch, 0))
 
-
-def _types(dtype: str) -> dict[str, str]:
-    """Element types by role: x / weight operand, statistics, accumulators / partials."""
-    stat = "fp64" if dtype == "fp64" else "fp32"
-    return {"x": dtype, "w": dtype, "stat": stat, "acc": stat, "f64": "fp64"}
-
-
-def kernel_specs():
-    """(name, jit function, configs per dtype, pointer roles, constexprs per dtype)."""
-    from . import batch_stats as bs
-    from . import bn_relu_conv2d as fwd
-    from . import bn_relu_conv2d_dgrad as dg
-    from . import bn_relu_conv2d_wgrad as wg
-
-    def flags(dtype):
-        return {"FP64": dtype == "fp64", "TF32": dtype == "fp32", "INTERP_BF16": False}
-
-    dgrad_roles = {
-        "dy_ptr": "w", "w_ptr": "w", "x_ptr": "x", "scale_ptr": "stat", "shift_ptr": "stat",
-        "mean_ptr": "stat", "invstd_ptr": "stat", "m1_ptr": "stat", "m2_ptr": "stat",
-        "gx_ptr": "x", "s1_ptr": "acc", "s2_ptr": "acc", "bscale_ptr": "acc"}
-    wgrad_roles = {
-        "dy_ptr": "w", "x_ptr": "x", "scale_ptr": "stat", "shift_ptr": "stat",
-        "mean_ptr": "stat", "invstd_ptr": "stat", "w_ptr": "w", "gamma_ptr": "stat",
-        "beta_ptr": "stat", "dw_ptr": "w", "s1_ptr": "acc", "s2_ptr": "acc", "db_ptr": "acc",
-        "bscale_ptr": "acc"}
-    return [
-        ("batch_stats", bs.batch_stats_kernel, bs.configs_for,
-         {"x_ptr": "x", "mean_ptr": "f64", "m2_ptr": "f64"},
-         lambda d: {"FP64": d == "fp64"}),
-        ("bn_relu_conv2d_fwd", fwd.bn_relu_conv2d_fwd_kernel, fwd.configs_for,
-         {"x_ptr": "x", "w_ptr": "w", "scale_ptr": "stat", "shift_ptr": "stat", "bias_ptr": "w",
-          "res_ptr": "w", "bscale_ptr": "acc", "y_ptr": "w", "smean_ptr": "acc", "sm2_ptr": "acc"},
-         lambda d: {"HAS_BIAS": True, "HAS_RES": True, "GENSTATS": True, "HAS_BSCALE": True,
-                    **flags(d)}),
-        # Launch variants: dz stored for the dx pass (training), or dx written directly.
-        ("dgrad_store", dg.dgrad_kernel, dg.configs_for, dgrad_roles,
-         lambda d: {"WRITE_DZ": True, "WRITE_DX": False, "STATS": True, "TRAIN": True,
-                    "HAS_BSCALE": True, **flags(d)}),
-        ("dgrad_dx", dg.dgrad_kernel, dg.configs_for, dgrad_roles,
-         lambda d: {"WRITE_DZ": False, "WRITE_DX": True, "STATS": True, "TRAIN": True,
-                    "HAS_BSCALE": True, **flags(d)}),
-        ("dx", dg.dx_kernel, dg.dx_configs_for,
-         {"g_ptr": "x", "x_ptr": "x", "scale_ptr": "stat", "mean_ptr": "stat",
-          "invstd_ptr": "stat", "m1_ptr": "stat", "m2_ptr": "stat"},
-         lambda d: {"FP64": d == "fp64", "INTERP_BF16": False}),
-        ("wgrad", wg.wgrad_kernel, wg.configs_for, wgrad_roles,
-         lambda d: {"SUMS": False, "HAS_DB": True, "HAS_BSCALE": True, **flags(d)}),
-        ("wgrad_sums", wg.wgrad_kernel, wg.sums_configs_for, wgrad_roles,
-         lambda d: {"SUMS": True, "HAS_DB": True, "HAS_BSCALE": True, **flags(d)}),
-    ]
+    @property
+    def status(self) -> str:
+        """ok | error (did not compile) | spills | smem (over the arch's shared memory)."""
+        if self.ok:
+            return "ok"
+        if self.error:
+            return "error"
+        return "spills" if self.spill_bytes else "smem"
 
 
-def jobs(archs, dtypes, kernels=None):
-    out = []
-    for name, _, configs_for, _, _ in kernel_specs():
-        if kernels and name not in kernels:
-            continue
-        for dtype in dtypes:
-            for idx, _cfg in enumerate(configs_for(dtype)):
-                for arch in archs:
-                    out.append((name, dtype, idx, arch))
+def jobs(archs, dtypes, units, kernels=None) -> list[Job]:
+    """The distinct specialisations of the launches of ``units`` (one training step each, both
+    backward plans), then every config no launch covers, swapped into a launch of its kernel."""
+    from . import jit_spec
+
+    found: dict = {}
+    for arch in archs:
+        for variant in dtypes:
+            dtype, tf32 = VARIANTS[variant]
+            for unit in units:
+                for backward in BACKWARDS:
+                    for launch in jit_spec.unit_launches(unit, dtype, arch=arch, tf32=tf32,
+                                                         backward=backward):
+                        if kernels and launch.kernel not in kernels:
+                            continue
+                        job = found.setdefault((variant, launch.key()), Job(launch, variant))
+                        if unit.name not in job.shapes:
+                            job.shapes.append(unit.name)
+    out = list(found.values())
+    configs_of = role_configs()
+    for arch in archs:
+        for variant in dtypes:
+            dtype = VARIANTS[variant][0]
+            for role, configs_for in configs_of.items():
+                mine = [j for j in out if j.launch.kernel == role and j.dtype == variant
+                        and j.launch.arch == arch and not j.swapped]
+                if not mine:
+                    continue
+                have = {j.launch.config for j in mine}
+                for cfg in configs_for(dtype):
+                    if cfg not in have:
+                        base = mine[0]
+                        out.append(Job(jit_spec.with_config(base.launch, cfg), variant,
+                                       [base.shapes[0]], swapped=True))
     return out
 
 
-def compile_one(job) -> Result:
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def compile_one(job: Job) -> Result:
+    from . import jit_spec
 
-    name, dtype, idx, arch = job
-    spec = {s[0]: s for s in kernel_specs()}[name]
-    _, fn, configs_for, roles, constexprs = spec
-    cfg = configs_for(dtype)[idx]
-    res = Result(name, dtype, str(cfg), arch)
-    types = _types(dtype)
-    consts = {**constexprs(dtype), **cfg.meta}
-    sig = {}
-    for a in fn.arg_names:
-        if a in consts:
-            sig[a] = "constexpr"
-        elif a in roles:
-            sig[a] = "*" + types[roles[a]]
-        else:
-            sig[a] = "i32"
-    knobs.nvidia.dump_ptxas_log = True
-    knobs.compilation.always_compile = True  # the ptxas log is only printed on a real compile
-    t0 = time.perf_counter()
-    buf = io.StringIO()
+    launch = job.launch
+    res = Result(launch.kernel, job.dtype, str(launch.config), launch.arch, where=job.where)
     try:
-        with contextlib.redirect_stdout(buf):
-            ck = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
-                                options={"num_warps": cfg.num_warps,
-                                         "num_stages": cfg.num_stages})
+        c = jit_spec.compile_launch(launch, keep_ptx=False)
     except Exception as exc:  # noqa: BLE001 - reported per config
         res.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         return res
-    res.seconds = time.perf_counter() - t0
-    log = buf.getvalue()
-    res.shared = int(ck.metadata.shared)
-    regs = re.findall(r"Used (\d+) registers", log)
-    spills = re.findall(r"(\d+) bytes spill stores", log)
-    if not regs or not spills:
-        res.error = "no ptxas resource log"
-    else:
-        res.registers = max(int(r) for r in regs)
-        res.spill_bytes = max(int(s) for s in spills)
+    res.shared, res.registers, res.spill_bytes = c.shared, c.registers, c.spill_bytes
+    res.seconds = c.seconds
     return res
 
 
-def run(archs, dtypes, workers: int | None = None, kernels=None) -> list[Result]:
-    todo = jobs(archs, dtypes, kernels)
+def run(archs, dtypes, workers: int | None = None, kernels=None, units=None) -> list[Result]:
+    todo = jobs(archs, dtypes, units if units is not None else shape_set("benchmark"), kernels)
     workers = workers or min(len(todo), os.cpu_count() or 1)
     if workers <= 1:
         return [compile_one(j) for j in todo]
     with ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(compile_one, todo))
+        return list(pool.map(compile_one, todo, chunksize=4))
+
+
+# The table's columns: (name, width, right-aligned); "launched by" takes the rest of the line.
+COLUMNS = (("kernel", 20, False), ("dtype", 10, False), ("config", 40, False), ("arch", 6, True),
+           ("smem", 8, True), ("regs", 6, True), ("spill", 7, True), ("sec", 6, True),
+           ("", 2, False), ("status", 8, False))
+
+
+def _row(values) -> str:
+    return "".join(f"{v:>{w}}" if right else f"{v:<{w}}"
+                   for v, (_, w, right) in zip(values, COLUMNS)) + values[-1]
 
 
 def format_table(results: list[Result]) -> str:
-    head = f"{'kernel':<20}{'dtype':<6}{'config':<42}{'arch':>5}{'smem':>8}{'regs':>6}" \
-           f"{'spill':>7}{'sec':>6}  status"
+    head = _row([name for name, _, _ in COLUMNS] + ["launched by"])
     lines = [head, "-" * len(head)]
     for r in results:
-        status = "ok" if r.ok else (r.error or (
-            "spills" if r.spill_bytes else "shared memory over the limit"))
-        lines.append(f"{r.kernel:<20}{r.dtype:<6}{r.config:<42}{'sm_' + str(r.arch):>5}"
-                     f"{r.shared:>8}{r.registers:>6}{r.spill_bytes:>7}{r.seconds:>6.1f}  {status}")
+        lines.append(_row([r.kernel, r.dtype, r.config, f"sm_{r.arch}", r.shared, r.registers,
+                           r.spill_bytes, f"{r.seconds:.1f}", "", r.status, r.where]))
+        if r.error:
+            lines[-1] += f"  ({r.error})"
     return "\n".join(lines)
+
+
+def parse_table(text: str) -> list[dict]:
+    """The rows of :func:`format_table`'s table in ``text``, as {column: text}."""
+    rows, body = [], False
+    for line in text.splitlines():
+        if line.startswith("---"):
+            body = True
+        elif body and line.startswith(KERNELS):
+            row, at = {}, 0
+            for name, width, _ in COLUMNS:
+                row[name] = line[at:at + width].strip()
+                at += width
+            row["launched by"] = line[at:]
+            rows.append(row)
+    return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     ap.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=DTYPES)
-    ap.add_argument("--kernel", nargs="+", default=None,
+    ap.add_argument("--kernel", nargs="+", default=None, choices=KERNELS,
                     help="only these kernels (default: all)")
+    ap.add_argument("--set", default="benchmark", choices=("benchmark", "ci"),
+                    help="unit shapes whose launches are compiled (default: benchmark)")
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: cores)")
     args = ap.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "0"
@@ -192,7 +230,7 @@ def main(argv=None) -> int:
         print("the kernels were imported under TRITON_INTERPRET=1: run this in a fresh process")
         return 2
     t0 = time.perf_counter()
-    results = run(args.arch, args.dtype, args.jobs, args.kernel)
+    results = run(args.arch, args.dtype, args.jobs, args.kernel, shape_set(args.set))
     print(format_table(results))
     bad = [r for r in results if not r.ok]
     print(f"{len(results)} compiles, {len(bad)} failed, {time.perf_counter() - t0:.0f} s")

@@ -223,6 +223,14 @@ class Launch:
         return {names[k[0]]: v for k, v in self.constexprs.items() if len(k) == 1}
 
     @property
+    def constexprs_from_values(self) -> dict:
+        """The arguments declared as runtime values that the JIT made constexprs (ints equal to
+        1, None), by name."""
+        params = self.fn.params
+        return {params[k[0]].name: v for k, v in self.constexprs.items()
+                if len(k) == 1 and not params[k[0]].is_constexpr}
+
+    @property
     def divisible(self) -> tuple[str, ...]:
         """The arguments with the ``tt.divisibility = 16`` attribute, in order."""
         names = self.fn.arg_names
@@ -293,7 +301,7 @@ class _RecordingKernel:
 
 
 def _kernel_modules() -> list:
-    prefix = __name__.rpartition(".")[0] + "."
+    prefix = __package__ + "."
     return [m for name, m in list(sys.modules.items()) if name.startswith(prefix) and m]
 
 
@@ -496,12 +504,13 @@ def compile_launch(launch: Launch, arch: int | None = None, *, use_cache: bool =
                 num_warps=int(ck.metadata.num_warps), num_stages=int(ck.metadata.num_stages))
     cubin, ptx = ck.asm["cubin"], ck.asm.get("ptx")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    path.with_suffix(".cubin").write_bytes(cubin)
+    files = [(".cubin", cubin), (".json", json.dumps(meta).encode())]
     if ptx is not None:
-        path.with_suffix(".ptx").write_text(ptx)
-    tmp.write_text(json.dumps(meta))
-    tmp.replace(path)  # the .json last: its presence means the entry is whole
+        files.insert(1, (".ptx", ptx.encode()))
+    for suffix, data in files:  # each written whole, then renamed; the .json last: its
+        tmp = path.with_suffix(f"{suffix}.tmp{os.getpid()}")  # presence means the entry is
+        tmp.write_bytes(data)  # whole, whatever other processes write at the same time
+        tmp.replace(path.with_suffix(suffix))
     return Compiled(**meta, cubin=cubin, ptx=ptx if keep_ptx else None, seconds=seconds)
 
 
@@ -514,3 +523,56 @@ def with_config(launch: Launch, config: KernelConfig) -> Launch:
     kwargs.update(config.launch_kwargs())
     return specialise(launch.fn, launch.grid, launch.args, kwargs, launch.arch, launch.kernel,
                       config)
+
+
+def format_launches(launches: list[Launch], compiled: list[Compiled] | None = None) -> str:
+    """One block per launch: role, grid, config, the constexprs the JIT made of runtime values
+    (ints equal to 1), the arguments with the divisibility attribute; with ``compiled`` also
+    registers, spills and shared memory."""
+    lines = []
+    for i, launch in enumerate(launches):
+        made = launch.constexprs_from_values
+        head = f"{launch.kernel}  grid={launch.grid}  {launch.config}  sm_{launch.arch}"
+        if compiled:
+            c = compiled[i]
+            head += f"  regs={c.registers} spill={c.spill_bytes} smem={c.shared}"
+        lines += [head, f"  constexpr from values: {made}",
+                  f"  divisible by 16: {', '.join(launch.divisible)}"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="The Triton launches of one training step of a "
+                                 "unit, specialised as the JIT specialises them.")
+    ap.add_argument("shape", help="a unit, as fusedres bench's --shapes: "
+                    "conv:N=128,C=64,K=3,CO=64,HW=56[,S=2][,res]")
+    ap.add_argument("--dtype", default="fp16", choices=tuple(DTYPES))
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--sm-count", type=int, default=None)
+    ap.add_argument("--no-tf32", action="store_true", help="fp32 without TF32 (ieee products)")
+    ap.add_argument("--nchw", action="store_true", help="contiguous NCHW, not channels_last")
+    ap.add_argument("--backward", default="sums", choices=BACKWARDS)
+    ap.add_argument("--compile", action="store_true", help="also compile (registers, spills)")
+    args = ap.parse_args(argv)
+    os.environ["TRITON_INTERPRET"] = "0"
+    from ..unit_shapes import ConvUnit, parse_shape
+
+    # Run as ``-m``, this file is ``__main__``: work through the package's module instead.
+    spec = importlib.import_module(f"{__package__}.jit_spec")
+
+    shape = parse_shape(args.shape)
+    if not isinstance(shape, ConvUnit):
+        ap.error(f"shape: expected a conv: unit, got {args.shape!r}")
+    launches = spec.unit_launches(shape, args.dtype, arch=args.arch, tf32=not args.no_tf32,
+                                  channels_last=not args.nchw, sm_count=args.sm_count,
+                                  backward=args.backward)
+    compiled = [spec.compile_launch(launch, keep_ptx=False) for launch in launches] \
+        if args.compile else None
+    print(spec.format_launches(launches, compiled))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -90,6 +90,23 @@ def test_parse_shape_and_select():
     assert S.select(None, True, "cifar") == S.SETS["quick"]
 
 
+def test_conv_units_of_blocks():
+    """A block's BN-ReLU-conv units: torchvision's bottleneck strides its 3x3, He et al.'s CIFAR
+    one its first 1x1; the expand conv takes the residual; the projection reads the block's
+    input. R50_CONVS: the 23 distinct units of ResNet-50's bottlenecks at batch 256."""
+    r50 = S.conv_units(S.parse_shape("bottleneck:N=32,C=256,P=128,HW=56,S=2"), 256, "r")
+    assert [(u.name, u.n, u.ho) for u in r50] == [
+        ("r 256>128 1x1 @56", 256, 56), ("r 128>128 3x3 /2 @56", 256, 28),
+        ("r 128>512 1x1 @28 +res", 256, 28), ("r 256>512 1x1 /2 @56", 256, 28)]
+    cifar = S.conv_units(S.CIFAR_BOTTLENECKS[1])
+    assert [u.name for u in cifar] == ["64>32 1x1 /2 @32", "32>32 3x3 @16",
+                                       "32>128 1x1 @16 +res", "64>128 1x1 /2 @32"]
+    basic = S.conv_units(S.CIFAR_BASIC_BLOCKS[0])
+    assert [u.name for u in basic] == ["16>16 3x3 @32", "16>16 3x3 @32 +res"]
+    assert len(S.R50_CONVS) == len(set(S.R50_CONVS)) == 23
+    assert {u.n for u in S.R50_CONVS} == {256}
+
+
 def test_basic_sweep_is_the_issue_sweep():
     """40 single basic units: C in 16..256 (not only powers of two), s in 1, 2, +-residual,
     N=64, 16x16, 3x3 C -> C, padding 1."""

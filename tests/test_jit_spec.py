@@ -103,6 +103,13 @@ for tf32 in (True, False):
                        "tf32_mma": ".tf32" in c.ptx, "name": c.name, "cubin": len(c.cubin),
                        "cached": again.cached, "cached_registers": again.registers}
 out["fp32"] = ieee
+import contextlib, io
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf):
+    jit_spec.main(["conv:N=128,C=16,K=3,CO=16,HW=32", "--backward", "store"])
+out["cli"] = buf.getvalue()
+out["from_values"] = {k: repr(v) for k, v in jit_spec.unit_launches(cifar, "fp16")[1]
+                      .constexprs_from_values.items()}
 print("JSON" + json.dumps(out))
 """
 
@@ -185,3 +192,15 @@ def test_fp32_ieee_variant_compiles(probe):
         assert c["name"] == "bn_relu_conv2d_fwd_kernel" and c["cubin"] > 0
         assert 0 < c["registers"] <= 255
         assert c["cached"] and c["cached_registers"] == c["registers"]
+
+
+def test_command_lists_the_launches(probe):
+    """``python -m fusedres.kernels.jit_spec SHAPE``: one block per launch, with the constexprs
+    the JIT made of runtime values (here the unit strides and the 3x3's stride, padding and
+    dilation of 1) and the divisible arguments."""
+    heads = [line for line in probe["cli"].splitlines() if not line.startswith(" ")]
+    assert [h.split()[0] for h in heads] == ["batch_stats", "bn_relu_conv2d_fwd", "wgrad",
+                                             "dgrad_store", "dx"]
+    assert heads[1].startswith("bn_relu_conv2d_fwd  grid=(1024, 1, 1)  M=128 N=32 K=16")
+    assert probe["from_values"] == {name: "1" for name in (
+        "SH", "SW", "PH", "PW", "DH", "DW", "sxc", "swc", "syc")}

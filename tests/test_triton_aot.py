@@ -1,10 +1,14 @@
 """Every config of every Triton kernel compiles ahead of time for sm_80 and sm_90 (no GPU
-needed), fits the architecture's shared memory and spills no registers.
+needed) as the JIT specialises it (kernels/jit_spec.py), fits the architecture's shared memory
+and spills no registers.
 
 Run in a subprocess with TRITON_INTERPRET=0: under the interpreter ``triton.jit`` gives
-interpreter objects that cannot be compiled. bfloat16 shares the float16 code path and is left to
-the command line (``python -m fusedres.kernels.aot --arch 80 90`` compiles all four dtypes) to
-keep this under two minutes on two cores.
+interpreter objects that cannot be compiled. CI compiles the ``ci`` shape set (a CIFAR 3x3 unit
+and an ImageNet 1x1 unit with a residual, both backward plans; every config that their
+launches do not pick swapped into one of them) for fp16, fp32 with and without TF32, and fp64:
+164 compiles, ~50 s of CPU on two cores (the unspecialised check it replaces: 106, ~55 s).
+bfloat16 shares the float16 code path; it and the full benchmark shape set are left to
+the command line (``python -m fusedres.kernels.aot``, ~1200 compiles).
 """
 
 import os
@@ -17,32 +21,91 @@ pytest.importorskip("triton")
 
 from fusedres.kernels import aot  # noqa: E402
 
+DTYPES = ["fp16", "fp32", "fp32-ieee", "fp64"]
 
-def test_every_config_compiles_for_sm80_and_sm90():
+
+@pytest.fixture(scope="module")
+def table():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run(
-        [sys.executable, "-m", "fusedres.kernels.aot", "--arch", "80", "90",
-         "--dtype", "fp16", "fp32", "fp64"],
+        [sys.executable, "-m", "fusedres.kernels.aot", "--arch", "80", "90", "--set", "ci",
+         "--dtype", *DTYPES],
         capture_output=True, text=True, env=env, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    rows = [line for line in proc.stdout.splitlines() if line.rstrip().endswith(" ok")]
-    expected = len(aot.jobs([80, 90], ["fp16", "fp32", "fp64"]))
-    assert len(rows) == expected, out
-    # Every kernel and both archs appear; the tensor-core kernels use shared memory.
-    for name in ("batch_stats", "bn_relu_conv2d_fwd", "dgrad_store", "dgrad_dx", "dx", "wgrad",
-                 "wgrad_sums"):
-        assert any(r.startswith(name + " ") for r in rows), name
-    assert any("sm_80" in r for r in rows) and any("sm_90" in r for r in rows)
-    assert f"{expected} compiles, 0 failed" in proc.stdout
+    return proc, proc.stdout + proc.stderr, aot.parse_table(proc.stdout)
+
+
+def test_table_covers_every_config_dtype_and_arch(table):
+    proc, out, rows = table
+    summary = [line for line in proc.stdout.splitlines() if " compiles, " in line]
+    assert summary, out
+    total, failed = int(summary[0].split()[0]), int(summary[0].split()[2])
+    assert len(rows) == total, out
+    bad = [r for r in rows if r["status"] != "ok"]
+    assert len(bad) == failed
+    assert proc.returncode == (1 if failed else 0), out
+    seen = {(r["kernel"], r["dtype"], r["config"], r["arch"]) for r in rows}
+    from fusedres.kernels import _common
+
+    for kernel, configs_for in aot.role_configs().items():
+        for dtype in DTYPES:
+            for cfg in configs_for(aot.VARIANTS[dtype][0]):
+                assert isinstance(cfg, _common.KernelConfig)
+                for arch in ("sm_80", "sm_90"):
+                    assert (kernel, dtype, str(cfg), arch) in seen, (kernel, dtype, cfg, arch)
+    # Launched by the shapes themselves, not only swapped in: the JIT's specialisations.
+    assert sum("swapped" not in r["launched by"] for r in rows) > len(rows) // 2
+
+
+def test_every_config_compiles_spill_free_within_shared_memory(table):
+    """fp16, fp32 (TF32) and fp64: every row ok (compiled, no spills, shared memory in the
+    limit). fp32 without TF32 is checked apart (below)."""
+    _, out, rows = table
+    checked = [r for r in rows if r["dtype"] != "fp32-ieee"]
+    assert checked
+    assert all(r["status"] == "ok" for r in checked), out
+
+
+def test_fp32_ieee_variant_compiles(table):
+    """fp32 without TF32 (``ieee`` products, what runs whenever TF32 is off) is compiled for
+    every kernel and both archs, without a compile error (spills are the next test's)."""
+    _, out, rows = table
+    ieee = [r for r in rows if r["dtype"] == "fp32-ieee"]
+    assert {f["kernel"] for f in ieee} == set(aot.KERNELS), out
+    assert {f["arch"] for f in ieee} == {"sm_80", "sm_90"}
+    assert all(f["status"] in ("ok", "spills") for f in ieee), out
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: with TF32 off the fp32 GEMM kernels (forward, "
+                   "data and weight gradients) spill on FMA tiles; their configs are the "
+                   "kernel rewrite's to fix (strict: passes, and so fails here, once fixed)")
+def test_fp32_ieee_variant_spill_free(table):
+    _, out, rows = table
+    ieee = [r for r in rows if r["dtype"] == "fp32-ieee"]
+    assert ieee and all(f["status"] == "ok" for f in ieee), out
 
 
 def test_result_checks_limits():
-    ok = aot.Result("k", "fp16", "cfg", 80, shared=1024, registers=128, spill_bytes=0)
+    ok = aot.Result("dx", "fp16", "cfg", 80, shared=1024, registers=128, spill_bytes=0)
     assert ok.ok
     assert not aot.Result("k", "fp16", "cfg", 80, shared=200_000, spill_bytes=0).ok  # > sm_80
     assert aot.Result("k", "fp16", "cfg", 90, shared=200_000, spill_bytes=0).ok
     assert not aot.Result("k", "fp16", "cfg", 90, shared=0, spill_bytes=8).ok
     assert not aot.Result("k", "fp16", "cfg", 90, shared=0, spill_bytes=0, error="boom").ok
-    table = aot.format_table([ok])
-    assert "sm_80" in table and "ok" in table
+    bad = aot.Result("wgrad", "fp16", "cfg", 90, error="CompilationError: x", where="unit a")
+    table = aot.format_table([ok, bad])
+    assert [(r["arch"], r["status"], r["regs"]) for r in aot.parse_table(table)] == [
+        ("sm_80", "ok", "128"), ("sm_90", "error", "-1")]
+    assert table.splitlines()[-1].endswith("unit a  (CompilationError: x)")
+
+
+def test_shape_sets():
+    """The ci set is a CIFAR 3x3 unit (batch 128) and an ImageNet 1x1 unit with a residual
+    (batch 256); the benchmark set every distinct unit of the ResNet-164 and ResNet-50
+    bottlenecks."""
+    ci = aot.shape_set("ci")
+    assert [(u.n, u.k, u.residual) for u in ci] == [(128, 3, False), (256, 1, True)]
+    bench = aot.shape_set("benchmark")
+    assert len(bench) == len(set(bench)) == 13 + 23
+    assert {u.n for u in bench} == {128, 256}
+    with pytest.raises(ValueError, match="--set"):
+        aot.shape_set("nope")
