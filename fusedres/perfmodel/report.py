@@ -135,7 +135,7 @@ def markdown(calib, models, runtime_s: float, cuda=None,
             "versions that were measured: see the source column), the fastest MODELED config "
             "kept, against published measured TFLOP/s. The cuBLAS column is what the "
             "sustained-tensor constant was fitted on; the Triton column is not fitted.", ""]
-    out += calibration_table(calib)
+    out += calibration_table(calib) if calib else ["Not run (--no-calibration)."]
     out += ["", "## Fused unit forward + backward vs the plain sequence (MODELED)", "",
             "Training step of one BN -> ReLU -> conv (+ residual) unit: the fused Triton "
             "kernels (batch statistics, forward, weight gradient + BN sums, data gradient "
