@@ -227,16 +227,17 @@ def _store_backward(s: Step, u: Unit, dt, vec: int, m_in: int, m_out: int) -> St
 CUDA_TILES = {2: (64, 64, 32), 4: (64, 64, 16), 8: (32, 32, 16)}
 
 
-def cuda_wgrad_split(u: Unit) -> int:
+def cuda_wgrad_split(u: Unit, sms: int = H100_SMS) -> int:
     """The weight gradient's split-K count: pick_split of csrc/cuda/bn_relu_conv2d_backward.cu
-    (about two waves of blocks, >= 4 K-steps a split, partials small against dy and x)."""
+    (about two waves of blocks, >= 4 K-steps a split, partials small against dy and x) on a GPU
+    of ``sms`` SMs."""
     bm, bn, bk = CUDA_TILES[u.elem]
     m = u.n * u.ho * u.ho
     taps = u.k * u.k
     k_steps = cdiv(m, bk)
     tiles = cdiv(u.co, bm) * cdiv(u.c, bn) * taps
     traffic_cap = max(1, m * (u.c + u.co) // (32 * u.co * u.c * taps))
-    split = min(cdiv(2 * H100_SMS, tiles), max(1, k_steps // 4), traffic_cap)
+    split = min(cdiv(2 * sms, tiles), max(1, k_steps // 4), traffic_cap)
     split = max(1, min(split, k_steps))
     return cdiv(k_steps, cdiv(k_steps, split))
 

@@ -212,3 +212,28 @@ def test_cuda_row_ceiling_by_hand():
     assert r.tensor_cycles() == 128                  # 131072 multiply-adds / 1024 a clock
     assert r.ceiling(False) == pytest.approx(128 / 800)
     assert r.ceiling(True) == pytest.approx(128 / 6800)
+
+
+def test_cuda_unit_range_from_rows():
+    """The CUDA backend's per-unit range: the right instantiations picked, low <= high, and a
+    wider issue estimate (high) never faster; an unknown dtype or instantiation is named."""
+    from fusedres.kernels import traffic
+    from fusedres.perfmodel import cuda_sass
+
+    def row(name):
+        return cuda_sass.CudaKernelRow("f.cu", name, 90, 64, 64, 32, 128, 96, 0, 30000,
+                                       own=300, nested=2, nested_body=300,
+                                       mma={"HMMA.16816": 16}, fma_cta=16 * 2048 * 4)
+
+    rows = [row("bn_relu_conv2d_fwd_kernel<Half, Half, Tile<64, 64, 32, 128, true> >"),
+            row("wgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true>, false>"),
+            row("wgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true>, true>"),
+            row("dgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true> >")]
+    assert cuda_sass._row(rows, 90, "wgrad_kernel", "fp16", sums=True) is rows[2]
+    with pytest.raises(ValueError, match="BFloat16"):
+        cuda_sass._row(rows, 90, "wgrad_kernel", "bf16", sums=True)
+    m = cuda_sass.model_cuda_unit(traffic.IMAGENET_UNITS[0], "fp16", H100, rows)
+    assert [k[0] for k in m.kernels][:3] == ["fwd", "wgrad+sums", "dgrad+dx"]
+    assert all(k[1] <= k[2] for k in m.kernels) and m.low_s < m.high_s
+    with pytest.raises(ValueError, match="fp32"):
+        cuda_sass.model_cuda_unit(traffic.IMAGENET_UNITS[0], "fp32", H100, rows)

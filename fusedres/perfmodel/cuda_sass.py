@@ -176,3 +176,125 @@ def table(rows: list[CudaKernelRow]) -> list[str]:
             f"{r.issue_cycles(True):.0f} | {r.tensor_cycles():.0f} | "
             f"{100 * r.ceiling(True):.0f}% - {100 * r.ceiling(False):.0f}% |")
     return lines
+
+
+# ----------------------------------------------------------------------------- per unit
+
+
+@dataclass
+class CudaUnitModel:
+    """The CUDA C++ backend's fused step (16-bit) on one device: (kernel, low s, high s,
+    bound at high) per launch, a RANGE (see :func:`model_cuda_unit`)."""
+
+    unit: object
+    dtype: str
+    arch: int
+    kernels: list
+
+    @property
+    def low_s(self) -> float:
+        return sum(k[1] for k in self.kernels)
+
+    @property
+    def high_s(self) -> float:
+        return sum(k[2] for k in self.kernels)
+
+
+def _row(rows: list[CudaKernelRow], arch: int, kernel: str, dtype: str,
+         sums: bool | None = None) -> CudaKernelRow:
+    t = "Half" if dtype == "fp16" else "BFloat16"
+    for r in rows:
+        if r.arch == arch and r.name.startswith(f"{kernel}<{t}, {t},") and (
+                sums is None or r.name.rstrip(" >").endswith("true" if sums else "false")):
+            return r
+    raise ValueError(f"no {kernel} <{t}> instantiation for sm_{arch} in the CUDA rows")
+
+
+def _launch(r: CudaKernelRow, label: str, ctas: int, chunks: float, dram: float,
+            upper: bool):
+    """A model.Launch whose main loop issues, a K chunk, the row's own instructions plus each
+    nested body once (``upper`` False) or T times (True), and its MMA work; prologue and
+    epilogue not counted."""
+    from . import model
+
+    per_iter = sass.Counts()
+    per_iter.instrs["other"] = r.own + (r.stage_trips if upper else 1) * r.nested_body
+    per_iter.mma_warp["fp16"] = r.fma_cta // (r.threads // 32)
+    k = sass.KernelSass(label, [], [], sass.Loop(0, 0), per_iter, sass.Counts(), sass.Counts())
+    return model.Launch(label, k, model.Resources(r.registers, r.smem, r.threads // 32), ctas,
+                        model.Trips(chunks), dram)
+
+
+def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUnitModel:
+    """The CUDA C++ backend's training step of unit ``u`` (kernels/traffic.Unit, 16-bit) on
+    ``dev``, as csrc/cuda launches it (TilesFor<16-bit>::Fwd tiles, "sums" backward):
+
+    * fwd: grid cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, BK);
+    * wgrad (SUMS): grid cdiv(Co, BM) x cdiv(C, BN)*taps x split (pick_split with the
+      device's SMs); K chunks: cdiv(cdiv(M, BK), split);
+    * dgrad writing dx: grid per stride phase cdiv(rows, BM) x cdiv(C, BN); K chunks: the
+      phase's taps x cdiv(Co, BK);
+    * batch statistics, the partials' reductions: DRAM-bound launches.
+
+    DRAM bytes: kernels/traffic.cuda_fused_step. A RANGE: issue per K chunk counts each nested
+    staging loop once (low) or T = BM*BK/THREADS times (high), no prologue or epilogue."""
+    from ..kernels import traffic
+    from ..kernels._common import cdiv
+    from . import model
+
+    if dtype not in ("fp16", "bf16"):
+        raise ValueError(f"dtype: the CUDA estimate covers fp16 and bf16, not {dtype!r}")
+    tu = traffic.Unit(u.name, u.n, u.c, u.h, u.co, u.k, u.stride, u.residual, 2)
+    dram = {k.name: k.bytes for k in traffic.cuda_fused_step(tu).kernels}
+    taps = u.k * u.k
+    m_out = u.n * u.ho * u.ho
+    out = []
+    fwd = _row(rows, dev.arch, "bn_relu_conv2d_fwd_kernel", dtype)
+    out.append(("fwd", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
+                taps * cdiv(u.c, fwd.bk), dram["fwd"]))
+    wg = _row(rows, dev.arch, "wgrad_kernel", dtype, sums=True)
+    split = traffic.cuda_wgrad_split(tu, dev.sms)
+    out.append(("wgrad+sums", wg, cdiv(u.co, wg.bm) * cdiv(u.c, wg.bn) * taps * split,
+                cdiv(cdiv(m_out, wg.bk), split), dram["wgrad+sums"]))
+    dg = _row(rows, dev.arch, "dgrad_kernel", dtype)
+    p, s = u.padding, u.stride
+    ctas, work = 0, 0.0
+    for pa in range(min(s, u.h)):
+        for pb in range(min(s, u.h)):
+            ph_taps = (sum((pa + p - i) % s == 0 for i in range(u.k))
+                       * sum((pb + p - j) % s == 0 for j in range(u.k)))
+            tiles = cdiv(u.n * cdiv(u.h - pa, s) * cdiv(u.h - pb, s), dg.bm) * cdiv(u.c, dg.bn)
+            ctas += tiles
+            work += tiles * ph_taps * cdiv(u.co, dg.bk)
+    out.append(("dgrad+dx", dg, ctas, work / ctas, dram["dgrad+dx"]))
+    kernels = []
+    for name, r, n, chunks, nbytes in out:
+        low = model.predict(_launch(r, name, n, chunks, nbytes, False), dev)
+        high = model.predict(_launch(r, name, n, chunks, nbytes, True), dev)
+        kernels.append((name, low.time_s, high.time_s, high.bound))
+    for k in traffic.cuda_fused_step(tu).kernels:
+        if k.name not in ("fwd", "wgrad+sums", "dgrad+dx"):
+            t = k.bytes / (dev.dram_bytes_s * model.DRAM_EFFICIENCY) + model.LAUNCH_S
+            kernels.append((k.name, t, t, "dram"))
+    return CudaUnitModel(u, dtype, dev.arch, kernels)
+
+
+def unit_table(models: list[CudaUnitModel], plain: dict) -> list[str]:
+    """``plain``: (unit name, dtype, arch) -> the plain sequence's modeled seconds."""
+    lines = ["| unit | dtype | A100 CUDA fused us (low - high) | A100 plain us | A100 fused/plain "
+             "| H100 CUDA fused us (low - high) | H100 plain us | H100 fused/plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    by_key: dict[tuple, dict] = {}
+    for m in models:
+        by_key.setdefault((m.unit.name, m.dtype), {})[m.arch] = m
+    for (name, dtype), d in by_key.items():
+        cells = []
+        for arch in (80, 90):
+            m, p = d.get(arch), plain.get((name, dtype, arch))
+            if m is None or p is None:
+                cells += ["-"] * 3
+                continue
+            cells += [f"{m.low_s * 1e6:.0f} - {m.high_s * 1e6:.0f}", f"{p * 1e6:.1f}",
+                      f"{m.low_s / p:.1f} - {m.high_s / p:.1f}"]
+        lines.append(f"| {name} | {dtype} | " + " | ".join(cells) + " |")
+    return lines

@@ -154,4 +154,14 @@ def markdown(calib, models, runtime_s: float, cuda=None,
                 cuda_sass.__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), ""]
         out += cuda_sass.table(cuda) if isinstance(cuda, list) else [
             f"Not read: {cuda}."]
+        if isinstance(cuda, list):
+            cuda_models, plain = [], {}
+            for um in models:
+                if um.dtype in ("fp16", "bf16"):
+                    cuda_models.append(cuda_sass.model_cuda_unit(um.unit, um.dtype, um.device,
+                                                                 cuda))
+                    plain[(um.unit.name, um.dtype, um.device.arch)] = um.plain_s
+            out += ["", "### CUDA C++ backend: fused unit forward + backward (MODELED range)", "",
+                    " ".join(cuda_sass.model_cuda_unit.__doc__.split()), ""]
+            out += cuda_sass.unit_table(cuda_models, plain)
     return "\n".join(out) + "\n"
