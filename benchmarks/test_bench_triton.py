@@ -34,7 +34,14 @@ def test_traffic_model_report(benchmark, report):
                 "(BatchNorm, ReLU, cuDNN-style conv, add and their backward passes), and the "
                 "roofline time on an H100 SXM (3.35 TB/s; 989 TFLOP/s for 16-bit tensor "
                 "cores). 16-bit activations; the fused GEMMs are counted on their padded tiles."
-                " `bytes` and `time` are fused/unfused.\n\n```\n" + text + "\n```\n")
+                " `bytes` and `time` are fused/unfused. The roofline sections run every kernel "
+                "at 100% of the roofline; the last applies the calibrated GPU model's global "
+                "efficiencies (DRAM and sustained tensor fraction, fusedres/perfmodel/model.py) "
+                "to both sides. Neither sees what the fused kernels' compiled code reaches: the "
+                "SASS-level model kernel by kernel (issue, shared-memory and tensor bounds, "
+                "waves, host ops) is benchmarks/GPU_MODEL.md (`make gpu-model`), and there the "
+                "fused step is slower than the plain one on most shapes.\n\n```\n" + text
+                + "\n```\n")
     report(benchmark, group="traffic model", impl="model")
 
 

@@ -13,8 +13,12 @@ Rules, the same for both sides:
 * FLOPs: the fused kernels' GEMMs are counted on their padded tiles (the configs the host rule
   picks on a GPU), so a small channel count pays for its padding; the unfused conv is counted
   at its exact 2*M*N*K (cuDNN picks fitted tiles). Elementwise FLOPs are ignored.
-* Modeled time: each kernel max(bytes / bandwidth, FLOPs / tensor-core rate), summed (H100 SXM:
-  3.35 TB/s; 989 TFLOP/s 16-bit, 494 TF32, 67 float64).
+* Modeled time: each kernel max(bytes / (bandwidth x e_dram), FLOPs / (tensor-core rate x
+  e_tensor)), summed (H100 SXM: 3.35 TB/s; 989 TFLOP/s 16-bit, 494 TF32, 67 float64). The
+  efficiencies are an :class:`Efficiency`: ``ROOFLINE`` (1.0, 1.0: every kernel at 100% of the
+  roofline) or :func:`modeled_efficiency`: the DRAM efficiency and sustained tensor fraction of
+  the calibrated GPU model (fusedres/perfmodel), with per-kernel tensor fractions where the SASS
+  model gives them (benchmarks/GPU_MODEL.md has the kernel-by-kernel model).
 
 The fused step: batch statistics (dropped when the producer's epilogue ``genstats`` made them),
 forward, the weight-gradient pass (which also yields the BatchNorm backward sums: two GEMMs),
@@ -72,6 +76,37 @@ class Unit:
         return 2 * self.n * self.ho * self.ho * self.co * self.c * self.k * self.k
 
 
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the H100's peaks a kernel reaches: ``dram`` of the bandwidth, ``tensor`` of
+    the tensor-core rate; ``per_kernel``: (kernel name, tensor fraction) pairs overriding
+    ``tensor`` for those kernels."""
+
+    dram: float = 1.0
+    tensor: float = 1.0
+    per_kernel: tuple[tuple[str, float], ...] = ()
+
+    def tensor_for(self, name: str) -> float:
+        return dict(self.per_kernel).get(name, self.tensor)
+
+    @property
+    def is_roofline(self) -> bool:
+        return self.dram == 1.0 and self.tensor == 1.0 and not self.per_kernel
+
+
+ROOFLINE = Efficiency()
+
+
+def modeled_efficiency(per_kernel: dict[str, float] | None = None) -> Efficiency:
+    """The calibrated GPU model's H100 efficiencies (fusedres/perfmodel/model.py): DRAM at
+    ``DRAM_EFFICIENCY`` of the spec bandwidth, GEMMs at the sustained tensor fraction fitted on
+    published cuBLAS figures, or at ``per_kernel`` fractions (from the SASS model)."""
+    from ..perfmodel import model
+
+    return Efficiency(model.DRAM_EFFICIENCY, model.TENSOR_SUSTAINED[90],
+                      tuple(sorted((per_kernel or {}).items())))
+
+
 @dataclass
 class Kernel:
     name: str
@@ -83,8 +118,9 @@ class Kernel:
     def bytes(self) -> int:
         return self.read + self.write
 
-    def seconds(self, elem: int) -> float:
-        return max(self.bytes / H100_BANDWIDTH, self.flops / H100_FLOPS[elem])
+    def seconds(self, elem: int, eff: Efficiency = ROOFLINE) -> float:
+        return max(self.bytes / (H100_BANDWIDTH * eff.dram),
+                   self.flops / (H100_FLOPS[elem] * eff.tensor_for(self.name)))
 
 
 @dataclass
@@ -102,8 +138,8 @@ class Step:
     def flops(self) -> int:
         return sum(k.flops for k in self.kernels)
 
-    def seconds(self, elem: int) -> float:
-        return sum(k.seconds(elem) for k in self.kernels)
+    def seconds(self, elem: int, eff: Efficiency = ROOFLINE) -> float:
+        return sum(k.seconds(elem, eff) for k in self.kernels)
 
 
 def _dtype_name(elem: int) -> str:
@@ -191,16 +227,17 @@ def _store_backward(s: Step, u: Unit, dt, vec: int, m_in: int, m_out: int) -> St
 CUDA_TILES = {2: (64, 64, 32), 4: (64, 64, 16), 8: (32, 32, 16)}
 
 
-def cuda_wgrad_split(u: Unit) -> int:
+def cuda_wgrad_split(u: Unit, sms: int = H100_SMS) -> int:
     """The weight gradient's split-K count: pick_split of csrc/cuda/bn_relu_conv2d_backward.cu
-    (about two waves of blocks, >= 4 K-steps a split, partials small against dy and x)."""
+    (about two waves of blocks, >= 4 K-steps a split, partials small against dy and x) on a GPU
+    of ``sms`` SMs."""
     bm, bn, bk = CUDA_TILES[u.elem]
     m = u.n * u.ho * u.ho
     taps = u.k * u.k
     k_steps = cdiv(m, bk)
     tiles = cdiv(u.co, bm) * cdiv(u.c, bn) * taps
     traffic_cap = max(1, m * (u.c + u.co) // (32 * u.co * u.c * taps))
-    split = min(cdiv(2 * H100_SMS, tiles), max(1, k_steps // 4), traffic_cap)
+    split = min(cdiv(2 * sms, tiles), max(1, k_steps // 4), traffic_cap)
     split = max(1, min(split, k_steps))
     return cdiv(k_steps, cdiv(k_steps, split))
 
@@ -297,9 +334,10 @@ def bottleneck_blocks() -> list[tuple[str, list[Unit]]]:
 
 
 def report(units=None, genstats: bool = False, strategy: str = "sums",
-           kernels: str = "triton") -> str:
+           kernels: str = "triton", eff: Efficiency = ROOFLINE) -> str:
     """A table: bytes and modeled H100 time of the fused and unfused training step, for the
-    Triton kernels (``strategy``: their backward) or the CUDA C++ kernels (``kernels="cuda"``)."""
+    Triton kernels (``strategy``: their backward) or the CUDA C++ kernels (``kernels="cuda"``),
+    at the efficiencies ``eff`` (default: 100% of the roofline)."""
     units = units or CIFAR_UNITS + IMAGENET_UNITS + EXPANDING_UNITS
     if kernels == "cuda":
         def fused_step_(u, genstats, strategy):  # noqa: ARG001 - one strategy ("sums")
@@ -310,19 +348,21 @@ def report(units=None, genstats: bool = False, strategy: str = "sums",
         title = "Triton kernels, "
     head = (f"{'unit':<38}{'unfused MB':>11}{'fused MB':>10}{'bytes':>7}"
             f"{'unfused us':>11}{'fused us':>10}{'time':>7}")
+    at = "" if eff.is_roofline else (f", at {eff.dram:.0%} of DRAM bandwidth and "
+                                     f"{eff.tensor:.0%} of tensor peak (modeled efficiency)")
     lines = [f"MODEL (not measured): DRAM bytes and H100 time of one training step, {title}"
-             f"{'with' if genstats else 'without'} genstats, backward strategy {strategy}",
+             f"{'with' if genstats else 'without'} genstats, backward strategy {strategy}{at}",
              head, "-" * len(head)]
     for u in units:
         a, b = unfused_step(u), fused_step_(u, genstats, strategy)
-        ta, tb = a.seconds(u.elem), b.seconds(u.elem)
+        ta, tb = a.seconds(u.elem, eff), b.seconds(u.elem, eff)
         lines.append(f"{u.name:<38}{a.bytes / 1e6:>11.1f}{b.bytes / 1e6:>10.1f}"
                      f"{b.bytes / a.bytes:>7.2f}{ta * 1e6:>11.1f}{tb * 1e6:>10.1f}{tb / ta:>7.2f}")
     for name, block in bottleneck_blocks():
         a = sum(unfused_step(u).bytes for u in block)
         b = sum(fused_step_(u, genstats, strategy).bytes for u in block)
-        ta = sum(unfused_step(u).seconds(u.elem) for u in block)
-        tb = sum(fused_step_(u, genstats, strategy).seconds(u.elem) for u in block)
+        ta = sum(unfused_step(u).seconds(u.elem, eff) for u in block)
+        tb = sum(fused_step_(u, genstats, strategy).seconds(u.elem, eff) for u in block)
         lines.append(f"{name:<38}{a / 1e6:>11.1f}{b / 1e6:>10.1f}{b / a:>7.2f}"
                      f"{ta * 1e6:>11.1f}{tb * 1e6:>10.1f}{tb / ta:>7.2f}")
     return "\n".join(lines)
@@ -330,7 +370,8 @@ def report(units=None, genstats: bool = False, strategy: str = "sums",
 
 def full_report() -> str:
     return "\n\n".join((report(), report(genstats=True), report(strategy="store"),
-                        report(kernels="cuda"), report(genstats=True, kernels="cuda")))
+                        report(kernels="cuda"), report(genstats=True, kernels="cuda"),
+                        report(eff=modeled_efficiency())))
 
 
 if __name__ == "__main__":

@@ -123,3 +123,18 @@ def test_cuda_split_rule_splits_long_reductions():
     assert T.cuda_wgrad_split(T.Unit("long", 128, 16, 32, 16, k=1)) > 1
     assert T.cuda_wgrad_split(T.Unit("wide", 256, 512, 7, 512)) == 1
     assert "CUDA C++ kernels" in T.full_report()
+
+
+def test_modeled_efficiency_slows_every_kernel():
+    """The calibrated model's efficiencies (DRAM and sustained tensor fractions < 1) lengthen
+    every kernel's time against the roofline; per-kernel fractions override the default."""
+    eff = T.modeled_efficiency()
+    assert 0 < eff.dram < 1 and 0 < eff.tensor < 1 and not eff.is_roofline
+    mem = T.Kernel("k", read=3_350_000_000_000, write=0)
+    assert mem.seconds(2, eff) == pytest.approx(1.0 / eff.dram)
+    gemm = T.Kernel("fwd", read=0, write=0, flops=int(989e12))
+    assert gemm.seconds(2, eff) == pytest.approx(1.0 / eff.tensor)
+    assert gemm.seconds(2, T.modeled_efficiency({"fwd": 0.25})) == pytest.approx(4.0)
+    u = T.CIFAR_UNITS[0]
+    assert T.fused_step(u).seconds(2, eff) > T.fused_step(u).seconds(2)
+    assert "modeled efficiency" in T.full_report()

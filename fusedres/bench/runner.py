@@ -127,7 +127,8 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
                               f"{R.short_machine(rep.doc['machine'])}")
         plots.append(plot_path.name)
     all_cols = cols + (units_mod.bandwidth_cols()
-                       if any("bandwidth_fraction" in r for r in measured) else [])
+                       if any("bandwidth_fraction" in r for r in measured) else []) \
+        + (units_mod.modeled_cols() if any("modeled_s" in r for r in measured) else [])
     bw_path = rep.png(f"{name}-bandwidth.png")
     if bw_path is not None and units_mod.plot_bandwidth(rows, bw_path, f"{title}: achieved "
                                                        "bandwidth of the Triton kernels"):

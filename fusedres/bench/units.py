@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -191,6 +192,45 @@ def bandwidth_columns(row: dict, shape, dtype, peak_bw: float | None) -> None:
     row["bandwidth_fraction"] = row["achieved_Bps"] / peak_bw
 
 
+_MODELED: dict[tuple, tuple[float, float] | None] = {}
+
+
+def modeled_columns(row: dict, shape, dtype: torch.dtype, device: torch.device) -> None:
+    """Adds ``modeled_s`` (fusedres.perfmodel's MODELED step time: the fused Triton kernels for
+    a triton channels_last row, the plain sequence for the plain row) on an sm_80 / sm_90 GPU,
+    so each measured time has the model's prediction beside it. Single conv units only."""
+    if device.type != "cuda" or not isinstance(shape, ConvUnit):
+        return
+    if row["impl"] not in ("plain", "triton channels_last"):
+        return
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype)
+    if name is None:
+        return
+    key = (shape, name, device.index)
+    if key not in _MODELED:
+        try:
+            from ..perfmodel.units import device_for, model_conv_unit
+
+            p = torch.cuda.get_device_properties(device)
+            um = model_conv_unit(shape, name, device_for((p.major, p.minor),
+                                                         p.multi_processor_count))
+            _MODELED[key] = (um.fused_s, um.plain_s)
+        except Exception as exc:  # noqa: BLE001 - no prediction, the measurement stands
+            warnings.warn(f"fusedres.perfmodel: no prediction for {shape.name}: {exc}",
+                          stacklevel=2)
+            _MODELED[key] = None
+    if _MODELED[key] is not None:
+        fused_s, plain_s = _MODELED[key]
+        row["modeled_s"] = plain_s if row["impl"] == "plain" else fused_s
+
+
+def modeled_cols():
+    return [Column("MODELED ms", lambda r: r["modeled_s"] * 1e3 if "modeled_s" in r else None,
+                   "{:.3f}"),
+            Column("measured / MODELED", lambda r: r["median_s"] / r["modeled_s"]
+                   if "modeled_s" in r else None, "{:.2f}")]
+
+
 def _impls(device: torch.device, baselines, backends) -> list[str]:
     impls = [b for b in BASELINES if b in baselines]
     for b in backends:
@@ -253,6 +293,7 @@ def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=Non
         for row in shape_rows:
             row["ratio"] = row["median_s"] / plain["median_s"] if plain else None
             bandwidth_columns(row, shape, amp or dtype, peak_bw)
+            modeled_columns(row, shape, amp or dtype, device)
         layout_ratios(shape_rows)
         rows += shape_rows
         if on_shape is not None:

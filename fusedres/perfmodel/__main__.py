@@ -1,0 +1,73 @@
+"""``python -m fusedres.perfmodel``: the GPU performance model's report (MODELED figures).
+
+--out PATH writes the markdown there (benchmarks/GPU_MODEL.md); --quick models one CIFAR and
+one ImageNet unit in fp16 only; --no-calibration skips the GEMM calibration; --cuda adds the
+CUDA C++ kernels' SASS (nvcc compiles csrc/cuda: ~4 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fusedres.perfmodel",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="write the markdown report here")
+    ap.add_argument("--dtype", nargs="+", default=["fp16", "bf16", "fp32"],
+                    choices=["fp16", "bf16", "fp32"])
+    ap.add_argument("--quick", action="store_true", help="two units, fp16")
+    ap.add_argument("--no-calibration", action="store_true")
+    ap.add_argument("--cuda", action="store_true", help="the CUDA C++ kernels' SASS too")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("fusedres.perfmodel: unset TRITON_INTERPRET (the kernels must be compiled)",
+              file=sys.stderr)
+        return 2
+    os.environ["TRITON_INTERPRET"] = "0"
+    from ..kernels import traffic
+    from . import report
+    from .calibrate import calibrate
+    from .devices import A100, H100
+    from .units import model_unit
+
+    t0 = time.perf_counter()
+    units = traffic.CIFAR_UNITS + traffic.IMAGENET_UNITS
+    dtypes = args.dtype
+    if args.quick:
+        units, dtypes = [traffic.CIFAR_UNITS[0], traffic.IMAGENET_UNITS[0]], ["fp16"]
+    calib = [] if args.no_calibration else calibrate()
+    models = []
+    for u in units:
+        for dtype in dtypes:
+            for dev in (A100, H100):
+                models.append(model_unit(u, dtype, dev))
+                print(f"modeled {u.name} {dtype} {dev.name}: fused "
+                      f"{models[-1].fused_s * 1e6:.1f} us, plain "
+                      f"{models[-1].plain_s * 1e6:.1f} us", file=sys.stderr, flush=True)
+    cuda = None
+    if args.cuda:
+        from .cuda_sass import cuda_rows
+
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        try:
+            cuda = cuda_rows(root)
+        except (FileNotFoundError, RuntimeError) as exc:
+            cuda = str(exc)
+    command = " ".join(["python -m fusedres.perfmodel", *(argv if argv is not None
+                                                          else sys.argv[1:])])
+    text = report.markdown(calib, models, time.perf_counter() - t0, cuda, command)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

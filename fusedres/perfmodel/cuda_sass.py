@@ -1,0 +1,300 @@
+"""The CUDA C++ kernels (csrc/cuda) through the same SASS reading: nvcc compiles each .cu for
+sm_80 and sm_90 with the extension's flags (fusedres/cuda_aot.py), cuobjdump disassembles the
+object, and each 16-bit (WMMA) kernel's main loop is read: the loop carrying the HMMA
+instructions with no such loop inside it.
+
+These kernels stage their operands through loops nested in the main loop (``for (e = tid;
+e < BM * BK; e += THREADS)``), which nvcc leaves rolled: their trip counts are not in the SASS.
+The table gives both ends: the main loop's own instructions plus each nested loop's body once
+(a lower bound on one K chunk's issue), and plus each nested body times T = BM*BK/THREADS, the
+tile elements a thread stages (an estimate: every nested loop a staging loop that runs). Per
+K chunk and SM, issue cycles = ceil(warps/4) x instructions and tensor cycles = the chunk's
+multiply-adds / the per-SM rate (devices.py); the ceiling on the fraction of tensor peak is
+tensor / max(issue, tensor). No per-shape time: the launches of csrc/cuda are not captured.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+from . import sass
+from .devices import A100, H100
+
+_TILE = re.compile(r"TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])E")
+
+
+@dataclass
+class CudaKernelRow:
+    file: str
+    name: str            # demangled, shortened
+    arch: int
+    bm: int
+    bn: int
+    bk: int
+    threads: int
+    registers: int
+    spill: int
+    smem: int
+    own: int             # main-loop instructions outside nested loops
+    nested: int          # nested loops inside the main loop
+    nested_body: int     # their bodies' instructions, summed
+    mma: dict            # SASS tensor instruction shape -> count per warp per K chunk
+    fma_cta: int         # multiply-adds per CTA per K chunk
+
+    @property
+    def stage_trips(self) -> int:
+        return max(1, self.bm * self.bk // self.threads)
+
+    def issue_cycles(self, upper: bool) -> float:
+        per_warp = self.own + self.nested_body * (self.stage_trips if upper else 1)
+        return math.ceil(self.threads / 32 / 4) * per_warp
+
+    def tensor_cycles(self) -> float:
+        dev = A100 if self.arch == 80 else H100
+        return self.fma_cta / dev.tensor_fma_clk_sm["fp16"]
+
+    def ceiling(self, upper: bool) -> float:
+        t = self.tensor_cycles()
+        return t / max(t, self.issue_cycles(upper)) if t else 0.0
+
+
+def _split_by_arch(text: str) -> dict[int, str]:
+    out: dict[int, list[str]] = {}
+    arch = None
+    for line in text.splitlines():
+        m = re.search(r"code for sm_(\d+)|arch = sm_(\d+)", line)
+        if m:
+            arch = int(m.group(1) or m.group(2))
+            out.setdefault(arch, [])
+            continue
+        if arch is not None:
+            out[arch].append(line)
+    return {a: "\n".join(v) for a, v in out.items()}
+
+
+def _short(demangled: str) -> str:
+    s = re.sub(r"fusedres::cuda::\(anonymous namespace\)::", "", demangled)
+    s = s.replace("c10::", "").replace("fusedres::cuda::", "")
+    return s.split("(")[0]
+
+
+def compile_object(src: str, archs=(80, 90)) -> bytes:
+    """nvcc's object for ``src`` (csrc/cuda/*.cu), sm_80 and sm_90 code; raises
+    FileNotFoundError when nvcc is missing, RuntimeError when it fails."""
+    from .. import cuda_aot
+
+    nvcc = cuda_aot.find_nvcc()
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found on PATH or under CUDA_HOME")
+    with tempfile.TemporaryDirectory(prefix="fusedres_perfmodel_") as tmp:
+        obj = os.path.join(tmp, "k.o")
+        res = subprocess.run(cuda_aot.nvcc_command(nvcc, src, obj, tmp, archs),
+                             capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {src}: {res.stderr[-2000:]}")
+        with open(obj, "rb") as f:
+            return f.read()
+
+
+def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
+    """One row per 16-bit WMMA kernel instantiation (X == W == Half or BFloat16) and arch."""
+    from .. import cuda_aot
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.o")
+        with open(path, "wb") as f:
+            f.write(obj)
+        dump = subprocess.run([sass.tool("cuobjdump"), "-sass", path], capture_output=True,
+                              text=True, check=False).stdout
+        usage = subprocess.run([sass.tool("cuobjdump"), "-res-usage", path],
+                               capture_output=True, text=True, check=False).stdout
+    res_by_arch: dict[int, dict[str, dict[str, int]]] = {}
+    for arch, text in _split_by_arch(usage).items():
+        cur = None
+        for line in text.splitlines():
+            m = re.match(r"\s*Function\s+(\S+):", line)
+            if m:
+                cur = m.group(1)
+            elif cur and "REG:" in line:
+                res_by_arch.setdefault(arch, {})[cur] = {
+                    k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+    rows = []
+    for arch, text in sorted(_split_by_arch(dump).items()):
+        funcs = sass.parse(text)
+        names = cuda_aot.demangle(sorted(funcs))
+        for mangled, code in funcs.items():
+            tile = _TILE.search(mangled)
+            dem = names.get(mangled, mangled)
+            if tile is None or tile.group(5) != "1":
+                continue  # FMA tiles (float32 / float64): no tensor-core loop
+            if not re.search(r"<(Half|BFloat16), \1,", dem.replace("c10::", "")):
+                continue
+            k = sass.analyse(mangled, code)
+            if k.main is None or not k.per_iter.mma_shapes:
+                continue
+            nested = [lp for lp in k.loops if lp.parent is k.main]
+            own = sass.count(code, k.main.head, k.main.tail, nested)
+            bm, bn, bk, threads = (int(tile.group(i)) for i in range(1, 5))
+            warps = threads // 32
+            fma_cta = sum(v * warps for v in k.per_iter.mma_warp.values())
+            u = res_by_arch.get(arch, {}).get(mangled, {})
+            rows.append(CudaKernelRow(
+                file, _short(dem), arch, bm, bn, bk, threads, u.get("REG", 0),
+                u.get("LOCAL", 0), u.get("SHARED", 0), own.total, len(nested),
+                sum(sass.count(code, lp.head, lp.tail).total for lp in nested),
+                dict(k.per_iter.mma_shapes), fma_cta))
+    return rows
+
+
+def cuda_rows(root: str) -> list[CudaKernelRow]:
+    from .. import cuda_aot
+
+    rows = []
+    for src in cuda_aot.sources(root):
+        rel = os.path.relpath(src, root)
+        rows += analyse_object(compile_object(src), rel)
+    return rows
+
+
+def table(rows: list[CudaKernelRow]) -> list[str]:
+    lines = ["| file | kernel | GPU | tile BMxBNxBK / threads | regs | spill B | static smem B "
+             "| main loop own instrs | nested loops (body instrs) | MMA/warp/K chunk | issue "
+             "cycles/K chunk (low - est.) | tensor cycles/K chunk | MODELED tensor-peak ceiling "
+             "(est. - high) |",
+             "|---|---|---|---|---:|---:|---:|---:|---|---|---|---:|---|"]
+    for r in rows:
+        mma = ", ".join(f"{s}x{n}" for s, n in sorted(r.mma.items()))
+        lines.append(
+            f"| {r.file} | {r.name} | {'A100' if r.arch == 80 else 'H100'} | {r.bm}x{r.bn}x"
+            f"{r.bk} / {r.threads} | {r.registers} | {r.spill} | {r.smem} | {r.own} | "
+            f"{r.nested} ({r.nested_body}) | {mma} | {r.issue_cycles(False):.0f} - "
+            f"{r.issue_cycles(True):.0f} | {r.tensor_cycles():.0f} | "
+            f"{100 * r.ceiling(True):.0f}% - {100 * r.ceiling(False):.0f}% |")
+    return lines
+
+
+# ----------------------------------------------------------------------------- per unit
+
+
+@dataclass
+class CudaUnitModel:
+    """The CUDA C++ backend's fused step (16-bit) on one device: (kernel, low s, high s,
+    bound at high) per launch, a RANGE (see :func:`model_cuda_unit`)."""
+
+    unit: object
+    dtype: str
+    arch: int
+    kernels: list
+
+    @property
+    def low_s(self) -> float:
+        return sum(k[1] for k in self.kernels)
+
+    @property
+    def high_s(self) -> float:
+        return sum(k[2] for k in self.kernels)
+
+
+def _row(rows: list[CudaKernelRow], arch: int, kernel: str, dtype: str,
+         sums: bool | None = None) -> CudaKernelRow:
+    t = "Half" if dtype == "fp16" else "BFloat16"
+    for r in rows:
+        if r.arch == arch and r.name.startswith(f"{kernel}<{t}, {t},") and (
+                sums is None or r.name.rstrip(" >").endswith("true" if sums else "false")):
+            return r
+    raise ValueError(f"no {kernel} <{t}> instantiation for sm_{arch} in the CUDA rows")
+
+
+def _launch(r: CudaKernelRow, label: str, ctas: int, chunks: float, dram: float,
+            upper: bool):
+    """A model.Launch whose main loop issues, a K chunk, the row's own instructions plus each
+    nested body once (``upper`` False) or T times (True), and its MMA work; prologue and
+    epilogue not counted."""
+    from . import model
+
+    per_iter = sass.Counts()
+    per_iter.instrs["other"] = r.own + (r.stage_trips if upper else 1) * r.nested_body
+    per_iter.mma_warp["fp16"] = r.fma_cta // (r.threads // 32)
+    k = sass.KernelSass(label, [], [], sass.Loop(0, 0), per_iter, sass.Counts(), sass.Counts())
+    return model.Launch(label, k, model.Resources(r.registers, r.smem, r.threads // 32), ctas,
+                        model.Trips(chunks), dram)
+
+
+def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUnitModel:
+    """The CUDA C++ backend's training step of unit ``u`` (kernels/traffic.Unit, 16-bit) on
+    ``dev``, as csrc/cuda launches it (TilesFor<16-bit>::Fwd tiles, "sums" backward):
+
+    * fwd: grid cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, BK);
+    * wgrad (SUMS): grid cdiv(Co, BM) x cdiv(C, BN)*taps x split (pick_split with the
+      device's SMs); K chunks: cdiv(cdiv(M, BK), split);
+    * dgrad writing dx: grid per stride phase cdiv(rows, BM) x cdiv(C, BN); K chunks: the
+      phase's taps x cdiv(Co, BK);
+    * batch statistics, the partials' reductions: DRAM-bound launches.
+
+    DRAM bytes: kernels/traffic.cuda_fused_step. A RANGE: issue per K chunk counts each nested
+    staging loop once (low) or T = BM*BK/THREADS times (high), no prologue or epilogue."""
+    from ..kernels import traffic
+    from ..kernels._common import cdiv
+    from . import model
+
+    if dtype not in ("fp16", "bf16"):
+        raise ValueError(f"dtype: the CUDA estimate covers fp16 and bf16, not {dtype!r}")
+    tu = traffic.Unit(u.name, u.n, u.c, u.h, u.co, u.k, u.stride, u.residual, 2)
+    dram = {k.name: k.bytes for k in traffic.cuda_fused_step(tu).kernels}
+    taps = u.k * u.k
+    m_out = u.n * u.ho * u.ho
+    out = []
+    fwd = _row(rows, dev.arch, "bn_relu_conv2d_fwd_kernel", dtype)
+    out.append(("fwd", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
+                taps * cdiv(u.c, fwd.bk), dram["fwd"]))
+    wg = _row(rows, dev.arch, "wgrad_kernel", dtype, sums=True)
+    split = traffic.cuda_wgrad_split(tu, dev.sms)
+    out.append(("wgrad+sums", wg, cdiv(u.co, wg.bm) * cdiv(u.c, wg.bn) * taps * split,
+                cdiv(cdiv(m_out, wg.bk), split), dram["wgrad+sums"]))
+    dg = _row(rows, dev.arch, "dgrad_kernel", dtype)
+    p, s = u.padding, u.stride
+    ctas, work = 0, 0.0
+    for pa in range(min(s, u.h)):
+        for pb in range(min(s, u.h)):
+            ph_taps = (sum((pa + p - i) % s == 0 for i in range(u.k))
+                       * sum((pb + p - j) % s == 0 for j in range(u.k)))
+            tiles = cdiv(u.n * cdiv(u.h - pa, s) * cdiv(u.h - pb, s), dg.bm) * cdiv(u.c, dg.bn)
+            ctas += tiles
+            work += tiles * ph_taps * cdiv(u.co, dg.bk)
+    out.append(("dgrad+dx", dg, ctas, work / ctas, dram["dgrad+dx"]))
+    kernels = []
+    for name, r, n, chunks, nbytes in out:
+        low = model.predict(_launch(r, name, n, chunks, nbytes, False), dev)
+        high = model.predict(_launch(r, name, n, chunks, nbytes, True), dev)
+        kernels.append((name, low.time_s, high.time_s, high.bound))
+    for k in traffic.cuda_fused_step(tu).kernels:
+        if k.name not in ("fwd", "wgrad+sums", "dgrad+dx"):
+            t = k.bytes / (dev.dram_bytes_s * model.DRAM_EFFICIENCY) + model.LAUNCH_S
+            kernels.append((k.name, t, t, "dram"))
+    return CudaUnitModel(u, dtype, dev.arch, kernels)
+
+
+def unit_table(models: list[CudaUnitModel], plain: dict) -> list[str]:
+    """``plain``: (unit name, dtype, arch) -> the plain sequence's modeled seconds."""
+    lines = ["| unit | dtype | A100 CUDA fused us (low - high) | A100 plain us | A100 fused/plain "
+             "| H100 CUDA fused us (low - high) | H100 plain us | H100 fused/plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    by_key: dict[tuple, dict] = {}
+    for m in models:
+        by_key.setdefault((m.unit.name, m.dtype), {})[m.arch] = m
+    for (name, dtype), d in by_key.items():
+        cells = []
+        for arch in (80, 90):
+            m, p = d.get(arch), plain.get((name, dtype, arch))
+            if m is None or p is None:
+                cells += ["-"] * 3
+                continue
+            cells += [f"{m.low_s * 1e6:.0f} - {m.high_s * 1e6:.0f}", f"{p * 1e6:.1f}",
+                      f"{m.low_s / p:.1f} - {m.high_s / p:.1f}"]
+        lines.append(f"| {name} | {dtype} | " + " | ".join(cells) + " |")
+    return lines

@@ -1,0 +1,134 @@
+"""The fused unit's training-step launches for the model, through kernels/jit_spec.py: each
+launch captured from the Triton backend's entry points on meta tensors and specialised as
+Triton's JIT specialises it (jit_spec.capturing / specialise), compiled with
+jit_spec.compile_launch (registers and spills from ptxas's log, disk cache).
+
+What this module adds: the step is driven here with its tensors made outside a
+``TorchDispatchMode`` that records every PyTorch op the host side runs between the kernels
+(``HostOp``: reductions of partials, per-channel vectors), which the model counts as one
+DRAM-bound launch each; and the argument values of a launch by name (trip counts).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..unit_shapes import ConvUnit
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+# aten ops that launch no kernel (allocation, views, metadata).
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "view", "_unsafe_view",
+              "as_strided", "detach", "t", "transpose", "permute", "expand", "alias",
+              "unsqueeze", "squeeze", "select", "slice", "reshape", "lift_fresh"}
+
+
+@dataclass
+class HostOp:
+    """A PyTorch op the host side runs between the kernels: one launch moving ``bytes``
+    (inputs + outputs)."""
+
+    name: str
+    bytes: int
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+class _HostOps(TorchDispatchMode):
+    def __init__(self, sink: list):
+        super().__init__()
+        self.sink = sink
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "aten":
+            # The backend's own ops (torch.library triton_ops): their Python implementation
+            # runs here with the mode back on, so the aten ops inside are what is counted.
+            from torch._library.custom_ops import OPDEFS
+
+            opdef = OPDEFS.get(f"{func.namespace}::{func._opname}")
+            if opdef is not None:
+                with self:
+                    return opdef._init_fn(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        same_dtype_copy = (name == "_to_copy" and args and isinstance(args[0], torch.Tensor)
+                           and isinstance(out, torch.Tensor) and args[0].dtype == out.dtype)
+        # An op that hands back its input (``to`` the same dtype, ``contiguous`` of a
+        # contiguous tensor) launches nothing.
+        passthrough = bool(args) and out is args[0] and not name.endswith("_")
+        if name not in _NO_KERNEL and not same_dtype_copy and not passthrough:
+            self.sink.append(HostOp(name, _tensor_bytes(args) + _tensor_bytes(out)))
+        return out
+
+
+def _require_compiler_mode() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("fusedres.perfmodel: TRITON_INTERPRET=1 is set; the kernels must be "
+                           "compiled, run it in a process with TRITON_INTERPRET=0")
+
+
+def unit_step(unit: ConvUnit, dtype: str, *, arch: int, sms: int, training: bool = True,
+              tf32: bool = True, backward: str = "sums"):
+    """(launches, host ops) of one training step (forward + backward, channels_last) of the
+    fused unit through the Triton backend's entry points, as jit_spec._training_step runs it:
+    batch statistics, forward, backward with the gradients of x, the weight and the BatchNorm
+    affine. ``launches``: jit_spec.Launch, specialised for sm_``arch`` with ``sms`` SMs."""
+    _require_compiler_mode()
+    from ..backends import triton as backend
+    from ..kernels import jit_spec
+    from ..opdefs import BackwardArgs, UnitArgs, stats_dtype
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    dt = DTYPES[dtype]
+    sdt = stats_dtype(dt)
+    cl = torch.channels_last
+    k, s, p = unit.k, unit.stride, unit.padding
+
+    def act(n, c, hw):
+        return torch.empty((n, c, hw, hw), device="meta", dtype=dt).contiguous(memory_format=cl)
+
+    x = act(unit.n, unit.cin, unit.hw)
+    weight = torch.empty((unit.cout, unit.cin, k, k), device="meta", dtype=dt).contiguous(
+        memory_format=cl)
+    residual = act(unit.n, unit.cout, unit.ho) if unit.residual else None
+    grad_out = act(unit.n, unit.cout, unit.ho)
+    bn_weight = torch.empty((unit.cin,), device="meta", dtype=sdt)
+    bn_bias = torch.empty((unit.cin,), device="meta", dtype=sdt)
+    geometry = dict(stride=[s, s], padding=[p, p], dilation=[1, 1])
+    host: list[HostOp] = []
+    with jit_spec.capturing(sms, tf32, backward) as recorder, _HostOps(host):
+        if training:
+            mean, var = backend.batch_stats(x)
+        else:
+            mean = var = torch.empty((unit.cin,), device="meta", dtype=sdt)
+        invstd = torch.rsqrt(var + 1e-5)
+        backend.bn_relu_conv2d(*UnitArgs(
+            x=x, weight=weight, bias=None, bn_weight=bn_weight, bn_bias=bn_bias, mean=mean,
+            invstd=invstd, residual=residual, batch_stats=training, **geometry))
+        backend.bn_relu_conv2d_backward(*BackwardArgs(
+            grad_out=grad_out, x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias,
+            mean=mean, invstd=invstd, batch_stats=training,
+            output_mask=[True, True, False, True, True], **geometry))
+    launches = [jit_spec.specialise(fn, grid, a, kw, arch)
+                for fn, grid, a, kw in recorder.launches]
+    return launches, host
+
+
+def params(launch) -> dict:
+    """A jit_spec.Launch's argument values by name (ints as launched)."""
+    values = dict(zip(launch.fn.arg_names, launch.args))
+    values.update({k: v for k, v in launch.kwargs.items()
+                   if k not in ("num_warps", "num_stages")})
+    return values

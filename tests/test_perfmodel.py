@@ -1,0 +1,239 @@
+"""The GPU performance model (fusedres/perfmodel): the SASS parse of a committed snippet, loop
+detection, the bound arithmetic on hand-computable cases, and (compiling, in a subprocess with
+TRITON_INTERPRET=0) the counts of a real compile and a recomputed part of
+benchmarks/GPU_MODEL.md and of fusedres bench's MODELED column. About 14 s on two cores with
+cold compile caches (6 GEMM / unit kernel compiles), 8 s warm."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusedres.perfmodel import model, sass
+from fusedres.perfmodel.devices import A100, H100
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = Path(__file__).with_name("fixtures") / "sm90_matmul_mainloop.sass"
+
+# A hand-written sm_80-style kernel: a loop over taps (0x10-0x80) around a K loop (0x20-0x60).
+NESTED = """
+        Function : toy
+        /*0000*/                   S2R R0, SR_CTAID.X ;
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0030*/                   HMMA.16816.F32.BF16 R16, R8, R14, R16 ;
+        /*0040*/                   LDGSTS.E.BYPASS.128 [R20], desc[UR4][R22.64] ;
+        /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0060*/               @P0 BRA 0x20 ;
+        /*0070*/                   LDG.E.U16 R3, desc[UR4][R24.64] ;
+        /*0080*/               @P1 BRA 0x10 ;
+        /*0090*/                   STG.E.64 desc[UR4][R26.64], R4 ;
+        /*00a0*/                   EXIT ;
+        /*00b0*/                   BRA 0xb0;
+"""
+
+
+def test_parse_fixture_and_main_loop_counts():
+    funcs = sass.parse(FIXTURE.read_text())
+    assert list(funcs) == ["matmul_kernel"]
+    code = funcs["matmul_kernel"]
+    assert len(code) == 162
+    first = code[0]
+    assert (first.addr, first.opcode, first.modifiers, first.operands) == (
+        0, "LDC", (), "R1, c[0x0][0x28]")
+    bra = next(i for i in code if i.addr == 0x27D0)
+    assert (bra.predicate, bra.opcode, bra.branch_target()) == ("@P0", "BRA", 0x2090)
+    loops = sass.find_loops(code)  # the BRA-to-itself after EXIT is no loop
+    assert [(lp.head, lp.tail) for lp in loops] == [(0x2090, 0x27D0)]
+    k = sass.analyse("matmul_kernel", code)
+    it = k.per_iter
+    assert it.total == 117
+    assert it.instrs == {"tensor": 4, "fp_alu": 0, "int_addr": 82, "conversion": 0,
+                         "global_mem": 12, "shared_mem": 7, "control": 3, "barrier_wait": 9,
+                         "other": 0}
+    assert it.mma_shapes == {"HGMMA.64x256x16": 4}
+    # One K-step of a 128x256x64 tile: 4 HGMMA m64n256k16 per warpgroup, 2 warpgroups.
+    assert it.mma_warpgroup == {"fp16": 4 * 64 * 256 * 16} and it.mma_warp == {}
+    assert 2 * it.mma_warpgroup["fp16"] == 128 * 256 * 64
+    # 12 LDGSTS.128 a thread, 256 threads: the A (128x64) and B (64x256) fp16 tiles.
+    assert it.global_load == 12 * 16 and it.global_load * 256 == (128 * 64 + 64 * 256) * 2
+    assert (it.barriers, it.waits) == (2, 7)
+
+
+def test_nested_loops_and_classes():
+    code = sass.parse(NESTED)["toy"]
+    loops = sass.find_loops(code)
+    assert [(lp.head, lp.tail, lp.depth) for lp in loops] == [(0x10, 0x80, 0), (0x20, 0x60, 1)]
+    # Leaders: entry, branch targets 0x10 and 0x20, and the instructions after each branch.
+    assert [(code[a].addr, code[b].addr) for a, b in sass.basic_blocks(code)] == [
+        (0x00, 0x00), (0x10, 0x10), (0x20, 0x60), (0x70, 0x80), (0x90, 0xA0), (0xB0, 0xB0)]
+    k = sass.analyse("toy", code)
+    assert (k.main.head, k.outer.head) == (0x20, 0x10)
+    assert k.per_iter.total == 5 and k.per_iter.mma_warp == {"fp16": 2 * 16 * 8 * 16}
+    assert k.per_iter.global_load == 16 and k.per_iter.shared_store == 16
+    assert k.per_iter.barriers == 1
+    assert k.outer_own.total == 3 and k.outer_own.global_load == 2  # IADD3, LDG.U16, BRA
+    assert k.rest.total == 4 and k.rest.global_store == 8           # S2R, STG.64, EXIT, BRA
+    assert [sass.classify(i) for i in code[:6]] == [
+        "other", "int_addr", "tensor", "tensor", "global_mem", "barrier_wait"]
+    assert sass.mma_fma(sass.parse("/*0000*/ HGMMA.64x128x8.F32.TF32 R0, gdesc[UR4], R0 ;")[
+        ""][0]) == 64 * 128 * 8
+
+
+def test_occupancy_waves_and_bounds_by_hand():
+    k = sass.analyse("toy", sass.parse(NESTED)["toy"])
+    res = model.Resources(registers=128, shared=48 * 1024, num_warps=4)
+    # threads 2048/128 = 16, registers 65536/(4096*4) = 4, shared 167936 // (49152+1024) = 3.
+    assert model.blocks_per_sm(res, A100) == (3, "shared")
+    assert model.blocks_per_sm(model.Resources(255, 0, 8), H100) == (1, "registers")
+    ctas = 2 * 108 * 3 + 1
+    trips = model.Trips(inner=10, outer=3)
+    p = model.predict(model.Launch("toy", k, res, ctas, trips, dram_bytes=1e6), A100)
+    warp_instrs = 4 + 3 * 3 + 30 * 5
+    assert p.warp_instrs_cta == warp_instrs
+    fma_cta = 30 * 2 * 2048 * 4
+    assert p.mma_fma_cta == {"fp16": fma_cta}
+    assert (p.waves, p.blocks_sm) == (3, 3)
+    assert p.tail_factor == pytest.approx(ctas / (3 * 108 * 3))
+    issue_c = 2 * math.ceil(3 * 4 / 4) * warp_instrs + 1 * warp_instrs
+    assert p.issue_s == pytest.approx(issue_c / A100.clock_hz)
+    sus = model.TENSOR_SUSTAINED[80]
+    tensor_c = (2 * 3 + 1) * fma_cta / 1024 / sus
+    assert p.tensor_s == pytest.approx(tensor_c / A100.clock_hz)
+    assert p.dram_s == pytest.approx(1e6 / (A100.dram_bytes_s * model.DRAM_EFFICIENCY))
+    shared_c = (2 * 3 + 1) * (30 * 16 + 3 * 0 + 0) * 32 * 4 / 128
+    assert p.shared_s == pytest.approx(shared_c / A100.clock_hz)
+    compute_c = 2 * max(3 * 4 / 4 * warp_instrs, 3 * fma_cta / 1024 / sus, 3 * 30 * 16 * 128
+                        / 128) + max(warp_instrs, fma_cta / 1024 / sus, 30 * 16 * 128 / 128)
+    compute_c += 3 * model.FILL_CYCLES
+    assert p.time_s == pytest.approx(max(compute_c / A100.clock_hz, p.dram_s) + model.LAUNCH_S)
+    assert p.bound == "tensor"
+
+
+def test_device_peaks_match_spec_sheets():
+    assert A100.tensor_peak_flops() == pytest.approx(312e12, rel=2e-3)
+    assert H100.tensor_peak_flops() == pytest.approx(989.4e12, rel=2e-3)
+    assert H100.tensor_peak_flops("tf32") == pytest.approx(494.7e12, rel=2e-3)
+    assert A100.tensor_peak_flops("tf32") == pytest.approx(156e12, rel=2e-3)
+
+
+def test_missing_tool_is_named(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(FileNotFoundError, match="no_such_tool"):
+        sass.tool("no_such_tool")
+
+
+_COMPILED = r"""
+import json, sys
+from fusedres.kernels import traffic
+from fusedres.perfmodel import calibrate, published, units
+from fusedres.perfmodel.devices import H100
+out = {}
+for arch_dev in ("h100", "a100"):
+    c = published.Measured(arch_dev, 2048, 2048, 2048, 1, 1, "", "")
+    g = calibrate.predict_gemm(c, calibrate.TUTORIAL_CONFIGS[0])
+    out[arch_dev] = {"shapes": g.per_iter.mma_shapes, "wg": g.per_iter.mma_warpgroup,
+                     "warp": g.per_iter.mma_warp, "ldg": g.per_iter.global_load}
+um = units.model_unit(traffic.IMAGENET_UNITS[0], "fp16", H100)
+out["unit"] = [[k.role, k.comp.registers, k.sass.per_iter.total,
+                sorted(k.sass.per_iter.mma_shapes.items()), k.cap.programs] for k in um.kernels]
+out["unit_s"] = [um.fused_s, um.plain_s]
+# fusedres bench's MODELED column on an "sm_90 GPU with 132 SMs" (the properties faked).
+import types, torch
+from fusedres.bench import units as bench_units
+from fusedres.unit_shapes import ConvUnit
+torch.cuda.get_device_properties = lambda d: types.SimpleNamespace(
+    major=9, minor=0, multi_processor_count=132)
+shape = ConvUnit("imagenet 64@56", 256, 64, 64, 56, residual=True)
+rows = [{"impl": "plain"}, {"impl": "triton channels_last"}, {"impl": "triton"}]
+for row in rows:
+    bench_units.modeled_columns(row, shape, torch.float16, torch.device("cuda", 0))
+out["bench"] = [row.get("modeled_s") for row in rows]
+print(json.dumps(out))
+"""
+
+
+def test_compiled_counts_and_committed_table():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _COMPILED], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Whatever the compiler version: one main-loop iteration does one 128x256x64 K-step.
+    h = got["h100"]
+    assert sum(h["wg"].values()) * (8 // 4) == 128 * 256 * 64 and h["warp"] == {}
+    assert all(s.startswith("HGMMA.64x") for s in h["shapes"])
+    a = got["a100"]
+    assert sum(a["warp"].values()) * 8 == 128 * 256 * 64 and a["wg"] == {}
+    assert a["shapes"] == {"HMMA.16816": 128}
+    assert h["ldg"] * 256 == a["ldg"] * 256 == (128 * 64 + 64 * 256) * 2
+    # fusedres bench puts the model's unit times beside the plain and triton channels_last rows.
+    fused_s, plain_s = got["unit_s"]
+    assert got["bench"] == [pytest.approx(plain_s), pytest.approx(fused_s), None]
+    # The committed table's rows for this unit match the recomputation.
+    table = (ROOT / "benchmarks" / "GPU_MODEL.md").read_text()
+    for role, regs, instrs, shapes, ctas in got["unit"]:
+        row = next((line for line in table.splitlines()
+                    if line.startswith(f"| imagenet basic 64@56 | fp16 | H100 | {role} |")),
+                   None)
+        assert row is not None, role
+        cells = [c.strip() for c in row.split("|")]
+        assert int(cells[6]) == regs, (role, row)
+        assert int(cells[10]) == instrs, (role, row)
+        mma = ", ".join(f"{s}x{n}" for s, n in shapes) or "-"
+        assert cells[11] == mma, (role, row)
+        assert int(cells[15]) == ctas, (role, row)
+
+
+def test_device_for_a_gpu():
+    from fusedres.perfmodel.units import device_for
+
+    d = device_for((9, 0), 114)  # an H100 PCIe: H100 per-SM rates, its own SM count
+    assert (d.arch, d.sms) == (90, 114) and d.clock_hz == H100.clock_hz
+    assert device_for((8, 0), 108).tensor_fma_clk_sm == A100.tensor_fma_clk_sm
+    with pytest.raises(ValueError, match="sm_86"):
+        device_for((8, 6), 84)
+
+
+def test_cuda_row_ceiling_by_hand():
+    from fusedres.perfmodel.cuda_sass import _TILE, CudaKernelRow
+
+    m = _TILE.search("_ZN8fusedres4cuda4TileILi64ELi64ELi32ELi128ELb1EEE")
+    assert [m.group(i) for i in range(1, 6)] == ["64", "64", "32", "128", "1"]
+    r = CudaKernelRow("f.cu", "k", 80, 64, 64, 32, 128, 100, 0, 0, own=400, nested=3,
+                      nested_body=400, mma={"HMMA.16816": 16}, fma_cta=16 * 2048 * 4)
+    assert r.stage_trips == 16                       # 64 * 32 / 128 elements a thread
+    assert r.issue_cycles(False) == 800 and r.issue_cycles(True) == 400 + 16 * 400
+    assert r.tensor_cycles() == 128                  # 131072 multiply-adds / 1024 a clock
+    assert r.ceiling(False) == pytest.approx(128 / 800)
+    assert r.ceiling(True) == pytest.approx(128 / 6800)
+
+
+def test_cuda_unit_range_from_rows():
+    """The CUDA backend's per-unit range: the right instantiations picked, low <= high, and a
+    wider issue estimate (high) never faster; an unknown dtype or instantiation is named."""
+    from fusedres.kernels import traffic
+    from fusedres.perfmodel import cuda_sass
+
+    def row(name):
+        return cuda_sass.CudaKernelRow("f.cu", name, 90, 64, 64, 32, 128, 96, 0, 30000,
+                                       own=300, nested=2, nested_body=300,
+                                       mma={"HMMA.16816": 16}, fma_cta=16 * 2048 * 4)
+
+    rows = [row("bn_relu_conv2d_fwd_kernel<Half, Half, Tile<64, 64, 32, 128, true> >"),
+            row("wgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true>, false>"),
+            row("wgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true>, true>"),
+            row("dgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true> >")]
+    assert cuda_sass._row(rows, 90, "wgrad_kernel", "fp16", sums=True) is rows[2]
+    with pytest.raises(ValueError, match="BFloat16"):
+        cuda_sass._row(rows, 90, "wgrad_kernel", "bf16", sums=True)
+    m = cuda_sass.model_cuda_unit(traffic.IMAGENET_UNITS[0], "fp16", H100, rows)
+    assert [k[0] for k in m.kernels][:3] == ["fwd", "wgrad+sums", "dgrad+dx"]
+    assert all(k[1] <= k[2] for k in m.kernels) and m.low_s < m.high_s
+    with pytest.raises(ValueError, match="fp32"):
+        cuda_sass.model_cuda_unit(traffic.IMAGENET_UNITS[0], "fp32", H100, rows)
