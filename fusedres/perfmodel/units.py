@@ -40,25 +40,21 @@ def trips(launch) -> model.Trips:
     """Main-loop trips per CTA, from the launch's arguments and each kernel's loop structure:
 
     * batch_stats_kernel: one loop over its split's row tiles (``tiles_per_split``);
-    * bn_relu_conv2d_fwd_kernel: taps (KH*KW, outer) x channel blocks (cdiv(C, BLOCK_K));
+    * bn_relu_conv2d_fwd_kernel: one loop over taps x channel blocks (KH*KW*cdiv(C, BLOCK_K));
     * wgrad_kernel: one loop over its split's pixel blocks (``iters_per_split``);
-    * dgrad_kernel: taps (KH*KW, outer; the body skips the taps that do not feed the launch's
-      stride phase) x output-channel blocks (cdiv(Co, BLOCK_K)) on the taps that do;
+    * dgrad_kernel: one loop over the taps that feed the launch's stride phase (TIN*TJN, from
+      the host's ``phase_taps``) x output-channel blocks (cdiv(Co, BLOCK_K));
     * dx_kernel: no loop.
     """
     a, name = params(launch), launch.fn.__name__
     if name == "batch_stats_kernel":
         return model.Trips(a["tiles_per_split"])
     if name == "bn_relu_conv2d_fwd_kernel":
-        return model.Trips(cdiv(a["C"], a["BLOCK_K"]), a["KH"] * a["KW"])
+        return model.Trips(a["KH"] * a["KW"] * cdiv(a["C"], a["BLOCK_K"]))
     if name == "wgrad_kernel":
         return model.Trips(a["iters_per_split"])
     if name == "dgrad_kernel":
-        kh, kw, sh, sw = a["KH"], a["KW"], a["SH"], a["SW"]
-        ph, pw, dh, dw = a["PH"], a["PW"], a["DH"], a["DW"]
-        active = sum((a["PA"] + ph + sh * kh * dh - i * dh) % sh == 0 for i in range(kh)) * \
-            sum((a["PB"] + pw + sw * kw * dw - j * dw) % sw == 0 for j in range(kw))
-        return model.Trips(cdiv(a["Co"], a["BLOCK_K"]) * active / (kh * kw), kh * kw)
+        return model.Trips(a["TIN"] * a["TJN"] * cdiv(a["Co"], a["BLOCK_K"]))
     if name == "dx_kernel":
         return model.Trips(0)
     raise ValueError(f"trips: no loop structure documented for kernel {name!r}")
