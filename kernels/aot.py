@@ -56,7 +56,8 @@ def shape_set(name: str) -> list:
 
 
 def role_configs() -> dict:
-    """Each kernel role's ``configs_for(dtype)``: the configs it may launch with."""
+    """Each kernel role's ``configs_for(variant)``: the configs it may launch with for a dtype
+    variant (a name of ``VARIANTS``: "fp32-ieee" has its own configs)."""
     from . import batch_stats as bs
     from . import bn_relu_conv2d as fwd
     from . import bn_relu_conv2d_dgrad as dg
@@ -136,14 +137,13 @@ def jobs(archs, dtypes, units, kernels=None) -> list[Job]:
     configs_of = role_configs()
     for arch in archs:
         for variant in dtypes:
-            dtype = VARIANTS[variant][0]
             for role, configs_for in configs_of.items():
                 mine = [j for j in out if j.launch.kernel == role and j.dtype == variant
                         and j.launch.arch == arch and not j.swapped]
                 if not mine:
                     continue
                 have = {j.launch.config for j in mine}
-                for cfg in configs_for(dtype):
+                for cfg in configs_for(variant):
                     if cfg not in have:
                         base = mine[0]
                         out.append(Job(jit_spec.with_config(base.launch, cfg), variant,
