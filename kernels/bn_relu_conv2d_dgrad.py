@@ -64,8 +64,13 @@ FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
 ]
-# float32 without TF32 (``ieee`` products): the same tiles compile spill-free (kernels/aot.py).
-IEEE_CONFIGS = FP32_CONFIGS
+# float32 without TF32 (``ieee`` products: FMA), same roles. 128x64 at K 32 spills there (sm_80,
+# a 64 -> 16 channel 1x1 unit: 255 registers + 8 / 24 bytes, dx / dz epilogue); K 16: 121-124.
+IEEE_CONFIGS = [
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+]
 # float64: K 8 for the big one. At 64x32x16 with 8 warps ptxas holds the WRITE_DX variant to
 # 80 registers and spills 8 bytes (sm_80, a 1x1 unit with a residual); K 8 takes 79, none.
 FP64_CONFIGS = [

@@ -169,8 +169,8 @@ def test_fp32_configs_follow_tf32(monkeypatch):
         wg.IEEE_CONFIGS
     assert wg.configs_for(torch.float32, interpret=False) == wg.IEEE_CONFIGS
     assert not set(wg.IEEE_CONFIGS) & set(wg.FP32_CONFIGS)
-    assert fwd.configs_for("fp32-ieee") == fwd.FP32_CONFIGS  # spill-free with ieee products
-    assert dg.configs_for("fp32-ieee") == dg.FP32_CONFIGS
+    assert fwd.pick_config(64, 64, 64, torch.float32, interpret=False) == fwd.IEEE_CONFIGS[1]
+    assert dg.pick_config(10**6, 64, 16, torch.float32, interpret=False) == dg.IEEE_CONFIGS[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
