@@ -14,7 +14,7 @@ arguments, that config's block sizes, warps and stages): every config is checked
 Prints kernel, dtype, config, arch, shared memory, registers, spilled bytes (ptxas's log), the
 unit shapes that launch it, and exits non-zero when a compile fails, shared memory exceeds the
 arch's per-block limit, or registers spill. Shape sets: ``benchmark`` (default: the ResNet-164
-CIFAR units at batch 128, the ResNet-50 ImageNet units at batch 256, channels_last; 1185
+CIFAR units at batch 128, the ResNet-50 ImageNet units at batch 256, channels_last; 1262
 compiles, ~16 min on two cores, ~15 s from the cache), ``ci`` (a CIFAR 3x3 unit and an ImageNet
 1x1 unit with a residual). Compiles are cached (kernels/jit_spec.py's cache).
 
