@@ -65,6 +65,27 @@ def allow_tf32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 and bool(torch.backends.cudnn.allow_tf32) and not interpreting()
 
 
+VARIANTS = ("fp16", "bf16", "fp32", "fp32-ieee", "fp64")
+
+
+def config_variant(dtype, interpret: bool | None = None) -> str:
+    """Which config list a GEMM kernel launches from for operands of ``dtype``: the dtype's
+    name, and for float32 "fp32" with TF32 products or "fp32-ieee" without (FMA tiles keep
+    BLOCK_M*BLOCK_N / threads accumulators and the broadcast operands in registers: they
+    need their own configs). TF32 as :func:`allow_tf32` decides it, ``interpret`` (default:
+    :func:`interpreting`) standing for the interpreter; a variant name passes through."""
+    if isinstance(dtype, str):
+        if dtype not in VARIANTS:
+            raise ValueError(f"dtype: expected a torch dtype or one of {', '.join(VARIANTS)}, "
+                             f"got {dtype!r}")
+        return dtype
+    name = dtype_name(dtype)
+    if name != "fp32":
+        return name
+    interp = interpreting() if interpret is None else interpret
+    return "fp32" if torch.backends.cudnn.allow_tf32 and not interp else "fp32-ieee"
+
+
 def interp_bf16(*dtypes: torch.dtype) -> bool:
     """bfloat16 under the interpreter, whose dot reads bfloat16 as raw integers and whose
     float32 -> bfloat16 cast truncates: the kernels work around both (see ``_tl``)."""

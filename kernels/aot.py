@@ -14,7 +14,7 @@ arguments, that config's block sizes, warps and stages): every config is checked
 Prints kernel, dtype, config, arch, shared memory, registers, spilled bytes (ptxas's log), the
 unit shapes that launch it, and exits non-zero when a compile fails, shared memory exceeds the
 arch's per-block limit, or registers spill. Shape sets: ``benchmark`` (default: the ResNet-164
-CIFAR units at batch 128, the ResNet-50 ImageNet units at batch 256, channels_last; 1185
+CIFAR units at batch 128, the ResNet-50 ImageNet units at batch 256, channels_last; 1262
 compiles, ~16 min on two cores, ~15 s from the cache), ``ci`` (a CIFAR 3x3 unit and an ImageNet
 1x1 unit with a residual). Compiles are cached (kernels/jit_spec.py's cache).
 
@@ -56,7 +56,8 @@ def shape_set(name: str) -> list:
 
 
 def role_configs() -> dict:
-    """Each kernel role's ``configs_for(dtype)``: the configs it may launch with."""
+    """Each kernel role's ``configs_for(variant)``: the configs it may launch with for a dtype
+    variant (a name of ``VARIANTS``: "fp32-ieee" has its own configs)."""
     from . import batch_stats as bs
     from . import bn_relu_conv2d as fwd
     from . import bn_relu_conv2d_dgrad as dg
@@ -136,14 +137,13 @@ def jobs(archs, dtypes, units, kernels=None) -> list[Job]:
     configs_of = role_configs()
     for arch in archs:
         for variant in dtypes:
-            dtype = VARIANTS[variant][0]
             for role, configs_for in configs_of.items():
                 mine = [j for j in out if j.launch.kernel == role and j.dtype == variant
                         and j.launch.arch == arch and not j.swapped]
                 if not mine:
                     continue
                 have = {j.launch.config for j in mine}
-                for cfg in configs_for(dtype):
+                for cfg in configs_for(variant):
                     if cfg not in have:
                         base = mine[0]
                         out.append(Job(jit_spec.with_config(base.launch, cfg), variant,

@@ -37,7 +37,7 @@ from ._common import (
     cdiv,
     chan_combine,
     check_usable,
-    dtype_name,
+    config_variant,
     interp_bf16,
     interpreting,
     is_aligned,
@@ -70,6 +70,14 @@ CONFIGS = [
 FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+]
+# float32 without TF32 (``ieee`` products: FMA), same roles. 64x64x32 with 3 stages spills there
+# (sm_80, a CIFAR 64-channel 3x3 unit at 8x8: ptxas holds it to 80 registers, 8 bytes spilled);
+# 2 stages: 80 / 116 registers on sm_80 / sm_90, none.
+IEEE_CONFIGS = [
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
 ]
 FP64_CONFIGS = [
@@ -245,9 +253,12 @@ def bn_relu_conv2d_fwd_kernel(
         tl.store(sm2_ptr + pid_m * Co + co, tl.sum(d * d, axis=0) - sd * sd / cnt, mask=co_ok)
 
 
-def configs_for(dtype) -> list[KernelConfig]:
-    """The configs this kernel may launch with for operands of ``dtype`` (all compiled AOT)."""
-    return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS}.get(dtype_name(dtype), CONFIGS)
+def configs_for(dtype, interpret: bool | None = None) -> list[KernelConfig]:
+    """The configs this kernel may launch with for operands of ``dtype`` (all compiled AOT): a
+    torch dtype (float32: with or without TF32 as it runs now, see ``config_variant``) or a
+    variant name ("fp32-ieee": float32 without TF32)."""
+    return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS, "fp32-ieee": IEEE_CONFIGS}.get(
+        config_variant(dtype, interpret), CONFIGS)
 
 
 def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
@@ -268,7 +279,7 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
         return INTERPRET_CONFIG
     if dtype == torch.float64:
         return FP64_CONFIGS[0] if m >= 64 * 264 else FP64_CONFIGS[1]
-    configs = configs_for(dtype)
+    configs = configs_for(dtype, interpret=False)
     if dtype == torch.float32:
         if co <= 32:
             return configs[2]

@@ -34,7 +34,7 @@ from ._common import (
     autotuned,
     cdiv,
     check_usable,
-    dtype_name,
+    config_variant,
     interp_bf16,
     interpreting,
     is_aligned,
@@ -64,8 +64,17 @@ FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
 ]
+# float32 without TF32 (``ieee`` products: FMA), same roles. 128x64 at K 32 spills there (sm_80,
+# a 64 -> 16 channel 1x1 unit: 255 registers + 8 / 24 bytes, dx / dz epilogue); K 16: 121-124.
+IEEE_CONFIGS = [
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+]
+# float64: K 8 for the big one. At 64x32x16 with 8 warps ptxas holds the WRITE_DX variant to
+# 80 registers and spills 8 bytes (sm_80, a 1x1 unit with a residual); K 8 takes 79, none.
 FP64_CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=8, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
 ]
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
@@ -243,8 +252,10 @@ def dx_kernel(
     tl.store(g_ptrs, cast(dx, g_ptr.dtype.element_ty, INTERP_BF16), mask=mask)
 
 
-def configs_for(dtype) -> list[KernelConfig]:
-    return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS}.get(dtype_name(dtype), CONFIGS)
+def configs_for(dtype, interpret: bool | None = None) -> list[KernelConfig]:
+    """As the forward's ``configs_for``."""
+    return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS, "fp32-ieee": IEEE_CONFIGS}.get(
+        config_variant(dtype, interpret), CONFIGS)
 
 
 def dx_configs_for(dtype) -> list[KernelConfig]:
@@ -262,7 +273,7 @@ def pick_config(m: int, c: int, co: int, dtype: torch.dtype,
         return INTERPRET_CONFIG
     if dtype == torch.float64:
         return FP64_CONFIGS[0] if m >= 64 * 264 else FP64_CONFIGS[1]
-    configs = configs_for(dtype)
+    configs = configs_for(dtype, interpret=False)
     if dtype == torch.float32:
         if c <= 32:
             return configs[2]

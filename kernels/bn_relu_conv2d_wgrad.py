@@ -39,7 +39,7 @@ from ._common import (
     autotune_enabled,
     autotuned,
     cdiv,
-    dtype_name,
+    config_variant,
     interp_bf16,
     interpreting,
     launcher,
@@ -65,6 +65,16 @@ FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
 ]
+# float32 without TF32 (``ieee`` products: FMA, no tensor cores), same roles. An FMA tile keeps
+# BLOCK_M*BLOCK_N / threads accumulators and, per K-step, the broadcast operand rows of its
+# fragment in registers: the TF32 tiles spill here (JIT specialisation, kernels/aot.py: 32x32x64
+# w4 s3 255 registers + 280-564 bytes, 128x64x32 w8 s3 4-5 KB). K 16 and 2 stages: 16, 32 and
+# 8 accumulators a thread, 128 / ~210 / ~115 registers on sm_80 and sm_90, no spills.
+IEEE_CONFIGS = [
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+]
 FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
 ]
@@ -81,6 +91,8 @@ SUMS_FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=16, num_warps=8, num_stages=2),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
 ]
+# Its K 16, 2-stage tiles are spill-free with ieee products too (kernels/aot.py).
+SUMS_IEEE_CONFIGS = SUMS_FP32_CONFIGS
 SUMS_FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
 ]
@@ -196,15 +208,20 @@ def wgrad_kernel(
             tl.store(db_ptr + split * Co + co, db, mask=co_ok)
 
 
-def configs_for(dtype, sums: bool = False) -> list[KernelConfig]:
-    name = dtype_name(dtype)
+def configs_for(dtype, sums: bool = False, interpret: bool | None = None) -> list[KernelConfig]:
+    """The configs of the plain (``sums``: SUMS) variant for operands of ``dtype``, a torch
+    dtype (float32: with or without TF32 as it runs now, see ``config_variant``) or a variant
+    name ("fp32-ieee": float32 without TF32)."""
+    name = config_variant(dtype, interpret)
     if sums:
-        return {"fp64": SUMS_FP64_CONFIGS, "fp32": SUMS_FP32_CONFIGS}.get(name, SUMS_CONFIGS)
-    return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS}.get(name, CONFIGS)
+        return {"fp64": SUMS_FP64_CONFIGS, "fp32": SUMS_FP32_CONFIGS,
+                "fp32-ieee": SUMS_IEEE_CONFIGS}.get(name, SUMS_CONFIGS)
+    return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS,
+            "fp32-ieee": IEEE_CONFIGS}.get(name, CONFIGS)
 
 
-def sums_configs_for(dtype) -> list[KernelConfig]:
-    return configs_for(dtype, sums=True)
+def sums_configs_for(dtype, interpret: bool | None = None) -> list[KernelConfig]:
+    return configs_for(dtype, sums=True, interpret=interpret)
 
 
 def pick_config(co: int, c: int, dtype: torch.dtype, interpret: bool | None = None,
@@ -212,7 +229,7 @@ def pick_config(co: int, c: int, dtype: torch.dtype, interpret: bool | None = No
     """Roles by index in every list: 0 mid, 1 big (wide channels), 2 small (<= 32 channels)."""
     if interpreting() if interpret is None else interpret:
         return INTERPRET_CONFIG
-    configs = configs_for(dtype, sums)
+    configs = configs_for(dtype, sums, interpret=False)
     if dtype == torch.float64:
         return configs[0]
     if co >= 128 and c >= 64:

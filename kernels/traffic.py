@@ -163,7 +163,19 @@ def _dgrad_flops(u: Unit, cfg) -> int:
 
 def fused_step(u: Unit, genstats: bool = False, strategy: str = "sums") -> Step:
     """The fused kernels' traffic, from the tiles the GPU host rules pick. ``strategy`` is the
-    backend's FUSEDRES_TRITON_BACKWARD: "sums" (default) or "store"."""
+    backend's FUSEDRES_TRITON_BACKWARD: "sums" (default) or "store". float32 is modelled with
+    TF32 products (``H100_FLOPS``): the rules pick the TF32 tiles whatever cuDNN's switch."""
+    import torch
+
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True
+    try:
+        return _fused_step(u, genstats, strategy)
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+
+
+def _fused_step(u: Unit, genstats: bool, strategy: str) -> Step:
     import torch
 
     dt = {2: torch.float16, 4: torch.float32, 8: torch.float64}[u.elem]

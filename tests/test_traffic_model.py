@@ -138,3 +138,16 @@ def test_modeled_efficiency_slows_every_kernel():
     u = T.CIFAR_UNITS[0]
     assert T.fused_step(u).seconds(2, eff) > T.fused_step(u).seconds(2)
     assert "modeled efficiency" in T.full_report()
+
+
+def test_fp32_modelled_with_tf32_tiles(monkeypatch):
+    """float32 is modelled at the TF32 rate, so with the TF32 tiles even when cuDNN's switch
+    is off (as in the tests), and the switch is left as it was. 40 pixels, 64 channels each
+    side: the wgrad tile is 64x64x32 with TF32 (K padded to 64), 64x64x16 without (48)."""
+    import torch
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    u = T.Unit("t", 10, 64, 2, 64, k=1, elem=4)
+    wgrad = next(k for k in T.fused_step(u, strategy="store").kernels if k.name == "wgrad")
+    assert wgrad.flops == 2 * 64 * 64 * 64
+    assert torch.backends.cudnn.allow_tf32 is False

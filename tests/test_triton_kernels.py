@@ -139,9 +139,43 @@ def test_forward_genstats(dtype, channels_last):
     _forward_case(dtype, channels_last, None)
 
 
+def gpu_configs(configs_for, dtype, **kwargs) -> list[KernelConfig]:
+    """Every config ``configs_for`` gives a GPU for ``dtype``: for float32 those with TF32
+    products and those without (the ``ieee`` ones, the only products the interpreter runs),
+    each once."""
+    names = ["fp32", "fp32-ieee"] if dtype == torch.float32 else [dtype]
+    return list(dict.fromkeys(cfg for name in names for cfg in configs_for(name, **kwargs)))
+
+
+def test_fp32_configs_follow_tf32(monkeypatch):
+    """float32 launches from the TF32 configs when cuDNN may use TF32 on a GPU, from the
+    ``ieee`` ones otherwise (and always under the interpreter, which runs ieee products)."""
+    from fusedres.kernels._common import config_variant
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert config_variant(torch.float32, interpret=False) == "fp32"
+    assert config_variant(torch.float32, interpret=True) == "fp32-ieee"
+    assert config_variant(torch.float32) == "fp32-ieee"  # TRITON_INTERPRET=1 here
+    assert config_variant(torch.float16, interpret=False) == "fp16"
+    assert config_variant("fp32-ieee") == "fp32-ieee"
+    with pytest.raises(ValueError, match="dtype"):
+        config_variant("fp8")
+    roles = [(64, 64), (256, 256), (32, 256)]  # mid, big, small
+    assert [wg.pick_config(co, c, torch.float32, interpret=False) for co, c in roles] == \
+        wg.FP32_CONFIGS
+    assert wg.configs_for(torch.float32, interpret=False) == wg.FP32_CONFIGS
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert [wg.pick_config(co, c, torch.float32, interpret=False) for co, c in roles] == \
+        wg.IEEE_CONFIGS
+    assert wg.configs_for(torch.float32, interpret=False) == wg.IEEE_CONFIGS
+    assert not set(wg.IEEE_CONFIGS) & set(wg.FP32_CONFIGS)
+    assert fwd.pick_config(64, 64, 64, torch.float32, interpret=False) == fwd.IEEE_CONFIGS[1]
+    assert dg.pick_config(10**6, 64, 16, torch.float32, interpret=False) == dg.IEEE_CONFIGS[0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_forward_every_gpu_config(dtype):
-    for cfg in fwd.configs_for(dtype):
+    for cfg in gpu_configs(fwd.configs_for, dtype):
         # ALIGNED configs run on channels-last operands with channel counts multiples of 16.
         c, co = (16, 48) if cfg.meta.get("ALIGNED") else (5, 17)
         _forward_case(dtype, True, cfg, k=3, stride=(1, 1), padding=(1, 1), dilation=(1, 1),
@@ -293,12 +327,12 @@ def test_backward_every_gpu_config(dtype):
     dy = torch.randn(2, 17, 7, 9).to(DEVICE, dtype)
     ref = _portable64(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1), True)
     tol = TOL[dtype] * (4 if dtype in HALF else 1)
-    for cfg in wg.configs_for(dtype):
+    for cfg in gpu_configs(wg.configs_for, dtype):
         gw, _, _ = wg.bn_relu_conv2d_wgrad(dy, x, wt, scale, shift, (1, 1), (1, 1), (1, 1),
                                            want_bias=False, config=cfg, split=2)
         assert rel_err(gw, ref[1]) < tol, str(cfg)
     sums = None
-    for cfg in wg.configs_for(dtype, sums=True):
+    for cfg in gpu_configs(wg.configs_for, dtype, sums=True):
         _, _, sums = wg.bn_relu_conv2d_wgrad(dy, x, wt, scale, shift, (1, 1), (1, 1), (1, 1),
                                              want_bias=False, bn_affine=(gamma, beta),
                                              mean=mean, invstd=invstd, config=cfg)
@@ -308,7 +342,7 @@ def test_backward_every_gpu_config(dtype):
     sca, sha = _scale_shift(ga, ba, mua, inva)
     dya = torch.randn(2, 16, 7, 9).to(DEVICE, dtype).contiguous(memory_format=torch.channels_last)
     refa = _portable64(dya, xa, wa, ga, ba, mua, inva, (1, 1), (1, 1), (1, 1), False)
-    for cfg in dg.configs_for(dtype):
+    for cfg in gpu_configs(dg.configs_for, dtype):
         if cfg.meta.get("ALIGNED"):
             gx = torch.empty_like(xa)
             dg.bn_relu_conv2d_dgrad(dya, xa, wa, sca, sha, mua, inva, (1, 1), (1, 1), (1, 1),
