@@ -336,11 +336,13 @@ def capturing(sms: int, tf32: bool, backward: str):
         torch.backends.cudnn.allow_tf32 = old_tf32
 
 
-def _training_step(shape, dtype: torch.dtype, fmt, training: bool, genstats: bool) -> None:
+def _training_step(shape, dtype: torch.dtype, fmt, training: bool, genstats: bool,
+                   during=contextlib.nullcontext) -> None:
     """One fwd+bwd of the fused unit ``shape`` through the Triton backend's entry points, on
     meta tensors, as fusedres.functional and the autograd rule (fusedres.ops) call them: batch
     statistics (training), the forward, the backward with the gradients of x, the weight and
-    the BatchNorm affine (the unit has no conv bias)."""
+    the BatchNorm affine (the unit has no conv bias). ``during()``: a context entered once the
+    inputs exist, around every call of the step (fusedres.perfmodel counts the host ops in it)."""
     from ..backends import triton as backend
     from ..opdefs import BackwardArgs, UnitArgs, stats_dtype
 
@@ -359,29 +361,30 @@ def _training_step(shape, dtype: torch.dtype, fmt, training: bool, genstats: boo
     # prepare_batch_norm casts the affine to the statistics dtype.
     bn_weight = torch.empty((shape.cin,), device="meta", dtype=sdt)
     bn_bias = torch.empty((shape.cin,), device="meta", dtype=sdt)
-    if training:
-        mean, var = backend.batch_stats(x)
-    else:
-        mean = var = torch.empty((shape.cin,), device="meta", dtype=sdt)
-    invstd = torch.rsqrt(var + 1e-5)
-    geometry = dict(stride=[s, s], padding=[p, p], dilation=[1, 1])
-    args = UnitArgs(x=x, weight=weight, bias=None, bn_weight=bn_weight, bn_bias=bn_bias,
-                    mean=mean, invstd=invstd, residual=residual, batch_stats=training,
-                    **geometry)
-    if genstats:
-        backend.bn_relu_conv2d_genstats(*args)
-    else:
-        backend.bn_relu_conv2d(*args)
-    backend.bn_relu_conv2d_backward(*BackwardArgs(
-        grad_out=grad_out, x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, mean=mean,
-        invstd=invstd, batch_stats=training, output_mask=[True, True, False, True, True],
-        **geometry))
+    with during():
+        if training:
+            mean, var = backend.batch_stats(x)
+        else:
+            mean = var = torch.empty((shape.cin,), device="meta", dtype=sdt)
+        invstd = torch.rsqrt(var + 1e-5)
+        geometry = dict(stride=[s, s], padding=[p, p], dilation=[1, 1])
+        args = UnitArgs(x=x, weight=weight, bias=None, bn_weight=bn_weight, bn_bias=bn_bias,
+                        mean=mean, invstd=invstd, residual=residual, batch_stats=training,
+                        **geometry)
+        if genstats:
+            backend.bn_relu_conv2d_genstats(*args)
+        else:
+            backend.bn_relu_conv2d(*args)
+        backend.bn_relu_conv2d_backward(*BackwardArgs(
+            grad_out=grad_out, x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, mean=mean,
+            invstd=invstd, batch_stats=training, output_mask=[True, True, False, True, True],
+            **geometry))
 
 
 def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
                   channels_last: bool = True, sm_count: int | None = None,
                   training: bool = True, backward: str = "sums",
-                  genstats: bool = False) -> list[Launch]:
+                  genstats: bool = False, during=contextlib.nullcontext) -> list[Launch]:
     """The kernel launches of one training step (forward + backward) of the fused unit
     ``shape`` (a :class:`fusedres.unit_shapes.ConvUnit`), in launch order, specialised as the
     JIT specialises them on a GPU of compute capability ``arch`` with ``sm_count`` SMs
@@ -393,6 +396,7 @@ def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
     activations and the weight. ``training``: training-mode BatchNorm (batch statistics,
     gradients through them). ``backward``: the Triton backward's plan, "sums" or "store"
     (``FUSEDRES_TRITON_BACKWARD``). ``genstats``: the forward also reduces y's statistics.
+    ``during``: a context manager factory entered around the step's calls (its inputs made).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -407,7 +411,7 @@ def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
         raise ValueError(f"sm_count: expected a positive SM count, got {sms}")
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     with capturing(sms, tf32, backward) as recorder:
-        _training_step(shape, DTYPES[dtype], fmt, training, genstats)
+        _training_step(shape, DTYPES[dtype], fmt, training, genstats, during)
     return [specialise(fn, grid, args, kwargs, arch) for fn, grid, args, kwargs
             in recorder.launches]
 

@@ -3,9 +3,9 @@ launch captured from the Triton backend's entry points on meta tensors and speci
 Triton's JIT specialises it (jit_spec.capturing / specialise), compiled with
 jit_spec.compile_launch (registers and spills from ptxas's log, disk cache).
 
-What this module adds: the step is driven here with its tensors made outside a
-``TorchDispatchMode`` that records every PyTorch op the host side runs between the kernels
-(``HostOp``: reductions of partials, per-channel vectors), which the model counts as one
+What this module adds: a ``TorchDispatchMode`` entered around the step's calls (jit_spec's
+``during``, once the inputs exist) that records every PyTorch op the host side runs between the
+kernels (``HostOp``: reductions of partials, per-channel vectors), which the model counts as one
 DRAM-bound launch each; and the argument values of a launch by name (trip counts).
 """
 
@@ -81,50 +81,20 @@ def _require_compiler_mode() -> None:
 def unit_step(unit: ConvUnit, dtype: str, *, arch: int, sms: int, training: bool = True,
               tf32: bool = True, backward: str = "sums"):
     """(launches, host ops) of one training step (forward + backward, channels_last) of the
-    fused unit through the Triton backend's entry points, as jit_spec._training_step runs it:
-    batch statistics, forward, backward with the gradients of x, the weight and the BatchNorm
-    affine. ``launches``: jit_spec.Launch, specialised for sm_``arch`` with ``sms`` SMs."""
+    fused unit through the Triton backend's entry points (jit_spec.unit_launches: batch
+    statistics, forward, backward with the gradients of x, the weight and the BatchNorm
+    affine), the host ops recorded around the step's calls. ``launches``: jit_spec.Launch,
+    specialised for sm_``arch`` with ``sms`` SMs."""
     _require_compiler_mode()
-    from ..backends import triton as backend
     from ..kernels import jit_spec
-    from ..opdefs import BackwardArgs, UnitArgs, stats_dtype
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
-    dt = DTYPES[dtype]
-    sdt = stats_dtype(dt)
-    cl = torch.channels_last
-    k, s, p = unit.k, unit.stride, unit.padding
-
-    def act(n, c, hw):
-        return torch.empty((n, c, hw, hw), device="meta", dtype=dt).contiguous(memory_format=cl)
-
-    x = act(unit.n, unit.cin, unit.hw)
-    weight = torch.empty((unit.cout, unit.cin, k, k), device="meta", dtype=dt).contiguous(
-        memory_format=cl)
-    residual = act(unit.n, unit.cout, unit.ho) if unit.residual else None
-    grad_out = act(unit.n, unit.cout, unit.ho)
-    bn_weight = torch.empty((unit.cin,), device="meta", dtype=sdt)
-    bn_bias = torch.empty((unit.cin,), device="meta", dtype=sdt)
-    geometry = dict(stride=[s, s], padding=[p, p], dilation=[1, 1])
     host: list[HostOp] = []
-    with jit_spec.capturing(sms, tf32, backward) as recorder, _HostOps(host):
-        if training:
-            mean, var = backend.batch_stats(x)
-        else:
-            mean = var = torch.empty((unit.cin,), device="meta", dtype=sdt)
-        invstd = torch.rsqrt(var + 1e-5)
-        backend.bn_relu_conv2d(*UnitArgs(
-            x=x, weight=weight, bias=None, bn_weight=bn_weight, bn_bias=bn_bias, mean=mean,
-            invstd=invstd, residual=residual, batch_stats=training, **geometry))
-        backend.bn_relu_conv2d_backward(*BackwardArgs(
-            grad_out=grad_out, x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias,
-            mean=mean, invstd=invstd, batch_stats=training,
-            output_mask=[True, True, False, True, True], **geometry))
-    launches = [jit_spec.specialise(fn, grid, a, kw, arch)
-                for fn, grid, a, kw in recorder.launches]
+    launches = jit_spec.unit_launches(unit, dtype, arch=arch, tf32=tf32, sm_count=sms,
+                                      training=training, backward=backward,
+                                      during=lambda: _HostOps(host))
     return launches, host
-
 
 def params(launch) -> dict:
     """A jit_spec.Launch's argument values by name (ints as launched)."""
