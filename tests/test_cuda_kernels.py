@@ -143,6 +143,49 @@ def test_forward_half_within_twice_torch_error(pair, case, channels_last):
     assert rel_err(mean, mean64) <= 1e-5 and rel_err(var, var64) <= 1e-5
 
 
+# The tensor-core forward on mma.sync + ldmatrix + cp.async (16-bit x and weight of one dtype,
+# channels-last x, C a multiple of 8): C = 16 (one partial K chunk of 32), 40 (two chunks per
+# tap, the second partial), Co = 70 (two column tiles, the packed weight padded to 72); padding
+# taps (BatchNorm-ReLU must not reach them), stride, dilation, bias, residual and branch scale.
+MMA_CASES = [
+    (2, 16, 7, 7, 5, (3, 3), (1, 1), (1, 1), (1, 1), True, True),
+    (1, 40, 9, 6, 70, (3, 3), (2, 1), (1, 1), (1, 1), True, True),
+    (2, 8, 5, 6, 9, (2, 3), (1, 2), (0, 1), (2, 1), False, False),
+]
+
+
+@pytest.mark.parametrize("case", MMA_CASES, ids=["c16", "c40-co70", "c8-dil"])
+@pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
+def test_forward_mma_path(monkeypatch, dtype, case):
+    """The mma.sync path (the default for these inputs) within twice PyTorch's own error, its
+    genstats statistics those of its y, and the WMMA path (FUSEDRES_CUDA_FORWARD=wmma) on the
+    same inputs within the same bound. About 1 s on CPU for the six."""
+    args = list(make(case, dtype, channels_last=True))
+    n = args[0].shape[0]
+    bscale = torch.tensor([1.25, 0.0][:n], dtype=torch.float32, device=DEVICE)
+    y, mean, var = OPS.bn_relu_conv2d_genstats(*args, branch_scale=bscale)
+    monkeypatch.setenv("FUSEDRES_CUDA_FORWARD", "wmma")
+    y_wmma = OPS.bn_relu_conv2d_genstats(*args, branch_scale=bscale)[0]
+    monkeypatch.delenv("FUSEDRES_CUDA_FORWARD")
+    exact = ref_forward(*as64(args), bscale.double())
+    own = ref_forward(*args, bscale)
+    res = args[7]
+    floor = 1e-3 * exact.abs().max().item()
+    assert abs_err(y, exact) <= 2 * abs_err(own, exact) + floor
+    assert abs_err(y_wmma, exact) <= 2 * abs_err(own, exact) + floor
+    if n > 1:
+        assert y[1].eq(0 if res is None else res[1]).all()  # the dropped sample: residual only
+    var64, mean64 = torch.var_mean(y.double(), dim=(0, 2, 3), correction=0)
+    assert rel_err(mean, mean64) <= 1e-5 and rel_err(var, var64) <= 1e-5
+
+
+def test_forward_path_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("FUSEDRES_CUDA_FORWARD", "fast")
+    args = make(MMA_CASES[0], torch.float16, channels_last=True)
+    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_FORWARD must be 'mma' or 'wmma'"):
+        OPS.bn_relu_conv2d(*args)
+
+
 # --------------------------------------------------------------------------- backward
 
 MASKS = list(itertools.product([False, True], repeat=5))

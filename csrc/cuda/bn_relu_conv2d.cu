@@ -14,11 +14,69 @@
 // (rounded) y over the tile's rows; the host merges the tiles with Chan's formula in float64.
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "conv_tiles.cuh"
+#include "mma.cuh"
 #include "ops.h"
 
 namespace fusedres::FUSEDRES_CUDA_NS {
 namespace {
+
+// The epilogue of both forward kernels, on the block's BM x BN accumulator tile in shared memory
+// (Cs[m][n], rows of LD): y = (acc + bias) * branch_scale[n] + residual, stored once in the
+// weight dtype; with genstats (part_mean non-null) each tile column's (mean, M2) of the stored
+// (rounded) y over the tile's valid rows. row_n[m] is -1 past M.
+template <typename W, int BM, int BN, int LD, int THREADS>
+__device__ __forceinline__ void store_tile(
+    acc_t<W> (*Cs)[LD], const int64_t* row_n, const int32_t* row_oh, const int32_t* row_ow,
+    const W* __restrict__ bias, const W* __restrict__ res,
+    const acc_t<W>* __restrict__ branch_scale, W* __restrict__ y,
+    acc_t<W>* __restrict__ part_mean, acc_t<W>* __restrict__ part_m2, const Dims4& yd,
+    const Dims4& rd, int64_t M, int64_t m0, int64_t co0, int tid) {
+  using C = acc_t<W>;
+  const int64_t Co = yd.c;
+  // Epilogue: consecutive threads along y's contiguous dimension.
+  const bool y_channels_fast = yd.sc == 1;
+  const bool genstats = part_mean != nullptr;
+  for (int e = tid; e < BM * BN; e += THREADS) {
+    const int m = y_channels_fast ? e / BN : e % BM;
+    const int n = y_channels_fast ? e % BN : e / BM;
+    const int64_t co = co0 + n;
+    if (row_n[m] >= 0 && co < Co) {
+      C v = Cs[m][n];
+      if (bias != nullptr) v += static_cast<C>(bias[co]);
+      if (branch_scale != nullptr) v *= branch_scale[row_n[m]];
+      if (res != nullptr) v += static_cast<C>(res[rd.offset(row_n[m], co, row_oh[m], row_ow[m])]);
+      const W out = static_cast<W>(v);
+      y[yd.offset(row_n[m], co, row_oh[m], row_ow[m])] = out;
+      if (genstats) Cs[m][n] = static_cast<C>(out);  // statistics of y as stored
+    }
+  }
+  if (!genstats) return;
+  __syncthreads();
+  // Per column: the tile's mean over its valid rows (the first `rows`), then its M2 from the
+  // deviations, corrected by their sum (exact two-pass; an infinite mean stays as it is).
+  const int rows = static_cast<int>(M - m0 < BM ? M - m0 : BM);
+  for (int n = tid; n < BN; n += THREADS) {
+    const int64_t co = co0 + n;
+    if (co >= Co) continue;
+    C s = C(0);
+    for (int m = 0; m < rows; ++m) s += Cs[m][n];
+    const C cnt = static_cast<C>(rows);
+    const C mean0 = s / cnt;
+    C sd = C(0), sq = C(0);
+    for (int m = 0; m < rows; ++m) {
+      const C d = Cs[m][n] - mean0;
+      sd += d;
+      sq += d * d;
+    }
+    part_mean[blockIdx.x * Co + co] = mean0 - mean0 == C(0) ? mean0 + sd / cnt : mean0;
+    part_m2[blockIdx.x * Co + co] = sq - sd * sd / cnt;
+  }
+}
+
 
 template <typename X, typename W, typename T>
 __global__ void __launch_bounds__(T::THREADS)
@@ -96,45 +154,283 @@ __global__ void __launch_bounds__(T::THREADS)
   }
   acc.store(Cs, tid);
   __syncthreads();
+  store_tile<W, BM, BN, BN + T::CPAD, THREADS>(Cs, row_n, row_oh, row_ow, bias, res, branch_scale,
+                                             y, part_mean, part_m2, yd, rd, M, m0, co0, tid);
+}
 
-  // Epilogue: consecutive threads along y's contiguous dimension.
-  const bool y_channels_fast = yd.sc == 1;
-  const bool genstats = part_mean != nullptr;
-  for (int e = tid; e < BM * BN; e += THREADS) {
-    const int m = y_channels_fast ? e / BN : e % BM;
-    const int n = y_channels_fast ? e % BN : e / BM;
-    const int64_t co = co0 + n;
-    if (row_n[m] >= 0 && co < Co) {
-      C v = Cs[m][n];
-      if (bias != nullptr) v += static_cast<C>(bias[co]);
-      if (branch_scale != nullptr) v *= branch_scale[row_n[m]];
-      if (res != nullptr) v += static_cast<C>(res[rd.offset(row_n[m], co, row_oh[m], row_ow[m])]);
-      const W out = static_cast<W>(v);
-      y[yd.offset(row_n[m], co, row_oh[m], row_ow[m])] = out;
-      if (genstats) Cs[m][n] = static_cast<C>(out);  // statistics of y as stored
+// ----------------------------------------------------------------------------- tensor-core path
+
+// The forward of 16-bit x and weight of the same dtype, x channels-last with C a multiple of 8
+// (every pixel's channels in 16-byte pieces): mma.sync m16n8k16 on operands that cp.async stages
+// into shared memory, 16 bytes a copy, through a STAGES-deep pipeline with one barrier per
+// K chunk (BK channels of one tap). A block of 4 warps owns a 64 x 64 output tile, each warp a
+// 32 x 32 quarter (2 x 4 m16n8 accumulators). x rows are copied raw: a tap outside the image
+// or a row past M is zero-filled, channels past C too. The BatchNorm affine and the ReLU are
+// applied to the A fragments after ldmatrix, in float32 and rounded to the weight dtype as the
+// unfused sequence does, and a fragment row whose tap is padding (or past M) is set to 0: the
+// padding is of a = relu(bn(x)), never of x. The weight is pre-packed (host) as a row-major
+// (kh*kw*C, Co8) matrix, Co8 = Co rounded up to 8 with zero columns: row tap*C + c. Shared rows
+// are padded by 8 halves (A: 80 bytes, B: 144 bytes), so the 8 row addresses of each ldmatrix
+// phase fall in 8 different 4-bank groups. The accumulators go through shared memory (aliasing
+// the drained pipeline) to the epilogue shared with the other path (store_tile).
+struct MmaFwd {
+  static constexpr int BM = 64, BN = 64, BK = 32, STAGES = 3, THREADS = 128;
+  static constexpr int WARPS_N = 2, WM = 32, WN = 32;  // warp grid 2 x 2, warp tile 32 x 32
+  static constexpr int FM = WM / 16, FN = WN / 8;      // m16 tiles, n8 tiles per warp
+  static constexpr int AST = BK + 8, BST = BN + 8, CLD = BN + 4;  // shared row lengths
+  static constexpr int A_COPIES = BM * BK / 8 / THREADS;           // 16-byte copies per thread
+  static constexpr int B_COPIES = BK * BN / 8 / THREADS;
+  static constexpr int A_BYTES = STAGES * BM * AST * 2;
+  static constexpr int B_BYTES = STAGES * BK * BST * 2;
+  static constexpr int S_BYTES = STAGES * 2 * BK * 4;  // scale and shift of the chunk's channels
+  static constexpr int PIPE_BYTES = A_BYTES + B_BYTES + S_BYTES;
+  static constexpr int C_BYTES = BM * CLD * 4;
+  static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
+  static_assert(A_COPIES * THREADS * 8 == BM * BK && B_COPIES * THREADS * 8 == BK * BN,
+                "the 16-byte copies do not divide among the threads");
+  static_assert((BM / WM) * (BN / WN) * 32 == THREADS && BN / WN == WARPS_N, "warp grid");
+  static_assert(2 * BK / 4 <= THREADS, "one thread per 16 bytes of scale and shift");
+  static_assert(A_BYTES % 128 == 0 && B_BYTES % 128 == 0, "stage buffers 128-byte aligned");
+};
+
+// Two 16-bit values of one register through relu(scale * x + shift), rounded back to W.
+template <typename W>
+__device__ __forceinline__ uint32_t bn_relu2(uint32_t v, float s0, float b0, float s1,
+                                             float b1) {
+  uint16_t lo = static_cast<uint16_t>(v & 0xffffu), hi = static_cast<uint16_t>(v >> 16);
+  W xl, xh;
+  memcpy(&xl, &lo, 2);
+  memcpy(&xh, &hi, 2);
+  const W al = static_cast<W>(bn_relu(static_cast<float>(xl), s0, b0));
+  const W ah = static_cast<W>(bn_relu(static_cast<float>(xh), s1, b1));
+  return ptx::pack2(al, ah);
+}
+
+template <typename W>
+__global__ void __launch_bounds__(MmaFwd::THREADS)
+    bn_relu_conv2d_fwd_mma_kernel(const W* __restrict__ x, const W* __restrict__ wp,
+                                  const float* __restrict__ scale,
+                                  const float* __restrict__ shift, const W* __restrict__ bias,
+                                  const W* __restrict__ res,
+                                  const float* __restrict__ branch_scale, W* __restrict__ y,
+                                  float* __restrict__ part_mean, float* __restrict__ part_m2,
+                                  Dims4 xd, Dims4 yd, Dims4 rd, ConvGeom g, int64_t M,
+                                  int64_t co8) {
+  FUSEDRES_LAUNCH_BOUNDS(MmaFwd::THREADS);
+  using T = MmaFwd;
+  using E = native_t<W>;
+  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
+  __shared__ __align__(128) unsigned char smem[T::SMEM];
+  __shared__ int64_t row_n[BM];  // sample of the tile's row, -1 past M
+  __shared__ int32_t row_oh[BM];
+  __shared__ int32_t row_ow[BM];
+  auto* As = reinterpret_cast<uint16_t(*)[BM][T::AST]>(smem);
+  auto* Bs = reinterpret_cast<uint16_t(*)[BK][T::BST]>(smem + T::A_BYTES);
+  auto* Ss = reinterpret_cast<float(*)[2][BK]>(smem + T::A_BYTES + T::B_BYTES);
+  auto* Cs = reinterpret_cast<float(*)[T::CLD]>(smem);
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
+  const int64_t co0 = static_cast<int64_t>(blockIdx.y) * BN;
+  const int64_t Cin = xd.c;
+  // Input coordinates of a row's tap (0, 0): n (-1 past M), oh * sh - ph, ow * sw - pw.
+  struct Src {
+    int64_t n;
+    int32_t ih, iw;
+  };
+  const auto src_of = [&](int r) {
+    const int64_t m = m0 + r;
+    if (m >= M) return Src{-1, 0, 0};
+    const Pixel p = pixel_of(m, yd.h, yd.w);
+    return Src{p.n, p.h * g.sh - g.ph, p.w * g.sw - g.pw};
+  };
+  for (int r = tid; r < BM; r += THREADS) {
+    const int64_t m = m0 + r;
+    if (m < M) {
+      const Pixel p = pixel_of(m, yd.h, yd.w);
+      row_n[r] = p.n;
+      row_oh[r] = p.h;
+      row_ow[r] = p.w;
+    } else {
+      row_n[r] = -1;
+      row_oh[r] = row_ow[r] = 0;
     }
   }
-  if (!genstats) return;
+  // The rows this thread copies (copy e = tid + q * THREADS: row e / (BK / 8)).
+  Src a_src[T::A_COPIES];
+#pragma unroll
+  for (int q = 0; q < T::A_COPIES; ++q) a_src[q] = src_of((tid + q * THREADS) / (BK / 8));
+  // The rows of this lane's A fragments: tile i, half h (rows g and g + 8).
+  const int wm = (warp / T::WARPS_N) * T::WM, wn = (warp % T::WARPS_N) * T::WN;
+  Src f_src[T::FM][2];
+#pragma unroll
+  for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) f_src[i][h] = src_of(wm + 16 * i + 8 * h + lane / 4);
+
+  const int chunks_per_tap = static_cast<int>((Cin + BK - 1) / BK);
+  const int chunks = g.kh * g.kw * chunks_per_tap;
+  const auto inside = [&](const Src& s, int ti, int tj) {
+    const int64_t ih = s.ih + int64_t(ti) * g.dh, iw = s.iw + int64_t(tj) * g.dw;
+    return s.n >= 0 && ih >= 0 && ih < xd.h && iw >= 0 && iw < xd.w;
+  };
+  // Issue the copies of chunk kc into stage st (the caller commits).
+  const auto load = [&](int kc, int st) {
+    const int tap = kc / chunks_per_tap;
+    const int64_t c0 = int64_t(kc - tap * chunks_per_tap) * BK;
+    const int ti = tap / g.kw, tj = tap % g.kw;
+#pragma unroll
+    for (int q = 0; q < T::A_COPIES; ++q) {
+      const int e = tid + q * THREADS, r = e / (BK / 8), k = (e % (BK / 8)) * 8;
+      const W* src = x;
+      int bytes = 0;
+      if (c0 + k < Cin && inside(a_src[q], ti, tj)) {
+        src = x + xd.offset(a_src[q].n, c0 + k, a_src[q].ih + int64_t(ti) * g.dh,
+                            a_src[q].iw + int64_t(tj) * g.dw);
+        bytes = 16;
+      }
+      ptx::cp_async_cg16(&As[st][r][k], src, bytes);
+    }
+#pragma unroll
+    for (int q = 0; q < T::B_COPIES; ++q) {
+      const int e = tid + q * THREADS, r = e / (BN / 8), n = (e % (BN / 8)) * 8;
+      const bool ok = c0 + r < Cin && co0 + n < co8;
+      const W* src = ok ? wp + (int64_t(tap) * Cin + c0 + r) * co8 + co0 + n : wp;
+      ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
+    }
+    if (tid < 2 * BK / 4) {
+      const int which = tid / (BK / 4), k = (tid % (BK / 4)) * 4;
+      const float* v = which == 0 ? scale : shift;
+      const bool ok = c0 + k < Cin;
+      ptx::cp_async_cg16(&Ss[st][which][k], ok ? v + c0 + k : v, ok ? 16 : 0);
+    }
+  };
+
+  float acc[T::FM][T::FN][4];
+#pragma unroll
+  for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+    for (int j = 0; j < T::FN; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < chunks) load(st, st);
+    ptx::cp_async_commit();
+  }
+  for (int kc = 0; kc < chunks; ++kc) {
+    // Chunk kc has landed (at most STAGES - 2 younger groups in flight), and every warp is done
+    // with chunk kc - 1, whose stage the copies of chunk kc + STAGES - 1 now overwrite.
+    ptx::cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (kc + STAGES - 1 < chunks) load(kc + STAGES - 1, (kc + STAGES - 1) % STAGES);
+    ptx::cp_async_commit();
+
+    const int st = kc % STAGES;
+    const int tap = kc / chunks_per_tap;
+    const int ti = tap / g.kw, tj = tap % g.kw;
+    bool valid[T::FM][2];
+#pragma unroll
+    for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) valid[i][h] = inside(f_src[i][h], ti, tj);
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      uint32_t fa[T::FM][4], fb[T::FN / 2][4];
+      const int lr = (lane % 8) + 8 * ((lane / 8) % 2), lc = 8 * (lane / 16);
+#pragma unroll
+      for (int i = 0; i < T::FM; ++i) ptx::ldmatrix<4>(fa[i], &As[st][wm + 16 * i + lr][kk + lc]);
+#pragma unroll
+      for (int j = 0; j < T::FN / 2; ++j) {
+        ptx::ldmatrix<4, true>(fb[j], &Bs[st][kk + lr][wn + 16 * j + lc]);
+      }
+      // a[r] holds rows g + 8 (r % 2), channels kk + 8 (r / 2) + 2t, + 1.
+      const int t2 = 2 * (lane % 4);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int k = kk + 8 * (r / 2) + t2;
+        const float s0 = Ss[st][0][k], s1 = Ss[st][0][k + 1];
+        const float b0 = Ss[st][1][k], b1 = Ss[st][1][k + 1];
+#pragma unroll
+        for (int i = 0; i < T::FM; ++i) {
+          fa[i][r] = valid[i][r % 2] ? bn_relu2<W>(fa[i][r], s0, b0, s1, b1) : 0u;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+        for (int j = 0; j < T::FN; ++j) {
+          const uint32_t b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
+          float d[4];
+          ptx::mma_m16n8k16<E>(d, fa[i], b, acc[i][j]);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[i][j][r] = d[r];
+        }
+    }
+  }
+  // Drain the (empty) trailing groups; every warp is done with the stages before Cs reuses them.
+  ptx::cp_async_wait<0>();
   __syncthreads();
-  // Per column: the tile's mean over its valid rows (the first `rows`), then its M2 from the
-  // deviations, corrected by their sum (exact two-pass; an infinite mean stays as it is).
-  const int rows = static_cast<int>(M - m0 < BM ? M - m0 : BM);
-  for (int n = tid; n < BN; n += THREADS) {
-    const int64_t co = co0 + n;
-    if (co >= Co) continue;
-    C s = C(0);
-    for (int m = 0; m < rows; ++m) s += Cs[m][n];
-    const C cnt = static_cast<C>(rows);
-    const C mean0 = s / cnt;
-    C sd = C(0), sq = C(0);
-    for (int m = 0; m < rows; ++m) {
-      const C d = Cs[m][n] - mean0;
-      sd += d;
-      sq += d * d;
-    }
-    part_mean[blockIdx.x * Co + co] = mean0 - mean0 == C(0) ? mean0 + sd / cnt : mean0;
-    part_m2[blockIdx.x * Co + co] = sq - sd * sd / cnt;
-  }
+  // c[r] is row g + 8 (r / 2), column 2t + (r % 2) of the m16n8 tile.
+#pragma unroll
+  for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+    for (int j = 0; j < T::FN; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        Cs[wm + 16 * i + lane / 4 + 8 * (r / 2)][wn + 8 * j + 2 * (lane % 4) + r % 2] =
+            acc[i][j][r];
+      }
+  __syncthreads();
+  store_tile<W, BM, BN, T::CLD, THREADS>(Cs, row_n, row_oh, row_ow, bias, res, branch_scale, y,
+                                         part_mean, part_m2, yd, rd, M, m0, co0, tid);
+}
+
+// The tensor-core path's requirements on x (beyond 16-bit x and weight of one dtype): channels
+// contiguous, C a multiple of 8 and every pixel at a multiple of 8 elements (16-byte cp.async
+// sources), the data and the BatchNorm affine 16-byte aligned. FUSEDRES_CUDA_FORWARD=wmma keeps
+// the WMMA path (comparison, benchmarks).
+inline bool use_mma_forward(const at::Tensor& x, const Affine& bn) {
+  const char* env = std::getenv("FUSEDRES_CUDA_FORWARD");
+  if (env != nullptr && std::string(env) == "wmma") return false;
+  TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
+              "FUSEDRES_CUDA_FORWARD must be 'mma' or 'wmma', got '", env, "'");
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return x.stride(1) == 1 && x.size(1) % 8 == 0 && x.stride(0) % 8 == 0 &&
+         x.stride(2) % 8 == 0 && x.stride(3) % 8 == 0 && aligned(x.const_data_ptr()) &&
+         aligned(bn.scale.const_data_ptr()) && aligned(bn.shift.const_data_ptr());
+}
+
+// The weight packed for the tensor-core path: (Co, C, kh, kw) -> row-major (kh*kw*C, Co8),
+// row (i*kw + j)*C + c, Co8 = Co rounded up to 8 (zero columns).
+inline at::Tensor pack_weight(const at::Tensor& weight) {
+  const int64_t Co = weight.size(0), K = weight.size(1) * weight.size(2) * weight.size(3);
+  at::Tensor wp = weight.permute({2, 3, 1, 0}).reshape({K, Co});
+  const int64_t co8 = ceil_div(Co, 8) * 8;
+  if (co8 != Co) wp = at::constant_pad_nd(wp, {0, co8 - Co});
+  return wp.contiguous();
+}
+
+template <typename W>
+void launch_forward_mma(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
+                        const Affine& bn, const at::Tensor* residual, const at::Tensor* bscale,
+                        at::Tensor& y, at::Tensor* part_mean, at::Tensor* part_m2,
+                        const ConvGeom& g, int64_t M) {
+  using T = MmaFwd;
+  const at::Tensor wp = pack_weight(weight);
+  const dim3 grid(static_cast<unsigned>(ceil_div(M, T::BM)),
+                  static_cast<unsigned>(ceil_div(weight.size(0), T::BN)));
+  const Dims4 rd = residual != nullptr ? dims_of(*residual) : Dims4{};
+  FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), bn_relu_conv2d_fwd_mma_kernel<W>)(
+      x.const_data_ptr<W>(), wp.const_data_ptr<W>(), bn.scale.const_data_ptr<float>(),
+      bn.shift.const_data_ptr<float>(), bias != nullptr ? bias->const_data_ptr<W>() : nullptr,
+      residual != nullptr ? residual->const_data_ptr<W>() : nullptr,
+      bscale != nullptr ? bscale->const_data_ptr<float>() : nullptr, y.data_ptr<W>(),
+      part_mean != nullptr ? part_mean->data_ptr<float>() : nullptr,
+      part_m2 != nullptr ? part_m2->data_ptr<float>() : nullptr, dims_of(x), dims_of(y), rd, g,
+      M, wp.size(1));
+  FUSEDRES_CHECK_LAUNCH();
 }
 
 template <typename X, typename W>
@@ -145,6 +441,13 @@ void launch_forward(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   using T = typename TilesFor<W>::Fwd;
   using A = acc_t<X>;
   using C = acc_t<W>;
+  if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
+    static_assert(MmaFwd::BM == T::BM, "forward_tile_rows: one tile height for both paths");
+    if (use_mma_forward(x, bn)) {
+      launch_forward_mma<W>(x, weight, bias, bn, residual, bscale, y, part_mean, part_m2, g, M);
+      return;
+    }
+  }
   const dim3 grid(static_cast<unsigned>(ceil_div(M, T::BM)),
                   static_cast<unsigned>(ceil_div(weight.size(0), T::BN)));
   const Dims4 rd = residual != nullptr ? dims_of(*residual) : Dims4{};

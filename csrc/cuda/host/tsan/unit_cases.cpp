@@ -19,20 +19,22 @@ struct Unit {
 // c = 17 input channels: two K-steps per tap on the FMA tiles (BK = 16 channels), and the weight
 // gradient's reduction runs over several 16- or 32-pixel K-steps, so the barriers between K-steps
 // are exercised, not only those between taps.
-Unit make_unit(at::ScalarType dt, bool channels_last, std::vector<int64_t> s) {
+// c = 40 (a multiple of 8, channels-last, 16-bit: the mma.sync forward): two 32-channel K chunks
+// per tap, the second partial, through the 3-stage cp.async pipeline.
+Unit make_unit(at::ScalarType dt, bool channels_last, std::vector<int64_t> s, int64_t c = 17) {
   const auto fmt = channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   const auto sdt = dt == at::kDouble ? at::kDouble : at::kFloat;
   Unit u;
   u.s = s;
   u.p = {1, 0};
   u.d = {1, 1};
-  u.x = (at::randn({2, 17, 7, 6}, at::kDouble) * 2 + 0.5).to(dt).contiguous(fmt);
-  u.w = (at::randn({6, 17, 3, 1}, at::kDouble) * 0.3).to(dt).contiguous(fmt);
+  u.x = (at::randn({2, c, 7, 6}, at::kDouble) * 2 + 0.5).to(dt).contiguous(fmt);
+  u.w = (at::randn({6, c, 3, 1}, at::kDouble) * 0.3).to(dt).contiguous(fmt);
   u.bias = at::randn({6}, at::kDouble).to(dt);
-  u.gamma = (at::rand({17}, at::kDouble) + 0.5).to(sdt);
-  u.beta = at::randn({17}, at::kDouble).to(sdt);
-  u.mean = (at::randn({17}, at::kDouble) * 0.3 + 0.5).to(sdt);
-  u.invstd = (at::rand({17}, at::kDouble) * 0.5 + 0.3).to(sdt);
+  u.gamma = (at::rand({c}, at::kDouble) + 0.5).to(sdt);
+  u.beta = at::randn({c}, at::kDouble).to(sdt);
+  u.mean = (at::randn({c}, at::kDouble) * 0.3 + 0.5).to(sdt);
+  u.invstd = (at::rand({c}, at::kDouble) * 0.5 + 0.3).to(sdt);
   const int64_t ho = (7 + 2 - 3) / s[0] + 1, wo = (6 - 1) / s[1] + 1;
   u.res = at::randn({2, 6, ho, wo}, at::kDouble).to(dt).contiguous(fmt);
   return u;
@@ -49,8 +51,8 @@ at::Tensor z64(const Unit& u) {
   return u.x.to(at::kDouble) * scale + (v(u.beta) - v(u.mean) * scale);
 }
 
-void check_forward(at::ScalarType dt, bool channels_last, double tol) {
-  const Unit u = make_unit(dt, channels_last, {2, 1});
+void check_forward(at::ScalarType dt, bool channels_last, double tol, int64_t c = 17) {
+  const Unit u = make_unit(dt, channels_last, {2, 1}, c);
   auto [y, mean, var] = k::bn_relu_conv2d_genstats(u.x, u.w, u.bias, u.gamma, u.beta, u.mean,
                                                    u.invstd, u.res, sym(u.s), sym(u.p),
                                                    sym(u.d), /*batch_stats=*/false,
@@ -105,6 +107,8 @@ FUSEDRES_TSAN_CASE(unit_forward_fma) {
 }
 
 FUSEDRES_TSAN_CASE(unit_forward_wmma) { check_forward(at::kBFloat16, true, 3e-2); }
+
+FUSEDRES_TSAN_CASE(unit_forward_mma) { check_forward(at::kHalf, true, 2e-2, 40); }
 
 FUSEDRES_TSAN_CASE(unit_backward_sums) { check_backward(at::kFloat, false, "sums", "1", 1e-5); }
 
