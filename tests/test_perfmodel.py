@@ -214,6 +214,21 @@ def test_cuda_row_ceiling_by_hand():
     assert r.ceiling(True) == pytest.approx(128 / 6800)
 
 
+def test_fixed_cuda_tiles_match_the_source():
+    """The mma.sync forward's tile (no Tile<> in its name) as struct MmaFwd states it."""
+    import os
+    import re
+
+    from fusedres import cuda_aot
+    from fusedres.perfmodel.cuda_sass import _FIXED_TILES
+
+    text = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "bn_relu_conv2d.cu")).read()
+    m = re.search(r"struct MmaFwd \{\s*static constexpr int BM = (\d+), BN = (\d+), BK = (\d+), "
+                  r"STAGES = \d+, THREADS = (\d+);", text)
+    assert m is not None
+    assert _FIXED_TILES["bn_relu_conv2d_fwd_mma_kernel"] == tuple(int(g) for g in m.groups())
+
+
 def test_cuda_unit_range_from_rows():
     """The CUDA backend's per-unit range: the right instantiations picked, low <= high, and a
     wider issue estimate (high) never faster; an unknown dtype or instantiation is named."""

@@ -26,6 +26,9 @@ from . import sass
 from .devices import A100, H100
 
 _TILE = re.compile(r"TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])E")
+# Kernels whose tile is fixed in their source rather than a Tile<> argument: name ->
+# (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d.cu, struct MmaFwd).
+_FIXED_TILES = {"bn_relu_conv2d_fwd_mma_kernel": (64, 64, 32, 128)}
 
 
 @dataclass
@@ -102,7 +105,8 @@ def compile_object(src: str, archs=(80, 90)) -> bytes:
 
 
 def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
-    """One row per 16-bit WMMA kernel instantiation (X == W == Half or BFloat16) and arch."""
+    """One row per 16-bit tensor-core kernel instantiation (WMMA: X == W == Half or BFloat16;
+    the mma.sync forward: Half, BFloat16) and arch."""
     from .. import cuda_aot
 
     with tempfile.TemporaryDirectory() as d:
@@ -130,16 +134,22 @@ def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
         for mangled, code in funcs.items():
             tile = _TILE.search(mangled)
             dem = names.get(mangled, mangled)
-            if tile is None or tile.group(5) != "1":
+            fixed = next((t for n, t in _FIXED_TILES.items() if f"{n}<" in dem), None)
+            if fixed is not None:
+                if not re.search(r"<(Half|BFloat16)>", dem.replace("c10::", "")):
+                    continue
+                bm, bn, bk, threads = fixed
+            elif tile is None or tile.group(5) != "1":
                 continue  # FMA tiles (float32 / float64): no tensor-core loop
-            if not re.search(r"<(Half|BFloat16), \1,", dem.replace("c10::", "")):
+            elif not re.search(r"<(Half|BFloat16), \1,", dem.replace("c10::", "")):
                 continue
+            else:
+                bm, bn, bk, threads = (int(tile.group(i)) for i in range(1, 5))
             k = sass.analyse(mangled, code)
             if k.main is None or not k.per_iter.mma_shapes:
                 continue
             nested = [lp for lp in k.loops if lp.parent is k.main]
             own = sass.count(code, k.main.head, k.main.tail, nested)
-            bm, bn, bk, threads = (int(tile.group(i)) for i in range(1, 5))
             warps = threads // 32
             fma_cta = sum(v * warps for v in k.per_iter.mma_warp.values())
             u = res_by_arch.get(arch, {}).get(mangled, {})
