@@ -179,6 +179,22 @@ def test_forward_mma_path(monkeypatch, dtype, case):
     assert rel_err(mean, mean64) <= 1e-5 and rel_err(var, var64) <= 1e-5
 
 
+def test_forward_mma_weight_view_off_16_bytes():
+    """A weight whose (kh, kw, C, Co) permutation is a contiguous view two bytes into its
+    storage: the packed copy must not be that view (16-byte cp.async sources)."""
+    case = (1, 16, 6, 5, 8, (3, 3), (1, 1), (1, 1), (1, 1), False, False)
+    args = list(make(case, torch.float16, channels_last=True))
+    w = args[1]
+    flat = torch.zeros(w.numel() + 1, dtype=w.dtype, device=DEVICE)
+    base = flat[1:].view(3, 3, 16, 8)
+    base.copy_(w.permute(2, 3, 1, 0))
+    args[1] = base.permute(3, 2, 0, 1)
+    assert torch.equal(args[1], w) and args[1].data_ptr() % 16 != 0
+    y = OPS.bn_relu_conv2d(*args)
+    args[1] = w
+    assert torch.equal(y, OPS.bn_relu_conv2d(*args))
+
+
 def test_forward_path_switch_is_checked(monkeypatch):
     monkeypatch.setenv("FUSEDRES_CUDA_FORWARD", "fast")
     args = make(MMA_CASES[0], torch.float16, channels_last=True)

@@ -409,7 +409,11 @@ inline at::Tensor pack_weight(const at::Tensor& weight) {
   at::Tensor wp = weight.permute({2, 3, 1, 0}).reshape({K, Co});
   const int64_t co8 = ceil_div(Co, 8) * 8;
   if (co8 != Co) wp = at::constant_pad_nd(wp, {0, co8 - Co});
-  return wp.contiguous();
+  wp = wp.contiguous();
+  // A weight whose permuted view is already contiguous comes back as that view, whose storage
+  // offset may leave it off the 16-byte boundary the copies need: a fresh allocation is on it.
+  if (reinterpret_cast<uintptr_t>(wp.const_data_ptr()) % 16 != 0) wp = wp.clone();
+  return wp;
 }
 
 template <typename W>
