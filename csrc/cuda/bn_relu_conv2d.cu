@@ -8,7 +8,8 @@
 // and the ReLU are applied on the way, a tap outside the image stages 0 (zero padding of a,
 // never of x), and a is rounded to the weight dtype, as the unfused sequence does. float32 and
 // float64 accumulate on FMA micro-tiles (no TF32), float16 and bfloat16 on tensor cores (WMMA
-// m16n16k16, float32 accumulators). The epilogue adds bias, multiplies by the sample's branch
+// m16n16k16, float32 accumulators; or, for 16-bit channels-last x with C % 8 == 0, the
+// mma.sync + ldmatrix + cp.async kernel further down, bn_relu_conv2d_fwd_mma_kernel). The epilogue adds bias, multiplies by the sample's branch
 // scale (stochastic depth; y = residual + s[n] * (conv + bias)) and adds the residual in the
 // accumulator dtype, stores y once, and with genstats reduces each tile column to (mean, M2) of the stored
 // (rounded) y over the tile's rows; the host merges the tiles with Chan's formula in float64.
