@@ -89,6 +89,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("FUSEDRES_CUDA_BACKWARD", "choice", "sums", "at every cuda backward call (csrc/cuda)",
             "The CUDA backward's plan: `sums` or `store` (as FUSEDRES_TRITON_BACKWARD).",
             ("sums", "store")),
+    Setting("FUSEDRES_CUDA_FORWARD", "choice", "mma", "at every cuda forward call (csrc/cuda)",
+            "The CUDA forward's kernel for 16-bit channels-last inputs: `mma` (mma.sync + "
+            "ldmatrix + cp.async) or `wmma` (the older WMMA kernel, which every other input "
+            "uses).", ("mma", "wmma")),
     Setting("FUSEDRES_CUDA_WGRAD_SPLIT", "int", "", "at every cuda backward call (csrc/cuda)",
             "Force the weight gradient's split-K count; unset: sized to the SMs."),
     Setting("FUSEDRES_HOST_STACK_KB", "int", "256",
