@@ -310,7 +310,8 @@ def pick_dx_config(x: torch.Tensor) -> KernelConfig:
 def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride, padding,
                          dilation, *, batch_stats: bool, grad_x: torch.Tensor | None,
                          want_sums: bool, sums=None, strategy: str = "store",
-                         config: KernelConfig | None = None, branch_scale=None, means=None):
+                         config: KernelConfig | None = None, branch_scale=None, means=None,
+                         out_sums=None):
     """Data gradient of y = conv2d(relu(scale*x + shift), weight) w.r.t. x, and the sums.
 
     grad_out (N, Co, Ho, Wo); x (N, C, H, W); scale, shift, mean, invstd (C,) in the statistics
@@ -322,7 +323,8 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     the statistics dtype (None when not needed). ``branch_scale`` (N,) contiguous in the
     accumulator dtype, or None: the conv branch's gradient is branch_scale[n] * grad_out[n].
     ``means``: the sums / M in the statistics dtype, with ``sums``, when the weight-gradient
-    pass's reduction wrote them too (else computed here).
+    pass's reduction wrote them too (else computed here). ``out_sums``: (C,) each, where the
+    sums this pass reduces are written (and returned).
     """
     n, c, h, w = x.shape
     co, _, kh, kw = weight.shape
@@ -381,7 +383,8 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
 
     def reduced(with_means: bool):
         """The sums (and their means) from the per-row partials: one launch."""
-        out = (scale.new_empty((c,)), scale.new_empty((c,)))
+        out = out_sums if out_sums is not None else (scale.new_empty((c,)),
+                                                     scale.new_empty((c,)))
         mm = (scale.new_empty((c,)), scale.new_empty((c,))) if with_means else None
         reduce_partials(s1_p=s1, s2_p=s2, sums=out, means=mm, m=m)
         return out, mm
@@ -417,4 +420,6 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
             **dcfg.launch_kwargs())
     if sum_dz is None:
         return None, None
+    if out_sums is not None:
+        return sum_dz, sum_dzx
     return sum_dz.to(scale.dtype), sum_dzx.to(scale.dtype)

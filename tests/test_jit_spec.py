@@ -110,6 +110,10 @@ with contextlib.redirect_stdout(buf):
 out["cli"] = buf.getvalue()
 out["from_values"] = {k: repr(v) for k, v in jit_spec.unit_launches(cifar, "fp16")[3]
                       .constexprs_from_values.items()}
+# The PyTorch ops the host runs between the kernels (fusedres.perfmodel's count), both plans.
+from fusedres.perfmodel.launches import unit_step
+out["host_ops"] = {b: [h.name for h in unit_step(cifar, "fp16", arch=90, sms=132, backward=b)[1]]
+                   for b in ("sums", "store")}
 print("JSON" + json.dumps(out))
 """
 
@@ -151,7 +155,7 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
         ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"), combine, affine,
         ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"), affine,
         ("wgrad_sums", [1, 9, 29], "M=32 N=32 K=64 w=4 s=3"),
-        ("partials_reduce", [4, 1, 1], "K=1024 w=4 s=1"),
+        ("partials_reduce", [4, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
         ("dgrad_dx", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
     ]
     store = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["store"]]
@@ -159,13 +163,20 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
         ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"), combine, affine,
         ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"), affine,
         ("wgrad", [1, 9, 29], "M=32 N=32 K=64 w=4 s=2"),
-        ("partials_reduce", [3, 1, 1], "K=1024 w=4 s=1"),
+        ("partials_reduce", [3, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
         ("dgrad_store", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
-        ("partials_reduce", [1, 1, 1], "K=1024 w=4 s=1"),
+        ("partials_reduce", [1, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
         ("dx", [2048, 1, 1], "M=64 C=32 w=4 s=1"),
     ]
     # A100's 108 SMs: 12 ways fill them in one wave (9 x 12 = 108 programs).
     assert [r["grid"] for r in probe["a100"] if r["kernel"] == "wgrad_sums"] == [[1, 9, 12]]
+
+
+def test_no_host_op_between_the_kernels(probe):
+    """A training step runs no PyTorch op between the backend's kernels (the partials' merges
+    and reductions and the BatchNorm affine are kernels/reductions.py's launches): what remains
+    is the caller's invstd = rsqrt(var + eps) (fusedres.functional's, outside the backend)."""
+    assert probe["host_ops"] == {"sums": ["add", "rsqrt"], "store": ["add", "rsqrt"]}
 
 
 def test_divisibility_and_unit_strides(probe):

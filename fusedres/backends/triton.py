@@ -173,14 +173,13 @@ def _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, pad
             want_bias=want_b, out=outs[1] if want_w else None, branch_scale=bscale,
             out_bias=outs[2] if want_b else None)
     if want_x or need_sums:
-        sum_dz, sum_dzx = _dgrad.bn_relu_conv2d_dgrad(
+        want_sums = want_g or want_beta
+        out_sums = (outs[4] if want_beta else torch.empty_like(mean),
+                    outs[3] if want_g else torch.empty_like(mean)) if want_sums else None
+        _dgrad.bn_relu_conv2d_dgrad(
             grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
             batch_stats=batch_stats, grad_x=outs[0] if want_x else None,
-            want_sums=want_g or want_beta, strategy="store", branch_scale=bscale)
-        if want_g:
-            outs[3].copy_(sum_dzx)
-        if want_beta:
-            outs[4].copy_(sum_dz)
+            want_sums=want_sums, strategy="store", branch_scale=bscale, out_sums=out_sums)
     return tuple(outs)
 
 
