@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelConfig, acc_is_fp64, cdiv, launcher
+from ._common import KernelConfig, acc_is_fp64, cdiv, interp_bf16, launcher
+from ._tl import cast
 
 STATS_COMBINE_CONFIG = KernelConfig.of(BLOCK_R=16, BLOCK_C=64, num_warps=4, num_stages=1)
 SCALE_SHIFT_CONFIG = KernelConfig.of(BLOCK_C=256, num_warps=4, num_stages=1)
@@ -147,8 +148,8 @@ def partials_reduce_kernel(
     dw_p_ptr, dw_ptr, db_p_ptr, db_ptr, s1_p_ptr, s2_p_ptr, sum1_ptr, sum2_ptr, m1_ptr, m2_ptr,
     split, K, Cin, KH, KW, sw0, sw1, sw2, sw3, Co, rows, C, M, n_dw, n_db,
     HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, HAS_SUMS: tl.constexpr,
-    HAS_MEANS: tl.constexpr, FP64: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_MEANS: tl.constexpr, FP64: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Programs [0, n_dw): columns of the (split, K = Co*Cin*KH*KW) weight-gradient partials,
     summed over the splits and stored at (co, ci, i, j) with the strides sw*; [n_dw, n_dw +
@@ -169,7 +170,8 @@ def partials_reduce_kernel(
             i = (e // KW) % KH
             ci = (e // (KW * KH)) % Cin
             co = e // (KW * KH * Cin)
-            tl.store(dw_ptr + co * sw0 + ci * sw1 + i * sw2 + j * sw3, acc, mask=ok)
+            tl.store(dw_ptr + co * sw0 + ci * sw1 + i * sw2 + j * sw3,
+                     cast(acc, dw_ptr.dtype.element_ty, INTERP_BF16), mask=ok)
     elif pid < n_dw + n_db:
         if HAS_DB:
             e = (pid - n_dw) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -177,7 +179,7 @@ def partials_reduce_kernel(
             acc = tl.zeros((BLOCK_K,), dtype=acc_t)
             for s in range(0, split):
                 acc += tl.load(db_p_ptr + s * Co + e, mask=ok, other=0.0)
-            tl.store(db_ptr + e, acc, mask=ok)
+            tl.store(db_ptr + e, cast(acc, db_ptr.dtype.element_ty, INTERP_BF16), mask=ok)
     else:
         if HAS_SUMS:
             c = (pid - n_dw - n_db) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -203,7 +205,8 @@ def reduce_partials(*, dw_p=None, dw=None, db_p=None, db=None, s1_p=None, s2_p=N
     contiguous -> ``dw`` (Co, Cin, KH, KW) any strides; ``db_p`` (split, Co) -> ``db`` (Co,);
     ``s1_p``, ``s2_p`` (rows, C) -> ``sums = (sum1, sum2)`` (C,) each and, with ``means``
     (C,) each, the sums over ``m``. Partials in the accumulation dtype (float32, float64);
-    destinations in any float dtype (the store casts). Parts passed as None are skipped."""
+    destinations in any float dtype (the store rounds to nearest, under the interpreter too).
+    Parts passed as None are skipped."""
     cfg = REDUCE_CONFIG
     bk = cfg.meta["BLOCK_K"]
     parts = [t for t in (dw_p, db_p, s1_p) if t is not None]
@@ -233,4 +236,6 @@ def reduce_partials(*, dw_p=None, dw=None, db_p=None, db=None, s1_p=None, s2_p=N
         s1_p if s1_p is not None else dummy, s2_p if s1_p is not None else dummy,
         sum1, sum2, m1, m2, split, k, cin, kh, kw, *sw, co, rows, c, m, n_dw, n_db,
         HAS_DW=dw_p is not None, HAS_DB=db_p is not None, HAS_SUMS=s1_p is not None,
-        HAS_MEANS=means is not None, FP64=acc_is_fp64(ref.dtype), **cfg.launch_kwargs())
+        HAS_MEANS=means is not None, FP64=acc_is_fp64(ref.dtype),
+        INTERP_BF16=interp_bf16(*(t.dtype for t in (dw, db) if t is not None)),
+        **cfg.launch_kwargs())
