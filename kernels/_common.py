@@ -157,20 +157,6 @@ def sm_count(device: torch.device) -> int:
     return 132
 
 
-def chan_combine(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
-    """Merge per-row partial statistics (rows, C) with Chan's formula, in float64.
-
-    ``count`` is (rows, 1) or (rows, C); rows with count 0 must hold mean 0 and m2 0.
-    Returns (mean, biased variance) per channel, float64.
-    """
-    count = count.double()
-    mean = mean.double()
-    total = count.sum(0)
-    gmean = (count * mean).sum(0) / total
-    gm2 = (m2.double() + count * (mean - gmean) ** 2).sum(0)
-    return gmean, gm2 / total
-
-
 _TUNED: dict[tuple, KernelConfig] = {}
 
 

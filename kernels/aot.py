@@ -39,7 +39,7 @@ VARIANTS = {"fp16": ("fp16", True), "bf16": ("bf16", True), "fp32": ("fp32", Tru
 DTYPES = tuple(VARIANTS)
 BACKWARDS = ("sums", "store")
 KERNELS = ("batch_stats", "bn_relu_conv2d_fwd", "dgrad_store", "dgrad_dx", "dx", "wgrad",
-           "wgrad_sums")
+           "wgrad_sums", "stats_combine", "scale_shift", "partials_reduce")
 
 
 def shape_set(name: str) -> list:
@@ -62,11 +62,14 @@ def role_configs() -> dict:
     from . import bn_relu_conv2d as fwd
     from . import bn_relu_conv2d_dgrad as dg
     from . import bn_relu_conv2d_wgrad as wg
+    from . import reductions as red
 
     return {"batch_stats": bs.configs_for, "bn_relu_conv2d_fwd": fwd.configs_for,
             "dgrad_store": dg.configs_for, "dgrad_dx": dg.configs_for,
             "dx": dg.dx_configs_for, "wgrad": wg.configs_for,
-            "wgrad_sums": wg.sums_configs_for}
+            "wgrad_sums": wg.sums_configs_for, "stats_combine": red.stats_combine_configs_for,
+            "scale_shift": red.scale_shift_configs_for,
+            "partials_reduce": red.reduce_configs_for}
 
 
 @dataclass

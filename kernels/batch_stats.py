@@ -2,9 +2,9 @@
 
 Numerically stable: every tile of BLOCK_M values is reduced exactly in two passes over registers
 (tile mean, then the sum of squared deviations from it), tiles are merged with Chan's parallel
-formula inside a program, and the SPLIT programs of a channel block are merged on the host in
-float64. So x = 1000 + noise in float32 keeps its variance, and N*H*W in the millions is split
-over enough programs to fill the GPU.
+formula inside a program, and the SPLIT programs of a channel block are merged in float64 by
+kernels/reductions.py's stats_combine_kernel. So x = 1000 + noise in float32 keeps its variance,
+and N*H*W in the millions is split over enough programs to fill the GPU.
 
 Layout: any strides (channels_last and contiguous NCHW alike); the tile is (pixels, channels) so
 the contiguous dimension of either layout is read coalesced.
@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from ..opdefs import stats_dtype as _stats_dtype
-from ._common import KernelConfig, cdiv, chan_combine, interpreting, launcher, sm_count
+from ._common import KernelConfig, cdiv, interpreting, launcher, sm_count
+from .reductions import stats_combine
 
 CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_C=32, num_warps=4, num_stages=1),
@@ -112,8 +113,5 @@ def batch_stats(x: torch.Tensor, config: KernelConfig | None = None, split: int 
         x, mean_p, m2_p, c, h * w, w, m, *x.stride(), tps,
         FP64=sdt == torch.float64, **cfg.launch_kwargs(),
     )
-    # Element count of each split (the last may be short).
-    starts = torch.arange(split, device=x.device, dtype=torch.float64) * (tps * bm)
-    counts = (m - starts).clamp(max=tps * bm).view(split, 1)
-    mean, var = chan_combine(counts, mean_p, m2_p)
-    return mean.to(sdt), var.to(sdt)
+    # Split r holds min(tps * bm, m - r * tps * bm) elements (the last may be short).
+    return stats_combine(mean_p, m2_p, m, tps * bm, sdt)

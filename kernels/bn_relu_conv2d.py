@@ -35,7 +35,6 @@ from ._common import (
     autotune_enabled,
     autotuned,
     cdiv,
-    chan_combine,
     check_usable,
     config_variant,
     interp_bf16,
@@ -46,6 +45,7 @@ from ._common import (
     usable,
 )
 from ._tl import cast, load_tile, load_vec, mma
+from .reductions import stats_combine
 
 # Tensor-core configs (fp16, bf16), by role (index): 0, 1 and 2 for large C with Co >= 256,
 # >= 128 and 64 (wgmma-sized: m64 per warpgroup, N 256 / 128 / 64); 3 mid (64-channel units
@@ -360,7 +360,5 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
     )
     if not genstats:
         return y
-    counts = (m - torch.arange(grid[0], device=x.device, dtype=torch.float64) * bm)
-    counts = counts.clamp(max=bm).view(-1, 1)
-    mean, var = chan_combine(counts, smean, sm2)
-    return y, mean.to(stats_dtype(y.dtype)), var.to(stats_dtype(y.dtype))
+    mean, var = stats_combine(smean, sm2, m, bm, stats_dtype(y.dtype))
+    return y, mean, var

@@ -43,6 +43,7 @@ from ._common import (
     usable,
 )
 from ._tl import cast, load_tile, mma
+from .reductions import reduce_partials
 
 # 16-bit operands, by role: 0 big (C >= 128), 1 wide (C >= 64), K 64 = four k16 steps a
 # K-step; 2 mid (64-channel units with few pixels); 3 and 4 narrow (32 and 16-channel units:
@@ -309,7 +310,8 @@ def pick_dx_config(x: torch.Tensor) -> KernelConfig:
 def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride, padding,
                          dilation, *, batch_stats: bool, grad_x: torch.Tensor | None,
                          want_sums: bool, sums=None, strategy: str = "store",
-                         config: KernelConfig | None = None, branch_scale=None):
+                         config: KernelConfig | None = None, branch_scale=None, means=None,
+                         out_sums=None):
     """Data gradient of y = conv2d(relu(scale*x + shift), weight) w.r.t. x, and the sums.
 
     grad_out (N, Co, Ho, Wo); x (N, C, H, W); scale, shift, mean, invstd (C,) in the statistics
@@ -320,6 +322,9 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     GEMM pass, then a GEMM pass that writes dx). Returns (sum dz, sum dz * xhat) per channel in
     the statistics dtype (None when not needed). ``branch_scale`` (N,) contiguous in the
     accumulator dtype, or None: the conv branch's gradient is branch_scale[n] * grad_out[n].
+    ``means``: the sums / M in the statistics dtype, with ``sums``, when the weight-gradient
+    pass's reduction wrote them too (else computed here). ``out_sums``: (C,) each, where the
+    sums this pass reduces are written (and returned).
     """
     n, c, h, w = x.shape
     co, _, kh, kw = weight.shape
@@ -376,30 +381,37 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
                 *padding, *dilation, pa, pb, hp, wp, row0, *taps, *strides, WRITE_DZ=write_dz,
                 WRITE_DX=write_dx, STATS=stats, TRAIN=batch_stats, **flags)
 
-    def reduced():
-        return s1.sum(0), s2.sum(0)
+    def reduced(with_means: bool):
+        """The sums (and their means) from the per-row partials: one launch."""
+        out = out_sums if out_sums is not None else (scale.new_empty((c,)),
+                                                     scale.new_empty((c,)))
+        mm = (scale.new_empty((c,)), scale.new_empty((c,))) if with_means else None
+        reduce_partials(s1_p=s1, s2_p=s2, sums=out, means=mm, m=m)
+        return out, mm
 
     if sums is not None:
         sum_dz, sum_dzx = sums
         if grad_x is not None:
-            m1, m2 = ((sum_dz / m).to(scale.dtype), (sum_dzx / m).to(scale.dtype)) if train \
-                else (dummy, dummy)
+            if not train:
+                m1, m2 = dummy, dummy
+            elif means is not None:
+                m1, m2 = means
+            else:
+                m1, m2 = (sum_dz / m).to(scale.dtype), (sum_dzx / m).to(scale.dtype)
             run(m1, m2, False, True, False)
     elif grad_x is None:  # only dgamma / dbeta
         run(dummy, dummy, False, False, True)
-        sum_dz, sum_dzx = reduced()
+        (sum_dz, sum_dzx), _ = reduced(False)
     elif not train:  # eval: dx = scale * dz, one pass
         run(dummy, dummy, False, True, want_sums)
-        sum_dz, sum_dzx = reduced() if want_sums else (None, None)
+        (sum_dz, sum_dzx), _ = reduced(False) if want_sums else ((None, None), None)
     elif strategy == "recompute":
         run(dummy, dummy, False, False, True)
-        sum_dz, sum_dzx = reduced()
-        m1, m2 = (sum_dz / m).to(scale.dtype), (sum_dzx / m).to(scale.dtype)
+        (sum_dz, sum_dzx), (m1, m2) = reduced(True)
         run(m1, m2, False, True, False)
     else:
         run(dummy, dummy, True, False, True)
-        sum_dz, sum_dzx = reduced()
-        m1, m2 = (sum_dz / m).to(scale.dtype), (sum_dzx / m).to(scale.dtype)
+        (sum_dz, sum_dzx), (m1, m2) = reduced(True)
         dcfg = pick_dx_config(x)
         dgrid = (cdiv(m, dcfg.meta["BLOCK_M"]), cdiv(c, dcfg.meta["BLOCK_C"]))
         launcher(dx_kernel)[dgrid](
@@ -408,4 +420,6 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
             **dcfg.launch_kwargs())
     if sum_dz is None:
         return None, None
+    if out_sums is not None:
+        return sum_dz, sum_dzx
     return sum_dz.to(scale.dtype), sum_dzx.to(scale.dtype)

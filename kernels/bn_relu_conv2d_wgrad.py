@@ -47,6 +47,7 @@ from ._common import (
 )
 from ._tl import cast, mma
 from .bn_relu_conv2d import bn_relu_tile
+from .reductions import reduce_partials
 
 # Roles by index: 0 mid, 1 big (Co >= 128, C >= 64), 2 small (<= 32 channels). M is Co, N is
 # C, K the output pixels. 16-bit: wgmma-sized (M 64 a warpgroup), 3-4 stages. sm_90 SASS (JIT
@@ -285,7 +286,7 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
                          want_weight: bool = True, want_bias: bool,
                          bn_affine=None, mean=None, invstd=None, out=None,
                          config: KernelConfig | None = None, split: int | None = None,
-                         branch_scale=None):
+                         branch_scale=None, out_bias=None, out_sums=None, out_means=None):
     """Weight and bias gradients; with ``bn_affine`` also the BatchNorm backward sums.
 
     grad_out (N, Co, Ho, Wo) in the weight dtype; x (N, C, H, W); scale, shift (C,) in the
@@ -295,7 +296,10 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     float64 for float64), ``sums = (sum dz, sum dz * xhat)`` per input channel or None. With
     ``out`` (like weight) the weight gradient is written there (directly when unsplit).
     ``branch_scale`` (N,) contiguous in the accumulation dtype, or None: every result sees
-    branch_scale[n] * grad_out[n].
+    branch_scale[n] * grad_out[n]. ``out_bias`` (Co,), ``out_sums`` (sum dz, sum dz * xhat)
+    and ``out_means`` (the sums / (N*H*W), x's pixels) (C,) each, any float dtype: written
+    there (and returned) by the one launch that reduces the partials (kernels/reductions.py);
+    ``out_means`` only with ``bn_affine``.
     """
     n, c, h, w = x.shape
     co, _, kh, kw = weight.shape
@@ -340,11 +344,29 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
         TF32=allow_tf32(grad_out.dtype),
         INTERP_BF16=interp_bf16(grad_out.dtype), **cfg.launch_kwargs(),
     )
-    grad_b = db.sum(0) if want_bias else None
-    if direct:
-        grad_w = out
-    elif want_weight:
-        grad_w = dw.sum(0) if out is None else out.copy_(dw.sum(0))
+    # One launch sums the partials over the splits into the results (none when all are direct).
+    red = {}
+    if want_weight and not direct and out is None and split == 1:
+        grad_w = dw[0]
+    elif want_weight and not direct:
+        grad_w = out if out is not None else torch.empty((co, c, kh, kw), device=x.device,
+                                                         dtype=acc)
+        red.update(dw_p=dw, dw=grad_w)
     else:
-        grad_w = None
-    return grad_w, grad_b, ((s1.sum(0), s2.sum(0)) if sums else None)
+        grad_w = out if direct else None
+    grad_b = None
+    if want_bias:
+        grad_b = out_bias if out_bias is not None else torch.empty((co,), device=x.device,
+                                                                   dtype=acc)
+        red.update(db_p=db, db=grad_b)
+    reduced = None
+    if sums:
+        reduced = out_sums if out_sums is not None else (
+            torch.empty((c,), device=x.device, dtype=acc),
+            torch.empty((c,), device=x.device, dtype=acc))
+        red.update(s1_p=s1, s2_p=s2, sums=reduced, means=out_means, m=n * h * w)  # x's pixels
+    elif out_means is not None:
+        raise ValueError("out_means: the BatchNorm sums' means need bn_affine")
+    if red:
+        reduce_partials(**red)
+    return grad_w, grad_b, reduced

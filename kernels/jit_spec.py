@@ -12,7 +12,7 @@ run:
   backend's batch statistics, forward and backward entry points, ``fusedres/backends/triton.py``)
   on ``meta`` tensors, with every kernel module's ``launcher`` replaced by a recorder: each
   launch is kept as (jit function, grid, positional args, keyword args) instead of run, and the
-  host code after a launch (``chan_combine``, the sums) runs on ``meta`` tensors. ``sm_count``
+  host code between launches runs on ``meta`` tensors. ``sm_count``
   is replaced in every module that imported it (grids and split-K depend on it), and
   ``torch.backends.cudnn.allow_tf32`` is set for the step (it selects the ``TF32`` variant).
 * :func:`specialise` turns one launch into the (signature, constexprs, attrs, options) that

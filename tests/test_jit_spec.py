@@ -108,8 +108,12 @@ buf = io.StringIO()
 with contextlib.redirect_stdout(buf):
     jit_spec.main(["conv:N=128,C=16,K=3,CO=16,HW=32", "--backward", "store"])
 out["cli"] = buf.getvalue()
-out["from_values"] = {k: repr(v) for k, v in jit_spec.unit_launches(cifar, "fp16")[1]
+out["from_values"] = {k: repr(v) for k, v in jit_spec.unit_launches(cifar, "fp16")[3]
                       .constexprs_from_values.items()}
+# The PyTorch ops the host runs between the kernels (fusedres.perfmodel's count), both plans.
+from fusedres.perfmodel.launches import unit_step
+out["host_ops"] = {b: [h.name for h in unit_step(cifar, "fp16", arch=90, sms=132, backward=b)[1]]
+                   for b in ("sums", "store")}
 print("JSON" + json.dumps(out))
 """
 
@@ -129,7 +133,7 @@ def test_specialisation_equals_triton_jit_run(probe):
     constexprs, attrs, warps and stages equal what JITFunction.run computes for the same
     arguments (run with a stand-in driver, stopped before compiling)."""
     rows = probe["same_as_jit_run"]
-    assert len(rows) == 2 * (4 + 5)
+    assert len(rows) == 2 * (8 + 10)
     for row in rows:
         assert all(row[2:]), row
 
@@ -142,29 +146,44 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
     split the least modeled time of pick_split up to 2 * cdiv(132, 9) = 30: 29 (71 K-steps
     each); the dx pass 64 x 32 tiles."""
     sums = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["sums"]]
+    # Between them the small kernels of kernels/reductions.py: the splits' statistics merged,
+    # the BatchNorm affine (forward and backward), the weight-gradient partials reduced (the
+    # 16 * 16 * 9 weight gradient in 3 programs of 1024, the 16 channels' sums in 1).
+    combine = ("stats_combine", [1, 1, 1], "R=16 C=64 w=4 s=1")
+    affine = ("scale_shift", [1, 1, 1], "C=256 w=4 s=1")
     assert sums == [
-        ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"),
-        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
+        ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"), combine, affine,
+        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"), affine,
         ("wgrad_sums", [1, 9, 29], "M=32 N=32 K=64 w=4 s=3"),
+        ("partials_reduce", [4, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
         ("dgrad_dx", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
     ]
     store = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["store"]]
     assert store == [
-        ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"),
-        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
+        ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"), combine, affine,
+        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"), affine,
         ("wgrad", [1, 9, 29], "M=32 N=32 K=64 w=4 s=2"),
+        ("partials_reduce", [3, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
         ("dgrad_store", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
+        ("partials_reduce", [1, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
         ("dx", [2048, 1, 1], "M=64 C=32 w=4 s=1"),
     ]
     # A100's 108 SMs: 12 ways fill them in one wave (9 x 12 = 108 programs).
-    assert [r["grid"] for r in probe["a100"]][2] == [1, 9, 12]
+    assert [r["grid"] for r in probe["a100"] if r["kernel"] == "wgrad_sums"] == [[1, 9, 12]]
+
+
+def test_no_host_op_between_the_kernels(probe):
+    """A training step runs no PyTorch op between the backend's kernels (the partials' merges
+    and reductions and the BatchNorm affine are kernels/reductions.py's launches): what remains
+    is the caller's invstd = rsqrt(var + eps) (fusedres.functional's, outside the backend)."""
+    assert probe["host_ops"] == {"sums": ["add", "rsqrt"], "store": ["add", "rsqrt"]}
 
 
 def test_divisibility_and_unit_strides(probe):
     """channels_last: the channel stride 1 is a constexpr, C = 16 and every pointer are
     divisible by 16; a unit with C = 24 and 14 x 14 pixels drops the attribute from C and the
     strides that are multiples of C only; NCHW makes the pixel stride the constexpr instead."""
-    fwd = probe["h100"]["sums"][1]
+    fwd = probe["h100"]["sums"][3]
     assert fwd["kernel"] == "bn_relu_conv2d_fwd"
     assert fwd["constexprs"]["sxc"] == "1" and fwd["signature"]["sxc"] == "constexpr"
     assert fwd["constexprs"]["SH"] == "1" and fwd["constexprs"]["TF32"] == "False"
@@ -172,12 +191,12 @@ def test_divisibility_and_unit_strides(probe):
         assert name in fwd["divisible"], name
     assert "PH" not in fwd["divisible"] and fwd["constexprs"]["PH"] == "1"
     assert fwd["signature"]["x_ptr"] == "*fp16" and fwd["signature"]["scale_ptr"] == "*fp32"
-    odd = probe["odd"][1]
+    odd = probe["odd"][3]
     assert odd["kernel"] == "bn_relu_conv2d_fwd"
     for name in ("C", "Co", "sxw", "H", "W"):
         assert name not in odd["divisible"], name
     assert "x_ptr" in odd["divisible"] and "sxn" in odd["divisible"]  # 24 * 14 * 14 = 16 * 294
-    nchw = probe["nchw"][1]
+    nchw = probe["nchw"][3]
     assert nchw["constexprs"]["sxw"] == "1" and "sxc" in nchw["divisible"]
     assert "sxc" not in nchw["constexprs"]
     assert probe["view_ptr"] == [0, 6, 0]  # fp16 views at offsets 0, 3, 8 elements
@@ -200,8 +219,9 @@ def test_command_lists_the_launches(probe):
     the JIT made of runtime values (here the unit strides and the 3x3's stride, padding and
     dilation of 1) and the divisible arguments."""
     heads = [line for line in probe["cli"].splitlines() if not line.startswith(" ")]
-    assert [h.split()[0] for h in heads] == ["batch_stats", "bn_relu_conv2d_fwd", "wgrad",
-                                             "dgrad_store", "dx"]
-    assert heads[1].startswith("bn_relu_conv2d_fwd  grid=(1024, 1, 1)  M=128 N=16 K=16")
+    assert [h.split()[0] for h in heads] == [
+        "batch_stats", "stats_combine", "scale_shift", "bn_relu_conv2d_fwd", "scale_shift",
+        "wgrad", "partials_reduce", "dgrad_store", "partials_reduce", "dx"]
+    assert heads[3].startswith("bn_relu_conv2d_fwd  grid=(1024, 1, 1)  M=128 N=16 K=16")
     assert probe["from_values"] == {name: "1" for name in (
         "SH", "SW", "PH", "PW", "DH", "DW", "sxc", "swc", "syc")}

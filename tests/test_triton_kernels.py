@@ -690,3 +690,75 @@ def test_batch_stats_a_million_values_per_channel():
     var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
     assert (mean.double() - mean64).abs().max() < 1e-4
     assert rel_err(var, var64) < 1e-5
+
+
+# ---------------------------------------------------------------- kernels/reductions.py
+# The small kernels that replaced the host ops between the big ones (~2 s together).
+
+@pytest.mark.parametrize("part_dtype", [torch.float32, torch.float64])
+def test_stats_combine_merges_rows_as_chan_in_float64(part_dtype):
+    """Chan's merge of (rows, C) partials whose last row is short, against the float64
+    formula on the host; the counts come from M and the row size only."""
+    from fusedres.kernels.reductions import stats_combine
+
+    g = torch.Generator().manual_seed(3)
+    m, row, c = 1000, 96, 37  # 11 rows, the last of 40 elements; C not a block multiple
+    x = (torch.randn(m, c, generator=g, dtype=torch.float64) * 3 + 1000)
+    parts = list(x.split(row))
+    mean_p = torch.stack([p.mean(0) for p in parts]).to(DEVICE, part_dtype)
+    m2_p = torch.stack([((p - p.mean(0)) ** 2).sum(0) for p in parts]).to(DEVICE, part_dtype)
+    mean, var = stats_combine(mean_p, m2_p, m, row, torch.float64)
+    counts = torch.tensor([len(p) for p in parts], dtype=torch.float64).view(-1, 1)
+    mp, m2 = mean_p.double().cpu(), m2_p.double().cpu()
+    ref_mean = (counts * mp).sum(0) / m
+    ref_var = (m2 + counts * (mp - ref_mean) ** 2).sum(0) / m
+    assert mean.dtype == var.dtype == torch.float64
+    assert torch.allclose(mean.cpu(), ref_mean, rtol=1e-14, atol=0)
+    assert torch.allclose(var.cpu(), ref_var, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="row_elems"):
+        stats_combine(mean_p, m2_p, m + row, row, torch.float64)
+
+
+@pytest.mark.parametrize("affine", [(True, True), (True, False), (False, True), (False, False)])
+def test_scale_shift_kernel_equals_the_host_expression(affine):
+    """Bit for bit fusedres.opdefs.scale_shift (the same operations in the same dtype)."""
+    from fusedres.kernels.reductions import scale_shift
+    from fusedres.opdefs import UnitArgs
+    from fusedres.opdefs import scale_shift as host_scale_shift
+
+    g = torch.Generator().manual_seed(4)
+    c = 300  # two blocks of 256, the second partial
+    vec = [torch.randn(c, generator=g).to(DEVICE) for _ in range(4)]
+    bn = UnitArgs(x=None, weight=None, bias=None, bn_weight=vec[0] if affine[0] else None,
+                  bn_bias=vec[1] if affine[1] else None, mean=vec[2], invstd=vec[3].abs(),
+                  residual=None, batch_stats=True, stride=[1, 1], padding=[0, 0],
+                  dilation=[1, 1])
+    for got, exp in zip(scale_shift(bn), host_scale_shift(bn)):
+        assert got.is_contiguous() and got.dtype == exp.dtype
+        assert torch.equal(got, exp)
+
+
+def test_partials_reduce_writes_every_part_in_one_launch():
+    """Weight-gradient partials into a channels_last destination, bias partials, and the
+    BatchNorm sums with their means over M, against torch's sums over the splits."""
+    from fusedres.kernels.reductions import reduce_partials
+
+    g = torch.Generator().manual_seed(5)
+    split, co, c, k, rows, m = 3, 5, 70, 3, 19, 123  # K = 3150: 4 programs of 1024
+    dw_p = torch.randn(split, co, c, k, k, generator=g).to(DEVICE)
+    db_p = torch.randn(split, co, generator=g).to(DEVICE)
+    s1, s2 = (torch.randn(rows, c, generator=g).to(DEVICE) for _ in range(2))
+    dw = torch.empty(co, c, k, k, device=DEVICE).contiguous(memory_format=torch.channels_last)
+    db = torch.empty(co, device=DEVICE)
+    sums = (torch.empty(c, device=DEVICE, dtype=torch.float64), torch.empty(c, device=DEVICE))
+    means = (torch.empty(c, device=DEVICE), torch.empty(c, device=DEVICE))
+    reduce_partials(dw_p=dw_p, dw=dw, db_p=db_p, db=db, s1_p=s1, s2_p=s2, sums=sums,
+                    means=means, m=m)
+    assert torch.allclose(dw, dw_p.sum(0), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(db, db_p.sum(0), rtol=1e-6, atol=1e-6)
+    for got, part in zip(sums, (s1, s2)):
+        assert torch.allclose(got.float(), part.sum(0), rtol=1e-5, atol=1e-5)
+    for got, part in zip(means, (s1, s2)):
+        assert torch.allclose(got, part.sum(0) / m, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="no partials"):
+        reduce_partials()

@@ -21,7 +21,6 @@ from ..opdefs import (
     backward_outputs,
     out_memory_format,
     out_shape,
-    scale_shift,
 )
 from ..ops import direct_unit
 from . import portable
@@ -33,6 +32,7 @@ try:
     from ..kernels._common import fits_int32 as _fits_int32
     from ..kernels.batch_stats import batch_stats as _batch_stats
     from ..kernels.bn_relu_conv2d import bn_relu_conv2d_fwd as _fwd
+    from ..kernels.reductions import scale_shift as _scale_shift
 except ImportError as exc:  # triton missing, or a kernels/ install problem
     _KERNELS_ERROR = f"{type(exc).__name__}: {exc}"
 
@@ -55,8 +55,8 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 
 def _contiguous_scale_shift(bn) -> tuple[Tensor, Tensor]:
-    scale, shift = scale_shift(bn)
-    return scale.contiguous(), shift.contiguous()
+    """(scale, shift) of fusedres.opdefs.scale_shift, contiguous, made in one launch."""
+    return _scale_shift(bn)
 
 
 def _branch_scale(branch_scale: Optional[Tensor], weight: Tensor) -> Optional[Tensor]:
@@ -115,30 +115,29 @@ def _backward_op(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     if backward_strategy(grad_out, x, weight, stride) == "store":
         return _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, padding,
                                dilation, b.batch_stats, b.output_mask, outs, need_sums, bscale)
-    sums = None
+    sums = means = None
     if want_w or want_b or need_sums:
-        # One pass over dy and x: weight and bias gradients, and the BatchNorm backward sums.
-        affine = None
+        # One pass over dy and x: weight and bias gradients, and the BatchNorm backward sums;
+        # one launch reduces its partials into the outputs (and the sums' means dx needs).
+        affine = out_sums = None
         if need_sums:
             affine = (b.bn_weight if b.bn_weight is not None else torch.ones_like(mean),
                       b.bn_bias if b.bn_bias is not None else torch.zeros_like(mean))
-        _, gb, sums = _wgrad.bn_relu_conv2d_wgrad(
+            out_sums = (outs[4] if want_beta else torch.empty_like(mean),
+                        outs[3] if want_g else torch.empty_like(mean))
+            if want_x and b.batch_stats:
+                means = (torch.empty_like(scale), torch.empty_like(scale))
+        _, _, sums = _wgrad.bn_relu_conv2d_wgrad(
             grad_out, x, weight, scale, shift, stride, padding, dilation, want_weight=want_w,
             want_bias=want_b, bn_affine=affine, mean=mean, invstd=invstd,
-            out=outs[1] if want_w else None, branch_scale=bscale)
-        if want_b:
-            outs[2].copy_(gb)
-        if sums is not None:
-            if want_g:
-                outs[3].copy_(sums[1])
-            if want_beta:
-                outs[4].copy_(sums[0])
+            out=outs[1] if want_w else None, branch_scale=bscale,
+            out_bias=outs[2] if want_b else None, out_sums=out_sums, out_means=means)
     if want_x:
         # Second pass: dx written directly (the sums are known).
         _dgrad.bn_relu_conv2d_dgrad(
             grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
             batch_stats=b.batch_stats, grad_x=outs[0], want_sums=False, sums=sums,
-            branch_scale=bscale)
+            branch_scale=bscale, means=means)
     return tuple(outs)
 
 
@@ -169,20 +168,18 @@ def _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, pad
                     batch_stats, output_mask, outs, need_sums, bscale=None):
     want_x, want_w, want_b, want_g, want_beta = output_mask
     if want_w or want_b:
-        _, gb, _ = _wgrad.bn_relu_conv2d_wgrad(
+        _wgrad.bn_relu_conv2d_wgrad(
             grad_out, x, weight, scale, shift, stride, padding, dilation, want_weight=want_w,
-            want_bias=want_b, out=outs[1] if want_w else None, branch_scale=bscale)
-        if want_b:
-            outs[2].copy_(gb)
+            want_bias=want_b, out=outs[1] if want_w else None, branch_scale=bscale,
+            out_bias=outs[2] if want_b else None)
     if want_x or need_sums:
-        sum_dz, sum_dzx = _dgrad.bn_relu_conv2d_dgrad(
+        want_sums = want_g or want_beta
+        out_sums = (outs[4] if want_beta else torch.empty_like(mean),
+                    outs[3] if want_g else torch.empty_like(mean)) if want_sums else None
+        _dgrad.bn_relu_conv2d_dgrad(
             grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
             batch_stats=batch_stats, grad_x=outs[0] if want_x else None,
-            want_sums=want_g or want_beta, strategy="store", branch_scale=bscale)
-        if want_g:
-            outs[3].copy_(sum_dzx)
-        if want_beta:
-            outs[4].copy_(sum_dz)
+            want_sums=want_sums, strategy="store", branch_scale=bscale, out_sums=out_sums)
     return tuple(outs)
 
 

@@ -24,7 +24,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # aten ops that launch no kernel (allocation, views, metadata).
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "view", "_unsafe_view",
               "as_strided", "detach", "t", "transpose", "permute", "expand", "alias",
-              "unsqueeze", "squeeze", "select", "slice", "reshape", "lift_fresh"}
+              "unsqueeze", "squeeze", "select", "slice", "reshape", "lift_fresh",
+              "promote_types", "result_type"}
 
 
 @dataclass

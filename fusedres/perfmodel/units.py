@@ -44,7 +44,12 @@ def trips(launch) -> model.Trips:
     * wgrad_kernel: one loop over its split's pixel blocks (``iters_per_split``);
     * dgrad_kernel: one loop over the taps that feed the launch's stride phase (TIN*TJN, from
       the host's ``phase_taps``) x output-channel blocks (cdiv(Co, BLOCK_K));
-    * dx_kernel: no loop.
+    * dx_kernel: no loop;
+    * kernels/reductions.py's small kernels, as batch_stats: stats_combine_kernel two passes
+      over the row blocks (2*cdiv(rows, BLOCK_R)); scale_shift_kernel no loop;
+      partials_reduce_kernel one loop over the splits (weight and bias gradient programs) or
+      the sums' partial rows, BLOCK_R a step (the others): the longer, max(split,
+      cdiv(rows, BLOCK_R)).
     """
     a, name = params(launch), launch.fn.__name__
     if name == "batch_stats_kernel":
@@ -55,8 +60,12 @@ def trips(launch) -> model.Trips:
         return model.Trips(a["iters_per_split"])
     if name == "dgrad_kernel":
         return model.Trips(a["TIN"] * a["TJN"] * cdiv(a["Co"], a["BLOCK_K"]))
-    if name == "dx_kernel":
+    if name in ("dx_kernel", "scale_shift_kernel"):
         return model.Trips(0)
+    if name == "stats_combine_kernel":
+        return model.Trips(2 * cdiv(a["rows"], a["BLOCK_R"]))
+    if name == "partials_reduce_kernel":
+        return model.Trips(max(a["split"], cdiv(a["rows"], a["BLOCK_R"])))
     raise ValueError(f"trips: no loop structure documented for kernel {name!r}")
 
 
@@ -64,6 +73,9 @@ def trips(launch) -> model.Trips:
 TRAFFIC_NAME = {"batch_stats": "batch_stats", "bn_relu_conv2d_fwd": "fwd",
                 "wgrad_sums": "wgrad+sums", "wgrad": "wgrad", "dgrad_dx": "dgrad+dx",
                 "dgrad_store": "dgrad+sums (dz)", "dx": "dx"}
+# Roles traffic.py has no entry for (kernels/reductions.py's, a few vectors or a (split, K)
+# matrix each): their DRAM bytes are those of their tensor arguments, each read or written once.
+ARGUMENT_BYTES = ("stats_combine", "scale_shift", "partials_reduce")
 
 
 @dataclass
@@ -123,8 +135,11 @@ def model_unit(u: traffic.Unit, dtype: str, dev: Device) -> UnitModel:
         comp = compile_launch(launch)
         k = sass.analyse(comp.name, sass.parse(sass.disassemble(comp.cubin))[comp.name])
         t = trips(launch)
-        nbytes = dram.get(TRAFFIC_NAME.get(launch.kernel, launch.kernel), 0) \
-            * launch.programs / role_ctas[launch.kernel]
+        if launch.kernel in ARGUMENT_BYTES:
+            nbytes = sum(launch.tensor_bytes.values())
+        else:
+            nbytes = dram.get(TRAFFIC_NAME.get(launch.kernel, launch.kernel), 0) \
+                * launch.programs / role_ctas[launch.kernel]
         ml = model.Launch(f"{u.name} {launch.kernel}", k,
                           model.Resources(comp.registers, comp.shared, comp.num_warps),
                           launch.programs, t, nbytes)

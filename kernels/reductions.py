@@ -1,0 +1,241 @@
+"""The small kernels between the big ones: they finish what the GEMM and statistics kernels
+leave as per-program partial results, and make the per-channel BatchNorm vectors, so a training
+step runs no PyTorch op on the host between its kernels.
+
+* ``stats_combine_kernel``: Chan's parallel merge of per-row partial (mean, M2) of a (rows, C)
+  pair into the per-channel mean and biased variance, in float64 (batch_stats' splits and the
+  forward's genstats epilogue rows). Row r holds min(ROW_ELEMS, M - r * ROW_ELEMS) elements:
+  the counts are computed in the kernel.
+* ``scale_shift_kernel``: the fused BatchNorm's affine ``scale = gamma * invstd``,
+  ``shift = beta - mean * scale`` (gamma 1, beta 0 where BatchNorm has none).
+* ``partials_reduce_kernel``: the weight-gradient pass's partials summed over its splits: the
+  weight gradient (into the caller's tensor, any strides), the bias gradient, the BatchNorm
+  backward sums (sum dz, sum dz * xhat) and their means over the M pixels (what the
+  data-gradient pass reads). One launch; its programs are split between the three parts.
+
+Each is one launch over a few vectors or a (split, K) matrix: DRAM-bound, a few microseconds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import KernelConfig, acc_is_fp64, cdiv, interp_bf16, launcher
+from ._tl import cast
+
+STATS_COMBINE_CONFIG = KernelConfig.of(BLOCK_R=16, BLOCK_C=64, num_warps=4, num_stages=1)
+SCALE_SHIFT_CONFIG = KernelConfig.of(BLOCK_C=256, num_warps=4, num_stages=1)
+REDUCE_CONFIG = KernelConfig.of(BLOCK_K=1024, BLOCK_R=16, BLOCK_C=64, num_warps=4, num_stages=1)
+
+
+def stats_combine_configs_for(dtype) -> list[KernelConfig]:
+    return [STATS_COMBINE_CONFIG]
+
+
+def scale_shift_configs_for(dtype) -> list[KernelConfig]:
+    return [SCALE_SHIFT_CONFIG]
+
+
+def reduce_configs_for(dtype) -> list[KernelConfig]:
+    return [REDUCE_CONFIG]
+
+
+@triton.jit
+def stats_combine_kernel(
+    mean_p_ptr, m2_p_ptr, mean_ptr, var_ptr,
+    rows, C, M, ROW_ELEMS,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Program (channel block): mean = sum_r n_r mean_r / M, then
+    var = sum_r (M2_r + n_r (mean_r - mean)^2) / M, in float64 (two passes over the rows)."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    # (M may arrive as a constexpr 1: through a tensor so that .to applies either way)
+    total = (tl.zeros((), dtype=tl.int64) + M).to(tl.float64)
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float64)
+    for r0 in range(0, rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = r < rows
+        cnt = tl.minimum(M - r.to(tl.int64) * ROW_ELEMS, ROW_ELEMS)
+        cnt = tl.where(r_ok, tl.maximum(cnt, 0), 0).to(tl.float64)
+        mask = r_ok[:, None] & c_ok[None, :]
+        mu = tl.load(mean_p_ptr + r[:, None] * C + c[None, :], mask=mask, other=0.0)
+        acc += tl.sum(cnt[:, None] * mu.to(tl.float64), axis=0)
+    gmean = acc / total
+    acc2 = tl.zeros((BLOCK_C,), dtype=tl.float64)
+    for r0 in range(0, rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = r < rows
+        cnt = tl.minimum(M - r.to(tl.int64) * ROW_ELEMS, ROW_ELEMS)
+        cnt = tl.where(r_ok, tl.maximum(cnt, 0), 0).to(tl.float64)
+        mask = r_ok[:, None] & c_ok[None, :]
+        off = r[:, None] * C + c[None, :]
+        mu = tl.load(mean_p_ptr + off, mask=mask, other=0.0).to(tl.float64)
+        m2 = tl.load(m2_p_ptr + off, mask=mask, other=0.0).to(tl.float64)
+        d = mu - gmean[None, :]
+        acc2 += tl.sum(tl.where(mask, m2 + cnt[:, None] * (d * d), 0.0), axis=0)
+    tl.store(mean_ptr + c, gmean, mask=c_ok)
+    tl.store(var_ptr + c, acc2 / total, mask=c_ok)
+
+
+def stats_combine(mean_p: torch.Tensor, m2_p: torch.Tensor, m: int, row_elems: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, biased var) per channel, in ``dtype``, of M = ``m`` elements whose per-row partial
+    mean and M2 are ``mean_p``, ``m2_p`` (rows, C) contiguous (float32 or float64), row r
+    holding min(row_elems, m - r * row_elems) of them (every row at least one)."""
+    rows, c = mean_p.shape
+    if m2_p.shape != mean_p.shape:
+        raise ValueError(f"m2_p: expected the shape of mean_p {tuple(mean_p.shape)}, got "
+                         f"{tuple(m2_p.shape)}")
+    if rows < 1 or cdiv(m, row_elems) != rows:
+        raise ValueError(f"row_elems: {rows} rows of {row_elems} elements do not hold m = {m}")
+    mean = torch.empty((c,), device=mean_p.device, dtype=dtype)
+    var = torch.empty((c,), device=mean_p.device, dtype=dtype)
+    cfg = STATS_COMBINE_CONFIG
+    launcher(stats_combine_kernel)[(cdiv(c, cfg.meta["BLOCK_C"]),)](
+        mean_p, m2_p, mean, var, rows, c, m, row_elems, **cfg.launch_kwargs())
+    return mean, var
+
+
+@triton.jit
+def scale_shift_kernel(
+    gamma_ptr, beta_ptr, mean_ptr, invstd_ptr, scale_ptr, shift_ptr, C,
+    HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """scale = gamma * invstd, shift = beta - mean * scale (per channel; the operations and
+    their order as fusedres.opdefs.scale_shift)."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    invstd = tl.load(invstd_ptr + c, mask=ok, other=0.0)
+    mean = tl.load(mean_ptr + c, mask=ok, other=0.0)
+    if HAS_GAMMA:
+        scale = tl.load(gamma_ptr + c, mask=ok, other=0.0) * invstd
+    else:
+        scale = invstd
+    if HAS_BETA:
+        shift = tl.load(beta_ptr + c, mask=ok, other=0.0) - mean * scale
+    else:
+        shift = -mean * scale
+    tl.store(scale_ptr + c, scale, mask=ok)
+    tl.store(shift_ptr + c, shift, mask=ok)
+
+
+def scale_shift(bn) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fusedres.opdefs.scale_shift` in one launch: (scale, shift) (C,) contiguous, in the
+    dtype PyTorch's promotion gives the same expression. ``bn`` has ``bn_weight``, ``bn_bias``
+    (C,) or None, ``mean`` and ``invstd`` (C,)."""
+    gamma, beta, mean, invstd = bn.bn_weight, bn.bn_bias, bn.mean, bn.invstd
+    dtype = invstd.dtype if gamma is None else torch.promote_types(gamma.dtype, invstd.dtype)
+    shift_dtype = torch.promote_types(mean.dtype, dtype)
+    if beta is not None:
+        shift_dtype = torch.promote_types(beta.dtype, shift_dtype)
+    c = invstd.shape[0]
+    scale = torch.empty((c,), device=invstd.device, dtype=dtype)
+    shift = torch.empty((c,), device=invstd.device, dtype=shift_dtype)
+    vecs = [t.contiguous() if t is not None else None for t in (gamma, beta, mean, invstd)]
+    cfg = SCALE_SHIFT_CONFIG
+    launcher(scale_shift_kernel)[(cdiv(c, cfg.meta["BLOCK_C"]),)](
+        vecs[0] if gamma is not None else invstd, vecs[1] if beta is not None else invstd,
+        vecs[2], vecs[3], scale, shift, c, HAS_GAMMA=gamma is not None,
+        HAS_BETA=beta is not None, **cfg.launch_kwargs())
+    return scale, shift
+
+
+@triton.jit
+def partials_reduce_kernel(
+    dw_p_ptr, dw_ptr, db_p_ptr, db_ptr, s1_p_ptr, s2_p_ptr, sum1_ptr, sum2_ptr, m1_ptr, m2_ptr,
+    split, K, Cin, KH, KW, sw0, sw1, sw2, sw3, Co, rows, C, M, n_dw, n_db,
+    HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, HAS_SUMS: tl.constexpr,
+    HAS_MEANS: tl.constexpr, FP64: tl.constexpr, INTERP_BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Programs [0, n_dw): columns of the (split, K = Co*Cin*KH*KW) weight-gradient partials,
+    summed over the splits and stored at (co, ci, i, j) with the strides sw*; [n_dw, n_dw +
+    n_db): the (split, Co) bias partials; the rest: channel blocks of the (rows, C) BatchNorm
+    sums partials -> sum1 = sum dz, sum2 = sum dz * xhat and, with HAS_MEANS, sum / M (tiles of
+    BLOCK_R rows x BLOCK_C channels: the partial rows number split x Co blocks x taps, hundreds,
+    summed BLOCK_R a step)."""
+    pid = tl.program_id(0)
+    acc_t = tl.float64 if FP64 else tl.float32
+    if pid < n_dw:
+        if HAS_DW:
+            e = pid * BLOCK_K + tl.arange(0, BLOCK_K)
+            ok = e < K
+            acc = tl.zeros((BLOCK_K,), dtype=acc_t)
+            for s in range(0, split):
+                acc += tl.load(dw_p_ptr + s * K + e, mask=ok, other=0.0)
+            j = e % KW
+            i = (e // KW) % KH
+            ci = (e // (KW * KH)) % Cin
+            co = e // (KW * KH * Cin)
+            tl.store(dw_ptr + co * sw0 + ci * sw1 + i * sw2 + j * sw3,
+                     cast(acc, dw_ptr.dtype.element_ty, INTERP_BF16), mask=ok)
+    elif pid < n_dw + n_db:
+        if HAS_DB:
+            e = (pid - n_dw) * BLOCK_K + tl.arange(0, BLOCK_K)
+            ok = e < Co
+            acc = tl.zeros((BLOCK_K,), dtype=acc_t)
+            for s in range(0, split):
+                acc += tl.load(db_p_ptr + s * Co + e, mask=ok, other=0.0)
+            tl.store(db_ptr + e, cast(acc, db_ptr.dtype.element_ty, INTERP_BF16), mask=ok)
+    else:
+        if HAS_SUMS:
+            c = (pid - n_dw - n_db) * BLOCK_C + tl.arange(0, BLOCK_C)
+            ok = c < C
+            acc1 = tl.zeros((BLOCK_C,), dtype=acc_t)
+            acc2 = tl.zeros((BLOCK_C,), dtype=acc_t)
+            for r0 in range(0, rows, BLOCK_R):
+                r = r0 + tl.arange(0, BLOCK_R)
+                mask = (r < rows)[:, None] & ok[None, :]
+                off = r[:, None] * C + c[None, :]
+                acc1 += tl.sum(tl.load(s1_p_ptr + off, mask=mask, other=0.0), axis=0)
+                acc2 += tl.sum(tl.load(s2_p_ptr + off, mask=mask, other=0.0), axis=0)
+            tl.store(sum1_ptr + c, acc1, mask=ok)
+            tl.store(sum2_ptr + c, acc2, mask=ok)
+            if HAS_MEANS:
+                tl.store(m1_ptr + c, acc1 / M, mask=ok)
+                tl.store(m2_ptr + c, acc2 / M, mask=ok)
+
+
+def reduce_partials(*, dw_p=None, dw=None, db_p=None, db=None, s1_p=None, s2_p=None,
+                    sums=None, means=None, m: int = 1) -> None:
+    """One launch of :func:`partials_reduce_kernel`. ``dw_p`` (split, Co, Cin, KH, KW)
+    contiguous -> ``dw`` (Co, Cin, KH, KW) any strides; ``db_p`` (split, Co) -> ``db`` (Co,);
+    ``s1_p``, ``s2_p`` (rows, C) -> ``sums = (sum1, sum2)`` (C,) each and, with ``means``
+    (C,) each, the sums over ``m``. Partials in the accumulation dtype (float32, float64);
+    destinations in any float dtype (the store rounds to nearest, under the interpreter too).
+    Parts passed as None are skipped."""
+    cfg = REDUCE_CONFIG
+    bk = cfg.meta["BLOCK_K"]
+    parts = [t for t in (dw_p, db_p, s1_p) if t is not None]
+    if not parts:
+        raise ValueError("reduce_partials: no partials given (dw_p, db_p, s1_p all None)")
+    ref = parts[0]
+    dummy = ref.new_empty((1,))
+    split, k, co, cin, kh, kw, sw, n_dw = 1, 0, 0, 0, 1, 1, (0, 0, 0, 0), 0
+    if dw_p is not None:
+        split, co, cin, kh, kw = dw_p.shape
+        k = co * cin * kh * kw
+        sw = dw.stride()
+        n_dw = cdiv(k, bk)
+    n_db = 0
+    if db_p is not None:
+        split, co = db_p.shape
+        n_db = cdiv(co, bk)
+    rows, c, n_c = 0, 0, 0
+    if s1_p is not None:
+        rows, c = s1_p.shape
+        n_c = cdiv(c, cfg.meta["BLOCK_C"])
+    sum1, sum2 = sums if sums is not None else (dummy, dummy)
+    m1, m2 = means if means is not None else (dummy, dummy)
+    launcher(partials_reduce_kernel)[(n_dw + n_db + n_c,)](
+        dw_p if dw_p is not None else dummy, dw if dw_p is not None else dummy,
+        db_p if db_p is not None else dummy, db if db_p is not None else dummy,
+        s1_p if s1_p is not None else dummy, s2_p if s1_p is not None else dummy,
+        sum1, sum2, m1, m2, split, k, cin, kh, kw, *sw, co, rows, c, m, n_dw, n_db,
+        HAS_DW=dw_p is not None, HAS_DB=db_p is not None, HAS_SUMS=s1_p is not None,
+        HAS_MEANS=means is not None, FP64=acc_is_fp64(ref.dtype),
+        INTERP_BF16=interp_bf16(*(t.dtype for t in (dw, db) if t is not None)),
+        **cfg.launch_kwargs())
