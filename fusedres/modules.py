@@ -26,6 +26,7 @@ from torch import Tensor
 
 from . import functional as FR
 from .distributed import prepare_batch_norm_sync
+from .opdefs import suggests_channels_last
 
 __all__ = ["BNReLUConv2d", "BasicBlock", "Bottleneck", "BNReLUConvLayer", "DROP_PATH_MODES",
            "FUSED", "FusedBNReLUConv", "NORMS", "PLAIN", "PlainBNReLUConv",
@@ -114,6 +115,40 @@ def conv_into(state: FR.BatchNormState, c: nn.Conv2d, bn: nn.BatchNorm2d) -> FR.
         out, stats = conv(state, c, return_stats=True)
         return prepare(bn, out, stats)
     return prepare(bn, conv(state, c))
+
+
+def _concatenable(a: nn.Conv2d, b: nn.Conv2d) -> bool:
+    """Whether two convolutions of one input can run as one, on their weights stacked along the
+    output channels: the same kernel, stride, padding and dilation, both with or both without
+    a bias, one dtype and device."""
+    return (a.kernel_size == b.kernel_size and a.stride == b.stride and a.padding == b.padding
+            and a.dilation == b.dilation and (a.bias is None) == (b.bias is None)
+            and a.weight.dtype == b.weight.dtype and a.weight.device == b.weight.device)
+
+
+def shared_conv_into(state: FR.BatchNormState, short: nn.Conv2d, first: nn.Conv2d,
+                     bn: nn.BatchNorm2d) -> tuple[Tensor, FR.BatchNormState]:
+    """``(short(a), prepare(bn, first(a)))`` for ``a = relu(bn_in(x))`` prepared in ``state``, as
+    ONE fused convolution on the two weights stacked (:func:`_concatenable` convolutions: the
+    projection shortcut and first 1x1 of a bottleneck with the stride on conv1, or of any unit
+    that widens without striding). One BN-ReLU of ``x``, one backward over ``x`` (recompute,
+    ReLU mask and BatchNorm sums, data gradient) instead of two and their sum; the gradients of
+    both weights come back through ``torch.cat``. ``first``'s output is copied out of the
+    stacked one (it is what the next fused op saves, and a view would keep the shortcut's
+    channels alive with it); the shortcut's stays a view, read once as the last convolution's
+    residual. ``bn``'s statistics come from the stacked convolution, as in :func:`conv_into`."""
+    w = torch.cat([short.weight, first.weight])
+    bias = None if short.bias is None else torch.cat([short.bias, first.bias])
+    stats = wants_stats(bn)
+    y = FR.conv2d_from_prepared(state, w, bias, stride=first.stride, padding=first.padding,
+                                dilation=first.dilation, return_stats=stats)
+    if stats:
+        y, stats = y
+    cs = short.out_channels
+    h, f = torch.split(y, [cs, first.out_channels], dim=1)
+    fmt = torch.channels_last if suggests_channels_last(y) else torch.contiguous_format
+    f = f.contiguous(memory_format=fmt)
+    return h, prepare(bn, f, None if not stats else (stats[0][cs:], stats[1][cs:]))
 
 
 def _has_no_data(x: Tensor) -> bool:
@@ -365,6 +400,15 @@ class ResidualBlock(nn.Module):
         self._drop_path = float(p)
 
     @property
+    def stacked_shortcut(self) -> bool:
+        """Whether this unit runs its projection shortcut and conv1 as one fused op on their
+        stacked weights (:func:`shared_conv_into`): a :data:`FUSED` pre-activation unit whose shortcut
+        and conv1 are :func:`_concatenable`, both after a BatchNorm."""
+        return (isinstance(self.layer, FusedBNReLUConv) and self.unit == "preact" and self.shortcut is not None
+                and self.num_convs > 1 and self.bns[0] is not None and self.bns[1] is not None
+                and _concatenable(self.shortcut, self.convs[0]))
+
+    @property
     def fused(self) -> bool:
         return self.layer.fused
 
@@ -502,8 +546,13 @@ class ResidualBlock(nn.Module):
             a = L.act(bns[0], x, stats) if self.path in ("projection", "conv1x1") else None
             return self._combine(x, self._short(x, a), None), None
         a = L.act(bns[0], x, stats)
-        short = self._short(x, a)
-        for i in range(1, self.num_convs):
+        first = 1
+        if self.stacked_shortcut:
+            short, a = shared_conv_into(a, self.shortcut, convs[0], bns[1])
+            first = 2
+        else:
+            short = self._short(x, a)
+        for i in range(first, self.num_convs):
             a = L.conv_into(a, convs[i - 1], bns[i])
         last = convs[-1]
         scale = self._branch_scale(drawn, x)

@@ -231,9 +231,14 @@ def _input(input_shape, device, dtype) -> torch.Tensor:
 
 def _cast_weight_bytes(module: nn.Module, dtype: torch.dtype) -> int:
     """Bytes of the ``dtype`` copies autocast makes of the conv and linear weights of
-    ``module``; autograd saves them for backward (the biases' copies are not saved)."""
+    ``module``; autograd saves them for backward (the biases' copies are not saved). Not the
+    weights of a unit's stacked shortcut and conv1 (``stacked_shortcut``): the one stacked
+    copy is saved instead, and the imitated step already counts it."""
+    stacked = {id(c) for m in module.modules() if getattr(m, "stacked_shortcut", False)
+               for c in (m.shortcut, m.convs[0])}
     return sum(m.weight.numel() * dtype.itemsize for m in module.modules()
-               if isinstance(m, (nn.Conv2d, nn.Linear)) and m.weight.dtype != dtype)
+               if isinstance(m, (nn.Conv2d, nn.Linear)) and m.weight.dtype != dtype
+               and id(m) not in stacked)
 
 
 def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype = torch.float32,

