@@ -26,6 +26,7 @@ __all__ = [
     "check_conv_args",
     "check_x",
     "conv2d_from_prepared",
+    "conv2d_pair_from_prepared",
     "prepare_batch_norm",
 ]
 
@@ -266,6 +267,33 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
     if return_stats:  # the residual was added outside: the statistics of the sum
         return y, _batch_stats(y.detach())
     return y
+
+
+def conv2d_pair_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | None,
+                              geometry: ConvGeometry, weight2: Tensor, bias2: Tensor | None,
+                              geometry2: ConvGeometry, *, return_stats: bool = False):
+    """``(conv2d(a, weight, bias), conv2d(a, weight2, bias2))`` for ``a = relu(bn(x))`` prepared
+    in ``state``: two convolutions of one BN-ReLU, as a pre-activation unit's projection
+    shortcut and first convolution (geometries from :func:`check_conv_args`, already checked).
+    ``return_stats``: the second is ``(y2, stats of y2)`` as
+    :func:`conv2d_from_prepared` gives them.
+
+    On the cpu backend in eager mode the two are one autograd node (``ops.EagerCpuPair``):
+    its backward recomputes the activation once and makes one pass over x for the ReLU mask
+    and BatchNorm sums and one for the data gradient, as plain PyTorch's one BatchNorm-ReLU
+    backward does, instead of two of each. Elsewhere (other backends, autocast, tracing) two
+    :func:`conv2d_from_prepared` calls."""
+    x = state.x
+    if (state.activated is None and ops.EagerCpuPair is not None and ops.eager_cpu(x)
+            and _autocast_dtype(x, weight) is None and weight.dtype == weight2.dtype
+            and all(b is None or b.dtype == weight.dtype for b in (bias, bias2))):
+        out = ops.EagerCpuPair.apply(x, weight, bias, weight2, bias2, state.bn_weight,
+                                     state.bn_bias, state.mean, state.invstd, tuple(geometry),
+                                     tuple(geometry2), state.batch_stats, return_stats)
+        return out[0], ((out[1], (out[2], out[3])) if return_stats else out[1])
+    y = conv2d_from_prepared(state, weight, bias, geometry=geometry)
+    return y, conv2d_from_prepared(state, weight2, bias2, geometry=geometry2,
+                                   return_stats=return_stats)
 
 
 # The device whose traced units go through the triton_ops (a test traces "cpu" tensors instead).

@@ -151,6 +151,23 @@ def shared_conv_into(state: FR.BatchNormState, short: nn.Conv2d, first: nn.Conv2
     return h, prepare(bn, f, None if not stats else (stats[0][cs:], stats[1][cs:]))
 
 
+def paired_conv_into(state: FR.BatchNormState, short: nn.Conv2d, first: nn.Conv2d,
+                     bn: nn.BatchNorm2d) -> tuple[Tensor, FR.BatchNormState]:
+    """``(short(a), prepare(bn, first(a)))`` for ``a = relu(bn_in(x))`` prepared in ``state``,
+    through :func:`fusedres.functional.conv2d_pair_from_prepared`: on the cpu backend one
+    autograd node whose backward passes over ``x`` once (for the convolutions that cannot be
+    stacked: a 1x1 projection beside a 3x3, or beside an unstrided 1x1 when the shortcut
+    strides); elsewhere the two fused convolutions."""
+    x = state.x
+    geometry = [FR.check_conv_args(x, c.weight, c.bias, None, c.stride, c.padding, c.dilation)
+                for c in (short, first)]
+    stats = wants_stats(bn)
+    h, f = FR.conv2d_pair_from_prepared(state, short.weight, short.bias, geometry[0],
+                                        first.weight, first.bias, geometry[1],
+                                        return_stats=stats)
+    return h, (prepare(bn, *f) if stats else prepare(bn, f))
+
+
 def _has_no_data(x: Tensor) -> bool:
     """A meta or fake tensor (the planner's simulated step): no value to branch on."""
     from torch._subclasses.fake_tensor import is_fake
@@ -402,11 +419,29 @@ class ResidualBlock(nn.Module):
     @property
     def stacked_shortcut(self) -> bool:
         """Whether this unit runs its projection shortcut and conv1 as one fused op on their
-        stacked weights (:func:`shared_conv_into`): a :data:`FUSED` pre-activation unit whose shortcut
-        and conv1 are :func:`_concatenable`, both after a BatchNorm."""
-        return (isinstance(self.layer, FusedBNReLUConv) and self.unit == "preact" and self.shortcut is not None
-                and self.num_convs > 1 and self.bns[0] is not None and self.bns[1] is not None
+        stacked weights (:func:`shared_conv_into`): a :data:`FUSED` pre-activation unit whose
+        shortcut and conv1 are :func:`_concatenable`, both after a BatchNorm, and strided. (At
+        stride 1 the stacked output, as large as x or larger, costs more in the gradients'
+        concatenation than the second pass over x saves: measured on 2 cores, ResNet-50's first
+        unit 64 -> 256 @56 channels_last ran 221 ms stacked vs 211 ms not; strided,
+        ResNet-164's first units ran 0.83x / 0.87x plain channels_last stacked vs 1.11x /
+        1.11x; RESULTS.md.)"""
+        return (isinstance(self.layer, FusedBNReLUConv) and self.unit == "preact"
+                and self.shortcut is not None and self.num_convs > 1
+                and self.bns[0] is not None and self.bns[1] is not None
+                and self.shortcut.stride != (1, 1)
                 and _concatenable(self.shortcut, self.convs[0]))
+
+    @property
+    def paired_shortcut(self) -> bool:
+        """Whether this unit runs its projection shortcut and conv1 through
+        :func:`paired_conv_into` (one backward over x on the cpu backend): a :data:`FUSED`
+        pre-activation unit with a projection and both BatchNorms whose convolutions are not
+        :attr:`stacked_shortcut`."""
+        return (isinstance(self.layer, FusedBNReLUConv) and self.unit == "preact"
+                and self.shortcut is not None and self.num_convs > 1
+                and self.bns[0] is not None and self.bns[1] is not None
+                and not self.stacked_shortcut)
 
     @property
     def fused(self) -> bool:
@@ -549,6 +584,9 @@ class ResidualBlock(nn.Module):
         first = 1
         if self.stacked_shortcut:
             short, a = shared_conv_into(a, self.shortcut, convs[0], bns[1])
+            first = 2
+        elif self.paired_shortcut:
+            short, a = paired_conv_into(a, self.shortcut, convs[0], bns[1])
             first = 2
         else:
             short = self._short(x, a)

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["SCHEMAS", "BackwardArgs", "ConvGeometry", "UnitArgs", "arg_names",
+__all__ = ["NAMESPACE_SCHEMAS", "SCHEMAS", "BackwardArgs", "ConvGeometry", "UnitArgs", "arg_names",
            "backward_outputs", "bind", "conv_out_size", "define_namespace", "out_memory_format",
            "out_shape", "scale_shift", "stats_dtype", "suggests_channels_last"]
 
@@ -52,6 +52,30 @@ SCHEMAS: dict[str, str] = {
         "Tensor mean, Tensor invstd, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, "
         "bool batch_stats, bool[5] output_mask, Tensor? branch_scale=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"),
+}
+
+
+# Ops that one C++ namespace defines beyond SCHEMAS, used by that backend's own routes only.
+# fusedres_cpu::bn_relu_conv2d_pair: two convolutions of one BN-ReLU (a pre-activation unit's
+# projection shortcut and first convolution), the activation computed once per tile:
+# (y, y2, mean of y2, biased var of y2), the statistics empty unless stats2.
+# fusedres_cpu::bn_relu_conv2d_pair_backward: their backward in one pass over x:
+# (grad_x, grad_weight, grad_bias, grad_weight2, grad_bias2, grad_bn_weight, grad_bn_bias);
+# output_mask: x, both weights, both biases, bn_weight, bn_bias (fusedres.ops.EagerCpuPair).
+NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
+    "fusedres_cpu": {
+        "bn_relu_conv2d_pair": (
+            "(Tensor x, Tensor weight, Tensor? bias, Tensor weight2, Tensor? bias2, "
+            "Tensor? bn_weight, Tensor? bn_bias, Tensor mean, Tensor invstd, SymInt[2] stride, "
+            "SymInt[2] padding, SymInt[2] dilation, SymInt[2] stride2, SymInt[2] padding2, "
+            "SymInt[2] dilation2, bool stats2) -> (Tensor, Tensor, Tensor, Tensor)"),
+        "bn_relu_conv2d_pair_backward": (
+            "(Tensor grad_out, Tensor grad_out2, Tensor x, Tensor weight, Tensor weight2, "
+            "Tensor? bn_weight, Tensor? bn_bias, Tensor mean, Tensor invstd, SymInt[2] stride, "
+            "SymInt[2] padding, SymInt[2] dilation, SymInt[2] stride2, SymInt[2] padding2, "
+            "SymInt[2] dilation2, bool batch_stats, bool[5] output_mask) "
+            "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"),
+    },
 }
 
 
@@ -132,11 +156,12 @@ def bind(func: Any, args: tuple, kwargs: dict | None = None) -> dict[str, Any] |
 
 
 def define_namespace(namespace: str) -> torch.library.Library:
-    """Define every op of :data:`SCHEMAS` in ``namespace`` (no implementation): the C++
+    """Define every op of :data:`SCHEMAS` in ``namespace``, and the namespace's own ops of
+    :data:`NAMESPACE_SCHEMAS` (no implementation): the C++
     extension registers its kernels against these definitions. Keep the returned library
     alive for as long as the ops are used."""
     lib = torch.library.Library(namespace, "DEF")
-    for name, schema in SCHEMAS.items():
+    for name, schema in {**SCHEMAS, **NAMESPACE_SCHEMAS.get(namespace, {})}.items():
         lib.define(name + schema)
     return lib
 

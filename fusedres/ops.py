@@ -49,9 +49,9 @@ from .opdefs import (
     stats_dtype,
 )
 
-__all__ = ["EagerCpuUnit", "batch_stats", "bn_relu_conv2d", "bn_relu_conv2d_backward",
-           "bn_relu_conv2d_genstats", "direct_unit", "eager_cpu", "unit_backward",
-           "unit_setup_context"]
+__all__ = ["EagerCpuPair", "EagerCpuUnit", "batch_stats", "bn_relu_conv2d",
+           "bn_relu_conv2d_backward", "bn_relu_conv2d_genstats", "direct_unit", "eager_cpu",
+           "unit_backward", "unit_setup_context"]
 
 
 def _backend_for(x: Tensor):
@@ -220,6 +220,54 @@ if _extension.LOADED:  # else the cpu backend never runs (and its namespace may 
     EagerCpuUnit = direct_unit("EagerCpuUnit", torch.ops.fusedres_cpu.bn_relu_conv2d,
                                torch.ops.fusedres_cpu.bn_relu_conv2d_genstats,
                                torch.ops.fusedres_cpu.bn_relu_conv2d_backward)
+
+
+class _EagerCpuPair(torch.autograd.Function):
+    """Two convolutions of one BN-ReLU on the cpu backend (a pre-activation unit's projection
+    shortcut and first convolution), one autograd node: ``fusedres_cpu::bn_relu_conv2d_pair``
+    forward (the activation computed once per tile for both) and
+    ``fusedres_cpu::bn_relu_conv2d_pair_backward`` (one recompute of the activation, one
+    ReLU-mask + BatchNorm-sums pass and one data-gradient pass over x, instead of two of each
+    and the sum of two x gradients). Saves x, both weights, the BN
+    parameters and statistics once. ``apply(x, weight, bias, weight2, bias2, bn_weight,
+    bn_bias, mean, invstd, geometry, geometry2, batch_stats, genstats)`` -> ``(y, y2)`` or
+    ``(y, y2, mean2, var2)`` (``genstats``: the statistics of ``y2``); geometries are
+    (stride, padding, dilation) triples. No residual, no branch scale."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd,
+                geometry, geometry2, batch_stats, genstats):
+        y, y2, m2, v2 = torch.ops.fusedres_cpu.bn_relu_conv2d_pair(
+            x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, *geometry,
+            *geometry2, genstats)
+        ctx.save_for_backward(x, weight, weight2, bn_weight, bn_bias, mean, invstd)
+        ctx.geometry = (*geometry, *geometry2)
+        ctx.batch_stats = batch_stats
+        ctx.has_bias = (bias is not None, bias2 is not None)
+        if not genstats:
+            return y, y2
+        ctx.mark_non_differentiable(m2, v2)
+        return y, y2, m2, v2
+
+    @staticmethod
+    def backward(ctx, grad, grad2, *_stats_grads):
+        x, weight, weight2, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        b1, b2 = ctx.has_bias
+        mask = [need[0], need[1] or need[3], (need[2] and b1) or (need[4] and b2),
+                need[5] and bn_weight is not None, need[6] and bn_bias is not None]
+        if not any(mask):
+            return (None,) * 13
+        gx, gw, gb, gw2, gb2, gg, gbeta = torch.ops.fusedres_cpu.bn_relu_conv2d_pair_backward(
+            grad, grad2, x, weight, weight2, bn_weight, bn_bias, mean, invstd, *ctx.geometry,
+            ctx.batch_stats, mask)
+        keep = (lambda g, wanted: g if wanted else None)
+        return (keep(gx, need[0]), keep(gw, need[1]), keep(gb, need[2] and b1),
+                keep(gw2, need[3]), keep(gb2, need[4] and b2), keep(gg, mask[3]),
+                keep(gbeta, mask[4]), None, None, None, None, None, None)
+
+
+EagerCpuPair = _EagerCpuPair if _extension.LOADED else None
 
 
 def eager_cpu(x: Tensor) -> bool:

@@ -303,6 +303,87 @@ def test_channels_last_1x1_as_one_gemm(monkeypatch, gemm, residual, tile_bytes):
     _compare_with_portable(f64, torch.float64)
 
 
+PAIRS = {  # name: ((k, stride, padding) of the first conv, of the second)
+    "1x1/2 + 3x3/2": ((1, 2, 0), (3, 2, 1)),     # a basic unit's shortcut and conv1
+    "1x1/2 + 1x1": ((1, 2, 0), (1, 1, 0)),       # a bottleneck's, stride on conv2
+    "1x1 + 1x1": ((1, 1, 0), (1, 1, 0)),         # a widening bottleneck's (GEMM routes)
+}
+
+
+@pytest.mark.parametrize("tile_bytes", ["300000", "0"], ids=["tiles", "one"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16],
+                         ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("pair", PAIRS)
+def test_pair_is_two_units(monkeypatch, pair, channels_last, dtype, tile_bytes):
+    """bn_relu_conv2d_pair_backward (the projection shortcut and conv1 of one BN-ReLU, one
+    pass over x) gives each convolution's weight and bias gradients as its own backward does,
+    and the sums of the two x and BatchNorm gradients; training and eval statistics, every
+    output mask, tiles of a few samples or one. bn_relu_conv2d_pair gives both forwards."""
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    (k1, s1, p1), (k2, s2, p2) = PAIRS[pair]
+    args = _inputs(n=7, c=17, h=10, w=9, co=12, k=(k1, k1), dtype=dtype, x_format=fmt,
+                   stride=(s1, s1), padding=(p1, p1), residual=False)
+    x, w1, b1, gamma, beta, mean, invstd = args[:7]
+    w2 = (torch.randn(5, 17, k2, k2) / (17 * k2 * k2) ** 0.5).to(dtype)
+    geo1 = ([s1, s1], [p1, p1], [1, 1])
+    geo2 = ([s2, s2], [p2, p2], [1, 1])
+    g1 = torch.randn(opdefs.out_shape(x, w1, *geo1)).to(dtype).contiguous(memory_format=fmt)
+    g2 = torch.randn(opdefs.out_shape(x, w2, *geo2)).to(dtype).contiguous(memory_format=fmt)
+    for batch_stats in (True, False):
+        for mask in ([True] * 5, [True, False, False, True, True], [False, True, True, False,
+                                                                      False]):
+            pair_out = OPS.bn_relu_conv2d_pair_backward(
+                g1, g2, x, w1, w2, gamma, beta, mean, invstd, *geo1, *geo2, batch_stats, mask)
+            one = OPS.bn_relu_conv2d_backward(g1, x, w1, gamma, beta, mean, invstd, *geo1,
+                                              batch_stats, mask)
+            two = OPS.bn_relu_conv2d_backward(g2, x, w2, gamma, beta, mean, invstd, *geo2,
+                                              batch_stats, mask)
+            gx, gw1, gb1, gw2, gb2, gg, gbeta = pair_out
+            expected = {"grad_x": one[0].double() + two[0].double(), "grad_weight": one[1],
+                        "grad_bias": one[2], "grad_weight2": two[1], "grad_bias2": two[2],
+                        "grad_bn_weight": one[3].double() + two[3].double(),
+                        "grad_bn_bias": one[4].double() + two[4].double()}
+            actual = dict(zip(expected, pair_out))
+            for name, want in expected.items():
+                got = actual[name]
+                assert got.shape == want.shape, (name, mask)
+                if got.numel():
+                    assert got.dtype in (want.dtype, dtype, _stats_dtype(dtype)), name
+                    if name == "grad_x":
+                        assert got.stride() == x.stride()
+                    scale = max(1.0, want.abs().max().item())
+                    tol = 2 * _tol(dtype) if name == "grad_x" else _tol(dtype)
+                    torch.testing.assert_close(got.double(), want.double(), atol=tol * scale,
+                                               rtol=tol, msg=f"{name} {mask} {batch_stats}")
+            assert gx.numel() == (x.numel() if mask[0] else 0)
+            assert gw2.numel() == (w2.numel() if mask[1] else 0)
+    # The forward of the pair: each output as its own forward gives it (tiles sized for both
+    # outputs, so oneDNN may block differently: within rounding), y2's statistics as genstats.
+    b2 = torch.randn(5).to(dtype)
+    for stats2 in (True, False):
+        y1, y2, m2, v2 = OPS.bn_relu_conv2d_pair(x, w1, b1, w2, b2, gamma, beta, mean, invstd,
+                                                 *geo1, *geo2, stats2)
+        want1 = OPS.bn_relu_conv2d(x, w1, b1, gamma, beta, mean, invstd, None, *geo1, True)
+        want2, wm, wv = OPS.bn_relu_conv2d_genstats(x, w2, b2, gamma, beta, mean, invstd, None,
+                                                    *geo2, True)
+        _assert_same(y1, want1, dtype, "y")
+        _assert_same(y2, want2, dtype, "y2")
+        if stats2:
+            _assert_same(m2, wm, dtype, "mean of y2")
+            _assert_same(v2, wv, dtype, "var of y2")
+        else:
+            assert m2.numel() == v2.numel() == 0
+    with pytest.raises(RuntimeError, match="weight2 must have weight's dtype"):
+        OPS.bn_relu_conv2d_pair(x, w1, b1, w2.double() if dtype != torch.float64 else w2.float(),
+                                None, gamma, beta, mean, invstd, *geo1, *geo2, True)
+    with pytest.raises(RuntimeError, match="weight2 must have weight's dtype"):
+        OPS.bn_relu_conv2d_pair_backward(g1, g2, x, w1, w2.double() if dtype != torch.float64
+                                         else w2.float(), gamma, beta, mean, invstd, *geo1,
+                                         *geo2, True, [True] * 5)
+
+
 @pytest.mark.parametrize("c,pixels", [(24, (3, 5, 5)), (17, (2, 9, 9)), (40, (1, 3, 3)),
                                       (3, (2, 7, 5)), (1000, (2, 3, 2))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -102,16 +102,41 @@ def test_shared_preactivation_costs_one_stats_pass_and_one_update(backend):
         block(torch.randn(2, 8, 8, 8))
     assert ops.count("batch_stats") == 1
     assert ops.count("bn_relu_conv2d_genstats") == 2 and ops.count("bn_relu_conv2d") == 2
+    # Unstrided (a widening projection) they would share a geometry, but are not stacked.
+    assert fusedres.PreActBottleneck(8, 4, stride=2).stacked_shortcut
+    assert not fusedres.PreActBottleneck(8, 4, stride=1).stacked_shortcut
+    assert not fusedres.PreActBottleneck(8, 4, stride=2, fused=False).stacked_shortcut
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("stride_on", ["conv1", "conv2"])
-def test_projection_unit_matches_plain(backend, stride_on, channels_last):
-    """The stacked shortcut + conv1 route gives the plain unit's output, every gradient and
-    the running statistics, in both layouts; conv1's output is not a view of the stacked one."""
+PROJECTIONS = {  # name: (block class, kwargs, stacked, paired)
+    "bottleneck /2 on conv1": (fusedres.PreActBottleneck, dict(planes=4, stride=2), True, False),
+    "bottleneck /2 on conv2": (fusedres.PreActBottleneck,
+                               dict(planes=4, stride=2, stride_on="conv2"), False, True),
+    "bottleneck widening": (fusedres.PreActBottleneck, dict(planes=4), False, True),
+    "basic /2": (fusedres.PreActBasicBlock, dict(planes=16, stride=2), False, True),
+}
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "cl"])
+@pytest.mark.parametrize("name", PROJECTIONS)
+def test_projection_unit_matches_plain(backend, name, channels_last):
+    """The shortcut + conv1 routes (stacked weights; the paired backward, one node on the cpu
+    backend) give the plain unit's output, every gradient and the running statistics, in both
+    layouts, training and eval."""
+    block, kwargs, stacked, paired = PROJECTIONS[name]
     torch.manual_seed(0)
-    fused = fusedres.PreActBottleneck(8, 4, stride=2, stride_on=stride_on).double()
-    plain = fusedres.PreActBottleneck(8, 4, stride=2, stride_on=stride_on, fused=False).double()
+    fused = block(8, **kwargs).double()
+    plain = block(8, **kwargs, fused=False).double()
+    assert (fused.stacked_shortcut, fused.paired_shortcut) == (stacked, paired)
+    if paired and backend == "cpu":  # one autograd node for both convolutions
+        y = fused(torch.randn(2, 8, 8, 8, dtype=torch.float64, requires_grad=True))
+        nodes, todo = set(), [y.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is not None and node not in nodes:
+                nodes.add(node)
+                todo.extend(f for f, _ in node.next_functions)
+        assert sum(type(n).__name__ == "_EagerCpuPairBackward" for n in nodes) == 1
     plain.load_state_dict(fused.state_dict())
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(3, 8, 8, 8, dtype=torch.float64).to(memory_format=fmt)
@@ -126,6 +151,13 @@ def test_projection_unit_matches_plain(backend, stride_on, channels_last):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
     for (name, b), c in zip(fused.named_buffers(), plain.buffers()):
         torch.testing.assert_close(b, c, msg=name)
+    fused.eval(), plain.eval()
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    ys = [m(t) for m, t in zip((fused, plain), xs)]
+    for y in ys:
+        y.backward(g)
+    torch.testing.assert_close(ys[0], ys[1])
+    torch.testing.assert_close(xs[0].grad, xs[1].grad)
 
 
 def test_eval_mode_computes_no_statistics(backend):

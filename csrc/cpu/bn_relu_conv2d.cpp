@@ -197,95 +197,182 @@ std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
   return batch_stats_kernel(x_in.contiguous(memory_format(layout)), layout);
 }
 
+// One convolution of the activation tiles in a forward pass: weight, bias, geometry, branch
+// factor and residual in; its output y out (allocated by forward_convs).
+struct ConvFwd {
+  at::Tensor weight;
+  std::optional<at::Tensor> bias, residual;
+  std::vector<int64_t> stride, padding, dilation;
+  at::Tensor bs;  // branch_factor(...) or undefined
+  at::Tensor y;
+};
+
+// The forward of one BN-ReLU feeding the convolutions `convs` (one for the fused unit; two for a
+// pre-activation unit's projection shortcut and first convolution, bn_relu_conv2d_pair): per
+// tile the activation is computed once and every convolution reads it in cache.
+void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
+                   const std::optional<at::Tensor>& bn_weight,
+                   const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
+                   const at::Tensor& invstd) {
+  const Layout layout = layout_of(x_in);
+  const at::MemoryFormat fmt = memory_format(layout);
+  const at::Tensor x = x_in.contiguous(fmt);
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const at::Tensor& weight0 = convs.front().weight;
+  int64_t out_per_sample = 0, wbytes = 0;
+  bool empty = false;
+  Layout a_layout = layout;
+  for (ConvFwd& c : convs) {
+    const auto shape = out_shape(x, c.weight, c.stride, c.padding, c.dilation);
+    c.y = at::empty(shape, c.weight.options().memory_format(out_memory_format(x_in, c.weight)));
+    empty = empty || c.y.numel() == 0;
+    out_per_sample += shape[1] * shape[2] * shape[3];
+    wbytes += weight_bytes(c.weight);
+    if (conv_layout(c.weight, layout, H * W) == Layout::NHWC) a_layout = Layout::NHWC;
+  }
+  if (empty) return;
+
+  const Affine bn = affine(bn_weight, bn_bias, mean, invstd, at::toOpMathType(x.scalar_type()));
+  const at::MemoryFormat a_fmt = memory_format(a_layout);
+  const int64_t nb = tile_samples(N, (C * H * W + out_per_sample) * weight0.element_size(),
+                                  wbytes, layout == Layout::NHWC);
+  at::Tensor a_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(a_fmt));
+  std::vector<at::Tensor> ws;
+  std::vector<Gemm1x1> gemms;
+  for (const ConvFwd& c : convs) {
+    ws.push_back(c.weight.contiguous(a_fmt));
+    Gemm1x1 gemm = gemm_1x1(c.weight, c.stride, c.padding, a_layout, H * W);
+    if (gemm != Gemm1x1::None && !dense_in(c.y, a_layout)) gemm = Gemm1x1::None;
+    gemms.push_back(gemm);
+  }
+  for (int64_t n0 = 0; n0 < N; n0 += nb) {
+    const int64_t len = std::min(nb, N - n0);
+    at::Tensor a = a_buf.narrow(0, 0, len);
+    bn_relu_kernel(x.narrow(0, n0, len), bn.scale, bn.shift, a, layout, a_layout);
+    for (size_t i = 0; i < convs.size(); ++i) {
+      ConvFwd& c = convs[i];
+      const at::Tensor& w = ws[i];
+      const int64_t Co = c.weight.size(0);
+      const std::optional<at::Tensor>& bias = c.bias;
+      const std::optional<at::Tensor>& residual = c.residual;
+      at::Tensor& y = c.y;
+      if (gemms[i] == Gemm1x1::PerSample) {
+        at::Tensor ys = y.narrow(0, n0, len);
+        at::Tensor y3 = ys.view({len, Co, H * W});
+        at::bmm_out(y3, w.view({1, Co, C}).expand({len, Co, C}), a.view({len, C, H * W}));
+        if (bias.has_value()) ys.add_(bias->view({1, Co, 1, 1}));
+        if (c.bs.defined()) {
+          scale_tile(ys, c.bs.narrow(0, n0, len),
+                     residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor());
+        } else if (residual.has_value()) {
+          ys.add_(residual->narrow(0, n0, len));
+        }
+        continue;
+      }
+      if (gemms[i] == Gemm1x1::Whole) {
+        // Rows of a channels_last tile are pixels: (len*H*W, C) @ (C, Co) into y's rows.
+        at::Tensor ys = y.narrow(0, n0, len);
+        at::Tensor y2 = ys.permute({0, 2, 3, 1}).view({len * H * W, Co});
+        const at::Tensor a2 = a.permute({0, 2, 3, 1}).view({len * H * W, C});
+        const at::Tensor wt = w.view({Co, C}).t();
+        at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
+        if (c.bs.defined()) {  // y = rs + s * (a @ W^T + bias): the GEMM, then the epilogue
+          at::mm_out(y2, a2, wt);
+          if (bias.has_value()) y2.add_(*bias);
+          scale_tile(ys, c.bs.narrow(0, n0, len), rs);
+          continue;
+        }
+        if (rs.defined() && rs.scalar_type() == y.scalar_type() && dense_in(rs, Layout::NHWC)) {
+          at::addmm_out(y2, rs.permute({0, 2, 3, 1}).view({len * H * W, Co}), a2, wt);
+          rs = at::Tensor();
+        } else {
+          at::mm_out(y2, a2, wt);
+        }
+        if (bias.has_value()) y2.add_(*bias);
+        if (rs.defined()) ys.add_(rs);
+        continue;
+      }
+      at::Tensor yt = at::convolution(a, w, bias, c.stride, c.padding, c.dilation, false,
+                                      {0, 0}, 1);
+      if (c.bs.defined()) yt.mul_(c.bs.narrow(0, n0, len));  // in cache, before its residual
+      if (nb >= N && yt.strides() == y.strides()) {  // one tile, already in y's layout
+        if (residual.has_value()) yt.add_(*residual);
+        y = yt;
+        continue;
+      }
+      at::Tensor ys = y.narrow(0, n0, len);
+      if (a_layout != layout && dense_in(yt, a_layout) && dense_in(ys, layout)) {
+        // NHWC tile back to NCHW y in cache, the residual added on the way when it lies as y.
+        const at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
+        const bool fuse = rs.defined() && rs.scalar_type() == ys.scalar_type() && dense_in(rs, layout);
+        transpose_layout_kernel(yt, ys, a_layout, fuse ? &rs : nullptr);
+        if (rs.defined() && !fuse) ys.add_(rs);
+      } else if (residual.has_value()) {
+        at::add_out(ys, yt, residual->narrow(0, n0, len));
+      } else {
+        ys.copy_(yt);
+      }
+    }
+  }
+}
+
+ConvFwd conv_fwd(const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                 const std::optional<at::Tensor>& residual, c10::SymIntArrayRef stride,
+                 c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, at::Tensor bs) {
+  ConvFwd c;
+  c.weight = weight;
+  c.bias = bias;
+  c.residual = residual;
+  c.stride = ints(stride);
+  c.padding = ints(padding);
+  c.dilation = ints(dilation);
+  c.bs = std::move(bs);
+  return c;
+}
+
 at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& bn_weight,
                           const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
                           const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
-                          c10::SymIntArrayRef stride_, c10::SymIntArrayRef padding_,
-                          c10::SymIntArrayRef dilation_, bool /*batch_stats*/,
+                          c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
+                          c10::SymIntArrayRef dilation, bool /*batch_stats*/,
                           const std::optional<at::Tensor>& branch_scale) {
   check_inputs(x_in, weight, mean, invstd);
-  const at::Tensor bs = branch_factor(branch_scale, x_in, weight);
-  const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
-  const Layout layout = layout_of(x_in);
-  const at::MemoryFormat fmt = memory_format(layout);
-  const at::Tensor x = x_in.contiguous(fmt);
-  const auto shape = out_shape(x, weight, stride, padding, dilation);
-  at::Tensor y = at::empty(shape, weight.options().memory_format(out_memory_format(x_in, weight)));
-  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
-  if (y.numel() == 0) return y;
+  std::vector<ConvFwd> convs;
+  convs.push_back(conv_fwd(weight, bias, residual, stride, padding, dilation,
+                           branch_factor(branch_scale, x_in, weight)));
+  forward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd);
+  return convs[0].y;
+}
 
-  const Affine bn = affine(bn_weight, bn_bias, mean, invstd, at::toOpMathType(x.scalar_type()));
-  const Layout a_layout = conv_layout(weight, layout, H * W);
-  const at::Tensor w = weight.contiguous(memory_format(a_layout));
-  const int64_t wsize = weight.element_size();
-  const int64_t nb = tile_samples(N, (C * H * W + shape[1] * shape[2] * shape[3]) * wsize,
-                                  weight_bytes(weight), layout == Layout::NHWC);
-  at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(memory_format(a_layout)));
-  Gemm1x1 gemm = gemm_1x1(weight, stride, padding, a_layout, H * W);
-  if (gemm != Gemm1x1::None && !dense_in(y, a_layout)) gemm = Gemm1x1::None;
-  const int64_t Co = weight.size(0);
-  for (int64_t n0 = 0; n0 < N; n0 += nb) {
-    const int64_t len = std::min(nb, N - n0);
-    at::Tensor a = a_buf.narrow(0, 0, len);
-    bn_relu_kernel(x.narrow(0, n0, len), bn.scale, bn.shift, a, layout, a_layout);
-    if (gemm == Gemm1x1::PerSample) {
-      at::Tensor ys = y.narrow(0, n0, len);
-      at::Tensor y3 = ys.view({len, Co, H * W});
-      at::bmm_out(y3, w.view({1, Co, C}).expand({len, Co, C}), a.view({len, C, H * W}));
-      if (bias.has_value()) ys.add_(bias->view({1, Co, 1, 1}));
-      if (bs.defined()) {
-        scale_tile(ys, bs.narrow(0, n0, len),
-                   residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor());
-      } else if (residual.has_value()) {
-        ys.add_(residual->narrow(0, n0, len));
-      }
-      continue;
-    }
-    if (gemm == Gemm1x1::Whole) {
-      // Rows of a channels_last tile are pixels: (len*H*W, C) @ (C, Co) into y's rows.
-      at::Tensor ys = y.narrow(0, n0, len);
-      at::Tensor y2 = ys.permute({0, 2, 3, 1}).view({len * H * W, Co});
-      const at::Tensor a2 = a.permute({0, 2, 3, 1}).view({len * H * W, C});
-      const at::Tensor wt = w.view({Co, C}).t();
-      at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
-      if (bs.defined()) {  // y = rs + s * (a @ W^T + bias): the GEMM, then the tile's epilogue
-        at::mm_out(y2, a2, wt);
-        if (bias.has_value()) y2.add_(*bias);
-        scale_tile(ys, bs.narrow(0, n0, len), rs);
-        continue;
-      }
-      if (rs.defined() && rs.scalar_type() == y.scalar_type() && dense_in(rs, Layout::NHWC)) {
-        at::addmm_out(y2, rs.permute({0, 2, 3, 1}).view({len * H * W, Co}), a2, wt);
-        rs = at::Tensor();
-      } else {
-        at::mm_out(y2, a2, wt);
-      }
-      if (bias.has_value()) y2.add_(*bias);
-      if (rs.defined()) ys.add_(rs);
-      continue;
-    }
-    at::Tensor yt = at::convolution(a, w, bias, stride, padding, dilation, false, {0, 0}, 1);
-    if (bs.defined()) yt.mul_(bs.narrow(0, n0, len));  // the tile in cache, before its residual
-    if (nb >= N && yt.strides() == y.strides()) {  // one tile, already in y's layout
-      if (residual.has_value()) yt.add_(*residual);
-      return yt;
-    }
-    at::Tensor ys = y.narrow(0, n0, len);
-    if (a_layout != layout && dense_in(yt, a_layout) && dense_in(ys, layout)) {
-      // NHWC tile back to NCHW y in cache, the residual added on the way when it lies as y.
-      const at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
-      const bool fuse = rs.defined() && rs.scalar_type() == ys.scalar_type() && dense_in(rs, layout);
-      transpose_layout_kernel(yt, ys, a_layout, fuse ? &rs : nullptr);
-      if (rs.defined() && !fuse) ys.add_(rs);
-    } else if (residual.has_value()) {
-      at::add_out(ys, yt, residual->narrow(0, n0, len));
-    } else {
-      ys.copy_(yt);
-    }
+// Two convolutions of one BN-ReLU (a pre-activation unit's projection shortcut and first
+// convolution, no residual, no branch scale): the activation computed once per tile for both;
+// with stats2, the second output's per-channel (mean, biased var) as genstats gives them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_pair(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, c10::SymIntArrayRef stride2,
+    c10::SymIntArrayRef padding2, c10::SymIntArrayRef dilation2, bool stats2) {
+  check_inputs(x, weight, mean, invstd);
+  check_inputs(x, weight2, mean, invstd);
+  TORCH_CHECK(weight2.scalar_type() == weight.scalar_type(),
+              "fusedres_cpu.bn_relu_conv2d_pair: weight2 must have weight's dtype ",
+              weight.scalar_type(), ", got ", weight2.scalar_type());
+  std::vector<ConvFwd> convs;
+  convs.push_back(conv_fwd(weight, bias, std::nullopt, stride, padding, dilation, {}));
+  convs.push_back(conv_fwd(weight2, bias2, std::nullopt, stride2, padding2, dilation2, {}));
+  forward_convs(x, convs, bn_weight, bn_bias, mean, invstd);
+  at::Tensor m, v;
+  if (stats2) {
+    std::tie(m, v) = batch_stats(convs[1].y);
+  } else {
+    m = mean.new_empty({0});
+    v = mean.new_empty({0});
   }
-  return y;
+  return {convs[0].y, convs[1].y, m, v};
 }
 
 // The forward, then y's per-channel (mean, biased var) in the statistics dtype: what the next
@@ -303,37 +390,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
   return {std::move(y), std::move(y_mean), std::move(y_var)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
-    const at::Tensor& grad_out, const at::Tensor& x_in, const at::Tensor& weight,
-    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
-    const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride_,
-    c10::SymIntArrayRef padding_, c10::SymIntArrayRef dilation_, bool batch_stats,
-    std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale) {
-  check_inputs(x_in, weight, mean, invstd);
-  const at::Tensor bs = branch_factor(branch_scale, x_in, weight);
-  const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
-  const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
-  const int64_t Co = weight.size(0), C = x_in.size(1);
-  // Outputs with the metadata of ops.backward_empty_outputs.
-  at::Tensor gx = want_x ? at::empty_like(x_in) : x_in.new_empty({0});
-  at::Tensor gw = want_w ? at::empty_like(weight) : weight.new_empty({0});
-  at::Tensor gb = weight.new_empty({want_b ? Co : 0});
-  at::Tensor gg = mean.new_empty({want_g ? C : 0});
-  at::Tensor gbeta = mean.new_empty({want_beta ? C : 0});
+// One convolution of the shared activation in a backward pass: its incoming gradient, weight,
+// geometry and branch factor, which of its gradients are wanted, and (out) those gradients.
+struct ConvGrad {
+  at::Tensor grad_out, weight;
+  std::vector<int64_t> stride, padding, dilation;
+  at::Tensor bs;  // branch_factor(...) or undefined
+  bool want_w = false, want_b = false;
+  at::Tensor gw, gb;  // results, allocated by the caller with the ops' output metadata
+};
+
+// The backward of one BN-ReLU feeding the convolutions `convs` (one for the fused unit; two for
+// a pre-activation unit's projection shortcut and first convolution, bn_relu_conv2d_pair_backward):
+// per tile the activation is recomputed once, each convolution's data gradient is added into one
+// tile, and one mask + sums pass and one data-gradient pass run over x, whatever the number of
+// convolutions. Fills each conv's gw/gb and gx, gg, gbeta (those wanted).
+void backward_convs(const at::Tensor& x_in, std::vector<ConvGrad>& convs,
+                    const std::optional<at::Tensor>& bn_weight,
+                    const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
+                    const at::Tensor& invstd, bool batch_stats, bool want_x, bool want_g,
+                    bool want_beta, at::Tensor& gx, at::Tensor& gg, at::Tensor& gbeta) {
   const bool need_da = want_x || want_g || want_beta;
-  if (!(need_da || want_w || want_b)) return {gx, gw, gb, gg, gbeta};
+  bool need_conv = need_da;
+  for (const ConvGrad& c : convs) need_conv = need_conv || c.want_w || c.want_b;
+  if (!need_conv) return;
 
   const Layout layout = layout_of(x_in);
   const at::MemoryFormat fmt = memory_format(layout);
   const at::Tensor x = x_in.contiguous(fmt);
-  const int64_t N = x.size(0), H = x.size(2), W = x.size(3);
-  at::Tensor go = grad_out.to(weight.scalar_type());
-  if (!go.is_contiguous() && !go.is_contiguous(at::MemoryFormat::ChannelsLast)) {
-    go = go.contiguous(out_memory_format(x_in, weight));
-  }
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   const at::ScalarType acc = at::toOpMathType(x.scalar_type());
-  const at::ScalarType wacc = at::toOpMathType(weight.scalar_type());
   const Affine bn = affine(bn_weight, bn_bias, mean, invstd, acc);
+  const at::Tensor& weight0 = convs.front().weight;
 
   // dz lands in the x gradient itself when it has the acc dtype and the walking layout.
   at::Tensor gx_work, dz;
@@ -344,78 +432,126 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   // In eval mode dx = scale * dz: the first pass writes the final value when it can.
   const at::Tensor out_scale = batch_stats ? at::ones_like(bn.scale) : bn.scale;
   at::Tensor sums = at::zeros({at::get_num_threads(), 2, C}, x.options().dtype(at::kDouble));
-  at::Tensor gw_acc, gb_acc;
-  if (want_b) gb_acc = at::zeros({Co}, weight.options().dtype(wacc));
 
-  const Layout a_layout = conv_layout(weight, layout, H * W);
-  const at::MemoryFormat a_fmt = memory_format(a_layout);
-  const at::Tensor w = weight.contiguous(a_fmt);
-  const int64_t nb = tile_samples(N, (C * H * W + go[0].numel()) * weight.element_size(),
-                                  weight_bytes(weight), layout == Layout::NHWC);
-  at::Tensor a_buf = at::empty({nb, C, H, W}, weight.options().memory_format(a_fmt));
-  Gemm1x1 gemm = gemm_1x1(weight, stride, padding, a_layout, H * W);
-  if (gemm != Gemm1x1::None && !dense_in(go, a_layout)) gemm = Gemm1x1::None;
-  at::Tensor gemm_da_buf;
-  if (gemm != Gemm1x1::None && want_w) gw_acc = at::zeros(weight.sizes(), weight.options().dtype(wacc));
-  if (gemm != Gemm1x1::None && need_da) gemm_da_buf = at::empty({nb, C, H, W}, weight.options().memory_format(a_fmt));
-  // Tile buffers for the layout changes around an NHWC convolution of NCHW tensors. A float32
-  // NHWC data gradient is read as it is by the first backward pass (no transposed copy).
-  at::Tensor go_buf, da_buf;
-  const bool da_as_is = a_layout == Layout::NHWC && layout == Layout::NCHW &&
-                        x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat;
-  if (a_layout != layout || bs.defined()) {  // layout changes; the scaled grad_out tiles
-    go_buf = at::empty({nb, go.size(1), go.size(2), go.size(3)}, go.options().memory_format(a_fmt));
+  // The activation tile's layout: NHWC when any convolution's rule picks it (a 1x1 on NHWC
+  // tiles is as fast as on NCHW ones: conv_layout).
+  Layout a_layout = layout;
+  for (const ConvGrad& c : convs) {
+    if (conv_layout(c.weight, layout, H * W) == Layout::NHWC) a_layout = Layout::NHWC;
   }
+  const at::MemoryFormat a_fmt = memory_format(a_layout);
+  // Per convolution: grad_out in the weight's dtype, the weight in the tile's layout, the GEMM
+  // route, the accumulators and tile buffers.
+  struct Work {
+    at::Tensor go, w, gw_acc, gb_acc, gemm_da_buf, go_buf;
+    at::ScalarType wacc;
+    Gemm1x1 gemm;
+  };
+  std::vector<Work> work(convs.size());
+  int64_t go_per_sample = 0, wbytes = 0;
+  bool all_float = x.scalar_type() == at::kFloat;
+  for (size_t i = 0; i < convs.size(); ++i) {
+    const ConvGrad& c = convs[i];
+    Work& k = work[i];
+    k.go = c.grad_out.to(c.weight.scalar_type());
+    if (!k.go.is_contiguous() && !k.go.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+      k.go = k.go.contiguous(out_memory_format(x_in, c.weight));
+    }
+    k.wacc = at::toOpMathType(c.weight.scalar_type());
+    if (c.want_b) k.gb_acc = at::zeros({c.weight.size(0)}, c.weight.options().dtype(k.wacc));
+    k.w = c.weight.contiguous(a_fmt);
+    go_per_sample += k.go[0].numel();
+    wbytes += weight_bytes(c.weight);
+    all_float = all_float && c.weight.scalar_type() == at::kFloat;
+  }
+  const int64_t nb = tile_samples(N, (C * H * W + go_per_sample) * weight0.element_size(), wbytes,
+                                  layout == Layout::NHWC);
+  at::Tensor a_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(a_fmt));
+  for (size_t i = 0; i < convs.size(); ++i) {
+    const ConvGrad& c = convs[i];
+    Work& k = work[i];
+    k.gemm = gemm_1x1(c.weight, c.stride, c.padding, a_layout, H * W);
+    if (k.gemm != Gemm1x1::None && !dense_in(k.go, a_layout)) k.gemm = Gemm1x1::None;
+    if (k.gemm != Gemm1x1::None && c.want_w) {
+      k.gw_acc = at::zeros(c.weight.sizes(), c.weight.options().dtype(k.wacc));
+    }
+    if (k.gemm != Gemm1x1::None && need_da) {
+      k.gemm_da_buf = at::empty({nb, C, H, W}, c.weight.options().memory_format(a_fmt));
+    }
+    // Tile buffers for the layout changes around an NHWC convolution of NCHW tensors; the
+    // scaled grad_out tiles.
+    if (a_layout != layout || c.bs.defined()) {
+      k.go_buf = at::empty({nb, k.go.size(1), k.go.size(2), k.go.size(3)},
+                           k.go.options().memory_format(a_fmt));
+    }
+  }
+  // A float32 NHWC data gradient is read as it is by the first backward pass (no transposed
+  // copy).
+  at::Tensor da_buf;
+  const bool da_as_is = a_layout == Layout::NHWC && layout == Layout::NCHW && all_float;
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     const at::Tensor xt = x.narrow(0, n0, len);
-    at::Tensor got = go.narrow(0, n0, len);
-    if (a_layout != layout && dense_in(got, layout)) {
-      at::Tensor t = go_buf.narrow(0, 0, len);
-      transpose_layout_kernel(got, t, layout);
-      if (bs.defined()) t.mul_(bs.narrow(0, n0, len));  // in cache, just transposed
-      got = t;
-    } else if (bs.defined()) {
-      // The conv branch's gradient s[n] * dy, staged once per tile for every use below.
-      at::Tensor t = go_buf.narrow(0, 0, len);
-      at::mul_out(t, got, bs.narrow(0, n0, len));
-      got = t;
-    } else {
-      got = got.contiguous(a_fmt);
-    }
-    if (want_b) gb_acc.add_(got.sum({0, 2, 3}, false, wacc));
     at::Tensor a = a_buf.narrow(0, 0, len);
     bn_relu_kernel(xt, bn.scale, bn.shift, a, layout, a_layout);
-    at::Tensor da, dw;
-    if (gemm == Gemm1x1::Whole) {
-      const at::Tensor go2 = got.permute({0, 2, 3, 1}).view({len * H * W, Co});
-      const at::Tensor a2 = a.permute({0, 2, 3, 1}).view({len * H * W, C});
-      if (need_da) {
-        da = gemm_da_buf.narrow(0, 0, len);
-        at::Tensor da2 = da.permute({0, 2, 3, 1}).view({len * H * W, C});
-        at::mm_out(da2, go2, w.view({Co, C}));
-      }
-      if (want_w) gw_acc.view({Co, C}).addmm_(go2.t(), a2);
-    } else if (gemm == Gemm1x1::PerSample) {
-      const at::Tensor got3 = got.reshape({len, Co, H * W}), a3 = a.view({len, C, H * W});
-      if (need_da) {
-        da = gemm_da_buf.narrow(0, 0, len);
-        at::Tensor da3 = da.view({len, C, H * W});
-        at::bmm_out(da3, w.view({1, Co, C}).transpose(1, 2).expand({len, C, Co}), got3);
-      }
-      if (want_w) gw_acc.view({Co, C}).addbmm_(got3, a3.transpose(1, 2));
-    } else {
-      std::tie(da, dw, std::ignore) = at::convolution_backward(
-          got, a, w, std::nullopt, stride, padding, dilation, false, {0, 0}, 1,
-          {need_da, want_w, false});
-    }
-    if (want_w && dw.defined()) {
-      if (nb >= N && dw.scalar_type() == wacc && dw.strides() == gw.strides()) {
-        gw = dw;  // one tile: its weight gradient is the result
-      } else if (gw_acc.defined()) {
-        gw_acc.add_(dw);
+    at::Tensor da;  // the sum of the convolutions' data gradients for this tile
+    for (size_t i = 0; i < convs.size(); ++i) {
+      ConvGrad& c = convs[i];
+      Work& k = work[i];
+      const int64_t Co = c.weight.size(0);
+      at::Tensor got = k.go.narrow(0, n0, len);
+      if (a_layout != layout && dense_in(got, layout)) {
+        at::Tensor t = k.go_buf.narrow(0, 0, len);
+        transpose_layout_kernel(got, t, layout);
+        if (c.bs.defined()) t.mul_(c.bs.narrow(0, n0, len));  // in cache, just transposed
+        got = t;
+      } else if (c.bs.defined()) {
+        // The conv branch's gradient s[n] * dy, staged once per tile for every use below.
+        at::Tensor t = k.go_buf.narrow(0, 0, len);
+        at::mul_out(t, got, c.bs.narrow(0, n0, len));
+        got = t;
       } else {
-        gw_acc = dw.to(wacc);
+        got = got.contiguous(a_fmt);
+      }
+      if (c.want_b) k.gb_acc.add_(got.sum({0, 2, 3}, false, k.wacc));
+      at::Tensor dai, dw;
+      if (k.gemm == Gemm1x1::Whole) {
+        const at::Tensor go2 = got.permute({0, 2, 3, 1}).view({len * H * W, Co});
+        const at::Tensor a2 = a.permute({0, 2, 3, 1}).view({len * H * W, C});
+        if (need_da) {
+          dai = k.gemm_da_buf.narrow(0, 0, len);
+          at::Tensor da2 = dai.permute({0, 2, 3, 1}).view({len * H * W, C});
+          at::mm_out(da2, go2, k.w.view({Co, C}));
+        }
+        if (c.want_w) k.gw_acc.view({Co, C}).addmm_(go2.t(), a2);
+      } else if (k.gemm == Gemm1x1::PerSample) {
+        const at::Tensor got3 = got.reshape({len, Co, H * W}), a3 = a.view({len, C, H * W});
+        if (need_da) {
+          dai = k.gemm_da_buf.narrow(0, 0, len);
+          at::Tensor da3 = dai.view({len, C, H * W});
+          at::bmm_out(da3, k.w.view({1, Co, C}).transpose(1, 2).expand({len, C, Co}), got3);
+        }
+        if (c.want_w) k.gw_acc.view({Co, C}).addbmm_(got3, a3.transpose(1, 2));
+      } else {
+        std::tie(dai, dw, std::ignore) = at::convolution_backward(
+            got, a, k.w, std::nullopt, c.stride, c.padding, c.dilation, false, {0, 0}, 1,
+            {need_da, c.want_w, false});
+      }
+      if (c.want_w && dw.defined()) {
+        if (nb >= N && dw.scalar_type() == k.wacc && dw.strides() == c.gw.strides()) {
+          c.gw = dw;  // one tile: its weight gradient is the result
+        } else if (k.gw_acc.defined()) {
+          k.gw_acc.add_(dw);
+        } else {
+          k.gw_acc = dw.to(k.wacc);
+        }
+      }
+      if (need_da) {
+        if (!da.defined()) {
+          da = dai;
+        } else {
+          da.add_(dai);  // both tiles in cache
+        }
       }
     }
     if (need_da) {
@@ -423,7 +559,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
       if (da_as_is && dense_in(da, Layout::NHWC)) {
         da_layout = Layout::NHWC;
       } else if (a_layout != layout && dense_in(da, a_layout)) {
-        if (!da_buf.defined()) da_buf = at::empty({nb, C, H, W}, weight.options().memory_format(fmt));
+        if (!da_buf.defined()) da_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(fmt));
         at::Tensor t = da_buf.narrow(0, 0, len);
         transpose_layout_kernel(da, t, a_layout);
         da = t;
@@ -435,9 +571,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
                                      want_x ? &dzt : nullptr, layout, da_layout);
     }
   }
-  if (want_w && gw_acc.defined()) gw.copy_(gw_acc);
-  if (want_b) gb.copy_(gb_acc);
-  if (!need_da) return {gx, gw, gb, gg, gbeta};
+  for (size_t i = 0; i < convs.size(); ++i) {
+    if (convs[i].want_w && work[i].gw_acc.defined()) convs[i].gw.copy_(work[i].gw_acc);
+    if (convs[i].want_b) convs[i].gb.copy_(work[i].gb_acc);
+  }
+  if (!need_da) return;
 
   // One loop over C: the threads' sums (double), the BN parameter gradients, and the
   // coefficients of the data gradient dx = k1 * dz + k2 * (x - mean) + k3. Training:
@@ -474,7 +612,76 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     if (apply) bn_backward_apply_kernel(dz, x, bn.mean, coef[0], coef[1], coef[2], gx_work, layout);
     if (!gx_work.is_same(gx)) gx.copy_(gx_work);
   }
-  return {gx, gw, gb, gg, gbeta};
+}
+
+ConvGrad conv_grad(const at::Tensor& grad_out, const at::Tensor& weight, c10::SymIntArrayRef stride,
+                   c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, at::Tensor bs,
+                   bool want_w, bool want_b) {
+  ConvGrad c;
+  c.grad_out = grad_out;
+  c.weight = weight;
+  c.stride = ints(stride);
+  c.padding = ints(padding);
+  c.dilation = ints(dilation);
+  c.bs = std::move(bs);
+  c.want_w = want_w;
+  c.want_b = want_b;
+  // Outputs with the metadata of ops.backward_empty_outputs.
+  c.gw = want_w ? at::empty_like(weight) : weight.new_empty({0});
+  c.gb = weight.new_empty({want_b ? weight.size(0) : 0});
+  return c;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
+    const at::Tensor& grad_out, const at::Tensor& x_in, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
+    std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale) {
+  check_inputs(x_in, weight, mean, invstd);
+  const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
+  const int64_t C = x_in.size(1);
+  std::vector<ConvGrad> convs;
+  convs.push_back(conv_grad(grad_out, weight, stride, padding, dilation,
+                            branch_factor(branch_scale, x_in, weight), want_w, want_b));
+  at::Tensor gx = want_x ? at::empty_like(x_in) : x_in.new_empty({0});
+  at::Tensor gg = mean.new_empty({want_g ? C : 0});
+  at::Tensor gbeta = mean.new_empty({want_beta ? C : 0});
+  backward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd, batch_stats, want_x, want_g,
+                 want_beta, gx, gg, gbeta);
+  return {gx, convs[0].gw, convs[0].gb, gg, gbeta};
+}
+
+// The backward of two convolutions of one BN-ReLU (a pre-activation unit's projection shortcut
+// and first convolution): one recompute of the activation per tile, one pass over x for the
+// mask and sums and one for the data gradient, as plain PyTorch's single BatchNorm-ReLU
+// backward; output_mask: x, both weights, both biases, bn_weight, bn_bias.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+bn_relu_conv2d_pair_backward(const at::Tensor& grad_out, const at::Tensor& grad_out2,
+                             const at::Tensor& x_in, const at::Tensor& weight,
+                             const at::Tensor& weight2, const std::optional<at::Tensor>& bn_weight,
+                             const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
+                             const at::Tensor& invstd, c10::SymIntArrayRef stride,
+                             c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
+                             c10::SymIntArrayRef stride2, c10::SymIntArrayRef padding2,
+                             c10::SymIntArrayRef dilation2, bool batch_stats,
+                             std::array<bool, 5> output_mask) {
+  check_inputs(x_in, weight, mean, invstd);
+  check_inputs(x_in, weight2, mean, invstd);
+  TORCH_CHECK(weight2.scalar_type() == weight.scalar_type(),
+              "fusedres_cpu.bn_relu_conv2d_pair_backward: weight2 must have weight's dtype ",
+              weight.scalar_type(), ", got ", weight2.scalar_type());
+  const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
+  const int64_t C = x_in.size(1);
+  std::vector<ConvGrad> convs;
+  convs.push_back(conv_grad(grad_out, weight, stride, padding, dilation, {}, want_w, want_b));
+  convs.push_back(conv_grad(grad_out2, weight2, stride2, padding2, dilation2, {}, want_w, want_b));
+  at::Tensor gx = want_x ? at::empty_like(x_in) : x_in.new_empty({0});
+  at::Tensor gg = mean.new_empty({want_g ? C : 0});
+  at::Tensor gbeta = mean.new_empty({want_beta ? C : 0});
+  backward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd, batch_stats, want_x, want_g,
+                 want_beta, gx, gg, gbeta);
+  return {gx, convs[0].gw, convs[0].gb, convs[1].gw, convs[1].gb, gg, gbeta};
 }
 
 }  // namespace
@@ -485,4 +692,6 @@ TORCH_LIBRARY_IMPL(fusedres_cpu, CPU, m) {
   m.impl("bn_relu_conv2d", &fusedres::cpu::bn_relu_conv2d);
   m.impl("bn_relu_conv2d_genstats", &fusedres::cpu::bn_relu_conv2d_genstats);
   m.impl("bn_relu_conv2d_backward", &fusedres::cpu::bn_relu_conv2d_backward);
+  m.impl("bn_relu_conv2d_pair", &fusedres::cpu::bn_relu_conv2d_pair);
+  m.impl("bn_relu_conv2d_pair_backward", &fusedres::cpu::bn_relu_conv2d_pair_backward);
 }
