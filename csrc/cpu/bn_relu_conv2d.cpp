@@ -13,6 +13,13 @@
 // reductions into one pass over the tile's data gradient; a second pass applies the BatchNorm
 // data gradient once the batch-wide sums are known (none in eval mode).
 //
+// One BN-ReLU feeding two convolutions (a pre-activation unit's projection shortcut and first
+// convolution: bn_relu_conv2d_pair, bn_relu_conv2d_pair_backward, used by fusedres.ops.
+// EagerCpuPair) runs the same tile loop over both: the activation tile is computed once for
+// both convolutions, and in backward their data gradients are summed in cache before the one
+// mask + sums pass and the one data-gradient pass over x; plain PyTorch also runs its BatchNorm-
+// ReLU backward once there, where two fused units would run theirs twice.
+//
 // Branch scale (stochastic depth, y = residual + s[n] * conv): forward, each output tile is
 // scaled while it is in cache, in the residual add when there is one (addcmul: one pass over
 // the tile); backward, each grad_out tile is scaled once as it is staged for the convolution
