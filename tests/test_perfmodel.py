@@ -377,3 +377,44 @@ def test_auto_on_a_gpu_is_the_faster_backend_by_the_committed_model():
     assert undecided == set(), undecided
     order = AUTO_ORDER["cuda"]
     assert order.index("triton") < order.index("cuda")
+
+
+def test_committed_cuda_unit_range_recomputes_from_its_kernel_table():
+    """benchmarks/GPU_MODEL.md's CUDA C++ unit ranges are model_cuda_unit over the committed
+    kernel table's rows (no compile here), pricing the forward that runs for these 16-bit
+    channels-last units: the mma.sync kernel. The WMMA forward's figures differ on every row."""
+    from fusedres.kernels import traffic
+    from fusedres.perfmodel import cuda_sass
+
+    table = (ROOT / "benchmarks" / "GPU_MODEL.md").read_text()
+    devs = {"A100": A100, "H100": H100}
+    rows = []
+    for c in _table_rows(table, "## CUDA C++ kernels (csrc/cuda"):
+        if not c[0].startswith("csrc/"):
+            continue
+        dev = devs[c[2]]
+        tile, threads = c[3].split(" / ")
+        bm, bn, bk = (int(v) for v in tile.split("x"))
+        nested, body = c[8].rstrip(")").split(" (")
+        mma = {s: int(n) for s, n in (p.rsplit("x", 1) for p in c[9].split(", "))}
+        rows.append(cuda_sass.CudaKernelRow(
+            c[0], c[1], dev.arch, bm, bn, bk, int(threads), int(c[4]), int(c[5]), int(c[6]),
+            int(c[7]), int(nested), int(body), mma,
+            round(float(c[11]) * dev.tensor_fma_clk_sm["fp16"])))
+    assert {r.name.split("<")[0] for r in rows} >= {
+        "bn_relu_conv2d_fwd_kernel", "bn_relu_conv2d_fwd_mma_kernel", "wgrad_kernel",
+        "dgrad_kernel"}
+    committed = {(r[0], r[1]): (r[2], r[5])
+                 for r in _table_rows(table, "### CUDA C++ backend: fused unit")}
+    units = traffic.CIFAR_UNITS + traffic.IMAGENET_UNITS
+    assert len(committed) == 2 * len(units)
+
+    def cells(u, dtype, **kw):
+        ms = [cuda_sass.model_cuda_unit(u, dtype, dev, rows, **kw) for dev in (A100, H100)]
+        return tuple(f"{m.low_s * 1e6:.0f} - {m.high_s * 1e6:.0f}" for m in ms)
+
+    for u in units:
+        assert cuda_sass.forward_kernel(u) == "bn_relu_conv2d_fwd_mma_kernel", u.name
+        for dtype in ("fp16", "bf16"):
+            assert committed[(u.name, dtype)] == cells(u, dtype), (u.name, dtype)
+            assert cells(u, dtype, forward="wmma") != committed[(u.name, dtype)]
