@@ -247,11 +247,93 @@ def test_cuda_unit_range_from_rows():
     assert cuda_sass._row(rows, 90, "wgrad_kernel", "fp16", sums=True) is rows[2]
     with pytest.raises(ValueError, match="BFloat16"):
         cuda_sass._row(rows, 90, "wgrad_kernel", "bf16", sums=True)
-    m = cuda_sass.model_cuda_unit(traffic.IMAGENET_UNITS[0], "fp16", H100, rows)
+    u = traffic.IMAGENET_UNITS[0]
+    # The WMMA forward only: the default (mma.sync) forward's row is named as missing.
+    with pytest.raises(ValueError, match="bn_relu_conv2d_fwd_mma_kernel"):
+        cuda_sass.model_cuda_unit(u, "fp16", H100, rows)
+    m = cuda_sass.model_cuda_unit(u, "fp16", H100, rows, forward="wmma")
     assert [k[0] for k in m.kernels][:3] == ["fwd", "wgrad+sums", "dgrad+dx"]
+    assert "weight pack" not in [k[0] for k in m.kernels]
     assert all(k[1] <= k[2] for k in m.kernels) and m.low_s < m.high_s
     with pytest.raises(ValueError, match="fp32"):
-        cuda_sass.model_cuda_unit(traffic.IMAGENET_UNITS[0], "fp32", H100, rows)
+        cuda_sass.model_cuda_unit(u, "fp32", H100, rows, forward="wmma")
+
+
+def test_cuda_unit_prices_the_forward_that_runs():
+    """16-bit channels-last x with C % 8 == 0 (every benchmark unit) runs the mma.sync forward
+    (csrc/cuda use_mma_forward): its row prices "fwd", plus the weight-packing copy; the WMMA
+    row stays available with forward="wmma" (FUSEDRES_CUDA_FORWARD), and for NCHW x or C not a
+    multiple of 8, which the mma.sync kernel does not take."""
+    import dataclasses
+
+    from fusedres.kernels import traffic
+    from fusedres.perfmodel import cuda_sass, model
+
+    def row(name, own, nested, body):
+        return cuda_sass.CudaKernelRow("f.cu", name, 90, 64, 64, 32, 128, 96, 0, 30000,
+                                       own=own, nested=nested, nested_body=body,
+                                       mma={"HMMA.16816": 16}, fma_cta=16 * 2048 * 4)
+
+    wmma = row("bn_relu_conv2d_fwd_kernel<Half, Half, Tile<64, 64, 32, 128, true> >", 300, 2, 300)
+    mma = row("bn_relu_conv2d_fwd_mma_kernel<Half>", 500, 0, 0)
+    rows = [wmma, mma,
+            row("wgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true>, true>", 300, 2, 300),
+            row("dgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true> >", 300, 2, 300)]
+    assert cuda_sass._row(rows, 90, "bn_relu_conv2d_fwd_mma_kernel", "fp16") is mma
+    assert cuda_sass._row(rows, 90, "bn_relu_conv2d_fwd_kernel", "fp16") is wmma
+    with pytest.raises(ValueError, match="BFloat16"):
+        cuda_sass._row(rows, 90, "bn_relu_conv2d_fwd_mma_kernel", "bf16")
+    u = traffic.IMAGENET_UNITS[0]
+    assert u.c % 8 == 0 and u.co % 8 == 0
+    got = cuda_sass.model_cuda_unit(u, "fp16", H100, rows)
+    ref = cuda_sass.model_cuda_unit(u, "fp16", H100, rows, forward="wmma")
+    fwd, fwd_w = got.kernels[0], ref.kernels[0]
+    # No nested loop in the mma.sync row: one issue count, low == high; the WMMA row's differ.
+    assert fwd[0] == "fwd" and fwd[1] == fwd[2] and fwd_w[1] < fwd_w[2]
+    assert fwd[1] != fwd_w[1]
+    # Everything but the forward and the packing copy is the same launch for both.
+    assert got.kernels[1:3] == ref.kernels[1:3]
+    extra = [k for k in got.kernels if k[0] == "weight pack"]
+    assert len(extra) == 1 and "weight pad" not in [k[0] for k in got.kernels]
+    w = u.co * u.c * u.k * u.k * 2
+    assert extra[0][1] == pytest.approx(2 * w / (H100.dram_bytes_s * model.DRAM_EFFICIENCY)
+                                        + model.LAUNCH_S)
+    assert got.low_s == pytest.approx(ref.low_s - fwd_w[1] + fwd[1] + extra[0][1])
+    # The units the mma.sync kernel does not take: NCHW x, C % 8 != 0; an unknown setting.
+    for other in (cuda_sass.model_cuda_unit(u, "fp16", H100, rows, channels_last=False),
+                  cuda_sass.model_cuda_unit(dataclasses.replace(u, c=u.c + 4), "fp16", H100,
+                                            rows)):
+        assert other.kernels[0][1:3] != fwd[1:3] and other.kernels[0][1] < other.kernels[0][2]
+        assert "weight pack" not in [k[0] for k in other.kernels]
+    assert cuda_sass.model_cuda_unit(u, "fp16", H100, rows, channels_last=False).low_s == \
+        pytest.approx(ref.low_s)
+    # Co not a multiple of 8: the packed weight's zero columns cost a second copy.
+    odd = cuda_sass.model_cuda_unit(dataclasses.replace(u, co=u.co + 4), "fp16", H100, rows)
+    assert [k[0] for k in odd.kernels].count("weight pad") == 1
+    with pytest.raises(ValueError, match="FUSEDRES_CUDA_FORWARD"):
+        cuda_sass.model_cuda_unit(u, "fp16", H100, rows, forward="tf32")
+
+
+def test_forward_kernel_rule_matches_the_dispatch():
+    """cuda_sass.forward_kernel follows use_mma_forward (csrc/cuda/bn_relu_conv2d.cu): the
+    setting's two values, channels contiguous, C a multiple of 8."""
+    import os
+    import re
+
+    from fusedres import cuda_aot, settings
+    from fusedres.kernels import traffic
+    from fusedres.perfmodel import cuda_sass
+
+    text = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "bn_relu_conv2d.cu")).read()
+    body = re.search(r"inline bool use_mma_forward\(.*?\n\}", text, re.S).group(0)
+    assert '"wmma") return false' in body
+    assert "x.stride(1) == 1" in body and "x.size(1) % 8 == 0" in body
+    declared = settings.SETTINGS["FUSEDRES_CUDA_FORWARD"]
+    assert set(declared.choices) == {"mma", "wmma"} and declared.default == "mma"
+    u = next(u for u in traffic.IMAGENET_UNITS if u.c % 8 == 0)
+    assert cuda_sass.forward_kernel(u) == "bn_relu_conv2d_fwd_mma_kernel"
+    assert cuda_sass.forward_kernel(u, "wmma") == "bn_relu_conv2d_fwd_kernel"
+    assert cuda_sass.forward_kernel(u, channels_last=False) == "bn_relu_conv2d_fwd_kernel"
 
 
 def _table_rows(table: str, heading: str) -> list[list[str]]:
@@ -295,3 +377,44 @@ def test_auto_on_a_gpu_is_the_faster_backend_by_the_committed_model():
     assert undecided == set(), undecided
     order = AUTO_ORDER["cuda"]
     assert order.index("triton") < order.index("cuda")
+
+
+def test_committed_cuda_unit_range_recomputes_from_its_kernel_table():
+    """benchmarks/GPU_MODEL.md's CUDA C++ unit ranges are model_cuda_unit over the committed
+    kernel table's rows (no compile here), pricing the forward that runs for these 16-bit
+    channels-last units: the mma.sync kernel. The WMMA forward's figures differ on every row."""
+    from fusedres.kernels import traffic
+    from fusedres.perfmodel import cuda_sass
+
+    table = (ROOT / "benchmarks" / "GPU_MODEL.md").read_text()
+    devs = {"A100": A100, "H100": H100}
+    rows = []
+    for c in _table_rows(table, "## CUDA C++ kernels (csrc/cuda"):
+        if not c[0].startswith("csrc/"):
+            continue
+        dev = devs[c[2]]
+        tile, threads = c[3].split(" / ")
+        bm, bn, bk = (int(v) for v in tile.split("x"))
+        nested, body = c[8].rstrip(")").split(" (")
+        mma = {s: int(n) for s, n in (p.rsplit("x", 1) for p in c[9].split(", "))}
+        rows.append(cuda_sass.CudaKernelRow(
+            c[0], c[1], dev.arch, bm, bn, bk, int(threads), int(c[4]), int(c[5]), int(c[6]),
+            int(c[7]), int(nested), int(body), mma,
+            round(float(c[11]) * dev.tensor_fma_clk_sm["fp16"])))
+    assert {r.name.split("<")[0] for r in rows} >= {
+        "bn_relu_conv2d_fwd_kernel", "bn_relu_conv2d_fwd_mma_kernel", "wgrad_kernel",
+        "dgrad_kernel"}
+    committed = {(r[0], r[1]): (r[2], r[5])
+                 for r in _table_rows(table, "### CUDA C++ backend: fused unit")}
+    units = traffic.CIFAR_UNITS + traffic.IMAGENET_UNITS
+    assert len(committed) == 2 * len(units)
+
+    def cells(u, dtype, **kw):
+        ms = [cuda_sass.model_cuda_unit(u, dtype, dev, rows, **kw) for dev in (A100, H100)]
+        return tuple(f"{m.low_s * 1e6:.0f} - {m.high_s * 1e6:.0f}" for m in ms)
+
+    for u in units:
+        assert cuda_sass.forward_kernel(u) == "bn_relu_conv2d_fwd_mma_kernel", u.name
+        for dtype in ("fp16", "bf16"):
+            assert committed[(u.name, dtype)] == cells(u, dtype), (u.name, dtype)
+            assert cells(u, dtype, forward="wmma") != committed[(u.name, dtype)]

@@ -25,6 +25,27 @@
 namespace fusedres::FUSEDRES_CUDA_NS {
 namespace {
 
+// The per-row table of both forward kernels, for the block's BM output rows m0 .. m0 + BM - 1
+// (output pixels of y, M in all): row_n[r] the sample (-1 past M), row_oh[r], row_ow[r] the
+// output pixel (0 past M). The caller synchronises before reading it.
+template <int BM, int THREADS>
+__device__ __forceinline__ void fill_row_table(int64_t* row_n, int32_t* row_oh, int32_t* row_ow,
+                                               int64_t m0, int64_t M, const Dims4& yd,
+                                               int tid) {
+  for (int r = tid; r < BM; r += THREADS) {
+    const int64_t m = m0 + r;
+    if (m < M) {
+      const Pixel p = pixel_of(m, yd.h, yd.w);
+      row_n[r] = p.n;
+      row_oh[r] = p.h;
+      row_ow[r] = p.w;
+    } else {
+      row_n[r] = -1;
+      row_oh[r] = row_ow[r] = 0;
+    }
+  }
+}
+
 // The epilogue of both forward kernels, on the block's BM x BN accumulator tile in shared memory
 // (Cs[m][n], rows of LD): y = (acc + bias) * branch_scale[n] + residual, stored once in the
 // weight dtype; with genstats (part_mean non-null) each tile column's (mean, M2) of the stored
@@ -104,18 +125,7 @@ __global__ void __launch_bounds__(T::THREADS)
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
   const int64_t co0 = static_cast<int64_t>(blockIdx.y) * BN;
   const int64_t Cin = xd.c, Co = yd.c;
-  for (int r = tid; r < BM; r += THREADS) {
-    const int64_t m = m0 + r;
-    if (m < M) {
-      const Pixel p = pixel_of(m, yd.h, yd.w);
-      row_n[r] = p.n;
-      row_oh[r] = p.h;
-      row_ow[r] = p.w;
-    } else {
-      row_n[r] = -1;
-      row_oh[r] = row_ow[r] = 0;
-    }
-  }
+  fill_row_table<BM, THREADS>(row_n, row_oh, row_ow, m0, M, yd, tid);
   Accum<W, T> acc;
   acc.zero();
   // Stage along the contiguous dimension of x: channels for channels_last, pixels for NCHW.
@@ -245,18 +255,7 @@ __global__ void __launch_bounds__(MmaFwd::THREADS)
     const Pixel p = pixel_of(m, yd.h, yd.w);
     return Src{p.n, p.h * g.sh - g.ph, p.w * g.sw - g.pw};
   };
-  for (int r = tid; r < BM; r += THREADS) {
-    const int64_t m = m0 + r;
-    if (m < M) {
-      const Pixel p = pixel_of(m, yd.h, yd.w);
-      row_n[r] = p.n;
-      row_oh[r] = p.h;
-      row_ow[r] = p.w;
-    } else {
-      row_n[r] = -1;
-      row_oh[r] = row_ow[r] = 0;
-    }
-  }
+  fill_row_table<BM, THREADS>(row_n, row_oh, row_ow, m0, M, yd, tid);
   // The rows this thread copies (copy e = tid + q * THREADS: row e / (BK / 8)).
   Src a_src[T::A_COPIES];
 #pragma unroll

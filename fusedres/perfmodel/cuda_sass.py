@@ -1,7 +1,7 @@
 """The CUDA C++ kernels (csrc/cuda) through the same SASS reading: nvcc compiles each .cu for
 sm_80 and sm_90 with the extension's flags (fusedres/cuda_aot.py), cuobjdump disassembles the
-object, and each 16-bit (WMMA) kernel's main loop is read: the loop carrying the HMMA
-instructions with no such loop inside it.
+object, and each 16-bit tensor-core (WMMA or mma.sync) kernel's main loop is read: the loop
+carrying the HMMA instructions with no such loop inside it.
 
 These kernels stage their operands through loops nested in the main loop (``for (e = tid;
 e < BM * BK; e += THREADS)``), which nvcc leaves rolled: their trip counts are not in the SASS.
@@ -214,7 +214,9 @@ def _row(rows: list[CudaKernelRow], arch: int, kernel: str, dtype: str,
          sums: bool | None = None) -> CudaKernelRow:
     t = "Half" if dtype == "fp16" else "BFloat16"
     for r in rows:
-        if r.arch == arch and r.name.startswith(f"{kernel}<{t}, {t},") and (
+        # <X, W, Tile...> instantiations, or the fixed-tile kernels' <W> (_FIXED_TILES).
+        if r.arch == arch and (r.name.startswith(f"{kernel}<{t}, {t},") or r.name == (
+                f"{kernel}<{t}>")) and (
                 sums is None or r.name.rstrip(" >").endswith("true" if sums else "false")):
             return r
     raise ValueError(f"no {kernel} <{t}> instantiation for sm_{arch} in the CUDA rows")
@@ -235,11 +237,28 @@ def _launch(r: CudaKernelRow, label: str, ctas: int, chunks: float, dram: float,
                         model.Trips(chunks), dram)
 
 
-def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUnitModel:
-    """The CUDA C++ backend's training step of unit ``u`` (kernels/traffic.Unit, 16-bit) on
-    ``dev``, as csrc/cuda launches it (TilesFor<16-bit>::Fwd tiles, "sums" backward):
+def forward_kernel(u, forward: str = "mma", channels_last: bool = True) -> str:
+    """The forward kernel csrc/cuda runs for 16-bit unit ``u`` (use_mma_forward in
+    csrc/cuda/bn_relu_conv2d.cu): the mma.sync one for channels-last x with C % 8 == 0 unless
+    ``forward`` (FUSEDRES_CUDA_FORWARD) is "wmma", else the WMMA one."""
+    if forward not in ("mma", "wmma"):
+        raise ValueError(f"forward: 'mma' or 'wmma' (FUSEDRES_CUDA_FORWARD), not {forward!r}")
+    if forward == "mma" and channels_last and u.c % 8 == 0:
+        return "bn_relu_conv2d_fwd_mma_kernel"
+    return "bn_relu_conv2d_fwd_kernel"
 
-    * fwd: grid cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, BK);
+
+def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str = "mma",
+                    channels_last: bool = True) -> CudaUnitModel:
+    """The CUDA C++ backend's training step of unit ``u`` (kernels/traffic.Unit, 16-bit) on
+    ``dev``, as csrc/cuda launches it ("sums" backward; 64x64x32 tiles, 128 threads, for every
+    16-bit kernel here):
+
+    * fwd: the kernel that runs (:func:`forward_kernel`): for channels-last x with C % 8 == 0,
+      the benchmark units, the mma.sync kernel bn_relu_conv2d_fwd_mma_kernel (struct MmaFwd),
+      after a DRAM-bound launch packing the weight to (kh*kw*C, Co8); ``forward="wmma"``
+      (FUSEDRES_CUDA_FORWARD=wmma) or NCHW x prices the WMMA kernel bn_relu_conv2d_fwd_kernel
+      instead. Grid cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, BK);
     * wgrad (SUMS): grid cdiv(Co, BM) x cdiv(C, BN)*taps x split (pick_split with the
       device's SMs); K chunks: cdiv(cdiv(M, BK), split);
     * dgrad writing dx: grid per stride phase cdiv(rows, BM) x cdiv(C, BN); K chunks: the
@@ -247,7 +266,8 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUnitMo
     * batch statistics, the partials' reductions: DRAM-bound launches.
 
     DRAM bytes: kernels/traffic.cuda_fused_step. A RANGE: issue per K chunk counts each nested
-    staging loop once (low) or T = BM*BK/THREADS times (high), no prologue or epilogue."""
+    staging loop once (low) or T = BM*BK/THREADS times (high), no prologue or epilogue (the
+    mma.sync forward has no nested loop: its cp.async copies are unrolled, low = high)."""
     from ..kernels import traffic
     from ..kernels._common import cdiv
     from . import model
@@ -259,7 +279,8 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUnitMo
     taps = u.k * u.k
     m_out = u.n * u.ho * u.ho
     out = []
-    fwd = _row(rows, dev.arch, "bn_relu_conv2d_fwd_kernel", dtype)
+    fwd_name = forward_kernel(u, forward, channels_last)
+    fwd = _row(rows, dev.arch, fwd_name, dtype)
     out.append(("fwd", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
                 taps * cdiv(u.c, fwd.bk), dram["fwd"]))
     wg = _row(rows, dev.arch, "wgrad_kernel", dtype, sums=True)
@@ -282,10 +303,19 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUnitMo
         low = model.predict(_launch(r, name, n, chunks, nbytes, False), dev)
         high = model.predict(_launch(r, name, n, chunks, nbytes, True), dev)
         kernels.append((name, low.time_s, high.time_s, high.bound))
+    def dram_launch(name: str, nbytes: float):
+        t = nbytes / (dev.dram_bytes_s * model.DRAM_EFFICIENCY) + model.LAUNCH_S
+        kernels.append((name, t, t, "dram"))
+
+    if fwd_name == "bn_relu_conv2d_fwd_mma_kernel":
+        # pack_weight: the permuted copy (kh*kw*C, Co), then zero columns up to Co8 if needed.
+        w, w8 = tu.weight(), tu.weight() // u.co * (cdiv(u.co, 8) * 8)
+        dram_launch("weight pack", 2 * w)
+        if w8 != w:
+            dram_launch("weight pad", w + w8)
     for k in traffic.cuda_fused_step(tu).kernels:
         if k.name not in ("fwd", "wgrad+sums", "dgrad+dx"):
-            t = k.bytes / (dev.dram_bytes_s * model.DRAM_EFFICIENCY) + model.LAUNCH_S
-            kernels.append((k.name, t, t, "dram"))
+            dram_launch(k.name, k.bytes)
     return CudaUnitModel(u, dtype, dev.arch, kernels)
 
 
