@@ -384,6 +384,27 @@ def test_pair_is_two_units(monkeypatch, pair, channels_last, dtype, tile_bytes):
                                          *geo2, True, [True] * 5)
 
 
+@pytest.mark.parametrize("c,hw", [(64, 32), (24, 32), (16, 33)])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_large_dz_streams_past_the_cache(monkeypatch, c, hw, channels_last):
+    """A dz of more than 8 MiB a thread is written with streaming stores where its rows are
+    whole aligned vectors (64 channels; 24 channels walked as 48-value rows; 33 x 33 planes and
+    16-channel rows) and with ordinary ones elsewhere: the same gradients either way."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        n = (8 << 20) // (c * hw * hw * 4) + 1  # just over 8 MiB of float32 dz
+        args = _inputs(n=n, c=c, h=hw, w=hw, co=8, k=(1, 1), padding=(0, 0), x_format=fmt,
+                       residual=False)
+        assert args[0].numel() * 4 > 8 << 20
+        monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "1000000")  # several tiles
+        _compare_with_portable(args, torch.float32)
+        _compare_with_portable(args, torch.float32, batch_stats=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("c,pixels", [(24, (3, 5, 5)), (17, (2, 9, 9)), (40, (1, 3, 3)),
                                       (3, (2, 7, 5)), (1000, (2, 3, 2))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

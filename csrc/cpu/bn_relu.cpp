@@ -16,6 +16,50 @@ const T* cptr(const at::Tensor& t) {
   return t.const_data_ptr<T>();
 }
 
+// Streaming (non-temporal) store of a whole vector to p, aligned to the vector's size: the line
+// is written without being read first. The ReLU-mask pass writes dz this way when dz is too
+// large to stay in cache for the data-gradient pass anyway: with ordinary stores each dz line is
+// first read from memory (a read the pass does not need) and the stores queue behind those
+// reads. Measured (2 threads, the channels_last backward of a 64-channel 32x32 unit at N=128,
+// 33.5 MB of dz): 1x1 10.9 -> 8.5 ms a call, 3x3 21.2 -> 18.5 ms; NCHW the same either way.
+template <typename A>
+inline void store_nt(A* p, const Vectorized<A>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) {
+    _mm512_stream_ps(p, v);
+    return;
+  } else if constexpr (std::is_same_v<A, double>) {
+    _mm512_stream_pd(p, v);
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<A, float>) {
+    _mm256_stream_ps(p, v);
+    return;
+  } else if constexpr (std::is_same_v<A, double>) {
+    _mm256_stream_pd(p, v);
+    return;
+  }
+#endif
+  v.store(p);
+}
+
+// Orders this thread's streaming stores before what follows (the end of a parallel task).
+inline void fence_nt() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
+// Whether whole-vector stores into rows of `row` elements from base p can all stream: p aligned
+// to the vector's size and rows a whole number of vectors.
+template <typename A>
+bool can_stream(const A* p, int64_t row) {
+  constexpr int64_t bytes = sizeof(Vectorized<A>);
+  return p != nullptr && reinterpret_cast<uintptr_t>(p) % bytes == 0 &&
+         row % static_cast<int64_t>(Vectorized<A>::size()) == 0;
+}
+
 // Calls f(X{}, W{}) for the storage types of x and of the other operand when both share an
 // acc type; returns false (nothing called) otherwise.
 template <typename F>
@@ -133,7 +177,7 @@ template <typename X, typename W>
 void backward_reduce_impl(const at::Tensor& da, const at::Tensor& x, const at::Tensor& scale,
                           const at::Tensor& shift, const at::Tensor& mean,
                           const at::Tensor& out_scale, at::Tensor& sums, at::Tensor* dz_out,
-                          Layout layout) {
+                          Layout layout, bool stream) {
   using A = acc_t<X>;
   using V = Vectorized<A>;
   constexpr int64_t L = V::size();
@@ -150,6 +194,7 @@ void backward_reduce_impl(const at::Tensor& da, const at::Tensor& x, const at::T
   auto add = [](V u, V v) { return u + v; };
 
   if (layout == Layout::NCHW) {
+    const bool nt = stream && can_stream(zp, HW);
     at::parallel_for(0, N * C, std::max<int64_t>(1, kGrainElems / HW), [&](int64_t b, int64_t e) {
       double* mine = acc + at::get_thread_num() * 2 * C;
       for (int64_t p = b; p < e; ++p) {
@@ -167,7 +212,11 @@ void backward_reduce_impl(const at::Tensor& da, const at::Tensor& x, const at::T
           const V dz = V::blendv(zero, VecIO<W>::load(dr + i), z > zero);
           s1 += dz;
           s2 = at::vec::fmadd(dz, xv - mv, s2);
-          if (zr) (dz * osv).store(zr + i);
+          if (nt) {
+            store_nt(zr + i, dz * osv);
+          } else if (zr) {
+            (dz * osv).store(zr + i);
+          }
         }
         A t1 = at::vec::vec_reduce_all<A>(add, s1);
         A t2 = at::vec::vec_reduce_all<A>(add, s2);
@@ -181,6 +230,7 @@ void backward_reduce_impl(const at::Tensor& da, const at::Tensor& x, const at::T
         mine[c] += t1;
         mine[C + c] += t2;
       }
+      if (nt) fence_nt();
     });
   } else {
     // Rows are summed in acc-dtype lanes over blocks of at most kRows rows, then added to the
@@ -189,6 +239,7 @@ void backward_reduce_impl(const at::Tensor& da, const at::Tensor& x, const at::T
     const int64_t R = N * HW;
     const int64_t blocks = (R + kRows - 1) / kRows;
     const int64_t grain = std::max<int64_t>(1, kGrainElems / (kRows * C));
+    const bool nt = stream && can_stream(zp, C);
     at::parallel_for(0, blocks, grain, [&](int64_t b, int64_t e) {
       double* mine = acc + at::get_thread_num() * 2 * C;
       std::vector<A> s1(C), s2(C);
@@ -207,7 +258,11 @@ void backward_reduce_impl(const at::Tensor& da, const at::Tensor& x, const at::T
             const V dz = V::blendv(zero, VecIO<W>::load(dr + c), z > zero);
             (V::loadu(&s1[c]) + dz).store(&s1[c]);
             at::vec::fmadd(dz, xv - V::loadu(mp + c), V::loadu(&s2[c])).store(&s2[c]);
-            if (zr) (dz * V::loadu(op + c)).store(zr + c);
+            if (nt) {
+              store_nt(zr + c, dz * V::loadu(op + c));
+            } else if (zr) {
+              (dz * V::loadu(op + c)).store(zr + c);
+            }
           }
           for (; c < C; ++c) {
             const A xv = static_cast<A>(xr[c]);
@@ -222,6 +277,7 @@ void backward_reduce_impl(const at::Tensor& da, const at::Tensor& x, const at::T
           mine[C + c] += s2[c];
         }
       }
+      if (nt) fence_nt();
     });
   }
 }
@@ -468,7 +524,7 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
                                     const at::Tensor& scale, const at::Tensor& shift,
                                     const at::Tensor& mean, const at::Tensor& out_scale,
                                     at::Tensor& sums, at::Tensor* dz_out, Layout layout,
-                                    Layout da_layout) {
+                                    Layout da_layout, bool stream_dz) {
   RECORD_FUNCTION("fusedres_cpu::relu_mask_bn_sums (kernel)", c10::ArrayRef<c10::IValue>{});
   if (da_layout != layout) {
     TORCH_INTERNAL_ASSERT(layout == Layout::NCHW && da_layout == Layout::NHWC &&
@@ -485,14 +541,15 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
       bn_relu_backward_reduce_kernel(
           rows_view(da, 0, pr.rows, pr.P), rows_view(x, 0, pr.rows, pr.P),
           repeated(scale, pr.P), repeated(shift, pr.P), repeated(mean, pr.P),
-          repeated(out_scale, pr.P), sums_p, dz_out ? &dz_rows : nullptr, layout, layout);
+          repeated(out_scale, pr.P), sums_p, dz_out ? &dz_rows : nullptr, layout, layout,
+          stream_dz);
       sums.add_(sums_p.view({threads, 2, pr.P / C, C}).sum(2));
       if (pr.rest) {
         at::Tensor dz_rest = dz_out ? rows_view(*dz_out, head, pr.rest, C) : at::Tensor();
         bn_relu_backward_reduce_kernel(rows_view(da, head, pr.rest, C),
                                        rows_view(x, head, pr.rest, C), scale, shift, mean,
                                        out_scale, sums, dz_out ? &dz_rest : nullptr, layout,
-                                       layout);
+                                       layout, stream_dz);
       }
       return;
     }
@@ -501,12 +558,13 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
     using X = decltype(xv);
     using W = decltype(wv);
     if constexpr (std::is_same_v<acc_t<X>, acc_t<W>>) {
-      backward_reduce_impl<X, W>(da, x, scale, shift, mean, out_scale, sums, dz_out, layout);
+      backward_reduce_impl<X, W>(da, x, scale, shift, mean, out_scale, sums, dz_out, layout,
+                                 stream_dz);
     }
   });
   if (!done) {
     bn_relu_backward_reduce_kernel(da.to(x.scalar_type()), x, scale, shift, mean, out_scale,
-                                   sums, dz_out, layout, layout);
+                                   sums, dz_out, layout, layout, stream_dz);
   }
 }
 

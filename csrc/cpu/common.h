@@ -149,11 +149,13 @@ void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tens
 //   sum_dz[c] += sum(dz), sum_dz_xm[c] += sum(dz * (x - mean))   (per-thread double rows)
 //   when dz_out is defined: dz_out = out_scale[c] * dz (acc dtype of x)
 // sums: (num_threads, 2, C) double, accumulated into.
+// stream_dz: write dz with streaming stores where its rows allow (whole aligned vectors): for a
+// dz too large to stay in cache until the second pass reads it.
 void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
                                     const at::Tensor& scale, const at::Tensor& shift,
                                     const at::Tensor& mean, const at::Tensor& out_scale,
                                     at::Tensor& sums, at::Tensor* dz_out, Layout layout,
-                                    Layout da_layout);
+                                    Layout da_layout, bool stream_dz = false);
 
 // Backward, second pass: gx = k1[c] * dz + k2[c] * (x - mean[c]) + k3[c]; dz in acc dtype of x,
 // gx in x.dtype (may alias dz when they share a dtype).
