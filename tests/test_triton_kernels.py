@@ -467,6 +467,15 @@ import fusedres.backends.triton  # noqa: F401  (defines the fusedres_triton ops)
 
 graphs = []
 
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+
+def kernel_names(gs):  # the Triton kernels of the graphs, in graph order
+    return [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
+            for g in gs for n in g.graph.nodes
+            if str(n.target) == "triton_kernel_wrapper_functional"]
+
+
 def capture(gm, example_inputs):
     graphs.append(gm)
     def stop(*args):
@@ -491,9 +500,7 @@ for name, fn in fns.items():
     except RuntimeError as exc:
         if "captured" not in str(exc):
             raise
-    kernels = sum(str(n.target) == "triton_kernel_wrapper_functional"
-                  for g in graphs for n in g.graph.nodes)
-    print(name, kernels)
+    print(name, *kernel_names(graphs))
 """
 
 
@@ -508,10 +515,15 @@ def test_triton_ops_decompose_into_kernels_under_compile():
     proc = subprocess.run([sys.executable, "-c", _CAPTURE], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
-    assert int(counts["forward"]) == 1
-    assert int(counts["batch_stats"]) == 1
-    assert int(counts["backward"]) == 2  # the weight-gradient (+ sums) pass and the dx pass
+    kernels = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
+               if line.strip()}
+    # The BatchNorm's scale and shift, then the convolution.
+    assert kernels["forward"] == ["scale_shift_kernel", "bn_relu_conv2d_fwd_kernel"]
+    # The partial statistics, then Chan's merge of them.
+    assert kernels["batch_stats"] == ["batch_stats_kernel", "stats_combine_kernel"]
+    # Scale and shift, the weight-gradient (+ BN sums) pass, their reduction, the dx pass.
+    assert kernels["backward"] == ["scale_shift_kernel", "wgrad_kernel", "partials_reduce_kernel",
+                                   "dgrad_kernel"]
 
 
 _CAPTURE_BLOCK = r"""
@@ -542,6 +554,14 @@ fusedres._backend.AUTO_ORDER["cpu"] = ("triton", "cpu", "portable")
 fconfig.force_non_lazy_backward_lowering = True  # trace the backward graph now
 graphs = {"fw": [], "bw": []}
 
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+
+def kernel_names(gs):  # the Triton kernels of the graphs, in graph order
+    return [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
+            for g in gs for n in g.graph.nodes
+            if str(n.target) == "triton_kernel_wrapper_functional"]
+
 
 def capture(kind):
     def compiler(gm, example_inputs):
@@ -569,9 +589,8 @@ for phase in ("auto", "portable"):
                 raise
     for kind, gs in graphs.items():
         nodes = [n for g in gs for n in g.graph.nodes if n.op == "call_function"]
-        kernels = sum(str(n.target) == "triton_kernel_wrapper_functional" for n in nodes)
         opaque = sum("fusedres" in str(n.target) for n in nodes)
-        print(phase, kind, len(gs), kernels, opaque)
+        print(phase, kind, len(gs), opaque, *kernel_names(gs))
 """
 
 
@@ -587,16 +606,29 @@ def test_compiled_block_traces_down_to_the_triton_kernels():
     proc = subprocess.run([sys.executable, "-c", _CAPTURE_BLOCK], capture_output=True,
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = {tuple(line.split()[:2]): [int(v) for v in line.split()[2:]]
-              for line in proc.stdout.splitlines() if line.strip()}
-    graphs, kernels, opaque = counts["auto", "fw"]
-    # bn1's statistics, conv1 (with bn2's statistics in its epilogue), shortcut, conv2
-    assert (graphs, kernels, opaque) == (1, 4, 0)
-    graphs, kernels, opaque = counts["auto", "bw"]
-    assert graphs == 1 and kernels >= 6 and opaque == 0  # two passes per convolution at least
+    counts = {}
+    for line in proc.stdout.splitlines():
+        if line.strip():
+            phase, kind, graphs, opaque, *kernels = line.split()
+            counts[phase, kind] = (int(graphs), int(opaque), kernels)
+    graphs, opaque, kernels = counts["auto", "fw"]
+    assert (graphs, opaque) == (1, 0)
+    # bn1's statistics (partials, merge); conv1 (scale and shift, the convolution with bn2's
+    # partial statistics in its epilogue); the shortcut; bn2's merge; conv2.
+    conv = ["scale_shift_kernel", "bn_relu_conv2d_fwd_kernel"]
+    assert kernels == (["batch_stats_kernel", "stats_combine_kernel"] + conv + conv
+                       + ["stats_combine_kernel"] + conv)
+    graphs, opaque, kernels = counts["auto", "bw"]
+    assert graphs == 1 and opaque == 0
+    # Per convolution: scale and shift, the weight gradient (+ BN sums), their reduction, and
+    # the dx pass (one launch per stride phase of a strided convolution).
+    assert kernels.count("wgrad_kernel") == kernels.count("partials_reduce_kernel") == 3
+    assert kernels.count("scale_shift_kernel") == 3 and kernels.count("dgrad_kernel") >= 3
+    assert set(kernels) == {"scale_shift_kernel", "wgrad_kernel", "partials_reduce_kernel",
+                            "dgrad_kernel"}
     # Another backend in force after compiling: retraced, through the public (opaque) ops.
-    graphs, kernels, opaque = counts["portable", "fw"]
-    assert graphs == 1 and kernels == 0 and opaque == 4
+    graphs, opaque, kernels = counts["portable", "fw"]
+    assert graphs == 1 and kernels == [] and opaque == 4
 
 
 @pytest.mark.parametrize("genstats", [False, True])
