@@ -204,13 +204,21 @@ std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
   return batch_stats_kernel(x_in.contiguous(memory_format(layout)), layout);
 }
 
-// One convolution of the activation tiles in a forward pass: weight, bias, geometry, branch
-// factor and residual in; its output y out (allocated by forward_convs).
-struct ConvFwd {
+// One convolution of a BN-ReLU's activation tiles: its weight, geometry and branch factor.
+struct ConvSpec {
+  ConvSpec(const at::Tensor& weight, c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
+           c10::SymIntArrayRef dilation, at::Tensor bs = {})
+      : weight(weight), stride(ints(stride)), padding(ints(padding)), dilation(ints(dilation)),
+        bs(std::move(bs)) {}
   at::Tensor weight;
-  std::optional<at::Tensor> bias, residual;
   std::vector<int64_t> stride, padding, dilation;
   at::Tensor bs;  // branch_factor(...) or undefined
+};
+
+// A convolution in a forward pass: bias and residual in; its output y out (allocated by
+// forward_convs).
+struct ConvFwd : ConvSpec {
+  std::optional<at::Tensor> bias, residual;
   at::Tensor y;
 };
 
@@ -323,20 +331,6 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
   }
 }
 
-ConvFwd conv_fwd(const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                 const std::optional<at::Tensor>& residual, c10::SymIntArrayRef stride,
-                 c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, at::Tensor bs) {
-  ConvFwd c;
-  c.weight = weight;
-  c.bias = bias;
-  c.residual = residual;
-  c.stride = ints(stride);
-  c.padding = ints(padding);
-  c.dilation = ints(dilation);
-  c.bs = std::move(bs);
-  return c;
-}
-
 at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& bn_weight,
@@ -346,9 +340,10 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
                           c10::SymIntArrayRef dilation, bool /*batch_stats*/,
                           const std::optional<at::Tensor>& branch_scale) {
   check_inputs(x_in, weight, mean, invstd);
-  std::vector<ConvFwd> convs;
-  convs.push_back(conv_fwd(weight, bias, residual, stride, padding, dilation,
-                           branch_factor(branch_scale, x_in, weight)));
+  std::vector<ConvFwd> convs{ConvFwd{
+      {weight, stride, padding, dilation, branch_factor(branch_scale, x_in, weight)},
+      bias,
+      residual}};
   forward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd);
   return convs[0].y;
 }
@@ -368,9 +363,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_pair(
   TORCH_CHECK(weight2.scalar_type() == weight.scalar_type(),
               "fusedres_cpu.bn_relu_conv2d_pair: weight2 must have weight's dtype ",
               weight.scalar_type(), ", got ", weight2.scalar_type());
-  std::vector<ConvFwd> convs;
-  convs.push_back(conv_fwd(weight, bias, std::nullopt, stride, padding, dilation, {}));
-  convs.push_back(conv_fwd(weight2, bias2, std::nullopt, stride2, padding2, dilation2, {}));
+  std::vector<ConvFwd> convs{ConvFwd{{weight, stride, padding, dilation}, bias, std::nullopt},
+                             ConvFwd{{weight2, stride2, padding2, dilation2}, bias2, std::nullopt}};
   forward_convs(x, convs, bn_weight, bn_bias, mean, invstd);
   at::Tensor m, v;
   if (stats2) {
@@ -397,30 +391,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
   return {std::move(y), std::move(y_mean), std::move(y_var)};
 }
 
-// One convolution of the shared activation in a backward pass: its incoming gradient, weight,
-// geometry and branch factor, which of its gradients are wanted, and (out) those gradients.
-struct ConvGrad {
-  at::Tensor grad_out, weight;
-  std::vector<int64_t> stride, padding, dilation;
-  at::Tensor bs;  // branch_factor(...) or undefined
+// A convolution in a backward pass: its incoming gradient and which of its gradients are wanted
+// in; those gradients out (allocated by backward_convs).
+struct ConvGrad : ConvSpec {
+  at::Tensor grad_out;
   bool want_w = false, want_b = false;
-  at::Tensor gw, gb;  // results, allocated by the caller with the ops' output metadata
+  at::Tensor gw, gb;
 };
 
 // The backward of one BN-ReLU feeding the convolutions `convs` (one for the fused unit; two for
 // a pre-activation unit's projection shortcut and first convolution, bn_relu_conv2d_pair_backward):
 // per tile the activation is recomputed once, each convolution's data gradient is added into one
 // tile, and one mask + sums pass and one data-gradient pass run over x, whatever the number of
-// convolutions. Fills each conv's gw/gb and gx, gg, gbeta (those wanted).
-void backward_convs(const at::Tensor& x_in, std::vector<ConvGrad>& convs,
-                    const std::optional<at::Tensor>& bn_weight,
-                    const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
-                    const at::Tensor& invstd, bool batch_stats, bool want_x, bool want_g,
-                    bool want_beta, at::Tensor& gx, at::Tensor& gg, at::Tensor& gbeta) {
+// convolutions. Returns (gx, gg, gbeta) and fills each conv's gw, gb; every output has the
+// metadata of ops.backward_empty_outputs (empty when not wanted).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
+    const at::Tensor& x_in, std::vector<ConvGrad>& convs,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, bool batch_stats, bool want_x, bool want_g,
+    bool want_beta) {
+  const int64_t C_in = x_in.size(1);
+  at::Tensor gx = want_x ? at::empty_like(x_in) : x_in.new_empty({0});
+  at::Tensor gg = mean.new_empty({want_g ? C_in : 0});
+  at::Tensor gbeta = mean.new_empty({want_beta ? C_in : 0});
+  bool need_conv = want_x || want_g || want_beta;
+  for (ConvGrad& c : convs) {
+    c.gw = c.want_w ? at::empty_like(c.weight) : c.weight.new_empty({0});
+    c.gb = c.weight.new_empty({c.want_b ? c.weight.size(0) : 0});
+    need_conv = need_conv || c.want_w || c.want_b;
+  }
+  if (!need_conv) return {gx, gg, gbeta};
   const bool need_da = want_x || want_g || want_beta;
-  bool need_conv = need_da;
-  for (const ConvGrad& c : convs) need_conv = need_conv || c.want_w || c.want_b;
-  if (!need_conv) return;
 
   const Layout layout = layout_of(x_in);
   const at::MemoryFormat fmt = memory_format(layout);
@@ -588,7 +589,7 @@ void backward_convs(const at::Tensor& x_in, std::vector<ConvGrad>& convs,
     if (convs[i].want_w && work[i].gw_acc.defined()) convs[i].gw.copy_(work[i].gw_acc);
     if (convs[i].want_b) convs[i].gb.copy_(work[i].gb_acc);
   }
-  if (!need_da) return;
+  if (!need_da) return {gx, gg, gbeta};
 
   // One loop over C: the threads' sums (double), the BN parameter gradients, and the
   // coefficients of the data gradient dx = k1 * dz + k2 * (x - mean) + k3. Training:
@@ -625,24 +626,7 @@ void backward_convs(const at::Tensor& x_in, std::vector<ConvGrad>& convs,
     if (apply) bn_backward_apply_kernel(dz, x, bn.mean, coef[0], coef[1], coef[2], gx_work, layout);
     if (!gx_work.is_same(gx)) gx.copy_(gx_work);
   }
-}
-
-ConvGrad conv_grad(const at::Tensor& grad_out, const at::Tensor& weight, c10::SymIntArrayRef stride,
-                   c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, at::Tensor bs,
-                   bool want_w, bool want_b) {
-  ConvGrad c;
-  c.grad_out = grad_out;
-  c.weight = weight;
-  c.stride = ints(stride);
-  c.padding = ints(padding);
-  c.dilation = ints(dilation);
-  c.bs = std::move(bs);
-  c.want_w = want_w;
-  c.want_b = want_b;
-  // Outputs with the metadata of ops.backward_empty_outputs.
-  c.gw = want_w ? at::empty_like(weight) : weight.new_empty({0});
-  c.gb = weight.new_empty({want_b ? weight.size(0) : 0});
-  return c;
+  return {gx, gg, gbeta};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
@@ -653,15 +637,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale) {
   check_inputs(x_in, weight, mean, invstd);
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
-  const int64_t C = x_in.size(1);
-  std::vector<ConvGrad> convs;
-  convs.push_back(conv_grad(grad_out, weight, stride, padding, dilation,
-                            branch_factor(branch_scale, x_in, weight), want_w, want_b));
-  at::Tensor gx = want_x ? at::empty_like(x_in) : x_in.new_empty({0});
-  at::Tensor gg = mean.new_empty({want_g ? C : 0});
-  at::Tensor gbeta = mean.new_empty({want_beta ? C : 0});
-  backward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd, batch_stats, want_x, want_g,
-                 want_beta, gx, gg, gbeta);
+  std::vector<ConvGrad> convs{ConvGrad{
+      {weight, stride, padding, dilation, branch_factor(branch_scale, x_in, weight)},
+      grad_out,
+      want_w,
+      want_b}};
+  auto [gx, gg, gbeta] = backward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd,
+                                        batch_stats, want_x, want_g, want_beta);
   return {gx, convs[0].gw, convs[0].gb, gg, gbeta};
 }
 
@@ -685,15 +667,11 @@ bn_relu_conv2d_pair_backward(const at::Tensor& grad_out, const at::Tensor& grad_
               "fusedres_cpu.bn_relu_conv2d_pair_backward: weight2 must have weight's dtype ",
               weight.scalar_type(), ", got ", weight2.scalar_type());
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
-  const int64_t C = x_in.size(1);
-  std::vector<ConvGrad> convs;
-  convs.push_back(conv_grad(grad_out, weight, stride, padding, dilation, {}, want_w, want_b));
-  convs.push_back(conv_grad(grad_out2, weight2, stride2, padding2, dilation2, {}, want_w, want_b));
-  at::Tensor gx = want_x ? at::empty_like(x_in) : x_in.new_empty({0});
-  at::Tensor gg = mean.new_empty({want_g ? C : 0});
-  at::Tensor gbeta = mean.new_empty({want_beta ? C : 0});
-  backward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd, batch_stats, want_x, want_g,
-                 want_beta, gx, gg, gbeta);
+  std::vector<ConvGrad> convs{
+      ConvGrad{{weight, stride, padding, dilation}, grad_out, want_w, want_b},
+      ConvGrad{{weight2, stride2, padding2, dilation2}, grad_out2, want_w, want_b}};
+  auto [gx, gg, gbeta] = backward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd,
+                                        batch_stats, want_x, want_g, want_beta);
   return {gx, convs[0].gw, convs[0].gb, convs[1].gw, convs[1].gb, gg, gbeta};
 }
 
