@@ -426,10 +426,7 @@ class ResidualBlock(nn.Module):
         unit 64 -> 256 @56 channels_last ran 221 ms stacked vs 211 ms as two ops. Strided, the
         stack beats the cpu backend's paired route too: ResNet-164's 64-32-128 /2 unit 59.7 vs
         74.9 ms NCHW, 43.1 vs 45.4 ms channels_last, and peaks lower; RESULTS.md.)"""
-        return (isinstance(self.layer, FusedBNReLUConv) and self.unit == "preact"
-                and self.shortcut is not None and self.num_convs > 1
-                and self.bns[0] is not None and self.bns[1] is not None
-                and self.shortcut.stride != (1, 1)
+        return (self._fused_projection_reads_bn1 and self.shortcut.stride != (1, 1)
                 and _concatenable(self.shortcut, self.convs[0]))
 
     @property
@@ -438,10 +435,15 @@ class ResidualBlock(nn.Module):
         :func:`paired_conv_into` (one backward over x on the cpu backend): a :data:`FUSED`
         pre-activation unit with a projection and both BatchNorms whose convolutions are not
         :attr:`stacked_shortcut`."""
+        return self._fused_projection_reads_bn1 and not self.stacked_shortcut
+
+    @property
+    def _fused_projection_reads_bn1(self) -> bool:
+        # A FUSED pre-activation unit whose projection and conv1 read bn1's BN-ReLU, and whose
+        # conv1 feeds bn2: what both shortcut routes need.
         return (isinstance(self.layer, FusedBNReLUConv) and self.unit == "preact"
                 and self.shortcut is not None and self.num_convs > 1
-                and self.bns[0] is not None and self.bns[1] is not None
-                and not self.stacked_shortcut)
+                and self.bns[0] is not None and self.bns[1] is not None)
 
     @property
     def fused(self) -> bool:

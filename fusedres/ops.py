@@ -228,11 +228,11 @@ class _EagerCpuPair(torch.autograd.Function):
     forward (the activation computed once per tile for both) and
     ``fusedres_cpu::bn_relu_conv2d_pair_backward`` (one recompute of the activation, one
     ReLU-mask + BatchNorm-sums pass and one data-gradient pass over x, instead of two of each
-    and the sum of two x gradients). Saves x, both weights, the BN
-    parameters and statistics once. ``apply(x, weight, bias, weight2, bias2, bn_weight,
-    bn_bias, mean, invstd, geometry, geometry2, batch_stats, genstats)`` -> ``(y, y2)`` or
-    ``(y, y2, mean2, var2)`` (``genstats``: the statistics of ``y2``); geometries are
-    (stride, padding, dilation) triples. No residual, no branch scale."""
+    and the sum of two x gradients). Saves x, both weights, the BN parameters and statistics
+    once. ``apply(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, geometry,
+    geometry2, batch_stats, genstats)`` -> ``(y, y2)`` or ``(y, y2, mean2, var2)``
+    (``genstats``: the statistics of ``y2``); geometries are (stride, padding, dilation)
+    triples. No residual, no branch scale."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd,
