@@ -296,6 +296,32 @@ def conv2d_pair_from_prepared(state: BatchNormState, weight: Tensor, bias: Tenso
                                    return_stats=return_stats)
 
 
+def conv2d_with_shortcut_from_prepared(state: BatchNormState, weight: Tensor,
+                                       bias: Tensor | None, geometry: ConvGeometry, *,
+                                       return_stats: bool = False):
+    """``(x, conv2d(a, weight, bias))`` for ``a = relu(bn(x))`` prepared in ``state`` (geometry
+    from :func:`check_conv_args`, already checked): a pre-activation unit's first convolution
+    and its identity shortcut ``x``, the last convolution's residual. ``return_stats``: the
+    second is ``(y, stats of y)`` as :func:`conv2d_from_prepared` gives them.
+
+    On the cpu backend in eager mode the ``x`` returned is a view that the fused op hands out
+    (``ops.EagerCpuUnitWithShortcut``), so that the two gradients of x, the shortcut's and the
+    convolution's, are summed in the op's data-gradient pass instead of by autograd in a pass
+    of its own. Elsewhere ``x`` itself and :func:`conv2d_from_prepared`."""
+    x = state.x
+    if (state.activated is None and ops.EagerCpuUnitWithShortcut is not None
+            and ops.eager_cpu(x) and _autocast_dtype(x, weight) is None):
+        args = UnitArgs(x=x, weight=weight, bias=bias, bn_weight=state.bn_weight,
+                        bn_bias=state.bn_bias, mean=state.mean, invstd=state.invstd,
+                        residual=None, stride=geometry.stride, padding=geometry.padding,
+                        dilation=geometry.dilation, batch_stats=state.batch_stats,
+                        branch_scale=None)
+        out = ops.EagerCpuUnitWithShortcut.apply(*args, return_stats)
+        return out[1], ((out[0], (out[2], out[3])) if return_stats else out[0])
+    return x, conv2d_from_prepared(state, weight, bias, geometry=geometry,
+                                   return_stats=return_stats)
+
+
 # The device whose traced units go through the triton_ops (a test traces "cpu" tensors instead).
 _TRACED_DEVICE_TYPE = "cuda"
 

@@ -168,6 +168,20 @@ def paired_conv_into(state: FR.BatchNormState, short: nn.Conv2d, first: nn.Conv2
     return h, (prepare(bn, *f) if stats else prepare(bn, f))
 
 
+def shortcut_conv_into(state: FR.BatchNormState, first: nn.Conv2d,
+                       bn: nn.BatchNorm2d) -> tuple[Tensor, FR.BatchNormState]:
+    """``(x, prepare(bn, first(a)))`` for ``a = relu(bn_in(x))`` prepared in ``state``: a
+    pre-activation unit's identity shortcut and first convolution, through
+    :func:`fusedres.functional.conv2d_with_shortcut_from_prepared` (on the cpu backend the
+    shortcut's gradient is summed into x's in the convolution's data-gradient pass)."""
+    geometry = FR.check_conv_args(state.x, first.weight, first.bias, None, first.stride,
+                                  first.padding, first.dilation)
+    stats = wants_stats(bn)
+    short, f = FR.conv2d_with_shortcut_from_prepared(state, first.weight, first.bias, geometry,
+                                                     return_stats=stats)
+    return short, (prepare(bn, *f) if stats else prepare(bn, f))
+
+
 def _has_no_data(x: Tensor) -> bool:
     """A meta or fake tensor (the planner's simulated step): no value to branch on."""
     from torch._subclasses.fake_tensor import is_fake
@@ -438,6 +452,18 @@ class ResidualBlock(nn.Module):
         return self._fused_projection_reads_bn1 and not self.stacked_shortcut
 
     @property
+    def shortcut_from_conv1(self) -> bool:
+        """Whether this unit takes its identity shortcut from conv1's fused op
+        (:func:`shortcut_conv_into`), so that the shortcut's gradient and the branch's are
+        summed in conv1's data-gradient pass on the cpu backend: a :data:`FUSED`
+        pre-activation unit with the identity shortcut and BatchNorms before conv1 and conv2.
+        (Autograd's own sum reads both gradients and writes a third tensor of x's size;
+        measured on 2 cores, ResNet-164's 64-16-64 @32 unit channels_last, RESULTS.md.)"""
+        return (isinstance(self.layer, FusedBNReLUConv) and self.unit == "preact"
+                and self.path == "identity" and self.num_convs > 1
+                and self.bns[0] is not None and self.bns[1] is not None)
+
+    @property
     def _fused_projection_reads_bn1(self) -> bool:
         # A FUSED pre-activation unit whose projection and conv1 read bn1's BN-ReLU, and whose
         # conv1 feeds bn2: what both shortcut routes need.
@@ -589,6 +615,9 @@ class ResidualBlock(nn.Module):
             first = 2
         elif self.paired_shortcut:
             short, a = paired_conv_into(a, self.shortcut, convs[0], bns[1])
+            first = 2
+        elif self.shortcut_from_conv1:
+            short, a = shortcut_conv_into(a, convs[0], bns[1])
             first = 2
         else:
             short = self._short(x, a)

@@ -75,6 +75,13 @@ NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
             "SymInt[2] padding, SymInt[2] dilation, SymInt[2] stride2, SymInt[2] padding2, "
             "SymInt[2] dilation2, bool batch_stats, bool[5] output_mask) "
             "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"),
+        # bn_relu_conv2d_backward with grad_x_add (x's shape) added to grad_x in its pass:
+        # the gradient a pre-activation unit's identity shortcut brings to x.
+        "bn_relu_conv2d_backward_add": (
+            "(Tensor grad_out, Tensor x, Tensor weight, Tensor? bn_weight, Tensor? bn_bias, "
+            "Tensor mean, Tensor invstd, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, "
+            "bool batch_stats, bool[5] output_mask, Tensor? branch_scale, Tensor grad_x_add) "
+            "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"),
     },
 }
 

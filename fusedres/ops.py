@@ -49,9 +49,9 @@ from .opdefs import (
     stats_dtype,
 )
 
-__all__ = ["EagerCpuPair", "EagerCpuUnit", "batch_stats", "bn_relu_conv2d",
-           "bn_relu_conv2d_backward", "bn_relu_conv2d_genstats", "direct_unit", "eager_cpu",
-           "unit_backward", "unit_setup_context"]
+__all__ = ["EagerCpuPair", "EagerCpuUnit", "EagerCpuUnitWithShortcut", "batch_stats",
+           "bn_relu_conv2d", "bn_relu_conv2d_backward", "bn_relu_conv2d_genstats", "direct_unit",
+           "eager_cpu", "unit_backward", "unit_setup_context"]
 
 
 def _backend_for(x: Tensor):
@@ -268,6 +268,42 @@ class _EagerCpuPair(torch.autograd.Function):
 
 
 EagerCpuPair = _EagerCpuPair if _extension.LOADED else None
+
+
+class _EagerCpuUnitWithShortcut(torch.autograd.Function):
+    """The fused unit on the cpu backend that also returns its input ``x`` (a view) for a
+    pre-activation unit's identity shortcut: ``apply(*UnitArgs, genstats)`` (no residual, no
+    branch scale) -> ``(y, x)`` or ``(y, x, mean, var)``. Autograd then sees x used once, and
+    the two gradients of x (the shortcut's, which the unit's last convolution hands back as its
+    residual's, and the convolution's) are summed in the data-gradient pass of
+    ``fusedres_cpu::bn_relu_conv2d_backward_add`` instead of by autograd, which reads both and
+    writes a third tensor of x's size (a new one when the shortcut's gradient is still
+    referenced: the caller's ``backward(grad)``). Saves what :data:`EagerCpuUnit` saves."""
+
+    @staticmethod
+    def forward(ctx, *inputs_and_genstats):
+        *inputs, genstats = inputs_and_genstats
+        unit_setup_context(ctx, inputs, None)
+        ctx.set_materialize_grads(False)
+        x = inputs[0]
+        if not genstats:
+            return torch.ops.fusedres_cpu.bn_relu_conv2d(*inputs), x.view_as(x)
+        y, mean, var = torch.ops.fusedres_cpu.bn_relu_conv2d_genstats(*inputs)
+        ctx.mark_non_differentiable(mean, var)
+        return y, x.view_as(x), mean, var
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_short, *_stats_grads):
+        if grad_out is None:  # y took no gradient: x's is the shortcut's alone
+            return (grad_short, *([None] * len(UnitArgs._fields)))
+        op = torch.ops.fusedres_cpu.bn_relu_conv2d_backward
+        if grad_short is not None and ctx.needs_input_grad[_SLOT["x"]]:
+            def op(*args):
+                return torch.ops.fusedres_cpu.bn_relu_conv2d_backward_add(*args, grad_short)
+        return (*unit_backward(ctx, grad_out, op), None)
+
+
+EagerCpuUnitWithShortcut = _EagerCpuUnitWithShortcut if _extension.LOADED else None
 
 
 def eager_cpu(x: Tensor) -> bool:

@@ -384,6 +384,49 @@ def test_pair_is_two_units(monkeypatch, pair, channels_last, dtype, tile_bytes):
                                          *geo2, True, [True] * 5)
 
 
+@pytest.mark.parametrize("add_as", ["x", "other layout", "other dtype"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16],
+                         ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("c", [16, 17], ids=["c16", "c17"])
+def test_backward_add_is_backward_plus_add(c, channels_last, dtype, add_as):
+    """bn_relu_conv2d_backward_add (a unit's identity-shortcut gradient summed into x's) gives
+    bn_relu_conv2d_backward's gradients with grad_x_add added to grad_x, in x's dtype and
+    strides: an addend laid out as x joins the data-gradient pass, one in another layout or
+    dtype is added after; training and eval statistics (eval's first pass writes the result
+    itself); 17 channels take the NHWC period rows; the other outputs are untouched."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    args = _inputs(n=5, c=c, h=6, w=7, co=8, dtype=dtype, x_format=fmt, residual=False)
+    x = args[0]
+    g = torch.randn(opdefs.out_shape(x, args[1], [1, 1], [1, 1], [1, 1])).to(dtype)
+    g = g.contiguous(memory_format=fmt)
+    add = torch.randn(x.shape).to(dtype)
+    add = {"x": add.contiguous(memory_format=fmt),
+           "other layout": add.contiguous(memory_format=torch.contiguous_format if channels_last
+                                          else torch.channels_last),
+           "other dtype": add.to(torch.float64 if dtype != torch.float64 else torch.float32)
+           .contiguous(memory_format=fmt)}[add_as]
+    before = add.clone()
+    for batch_stats in (True, False):
+        for mask in ([True] * 5, [True, False, False, False, False]):
+            bargs = _backward_args(args, g, batch_stats, mask)
+            want = OPS.bn_relu_conv2d_backward(*bargs)
+            got = OPS.bn_relu_conv2d_backward_add(*bargs, None, add)
+            expected = want[0].double() + add.double()
+            assert got[0].dtype == x.dtype and got[0].stride() == x.stride()
+            tol = 2 * _tol(dtype) * max(1.0, expected.abs().max().item())
+            torch.testing.assert_close(got[0].double(), expected, atol=tol, rtol=2 * _tol(dtype),
+                                       msg=f"grad_x, {mask} {batch_stats}")
+            for name, a, b in zip(("weight", "bias", "bn_weight", "bn_bias"), got[1:], want[1:]):
+                torch.testing.assert_close(a, b, msg=name)
+    assert torch.equal(add, before)  # read, never written
+    bargs = _backward_args(args, g, True)
+    with pytest.raises(RuntimeError, match="grad_x_add must have x's shape"):
+        OPS.bn_relu_conv2d_backward_add(*bargs, None, add[:1])
+    with pytest.raises(RuntimeError, match=r"output_mask\[0\] \(x\) must be set"):
+        OPS.bn_relu_conv2d_backward_add(*bargs[:-1], [False, True, True, True, True], None, add)
+
+
 @pytest.mark.parametrize("c,hw", [(64, 32), (24, 32), (16, 33)])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 def test_large_dz_streams_past_the_cache(monkeypatch, c, hw, channels_last):

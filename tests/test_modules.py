@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fusedres
+from fusedres import functional as FR
 from helpers import OpCounter
 
 BLOCKS = [
@@ -106,6 +107,94 @@ def test_shared_preactivation_costs_one_stats_pass_and_one_update(backend):
     assert fusedres.PreActBottleneck(8, 4, stride=2).stacked_shortcut
     assert not fusedres.PreActBottleneck(8, 4, stride=1).stacked_shortcut
     assert not fusedres.PreActBottleneck(8, 4, stride=2, fused=False).stacked_shortcut
+
+
+def _graph(y):
+    """Every autograd node behind ``y``, and how many edges reach each one."""
+    edges, todo, seen = {}, [y.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for f, _ in node.next_functions:
+            if f is not None:
+                edges[f] = edges.get(f, 0) + 1
+                todo.append(f)
+    return seen, edges
+
+
+IDENTITY_UNITS = {  # name: (block class, kwargs)
+    "bottleneck": (fusedres.PreActBottleneck, dict(planes=2)),
+    "basic": (fusedres.PreActBasicBlock, dict(planes=8)),
+    "bottleneck, drop_path": (fusedres.PreActBottleneck, dict(planes=2, drop_path=0.5)),
+}
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "cl"])
+@pytest.mark.parametrize("name", IDENTITY_UNITS)
+def test_identity_unit_matches_plain(backend, name, channels_last):
+    """An identity unit takes its shortcut from conv1's fused op (shortcut_from_conv1): the
+    plain unit's output, every gradient and the running statistics, in both layouts, training
+    (with a per-sample branch scale too) and eval. On the cpu backend x has one consumer, the
+    conv1 node, which sums the shortcut's gradient into x's (autograd adds nothing)."""
+    block, kwargs = IDENTITY_UNITS[name]
+    torch.manual_seed(0)
+    fused = block(8, **kwargs).double()
+    plain = block(8, **kwargs, fused=False).double()
+    assert fused.shortcut_from_conv1 and not plain.shortcut_from_conv1
+    plain.load_state_dict(fused.state_dict())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(4, 8, 6, 6, dtype=torch.float64).to(memory_format=fmt)
+    if backend == "cpu":
+        leaf = x.clone().requires_grad_()
+        nodes, edges = _graph(copy.deepcopy(fused)(leaf))  # a copy: its running stats move
+        assert sum(type(n).__name__ == "_EagerCpuUnitWithShortcutBackward" for n in nodes) == 1
+        (acc,) = [n for n in nodes if type(n).__name__ == "AccumulateGrad"
+                  and n.variable is leaf]
+        assert edges[acc] == 1
+    for training in (True, False):
+        fused.train(training), plain.train(training)
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        torch.manual_seed(1)
+        yf = fused(xs[0])
+        torch.manual_seed(1)
+        yp = plain(xs[1])
+        g = torch.randn_like(yp)
+        yf.backward(g), yp.backward(g)
+        torch.testing.assert_close(yf, yp)
+        torch.testing.assert_close(xs[0].grad, xs[1].grad)
+        for (pname, p), q in zip(fused.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=pname)
+            p.grad = q.grad = None
+        for (bname, b), c in zip(fused.named_buffers(), plain.buffers()):
+            torch.testing.assert_close(b, c, msg=bname)
+
+
+def test_shortcut_from_conv1_either_gradient_alone():
+    """conv2d_with_shortcut_from_prepared on the cpu backend: x's gradient when only the
+    convolution's output, or only the shortcut, reaches the loss, as without the route."""
+    conv = torch.nn.Conv2d(6, 5, 3, padding=1).double()
+    bn = torch.nn.BatchNorm2d(6).double()
+    with fusedres.use_backend("cpu"):
+        for use in ("y", "shortcut"):
+            grads = []
+            for route in (True, False):
+                x = torch.randn(3, 6, 5, 5, dtype=torch.float64, generator=torch.Generator()
+                                .manual_seed(2)).requires_grad_()
+                state = fusedres.modules.prepare(bn, x)
+                geometry = FR.check_conv_args(x, conv.weight, conv.bias, None, conv.stride,
+                                              conv.padding, conv.dilation)
+                if route:
+                    short, y = FR.conv2d_with_shortcut_from_prepared(state, conv.weight,
+                                                                     conv.bias, geometry)
+                    assert short._base is x
+                else:
+                    short, y = x, FR.conv2d_from_prepared(state, conv.weight, conv.bias,
+                                                          geometry=geometry)
+                ((y if use == "y" else short) * 3).sum().backward()
+                grads.append(x.grad)
+            torch.testing.assert_close(grads[0], grads[1], msg=use)
 
 
 PROJECTIONS = {  # name: (block class, kwargs, stacked, paired)

@@ -362,13 +362,14 @@ void backward_reduce_da_nhwc_impl(const at::Tensor& da, const at::Tensor& x,
 template <typename X>
 void backward_apply_impl(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mean,
                          const at::Tensor& k1, const at::Tensor& k2, const at::Tensor& k3,
-                         at::Tensor& gx, Layout layout) {
+                         at::Tensor& gx, Layout layout, const at::Tensor* add) {
   using A = acc_t<X>;
   using V = Vectorized<A>;
   constexpr int64_t L = V::size();
   const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
   const X* xp = cptr<X>(x);
   const A* zp = cptr<A>(dz);
+  const X* qp = add ? cptr<X>(*add) : nullptr;
   X* gp = gx.data_ptr<X>();
   const A *mp = cptr<A>(mean), *ap = cptr<A>(k1), *bp = cptr<A>(k2), *cp = cptr<A>(k3);
   if (layout == Layout::NCHW) {
@@ -379,15 +380,19 @@ void backward_apply_impl(const at::Tensor& dz, const at::Tensor& x, const at::Te
         const V mv(m), v1(a1), v2(a2), v3(a3);
         const X* xr = xp + p * HW;
         const A* zr = zp + p * HW;
+        const X* qr = qp ? qp + p * HW : nullptr;
         X* gr = gp + p * HW;
         int64_t i = 0;
         for (; i + L <= HW; i += L) {
-          const V r = at::vec::fmadd(V::loadu(zr + i), v1,
-                                     at::vec::fmadd(VecIO<X>::load(xr + i) - mv, v2, v3));
+          V r = at::vec::fmadd(V::loadu(zr + i), v1,
+                               at::vec::fmadd(VecIO<X>::load(xr + i) - mv, v2, v3));
+          if (qr) r = r + VecIO<X>::load(qr + i);
           VecIO<X>::store(gr + i, r);
         }
         for (; i < HW; ++i) {
-          gr[i] = static_cast<X>(zr[i] * a1 + (static_cast<A>(xr[i]) - m) * a2 + a3);
+          A r = zr[i] * a1 + (static_cast<A>(xr[i]) - m) * a2 + a3;
+          if (qr) r += static_cast<A>(qr[i]);
+          gr[i] = static_cast<X>(r);
         }
       }
     });
@@ -396,15 +401,20 @@ void backward_apply_impl(const at::Tensor& dz, const at::Tensor& x, const at::Te
       for (int64_t r = b; r < e; ++r) {
         const X* xr = xp + r * C;
         const A* zr = zp + r * C;
+        const X* qr = qp ? qp + r * C : nullptr;
         X* gr = gp + r * C;
         int64_t c = 0;
         for (; c + L <= C; c += L) {
           const V t = at::vec::fmadd(VecIO<X>::load(xr + c) - V::loadu(mp + c), V::loadu(bp + c),
                                      V::loadu(cp + c));
-          VecIO<X>::store(gr + c, at::vec::fmadd(V::loadu(zr + c), V::loadu(ap + c), t));
+          V v = at::vec::fmadd(V::loadu(zr + c), V::loadu(ap + c), t);
+          if (qr) v = v + VecIO<X>::load(qr + c);
+          VecIO<X>::store(gr + c, v);
         }
         for (; c < C; ++c) {
-          gr[c] = static_cast<X>(zr[c] * ap[c] + (static_cast<A>(xr[c]) - mp[c]) * bp[c] + cp[c]);
+          A v = zr[c] * ap[c] + (static_cast<A>(xr[c]) - mp[c]) * bp[c] + cp[c];
+          if (qr) v += static_cast<A>(qr[c]);
+          gr[c] = static_cast<X>(v);
         }
       }
     });
@@ -570,26 +580,30 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
 
 void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mean,
                               const at::Tensor& k1, const at::Tensor& k2, const at::Tensor& k3,
-                              at::Tensor& gx, Layout layout) {
+                              at::Tensor& gx, Layout layout, const at::Tensor* add) {
   RECORD_FUNCTION("fusedres_cpu::bn_dx (kernel)", c10::ArrayRef<c10::IValue>{});
+  TORCH_INTERNAL_ASSERT(!add || (add->scalar_type() == x.scalar_type() &&
+                                 add->sizes() == x.sizes() && dense_in(*add, layout)));
   if (layout == Layout::NHWC) {
     const Periods pr = nhwc_periods(x);
     if (pr.P) {
       const int64_t C = x.size(1), head = pr.rows * pr.P;
       at::Tensor gx_rows = rows_view(gx, 0, pr.rows, pr.P);
+      const at::Tensor add_rows = add ? rows_view(*add, 0, pr.rows, pr.P) : at::Tensor();
       bn_backward_apply_kernel(rows_view(dz, 0, pr.rows, pr.P), rows_view(x, 0, pr.rows, pr.P),
                                repeated(mean, pr.P), repeated(k1, pr.P), repeated(k2, pr.P),
-                               repeated(k3, pr.P), gx_rows, layout);
+                               repeated(k3, pr.P), gx_rows, layout, add ? &add_rows : nullptr);
       if (pr.rest) {
         at::Tensor gx_rest = rows_view(gx, head, pr.rest, C);
+        const at::Tensor add_rest = add ? rows_view(*add, head, pr.rest, C) : at::Tensor();
         bn_backward_apply_kernel(rows_view(dz, head, pr.rest, C), rows_view(x, head, pr.rest, C),
-                                 mean, k1, k2, k3, gx_rest, layout);
+                                 mean, k1, k2, k3, gx_rest, layout, add ? &add_rest : nullptr);
       }
       return;
     }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bn_bwd_apply", [&] {
-    backward_apply_impl<scalar_t>(dz, x, mean, k1, k2, k3, gx, layout);
+    backward_apply_impl<scalar_t>(dz, x, mean, k1, k2, k3, gx, layout, add);
   });
 }
 

@@ -409,7 +409,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
     const at::Tensor& x_in, std::vector<ConvGrad>& convs,
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean, const at::Tensor& invstd, bool batch_stats, bool want_x, bool want_g,
-    bool want_beta) {
+    bool want_beta, const at::Tensor* grad_x_add = nullptr) {
   const int64_t C_in = x_in.size(1);
   at::Tensor gx = want_x ? at::empty_like(x_in) : x_in.new_empty({0});
   at::Tensor gg = mean.new_empty({want_g ? C_in : 0});
@@ -623,18 +623,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
   if (want_g) gg.copy_(grads[1]);
   if (want_beta) gbeta.copy_(grads[0]);
   if (want_x) {
-    if (apply) bn_backward_apply_kernel(dz, x, bn.mean, coef[0], coef[1], coef[2], gx_work, layout);
+    // grad_x_add joins the data-gradient pass when it lies as x does; else it is added after.
+    const bool add_in_pass = grad_x_add && apply &&
+                             grad_x_add->scalar_type() == x.scalar_type() &&
+                             dense_in(*grad_x_add, layout);
+    if (apply) {
+      bn_backward_apply_kernel(dz, x, bn.mean, coef[0], coef[1], coef[2], gx_work, layout,
+                               add_in_pass ? grad_x_add : nullptr);
+    }
     if (!gx_work.is_same(gx)) gx.copy_(gx_work);
+    if (grad_x_add && !add_in_pass) gx.add_(*grad_x_add);
   }
   return {gx, gg, gbeta};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_one(
     const at::Tensor& grad_out, const at::Tensor& x_in, const at::Tensor& weight,
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
     c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
-    std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale) {
+    std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale,
+    const at::Tensor* grad_x_add) {
   check_inputs(x_in, weight, mean, invstd);
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
   std::vector<ConvGrad> convs{ConvGrad{
@@ -643,8 +652,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
       want_w,
       want_b}};
   auto [gx, gg, gbeta] = backward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd,
-                                        batch_stats, want_x, want_g, want_beta);
+                                        batch_stats, want_x, want_g, want_beta, grad_x_add);
   return {gx, convs[0].gw, convs[0].gb, gg, gbeta};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
+    const at::Tensor& grad_out, const at::Tensor& x_in, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
+    std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale) {
+  return backward_one(grad_out, x_in, weight, bn_weight, bn_bias, mean, invstd, stride, padding,
+                      dilation, batch_stats, output_mask, branch_scale, nullptr);
+}
+
+// bn_relu_conv2d_backward whose x gradient also holds grad_x_add (x's shape, a gradient of x
+// from elsewhere: a pre-activation unit's identity shortcut), summed in the data-gradient pass
+// instead of by autograd in a pass of its own.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward_add(
+    const at::Tensor& grad_out, const at::Tensor& x_in, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
+    std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale,
+    const at::Tensor& grad_x_add) {
+  TORCH_CHECK(grad_x_add.sizes() == x_in.sizes(),
+              "fusedres_cpu.bn_relu_conv2d_backward_add: grad_x_add must have x's shape ",
+              x_in.sizes(), ", got ", grad_x_add.sizes());
+  TORCH_CHECK(grad_x_add.device() == x_in.device() && grad_x_add.is_floating_point(),
+              "fusedres_cpu.bn_relu_conv2d_backward_add: grad_x_add must be a floating-point "
+              "tensor on x's device, got ", grad_x_add.scalar_type(), " on ", grad_x_add.device());
+  TORCH_CHECK(output_mask[0],
+              "fusedres_cpu.bn_relu_conv2d_backward_add: output_mask[0] (x) must be set: "
+              "grad_x_add is added to x's gradient");
+  return backward_one(grad_out, x_in, weight, bn_weight, bn_bias, mean, invstd, stride, padding,
+                      dilation, batch_stats, output_mask, branch_scale, &grad_x_add);
 }
 
 // The backward of two convolutions of one BN-ReLU (a pre-activation unit's projection shortcut
@@ -683,6 +725,7 @@ TORCH_LIBRARY_IMPL(fusedres_cpu, CPU, m) {
   m.impl("bn_relu_conv2d", &fusedres::cpu::bn_relu_conv2d);
   m.impl("bn_relu_conv2d_genstats", &fusedres::cpu::bn_relu_conv2d_genstats);
   m.impl("bn_relu_conv2d_backward", &fusedres::cpu::bn_relu_conv2d_backward);
+  m.impl("bn_relu_conv2d_backward_add", &fusedres::cpu::bn_relu_conv2d_backward_add);
   m.impl("bn_relu_conv2d_pair", &fusedres::cpu::bn_relu_conv2d_pair);
   m.impl("bn_relu_conv2d_pair_backward", &fusedres::cpu::bn_relu_conv2d_pair_backward);
 }

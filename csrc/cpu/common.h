@@ -157,11 +157,13 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
                                     at::Tensor& sums, at::Tensor* dz_out, Layout layout,
                                     Layout da_layout, bool stream_dz = false);
 
-// Backward, second pass: gx = k1[c] * dz + k2[c] * (x - mean[c]) + k3[c]; dz in acc dtype of x,
-// gx in x.dtype (may alias dz when they share a dtype).
+// Backward, second pass: gx = k1[c] * dz + k2[c] * (x - mean[c]) + k3[c] [+ add]; dz in acc
+// dtype of x, gx in x.dtype (may alias dz when they share a dtype). `add` (x's shape, dtype and
+// layout, dense): another gradient of x summed in the same pass (a residual unit's identity
+// shortcut), instead of autograd's separate pass over both.
 void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mean,
                               const at::Tensor& k1, const at::Tensor& k2, const at::Tensor& k3,
-                              at::Tensor& gx, Layout layout);
+                              at::Tensor& gx, Layout layout, const at::Tensor* add = nullptr);
 
 // dst = src in the other layout (NCHW <-> NHWC), same shape and dtype, both dense; blocked
 // 16 x 16 register transposes (at::vec::transpose_mxn). With `add` (dst's shape, dtype and
