@@ -460,17 +460,19 @@ class ResidualBlock(nn.Module):
         (Autograd's own sum reads both gradients and writes a third tensor of x's size.
         Measured on 2 cores, the unit with / without it: 0.97-1.0, median 0.99; RESULTS.md,
         "The identity shortcut's gradient".)"""
-        return (isinstance(self.layer, FusedBNReLUConv) and self.unit == "preact"
-                and self.path == "identity" and self.num_convs > 1
-                and self.bns[0] is not None and self.bns[1] is not None)
+        return self._fused_conv1_between_bns and self.path == "identity"
 
     @property
     def _fused_projection_reads_bn1(self) -> bool:
-        # A FUSED pre-activation unit whose projection and conv1 read bn1's BN-ReLU, and whose
-        # conv1 feeds bn2: what both shortcut routes need.
+        # The projection reads bn1's BN-ReLU beside conv1: what both projection routes need.
+        return self._fused_conv1_between_bns and self.shortcut is not None
+
+    @property
+    def _fused_conv1_between_bns(self) -> bool:
+        # A FUSED pre-activation unit whose conv1 reads bn1's BN-ReLU and feeds bn2: what every
+        # route that runs conv1 beside the shortcut needs.
         return (isinstance(self.layer, FusedBNReLUConv) and self.unit == "preact"
-                and self.shortcut is not None and self.num_convs > 1
-                and self.bns[0] is not None and self.bns[1] is not None)
+                and self.num_convs > 1 and self.bns[0] is not None and self.bns[1] is not None)
 
     @property
     def fused(self) -> bool:
