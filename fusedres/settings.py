@@ -86,6 +86,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("FUSEDRES_CPU_GEMM_1X1", "bool", "1", "at every cpu-backend call (csrc/cpu)",
             "Run stride-1 unpadded 1x1 convolutions as GEMMs (NCHW tiles: batched, one per "
             "sample; channels_last tiles: one per tile)."),
+    Setting("FUSEDRES_CPU_CHUNK_BYTES", "int", "262144", "at every cpu-backend call (csrc/cpu)",
+            "Bytes of activation + output rows per pixel chunk of a channels_last 1x1 unit "
+            "(the GEMM route, one convolution): each thread computes its chunks' activation "
+            "and runs their GEMMs in its own cache; 0 or less: batch tiles "
+            "(FUSEDRES_CPU_TILE_BYTES) instead."),
+    Setting("FUSEDRES_CPU_GW_T", "choice", "", "at every cpu-backend call (csrc/cpu)",
+            "The channels_last GEMM route's weight gradient accumulated as `0`: gw += go^T @ a; "
+            "`1`: gw^T += a^T @ go; unset: gw^T for widening 1x1 convolutions (fewer input "
+            "than output channels), gw otherwise.", ("0", "1")),
     Setting("FUSEDRES_CUDA_BACKWARD", "choice", "sums", "at every cuda backward call (csrc/cuda)",
             "The CUDA backward's plan: `sums` or `store` (as FUSEDRES_TRITON_BACKWARD).",
             ("sums", "store")),

@@ -286,13 +286,16 @@ def test_batch_tiling_is_invisible(monkeypatch, k, tile_bytes, channels_last, co
 @pytest.mark.parametrize("gemm", ["1", "0"], ids=["gemm", "onednn"])
 @pytest.mark.parametrize("residual", ["nhwc", "nchw", "none"])
 @pytest.mark.parametrize("tile_bytes", ["300000", "0"], ids=["tiles", "one"])
-@pytest.mark.parametrize("co,gw_t", [(24, "auto"), (24, "0"), (12, "auto"), (12, "1")],
+@pytest.mark.parametrize("co,gw_t", [(24, None), (24, "0"), (12, None), (12, "1")],
                          ids=["widening", "widening-gw", "narrowing", "narrowing-gwT"])
-def test_channels_last_1x1_as_one_gemm(monkeypatch, gemm, residual, tile_bytes, co, gw_t):
-    """A channels_last 1x1 unit runs as one GEMM per tile (the residual added by the GEMM when
-    it is channels_last too, afterwards when not; the weight gradient accumulated as gw or as
-    gw^T, FUSEDRES_CPU_GW_T's rule or forced the other way) and gives what oneDNN's convolution
-    gives."""
+@pytest.mark.parametrize("chunk_bytes", ["0", "3000"], ids=["batch-tiles", "pixel-chunks"])
+def test_channels_last_1x1_as_one_gemm(monkeypatch, gemm, residual, tile_bytes, co, gw_t,
+                                       chunk_bytes):
+    """A channels_last 1x1 unit runs as one GEMM per batch tile, or per pixel chunk of each
+    thread (3000 bytes: chunks of 16-17 rows, the last one short), the residual added by the
+    GEMM when it is channels_last too, afterwards when not; the weight gradient accumulated as
+    gw or as gw^T (FUSEDRES_CPU_GW_T's rule or forced the other way); and gives what oneDNN's
+    convolution gives."""
     cl = torch.channels_last
     args = _inputs(n=7, c=19, h=9, w=10, co=co, k=(1, 1), padding=(0, 0), x_format=cl,
                    w_format=cl, residual=residual != "none")
@@ -300,7 +303,11 @@ def test_channels_last_1x1_as_one_gemm(monkeypatch, gemm, residual, tile_bytes, 
         args[7] = args[7].contiguous(memory_format=cl)
     monkeypatch.setenv("FUSEDRES_CPU_GEMM_1X1", gemm)
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
-    monkeypatch.setenv("FUSEDRES_CPU_GW_T", gw_t)
+    monkeypatch.setenv("FUSEDRES_CPU_CHUNK_BYTES", chunk_bytes)
+    if gw_t is None:
+        monkeypatch.delenv("FUSEDRES_CPU_GW_T", raising=False)
+    else:
+        monkeypatch.setenv("FUSEDRES_CPU_GW_T", gw_t)
     _compare_with_portable(args, torch.float32)
     _compare_with_portable(args, torch.float32, mask=[True, True, True, False, False])
     f64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a

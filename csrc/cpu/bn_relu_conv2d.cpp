@@ -7,7 +7,8 @@
 // float32/bfloat16/float16) consumes it while it is still hot; the activation never exists at
 // full size. For spatial kernels the tile is written NHWC, oneDNN's fast layout, and the output
 // tile is transposed back in cache (conv_layout); 1x1 stride-1 convolutions run as batched GEMMs
-// straight into the output (gemm_1x1). Backward recomputes the tile's activation,
+// straight into the output (gemm_1x1), and a channels_last one by pixel chunks that each thread
+// runs in its own cache, BN-ReLU and GEMMs single-threaded (forward_1x1_chunks, chunk_bytes). Backward recomputes the tile's activation,
 // calls convolution_backward for the tile (data gradient and the tile's share of the weight
 // gradient, summed in float32), and fuses the recomputed ReLU mask with both BatchNorm
 // reductions into one pass over the tile's data gradient; a second pass applies the BatchNorm
@@ -26,6 +27,7 @@
 // (into the tile buffer the layout change uses), so the data gradient, the weight and bias
 // gradients and the BatchNorm sums all see s[n] * dy. No pass over a whole tensor, nothing
 // saved beyond the (N,) vector.
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <cstdlib>
@@ -128,7 +130,8 @@ Gemm1x1 gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
 // and BLAS runs it faster with the narrower side as the output's rows (measured, 2 threads,
 // N=128, the tiles' GEMMs, ms, gw / gw^T: 16 -> 64 @32 2.48 / 1.90, 32 -> 128 @16 1.57 / 1.29,
 // 64 -> 256 @8 1.19 / 1.00; narrowing convolutions the other way round: 64 -> 16 @32 1.84 /
-// 2.48, 256 -> 64 @8 0.98 / 1.18). FUSEDRES_CPU_GW_T=0 / 1 forces either (anything else: this rule), for the benchmarks.
+// 2.48, 256 -> 64 @8 0.98 / 1.18). FUSEDRES_CPU_GW_T=0 / 1 forces either (unset or anything
+// else: this rule).
 bool gw_t_for(Gemm1x1 gemm, const at::Tensor& weight) {
   if (gemm != Gemm1x1::Whole) return false;
   const char* env = std::getenv("FUSEDRES_CPU_GW_T");
@@ -209,6 +212,45 @@ void scale_tile(at::Tensor& ys, const at::Tensor& s, const at::Tensor& rs) {
   }
 }
 
+// ----------------------------------------------------------------------------- pixel chunks
+
+// A channels_last 1x1 unit (the GEMM route, one convolution) runs in chunks of pixel rows, each
+// thread its own: the thread computes the chunk's activation into a buffer of its own, small
+// enough to stay in its L2, and runs the chunk's GEMMs on it single-threaded (BLAS called inside
+// a parallel region), instead of every thread writing its share of a batch tile's activation
+// (MBs, past L2) for a two-thread GEMM to read back. Backward the same per chunk: the
+// activation recomputed, the weight gradient added into the thread's accumulator, the chunk's
+// data gradient computed into a second buffer and consumed there by the ReLU-mask + sums pass.
+// No parallel region per tile and kernel, no activation or data-gradient tile through memory.
+// FUSEDRES_CPU_CHUNK_BYTES: bytes of (activation + output) rows per chunk; 0 or less: off (the
+// batch tiles above). Measured (2 threads, N=128, fused op fwd / bwd ms, batch tiles -> 256 KiB
+// chunks, RESULTS.md): 64 -> 16 @32 5.32 / 10.71 -> 4.40 / 8.56, 16 -> 64 @32 with residual
+// 6.30 / 7.82 -> 5.58 / 5.85, 128 -> 32 @16 2.86 / 6.63 -> 2.74 / 4.68; 128 KiB to 512 KiB
+// within a few percent of each other, 1 MiB and up slower; ResNet-164's training step 0.92x.
+int64_t chunk_bytes() {
+  if (const char* env = std::getenv("FUSEDRES_CPU_CHUNK_BYTES")) return std::atoll(env);
+  return int64_t(256) << 10;
+}
+
+// Pixel rows per chunk for rows of `row_bytes`; 0: chunks are off.
+int64_t chunk_rows(int64_t pixels, int64_t row_bytes) {
+  const int64_t budget = chunk_bytes();
+  if (budget <= 0 || pixels <= 0) return 0;
+  return std::clamp<int64_t>(budget / std::max<int64_t>(row_bytes, 1), 16, pixels);
+}
+
+// Pixel rows [first, first + rows) of a dense NHWC tensor as an NHWC (rows, C, 1, 1) view.
+at::Tensor pixel_rows(const at::Tensor& t, int64_t first, int64_t rows) {
+  const int64_t C = t.size(1);
+  return t.as_strided({rows, C, 1, 1}, {C, 1, C, C}, t.storage_offset() + first * C);
+}
+
+// Thread `tid`'s buffer of `rows` pixel rows of C values in `buf` (threads x rc x C, flat), as
+// an NHWC (rows, C, 1, 1) tensor.
+at::Tensor thread_rows(const at::Tensor& buf, int64_t tid, int64_t rc, int64_t rows, int64_t C) {
+  return buf.narrow(0, tid * rc * C, rows * C).view({rows, C, 1, 1});
+}
+
 // ----------------------------------------------------------------------------- ops
 
 std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
@@ -234,6 +276,41 @@ struct ConvFwd : ConvSpec {
   std::optional<at::Tensor> bias, residual;
   at::Tensor y;
 };
+
+// The forward of a channels_last 1x1 unit by pixel chunks (chunk_bytes says why): per chunk,
+// in the thread that owns it, a = relu(scale * x + shift) into the thread's buffer, then
+// y = a @ W^T (+ residual, added by the GEMM) (+ bias) into y's rows.
+void forward_1x1_chunks(const at::Tensor& x, ConvFwd& c, const at::Tensor& w, const Affine& bn,
+                        int64_t rc) {
+  const int64_t C = x.size(1), R = x.size(0) * x.size(2) * x.size(3), Co = c.weight.size(0);
+  const int64_t chunks = (R + rc - 1) / rc;
+  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+  const at::Tensor buf = at::empty({threads * rc * C}, c.weight.options());
+  const at::Tensor wt = w.view({Co, C}).t();
+  const at::Tensor y2 = c.y.permute({0, 2, 3, 1}).view({R, Co});
+  const at::Tensor r2 = c.residual.has_value()
+                            ? c.residual->permute({0, 2, 3, 1}).view({R, Co})
+                            : at::Tensor();
+  // ATen ops called in the parallel region run on OpenMP threads: they get the caller's
+  // thread-local state (dispatch keys below autograd, grad mode) as the caller's thread has it.
+  const at::ThreadLocalState tls;
+  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+    const at::ThreadLocalStateGuard tls_guard(tls);
+    const int64_t tid = at::get_thread_num();
+    for (int64_t k = b; k < e; ++k) {
+      const int64_t r0 = k * rc, len = std::min(rc, R - r0);
+      at::Tensor a = thread_rows(buf, tid, rc, len, C);
+      bn_relu_kernel(pixel_rows(x, r0, len), bn.scale, bn.shift, a, Layout::NHWC, Layout::NHWC);
+      at::Tensor yc = y2.narrow(0, r0, len);
+      if (r2.defined()) {
+        at::addmm_out(yc, r2.narrow(0, r0, len), a.view({len, C}), wt);
+      } else {
+        at::mm_out(yc, a.view({len, C}), wt);
+      }
+      if (c.bias.has_value()) yc.add_(*c.bias);
+    }
+  });
+}
 
 // The forward of one BN-ReLU feeding the convolutions `convs` (one for the fused unit; two for a
 // pre-activation unit's projection shortcut and first convolution, bn_relu_conv2d_pair): per
@@ -262,9 +339,6 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
 
   const Affine bn = affine(bn_weight, bn_bias, mean, invstd, at::toOpMathType(x.scalar_type()));
   const at::MemoryFormat a_fmt = memory_format(a_layout);
-  const int64_t nb = tile_samples(N, (C * H * W + out_per_sample) * weight0.element_size(),
-                                  wbytes, layout == Layout::NHWC);
-  at::Tensor a_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(a_fmt));
   std::vector<at::Tensor> ws;
   std::vector<Gemm1x1> gemms;
   for (const ConvFwd& c : convs) {
@@ -273,6 +347,21 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
     if (gemm != Gemm1x1::None && !dense_in(c.y, a_layout)) gemm = Gemm1x1::None;
     gemms.push_back(gemm);
   }
+  if (convs.size() == 1 && gemms[0] == Gemm1x1::Whole && layout == Layout::NHWC &&
+      !convs[0].bs.defined()) {
+    const ConvFwd& c = convs[0];
+    const bool res_ok = !c.residual.has_value() ||
+                        (c.residual->scalar_type() == c.y.scalar_type() &&
+                         dense_in(*c.residual, Layout::NHWC));
+    const int64_t rc = chunk_rows(N * H * W, (C + c.weight.size(0)) * weight0.element_size());
+    if (res_ok && rc > 0) {
+      forward_1x1_chunks(x, convs[0], ws[0], bn, rc);
+      return;
+    }
+  }
+  const int64_t nb = tile_samples(N, (C * H * W + out_per_sample) * weight0.element_size(),
+                                  wbytes, layout == Layout::NHWC);
+  at::Tensor a_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(a_fmt));
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     at::Tensor a = a_buf.narrow(0, 0, len);
@@ -517,11 +606,66 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
                            k.go.options().memory_format(a_fmt));
     }
   }
+  // A channels_last 1x1 unit (one convolution, the GEMM route) runs by pixel chunks instead
+  // of batch tiles (chunk_bytes says why).
+  int64_t rc = 0;
+  if (convs.size() == 1 && work[0].gemm == Gemm1x1::Whole && layout == Layout::NHWC &&
+      need_da && !convs[0].bs.defined() && dense_in(work[0].go, Layout::NHWC) &&
+      x.scalar_type() == acc) {
+    rc = chunk_rows(N * H * W, (C + convs[0].weight.size(0)) * weight0.element_size());
+  }
+  if (rc > 0) {
+    ConvGrad& c = convs[0];
+    Work& k = work[0];
+    const int64_t R = N * H * W, Co = c.weight.size(0);
+    const int64_t chunks = (R + rc - 1) / rc;
+    const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+    const at::Tensor a_rows = at::empty({threads * rc * C}, weight0.options());
+    const at::Tensor da_rows = at::empty({threads * rc * C}, weight0.options());
+    // The weight gradient as gw_acc holds it (gw^T when gw_t), one accumulator a thread.
+    const int64_t gw_r = k.gw_t ? C : Co, gw_c = k.gw_t ? Co : C;
+    const at::Tensor gw_parts =
+        c.want_w ? at::zeros({threads, gw_r, gw_c}, weight0.options().dtype(k.wacc)) : at::Tensor();
+    const at::Tensor gb_parts =
+        c.want_b ? at::zeros({threads, Co}, weight0.options().dtype(k.wacc)) : at::Tensor();
+    const at::Tensor go2 = k.go.permute({0, 2, 3, 1}).view({R, Co});
+    const at::Tensor wm = k.w.view({Co, C});
+    const at::ThreadLocalState tls;  // as in forward_1x1_chunks
+    at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+      const at::ThreadLocalStateGuard tls_guard(tls);
+      const int64_t tid = at::get_thread_num();
+      // The kernels below run serially here and index their sums by thread 0: give them this
+      // thread's row.
+      at::Tensor sums_t = sums.narrow(0, tid, 1);
+      for (int64_t j = b; j < e; ++j) {
+        const int64_t r0 = j * rc, len = std::min(rc, R - r0);
+        const at::Tensor xc = pixel_rows(x, r0, len);
+        at::Tensor a = thread_rows(a_rows, tid, rc, len, C);
+        bn_relu_kernel(xc, bn.scale, bn.shift, a, Layout::NHWC, Layout::NHWC);
+        const at::Tensor goc = go2.narrow(0, r0, len), a2 = a.view({len, C});
+        if (c.want_w && k.gw_t) {
+          gw_parts[tid].addmm_(a2.t(), goc);
+        } else if (c.want_w) {
+          gw_parts[tid].addmm_(goc.t(), a2);
+        }
+        if (c.want_b) gb_parts[tid].add_(goc.sum(0, false, k.wacc));
+        at::Tensor da = thread_rows(da_rows, tid, rc, len, C);
+        at::Tensor da2 = da.view({len, C});
+        at::mm_out(da2, goc, wm);
+        at::Tensor dzc = want_x ? pixel_rows(dz, r0, len) : at::Tensor();
+        bn_relu_backward_reduce_kernel(da, xc, bn.scale, bn.shift, bn.mean, out_scale, sums_t,
+                                       want_x ? &dzc : nullptr, Layout::NHWC, Layout::NHWC,
+                                       stream_dz);
+      }
+    });
+    if (c.want_w) k.gw_acc.view({gw_r, gw_c}).copy_(gw_parts.sum(0));
+    if (c.want_b) k.gb_acc.copy_(gb_parts.sum(0));
+  }
   // A float32 NHWC data gradient is read as it is by the first backward pass (no transposed
   // copy).
   at::Tensor da_buf;
   const bool da_as_is = a_layout == Layout::NHWC && layout == Layout::NCHW && all_float;
-  for (int64_t n0 = 0; n0 < N; n0 += nb) {
+  for (int64_t n0 = rc > 0 ? N : 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     const at::Tensor xt = x.narrow(0, n0, len);
     at::Tensor a = a_buf.narrow(0, 0, len);
