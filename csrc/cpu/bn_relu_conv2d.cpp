@@ -8,9 +8,9 @@
 // full size. For spatial kernels the tile is written NHWC, oneDNN's fast layout, and the output
 // tile is transposed back in cache (conv_layout); 1x1 stride-1 convolutions run as batched GEMMs
 // straight into the output (gemm_1x1), and a channels_last one by pixel chunks that each thread
-// runs in its own cache, BN-ReLU and GEMMs single-threaded (forward_1x1_chunks, chunk_bytes). Backward recomputes the tile's activation,
-// calls convolution_backward for the tile (data gradient and the tile's share of the weight
-// gradient, summed in float32), and fuses the recomputed ReLU mask with both BatchNorm
+// runs in its own cache, BN-ReLU and GEMMs single-threaded (forward_1x1_chunks, chunk_bytes).
+// Backward recomputes the tile's activation, calls convolution_backward for the tile (data
+// gradient and the tile's share of the weight gradient, summed in float32), and fuses the recomputed ReLU mask with both BatchNorm
 // reductions into one pass over the tile's data gradient; a second pass applies the BatchNorm
 // data gradient once the batch-wide sums are known (none in eval mode).
 //
