@@ -10,9 +10,10 @@
 // straight into the output (gemm_1x1), and a channels_last one by pixel chunks that each thread
 // runs in its own cache, BN-ReLU and GEMMs single-threaded (forward_1x1_chunks, chunk_bytes).
 // Backward recomputes the tile's activation, calls convolution_backward for the tile (data
-// gradient and the tile's share of the weight gradient, summed in float32), and fuses the recomputed ReLU mask with both BatchNorm
-// reductions into one pass over the tile's data gradient; a second pass applies the BatchNorm
-// data gradient once the batch-wide sums are known (none in eval mode).
+// gradient and the tile's share of the weight gradient, summed in float32), and fuses the
+// recomputed ReLU mask with both BatchNorm reductions into one pass over the tile's data
+// gradient; a second pass applies the BatchNorm data gradient once the batch-wide sums are
+// known (none in eval mode).
 //
 // One BN-ReLU feeding two convolutions (a pre-activation unit's projection shortcut and first
 // convolution: bn_relu_conv2d_pair, bn_relu_conv2d_pair_backward, used by fusedres.ops.
