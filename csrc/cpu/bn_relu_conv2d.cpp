@@ -234,9 +234,24 @@ int64_t chunk_bytes() {
 }
 
 // Pixel rows per chunk for rows of `row_bytes`; 0: chunks are off.
+// Calls into oneDNN from inside the chunks' parallel region are not safe (its weight-gradient
+// convolution, tried so, spins forever in a barrier of threads that never come): the chunks
+// run only while ATen's float32 GEMMs go to BLAS, i.e. no reduced-precision oneDNN matmul
+// (torch.backends.mkldnn.matmul.fp32_precision / torch.set_float32_matmul_precision).
+bool fp32_gemm_is_blas() {
+  const auto& ctx = at::globalContext();
+  for (const auto& [backend, op] : {std::pair{at::Float32Backend::GENERIC, at::Float32Op::ALL},
+                                    std::pair{at::Float32Backend::MKLDNN, at::Float32Op::ALL},
+                                    std::pair{at::Float32Backend::MKLDNN, at::Float32Op::MATMUL}}) {
+    const at::Float32Precision p = ctx.float32Precision(backend, op);
+    if (p == at::Float32Precision::TF32 || p == at::Float32Precision::BF16) return false;
+  }
+  return true;
+}
+
 int64_t chunk_rows(int64_t pixels, int64_t row_bytes) {
   const int64_t budget = chunk_bytes();
-  if (budget <= 0 || pixels <= 0) return 0;
+  if (budget <= 0 || pixels <= 0 || !fp32_gemm_is_blas()) return 0;
   return std::clamp<int64_t>(budget / std::max<int64_t>(row_bytes, 1), 16, pixels);
 }
 
