@@ -331,8 +331,11 @@ def test_pair_is_two_units(monkeypatch, pair, channels_last, dtype, tile_bytes):
     """bn_relu_conv2d_pair_backward (the projection shortcut and conv1 of one BN-ReLU, one
     pass over x) gives each convolution's weight and bias gradients as its own backward does,
     and the sums of the two x and BatchNorm gradients; training and eval statistics, every
-    output mask, tiles of a few samples or one. bn_relu_conv2d_pair gives both forwards."""
+    output mask, tiles of a few samples or one (with tiles, channels_last GEMM pairs run by
+    pixel chunks of 16 rows, the last one short; else by one chunk).
+    bn_relu_conv2d_pair gives both forwards."""
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
+    monkeypatch.setenv("FUSEDRES_CPU_CHUNK_BYTES", "3000" if tile_bytes != "0" else "1000000")
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     (k1, s1, p1), (k2, s2, p2) = PAIRS[pair]
     args = _inputs(n=7, c=17, h=10, w=9, co=12, k=(k1, k1), dtype=dtype, x_format=fmt,

@@ -294,19 +294,24 @@ struct ConvFwd : ConvSpec {
 };
 
 // The forward of a channels_last 1x1 unit by pixel chunks (chunk_bytes says why): per chunk,
-// in the thread that owns it, a = relu(scale * x + shift) into the thread's buffer, then
-// y = a @ W^T (+ residual, added by the GEMM) (+ bias) into y's rows.
-void forward_1x1_chunks(const at::Tensor& x, ConvFwd& c, const at::Tensor& w, const Affine& bn,
-                        int64_t rc) {
-  const int64_t C = x.size(1), R = x.size(0) * x.size(2) * x.size(3), Co = c.weight.size(0);
+// in the thread that owns it, a = relu(scale * x + shift) into the thread's buffer, then for
+// each convolution (two for a pair) y = a @ W^T (+ residual, added by the GEMM) (+ bias) into
+// y's rows.
+void forward_1x1_chunks(const at::Tensor& x, std::vector<ConvFwd>& convs,
+                        const std::vector<at::Tensor>& ws, const Affine& bn, int64_t rc) {
+  const int64_t C = x.size(1), R = x.size(0) * x.size(2) * x.size(3);
   const int64_t chunks = (R + rc - 1) / rc;
   const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
-  const at::Tensor buf = at::empty({threads * rc * C}, c.weight.options());
-  const at::Tensor wt = w.view({Co, C}).t();
-  const at::Tensor y2 = c.y.permute({0, 2, 3, 1}).view({R, Co});
-  const at::Tensor r2 = c.residual.has_value()
-                            ? c.residual->permute({0, 2, 3, 1}).view({R, Co})
-                            : at::Tensor();
+  const at::Tensor buf = at::empty({threads * rc * C}, convs.front().weight.options());
+  std::vector<at::Tensor> wts, y2s, r2s;
+  for (size_t i = 0; i < convs.size(); ++i) {
+    const ConvFwd& c = convs[i];
+    const int64_t Co = c.weight.size(0);
+    wts.push_back(ws[i].view({Co, C}).t());
+    y2s.push_back(c.y.permute({0, 2, 3, 1}).view({R, Co}));
+    r2s.push_back(c.residual.has_value() ? c.residual->permute({0, 2, 3, 1}).view({R, Co})
+                                         : at::Tensor());
+  }
   // ATen ops called in the parallel region run on OpenMP threads: they get the caller's
   // thread-local state (dispatch keys below autograd, grad mode) as the caller's thread has it.
   const at::ThreadLocalState tls;
@@ -317,13 +322,16 @@ void forward_1x1_chunks(const at::Tensor& x, ConvFwd& c, const at::Tensor& w, co
       const int64_t r0 = k * rc, len = std::min(rc, R - r0);
       at::Tensor a = thread_rows(buf, tid, rc, len, C);
       bn_relu_kernel(pixel_rows(x, r0, len), bn.scale, bn.shift, a, Layout::NHWC, Layout::NHWC);
-      at::Tensor yc = y2.narrow(0, r0, len);
-      if (r2.defined()) {
-        at::addmm_out(yc, r2.narrow(0, r0, len), a.view({len, C}), wt);
-      } else {
-        at::mm_out(yc, a.view({len, C}), wt);
+      const at::Tensor a2 = a.view({len, C});
+      for (size_t i = 0; i < convs.size(); ++i) {
+        at::Tensor yc = y2s[i].narrow(0, r0, len);
+        if (r2s[i].defined()) {
+          at::addmm_out(yc, r2s[i].narrow(0, r0, len), a2, wts[i]);
+        } else {
+          at::mm_out(yc, a2, wts[i]);
+        }
+        if (convs[i].bias.has_value()) yc.add_(*convs[i].bias);
       }
-      if (c.bias.has_value()) yc.add_(*c.bias);
     }
   });
 }
@@ -363,15 +371,22 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
     if (gemm != Gemm1x1::None && !dense_in(c.y, a_layout)) gemm = Gemm1x1::None;
     gemms.push_back(gemm);
   }
-  if (convs.size() == 1 && gemms[0] == Gemm1x1::Whole && layout == Layout::NHWC &&
-      !convs[0].bs.defined()) {
-    const ConvFwd& c = convs[0];
-    const bool res_ok = !c.residual.has_value() ||
-                        (c.residual->scalar_type() == c.y.scalar_type() &&
-                         dense_in(*c.residual, Layout::NHWC));
-    const int64_t rc = chunk_rows(N * H * W, (C + c.weight.size(0)) * weight0.element_size());
-    if (res_ok && rc > 0) {
-      forward_1x1_chunks(x, convs[0], ws[0], bn, rc);
+  {
+    // Every convolution a channels_last GEMM (one, or a pair's two), no branch scale, each
+    // residual as y: pixel chunks.
+    bool chunkable = layout == Layout::NHWC;
+    int64_t row_values = C;
+    for (size_t i = 0; i < convs.size(); ++i) {
+      const ConvFwd& c = convs[i];
+      chunkable = chunkable && gemms[i] == Gemm1x1::Whole && !c.bs.defined() &&
+                  (!c.residual.has_value() ||
+                   (c.residual->scalar_type() == c.y.scalar_type() &&
+                    dense_in(*c.residual, Layout::NHWC)));
+      row_values += c.weight.size(0);
+    }
+    const int64_t rc = chunkable ? chunk_rows(N * H * W, row_values * weight0.element_size()) : 0;
+    if (rc > 0) {
+      forward_1x1_chunks(x, convs, ws, bn, rc);
       return;
     }
   }
@@ -622,30 +637,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
                            k.go.options().memory_format(a_fmt));
     }
   }
-  // A channels_last 1x1 unit (one convolution, the GEMM route) runs by pixel chunks instead
-  // of batch tiles (chunk_bytes says why).
+  // A channels_last 1x1 unit (every convolution on the GEMM route: one, or a pair's two) runs
+  // by pixel chunks instead of batch tiles (chunk_bytes says why).
   int64_t rc = 0;
-  if (convs.size() == 1 && work[0].gemm == Gemm1x1::Whole && layout == Layout::NHWC &&
-      need_da && !convs[0].bs.defined() && dense_in(work[0].go, Layout::NHWC) &&
-      x.scalar_type() == acc) {
-    rc = chunk_rows(N * H * W, (C + convs[0].weight.size(0)) * weight0.element_size());
+  {
+    bool chunkable = layout == Layout::NHWC && need_da && x.scalar_type() == acc;
+    int64_t row_values = C;
+    for (size_t i = 0; i < convs.size(); ++i) {
+      chunkable = chunkable && work[i].gemm == Gemm1x1::Whole && !convs[i].bs.defined() &&
+                  dense_in(work[i].go, Layout::NHWC);
+      row_values += convs[i].weight.size(0);
+    }
+    if (chunkable) rc = chunk_rows(N * H * W, row_values * weight0.element_size());
   }
   if (rc > 0) {
-    ConvGrad& c = convs[0];
-    Work& k = work[0];
-    const int64_t R = N * H * W, Co = c.weight.size(0);
+    const int64_t R = N * H * W;
     const int64_t chunks = (R + rc - 1) / rc;
     const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
     const at::Tensor a_rows = at::empty({threads * rc * C}, weight0.options());
     const at::Tensor da_rows = at::empty({threads * rc * C}, weight0.options());
-    // The weight gradient as gw_acc holds it (gw^T when gw_t), one accumulator a thread.
-    const int64_t gw_r = k.gw_t ? C : Co, gw_c = k.gw_t ? Co : C;
-    const at::Tensor gw_parts =
-        c.want_w ? at::zeros({threads, gw_r, gw_c}, weight0.options().dtype(k.wacc)) : at::Tensor();
-    const at::Tensor gb_parts =
-        c.want_b ? at::zeros({threads, Co}, weight0.options().dtype(k.wacc)) : at::Tensor();
-    const at::Tensor go2 = k.go.permute({0, 2, 3, 1}).view({R, Co});
-    const at::Tensor wm = k.w.view({Co, C});
+    // Per convolution: grad_out's rows, the weight as (Co, C), and one weight-gradient
+    // accumulator a thread, laid out as gw_acc (gw^T when gw_t), one bias-gradient one.
+    struct Rows {
+      at::Tensor go2, wm, gw_parts, gb_parts;
+      int64_t gw_r = 0, gw_c = 0;
+    };
+    std::vector<Rows> rows(convs.size());
+    for (size_t i = 0; i < convs.size(); ++i) {
+      const ConvGrad& c = convs[i];
+      const Work& k = work[i];
+      const int64_t Co = c.weight.size(0);
+      Rows& r = rows[i];
+      r.go2 = k.go.permute({0, 2, 3, 1}).view({R, Co});
+      r.wm = k.w.view({Co, C});
+      r.gw_r = k.gw_t ? C : Co;
+      r.gw_c = k.gw_t ? Co : C;
+      const at::TensorOptions acc_opts = weight0.options().dtype(k.wacc);
+      if (c.want_w) r.gw_parts = at::zeros({threads, r.gw_r, r.gw_c}, acc_opts);
+      if (c.want_b) r.gb_parts = at::zeros({threads, Co}, acc_opts);
+    }
     const at::ThreadLocalState tls;  // as in forward_1x1_chunks
     at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
       const at::ThreadLocalStateGuard tls_guard(tls);
@@ -658,24 +688,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
         const at::Tensor xc = pixel_rows(x, r0, len);
         at::Tensor a = thread_rows(a_rows, tid, rc, len, C);
         bn_relu_kernel(xc, bn.scale, bn.shift, a, Layout::NHWC, Layout::NHWC);
-        const at::Tensor goc = go2.narrow(0, r0, len), a2 = a.view({len, C});
-        if (c.want_w && k.gw_t) {
-          gw_parts[tid].addmm_(a2.t(), goc);
-        } else if (c.want_w) {
-          gw_parts[tid].addmm_(goc.t(), a2);
-        }
-        if (c.want_b) gb_parts[tid].add_(goc.sum(0, false, k.wacc));
+        const at::Tensor a2 = a.view({len, C});
         at::Tensor da = thread_rows(da_rows, tid, rc, len, C);
         at::Tensor da2 = da.view({len, C});
-        at::mm_out(da2, goc, wm);
+        for (size_t i = 0; i < convs.size(); ++i) {
+          const ConvGrad& c = convs[i];
+          const Rows& r = rows[i];
+          const at::Tensor goc = r.go2.narrow(0, r0, len);
+          if (c.want_w && work[i].gw_t) {
+            r.gw_parts[tid].addmm_(a2.t(), goc);
+          } else if (c.want_w) {
+            r.gw_parts[tid].addmm_(goc.t(), a2);
+          }
+          if (c.want_b) r.gb_parts[tid].add_(goc.sum(0, false, work[i].wacc));
+          if (i == 0) {
+            at::mm_out(da2, goc, r.wm);
+          } else {
+            da2.addmm_(goc, r.wm);  // the convolutions' data gradients summed in cache
+          }
+        }
         at::Tensor dzc = want_x ? pixel_rows(dz, r0, len) : at::Tensor();
         bn_relu_backward_reduce_kernel(da, xc, bn.scale, bn.shift, bn.mean, out_scale, sums_t,
                                        want_x ? &dzc : nullptr, Layout::NHWC, Layout::NHWC,
                                        stream_dz);
       }
     });
-    if (c.want_w) k.gw_acc.view({gw_r, gw_c}).copy_(gw_parts.sum(0));
-    if (c.want_b) k.gb_acc.copy_(gb_parts.sum(0));
+    for (size_t i = 0; i < convs.size(); ++i) {
+      const Rows& r = rows[i];
+      if (convs[i].want_w) work[i].gw_acc.view({r.gw_r, r.gw_c}).copy_(r.gw_parts.sum(0));
+      if (convs[i].want_b) work[i].gb_acc.copy_(r.gb_parts.sum(0));
+    }
   }
   // A float32 NHWC data gradient is read as it is by the first backward pass (no transposed
   // copy).
