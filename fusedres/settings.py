@@ -88,9 +88,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "sample; channels_last tiles: one per tile)."),
     Setting("FUSEDRES_CPU_CHUNK_BYTES", "int", "262144", "at every cpu-backend call (csrc/cpu)",
             "Bytes of activation + output rows per pixel chunk of a channels_last 1x1 unit "
-            "(the GEMM route, one convolution): each thread computes its chunks' activation "
-            "and runs their GEMMs in its own cache; 0 or less: batch tiles "
-            "(FUSEDRES_CPU_TILE_BYTES) instead."),
+            "(the GEMM route: one convolution, or a pair's two) whose weights are no larger: "
+            "each thread computes its chunks' activation and runs their GEMMs in its own "
+            "cache; 0 or less: batch tiles (FUSEDRES_CPU_TILE_BYTES) instead."),
     Setting("FUSEDRES_CPU_GW_T", "choice", "", "at every cpu-backend call (csrc/cpu)",
             "The channels_last GEMM route's weight gradient accumulated as `0`: gw += go^T @ a; "
             "`1`: gw^T += a^T @ go; unset: gw^T for widening 1x1 convolutions (fewer input "
