@@ -130,6 +130,30 @@ def test_genstats_is_the_forward_and_its_statistics(dtype, channels_last):
     torch.testing.assert_close(var.double(), var64, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("chunk_bytes", ["3000", "262144", "0"],
+                         ids=["many-chunks", "one-chunk", "batch-tiles"])
+def test_genstats_of_pixel_chunks(monkeypatch, dtype, residual, chunk_bytes):
+    """A channels_last 1x1 unit on the pixel-chunk route reduces y's statistics chunk by chunk
+    (no pass over y afterwards): the same y as the forward, and y's mean and biased variance
+    as float64 computes them over the whole of y, with a mean far from zero (1000 + noise
+    through the residual: no E[y^2] - E[y]^2 cancellation)."""
+    monkeypatch.setenv("FUSEDRES_CPU_CHUNK_BYTES", chunk_bytes)
+    cl = torch.channels_last
+    args = _inputs(n=5, c=19, h=9, w=10, co=24, k=(1, 1), padding=(0, 0), dtype=dtype,
+                   x_format=cl, w_format=cl, residual=residual)
+    if residual:
+        args[7] = (args[7] + 1000).contiguous(memory_format=cl)
+    y = OPS.bn_relu_conv2d(*args)
+    y2, mean, var = OPS.bn_relu_conv2d_genstats(*args)
+    assert torch.equal(y, y2) and y.stride() == y2.stride()
+    var64, mean64 = torch.var_mean(y.double(), dim=(0, 2, 3), correction=0)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(mean.double(), mean64, atol=0, rtol=tol)
+    torch.testing.assert_close(var.double(), var64, atol=0, rtol=tol * 10)
+
+
 # --------------------------------------------------------------------------- tiling rule
 
 def _tile_rule(n, bytes_per_sample, weight_bytes, tile_bytes, weight_x=4):

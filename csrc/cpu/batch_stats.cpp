@@ -108,56 +108,88 @@ void stats_nchw(const T* x, int64_t planes, int64_t C, int64_t HW, std::vector<M
 }
 
 // NHWC: rows of C contiguous values; a block of `rows` rows is reduced per channel with the
-// channels in the vector lanes.
+// channels in the vector lanes. Rows [r0, r1) of x, merged into mine[0..C); mean, sd, sq:
+// scratch of C values.
 template <typename T>
-void stats_nhwc(const T* x, int64_t R, int64_t C, std::vector<Moments>& acc) {
+void nhwc_block(const T* x, int64_t r0, int64_t r1, int64_t C, Moments* mine,
+                std::vector<acc_t<T>>& mean, std::vector<acc_t<T>>& sd,
+                std::vector<acc_t<T>>& sq) {
   using A = acc_t<T>;
   using V = Vectorized<A>;
   constexpr int64_t W = V::size();
-  // At most 256 rows a block: with few channels the lanes hold little, sums run serially.
-  const int64_t rows = std::clamp<int64_t>(kChunk / std::max<int64_t>(C, 1), 2, 256);
+  const A inv = A(1) / static_cast<A>(r1 - r0);
+  std::fill(mean.begin(), mean.end(), A(0));
+  std::fill(sd.begin(), sd.end(), A(0));
+  std::fill(sq.begin(), sq.end(), A(0));
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* row = x + r * C;
+    int64_t c = 0;
+    for (; c + W <= C; c += W) (V::loadu(&mean[c]) + VecIO<T>::load(row + c)).store(&mean[c]);
+    for (; c < C; ++c) mean[c] += static_cast<A>(row[c]);
+  }
+  for (int64_t c = 0; c < C; ++c) mean[c] *= inv;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* row = x + r * C;
+    int64_t c = 0;
+    for (; c + W <= C; c += W) {
+      V d = VecIO<T>::load(row + c) - V::loadu(&mean[c]);
+      (V::loadu(&sd[c]) + d).store(&sd[c]);
+      at::vec::fmadd(d, d, V::loadu(&sq[c])).store(&sq[c]);
+    }
+    for (; c < C; ++c) {
+      const A d = static_cast<A>(row[c]) - mean[c];
+      sd[c] += d;
+      sq[c] += d * d;
+    }
+  }
+  const double n = static_cast<double>(r1 - r0);
+  for (int64_t c = 0; c < C; ++c) {
+    const double m = mean[c], s = sd[c];
+    if (!std::isfinite(m)) {
+      mine[c].merge(n, m, std::numeric_limits<double>::quiet_NaN());
+    } else {
+      mine[c].merge(n, m + s / n, nonneg(static_cast<double>(sq[c]) - s * s / n));
+    }
+  }
+}
+
+// Rows per block: at most 256 (with few channels the lanes hold little, sums run serially).
+inline int64_t nhwc_block_rows(int64_t C) {
+  return std::clamp<int64_t>(kChunk / std::max<int64_t>(C, 1), 2, 256);
+}
+
+template <typename T>
+void stats_nhwc(const T* x, int64_t R, int64_t C, std::vector<Moments>& acc) {
+  const int64_t rows = nhwc_block_rows(C);
   const int64_t blocks = (R + rows - 1) / rows;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     Moments* mine = acc.data() + at::get_thread_num() * C;
-    std::vector<A> mean(C), sd(C), sq(C);
+    std::vector<acc_t<T>> mean(C), sd(C), sq(C);
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t r0 = b * rows, r1 = std::min(R, r0 + rows);
-      const A inv = A(1) / static_cast<A>(r1 - r0);
-      std::fill(mean.begin(), mean.end(), A(0));
-      std::fill(sd.begin(), sd.end(), A(0));
-      std::fill(sq.begin(), sq.end(), A(0));
-      for (int64_t r = r0; r < r1; ++r) {
-        const T* row = x + r * C;
-        int64_t c = 0;
-        for (; c + W <= C; c += W) (V::loadu(&mean[c]) + VecIO<T>::load(row + c)).store(&mean[c]);
-        for (; c < C; ++c) mean[c] += static_cast<A>(row[c]);
-      }
-      for (int64_t c = 0; c < C; ++c) mean[c] *= inv;
-      for (int64_t r = r0; r < r1; ++r) {
-        const T* row = x + r * C;
-        int64_t c = 0;
-        for (; c + W <= C; c += W) {
-          V d = VecIO<T>::load(row + c) - V::loadu(&mean[c]);
-          (V::loadu(&sd[c]) + d).store(&sd[c]);
-          at::vec::fmadd(d, d, V::loadu(&sq[c])).store(&sq[c]);
-        }
-        for (; c < C; ++c) {
-          const A d = static_cast<A>(row[c]) - mean[c];
-          sd[c] += d;
-          sq[c] += d * d;
-        }
-      }
-      const double n = static_cast<double>(r1 - r0);
-      for (int64_t c = 0; c < C; ++c) {
-        const double m = mean[c], s = sd[c];
-        if (!std::isfinite(m)) {
-          mine[c].merge(n, m, std::numeric_limits<double>::quiet_NaN());
-        } else {
-          mine[c].merge(n, m + s / n, nonneg(static_cast<double>(sq[c]) - s * s / n));
-        }
-      }
+      nhwc_block(x, b * rows, std::min(R, (b + 1) * rows), C, mine, mean, sd, sq);
     }
   });
+}
+
+// (mean, biased var) per channel in the stats dtype of `dtype` from per-thread moments.
+std::tuple<at::Tensor, at::Tensor> finish(const std::vector<Moments>& acc, int64_t threads,
+                                          int64_t C, at::ScalarType dtype,
+                                          const at::TensorOptions& opts) {
+  at::Tensor mean = at::empty({C}, opts.dtype(at::kDouble));
+  at::Tensor var = at::empty({C}, opts.dtype(at::kDouble));
+  double* mp = mean.data_ptr<double>();
+  double* vp = var.data_ptr<double>();
+  for (int64_t c = 0; c < C; ++c) {
+    Moments total;
+    for (int64_t t = 0; t < threads; ++t) {
+      const Moments& m = acc[static_cast<size_t>(t) * C + c];
+      total.merge(m.n, m.mean, m.m2);
+    }
+    mp[c] = total.mean;
+    vp[c] = total.n > 0 ? total.m2 / total.n : std::numeric_limits<double>::quiet_NaN();
+  }
+  const auto stats_type = at::toOpMathType(dtype);
+  return {mean.to(stats_type), var.to(stats_type)};
 }
 
 }  // namespace
@@ -188,21 +220,42 @@ std::tuple<at::Tensor, at::Tensor> batch_stats_kernel(const at::Tensor& x, Layou
     }
     if (pr.rest) stats_nhwc(xp + pr.rows * pr.P, pr.rest, C, acc);
   });
-  auto stats_type = at::toOpMathType(x.scalar_type());
-  at::Tensor mean = at::empty({C}, x.options().dtype(at::kDouble));
-  at::Tensor var = at::empty({C}, x.options().dtype(at::kDouble));
-  double* mp = mean.data_ptr<double>();
-  double* vp = var.data_ptr<double>();
-  for (int64_t c = 0; c < C; ++c) {
-    Moments total;
-    for (int t = 0; t < threads; ++t) {
-      const Moments& m = acc[static_cast<size_t>(t) * C + c];
-      total.merge(m.n, m.mean, m.m2);
+  return finish(acc, threads, C, x.scalar_type(), x.options());
+}
+
+struct RowStats::Impl {
+  int64_t C = 0, threads = 0;
+  at::ScalarType dtype;
+  std::vector<Moments> acc;
+};
+
+RowStats::RowStats(int64_t C, int64_t threads, at::ScalarType dtype) : impl_(new Impl) {
+  impl_->C = C;
+  impl_->threads = threads;
+  impl_->dtype = dtype;
+  impl_->acc.resize(static_cast<size_t>(threads * C));
+}
+
+RowStats::~RowStats() { delete impl_; }
+
+void RowStats::add(const at::Tensor& rows, int64_t tid) {
+  const int64_t C = impl_->C, R = rows.size(0);
+  TORCH_INTERNAL_ASSERT(rows.dim() == 2 && rows.size(1) == C && rows.is_contiguous() &&
+                        tid >= 0 && tid < impl_->threads);
+  Moments* mine = impl_->acc.data() + tid * C;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "row_stats", [&] {
+    using A = acc_t<scalar_t>;
+    const scalar_t* p = rows.const_data_ptr<scalar_t>();
+    std::vector<A> mean(C), sd(C), sq(C);
+    const int64_t block = nhwc_block_rows(C);
+    for (int64_t r0 = 0; r0 < R; r0 += block) {
+      nhwc_block(p, r0, std::min(R, r0 + block), C, mine, mean, sd, sq);
     }
-    mp[c] = total.mean;
-    vp[c] = total.n > 0 ? total.m2 / total.n : std::numeric_limits<double>::quiet_NaN();
-  }
-  return {mean.to(stats_type), var.to(stats_type)};
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> RowStats::finish(const at::TensorOptions& opts) const {
+  return cpu::finish(impl_->acc, impl_->threads, impl_->C, impl_->dtype, opts);
 }
 
 }  // namespace fusedres::cpu

@@ -301,8 +301,11 @@ struct ConvFwd : ConvSpec {
 // in the thread that owns it, a = relu(scale * x + shift) into the thread's buffer, then for
 // each convolution (two for a pair) y = a @ W^T (+ residual, added by the GEMM) (+ bias) into
 // y's rows.
+// With `stats` (one convolution), each finished chunk of y is also reduced into y's per-channel
+// moments while it is in cache (the genstats op's statistics without a pass over y).
 void forward_1x1_chunks(const at::Tensor& x, std::vector<ConvFwd>& convs,
-                        const std::vector<at::Tensor>& ws, const Affine& bn, int64_t rc) {
+                        const std::vector<at::Tensor>& ws, const Affine& bn, int64_t rc,
+                        RowStats* stats = nullptr) {
   const int64_t C = x.size(1), R = x.size(0) * x.size(2) * x.size(3);
   const int64_t chunks = (R + rc - 1) / rc;
   const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
@@ -335,6 +338,7 @@ void forward_1x1_chunks(const at::Tensor& x, std::vector<ConvFwd>& convs,
           at::mm_out(yc, a2, wts[i]);
         }
         if (convs[i].bias.has_value()) yc.add_(*convs[i].bias);
+        if (stats) stats->add(yc, tid);
       }
     }
   });
@@ -343,10 +347,13 @@ void forward_1x1_chunks(const at::Tensor& x, std::vector<ConvFwd>& convs,
 // The forward of one BN-ReLU feeding the convolutions `convs` (one for the fused unit; two for a
 // pre-activation unit's projection shortcut and first convolution, bn_relu_conv2d_pair): per
 // tile the activation is computed once and every convolution reads it in cache.
+// With stats_out (one convolution): when the pixel-chunk route runs, y's per-channel (mean,
+// biased var) reduced chunk by chunk land there; otherwise it is left empty.
 void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
                    const std::optional<at::Tensor>& bn_weight,
                    const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
-                   const at::Tensor& invstd) {
+                   const at::Tensor& invstd,
+                   std::optional<std::tuple<at::Tensor, at::Tensor>>* stats_out = nullptr) {
   const Layout layout = layout_of(x_in);
   const at::MemoryFormat fmt = memory_format(layout);
   const at::Tensor x = x_in.contiguous(fmt);
@@ -393,7 +400,14 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
     const int64_t rc =
         chunkable ? chunk_rows(N * H * W, row_values * elt, weight_values * elt) : 0;
     if (rc > 0) {
-      forward_1x1_chunks(x, convs, ws, bn, rc);
+      if (stats_out && convs.size() == 1) {
+        const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+        RowStats stats(convs[0].weight.size(0), threads, convs[0].y.scalar_type());
+        forward_1x1_chunks(x, convs, ws, bn, rc, &stats);
+        *stats_out = stats.finish(x.options());
+      } else {
+        forward_1x1_chunks(x, convs, ws, bn, rc);
+      }
       return;
     }
   }
@@ -471,6 +485,25 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
   }
 }
 
+// The fused unit's forward; with stats_out, as forward_convs fills it.
+at::Tensor unit_forward(const at::Tensor& x_in, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& bn_weight,
+                        const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
+                        const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
+                        c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
+                        c10::SymIntArrayRef dilation,
+                        const std::optional<at::Tensor>& branch_scale,
+                        std::optional<std::tuple<at::Tensor, at::Tensor>>* stats_out) {
+  check_inputs(x_in, weight, mean, invstd);
+  std::vector<ConvFwd> convs{ConvFwd{
+      {weight, stride, padding, dilation, branch_factor(branch_scale, x_in, weight)},
+      bias,
+      residual}};
+  forward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd, stats_out);
+  return convs[0].y;
+}
+
 at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& bn_weight,
@@ -479,13 +512,8 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
                           c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
                           c10::SymIntArrayRef dilation, bool /*batch_stats*/,
                           const std::optional<at::Tensor>& branch_scale) {
-  check_inputs(x_in, weight, mean, invstd);
-  std::vector<ConvFwd> convs{ConvFwd{
-      {weight, stride, padding, dilation, branch_factor(branch_scale, x_in, weight)},
-      bias,
-      residual}};
-  forward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd);
-  return convs[0].y;
+  return unit_forward(x_in, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
+                      padding, dilation, branch_scale, nullptr);
 }
 
 // Two convolutions of one BN-ReLU (a pre-activation unit's projection shortcut and first
@@ -517,17 +545,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_pair(
 }
 
 // The forward, then y's per-channel (mean, biased var) in the statistics dtype: what the next
-// BatchNorm of a training step needs. A second pass over y (the cuda copy reduces them in the
-// convolution's epilogue); y is still in cache for a small unit.
+// BatchNorm of a training step needs. On the pixel-chunk route each chunk of y is reduced while
+// it is in cache (RowStats); otherwise a second pass over y (batch_stats: the cuda copy reduces
+// them in the convolution's epilogue).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
     const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
     c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
-    bool stats_of_batch, const std::optional<at::Tensor>& branch_scale) {
-  at::Tensor y = bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
-                                stride, padding, dilation, stats_of_batch, branch_scale);
-  auto [y_mean, y_var] = batch_stats(y);
+    bool /*stats_of_batch*/, const std::optional<at::Tensor>& branch_scale) {
+  std::optional<std::tuple<at::Tensor, at::Tensor>> stats;
+  at::Tensor y = unit_forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
+                              padding, dilation, branch_scale, &stats);
+  auto [y_mean, y_var] = stats.has_value() ? *stats : batch_stats(y);
   return {std::move(y), std::move(y_mean), std::move(y_var)};
 }
 

@@ -138,6 +138,24 @@ inline Periods nhwc_periods(const at::Tensor& x) {
 // and merged with Chan's formula in double: accurate for large offsets and millions of values.
 std::tuple<at::Tensor, at::Tensor> batch_stats_kernel(const at::Tensor& x, Layout layout);
 
+// The same statistics gathered piece by piece: add() merges the moments of a dense (R, C) block
+// of rows (pixels of an NHWC tensor) into thread tid's accumulator, serially (called by the
+// thread that owns tid inside a parallel region); finish() gives (mean, biased var) in the
+// stats dtype of `dtype`, as batch_stats_kernel does for the whole tensor.
+class RowStats {
+ public:
+  RowStats(int64_t C, int64_t threads, at::ScalarType dtype);
+  ~RowStats();
+  RowStats(const RowStats&) = delete;
+  RowStats& operator=(const RowStats&) = delete;
+  void add(const at::Tensor& rows, int64_t tid);
+  std::tuple<at::Tensor, at::Tensor> finish(const at::TensorOptions& opts) const;
+
+ private:
+  struct Impl;
+  Impl* impl_;
+};
+
 // a = relu(scale * x + shift) cast to a.dtype; x, a: the same shape, dense in x_layout and
 // a_layout (the same, or NCHW x to NHWC a). scale, shift: (C,) contiguous in acc dtype of x.
 void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
