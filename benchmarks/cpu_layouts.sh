@@ -16,8 +16,8 @@ step() {  # models, batch, reps, name, extra...
 }
 units 2 basic-sweep 15 sweep-2t
 units 2 cifar,resnet50 9 bottleneck-2t
-step 20,56,164 128 9 step-2t
-step 1001 32 3 step-1001-2t
+step 20,56,164 128 15 step-2t
+step 1001 32 5 step-1001-2t
 step 56 128 5 step-56-malloc-default --malloc default
 units 1 cifar,resnet50 7 bottleneck-1t
 units 1 basic-sweep 15 sweep-1t
