@@ -216,9 +216,9 @@ void scale_tile(at::Tensor& ys, const at::Tensor& s, const at::Tensor& rs) {
 // ----------------------------------------------------------------------------- pixel chunks
 
 // A channels_last 1x1 unit (the GEMM route: one convolution, or a pair's two, with weights no
-// larger than a chunk) runs in chunks of pixel rows, each thread its own: the thread computes the chunk's activation into a buffer of its own, small
-// enough to stay in its L2, and runs the chunk's GEMMs on it single-threaded (BLAS called inside
-// a parallel region), instead of every thread writing its share of a batch tile's activation
+// larger than a chunk) runs in chunks of pixel rows, each thread its own: the thread computes
+// the chunk's activation into a buffer of its own, small enough to stay in its L2, and runs the
+// chunk's GEMMs on it single-threaded (BLAS called inside a parallel region), instead of every thread writing its share of a batch tile's activation
 // (MBs, past L2) for a two-thread GEMM to read back. Backward the same per chunk: the
 // activation recomputed, the weight gradient added into the thread's accumulator, the chunk's
 // data gradient computed into a second buffer and consumed there by the ReLU-mask + sums pass.
