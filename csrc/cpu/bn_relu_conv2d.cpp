@@ -216,19 +216,19 @@ void scale_tile(at::Tensor& ys, const at::Tensor& s, const at::Tensor& rs) {
 // ----------------------------------------------------------------------------- pixel chunks
 
 // A channels_last 1x1 unit (the GEMM route: one convolution, or a pair's two, with weights no
-// larger than a chunk) runs in chunks of pixel rows, each thread its own: the thread computes
-// the chunk's activation into a buffer of its own, small enough to stay in its L2, and runs the
-// chunk's GEMMs on it single-threaded (BLAS called inside a parallel region), instead of every thread writing its share of a batch tile's activation
-// (MBs, past L2) for a two-thread GEMM to read back. Backward the same per chunk: the
-// activation recomputed, the weight gradient added into the thread's accumulator, the chunk's
-// data gradient computed into a second buffer and consumed there by the ReLU-mask + sums pass.
-// No parallel region per tile and kernel, no activation or data-gradient tile through memory.
-// FUSEDRES_CPU_CHUNK_BYTES: bytes of (activation + output) rows per chunk; 0 or less: off (the
-// batch tiles above). Measured (2 threads, N=128, fused op fwd / bwd ms, batch tiles -> 256 KiB
-// chunks, RESULTS.md): 64 -> 16 @32 5.32 / 10.71 -> 4.40 / 8.56, 16 -> 64 @32 with residual
-// 6.30 / 7.82 -> 5.58 / 5.85, 128 -> 32 @16 2.86 / 6.63 -> 2.74 / 4.68; 128 KiB to 512 KiB
-// within a few percent of each other, 1 MiB and up slower; ResNet-164's training step 0.92x
-// (0.90x with the statistics of y reduced in the chunks too: RowStats).
+// larger than a chunk) runs in chunks of pixel rows, each thread its own: the thread computes the
+// chunk's activation into a buffer of its own, small enough to stay in its L2, and runs the chunk's
+// GEMMs on it single-threaded (BLAS called inside a parallel region), instead of every thread
+// writing its share of a batch tile's activation (MBs, past L2) for a two-thread GEMM to read back.
+// Backward the same per chunk: the activation recomputed, the weight gradient added into the
+// thread's accumulator, the chunk's data gradient computed into a second buffer and consumed there
+// by the ReLU-mask + sums pass. No parallel region per tile and kernel, no activation or
+// data-gradient tile through memory. FUSEDRES_CPU_CHUNK_BYTES: bytes of (activation + output) rows
+// per chunk; 0 or less: off (the batch tiles above). Measured (2 threads, N=128, fused op fwd / bwd
+// ms, batch tiles -> 256 KiB chunks, RESULTS.md): 64 -> 16 @32 5.32 / 10.71 -> 4.40 / 8.56, 16 ->
+// 64 @32 with residual 6.30 / 7.82 -> 5.58 / 5.85, 128 -> 32 @16 2.86 / 6.63 -> 2.74 / 4.68; 128
+// KiB to 512 KiB within a few percent of each other, 1 MiB and up slower; ResNet-164's training
+// step 0.92x (0.90x with the statistics of y reduced in the chunks too: RowStats).
 int64_t chunk_bytes() {
   if (const char* env = std::getenv("FUSEDRES_CPU_CHUNK_BYTES")) return std::atoll(env);
   return int64_t(256) << 10;
