@@ -76,8 +76,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("FUSEDRES_CPU_TILE_BYTES", "int", "",
             "at every cpu-backend call (csrc/cpu), and by the memory accounting through "
             "`fusedres._C`'s `cpu_tile_samples`",
-            "Bytes of activation + output per tile of the cpu backend; unset: 1 MiB per thread "
-            "(4 MiB for channels_last inputs); 0 or less: the whole batch in one tile."),
+            "Bytes of activation + output per tile of the cpu backend; unset: 4 MiB per thread "
+            "(16 MiB for channels_last inputs); 0 or less: the whole batch in one tile."),
     Setting("FUSEDRES_CPU_TILE_WEIGHT_X", "int", "4", "at every cpu-backend call (csrc/cpu)",
             "A tile's budget is at least this many times the weight's bytes."),
     Setting("FUSEDRES_CPU_CONV_NHWC", "choice", "", "at every cpu-backend call (csrc/cpu)",

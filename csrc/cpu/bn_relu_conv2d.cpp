@@ -39,18 +39,22 @@ namespace fusedres::cpu {
 
 namespace {
 
-// Bytes of (activation + conv output) per tile, set by measurement (RESULTS.md). NCHW units: 1 MiB
-// per thread, half a core's L2, so that each thread's share of a tile stays in its own cache
-// through the BN-ReLU, the convolution and the layout transposes. (4 MiB per thread, the rule
-// before, was measured under a load of 9 on 2 cores; on a quiet machine it is 1.1-2x slower for
-// the 3x3 units of 16-64 channels, whose whole batch then becomes one tile that spills L2.)
-// channels_last units: 4 MiB per thread. They have no transposes to keep in cache, and
-// oneDNN's and the GEMMs' per-call efficiency falls with small tiles (a 26-sample tile of the
-// 256-channel 8x8 1x1 convolution ran at half the rate of the whole batch on 2 threads).
+// Bytes of (activation + conv output) per tile, set by measurement (RESULTS.md), with the C
+// allocator keeping freed memory (fusedres.allocator.keep_freed_memory: the trainer's and the
+// benchmarks' default on CPU). Larger tiles mean fewer oneDNN calls (each builds its primitive:
+// tens of microseconds), fewer per-tile weight gradients to sum and, when several tiles, fewer
+// output copies into y; smaller ones keep a tile in cache.
+// NCHW units: 4 MiB per thread. Their tiles are transposed to NHWC and back around the
+// convolution; 1 MiB per thread (half a core's L2, the rule until 2026-11-24, chosen when every
+// large buffer was a fresh mmap) ran the 3x3 units of 32-256 channels at N=64, 16x16 at
+// 0.98-1.0x plain PyTorch's NCHW unit, 4 MiB 0.85-0.98x, 16 MiB the same (2 threads).
+// channels_last units: 16 MiB per thread. They have no transposes to keep in cache; with 4 MiB
+// per thread the 3x3 units of 160-256 channels ran 1.01-1.04x plain PyTorch's channels_last
+// unit, one tile 0.98-1.00x (2 threads). (The channels_last 1x1 route runs by pixel chunks.)
 int64_t tile_bytes(bool channels_last) {
   // Read at every call so that benchmarks can sweep it; 0 or less means one tile.
   if (const char* env = std::getenv("FUSEDRES_CPU_TILE_BYTES")) return std::atoll(env);
-  return std::max<int64_t>(at::get_num_threads(), 1) * (int64_t(channels_last ? 4 : 1) << 20);
+  return std::max<int64_t>(at::get_num_threads(), 1) * (int64_t(channels_last ? 16 : 4) << 20);
 }
 
 }  // namespace
