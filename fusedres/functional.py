@@ -352,7 +352,7 @@ def _compiled_triton(x: Tensor) -> bool:
 
 def _unit(args: UnitArgs, genstats: bool):
     if ops.eager_cpu(args.x):
-        return ops.EagerCpuUnit.apply(*args, genstats)
+        return ops.EagerCpuUnit(args, genstats)
     if _compiled_triton(args.x):
         from .backends import triton as triton_backend
 

@@ -62,8 +62,11 @@ SCHEMAS: dict[str, str] = {
 # fusedres_cpu::bn_relu_conv2d_pair_backward: their backward in one pass over x:
 # (grad_x, grad_weight, grad_bias, grad_weight2, grad_bias2, grad_bn_weight, grad_bn_bias);
 # output_mask: x, both weights, both biases, bn_weight, bn_bias (fusedres.ops.EagerCpuPair).
+# fusedres_cpu::eager_unit: bn_relu_conv2d with its autograd rule as a C++ node, then genstats:
+# (y, mean of y, biased var of y), the statistics empty unless genstats (fusedres.ops.EagerCpuUnit).
 NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
     "fusedres_cpu": {
+        "eager_unit": f"({_UNIT}, bool genstats=False) -> (Tensor, Tensor, Tensor)",
         "bn_relu_conv2d_pair": (
             "(Tensor x, Tensor weight, Tensor? bias, Tensor weight2, Tensor? bias2, "
             "Tensor? bn_weight, Tensor? bn_bias, Tensor mean, Tensor invstd, SymInt[2] stride, "

@@ -22,14 +22,15 @@ implements the op under the same name with the same arguments. The autograd rule
 the conv weight, the BN parameters, the per-channel statistics and the (N,) branch scale when
 there is one, never the normalised or activated tensor.
 
-Two routes reach the kernels, sharing that rule: the public ops, and :func:`direct_unit`, an
-``autograd.Function`` over one backend's own ops. The second serves eager units on plain CPU
-tensors with the cpu backend (:func:`eager_cpu`), where the custom-op layers (argument
-normalisation, the autograd wrapper's redispatch, the run-time routing) measured ~0.16 ms a unit
-more than this route, a third of a small unit's forward+backward (benchmarks/RESULTS.md,
-"Eager CPU overhead"); and graphs that
-torch.compile traces on a GPU with the triton backend (fusedres.backends.triton), where the
-public ops would be opaque to Inductor.
+Three routes reach the kernels, sharing that rule: the public ops; :data:`EagerCpuUnit`, eager
+units on plain CPU tensors with the cpu backend (:func:`eager_cpu`), through
+``fusedres_cpu::eager_unit``, whose autograd node is C++ (the custom-op layers, argument
+normalisation, the autograd wrapper's redispatch and the run-time routing, measured ~0.16 ms a
+unit more than a direct route, a third of a small unit's forward+backward, and a Python
+``autograd.Function`` ~60 us more than the C++ node: benchmarks/RESULTS.md, "Eager CPU
+overhead"); and :func:`direct_unit`, an ``autograd.Function`` over one backend's own ops, for
+graphs that torch.compile traces on a GPU with the triton backend (fusedres.backends.triton),
+where the public ops would be opaque to Inductor.
 """
 
 from __future__ import annotations
@@ -215,11 +216,23 @@ def direct_unit(name: str, forward, forward_genstats, backward) -> type[torch.au
         "__doc__": f"The fused unit on {forward} and its backward (fusedres.ops.direct_unit)."})
 
 
+def _eager_cpu_unit(op):
+    def unit(args: UnitArgs, genstats: bool):
+        y, mean, var = op(*args, genstats)
+        return (y, mean, var) if genstats else y
+    unit.__doc__ = (
+        "The fused unit on the cpu backend through ``fusedres_cpu::eager_unit``, whose autograd "
+        "node is C++ (``EagerCpuUnit`` in csrc/cpu/bn_relu_conv2d.cpp: the rule of "
+        ":func:`unit_setup_context` and :func:`unit_backward`, no Python frame in forward or "
+        "backward; a Python ``autograd.Function`` cost a small unit ~60 us a step). "
+        "``EagerCpuUnit(args, genstats)``: ``args`` a :class:`UnitArgs`; returns ``y``, or "
+        "``(y, mean, var)`` of y when ``genstats``.")
+    return unit
+
+
 EagerCpuUnit = None
 if _extension.LOADED:  # else the cpu backend never runs (and its namespace may lack the ops)
-    EagerCpuUnit = direct_unit("EagerCpuUnit", torch.ops.fusedres_cpu.bn_relu_conv2d,
-                               torch.ops.fusedres_cpu.bn_relu_conv2d_genstats,
-                               torch.ops.fusedres_cpu.bn_relu_conv2d_backward)
+    EagerCpuUnit = _eager_cpu_unit(torch.ops.fusedres_cpu.eager_unit.default)
 
 
 class _EagerCpuPair(torch.autograd.Function):
