@@ -556,6 +556,42 @@ def test_saves_half_the_bytes_of_the_plain_unit():
     assert x.nbytes <= fused_bytes < x.nbytes + 1024
 
 
+@pytest.mark.parametrize("affine,bias,residual,x_grad", [
+    (False, True, True, True), (True, True, False, False), (False, False, False, True)],
+    ids=["no-affine+bias+res", "bias-no-x-grad", "bare"])
+def test_eager_node_gradients_line_up_with_its_inputs(affine, bias, residual, x_grad):
+    """The C++ autograd node (fusedres_cpu::eager_unit) finds each input's gradient among the
+    tensor inputs that are present (an absent bias, BatchNorm affine or residual shifts them):
+    every gradient equals the public op's, none is given where none is wanted; under
+    inference_mode its forward alone runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    unit = fusedres.BNReLUConv2d(6, 5, 3, padding=1, stride=2, bias=bias, dtype=torch.float64)
+    unit.bn = torch.nn.BatchNorm2d(6, affine=affine, dtype=torch.float64)
+    x = torch.randn(3, 6, 7, 7, dtype=torch.float64, requires_grad=x_grad)
+    r = torch.randn(3, 5, 4, 4, dtype=torch.float64, requires_grad=True) if residual else None
+    wrt = [t for t in (x, r, *unit.parameters()) if t is not None and t.requires_grad]
+    with fusedres.use_backend("cpu"):
+        y = unit(x, r)
+        assert "EagerCpuUnit" in y.grad_fn.name()
+        g = torch.autograd.grad(y.square().sum(), wrt)
+        with Passthrough():
+            y_op = unit(x, r)
+        g_op = torch.autograd.grad(y_op.square().sum(), wrt)
+        with torch.inference_mode():
+            y_inf = unit(x.detach())
+    torch.testing.assert_close(y, y_op, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y_inf, y_op.detach() - (0 if r is None else r.detach()),
+                               rtol=1e-12, atol=1e-12)
+    for a, b in zip(g, g_op, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_eager_route_is_taken_and_agrees_with_the_public_op():
     """Eager units on CPU tensors take ops.EagerCpuUnit (no custom-op layers, a C++ autograd
     node: fusedres_cpu::eager_unit); under a dispatch
