@@ -27,8 +27,8 @@ units on plain CPU tensors with the cpu backend (:func:`eager_cpu`), through
 ``fusedres_cpu::eager_unit``, whose autograd node is C++ (the custom-op layers, argument
 normalisation, the autograd wrapper's redispatch and the run-time routing, measured ~0.16 ms a
 unit more than a direct route, a third of a small unit's forward+backward, and a Python
-``autograd.Function`` ~60 us more than the C++ node: benchmarks/RESULTS.md, "Eager CPU
-overhead"); and :func:`direct_unit`, an ``autograd.Function`` over one backend's own ops, for
+``autograd.Function`` ~50 us more than the C++ node: benchmarks/RESULTS.md, "Eager CPU
+overhead" and "Larger tiles; the eager unit's autograd node in C++"); and :func:`direct_unit`, an ``autograd.Function`` over one backend's own ops, for
 graphs that torch.compile traces on a GPU with the triton backend (fusedres.backends.triton),
 where the public ops would be opaque to Inductor.
 """
@@ -224,7 +224,7 @@ def _eager_cpu_unit(op):
         "The fused unit on the cpu backend through ``fusedres_cpu::eager_unit``, whose autograd "
         "node is C++ (``EagerCpuUnit`` in csrc/cpu/bn_relu_conv2d.cpp: the rule of "
         ":func:`unit_setup_context` and :func:`unit_backward`, no Python frame in forward or "
-        "backward; a Python ``autograd.Function`` cost a small unit ~60 us a step). "
+        "backward; a Python ``autograd.Function`` cost a small unit ~50 us a step). "
         "``EagerCpuUnit(args, genstats)``: ``args`` a :class:`UnitArgs`; returns ``y``, or "
         "``(y, mean, var)`` of y when ``genstats``.")
     return unit

@@ -993,7 +993,7 @@ bn_relu_conv2d_pair_backward(const at::Tensor& grad_out, const at::Tensor& grad_
 
 // The fused unit's autograd rule as a C++ node (fusedres.ops.EagerCpuUnit; the rule of
 // fusedres.ops.unit_setup_context / unit_backward): forward and backward run without a Python
-// frame, the ops below autograd. An autograd.Function in Python cost a small unit ~60 us a
+// frame, the ops below autograd. An autograd.Function in Python cost a small unit ~50 us a
 // training step (its apply, the engine's call into Python, the backward's argument handling):
 // a 16-channel 3x3 unit at N=64, 16x16 takes ~1.3 ms (RESULTS.md). Inputs: bn_relu_conv2d's,
 // then genstats; outputs (y, mean of y, biased var of y), the statistics empty unless genstats
