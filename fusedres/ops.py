@@ -28,9 +28,10 @@ units on plain CPU tensors with the cpu backend (:func:`eager_cpu`), through
 normalisation, the autograd wrapper's redispatch and the run-time routing, measured ~0.16 ms a
 unit more than a direct route, a third of a small unit's forward+backward, and a Python
 ``autograd.Function`` ~50 us more than the C++ node: benchmarks/RESULTS.md, "Eager CPU
-overhead" and "Larger tiles; the eager unit's autograd node in C++"); and :func:`direct_unit`, an ``autograd.Function`` over one backend's own ops, for
-graphs that torch.compile traces on a GPU with the triton backend (fusedres.backends.triton),
-where the public ops would be opaque to Inductor.
+overhead" and "Larger tiles; the eager unit's autograd node in C++"); and :func:`direct_unit`,
+an ``autograd.Function`` over one backend's own ops, for graphs that torch.compile traces on a
+GPU with the triton backend (fusedres.backends.triton), where the public ops would be opaque to
+Inductor.
 """
 
 from __future__ import annotations
