@@ -991,6 +991,24 @@ bn_relu_conv2d_pair_backward(const at::Tensor& grad_out, const at::Tensor& grad_
 
 // ---------------------------------------------------------------- the eager unit's autograd node
 
+// fusedres_cpu::eager_unit's forward: (y, mean of y, biased var of y), the statistics empty
+// unless genstats. Registered for the CPU key too: below autograd (inference mode, or no
+// autograd key) it runs alone.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> eager_unit_forward(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
+    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
+    bool batch_stats, const std::optional<at::Tensor>& branch_scale, bool genstats) {
+  if (genstats) {
+    return bn_relu_conv2d_genstats(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
+                                   stride, padding, dilation, batch_stats, branch_scale);
+  }
+  return {bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
+                         padding, dilation, batch_stats, branch_scale),
+          mean.new_empty({0}), mean.new_empty({0})};
+}
+
 // The fused unit's autograd rule as a C++ node (fusedres.ops.EagerCpuUnit; the rule of
 // fusedres.ops.unit_setup_context / unit_backward): forward and backward run without a Python
 // frame, the ops below autograd. An autograd.Function in Python cost a small unit ~50 us a
@@ -1007,17 +1025,9 @@ struct EagerCpuUnit : public torch::autograd::Function<EagerCpuUnit> {
       c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
       const std::optional<at::Tensor>& branch_scale, bool genstats) {
     at::AutoDispatchBelowADInplaceOrView below;
-    at::Tensor y, y_mean, y_var;
-    if (genstats) {
-      std::tie(y, y_mean, y_var) =
-          bn_relu_conv2d_genstats(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
-                                  stride, padding, dilation, batch_stats, branch_scale);
-    } else {
-      y = bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                         padding, dilation, batch_stats, branch_scale);
-      y_mean = mean.new_empty({0});
-      y_var = mean.new_empty({0});
-    }
+    auto [y, y_mean, y_var] =
+        eager_unit_forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
+                           padding, dilation, batch_stats, branch_scale, genstats);
     const at::Tensor none;
     ctx->save_for_backward({x, weight, bn_weight.value_or(none), bn_bias.value_or(none), mean,
                             invstd, branch_scale.value_or(none)});
@@ -1087,22 +1097,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eager_unit(
   auto out = EagerCpuUnit::apply(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
                                  stride, padding, dilation, batch_stats, branch_scale, genstats);
   return {out[0], out[1], out[2]};
-}
-
-// Below autograd (inference mode, or no autograd key): the forward alone.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> eager_unit_forward(
-    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
-    const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
-    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
-    bool batch_stats, const std::optional<at::Tensor>& branch_scale, bool genstats) {
-  if (genstats) {
-    return bn_relu_conv2d_genstats(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
-                                   stride, padding, dilation, batch_stats, branch_scale);
-  }
-  return {bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                         padding, dilation, batch_stats, branch_scale),
-          mean.new_empty({0}), mean.new_empty({0})};
 }
 
 }  // namespace
