@@ -61,3 +61,57 @@ def load_vec(ptrs, ok, ALL: tl.constexpr):
     else:
         return tl.load(ptrs, mask=ok, other=0.0)
 
+
+
+@triton.jit
+def _grid_round(t, XT: tl.constexpr, UP: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """The least value of the 16-bit dtype ``XT`` >= float32 ``t`` (``UP``), or the greatest <=
+    ``t``, as a float32 (exact). bfloat16 steps on its float32 image's bits (a bfloat16 is the
+    top half of its float32), float16 on its own."""
+    if XT == tl.bfloat16:
+        rf = cast(t, tl.bfloat16, INTERP_BF16).to(tl.float32)
+        bits = rf.to(tl.int32, bitcast=True)
+        step = 0x10000
+        tiny = tl.full(bits.shape, 0x10000, tl.int32)         # the least positive bfloat16
+        ntiny = tl.full(bits.shape, -2147418112, tl.int32)    # 0x80010000: its negative
+    else:
+        r = t.to(tl.float16)
+        rf = r.to(tl.float32)
+        bits = r.to(tl.int16, bitcast=True)
+        step = 1
+        tiny = tl.full(bits.shape, 1, tl.int16)
+        ntiny = tl.full(bits.shape, -32767, tl.int16)         # 0x8001
+    if UP:  # rounded below t: the next value up
+        nxt = tl.where(rf == 0, tiny, tl.where(rf > 0, bits + step, bits - step))
+        done = rf >= t
+    else:
+        nxt = tl.where(rf == 0, ntiny, tl.where(rf > 0, bits - step, bits + step))
+        done = rf <= t
+    nxt = nxt.to(bits.dtype)  # int16 + a Python int is int32 in Triton
+    if XT == tl.bfloat16:
+        nf = nxt.to(tl.float32, bitcast=True)
+    else:
+        nf = nxt.to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.where(done, rf, nf)
+
+
+@triton.jit
+def relu_window(sc, sh, XT: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """Per channel (lo, hi) in the 16-bit dtype ``XT`` such that, for every ``x`` of that dtype,
+    the ReLU of ``sc * x + sh`` (float32) is on (> 0, or NaN) exactly when ``not x <= lo and
+    not x >= hi``. The threshold t = -sh / sc goes onto x's grid: lo = the greatest value <= t
+    for sc > 0, hi = the least >= t for sc < 0; the other bound NaN (no compare with NaN is
+    true); both NaN for sc = 0 and sh > 0, lo = +inf and hi = -inf for sc = 0 and sh <= 0.
+    Two compares a 16-bit element then, no conversion or FMA. The only slack is t's float32
+    division (~1e-7 relative) against the 16-bit grid (1e-3): an x that close to t has
+    sc * x + sh ~1e-7 * |sh|, the rounding noise of the FMA itself."""
+    zero = sc == 0
+    t = -sh / tl.where(zero, 1.0, sc)
+    floor = _grid_round(t, XT, False, INTERP_BF16)
+    ceil = _grid_round(t, XT, True, INTERP_BF16)
+    inf = float("inf")
+    nan = float("nan")
+    off = zero & ~(sh > 0)
+    lo = tl.where(sc > 0, floor, tl.where(off, inf, nan))
+    hi = tl.where(sc < 0, ceil, tl.where(off, -inf, nan))
+    return cast(lo, XT, INTERP_BF16), cast(hi, XT, INTERP_BF16)

@@ -62,7 +62,7 @@ from .reductions import stats_combine
 CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, ALIGNED=1),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
+    KernelConfig.of(BLOCK_M=256, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, BSCALE_AT=1),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=3),
@@ -270,7 +270,7 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
     * Co > 128 with C >= 64 when 64x256 tiles still give a full wave on ``sms`` SMs: the big
       tile (the A-tile BatchNorm-ReLU amortised over 256 columns).
     * Co >= 128 (and C >= 32) with a full wave of 128x128 tiles: the wide tile.
-    * C >= 32 with a full wave of 128x64 tiles: 128x64x32 (64-channel units, many pixels).
+    * C >= 32 with a full wave of 256x64 tiles: 256x64x32 (64-channel units, many pixels).
     * otherwise the 64x64 tile (few pixels: more, smaller blocks to fill the SMs).
 
     The first three only when ``aligned`` (see ``is_aligned``).
@@ -294,7 +294,7 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
         return configs[0]
     if co >= 128 and c >= 32 and cdiv(m, 128) * cdiv(co, 128) >= sms:
         return configs[1]
-    if c >= 32 and cdiv(m, 128) * cdiv(co, 64) >= sms:
+    if c >= 32 and cdiv(m, 256) * cdiv(co, 64) >= sms:
         return configs[2]
     return configs[3]
 

@@ -55,7 +55,7 @@ from .reductions import reduce_partials
 # on aligned operands (``ALIGNED``, as the forward's).
 CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, ALIGNED=1),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3, ALIGNED=1),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, ALIGNED=1),
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=3),

@@ -45,7 +45,7 @@ from ._common import (
     launcher,
     sm_count,
 )
-from ._tl import cast, mma
+from ._tl import cast, mma, relu_window
 from .bn_relu_conv2d import bn_relu_tile
 from .reductions import reduce_partials
 
@@ -80,19 +80,28 @@ FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
 ]
 # The SUMS variant carries two accumulators: 8 warps (two warpgroups) for the wide ones.
-# 64x128x32, 3 stages: 419 instructions a K-step (issue / tensor 3.3; 403 and 3.2 with 2
-# stages before), its grid 216 programs at C = Co = 256, 14x14 (split 3; 72 before).
+# Each x element it loads is recomputed (mask, m * x) once and used by BLOCK_M output
+# channels: the wide tile is tall (128 output channels x 64 input), not wide. sm_90 SASS at C =
+# Co = 256, 14x14, fp16 (fusedres.perfmodel): 64x128x32 419 instructions a K-step, issue-bound
+# (485 us modeled); the 16-bit window operands 315 (367 us); 128x64x32 190, 224 us (tensor time
+# 201 us; 256x64 and 128x128 reach it but at 255 registers). A fourth role, 16-channel units
+# (Co and C <= 16): 16x16 tiles, no padded rows or columns in either GEMM (CIFAR 16@32 batch
+# 128, H100: 41.5 -> 24.8 us fp16, 79.5 -> 46.0 us fp32).
 SUMS_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
 ]
+# float32, tall for the same reason (C = Co = 256 at 14x14, TF32: 64x128 495 us modeled,
+# issue-bound; 128x64 404 us, tensor-bound).
 SUMS_FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=16, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),
 ]
-# Its K 16, 2-stage tiles are spill-free with ieee products too (kernels/aot.py).
+# Its tiles are spill-free with ieee products too (kernels/aot.py).
 SUMS_IEEE_CONFIGS = SUMS_FP32_CONFIGS
 SUMS_FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
@@ -112,7 +121,7 @@ def wgrad_kernel(
     sgs, sgo, sgc, sgh, sgw,
     iters_per_split,
     SUMS: tl.constexpr, HAS_DB: tl.constexpr, FP64: tl.constexpr, TF32: tl.constexpr,
-    INTERP_BF16: tl.constexpr,
+    INTERP_BF16: tl.constexpr, X16: tl.constexpr, DY_DENSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BSCALE: tl.constexpr = False,
 ):
@@ -141,17 +150,28 @@ def wgrad_kernel(
         sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
         mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
         inv = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+        if X16:
+            lo, hi = relu_window(sc, sh, x_ptr.dtype.element_ty, INTERP_BF16)
     k_begin = split * iters_per_split * BLOCK_K
+    # The pixel indices (n, oh, ow) of the x tile's rows, advanced by BLOCK_K pixels a K-step
+    # with one carry each (no integer division in the loop): BLOCK_K = qn*hw + qh*Wo + qw.
+    o = k_begin + kk
+    n = o // hw
+    oh = (o % hw) // Wo
+    ow = o % Wo
+    qn = BLOCK_K // hw
+    qh = (BLOCK_K % hw) // Wo
+    qw = BLOCK_K % Wo
     for k0 in range(k_begin, k_begin + iters_per_split * BLOCK_K, BLOCK_K):
         o = k0 + kk
         o_ok = o < M
-        n = o // hw
-        rem = o % hw
-        oh = rem // Wo
-        ow = rem % Wo
-        dy_off = n * sdn + oh * sdh + ow * sdw
-        g = tl.load(dy_ptr + co[:, None] * sdc + dy_off[None, :],
-                    mask=co_ok[:, None] & o_ok[None, :], other=0.0)
+        if DY_DENSE:  # grad_out's pixels one stride apart (channels_last): no (n, oh, ow)
+            g = tl.load(dy_ptr + co[:, None] * sdc + o[None, :] * sdw,
+                        mask=co_ok[:, None] & o_ok[None, :], other=0.0)
+        else:
+            dy_off = n * sdn + oh * sdh + ow * sdw
+            g = tl.load(dy_ptr + co[:, None] * sdc + dy_off[None, :],
+                        mask=co_ok[:, None] & o_ok[None, :], other=0.0)
         if HAS_BSCALE:
             bsc = tl.load(bscale_ptr + n, mask=o_ok, other=0.0).to(acc_t)
         if HAS_DB:
@@ -167,15 +187,33 @@ def wgrad_kernel(
         if SUMS:
             mask = row_ok[:, None] & c_ok[None, :]
             xv = tl.load(x_ptr + row_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
-            xs = xv.to(sc.dtype)
-            on = mask & ~(xs * sc[None, :] + sh[None, :] <= 0)  # NaN passes, as in torch
-            xhat = (xs - mu[None, :]) * inv[None, :]
-            if HAS_BSCALE:  # the pixel's factor on the operand computed in registers anyway
-                b1 = cast(tl.where(on, bsc[:, None], 0.0), g.dtype, INTERP_BF16)
-                b2 = cast(tl.where(on, xhat * bsc[:, None], 0.0), g.dtype, INTERP_BF16)
+            if X16:
+                # 16-bit x: the mask from two compares in x's dtype (relu_window), and the
+                # second operand m * x, exact, so G3 = sum dy * m * x and G2 = invstd * (G3 -
+                # mean * G1) in the epilogue: no conversion, FMA or rounding per element.
+                if INTERP_BF16:
+                    xf = xv.to(tl.float32)
+                    on = mask & ~(xf <= lo.to(tl.float32)[None, :]) \
+                        & ~(xf >= hi.to(tl.float32)[None, :])
+                else:
+                    on = mask & ~(xv <= lo[None, :]) & ~(xv >= hi[None, :])
+                if HAS_BSCALE:
+                    b1 = cast(tl.where(on, bsc[:, None], 0.0), g.dtype, INTERP_BF16)
+                    b2 = cast(tl.where(on, xv.to(acc_t) * bsc[:, None], 0.0), g.dtype,
+                              INTERP_BF16)
+                else:
+                    b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
+                    b2 = tl.where(on, xv, 0.0).to(g.dtype)
             else:
-                b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
-                b2 = cast(tl.where(on, xhat, 0.0), g.dtype, INTERP_BF16)
+                xs = xv.to(sc.dtype)
+                on = mask & ~(xs * sc[None, :] + sh[None, :] <= 0)  # NaN passes, as in torch
+                xhat = (xs - mu[None, :]) * inv[None, :]
+                if HAS_BSCALE:  # the pixel's factor on the operand computed in registers
+                    b1 = cast(tl.where(on, bsc[:, None], 0.0), g.dtype, INTERP_BF16)
+                    b2 = cast(tl.where(on, xhat * bsc[:, None], 0.0), g.dtype, INTERP_BF16)
+                else:
+                    b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
+                    b2 = cast(tl.where(on, xhat, 0.0), g.dtype, INTERP_BF16)
             acc1 = mma(acc1, g, b1, TF32, INTERP_BF16)
             acc2 = mma(acc2, g, b2, TF32, INTERP_BF16)
         else:
@@ -187,6 +225,16 @@ def wgrad_kernel(
                 a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, g.dtype,
                                  INTERP_BF16)
             acc1 = mma(acc1, g, a, TF32, INTERP_BF16)
+        ow += qw
+        carry = ow >= Wo
+        ow = tl.where(carry, ow - Wo, ow)
+        oh += qh + carry.to(tl.int32)
+        carry = oh >= Ho
+        oh = tl.where(carry, oh - Ho, oh)
+        n += qn + carry.to(tl.int32)
+    if SUMS:
+        if X16:
+            acc2 = (acc2 - mu.to(acc_t)[None, :] * acc1) * inv.to(acc_t)[None, :]
     # dW: float32 partials (split, Co, C, KH, KW), or the weight gradient itself when SPLIT is 1.
     off = split * sgs + co[:, None] * sgo + c[None, :] * sgc + i * sgh + j * sgw
     out_t = dw_ptr.dtype.element_ty
@@ -227,7 +275,8 @@ def sums_configs_for(dtype, interpret: bool | None = None) -> list[KernelConfig]
 
 def pick_config(co: int, c: int, dtype: torch.dtype, interpret: bool | None = None,
                 sums: bool = False) -> KernelConfig:
-    """Roles by index in every list: 0 mid, 1 big (wide channels), 2 small (<= 32 channels)."""
+    """Roles by index in every list: 0 mid, 1 big (wide channels), 2 small (<= 32 channels);
+    the SUMS lists (but float64's) also 3, tiny (16 channels or fewer each side)."""
     if interpreting() if interpret is None else interpret:
         return INTERPRET_CONFIG
     configs = configs_for(dtype, sums, interpret=False)
@@ -235,6 +284,8 @@ def pick_config(co: int, c: int, dtype: torch.dtype, interpret: bool | None = No
         return configs[0]
     if co >= 128 and c >= 64:
         return configs[1]
+    if sums and co <= 16 and c <= 16:
+        return configs[3]
     if co <= 32 or c <= 32:
         return configs[2]
     return configs[0]
@@ -342,7 +393,10 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
         *grad_out.stride(), *x.stride(), *weight.stride(), *dw_strides, ips,
         SUMS=sums, HAS_DB=want_bias, HAS_BSCALE=branch_scale is not None, FP64=fp64,
         TF32=allow_tf32(grad_out.dtype),
-        INTERP_BF16=interp_bf16(grad_out.dtype), **cfg.launch_kwargs(),
+        INTERP_BF16=interp_bf16(grad_out.dtype),
+        X16=sums and x.dtype in (torch.float16, torch.bfloat16) and grad_out.dtype == x.dtype,
+        DY_DENSE=grad_out.stride(0) == ho * wo * grad_out.stride(3)
+        and grad_out.stride(2) == wo * grad_out.stride(3), **cfg.launch_kwargs(),
     )
     # One launch sums the partials over the splits into the results (none when all are direct).
     red = {}

@@ -144,7 +144,8 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
     1024 / 8) = 128; forward and data gradient (16 channels: the 128 x 16 tiles, no padding
     column): 131072 / 128 programs; wgrad (<= 32 channels: 32 x 32 x 64): 9 tiles, 2048 K-steps,
     split the least modeled time of pick_split up to 2 * cdiv(132, 9) = 30: 29 (71 K-steps
-    each); the dx pass 64 x 32 tiles."""
+    each); wgrad_sums (16 channels each side: 16 x 16 x 128) 9 tiles, 1024 K-steps, split 29
+    (36 each); the dx pass 64 x 32 tiles."""
     sums = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["sums"]]
     # Between them the small kernels of kernels/reductions.py: the splits' statistics merged,
     # the BatchNorm affine (forward and backward), the weight-gradient partials reduced (the
@@ -154,7 +155,7 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
     assert sums == [
         ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"), combine, affine,
         ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"), affine,
-        ("wgrad_sums", [1, 9, 29], "M=32 N=32 K=64 w=4 s=3"),
+        ("wgrad_sums", [1, 9, 29], "M=16 N=16 K=128 w=4 s=3"),
         ("partials_reduce", [4, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
         ("dgrad_dx", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
     ]

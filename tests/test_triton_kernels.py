@@ -794,3 +794,82 @@ def test_partials_reduce_writes_every_part_in_one_launch():
         assert torch.allclose(got, part.sum(0) / m, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="no partials"):
         reduce_partials()
+
+
+# --------------------------------------------------------------------------- 16-bit ReLU window
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from fusedres.kernels._tl import relu_window  # noqa: E402
+
+
+@triton.jit
+def _window_kernel(sc_ptr, sh_ptr, lo_ptr, hi_ptr, XT: tl.constexpr, INTERP_BF16: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    k = tl.arange(0, BLOCK)
+    lo, hi = relu_window(tl.load(sc_ptr + k), tl.load(sh_ptr + k), XT, INTERP_BF16)
+    tl.store(lo_ptr + k, lo)
+    tl.store(hi_ptr + k, hi)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_relu_window_matches_the_fma_sign_on_every_16bit_value(dtype):
+    """For every 16-bit x (all 65,536 bit patterns, NaN and +-inf among them) and (scale, shift)
+    pairs of both signs, zero scales, thresholds on and off the grid, past its range and at
+    +-0: ``not x <= lo and not x >= hi`` equals the ReLU's "on" (scale * x + shift > 0 in exact
+    arithmetic, NaN on), but for x within float32 rounding of the threshold."""
+    g = torch.Generator().manual_seed(3)
+    sc = torch.cat([torch.randn(40, generator=g) * 3, torch.tensor([
+        1.0, -1.0, 0.0, 0.0, 2.0, -0.5, 1e-3, -1e-3, 1.0, 1.0, 3.0, -3.0, 1e-6, 1.0, 1.0, 1.0,
+        2.0, 0.25, -4.0, 1.5, 1.0, -1.0, 5.0, 1.0])])
+    sh = torch.cat([torch.randn(40, generator=g) * 2, torch.tensor([
+        -1.0, 1.0, 1.0, -1.0, -1.0, 0.25, 100.0, 100.0, 0.0, -0.0, 1e5, 1e5, -1.0, -65504.0,
+        65504.0, 7.0 / 3.0, -3.0, 0.1, -1.0, -1.5, -1e-30, 1e-30, -4.0, 2.5])])
+    sc, sh = sc.float(), sh.float()
+    lo = torch.empty(64, dtype=dtype)
+    hi = torch.empty_like(lo)
+    xt = tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
+    _window_kernel[(1,)](sc, sh, lo, hi, XT=xt, INTERP_BF16=dtype == torch.bfloat16, BLOCK=64)
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    xd, lod, hid = x.double(), lo.double(), hi.double()
+    window = ~(xd[:, None] <= lod[None, :]) & ~(xd[:, None] >= hid[None, :])
+    exact = xd[:, None] * sc.double()[None, :] + sh.double()[None, :]
+    on = ~(exact <= 0)
+    on[torch.isnan(xd)] = True  # NaN x passes the ReLU as torch's does
+    wrong = window != on
+    # scale 0 and an infinite x: 0 * inf is NaN in float32 (on), the window says off; the
+    # forward's output is NaN there already.
+    wrong &= ~(torch.isinf(xd)[:, None] & (sc[None, :] == 0))
+    slack = exact.abs() <= 2.0 ** -20 * torch.maximum(sh.double().abs()[None, :],
+                                                    (xd[:, None] * sc.double()[None, :]).abs())
+    assert not (wrong & ~slack).any(), (wrong & ~slack).nonzero()[:5]
+    assert wrong.sum() <= 2
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "nchw"])
+@pytest.mark.parametrize("dtype", HALF)
+def test_wgrad_sums_16bit_window_path(dtype, layout):
+    """The 16-bit SUMS operands (the ReLU mask from the window, m * x exact, G2 = invstd * (G3 -
+    mean * G1) after the loop) against float64: gammas of both signs and zero (beta either
+    sign), an input whose mean is three standard deviations, split and unsplit, a grad_out
+    dense (channels_last) or strided (NCHW)."""
+    cl = layout == "channels_last"
+    x, wt, gamma, beta, mean, invstd = _backward_inputs(dtype, cl, co=17, c=6)
+    x = (x.float() + 3 * x.float().std()).to(dtype)
+    mean, var = bs.batch_stats(x)
+    invstd = torch.rsqrt(var + 1e-5)
+    gamma = gamma * torch.tensor([1.0, -1.0, 0.0, 0.0, 1.0, -2.0], device=DEVICE)
+    beta = beta.abs() * torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, 1.0], device=DEVICE)
+    scale, shift = _scale_shift(gamma, beta, mean, invstd)
+    dy = torch.randn(2, 17, 7, 9).to(DEVICE, dtype)
+    if cl:
+        dy = dy.contiguous(memory_format=torch.channels_last)
+    ref = _portable64(dy, x, wt, gamma, beta, mean, invstd, (1, 1), (1, 1), (1, 1), True)
+    tol = TOL[dtype] * 4
+    for split in (1, 3):
+        gw, _, sums = wg.bn_relu_conv2d_wgrad(dy, x, wt, scale, shift, (1, 1), (1, 1), (1, 1),
+                                              want_bias=False, bn_affine=(gamma, beta),
+                                              mean=mean, invstd=invstd, split=split)
+        assert rel_err(gw, ref[1]) < tol, split
+        assert rel_err(sums[0], ref[4]) < tol and rel_err(sums[1], ref[3]) < tol, split
