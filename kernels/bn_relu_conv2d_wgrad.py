@@ -84,11 +84,13 @@ FP64_CONFIGS = [
 # channels: the wide tile is tall (128 output channels x 64 input), not wide. sm_90 SASS at C =
 # Co = 256, 14x14, fp16 (fusedres.perfmodel): 64x128x32 419 instructions a K-step, issue-bound
 # (485 us modeled); the 16-bit window operands 315 (367 us); 128x64x32 190, 224 us (tensor time
-# 201 us; 256x64 and 128x128 reach it but at 255 registers). A fourth role, 16-channel units
-# (Co and C <= 16): 16x16 tiles, no padded rows or columns in either GEMM (CIFAR 16@32 batch
-# 128, H100: 41.5 -> 24.8 us fp16, 79.5 -> 46.0 us fp32).
+# 201 us; 256x64 and 128x128 reach it but at 255 registers). The mid tile (64 x 64) runs 4
+# warps: with 8, sm_80's mma.sync layout repeats each product on two warps (64@56: 32 HMMA a
+# warp a K-step where 16 would do; 1342 -> 686 us modeled on the A100, H100 346 -> 308). A
+# fourth role, 16-channel units (Co and C <= 16): 16x16 tiles, no padded rows or columns in
+# either GEMM (CIFAR 16@32 batch 128, H100: 41.5 -> 24.8 us fp16, 79.5 -> 46.0 us fp32).
 SUMS_CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
@@ -308,7 +310,11 @@ def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms
     >= 4 K-steps a program; the smaller on ties. So the grid fills the SMs where the pass is
     compute-bound: C = Co = 256 at 14x14, batch 256 on 132 SMs, SUMS 128x64 tiles: 72 tiles ->
     split 3, 216 programs (the old rule, ~2 waves capped at partials <= 1/8 of the operand
-    bytes, gave split 1: 72 programs of 64x128); plain 128x128: 36 tiles -> split 7, 252."""
+    bytes, gave split 1: 72 programs of 64x128); plain 128x128: 36 tiles -> split 7, 252.
+    The partials' traffic is capped at half the operand bytes, which keeps a step's DRAM bytes
+    under half the plain sequence's (tests/test_traffic_model.py); it costs time where the
+    grid is small: CIFAR's 64-channel 8x8 unit, batch 128, split 3, 27 programs (H100, fp16,
+    fusedres.perfmodel: 9 us of wgrad with split 29 instead of 21, but 0.80x the plain bytes)."""
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
     tiles = cdiv(co, bm) * cdiv(c, bn) * kh * kw
     k_iters = cdiv(m, bk)

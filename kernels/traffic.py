@@ -183,7 +183,7 @@ def _fused_step(u: Unit, genstats: bool, strategy: str) -> Step:
     vec = u.c * 4  # a per-channel float32 vector
     m_in, m_out = u.n * u.h * u.h, u.n * u.ho * u.ho
     if not genstats:
-        splits = max(1, min(cdiv(4 * H100_SMS, cdiv(u.c, 16)), cdiv(m_in, 128 * 8)))
+        splits = max(1, min(cdiv(4 * H100_SMS, cdiv(u.c, 16)), cdiv(m_in, 128 * 2), 128))
         s.add("batch_stats", u.act_in() + 2 * splits * u.c * 8, 2 * splits * u.c * 8 + 2 * vec)
     cfg = _fwd.pick_config(m_out, u.co, u.c, dt, interpret=False)
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]

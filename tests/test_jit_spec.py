@@ -141,7 +141,7 @@ def test_specialisation_equals_triton_jit_run(probe):
 def test_launch_order_and_grids_of_a_known_shape(probe):
     """x (128, 16, 32, 32) fp16 channels_last, 3x3 16 -> 16, H100 (132 SMs). By the host rules:
     batch_stats (C <= 32, channels_last: 128 x 16 tiles): 1024 tiles, split min(4 * 132,
-    1024 / 8) = 128; forward and data gradient (16 channels: the 128 x 16 tiles, no padding
+    1024 / 2, 128) = 128; forward and data gradient (16 channels: the 128 x 16 tiles, no padding
     column): 131072 / 128 programs; wgrad (<= 32 channels: 32 x 32 x 64): 9 tiles, 2048 K-steps,
     split the least modeled time of pick_split up to 2 * cdiv(132, 9) = 30: 29 (71 K-steps
     each); wgrad_sums (16 channels each side: 16 x 16 x 128) 9 tiles, 1024 K-steps, split 29

@@ -40,13 +40,15 @@ def main(argv=None) -> int:
     if args.quick:
         units, dtypes = [traffic.CIFAR_UNITS[0], traffic.IMAGENET_UNITS[0]], ["fp16"]
     calib = [] if args.no_calibration else calibrate()
-    models = []
+    models, store = [], []
     for u in units:
         for dtype in dtypes:
             for dev in (A100, H100):
                 models.append(model_unit(u, dtype, dev))
+                store.append(model_unit(u, dtype, dev, backward="store"))
                 print(f"modeled {u.name} {dtype} {dev.name}: fused "
-                      f"{models[-1].fused_s * 1e6:.1f} us, plain "
+                      f"{models[-1].fused_s * 1e6:.1f} us (store plan "
+                      f"{store[-1].fused_s * 1e6:.1f}), plain "
                       f"{models[-1].plain_s * 1e6:.1f} us", file=sys.stderr, flush=True)
     cuda = None
     if args.cuda:
@@ -59,7 +61,7 @@ def main(argv=None) -> int:
             cuda = str(exc)
     command = " ".join(["python -m fusedres.perfmodel", *(argv if argv is not None
                                                           else sys.argv[1:])])
-    text = report.markdown(calib, models, time.perf_counter() - t0, cuda, command)
+    text = report.markdown(calib, models, time.perf_counter() - t0, cuda, command, store)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)

@@ -42,22 +42,35 @@ def calibration_table(results: list[tuple[GemmPrediction, list]]) -> list[str]:
     return lines
 
 
-def unit_table(models: list[UnitModel]) -> list[str]:
+def unit_table(models: list[UnitModel], store: list[UnitModel] | None = None) -> list[str]:
+    """Per (unit, dtype): each device's fused and plain times, their ratio and host ops for the
+    default ("sums") backward; with ``store`` the ratio of the "store" backward too; and the
+    launch that bounds the unit (the slowest, its bound and % of tensor peak)."""
     by_key: dict[tuple, dict] = {}
     for um in models:
         by_key.setdefault((um.unit.name, um.dtype), {})[um.device.arch] = um
-    lines = ["| unit | dtype | A100 fused us | A100 plain us | A100 fused/plain | A100 host ops "
-             "| H100 fused us | H100 plain us | H100 fused/plain | H100 host ops |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    alt = {(um.unit.name, um.dtype, um.device.arch): um for um in store or []}
+    head = "| unit | dtype "
+    rule = "|---|---"
+    for gpu in ("A100", "H100"):
+        head += (f"| {gpu} fused us | {gpu} plain us | {gpu} fused/plain | {gpu} host ops "
+                 f"| {gpu} store: fused/plain | {gpu} bound by ")
+        rule += "|---:|---:|---:|---:|---:|---"
+    lines = [head + "|", rule + "|"]
     for (name, dtype), d in by_key.items():
         cells = []
         for arch in (80, 90):
             um = d.get(arch)
             if um is None:
-                cells += ["-"] * 4
+                cells += ["-"] * 6
                 continue
+            st = alt.get((name, dtype, arch))
+            k = um.slowest
             cells += [_us(um.fused_s), _us(um.plain_s), f"{um.fused_s / um.plain_s:.2f}",
-                      f"{len(um.host)} ({_us(um.host_s)} us)"]
+                      f"{len(um.host)} ({_us(um.host_s)} us)",
+                      f"{st.fused_s / st.plain_s:.2f}" if st is not None else "-",
+                      f"{k.role} {_us(k.pred.time_s)} us: {k.pred.bound}, "
+                      f"{k.pred.pct_tensor_peak:.0f}% tensor"]
         lines.append(f"| {name} | {dtype} | " + " | ".join(cells) + " |")
     return lines
 
@@ -118,7 +131,7 @@ reductions, per-channel vectors), counted on meta tensors, one DRAM-bound launch
 
 
 def markdown(calib, models, runtime_s: float, cuda=None,
-             command: str = "python -m fusedres.perfmodel") -> str:
+             command: str = "python -m fusedres.perfmodel", store=None) -> str:
     import triton
 
     devs = "; ".join(f"{d.name}: {d.sms} SMs, {d.clock_hz / 1e9:.2f} GHz, dense fp16/bf16 "
@@ -140,8 +153,13 @@ def markdown(calib, models, runtime_s: float, cuda=None,
             "Training step of one BN -> ReLU -> conv (+ residual) unit: the fused Triton "
             "kernels (batch statistics, forward, weight gradient + BN sums, data gradient "
             "writing dx) and their host ops, against BatchNorm + ReLU + cuDNN conv (+ add) and "
-            "their backward. Ratio < 1: fused faster.", ""]
-    out += unit_table(models)
+            "their backward. Ratio < 1: fused faster. The backward is the default plan "
+            "(FUSEDRES_TRITON_BACKWARD=sums: the weight-gradient pass's second GEMM gives the "
+            "BatchNorm sums, then one pass writes dx); \"store\" is the other plan (one GEMM "
+            "fewer; the data gradient stores dz, an elementwise pass writes dx), its ratio "
+            "beside. \"bound by\": the slowest launch of the default plan, what bounds it and "
+            "its share of dense tensor peak (the per-kernel table below has the rest).", ""]
+    out += unit_table(models, store)
     out += ["", "## Per kernel (MODELED)", "",
             "Per main-loop iteration counts are per warp (instructions) and per thread (bytes); "
             "MMA/iter lists SASS tensor instructions per warp per iteration. Bound: the largest "

@@ -97,6 +97,12 @@ class UnitModel:
     host: list[HostOp] = field(default_factory=list)
     host_s: float = 0.0
     plain: list[tuple[str, float, str]] = field(default_factory=list)  # (kernel, s, bound)
+    backward: str = "sums"
+
+    @property
+    def slowest(self) -> KernelRow:
+        """The launch with the largest modeled time: what bounds the unit."""
+        return max(self.kernels, key=lambda k: k.pred.time_s)
 
     @property
     def fused_s(self) -> float:
@@ -121,16 +127,19 @@ def plain_step(u: traffic.Unit, dtype: str, dev: Device) -> list[tuple[str, floa
     return out
 
 
-def model_unit(u: traffic.Unit, dtype: str, dev: Device) -> UnitModel:
+def model_unit(u: traffic.Unit, dtype: str, dev: Device, backward: str = "sums") -> UnitModel:
+    """The unit's training step with the Triton backward plan ``backward`` ("sums", the
+    default, or "store"; see fusedres.backends.triton.backward_strategy)."""
     from ..kernels.jit_spec import compile_launch
 
     tu = traffic_unit(u, dtype)
-    launches, host = unit_step(conv_unit(u), dtype, arch=dev.arch, sms=dev.sms)
-    dram = {k.name: k.bytes for k in traffic.fused_step(tu).kernels}
+    launches, host = unit_step(conv_unit(u), dtype, arch=dev.arch, sms=dev.sms,
+                               backward=backward)
+    dram = {k.name: k.bytes for k in traffic.fused_step(tu, strategy=backward).kernels}
     role_ctas: dict[str, int] = {}
     for launch in launches:
         role_ctas[launch.kernel] = role_ctas.get(launch.kernel, 0) + launch.programs
-    um = UnitModel(u, dtype, dev, host=host)
+    um = UnitModel(u, dtype, dev, host=host, backward=backward)
     for launch in launches:
         comp = compile_launch(launch)
         k = sass.analyse(comp.name, sass.parse(sass.disassemble(comp.cubin))[comp.name])
