@@ -67,18 +67,26 @@ CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=3),
 ]
+# float32 with TF32, by role: 0 many pixels, 1 mid, 2 narrow (Co <= 32), 3 wide (Co >= 128,
+# many pixels). sm_90 SASS (fusedres.perfmodel, H100, batch 256): 64@56 128x64x16 540 us
+# modeled, 128x64x32 481; 256@14 on 128x64 tiles 505 us (shared-bound: the activation tile
+# staged once per 64 columns), 128x128x16 274; CIFAR 64@8 (batch 128) on 64x64x32, 8 warps
+# 9.4 us, 4 warps 7.7.
 FP32_CONFIGS = [
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, num_warps=8, num_stages=3),
 ]
-# float32 without TF32 (``ieee`` products: FMA), same roles. 64x64x32 with 3 stages spills there
-# (sm_80, a CIFAR 64-channel 3x3 unit at 8x8: ptxas holds it to 80 registers, 8 bytes spilled);
-# 2 stages: 80 / 116 registers on sm_80 / sm_90, none.
+# float32 without TF32 (``ieee`` products: FMA), same roles (3 is 0's tile: an FMA tile of
+# 128x128 would hold 64 accumulators a thread). 64x64x32 with 3 stages spills there (sm_80, a
+# CIFAR 64-channel 3x3 unit at 8x8: ptxas holds it to 80 registers, 8 bytes spilled); 2 stages:
+# 80 / 116 registers on sm_80 / sm_90, none.
 IEEE_CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=3),
 ]
 FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=3, BSCALE_AT=2),
@@ -283,6 +291,8 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
     if dtype == torch.float32:
         if co <= 32:
             return configs[2]
+        if co >= 128 and cdiv(m, 128) * cdiv(co, 128) >= sms:
+            return configs[3]
         return configs[0] if m * co >= 128 * 64 * 264 else configs[1]
     if co <= 16:
         return configs[5]

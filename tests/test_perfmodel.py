@@ -419,3 +419,31 @@ def test_committed_cuda_unit_range_recomputes_from_its_kernel_table():
         for dtype in ("fp16", "bf16"):
             assert committed[(u.name, dtype)] == cells(u, dtype), (u.name, dtype)
             assert cells(u, dtype, forward="wmma") != committed[(u.name, dtype)]
+
+
+def test_auto_backward_plan_agrees_with_the_committed_model():
+    """``FUSEDRES_TRITON_BACKWARD=auto`` decides by kernels/traffic.py's roofline of an H100;
+    the committed SASS model (benchmarks/GPU_MODEL.md, both plans per unit) must agree: on every
+    H100 row auto's plan is the faster modeled one, and on the A100's rows within 1.2x of it."""
+    from fusedres.kernels import traffic
+
+    table = (ROOT / "benchmarks" / "GPU_MODEL.md").read_text()
+    rows = _table_rows(table, "## Fused unit forward + backward")
+    units = {u.name: u for u in traffic.CIFAR_UNITS + traffic.IMAGENET_UNITS}
+    elem = {"fp16": 2, "bf16": 2, "fp32": 4}
+    assert len(rows) == 3 * len(units)
+    worst_a100 = 1.0
+    for r in rows:
+        u0 = units[r[0]]
+        u = traffic.Unit(u0.name, u0.n, u0.c, u0.h, u0.co, u0.k, u0.stride, u0.residual,
+                         elem[r[1]])
+        t = {s: traffic.fused_step(u, strategy=s).seconds(u.elem) for s in ("sums", "store")}
+        pick = min(t, key=t.get)
+        # Per GPU: fused, plain, ratio, host ops, store ratio, bound by.
+        for gpu, col in (("A100", 2), ("H100", 8)):
+            modeled = {"sums": float(r[col + 2]), "store": float(r[col + 4])}
+            slower = modeled[pick] / min(modeled.values())
+            if gpu == "H100":
+                assert slower == 1.0, (r[0], r[1], pick, modeled)
+            worst_a100 = max(worst_a100, slower) if gpu == "A100" else worst_a100
+    assert worst_a100 <= 1.2, worst_a100
