@@ -101,6 +101,15 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
     return CONFIGS[2] if c <= 8 else CONFIGS[1]
 
 
+def pick_split(tiles: int, c_blocks: int, sms: int) -> int:
+    """Programs a channel block: enough for ~4 waves on ``sms`` SMs, but no fewer than 2 tiles
+    a program and no more than 128 partial rows a channel (stats_combine merges them one block
+    of rows at a time): CIFAR's 64-channel 8x8 unit, batch 128, 8 -> 32 programs a channel
+    block, H100 6.2 -> 3.6 us modeled (the program's float64 merge amortised over fewer
+    tiles). kernels/traffic.py counts the partials with it."""
+    return max(1, min(cdiv(4 * sms, c_blocks), cdiv(tiles, 2), 128))
+
+
 def batch_stats(x: torch.Tensor, config: KernelConfig | None = None, split: int | None = None):
     """(mean, biased var) per channel of x (N, C, H, W), in the statistics dtype."""
     n, c, h, w = x.shape
@@ -111,12 +120,7 @@ def batch_stats(x: torch.Tensor, config: KernelConfig | None = None, split: int 
     tiles = cdiv(m, bm)
     c_blocks = cdiv(c, bc)
     if split is None:
-        # Enough programs for ~4 waves, but no fewer than 2 tiles a program and no more than
-        # 128 partial rows a channel (stats_combine merges them one block of rows at a time):
-        # CIFAR's 64-channel 8x8 unit, batch 128, 8 -> 32 programs a channel block, H100
-        # 6.2 -> 3.6 us modeled (the program's float64 merge amortised over fewer tiles).
-        split = 1 if interpreting() else max(1, min(cdiv(4 * sm_count(x.device), c_blocks),
-                                                    cdiv(tiles, 2), 128))
+        split = 1 if interpreting() else pick_split(tiles, c_blocks, sm_count(x.device))
     split = max(1, min(split, tiles))
     tps = cdiv(tiles, split)
     split = cdiv(tiles, tps)  # no empty splits

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import batch_stats as _bs
 from . import bn_relu_conv2d as _fwd
 from . import bn_relu_conv2d_dgrad as _dgrad
 from . import bn_relu_conv2d_wgrad as _wgrad
@@ -183,7 +184,7 @@ def _fused_step(u: Unit, genstats: bool, strategy: str) -> Step:
     vec = u.c * 4  # a per-channel float32 vector
     m_in, m_out = u.n * u.h * u.h, u.n * u.ho * u.ho
     if not genstats:
-        splits = max(1, min(cdiv(4 * H100_SMS, cdiv(u.c, 16)), cdiv(m_in, 128 * 2), 128))
+        splits = _bs.pick_split(cdiv(m_in, 128), cdiv(u.c, 16), H100_SMS)
         s.add("batch_stats", u.act_in() + 2 * splits * u.c * 8, 2 * splits * u.c * 8 + 2 * vec)
     cfg = _fwd.pick_config(m_out, u.co, u.c, dt, interpret=False)
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]

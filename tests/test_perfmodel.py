@@ -427,17 +427,15 @@ def test_auto_backward_plan_agrees_with_the_committed_model():
     the committed SASS model (benchmarks/GPU_MODEL.md, both plans per unit) must agree: on every
     H100 row auto's plan is the faster modeled one, and on the A100's rows within 1.2x of it."""
     from fusedres.kernels import traffic
+    from fusedres.perfmodel.units import traffic_unit
 
     table = (ROOT / "benchmarks" / "GPU_MODEL.md").read_text()
     rows = _table_rows(table, "## Fused unit forward + backward")
     units = {u.name: u for u in traffic.CIFAR_UNITS + traffic.IMAGENET_UNITS}
-    elem = {"fp16": 2, "bf16": 2, "fp32": 4}
     assert len(rows) == 3 * len(units)
     worst_a100 = 1.0
     for r in rows:
-        u0 = units[r[0]]
-        u = traffic.Unit(u0.name, u0.n, u0.c, u0.h, u0.co, u0.k, u0.stride, u0.residual,
-                         elem[r[1]])
+        u = traffic_unit(units[r[0]], r[1])
         t = {s: traffic.fused_step(u, strategy=s).seconds(u.elem) for s in ("sums", "store")}
         pick = min(t, key=t.get)
         # Per GPU: fused, plain, ratio, host ops, store ratio, bound by.
