@@ -177,6 +177,16 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
             with torch.no_grad():
                 num_batches_tracked.add_(1)
         mean, var = x.new_zeros((c,), dtype=sdt), x.new_ones((c,), dtype=sdt)
+    elif ops.prepare_batch_norm_cpu is not None and ops.eager_cpu(x):
+        # The rest of this function in one C++ call (the same ATen ops, ~20 us less a call).
+        given = stats is not None and use_batch
+        mean, invstd = ops.prepare_batch_norm_cpu(
+            x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+            *(stats if given else (None, None)))
+        if given:  # the caller's tensor, as below (the op returns a copy: no output aliases)
+            mean = stats[0]
+        return BatchNormState(x, _cast(bn_weight, sdt), _cast(bn_bias, sdt), mean, invstd,
+                              use_batch)
     elif use_batch:
         mean, var = stats if stats is not None else _batch_stats(x.detach())
         if training and running_mean is not None:
@@ -185,8 +195,11 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
     else:
         mean, var = running_mean.detach().to(sdt), running_var.detach().to(sdt)
     invstd = torch.rsqrt(var + eps)
-    cast = (lambda p: p if p is None or p.dtype == sdt else p.to(sdt))
-    return BatchNormState(x, cast(bn_weight), cast(bn_bias), mean, invstd, use_batch)
+    return BatchNormState(x, _cast(bn_weight, sdt), _cast(bn_bias, sdt), mean, invstd, use_batch)
+
+
+def _cast(p: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return p if p is None or p.dtype == dtype else p.to(dtype)
 
 
 @torch.no_grad()

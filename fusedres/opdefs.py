@@ -64,9 +64,15 @@ SCHEMAS: dict[str, str] = {
 # output_mask: x, both weights, both biases, bn_weight, bn_bias (fusedres.ops.EagerCpuPair).
 # fusedres_cpu::eager_unit: bn_relu_conv2d with its autograd rule as a C++ node, then genstats:
 # (y, mean of y, biased var of y), the statistics empty unless genstats (fusedres.ops.EagerCpuUnit).
+# fusedres_cpu::prepare_batch_norm: nn.BatchNorm2d's statistics and running-stats update in one
+# call, (mean, invstd) (fusedres.functional.prepare_batch_norm on eager CPU tensors).
 NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
     "fusedres_cpu": {
         "eager_unit": f"({_UNIT}, bool genstats=False) -> (Tensor, Tensor, Tensor)",
+        "prepare_batch_norm": (
+            "(Tensor x, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+            "Tensor(c!)? num_batches_tracked, bool training, float? momentum, float eps, "
+            "Tensor? mean=None, Tensor? var=None) -> (Tensor, Tensor)"),
         "bn_relu_conv2d_pair": (
             "(Tensor x, Tensor weight, Tensor? bias, Tensor weight2, Tensor? bias2, "
             "Tensor? bn_weight, Tensor? bn_bias, Tensor mean, Tensor invstd, SymInt[2] stride, "

@@ -232,8 +232,13 @@ def _eager_cpu_unit(op):
 
 
 EagerCpuUnit = None
+# nn.BatchNorm2d's statistics and running-stats update on the cpu backend in one C++ call:
+# ``(x, running_mean, running_var, num_batches_tracked, training, momentum, eps, mean, var) ->
+# (mean, invstd)`` (fusedres.functional.prepare_batch_norm).
+prepare_batch_norm_cpu = None
 if _extension.LOADED:  # else the cpu backend never runs (and its namespace may lack the ops)
     EagerCpuUnit = _eager_cpu_unit(torch.ops.fusedres_cpu.eager_unit.default)
+    prepare_batch_norm_cpu = torch.ops.fusedres_cpu.prepare_batch_norm.default
 
 
 class _EagerCpuPair(torch.autograd.Function):

@@ -619,3 +619,66 @@ def test_eager_route_is_taken_and_agrees_with_the_public_op():
     for a, b in zip(g, g_op):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     assert unit.bn.num_batches_tracked.item() == 2
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["m0.1", "cumulative"])
+@pytest.mark.parametrize("mode", ["train", "train_given_stats", "eval", "no_running_stats"])
+@pytest.mark.parametrize("dtype,stats_dtype", [
+    (torch.float32, torch.float32), (torch.float64, torch.float64),
+    (torch.bfloat16, torch.float32), (torch.float32, torch.float64),
+], ids=["f32", "f64", "bf16_x", "f64_running"])
+def test_prepare_batch_norm_in_one_call_is_the_python_rule(monkeypatch, momentum, mode, dtype,
+                                                            stats_dtype):
+    """prepare_batch_norm on eager CPU tensors is one C++ call (ops.prepare_batch_norm_cpu):
+    the same statistics, running statistics and count, bit for bit, as the Python sequence it
+    replaces; the given mean kept, never running_mean; the running statistics' version counters
+    bumped as by in-place ops."""
+    from fusedres import functional as FR
+    from fusedres import ops
+
+    assert ops.prepare_batch_norm_cpu is not None
+    c = 6
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, c, 7, 9, generator=g) * 3 + 2).to(dtype).requires_grad_()
+    gamma, beta = torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g)
+    given = None
+    if mode == "train_given_stats":
+        var, mean = torch.var_mean(x.detach().to(_stats_dtype(dtype)), dim=(0, 2, 3),
+                                   correction=0)
+        given = (mean, var)
+
+    def run(route):
+        rm = torch.randn(c, generator=torch.Generator().manual_seed(4)).to(stats_dtype)
+        rv = torch.rand(c, generator=torch.Generator().manual_seed(5)).to(stats_dtype) + 0.5
+        nbt = torch.tensor(6)
+        if mode == "no_running_stats":
+            rm = rv = nbt = None
+        calls = []
+        op = ops.prepare_batch_norm_cpu if route == "c++" else None
+        monkeypatch.setattr(ops, "prepare_batch_norm_cpu",
+                            None if op is None else (lambda *a: calls.append(a) or op(*a)))
+        versions = None if rm is None else (rm._version, rv._version)
+        with fusedres.use_backend("cpu"):
+            state = FR.prepare_batch_norm(x, gamma, beta, rm, rv, nbt, training=mode != "eval",
+                                          momentum=momentum, eps=1e-3, stats=given)
+        assert len(calls) == (route == "c++")
+        return state, rm, rv, nbt, versions
+
+    new, rm, rv, nbt, versions = run("c++")
+    old, rm0, rv0, nbt0, _ = run("python")
+    assert new.batch_stats == old.batch_stats == (mode != "eval")
+    for a, b in ((new.mean, old.mean), (new.invstd, old.invstd), (rm, rm0), (rv, rv0),
+                 (nbt, nbt0)):
+        if a is None:
+            assert b is None
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b), (a, b)
+    assert not new.mean.requires_grad and not new.invstd.requires_grad
+    if given is not None:  # the caller's statistics are kept (they may be a view of another's)
+        assert new.mean is given[0]
+    if rm is not None:
+        assert new.mean.data_ptr() != rm.data_ptr()
+        assert int(nbt) == 6 + (mode != "eval")
+        moved = mode != "eval"
+        assert (rm._version > versions[0]) == moved and (rv._version > versions[1]) == moved

@@ -284,6 +284,78 @@ std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
   return batch_stats_kernel(x_in.contiguous(memory_format(layout)), layout);
 }
 
+// nn.BatchNorm2d's statistics and running-stats update in one call (fusedres.functional.
+// prepare_batch_norm on eager CPU tensors): (mean, invstd) in the statistics dtype. In training
+// (or without running statistics) the batch's, from `mean`/`var` when given (a producer's
+// statistics of x) or one pass over x, the running statistics updated in place; in eval the
+// running statistics'. The update is the Python rule's sequence of ATen ops (same kernels, same
+// roundings); one call instead of ~10 from Python: ~20 us a BatchNorm (RESULTS.md). Every
+// argument is checked by the caller first; an empty batch stays in Python. Outputs never alias
+// an input (a given mean is copied).
+std::tuple<at::Tensor, at::Tensor> prepare_batch_norm(
+    const at::Tensor& x, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var,
+    const std::optional<at::Tensor>& num_batches_tracked, bool training,
+    std::optional<double> momentum, double eps, const std::optional<at::Tensor>& mean_in,
+    const std::optional<at::Tensor>& var_in) {
+  TORCH_CHECK(x.dim() == 4 && x.size(1) > 0 && x.numel() > 0,
+              "fusedres_cpu.prepare_batch_norm: x must be a non-empty 4-D tensor, got shape ",
+              x.sizes());
+  const auto present = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined();
+  };
+  const bool tracked = present(running_mean);
+  TORCH_CHECK(tracked == present(running_var),
+              "fusedres_cpu.prepare_batch_norm: running_mean, running_var: give both or neither");
+  const at::ScalarType sdt = at::toOpMathType(x.scalar_type());
+  at::Tensor mean, var;
+  if (training || !tracked) {
+    if (present(mean_in) && present(var_in)) {
+      mean = mean_in->clone();
+      var = *var_in;
+    } else {
+      std::tie(mean, var) = batch_stats(x);
+    }
+    if (training && tracked) {
+      const int64_t count = x.numel() / x.size(1);
+      at::Tensor rm = *running_mean, rv = *running_var;
+      if (present(num_batches_tracked)) num_batches_tracked->add_(1);
+      const at::Tensor unbiased =
+          var * (static_cast<double>(count) / static_cast<double>(count - 1));
+      if (momentum.has_value()) {
+        const double f = *momentum;
+        rm.mul_(1 - f).add_(mean.to(rm.scalar_type()) * f);
+        rv.mul_(1 - f).add_(unbiased.to(rv.scalar_type()) * f);
+      } else {  // cumulative average: 1 / num_batches_tracked, as a tensor (Python: 1.0 / t)
+        TORCH_CHECK(present(num_batches_tracked),
+                    "fusedres_cpu.prepare_batch_norm: num_batches_tracked: required when "
+                    "momentum is None");
+        const at::Tensor f = num_batches_tracked->to(rm.scalar_type()).reciprocal() * 1.0;
+        rm.mul_(at::rsub(f, 1)).add_(mean.to(rm.scalar_type()) * f);
+        rv.mul_(at::rsub(f, 1)).add_(unbiased.to(rv.scalar_type()) * f);
+      }
+    }
+  } else {
+    mean = running_mean->to(sdt, /*non_blocking=*/false, /*copy=*/true);
+    var = running_var->to(sdt);
+  }
+  return {mean, at::rsqrt(var + eps)};
+}
+
+// Above autograd (x may require grad; nothing here is differentiated: the unit's backward
+// folds the statistics' gradient into x's): the CPU kernel, with the in-place updates still
+// counted by the running statistics' version counters.
+std::tuple<at::Tensor, at::Tensor> prepare_batch_norm_autograd(
+    const at::Tensor& x, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var,
+    const std::optional<at::Tensor>& num_batches_tracked, bool training,
+    std::optional<double> momentum, double eps, const std::optional<at::Tensor>& mean_in,
+    const std::optional<at::Tensor>& var_in) {
+  at::AutoDispatchBelowAutograd below;
+  return prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training, momentum,
+                            eps, mean_in, var_in);
+}
+
 // One convolution of a BN-ReLU's activation tiles: its weight, geometry and branch factor.
 struct ConvSpec {
   ConvSpec(const at::Tensor& weight, c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
@@ -1104,11 +1176,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eager_unit(
 
 TORCH_LIBRARY_IMPL(fusedres_cpu, Autograd, m) {
   m.impl("eager_unit", &fusedres::cpu::eager_unit);
+  m.impl("prepare_batch_norm", &fusedres::cpu::prepare_batch_norm_autograd);
 }
 
 TORCH_LIBRARY_IMPL(fusedres_cpu, CPU, m) {
   m.impl("eager_unit", &fusedres::cpu::eager_unit_forward);
   m.impl("batch_stats", &fusedres::cpu::batch_stats);
+  m.impl("prepare_batch_norm", &fusedres::cpu::prepare_batch_norm);
   m.impl("bn_relu_conv2d", &fusedres::cpu::bn_relu_conv2d);
   m.impl("bn_relu_conv2d_genstats", &fusedres::cpu::bn_relu_conv2d_genstats);
   m.impl("bn_relu_conv2d_backward", &fusedres::cpu::bn_relu_conv2d_backward);
