@@ -363,14 +363,18 @@ def cpu_op_workspace_bytes(func, args, kwargs=None) -> int:
     """Bytes one call of a fused op allocates and frees inside the cpu backend
     (``csrc/cpu/bn_relu_conv2d.cpp``), an upper bound: tiles of ``nb`` samples (the kernel's own
     tiling rule, ``fusedres._C``'s ``cpu_tile_samples``), a the activation tile and o the output
-    tile. Forward: a, o and a re-laid copy of the weight (plus oneDNN's own copy), and a second
-    activation tile (a strided 1x1 convolution subsamples it). Backward: a whole copy of a
-    grad_out that is not dense or not of the weight's dtype, the activation, data-gradient and
-    layout-change buffers and what oneDNN's per-tile backward returns (4a + 4o), with a branch
-    scale one more output tile (grad_out's tile staged scaled), the weight copy
-    and two weight-gradient accumulators (3w), the per-thread sums. Both: 256 KiB for oneDNN's
-    scratchpad. Checked against the process's peak resident memory around single op calls
-    (tests/test_memory.py). 0 for other ops, and when the extension is not built."""
+    tile. Forward: a, o and a re-laid copy of the weight (plus oneDNN's own copy), and, for NCHW
+    x, a second activation tile (a strided 1x1 convolution subsamples it). Backward: a whole
+    copy of a grad_out that is not dense or not of the weight's dtype, with a branch scale one
+    more output tile (grad_out's tile staged scaled), the weight copy and two weight-gradient
+    accumulators (3w), the per-thread sums, and the tiles: for NCHW x the activation,
+    data-gradient and layout-change buffers and what oneDNN's per-tile backward returns
+    (4a + 4o); for channels_last x, which changes no layout, the activation tile and the data
+    gradient's (2a) and an output tile for oneDNN's reorders (o). Both: 256 KiB for oneDNN's
+    scratchpad. Checked against the process's peak resident memory around single op calls in
+    both layouts (tests/test_memory.py: channels_last measured 2a plus the grad_out copy, the
+    old NCHW-shaped bound was 3x that). 0 for other ops, and when the extension is not
+    built."""
     bound = bind(func, args, kwargs)
     if bound is None or "weight" not in bound:
         return 0
@@ -380,8 +384,8 @@ def cpu_op_workspace_bytes(func, args, kwargs=None) -> int:
     ho, wo = ConvGeometry(bound["stride"], bound["padding"], bound["dilation"]).out_hw(h, w, kh, kw)
     size = weight.element_size()
     per_sample = (c * h * w + co * ho * wo) * size
-    nb = _extension.cpu_tile_samples(n, per_sample, weight.numel() * size,
-                                     suggests_channels_last(x))
+    cl = suggests_channels_last(x)
+    nb = _extension.cpu_tile_samples(n, per_sample, weight.numel() * size, cl)
     if nb is None:
         return 0
     a_tile, o_tile = nb * c * h * w * size, nb * co * ho * wo * size
@@ -394,9 +398,10 @@ def cpu_op_workspace_bytes(func, args, kwargs=None) -> int:
         go_copy = 0 if dense and go.dtype == weight.dtype else n * co * ho * wo * size
         # A branch scale stages each grad_out tile scaled, in a tile buffer of its own.
         scaled = o_tile if bound.get("branch_scale") is not None else 0
-        return (go_copy + scaled + 4 * a_tile + 4 * o_tile + 3 * w_bytes
-                + torch.get_num_threads() * 2 * c * 8 + _ONEDNN_SLACK)
-    return 2 * a_tile + o_tile + 2 * w_bytes + _ONEDNN_SLACK
+        tiles = 2 * a_tile + o_tile if cl else 4 * a_tile + 4 * o_tile
+        return (go_copy + scaled + tiles + 3 * w_bytes + torch.get_num_threads() * 2 * c * 8
+                + _ONEDNN_SLACK)
+    return (1 if cl else 2) * a_tile + o_tile + 2 * w_bytes + _ONEDNN_SLACK
 
 
 class _StepTracker(LiveTensorTracker):

@@ -1,6 +1,8 @@
 """Run by tests/test_memory.py in a subprocess (MALLOC_MMAP_THRESHOLD_ fixed): the peak resident
 memory one fused-op call adds beyond its outputs, against the predicted workspace. Prints
-``op NAME PREDICTED MEASURED`` per call."""
+``op NAME LAYOUT PREDICTED MEASURED`` per call."""
+
+import itertools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,11 +35,14 @@ class Record(TorchDispatchMode):
 
 
 torch.manual_seed(0)
-# (N, C, Co, H, kernel, stride): 3x3 NHWC tiles, 1x1 GEMM tiles, a strided 1x1, tiny tiles.
-for n, c, co, h, k, s in [(64, 64, 64, 32, 3, 1), (32, 64, 16, 32, 1, 1), (16, 256, 128, 32, 1, 2),
-                          (8, 16, 16, 32, 3, 1), (128, 64, 64, 16, 3, 2)]:
-    unit = fusedres.BNReLUConv2d(c, co, k, padding=k // 2, stride=s)
-    x = torch.randn(n, c, h, h, requires_grad=True)
+# (N, C, Co, H, kernel, stride): 3x3 NHWC tiles, 1x1 GEMM tiles, a strided 1x1, tiny tiles; x
+# and the unit NCHW, then channels_last.
+SHAPES = [(64, 64, 64, 32, 3, 1), (32, 64, 16, 32, 1, 1), (16, 256, 128, 32, 1, 2),
+          (8, 16, 16, 32, 3, 1), (128, 64, 64, 16, 3, 2)]
+for fmt, (n, c, co, h, k, s) in itertools.product((torch.contiguous_format,
+                                                   torch.channels_last), SHAPES):
+    unit = fusedres.BNReLUConv2d(c, co, k, padding=k // 2, stride=s).to(memory_format=fmt)
+    x = torch.randn(n, c, h, h).contiguous(memory_format=fmt).requires_grad_()
     unit(x).sum().backward()  # warm-up (oneDNN primitive caches)
     rec = Record()
     with rec:
@@ -50,4 +55,5 @@ for n, c, co, h, k, s in [(64, 64, 64, 32, 3, 1), (32, 64, 16, 32, 1, 1), (16, 2
         outputs = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0]
                       if isinstance(t, torch.Tensor))
         del out
-        print("op", func.__name__, cpu_op_workspace_bytes(func, args), peak - before - outputs)
+        print("op", func.__name__, "nchw" if fmt == torch.contiguous_format else "cl",
+              cpu_op_workspace_bytes(func, args), peak - before - outputs)

@@ -263,7 +263,8 @@ def test_cuda_rules_round_every_storage_to_512_bytes():
 def test_cpu_workspace_prediction_bounds_the_kernels_scratch():
     """The cpu backend's in-op tile buffers, which the tracker cannot see, measured as the
     process's peak resident memory around single op calls (in a subprocess whose glibc returns
-    freed buffers to the system at once) minus the op's outputs: never above the prediction."""
+    freed buffers to the system at once) minus the op's outputs, NCHW and channels_last: never
+    above the prediction, and not far below it."""
     if "cpu" not in fusedres.available_backends():
         pytest.skip("cpu backend not built")
     script = Path(__file__).with_name("helpers_workspace.py")
@@ -272,7 +273,17 @@ def test_cpu_workspace_prediction_bounds_the_kernels_scratch():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("op ")]
-    assert len(rows) == 10
-    for _, name, predicted, measured in rows:
-        assert int(measured) <= int(predicted), (name, predicted, measured)
-        assert int(predicted) <= 4 * int(measured) + 2 ** 20, (name, predicted, measured)
+    assert len(rows) == 20
+    for i, (_, name, layout, predicted, measured) in enumerate(rows):
+        assert int(measured) <= int(predicted), (name, layout, predicted, measured)
+        # The channels_last 1x1 unit (rows 12, 13) runs by pixel chunks: a few 256 KiB chunk
+        # buffers against a bound of tiles (the planner takes the largest op's workspace, a 3x3
+        # unit's, so this loose bound costs nothing there).
+        if i not in (12, 13):
+            assert int(predicted) <= 4 * int(measured) + 2 ** 20, (name, layout, predicted,
+                                                                   measured)
+    # channels_last changes no layout: its bound is tighter (2a + o in backward, a + o forward),
+    # within 2.5x of what the larger 3x3 units' calls hold (the NCHW-shaped bound was 3x).
+    for _, name, layout, predicted, measured in rows[10:12] + rows[18:20]:
+        assert layout == "cl" and int(predicted) <= 2.5 * int(measured), (name, predicted,
+                                                                          measured)

@@ -102,9 +102,6 @@ SMALL = ["--dataset", "synthetic", "--model", "preact_resnet", "--depth", "20",
 # What loading the data adds to the resident set varies between environments (13 MiB here,
 # 22 MiB in a clean clone's CI run): the budgets leave room for it.
 SMALL_BUDGET = 176 * 2 ** 20
-# channels_last (the trainer's default on CPU): 16 MiB cpu tiles a thread (one tile per unit
-# here), a larger workspace bound.
-SMALL_BUDGET_CL = 208 * 2 ** 20
 # How far the plan's process figure (step + slack) may be from the measured peak RSS above
 # the baseline, as a share of the budget: the slack's spread between the environments measured
 # (22-36.5 MiB of it: this machine's checkout and a clean clone's CI run, benchmarks/MEMORY.md)
@@ -112,16 +109,17 @@ SMALL_BUDGET_CL = 208 * 2 ** 20
 PROCESS_TOLERANCE = 0.2
 
 
-@pytest.mark.parametrize("layout,budget", [("--no-channels-last", SMALL_BUDGET),
-                                           ("--channels-last", SMALL_BUDGET_CL)],
+@pytest.mark.parametrize("layout", ["--no-channels-last", "--channels-last"],
                          ids=["nchw", "channels_last"])
-def test_process_within_a_budget_that_needs_checkpointing(tmp_path, layout, budget):
+def test_process_within_a_budget_that_needs_checkpointing(tmp_path, layout):
     """The plan fits the step plus the allocator's slack within the budget by checkpointing,
-    and the process keeps to it: peak RSS above the baseline <= budget; in NCHW the prediction
-    within PROCESS_TOLERANCE of it. In channels_last the cpu backend's workspace bound is loose
-    (its tiles, one per unit here, are bounded as 4 activation + 4 output tiles; the GEMM route
-    allocates less): the prediction is only checked to be at or above the measured figure there
-    (at 208 MiB: 200.1 planned, 147.5 MiB measured here; NCHW at 176 MiB: 168.0, 145.6)."""
+    and the process keeps to it: peak RSS above the baseline <= budget, the prediction within
+    PROCESS_TOLERANCE of it, in both layouts (one budget since the channels_last workspace bound
+    is its own, 2026-11-25: the cpu backend's channels_last tiles, one per unit here, were
+    bounded as NCHW's 4 activation + 4 output tiles; it planned 200.1 MiB at 208 MiB then, and
+    this budget was 32 MiB larger than NCHW's; at 176 MiB now: 165.4 planned, 120.5 measured,
+    NCHW 165.5 and 125.0, on a busy machine)."""
+    budget = SMALL_BUDGET
     proc, s = _train_fresh([*SMALL, layout, "--out", str(tmp_path / "run"),
                             "--memory-budget", str(budget)])
     plan = s["memory_plan"]
@@ -132,10 +130,7 @@ def test_process_within_a_budget_that_needs_checkpointing(tmp_path, layout, budg
     assert predicted <= budget
     assert s["predicted_slack_bytes"] > 0
     assert 0 < measured <= budget, proc.stderr[-1500:]
-    if layout == "--no-channels-last":
-        assert abs(measured - predicted) <= PROCESS_TOLERANCE * budget, (measured, predicted)
-    else:
-        assert predicted >= measured, (measured, predicted)
+    assert abs(measured - predicted) <= PROCESS_TOLERANCE * budget, (measured, predicted)
     assert "warning" not in proc.stderr
 
 
