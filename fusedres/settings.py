@@ -59,10 +59,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "compiler through the CPU execution layer (csrc/cuda/host) into the test extension "
             "`fusedres._C_cuda_host` (a test vehicle, never picked by auto; `make test` builds "
             "it)."),
-    Setting("FUSEDRES_TRITON_BACKWARD", "choice", "sums", "at every triton backward call",
+    Setting("FUSEDRES_TRITON_BACKWARD", "choice", "auto", "at every triton backward call",
             "The Triton backward's plan: `sums` (the weight-gradient pass also reduces the "
-            "BatchNorm sums, then one pass writes dx), `store` (dz stored, then an elementwise "
-            "pass), `auto` (the lower modeled H100 time).", ("sums", "store", "auto")),
+            "BatchNorm sums, then one pass writes dx), `store` (dz stored in the x gradient's "
+            "buffer, then an elementwise pass turns it into dx; no more memory), `auto` (the "
+            "lower modeled H100 time per shape: `store` on wide units).",
+            ("sums", "store", "auto")),
     Setting("FUSEDRES_TRITON_AUTOTUNE", "bool", "0", "at every Triton kernel launch",
             "Time every config of a kernel once per shape key and keep the fastest (else the "
             "config is chosen by rule)."),

@@ -29,6 +29,7 @@ passes and saves one GEMM, so it wins where the GEMMs are compute-bound (wide ch
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from . import batch_stats as _bs
@@ -160,6 +161,18 @@ def _dgrad_flops(u: Unit, cfg) -> int:
             rows = u.n * cdiv(u.h - pa, s) * cdiv(u.h - pb, s)
             total += 2 * cdiv(rows, bm) * bm * cdiv(u.c, bn) * bn * taps * cdiv(u.co, bk) * bk
     return total
+
+
+@functools.lru_cache(maxsize=4096)
+def auto_strategy(u: Unit) -> str:
+    """The backward plan ``FUSEDRES_TRITON_BACKWARD=auto`` (the default) runs for ``u``: the one
+    whose :func:`fused_step` is the shorter on an H100 roofline, "sums" on a tie. "store" where
+    wide channels make the GEMMs compute-bound (the "sums" plan's weight-gradient pass runs a
+    second GEMM for the BatchNorm sums), "sums" where activation passes cost more (the "store"
+    plan makes ~3 more). Neither holds more memory: "store" writes dz into the x gradient's own
+    buffer and turns it into dx in place. Cached: one decision per shape."""
+    times = {s: fused_step(u, strategy=s).seconds(u.elem) for s in ("sums", "store")}
+    return min(times, key=times.get)
 
 
 def fused_step(u: Unit, genstats: bool = False, strategy: str = "sums") -> Step:

@@ -142,12 +142,13 @@ def _backward_op(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
 
 
 def backward_strategy(grad_out=None, x=None, weight=None, stride=(1, 1)) -> str:
-    """``FUSEDRES_TRITON_BACKWARD``: "sums" (default: the weight-gradient pass also yields the
-    BatchNorm sums, then one pass writes dx; two passes over dy and x, one more GEMM), "store"
-    (one GEMM each; the data-gradient epilogue reduces the sums and stores dz, then an
-    elementwise pass writes dx: ~3 more activation passes, one GEMM fewer), or "auto" (the one
-    with the lower modeled H100 time, kernels/traffic.py: "store" where wide channels make the
-    GEMMs compute-bound)."""
+    """``FUSEDRES_TRITON_BACKWARD``: "sums" (the weight-gradient pass also yields the BatchNorm
+    sums, then one pass writes dx; two passes over dy and x, one more GEMM), "store" (one GEMM
+    each; the data-gradient epilogue reduces the sums and stores dz in the x gradient's buffer,
+    then an elementwise pass turns it into dx: ~3 more activation passes, one GEMM fewer), or
+    "auto" (the default: the one with the lower modeled H100 time,
+    ``kernels/traffic.auto_strategy``: "store" where wide channels make the GEMMs
+    compute-bound; without the tensors, "sums")."""
     value = settings.get("FUSEDRES_TRITON_BACKWARD")
     if value != "auto" or x is None:
         return "sums" if value == "auto" else value
@@ -156,12 +157,10 @@ def backward_strategy(grad_out=None, x=None, weight=None, stride=(1, 1)) -> str:
     n, c, h, w = x.shape
     co, _, kh, kw = weight.shape
     elem = weight.element_size()
-    unit = traffic.Unit("auto", n, c, max(1, round((h * w) ** 0.5)), co,
-                        k=max(1, round((kh * kw) ** 0.5)), stride=stride[0],
-                        elem=elem if elem in (2, 4, 8) else 4)
-    times = {s: traffic.fused_step(unit, strategy=s).seconds(unit.elem)
-             for s in ("sums", "store")}
-    return min(times, key=times.get)
+    return traffic.auto_strategy(traffic.Unit(
+        "auto", int(n), int(c), max(1, round((h * w) ** 0.5)), int(co),
+        k=max(1, round((kh * kw) ** 0.5)), stride=int(stride[0]),
+        elem=elem if elem in (2, 4, 8) else 4))
 
 
 def _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,

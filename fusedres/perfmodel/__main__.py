@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     for u in units:
         for dtype in dtypes:
             for dev in (A100, H100):
-                models.append(model_unit(u, dtype, dev))
+                models.append(model_unit(u, dtype, dev, backward="sums"))
                 store.append(model_unit(u, dtype, dev, backward="store"))
                 print(f"modeled {u.name} {dtype} {dev.name}: fused "
                       f"{models[-1].fused_s * 1e6:.1f} us (store plan "

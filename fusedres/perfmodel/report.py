@@ -42,10 +42,30 @@ def calibration_table(results: list[tuple[GemmPrediction, list]]) -> list[str]:
     return lines
 
 
+def auto_plan(um: UnitModel) -> str:
+    """The backward plan the Triton backend's default (``FUSEDRES_TRITON_BACKWARD=auto``) runs
+    for ``um``'s unit and dtype, on either GPU: kernels/traffic.auto_strategy (an H100
+    roofline)."""
+    from ..kernels import traffic
+    from .units import traffic_unit
+
+    return traffic.auto_strategy(traffic_unit(um.unit, um.dtype))
+
+
+def default_models(models: list[UnitModel],
+                   store: list[UnitModel] | None = None) -> list[UnitModel]:
+    """Per (unit, dtype, GPU) the model of the plan the default runs (:func:`auto_plan`):
+    from ``store`` where it picks "store" (when modeled), else from ``models`` ("sums")."""
+    alt = {(um.unit.name, um.dtype, um.device.arch): um for um in store or []}
+    return [alt.get((um.unit.name, um.dtype, um.device.arch), um)
+            if auto_plan(um) == "store" else um for um in models]
+
+
 def unit_table(models: list[UnitModel], store: list[UnitModel] | None = None) -> list[str]:
-    """Per (unit, dtype): each device's fused and plain times, their ratio and host ops for the
-    default ("sums") backward; with ``store`` the ratio of the "store" backward too; and the
-    launch that bounds the unit (the slowest, its bound and % of tensor peak)."""
+    """Per (unit, dtype): each device's fused and plain times and their ratio for the plan the
+    default backward runs (``auto``: the plan column), the ratio of each plan ("sums" from
+    ``models``, "store" from ``store``), host ops, and the launch that bounds the unit (the
+    slowest of the default plan, its bound and % of tensor peak)."""
     by_key: dict[tuple, dict] = {}
     for um in models:
         by_key.setdefault((um.unit.name, um.dtype), {})[um.device.arch] = um
@@ -53,29 +73,41 @@ def unit_table(models: list[UnitModel], store: list[UnitModel] | None = None) ->
     head = "| unit | dtype "
     rule = "|---|---"
     for gpu in ("A100", "H100"):
-        head += (f"| {gpu} fused us | {gpu} plain us | {gpu} fused/plain | {gpu} host ops "
-                 f"| {gpu} store: fused/plain | {gpu} bound by ")
-        rule += "|---:|---:|---:|---:|---:|---"
+        head += (f"| {gpu} fused us | {gpu} plain us | {gpu} fused/plain | {gpu} plan "
+                 f"| {gpu} sums: fused/plain | {gpu} store: fused/plain | {gpu} host ops "
+                 f"| {gpu} bound by ")
+        rule += "|---:|---:|---:|---|---:|---:|---:|---"
     lines = [head + "|", rule + "|"]
     for (name, dtype), d in by_key.items():
         cells = []
         for arch in (80, 90):
-            um = d.get(arch)
-            if um is None:
-                cells += ["-"] * 6
+            sums = d.get(arch)
+            if sums is None:
+                cells += ["-"] * 8
                 continue
             st = alt.get((name, dtype, arch))
+            plan = auto_plan(sums)
+            um = st if plan == "store" and st is not None else sums
             k = um.slowest
             cells += [_us(um.fused_s), _us(um.plain_s), f"{um.fused_s / um.plain_s:.2f}",
-                      f"{len(um.host)} ({_us(um.host_s)} us)",
+                      um.backward, f"{sums.fused_s / sums.plain_s:.2f}",
                       f"{st.fused_s / st.plain_s:.2f}" if st is not None else "-",
+                      f"{len(um.host)} ({_us(um.host_s)} us)",
                       f"{k.role} {_us(k.pred.time_s)} us: {k.pred.bound}, "
                       f"{k.pred.pct_tensor_peak:.0f}% tensor"]
         lines.append(f"| {name} | {dtype} | " + " | ".join(cells) + " |")
     return lines
 
 
-def kernel_table(models: list[UnitModel]) -> list[str]:
+def kernel_table(models: list[UnitModel], store: list[UnitModel] | None = None) -> list[str]:
+    """Per launch of the "sums" plan (``models``), and of the "store" plan (``store``) those
+    launches it alone makes (roles wgrad, dgrad_store, dx) where the default runs it."""
+    picked = {(um.unit.name, um.dtype, um.device.arch) for um in default_models(models, store)
+              if um.backward == "store"}
+    extra = {}
+    for um in store or []:
+        if (um.unit.name, um.dtype, um.device.arch) in picked:
+            extra[(um.unit.name, um.dtype, um.device.arch)] = um
     lines = ["| unit | dtype | GPU | kernel | config | regs | spill B | smem KiB | CTAs/SM "
              "(limit) | instrs/iter | MMA/iter | LDG+STG B/thr/iter | bar+wait/iter | trips "
              "(inner x outer) | CTAs | waves (tail) | issue us | tensor us | shared us | "
@@ -83,7 +115,12 @@ def kernel_table(models: list[UnitModel]) -> list[str]:
              "|" + "---|" * 4 + "---|" + "---:|" * 13 + "---|---:|---:|"]
     for um in models:
         dev = "A100" if um.device is A100 else "H100"
-        for k in um.kernels:
+        kernels = list(um.kernels)
+        st = extra.get((um.unit.name, um.dtype, um.device.arch))
+        if st is not None:
+            roles = {k.role for k in um.kernels}
+            kernels += [k for k in st.kernels if k.role not in roles]
+        for k in kernels:
             p, it = k.pred, k.sass.per_iter
             cfg = str(k.cap.config)
             mma = ", ".join(f"{s}x{n}" for s, n in sorted(it.mma_shapes.items())) or "-"
@@ -105,8 +142,8 @@ Generated by `{command}` (`make gpu-model`; {runtime}).
 **Every time and throughput below is MODELED** from the compiled SASS: no GPU ran any of it.
 Compiler: Triton {triton} (sm_80 cubins for the A100, sm_90a for the H100).
 
-How (fusedres/perfmodel): each kernel launch of the fused unit (Triton backend, "sums"
-backward, channels_last, fp32 with TF32) is captured from the host launchers on meta tensors,
+How (fusedres/perfmodel): each kernel launch of the fused unit (Triton backend, both
+backward plans, channels_last, fp32 with TF32) is captured from the host launchers on meta tensors,
 compiled as the JIT specialises it (ints equal to 1 as constexprs, divisibility by 16 of ints and
 pointers), disassembled (cuobjdump -sass), and its steady-state main loop found (the innermost
 loop carrying the tensor-core instructions; backward branches). Per iteration: issued warp
@@ -153,18 +190,21 @@ def markdown(calib, models, runtime_s: float, cuda=None,
             "Training step of one BN -> ReLU -> conv (+ residual) unit: the fused Triton "
             "kernels (batch statistics, forward, weight gradient + BN sums, data gradient "
             "writing dx) and their host ops, against BatchNorm + ReLU + cuDNN conv (+ add) and "
-            "their backward. Ratio < 1: fused faster. The backward is the default plan "
-            "(FUSEDRES_TRITON_BACKWARD=sums: the weight-gradient pass's second GEMM gives the "
-            "BatchNorm sums, then one pass writes dx); \"store\" is the other plan (one GEMM "
-            "fewer; the data gradient stores dz, an elementwise pass writes dx), its ratio "
-            "beside. \"bound by\": the slowest launch of the default plan, what bounds it and "
-            "its share of dense tensor peak (the per-kernel table below has the rest).", ""]
+            "their backward. Ratio < 1: fused faster. Two backward plans: \"sums\" (the "
+            "weight-gradient pass's second GEMM gives the BatchNorm sums, then one pass writes "
+            "dx) and \"store\" (one GEMM fewer; the data gradient stores dz in dx's buffer, an "
+            "elementwise pass turns it into dx). The first three columns per GPU are the "
+            "default's, FUSEDRES_TRITON_BACKWARD=auto, which runs the plan named in \"plan\" "
+            "(kernels/traffic.auto_strategy: an H100 roofline, the same choice on both GPUs); "
+            "each plan's ratio follows. \"bound by\": the slowest launch of the default's plan, "
+            "what bounds it and its share of dense tensor peak (the per-kernel table below has "
+            "the rest).", ""]
     out += unit_table(models, store)
     out += ["", "## Per kernel (MODELED)", "",
             "Per main-loop iteration counts are per warp (instructions) and per thread (bytes); "
             "MMA/iter lists SASS tensor instructions per warp per iteration. Bound: the largest "
             "of issue, tensor, shared and DRAM time.", ""]
-    out += kernel_table(models)
+    out += kernel_table(models, store)
     if cuda is not None:
         from . import cuda_sass
 

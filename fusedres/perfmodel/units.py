@@ -127,12 +127,15 @@ def plain_step(u: traffic.Unit, dtype: str, dev: Device) -> list[tuple[str, floa
     return out
 
 
-def model_unit(u: traffic.Unit, dtype: str, dev: Device, backward: str = "sums") -> UnitModel:
-    """The unit's training step with the Triton backward plan ``backward`` ("sums", the
-    default, or "store"; see fusedres.backends.triton.backward_strategy)."""
+def model_unit(u: traffic.Unit, dtype: str, dev: Device, backward: str = "auto") -> UnitModel:
+    """The unit's training step with the Triton backward plan ``backward``: "sums", "store", or
+    "auto" (the default, as the backend's: the plan kernels/traffic.auto_strategy picks; see
+    fusedres.backends.triton.backward_strategy). ``UnitModel.backward`` names the plan."""
     from ..kernels.jit_spec import compile_launch
 
     tu = traffic_unit(u, dtype)
+    if backward == "auto":
+        backward = traffic.auto_strategy(tu)
     launches, host = unit_step(conv_unit(u), dtype, arch=dev.arch, sms=dev.sms,
                                backward=backward)
     dram = {k.name: k.bytes for k in traffic.fused_step(tu, strategy=backward).kernels}
