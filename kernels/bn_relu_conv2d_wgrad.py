@@ -301,6 +301,10 @@ SM_FLOPS = 989e12 / 132 / 3
 DRAM_BYTES_PER_S = 3.35e12
 
 
+# The largest split the "store" plan's weight gradient considers (pick_split).
+WAVE_SPLITS = 16
+
+
 def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms: int,
                gemms: int = 1) -> int:
     """The split of the reduction with the least modeled time max(compute, DRAM): compute is
@@ -320,14 +324,28 @@ def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms
     tiles = cdiv(co, bm) * cdiv(c, bn) * kh * kw
     k_iters = cdiv(m, bk)
     operands = 2 * m * (c + co)
-    cap = min(2 * cdiv(sms, tiles), max(1, k_iters // 4),
-              max(1, operands // (2 * 8 * co * c * kh * kw)))
+    if gemms == 1:
+        # The "store" plan's weight gradient: no cap on the partials' bytes (that plan trades
+        # bytes for a GEMM anyway) and splits up to WAVE_SPLITS, so that a grid of a little
+        # more than the SMs is cut finer (C = Co = 512 at 7x7: 144 tiles on 132 SMs, the
+        # second wave 12 programs: split 1 -> 4, H100 wgrad + reduce 205 -> 150 us, MODELED);
+        # the partials' read-back is priced as the launch after this one, not overlapped
+        # (by fusedres.perfmodel's SASS model split 4 beats 11 there, whose reduce is 38 us).
+        cap = min(max(1, k_iters // 4), max(2 * cdiv(sms, tiles), WAVE_SPLITS))
+    else:
+        cap = min(2 * cdiv(sms, tiles), max(1, k_iters // 4),
+                  max(1, operands // (2 * 8 * co * c * kh * kw)))
     best, best_t = 1, float("inf")
     for s in range(1, cap + 1):
         s, ips = _normalise_split(s, k_iters)
         t_comp = cdiv(tiles * s, sms) * ips * 2 * gemms * bm * bn * bk / SM_FLOPS
-        t_mem = (operands + (8 * co * c * kh * kw * s if s > 1 else 0)) / DRAM_BYTES_PER_S
-        t = max(t_comp, t_mem)
+        partials = 4 * co * c * kh * kw * s if s > 1 else 0
+        if gemms == 1:
+            # The reduce that reads the partials back is a launch of its own, after this one.
+            t = max(t_comp, (operands + partials) / DRAM_BYTES_PER_S) \
+                + partials / DRAM_BYTES_PER_S
+        else:
+            t = max(t_comp, (operands + 2 * partials) / DRAM_BYTES_PER_S)
         if t < best_t * (1 - 1e-9):
             best, best_t = s, t
     return best

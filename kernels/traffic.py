@@ -115,14 +115,20 @@ class Kernel:
     read: int
     write: int
     flops: int = 0
+    programs: int = 0  # a GEMM's grid (0: not counted)
 
     @property
     def bytes(self) -> int:
         return self.read + self.write
 
-    def seconds(self, elem: int, eff: Efficiency = ROOFLINE) -> float:
+    def seconds(self, elem: int, eff: Efficiency = ROOFLINE, waves: bool = False) -> float:
+        """The roofline time; with ``waves``, a GEMM's tensor time over the whole waves its
+        grid takes on the H100's SMs (one program an SM: 27 programs run at 27/132 of peak)."""
+        fill = 1.0
+        if waves and self.programs:
+            fill = self.programs / (cdiv(self.programs, H100_SMS) * H100_SMS)
         return max(self.bytes / (H100_BANDWIDTH * eff.dram),
-                   self.flops / (H100_FLOPS[elem] * eff.tensor_for(self.name)))
+                   self.flops / (H100_FLOPS[elem] * eff.tensor_for(self.name) * fill))
 
 
 @dataclass
@@ -140,8 +146,8 @@ class Step:
     def flops(self) -> int:
         return sum(k.flops for k in self.kernels)
 
-    def seconds(self, elem: int, eff: Efficiency = ROOFLINE) -> float:
-        return sum(k.seconds(elem, eff) for k in self.kernels)
+    def seconds(self, elem: int, eff: Efficiency = ROOFLINE, waves: bool = False) -> float:
+        return sum(k.seconds(elem, eff, waves) for k in self.kernels)
 
 
 def _dtype_name(elem: int) -> str:
@@ -166,12 +172,14 @@ def _dgrad_flops(u: Unit, cfg) -> int:
 @functools.lru_cache(maxsize=4096)
 def auto_strategy(u: Unit) -> str:
     """The backward plan ``FUSEDRES_TRITON_BACKWARD=auto`` (the default) runs for ``u``: the one
-    whose :func:`fused_step` is the shorter on an H100 roofline, "sums" on a tie. "store" where
-    wide channels make the GEMMs compute-bound (the "sums" plan's weight-gradient pass runs a
-    second GEMM for the BatchNorm sums), "sums" where activation passes cost more (the "store"
-    plan makes ~3 more). Neither holds more memory: "store" writes dz into the x gradient's own
+    whose :func:`fused_step` is the shorter on an H100 roofline whose GEMMs run in whole waves
+    of their grids, "sums" on a tie. "store" where wide channels make the GEMMs compute-bound
+    (the "sums" plan's weight-gradient pass runs a second GEMM for the BatchNorm sums) or where
+    the "sums" weight gradient's grid is small (CIFAR's 64-channel 8x8 unit: 27 programs, its
+    partials capped), "sums" where activation passes cost more (the "store" plan makes ~3
+    more). Neither holds more memory: "store" writes dz into the x gradient's own
     buffer and turns it into dx in place. Cached: one decision per shape."""
-    times = {s: fused_step(u, strategy=s).seconds(u.elem) for s in ("sums", "store")}
+    times = {s: fused_step(u, strategy=s).seconds(u.elem, waves=True) for s in ("sums", "store")}
     return min(times, key=times.get)
 
 
@@ -204,7 +212,7 @@ def _fused_step(u: Unit, genstats: bool, strategy: str) -> Step:
     flops = 2 * cdiv(m_out, bm) * bm * cdiv(u.co, bn) * bn * u.k * u.k * cdiv(u.c, bk) * bk
     stats = 2 * cdiv(m_out, bm) * u.co * 4 if genstats else 0  # the next unit's statistics
     s.add("fwd", u.act_in() + u.weight() + (u.act_out() if u.residual else 0) + 2 * vec,
-          u.act_out() + 2 * stats, flops)
+          u.act_out() + 2 * stats, flops, cdiv(m_out, bm) * cdiv(u.co, bn))
     if strategy == "store":
         return _store_backward(s, u, dt, vec, m_in, m_out)
     # Weight gradient + BN sums: two GEMMs (dy x mask, dy x mask*xhat) reduced in the epilogue
@@ -216,7 +224,8 @@ def _fused_step(u: Unit, genstats: bool, strategy: str) -> Step:
     partials = (split * u.co * u.c * u.k * u.k * 4 if split > 1 else 0) + sums
     flops = 2 * 2 * cdiv(u.co, bm) * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(m_out, bk) * bk
     s.add("wgrad+sums", u.act_out() + u.act_in() + u.weight() + 6 * vec,
-          partials + (u.weight() if split == 1 else 0), flops)
+          partials + (u.weight() if split == 1 else 0), flops,
+          cdiv(u.co, bm) * cdiv(u.c, bn) * u.k * u.k * split)
     s.add("wgrad reduce", partials, (u.weight() if split > 1 else 0) + 2 * vec)
     # Data gradient writing dx directly.
     cfg = _dgrad.pick_config(m_in, u.c, u.co, dt, interpret=False)
@@ -234,7 +243,8 @@ def _store_backward(s: Step, u: Unit, dt, vec: int, m_in: int, m_out: int) -> St
     partials = split * u.co * u.c * u.k * u.k * 4 if split > 1 else 0
     flops = 2 * cdiv(u.co, bm) * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(m_out, bk) * bk
     s.add("wgrad", u.act_out() + u.act_in() + 2 * vec,
-          partials + (u.weight() if split == 1 else 0), flops)
+          partials + (u.weight() if split == 1 else 0), flops,
+          cdiv(u.co, bm) * cdiv(u.c, bn) * u.k * u.k * split)
     if split > 1:
         s.add("wgrad reduce", partials, u.weight())
     cfg = _dgrad.pick_config(m_in, u.c, u.co, dt, interpret=False)

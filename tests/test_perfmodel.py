@@ -452,7 +452,7 @@ def test_auto_backward_plan_agrees_with_the_committed_model():
     assert worst_a100 <= 1.2, worst_a100
     # Both plans run somewhere (store on the wide ImageNet units).
     assert {p for _, p in picks} == {"sums", "store"}
-    assert ("imagenet basic 512@7", "store") in picks
+    assert ("imagenet basic 512@7", "store") in picks and ("cifar basic 64@8", "store") in picks
     assert ("cifar basic 16@32", "sums") in picks
 
 
@@ -485,10 +485,13 @@ def test_no_gemm_kernel_repeats_its_products_on_the_benchmark_shapes():
     rows = [r for r in _table_rows(table, "## Per kernel (MODELED)")
             if r[3] in ("bn_relu_conv2d_fwd", "wgrad_sums", "dgrad_dx") and r[10] != "-"]
     assert len(rows) == 11 * 3 * 2 * 3
-    # The "store" plan's own GEMMs, listed where the default runs it (three ImageNet units).
+    # The "store" plan's own GEMMs, listed where the default runs it (three ImageNet units and
+    # CIFAR's 64@8).
     store = [r for r in _table_rows(table, "## Per kernel (MODELED)")
              if r[3] in ("wgrad", "dgrad_store") and r[10] != "-"]
-    assert len(store) == 3 * 3 * 2 * 2 and all(r[0].startswith("imagenet") for r in store)
+    assert len(store) == 4 * 3 * 2 * 2
+    assert {r[0] for r in store} == {"imagenet basic 128@28", "imagenet basic 256@14",
+                                     "imagenet basic 512@7", "cifar basic 64@8"}
     rows += store
     repeats = {}
     for r in rows:

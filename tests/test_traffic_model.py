@@ -151,3 +151,22 @@ def test_fp32_modelled_with_tf32_tiles(monkeypatch):
     wgrad = next(k for k in T.fused_step(u, strategy="store").kernels if k.name == "wgrad")
     assert wgrad.flops == 2 * 64 * 64 * 64
     assert torch.backends.cudnn.allow_tf32 is False
+
+
+def test_waves_price_a_small_grid():
+    """With ``waves`` a GEMM's tensor time counts the whole waves of its grid on the H100's
+    SMs (auto_strategy decides so): 27 programs run at 27/132 of peak, 264 at 1, 144 at
+    144/264; DRAM-bound kernels and kernels without a grid are unchanged."""
+    k = T.Kernel("gemm", 1, 1, flops=10 ** 12, programs=27)
+    base = k.seconds(2)
+    assert k.seconds(2, waves=True) == pytest.approx(base * T.H100_SMS / 27)
+    assert T.Kernel("gemm", 1, 1, 10 ** 12, 2 * T.H100_SMS).seconds(2, waves=True) == \
+        pytest.approx(base)
+    assert T.Kernel("gemm", 1, 1, 10 ** 12, 144).seconds(2, waves=True) == \
+        pytest.approx(base * 2 * T.H100_SMS / 144)
+    assert T.Kernel("pass", 10 ** 9, 0).seconds(2, waves=True) == T.Kernel(
+        "pass", 10 ** 9, 0).seconds(2)
+    # The "sums" weight gradient of CIFAR's 64-channel 8x8 unit has a small grid (its partials
+    # capped): auto runs "store" there, "sums" on the 16-channel 32x32 one.
+    assert T.auto_strategy(T.CIFAR_UNITS[2]) == "store"
+    assert T.auto_strategy(T.CIFAR_UNITS[0]) == "sums"
