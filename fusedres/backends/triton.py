@@ -148,7 +148,8 @@ def backward_strategy(grad_out=None, x=None, weight=None, stride=(1, 1)) -> str:
     then an elementwise pass turns it into dx: ~3 more activation passes, one GEMM fewer), or
     "auto" (the default: the one with the lower modeled H100 time,
     ``kernels/traffic.auto_strategy``: "store" where wide channels make the GEMMs
-    compute-bound; without the tensors, "sums")."""
+    compute-bound or where the "sums" weight gradient's grid is small; without the tensors,
+    "sums")."""
     value = settings.get("FUSEDRES_TRITON_BACKWARD")
     if value != "auto" or x is None:
         return "sums" if value == "auto" else value
