@@ -19,7 +19,7 @@ export FUSEDRES_BUILD_EXT ?= 1
 # for sm_80/sm_90). Where a GPU is visible (nvidia-smi -L) the nvcc copy is built too (auto).
 export FUSEDRES_BUILD_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo auto || echo 0)
 PYTEST_ARGS ?=
-.PHONY: install test-ext demo compare test selftest bench gpu-report gpu-model lint format clean tsan asan cuda-table
+.PHONY: install test-ext demo compare test selftest bench gpu-report gpu-model gpu-model-cuda lint format clean tsan asan cuda-table
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +97,10 @@ gpu-report: install
 # (benchmarks/GPU_MODEL.md; ~10 min on 2 cores).
 gpu-model: install
 	TRITON_INTERPRET=0 $(PY) -m fusedres.perfmodel --cuda --out benchmarks/GPU_MODEL.md
+
+# Only GPU_MODEL.md's CUDA C++ section (nvcc + the plain sequence's model; no Triton compile).
+gpu-model-cuda: install
+	TRITON_INTERPRET=0 $(PY) -m fusedres.perfmodel --cuda-only --out benchmarks/GPU_MODEL.md
 
 lint: $(DEPS)
 	$(VENV)/bin/ruff check fusedres kernels tests benchmarks setup.py

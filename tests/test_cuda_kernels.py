@@ -286,6 +286,109 @@ def test_weight_gradient_split_k(monkeypatch, split, dtype):
     assert rel_err(got[1], exact[1]) <= tol and rel_err(got[2], exact[2]) <= tol
 
 
+# (case, grad_out channels-last): inputs the mma.sync weight gradient takes (16-bit, x and
+# grad_out channels-last, C and Co multiples of 8): 3x3 padded (padding taps at every border),
+# strided, 1x1, a Co past one 64-row tile and a C past one 64-column tile (partial tiles).
+WGRAD_MMA_CASES = [
+    (2, 16, 7, 7, 24, (3, 3), (1, 1), (1, 1), (1, 1), True, False),
+    (1, 40, 9, 6, 72, (3, 3), (2, 1), (1, 1), (1, 1), True, False),
+    (2, 8, 5, 6, 16, (1, 1), (2, 2), (0, 0), (1, 1), False, False),
+    (1, 72, 5, 5, 8, (3, 3), (1, 1), (2, 2), (2, 2), False, False),
+]
+HAS_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
+    torch.ops.fusedres_cuda_testing, "wgrad_kernel_for")
+
+
+def _wgrad_kernel_for(gy, x, weight):
+    return torch.ops.fusedres_cuda_testing.wgrad_kernel_for(gy, x, weight)
+
+
+@pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")
+@pytest.mark.parametrize("split", ["1", "3"])
+@pytest.mark.parametrize("case", WGRAD_MMA_CASES, ids=["c16", "c40-co72-s2", "c8-1x1", "c72-dil"])
+@pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
+def test_weight_gradient_mma_path(monkeypatch, dtype, case, split):
+    """The mma.sync weight gradient (the default for these inputs: the hook says which kernel
+    runs) in both strategies and both BatchNorm modes, with a branch scale (one sample dropped)
+    and without, split-K on and off: every gradient within twice PyTorch's own error against
+    float64, and equal to the WMMA kernel's (FUSEDRES_CUDA_WGRAD=wmma) up to float32 summation
+    order (and the roundings that follow)."""
+    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", split)
+    args = make(case, dtype, channels_last=True)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
+    gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
+    gy = gy.contiguous(memory_format=torch.channels_last)
+    assert _wgrad_kernel_for(gy, x, weight) == "mma"
+    n = x.shape[0]
+    for bscale in (None, torch.tensor([1.25, 0.0][:n], dtype=torch.float32, device=DEVICE)):
+        for strategy, batch_stats in (("sums", True), ("sums", False), ("store", True)):
+            monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
+            bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, batch_stats, [True] * 5)
+            got = OPS.bn_relu_conv2d_backward(*bargs, branch_scale=bscale)
+            monkeypatch.setenv("FUSEDRES_CUDA_WGRAD", "wmma")
+            assert _wgrad_kernel_for(gy, x, weight) == "wmma"
+            wmma = OPS.bn_relu_conv2d_backward(*bargs, branch_scale=bscale)
+            monkeypatch.delenv("FUSEDRES_CUDA_WGRAD")
+            own = ref_backward(*bargs, bscale)
+            exact = ref_backward(*as64(bargs[:7]), s, p, d, batch_stats, [True] * 5,
+                                 None if bscale is None else bscale.double())
+            what = (strategy, batch_stats, bscale is not None)
+            for i, (g, w, o, e) in enumerate(zip(got, wmma, own, exact)):
+                assert g.dtype == o.dtype and g.stride() == w.stride(), (what, i)
+                floor = 1e-3 * e.abs().max().item()
+                assert abs_err(g, e) <= 2 * abs_err(o, e) + floor, (what, i)
+                # 16-bit outputs (grad_x, grad_weight) to a rounding, the float32 ones closer.
+                assert rel_err(g, w) <= (1e-2 if i < 2 else 1e-5), (what, i)
+
+
+@pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")
+def test_weight_gradient_kernel_choice(monkeypatch):
+    """Which inputs the mma.sync weight gradient takes (wgrad_uses_mma): 16-bit x, grad_out and
+    weight of one dtype, x and grad_out channels-last, C and Co multiples of 8, 16-byte aligned
+    data; every other input the WMMA kernel, whose results it must then give. A bad
+    FUSEDRES_CUDA_WGRAD is an error naming the variable."""
+    case = (2, 16, 5, 6, 16, (3, 3), (1, 1), (1, 1), (1, 1), False, False)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = make(case, torch.float16,
+                                                                  channels_last=True)
+    gy = torch.randn(2, 16, 5, 6, dtype=torch.float16, device=DEVICE)
+    cl = gy.contiguous(memory_format=torch.channels_last)
+    assert _wgrad_kernel_for(cl, x, weight) == "mma"
+    assert _wgrad_kernel_for(gy, x, weight) == "wmma"  # grad_out NCHW
+    assert _wgrad_kernel_for(cl, x.contiguous(), weight) == "wmma"  # x NCHW
+    assert _wgrad_kernel_for(cl, x.float(), weight) == "wmma"  # mixed pair
+    assert _wgrad_kernel_for(cl.float(), x, weight) == "mma"  # grad_out is cast to the weight's
+    assert _wgrad_kernel_for(cl.bfloat16(), x.bfloat16(), weight.bfloat16()) == "mma"
+    # C = 12: not a multiple of 8; Co = 12 likewise.
+    x12 = x[:, :12].contiguous(memory_format=torch.channels_last)
+    assert _wgrad_kernel_for(cl, x12, weight[:, :12]) == "wmma"
+    cl12 = cl[:, :12].contiguous(memory_format=torch.channels_last)
+    assert _wgrad_kernel_for(cl12, x, weight[:12]) == "wmma"
+    # A channels-last view 8 bytes into its storage: off the 16-byte boundary.
+    flat = torch.zeros(x.numel() + 4, dtype=x.dtype, device=DEVICE)
+    off = flat[4:].view(2, 5, 6, 16).permute(0, 3, 1, 2)
+    off.copy_(x)
+    assert off.stride() == x.stride() and off.data_ptr() % 16 != 0
+    assert _wgrad_kernel_for(cl, off, weight) == "wmma"
+    off_args = (cl, off, weight, gamma, beta, mean, invstd, s, p, d, True, [True] * 5)
+    got = OPS.bn_relu_conv2d_backward(*off_args)
+    want = OPS.bn_relu_conv2d_backward(cl, x, *off_args[2:])
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert rel_err(g, w) <= (1e-2 if i < 2 else 1e-5), i
+    mask = [False, True, True, False, False]
+    got = OPS.bn_relu_conv2d_backward(cl, off, weight, gamma, beta, mean, invstd, s, p, d, True,
+                                      mask)
+    want = OPS.bn_relu_conv2d_backward(cl, x, weight, gamma, beta, mean, invstd, s, p, d, True,
+                                       mask)
+    assert rel_err(got[1], want[1]) <= 1e-2 and rel_err(got[2], want[2]) <= 1e-5
+    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD", "wmma")
+    assert _wgrad_kernel_for(cl, x, weight) == "wmma"
+    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD", "fast")
+    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_WGRAD must be 'mma' or 'wmma'"):
+        OPS.bn_relu_conv2d_backward(cl, x, weight, gamma, beta, mean, invstd, s, p, d, True,
+                                    mask)
+
+
+
 def test_bad_strategy_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", "fast")
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = make(CASES[0], torch.float64)

@@ -28,6 +28,7 @@
 #include <string>
 
 #include "conv_tiles.cuh"
+#include "mma.cuh"
 #include "ops.h"
 
 namespace fusedres::FUSEDRES_CUDA_NS {
@@ -183,6 +184,76 @@ struct BnSums {
   A* part_dzx;     // and of sum dz * xhat
 };
 
+// The weight gradient's epilogue, shared by the WMMA and the mma.sync kernel, on the block's
+// BM x BN tile (rows co0 + m, columns c0 + n of tap t) in shared memory: Cs holds sum dy * a
+// (plain) or G1 = sum dy * m (SUMS), and store_g2() overwrites it with G2 = sum dy * m * xhat
+// (SUMS; called between barriers). Writes the split's partial (part_dw) or the weight gradient
+// itself, and with SUMS the (co block, tap, split) row of the sums' partials. The caller
+// synchronises after filling Cs.
+template <typename W, int BM, int BN, int LD, int THREADS, bool SUMS, typename StoreG2>
+__device__ __forceinline__ void wgrad_store(acc_t<W> (*Cs)[LD], StoreG2&& store_g2,
+                                            W* __restrict__ gw, acc_t<W>* __restrict__ part_dw,
+                                            const BnSums<acc_t<W>>& bs, const Dims4& gwd,
+                                            const Dims4& wd, const ConvGeom& g, int64_t co0,
+                                            int64_t c0, int t, int64_t Co, int64_t Cin,
+                                            int tid) {
+  using C = acc_t<W>;
+  const int taps = g.kh * g.kw;
+  const int i = t / g.kw, j = t % g.kw;
+  // Consecutive threads along C: the contiguous dimension of a channels_last weight, and the
+  // partials' row.
+  constexpr int kPerThread = (BM * BN + THREADS - 1) / THREADS;
+  C dw_part[SUMS ? kPerThread : 1];
+  if constexpr (SUMS) {
+    // dW = gamma * G2 + beta * G1; sum dz = sum over (co, tap) of W * G1, sum dz xhat of W * G2.
+    // G1 first: its beta * G1 share kept in registers, its contraction with W per column.
+    const W* wt = static_cast<const W*>(bs.weight);
+    const int64_t row = (static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x) * taps + t;
+#pragma unroll
+    for (int r = 0; r < kPerThread; ++r) {
+      const int e = tid + r * THREADS;
+      const int n = e % BN, m = e / BN;
+      const int64_t c = c0 + n;
+      dw_part[r] = (e < BM * BN && c < Cin) ? bs.beta[c] * Cs[m][n] : C(0);
+    }
+    for (int n = tid; n < BN; n += THREADS) {
+      const int64_t c = c0 + n;
+      if (c >= Cin) continue;
+      C s = C(0);
+      for (int m = 0; m < BM && co0 + m < Co; ++m) {
+        s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
+      }
+      bs.part_dz[row * Cin + c] = s;
+    }
+    __syncthreads();
+    store_g2();
+    __syncthreads();
+    for (int n = tid; n < BN; n += THREADS) {
+      const int64_t c = c0 + n;
+      if (c >= Cin) continue;
+      C s = C(0);
+      for (int m = 0; m < BM && co0 + m < Co; ++m) {
+        s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
+      }
+      bs.part_dzx[row * Cin + c] = s;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kPerThread; ++r) {
+    const int e = tid + r * THREADS;
+    const int n = e % BN, m = e / BN;
+    const int64_t co = co0 + m, c = c0 + n;
+    if (e >= BM * BN || co >= Co || c >= Cin) continue;
+    C v = Cs[m][n];
+    if constexpr (SUMS) v = bs.gamma[c] * v + dw_part[r];
+    if (part_dw != nullptr) {
+      part_dw[((blockIdx.z * Co + co) * taps + t) * Cin + c] = v;
+    } else {
+      gw[gwd.offset(co, c, i, j)] = static_cast<W>(v);
+    }
+  }
+}
+
 template <typename X, typename W, typename T, bool SUMS>
 __global__ void __launch_bounds__(T::THREADS)
     wgrad_kernel(const W* __restrict__ dy, const X* __restrict__ x,
@@ -284,58 +355,348 @@ __global__ void __launch_bounds__(T::THREADS)
   }
   acc.store(Cs, tid);
   __syncthreads();
-  // Consecutive threads along C: the contiguous dimension of a channels_last weight, and the
-  // partials' row.
-  constexpr int kPerThread = (BM * BN + THREADS - 1) / THREADS;
-  C dw_part[SUMS ? kPerThread : 1];
+  wgrad_store<W, BM, BN, BN + T::CPAD, THREADS, SUMS>(
+      Cs, [&] { acc2.store(Cs, tid); }, gw, part_dw, bs, gwd, wd, g, co0, c0, t, Co, Cin, tid);
+}
+
+// ----------------------------------------------------------------------------- tensor-core path
+
+// The weight gradient (and with SUMS the BatchNorm sums' G1, G2) of 16-bit x, grad_out and
+// weight of one dtype, x and grad_out channels-last with C and Co multiples of 8: mma.sync
+// m16n8k16 on operands that cp.async stages, 16 bytes a copy, through a STAGES-deep pipeline
+// with one barrier per K chunk of BK = 16 output pixels. The tile and grid are the WMMA
+// kernel's (BM = 64 output channels x BN = 64 input channels of one tap, split-K over
+// blockIdx.z in its K-steps of KSTEP = 32 pixels), so the partials and the host code around
+// them are shared. Per chunk a thread copies one pixel row piece of dy (BK x BM, rows = pixels,
+// 16 bytes = 8 output channels) and of x at the tap (BK x BN); the pixel indices are carried
+// from chunk to chunk (no 64-bit division in the loop). (BK = 16: one m16n8k16 step a chunk
+// keeps one set of fragments live; with BK = 32 the SUMS variant spilled on sm_80.) A pixel past the split's end zero-fills both rows; a tap outside the image
+// zero-fills the x row and clears the pixel's flag (Vs): the activation there is 0 (padding of
+// a = relu(bn(x)), never of x), which the B fragments get by a select after the BatchNorm-ReLU,
+// applied in float32 and rounded to W as the unfused sequence does. The 4 warps split the
+// columns (warp tile 64 x 16: every x element is transformed by one warp only): per chunk
+// a warp loads its A fragments (dy, m = Co, k = pixels) with 4 ldmatrix.x4.trans and its
+// B fragments (x, k = pixels, n = C) with one, and issues 8 mma.sync (SUMS: 16, the mask m and
+// m * xhat as two B operands). With a branch scale the A fragments are scaled per pixel
+// (s[n] * dy rounded to W, as the WMMA kernel stages them; Ps holds the pixel's factor). The
+// bias gradient (first column block of tap 0) sums the A fragments of warp 0 in float32.
+// Shared rows are padded by 8 halves (144 bytes): the 8 rows of an ldmatrix phase fall in 8
+// different 4-bank groups. Both accumulator sets go through shared memory (aliasing the drained
+// pipeline) to the epilogue of both kernels (wgrad_store).
+struct MmaWgrad {
+  static constexpr int BM = 64, BN = 64, BK = 16, STAGES = 4, THREADS = 128;
+  static constexpr int KSTEP = 32;  // the host's K-step (pixels), the unit of the split
+  static constexpr int WN = 16;                        // warp tile 64 x 16, warps along N
+  static constexpr int FM = BM / 16, FN = WN / 8;      // m16 tiles, n8 tiles per warp
+  static constexpr int DST = BM + 8, XST = BN + 8;     // shared row lengths (halves)
+  static constexpr int CLD = BN + 4;                   // the epilogue's rows (floats)
+  static constexpr int ROWS_PER_PASS = THREADS / (BM / 8);  // pixel rows per copy pass
+  static constexpr int PASSES = BK / ROWS_PER_PASS;         // copy passes (rows) per thread
+  static constexpr int D_BYTES = STAGES * BK * DST * 2;
+  static constexpr int X_BYTES = STAGES * BK * XST * 2;
+  static constexpr int P_BYTES = STAGES * BK * 4;      // the pixels' branch scale
+  static constexpr int V_BYTES = STAGES * BK;          // the pixels' x-row flag
+  static constexpr int PIPE_BYTES = D_BYTES + X_BYTES + P_BYTES + V_BYTES;
+  static constexpr int C_BYTES = 2 * BM * CLD * 4;  // G1 (or sum dy * a) and G2
+  static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
+  static_assert(BM == BN, "one copy pattern for both operands: 8 threads per pixel row");
+  static_assert(PASSES * ROWS_PER_PASS == BK && (BN / WN) * 32 == THREADS, "warp grid");
+  static_assert(KSTEP % BK == 0 && BK % 16 == 0, "whole m16n8k16 steps, whole chunks a split");
+  static_assert(D_BYTES % 128 == 0 && X_BYTES % 128 == 0, "stage buffers 128-byte aligned");
+};
+
+// Two 16-bit elements of one register (two pixels of one channel in a B fragment) through
+// relu(scale * x + shift), rounded to W; an element whose pixel flag is clear becomes 0.
+template <typename W>
+__device__ __forceinline__ uint32_t act2(uint32_t v, float s, float b, bool on0, bool on1) {
+  uint16_t lo = static_cast<uint16_t>(v & 0xffffu), hi = static_cast<uint16_t>(v >> 16);
+  W x0, x1;
+  memcpy(&x0, &lo, 2);
+  memcpy(&x1, &hi, 2);
+  const W zero = static_cast<W>(0.0f);
+  const W a0 = on0 ? static_cast<W>(bn_relu(static_cast<float>(x0), s, b)) : zero;
+  const W a1 = on1 ? static_cast<W>(bn_relu(static_cast<float>(x1), s, b)) : zero;
+  return ptx::pack2(a0, a1);
+}
+
+// SUMS: the ReLU mask m (1 where the gradient passes: z > 0 or NaN, as torch's ReLU backward)
+// and m * xhat, xhat = (x - mean) * invstd rounded to W, for two pixels of one channel.
+template <typename W>
+__device__ __forceinline__ void mask2(uint32_t v, float s, float b, float mu, float is, bool on0,
+                                      bool on1, uint32_t& m, uint32_t& mx) {
+  uint16_t lo = static_cast<uint16_t>(v & 0xffffu), hi = static_cast<uint16_t>(v >> 16);
+  W x0, x1;
+  memcpy(&x0, &lo, 2);
+  memcpy(&x1, &hi, 2);
+  const float f0 = static_cast<float>(x0), f1 = static_cast<float>(x1);
+  const bool p0 = on0 && !(f0 * s + b <= 0.0f), p1 = on1 && !(f1 * s + b <= 0.0f);
+  const W zero = static_cast<W>(0.0f), one = static_cast<W>(1.0f);
+  m = ptx::pack2(p0 ? one : zero, p1 ? one : zero);
+  mx = ptx::pack2(p0 ? static_cast<W>((f0 - mu) * is) : zero,
+                  p1 ? static_cast<W>((f1 - mu) * is) : zero);
+}
+
+// s * v for the two 16-bit elements of a register (two pixels' dy), each rounded to W.
+template <typename W>
+__device__ __forceinline__ uint32_t scale2(uint32_t v, float s0, float s1) {
+  uint16_t lo = static_cast<uint16_t>(v & 0xffffu), hi = static_cast<uint16_t>(v >> 16);
+  W d0, d1;
+  memcpy(&d0, &lo, 2);
+  memcpy(&d1, &hi, 2);
+  return ptx::pack2(static_cast<W>(static_cast<float>(d0) * s0),
+                    static_cast<W>(static_cast<float>(d1) * s1));
+}
+
+// The sum of the two 16-bit elements of a register, in float32.
+template <typename W>
+__device__ __forceinline__ float sum2(uint32_t v) {
+  uint16_t lo = static_cast<uint16_t>(v & 0xffffu), hi = static_cast<uint16_t>(v >> 16);
+  W d0, d1;
+  memcpy(&d0, &lo, 2);
+  memcpy(&d1, &hi, 2);
+  return static_cast<float>(d0) + static_cast<float>(d1);
+}
+
+template <typename W, bool SUMS>
+__global__ void __launch_bounds__(MmaWgrad::THREADS)
+    wgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ x,
+                     const float* __restrict__ scale, const float* __restrict__ shift,
+                     W* __restrict__ gw, float* __restrict__ part_dw,
+                     float* __restrict__ part_db, BnSums<float> bs,
+                     const float* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gwd,
+                     Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
+  FUSEDRES_LAUNCH_BOUNDS(MmaWgrad::THREADS);
+  using T = MmaWgrad;
+  using E = native_t<W>;
+  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
+  __shared__ __align__(128) unsigned char smem[T::SMEM];
+  auto* Ds = reinterpret_cast<uint16_t(*)[BK][T::DST]>(smem);
+  auto* Xs = reinterpret_cast<uint16_t(*)[BK][T::XST]>(smem + T::D_BYTES);
+  auto* Ps = reinterpret_cast<float(*)[BK]>(smem + T::D_BYTES + T::X_BYTES);
+  auto* Vs = reinterpret_cast<uint8_t(*)[BK]>(smem + T::D_BYTES + T::X_BYTES + T::P_BYTES);
+  auto* Cs = reinterpret_cast<float(*)[T::CLD]>(smem);
+  auto* C2s = reinterpret_cast<float(*)[T::CLD]>(smem + BM * T::CLD * 4);  // SUMS: G2
+  // The block's channels' scale, shift (and with SUMS mean, invstd): read from shared memory at
+  // each use rather than held in registers across the loop.
+  __shared__ float Cp[SUMS ? 4 : 2][BN];
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int taps = g.kh * g.kw;
+  const int t = blockIdx.y % taps;
+  const int ti = t / g.kw, tj = t % g.kw;
+  const int64_t co0 = static_cast<int64_t>(blockIdx.x) * BM;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y / taps) * BN;
+  const int64_t Co = dyd.c, Cin = xd.c;
+  const int64_t M = dyd.n * dyd.h * dyd.w;
+  const int64_t k_begin = static_cast<int64_t>(blockIdx.z) * k_steps_per_split * T::KSTEP;
+  const int64_t k_end = k_begin + k_steps_per_split * T::KSTEP < M
+                            ? k_begin + k_steps_per_split * T::KSTEP
+                            : M;
+  const int chunks = static_cast<int>((k_end - k_begin + BK - 1) / BK);
+  const bool bias_block = part_db != nullptr && blockIdx.y == 0;
+
+  // The copies: thread tid moves the 16 bytes at column (tid % 8) * 8 of pixel rows
+  // tid / 8 + ROWS_PER_PASS * q, for dy and for x; the pixel (n, oh, ow) of each is carried.
+  const int col = (tid % (BM / 8)) * 8;
+  int64_t pix[T::PASSES];  // the row's pixel index
+  int64_t pn[T::PASSES];
+  int32_t poh[T::PASSES], pow_[T::PASSES];
+#pragma unroll
+  for (int q = 0; q < T::PASSES; ++q) {
+    pix[q] = k_begin + tid / (BM / 8) + T::ROWS_PER_PASS * q;
+    const Pixel p = pixel_of(pix[q] < M ? pix[q] : 0, dyd.h, dyd.w);
+    pn[q] = p.n;
+    poh[q] = p.h;
+    pow_[q] = p.w;
+  }
+  const int32_t Ho = static_cast<int32_t>(dyd.h), Wo = static_cast<int32_t>(dyd.w);
+  // Issue the copies of the next chunk into stage st (the caller commits), then step the
+  // pixels by BK.
+  const auto load = [&](int st) {
+#pragma unroll
+    for (int q = 0; q < T::PASSES; ++q) {
+      const int r = tid / (BM / 8) + T::ROWS_PER_PASS * q;
+      const bool live = pix[q] < k_end;
+      const int64_t ih = int64_t(poh[q]) * g.sh - g.ph + int64_t(ti) * g.dh;
+      const int64_t iw = int64_t(pow_[q]) * g.sw - g.pw + int64_t(tj) * g.dw;
+      const bool inside = live && ih >= 0 && ih < xd.h && iw >= 0 && iw < xd.w;
+      const bool dy_ok = live && co0 + col < Co;
+      ptx::cp_async_cg16(&Ds[st][r][col],
+                         dy_ok ? dy + dyd.offset(pn[q], co0 + col, poh[q], pow_[q]) : dy,
+                         dy_ok ? 16 : 0);
+      const bool x_ok = inside && c0 + col < Cin;
+      ptx::cp_async_cg16(&Xs[st][r][col], x_ok ? x + xd.offset(pn[q], c0 + col, ih, iw) : x,
+                         x_ok ? 16 : 0);
+      if (col == 0) {
+        Vs[st][r] = inside ? 1 : 0;
+        Ps[st][r] = live && branch_scale != nullptr ? branch_scale[pn[q]] : 0.0f;
+      }
+      // Next chunk: the pixel BK further on.
+      pix[q] += BK;
+      int32_t w = pow_[q] + BK;
+      if (w >= Wo) {
+        int32_t h = poh[q] + w / Wo;
+        w %= Wo;
+        if (h >= Ho) {
+          pn[q] += h / Ho;
+          h %= Ho;
+        }
+        poh[q] = h;
+      }
+      pow_[q] = w;
+    }
+  };
+
+  // The channels' parameters (0 past C); the main loop's first barrier publishes them.
+  for (int n = tid; n < BN; n += THREADS) {
+    const int64_t c = c0 + n;
+    const bool ok = c < Cin;
+    Cp[0][n] = ok ? scale[c] : 0.0f;
+    Cp[1][n] = ok ? shift[c] : 0.0f;
+    if constexpr (SUMS) {
+      Cp[2][n] = ok ? bs.mean[c] : 0.0f;
+      Cp[3][n] = ok ? bs.invstd[c] : 0.0f;
+    }
+  }
+  // This lane's B-fragment channels: wn + 8 jj + lane / 4 (jj = 0, 1) of the block's.
+  const int wn = warp * T::WN;
+
+  float acc[T::FM][T::FN][4];
+  float acc2[SUMS ? T::FM : 1][SUMS ? T::FN : 1][4];
+#pragma unroll
+  for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+    for (int j = 0; j < T::FN; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
   if constexpr (SUMS) {
-    // dW = gamma * G2 + beta * G1; sum dz = sum over (co, tap) of W * G1, sum dz xhat of W * G2.
-    // G1 first: its beta * G1 share kept in registers, its contraction with W per column.
-    const W* wt = static_cast<const W*>(bs.weight);
-    const int64_t row = (static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x) * taps + t;
 #pragma unroll
-    for (int r = 0; r < kPerThread; ++r) {
-      const int e = tid + r * THREADS;
-      const int n = e % BN, m = e / BN;
-      const int64_t c = c0 + n;
-      dw_part[r] = (e < BM * BN && c < Cin) ? bs.beta[c] * Cs[m][n] : C(0);
-    }
-    for (int n = tid; n < BN; n += THREADS) {
-      const int64_t c = c0 + n;
-      if (c >= Cin) continue;
-      C s = C(0);
-      for (int m = 0; m < BM && co0 + m < Co; ++m) {
-        s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
-      }
-      bs.part_dz[row * Cin + c] = s;
-    }
+    for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+      for (int j = 0; j < T::FN; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc2[i][j][r] = 0.0f;
+  }
+  float db[T::FM][2] = {};  // bias: rows 16 i + lane / 4 + 8 h
+  const bool sum_bias = bias_block && warp == 0;
+  const bool scaled = branch_scale != nullptr;
+
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < chunks) load(st);
+    ptx::cp_async_commit();
+  }
+  const int lr = (lane % 8) + 8 * ((lane / 8) % 2), lc = 8 * (lane / 16);  // B (x) rows
+  const int ar = (lane % 8) + 8 * (lane / 16), ac = 8 * ((lane / 8) % 2);  // A (dy) rows
+  const int t2 = 2 * (lane % 4);
+  for (int kc = 0; kc < chunks; ++kc) {
+    // Chunk kc has landed, and every warp is done with chunk kc - 1, whose stage the copies of
+    // chunk kc + STAGES - 1 now overwrite.
+    ptx::cp_async_wait<STAGES - 2>();
     __syncthreads();
-    acc2.store(Cs, tid);
-    __syncthreads();
-    for (int n = tid; n < BN; n += THREADS) {
-      const int64_t c = c0 + n;
-      if (c >= Cin) continue;
-      C s = C(0);
-      for (int m = 0; m < BM && co0 + m < Co; ++m) {
-        s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
+    if (kc + STAGES - 1 < chunks) load((kc + STAGES - 1) % STAGES);
+    ptx::cp_async_commit();
+
+    const int st = kc % STAGES;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      // a[i][r]: output channels 16 i + lane / 4 + 8 (r % 2), pixels kk + 8 (r / 2) + t2, + 1;
+      // fb[r]: pixels kk + 8 (r % 2) + t2, + 1, channel wn + 8 (r / 2) + lane / 4.
+      uint32_t fa[T::FM][4], fb[4];
+#pragma unroll
+      for (int i = 0; i < T::FM; ++i) {
+        ptx::ldmatrix<4, true>(fa[i], &Ds[st][kk + ar][16 * i + ac]);
       }
-      bs.part_dzx[row * Cin + c] = s;
+      ptx::ldmatrix<4, true>(fb, &Xs[st][kk + lr][wn + lc]);
+      bool on[2][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        on[h][0] = Vs[st][kk + 8 * h + t2] != 0;
+        on[h][1] = Vs[st][kk + 8 * h + t2 + 1] != 0;
+      }
+      if (scaled) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float s0 = Ps[st][kk + 8 * h + t2], s1 = Ps[st][kk + 8 * h + t2 + 1];
+#pragma unroll
+          for (int i = 0; i < T::FM; ++i) {
+            fa[i][2 * h] = scale2<W>(fa[i][2 * h], s0, s1);
+            fa[i][2 * h + 1] = scale2<W>(fa[i][2 * h + 1], s0, s1);
+          }
+        }
+      }
+      if (sum_bias) {
+#pragma unroll
+        for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) db[i][r % 2] += sum2<W>(fa[i][r]);
+      }
+      uint32_t b1[4], b2[SUMS ? 4 : 1];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int n = wn + 8 * (r / 2) + lane / 4, h = r % 2;
+        if constexpr (SUMS) {
+          mask2<W>(fb[r], Cp[0][n], Cp[1][n], Cp[2][n], Cp[3][n], on[h][0], on[h][1], b1[r],
+                   b2[r]);
+        } else {
+          b1[r] = act2<W>(fb[r], Cp[0][n], Cp[1][n], on[h][0], on[h][1]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+        for (int j = 0; j < T::FN; ++j) {
+          const uint32_t b[2] = {b1[2 * j], b1[2 * j + 1]};
+          float d[4];
+          ptx::mma_m16n8k16<E>(d, fa[i], b, acc[i][j]);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[i][j][r] = d[r];
+          if constexpr (SUMS) {
+            const uint32_t bx[2] = {b2[2 * j], b2[2 * j + 1]};
+            ptx::mma_m16n8k16<E>(d, fa[i], bx, acc2[i][j]);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc2[i][j][r] = d[r];
+          }
+        }
     }
   }
+  // Drain the (empty) trailing groups; every warp is done with the stages before Cs reuses them.
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+  if (sum_bias) {
+    // The four lanes of a group hold the same rows' sums over different pixels.
 #pragma unroll
-  for (int r = 0; r < kPerThread; ++r) {
-    const int e = tid + r * THREADS;
-    const int n = e % BN, m = e / BN;
-    const int64_t co = co0 + m, c = c0 + n;
-    if (e >= BM * BN || co >= Co || c >= Cin) continue;
-    C v = Cs[m][n];
-    if constexpr (SUMS) v = bs.gamma[c] * v + dw_part[r];
-    if (part_dw != nullptr) {
-      part_dw[((blockIdx.z * Co + co) * taps + t) * Cin + c] = v;
-    } else {
-      gw[gwd.offset(co, c, i, j)] = static_cast<W>(v);
-    }
+    for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = db[i][h];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        const int64_t co = co0 + 16 * i + 8 * h + lane / 4;
+        if (lane % 4 == 0 && co < Co) part_db[blockIdx.z * Co + co] = v;
+      }
   }
+  // c[r] is row lane / 4 + 8 (r / 2), column 2 (lane % 4) + (r % 2) of the m16n8 tile. Both
+  // accumulator sets go to shared memory at once (no registers held through the epilogue).
+  const auto store = [&](float (*dst)[T::CLD], const float (&a)[T::FM][T::FN][4]) {
+#pragma unroll
+    for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+      for (int j = 0; j < T::FN; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          dst[16 * i + lane / 4 + 8 * (r / 2)][wn + 8 * j + t2 + r % 2] = a[i][j][r];
+        }
+  };
+  store(Cs, acc);
+  if constexpr (SUMS) store(C2s, acc2);
+  __syncthreads();
+  wgrad_store<W, BM, BN, T::CLD, THREADS, SUMS>(
+      Cs,
+      [&] {
+        for (int e = tid; e < BM * BN; e += THREADS) Cs[e / BN][e % BN] = C2s[e / BN][e % BN];
+      },
+      gw, part_dw, bs, gwd, wd, g, co0, c0, t, Co, Cin, tid);
 }
 
 // In place over the data gradient: dx = scale * (dz - m1 - xhat * m2), m1 = sum dz / M,
@@ -407,6 +768,28 @@ struct SumsArgs {
   at::Tensor sum_dz, sum_dzx;                    // out: (C,) float64
 };
 
+// The mma.sync weight gradient's requirements (wgrad_mma_kernel): x and grad_out of the weight's
+// 16-bit dtype, both with channels contiguous, C and Co multiples of 8 and every pixel at a
+// multiple of 8 elements (16-byte cp.async sources), their data 16-byte aligned.
+// FUSEDRES_CUDA_WGRAD=wmma (read at every call) keeps the WMMA kernel (comparison, benchmarks);
+// every other input takes it anyway.
+bool wgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt) {
+  if (!(wt == at::kHalf || wt == at::kBFloat16) || x.scalar_type() != wt ||
+      go.scalar_type() != wt) {
+    return false;
+  }
+  const char* env = std::getenv("FUSEDRES_CUDA_WGRAD");
+  if (env != nullptr && std::string(env) == "wmma") return false;
+  TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
+              "FUSEDRES_CUDA_WGRAD must be 'mma' or 'wmma', got '", env, "'");
+  const auto fits = [](const at::Tensor& t) {
+    return t.stride(1) == 1 && t.size(1) % 8 == 0 && t.stride(0) % 8 == 0 &&
+           t.stride(2) % 8 == 0 && t.stride(3) % 8 == 0 &&
+           reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  };
+  return fits(x) && fits(go);
+}
+
 template <typename X, typename W>
 void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, at::Tensor& gw,
                   at::Tensor* gb, SumsArgs* sums, const at::Tensor* bscale, const ConvGeom& g) {
@@ -444,11 +827,31 @@ void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, a
   C* pdb = gb != nullptr ? part_db.data_ptr<C>() : nullptr;
   const Dims4 wd = sums != nullptr ? dims_of(sums->weight) : Dims4{};
   const C* bsp = bscale != nullptr ? bscale->const_data_ptr<C>() : nullptr;
-  if (sums != nullptr) {
+  bool launched = false;
+  if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
+    // One grid and one set of partials for both kernels.
+    static_assert(MmaWgrad::BM == T::BM && MmaWgrad::BN == T::BN && MmaWgrad::KSTEP == T::BK,
+                  "the mma.sync weight gradient shares the WMMA kernel's tile and K-step");
+    if (wgrad_uses_mma(go, x, gw.scalar_type())) {
+      if (sums != nullptr) {
+        FUSEDRES_LAUNCH(grid, dim3(MmaWgrad::THREADS), 0, current_stream(),
+                        wgrad_mma_kernel<W, true>)(gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb,
+                                                   bs, bsp, dims_of(go), dims_of(x),
+                                                   dims_of(gw), wd, g, steps);
+      } else {
+        FUSEDRES_LAUNCH(grid, dim3(MmaWgrad::THREADS), 0, current_stream(),
+                        wgrad_mma_kernel<W, false>)(gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb,
+                                                    bs, bsp, dims_of(go), dims_of(x),
+                                                    dims_of(gw), wd, g, steps);
+      }
+      launched = true;
+    }
+  }
+  if (!launched && sums != nullptr) {
     FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), wgrad_kernel<X, W, T, true>)(
         gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, bsp, dims_of(go), dims_of(x),
         dims_of(gw), wd, g, steps);
-  } else {
+  } else if (!launched) {
     FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), wgrad_kernel<X, W, T, false>)(
         gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, bsp, dims_of(go), dims_of(x),
         dims_of(gw), wd, g, steps);

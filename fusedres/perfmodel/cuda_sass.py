@@ -3,8 +3,9 @@ sm_80 and sm_90 with the extension's flags (fusedres/cuda_aot.py), cuobjdump dis
 object, and each 16-bit tensor-core (WMMA or mma.sync) kernel's main loop is read: the loop
 carrying the HMMA instructions with no such loop inside it.
 
-These kernels stage their operands through loops nested in the main loop (``for (e = tid;
+The WMMA kernels stage their operands through loops nested in the main loop (``for (e = tid;
 e < BM * BK; e += THREADS)``), which nvcc leaves rolled: their trip counts are not in the SASS.
+(The mma.sync kernels copy with unrolled 16-byte cp.async: no nested loop, both ends equal.)
 The table gives both ends: the main loop's own instructions plus each nested loop's body once
 (a lower bound on one K chunk's issue), and plus each nested body times T = BM*BK/THREADS, the
 tile elements a thread stages (an estimate: every nested loop a staging loop that runs). Per
@@ -27,8 +28,15 @@ from .devices import A100, H100
 
 _TILE = re.compile(r"TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])E")
 # Kernels whose tile is fixed in their source rather than a Tile<> argument: name ->
-# (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d.cu, struct MmaFwd).
-_FIXED_TILES = {"bn_relu_conv2d_fwd_mma_kernel": (64, 64, 32, 128)}
+# (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d.cu, struct MmaFwd;
+# csrc/cuda/bn_relu_conv2d_backward.cu, struct MmaWgrad).
+_FIXED_TILES = {"bn_relu_conv2d_fwd_mma_kernel": (64, 64, 32, 128),
+                "wgrad_mma_kernel": (64, 64, 16, 128)}
+
+
+# The weight gradient's split unit (pixels; pick_split and launch_wgrad's K-step, both kernels):
+# a split runs cdiv(cdiv(M, 32), split) of them, in chunks of the kernel's BK.
+WGRAD_KSTEP = 32
 
 
 @dataclass
@@ -106,7 +114,7 @@ def compile_object(src: str, archs=(80, 90)) -> bytes:
 
 def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
     """One row per 16-bit tensor-core kernel instantiation (WMMA: X == W == Half or BFloat16;
-    the mma.sync forward: Half, BFloat16) and arch."""
+    the mma.sync kernels: Half, BFloat16) and arch."""
     from .. import cuda_aot
 
     with tempfile.TemporaryDirectory() as d:
@@ -136,7 +144,7 @@ def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
             dem = names.get(mangled, mangled)
             fixed = next((t for n, t in _FIXED_TILES.items() if f"{n}<" in dem), None)
             if fixed is not None:
-                if not re.search(r"<(Half|BFloat16)>", dem.replace("c10::", "")):
+                if not re.search(r"<(Half|BFloat16)[,>]", dem.replace("c10::", "")):
                     continue
                 bm, bn, bk, threads = fixed
             elif tile is None or tile.group(5) != "1":
@@ -214,9 +222,10 @@ def _row(rows: list[CudaKernelRow], arch: int, kernel: str, dtype: str,
          sums: bool | None = None) -> CudaKernelRow:
     t = "Half" if dtype == "fp16" else "BFloat16"
     for r in rows:
-        # <X, W, Tile...> instantiations, or the fixed-tile kernels' <W> (_FIXED_TILES).
-        if r.arch == arch and (r.name.startswith(f"{kernel}<{t}, {t},") or r.name == (
-                f"{kernel}<{t}>")) and (
+        # <X, W, Tile...> instantiations, or the fixed-tile kernels' <W> and <W, SUMS>
+        # (_FIXED_TILES).
+        if r.arch == arch and (r.name.startswith(f"{kernel}<{t}, {t},") or r.name in (
+                f"{kernel}<{t}>", f"{kernel}<{t}, true>", f"{kernel}<{t}, false>")) and (
                 sums is None or r.name.rstrip(" >").endswith("true" if sums else "false")):
             return r
     raise ValueError(f"no {kernel} <{t}> instantiation for sm_{arch} in the CUDA rows")
@@ -248,8 +257,20 @@ def forward_kernel(u, forward: str = "mma", channels_last: bool = True) -> str:
     return "bn_relu_conv2d_fwd_kernel"
 
 
+def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
+    """The weight-gradient kernel csrc/cuda runs for 16-bit unit ``u`` (wgrad_uses_mma in
+    csrc/cuda/bn_relu_conv2d_backward.cu): the mma.sync one for channels-last x and grad_out
+    with C and Co multiples of 8 unless ``wgrad`` (FUSEDRES_CUDA_WGRAD) is "wmma", else the WMMA
+    one."""
+    if wgrad not in ("mma", "wmma"):
+        raise ValueError(f"wgrad: 'mma' or 'wmma' (FUSEDRES_CUDA_WGRAD), not {wgrad!r}")
+    if wgrad == "mma" and channels_last and u.c % 8 == 0 and u.co % 8 == 0:
+        return "wgrad_mma_kernel"
+    return "wgrad_kernel"
+
+
 def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str = "mma",
-                    channels_last: bool = True) -> CudaUnitModel:
+                    channels_last: bool = True, wgrad: str = "mma") -> CudaUnitModel:
     """The CUDA C++ backend's training step of unit ``u`` (kernels/traffic.Unit, 16-bit) on
     ``dev``, as csrc/cuda launches it ("sums" backward; 64x64x32 tiles, 128 threads, for every
     16-bit kernel here):
@@ -259,15 +280,19 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
       after a DRAM-bound launch packing the weight to (kh*kw*C, Co8); ``forward="wmma"``
       (FUSEDRES_CUDA_FORWARD=wmma) or NCHW x prices the WMMA kernel bn_relu_conv2d_fwd_kernel
       instead. Grid cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, BK);
-    * wgrad (SUMS): grid cdiv(Co, BM) x cdiv(C, BN)*taps x split (pick_split with the
-      device's SMs); K chunks: cdiv(cdiv(M, BK), split);
-    * dgrad writing dx: grid per stride phase cdiv(rows, BM) x cdiv(C, BN); K chunks: the
-      phase's taps x cdiv(Co, BK);
+    * wgrad (SUMS): the kernel that runs (:func:`wgrad_kernel`): for channels-last x and
+      grad_out with C and Co multiples of 8, the benchmark units, the mma.sync kernel
+      wgrad_mma_kernel (struct MmaWgrad); ``wgrad="wmma"`` (FUSEDRES_CUDA_WGRAD=wmma) or NCHW
+      prices the WMMA kernel wgrad_kernel. Grid cdiv(Co, BM) x cdiv(C, BN)*taps x split
+      (pick_split with the device's SMs); K chunks: cdiv(cdiv(M, 32), split) K-steps of 32
+      pixels, each 32 / BK chunks (BK = 16 for the mma.sync kernel, 32 for the WMMA one);
+    * dgrad writing dx (the WMMA kernel dgrad_kernel for every input): grid per stride phase
+      cdiv(rows, BM) x cdiv(C, BN); K chunks: the phase's taps x cdiv(Co, BK);
     * batch statistics, the partials' reductions: DRAM-bound launches.
 
     DRAM bytes: kernels/traffic.cuda_fused_step. A RANGE: issue per K chunk counts each nested
     staging loop once (low) or T = BM*BK/THREADS times (high), no prologue or epilogue (the
-    mma.sync forward has no nested loop: its cp.async copies are unrolled, low = high)."""
+    mma.sync kernels have no nested loop: their cp.async copies are unrolled, low = high)."""
     from ..kernels import traffic
     from ..kernels._common import cdiv
     from . import model
@@ -283,10 +308,11 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     fwd = _row(rows, dev.arch, fwd_name, dtype)
     out.append(("fwd", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
                 taps * cdiv(u.c, fwd.bk), dram["fwd"]))
-    wg = _row(rows, dev.arch, "wgrad_kernel", dtype, sums=True)
+    wg = _row(rows, dev.arch, wgrad_kernel(u, wgrad, channels_last), dtype, sums=True)
     split = traffic.cuda_wgrad_split(tu, dev.sms)
     out.append(("wgrad+sums", wg, cdiv(u.co, wg.bm) * cdiv(u.c, wg.bn) * taps * split,
-                cdiv(cdiv(m_out, wg.bk), split), dram["wgrad+sums"]))
+                cdiv(cdiv(m_out, WGRAD_KSTEP), split) * WGRAD_KSTEP // wg.bk,
+                dram["wgrad+sums"]))
     dg = _row(rows, dev.arch, "dgrad_kernel", dtype)
     p, s = u.padding, u.stride
     ctas, work = 0, 0.0

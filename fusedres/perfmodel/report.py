@@ -206,20 +206,24 @@ def markdown(calib, models, runtime_s: float, cuda=None,
             "of issue, tensor, shared and DRAM time.", ""]
     out += kernel_table(models, store)
     if cuda is not None:
-        from . import cuda_sass
-
-        out += ["", "## CUDA C++ kernels (csrc/cuda, nvcc -O3): main-loop SASS (MODELED)", "",
-                cuda_sass.__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), ""]
-        out += cuda_sass.table(cuda) if isinstance(cuda, list) else [
-            f"Not read: {cuda}."]
-        if isinstance(cuda, list):
-            cuda_models, plain = [], {}
-            for um in models:
-                if um.dtype in ("fp16", "bf16"):
-                    cuda_models.append(cuda_sass.model_cuda_unit(um.unit, um.dtype, um.device,
-                                                                 cuda))
-                    plain[(um.unit.name, um.dtype, um.device.arch)] = um.plain_s
-            out += ["", "### CUDA C++ backend: fused unit forward + backward (MODELED range)", "",
-                    " ".join(cuda_sass.model_cuda_unit.__doc__.split()), ""]
-            out += cuda_sass.unit_table(cuda_models, plain)
+        runs = [(um.unit, um.dtype, um.device) for um in models if um.dtype in ("fp16", "bf16")]
+        plain = {(um.unit.name, um.dtype, um.device.arch): um.plain_s for um in models}
+        out += [""] + cuda_section(cuda, runs, plain)
     return "\n".join(out) + "\n"
+
+
+def cuda_section(cuda, runs, plain: dict) -> list[str]:
+    """The report's CUDA C++ section: the kernel table of ``cuda`` (cuda_sass.cuda_rows, or why
+    it was not read) and model_cuda_unit for each (unit, 16-bit dtype, device) of ``runs``
+    beside the plain sequence's modeled seconds, ``plain[(unit name, dtype, arch)]``."""
+    from . import cuda_sass
+
+    out = ["## CUDA C++ kernels (csrc/cuda, nvcc -O3): main-loop SASS (MODELED)", "",
+           cuda_sass.__doc__.split("\n\n", 1)[1].replace("\n", " ").strip(), ""]
+    out += cuda_sass.table(cuda) if isinstance(cuda, list) else [f"Not read: {cuda}."]
+    if isinstance(cuda, list):
+        cuda_models = [cuda_sass.model_cuda_unit(u, dtype, dev, cuda) for u, dtype, dev in runs]
+        out += ["", "### CUDA C++ backend: fused unit forward + backward (MODELED range)", "",
+                " ".join(cuda_sass.model_cuda_unit.__doc__.split()), ""]
+        out += cuda_sass.unit_table(cuda_models, plain)
+    return out

@@ -1,2 +1,25 @@
 // The CPU-executed copy of csrc/cuda/bn_relu_conv2d_backward.cu (see ../common.cuh).
 #include "../bn_relu_conv2d_backward.cu"
+
+// Test hook, host copy only (tests/test_cuda_kernels.py): which weight-gradient kernel the
+// backward launches for these operands ("mma": wgrad_mma_kernel, "wmma": wgrad_kernel), by the
+// rule launch_wgrad applies (wgrad_uses_mma, FUSEDRES_CUDA_WGRAD included).
+namespace fusedres::cuda_host {
+namespace {
+
+std::string wgrad_kernel_for(const at::Tensor& grad_out, const at::Tensor& x,
+                             const at::Tensor& weight) {
+  const at::Tensor go = grad_out.to(weight.scalar_type());
+  return wgrad_uses_mma(go, x, weight.scalar_type()) ? "mma" : "wmma";
+}
+
+}  // namespace
+}  // namespace fusedres::cuda_host
+
+TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
+  m.def("wgrad_kernel_for(Tensor grad_out, Tensor x, Tensor weight) -> str");
+  m.impl("wgrad_kernel_for", c10::DispatchKey::CPU,
+         [](const at::Tensor& go, const at::Tensor& x, const at::Tensor& w) {
+           return fusedres::cuda_host::wgrad_kernel_for(go, x, w);
+         });
+}
