@@ -303,7 +303,6 @@ __global__ void __launch_bounds__(MmaDgrad::THREADS)
   __syncthreads();  // tap_list, tap_count
   const int chunks_per_tap = static_cast<int>((Co + BK - 1) / BK);
   const int chunks = tap_count * chunks_per_tap;
-  const int taps = g.kh * g.kw;
   const auto load = [&](int kc, int st) {
     const int tl = kc / chunks_per_tap;
     const int tap = tap_list[tl];
@@ -328,7 +327,6 @@ __global__ void __launch_bounds__(MmaDgrad::THREADS)
       ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
     }
   };
-  (void)taps;
 
   float acc[T::FM][T::FN][4];
 #pragma unroll
