@@ -104,6 +104,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "The CUDA forward's kernel for 16-bit channels-last inputs: `mma` (mma.sync + "
             "ldmatrix + cp.async) or `wmma` (the older WMMA kernel, which every other input "
             "uses).", ("mma", "wmma")),
+    Setting("FUSEDRES_CUDA_DGRAD", "choice", "mma", "at every cuda backward call (csrc/cuda)",
+            "The CUDA data gradient's kernel for 16-bit channels-last x and grad_out with C and "
+            "Co multiples of 8 and at most 64 taps: `mma` (mma.sync + ldmatrix + cp.async) or "
+            "`wmma` (the older WMMA kernel, which every other input uses).", ("mma", "wmma")),
     Setting("FUSEDRES_CUDA_WGRAD", "choice", "mma", "at every cuda backward call (csrc/cuda)",
             "The CUDA weight gradient's kernel for 16-bit channels-last x and grad_out with C "
             "and Co multiples of 8: `mma` (mma.sync + ldmatrix + cp.async) or `wmma` (the older "

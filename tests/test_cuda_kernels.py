@@ -303,22 +303,27 @@ def _wgrad_kernel_for(gy, x, weight):
     return torch.ops.fusedres_cuda_testing.wgrad_kernel_for(gy, x, weight)
 
 
+def _dgrad_kernel_for(gy, x, weight):
+    return torch.ops.fusedres_cuda_testing.dgrad_kernel_for(gy, x, weight)
+
+
 @pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")
 @pytest.mark.parametrize("split", ["1", "3"])
 @pytest.mark.parametrize("case", WGRAD_MMA_CASES, ids=["c16", "c40-co72-s2", "c8-1x1", "c72-dil"])
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
-def test_weight_gradient_mma_path(monkeypatch, dtype, case, split):
-    """The mma.sync weight gradient (the default for these inputs: the hook says which kernel
-    runs) in both strategies and both BatchNorm modes, with a branch scale (one sample dropped)
-    and without, split-K on and off: every gradient within twice PyTorch's own error against
-    float64, and equal to the WMMA kernel's (FUSEDRES_CUDA_WGRAD=wmma) up to float32 summation
-    order (and the roundings that follow)."""
+def test_backward_mma_path(monkeypatch, dtype, case, split):
+    """The mma.sync weight and data gradients (the default for these inputs: the hooks say
+    which kernels run) in both strategies and both BatchNorm modes, with a branch scale (one
+    sample dropped) and without, split-K on and off: every gradient within twice PyTorch's own
+    error against float64, and equal to the WMMA kernels' (FUSEDRES_CUDA_WGRAD=wmma,
+    FUSEDRES_CUDA_DGRAD=wmma) up to float32 summation order (and the roundings that follow)."""
     monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", split)
     args = make(case, dtype, channels_last=True)
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
     gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
     gy = gy.contiguous(memory_format=torch.channels_last)
     assert _wgrad_kernel_for(gy, x, weight) == "mma"
+    assert _dgrad_kernel_for(gy, x, weight) == "mma"
     n = x.shape[0]
     for bscale in (None, torch.tensor([1.25, 0.0][:n], dtype=torch.float32, device=DEVICE)):
         for strategy, batch_stats in (("sums", True), ("sums", False), ("store", True)):
@@ -326,9 +331,11 @@ def test_weight_gradient_mma_path(monkeypatch, dtype, case, split):
             bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, batch_stats, [True] * 5)
             got = OPS.bn_relu_conv2d_backward(*bargs, branch_scale=bscale)
             monkeypatch.setenv("FUSEDRES_CUDA_WGRAD", "wmma")
-            assert _wgrad_kernel_for(gy, x, weight) == "wmma"
+            monkeypatch.setenv("FUSEDRES_CUDA_DGRAD", "wmma")
+            assert _wgrad_kernel_for(gy, x, weight) == _dgrad_kernel_for(gy, x, weight) == "wmma"
             wmma = OPS.bn_relu_conv2d_backward(*bargs, branch_scale=bscale)
             monkeypatch.delenv("FUSEDRES_CUDA_WGRAD")
+            monkeypatch.delenv("FUSEDRES_CUDA_DGRAD")
             own = ref_backward(*bargs, bscale)
             exact = ref_backward(*as64(bargs[:7]), s, p, d, batch_stats, [True] * 5,
                                  None if bscale is None else bscale.double())
@@ -342,11 +349,12 @@ def test_weight_gradient_mma_path(monkeypatch, dtype, case, split):
 
 
 @pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")
-def test_weight_gradient_kernel_choice(monkeypatch):
-    """Which inputs the mma.sync weight gradient takes (wgrad_uses_mma): 16-bit x, grad_out and
-    weight of one dtype, x and grad_out channels-last, C and Co multiples of 8, 16-byte aligned
-    data; every other input the WMMA kernel, whose results it must then give. A bad
-    FUSEDRES_CUDA_WGRAD is an error naming the variable."""
+def test_backward_kernel_choice(monkeypatch):
+    """Which inputs the mma.sync weight and data gradients take (wgrad_uses_mma,
+    dgrad_uses_mma): 16-bit x, grad_out and weight of one dtype, x and grad_out channels-last,
+    C and Co multiples of 8, 16-byte aligned data (the data gradient: at most 64 taps too);
+    every other input the WMMA kernels, whose results they must then give. A bad
+    FUSEDRES_CUDA_WGRAD / FUSEDRES_CUDA_DGRAD is an error naming the variable."""
     case = (2, 16, 5, 6, 16, (3, 3), (1, 1), (1, 1), (1, 1), False, False)
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = make(case, torch.float16,
                                                                   channels_last=True)
@@ -369,6 +377,12 @@ def test_weight_gradient_kernel_choice(monkeypatch):
     off.copy_(x)
     assert off.stride() == x.stride() and off.data_ptr() % 16 != 0
     assert _wgrad_kernel_for(cl, off, weight) == "wmma"
+    # The data gradient: the same rule, and at most 64 taps (9 x 9 is 81).
+    assert _dgrad_kernel_for(cl, x, weight) == "mma"
+    assert _dgrad_kernel_for(gy, x, weight) == "wmma"
+    assert _dgrad_kernel_for(cl, off, weight) == "wmma"
+    assert _dgrad_kernel_for(cl, x, weight.new_zeros(16, 16, 9, 9)) == "wmma"
+    assert _wgrad_kernel_for(cl, x, weight.new_zeros(16, 16, 9, 9)) == "mma"
     off_args = (cl, off, weight, gamma, beta, mean, invstd, s, p, d, True, [True] * 5)
     got = OPS.bn_relu_conv2d_backward(*off_args)
     want = OPS.bn_relu_conv2d_backward(cl, x, *off_args[2:])
@@ -386,7 +400,11 @@ def test_weight_gradient_kernel_choice(monkeypatch):
     with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_WGRAD must be 'mma' or 'wmma'"):
         OPS.bn_relu_conv2d_backward(cl, x, weight, gamma, beta, mean, invstd, s, p, d, True,
                                     mask)
-
+    monkeypatch.delenv("FUSEDRES_CUDA_WGRAD")
+    monkeypatch.setenv("FUSEDRES_CUDA_DGRAD", "fast")
+    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_DGRAD must be 'mma' or 'wmma'"):
+        OPS.bn_relu_conv2d_backward(cl, x, weight, gamma, beta, mean, invstd, s, p, d, True,
+                                    [True, False, False, False, False])
 
 
 def test_bad_strategy_is_a_clear_error(monkeypatch):

@@ -37,6 +37,69 @@ namespace {
 // What the data-gradient epilogue writes: dz (then the dx pass), dx, or nothing (sums only).
 enum DgradWrite : int { kWriteNothing = 0, kWriteDz = 1, kWriteDx = 2 };
 
+// The data gradient's epilogue, shared by the WMMA and the mma.sync kernel, on the block's
+// BM x BN tile of da (Cs; rows: the phase's input pixels row_n / row_ih / row_iw, -1 past its
+// pixels; columns c0 + n): loads x, recomputes the ReLU mask, writes dz or dx (or nothing), and
+// reduces per channel sum dz and sum dz * xhat over the tile into its partials' row (Ds holds
+// dz * xhat). The caller synchronises after filling Cs.
+template <typename X, int BM, int BN, int LD, int THREADS>
+__device__ __forceinline__ void dgrad_store(
+    acc_t<X> (*Cs)[LD], acc_t<X> (*Ds)[LD], const int64_t* row_n, const int32_t* row_ih,
+    const int32_t* row_iw, const X* __restrict__ x, const acc_t<X>* __restrict__ scale,
+    const acc_t<X>* __restrict__ shift, const acc_t<X>* __restrict__ mean,
+    const acc_t<X>* __restrict__ invstd, X* __restrict__ gx, acc_t<X>* __restrict__ dz_out,
+    acc_t<X>* __restrict__ part_dz, acc_t<X>* __restrict__ part_dzx,
+    const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
+    const acc_t<X>* __restrict__ branch_scale, const Dims4& xd, const Dims4& gd, int64_t c0,
+    int write, int tid) {
+  using A = acc_t<X>;
+  const int64_t Cin = xd.c;
+  const bool stats = part_dz != nullptr;
+  const bool x_channels_fast = xd.sc == 1;
+  for (int e = tid; e < BM * BN; e += THREADS) {
+    const int m = x_channels_fast ? e / BN : e % BM;
+    const int n = x_channels_fast ? e % BN : e / BM;
+    const int64_t c = c0 + n;
+    A dz = A(0), dzx = A(0);
+    if (row_n[m] >= 0 && c < Cin) {
+      const A xv = static_cast<A>(x[xd.offset(row_n[m], c, row_ih[m], row_iw[m])]);
+      // da of the row's sample: s[n] * conv_transpose(dy) with a branch scale.
+      const A da = branch_scale != nullptr ? Cs[m][n] * branch_scale[row_n[m]] : Cs[m][n];
+      // The gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
+      dz = xv * scale[c] + shift[c] <= A(0) ? A(0) : da;
+      const A xhat = (xv - mean[c]) * invstd[c];
+      dzx = dz * xhat;
+      const int64_t go = gd.offset(row_n[m], c, row_ih[m], row_iw[m]);
+      if (write == kWriteDz) dz_out[go] = dz;
+      // dx: training (the sums known before this pass: m1 = mean dz, m2 = mean dz xhat) or eval.
+      if (write == kWriteDx) {
+        gx[go] = static_cast<X>(m1 != nullptr ? scale[c] * (dz - m1[c] - xhat * m2[c])
+                                              : scale[c] * dz);
+      }
+    }
+    if (stats) {
+      Cs[m][n] = dz;
+      Ds[m][n] = dzx;
+    }
+  }
+  if (!stats) return;
+  __syncthreads();
+  const int64_t row = static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x;
+  for (int q = tid; q < 2 * BN; q += THREADS) {
+    const int n = q % BN;
+    const int64_t c = c0 + n;
+    if (c >= Cin) continue;
+    A s = A(0);
+    if (q < BN) {
+      for (int m = 0; m < BM; ++m) s += Cs[m][n];
+      part_dz[row * Cin + c] = s;
+    } else {
+      for (int m = 0; m < BM; ++m) s += Ds[m][n];
+      part_dzx[row * Cin + c] = s;
+    }
+  }
+}
+
 template <typename X, typename W, typename T>
 __global__ void __launch_bounds__(T::THREADS)
     dgrad_kernel(const W* __restrict__ dy, const W* __restrict__ w, const X* __restrict__ x,
@@ -125,51 +188,203 @@ __global__ void __launch_bounds__(T::THREADS)
   }
   acc.store(Cs, tid);
   __syncthreads();
+  dgrad_store<X, BM, BN, BN + T::CPAD, THREADS>(Cs, Ds, row_n, row_ih, row_iw, x, scale, shift,
+                                                mean, invstd, gx, dz_out, part_dz, part_dzx, m1,
+                                                m2, branch_scale, xd, gd, c0, write, tid);
+}
 
-  const bool stats = part_dz != nullptr;
-  const bool x_channels_fast = xd.sc == 1;
-  for (int e = tid; e < BM * BN; e += THREADS) {
-    const int m = x_channels_fast ? e / BN : e % BM;
-    const int n = x_channels_fast ? e % BN : e / BM;
-    const int64_t c = c0 + n;
-    A dz = A(0), dzx = A(0);
-    if (row_n[m] >= 0 && c < Cin) {
-      const A xv = static_cast<A>(x[xd.offset(row_n[m], c, row_ih[m], row_iw[m])]);
-      // da of the row's sample: s[n] * conv_transpose(dy) with a branch scale.
-      const A da = branch_scale != nullptr ? Cs[m][n] * branch_scale[row_n[m]] : Cs[m][n];
-      // The gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
-      dz = xv * scale[c] + shift[c] <= A(0) ? A(0) : da;
-      const A xhat = (xv - mean[c]) * invstd[c];
-      dzx = dz * xhat;
-      const int64_t go = gd.offset(row_n[m], c, row_ih[m], row_iw[m]);
-      if (write == kWriteDz) dz_out[go] = dz;
-      // dx: training (the sums known before this pass: m1 = mean dz, m2 = mean dz xhat) or eval.
-      if (write == kWriteDx) {
-        gx[go] = static_cast<X>(m1 != nullptr ? scale[c] * (dz - m1[c] - xhat * m2[c])
-                                              : scale[c] * dz);
+// ----------------------------------------------------------------------------- tensor-core dgrad
+
+// The data gradient of 16-bit x, grad_out and weight of one dtype, x and grad_out channels-last
+// with C and Co multiples of 8: the WMMA kernel's grid (one stride phase per blockIdx.z, 64
+// input pixels x 64 input channels a block) and epilogue (dgrad_store), its main loop mma.sync
+// m16n8k16 on operands that cp.async stages, 16 bytes a copy, through a STAGES-deep pipeline
+// with one barrier per K chunk (BK output channels of one tap). The K chunks run over the taps
+// that feed the phase (tap_list, built once per block) and the output channels. A (dy rows,
+// pixels x Co): a row's output pixel at tap (i, j) is (h + di, w + dj) on the phase grid
+// (di = (pa + ph - i dh) / sh, exact for a tap of the phase), a row outside dy zero-filled,
+// as are rows past the phase's pixels. B: the weight pre-packed (host) as row-major
+// (taps*Co, C), row tap*Co + co, so a chunk is BK rows of 16-byte pieces. No transform on the
+// fragments: the ReLU mask and the branch scale are applied in the epilogue. 4 warps of 32 x 32
+// (2 x 4 m16n8 accumulators); shared rows padded by 8 halves as in the forward.
+struct MmaDgrad {
+  static constexpr int BM = 64, BN = 64, BK = 32, STAGES = 3, THREADS = 128;
+  static constexpr int WARPS_N = 2, WM = 32, WN = 32;
+  static constexpr int FM = WM / 16, FN = WN / 8;
+  static constexpr int AST = BK + 8, BST = BN + 8, CLD = BN + 4;
+  static constexpr int A_COPIES = BM * BK / 8 / THREADS;
+  static constexpr int B_COPIES = BK * BN / 8 / THREADS;
+  static constexpr int MAX_TAPS = 64;  // kh * kw of the kernels it takes
+  static constexpr int A_BYTES = STAGES * BM * AST * 2;
+  static constexpr int B_BYTES = STAGES * BK * BST * 2;
+  static constexpr int PIPE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int C_BYTES = 2 * BM * CLD * 4;  // da / dz and dz * xhat
+  static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
+  static_assert(A_COPIES * THREADS * 8 == BM * BK && B_COPIES * THREADS * 8 == BK * BN,
+                "the 16-byte copies do not divide among the threads");
+  static_assert((BM / WM) * (BN / WN) * 32 == THREADS && BN / WN == WARPS_N, "warp grid");
+  static_assert(A_BYTES % 128 == 0 && B_BYTES % 128 == 0, "stage buffers 128-byte aligned");
+};
+
+template <typename W>
+__global__ void __launch_bounds__(MmaDgrad::THREADS)
+    dgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ wp, const W* __restrict__ x,
+                     const float* __restrict__ scale, const float* __restrict__ shift,
+                     const float* __restrict__ mean, const float* __restrict__ invstd,
+                     W* __restrict__ gx, float* __restrict__ dz_out,
+                     float* __restrict__ part_dz, float* __restrict__ part_dzx,
+                     const float* __restrict__ m1, const float* __restrict__ m2,
+                     const float* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gd,
+                     ConvGeom g, int write) {
+  FUSEDRES_LAUNCH_BOUNDS(MmaDgrad::THREADS);
+  using T = MmaDgrad;
+  using E = native_t<W>;
+  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
+  __shared__ __align__(128) unsigned char smem[T::SMEM];
+  __shared__ int64_t row_n[BM];
+  __shared__ int32_t row_ih[BM];
+  __shared__ int32_t row_iw[BM];
+  __shared__ int32_t tap_list[T::MAX_TAPS];
+  __shared__ int32_t tap_count;
+  auto* As = reinterpret_cast<uint16_t(*)[BM][T::AST]>(smem);
+  auto* Bs = reinterpret_cast<uint16_t(*)[BK][T::BST]>(smem + T::A_BYTES);
+  auto* Cs = reinterpret_cast<float(*)[T::CLD]>(smem);
+  auto* Ds = reinterpret_cast<float(*)[T::CLD]>(smem + BM * T::CLD * 4);
+
+  const int phases_w = static_cast<int>(xd.w < g.sw ? xd.w : g.sw);
+  const int pa = blockIdx.z / phases_w, pb = blockIdx.z % phases_w;
+  const int64_t HP = (xd.h - pa + g.sh - 1) / g.sh, WP = (xd.w - pb + g.sw - 1) / g.sw;
+  const int64_t Mp = xd.n * HP * WP;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
+  if (m0 >= Mp) return;  // the phase has fewer pixels than the largest one (partials stay 0)
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * BN;
+  const int64_t Cin = xd.c, Co = dyd.c;
+  for (int r = tid; r < BM; r += THREADS) {
+    const int64_t m = m0 + r;
+    if (m < Mp) {
+      const Pixel p = pixel_of(m, HP, WP);
+      row_n[r] = p.n;
+      row_ih[r] = pa + g.sh * p.h;
+      row_iw[r] = pb + g.sw * p.w;
+    } else {
+      row_n[r] = -1;
+      row_ih[r] = row_iw[r] = 0;
+    }
+  }
+  if (tid == 0) {
+    // The taps that feed this phase: (ih + ph - i dh) a multiple of sh for every row.
+    int n = 0;
+    for (int t = 0; t < g.kh * g.kw; ++t) {
+      if (mod_pos(pa + g.ph - (t / g.kw) * g.dh, g.sh) == 0 &&
+          mod_pos(pb + g.pw - (t % g.kw) * g.dw, g.sw) == 0) {
+        tap_list[n++] = t;
       }
     }
-    if (stats) {
-      Cs[m][n] = dz;
-      Ds[m][n] = dzx;
-    }
+    tap_count = n;
   }
-  if (!stats) return;
-  __syncthreads();
-  const int64_t row = static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x;
-  for (int q = tid; q < 2 * BN; q += THREADS) {
-    const int n = q % BN;
-    const int64_t c = c0 + n;
-    if (c >= Cin) continue;
-    A s = A(0);
-    if (q < BN) {
-      for (int m = 0; m < BM; ++m) s += Cs[m][n];
-      part_dz[row * Cin + c] = s;
+  // The rows this thread copies (copy e = tid + q * THREADS: row e / (BK / 8)), on the phase
+  // grid: (n, h, w), n = -1 past the phase's pixels.
+  struct Src {
+    int64_t n;
+    int32_t h, w;
+  };
+  Src a_src[T::A_COPIES];
+#pragma unroll
+  for (int q = 0; q < T::A_COPIES; ++q) {
+    const int64_t m = m0 + (tid + q * THREADS) / (BK / 8);
+    if (m < Mp) {
+      const Pixel p = pixel_of(m, HP, WP);
+      a_src[q] = Src{p.n, p.h, p.w};
     } else {
-      for (int m = 0; m < BM; ++m) s += Ds[m][n];
-      part_dzx[row * Cin + c] = s;
+      a_src[q] = Src{-1, 0, 0};
     }
   }
+  __syncthreads();  // tap_list, tap_count
+  const int chunks_per_tap = static_cast<int>((Co + BK - 1) / BK);
+  const int chunks = tap_count * chunks_per_tap;
+  const auto load = [&](int kc, int st) {
+    const int tl = kc / chunks_per_tap;
+    const int tap = tap_list[tl];
+    const int64_t k0 = int64_t(kc - tl * chunks_per_tap) * BK;
+    const int ti = tap / g.kw, tj = tap % g.kw;
+    // Exact: the tap feeds the phase.
+    const int32_t di = (pa + g.ph - ti * g.dh) / g.sh, dj = (pb + g.pw - tj * g.dw) / g.sw;
+#pragma unroll
+    for (int q = 0; q < T::A_COPIES; ++q) {
+      const int e = tid + q * THREADS, r = e / (BK / 8), k = (e % (BK / 8)) * 8;
+      const int64_t oh = int64_t(a_src[q].h) + di, ow = int64_t(a_src[q].w) + dj;
+      const bool ok = a_src[q].n >= 0 && oh >= 0 && oh < dyd.h && ow >= 0 && ow < dyd.w &&
+                      k0 + k < Co;
+      ptx::cp_async_cg16(&As[st][r][k], ok ? dy + dyd.offset(a_src[q].n, k0 + k, oh, ow) : dy,
+                         ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int q = 0; q < T::B_COPIES; ++q) {
+      const int e = tid + q * THREADS, r = e / (BN / 8), n = (e % (BN / 8)) * 8;
+      const bool ok = k0 + r < Co && c0 + n < Cin;
+      const W* src = ok ? wp + (int64_t(tap) * Co + k0 + r) * Cin + c0 + n : wp;
+      ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
+    }
+  };
+
+  float acc[T::FM][T::FN][4];
+#pragma unroll
+  for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+    for (int j = 0; j < T::FN; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < chunks) load(st, st);
+    ptx::cp_async_commit();
+  }
+  const int wm = (warp / T::WARPS_N) * T::WM, wn = (warp % T::WARPS_N) * T::WN;
+  const int lr = (lane % 8) + 8 * ((lane / 8) % 2), lc = 8 * (lane / 16);
+  for (int kc = 0; kc < chunks; ++kc) {
+    ptx::cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (kc + STAGES - 1 < chunks) load(kc + STAGES - 1, (kc + STAGES - 1) % STAGES);
+    ptx::cp_async_commit();
+    const int st = kc % STAGES;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      uint32_t fa[T::FM][4], fb[T::FN / 2][4];
+#pragma unroll
+      for (int i = 0; i < T::FM; ++i) ptx::ldmatrix<4>(fa[i], &As[st][wm + 16 * i + lr][kk + lc]);
+#pragma unroll
+      for (int j = 0; j < T::FN / 2; ++j) {
+        ptx::ldmatrix<4, true>(fb[j], &Bs[st][kk + lr][wn + 16 * j + lc]);
+      }
+#pragma unroll
+      for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+        for (int j = 0; j < T::FN; ++j) {
+          const uint32_t b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
+          float d[4];
+          ptx::mma_m16n8k16<E>(d, fa[i], b, acc[i][j]);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[i][j][r] = d[r];
+        }
+    }
+  }
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+    for (int j = 0; j < T::FN; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        Cs[wm + 16 * i + lane / 4 + 8 * (r / 2)][wn + 8 * j + 2 * (lane % 4) + r % 2] =
+            acc[i][j][r];
+      }
+  __syncthreads();
+  dgrad_store<W, BM, BN, T::CLD, THREADS>(Cs, Ds, row_n, row_ih, row_iw, x, scale, shift, mean,
+                                          invstd, gx, dz_out, part_dz, part_dzx, m1, m2,
+                                          branch_scale, xd, gd, c0, write, tid);
 }
 
 // Per-channel BatchNorm quantities the SUMS variant of the weight gradient reads.
@@ -768,26 +983,32 @@ struct SumsArgs {
   at::Tensor sum_dz, sum_dzx;                    // out: (C,) float64
 };
 
-// The mma.sync weight gradient's requirements (wgrad_mma_kernel): x and grad_out of the weight's
-// 16-bit dtype, both with channels contiguous, C and Co multiples of 8 and every pixel at a
-// multiple of 8 elements (16-byte cp.async sources), their data 16-byte aligned.
-// FUSEDRES_CUDA_WGRAD=wmma (read at every call) keeps the WMMA kernel (comparison, benchmarks);
-// every other input takes it anyway.
-bool wgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt) {
+// The operands both mma.sync backward kernels take: x and grad_out of the weight's 16-bit
+// dtype, both with channels contiguous, C and Co multiples of 8 and every pixel at a multiple
+// of 8 elements (16-byte cp.async sources), their data 16-byte aligned.
+bool wgrad_mma_operands(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt) {
   if (!(wt == at::kHalf || wt == at::kBFloat16) || x.scalar_type() != wt ||
       go.scalar_type() != wt) {
     return false;
   }
-  const char* env = std::getenv("FUSEDRES_CUDA_WGRAD");
-  if (env != nullptr && std::string(env) == "wmma") return false;
-  TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
-              "FUSEDRES_CUDA_WGRAD must be 'mma' or 'wmma', got '", env, "'");
   const auto fits = [](const at::Tensor& t) {
     return t.stride(1) == 1 && t.size(1) % 8 == 0 && t.stride(0) % 8 == 0 &&
            t.stride(2) % 8 == 0 && t.stride(3) % 8 == 0 &&
            reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
   };
   return fits(x) && fits(go);
+}
+
+// The mma.sync weight gradient (wgrad_mma_kernel) for those operands. FUSEDRES_CUDA_WGRAD=wmma
+// (read at every call) keeps the WMMA kernel (comparison, benchmarks); every other input takes
+// it anyway.
+bool wgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt) {
+  if (!wgrad_mma_operands(go, x, wt)) return false;
+  const char* env = std::getenv("FUSEDRES_CUDA_WGRAD");
+  if (env != nullptr && std::string(env) == "wmma") return false;
+  TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
+              "FUSEDRES_CUDA_WGRAD must be 'mma' or 'wmma', got '", env, "'");
+  return true;
 }
 
 template <typename X, typename W>
@@ -868,6 +1089,30 @@ void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, a
   }
 }
 
+// The mma.sync data gradient's requirements (dgrad_mma_kernel): those of the weight gradient's
+// (wgrad_mma_operands: 16-bit x, grad_out and weight of one dtype, channels-last with C and Co
+// multiples of 8, 16-byte aligned) and at most MmaDgrad::MAX_TAPS taps. FUSEDRES_CUDA_DGRAD=wmma
+// (read at every call) keeps the WMMA kernel.
+bool dgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight) {
+  if (!wgrad_mma_operands(go, x, weight.scalar_type())) return false;
+  const char* env = std::getenv("FUSEDRES_CUDA_DGRAD");
+  if (env != nullptr && std::string(env) == "wmma") return false;
+  TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
+              "FUSEDRES_CUDA_DGRAD must be 'mma' or 'wmma', got '", env, "'");
+  return weight.size(2) * weight.size(3) <= MmaDgrad::MAX_TAPS;
+}
+
+// The weight packed for the mma.sync data gradient: (Co, C, kh, kw) -> row-major (kh*kw*Co, C),
+// row (i*kw + j)*Co + co, on a 16-byte boundary.
+inline at::Tensor pack_weight_dgrad(const at::Tensor& weight) {
+  const int64_t Co = weight.size(0), C = weight.size(1);
+  at::Tensor wp = weight.permute({2, 3, 0, 1}).reshape({weight.size(2) * weight.size(3) * Co, C});
+  wp = wp.contiguous();
+  // A contiguous permuted view comes back as itself, possibly off the 16-byte boundary.
+  if (reinterpret_cast<uintptr_t>(wp.const_data_ptr()) % 16 != 0) wp = wp.clone();
+  return wp;
+}
+
 template <typename X, typename W>
 void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight,
                   const Affine& bn, const at::Tensor& mean, const at::Tensor& invstd,
@@ -879,6 +1124,27 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
   const dim3 grid(static_cast<unsigned>(row_tiles),
                   static_cast<unsigned>(ceil_div(x.size(1), T::BN)), static_cast<unsigned>(phases));
   const at::Tensor& out = gx != nullptr ? *gx : (dz != nullptr ? *dz : x);
+  if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
+    // One grid and one set of partials for both kernels.
+    static_assert(MmaDgrad::BM == T::BM && MmaDgrad::BN == T::BN,
+                  "the mma.sync data gradient shares the WMMA kernel's tile");
+    if (dgrad_uses_mma(go, x, weight)) {
+      const at::Tensor wp = pack_weight_dgrad(weight);
+      FUSEDRES_LAUNCH(grid, dim3(MmaDgrad::THREADS), 0, current_stream(), dgrad_mma_kernel<W>)(
+          go.const_data_ptr<W>(), wp.const_data_ptr<W>(), x.const_data_ptr<X>(),
+          bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
+          invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
+          dz != nullptr ? dz->data_ptr<A>() : nullptr,
+          part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
+          part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
+          m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
+          m2 != nullptr ? m2->const_data_ptr<A>() : nullptr,
+          bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(x),
+          dims_of(out), g, write);
+      FUSEDRES_CHECK_LAUNCH();
+      return;
+    }
+  }
   FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), dgrad_kernel<X, W, T>)(
       go.const_data_ptr<W>(), weight.const_data_ptr<W>(), x.const_data_ptr<X>(),
       bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),

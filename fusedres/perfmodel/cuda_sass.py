@@ -29,9 +29,10 @@ from .devices import A100, H100
 _TILE = re.compile(r"TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])E")
 # Kernels whose tile is fixed in their source rather than a Tile<> argument: name ->
 # (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d.cu, struct MmaFwd;
-# csrc/cuda/bn_relu_conv2d_backward.cu, struct MmaWgrad).
+# csrc/cuda/bn_relu_conv2d_backward.cu, structs MmaWgrad and MmaDgrad).
 _FIXED_TILES = {"bn_relu_conv2d_fwd_mma_kernel": (64, 64, 32, 128),
-                "wgrad_mma_kernel": (64, 64, 16, 128)}
+                "wgrad_mma_kernel": (64, 64, 16, 128),
+                "dgrad_mma_kernel": (64, 64, 32, 128)}
 
 
 # The weight gradient's split unit (pixels; pick_split and launch_wgrad's K-step, both kernels):
@@ -269,8 +270,22 @@ def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
     return "wgrad_kernel"
 
 
+def dgrad_kernel(u, dgrad: str = "mma", channels_last: bool = True) -> str:
+    """The data-gradient kernel csrc/cuda runs for 16-bit unit ``u`` (dgrad_uses_mma in
+    csrc/cuda/bn_relu_conv2d_backward.cu): the mma.sync one for channels-last x and grad_out
+    with C and Co multiples of 8 and at most 64 taps unless ``dgrad`` (FUSEDRES_CUDA_DGRAD) is
+    "wmma", else the WMMA one."""
+    if dgrad not in ("mma", "wmma"):
+        raise ValueError(f"dgrad: 'mma' or 'wmma' (FUSEDRES_CUDA_DGRAD), not {dgrad!r}")
+    if (dgrad == "mma" and channels_last and u.c % 8 == 0 and u.co % 8 == 0
+            and u.k * u.k <= 64):
+        return "dgrad_mma_kernel"
+    return "dgrad_kernel"
+
+
 def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str = "mma",
-                    channels_last: bool = True, wgrad: str = "mma") -> CudaUnitModel:
+                    channels_last: bool = True, wgrad: str = "mma",
+                    dgrad: str = "mma") -> CudaUnitModel:
     """The CUDA C++ backend's training step of unit ``u`` (kernels/traffic.Unit, 16-bit) on
     ``dev``, as csrc/cuda launches it ("sums" backward; 64x64x32 tiles, 128 threads, for every
     16-bit kernel here):
@@ -286,8 +301,11 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
       prices the WMMA kernel wgrad_kernel. Grid cdiv(Co, BM) x cdiv(C, BN)*taps x split
       (pick_split with the device's SMs); K chunks: cdiv(cdiv(M, 32), split) K-steps of 32
       pixels, each 32 / BK chunks (BK = 16 for the mma.sync kernel, 32 for the WMMA one);
-    * dgrad writing dx (the WMMA kernel dgrad_kernel for every input): grid per stride phase
-      cdiv(rows, BM) x cdiv(C, BN); K chunks: the phase's taps x cdiv(Co, BK);
+    * dgrad writing dx: the kernel that runs (:func:`dgrad_kernel`): for the same units the
+      mma.sync kernel dgrad_mma_kernel (struct MmaDgrad), after a DRAM-bound launch packing the
+      weight to (kh*kw*Co, C); ``dgrad="wmma"`` (FUSEDRES_CUDA_DGRAD=wmma) or NCHW the WMMA
+      kernel dgrad_kernel. Grid per stride phase cdiv(rows, BM) x cdiv(C, BN); K chunks: the
+      phase's taps x cdiv(Co, BK);
     * batch statistics, the partials' reductions: DRAM-bound launches.
 
     DRAM bytes: kernels/traffic.cuda_fused_step. A RANGE: issue per K chunk counts each nested
@@ -313,7 +331,8 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     out.append(("wgrad+sums", wg, cdiv(u.co, wg.bm) * cdiv(u.c, wg.bn) * taps * split,
                 cdiv(cdiv(m_out, WGRAD_KSTEP), split) * WGRAD_KSTEP // wg.bk,
                 dram["wgrad+sums"]))
-    dg = _row(rows, dev.arch, "dgrad_kernel", dtype)
+    dg_name = dgrad_kernel(u, dgrad, channels_last)
+    dg = _row(rows, dev.arch, dg_name, dtype)
     p, s = u.padding, u.stride
     ctas, work = 0, 0.0
     for pa in range(min(s, u.h)):
@@ -339,6 +358,8 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
         dram_launch("weight pack", 2 * w)
         if w8 != w:
             dram_launch("weight pad", w + w8)
+    if dg_name == "dgrad_mma_kernel":
+        dram_launch("weight pack (dgrad)", 2 * tu.weight())  # the permuted copy
     for k in traffic.cuda_fused_step(tu).kernels:
         if k.name not in ("fwd", "wgrad+sums", "dgrad+dx"):
             dram_launch(k.name, k.bytes)

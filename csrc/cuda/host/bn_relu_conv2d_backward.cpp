@@ -23,3 +23,14 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
            return fusedres::cuda_host::wgrad_kernel_for(go, x, w);
          });
 }
+
+// Likewise the data gradient's kernel ("mma": dgrad_mma_kernel, "wmma": dgrad_kernel), by
+// dgrad_uses_mma (FUSEDRES_CUDA_DGRAD included).
+TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
+  m.def("dgrad_kernel_for(Tensor grad_out, Tensor x, Tensor weight) -> str");
+  m.impl("dgrad_kernel_for", c10::DispatchKey::CPU,
+         [](const at::Tensor& go, const at::Tensor& x, const at::Tensor& w) -> std::string {
+           const at::Tensor g = go.to(w.scalar_type());
+           return fusedres::cuda_host::dgrad_uses_mma(g, x, w) ? "mma" : "wmma";
+         });
+}

@@ -147,9 +147,10 @@ FUSEDRES_TSAN_CASE(unit_backward_store_split) {
 
 FUSEDRES_TSAN_CASE(unit_backward_wmma) { check_backward(at::kHalf, true, "sums", "2", 2e-2); }
 
-// The mma.sync weight gradient (16-bit, channels-last x and grad_out, C = 40, Co = 16), with the
-// BatchNorm sums (unsplit: both K chunks through the pipeline) and without (the store strategy,
-// split in two); grad_weight against the rounded operands' product (float16: 1e-3, bfloat16:
+// The mma.sync weight and data gradients (16-bit, channels-last x and grad_out, C = 40,
+// Co = 16; the data gradient's two stride phases, its K chunks over the taps that feed each),
+// with the BatchNorm sums (unsplit: every K chunk through the pipeline) and without (the store
+// strategy, split in two); grad_weight against the rounded operands' product (float16: 1e-3, bfloat16:
 // 8e-3, about two of the output's roundings). The other outputs to 1e-1 for bfloat16: its
 // rounding of the activation alone moves them by up to ~0.2 here.
 FUSEDRES_TSAN_CASE(unit_backward_wgrad_mma) {
