@@ -187,6 +187,14 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
             mean = stats[0]
         return BatchNormState(x, _cast(bn_weight, sdt), _cast(bn_bias, sdt), mean, invstd,
                               use_batch)
+    elif ops.eager_triton(x) and _triton_prepares(x, running_mean, running_var, training):
+        # The same rule in one or two launches of the triton backend (~10 PyTorch ops fewer).
+        given = stats is not None and use_batch
+        mean, invstd = _backend.backend_module("triton").prepare_batch_norm(
+            x.detach(), running_mean, running_var, num_batches_tracked, training, momentum, eps,
+            *(stats if given else (None, None)))
+        return BatchNormState(x, _cast(bn_weight, sdt), _cast(bn_bias, sdt), mean, invstd,
+                              use_batch)
     elif use_batch:
         mean, var = stats if stats is not None else _batch_stats(x.detach())
         if training and running_mean is not None:
@@ -196,6 +204,10 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
         mean, var = running_mean.detach().to(sdt), running_var.detach().to(sdt)
     invstd = torch.rsqrt(var + eps)
     return BatchNormState(x, _cast(bn_weight, sdt), _cast(bn_bias, sdt), mean, invstd, use_batch)
+
+
+def _triton_prepares(x, running_mean, running_var, training) -> bool:
+    return _backend.backend_module("triton").prepares(x, running_mean, running_var, training)
 
 
 def _cast(p: Tensor | None, dtype: torch.dtype) -> Tensor | None:

@@ -334,3 +334,14 @@ def eager_cpu(x: Tensor) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0
             and not torch._C._are_functorch_transforms_active()
             and _backend.resolve_backend(x.device) == "cpu")
+
+
+def eager_triton(x: Tensor) -> bool:
+    """True when ``x``'s BatchNorm may be prepared by the triton backend's own launches
+    (``fusedres.backends.triton.prepare_batch_norm``): a plain tensor in eager mode (as
+    :func:`eager_cpu`), non-empty, and the triton backend in force for its device."""
+    return (not torch.compiler.is_compiling()
+            and type(x) is Tensor and x.numel() > 0
+            and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active()
+            and _backend.resolve_backend(x.device) == "triton")

@@ -39,7 +39,7 @@ VARIANTS = {"fp16": ("fp16", True), "bf16": ("bf16", True), "fp32": ("fp32", Tru
 DTYPES = tuple(VARIANTS)
 BACKWARDS = ("sums", "store")
 KERNELS = ("batch_stats", "bn_relu_conv2d_fwd", "dgrad_store", "dgrad_dx", "dx", "wgrad",
-           "wgrad_sums", "stats_combine", "scale_shift", "partials_reduce")
+           "wgrad_sums", "stats_combine", "bn_prepare", "scale_shift", "partials_reduce")
 
 
 def shape_set(name: str) -> list:
@@ -68,7 +68,7 @@ def role_configs() -> dict:
             "dgrad_store": dg.configs_for, "dgrad_dx": dg.configs_for,
             "dx": dg.dx_configs_for, "wgrad": wg.configs_for,
             "wgrad_sums": wg.sums_configs_for, "stats_combine": red.stats_combine_configs_for,
-            "scale_shift": red.scale_shift_configs_for,
+            "bn_prepare": red.prepare_configs_for, "scale_shift": red.scale_shift_configs_for,
             "partials_reduce": red.reduce_configs_for}
 
 
@@ -120,7 +120,8 @@ class Result:
 
 def jobs(archs, dtypes, units, kernels=None) -> list[Job]:
     """The distinct specialisations of the launches of ``units`` (one training step each, both
-    backward plans), then every config no launch covers, swapped into a launch of its kernel."""
+    backward plans, and the step whose forward returns its output's statistics), then every
+    config no launch covers, swapped into a launch of its kernel."""
     from . import jit_spec
 
     found: dict = {}
@@ -128,9 +129,12 @@ def jobs(archs, dtypes, units, kernels=None) -> list[Job]:
         for variant in dtypes:
             dtype, tf32 = VARIANTS[variant]
             for unit in units:
-                for backward in BACKWARDS:
+                # Both backward plans, and the forward whose epilogue gives the next BatchNorm
+                # its statistics (genstats: what the models run; its partials merged by
+                # stats_combine_kernel).
+                for backward, genstats in [(b, False) for b in BACKWARDS] + [("sums", True)]:
                     for launch in jit_spec.unit_launches(unit, dtype, arch=arch, tf32=tf32,
-                                                         backward=backward):
+                                                         backward=backward, genstats=genstats):
                         if kernels and launch.kernel not in kernels:
                             continue
                         job = found.setdefault((variant, launch.key()), Job(launch, variant))

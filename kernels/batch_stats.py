@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..opdefs import stats_dtype as _stats_dtype
 from ._common import KernelConfig, cdiv, interpreting, launcher, sm_count
-from .reductions import stats_combine
+from .reductions import STATS_COMBINE_CONFIG, bn_prepare_kernel, stats_combine
 
 # Roles by index: channels_last with >= 32 channels, the rest, <= 8 channels. A tile's own
 # reduction (three sums over its rows across the threads, the float64 merge) is paid per tile:
@@ -110,8 +110,8 @@ def pick_split(tiles: int, c_blocks: int, sms: int) -> int:
     return max(1, min(cdiv(4 * sms, c_blocks), cdiv(tiles, 2), 128))
 
 
-def batch_stats(x: torch.Tensor, config: KernelConfig | None = None, split: int | None = None):
-    """(mean, biased var) per channel of x (N, C, H, W), in the statistics dtype."""
+def _partials(x: torch.Tensor, config: KernelConfig | None = None, split: int | None = None):
+    """batch_stats_kernel's launch: (partial mean, partial M2, M, elements a row)."""
     n, c, h, w = x.shape
     sdt = _stats_dtype(x.dtype)
     m = n * h * w
@@ -133,4 +133,74 @@ def batch_stats(x: torch.Tensor, config: KernelConfig | None = None, split: int 
         **cfg.launch_kwargs(),
     )
     # Split r holds min(tps * bm, m - r * tps * bm) elements (the last may be short).
-    return stats_combine(mean_p, m2_p, m, tps * bm, sdt)
+    return mean_p, m2_p, m, tps * bm
+
+
+def batch_stats(x: torch.Tensor, config: KernelConfig | None = None, split: int | None = None):
+    """(mean, biased var) per channel of x (N, C, H, W), in the statistics dtype."""
+    mean_p, m2_p, m, row_elems = _partials(x, config, split)
+    return stats_combine(mean_p, m2_p, m, row_elems, _stats_dtype(x.dtype))
+
+
+# Running statistics the one-launch preparation updates (its arithmetic is float32; bfloat16
+# ones stay with the PyTorch ops: the interpreter, which tests this kernel here, rounds
+# bfloat16 as float32).
+PREPARE_RUNNING_DTYPES = (torch.float32, torch.float16)
+
+
+def prepare_batch_norm(x: torch.Tensor, running_mean, running_var, num_batches_tracked,
+                       training: bool, momentum: float | None, eps: float, mean=None, var=None):
+    """nn.BatchNorm2d's statistics, running-statistics update and ``invstd`` for x in two
+    launches (batch_stats_kernel, then reductions.bn_prepare_kernel), or one when the batch
+    statistics are given (``mean``, ``var``: the producer's) or the running ones are used
+    (eval): (mean, invstd) in the statistics dtype, float32 (x of 16 or 32 bits). The rule of
+    fusedres.functional.prepare_batch_norm, whose PyTorch ops are ~10 launches (the update,
+    var + eps, rsqrt); the caller has checked the arguments. With ``mean`` given, the mean
+    returned is that tensor. Running statistics float32 or float16 (``PREPARE_RUNNING_DTYPES``);
+    float64 x or statistics stay with the PyTorch ops (this kernel's scalars are float32).
+
+    ``momentum`` None (cumulative average) costs one more launch, ``num_batches_tracked.add_(1)``
+    before the kernel reads it; else the kernel counts the step itself. The running statistics'
+    and the counter's version counters are bumped, as their in-place PyTorch updates do."""
+    sdt = _stats_dtype(x.dtype)
+    if sdt != torch.float32:
+        raise ValueError(f"x: the one-launch preparation takes 16- or 32-bit x, got {x.dtype}")
+    tracked = running_mean is not None
+    c = x.shape[1]
+    use_batch = training or not tracked
+    update = training and tracked
+    if update and (running_mean.dtype not in PREPARE_RUNNING_DTYPES
+                   or running_var.dtype not in PREPARE_RUNNING_DTYPES):
+        raise ValueError("running_mean, running_var: the one-launch preparation updates float32 "
+                         f"or float16 statistics, got {running_mean.dtype}, "
+                         f"{running_var.dtype}")
+    cumulative = update and momentum is None
+    count = update and num_batches_tracked is not None and not cumulative
+    if cumulative:
+        num_batches_tracked.add_(1)
+    invstd = torch.empty((c,), device=x.device, dtype=sdt)
+    m = x.numel() // c
+    if use_batch and mean is None:
+        src0, src1, m, row_elems = _partials(x)
+        out_mean = torch.empty((c,), device=x.device, dtype=sdt)
+        rows, merge = src0.shape[0], True
+    else:
+        if not use_batch:
+            mean = running_mean.detach().to(sdt)
+            var = running_var.detach()
+        src0, src1, out_mean, rows, row_elems, merge = mean, var, mean, 0, 1, False
+    dummy = invstd
+    factor = 0.0 if momentum is None else float(momentum)
+    cfg = STATS_COMBINE_CONFIG
+    launcher(bn_prepare_kernel)[(cdiv(c, cfg.meta["BLOCK_C"]),)](
+        src0, src1, out_mean, invstd,
+        running_mean if update else dummy, running_var if update else dummy,
+        num_batches_tracked if (cumulative or count) else dummy,
+        rows, c, m, row_elems, 1.0 - factor, factor, m / (m - 1) if m > 1 else 1.0, float(eps),
+        MERGE=merge, UPDATE=update, CUMULATIVE=cumulative, COUNT=count, **cfg.launch_kwargs())
+    if update:
+        torch.autograd.graph.increment_version(running_mean)
+        torch.autograd.graph.increment_version(running_var)
+    if count:
+        torch.autograd.graph.increment_version(num_batches_tracked)
+    return out_mean, invstd

@@ -339,10 +339,13 @@ def capturing(sms: int, tf32: bool, backward: str):
 def _training_step(shape, dtype: torch.dtype, fmt, training: bool, genstats: bool,
                    during=contextlib.nullcontext) -> None:
     """One fwd+bwd of the fused unit ``shape`` through the Triton backend's entry points, on
-    meta tensors, as fusedres.functional and the autograd rule (fusedres.ops) call them: batch
-    statistics (training), the forward, the backward with the gradients of x, the weight and
-    the BatchNorm affine (the unit has no conv bias). ``during()``: a context entered once the
-    inputs exist, around every call of the step (fusedres.perfmodel counts the host ops in it)."""
+    meta tensors, as fusedres.functional and the autograd rule (fusedres.ops) call them: the
+    BatchNorm's preparation of an ``nn.BatchNorm2d`` with running statistics (momentum 0.1:
+    batch statistics and the running-statistics update in training, the running statistics in
+    eval; fusedres.backends.triton.prepare_batch_norm, the eager route), the forward, the
+    backward with the gradients of x, the weight and the BatchNorm affine (the unit has no conv
+    bias). ``during()``: a context entered once the inputs exist, around every call of the step
+    (fusedres.perfmodel counts the host ops in it)."""
     from ..backends import triton as backend
     from ..opdefs import BackwardArgs, UnitArgs, stats_dtype
 
@@ -361,12 +364,19 @@ def _training_step(shape, dtype: torch.dtype, fmt, training: bool, genstats: boo
     # prepare_batch_norm casts the affine to the statistics dtype.
     bn_weight = torch.empty((shape.cin,), device="meta", dtype=sdt)
     bn_bias = torch.empty((shape.cin,), device="meta", dtype=sdt)
+    running_mean = torch.empty((shape.cin,), device="meta", dtype=sdt)
+    running_var = torch.empty((shape.cin,), device="meta", dtype=sdt)
+    num_batches_tracked = torch.empty((), device="meta", dtype=torch.int64)
     with during():
-        if training:
-            mean, var = backend.batch_stats(x)
+        if sdt == torch.float64:  # not the one-launch route: functional's PyTorch ops
+            if training:
+                mean, var = backend.batch_stats(x)
+            else:
+                mean, var = running_mean, running_var
+            invstd = torch.rsqrt(var + 1e-5)
         else:
-            mean = var = torch.empty((shape.cin,), device="meta", dtype=sdt)
-        invstd = torch.rsqrt(var + 1e-5)
+            mean, invstd = backend.prepare_batch_norm(x, running_mean, running_var,
+                                                      num_batches_tracked, training, 0.1, 1e-5)
         geometry = dict(stride=[s, s], padding=[p, p], dilation=[1, 1])
         args = UnitArgs(x=x, weight=weight, bias=None, bn_weight=bn_weight, bn_bias=bn_bias,
                         mean=mean, invstd=invstd, residual=residual, batch_stats=training,

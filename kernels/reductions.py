@@ -6,6 +6,10 @@ step runs no PyTorch op on the host between its kernels.
   pair into the per-channel mean and biased variance, in float64 (batch_stats' splits and the
   forward's genstats epilogue rows). Row r holds min(ROW_ELEMS, M - r * ROW_ELEMS) elements:
   the counts are computed in the kernel.
+* ``bn_prepare_kernel``: ``nn.BatchNorm2d``'s preparation of a step after batch_stats'
+  partials (or from given statistics, or the running ones in eval): the merge above, the
+  running-statistics update and ``invstd = rsqrt(var + eps)`` in one launch, where
+  fusedres.functional's PyTorch ops are ~10 (kernels/batch_stats.py's ``prepare_batch_norm``).
 * ``scale_shift_kernel``: the fused BatchNorm's affine ``scale = gamma * invstd``,
   ``shift = beta - mean * scale`` (gamma 1, beta 0 where BatchNorm has none).
 * ``partials_reduce_kernel``: the weight-gradient pass's partials summed over its splits: the
@@ -34,6 +38,12 @@ def stats_combine_configs_for(dtype) -> list[KernelConfig]:
     return [STATS_COMBINE_CONFIG]
 
 
+def prepare_configs_for(dtype) -> list[KernelConfig]:
+    """bn_prepare_kernel's: none for float64 (its scalars are float32: float64 statistics stay
+    with fusedres.functional's PyTorch ops)."""
+    return [] if dtype in ("fp64", torch.float64) else [STATS_COMBINE_CONFIG]
+
+
 def scale_shift_configs_for(dtype) -> list[KernelConfig]:
     return [SCALE_SHIFT_CONFIG]
 
@@ -43,15 +53,11 @@ def reduce_configs_for(dtype) -> list[KernelConfig]:
 
 
 @triton.jit
-def stats_combine_kernel(
-    mean_p_ptr, m2_p_ptr, mean_ptr, var_ptr,
-    rows, C, M, ROW_ELEMS,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Program (channel block): mean = sum_r n_r mean_r / M, then
-    var = sum_r (M2_r + n_r (mean_r - mean)^2) / M, in float64 (two passes over the rows)."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < C
+def _chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(mean, biased var) in float64 of the channels ``c`` from the (rows, C) partial mean and
+    M2: mean = sum_r n_r mean_r / M, then var = sum_r (M2_r + n_r (mean_r - mean)^2) / M (two
+    passes over the rows)."""
     # (M may arrive as a constexpr 1: through a tensor so that .to applies either way)
     total = (tl.zeros((), dtype=tl.int64) + M).to(tl.float64)
     acc = tl.zeros((BLOCK_C,), dtype=tl.float64)
@@ -76,8 +82,86 @@ def stats_combine_kernel(
         m2 = tl.load(m2_p_ptr + off, mask=mask, other=0.0).to(tl.float64)
         d = mu - gmean[None, :]
         acc2 += tl.sum(tl.where(mask, m2 + cnt[:, None] * (d * d), 0.0), axis=0)
-    tl.store(mean_ptr + c, gmean, mask=c_ok)
-    tl.store(var_ptr + c, acc2 / total, mask=c_ok)
+    return gmean, acc2 / total
+
+
+
+
+@triton.jit
+def stats_combine_kernel(
+    mean_p_ptr, m2_p_ptr, mean_ptr, var_ptr,
+    rows, C, M, ROW_ELEMS,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Program (channel block): Chan's merge of the partial rows (``_chan_merge``)."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    mean, var = _chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS, BLOCK_R,
+                            BLOCK_C)
+    tl.store(mean_ptr + c, mean, mask=c_ok)
+    tl.store(var_ptr + c, var, mask=c_ok)
+
+
+@triton.jit
+def bn_prepare_kernel(
+    src0_ptr, src1_ptr, mean_ptr, invstd_ptr, rm_ptr, rv_ptr, nbt_ptr,
+    rows, C, M, ROW_ELEMS, keep, factor, unbias, eps,
+    MERGE: tl.constexpr, UPDATE: tl.constexpr, CUMULATIVE: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Program (channel block): nn.BatchNorm2d's preparation of a step, what
+    fusedres.functional.prepare_batch_norm does with PyTorch ops, in one launch.
+
+    MERGE: the batch mean and biased variance from batch_stats' partial rows (src0, src1 =
+    partial mean, M2), merged as stats_combine_kernel, stored at ``mean_ptr``; else src0, src1
+    are the statistics themselves (given by the producer, or the running statistics in eval)
+    and nothing is stored at ``mean_ptr`` (read for its dtype only). Always: ``invstd = rsqrt(var
+    + eps)``, in the statistics dtype (``mean_ptr``'s, float32). UPDATE: the running statistics
+    move toward the batch's as functional._update_running_stats does, in its order and dtypes:
+    ``running = running * keep + stat * factor``, each product and the sum rounded to the
+    running statistics' dtype, the variance unbiased first (``var * unbias``, unbias = M/(M-1));
+    the host's float ``keep`` = 1 - momentum and ``factor`` = momentum, or CUMULATIVE: factor =
+    1 / num_batches_tracked (incremented by the host first), keep = 1 - factor, in the running
+    statistics' dtype. COUNT: program 0 adds 1 to num_batches_tracked (no program reads it)."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < C
+    sdt = mean_ptr.dtype.element_ty
+    if MERGE:
+        mean64, var64 = _chan_merge(src0_ptr, src1_ptr, c, ok, rows, C, M, ROW_ELEMS, BLOCK_R,
+                                    BLOCK_C)
+        mean = mean64.to(sdt)
+        var = var64.to(sdt)
+        tl.store(mean_ptr + c, mean, mask=ok)
+    else:
+        mean = tl.load(src0_ptr + c, mask=ok, other=0.0).to(sdt)
+        var = tl.load(src1_ptr + c, mask=ok, other=1.0).to(sdt)
+    tl.store(invstd_ptr + c, tl.math.rsqrt(var + eps), mask=ok)
+    if UPDATE:
+        rmt = rm_ptr.dtype.element_ty
+        rvt = rv_ptr.dtype.element_ty
+        if CUMULATIVE:
+            n = tl.load(nbt_ptr)
+            f_m = (1.0 / n.to(rmt).to(tl.float32)).to(rmt).to(tl.float32)
+            k_m = (1.0 - f_m).to(rmt).to(tl.float32)
+            f_v = (1.0 / n.to(rvt).to(tl.float32)).to(rvt).to(tl.float32)
+            k_v = (1.0 - f_v).to(rvt).to(tl.float32)
+        else:
+            f_m = factor
+            k_m = keep
+            f_v = factor
+            k_v = keep
+        rm = tl.load(rm_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        rv = tl.load(rv_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        unbiased = var * unbias
+        new_m = ((rm * k_m).to(rmt).to(tl.float32)
+                 + (mean.to(rmt).to(tl.float32) * f_m).to(rmt).to(tl.float32))
+        new_v = ((rv * k_v).to(rvt).to(tl.float32)
+                 + (unbiased.to(rvt).to(tl.float32) * f_v).to(rvt).to(tl.float32))
+        tl.store(rm_ptr + c, new_m.to(rmt), mask=ok)
+        tl.store(rv_ptr + c, new_v.to(rvt), mask=ok)
+    if COUNT:
+        if tl.program_id(0) == 0:
+            tl.store(nbt_ptr, tl.load(nbt_ptr) + 1)
 
 
 def stats_combine(mean_p: torch.Tensor, m2_p: torch.Tensor, m: int, row_elems: int,

@@ -147,10 +147,12 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
     each); wgrad_sums (16 channels each side: 16 x 16 x 128) 9 tiles, 1024 K-steps, split 29
     (36 each); the dx pass 64 x 32 tiles."""
     sums = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["sums"]]
-    # Between them the small kernels of kernels/reductions.py: the splits' statistics merged,
-    # the BatchNorm affine (forward and backward), the weight-gradient partials reduced (the
-    # 16 * 16 * 9 weight gradient in 3 programs of 1024, the 16 channels' sums in 1).
-    combine = ("stats_combine", [1, 1, 1], "R=16 C=64 w=4 s=1")
+    # Between them the small kernels of kernels/reductions.py: the splits' statistics merged
+    # with the running statistics' update and invstd (bn_prepare: the BatchNorm's whole
+    # preparation, no host op), the BatchNorm affine (forward and backward), the weight-gradient
+    # partials reduced (the 16 * 16 * 9 weight gradient in 3 programs of 1024, the 16 channels'
+    # sums in 1).
+    combine = ("bn_prepare", [1, 1, 1], "R=16 C=64 w=4 s=1")
     affine = ("scale_shift", [1, 1, 1], "C=256 w=4 s=1")
     assert sums == [
         ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"), combine, affine,
@@ -174,10 +176,10 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
 
 
 def test_no_host_op_between_the_kernels(probe):
-    """A training step runs no PyTorch op between the backend's kernels (the partials' merges
-    and reductions and the BatchNorm affine are kernels/reductions.py's launches): what remains
-    is the caller's invstd = rsqrt(var + eps) (fusedres.functional's, outside the backend)."""
-    assert probe["host_ops"] == {"sums": ["add", "rsqrt"], "store": ["add", "rsqrt"]}
+    """A training step runs no PyTorch op between the backend's kernels: the partials' merges
+    and reductions, the BatchNorm affine and the BatchNorm's preparation (running-statistics
+    update, invstd = rsqrt(var + eps): bn_prepare) are kernels/reductions.py's launches."""
+    assert probe["host_ops"] == {"sums": [], "store": []}
 
 
 def test_divisibility_and_unit_strides(probe):
@@ -221,7 +223,7 @@ def test_command_lists_the_launches(probe):
     dilation of 1) and the divisible arguments."""
     heads = [line for line in probe["cli"].splitlines() if not line.startswith(" ")]
     assert [h.split()[0] for h in heads] == [
-        "batch_stats", "stats_combine", "scale_shift", "bn_relu_conv2d_fwd", "scale_shift",
+        "batch_stats", "bn_prepare", "scale_shift", "bn_relu_conv2d_fwd", "scale_shift",
         "wgrad", "partials_reduce", "dgrad_store", "partials_reduce", "dx"]
     assert heads[3].startswith("bn_relu_conv2d_fwd  grid=(1024, 1, 1)  M=128 N=16 K=16")
     assert probe["from_values"] == {name: "1" for name in (

@@ -751,6 +751,89 @@ def test_stats_combine_merges_rows_as_chan_in_float64(part_dtype):
         stats_combine(mean_p, m2_p, m + row, row, torch.float64)
 
 
+def _prepare(x, route, running_dtype, training, momentum, tracked, given, counted=True):
+    """fusedres.functional.prepare_batch_norm on the triton backend with the one-launch route
+    (``route``) or without it (the PyTorch ops): (mean, invstd, running mean, running var,
+    num_batches_tracked, the kernels launched)."""
+    from fusedres import functional as FR
+    from fusedres import ops
+
+    c = x.shape[1]
+    g = torch.Generator().manual_seed(1)
+    rm = torch.randn(c, generator=g).to(DEVICE, running_dtype) if tracked else None
+    rv = (torch.rand(c, generator=g) + 0.5).to(DEVICE, running_dtype) if tracked else None
+    nbt = torch.tensor(3, device=DEVICE) if tracked and counted else None
+    stats = (x.float().mean((0, 2, 3)), x.float().var((0, 2, 3), unbiased=False)) if given \
+        else None
+    launched = []
+    real, eager = bs.launcher, ops.eager_triton
+
+    def recording(kernel):
+        launched.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
+        return real(kernel)
+
+    bs.launcher = recording
+    if not route:
+        ops.eager_triton = lambda t: False
+    try:
+        with fusedres.use_backend("triton"):
+            st = FR.prepare_batch_norm(x, None, None, rm, rv, nbt, training=training,
+                                       momentum=momentum, eps=1e-5, stats=stats)
+    finally:
+        bs.launcher, ops.eager_triton = real, eager
+    return st.mean, st.invstd, rm, rv, nbt, launched
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("running_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("training,momentum", [(True, 0.1), (True, None), (False, 0.1)])
+def test_bn_prepare_is_the_pytorch_rule_in_one_or_two_launches(x_dtype, running_dtype,
+                                                                training, momentum):
+    """The triton backend's BatchNorm preparation (batch_stats_kernel + bn_prepare_kernel, or
+    bn_prepare_kernel alone for given or running statistics) against fusedres.functional's
+    PyTorch ops: the same mean, invstd, running statistics and step count, bit for bit under
+    the interpreter (the kernel rounds each product and sum to the running statistics' dtype,
+    in the rule's order), with and without running statistics and given statistics."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 70, 5, 5, generator=g) * 3 + 2).to(DEVICE, x_dtype)
+    for tracked in (True, False):
+        for given in (False, True):
+            *new, launched = _prepare(x, True, running_dtype, training, momentum, tracked,
+                                      given)
+            *old, _ = _prepare(x, False, running_dtype, training, momentum, tracked, given)
+            for name, a, b in zip(("mean", "invstd", "running_mean", "running_var",
+                                   "num_batches_tracked"), new, old):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    assert a.dtype == b.dtype and torch.equal(a, b), (name, tracked, given)
+            merges = (training or not tracked) and not given
+            assert launched == (["batch_stats_kernel"] if merges else []) + ["bn_prepare_kernel"]
+    if training:  # the update happened: the running statistics moved, the step was counted
+        *_, rm, rv, nbt, _ = _prepare(x, True, running_dtype, training, momentum, True, False)
+        assert int(nbt) == 4
+        *_, rm0, rv0, _, _ = _prepare(x, True, running_dtype, False, momentum, True, False)
+        assert not torch.equal(rm, rm0) and not torch.equal(rv, rv0)
+
+
+def test_bn_prepare_bumps_versions_and_leaves_what_it_cannot_take():
+    """The in-kernel updates count as in-place writes (version counters, as mul_/add_ do);
+    float64 x, bfloat16 running statistics and a batch past int32 offsets stay with the
+    PyTorch ops (``prepares``)."""
+    x = torch.randn(4, 6, 3, 3, device=DEVICE)
+    rm, rv = torch.zeros(6, device=DEVICE), torch.ones(6, device=DEVICE)
+    nbt = torch.tensor(0, device=DEVICE)
+    versions = (rm._version, rv._version, nbt._version)
+    triton_backend.prepare_batch_norm(x, rm, rv, nbt, True, 0.1, 1e-5)
+    assert (rm._version, rv._version, nbt._version) > versions
+    assert all(a > b for a, b in zip((rm._version, rv._version, nbt._version), versions))
+    assert triton_backend.prepares(x, rm, rv, True)
+    assert not triton_backend.prepares(x.double(), rm.double(), rv.double(), True)
+    assert not triton_backend.prepares(x, rm.bfloat16(), rv.bfloat16(), True)
+    assert triton_backend.prepares(x, rm.bfloat16(), rv.bfloat16(), False)  # eval: read only
+    with pytest.raises(ValueError, match="running_mean, running_var"):
+        bs.prepare_batch_norm(x, rm.double(), rv.double(), nbt, True, 0.1, 1e-5)
+
+
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, True), (False, False)])
 def test_scale_shift_kernel_equals_the_host_expression(affine):
     """Bit for bit fusedres.opdefs.scale_shift (the same operations in the same dtype)."""

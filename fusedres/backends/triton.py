@@ -30,7 +30,9 @@ try:
     from ..kernels import bn_relu_conv2d_dgrad as _dgrad
     from ..kernels import bn_relu_conv2d_wgrad as _wgrad
     from ..kernels._common import fits_int32 as _fits_int32
+    from ..kernels.batch_stats import PREPARE_RUNNING_DTYPES as _PREPARE_RUNNING_DTYPES
     from ..kernels.batch_stats import batch_stats as _batch_stats
+    from ..kernels.batch_stats import prepare_batch_norm as _prepare_batch_norm
     from ..kernels.bn_relu_conv2d import bn_relu_conv2d_fwd as _fwd
     from ..kernels.reductions import scale_shift as _scale_shift
 except ImportError as exc:  # triton missing, or a kernels/ install problem
@@ -200,6 +202,29 @@ def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     if _portable_case(x):
         return portable.batch_stats(x)
     return torch.ops.fusedres_triton.batch_stats(x)
+
+
+def prepares(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],
+             training: bool) -> bool:
+    """Whether :func:`prepare_batch_norm` takes ``x``'s BatchNorm (16- or 32-bit x the kernels
+    index, running statistics it can update); else fusedres.functional's PyTorch ops do."""
+    if x.dtype == torch.float64 or _portable_case(x):
+        return False
+    return not (running_mean is not None and training and (
+        running_mean.dtype not in _PREPARE_RUNNING_DTYPES
+        or running_var.dtype not in _PREPARE_RUNNING_DTYPES))
+
+
+def prepare_batch_norm(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],
+                       num_batches_tracked: Optional[Tensor], training: bool,
+                       momentum: Optional[float], eps: float, mean: Optional[Tensor] = None,
+                       var: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """fusedres.functional.prepare_batch_norm's statistics, running-statistics update and
+    ``invstd`` in one or two launches (kernels/batch_stats.py's ``prepare_batch_norm``) instead
+    of its ~10 PyTorch ops: (mean, invstd). Eager tensors only (fusedres.ops.eager_triton);
+    :func:`prepares` says which."""
+    return _prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training,
+                               momentum, eps, mean, var)
 
 
 def bn_relu_conv2d(*inputs) -> Tensor:

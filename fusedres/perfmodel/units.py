@@ -46,7 +46,8 @@ def trips(launch) -> model.Trips:
       the host's ``phase_taps``) x output-channel blocks (cdiv(Co, BLOCK_K));
     * dx_kernel: no loop;
     * kernels/reductions.py's small kernels, as batch_stats: stats_combine_kernel two passes
-      over the row blocks (2*cdiv(rows, BLOCK_R)); scale_shift_kernel no loop;
+      over the row blocks (2*cdiv(rows, BLOCK_R)), bn_prepare_kernel the same (none when it
+      merges no partial rows); scale_shift_kernel no loop;
       partials_reduce_kernel one loop over the splits (weight and bias gradient programs) or
       the sums' partial rows, BLOCK_R a step (the others): the longer, max(split,
       cdiv(rows, BLOCK_R)).
@@ -62,7 +63,7 @@ def trips(launch) -> model.Trips:
         return model.Trips(a["TIN"] * a["TJN"] * cdiv(a["Co"], a["BLOCK_K"]))
     if name in ("dx_kernel", "scale_shift_kernel"):
         return model.Trips(0)
-    if name == "stats_combine_kernel":
+    if name in ("stats_combine_kernel", "bn_prepare_kernel"):
         return model.Trips(2 * cdiv(a["rows"], a["BLOCK_R"]))
     if name == "partials_reduce_kernel":
         return model.Trips(max(a["split"], cdiv(a["rows"], a["BLOCK_R"])))
@@ -75,7 +76,7 @@ TRAFFIC_NAME = {"batch_stats": "batch_stats", "bn_relu_conv2d_fwd": "fwd",
                 "dgrad_store": "dgrad+sums (dz)", "dx": "dx"}
 # Roles traffic.py has no entry for (kernels/reductions.py's, a few vectors or a (split, K)
 # matrix each): their DRAM bytes are those of their tensor arguments, each read or written once.
-ARGUMENT_BYTES = ("stats_combine", "scale_shift", "partials_reduce")
+ARGUMENT_BYTES = ("stats_combine", "bn_prepare", "scale_shift", "partials_reduce")
 
 
 @dataclass
