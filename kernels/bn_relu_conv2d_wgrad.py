@@ -125,8 +125,9 @@ SUMS_FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_T=4, num_warps=4, num_stages=2),
 ]
-# Its tiles are spill-free with ieee products too (kernels/aot.py).
-SUMS_IEEE_CONFIGS = SUMS_FP32_CONFIGS
+# Its per-tap tiles are spill-free with ieee products too (kernels/aot.py); the taps form's
+# K 64 is not (sm_80 / sm_90: 255 registers + 516-560 bytes): the ieee lists' K 16.
+SUMS_IEEE_CONFIGS = SUMS_FP32_CONFIGS[:-2] + IEEE_CONFIGS[-2:]
 SUMS_FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
     KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
