@@ -169,10 +169,15 @@ def partials_reduce_kernel(
             e = pid * BK + tl.arange(0, BK)
             ok = e < K
             acc = tl.zeros((BK,), dtype=acc_t)
-            for s0 in range(0, split, SPLIT_R):
-                s = s0 + sr
-                acc += tl.sum(tl.load(dw_p_ptr + s[:, None] * K + e[None, :],
-                                      mask=(s < split)[:, None] & ok[None, :], other=0.0), axis=0)
+            if SPLIT_R == 1:
+                for s in range(0, split):
+                    acc += tl.load(dw_p_ptr + s * K + e, mask=ok, other=0.0)
+            else:
+                for s0 in range(0, split, SPLIT_R):
+                    s = s0 + sr
+                    acc += tl.sum(tl.load(dw_p_ptr + s[:, None] * K + e[None, :],
+                                          mask=(s < split)[:, None] & ok[None, :], other=0.0),
+                                  axis=0)
             j = e % KW
             i = (e // KW) % KH
             ci = (e // (KW * KH)) % Cin
@@ -184,10 +189,15 @@ def partials_reduce_kernel(
             e = (pid - n_dw) * BK + tl.arange(0, BK)
             ok = e < Co
             acc = tl.zeros((BK,), dtype=acc_t)
-            for s0 in range(0, split, SPLIT_R):
-                s = s0 + sr
-                acc += tl.sum(tl.load(db_p_ptr + s[:, None] * Co + e[None, :],
-                                      mask=(s < split)[:, None] & ok[None, :], other=0.0), axis=0)
+            if SPLIT_R == 1:
+                for s in range(0, split):
+                    acc += tl.load(db_p_ptr + s * Co + e, mask=ok, other=0.0)
+            else:
+                for s0 in range(0, split, SPLIT_R):
+                    s = s0 + sr
+                    acc += tl.sum(tl.load(db_p_ptr + s[:, None] * Co + e[None, :],
+                                          mask=(s < split)[:, None] & ok[None, :], other=0.0),
+                                  axis=0)
             tl.store(db_ptr + e, cast(acc, db_ptr.dtype.element_ty, INTERP_BF16), mask=ok)
     else:
         if HAS_SUMS:
