@@ -921,10 +921,11 @@ def test_wgrad_taps_form_matches_per_tap_form(dtype, sums):
                   invstd=invstd, split=split, branch_scale=bsc)
         configs = wg.configs_for(dtype, sums)
         for cfg in (None, configs[-2], configs[-1], configs[0]):  # taps, taps wide, per tap
+            out = torch.empty_like(wt) if split == 1 else None  # unsplit: written in place
             gw, gb, s = wg.bn_relu_conv2d_wgrad(dy, x, wt, scale, shift, (1, 1), padding,
-                                                dilation, config=cfg, **kw)
+                                                dilation, config=cfg, out=out, **kw)
             what = (str(cfg), padding, dilation, cl, split, h, w)
-            assert gb is None
+            assert gb is None and (out is None or gw is out)
             assert rel_err(gw, ref[1]) < tol, what
             if sums:
                 assert rel_err(s[0], ref[4]) < tol and rel_err(s[1], ref[3]) < tol, what
