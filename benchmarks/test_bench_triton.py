@@ -39,9 +39,9 @@ def test_traffic_model_report(benchmark, report):
                 "efficiencies (DRAM and sustained tensor fraction, fusedres/perfmodel/model.py) "
                 "to both sides. Neither sees what the fused kernels' compiled code reaches: the "
                 "SASS-level model kernel by kernel (issue, shared-memory and tensor bounds, "
-                "waves, host ops) is benchmarks/GPU_MODEL.md (`make gpu-model`), where the fused "
-                "step is slower than the plain one on the CIFAR 3x3 shapes and the widest "
-                "ImageNet one.\n\n```\n" + text
+                "waves, host ops) is benchmarks/GPU_MODEL.md (`make gpu-model`), whose unit "
+                "table says shape by shape where the fused step is faster or slower than the "
+                "plain one.\n\n```\n" + text
                 + "\n```\n")
     report(benchmark, group="traffic model", impl="model")
 

@@ -49,9 +49,15 @@ from .reductions import stats_combine
 
 # Tensor-core configs (fp16, bf16), by role (index): 0, 1 and 2 for large C with Co >= 256,
 # >= 128 and 64 (wgmma-sized: m64 per warpgroup, N 256 / 128 / 64); 3 mid (64-channel units
-# with few pixels); 4 and 5 narrow (32 and 16-channel units: N = Co, K 16 = one channel block
-# a tap). Read from the sm_90 SASS (JIT specialisation, C = Co = 256, 14x14), instructions a
-# warp per K-step and issue / tensor-core cycles a block: 216 at 64x256x64 (0.84), 186 at
+# with few pixels); 4 and 5 narrow (32 and 16-channel units: N = Co, K = C = one channel
+# block a tap, so scale and shift load once, ONE_CB); 6 narrow with 16 input channels
+# (Co <= 32, C <= 16: K 16, no padded half K-step). sm_90 / sm_80 SASS (fusedres.perfmodel,
+# CIFAR batch 128, fp16, H100 / A100): 16@32 128x16x16 3 stages 13.3 / 20.6 us, shared-bound;
+# ONE_CB 11.5 / 16.4; 256x16x16 2 stages 9.5 / 14.1 (1 stage 7.8 / 11.9, but then no load
+# runs ahead of its K-step, a latency the model does not charge). 32@16 128x32x16 7.6 / 13.6;
+# 128x32x32 (ONE_CB) 6.8 / 10.3. Read from the sm_90 SASS (JIT specialisation, C = Co = 256,
+# 14x14), instructions a warp per K-step and issue / tensor-core cycles a block: 216 at
+# 64x256x64 (0.84), 186 at
 # 128x128x32 (1.45), 185 at 128x64x32 (2.9; 200 and 3.1 before the loop was flattened). The
 # BatchNorm-ReLU of the A tile costs the same per K-step whatever BLOCK_N: wide tiles are
 # what make the loop tensor-bound. 128x256x64 and 128x128x64 (0.69, 1.3) spill in the
@@ -64,8 +70,9 @@ CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
     KernelConfig.of(BLOCK_M=256, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, BSCALE_AT=1),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=256, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=3),
 ]
 # float32 with TF32, by role: 0 many pixels, 1 mid, 2 narrow (Co <= 32), 3 wide (Co >= 128,
 # many pixels). sm_90 SASS (fusedres.perfmodel, H100, batch 256): 64@56 128x64x16 540 us
@@ -116,6 +123,11 @@ def bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, out_dtype, INTERP_BF16:
     xv = load_tile(x_ptrs, row_ok, c_ok, False, EVEN_K)
     sc = load_vec(sc_ptrs, c_ok, EVEN_K)
     sh = load_vec(sh_ptrs, c_ok, EVEN_K)
+    return _bn_relu(xv, row_ok, sc, sh, out_dtype, INTERP_BF16)
+
+
+@triton.jit
+def _bn_relu(xv, row_ok, sc, sh, out_dtype, INTERP_BF16: tl.constexpr):
     # NaN stays NaN through the ReLU, as torch.relu does. A channel past C reads x = scale =
     # shift = 0, so its a is 0 already; a row out of the image (zero padding of a) is zeroed by
     # a float multiply by 0 in float32, before the ReLU (which then fuses into the packing
@@ -127,14 +139,25 @@ def bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, out_dtype, INTERP_BF16:
 
 
 @triton.jit
-def _activation(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, bsc, op_t, acc_t,
-                SCALED: tl.constexpr, INTERP_BF16: tl.constexpr, EVEN_K: tl.constexpr):
-    """The A operand: the activation tile, times each row's branch scale when ``SCALED``."""
-    if SCALED:
-        a = bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, acc_t, False, EVEN_K)
-        return cast(a * bsc[:, None], op_t, INTERP_BF16)
+def _activation(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, sc, sh, bsc, op_t, acc_t,
+                SCALED: tl.constexpr, INTERP_BF16: tl.constexpr, EVEN_K: tl.constexpr,
+                LOADED: tl.constexpr):
+    """The A operand: the activation tile, times each row's branch scale when ``SCALED``.
+    ``LOADED``: scale and shift are the values ``sc``, ``sh`` (else loaded at the pointers)."""
+    if LOADED:
+        xv = load_tile(x_ptrs, row_ok, c_ok, False, EVEN_K)
+        if SCALED:
+            a = _bn_relu(xv, row_ok, sc, sh, acc_t, False)
+            return cast(a * bsc[:, None], op_t, INTERP_BF16)
+        else:
+            return _bn_relu(xv, row_ok, sc, sh, op_t, INTERP_BF16)
     else:
-        return bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, op_t, INTERP_BF16, EVEN_K)
+        if SCALED:
+            a = bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, acc_t, False, EVEN_K)
+            return cast(a * bsc[:, None], op_t, INTERP_BF16)
+        else:
+            return bn_relu_ptrs(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, op_t, INTERP_BF16,
+                                EVEN_K)
 
 
 @triton.jit
@@ -151,13 +174,17 @@ def bn_relu_conv2d_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BSCALE: tl.constexpr = False, BSCALE_AT: tl.constexpr = 0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, ALIGNED: tl.constexpr = False,
+    ONE_CB: tl.constexpr = False,
 ):
     # EVEN_K: C % BLOCK_K == 0, EVEN_N: Co % BLOCK_N == 0 (host-checked): the channel masks
     # of the loop's loads are left out (see _tl.load_tile). ALIGNED (a config's meta, launched
     # only when ``is_aligned``): unit channel strides, and the channel runs of the tiles told
     # to the compiler as 16-byte aligned (tl.multiple_of / max_contiguous): what the JIT infers
     # by itself from its divisibility-16 specialisation, stated so that an unspecialised
-    # compile (kernels/aot.py) builds the same vector loads.
+    # compile (kernels/aot.py) builds the same vector loads. ONE_CB (C <= BLOCK_K, host-set):
+    # one channel block, so the scale and shift vectors are loaded once, before the loop (in
+    # the loop they are staged through shared memory every K-step, and every thread reads
+    # its channels' back: most of the shared traffic of a 16-channel unit's K-step).
     if ALIGNED:
         sxc = 1
         swc = 1
@@ -197,6 +224,11 @@ def bn_relu_conv2d_fwd_kernel(
     i = cb
     j = cb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+    sc = tl.zeros((BLOCK_K,), dtype=acc_t)
+    sh = sc
+    if ONE_CB:
+        sc = load_vec(scale_ptr + kk, kk < C, EVEN_K)
+        sh = load_vec(shift_ptr + kk, kk < C, EVEN_K)
     for _ in tl.range(0, KH * KW * nkb):
         c0 = cb * BLOCK_K
         ih = ih0 + i * DH
@@ -212,8 +244,8 @@ def bn_relu_conv2d_fwd_kernel(
             w_ptrs = tl.max_contiguous(tl.multiple_of(w_ptrs, [16, 16]), [BLOCK_K, 1])
             sc_ptrs = tl.max_contiguous(tl.multiple_of(sc_ptrs, [16]), [BLOCK_K])
             sh_ptrs = tl.max_contiguous(tl.multiple_of(sh_ptrs, [16]), [BLOCK_K])
-        a = _activation(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, bsc, op_t, acc_t,
-                        HAS_BSCALE and BSCALE_AT == 1, INTERP_BF16, EVEN_K)
+        a = _activation(x_ptrs, row_ok, c_ok, sc_ptrs, sh_ptrs, sc, sh, bsc, op_t, acc_t,
+                        HAS_BSCALE and BSCALE_AT == 1, INTERP_BF16, EVEN_K, ONE_CB)
         b = load_tile(w_ptrs, c_ok, co_ok, EVEN_K, EVEN_N)
         acc = mma(acc, a, b, TF32, INTERP_BF16)
         cb += 1
@@ -276,7 +308,8 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
                 aligned: bool = True) -> KernelConfig:
     """Host rule (16-bit operands; see CONFIGS for the roles):
 
-    * Co <= 16 / <= 32: the narrow tiles (N = Co, no padded columns), whatever the pixels.
+    * Co <= 16 / <= 32: the narrow tiles (N = Co, no padded columns), whatever the pixels;
+      for Co <= 32 with C <= 16 the one with K 16.
     * Co > 128 with C >= 64 when 64x256 tiles still give a full wave on ``sms`` SMs: the big
       tile (the A-tile BatchNorm-ReLU amortised over 256 columns).
     * Co >= 128 (and C >= 32) with a full wave of 128x128 tiles: the wide tile.
@@ -299,7 +332,7 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
     if co <= 16:
         return configs[5]
     if co <= 32:
-        return configs[4]
+        return configs[6] if c <= 16 else configs[4]
     if not aligned:
         return configs[3]
     if co > 128 and c >= 64 and cdiv(m, 64) * cdiv(co, 256) >= sms:
@@ -364,7 +397,7 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
         *x.stride(), *weight.stride(), *y.stride(), *res_strides,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, GENSTATS=genstats,
         HAS_BSCALE=branch_scale is not None, FP64=fp64, TF32=allow_tf32(weight.dtype),
-        EVEN_K=c % cfg.meta["BLOCK_K"] == 0, EVEN_N=co % bn == 0,
+        EVEN_K=c % cfg.meta["BLOCK_K"] == 0, EVEN_N=co % bn == 0, ONE_CB=c <= cfg.meta["BLOCK_K"],
         INTERP_BF16=interp_bf16(weight.dtype),
         # Every constexpr passed, defaults included: torch.library.wrap_triton's analysis of
         # which tensors a kernel writes needs them all (else it assumes every input written).

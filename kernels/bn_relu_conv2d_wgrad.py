@@ -24,6 +24,13 @@ contracted with the weight, the sums BatchNorm backward needs:
 (dz = m * conv_transpose(dy, W)). So this one pass over dy and x yields everything the data
 gradient needs to write dx directly, in one more pass: no dz round trip through memory. It
 costs a second GEMM of the weight-gradient size.
+
+Taps form (``BLOCK_T`` > 1, ``_wgrad_taps``; unit stride, several taps, no bias, few channels:
+``use_taps``). Per tap, a 16-channel unit's tiles are 16 x 16 and every program re-forms the
+same x tile; instead, with the reduction over the input pixels q, one program forms the
+x-side operands of a pixel tile once for BLOCK_T taps, its GEMM rows (tap, co), and gathers
+dy per tap at q's output pixel (zero outside grad_out). Its BN sums' partials are summed over
+the program's taps: (SPLIT, Co blocks, tap groups, C).
 """
 
 from __future__ import annotations
@@ -49,7 +56,9 @@ from ._tl import cast, mma, relu_window
 from .bn_relu_conv2d import bn_relu_tile
 from .reductions import reduce_partials
 
-# Roles by index: 0 mid, 1 big (Co >= 128, C >= 64), 2 small (<= 32 channels). M is Co, N is
+# Roles by index: 0 mid, 1 big (Co >= 128, C >= 64), 2 small (<= 32 channels); the last two,
+# in every list, the taps form's (``use_taps``: unit stride, no bias, <= 32 channels each side):
+# "taps" (<= 16 channels) and "taps wide". M is Co, N is
 # C, K the output pixels. 16-bit: wgmma-sized (M 64 a warpgroup), 3-4 stages. sm_90 SASS (JIT
 # specialisation) at C = Co = 256, 14x14, instructions a warp per K-step and issue /
 # tensor-core cycles a block: 297 at 128x128x32 (2.3; was 278 at 128x64x32, 4.3). Still
@@ -60,11 +69,15 @@ CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
 ]
 FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_T=4, num_warps=4, num_stages=2),
 ]
 # float32 without TF32 (``ieee`` products: FMA, no tensor cores), same roles. An FMA tile keeps
 # BLOCK_M*BLOCK_N / threads accumulators and, per K-step, the broadcast operand rows of its
@@ -75,9 +88,13 @@ IEEE_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
 ]
 FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
 ]
 # The SUMS variant carries two accumulators: 8 warps (two warpgroups) for the wide ones.
 # Each x element it loads is recomputed (mask, m * x) once and used by BLOCK_M output
@@ -94,6 +111,8 @@ SUMS_CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
 ]
 # float32, tall for the same reason (C = Co = 256 at 14x14, TF32: 64x128 495 us modeled,
 # issue-bound; 128x64 404 us, tensor-bound); its 64 x 64 tile on 4 warps too (64@56, TF32:
@@ -103,13 +122,202 @@ SUMS_FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
     KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_T=4, num_warps=4, num_stages=2),
 ]
-# Its tiles are spill-free with ieee products too (kernels/aot.py).
-SUMS_IEEE_CONFIGS = SUMS_FP32_CONFIGS
+# Its per-tap tiles are spill-free with ieee products too (kernels/aot.py); the taps form's
+# K 64 is not (sm_80 / sm_90: 255 registers + 516-560 bytes): the ieee lists' K 16.
+SUMS_IEEE_CONFIGS = SUMS_FP32_CONFIGS[:-2] + IEEE_CONFIGS[-2:]
 SUMS_FP64_CONFIGS = [
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
 ]
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1)
+INTERPRET_TAPS_CONFIG = KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, BLOCK_T=16,
+                                        num_warps=4, num_stages=1)
+# The taps form (_wgrad_taps) takes the units whose per-tap tiles are too small to feed the
+# MMA: the program computes BLOCK_T taps (GEMM rows (tap, co): M = BLOCK_T * BLOCK_M, a
+# wgmma m64 at 4 x 16), the x-side operands (mask, m * x) once per pixel tile for all of
+# them, and gathers dy per tap. 3x3 taps in groups of 4 (4, 4, 1): 25% padded rows; 16 (one
+# group) pads 44% and needs ~3x the split to fill the SMs (more partials to reduce). sm_90 /
+# sm_80 SASS, fusedres.perfmodel, CIFAR 16@32 batch 128 fp16, wgrad_sums H100 / A100: per-tap
+# 16x16x128 24.8 / 36.9 us; taps 16x16x64 T=4 10.0 / 16.5 us (T=16: 8.1 / 14.9, but split
+# 128 / 108 against 44 / 36: a partials' reduce of 8.9 / 9.7 us instead of 5.1 / 5.5, before
+# it summed 16 splits a step). 32@16: per-tap 32x32x64 12.9 / 18.2;
+# taps wide 32x16x64 T=4 7.7 / 12.7. 64 channels: the per-tap tiles are faster (64@8 wgrad
+# H100 5.4 us per-tap, 6.5 taps).
+TAPS_MAX_CHANNELS = 32
+
+
+@triton.jit
+def _x_operands(x_ptr, row_off, row_ok, c, c_ok, C, sxc, scale_ptr, shift_ptr, bsc, sc, sh, mu,
+                inv, lo, hi, op_t, acc_t, SUMS: tl.constexpr, X16: tl.constexpr,
+                INTERP_BF16: tl.constexpr, HAS_BSCALE: tl.constexpr):
+    """The x-side operands of a (pixels, channels) tile: with ``SUMS`` the mask m and m * xhat
+    (16-bit x: m * x), else the activation; times the pixel's branch scale ``bsc``."""
+    if SUMS:
+        mask = row_ok[:, None] & c_ok[None, :]
+        xv = tl.load(x_ptr + row_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
+        if X16:
+            if INTERP_BF16:
+                xf = xv.to(tl.float32)
+                on = mask & ~(xf <= lo.to(tl.float32)[None, :]) \
+                    & ~(xf >= hi.to(tl.float32)[None, :])
+            else:
+                on = mask & ~(xv <= lo[None, :]) & ~(xv >= hi[None, :])
+            if HAS_BSCALE:
+                b1 = cast(tl.where(on, bsc[:, None], 0.0), op_t, INTERP_BF16)
+                b2 = cast(tl.where(on, xv.to(acc_t) * bsc[:, None], 0.0), op_t, INTERP_BF16)
+            else:
+                b1 = tl.where(on, 1.0, 0.0).to(op_t)
+                b2 = tl.where(on, xv, 0.0).to(op_t)
+        else:
+            xs = xv.to(sc.dtype)
+            on = mask & ~(xs * sc[None, :] + sh[None, :] <= 0)  # NaN passes, as in torch
+            xhat = (xs - mu[None, :]) * inv[None, :]
+            if HAS_BSCALE:
+                b1 = cast(tl.where(on, bsc[:, None], 0.0), op_t, INTERP_BF16)
+                b2 = cast(tl.where(on, xhat * bsc[:, None], 0.0), op_t, INTERP_BF16)
+            else:
+                b1 = tl.where(on, 1.0, 0.0).to(op_t)
+                b2 = cast(tl.where(on, xhat, 0.0), op_t, INTERP_BF16)
+        return b1, b2
+    else:
+        if HAS_BSCALE:
+            a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, acc_t,
+                             False)
+            a = cast(a * bsc[:, None], op_t, INTERP_BF16)
+        else:
+            a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, op_t,
+                             INTERP_BF16)
+        return a, a
+
+
+@triton.jit
+def _wgrad_taps(
+    dy_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, w_ptr, gamma_ptr, beta_ptr,
+    dw_ptr, s1_ptr, s2_ptr, bscale_ptr,
+    C, H, W, Co, Ho, Wo, M, KH, KW, PH, PW, DH, DW,
+    sdn, sdc, sdh, sdw,
+    sxn, sxc, sxh, sxw,
+    swo, swc, swh, sww,
+    sgs, sgo, sgc, sgh, sgw,
+    iters_per_split,
+    SUMS: tl.constexpr, FP64: tl.constexpr, TF32: tl.constexpr,
+    INTERP_BF16: tl.constexpr, X16: tl.constexpr, HAS_BSCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """The taps form (stride 1, no bias): one program computes BLOCK_T taps of a BLOCK_M x
+    BLOCK_N (output x input channels) block, its GEMM rows (tap, co), the reduction over the
+    input pixels q (M = N*H*W). The x-side operands are computed once per pixel tile for all
+    its taps; the dy operand is gathered per tap at q's output pixel (oh, ow) = (ih + PH -
+    i*DH, iw + PW - j*DW), zero outside grad_out, and goes from memory to the MMA untouched."""
+    pid_m = tl.program_id(0)
+    pid_nt = tl.program_id(1)
+    split = tl.program_id(2)
+    taps = KH * KW
+    groups = tl.cdiv(taps, BLOCK_T)
+    pid_n = pid_nt // groups
+    tg = pid_nt % groups
+    acc_t = tl.float64 if FP64 else tl.float32
+    r = tl.arange(0, BLOCK_T * BLOCK_M)
+    t = tg * BLOCK_T + r // BLOCK_M
+    co = pid_m * BLOCK_M + r % BLOCK_M
+    i = t // KW
+    j = t % KW
+    r_ok = (co < Co) & (t < taps)
+    dh = PH - i * DH
+    dwo = PW - j * DW
+    r_off = co * sdc + dh * sdh + dwo * sdw
+    c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = c < C
+    kk = tl.arange(0, BLOCK_K)
+    hw = H * W
+    acc1 = tl.zeros((BLOCK_T * BLOCK_M, BLOCK_N), dtype=acc_t)
+    acc2 = tl.zeros((BLOCK_T * BLOCK_M, BLOCK_N), dtype=acc_t)
+    sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
+    sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
+    mu = sc
+    inv = sc
+    lo = sc
+    hi = sc
+    if SUMS:
+        mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+        inv = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+        if X16:
+            lo, hi = relu_window(sc, sh, x_ptr.dtype.element_ty, INTERP_BF16)
+    # Row r's dy is in bounds at the input pixels with ih in [ih_lo, ih_hi), iw likewise (an
+    # empty range for the rows past the taps or the output channels).
+    ih_lo = tl.where(r_ok, -dh, H)
+    ih_hi = Ho - dh
+    iw_lo = -dwo
+    iw_hi = Wo - dwo
+    k_begin = split * iters_per_split * BLOCK_K
+    # The input pixel (n, ih, iw) of each column. ROWS (H*W a multiple of BLOCK_K, BLOCK_K of
+    # W): a K-step is whole image rows of one image, so n is a scalar and (ih - its first row,
+    # iw) the same each step. Else advanced by BLOCK_K with one carry each.
+    q = k_begin + kk
+    n = q // hw
+    ih = (q % hw) // W
+    iw = q % W
+    qn = BLOCK_K // hw
+    qh = (BLOCK_K % hw) // W
+    qw = BLOCK_K % W
+    for k0 in range(k_begin, k_begin + iters_per_split * BLOCK_K, BLOCK_K):
+        if ROWS:
+            pn = k0 // hw
+            pih = (k0 % hw) // W + kk // W
+            piw = kk % W
+            q_ok = kk < M - k0
+        else:
+            pn = n
+            pih = ih
+            piw = iw
+            q_ok = k0 + kk < M
+        g_ok = (q_ok[None, :] & (pih[None, :] >= ih_lo[:, None]) & (pih[None, :] < ih_hi[:, None])
+                & (piw[None, :] >= iw_lo[:, None]) & (piw[None, :] < iw_hi[:, None]))
+        g = tl.load(dy_ptr + r_off[:, None] + (pn * sdn + pih * sdh + piw * sdw)[None, :],
+                    mask=g_ok, other=0.0)
+        bsc = q_ok
+        if HAS_BSCALE:
+            if ROWS:
+                bsc = tl.load(bscale_ptr + pn).to(acc_t) + tl.zeros((BLOCK_K,), dtype=acc_t)
+            else:
+                bsc = tl.load(bscale_ptr + pn, mask=q_ok, other=0.0).to(acc_t)
+        b1, b2 = _x_operands(x_ptr, pn * sxn + pih * sxh + piw * sxw, q_ok, c, c_ok, C, sxc,
+                             scale_ptr, shift_ptr, bsc, sc, sh, mu, inv, lo, hi, g.dtype, acc_t,
+                             SUMS, X16, INTERP_BF16, HAS_BSCALE)
+        acc1 = mma(acc1, g, b1, TF32, INTERP_BF16)
+        if SUMS:
+            acc2 = mma(acc2, g, b2, TF32, INTERP_BF16)
+        if not ROWS:
+            iw += qw
+            carry = iw >= W
+            iw = tl.where(carry, iw - W, iw)
+            ih += qh + carry.to(tl.int32)
+            carry = ih >= H
+            ih = tl.where(carry, ih - H, ih)
+            n += qn + carry.to(tl.int32)
+    off = split * sgs + co[:, None] * sgo + c[None, :] * sgc + (i * sgh + j * sgw)[:, None]
+    out_t = dw_ptr.dtype.element_ty
+    out_mask = r_ok[:, None] & c_ok[None, :]
+    if SUMS:
+        if X16:
+            acc2 = (acc2 - mu.to(acc_t)[None, :] * acc1) * inv.to(acc_t)[None, :]
+        # The BN sums' partials, summed over the program's output channels and taps.
+        wt = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + (i * swh + j * sww)[:, None],
+                     mask=out_mask, other=0.0).to(acc_t)
+        row = (split * tl.num_programs(0) + pid_m) * groups + tg
+        tl.store(s1_ptr + row * C + c, tl.sum(wt * acc1, axis=0), mask=c_ok)
+        tl.store(s2_ptr + row * C + c, tl.sum(wt * acc2, axis=0), mask=c_ok)
+        gam = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(acc_t)
+        bet = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(acc_t)
+        tl.store(dw_ptr + off, cast(gam[None, :] * acc2 + bet[None, :] * acc1, out_t,
+                                    INTERP_BF16), mask=out_mask)
+    else:
+        tl.store(dw_ptr + off, cast(acc1, out_t, INTERP_BF16), mask=out_mask)
 
 
 @triton.jit
@@ -126,138 +334,150 @@ def wgrad_kernel(
     SUMS: tl.constexpr, HAS_DB: tl.constexpr, FP64: tl.constexpr, TF32: tl.constexpr,
     INTERP_BF16: tl.constexpr, X16: tl.constexpr, DY_DENSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BSCALE: tl.constexpr = False,
+    HAS_BSCALE: tl.constexpr = False, BLOCK_T: tl.constexpr = 1, ROWS: tl.constexpr = False,
 ):
     """dW partials (SPLIT, Co, C, KH, KW); with SUMS also the BN sums' partials
-    (SPLIT, Co blocks, KH*KW, C): sum over the block's co of W * G1 and W * G2."""
-    pid_m = tl.program_id(0)
-    pid_nt = tl.program_id(1)
-    split = tl.program_id(2)
-    taps = KH * KW
-    pid_n = pid_nt // taps
-    t = pid_nt % taps
-    i = t // KW
-    j = t % KW
-    acc_t = tl.float64 if FP64 else tl.float32
-    co = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    co_ok = co < Co
-    c_ok = c < C
-    kk = tl.arange(0, BLOCK_K)
-    hw = Ho * Wo
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
-    db = tl.zeros((BLOCK_M,), dtype=acc_t)
-    if SUMS:
-        sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
-        sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
-        mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
-        inv = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
-        if X16:
-            lo, hi = relu_window(sc, sh, x_ptr.dtype.element_ty, INTERP_BF16)
-    k_begin = split * iters_per_split * BLOCK_K
-    # The pixel indices (n, oh, ow) of the x tile's rows, advanced by BLOCK_K pixels a K-step
-    # with one carry each (no integer division in the loop): BLOCK_K = qn*hw + qh*Wo + qw.
-    o = k_begin + kk
-    n = o // hw
-    oh = (o % hw) // Wo
-    ow = o % Wo
-    qn = BLOCK_K // hw
-    qh = (BLOCK_K % hw) // Wo
-    qw = BLOCK_K % Wo
-    for k0 in range(k_begin, k_begin + iters_per_split * BLOCK_K, BLOCK_K):
-        o = k0 + kk
-        o_ok = o < M
-        if DY_DENSE:  # grad_out's pixels one stride apart (channels_last): no (n, oh, ow)
-            g = tl.load(dy_ptr + co[:, None] * sdc + o[None, :] * sdw,
-                        mask=co_ok[:, None] & o_ok[None, :], other=0.0)
+    (SPLIT, Co blocks, KH*KW, C): sum over the block's co of W * G1 and W * G2.
+    ``BLOCK_T`` > 1: the taps form (_wgrad_taps), its sums' partials (SPLIT, Co blocks,
+    tap groups, C)."""
+    if BLOCK_T > 1:
+        _wgrad_taps(dy_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, w_ptr, gamma_ptr,
+                    beta_ptr, dw_ptr, s1_ptr, s2_ptr, bscale_ptr,
+                    C, H, W, Co, Ho, Wo, M, KH, KW, PH, PW, DH, DW,
+                    sdn, sdc, sdh, sdw, sxn, sxc, sxh, sxw, swo, swc, swh, sww,
+                    sgs, sgo, sgc, sgh, sgw, iters_per_split,
+                    SUMS, FP64, TF32, INTERP_BF16, X16, HAS_BSCALE,
+                    BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_T, ROWS)
+    else:
+        pid_m = tl.program_id(0)
+        pid_nt = tl.program_id(1)
+        split = tl.program_id(2)
+        taps = KH * KW
+        pid_n = pid_nt // taps
+        t = pid_nt % taps
+        i = t // KW
+        j = t % KW
+        acc_t = tl.float64 if FP64 else tl.float32
+        co = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        co_ok = co < Co
+        c_ok = c < C
+        kk = tl.arange(0, BLOCK_K)
+        hw = Ho * Wo
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+        db = tl.zeros((BLOCK_M,), dtype=acc_t)
+        if SUMS:
+            sc = tl.load(scale_ptr + c, mask=c_ok, other=0.0)
+            sh = tl.load(shift_ptr + c, mask=c_ok, other=0.0)
+            mu = tl.load(mean_ptr + c, mask=c_ok, other=0.0)
+            inv = tl.load(invstd_ptr + c, mask=c_ok, other=0.0)
+            if X16:
+                lo, hi = relu_window(sc, sh, x_ptr.dtype.element_ty, INTERP_BF16)
+        k_begin = split * iters_per_split * BLOCK_K
+        # The pixel indices (n, oh, ow) of the x tile's rows, advanced by BLOCK_K pixels a K-step
+        # with one carry each (no integer division in the loop): BLOCK_K = qn*hw + qh*Wo + qw.
+        o = k_begin + kk
+        n = o // hw
+        oh = (o % hw) // Wo
+        ow = o % Wo
+        qn = BLOCK_K // hw
+        qh = (BLOCK_K % hw) // Wo
+        qw = BLOCK_K % Wo
+        for k0 in range(k_begin, k_begin + iters_per_split * BLOCK_K, BLOCK_K):
+            o = k0 + kk
+            o_ok = o < M
+            if DY_DENSE:  # grad_out's pixels one stride apart (channels_last): no (n, oh, ow)
+                g = tl.load(dy_ptr + co[:, None] * sdc + o[None, :] * sdw,
+                            mask=co_ok[:, None] & o_ok[None, :], other=0.0)
+            else:
+                dy_off = n * sdn + oh * sdh + ow * sdw
+                g = tl.load(dy_ptr + co[:, None] * sdc + dy_off[None, :],
+                            mask=co_ok[:, None] & o_ok[None, :], other=0.0)
+            if HAS_BSCALE:
+                bsc = tl.load(bscale_ptr + n, mask=o_ok, other=0.0).to(acc_t)
+            if HAS_DB:
+                if pid_nt == 0:
+                    if HAS_BSCALE:
+                        db += tl.sum(g.to(acc_t) * bsc[None, :], axis=1)
+                    else:
+                        db += tl.sum(g.to(acc_t), axis=1)
+            ih = oh * SH - PH + i * DH
+            iw = ow * SW - PW + j * DW
+            row_ok = o_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            row_off = n * sxn + ih * sxh + iw * sxw
+            if SUMS:
+                mask = row_ok[:, None] & c_ok[None, :]
+                xv = tl.load(x_ptr + row_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
+                if X16:
+                    # 16-bit x: the mask from two compares in x's dtype (relu_window), and the
+                    # second operand m * x, exact, so G3 = sum dy * m * x and G2 = invstd * (G3 -
+                    # mean * G1) in the epilogue: no conversion, FMA or rounding per element.
+                    if INTERP_BF16:
+                        xf = xv.to(tl.float32)
+                        on = mask & ~(xf <= lo.to(tl.float32)[None, :]) \
+                            & ~(xf >= hi.to(tl.float32)[None, :])
+                    else:
+                        on = mask & ~(xv <= lo[None, :]) & ~(xv >= hi[None, :])
+                    if HAS_BSCALE:
+                        b1 = cast(tl.where(on, bsc[:, None], 0.0), g.dtype, INTERP_BF16)
+                        b2 = cast(tl.where(on, xv.to(acc_t) * bsc[:, None], 0.0), g.dtype,
+                                  INTERP_BF16)
+                    else:
+                        b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
+                        b2 = tl.where(on, xv, 0.0).to(g.dtype)
+                else:
+                    xs = xv.to(sc.dtype)
+                    on = mask & ~(xs * sc[None, :] + sh[None, :] <= 0)  # NaN passes, as in torch
+                    xhat = (xs - mu[None, :]) * inv[None, :]
+                    if HAS_BSCALE:  # the pixel's factor on the operand computed in registers
+                        b1 = cast(tl.where(on, bsc[:, None], 0.0), g.dtype, INTERP_BF16)
+                        b2 = cast(tl.where(on, xhat * bsc[:, None], 0.0), g.dtype, INTERP_BF16)
+                    else:
+                        b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
+                        b2 = cast(tl.where(on, xhat, 0.0), g.dtype, INTERP_BF16)
+                acc1 = mma(acc1, g, b1, TF32, INTERP_BF16)
+                acc2 = mma(acc2, g, b2, TF32, INTERP_BF16)
+            else:
+                if HAS_BSCALE:
+                    a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, acc_t,
+                                     False)
+                    a = cast(a * bsc[:, None], g.dtype, INTERP_BF16)
+                else:
+                    a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr,
+                                     g.dtype, INTERP_BF16)
+                acc1 = mma(acc1, g, a, TF32, INTERP_BF16)
+            ow += qw
+            carry = ow >= Wo
+            ow = tl.where(carry, ow - Wo, ow)
+            oh += qh + carry.to(tl.int32)
+            carry = oh >= Ho
+            oh = tl.where(carry, oh - Ho, oh)
+            n += qn + carry.to(tl.int32)
+        if SUMS:
+            if X16:
+                acc2 = (acc2 - mu.to(acc_t)[None, :] * acc1) * inv.to(acc_t)[None, :]
+        # dW: float32 partials (split, Co, C, KH, KW), or the weight gradient itself when SPLIT
+        # is 1.
+        off = split * sgs + co[:, None] * sgo + c[None, :] * sgc + i * sgh + j * sgw
+        out_t = dw_ptr.dtype.element_ty
+        out_mask = co_ok[:, None] & c_ok[None, :]
+        if SUMS:
+            # Everything is linear in G1, G2: reduce them here, per split, instead of storing both.
+            wt = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
+                         mask=out_mask, other=0.0).to(acc_t)
+            row = (split * tl.num_programs(0) + pid_m) * taps + t
+            tl.store(s1_ptr + row * C + c, tl.sum(wt * acc1, axis=0), mask=c_ok)
+            tl.store(s2_ptr + row * C + c, tl.sum(wt * acc2, axis=0), mask=c_ok)
+            gam = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(acc_t)
+            bet = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(acc_t)
+            tl.store(dw_ptr + off, cast(gam[None, :] * acc2 + bet[None, :] * acc1, out_t,
+                                        INTERP_BF16), mask=out_mask)
         else:
-            dy_off = n * sdn + oh * sdh + ow * sdw
-            g = tl.load(dy_ptr + co[:, None] * sdc + dy_off[None, :],
-                        mask=co_ok[:, None] & o_ok[None, :], other=0.0)
-        if HAS_BSCALE:
-            bsc = tl.load(bscale_ptr + n, mask=o_ok, other=0.0).to(acc_t)
+            tl.store(dw_ptr + off, cast(acc1, out_t, INTERP_BF16), mask=out_mask)
         if HAS_DB:
             if pid_nt == 0:
-                if HAS_BSCALE:
-                    db += tl.sum(g.to(acc_t) * bsc[None, :], axis=1)
-                else:
-                    db += tl.sum(g.to(acc_t), axis=1)
-        ih = oh * SH - PH + i * DH
-        iw = ow * SW - PW + j * DW
-        row_ok = o_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        row_off = n * sxn + ih * sxh + iw * sxw
-        if SUMS:
-            mask = row_ok[:, None] & c_ok[None, :]
-            xv = tl.load(x_ptr + row_off[:, None] + c[None, :] * sxc, mask=mask, other=0.0)
-            if X16:
-                # 16-bit x: the mask from two compares in x's dtype (relu_window), and the
-                # second operand m * x, exact, so G3 = sum dy * m * x and G2 = invstd * (G3 -
-                # mean * G1) in the epilogue: no conversion, FMA or rounding per element.
-                if INTERP_BF16:
-                    xf = xv.to(tl.float32)
-                    on = mask & ~(xf <= lo.to(tl.float32)[None, :]) \
-                        & ~(xf >= hi.to(tl.float32)[None, :])
-                else:
-                    on = mask & ~(xv <= lo[None, :]) & ~(xv >= hi[None, :])
-                if HAS_BSCALE:
-                    b1 = cast(tl.where(on, bsc[:, None], 0.0), g.dtype, INTERP_BF16)
-                    b2 = cast(tl.where(on, xv.to(acc_t) * bsc[:, None], 0.0), g.dtype,
-                              INTERP_BF16)
-                else:
-                    b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
-                    b2 = tl.where(on, xv, 0.0).to(g.dtype)
-            else:
-                xs = xv.to(sc.dtype)
-                on = mask & ~(xs * sc[None, :] + sh[None, :] <= 0)  # NaN passes, as in torch
-                xhat = (xs - mu[None, :]) * inv[None, :]
-                if HAS_BSCALE:  # the pixel's factor on the operand computed in registers
-                    b1 = cast(tl.where(on, bsc[:, None], 0.0), g.dtype, INTERP_BF16)
-                    b2 = cast(tl.where(on, xhat * bsc[:, None], 0.0), g.dtype, INTERP_BF16)
-                else:
-                    b1 = tl.where(on, 1.0, 0.0).to(g.dtype)
-                    b2 = cast(tl.where(on, xhat, 0.0), g.dtype, INTERP_BF16)
-            acc1 = mma(acc1, g, b1, TF32, INTERP_BF16)
-            acc2 = mma(acc2, g, b2, TF32, INTERP_BF16)
-        else:
-            if HAS_BSCALE:
-                a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, acc_t,
-                                 False)
-                a = cast(a * bsc[:, None], g.dtype, INTERP_BF16)
-            else:
-                a = bn_relu_tile(x_ptr, row_off, row_ok, c, C, sxc, scale_ptr, shift_ptr, g.dtype,
-                                 INTERP_BF16)
-            acc1 = mma(acc1, g, a, TF32, INTERP_BF16)
-        ow += qw
-        carry = ow >= Wo
-        ow = tl.where(carry, ow - Wo, ow)
-        oh += qh + carry.to(tl.int32)
-        carry = oh >= Ho
-        oh = tl.where(carry, oh - Ho, oh)
-        n += qn + carry.to(tl.int32)
-    if SUMS:
-        if X16:
-            acc2 = (acc2 - mu.to(acc_t)[None, :] * acc1) * inv.to(acc_t)[None, :]
-    # dW: float32 partials (split, Co, C, KH, KW), or the weight gradient itself when SPLIT is 1.
-    off = split * sgs + co[:, None] * sgo + c[None, :] * sgc + i * sgh + j * sgw
-    out_t = dw_ptr.dtype.element_ty
-    out_mask = co_ok[:, None] & c_ok[None, :]
-    if SUMS:
-        # Everything is linear in G1, G2: reduce them here, per split, instead of storing both.
-        wt = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
-                     mask=out_mask, other=0.0).to(acc_t)
-        row = (split * tl.num_programs(0) + pid_m) * taps + t
-        tl.store(s1_ptr + row * C + c, tl.sum(wt * acc1, axis=0), mask=c_ok)
-        tl.store(s2_ptr + row * C + c, tl.sum(wt * acc2, axis=0), mask=c_ok)
-        gam = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(acc_t)
-        bet = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(acc_t)
-        tl.store(dw_ptr + off, cast(gam[None, :] * acc2 + bet[None, :] * acc1, out_t,
-                                    INTERP_BF16), mask=out_mask)
-    else:
-        tl.store(dw_ptr + off, cast(acc1, out_t, INTERP_BF16), mask=out_mask)
-    if HAS_DB:
-        if pid_nt == 0:
-            tl.store(db_ptr + split * Co + co, db, mask=co_ok)
+                tl.store(db_ptr + split * Co + co, db, mask=co_ok)
 
 
 def configs_for(dtype, sums: bool = False, interpret: bool | None = None) -> list[KernelConfig]:
@@ -277,12 +497,16 @@ def sums_configs_for(dtype, interpret: bool | None = None) -> list[KernelConfig]
 
 
 def pick_config(co: int, c: int, dtype: torch.dtype, interpret: bool | None = None,
-                sums: bool = False) -> KernelConfig:
+                sums: bool = False, taps: bool = False) -> KernelConfig:
     """Roles by index in every list: 0 mid, 1 big (wide channels), 2 small (<= 32 channels);
-    the SUMS lists (but float64's) also 3, tiny (16 channels or fewer each side)."""
+    the SUMS lists (but float64's) also 3, tiny (16 channels or fewer each side). ``taps``
+    (``use_taps``): the taps form's configs, the last two of each list (<= 16 channels each
+    side, else the wide one)."""
     if interpreting() if interpret is None else interpret:
-        return INTERPRET_CONFIG
+        return INTERPRET_TAPS_CONFIG if taps else INTERPRET_CONFIG
     configs = configs_for(dtype, sums, interpret=False)
+    if taps:
+        return configs[-2] if co <= 16 and c <= 16 else configs[-1]
     if dtype == torch.float64:
         return configs[0]
     if co >= 128 and c >= 64:
@@ -292,6 +516,25 @@ def pick_config(co: int, c: int, dtype: torch.dtype, interpret: bool | None = No
     if co <= 32 or c <= 32:
         return configs[2]
     return configs[0]
+
+
+def use_taps(co: int, c: int, kh: int, kw: int, stride, want_bias: bool) -> bool:
+    """Whether the weight gradient runs in the taps form (``_wgrad_taps``): a unit-stride
+    convolution with more than one tap, no conv bias, and at most ``TAPS_MAX_CHANNELS``
+    channels each side (wider ones fill the grid with per-tap tiles already)."""
+    return (tuple(stride) == (1, 1) and kh * kw > 1 and not want_bias
+            and co <= TAPS_MAX_CHANNELS and c <= TAPS_MAX_CHANNELS)
+
+
+def whole_rows(h: int, w: int, block_k: int) -> bool:
+    """Whether every K-step of the taps form (``block_k`` input pixels) is whole image rows of
+    one image (its ``ROWS`` specialisation: no per-pixel index carries)."""
+    return (h * w) % block_k == 0 and block_k % w == 0
+
+
+def taps_of(cfg: KernelConfig) -> int:
+    """BLOCK_T of a config: the taps one program computes (1: the per-tap form)."""
+    return cfg.meta.get("BLOCK_T", 1)
 
 
 # The split rule's device model (H100 SXM public figures: 989 TFLOP/s dense fp16 on 132 SMs,
@@ -321,7 +564,9 @@ def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms
     grid is small: CIFAR's 64-channel 8x8 unit, batch 128, split 3, 27 programs (H100, fp16,
     fusedres.perfmodel: 9 us of wgrad with split 29 instead of 21, but 0.80x the plain bytes)."""
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
-    tiles = cdiv(co, bm) * cdiv(c, bn) * kh * kw
+    bt = taps_of(cfg)
+    tiles = cdiv(co, bm) * cdiv(c, bn) * cdiv(kh * kw, bt)
+    bm *= bt  # the taps form's GEMM rows are (tap, co)
     k_iters = cdiv(m, bk)
     operands = 2 * m * (c + co)
     if gemms == 1:
@@ -381,18 +626,29 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     co, _, kh, kw = weight.shape
     ho, wo = grad_out.shape[2], grad_out.shape[3]
     m = n * ho * wo
+    taps_ok = use_taps(co, c, kh, kw, stride, want_bias)
     if config is None and autotune_enabled(x, weight):
         key = ("wgrad", x.shape, x.stride(), weight.shape, grad_out.dtype, x.dtype,
                tuple(stride), tuple(padding), tuple(dilation), want_bias, bn_affine is None,
                split, branch_scale is not None)
-        config = autotuned(key, configs_for(grad_out.dtype, bn_affine is not None),
+        config = autotuned(key, [cfg for cfg in configs_for(grad_out.dtype, bn_affine is not None)
+                                 if taps_ok or taps_of(cfg) == 1],
                            lambda cfg: bn_relu_conv2d_wgrad(
                                grad_out, x, weight, scale, shift, stride, padding, dilation,
                                want_weight=want_weight, want_bias=want_bias, bn_affine=bn_affine,
                                mean=mean, invstd=invstd, out=out, config=cfg, split=split,
                                branch_scale=branch_scale))
-    cfg = config or pick_config(co, c, grad_out.dtype, sums=bn_affine is not None)
+    cfg = config or pick_config(co, c, grad_out.dtype, sums=bn_affine is not None,
+                                taps=taps_ok)
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
+    bt = taps_of(cfg)
+    if bt > 1:
+        if not taps_ok:
+            raise ValueError(f"config {cfg}: the taps form needs stride 1, more than one tap "
+                             f"and no bias gradient (stride {tuple(stride)}, {kh}x{kw}, "
+                             f"want_bias={want_bias})")
+        m = n * h * w  # its reduction runs over the input pixels
+    groups = cdiv(kh * kw, bt)
     if split is None:
         split = 1 if interpreting() else pick_split(co, c, kh, kw, m, cfg, sm_count(x.device),
                                                     gemms=2 if bn_affine is not None else 1)
@@ -404,12 +660,12 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     dw = out if direct else torch.empty((split, co, c, kh, kw), device=x.device, dtype=acc)
     dw_strides = (0, *out.stride()) if direct else dw.stride()
     co_blocks = cdiv(co, bm)
-    s1 = torch.empty((split * co_blocks * kh * kw, c), device=x.device, dtype=acc) if sums \
+    s1 = torch.empty((split * co_blocks * groups, c), device=x.device, dtype=acc) if sums \
         else dw
     s2 = torch.empty_like(s1) if sums else dw
     db = torch.empty((split, co), device=x.device, dtype=acc) if want_bias else dw
     gamma, beta = bn_affine if sums else (scale, scale)
-    grid = (co_blocks, cdiv(c, bn) * kh * kw, split)
+    grid = (co_blocks, cdiv(c, bn) * groups, split)
     launcher(wgrad_kernel)[grid](
         grad_out, x, scale, shift, mean if sums else scale, invstd if sums else scale,
         weight, gamma, beta, dw, s1, s2, db,
@@ -421,7 +677,8 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
         INTERP_BF16=interp_bf16(grad_out.dtype),
         X16=sums and x.dtype in (torch.float16, torch.bfloat16) and grad_out.dtype == x.dtype,
         DY_DENSE=grad_out.stride(0) == ho * wo * grad_out.stride(3)
-        and grad_out.stride(2) == wo * grad_out.stride(3), **cfg.launch_kwargs(),
+        and grad_out.stride(2) == wo * grad_out.stride(3),
+        ROWS=bt > 1 and whole_rows(h, w, bk), **cfg.launch_kwargs(),
     )
     # One launch sums the partials over the splits into the results (none when all are direct).
     red = {}

@@ -217,15 +217,12 @@ def _fused_step(u: Unit, genstats: bool, strategy: str) -> Step:
         return _store_backward(s, u, dt, vec, m_in, m_out)
     # Weight gradient + BN sums: two GEMMs (dy x mask, dy x mask*xhat) reduced in the epilogue
     # to a dW partial and the sums' partials per split.
-    cfg = _wgrad.pick_config(u.co, u.c, dt, interpret=False, sums=True)
-    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
-    split = _wgrad.pick_split(u.co, u.c, u.k, u.k, m_out, cfg, H100_SMS, gemms=2)
-    sums = 2 * split * cdiv(u.co, bm) * u.k * u.k * vec
+    cfg, split, groups, programs, flops = _wgrad_launch(u, dt, m_in, m_out, sums=True)
+    # the BN sums' partials: (split, Co blocks, tap groups) rows of C
+    sums = 2 * split * cdiv(u.co, cfg.meta["BLOCK_M"]) * groups * vec
     partials = (split * u.co * u.c * u.k * u.k * 4 if split > 1 else 0) + sums
-    flops = 2 * 2 * cdiv(u.co, bm) * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(m_out, bk) * bk
     s.add("wgrad+sums", u.act_out() + u.act_in() + u.weight() + 6 * vec,
-          partials + (u.weight() if split == 1 else 0), flops,
-          cdiv(u.co, bm) * cdiv(u.c, bn) * u.k * u.k * split)
+          partials + (u.weight() if split == 1 else 0), flops, programs)
     s.add("wgrad reduce", partials, (u.weight() if split > 1 else 0) + 2 * vec)
     # Data gradient writing dx directly.
     cfg = _dgrad.pick_config(m_in, u.c, u.co, dt, interpret=False)
@@ -234,17 +231,31 @@ def _fused_step(u: Unit, genstats: bool, strategy: str) -> Step:
     return s
 
 
+def _wgrad_launch(u: Unit, dt, m_in: int, m_out: int, sums: bool):
+    """(config, split, tap groups, programs, MMA flops) of the weight-gradient launch as the
+    host picks them (kernels/bn_relu_conv2d_wgrad.py, no conv bias): per tap, rows Co and
+    the reduction over the output pixels; or the taps form (``use_taps``), rows (tap, Co)
+    BLOCK_T taps a program, the reduction over the input pixels."""
+    taps = _wgrad.use_taps(u.co, u.c, u.k, u.k, (u.stride, u.stride), want_bias=False)
+    cfg = _wgrad.pick_config(u.co, u.c, dt, interpret=False, sums=sums, taps=taps)
+    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
+    bt = _wgrad.taps_of(cfg)
+    m = m_in if bt > 1 else m_out
+    split = _wgrad.pick_split(u.co, u.c, u.k, u.k, m, cfg, H100_SMS, gemms=2 if sums else 1)
+    groups = cdiv(u.k * u.k, bt)
+    programs = cdiv(u.co, bm) * cdiv(u.c, bn) * groups * split
+    flops = (2 if sums else 1) * 2 * cdiv(u.co, bm) * bm * bt * cdiv(u.c, bn) * bn * groups \
+        * cdiv(m, bk) * bk
+    return cfg, split, groups, programs, flops
+
+
 def _store_backward(s: Step, u: Unit, dt, vec: int, m_in: int, m_out: int) -> Step:
     """Weight gradient (one GEMM); data gradient storing dz with the sums in its epilogue;
     the elementwise dx pass."""
-    cfg = _wgrad.pick_config(u.co, u.c, dt, interpret=False)
-    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
-    split = _wgrad.pick_split(u.co, u.c, u.k, u.k, m_out, cfg, H100_SMS)
+    _, split, _, programs, flops = _wgrad_launch(u, dt, m_in, m_out, sums=False)
     partials = split * u.co * u.c * u.k * u.k * 4 if split > 1 else 0
-    flops = 2 * cdiv(u.co, bm) * bm * cdiv(u.c, bn) * bn * u.k * u.k * cdiv(m_out, bk) * bk
     s.add("wgrad", u.act_out() + u.act_in() + 2 * vec,
-          partials + (u.weight() if split == 1 else 0), flops,
-          cdiv(u.co, bm) * cdiv(u.c, bn) * u.k * u.k * split)
+          partials + (u.weight() if split == 1 else 0), flops, programs)
     if split > 1:
         s.add("wgrad reduce", partials, u.weight())
     cfg = _dgrad.pick_config(m_in, u.c, u.co, dt, interpret=False)

@@ -141,38 +141,39 @@ def test_specialisation_equals_triton_jit_run(probe):
 def test_launch_order_and_grids_of_a_known_shape(probe):
     """x (128, 16, 32, 32) fp16 channels_last, 3x3 16 -> 16, H100 (132 SMs). By the host rules:
     batch_stats (C <= 32, channels_last: 128 x 16 tiles): 1024 tiles, split min(4 * 132,
-    1024 / 2, 128) = 128; forward and data gradient (16 channels: the 128 x 16 tiles, no padding
-    column): 131072 / 128 programs; wgrad (<= 32 channels: 32 x 32 x 64): 9 tiles, 2048 K-steps,
-    split the least modeled time of pick_split up to 2 * cdiv(132, 9) = 30: 29 (71 K-steps
-    each); wgrad_sums (16 channels each side: 16 x 16 x 128) 9 tiles, 1024 K-steps, split 29
-    (36 each); the dx pass 64 x 32 tiles."""
+    1024 / 2, 128) = 128; forward and data gradient (16 channels: 256 x 16 tiles, no padding
+    column; the forward's K = C) 131072 / 256 programs; the weight gradient in the
+    taps form (unit stride, no bias, <= 16 channels: 16 x 16 tiles of 4 taps, so 3 tap groups
+    for the 9 taps; K-steps of 64 input pixels, 2048): split the least modeled time of
+    pick_split, wgrad_sums up to 2 * cdiv(132, 3) = 88: 44 (132 programs of 47 K-steps), wgrad
+    42 (126 of 49); the dx pass 64 x 32 tiles."""
     sums = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["sums"]]
     # Between them the small kernels of kernels/reductions.py: the splits' statistics merged
     # with the running statistics' update and invstd (bn_prepare: the BatchNorm's whole
     # preparation, no host op), the BatchNorm affine (forward and backward), the weight-gradient
-    # partials reduced (the 16 * 16 * 9 weight gradient in 3 programs of 1024, the 16 channels'
-    # sums in 1).
+    # partials reduced (the 16 * 16 * 9 weight gradient, 16 splits a step over 1024 / 16 = 64
+    # columns: 36 programs, the 16 channels' sums in 1).
     combine = ("bn_prepare", [1, 1, 1], "R=16 C=64 w=4 s=1")
     affine = ("scale_shift", [1, 1, 1], "C=256 w=4 s=1")
     assert sums == [
         ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"), combine, affine,
-        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"), affine,
-        ("wgrad_sums", [1, 9, 29], "M=16 N=16 K=128 w=4 s=3"),
-        ("partials_reduce", [4, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
-        ("dgrad_dx", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
+        ("bn_relu_conv2d_fwd", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"), affine,
+        ("wgrad_sums", [1, 3, 44], "M=16 N=16 K=64 T=4 w=4 s=2"),
+        ("partials_reduce", [37, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
+        ("dgrad_dx", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"),
     ]
     store = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["store"]]
     assert store == [
         ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"), combine, affine,
-        ("bn_relu_conv2d_fwd", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"), affine,
-        ("wgrad", [1, 9, 29], "M=32 N=32 K=64 w=4 s=2"),
-        ("partials_reduce", [3, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
-        ("dgrad_store", [1024, 1, 1], "M=128 N=16 K=16 w=4 s=3"),
+        ("bn_relu_conv2d_fwd", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"), affine,
+        ("wgrad", [1, 3, 42], "M=16 N=16 K=64 T=4 w=4 s=2"),
+        ("partials_reduce", [36, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
+        ("dgrad_store", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"),
         ("partials_reduce", [1, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
         ("dx", [2048, 1, 1], "M=64 C=32 w=4 s=1"),
     ]
-    # A100's 108 SMs: 12 ways fill them in one wave (9 x 12 = 108 programs).
-    assert [r["grid"] for r in probe["a100"] if r["kernel"] == "wgrad_sums"] == [[1, 9, 12]]
+    # A100's 108 SMs: 36 ways fill them in one wave (3 x 36 = 108 programs).
+    assert [r["grid"] for r in probe["a100"] if r["kernel"] == "wgrad_sums"] == [[1, 3, 36]]
 
 
 def test_no_host_op_between_the_kernels(probe):
@@ -225,6 +226,6 @@ def test_command_lists_the_launches(probe):
     assert [h.split()[0] for h in heads] == [
         "batch_stats", "bn_prepare", "scale_shift", "bn_relu_conv2d_fwd", "scale_shift",
         "wgrad", "partials_reduce", "dgrad_store", "partials_reduce", "dx"]
-    assert heads[3].startswith("bn_relu_conv2d_fwd  grid=(1024, 1, 1)  M=128 N=16 K=16")
+    assert heads[3].startswith("bn_relu_conv2d_fwd  grid=(512, 1, 1)  M=256 N=16 K=16")
     assert probe["from_values"] == {name: "1" for name in (
         "SH", "SW", "PH", "PW", "DH", "DW", "sxc", "swc", "syc")}

@@ -162,11 +162,13 @@ def test_fp32_configs_follow_tf32(monkeypatch):
         config_variant("fp8")
     roles = [(64, 64), (256, 256), (32, 256)]  # mid, big, small
     assert [wg.pick_config(co, c, torch.float32, interpret=False) for co, c in roles] == \
-        wg.FP32_CONFIGS
+        wg.FP32_CONFIGS[:3]
+    assert [wg.pick_config(co, c, torch.float32, interpret=False, taps=True)
+            for co, c in [(16, 16), (32, 16)]] == wg.FP32_CONFIGS[3:]
     assert wg.configs_for(torch.float32, interpret=False) == wg.FP32_CONFIGS
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     assert [wg.pick_config(co, c, torch.float32, interpret=False) for co, c in roles] == \
-        wg.IEEE_CONFIGS
+        wg.IEEE_CONFIGS[:3]
     assert wg.configs_for(torch.float32, interpret=False) == wg.IEEE_CONFIGS
     assert not set(wg.IEEE_CONFIGS) & set(wg.FP32_CONFIGS)
     assert fwd.pick_config(64, 64, 64, torch.float32, interpret=False) == fwd.IEEE_CONFIGS[1]
@@ -507,11 +509,13 @@ for name, fn in fns.items():
 def test_triton_ops_decompose_into_kernels_under_compile():
     """torch.compile sees the Triton kernels inside the triton_ops (AOTDispatcher decomposes
     them into triton_kernel_wrapper_functional nodes). Traced on CPU with TRITON_INTERPRET=0 in
-    a subprocess: under the interpreter a triton_op cannot be traced with fake tensors."""
+    a subprocess: under the interpreter a triton_op cannot be traced with fake tensors. The
+    "sums" backward plan, named (for this toy shape, 5 -> 6 channels at 7x9, the modeled
+    "auto" choice is "store")."""
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env = {**os.environ, "TRITON_INTERPRET": "0", "FUSEDRES_TRITON_BACKWARD": "sums"}
     proc = subprocess.run([sys.executable, "-c", _CAPTURE], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -598,11 +602,13 @@ def test_compiled_block_traces_down_to_the_triton_kernels():
     """Under torch.compile on a GPU with the triton backend, a fused block is built from the
     fusedres_triton triton_ops (fusedres.backends.triton.CompiledUnit), so the forward and the
     backward graphs hold the Triton kernels themselves and no opaque fusedres op. Traced on CPU
-    in a subprocess (TRITON_INTERPRET=0, sm_80 as the target of the kernels' analysis)."""
+    in a subprocess (TRITON_INTERPRET=0, sm_80 as the target of the kernels' analysis). The
+    "sums" backward plan, named (for this toy block's 16-channel 5x5 3x3 the modeled "auto"
+    choice is "store", whose dx pass is a kernel of its own)."""
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env = {**os.environ, "TRITON_INTERPRET": "0", "FUSEDRES_TRITON_BACKWARD": "sums"}
     proc = subprocess.run([sys.executable, "-c", _CAPTURE_BLOCK], capture_output=True,
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -956,3 +962,56 @@ def test_wgrad_sums_16bit_window_path(dtype, layout):
                                               mean=mean, invstd=invstd, split=split)
         assert rel_err(gw, ref[1]) < tol, split
         assert rel_err(sums[0], ref[4]) < tol and rel_err(sums[1], ref[3]) < tol, split
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("sums", [True, False])
+def test_wgrad_taps_form_matches_per_tap_form(dtype, sums):
+    """The taps form (one program: every tap of a channel block, GEMM rows (tap, co), the
+    reduction over the input pixels, dy gathered per tap) is what a unit-stride 3x3 with few
+    channels and no bias runs, and agrees with float64 and with the per-tap form: padding 0,
+    1 and 2 (outputs smaller, equal and larger than the input), a dilation, a branch scale,
+    odd channel counts, NCHW and channels_last, split and unsplit."""
+    assert wg.use_taps(6, 5, 3, 3, (1, 1), want_bias=False)
+    assert not wg.use_taps(6, 5, 3, 3, (2, 2), want_bias=False)
+    assert not wg.use_taps(6, 5, 3, 3, (1, 1), want_bias=True)
+    assert not wg.use_taps(6, 5, 1, 1, (1, 1), want_bias=False)
+    assert wg.taps_of(wg.pick_config(6, 5, dtype, sums=sums, taps=True)) > 1
+    assert wg.taps_of(wg.pick_config(6, 5, dtype, sums=sums, interpret=False, taps=True)) > 1
+    tol = TOL[dtype] * (4 if dtype in HALF else 1)
+    # (h, w) = (4, 8): every K-step whole image rows (the ROWS specialisation), else carries.
+    bk = wg.INTERPRET_TAPS_CONFIG.meta["BLOCK_K"]
+    assert wg.whole_rows(4, 8, bk) and not wg.whole_rows(7, 9, bk)
+    cases = [((1, 1), (1, 1), False, 1, (7, 9)), ((0, 0), (1, 1), True, 3, (7, 9)),
+             ((2, 1), (2, 1), False, 2, (7, 9)), ((2, 2), (1, 1), True, 1, (7, 9)),
+             ((1, 1), (1, 1), True, 1, (4, 8)), ((1, 0), (1, 1), False, 3, (4, 8))]
+    for padding, dilation, cl, split, (h, w) in cases:
+        x, wt, gamma, beta = make(n=2, c=6, h=h, w=w, co=17, k=3, dtype=dtype, channels_last=cl)
+        mean, var = bs.batch_stats(x)
+        invstd = torch.rsqrt(var + 1e-5)
+        scale, shift = _scale_shift(gamma, beta, mean, invstd)
+        ho = h + 2 * padding[0] - 2 * dilation[0]
+        wo = w + 2 * padding[1] - 2 * dilation[1]
+        dy = torch.randn(2, 17, ho, wo).to(DEVICE, dtype)
+        if cl:
+            dy = dy.contiguous(memory_format=torch.channels_last)
+        bsc = torch.tensor([0.0, 2.0], device=DEVICE, dtype=torch.float64 if dtype ==
+                           torch.float64 else torch.float32) if split == 3 else None
+        dys = dy if bsc is None else (dy.double() * bsc.double()[:, None, None, None])
+        ref = _portable64(dys, x, wt, gamma, beta, mean, invstd, (1, 1), padding, dilation,
+                          True)
+        kw = dict(want_bias=False, bn_affine=(gamma, beta) if sums else None, mean=mean,
+                  invstd=invstd, split=split, branch_scale=bsc)
+        configs = wg.configs_for(dtype, sums)
+        for cfg in (None, configs[-2], configs[-1], configs[0]):  # taps, taps wide, per tap
+            out = torch.empty_like(wt) if split == 1 else None  # unsplit: written in place
+            gw, gb, s = wg.bn_relu_conv2d_wgrad(dy, x, wt, scale, shift, (1, 1), padding,
+                                                dilation, config=cfg, out=out, **kw)
+            what = (str(cfg), padding, dilation, cl, split, h, w)
+            assert gb is None and (out is None or gw is out)
+            assert rel_err(gw, ref[1]) < tol, what
+            if sums:
+                assert rel_err(s[0], ref[4]) < tol and rel_err(s[1], ref[3]) < tol, what
+    with pytest.raises(ValueError, match="taps form"):
+        wg.bn_relu_conv2d_wgrad(dy, x, wt, scale, shift, (2, 2), (1, 1), (1, 1),
+                                want_bias=False, config=wg.configs_for(dtype, sums)[-1])

@@ -48,9 +48,9 @@ def trips(launch) -> model.Trips:
     * kernels/reductions.py's small kernels, as batch_stats: stats_combine_kernel two passes
       over the row blocks (2*cdiv(rows, BLOCK_R)), bn_prepare_kernel the same (none when it
       merges no partial rows); scale_shift_kernel no loop;
-      partials_reduce_kernel one loop over the splits (weight and bias gradient programs) or
-      the sums' partial rows, BLOCK_R a step (the others): the longer, max(split,
-      cdiv(rows, BLOCK_R)).
+      partials_reduce_kernel one loop over the splits, SPLIT_R a step (weight and bias
+      gradient programs) or the sums' partial rows, BLOCK_R a step (the others): the longer,
+      max(cdiv(split, SPLIT_R), cdiv(rows, BLOCK_R)).
     """
     a, name = params(launch), launch.fn.__name__
     if name == "batch_stats_kernel":
@@ -66,7 +66,8 @@ def trips(launch) -> model.Trips:
     if name in ("stats_combine_kernel", "bn_prepare_kernel"):
         return model.Trips(2 * cdiv(a["rows"], a["BLOCK_R"]))
     if name == "partials_reduce_kernel":
-        return model.Trips(max(a["split"], cdiv(a["rows"], a["BLOCK_R"])))
+        return model.Trips(max(cdiv(a["split"], a.get("SPLIT_R", 1)),
+                               cdiv(a["rows"], a["BLOCK_R"])))
     raise ValueError(f"trips: no loop structure documented for kernel {name!r}")
 
 
