@@ -174,6 +174,9 @@ def prepare_batch_norm(x: torch.Tensor, running_mean, running_var, num_batches_t
         raise ValueError("running_mean, running_var: the one-launch preparation updates float32 "
                          f"or float16 statistics, got {running_mean.dtype}, "
                          f"{running_var.dtype}")
+    if update and not (running_mean.is_contiguous() and running_var.is_contiguous()):
+        raise ValueError("running_mean, running_var: the one-launch preparation updates "
+                         "contiguous statistics in place")
     cumulative = update and momentum is None
     count = update and num_batches_tracked is not None and not cumulative
     if cumulative:
@@ -188,7 +191,8 @@ def prepare_batch_norm(x: torch.Tensor, running_mean, running_var, num_batches_t
         if not use_batch:
             mean = running_mean.detach().to(sdt)
             var = running_var.detach()
-        src0, src1, out_mean, rows, row_elems, merge = mean, var, mean, 0, 1, False
+        src0, src1, out_mean, rows, row_elems, merge = (mean.contiguous(), var.contiguous(),
+                                                        mean, 0, 1, False)
     dummy = invstd
     factor = 0.0 if momentum is None else float(momentum)
     cfg = STATS_COMBINE_CONFIG

@@ -836,6 +836,15 @@ def test_bn_prepare_bumps_versions_and_leaves_what_it_cannot_take():
     assert not triton_backend.prepares(x.double(), rm.double(), rv.double(), True)
     assert not triton_backend.prepares(x, rm.bfloat16(), rv.bfloat16(), True)
     assert triton_backend.prepares(x, rm.bfloat16(), rv.bfloat16(), False)  # eval: read only
+    strided = torch.zeros(12, device=DEVICE)[::2]
+    assert not triton_backend.prepares(x, strided, rv, True)
+    # Given statistics of any strides are read as they are.
+    mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+    gm, gv = torch.zeros(12, device=DEVICE), torch.zeros(12, device=DEVICE)
+    gm[::2], gv[::2] = mean, var
+    _, invstd = triton_backend.prepare_batch_norm(x, None, None, None, True, 0.1, 1e-5,
+                                                  gm[::2], gv[::2])
+    assert torch.allclose(invstd, torch.rsqrt(var + 1e-5))
     with pytest.raises(ValueError, match="running_mean, running_var"):
         bs.prepare_batch_norm(x, rm.double(), rv.double(), nbt, True, 0.1, 1e-5)
 

@@ -207,12 +207,14 @@ def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
 def prepares(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],
              training: bool) -> bool:
     """Whether :func:`prepare_batch_norm` takes ``x``'s BatchNorm (16- or 32-bit x the kernels
-    index, running statistics it can update); else fusedres.functional's PyTorch ops do."""
+    index, contiguous running statistics of a dtype it updates); else fusedres.functional's
+    PyTorch ops do."""
     if x.dtype == torch.float64 or _portable_case(x):
         return False
     return not (running_mean is not None and training and (
         running_mean.dtype not in _PREPARE_RUNNING_DTYPES
-        or running_var.dtype not in _PREPARE_RUNNING_DTYPES))
+        or running_var.dtype not in _PREPARE_RUNNING_DTYPES
+        or not running_mean.is_contiguous() or not running_var.is_contiguous()))
 
 
 def prepare_batch_norm(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],
