@@ -325,23 +325,24 @@ class _EagerCpuUnitWithShortcut(torch.autograd.Function):
 EagerCpuUnitWithShortcut = _EagerCpuUnitWithShortcut if _extension.LOADED else None
 
 
+def _eager(x: Tensor) -> bool:
+    """A plain, non-empty tensor in eager mode: no tracing, no dispatch mode, no torch.func
+    transform (what the eager routes below need)."""
+    return (not torch.compiler.is_compiling()  # first: nothing below becomes a guard
+            and type(x) is Tensor and x.numel() > 0
+            and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._are_functorch_transforms_active())
+
+
 def eager_cpu(x: Tensor) -> bool:
     """True when a unit on ``x`` may take :data:`EagerCpuUnit`: a plain CPU tensor, eager mode
     (no tracing, no dispatch mode, no torch.func transform), a non-empty batch and the cpu
     backend in force (by name or by ``auto``)."""
-    return (not torch.compiler.is_compiling()  # first: nothing below becomes a guard
-            and type(x) is Tensor and x.is_cpu and x.numel() > 0
-            and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._are_functorch_transforms_active()
-            and _backend.resolve_backend(x.device) == "cpu")
+    return _eager(x) and x.is_cpu and _backend.resolve_backend(x.device) == "cpu"
 
 
 def eager_triton(x: Tensor) -> bool:
     """True when ``x``'s BatchNorm may be prepared by the triton backend's own launches
     (``fusedres.backends.triton.prepare_batch_norm``): a plain tensor in eager mode (as
     :func:`eager_cpu`), non-empty, and the triton backend in force for its device."""
-    return (not torch.compiler.is_compiling()
-            and type(x) is Tensor and x.numel() > 0
-            and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._are_functorch_transforms_active()
-            and _backend.resolve_backend(x.device) == "triton")
+    return _eager(x) and _backend.resolve_backend(x.device) == "triton"
