@@ -18,15 +18,18 @@ The shared rules: :func:`stats_dtype`, :func:`conv_out_size`, :func:`out_shape`,
 
 from __future__ import annotations
 
+import inspect
 from collections import namedtuple
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 __all__ = ["NAMESPACE_SCHEMAS", "SCHEMAS", "BackwardArgs", "ConvGeometry", "UnitArgs", "arg_names",
            "backward_outputs", "bind", "conv_out_size", "define_namespace", "out_memory_format",
-           "out_shape", "scale_shift", "stats_dtype", "suggests_channels_last"]
+           "out_shape", "python_signature", "scale_shift", "stats_dtype",
+           "suggests_channels_last"]
 
 # The fused unit's inputs (shared/design.md): the BatchNorm's input, the convolution, the
 # BatchNorm's affine and statistics (mean, 1/sqrt(var + eps)), the residual, the conv geometry,
@@ -169,6 +172,35 @@ def bind(func: Any, args: tuple, kwargs: dict | None = None) -> dict[str, Any] |
     bound = dict(zip(_ARG_NAMES[name], args))
     bound.update(kwargs or {})
     return bound
+
+
+# The Python annotation of each schema type torch's schema inference reads back as that type.
+_ANNOTATIONS = {"Tensor": Tensor, "Optional[Tensor]": Optional[Tensor], "int": int,
+                "List[int]": Sequence[int], "bool": bool, "List[bool]": Sequence[bool],
+                "float": float, "Optional[float]": Optional[float]}
+
+
+def python_signature(op: str) -> inspect.Signature:
+    """``op``'s schema (a key of :data:`SCHEMAS`) as an annotated Python signature: what
+    ``torch.library.triton_op`` infers a schema from on torch releases that do not take
+    ``schema=`` (2.11 reads only the function's annotations). The inferred schema differs from
+    SCHEMAS only in list sizes (``SymInt[2]`` reads back as ``SymInt[]``)."""
+    parsed = torch._C.parse_schema(f"fusedres::{op}{SCHEMAS[op]}")
+
+    def annotation(t) -> Any:
+        try:
+            return _ANNOTATIONS[str(t)]
+        except KeyError:
+            raise NotImplementedError(f"{op}: no Python annotation for schema type {t}") from None
+
+    params = [inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                annotation=annotation(a.type),
+                                default=a.default_value if a.has_default_value()
+                                else inspect.Parameter.empty)
+              for a in parsed.arguments]
+    returns = [annotation(r.type) for r in parsed.returns]
+    ret = returns[0] if len(returns) == 1 else tuple.__class_getitem__(tuple(returns))
+    return inspect.Signature(params, return_annotation=ret)
 
 
 def define_namespace(namespace: str) -> torch.library.Library:

@@ -1,10 +1,13 @@
 """torch.library contract: opcheck on every op and backend; torch.compile with no graph break."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
 
 import fusedres
+from fusedres import opdefs
 from conftest import FUSED_BACKENDS
 from helpers import CASES, make_inputs
 
@@ -128,3 +131,25 @@ def test_export_sees_the_ops():
     ep = torch.export.export(m, (torch.randn(2, 3, 6, 6),))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "fusedres.bn_relu_conv2d.default" in targets
+
+
+@pytest.mark.parametrize("op", sorted(opdefs.SCHEMAS))
+def test_python_signature_infers_the_schema(op):
+    """torch 2.11's triton_op infers each fusedres_triton op's schema from the function's
+    signature (it ignores ``schema=``; on a real H100 the backend failed to import on
+    ``*inputs``): the signature the backend gives its functions must infer SCHEMAS, list sizes
+    aside."""
+    from torch._library.infer_schema import infer_schema
+
+    def fn(*inputs):
+        return inputs
+    fn.__signature__ = opdefs.python_signature(op)
+    inferred = infer_schema(fn, mutates_args=())
+    expected = re.sub(r"(SymInt|bool)\[\d\]", r"\1[]", opdefs.SCHEMAS[op])
+    assert inferred == expected
+
+
+def test_python_signature_rejects_a_type_it_cannot_annotate(monkeypatch):
+    monkeypatch.setitem(opdefs.SCHEMAS, "odd", "(Tensor x, str mode) -> Tensor")
+    with pytest.raises(NotImplementedError, match="odd: no Python annotation for schema type str"):
+        opdefs.python_signature("odd")

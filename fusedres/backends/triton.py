@@ -21,6 +21,7 @@ from ..opdefs import (
     backward_outputs,
     out_memory_format,
     out_shape,
+    python_signature,
 )
 from ..ops import direct_unit
 from . import portable
@@ -72,8 +73,18 @@ def _branch_scale(branch_scale: Optional[Tensor], weight: Tensor) -> Optional[Te
 # --------------------------------------------------------------------------- triton ops
 # The schemas of fusedres.opdefs; the bodies launch the kernels through wrap_triton.
 
-@torch.library.triton_op("fusedres_triton::batch_stats", mutates_args=(),
-                         schema=SCHEMAS["batch_stats"])
+def _triton_op(op: str):
+    """``torch.library.triton_op("fusedres_triton::<op>")`` with the schema of SCHEMAS. The
+    function also carries that schema as its Python signature: torch 2.11 infers the schema
+    from the signature whatever ``schema=`` says (and ``*inputs`` cannot be inferred)."""
+    def register(fn):
+        fn.__signature__ = python_signature(op)
+        return torch.library.triton_op(f"fusedres_triton::{op}", mutates_args=(),
+                                       schema=SCHEMAS[op])(fn)
+    return register
+
+
+@_triton_op("batch_stats")
 def _batch_stats_op(x: Tensor) -> tuple[Tensor, Tensor]:
     return _batch_stats(x)
 
@@ -88,22 +99,19 @@ def _launch_forward(u: UnitArgs, genstats: bool):
                 branch_scale=_branch_scale(u.branch_scale, u.weight))
 
 
-@torch.library.triton_op("fusedres_triton::bn_relu_conv2d", mutates_args=(),
-                         schema=SCHEMAS["bn_relu_conv2d"])
+@_triton_op("bn_relu_conv2d")
 def _forward_op(*inputs) -> Tensor:
     return _launch_forward(UnitArgs(*inputs), genstats=False)
 
 
-@torch.library.triton_op("fusedres_triton::bn_relu_conv2d_genstats", mutates_args=(),
-                         schema=SCHEMAS["bn_relu_conv2d_genstats"])
+@_triton_op("bn_relu_conv2d_genstats")
 def _forward_genstats_op(*inputs) -> tuple[Tensor, Tensor, Tensor]:
     """Forward that also returns (mean, biased var) of y per output channel, reduced in the
     convolution's epilogue."""
     return _launch_forward(UnitArgs(*inputs), genstats=True)
 
 
-@torch.library.triton_op("fusedres_triton::bn_relu_conv2d_backward", mutates_args=(),
-                         schema=SCHEMAS["bn_relu_conv2d_backward"])
+@_triton_op("bn_relu_conv2d_backward")
 def _backward_op(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     b = BackwardArgs(*inputs)
     x, weight, mean, invstd = b.x, b.weight, b.mean.contiguous(), b.invstd.contiguous()
