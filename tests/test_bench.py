@@ -441,3 +441,15 @@ def test_python_m_fusedres_bench_and_fusedres_bench_are_one_command():
     assert COMMANDS["bench"][0] == "fusedres.bench"
     proc = _cli("--help")
     assert proc.returncode == 0 and "units" in proc.stdout and "gpu-report" in proc.stdout
+
+
+def test_bandwidth_columns_leave_rows_without_them_blank():
+    """On a GPU the convs table has bandwidth columns that only triton rows fill (a plain row
+    beside them broke the H100 report with a KeyError): the other rows show "-"."""
+    from fusedres.bench import report as R
+    base = dict(shape="s", median_s=1e-3, iqr_s=1e-4, ratio=1.0)
+    rows = [dict(base, impl="plain"),
+            dict(base, impl="triton", modeled_bytes=5e6, achieved_Bps=5e9,
+                 bandwidth_fraction=0.25)]
+    md = R.markdown_table(rows, units_mod.columns() + units_mod.bandwidth_cols()).splitlines()
+    assert md[2].endswith("| - | - | - |") and md[3].endswith("| 5.0 | 5 | 25% |")

@@ -424,9 +424,14 @@ def columns(layouts: bool = False):
                    Column("peak", "peak_bytes", fmt_bytes)]
 
 
+def _scaled(row: dict, key: str, unit: float) -> float | None:
+    return None if row.get(key) is None else row[key] / unit
+
+
 def bandwidth_cols():
-    return [Column("modeled MB", lambda r: r["modeled_bytes"] / 1e6, "{:.1f}"),
-            Column("GB/s", lambda r: r["achieved_Bps"] / 1e9, "{:.0f}"),
+    # Only triton rows on a GPU have them; the other rows of the table show "-".
+    return [Column("modeled MB", lambda r: _scaled(r, "modeled_bytes", 1e6), "{:.1f}"),
+            Column("GB/s", lambda r: _scaled(r, "achieved_Bps", 1e9), "{:.0f}"),
             Column("of peak", "bandwidth_fraction", "{:.0%}")]
 
 
