@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 import fusedres
-from fusedres import opdefs
 from conftest import FUSED_BACKENDS
+from fusedres import opdefs
 from helpers import CASES, make_inputs
 
 
