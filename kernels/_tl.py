@@ -14,9 +14,24 @@ def mma(acc, a, b, TF32: tl.constexpr, INTERP_BF16: tl.constexpr):
     if INTERP_BF16:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif TF32:
-        return tl.dot(a, b, acc, input_precision="tf32", out_dtype=acc.dtype)
+        return tl.dot(round_tf32(a), round_tf32(b), acc, input_precision="tf32",
+                      out_dtype=acc.dtype)
     else:
         return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
+
+
+@triton.jit
+def round_tf32(v):
+    """float32 ``v`` rounded to TF32 (10 mantissa bits; to nearest, ties away from zero, as
+    ``cvt.rna.tf32.f32``), still as float32. A TF32 dot hands the fp32 operands to the tensor
+    cores, which ignore the low 13 bits: truncation, an error of one sign that adds up over a
+    long reduction (on an H100 the weight-gradient GEMMs gave 4x cuDNN's TF32 error, which
+    rounds; triton-lang/triton#4574). Infinities stay infinite; the quiet NaN stays NaN."""
+    if v.dtype == tl.float32:
+        bits = v.to(tl.uint32, bitcast=True)
+        return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    else:
+        return v
 
 
 @triton.jit

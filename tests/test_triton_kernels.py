@@ -1024,3 +1024,67 @@ def test_wgrad_taps_form_matches_per_tap_form(dtype, sums):
     with pytest.raises(ValueError, match="taps form"):
         wg.bn_relu_conv2d_wgrad(dy, x, wt, scale, shift, (2, 2), (1, 1), (1, 1),
                                 want_bias=False, config=wg.configs_for(dtype, sums)[-1])
+
+
+# --------------------------------------------------------------------------- TF32 rounding
+
+from fusedres.kernels._tl import round_tf32  # noqa: E402
+
+
+@triton.jit
+def _round_tf32_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    k = tl.arange(0, BLOCK)
+    tl.store(y_ptr + k, round_tf32(tl.load(x_ptr + k)))
+
+
+def _tf32_oracle(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the nearest value with 10 mantissa bits (ties away from zero), by frexp in
+    float64: independent of the kernel's bit trick."""
+    d = x.double()
+    m, e = torch.frexp(d)  # d = m * 2**e, 0.5 <= |m| < 1
+    q = torch.sign(m) * torch.floor(m.abs() * 2.0**11 + 0.5)
+    # float32 subnormals keep their absolute grid: 13 bits below their last bit are 2**-136.
+    r = torch.where(e < -125, torch.sign(d) * torch.floor(d.abs() * 2.0**136 + 0.5) / 2.0**136,
+                    torch.ldexp(q / 2.0**11, e))
+    return torch.where(torch.isfinite(d), torch.copysign(r, d), d).float()
+
+
+def test_round_tf32_rounds_to_nearest_ties_away():
+    """The TF32 dots' operand rounding (kernels/_tl.round_tf32): against a frexp oracle on
+    random values of every magnitude, exact ties, the largest float32 (-> inf), subnormals,
+    +-0, +-inf and NaN."""
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randn(200, generator=g) * torch.exp2(torch.randint(-60, 60, (200,), generator=g))
+    ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 3.0 * (1 + 2**-11)])
+    edge = torch.tensor([3.4028235e38, -3.4028235e38, 1e-40, -3e-42, 1.4e-45, 0.0, -0.0,
+                         float("inf"), float("-inf"), float("nan"), 1 + 2**-12, 1 - 2**-13])
+    x = torch.cat([rand, ties, edge]).float()
+    x = torch.cat([x, x.new_zeros(256 - x.numel())])
+    y = torch.empty_like(x)
+    _round_tf32_kernel[(1,)](x, y, BLOCK=256)
+    want = _tf32_oracle(x)
+    assert torch.equal(y.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(y[ok], want[ok]), (x[ok][y[ok] != want[ok]], y[ok][y[ok] != want[ok]])
+    assert torch.equal(torch.signbit(y[ok]), torch.signbit(want[ok]))
+    assert y[len(rand)].item() == 1 + 2**-10  # a tie rounds away from zero
+    assert y[len(rand) + len(ties)].item() == float("inf")
+
+
+def test_tf32_dots_round_both_operands(monkeypatch):
+    """With TF32 on (torch's default for fp32 convolutions on a GPU) each dot rounds its fp32
+    operands to TF32 first (the tensor cores would truncate them). The interpreter's dot is an
+    exact fp32 product, so forcing the TF32 path here shows it: the output is the convolution
+    of the rounded BN-ReLU activation and rounded weight, not of the unrounded ones."""
+    x, wt, gamma, beta = make(n=2, c=24, h=9, w=9, co=16, k=3)
+    mean, var = bs.batch_stats(x)
+    scale, shift = _scale_shift(gamma, beta, mean, torch.rsqrt(var + 1e-5))
+    monkeypatch.setattr(fwd, "allow_tf32", lambda dtype: dtype == torch.float32)
+    y = fwd.bn_relu_conv2d_fwd(x, wt, None, scale, shift, None, (1, 1), (1, 1), (1, 1),
+                               torch.contiguous_format).double()
+    a = torch.relu(x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1))
+    rounded = F.conv2d(_tf32_oracle(a).double(), _tf32_oracle(wt).double(), None, 1, 1)
+    exact = F.conv2d(a.double(), wt.double(), None, 1, 1)
+    err_rounded = (y - rounded).abs().mean().item()
+    err_exact = (y - exact).abs().mean().item()
+    assert err_rounded * 20 < err_exact, (err_rounded, err_exact)
