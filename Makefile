@@ -19,6 +19,9 @@ export FUSEDRES_BUILD_EXT ?= 1
 # for sm_80/sm_90). Where a GPU is visible (nvidia-smi -L) the nvcc copy is built too (auto).
 export FUSEDRES_BUILD_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo auto || echo 0)
 PYTEST_ARGS ?=
+# No second copy of what pip downloads in its cache: the venv is ~5.8 GB (torch's CUDA build), and
+# a CI run once ran out of disk while installing it.
+export PIP_NO_CACHE_DIR ?= 1
 .PHONY: install test-ext demo compare test selftest bench gpu-report gpu-model gpu-model-cuda lint format clean tsan asan cuda-table
 
 $(PY):
