@@ -453,3 +453,32 @@ def test_bandwidth_columns_leave_rows_without_them_blank():
                  bandwidth_fraction=0.25)]
     md = R.markdown_table(rows, units_mod.columns() + units_mod.bandwidth_cols()).splitlines()
     assert md[2].endswith("| - | - | - |") and md[3].endswith("| 5.0 | 5 | 25% |")
+
+
+def test_profiled_seconds_sums_self_times_per_step():
+    """kernel_columns' sum (GPU: self device time of every op and kernel, per step), checked on
+    CPU with the CPU times: positive, and at most the wall time of the profiled steps."""
+    from torch.profiler import ProfilerActivity
+    a = torch.randn(256, 256)
+
+    def step():
+        (a @ a).relu_().sum()
+
+    t0 = time.perf_counter()
+    per_step = units_mod.profiled_seconds(step, 4, [ProfilerActivity.CPU],
+                                          "self_cpu_time_total")
+    wall = time.perf_counter() - t0
+    assert 0 < per_step * 4 <= wall
+
+
+def test_kernel_columns_only_on_a_gpu_row_with_a_model():
+    row = {"shape": "s", "impl": "plain", "modeled_s": 1e-4}
+    units_mod.kernel_columns(row, lambda: None, torch.device("cpu"))
+    assert "kernel_s" not in row
+    md = _modeled_table([dict(row, median_s=1e-3, iqr_s=0, ratio=1.0, kernel_s=2e-4)])
+    assert md.splitlines()[2].endswith("| 0.100 | 10.00 | 0.200 | 2.00 |")
+
+
+def _modeled_table(rows):
+    from fusedres.bench import report as R
+    return R.markdown_table(rows, units_mod.columns() + units_mod.modeled_cols())

@@ -155,6 +155,11 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
         md += ["Bandwidth: modeled DRAM bytes of the fused Triton step (kernels/traffic.py) / "
                "measured median time, and its fraction of the device's peak (2 x memory clock "
                "x bus width).", ""]
+    if any("modeled_s" in r for r in measured):
+        md += ["MODELED: fusedres.perfmodel's time for the plain sequence (plain row) and the "
+               "fused Triton kernels (triton channels_last row). `kernels ms`: the GPU time of "
+               "one step's kernels by torch.profiler (3 profiled steps), what the model prices; "
+               "the median wall time also holds the host's time between launches.", ""]
     md += [R.markdown_table(measured, all_cols), ""]
     summary = units_mod.layout_summary(rows) if layouts else []
     lines = units_mod.summary_lines(summary)

@@ -224,11 +224,50 @@ def modeled_columns(row: dict, shape, dtype: torch.dtype, device: torch.device) 
         row["modeled_s"] = plain_s if row["impl"] == "plain" else fused_s
 
 
+def profiled_seconds(step, reps: int, activities, attr: str) -> float:
+    """Seconds per step of ``attr`` (a FunctionEventAvg total: ``self_device_time_total``,
+    ``self_cpu_time_total``) summed over every op and kernel torch.profiler records in
+    ``reps`` calls of ``step``. Self times add up without counting a nested op twice."""
+    from torch.profiler import profile
+
+    with profile(activities=activities) as prof:
+        for _ in range(reps):
+            step()
+        if any(a.name == "CUDA" for a in activities):
+            torch.cuda.synchronize()
+    return sum(getattr(e, attr) for e in prof.key_averages()) * 1e-6 / reps
+
+
+def kernel_columns(row: dict, step, device: torch.device, reps: int = 3) -> None:
+    """Adds ``kernel_s`` to a row that has a MODELED time: the GPU time of one step's kernels
+    (torch.profiler's device time, copies and memsets included), what the model prices, without
+    the host time between launches that a step's wall time also holds (the 2026-11-25 H100 run:
+    single units host-bound, 34-55x their modeled kernels). A profiler failure is a warning."""
+    if device.type != "cuda" or "modeled_s" not in row:
+        return
+    from torch.profiler import ProfilerActivity
+
+    try:
+        step()
+        torch.cuda.synchronize(device)
+        t = profiled_seconds(step, reps, [ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                             "self_device_time_total")
+    except Exception as exc:  # noqa: BLE001 - the wall time stands without it
+        warnings.warn(f"torch.profiler: no kernel time for {row['shape']} {row['impl']}: {exc}",
+                      stacklevel=2)
+        return
+    if t > 0:
+        row["kernel_s"] = t
+
+
 def modeled_cols():
     return [Column("MODELED ms", lambda r: r["modeled_s"] * 1e3 if "modeled_s" in r else None,
                    "{:.3f}"),
             Column("measured / MODELED", lambda r: r["median_s"] / r["modeled_s"]
-                   if "modeled_s" in r else None, "{:.2f}")]
+                   if "modeled_s" in r else None, "{:.2f}"),
+            Column("kernels ms", lambda r: _scaled(r, "kernel_s", 1e-3), "{:.3f}"),
+            Column("kernels / MODELED", lambda r: r["kernel_s"] / r["modeled_s"]
+                   if "kernel_s" in r and "modeled_s" in r else None, "{:.2f}")]
 
 
 def _impls(device: torch.device, baselines, backends) -> list[str]:
@@ -294,6 +333,7 @@ def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=Non
             row["ratio"] = row["median_s"] / plain["median_s"] if plain else None
             bandwidth_columns(row, shape, amp or dtype, peak_bw)
             modeled_columns(row, shape, amp or dtype, device)
+            kernel_columns(row, steps[row["impl"]], device)
         layout_ratios(shape_rows)
         rows += shape_rows
         if on_shape is not None:
