@@ -110,3 +110,38 @@ def test_kernel_that_does_not_match_its_schema_is_a_load_error():
     assert "operator: fusedres_cpu::bn_relu_conv2d" in lines["LOAD_ERROR"]
     if "not built" not in lines["CUDA_HOST"]:
         assert "registering the fusedres_cuda kernels failed" in lines["CUDA_HOST"]
+
+
+def test_source_checkout_used_in_place_imports_the_kernels():
+    """A checkout built in place and run from its root, with no install's mapping (the H100 run
+    had none: no pip index there): ``fusedres.kernels`` is the checkout's ``kernels/``, and the
+    Triton backend imports. Here the editable install's finder is taken off ``sys.meta_path``
+    first, so that only the checkout can answer."""
+    code = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+        "import fusedres, fusedres.kernels\n"
+        "from fusedres.kernels import _tl\n"
+        "print(fusedres.kernels.__file__)\n"
+        "print(fusedres.unavailable_reason('triton', 'cpu'))\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH="")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kernels, reason = out.stdout.strip().splitlines()[-2:]
+    assert kernels == str(ROOT / "kernels" / "__init__.py")
+    assert reason == "None"
+
+
+def test_source_checkout_finder_only_where_needed(tmp_path, monkeypatch):
+    """The finder maps one name, and only a checkout without an installed fusedres/kernels
+    needs it."""
+    from fusedres import _source_checkout as sc
+    assert sc.KernelsFinder().find_spec("fusedres.other") is None
+    spec = sc.KernelsFinder().find_spec("fusedres.kernels")
+    assert spec.submodule_search_locations == [str(ROOT / "kernels")]
+    assert sc.needed()
+    monkeypatch.setattr(sc, "PACKAGE_DIR", str(tmp_path))
+    (tmp_path / "kernels").mkdir()
+    assert not sc.needed()  # an installed copy: nothing to do
