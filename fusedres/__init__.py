@@ -5,9 +5,9 @@ Importing never initialises CUDA and never fails for a missing compiled backend.
 
 from __future__ import annotations
 
-from . import _source_checkout  # fusedres.kernels in a source checkout used in place
 from . import (
     _extension,  # loads fusedres._C (its load error is reported, not raised)  # noqa: F401
+    _source_checkout,  # fusedres.kernels in a checkout used in place, not installed  # noqa: F401
     activation_checkpoint,
     distributed,
     functional,
