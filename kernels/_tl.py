@@ -26,10 +26,12 @@ def round_tf32(v):
     ``cvt.rna.tf32.f32``), still as float32. A TF32 dot hands the fp32 operands to the tensor
     cores, which ignore the low 13 bits: truncation, an error of one sign that adds up over a
     long reduction (on an H100 the weight-gradient GEMMs gave 4x cuDNN's TF32 error, which
-    rounds; triton-lang/triton#4574). Infinities stay infinite; the quiet NaN stays NaN."""
+    rounds; triton-lang/triton#4574). Infinities stay infinite. A NaN is passed as it is: the
+    GPU's canonical NaN, 0x7FFFFFFF, would carry into the sign bit and round to -0."""
     if v.dtype == tl.float32:
         bits = v.to(tl.uint32, bitcast=True)
-        return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        rounded = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return tl.where(v == v, rounded, v)
     else:
         return v
 

@@ -1052,13 +1052,16 @@ def _tf32_oracle(x: torch.Tensor) -> torch.Tensor:
 def test_round_tf32_rounds_to_nearest_ties_away():
     """The TF32 dots' operand rounding (kernels/_tl.round_tf32): against a frexp oracle on
     random values of every magnitude, exact ties, the largest float32 (-> inf), subnormals,
-    +-0, +-inf and NaN."""
+    +-0, +-inf and NaNs of every payload (each stays NaN)."""
     g = torch.Generator().manual_seed(0)
     rand = torch.randn(200, generator=g) * torch.exp2(torch.randint(-60, 60, (200,), generator=g))
     ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 3.0 * (1 + 2**-11)])
     edge = torch.tensor([3.4028235e38, -3.4028235e38, 1e-40, -3e-42, 1.4e-45, 0.0, -0.0,
                          float("inf"), float("-inf"), float("nan"), 1 + 2**-12, 1 - 2**-13])
-    x = torch.cat([rand, ties, edge]).float()
+    # NaNs of every payload: the GPU's canonical 0x7FFFFFFF would carry into the sign bit.
+    nans = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F800001, 0x7FFFF000],
+                        dtype=torch.int32).view(torch.float32)
+    x = torch.cat([rand, ties, edge, nans]).float()
     x = torch.cat([x, x.new_zeros(256 - x.numel())])
     y = torch.empty_like(x)
     _round_tf32_kernel[(1,)](x, y, BLOCK=256)
