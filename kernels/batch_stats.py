@@ -148,6 +148,26 @@ def batch_stats(x: torch.Tensor, config: KernelConfig | None = None, split: int 
 PREPARE_RUNNING_DTYPES = (torch.float32, torch.float16)
 
 
+def prepare_unsupported(x: torch.Tensor, running_mean, running_var,
+                        training: bool) -> str | None:
+    """Why :func:`prepare_batch_norm` cannot take this BatchNorm (an error message naming the
+    argument), or None: float64 x, or running statistics it would update in place that are not
+    contiguous float32 / float16 (fusedres.backends.triton.prepares routes those to the PyTorch
+    ops)."""
+    if _stats_dtype(x.dtype) != torch.float32:
+        return f"x: the one-launch preparation takes 16- or 32-bit x, got {x.dtype}"
+    if running_mean is None or not training:
+        return None
+    if (running_mean.dtype not in PREPARE_RUNNING_DTYPES
+            or running_var.dtype not in PREPARE_RUNNING_DTYPES):
+        return ("running_mean, running_var: the one-launch preparation updates float32 or "
+                f"float16 statistics, got {running_mean.dtype}, {running_var.dtype}")
+    if not (running_mean.is_contiguous() and running_var.is_contiguous()):
+        return ("running_mean, running_var: the one-launch preparation updates contiguous "
+                "statistics in place")
+    return None
+
+
 def prepare_batch_norm(x: torch.Tensor, running_mean, running_var, num_batches_tracked,
                        training: bool, momentum: float | None, eps: float, mean=None, var=None):
     """nn.BatchNorm2d's statistics, running-statistics update and ``invstd`` for x in two
@@ -162,21 +182,14 @@ def prepare_batch_norm(x: torch.Tensor, running_mean, running_var, num_batches_t
     ``momentum`` None (cumulative average) costs one more launch, ``num_batches_tracked.add_(1)``
     before the kernel reads it; else the kernel counts the step itself. The running statistics'
     and the counter's version counters are bumped, as their in-place PyTorch updates do."""
+    reason = prepare_unsupported(x, running_mean, running_var, training)
+    if reason is not None:
+        raise ValueError(reason)
     sdt = _stats_dtype(x.dtype)
-    if sdt != torch.float32:
-        raise ValueError(f"x: the one-launch preparation takes 16- or 32-bit x, got {x.dtype}")
     tracked = running_mean is not None
     c = x.shape[1]
     use_batch = training or not tracked
     update = training and tracked
-    if update and (running_mean.dtype not in PREPARE_RUNNING_DTYPES
-                   or running_var.dtype not in PREPARE_RUNNING_DTYPES):
-        raise ValueError("running_mean, running_var: the one-launch preparation updates float32 "
-                         f"or float16 statistics, got {running_mean.dtype}, "
-                         f"{running_var.dtype}")
-    if update and not (running_mean.is_contiguous() and running_var.is_contiguous()):
-        raise ValueError("running_mean, running_var: the one-launch preparation updates "
-                         "contiguous statistics in place")
     cumulative = update and momentum is None
     count = update and num_batches_tracked is not None and not cumulative
     if cumulative:

@@ -85,8 +85,6 @@ def _chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS,
     return gmean, acc2 / total
 
 
-
-
 @triton.jit
 def stats_combine_kernel(
     mean_p_ptr, m2_p_ptr, mean_ptr, var_ptr,

@@ -31,9 +31,9 @@ try:
     from ..kernels import bn_relu_conv2d_dgrad as _dgrad
     from ..kernels import bn_relu_conv2d_wgrad as _wgrad
     from ..kernels._common import fits_int32 as _fits_int32
-    from ..kernels.batch_stats import PREPARE_RUNNING_DTYPES as _PREPARE_RUNNING_DTYPES
     from ..kernels.batch_stats import batch_stats as _batch_stats
     from ..kernels.batch_stats import prepare_batch_norm as _prepare_batch_norm
+    from ..kernels.batch_stats import prepare_unsupported as _prepare_unsupported
     from ..kernels.bn_relu_conv2d import bn_relu_conv2d_fwd as _fwd
     from ..kernels.reductions import scale_shift as _scale_shift
 except ImportError as exc:  # triton missing, or a kernels/ install problem
@@ -217,12 +217,8 @@ def prepares(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Te
     """Whether :func:`prepare_batch_norm` takes ``x``'s BatchNorm (16- or 32-bit x the kernels
     index, contiguous running statistics of a dtype it updates); else fusedres.functional's
     PyTorch ops do."""
-    if x.dtype == torch.float64 or _portable_case(x):
-        return False
-    return not (running_mean is not None and training and (
-        running_mean.dtype not in _PREPARE_RUNNING_DTYPES
-        or running_var.dtype not in _PREPARE_RUNNING_DTYPES
-        or not running_mean.is_contiguous() or not running_var.is_contiguous()))
+    return (not _portable_case(x)
+            and _prepare_unsupported(x, running_mean, running_var, training) is None)
 
 
 def prepare_batch_norm(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],

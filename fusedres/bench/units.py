@@ -261,8 +261,7 @@ def kernel_columns(row: dict, step, device: torch.device, reps: int = 3) -> None
 
 
 def modeled_cols():
-    return [Column("MODELED ms", lambda r: r["modeled_s"] * 1e3 if "modeled_s" in r else None,
-                   "{:.3f}"),
+    return [Column("MODELED ms", lambda r: _scaled(r, "modeled_s", 1e-3), "{:.3f}"),
             Column("measured / MODELED", lambda r: r["median_s"] / r["modeled_s"]
                    if "modeled_s" in r else None, "{:.2f}"),
             Column("kernels ms", lambda r: _scaled(r, "kernel_s", 1e-3), "{:.3f}"),
