@@ -29,9 +29,11 @@ normalisation, the autograd wrapper's redispatch and the run-time routing, measu
 unit more than a direct route, a third of a small unit's forward+backward, and a Python
 ``autograd.Function`` ~50 us more than the C++ node: benchmarks/RESULTS.md, "Eager CPU
 overhead" and "Larger tiles; the eager unit's autograd node in C++"); and :func:`direct_unit`,
-an ``autograd.Function`` over one backend's own ops, for graphs that torch.compile traces on a
-GPU with the triton backend (fusedres.backends.triton), where the public ops would be opaque to
-Inductor.
+an ``autograd.Function`` over one backend's own ops: the triton and cuda backends' eager route
+(:func:`eager_backend`, their ``eager_unit``; on the triton backend it also skips the
+``triton_op`` layer: a small unit's step 448 -> 293 us of host time,
+benchmarks/report-gpu-h100/README.md), and graphs that torch.compile traces on a GPU with the
+triton backend (fusedres.backends.triton), where the public ops would be opaque to Inductor.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from .opdefs import (
 
 __all__ = ["EagerCpuPair", "EagerCpuUnit", "EagerCpuUnitWithShortcut", "batch_stats",
            "bn_relu_conv2d", "bn_relu_conv2d_backward", "bn_relu_conv2d_genstats", "direct_unit",
-           "eager_cpu", "unit_backward", "unit_setup_context"]
+           "eager_backend", "eager_cpu", "unit_backward", "unit_setup_context"]
 
 
 def _backend_for(x: Tensor):
@@ -339,6 +341,17 @@ def eager_cpu(x: Tensor) -> bool:
     (no tracing, no dispatch mode, no torch.func transform), a non-empty batch and the cpu
     backend in force (by name or by ``auto``)."""
     return _eager(x) and x.is_cpu and _backend.resolve_backend(x.device) == "cpu"
+
+
+def eager_backend(x: Tensor) -> str | None:
+    """``"triton"`` or ``"cuda"`` when a unit on ``x`` may take that backend's eager route (its
+    ``eager_unit``: an ``autograd.Function`` over the backend's own ops, without the public
+    ops' custom-op layers): a plain tensor in eager mode, non-empty, and that backend in force
+    for its device. None otherwise (the cpu backend has :data:`EagerCpuUnit`)."""
+    if not _eager(x):
+        return None
+    name = _backend.resolve_backend(x.device)
+    return name if name in ("triton", "cuda") else None
 
 
 def eager_triton(x: Tensor) -> bool:

@@ -18,10 +18,16 @@ import torch
 
 from .. import settings
 
+# Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when kernels/ is imported (with
+# this module): what it read then is what the kernels are, whatever the environment says later.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1`` when the
+    kernels were defined). Read once: the launchers ask ~20 times a unit step, and each
+    ``os.environ`` lookup costs ~1 us."""
+    return _INTERPRET
 
 
 @dataclass(frozen=True)
@@ -92,10 +98,22 @@ def interp_bf16(*dtypes: torch.dtype) -> bool:
     return torch.bfloat16 in dtypes and interpreting()
 
 
+def tracing() -> bool:
+    """True while a graph is being traced around the caller: torch.compile's Dynamo, or a
+    dispatch mode (AOTAutograd's functionalisation and fake tensors, make_fx, export)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def launcher(kernel):
-    """``kernel[grid]`` through ``torch.library.wrap_triton`` on a GPU, so that torch.compile
-    traces the launch inside a ``triton_op``; plain launch under the interpreter."""
-    if interpreting():
+    """What ``launcher(kernel)[grid](...)`` launches through: ``torch.library.wrap_triton`` while
+    a graph is traced (:func:`tracing`: inside a ``triton_op`` that torch.compile decomposes,
+    the trace records the launch), the kernel itself otherwise, and always under the
+    interpreter. An eager launch outside a ``triton_op`` (fusedres.backends.triton's
+    BatchNorm preparation) must not go through ``wrap_triton``: its wrapper then runs the
+    ``triton_kernel_wrapper_mutation`` higher-order op, ~100 us of host time a launch, and
+    adds an entry to torch's kernel side table that is never freed (measured:
+    benchmarks/report-gpu-h100/README.md, "After the run")."""
+    if interpreting() or not tracing():
         return kernel
     return torch.library.wrap_triton(kernel)
 

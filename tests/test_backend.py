@@ -81,3 +81,36 @@ def test_import_does_not_initialise_cuda():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["triton", "cuda"])
+def test_eager_unit_takes_the_backend_route(name, monkeypatch):
+    """A module's unit in eager mode runs the backend's own ops through its ``eager_unit`` (an
+    autograd.Function, ``Eager<Backend>UnitBackward``), with no public-op layer: the same
+    kernels as the public op, so the same outputs and gradients to the bit."""
+    from fusedres import ops
+
+    why = fusedres.unavailable_reason(name, "cpu")
+    if why is not None:
+        pytest.skip(f"the {name} backend does not run here: {why}")
+    torch.manual_seed(0)
+    m = fusedres.BNReLUConv2d(6, 5, 3, padding=1)
+    x = torch.randn(2, 6, 5, 5)
+
+    def run():
+        xr = x.clone().requires_grad_()
+        y = m(xr)
+        y.backward(torch.ones_like(y))
+        grads = [xr.grad] + [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        return y.detach(), grads, type(y.grad_fn).__name__
+
+    with fusedres.use_backend(name):
+        y, grads, node = run()
+        monkeypatch.setattr(ops, "eager_backend", lambda t: None)
+        y_pub, grads_pub, node_pub = run()
+    assert node == f"Eager{name.capitalize()}UnitBackward"
+    assert node_pub != node
+    assert torch.equal(y, y_pub)
+    for g, gp in zip(grads, grads_pub):
+        assert torch.equal(g, gp)

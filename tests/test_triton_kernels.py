@@ -59,6 +59,60 @@ def test_unavailable_reason(monkeypatch):
     assert "TRITON_INTERPRET=1" in triton_backend.unavailable_reason(torch.device("cpu"))
 
 
+# --------------------------------------------------------------------------- launch routes
+
+def _noop_jit_kernel(monkeypatch):
+    """A compiled-mode (not interpreted) JITFunction whose launch only records its grid: the
+    host-side launch path of a GPU, here."""
+    import triton
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    def body(X, n, BLOCK: tl.constexpr):
+        pass
+
+    kernel = JITFunction(body)
+    launched = []
+    kernel.run = lambda *args, grid=None, **kwargs: launched.append(grid)
+    from fusedres.kernels import _common
+    monkeypatch.setattr(_common, "_INTERPRET", False)
+    assert isinstance(kernel, JITFunction) and triton is not None
+    return kernel, launched
+
+
+def test_eager_launch_bypasses_wrap_triton(monkeypatch):
+    """On a GPU an eager launch outside a triton_op (the BatchNorm preparation) goes to the kernel
+    itself; through ``torch.library.wrap_triton`` it would run the mutation higher-order op and
+    leave an entry in torch's kernel side table per launch, never freed. While a graph is traced
+    (a dispatch mode active) the launcher wraps, so the trace records the launch."""
+    from torch._higher_order_ops.triton_kernel_wrap import (
+        TraceableTritonKernelWrapper,
+        kernel_side_table,
+    )
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fusedres.kernels._common import launcher
+
+    kernel, launched = _noop_jit_kernel(monkeypatch)
+    x = torch.zeros(4)
+    entries = len(kernel_side_table.constant_args)
+    for _ in range(3):
+        launcher(kernel)[(2,)](x, 4, BLOCK=4)
+    assert len(kernel_side_table.constant_args) == entries
+    assert launched == [(2,)] * 3  # the launch itself (the wrapper's would be (2, 1, 1))
+    # What the launcher avoids: the wrapper's eager launch grows the side table.
+    torch.library.wrap_triton(kernel)[(2,)](x, 4, BLOCK=4)
+    assert len(launched) == 4 and len(kernel_side_table.constant_args) == entries + 1
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        assert isinstance(launcher(kernel), TraceableTritonKernelWrapper)
+
+
+
 def test_triton_ops_are_registered():
     for name in ("batch_stats", "bn_relu_conv2d", "bn_relu_conv2d_genstats",
                  "bn_relu_conv2d_backward"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import _extension, opdefs, settings
+from ..opdefs import UnitArgs
 
 NAMESPACE = "fusedres_cuda"
 OPS = tuple(opdefs.SCHEMAS)
@@ -55,6 +56,23 @@ def unavailable_reason(device: torch.device) -> str | None:
     if not torch.cuda.is_available():
         return "fusedres._C has the CUDA kernels but no CUDA device is visible"
     return None
+
+
+_EAGER_UNIT = None
+
+
+def eager_unit(args: UnitArgs, genstats: bool):
+    """The fused unit in eager mode (fusedres.functional): an ``autograd.Function`` over this
+    backend's ops, without the public op's layers (its dispatch, autograd wrapper and routing).
+    Returns ``y``, or ``(y, mean, var)`` of y when ``genstats``."""
+    global _EAGER_UNIT
+    if _EAGER_UNIT is None:  # the op handles exist once the extension has loaded them
+        from ..ops import direct_unit
+
+        ns = getattr(torch.ops, NAMESPACE)
+        _EAGER_UNIT = direct_unit("EagerCudaUnit", ns.bn_relu_conv2d, ns.bn_relu_conv2d_genstats,
+                                  ns.bn_relu_conv2d_backward)
+    return _EAGER_UNIT.apply(*args, genstats)
 
 
 __getattr__ = _extension.op_handles(__name__, globals(), NAMESPACE)

@@ -7,6 +7,7 @@ a torch.compile'd graph on a GPU, Inductor sees the Triton kernels themselves. U
 tensors there, so torch.compile is tested through the other backends' ops.
 """
 
+import math
 import os
 from typing import Optional
 
@@ -99,20 +100,17 @@ def _launch_forward(u: UnitArgs, genstats: bool):
                 branch_scale=_branch_scale(u.branch_scale, u.weight))
 
 
-@_triton_op("bn_relu_conv2d")
-def _forward_op(*inputs) -> Tensor:
+def _forward(*inputs) -> Tensor:
     return _launch_forward(UnitArgs(*inputs), genstats=False)
 
 
-@_triton_op("bn_relu_conv2d_genstats")
-def _forward_genstats_op(*inputs) -> tuple[Tensor, Tensor, Tensor]:
+def _forward_genstats(*inputs) -> tuple[Tensor, Tensor, Tensor]:
     """Forward that also returns (mean, biased var) of y per output channel, reduced in the
     convolution's epilogue."""
     return _launch_forward(UnitArgs(*inputs), genstats=True)
 
 
-@_triton_op("bn_relu_conv2d_backward")
-def _backward_op(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _backward(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     b = BackwardArgs(*inputs)
     x, weight, mean, invstd = b.x, b.weight, b.mean.contiguous(), b.invstd.contiguous()
     stride, padding, dilation = b.stride, b.padding, b.dilation
@@ -150,6 +148,13 @@ def _backward_op(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
             branch_scale=bscale, means=means)
     return tuple(outs)
 
+
+
+# The same three bodies as triton_ops (what torch.compile traces, CompiledUnit below); the eager
+# route (EagerUnit) calls the bodies themselves.
+_forward_op = _triton_op("bn_relu_conv2d")(_forward)
+_forward_genstats_op = _triton_op("bn_relu_conv2d_genstats")(_forward_genstats)
+_backward_op = _triton_op("bn_relu_conv2d_backward")(_backward)
 
 def backward_strategy(grad_out=None, x=None, weight=None, stride=(1, 1)) -> str:
     """``FUSEDRES_TRITON_BACKWARD``: "sums" (the weight-gradient pass also yields the BatchNorm
@@ -202,8 +207,9 @@ def _portable_case(*tensors) -> bool:
 
 
 def _forward_portable_case(u: UnitArgs) -> bool:
-    out = torch.empty(out_shape(u.x, u.weight, u.stride, u.padding, u.dilation), device="meta")
-    return _portable_case(u.x, u.weight, u.residual) or not _fits_int32(out)
+    # y is dense (either layout): its largest element offset is numel - 1.
+    return (_portable_case(u.x, u.weight, u.residual)
+            or math.prod(out_shape(u.x, u.weight, u.stride, u.padding, u.dilation)) > 2**31)
 
 
 def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -277,3 +283,23 @@ def compiled_batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     if _portable_case(x):
         return tuple(torch.ops.fusedres.batch_stats(x))
     return tuple(torch.ops.fusedres_triton.batch_stats(x))
+
+
+# The fused unit in eager mode (fusedres.functional, ops.eager_triton): an autograd.Function over
+# the bodies of the triton_ops above, launching the kernels with no custom-op layer between. The
+# public op fusedres::bn_relu_conv2d reaches the same bodies through two: its own (dispatch,
+# the autograd wrapper's redispatch, the routing to the backend) and the triton_op's; on CPU,
+# with the kernels as no-ops (benchmarks/triton_host_overhead.py), a small unit's training step
+# took 448 us of host time through the public op and takes 293 us here
+# (benchmarks/report-gpu-h100/README.md, "After the run").
+EagerUnit = direct_unit("EagerTritonUnit", _forward, _forward_genstats, _backward)
+
+
+def eager_unit(args: UnitArgs, genstats: bool):
+    """:data:`EagerUnit` on ``args`` (eager tensors), or the public op for the cases the kernels
+    leave to the portable code. Returns ``y``, or ``(y, mean, var)`` of y when ``genstats``."""
+    if _forward_portable_case(args):
+        op = (torch.ops.fusedres.bn_relu_conv2d_genstats if genstats
+              else torch.ops.fusedres.bn_relu_conv2d)
+        return op(*args)
+    return EagerUnit.apply(*args, genstats)
