@@ -627,17 +627,18 @@ def test_eager_route_is_taken_and_agrees_with_the_public_op():
     (torch.float32, torch.float32), (torch.float64, torch.float64),
     (torch.bfloat16, torch.float32), (torch.float32, torch.float64),
 ], ids=["f32", "f64", "bf16_x", "f64_running"])
+@pytest.mark.parametrize("c", [6, 37])
 def test_prepare_batch_norm_in_one_call_is_the_python_rule(monkeypatch, momentum, mode, dtype,
-                                                            stats_dtype):
+                                                            stats_dtype, c):
     """prepare_batch_norm on eager CPU tensors is one C++ call (ops.prepare_batch_norm_cpu):
     the same statistics, running statistics and count, bit for bit, as the Python sequence it
-    replaces; the given mean kept, never running_mean; the running statistics' version counters
-    bumped as by in-place ops."""
+    replaces (37 channels: ATen's vectorised kernels and their tails, against the C++ loop that
+    updates float running statistics); the given mean kept, never running_mean; the running
+    statistics' version counters bumped as by in-place ops."""
     from fusedres import functional as FR
     from fusedres import ops
 
     assert ops.prepare_batch_norm_cpu is not None
-    c = 6
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(5, c, 7, 9, generator=g) * 3 + 2).to(dtype).requires_grad_()
     gamma, beta = torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g)

@@ -175,21 +175,25 @@ void stats_nhwc(const T* x, int64_t R, int64_t C, std::vector<Moments>& acc) {
 std::tuple<at::Tensor, at::Tensor> finish(const std::vector<Moments>& acc, int64_t threads,
                                           int64_t C, at::ScalarType dtype,
                                           const at::TensorOptions& opts) {
-  at::Tensor mean = at::empty({C}, opts.dtype(at::kDouble));
-  at::Tensor var = at::empty({C}, opts.dtype(at::kDouble));
-  double* mp = mean.data_ptr<double>();
-  double* vp = var.data_ptr<double>();
-  for (int64_t c = 0; c < C; ++c) {
-    Moments total;
-    for (int64_t t = 0; t < threads; ++t) {
-      const Moments& m = acc[static_cast<size_t>(t) * C + c];
-      total.merge(m.n, m.mean, m.m2);
-    }
-    mp[c] = total.mean;
-    vp[c] = total.n > 0 ? total.m2 / total.n : std::numeric_limits<double>::quiet_NaN();
-  }
+  // Written in the stats dtype directly: static_cast rounds double to float as a .to() would.
   const auto stats_type = at::toOpMathType(dtype);
-  return {mean.to(stats_type), var.to(stats_type)};
+  at::Tensor mean = at::empty({C}, opts.dtype(stats_type));
+  at::Tensor var = at::empty({C}, opts.dtype(stats_type));
+  AT_DISPATCH_FLOATING_TYPES(stats_type, "batch_stats_finish", [&] {
+    scalar_t* mp = mean.data_ptr<scalar_t>();
+    scalar_t* vp = var.data_ptr<scalar_t>();
+    for (int64_t c = 0; c < C; ++c) {
+      Moments total;
+      for (int64_t t = 0; t < threads; ++t) {
+        const Moments& m = acc[static_cast<size_t>(t) * C + c];
+        total.merge(m.n, m.mean, m.m2);
+      }
+      mp[c] = static_cast<scalar_t>(total.mean);
+      vp[c] = static_cast<scalar_t>(
+          total.n > 0 ? total.m2 / total.n : std::numeric_limits<double>::quiet_NaN());
+    }
+  });
+  return {mean, var};
 }
 
 }  // namespace

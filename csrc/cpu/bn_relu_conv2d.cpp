@@ -32,6 +32,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdlib>
 
 #include "common.h"
@@ -284,6 +285,27 @@ std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
   return batch_stats_kernel(x_in.contiguous(memory_format(layout)), layout);
 }
 
+// rm = rm * (1 - f) + mean * f, rv = rv * (1 - f) + (var * bessel) * f and invstd = 1 / sqrt(var
+// + eps), element by element, with every product, sum and scalar rounded to T as ATen's
+// rm.mul_(1 - f).add_(mean * f), var * bessel, var + eps and at::rsqrt round them (their CPU
+// kernels, vectorised or not, compute exactly these IEEE operations; `volatile` keeps the compiler
+// from contracting a product and a sum into one FMA, which rounds once): the same bits.
+template <typename T>
+void update_running_stats(T* rm, T* rv, const T* mean, const T* var, T* invstd, int64_t C,
+                          double momentum, double bessel, double eps) {
+  const T keep = static_cast<T>(1 - momentum), take = static_cast<T>(momentum);
+  const T b = static_cast<T>(bessel), e = static_cast<T>(eps);
+  for (int64_t c = 0; c < C; ++c) {
+    volatile T unbiased = var[c] * b;
+    volatile T old_m = rm[c] * keep, new_m = mean[c] * take;
+    volatile T old_v = rv[c] * keep, new_v = unbiased * take;
+    rm[c] = old_m + new_m;
+    rv[c] = old_v + new_v;
+    volatile T shifted = var[c] + e;
+    invstd[c] = T(1) / std::sqrt(static_cast<T>(shifted));
+  }
+}
+
 // nn.BatchNorm2d's statistics and running-stats update in one call (fusedres.functional.
 // prepare_batch_norm on eager CPU tensors): (mean, invstd) in the statistics dtype. In training
 // (or without running statistics) the batch's, from `mean`/`var` when given (a producer's
@@ -320,8 +342,26 @@ std::tuple<at::Tensor, at::Tensor> prepare_batch_norm(
       const int64_t count = x.numel() / x.size(1);
       at::Tensor rm = *running_mean, rv = *running_var;
       if (present(num_batches_tracked)) num_batches_tracked->add_(1);
-      const at::Tensor unbiased =
-          var * (static_cast<double>(count) / static_cast<double>(count - 1));
+      const double bessel = static_cast<double>(count) / static_cast<double>(count - 1);
+      const at::ScalarType st = rm.scalar_type();
+      if (momentum.has_value() && (st == at::kFloat || st == at::kDouble) &&
+          rv.scalar_type() == st && mean.scalar_type() == st && var.scalar_type() == st &&
+          rm.is_contiguous() && rv.is_contiguous() && mean.is_contiguous() &&
+          var.is_contiguous()) {
+        // The update below in one loop (~10 ATen calls fewer), each product and sum rounded
+        // as those calls round them; the invstd too (var + eps, then 1 / sqrt, as at::rsqrt).
+        at::Tensor invstd = at::empty_like(var);
+        AT_DISPATCH_FLOATING_TYPES(st, "running_stats", [&] {
+          update_running_stats(rm.data_ptr<scalar_t>(), rv.data_ptr<scalar_t>(),
+                               mean.const_data_ptr<scalar_t>(), var.const_data_ptr<scalar_t>(),
+                               invstd.data_ptr<scalar_t>(), mean.numel(), *momentum, bessel,
+                               eps);
+        });
+        torch::autograd::impl::bump_version(rm);  // as the in-place ops' would be
+        torch::autograd::impl::bump_version(rv);
+        return {mean, invstd};
+      }
+      const at::Tensor unbiased = var * bessel;
       if (momentum.has_value()) {
         const double f = *momentum;
         rm.mul_(1 - f).add_(mean.to(rm.scalar_type()) * f);
