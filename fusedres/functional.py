@@ -365,8 +365,9 @@ def _triton_runs_traced() -> bool:
 def _compiled_triton(x: Tensor) -> bool:
     """True while torch.compile traces a unit on a GPU with the triton backend in force: then the
     unit is built from the ``fusedres_triton`` triton_ops, which Inductor sees down to their
-    kernels (the public ops are opaque to it). Eager code always runs the public ops. The backend
-    name in force is read here, so torch.compile guards on it and retraces when it changes."""
+    kernels (the public ops are opaque to it). Eager code takes :func:`_unit`'s other routes.
+    The backend name in force is read here, so torch.compile guards on it and retraces when it
+    changes."""
     if x.device.type != _TRACED_DEVICE_TYPE or not torch.compiler.is_compiling():
         return False
     name = _backend.get_backend()

@@ -192,10 +192,14 @@ bn_relu_conv2d_genstats.register_autograd(_backward_genstats,
 
 # --------------------------------------------------------------------------- the direct route
 
-def direct_unit(name: str, forward, forward_genstats, backward) -> type[torch.autograd.Function]:
+def direct_unit(name: str, forward, forward_genstats, backward, *,
+                eager: bool = False) -> type[torch.autograd.Function]:
     """An ``autograd.Function`` class called ``name`` running the fused unit on one backend's ops
     (``forward``, ``forward_genstats``, ``backward``: ops with the schemas of
     ``bn_relu_conv2d``, ``_genstats`` and ``_backward``) with the public ops' autograd rule.
+    ``eager``: ``forward`` and ``backward`` run the kernels bare, for eager tensors (the caller
+    checks the inputs: :func:`eager_backend`); the backward then calls ``backward`` only on a
+    plain gradient with grad mode off, else the public backward op.
     ``apply(*UnitArgs, genstats)`` returns ``y``, or ``(y, mean, var)`` when ``genstats`` (last,
     so that ``ctx.needs_input_grad`` lines up with :class:`UnitArgs`)."""
 
@@ -211,7 +215,11 @@ def direct_unit(name: str, forward, forward_genstats, backward) -> type[torch.au
         return y, mean, var
 
     def backward_fn(ctx, grad_out, *_stats_grads):
-        return (*unit_backward(ctx, grad_out, backward), None)  # genstats takes no gradient
+        # With ``eager``, ``backward`` runs the kernels bare only where :func:`_bare` allows.
+        op = backward
+        if eager and not _bare(grad_out):
+            op = torch.ops.fusedres.bn_relu_conv2d_backward
+        return (*unit_backward(ctx, grad_out, op), None)  # genstats takes no gradient
 
     # Built with type() so that the class, and its grad_fn (``<name>Backward``), carry the name.
     return type(name, (torch.autograd.Function,), {
@@ -279,9 +287,22 @@ class _EagerCpuPair(torch.autograd.Function):
                 need[5] and bn_weight is not None, need[6] and bn_bias is not None]
         if not any(mask):
             return (None,) * 13
-        gx, gw, gb, gw2, gb2, gg, gbeta = torch.ops.fusedres_cpu.bn_relu_conv2d_pair_backward(
-            grad, grad2, x, weight, weight2, bn_weight, bn_bias, mean, invstd, *ctx.geometry,
-            ctx.batch_stats, mask)
+        if _bare(grad, grad2):
+            gx, gw, gb, gw2, gb2, gg, gbeta = torch.ops.fusedres_cpu.bn_relu_conv2d_pair_backward(
+                grad, grad2, x, weight, weight2, bn_weight, bn_bias, mean, invstd,
+                *ctx.geometry, ctx.batch_stats, mask)
+        else:  # the public op once per convolution, the shared gradients summed
+            op = torch.ops.fusedres.bn_relu_conv2d_backward
+            g1, g2 = ctx.geometry[:3], ctx.geometry[3:]
+            gx, gw, gb, gg, gbeta = op(grad, x, weight, bn_weight, bn_bias, mean, invstd, *g1,
+                                       ctx.batch_stats, [mask[0], need[1], need[2] and b1,
+                                                         mask[3], mask[4]])
+            gx2, gw2, gb2, gg2, gbeta2 = op(grad2, x, weight2, bn_weight, bn_bias, mean, invstd,
+                                            *g2, ctx.batch_stats, [mask[0], need[3],
+                                                                   need[4] and b2, mask[3],
+                                                                   mask[4]])
+            gx, gg, gbeta = ((a + b if m else None) for a, b, m in
+                             ((gx, gx2, mask[0]), (gg, gg2, mask[3]), (gbeta, gbeta2, mask[4])))
         keep = (lambda g, wanted: g if wanted else None)
         return (keep(gx, need[0]), keep(gw, need[1]), keep(gb, need[2] and b1),
                 keep(gw2, need[3]), keep(gb2, need[4] and b2), keep(gg, mask[3]),
@@ -317,6 +338,12 @@ class _EagerCpuUnitWithShortcut(torch.autograd.Function):
     def backward(ctx, grad_out, grad_short, *_stats_grads):
         if grad_out is None:  # y took no gradient: x's is the shortcut's alone
             return (grad_short, *([None] * len(UnitArgs._fields)))
+        if not _bare(grad_out, grad_short):  # the public op, and autograd's sum
+            grads = list(unit_backward(ctx, grad_out, torch.ops.fusedres.bn_relu_conv2d_backward))
+            gx = grads[_SLOT["x"]]
+            if grad_short is not None:
+                grads[_SLOT["x"]] = grad_short if gx is None else gx + grad_short
+            return (*grads, None)
         op = torch.ops.fusedres_cpu.bn_relu_conv2d_backward
         if grad_short is not None and ctx.needs_input_grad[_SLOT["x"]]:
             def op(*args):
@@ -327,13 +354,27 @@ class _EagerCpuUnitWithShortcut(torch.autograd.Function):
 EagerCpuUnitWithShortcut = _EagerCpuUnitWithShortcut if _extension.LOADED else None
 
 
+_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
+
+
+def _bare(*grads: Tensor | None) -> bool:
+    """Whether an eager route's backward may run the backend's kernels on ``grads`` bare: grad
+    mode off (not a backward that builds a graph, ``create_graph=True``: the kernels' outputs
+    would have none) and plain tensors (:func:`_eager`: not the batched gradients of
+    ``is_grads_batched`` or vmap, no dispatch mode). Otherwise the public backward op runs it:
+    its layers batch, trace, and refuse a double backward as the public route does."""
+    return not torch.is_grad_enabled() and all(g is None or _eager(g) for g in grads)
+
+
 def _eager(x: Tensor) -> bool:
     """A plain, non-empty tensor in eager mode: no tracing, no dispatch mode, no torch.func
-    transform (what the eager routes below need)."""
+    transform, not a batched gradient (``autograd.grad(..., is_grads_batched=True)`` runs the
+    backward on legacy-vmap tensors, with no transform active): what the eager routes need."""
     return (not torch.compiler.is_compiling()  # first: nothing below becomes a guard
             and type(x) is Tensor and x.numel() > 0
             and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._are_functorch_transforms_active())
+            and not torch._C._are_functorch_transforms_active()
+            and not _is_legacy_batched(x))
 
 
 def eager_cpu(x: Tensor) -> bool:

@@ -4,6 +4,7 @@ import functools
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -114,3 +115,90 @@ def test_eager_unit_takes_the_backend_route(name, monkeypatch):
     assert torch.equal(y, y_pub)
     for g, gp in zip(grads, grads_pub):
         assert torch.equal(g, gp)
+
+
+def _eager_backend_or_skip(name):
+    why = fusedres.unavailable_reason(name, "cpu")
+    if why is not None:
+        pytest.skip(f"the {name} backend does not run here: {why}")
+
+
+# Every eager route's autograd node: cpu's C++ unit (EagerCpuUnit) and its Python pair and
+# shortcut nodes (a block with a projection, a block with the identity), triton's and cuda's.
+EAGER_ROUTES = [("cpu", "unit"), ("cpu", "projection block"), ("cpu", "identity block"),
+                ("triton", "unit"), ("cuda", "unit")]
+
+
+def _eager_model(kind):
+    torch.manual_seed(0)
+    if kind == "unit":
+        return fusedres.BNReLUConv2d(4, 4, 3, padding=1)
+    from fusedres.modules import BasicBlock
+
+    return BasicBlock(4, 6 if kind == "projection block" else 4)
+
+
+@pytest.mark.parametrize("name,kind", EAGER_ROUTES)
+def test_eager_routes_refuse_a_double_backward(name, kind):
+    """A backward that builds a graph (create_graph=True) through an eager route gives the same
+    gradient through the public ops, whose second backward raises (no second-order formula).
+    Running the kernels bare there handed back a gradient with no graph: the unit's
+    second-order term silently left the sum below."""
+    _eager_backend_or_skip(name)
+    m = _eager_model(kind)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    with fusedres.use_backend(name):
+        y = m(x)
+        loss = y.square().sum() + x.pow(3).sum()
+        with warnings.catch_warnings():
+            # A backend op under autograd's fallback warns ("an autograd kernel was not
+            # registered") where the public op raises: an error here.
+            warnings.simplefilter("error")
+            (g_plain,) = torch.autograd.grad(loss, x, retain_graph=True)
+            (g,) = torch.autograd.grad(loss, x, create_graph=True)  # the public ops' route
+            torch.testing.assert_close(g, g_plain)
+            with pytest.raises(RuntimeError, match="no autograd formula"):
+                torch.autograd.grad(g.sum(), x)
+
+
+@pytest.mark.parametrize("name,kind", EAGER_ROUTES)
+def test_eager_routes_batched_gradients(name, kind):
+    """``is_grads_batched`` (a vmap over the backward: what ``autograd.functional.jacobian(...,
+    vectorize=True)`` runs) through an eager route: the public op's batching, equal to one
+    backward per gradient (eval mode, so that the gradients are independent of the batch)."""
+    _eager_backend_or_skip(name)
+    m = _eager_model(kind).eval()
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    with fusedres.use_backend(name):
+        y = m(x)
+        gs = torch.randn(2, *y.shape)
+        (batched,) = torch.autograd.grad(y, x, gs, retain_graph=True, is_grads_batched=True)
+        for g, b in zip(gs, batched):
+            (one,) = torch.autograd.grad(y, x, g, retain_graph=True)
+            torch.testing.assert_close(b, one)
+
+
+def test_eager_triton_backward_checks_the_gradient_offsets(monkeypatch):
+    """The triton eager route's backward sends a gradient whose offsets pass int32 (a strided
+    view, e.g. of a torch.cat output's gradient, where y itself fits) to the portable code, as
+    the public op does: the kernels index in int32."""
+    _eager_backend_or_skip("triton")
+    from fusedres.backends import portable
+    from fusedres.backends import triton as triton_backend
+
+    torch.manual_seed(0)
+    m = fusedres.BNReLUConv2d(4, 3, 3, padding=1)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    g = torch.randn(2, 3, 5, 5)
+    calls = []
+    fits = triton_backend._fits_int32
+    monkeypatch.setattr(triton_backend, "_fits_int32",
+                        lambda *ts: fits(*ts) and not any(t is g for t in ts))
+    portable_backward = portable.bn_relu_conv2d_backward
+    monkeypatch.setattr(portable, "bn_relu_conv2d_backward",
+                        lambda *a: calls.append(a[0]) or portable_backward(*a))
+    with fusedres.use_backend("triton"):
+        y = m(x)
+        assert type(y.grad_fn).__name__ == "EagerTritonUnitBackward"
+        y.backward(g)
+    assert len(calls) == 1 and calls[0] is g

@@ -34,6 +34,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <tuple>
 
 #include "common.h"
 
@@ -351,14 +352,16 @@ std::tuple<at::Tensor, at::Tensor> prepare_batch_norm(
         // The update below in one loop (~10 ATen calls fewer), each product and sum rounded
         // as those calls round them; the invstd too (var + eps, then 1 / sqrt, as at::rsqrt).
         at::Tensor invstd = at::empty_like(var);
+        // Counted first, as the in-place ops' would be: a tensor that may not be updated (an
+        // inference tensor outside inference mode) throws here, before anything is written.
+        torch::autograd::impl::bump_version(rm);
+        torch::autograd::impl::bump_version(rv);
         AT_DISPATCH_FLOATING_TYPES(st, "running_stats", [&] {
           update_running_stats(rm.data_ptr<scalar_t>(), rv.data_ptr<scalar_t>(),
                                mean.const_data_ptr<scalar_t>(), var.const_data_ptr<scalar_t>(),
                                invstd.data_ptr<scalar_t>(), mean.numel(), *momentum, bessel,
                                eps);
         });
-        torch::autograd::impl::bump_version(rm);  // as the in-place ops' would be
-        torch::autograd::impl::bump_version(rv);
         return {mean, invstd};
       }
       const at::Tensor unbiased = var * bessel;
@@ -1121,6 +1124,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eager_unit_forward(
           mean.new_empty({0}), mean.new_empty({0})};
 }
 
+// Whether the node's backward may run the kernels on `grad` bare: grad mode off (not a backward
+// that builds a graph: create_graph=True) and a plain tensor (not a batched gradient of
+// autograd.grad(..., is_grads_batched=True) or vmap, not a tensor subclass). Otherwise the public
+// op fusedres::bn_relu_conv2d_backward runs it, as fusedres.ops.direct_unit does in Python.
+bool bare_gradient(const at::Tensor& grad) {
+  constexpr c10::DispatchKeySet layered({c10::DispatchKey::Batched,
+                                         c10::DispatchKey::FuncTorchBatched,
+                                         c10::DispatchKey::Python,
+                                         c10::DispatchKey::Functionalize});
+  return !at::GradMode::is_enabled() && !grad.key_set().has_any(layered);
+}
+
 // The fused unit's autograd rule as a C++ node (fusedres.ops.EagerCpuUnit; the rule of
 // fusedres.ops.unit_setup_context / unit_backward): forward and backward run without a Python
 // frame, the ops below autograd. An autograd.Function in Python cost a small unit ~50 us a
@@ -1185,11 +1200,23 @@ struct EagerCpuUnit : public torch::autograd::Function<EagerCpuUnit> {
       const auto ints = [&](const char* key) { return ctx->saved_data[key].toIntVector(); };
       const std::vector<int64_t> stride = ints("stride"), padding = ints("padding"),
                                  dilation = ints("dilation");
-      at::AutoDispatchBelowADInplaceOrView below;
-      auto [gx, gw, gb, gg, gbeta] = bn_relu_conv2d_backward(
+      const auto args = std::make_tuple(
           grad_out, x, weight, bn_weight, bn_bias, mean, invstd, c10::fromIntArrayRefSlow(stride),
           c10::fromIntArrayRefSlow(padding), c10::fromIntArrayRefSlow(dilation),
           ctx->saved_data["batch_stats"].toBool(), mask, branch_scale);
+      std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grads_in;
+      if (bare_gradient(grad_out)) {
+        at::AutoDispatchBelowADInplaceOrView below;
+        grads_in = std::apply(bn_relu_conv2d_backward, args);
+      } else {  // the public op, whose layers handle it (and refuse a double backward)
+        static const auto public_backward =
+            c10::Dispatcher::singleton()
+                .findSchemaOrThrow("fusedres::bn_relu_conv2d_backward", "")
+                .typed<decltype(bn_relu_conv2d_backward)>();
+        grads_in = std::apply(
+            [&](auto&&... a) { return public_backward.call(a...); }, args);
+      }
+      auto [gx, gw, gb, gg, gbeta] = grads_in;
       const at::Tensor* g[5] = {&gx, &gw, &gb, &gg, &gbeta};
       for (int i = 0; i < 5; ++i) {
         if (mask[i]) out[i] = *g[i];

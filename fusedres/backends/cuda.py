@@ -71,7 +71,7 @@ def eager_unit(args: UnitArgs, genstats: bool):
 
         ns = getattr(torch.ops, NAMESPACE)
         _EAGER_UNIT = direct_unit("EagerCudaUnit", ns.bn_relu_conv2d, ns.bn_relu_conv2d_genstats,
-                                  ns.bn_relu_conv2d_backward)
+                                  ns.bn_relu_conv2d_backward, eager=True)
     return _EAGER_UNIT.apply(*args, genstats)
 
 

@@ -1,10 +1,13 @@
 """The Triton backend: kernels/ (importable as ``fusedres.kernels``).
 
-Each backend entry point goes through an op of the ``fusedres_triton`` namespace defined with
-``torch.library.triton_op``, whose body launches the kernels through ``wrap_triton``: called from
-a torch.compile'd graph on a GPU, Inductor sees the Triton kernels themselves. Under
-``TRITON_INTERPRET=1`` (CPU tensors) the same ops run eagerly; they cannot be traced with fake
-tensors there, so torch.compile is tested through the other backends' ops.
+The backend's entry points (what the public ops route to) go through ops of the
+``fusedres_triton`` namespace defined with ``torch.library.triton_op``: in a graph that
+torch.compile traces on a GPU, their bodies' launches are recorded through ``wrap_triton``
+(``kernels._common.launcher`` wraps only while tracing) and Inductor sees the Triton kernels
+themselves. Eager code takes shorter routes to the same bodies: :data:`EagerUnit` (an
+``autograd.Function`` over them) and :func:`prepare_batch_norm` (its launches straight from
+Python). Under ``TRITON_INTERPRET=1`` (CPU tensors) the ops run eagerly; they cannot be traced
+with fake tensors there, so torch.compile is tested through the other backends' ops.
 """
 
 import math
@@ -72,7 +75,8 @@ def _branch_scale(branch_scale: Optional[Tensor], weight: Tensor) -> Optional[Te
 
 
 # --------------------------------------------------------------------------- triton ops
-# The schemas of fusedres.opdefs; the bodies launch the kernels through wrap_triton.
+# The schemas of fusedres.opdefs; the bodies launch the kernels through kernels._common.launcher
+# (wrap_triton while a graph is traced, the kernel itself in eager code).
 
 def _triton_op(op: str):
     """``torch.library.triton_op("fusedres_triton::<op>")`` with the schema of SCHEMAS. The
@@ -285,14 +289,24 @@ def compiled_batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     return tuple(torch.ops.fusedres_triton.batch_stats(x))
 
 
-# The fused unit in eager mode (fusedres.functional, ops.eager_triton): an autograd.Function over
+# The fused unit in eager mode (fusedres.functional, ops.eager_backend): an autograd.Function over
 # the bodies of the triton_ops above, launching the kernels with no custom-op layer between. The
 # public op fusedres::bn_relu_conv2d reaches the same bodies through two: its own (dispatch,
 # the autograd wrapper's redispatch, the routing to the backend) and the triton_op's; on CPU,
 # with the kernels as no-ops (benchmarks/triton_host_overhead.py), a small unit's training step
 # took 448 us of host time through the public op and takes 293 us here
 # (benchmarks/report-gpu-h100/README.md, "After the run").
-EagerUnit = direct_unit("EagerTritonUnit", _forward, _forward_genstats, _backward)
+def _eager_backward(*inputs) -> tuple[Tensor, ...]:
+    """The backward body for :data:`EagerUnit`: x and the weight were checked by the forward
+    (:func:`eager_unit`), the gradient is checked here (a strided view, e.g. of a ``torch.cat``
+    output's gradient, can reach offsets past int32 where y did not)."""
+    if not _fits_int32(inputs[0]):
+        return portable.bn_relu_conv2d_backward(*inputs)
+    return _backward(*inputs)
+
+
+EagerUnit = direct_unit("EagerTritonUnit", _forward, _forward_genstats, _eager_backward,
+                        eager=True)
 
 
 def eager_unit(args: UnitArgs, genstats: bool):
