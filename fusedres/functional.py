@@ -379,7 +379,7 @@ def _compiled_triton(x: Tensor) -> bool:
 def _unit(args: UnitArgs, genstats: bool):
     if ops.eager_cpu(args.x):
         return ops.EagerCpuUnit(args, genstats)
-    eager = ops.eager_backend(args.x)
+    eager = ops.eager_backend(args.x, args.weight)
     if eager is not None:  # "triton" or "cuda": the backend's own ops, no public-op layers
         return _backend.backend_module(eager).eager_unit(args, genstats)
     if _compiled_triton(args.x):

@@ -354,6 +354,7 @@ class _EagerCpuUnitWithShortcut(torch.autograd.Function):
 EagerCpuUnitWithShortcut = _EagerCpuUnitWithShortcut if _extension.LOADED else None
 
 
+_PLAIN_PARAMETERS = (Tensor, torch.nn.Parameter)
 _is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
 
 
@@ -384,12 +385,14 @@ def eager_cpu(x: Tensor) -> bool:
     return _eager(x) and x.is_cpu and _backend.resolve_backend(x.device) == "cpu"
 
 
-def eager_backend(x: Tensor) -> str | None:
+def eager_backend(x: Tensor, weight: Tensor | None = None) -> str | None:
     """``"triton"`` or ``"cuda"`` when a unit on ``x`` may take that backend's eager route (its
     ``eager_unit``: an ``autograd.Function`` over the backend's own ops, without the public
-    ops' custom-op layers): a plain tensor in eager mode, non-empty, and that backend in force
-    for its device. None otherwise (the cpu backend has :data:`EagerCpuUnit`)."""
-    if not _eager(x):
+    ops' custom-op layers): a plain tensor in eager mode, non-empty, a plain ``weight`` (a
+    tensor or ``nn.Parameter``, not a subclass such as DTensor, whose data the Triton
+    launchers would read raw), and that backend in force for its device. None otherwise (the
+    cpu backend has :data:`EagerCpuUnit`)."""
+    if not _eager(x) or (weight is not None and type(weight) not in _PLAIN_PARAMETERS):
         return None
     name = _backend.resolve_backend(x.device)
     return name if name in ("triton", "cuda") else None

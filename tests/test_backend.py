@@ -108,7 +108,7 @@ def test_eager_unit_takes_the_backend_route(name, monkeypatch):
 
     with fusedres.use_backend(name):
         y, grads, node = run()
-        monkeypatch.setattr(ops, "eager_backend", lambda t: None)
+        monkeypatch.setattr(ops, "eager_backend", lambda *a: None)
         y_pub, grads_pub, node_pub = run()
     assert node == f"Eager{name.capitalize()}UnitBackward"
     assert node_pub != node
@@ -176,6 +176,24 @@ def test_eager_routes_batched_gradients(name, kind):
         for g, b in zip(gs, batched):
             (one,) = torch.autograd.grad(y, x, g, retain_graph=True)
             torch.testing.assert_close(b, one)
+
+
+@pytest.mark.parametrize("name", ["triton", "cuda"])
+def test_eager_route_wants_a_plain_weight(name):
+    """A weight that is a tensor subclass (a wrapper such as DTensor: the Triton launchers
+    would read its data raw) keeps the unit on the public ops; a Parameter takes the eager
+    route."""
+    _eager_backend_or_skip(name)
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from fusedres import ops
+
+    x = torch.randn(2, 4, 5, 5)
+    w = torch.randn(3, 4, 3, 3)
+    with fusedres.use_backend(name):
+        assert ops.eager_backend(x, torch.nn.Parameter(w)) == name
+        assert ops.eager_backend(x, w) == name
+        assert ops.eager_backend(x, TwoTensor(w, w.clone())) is None
 
 
 def test_eager_triton_backward_checks_the_gradient_offsets(monkeypatch):
