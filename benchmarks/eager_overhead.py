@@ -1,6 +1,8 @@
 """What the Python layers cost per fused unit on the cpu backend: a small unit's forward+backward
 through the module (the eager route), through the public ops (the custom-op layers), and the C++
-kernels called bare (the floor). Medians over interleaved rounds; run on a quiet machine.
+kernels called bare (the floor); beside them plain PyTorch's unit on the same parameters
+(``nn.BatchNorm2d``, ReLU, ``nn.Conv2d``), whose host work the fused route's is held against.
+Medians over interleaved rounds; run on a quiet machine.
 
     python benchmarks/eager_overhead.py [--rounds 30] [--threads 1]
 
@@ -76,9 +78,11 @@ def main(argv=None) -> None:
         finally:
             ops.eager_cpu = eager_cpu
 
+    plain = torch.nn.Sequential(m.bn, torch.nn.ReLU(), m.conv)  # the same parameters
     variants = {"module (eager route)": lambda: _step_module(m, x),
                 "module (public ops)": public,
-                "kernels only": lambda: _kernels_only(m, x)}
+                "kernels only": lambda: _kernels_only(m, x),
+                "plain PyTorch": lambda: _step_module(plain, x)}
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():
         _timed(fn, 5)
