@@ -4,13 +4,13 @@ steps (``ONEDNN_VERBOSE``'s per-call time, via ``torch.backends.mkldnn.verbose``
 convolution forward, its data and weight gradients, the weight reorders; the same primitives on
 the same shapes in both), and the rest of the step (everything outside oneDNN: BatchNorm and
 ReLU work, plain's or the fused unit's kernels, and the host: Python, dispatch, autograd).
-Both in the same layout, interleaved samples, glibc keeping freed memory as ``fusedres bench``
-runs; run on a quiet machine.
+Both in the same layout, interleaved samples (``fusedres.bench.measure.time_interleaved``),
+glibc keeping freed memory, as ``fusedres bench`` runs; run on a quiet machine.
 
     python benchmarks/step_breakdown.py [--set "basic C=16 s1,basic C=96 s2"] [--threads 2]
         [--layout channels_last|nchw]
 
-The figures are in benchmarks/RESULTS.md ("Where the 16-channel units lose").
+The figures are in benchmarks/RESULTS.md ("Where the remaining shapes lose").
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
 from fusedres import allocator
+from fusedres.bench.measure import time_interleaved
 from fusedres.bench.units import make_case, make_step
 from fusedres.unit_shapes import select
 
@@ -34,14 +34,15 @@ _KIND = {"forward_training": "conv forward", "backward_data": "conv dgrad",
 
 
 def _wall_ms(steps: dict, rounds: int, reps: int) -> dict[str, float]:
-    times = {k: [] for k in steps}
-    for _ in range(rounds):
-        for k, step in steps.items():
-            t = time.perf_counter()
+    """Median ms per step: ``fusedres bench``'s interleaved rounds, a sample ``reps`` steps."""
+    def repeated(step):
+        def run():
             for _ in range(reps):
                 step()
-            times[k].append((time.perf_counter() - t) / reps * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+        return run
+    times = time_interleaved({k: repeated(s) for k, s in steps.items()}, torch.device("cpu"),
+                             warmup=1, reps=rounds)
+    return {k: statistics.median(v) / reps * 1e3 for k, v in times.items()}
 
 
 def onednn_ms(step, reps: int) -> dict[str, float]:
