@@ -507,6 +507,25 @@ def test_nhwc_channels_off_the_vector_width(c, pixels, dtype):
     torch.testing.assert_close(var.double(), var64, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("c", [8, 16, 32, 48, 112, 128, 144, 272])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_nhwc_rows_of_whole_vectors(c, dtype):
+    """NHWC rows of up to 8 whole vectors run with the per-channel vectors and the sums in
+    registers (1 to 8 vectors: 8..128 float channels, 8..64 double; the statistics also in
+    column groups of 8 vectors past that: 144 and 272 channels; 8 float channels through the
+    periods): 3 x 11 x 13 = 429 pixels, more than one 256-row block. Statistics, forward and
+    backward agree with float64 and the portable backend."""
+    args = _inputs(n=3, c=c, h=11, w=13, co=5, k=(1, 1), padding=(0, 0), dtype=dtype,
+                   x_format=torch.channels_last)
+    _compare_with_portable(args, dtype)
+    x = args[0]
+    mean, var = OPS.batch_stats(x)
+    var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(mean.double(), mean64, atol=tol, rtol=tol)
+    torch.testing.assert_close(var.double(), var64, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_thread_counts(threads):
     """Per-thread reduction buffers are sized by torch.get_num_threads(); results do not depend

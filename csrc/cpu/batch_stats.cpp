@@ -153,20 +153,123 @@ void nhwc_block(const T* x, int64_t r0, int64_t r1, int64_t C, Moments* mine,
   }
 }
 
-// Rows per block: at most 256 (with few channels the lanes hold little, sums run serially).
-inline int64_t nhwc_block_rows(int64_t C) {
+// nhwc_block for rows of exactly NV vectors (C = NV lanes-widths): the sums in registers, over U
+// rows at a time when a row holds few vectors. In memory (nhwc_block), each row's sum waits on
+// the previous row's store of the same lanes: with one or two vectors a row (16 or 32 float
+// channels) that chain, not the loads, set the speed (a 64x16x16x16 tensor: 142 us on one
+// thread against 68 us for the same bytes as 64 channels).
+// x: the first of the NV vectors' columns; ld: values per row; mine: their NV * W channels.
+template <typename T, int NV>
+void nhwc_block_regs(const T* x, int64_t ld, int64_t r0, int64_t r1, Moments* mine) {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t W = V::size();
+  constexpr int64_t C = NV * W;
+  constexpr int U = NV >= 4 ? 1 : (4 + NV - 1) / NV;  // independent partial sums per lane
+  V s[U][NV];
+  for (int u = 0; u < U; ++u)
+    for (int j = 0; j < NV; ++j) s[u][j] = V(0);
+  int64_t r = r0;
+  for (; r + U <= r1; r += U) {
+    for (int u = 0; u < U; ++u)
+      for (int j = 0; j < NV; ++j) s[u][j] += VecIO<T>::load(x + (r + u) * ld + j * W);
+  }
+  for (; r < r1; ++r)
+    for (int j = 0; j < NV; ++j) s[0][j] += VecIO<T>::load(x + r * ld + j * W);
+  const V inv(A(1) / static_cast<A>(r1 - r0));
+  V m[NV];
+  for (int j = 0; j < NV; ++j) {
+    V t = s[0][j];
+    for (int u = 1; u < U; ++u) t += s[u][j];
+    m[j] = t * inv;
+  }
+  V d[U][NV], q[U][NV];
+  for (int u = 0; u < U; ++u)
+    for (int j = 0; j < NV; ++j) d[u][j] = q[u][j] = V(0);
+  r = r0;
+  for (; r + U <= r1; r += U) {
+    for (int u = 0; u < U; ++u)
+      for (int j = 0; j < NV; ++j) {
+        const V v = VecIO<T>::load(x + (r + u) * ld + j * W) - m[j];
+        d[u][j] += v;
+        q[u][j] = at::vec::fmadd(v, v, q[u][j]);
+      }
+  }
+  for (; r < r1; ++r)
+    for (int j = 0; j < NV; ++j) {
+      const V v = VecIO<T>::load(x + r * ld + j * W) - m[j];
+      d[0][j] += v;
+      q[0][j] = at::vec::fmadd(v, v, q[0][j]);
+    }
+  alignas(64) A mean[C], sd[C], sq[C];
+  for (int j = 0; j < NV; ++j) {
+    V a = d[0][j], b = q[0][j];
+    for (int u = 1; u < U; ++u) {
+      a += d[u][j];
+      b += q[u][j];
+    }
+    m[j].store(mean + j * W);
+    a.store(sd + j * W);
+    b.store(sq + j * W);
+  }
+  const double n = static_cast<double>(r1 - r0);
+  for (int64_t c = 0; c < C; ++c) {
+    const double mc = mean[c], sc = sd[c];
+    if (!std::isfinite(mc)) {
+      mine[c].merge(n, mc, std::numeric_limits<double>::quiet_NaN());
+    } else {
+      mine[c].merge(n, mc + sc / n, nonneg(static_cast<double>(sq[c]) - sc * sc / n));
+    }
+  }
+}
+
+// Rows [r0, r1) of x (rows of C values, C a whole number of vectors) through nhwc_block_regs,
+// in column groups of at most 8 vectors; false (nothing done) when C is not whole vectors.
+template <typename T>
+bool nhwc_block_vectors(const T* x, int64_t r0, int64_t r1, int64_t C, Moments* mine) {
+  constexpr int64_t W = Vectorized<acc_t<T>>::size();
+  if (C % W != 0) return false;
+  for (int64_t c0 = 0; c0 < C; c0 += 8 * W) {
+    const T* xc = x + c0;
+    Moments* mc = mine + c0;
+    switch (std::min<int64_t>(8, (C - c0) / W)) {
+      case 1: nhwc_block_regs<T, 1>(xc, C, r0, r1, mc); break;
+      case 2: nhwc_block_regs<T, 2>(xc, C, r0, r1, mc); break;
+      case 3: nhwc_block_regs<T, 3>(xc, C, r0, r1, mc); break;
+      case 4: nhwc_block_regs<T, 4>(xc, C, r0, r1, mc); break;
+      case 5: nhwc_block_regs<T, 5>(xc, C, r0, r1, mc); break;
+      case 6: nhwc_block_regs<T, 6>(xc, C, r0, r1, mc); break;
+      case 7: nhwc_block_regs<T, 7>(xc, C, r0, r1, mc); break;
+      default: nhwc_block_regs<T, 8>(xc, C, r0, r1, mc); break;
+    }
+  }
+  return true;
+}
+
+// Rows per block: at most 256 (with few channels the lanes hold little, sums run serially);
+// 256 for the register walk, whose second pass reads one column group (at most 8 vectors, 128
+// KiB of float rows) from L2: with kChunk-sized blocks a 256-channel block held 32 rows and the
+// Chan merges (one per channel per block) took longer than the sums.
+template <typename T>
+int64_t nhwc_block_rows(int64_t C) {
+  if (C > 0 && C % Vectorized<acc_t<T>>::size() == 0) return 256;
   return std::clamp<int64_t>(kChunk / std::max<int64_t>(C, 1), 2, 256);
 }
 
 template <typename T>
 void stats_nhwc(const T* x, int64_t R, int64_t C, std::vector<Moments>& acc) {
-  const int64_t rows = nhwc_block_rows(C);
+  const int64_t rows = nhwc_block_rows<T>(C);
   const int64_t blocks = (R + rows - 1) / rows;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     Moments* mine = acc.data() + at::get_thread_num() * C;
-    std::vector<acc_t<T>> mean(C), sd(C), sq(C);
+    std::vector<acc_t<T>> mean, sd, sq;
     for (int64_t b = begin; b < end; ++b) {
-      nhwc_block(x, b * rows, std::min(R, (b + 1) * rows), C, mine, mean, sd, sq);
+      const int64_t r0 = b * rows, r1 = std::min(R, (b + 1) * rows);
+      if (nhwc_block_vectors(x, r0, r1, C, mine)) continue;
+      mean.resize(C);
+      sd.resize(C);
+      sq.resize(C);
+      nhwc_block(x, r0, r1, C, mine, mean, sd, sq);
     }
   });
 }
@@ -250,9 +353,13 @@ void RowStats::add(const at::Tensor& rows, int64_t tid) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "row_stats", [&] {
     using A = acc_t<scalar_t>;
     const scalar_t* p = rows.const_data_ptr<scalar_t>();
-    std::vector<A> mean(C), sd(C), sq(C);
-    const int64_t block = nhwc_block_rows(C);
+    const int64_t block = nhwc_block_rows<scalar_t>(C);
+    std::vector<A> mean, sd, sq;
     for (int64_t r0 = 0; r0 < R; r0 += block) {
+      if (nhwc_block_vectors(p, r0, std::min(R, r0 + block), C, mine)) continue;
+      mean.resize(C);
+      sd.resize(C);
+      sq.resize(C);
       nhwc_block(p, r0, std::min(R, r0 + block), C, mine, mean, sd, sq);
     }
   });
