@@ -218,6 +218,20 @@ def test_batch_stats_dtypes(dtype, channels_last):
         torch.testing.assert_close(var.double(), var64, atol=rtol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_batch_stats_small_nchw_planes_by_channel(dtype):
+    """NCHW planes under one chunk are reduced by channel, a chunk's worth of samples at a time:
+    7x7 planes (49 values, a vector tail) of 400 samples make 3 such groups a channel
+    (167 + 167 + 66 samples), on a large offset."""
+    x = (torch.randn(400, 3, 7, 7) * torch.tensor([1.0, 0.01, 5.0]).view(1, 3, 1, 1) + 300)
+    x = x.to(dtype)
+    mean, var = OPS.batch_stats(x)
+    var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(mean.double(), mean64, atol=0, rtol=tol)
+    torch.testing.assert_close(var.double(), var64, atol=0, rtol=100 * tol)
+
+
 def test_batch_stats_long_planes_are_chunked():
     """Planes longer than one chunk (8192 values) are merged with Chan's formula."""
     x = torch.randn(2, 2, 181, 97) * torch.linspace(0, 5, 181).view(1, 1, 181, 1) + 7
