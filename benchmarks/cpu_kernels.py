@@ -102,18 +102,23 @@ def main(argv=None) -> None:
     for spec in args.shapes.split(","):
         n, c, h, w = (int(v) for v in spec.lower().split("x"))
         x = torch.randn(n, c, h, w).contiguous(memory_format=fmt)
-        da, a, dz, gx = (torch.randn_like(x) for _ in range(4))
-        s, t, m, o, k = (torch.randn(c) for _ in range(5))
-        sums = torch.zeros(torch.get_num_threads(), 2, c, dtype=torch.float64)
-        row = [_median_us(lambda: kb.stats(x)),
-               _median_us(lambda: kb.bn_relu(x, s, t, a)),
-               _median_us(lambda: kb.reduce(da, x, s, t, m, o, sums, None)),
-               _median_us(lambda: kb.reduce(da, x, s, t, m, o, sums, dz)),
-               _median_us(lambda: kb.apply(dz, x, m, k, s, t, gx)),
-               _median_us(lambda: torch.clamp_min(x, 0, out=a))]
-        print(f"{spec:>14s} {x.numel() * 4 / 2**20:5.1f} " + " ".join(f"{v:11.1f}" for v in row),
-              flush=True)
+        row = _row(kb, x)
+        print(f"{spec:>14s} {x.numel() * 4 / 2**20:5.1f} "
+              + " ".join(f"{v:11.1f}" for v in row), flush=True)
 
+
+def _row(kb, x: torch.Tensor) -> list[float]:
+    """The six timings of one tensor (cols of main), us."""
+    c = x.shape[1]
+    da, a, dz, gx = (torch.randn_like(x) for _ in range(4))
+    s, t, m, o, k = (torch.randn(c) for _ in range(5))
+    sums = torch.zeros(torch.get_num_threads(), 2, c, dtype=torch.float64)
+    return [_median_us(lambda: kb.stats(x)),
+            _median_us(lambda: kb.bn_relu(x, s, t, a)),
+            _median_us(lambda: kb.reduce(da, x, s, t, m, o, sums, None)),
+            _median_us(lambda: kb.reduce(da, x, s, t, m, o, sums, dz)),
+            _median_us(lambda: kb.apply(dz, x, m, k, s, t, gx)),
+            _median_us(lambda: torch.clamp_min(x, 0, out=a))]
 
 if __name__ == "__main__":
     main()
