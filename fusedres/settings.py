@@ -84,7 +84,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "A tile's budget is at least this many times the weight's bytes."),
     Setting("FUSEDRES_CPU_CONV_NHWC", "choice", "", "at every cpu-backend call (csrc/cpu)",
             "`0`: convolve tiles in x's layout; `1`: always NHWC; unset: NHWC for spatial "
-            "kernels on maps of at least 8x8.", ("0", "1")),
+            "kernels on maps of at least 8x8 at stride 2 or under 48 input channels.", ("0", "1")),
     Setting("FUSEDRES_CPU_GEMM_1X1", "bool", "1", "at every cpu-backend call (csrc/cpu)",
             "Run stride-1 unpadded 1x1 convolutions as GEMMs (NCHW tiles: batched, one per "
             "sample; channels_last tiles: one per tile)."),

@@ -92,18 +92,24 @@ Layout layout_of(const at::Tensor& x) {
 
 // Layout of the activation tile that the convolution consumes. oneDNN's spatial (kh*kw > 1)
 // convolutions are 1.2-1.5x faster on NHWC than on NCHW here, which pays for transposing the
-// tiles of an NCHW unit (activation, output, grad_out, data gradient) in cache; its 1x1
-// convolutions on cache-sized NCHW tiles are as fast, and then the transposes are pure cost
-// (RESULTS.md). float64 runs ATen's native kernels in x's layout.
+// tiles of an NCHW unit (activation, output, grad_out, data gradient) in cache when the output
+// is small against the input (stride 2: a quarter) or the channels few (oneDNN's NCHW kernels
+// are slow under 48 channels: 24 channels ran 0.95x plain NCHW against 0.80x on NHWC tiles);
+// at stride 1 and 48 or more channels the NCHW convolution (oneDNN's own reorders inside) is
+// faster than the two whole-output transposes (the sweep's NCHW units, 2 threads, fused / plain:
+// C=64 s1 0.967 -> 0.942, C=256 s1 1.036 -> 1.001; RESULTS.md). 1x1 convolutions on
+// cache-sized NCHW tiles are as fast, and there the transposes are pure cost. float64 runs ATen's
+// native kernels in x's layout.
 // FUSEDRES_CPU_CONV_NHWC=0 / =1 forces x's layout / NHWC (for measurements).
-Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial) {
+Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial, bool strided) {
   if (weight.scalar_type() == at::kDouble) return x_layout;
   const char* env = std::getenv("FUSEDRES_CPU_CONV_NHWC");
   if (env && env[0] == '0') return x_layout;
   if (env && env[0] == '1') return Layout::NHWC;
   // Spatial kernels on maps of at least 8x8; at 7x7 (ResNet-50's last stage) the NCHW kernels
   // are as fast and the transposes of a whole batch are not.
-  return weight.size(2) * weight.size(3) > 1 && spatial >= 64 ? Layout::NHWC : x_layout;
+  if (weight.size(2) * weight.size(3) == 1 || spatial < 64) return x_layout;
+  return strided || weight.size(1) < 48 ? Layout::NHWC : x_layout;
 }
 
 // A 1x1, stride-1, unpadded convolution is a GEMM, run by ATen's BLAS instead of oneDNN's
@@ -488,7 +494,9 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
     empty = empty || c.y.numel() == 0;
     out_per_sample += shape[1] * shape[2] * shape[3];
     wbytes += weight_bytes(c.weight);
-    if (conv_layout(c.weight, layout, H * W) == Layout::NHWC) a_layout = Layout::NHWC;
+    if (conv_layout(c.weight, layout, H * W, c.stride[0] * c.stride[1] > 1) == Layout::NHWC) {
+      a_layout = Layout::NHWC;
+    }
   }
   if (empty) return;
 
@@ -741,7 +749,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
   // tiles is as fast as on NCHW ones: conv_layout).
   Layout a_layout = layout;
   for (const ConvGrad& c : convs) {
-    if (conv_layout(c.weight, layout, H * W) == Layout::NHWC) a_layout = Layout::NHWC;
+    if (conv_layout(c.weight, layout, H * W, c.stride[0] * c.stride[1] > 1) == Layout::NHWC) {
+      a_layout = Layout::NHWC;
+    }
   }
   const at::MemoryFormat a_fmt = memory_format(a_layout);
   // Per convolution: grad_out in the weight's dtype, the weight in the tile's layout, the GEMM

@@ -1,0 +1,70 @@
+"""Which layout the cpu backend's convolutions of an NCHW unit should run in: each shape's fused
+training step with the tiles convolved as the rule picks them (``conv_layout`` in
+csrc/cpu/bn_relu_conv2d.cpp), forced to x's layout (``FUSEDRES_CPU_CONV_NHWC=0``: oneDNN's NCHW
+convolution, its reorders inside) and forced to NHWC (``=1``: the tiles transposed around
+oneDNN's NHWC convolution), each over plain PyTorch's NCHW step, all four interleaved in one
+run (``fusedres.bench.measure.time_interleaved``, samples of at least 50 ms), glibc keeping
+freed memory, as ``fusedres bench`` runs. The variable is read at every call, so one process
+times all three. Run on a quiet machine.
+
+    python benchmarks/conv_layout_ab.py [--set basic-sweep] [--rounds 9] [--threads 2]
+
+The figures are in benchmarks/RESULTS.md ("NCHW units: the convolution's layout by stride and
+width").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+
+from fusedres import allocator
+from fusedres.bench.measure import time_interleaved
+from fusedres.bench.units import make_case, make_step
+from fusedres.unit_shapes import select
+
+VAR = "FUSEDRES_CPU_CONV_NHWC"
+
+
+def _with(step, value: str | None):
+    def run():
+        saved = os.environ.pop(VAR, None)
+        if value is not None:
+            os.environ[VAR] = value
+        try:
+            step()
+        finally:
+            os.environ.pop(VAR, None)
+            if saved is not None:
+                os.environ[VAR] = saved
+    return run
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--set", default="basic-sweep")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    allocator.keep_freed_memory()
+    cpu = torch.device("cpu")
+    print(f"torch {torch.__version__}, {args.threads} thread(s), NCHW; fused step over plain "
+          f"NCHW (medians of {args.rounds} interleaved samples)")
+    print(f"{'shape':36s} {'plain ms':>9s} {'rule':>7s} {'x layout':>9s} {'NHWC':>7s}")
+    for shape in select(args.set, False, args.set):
+        fused = make_step(make_case(shape, "cpu", cpu))
+        steps = {"plain": make_step(make_case(shape, "plain", cpu)), "rule": _with(fused, None),
+                 "x": _with(fused, "0"), "nhwc": _with(fused, "1")}
+        times = time_interleaved(steps, cpu, warmup=2, reps=args.rounds, min_sample_s=0.05)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        base = med["plain"]
+        print(f"{shape.name:36s} {base * 1e3:9.2f} {med['rule'] / base:7.3f} "
+              f"{med['x'] / base:9.3f} {med['nhwc'] / base:7.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
