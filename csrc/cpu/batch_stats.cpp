@@ -136,6 +136,20 @@ void stats_nchw(const T* x, int64_t N, int64_t C, int64_t HW, std::vector<Moment
   });
 }
 
+// Merges a block of n rows into mine[0..C): per channel its mean estimate, the sum of the
+// deviations from it (which corrects its rounding) and of their squares.
+template <typename A>
+void merge_block(Moments* mine, int64_t C, double n, const A* mean, const A* sd, const A* sq) {
+  for (int64_t c = 0; c < C; ++c) {
+    const double m = mean[c], s = sd[c];
+    if (!std::isfinite(m)) {
+      mine[c].merge(n, m, std::numeric_limits<double>::quiet_NaN());
+    } else {
+      mine[c].merge(n, m + s / n, nonneg(static_cast<double>(sq[c]) - s * s / n));
+    }
+  }
+}
+
 // NHWC: rows of C contiguous values; a block of `rows` rows is reduced per channel with the
 // channels in the vector lanes. Rows [r0, r1) of x, merged into mine[0..C); mean, sd, sq:
 // scratch of C values.
@@ -171,15 +185,7 @@ void nhwc_block(const T* x, int64_t r0, int64_t r1, int64_t C, Moments* mine,
       sq[c] += d * d;
     }
   }
-  const double n = static_cast<double>(r1 - r0);
-  for (int64_t c = 0; c < C; ++c) {
-    const double m = mean[c], s = sd[c];
-    if (!std::isfinite(m)) {
-      mine[c].merge(n, m, std::numeric_limits<double>::quiet_NaN());
-    } else {
-      mine[c].merge(n, m + s / n, nonneg(static_cast<double>(sq[c]) - s * s / n));
-    }
-  }
+  merge_block(mine, C, static_cast<double>(r1 - r0), mean.data(), sd.data(), sq.data());
 }
 
 // nhwc_block for rows of exactly NV vectors (C = NV lanes-widths): the sums in registers, over U
@@ -241,15 +247,7 @@ void nhwc_block_regs(const T* x, int64_t ld, int64_t r0, int64_t r1, Moments* mi
     a.store(sd + j * W);
     b.store(sq + j * W);
   }
-  const double n = static_cast<double>(r1 - r0);
-  for (int64_t c = 0; c < C; ++c) {
-    const double mc = mean[c], sc = sd[c];
-    if (!std::isfinite(mc)) {
-      mine[c].merge(n, mc, std::numeric_limits<double>::quiet_NaN());
-    } else {
-      mine[c].merge(n, mc + sc / n, nonneg(static_cast<double>(sq[c]) - sc * sc / n));
-    }
-  }
+  merge_block(mine, C, static_cast<double>(r1 - r0), mean, sd, sq);
 }
 
 // Rows [r0, r1) of x (rows of C values, C a whole number of vectors) through nhwc_block_regs,
