@@ -207,8 +207,9 @@ def test_batch_stats_million_values_large_offset(channels_last):
                          ids=["f64", "bf16", "f16"])
 def test_batch_stats_dtypes(dtype, channels_last):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    # C = 17 and 33: vector widths plus a tail; HW = 13 * 7 a prime-ish plane.
-    for c in (17, 33):
+    # C = 17 and 33: vector widths plus a tail; 16 and 48: whole vectors (the NHWC register
+    # walks); HW = 13 * 7 a prime-ish plane.
+    for c in (17, 33, 16, 48):
         x = (torch.randn(5, c, 13, 7) * 3 + 2).to(dtype).contiguous(memory_format=fmt)
         mean, var = OPS.batch_stats(x)
         var64, mean64 = torch.var_mean(x.double(), dim=(0, 2, 3), correction=0)
