@@ -259,16 +259,9 @@ bool nhwc_block_vectors(const T* x, int64_t r0, int64_t r1, int64_t C, Moments* 
   for (int64_t c0 = 0; c0 < C; c0 += 8 * W) {
     const T* xc = x + c0;
     Moments* mc = mine + c0;
-    switch (std::min<int64_t>(8, (C - c0) / W)) {
-      case 1: nhwc_block_regs<T, 1>(xc, C, r0, r1, mc); break;
-      case 2: nhwc_block_regs<T, 2>(xc, C, r0, r1, mc); break;
-      case 3: nhwc_block_regs<T, 3>(xc, C, r0, r1, mc); break;
-      case 4: nhwc_block_regs<T, 4>(xc, C, r0, r1, mc); break;
-      case 5: nhwc_block_regs<T, 5>(xc, C, r0, r1, mc); break;
-      case 6: nhwc_block_regs<T, 6>(xc, C, r0, r1, mc); break;
-      case 7: nhwc_block_regs<T, 7>(xc, C, r0, r1, mc); break;
-      default: nhwc_block_regs<T, 8>(xc, C, r0, r1, mc); break;
-    }
+    with_vector_count(std::min<int64_t>(8, (C - c0) / W), [&](auto nv) {
+      nhwc_block_regs<T, decltype(nv)::value>(xc, C, r0, r1, mc);
+    });
   }
   return true;
 }

@@ -86,18 +86,7 @@ bool dispatch_pair(at::ScalarType xt, at::ScalarType wt, F&& f) {
 template <typename A, typename F>
 bool with_row_vectors(int64_t C, F&& f) {
   constexpr int64_t L = Vectorized<A>::size();
-  if (C <= 0 || C % L != 0) return false;
-  switch (C / L) {
-    case 1: return f(std::integral_constant<int, 1>{}), true;
-    case 2: return f(std::integral_constant<int, 2>{}), true;
-    case 3: return f(std::integral_constant<int, 3>{}), true;
-    case 4: return f(std::integral_constant<int, 4>{}), true;
-    case 5: return f(std::integral_constant<int, 5>{}), true;
-    case 6: return f(std::integral_constant<int, 6>{}), true;
-    case 7: return f(std::integral_constant<int, 7>{}), true;
-    case 8: return f(std::integral_constant<int, 8>{}), true;
-    default: return false;
-  }
+  return C > 0 && C % L == 0 && with_vector_count(C / L, std::forward<F>(f));
 }
 
 // ----------------------------------------------------------------------------- forward

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 // conv_out_size, suggests_channels_last, out_memory_format: the rules csrc/cuda shares.
@@ -129,6 +130,24 @@ inline Periods nhwc_periods(const at::Tensor& x) {
   out.rows = pixels / per;
   out.rest = pixels - out.rows * per;
   return out;
+}
+
+// Calls f(std::integral_constant<int, NV>{}) for a count NV of vectors from 1 to 8 (the NHWC
+// walks that keep a row's per-channel vectors and sums in registers, unrolled per count:
+// bn_relu.cpp, batch_stats.cpp); returns false, nothing called, for any other count.
+template <typename F>
+bool with_vector_count(int64_t nv, F&& f) {
+  switch (nv) {
+    case 1: return f(std::integral_constant<int, 1>{}), true;
+    case 2: return f(std::integral_constant<int, 2>{}), true;
+    case 3: return f(std::integral_constant<int, 3>{}), true;
+    case 4: return f(std::integral_constant<int, 4>{}), true;
+    case 5: return f(std::integral_constant<int, 5>{}), true;
+    case 6: return f(std::integral_constant<int, 6>{}), true;
+    case 7: return f(std::integral_constant<int, 7>{}), true;
+    case 8: return f(std::integral_constant<int, 8>{}), true;
+    default: return false;
+  }
 }
 
 // ----------------------------------------------------------------------------- kernels
