@@ -18,6 +18,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
@@ -26,22 +27,11 @@ import fusedres
 
 SHAPES = "64x16x16x16,64x32x16x16,64x16x32x32,64x64x8x8,64x24x16x16,64x48x8x8,64x256x8x8"
 
+_CSRC_CPU = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
+# The kernels' declarations are csrc/cpu/common.h's own (the source checkout's).
 _SOURCE = r"""
 #include <torch/extension.h>
-namespace fusedres::cpu {
-enum class Layout { NCHW, NHWC };
-std::tuple<at::Tensor, at::Tensor> batch_stats_kernel(const at::Tensor& x, Layout layout);
-void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
-                    at::Tensor& a, Layout x_layout, Layout a_layout);
-void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
-                                    const at::Tensor& scale, const at::Tensor& shift,
-                                    const at::Tensor& mean, const at::Tensor& out_scale,
-                                    at::Tensor& sums, at::Tensor* dz_out, Layout layout,
-                                    Layout da_layout, bool stream_dz);
-void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mean,
-                              const at::Tensor& k1, const at::Tensor& k2, const at::Tensor& k3,
-                              at::Tensor& gx, Layout layout, const at::Tensor* add);
-}  // namespace fusedres::cpu
+#include "common.h"
 using fusedres::cpu::Layout;
 static Layout layout(const at::Tensor& x) {
   return x.is_contiguous() ? Layout::NCHW : Layout::NHWC;
@@ -69,7 +59,7 @@ def _extension():
     return load_inline("fusedres_cpu_kernels_bench", [_SOURCE],
                        functions=["stats", "bn_relu", "reduce", "apply"],
                        extra_ldflags=[so, f"-Wl,-rpath,{os.path.dirname(so)}"],
-                       extra_cflags=["-O2"])
+                       extra_include_paths=[str(_CSRC_CPU)], extra_cflags=["-O2"])
 
 
 def _median_us(fn, calls: int = 20, samples: int = 15) -> float:
