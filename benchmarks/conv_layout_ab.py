@@ -16,31 +16,16 @@ width").
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
 
 from fusedres import allocator
-from fusedres.bench.measure import time_interleaved
+from fusedres.bench.measure import time_interleaved, with_env
 from fusedres.bench.units import make_case, make_step
 from fusedres.unit_shapes import select
 
 VAR = "FUSEDRES_CPU_CONV_NHWC"
-
-
-def _with(step, value: str | None):
-    def run():
-        saved = os.environ.pop(VAR, None)
-        if value is not None:
-            os.environ[VAR] = value
-        try:
-            step()
-        finally:
-            os.environ.pop(VAR, None)
-            if saved is not None:
-                os.environ[VAR] = saved
-    return run
 
 
 def main(argv=None) -> None:
@@ -57,8 +42,9 @@ def main(argv=None) -> None:
     print(f"{'shape':36s} {'plain ms':>9s} {'rule':>7s} {'x layout':>9s} {'NHWC':>7s}")
     for shape in select(args.set, False, args.set):
         fused = make_step(make_case(shape, "cpu", cpu))
-        steps = {"plain": make_step(make_case(shape, "plain", cpu)), "rule": _with(fused, None),
-                 "x": _with(fused, "0"), "nhwc": _with(fused, "1")}
+        steps = {"plain": make_step(make_case(shape, "plain", cpu)),
+                 "rule": with_env(fused, VAR, None), "x": with_env(fused, VAR, "0"),
+                 "nhwc": with_env(fused, VAR, "1")}
         times = time_interleaved(steps, cpu, warmup=2, reps=args.rounds, min_sample_s=0.05)
         med = {k: statistics.median(v) for k, v in times.items()}
         base = med["plain"]

@@ -88,6 +88,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("FUSEDRES_CPU_GEMM_1X1", "bool", "1", "at every cpu-backend call (csrc/cpu)",
             "Run stride-1 unpadded 1x1 convolutions as GEMMs (NCHW tiles: batched, one per "
             "sample; channels_last tiles: one per tile)."),
+    Setting("FUSEDRES_CPU_GEMM_STRIDED", "bool", "1", "at every cpu-backend call (csrc/cpu)",
+            "Run a strided unpadded 1x1 convolution of channels_last tiles that shares its "
+            "BatchNorm-ReLU with another convolution (a projection shortcut beside conv1) as "
+            "GEMMs on the pixels it reads; 0: oneDNN's convolution (FUSEDRES_CPU_GEMM_1X1=0 "
+            "turns both GEMM routes off)."),
     Setting("FUSEDRES_CPU_CHUNK_BYTES", "int", "262144", "at every cpu-backend call (csrc/cpu)",
             "Bytes of activation + output rows per pixel chunk of a channels_last 1x1 unit "
             "(the GEMM route: one convolution, or a pair's two) whose weights are no larger: "

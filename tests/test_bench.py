@@ -20,7 +20,7 @@ from fusedres.bench import main
 from fusedres.bench import step as step_mod
 from fusedres.bench import units as units_mod
 from fusedres.bench.fit import search
-from fusedres.bench.measure import summarize, time_interleaved
+from fusedres.bench.measure import summarize, time_interleaved, with_env
 from fusedres.bench.runner import QUICK_FIT, Report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -149,6 +149,39 @@ def test_time_interleaved_samples_several_calls_in_a_row():
     assert timed % 3 == 0 and 3 * 4 <= timed <= 3 * 10, timed
     assert {k: len(v) for k, v in times.items()} == {"A": 3, "B": 3}
     assert all(0.0019 < t < 0.05 for v in times.values() for t in v)  # seconds per call
+
+
+def test_time_interleaved_reads_the_clock_it_is_given():
+    # A sleep costs wall time, not this thread's CPU time; a fake clock is read as given.
+    steps = {"sleep": lambda: time.sleep(0.01)}
+    cpu = torch.device("cpu")
+    wall = time_interleaved(steps, cpu, warmup=0, reps=2)
+    own = time_interleaved(steps, cpu, warmup=0, reps=2, clock=time.thread_time)
+    assert min(wall["sleep"]) > 0.009 and max(own["sleep"]) < 0.005, (wall, own)
+    ticks = iter(range(100))
+    fake = time_interleaved(steps, cpu, warmup=0, reps=3, clock=lambda: 10.0 * next(ticks))
+    assert fake["sleep"] == [10.0, 10.0, 10.0]
+
+
+def test_with_env_sets_then_restores(monkeypatch):
+    seen = []
+
+    def read():
+        seen.append(os.environ.get("FUSEDRES_TEST_AB"))
+        return "ok"
+
+    monkeypatch.setenv("FUSEDRES_TEST_AB", "before")
+    assert with_env(read, "FUSEDRES_TEST_AB", "1")() == "ok"
+    with_env(read, "FUSEDRES_TEST_AB", None)()
+    assert seen == ["1", None] and os.environ["FUSEDRES_TEST_AB"] == "before"
+    monkeypatch.delenv("FUSEDRES_TEST_AB")
+
+    def fail():
+        raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        with_env(fail, "FUSEDRES_TEST_AB", "1")()
+    assert "FUSEDRES_TEST_AB" not in os.environ
 
 
 def test_summarize():

@@ -438,6 +438,66 @@ def test_pair_is_two_units(monkeypatch, pair, channels_last, dtype, tile_bytes):
                                          *geo2, True, [True] * 5)
 
 
+def _aten_calls(fn) -> dict[str, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("tile_bytes", ["6000", "0"], ids=["tiles", "one"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("pair", ["1x1/2 + 3x3/2", "1x1/2 + 1x1"])
+def test_strided_1x1_beside_another_is_a_gemm(monkeypatch, pair, dtype, tile_bytes):
+    """A channels_last pair's strided 1x1 shortcut runs as GEMMs on the pixels it reads, its
+    data gradient added into the other convolution's (no oneDNN convolution for it, forward or
+    backward; FUSEDRES_CPU_GEMM_STRIDED=0: oneDNN's), and gives what oneDNN gives, every output
+    of forward and backward, in tiles of a few samples or one. A strided 1x1 unit alone keeps
+    oneDNN's convolution (strided_beside_dense)."""
+    monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
+    cl = torch.channels_last
+    (k1, s1, p1), (k2, s2, p2) = PAIRS[pair]
+    args = _inputs(n=5, c=16, h=12, w=11, co=12, k=(k1, k1), dtype=dtype, x_format=cl,
+                   w_format=cl, stride=(s1, s1), padding=(p1, p1), residual=False)
+    x, w1, b1, gamma, beta, mean, invstd = args[:7]
+    w2 = (torch.randn(5, 16, k2, k2) / (16 * k2 * k2) ** 0.5).to(dtype).contiguous(
+        memory_format=cl)
+    geo1, geo2 = ([s1, s1], [p1, p1], [1, 1]), ([s2, s2], [p2, p2], [1, 1])
+    g1 = torch.randn(opdefs.out_shape(x, w1, *geo1)).to(dtype).contiguous(memory_format=cl)
+    g2 = torch.randn(opdefs.out_shape(x, w2, *geo2)).to(dtype).contiguous(memory_format=cl)
+    out, convs = {}, {}
+    for strided in ("1", "0"):
+        monkeypatch.setenv("FUSEDRES_CPU_GEMM_STRIDED", strided)
+
+        def run(strided=strided):
+            fwd = OPS.bn_relu_conv2d_pair(x, w1, b1, w2, None, gamma, beta, mean, invstd,
+                                          *geo1, *geo2, True)
+            bwd = OPS.bn_relu_conv2d_pair_backward(g1, g2, x, w1, w2, gamma, beta, mean,
+                                                   invstd, *geo1, *geo2, True, [True] * 5)
+            out[strided] = (*fwd, *bwd)
+
+        calls = _aten_calls(run)
+        convs[strided] = [calls.get(f"aten::{op}", 0) for op in ("convolution",
+                                                                  "convolution_backward")]
+    # Per tile, one convolution forward and one backward by oneDNN for each convolution that
+    # is not a GEMM: none for 1x1 + 1x1 with the strided route, the 3x3's alone beside it.
+    for fwd_or_bwd in (0, 1):
+        with_gemm, without = convs["1"][fwd_or_bwd], convs["0"][fwd_or_bwd]
+        assert without > 0 and with_gemm == (0 if k2 == 1 else without // 2), convs
+    names = ["y1", "y2", "mean2", "var2", "gx", "gw1", "gb1", "gw2", "gb2", "gg", "gbeta"]
+    for name, got, want in zip(names, out["1"], out["0"]):
+        assert got.shape == want.shape and got.stride() == want.stride(), name
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got, want, atol=_tol(dtype) * scale, rtol=_tol(dtype),
+                                   msg=name)
+    # Alone, the strided 1x1 is oneDNN's convolution whatever the setting.
+    monkeypatch.setenv("FUSEDRES_CPU_GEMM_STRIDED", "1")
+    calls = _aten_calls(lambda: OPS.bn_relu_conv2d_backward(
+        g1, x, w1, gamma, beta, mean, invstd, *geo1, True, [True] * 5))
+    assert calls.get("aten::convolution_backward", 0) >= 1, calls
+
+
 @pytest.mark.parametrize("add_as", ["x", "other layout", "other dtype"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16],
                          ids=["f32", "f64", "bf16"])

@@ -124,16 +124,42 @@ Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial, b
 //   the residual added by the GEMM itself (beta = 1), the data gradient go @ W and the weight
 //   gradient go^T @ a added into the accumulator; backward 1.2-2x faster than oneDNN's on the
 //   CIFAR bottlenecks' 1x1 convolutions (RESULTS.md), forward about the same, at every size.
-enum class Gemm1x1 { None, PerSample, Whole };
+// - channels_last tiles, stride > 1 (a projection shortcut; a bottleneck's strided 1x1): the
+//   same GEMMs on the pixels the convolution reads, the tile's strided rows copied out
+//   (strided_rows), and the data gradient added into those pixels of the tile's
+//   (strided_pixels).
+//   oneDNN's strided 1x1 backward writes a whole-tile data gradient, 3/4 zeros at stride 2,
+//   that is then added to the other convolution's, and returns a weight gradient that ATen
+//   copies into the weight's layout per tile (RESULTS.md, "Strided 1x1 convolutions as GEMMs").
+//   Only beside another convolution of the same activation (strided_beside_dense): alone (a
+//   unit's strided 1x1, the stacked shortcut and conv1 of a bottleneck strided on conv1) the
+//   data gradient would be a tile of zeros and the scattered rows, and oneDNN measured as fast
+//   or faster (CIFAR ResNet-164's strided units 0.624 / 0.566 of plain by oneDNN, 0.637 / 0.589
+//   by GEMM). FUSEDRES_CPU_GEMM_STRIDED=0 turns this route alone off.
+enum class Gemm1x1 { None, PerSample, Whole, Strided };
+
+// The strided GEMMs of one activation's convolutions `gemms` where another one is not strided
+// (its data gradient is the tile the strided ones add into); otherwise oneDNN's convolutions.
+void strided_beside_dense(std::vector<Gemm1x1>& gemms) {
+  bool dense = false;
+  for (const Gemm1x1 g : gemms) dense = dense || g != Gemm1x1::Strided;
+  if (dense) return;
+  for (Gemm1x1& g : gemms) g = Gemm1x1::None;
+}
 
 Gemm1x1 gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
                  const std::vector<int64_t>& padding, Layout a_layout, int64_t spatial) {
   const char* env = std::getenv("FUSEDRES_CPU_GEMM_1X1");
   if (env && env[0] == '0') return Gemm1x1::None;
   const auto dt = weight.scalar_type();
-  if (!(weight.size(2) == 1 && weight.size(3) == 1 && stride[0] == 1 && stride[1] == 1 &&
-        padding[0] == 0 && padding[1] == 0 && (dt == at::kFloat || dt == at::kDouble))) {
+  if (!(weight.size(2) == 1 && weight.size(3) == 1 && padding[0] == 0 && padding[1] == 0 &&
+        (dt == at::kFloat || dt == at::kDouble))) {
     return Gemm1x1::None;
+  }
+  if (stride[0] > 1 || stride[1] > 1) {
+    const char* strided = std::getenv("FUSEDRES_CPU_GEMM_STRIDED");
+    if (a_layout != Layout::NHWC || (strided && strided[0] == '0')) return Gemm1x1::None;
+    return Gemm1x1::Strided;
   }
   if (a_layout == Layout::NHWC) return Gemm1x1::Whole;
   return spatial >= 64 ? Gemm1x1::PerSample : Gemm1x1::None;
@@ -147,7 +173,7 @@ Gemm1x1 gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
 // 2.48, 256 -> 64 @8 0.98 / 1.18). FUSEDRES_CPU_GW_T=0 / 1 forces either (unset or anything
 // else: this rule).
 bool gw_t_for(Gemm1x1 gemm, const at::Tensor& weight) {
-  if (gemm != Gemm1x1::Whole) return false;
+  if (gemm != Gemm1x1::Whole && gemm != Gemm1x1::Strided) return false;
   const char* env = std::getenv("FUSEDRES_CPU_GW_T");
   if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
   return weight.size(1) < weight.size(0);
@@ -282,6 +308,24 @@ at::Tensor pixel_rows(const at::Tensor& t, int64_t first, int64_t rows) {
 // an NHWC (rows, C, 1, 1) tensor.
 at::Tensor thread_rows(const at::Tensor& buf, int64_t tid, int64_t rc, int64_t rows, int64_t C) {
   return buf.narrow(0, tid * rc * C, rows * C).view({rows, C, 1, 1});
+}
+
+// The pixels of an NHWC tile t (len, C, H, W) that a strided 1x1 convolution with output
+// (Ho, Wo) reads (or writes the data gradient of), as a (len, Ho, Wo, C) view.
+at::Tensor strided_pixels(const at::Tensor& t, const std::vector<int64_t>& stride, int64_t Ho,
+                          int64_t Wo) {
+  return t.permute({0, 2, 3, 1})
+      .slice(1, 0, (Ho - 1) * stride[0] + 1, stride[0])
+      .slice(2, 0, (Wo - 1) * stride[1] + 1, stride[1]);
+}
+
+// Those pixels of the tile a, copied into buf as the rows of a (len*Ho*Wo, C) matrix.
+at::Tensor strided_rows(const at::Tensor& a, const std::vector<int64_t>& stride, int64_t Ho,
+                        int64_t Wo, const at::Tensor& buf) {
+  const int64_t len = a.size(0), C = a.size(1);
+  at::Tensor rows = buf.narrow(0, 0, len * Ho * Wo * C);
+  rows.view({len, Ho, Wo, C}).copy_(strided_pixels(a, stride, Ho, Wo));
+  return rows.view({len * Ho * Wo, C});
 }
 
 // ----------------------------------------------------------------------------- ops
@@ -510,6 +554,7 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
     if (gemm != Gemm1x1::None && !dense_in(c.y, a_layout)) gemm = Gemm1x1::None;
     gemms.push_back(gemm);
   }
+  strided_beside_dense(gemms);
   {
     // Every convolution a channels_last GEMM (one, or a pair's two), no branch scale, each
     // residual as y: pixel chunks.
@@ -542,6 +587,13 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
   const int64_t nb = tile_samples(N, (C * H * W + out_per_sample) * weight0.element_size(),
                                   wbytes, layout == Layout::NHWC);
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(a_fmt));
+  std::vector<at::Tensor> rows_bufs(convs.size());  // the strided GEMMs' pixels of a tile
+  for (size_t i = 0; i < convs.size(); ++i) {
+    if (gemms[i] == Gemm1x1::Strided) {
+      rows_bufs[i] = at::empty({nb * convs[i].y.size(2) * convs[i].y.size(3) * C},
+                               weight0.options());
+    }
+  }
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     at::Tensor a = a_buf.narrow(0, 0, len);
@@ -566,11 +618,16 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
         }
         continue;
       }
-      if (gemms[i] == Gemm1x1::Whole) {
-        // Rows of a channels_last tile are pixels: (len*H*W, C) @ (C, Co) into y's rows.
+      if (gemms[i] == Gemm1x1::Whole || gemms[i] == Gemm1x1::Strided) {
+        // Rows of a channels_last tile are pixels: (P, C) @ (C, Co) into y's P rows, P the
+        // tile's output pixels (a strided convolution's read pixels copied out).
         at::Tensor ys = y.narrow(0, n0, len);
-        at::Tensor y2 = ys.permute({0, 2, 3, 1}).view({len * H * W, Co});
-        const at::Tensor a2 = a.permute({0, 2, 3, 1}).view({len * H * W, C});
+        const int64_t P = len * y.size(2) * y.size(3);
+        at::Tensor y2 = ys.permute({0, 2, 3, 1}).view({P, Co});
+        const at::Tensor a2 =
+            gemms[i] == Gemm1x1::Strided
+                ? strided_rows(a, c.stride, y.size(2), y.size(3), rows_bufs[i])
+                : a.permute({0, 2, 3, 1}).view({P, C});
         const at::Tensor wt = w.view({Co, C}).t();
         at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
         if (c.bs.defined()) {  // y = rs + s * (a @ W^T + bias): the GEMM, then the epilogue
@@ -580,7 +637,7 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
           continue;
         }
         if (rs.defined() && rs.scalar_type() == y.scalar_type() && dense_in(rs, Layout::NHWC)) {
-          at::addmm_out(y2, rs.permute({0, 2, 3, 1}).view({len * H * W, Co}), a2, wt);
+          at::addmm_out(y2, rs.permute({0, 2, 3, 1}).view({P, Co}), a2, wt);
           rs = at::Tensor();
         } else {
           at::mm_out(y2, a2, wt);
@@ -758,6 +815,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
   // route, the accumulators and tile buffers.
   struct Work {
     at::Tensor go, w, gw_acc, gb_acc, gemm_da_buf, go_buf;
+    at::Tensor rows_buf, drows_buf;  // Gemm1x1::Strided: the tile's read pixels, their gradient
     at::ScalarType wacc;
     Gemm1x1 gemm;
     // channels_last GEMM route, fewer input than output channels: the weight gradient is
@@ -789,13 +847,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
     Work& k = work[i];
     k.gemm = gemm_1x1(c.weight, c.stride, c.padding, a_layout, H * W);
     if (k.gemm != Gemm1x1::None && !dense_in(k.go, a_layout)) k.gemm = Gemm1x1::None;
+  }
+  {
+    std::vector<Gemm1x1> gemms;
+    for (const Work& k : work) gemms.push_back(k.gemm);
+    strided_beside_dense(gemms);
+    for (size_t i = 0; i < convs.size(); ++i) work[i].gemm = gemms[i];
+  }
+  for (size_t i = 0; i < convs.size(); ++i) {
+    const ConvGrad& c = convs[i];
+    Work& k = work[i];
     if (k.gemm != Gemm1x1::None && c.want_w) {
       k.gw_t = gw_t_for(k.gemm, c.weight);
       k.gw_acc = k.gw_t ? at::zeros({C, c.weight.size(0)}, c.weight.options().dtype(k.wacc))
                         : at::zeros(c.weight.sizes(), c.weight.options().dtype(k.wacc));
     }
-    if (k.gemm != Gemm1x1::None && need_da) {
+    if (k.gemm != Gemm1x1::None && k.gemm != Gemm1x1::Strided && need_da) {
       k.gemm_da_buf = at::empty({nb, C, H, W}, c.weight.options().memory_format(a_fmt));
+    }
+    if (k.gemm == Gemm1x1::Strided) {
+      const int64_t rows_numel = nb * k.go.size(2) * k.go.size(3) * C;
+      k.rows_buf = at::empty({rows_numel}, c.weight.options());
+      if (need_da) k.drows_buf = at::empty({rows_numel}, c.weight.options());
     }
     // Tile buffers for the layout changes around an NHWC convolution of NCHW tensors; the
     // scaled grad_out tiles.
@@ -892,13 +965,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
   // copy).
   at::Tensor da_buf;
   const bool da_as_is = a_layout == Layout::NHWC && layout == Layout::NCHW && all_float;
+  // The strided GEMMs last: their data gradients are added into the pixels they read of the
+  // others' sum.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < convs.size(); ++i) {
+    if (work[i].gemm != Gemm1x1::Strided) order.push_back(i);
+  }
+  for (size_t i = 0; i < convs.size(); ++i) {
+    if (work[i].gemm == Gemm1x1::Strided) order.push_back(i);
+  }
   for (int64_t n0 = rc > 0 ? N : 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     const at::Tensor xt = x.narrow(0, n0, len);
     at::Tensor a = a_buf.narrow(0, 0, len);
     bn_relu_kernel(xt, bn.scale, bn.shift, a, layout, a_layout);
     at::Tensor da;  // the sum of the convolutions' data gradients for this tile
-    for (size_t i = 0; i < convs.size(); ++i) {
+    for (const size_t i : order) {
       ConvGrad& c = convs[i];
       Work& k = work[i];
       const int64_t Co = c.weight.size(0);
@@ -918,13 +1000,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
       }
       if (c.want_b) k.gb_acc.add_(got.sum({0, 2, 3}, false, k.wacc));
       at::Tensor dai, dw;
-      if (k.gemm == Gemm1x1::Whole) {
-        const at::Tensor go2 = got.permute({0, 2, 3, 1}).view({len * H * W, Co});
-        const at::Tensor a2 = a.permute({0, 2, 3, 1}).view({len * H * W, C});
-        if (need_da) {
+      if (k.gemm == Gemm1x1::Whole || k.gemm == Gemm1x1::Strided) {
+        const bool strided = k.gemm == Gemm1x1::Strided;
+        const int64_t Ho = got.size(2), Wo = got.size(3), P = len * Ho * Wo;
+        const at::Tensor go2 = got.permute({0, 2, 3, 1}).view({P, Co});
+        const at::Tensor a2 = strided ? strided_rows(a, c.stride, Ho, Wo, k.rows_buf)
+                                      : a.permute({0, 2, 3, 1}).view({P, C});
+        const at::Tensor wm = k.w.view({Co, C});
+        if (need_da && strided) {
+          at::Tensor d2 = k.drows_buf.narrow(0, 0, P * C).view({P, C});
+          at::mm_out(d2, go2, wm);
+          // strided_beside_dense: an unstrided convolution ran first (order) and wrote da.
+          TORCH_INTERNAL_ASSERT(da.defined(), "fusedres_cpu: a strided GEMM alone");
+          strided_pixels(da, c.stride, Ho, Wo).add_(d2.view({len, Ho, Wo, C}));
+        } else if (need_da) {
           dai = k.gemm_da_buf.narrow(0, 0, len);
-          at::Tensor da2 = dai.permute({0, 2, 3, 1}).view({len * H * W, C});
-          at::mm_out(da2, go2, k.w.view({Co, C}));
+          at::Tensor da2 = dai.permute({0, 2, 3, 1}).view({P, C});
+          at::mm_out(da2, go2, wm);
         }
         if (c.want_w && k.gw_t) {
           k.gw_acc.addmm_(a2.t(), go2);
@@ -953,7 +1045,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
           k.gw_acc = dw.to(k.wacc);
         }
       }
-      if (need_da) {
+      if (need_da && dai.defined()) {
         if (!da.defined()) {
           da = dai;
         } else {

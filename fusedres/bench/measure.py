@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import statistics
 import time
 from collections.abc import Iterable
@@ -20,7 +21,7 @@ import torch
 
 from fusedres.memory import LiveTensorTracker
 
-__all__ = ["peak_bytes", "resolve_device", "summarize", "sync", "time_interleaved"]
+__all__ = ["peak_bytes", "resolve_device", "summarize", "sync", "time_interleaved", "with_env"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,8 +41,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_once(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of one call of ``fn``: CUDA events on a GPU, the wall clock on CPU."""
+def _time_once(fn: Callable[[], object], device: torch.device,
+               clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of one call of ``fn``: CUDA events on a GPU, ``clock`` on CPU (the wall clock
+    by default)."""
     if device.type == "cuda":
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -50,9 +53,26 @@ def _time_once(fn: Callable[[], object], device: torch.device) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
-    return time.perf_counter() - t0
+    return clock() - t0
+
+
+def with_env(fn: Callable[[], object], var: str, value: str | None) -> Callable[[], object]:
+    """``fn`` called with the environment variable ``var`` set to ``value`` (None: unset) and
+    restored afterwards: A/B timings of a setting read at every call (the cpu backend's
+    ``FUSEDRES_CPU_*``), all candidates in one process."""
+    def run():
+        saved = os.environ.pop(var, None)
+        if value is not None:
+            os.environ[var] = value
+        try:
+            return fn()
+        finally:
+            os.environ.pop(var, None)
+            if saved is not None:
+                os.environ[var] = saved
+    return run
 
 
 def _repeated(fn: Callable[[], object], k: int) -> Callable[[], object]:
@@ -68,7 +88,8 @@ def _repeated(fn: Callable[[], object], k: int) -> Callable[[], object]:
 
 def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.device, *,
                      warmup: int, reps: int, on_round: Callable[[], None] | None = None,
-                     min_sample_s: float = 0.0) -> dict[str, list[float]]:
+                     min_sample_s: float = 0.0,
+                     clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Time each of ``steps`` ``reps`` times, after ``warmup`` untimed calls each.
 
     Rounds interleave the candidates (A B C, then C B A, then B C A ...): a slow phase of a
@@ -79,16 +100,18 @@ def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.devic
     data in the caches and its freed blocks in the allocator, which measured up to 2x slower
     than the same call in a training loop; a few calls in a row time the steady state.
     Returns the seconds per call of every sample per name; ``on_round`` is called after each
-    round (progress).
+    round (progress). ``clock`` (CPU): ``time.thread_time`` times one thread's own CPU time,
+    which other processes on a busy machine disturb less than the wall clock (single-threaded
+    steps only: work on other threads is not counted).
     """
     names = list(steps)
     calls = {}
     for name in names:
         last = 0.0
         for _ in range(warmup):
-            last = _time_once(steps[name], device)
+            last = _time_once(steps[name], device, clock)
         if min_sample_s > 0 and warmup == 0:
-            last = _time_once(steps[name], device)
+            last = _time_once(steps[name], device, clock)
         calls[name] = 1
         if min_sample_s > 0 and last > 0:
             calls[name] = max(1, min(64, math.ceil(min_sample_s / last)))
@@ -101,7 +124,7 @@ def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.devic
             order.reverse()
         for name in order:
             k = calls[name]
-            out[name].append(_time_once(_repeated(steps[name], k), device) / k)
+            out[name].append(_time_once(_repeated(steps[name], k), device, clock) / k)
         if on_round is not None:
             on_round()
     return out
