@@ -6,14 +6,16 @@ interleaved in one process (``fusedres.bench.measure.time_interleaved``, samples
 50 ms, glibc keeping freed memory, as ``fusedres bench`` runs).
 
     python benchmarks/strided_gemm_ab.py [--set cifar,resnet50] [--rounds 9] [--threads 2]
-                                         [--clock wall|thread]
+                                         [--clock wall|thread] [--models 20,56 --batch 128]
 
 The default set is the four units of the bottleneck set that have such a shortcut (ResNet-50's
 three strided first units, stride on the 3x3; ResNet-20's 16-32 /2 basic unit).
 
-``--clock thread`` (1 thread only) times the step's own CPU time, for a machine that is not
-quiet. Units without a strided 1x1 beside another convolution run the same code either way: their
-two fused columns differ by the run's noise alone. The figures are in benchmarks/RESULTS.md
+``--models``: whole training steps of those zoo models instead (``fusedres bench step``'s
+trainers, fused and plain, channels_last). ``--clock thread`` (1 thread only) times the step's
+own CPU time, for a machine that is not quiet. Units without a strided 1x1 beside another
+convolution run the same code either way: their two fused columns differ by the run's noise
+alone. The figures are in benchmarks/RESULTS.md
 ("Strided 1x1 shortcuts as GEMMs").
 """
 
@@ -27,6 +29,7 @@ import torch
 
 from fusedres import allocator
 from fusedres.bench.measure import time_interleaved, with_env
+from fusedres.bench.step import build_variant, model_name
 from fusedres.bench.units import make_case, make_step
 from fusedres.unit_shapes import select
 
@@ -41,6 +44,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    p.add_argument("--models", default=None, help="comma-separated zoo depths, e.g. 20,56")
+    p.add_argument("--batch", type=int, default=128)
     args = p.parse_args(argv)
     if args.clock == "thread" and args.threads != 1:
         p.error("--clock thread: needs --threads 1 (other threads' work is not counted)")
@@ -52,15 +57,25 @@ def main(argv=None) -> None:
           f"channels_last; fused step over plain channels_last (medians of {args.rounds} "
           "interleaved samples)")
     print(f"{'shape':36s} {'plain ms':>9s} {'rule':>7s} {'oneDNN':>7s}")
-    for shape in select(args.set, False, args.set):
-        fused = make_step(make_case(shape, "cpu channels_last", cpu))
-        steps = {"plain": make_step(make_case(shape, "channels_last", cpu)),
-                 "rule": with_env(fused, VAR, None), "onednn": with_env(fused, VAR, "0")}
+    if args.models:
+        cases = {}
+        for m in args.models.split(","):
+            name = model_name(m)
+            cases[f"{name} b{args.batch}"] = tuple(
+                build_variant(name, v, args.batch, cpu, layout="channels_last").step
+                for v in ("fused", "plain"))
+    else:
+        cases = {shape.name: (make_step(make_case(shape, "cpu channels_last", cpu)),
+                              make_step(make_case(shape, "channels_last", cpu)))
+                 for shape in select(args.set, False, args.set)}
+    for name, (fused, plain) in cases.items():
+        steps = {"plain": plain, "rule": with_env(fused, VAR, None),
+                 "onednn": with_env(fused, VAR, "0")}
         times = time_interleaved(steps, cpu, warmup=2, reps=args.rounds, min_sample_s=0.05,
                                  clock=clock)
         med = {k: statistics.median(v) for k, v in times.items()}
         base = med["plain"]
-        print(f"{shape.name:36s} {base * 1e3:9.2f} {med['rule'] / base:7.3f} "
+        print(f"{name:36s} {base * 1e3:9.2f} {med['rule'] / base:7.3f} "
               f"{med['onednn'] / base:7.3f}", flush=True)
 
 
