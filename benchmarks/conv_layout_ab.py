@@ -16,12 +16,12 @@ width").
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from benchutil import ab_row
 from fusedres import allocator
-from fusedres.bench.measure import time_interleaved, with_env
+from fusedres.bench.measure import with_env
 from fusedres.bench.units import make_case, make_step
 from fusedres.unit_shapes import select
 
@@ -45,11 +45,7 @@ def main(argv=None) -> None:
         steps = {"plain": make_step(make_case(shape, "plain", cpu)),
                  "rule": with_env(fused, VAR, None), "x": with_env(fused, VAR, "0"),
                  "nhwc": with_env(fused, VAR, "1")}
-        times = time_interleaved(steps, cpu, warmup=2, reps=args.rounds, min_sample_s=0.05)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        base = med["plain"]
-        print(f"{shape.name:36s} {base * 1e3:9.2f} {med['rule'] / base:7.3f} "
-              f"{med['x'] / base:9.3f} {med['nhwc'] / base:7.3f}", flush=True)
+        print(ab_row(shape.name, steps, args.rounds, [36, 9, 7, 9, 7]), flush=True)
 
 
 if __name__ == "__main__":

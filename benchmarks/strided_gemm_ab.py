@@ -22,13 +22,13 @@ alone. The figures are in benchmarks/RESULTS.md
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
+from benchutil import ab_row
 from fusedres import allocator
-from fusedres.bench.measure import time_interleaved, with_env
+from fusedres.bench.measure import with_env
 from fusedres.bench.step import build_variant, model_name
 from fusedres.bench.units import make_case, make_step
 from fusedres.unit_shapes import select
@@ -71,12 +71,7 @@ def main(argv=None) -> None:
     for name, (fused, plain) in cases.items():
         steps = {"plain": plain, "rule": with_env(fused, VAR, None),
                  "onednn": with_env(fused, VAR, "0")}
-        times = time_interleaved(steps, cpu, warmup=2, reps=args.rounds, min_sample_s=0.05,
-                                 clock=clock)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        base = med["plain"]
-        print(f"{name:36s} {base * 1e3:9.2f} {med['rule'] / base:7.3f} "
-              f"{med['onednn'] / base:7.3f}", flush=True)
+        print(ab_row(name, steps, args.rounds, [36, 9, 7, 7], clock), flush=True)
 
 
 if __name__ == "__main__":
