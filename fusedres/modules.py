@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import functional as FR
+from . import ops
 from .distributed import prepare_batch_norm_sync
 from .opdefs import suggests_channels_last
 
@@ -291,7 +292,17 @@ class BNReLUConv2d(nn.Module):
                               bias=bias, **kw)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        c = self.conv
+        c, bn = self.conv, self.bn
+        if (ops.module_unit_cpu is not None and type(bn) is nn.BatchNorm2d
+                and c.groups == 1 and c.padding_mode == "zeros" and type(c.padding) is tuple
+                and (bn.momentum is None or type(bn.momentum) is float) and ops.eager_cpu(x)):
+            # One C++ call (ops.module_unit_cpu); [] leaves these arguments to the route below.
+            out = ops.module_unit_cpu(x, c.weight, c.bias, bn.weight, bn.bias, bn.running_mean,
+                                      bn.running_var, bn.num_batches_tracked, bn.training,
+                                      bn.momentum, bn.eps, residual, c.stride, c.padding,
+                                      c.dilation)
+            if out:
+                return out[0]
         check_convs(c)
         geometry = FR.check_conv_args(x, c.weight, c.bias, residual, c.stride, c.padding,
                                       c.dilation)

@@ -69,6 +69,9 @@ SCHEMAS: dict[str, str] = {
 # (y, mean of y, biased var of y), the statistics empty unless genstats (fusedres.ops.EagerCpuUnit).
 # fusedres_cpu::prepare_batch_norm: nn.BatchNorm2d's statistics and running-stats update in one
 # call, (mean, invstd) (fusedres.functional.prepare_batch_norm on eager CPU tensors).
+# fusedres_cpu::module_unit: prepare_batch_norm then eager_unit, a BNReLUConv2d's forward in one
+# call: [y], or [] (nothing touched) for arguments it leaves to the Python checks
+# (fusedres.ops.module_unit_cpu).
 NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
     "fusedres_cpu": {
         "eager_unit": f"({_UNIT}, bool genstats=False) -> (Tensor, Tensor, Tensor)",
@@ -76,6 +79,11 @@ NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
             "(Tensor x, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
             "Tensor(c!)? num_batches_tracked, bool training, float? momentum, float eps, "
             "Tensor? mean=None, Tensor? var=None) -> (Tensor, Tensor)"),
+        "module_unit": (
+            "(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, "
+            "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, "
+            "bool training, float? momentum, float eps, Tensor? residual, SymInt[2] stride, "
+            "SymInt[2] padding, SymInt[2] dilation) -> Tensor[]"),
         "bn_relu_conv2d_pair": (
             "(Tensor x, Tensor weight, Tensor? bias, Tensor weight2, Tensor? bias2, "
             "Tensor? bn_weight, Tensor? bn_bias, Tensor mean, Tensor invstd, SymInt[2] stride, "

@@ -246,9 +246,16 @@ EagerCpuUnit = None
 # ``(x, running_mean, running_var, num_batches_tracked, training, momentum, eps, mean, var) ->
 # (mean, invstd)`` (fusedres.functional.prepare_batch_norm).
 prepare_batch_norm_cpu = None
+# A BNReLUConv2d's forward on the cpu backend in one C++ call, prepare_batch_norm_cpu then
+# EagerCpuUnit: ``(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
+# num_batches_tracked, training, momentum, eps, residual, stride, padding, dilation) -> [y]``, or
+# ``[]`` with nothing touched for arguments it leaves to the Python checks
+# (``module_unit_accepts`` in csrc/cpu/bn_relu_conv2d.cpp; fusedres.modules.BNReLUConv2d).
+module_unit_cpu = None
 if _extension.LOADED:  # else the cpu backend never runs (and its namespace may lack the ops)
     EagerCpuUnit = _eager_cpu_unit(torch.ops.fusedres_cpu.eager_unit.default)
     prepare_batch_norm_cpu = torch.ops.fusedres_cpu.prepare_batch_norm.default
+    module_unit_cpu = torch.ops.fusedres_cpu.module_unit.default
 
 
 class _EagerCpuPair(torch.autograd.Function):

@@ -4,6 +4,8 @@ counts, layouts and strides, mixed dtypes, and statistics accuracy at large coun
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -636,6 +638,115 @@ def test_unit_through_modules_with_cpu_backend():
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
     for (name, b), c in zip(fused.named_buffers(), plain.buffers()):
         torch.testing.assert_close(b, c, msg=name)
+
+
+# name: (BNReLUConv2d kwargs, BatchNorm2d kwargs, x dtype, channels_last, residual)
+MODULE_CASES = {
+    "default": ({}, {}, torch.float32, False, False),
+    "residual+bias": ({"bias": True}, {}, torch.float32, False, True),
+    "cumulative": ({"momentum": None}, {}, torch.float32, False, False),
+    "no-running-stats": ({}, {"track_running_stats": False}, torch.float32, False, False),
+    "no-affine": ({}, {"affine": False}, torch.float32, False, False),
+    "strided+cl": ({"stride": 2}, {}, torch.float32, True, True),
+    "f64": ({}, {}, torch.float64, False, True),
+    "bf16 (declined)": ({}, {}, torch.bfloat16, False, False),
+}
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "inference"])
+@pytest.mark.parametrize("case", MODULE_CASES)
+def test_module_forward_in_one_call_is_the_python_route(monkeypatch, case, mode):
+    """BNReLUConv2d's forward on the cpu backend is one C++ call (ops.module_unit_cpu: the
+    BatchNorm preparation, then the unit with its C++ autograd node) where it accepts the
+    arguments, and gives what the Python route gives, to the bit: outputs, every gradient,
+    running statistics and the batch count, over two steps; in training and eval (forward and
+    backward), no_grad and inference mode. bfloat16 is left to the Python route (the op
+    returns [])."""
+    from fusedres import ops
+
+    unit_kw, bn_kw, dtype, cl, residual = MODULE_CASES[case]
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    torch.manual_seed(0)
+    ref = fusedres.BNReLUConv2d(6, 5, 3, padding=1, **unit_kw)
+    ref.bn = torch.nn.BatchNorm2d(6, momentum=unit_kw.get("momentum", 0.1), **bn_kw)
+    ref = ref.to(dtype).to(memory_format=fmt)
+    if mode != "train":
+        ref.eval() if bn_kw.get("track_running_stats", True) else None
+    fast = copy.deepcopy(ref)
+    stride = unit_kw.get("stride", 1)
+    xs = [(torch.randn(4, 6, 7, 7) * 2 + 1).to(dtype).contiguous(memory_format=fmt)
+          for _ in range(2)]
+    rs = [torch.randn(4, 5, -(-7 // stride), -(-7 // stride)).to(dtype) if residual else None
+          for _ in range(2)]
+    calls = []
+
+    def counted(*args):
+        out = module_unit(*args)
+        calls.append(len(out))
+        return out
+
+    module_unit = ops.module_unit_cpu
+    results = {}
+    for name, unit in (("python", ref), ("one call", fast)):
+        monkeypatch.setattr(ops, "module_unit_cpu", counted if name == "one call" else None)
+        outs = []
+        for x, r in zip(xs, rs):
+            grads = mode in ("train", "eval")
+            x = x.clone().requires_grad_(grads)
+            rr = None if r is None else r.clone().requires_grad_(grads)
+            if mode == "inference":
+                with torch.inference_mode():
+                    y = unit(x, rr)
+            elif mode == "no_grad":
+                with torch.no_grad():
+                    y = unit(x, rr)
+            else:
+                y = unit(x, rr)
+            outs.append(y.detach().clone())
+            if grads:
+                y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+                           .to(dtype))
+                outs += [x.grad] + ([rr.grad] if rr is not None else [])
+        outs += [p.grad for p in unit.parameters() if p.grad is not None]
+        outs += list(unit.buffers())
+        results[name] = outs
+    taken = dtype != torch.bfloat16
+    assert calls == [1 if taken else 0] * 2, calls
+    assert len(results["python"]) == len(results["one call"])
+    for i, (a, b) in enumerate(zip(results["python"], results["one call"])):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), i
+        assert torch.equal(a, b), i
+
+
+def test_module_forward_in_one_call_leaves_bad_input_to_the_python_checks():
+    """Arguments the one-call route does not take reach the Python checks: the same errors,
+    naming the argument, and no running statistic changed."""
+    cases = [
+        (lambda m: setattr(m.conv, "weight", torch.nn.Parameter(m.conv.weight.double())),
+         torch.randn(2, 4, 6, 6), TypeError, "weight: expected dtype torch.float32"),
+        (lambda m: setattr(m.conv, "stride", (0, 1)), torch.randn(2, 4, 6, 6), ValueError,
+         "stride: expected values >= 1"),
+        (lambda m: setattr(m.bn, "num_batches_tracked", None) or setattr(m.bn, "momentum", None),
+         torch.randn(2, 4, 6, 6), ValueError, "num_batches_tracked: required"),
+        (lambda m: setattr(m.bn, "running_var", torch.ones(5)), torch.randn(2, 4, 6, 6),
+         ValueError, "running_var: expected shape"),
+        (lambda m: setattr(m.conv, "weight", torch.nn.Parameter(torch.randn(3, 4, 1, 1))),
+         torch.randn(1, 4, 1, 1), ValueError, "more than 1 value per channel"),
+        (lambda m: None, torch.randn(2, 5, 6, 6), ValueError, "to match the 5 channels of x"),
+        (lambda m: None, torch.randn(2, 4, 1, 1), ValueError, "too small"),
+    ]
+    for change, x, exc, match in cases:
+        m = fusedres.BNReLUConv2d(4, 3, 3)
+        change(m)
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        with fusedres.use_backend("cpu"), pytest.raises(exc, match=match):
+            m(x)
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, before[k]), (match, k)
+    m = fusedres.BNReLUConv2d(4, 3, 3, padding=1)
+    with fusedres.use_backend("cpu"), pytest.raises(ValueError, match=r"residual: expected shape"):
+        m(torch.randn(2, 4, 6, 6), torch.randn(2, 3, 5, 6))
+    assert int(m.bn.num_batches_tracked) == 0
 
 
 def test_saves_half_the_bytes_of_the_plain_unit():

@@ -29,6 +29,7 @@
 // gradients and the BatchNorm sums all see s[n] * dy. No pass over a whole tensor, nothing
 // saved beyond the (N,) vector.
 #include <ATen/ThreadLocalState.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -1340,8 +1341,104 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> eager_unit(
   return {out[0], out[1], out[2]};
 }
 
+// ------------------------------------------------------ a BNReLUConv2d module's forward, one call
+
+// Whether fusedres_cpu::module_unit runs these arguments: a subset of what the Python checks
+// accept (fusedres.functional.check_conv_args and prepare_batch_norm, which stay the rule and
+// word the errors). Anything else is left to them: module_unit returns no result and has touched
+// nothing. float32 and float64 only, BatchNorm parameters in x's dtype, a residual in the
+// weight's, autocast off.
+bool module_unit_accepts(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& bn_weight,
+                         const std::optional<at::Tensor>& bn_bias,
+                         const std::optional<at::Tensor>& running_mean,
+                         const std::optional<at::Tensor>& running_var,
+                         const std::optional<at::Tensor>& num_batches_tracked, bool training,
+                         std::optional<double> momentum, const std::optional<at::Tensor>& residual,
+                         c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
+                         c10::SymIntArrayRef dilation) {
+  const auto present = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined();
+  };
+  const auto dt = x.scalar_type();
+  if (!(x.dim() == 4 && x.device().is_cpu() && (dt == at::kFloat || dt == at::kDouble) &&
+        x.numel() > 0 && weight.dim() == 4 && weight.device().is_cpu() &&
+        weight.scalar_type() == dt && weight.size(0) > 0 && weight.size(1) == x.size(1))) {
+    return false;
+  }
+  if (at::autocast::is_autocast_enabled(c10::DeviceType::CPU)) return false;
+  const int64_t C = x.size(1), Co = weight.size(0);
+  const auto vector_of = [&](const std::optional<at::Tensor>& t, int64_t n, bool same_dtype) {
+    return !present(t) || (t->dim() == 1 && t->size(0) == n && t->device().is_cpu() &&
+                           (same_dtype ? t->scalar_type() == dt : t->is_floating_point()));
+  };
+  if (!(vector_of(bias, Co, true) && vector_of(bn_weight, C, true) &&
+        vector_of(bn_bias, C, true) && vector_of(running_mean, C, false) &&
+        vector_of(running_var, C, false))) {
+    return false;
+  }
+  const bool tracked = present(running_mean);
+  if (tracked != present(running_var)) return false;
+  if (training && tracked && !momentum.has_value() && !present(num_batches_tracked)) return false;
+  if ((training || !tracked) && x.numel() / C <= 1) return false;
+  const auto s = C10_AS_INTARRAYREF_SLOW(stride), p = C10_AS_INTARRAYREF_SLOW(padding),
+             d = C10_AS_INTARRAYREF_SLOW(dilation);
+  if (s.size() != 2 || p.size() != 2 || d.size() != 2) return false;
+  for (int i = 0; i < 2; ++i) {
+    if (s[i] < 1 || p[i] < 0 || d[i] < 1) return false;
+    if (conv_out_size(x.size(2 + i), weight.size(2 + i), s[i], p[i], d[i]) <= 0) return false;
+  }
+  if (present(residual)) {
+    const std::vector<int64_t> shape = out_shape(x, weight, s.vec(), p.vec(), d.vec());
+    if (!(residual->device().is_cpu() && residual->scalar_type() == dt &&
+          residual->sizes() == c10::IntArrayRef(shape))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// BNReLUConv2d's forward on the cpu backend in one call (fusedres.modules.BNReLUConv2d): the
+// BatchNorm's statistics and running-statistics update (prepare_batch_norm), then the fused unit
+// with its C++ autograd node (eager_unit). The Python route's checks, preparation and argument
+// handling cost a small unit ~50 us a forward (RESULTS.md, "A module's forward in one call").
+// Returns [y], or [] when module_unit_accepts does not take the arguments (nothing touched).
+std::vector<at::Tensor> module_unit(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    const std::optional<at::Tensor>& num_batches_tracked, bool training,
+    std::optional<double> momentum, double eps, const std::optional<at::Tensor>& residual,
+    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation) {
+  if (!module_unit_accepts(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
+                           num_batches_tracked, training, momentum, residual, stride, padding,
+                           dilation)) {
+    return {};
+  }
+  at::Tensor mean, invstd;
+  {
+    at::AutoDispatchBelowAutograd below;
+    std::tie(mean, invstd) = prepare_batch_norm(x, running_mean, running_var, num_batches_tracked,
+                                                training, momentum, eps, std::nullopt,
+                                                std::nullopt);
+  }
+  const bool batch_stats = training || !(running_mean.has_value() && running_mean->defined());
+  if (!at::GradMode::is_enabled()) {  // no graph to record (and inference tensors stay unsaved)
+    at::AutoDispatchBelowADInplaceOrView below;
+    return {bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
+                           padding, dilation, batch_stats, std::nullopt)};
+  }
+  return {std::get<0>(eager_unit(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
+                                 stride, padding, dilation, batch_stats, std::nullopt, false))};
+}
+
 }  // namespace
 }  // namespace fusedres::cpu
+
+TORCH_LIBRARY_IMPL(fusedres_cpu, CompositeImplicitAutograd, m) {
+  m.impl("module_unit", &fusedres::cpu::module_unit);
+}
 
 TORCH_LIBRARY_IMPL(fusedres_cpu, Autograd, m) {
   m.impl("eager_unit", &fusedres::cpu::eager_unit);
