@@ -717,15 +717,17 @@ struct alignas(16) Piece16 {
   uint32_t u[4];
 };
 
+// 4 resident blocks promised to ptxas without SUMS (up to 128 registers: without it ptxas gave
+// the float16 kernel 96 and an 8-byte spill on sm_90), 2 with SUMS (up to 255: 229 on sm_80).
 template <typename W, bool SUMS>
-__global__ void __launch_bounds__(MmaWgrad::THREADS)
+__global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
     wgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ x,
                      const float* __restrict__ scale, const float* __restrict__ shift,
                      W* __restrict__ gw, float* __restrict__ part_dw,
                      float* __restrict__ part_db, BnSums<float> bs,
                      const float* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gwd,
                      Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
-  FUSEDRES_LAUNCH_BOUNDS(MmaWgrad::THREADS);
+  FUSEDRES_LAUNCH_BOUNDS(MmaWgrad::THREADS, SUMS ? 2 : 4);
   using T = MmaWgrad;
   using E = native_t<W>;
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
