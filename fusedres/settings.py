@@ -109,10 +109,18 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "The CUDA forward's kernel for 16-bit channels-last inputs: `mma` (mma.sync + "
             "ldmatrix + cp.async) or `wmma` (the older WMMA kernel, which every other input "
             "uses).", ("mma", "wmma")),
+    Setting("FUSEDRES_CUDA_FORWARD_TILE", "choice", "", "at every cuda forward call (csrc/cuda)",
+            "The mma.sync forward's tile: `64` (64 x 64, 2 x 2 warps of 32 x 32) or `128` "
+            "(128 x 64, 4 x 1 warps of 32 x 64); unset: 128 where its tiles fill every SM at "
+            "least once, else 64.", ("64", "128")),
     Setting("FUSEDRES_CUDA_DGRAD", "choice", "mma", "at every cuda backward call (csrc/cuda)",
             "The CUDA data gradient's kernel for 16-bit channels-last x and grad_out with C and "
             "Co multiples of 8 and at most 64 taps: `mma` (mma.sync + ldmatrix + cp.async) or "
             "`wmma` (the older WMMA kernel, which every other input uses).", ("mma", "wmma")),
+    Setting("FUSEDRES_CUDA_DGRAD_TILE", "choice", "", "at every cuda backward call (csrc/cuda)",
+            "The mma.sync data gradient's tile: `64` (64 x 64, 2 x 2 warps of 32 x 32) or `128` "
+            "(128 x 64, 4 x 1 warps of 32 x 64); unset: 128 where its tiles over every stride "
+            "phase fill every SM at least once, else 64.", ("64", "128")),
     Setting("FUSEDRES_CUDA_WGRAD", "choice", "mma", "at every cuda backward call (csrc/cuda)",
             "The CUDA weight gradient's kernel for 16-bit channels-last x and grad_out with C "
             "and Co multiples of 8: `mma` (mma.sync + ldmatrix + cp.async) or `wmma` (the older "

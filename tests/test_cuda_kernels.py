@@ -179,6 +179,64 @@ def test_forward_mma_path(monkeypatch, dtype, case):
     assert rel_err(mean, mean64) <= 1e-5 and rel_err(var, var64) <= 1e-5
 
 
+# The mma.sync forward's two tiles (FUSEDRES_CUDA_FORWARD_TILE forces one): 64 x 64 (2 x 2
+# warps) and 128 x 64 (4 x 1 warps, each warp's A rows its own). Shapes: M = 2 * 12 * 11 = 264
+# rows (three 128-row tiles, the last partial; five 64-row ones), C = 40 (a partial second K
+# chunk per tap), Co = 70 (two column tiles, the packed weight padded to 72); 3 x 3 with
+# padding at stride 1 and 2, 1 x 1 at stride 2, a dilated 2 x 3 kernel.
+HAS_TILE_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
+    torch.ops.fusedres_cuda_testing, "forward_mma_rows")
+TILE_CASES = [
+    (2, 40, 12, 11, 70, (3, 3), (1, 1), (1, 1), (1, 1), True, True),
+    (3, 16, 15, 13, 24, (3, 3), (2, 2), (1, 1), (1, 1), False, True),
+    (2, 24, 21, 17, 8, (1, 1), (2, 2), (0, 0), (1, 1), True, False),
+    (1, 8, 13, 14, 9, (2, 3), (1, 2), (0, 1), (2, 1), False, False),
+]
+
+
+@pytest.mark.skipif(not HAS_TILE_HOOK, reason="the tile-choice hook is built with the host copy")
+@pytest.mark.parametrize("case", TILE_CASES, ids=["c40-co70", "s2", "1x1-s2", "dil"])
+@pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
+def test_forward_mma_tiles(monkeypatch, dtype, case):
+    """Both mma.sync forward tiles (the hook says which runs) within twice PyTorch's own error
+    against float64, genstats from the y each stores, and equal to each other bit for bit: every
+    output element runs the same m16n8k16 steps in the same order in either tile."""
+    args = list(make(case, dtype, channels_last=True))
+    n = args[0].shape[0]
+    bscale = torch.tensor([1.25, 0.0, 0.5][:n], dtype=torch.float32, device=DEVICE)
+    exact = ref_forward(*as64(args), bscale.double())
+    own = ref_forward(*args, bscale)
+    floor = 1e-3 * exact.abs().max().item()
+    m_rows = exact.shape[0] * exact.shape[2] * exact.shape[3]
+    out = {}
+    for tile in ("64", "128"):
+        monkeypatch.setenv("FUSEDRES_CUDA_FORWARD_TILE", tile)
+        assert torch.ops.fusedres_cuda_testing.forward_mma_rows(m_rows, case[4]) == int(tile)
+        y, mean, var = OPS.bn_relu_conv2d_genstats(*args, branch_scale=bscale)
+        assert abs_err(y, exact) <= 2 * abs_err(own, exact) + floor, tile
+        var64, mean64 = torch.var_mean(y.double(), dim=(0, 2, 3), correction=0)
+        assert rel_err(mean, mean64) <= 1e-5 and rel_err(var, var64) <= 1e-5, tile
+        out[tile] = y
+    assert torch.equal(out["64"], out["128"])
+
+
+@pytest.mark.skipif(not HAS_TILE_HOOK, reason="the tile-choice hook is built with the host copy")
+def test_forward_mma_tile_choice(monkeypatch):
+    """forward_mma_rows: the 128-row tile where its tiles fill every SM once (the host copy
+    counts 132 SMs), else the 64-row one; FUSEDRES_CUDA_FORWARD_TILE overrides, and any other
+    value is an error naming the variable."""
+    rows = torch.ops.fusedres_cuda_testing.forward_mma_rows
+    monkeypatch.delenv("FUSEDRES_CUDA_FORWARD_TILE", raising=False)
+    assert rows(128 * 132, 64) == 128 and rows(128 * 132 - 128, 64) == 64
+    assert rows(128 * 66, 65) == 128 and rows(128 * 66, 64) == 64
+    assert rows(100, 8) == 64
+    monkeypatch.setenv("FUSEDRES_CUDA_FORWARD_TILE", "128")
+    assert rows(100, 8) == 128
+    monkeypatch.setenv("FUSEDRES_CUDA_FORWARD_TILE", "256")
+    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_FORWARD_TILE must be '64' or '128'"):
+        rows(100, 8)
+
+
 def test_forward_mma_weight_view_off_16_bytes():
     """A weight whose (kh, kw, C, Co) permutation is a contiguous view two bytes into its
     storage: the packed copy must not be that view (16-byte cp.async sources)."""
@@ -346,6 +404,77 @@ def test_backward_mma_path(monkeypatch, dtype, case, split):
                 assert abs_err(g, e) <= 2 * abs_err(o, e) + floor, (what, i)
                 # 16-bit outputs (grad_x, grad_weight) to a rounding, the float32 ones closer.
                 assert rel_err(g, w) <= (1e-2 if i < 2 else 1e-5), (what, i)
+
+
+# The mma.sync data gradient's two tiles (FUSEDRES_CUDA_DGRAD_TILE forces one): 64 x 64 (2 x 2
+# warps) and 128 x 64 (4 x 1 warps, its epilogue in two 64-row passes, each its own partials'
+# row). Largest stride phase: 2 * 11 * 12 = 264 rows (stride 1; three 128-row tiles, the last
+# partial), 3 * 8 * 7 = 168 (stride 2, 3 x 3: phases fed by 4, 2 and 1 taps), 2 * 11 * 9 = 198
+# (1 x 1 at stride 2: three phases no tap feeds); C = 72 and 40 (a partial column tile), Co = 40
+# (a partial K chunk), a dilated 2 x 3 kernel.
+DGRAD_TILE_CASES = [
+    (2, 72, 11, 12, 40, (3, 3), (1, 1), (1, 1), (1, 1), False, False),
+    (3, 16, 15, 13, 24, (3, 3), (2, 2), (1, 1), (1, 1), False, False),
+    (2, 40, 21, 17, 8, (1, 1), (2, 2), (0, 0), (1, 1), False, False),
+    (1, 8, 13, 14, 16, (2, 3), (1, 1), (0, 1), (2, 1), False, False),
+]
+
+
+@pytest.mark.skipif(not HAS_TILE_HOOK, reason="the tile-choice hook is built with the host copy")
+@pytest.mark.parametrize("case", DGRAD_TILE_CASES, ids=["c72-co40", "s2", "1x1-s2", "dil"])
+@pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
+def test_backward_mma_dgrad_tiles(monkeypatch, dtype, case):
+    """Both mma.sync data-gradient tiles (the hook says which runs), in both strategies (sums:
+    grad_x from the weight gradient's sums; store: dz and the sums from the data gradient's
+    partials), with a branch scale: every gradient within twice PyTorch's own error against
+    float64, and grad_x of the two tiles equal bit for bit in the sums strategy (the same
+    m16n8k16 steps in the same order per element), to float32 summation order in the store
+    strategy (the partials' rows differ)."""
+    args = make(case, dtype, channels_last=True)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
+    gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
+    gy = gy.contiguous(memory_format=torch.channels_last)
+    assert _dgrad_kernel_for(gy, x, weight) == "mma"
+    n = x.shape[0]
+    phases = min(s[0], x.shape[2]) * min(s[1], x.shape[3])
+    rows = n * -(-x.shape[2] // s[0]) * -(-x.shape[3] // s[1])
+    bscale = torch.tensor([1.25, 0.0, 0.5][:n], dtype=torch.float32, device=DEVICE)
+    for strategy in ("sums", "store"):
+        monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
+        bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, True, [True] * 5)
+        own = ref_backward(*bargs, bscale)
+        exact = ref_backward(*as64(bargs[:7]), s, p, d, True, [True] * 5, bscale.double())
+        got = {}
+        for tile in ("64", "128"):
+            monkeypatch.setenv("FUSEDRES_CUDA_DGRAD_TILE", tile)
+            assert torch.ops.fusedres_cuda_testing.dgrad_mma_rows(rows, case[1], phases) == int(
+                tile)
+            got[tile] = OPS.bn_relu_conv2d_backward(*bargs, branch_scale=bscale)
+            for i, (g, o, e) in enumerate(zip(got[tile], own, exact)):
+                floor = 1e-3 * e.abs().max().item()
+                assert abs_err(g, e) <= 2 * abs_err(o, e) + floor, (strategy, tile, i)
+        if strategy == "sums":
+            assert torch.equal(got["64"][0], got["128"][0])
+        else:
+            for i, (a, b) in enumerate(zip(got["64"], got["128"])):
+                assert rel_err(a, b) <= (1e-2 if i < 2 else 1e-5), i
+
+
+@pytest.mark.skipif(not HAS_TILE_HOOK, reason="the tile-choice hook is built with the host copy")
+def test_backward_mma_dgrad_tile_choice(monkeypatch):
+    """dgrad_mma_rows: the 128-row tile where its tiles (over every stride phase) fill the 132
+    SMs the host copy counts once, else the 64-row one; FUSEDRES_CUDA_DGRAD_TILE overrides, and
+    any other value is an error naming the variable."""
+    rows = torch.ops.fusedres_cuda_testing.dgrad_mma_rows
+    monkeypatch.delenv("FUSEDRES_CUDA_DGRAD_TILE", raising=False)
+    assert rows(128 * 132, 64, 1) == 128 and rows(128 * 131, 64, 1) == 64
+    assert rows(128 * 33, 64, 4) == 128 and rows(128 * 32, 64, 4) == 64
+    assert rows(128 * 16, 128, 4) == 64 and rows(128 * 17, 128, 4) == 128
+    monkeypatch.setenv("FUSEDRES_CUDA_DGRAD_TILE", "128")
+    assert rows(100, 8, 1) == 128
+    monkeypatch.setenv("FUSEDRES_CUDA_DGRAD_TILE", "96")
+    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_DGRAD_TILE must be '64' or '128'"):
+        rows(100, 8, 1)
 
 
 @pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")

@@ -216,25 +216,43 @@ def test_cuda_row_ceiling_by_hand():
 
 
 def test_fixed_cuda_tiles_match_the_source():
-    """The mma.sync kernels' tiles (no Tile<> in their names) as their structs state them."""
+    """The mma.sync kernels' tiles as their structs state them: MmaWgrad's fixed one
+    (_FIXED_TILES); the forward's and data gradient's two tiles each (MmaFwd / MmaDgrad<BM, BN,
+    WARPS_M, WARPS_N>, read from the demangled names by _MMA_TILE, BK from the struct), and the
+    model's per-shape rules (forward_mma_rows, dgrad_mma_rows) on the same thresholds."""
     import os
     import re
 
     from fusedres import cuda_aot
+    from fusedres.perfmodel import cuda_sass
     from fusedres.perfmodel.cuda_sass import _FIXED_TILES
 
-    text = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "bn_relu_conv2d.cu")).read()
-    m = re.search(r"struct MmaFwd \{\s*static constexpr int BM = (\d+), BN = (\d+), BK = (\d+), "
-                  r"STAGES = \d+, THREADS = (\d+);", text)
-    assert m is not None
-    assert _FIXED_TILES["bn_relu_conv2d_fwd_mma_kernel"] == tuple(int(g) for g in m.groups())
-    # The backward's mma.sync kernels (structs MmaWgrad, MmaDgrad).
     text = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "bn_relu_conv2d_backward.cu")).read()
-    for struct, kernel in (("MmaWgrad", "wgrad_mma_kernel"), ("MmaDgrad", "dgrad_mma_kernel")):
-        m = re.search(rf"struct {struct} \{{\s*static constexpr int BM = (\d+), BN = (\d+), "
-                      r"BK = (\d+), STAGES = \d+, THREADS = (\d+);", text)
-        assert m is not None, struct
-        assert _FIXED_TILES[kernel] == tuple(int(g) for g in m.groups()), kernel
+    m = re.search(r"struct MmaWgrad \{\s*static constexpr int BM = (\d+), BN = (\d+), "
+                  r"BK = (\d+), STAGES = \d+, THREADS = (\d+);", text)
+    assert m is not None
+    assert _FIXED_TILES["wgrad_mma_kernel"] == tuple(int(g) for g in m.groups())
+    assert set(_FIXED_TILES) == {"wgrad_mma_kernel"}
+    fwd = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "bn_relu_conv2d.cu")).read()
+    for src, struct in ((fwd, "MmaFwd"), (text, "MmaDgrad")):
+        m = re.search(rf"struct {struct} \{{\s*static constexpr int BM = BM_, BN = BN_, "
+                      r"BK = (\d+), STAGES = \d+;", src)
+        assert m is not None and int(m.group(1)) == cuda_sass._MMA_TILE_BK, struct
+        assert f"using {struct}Small = {struct}<64, 64, 2, 2>;" in src, struct
+        assert f"using {struct}Tall = {struct}<128, 64, 4, 1>;" in src, struct
+        name = f"k<Half, {struct}<128, 64, 4, 1> >"
+        t = cuda_sass._MMA_TILE.search(name)
+        assert t is not None and t.groups() == ("128", "64", "4", "1")
+    # The host rules: 128 rows once cdiv(rows, 128) * cdiv(C or Co, 64) (* phases) tiles fill
+    # the SMs.
+    assert "ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, MmaFwdTall::BN) >= sm_count()" in fwd
+    assert ("ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, MmaDgradTall::BN) * phases >= "
+            "sm_count()") in text
+    assert cuda_sass.forward_mma_rows(128 * 132, 64, 132) == 128
+    assert cuda_sass.forward_mma_rows(128 * 132 - 128, 64, 132) == 64
+    assert cuda_sass.forward_mma_rows(128 * 66, 65, 132) == 128
+    assert cuda_sass.dgrad_mma_rows(128 * 33, 64, 4, 132) == 128
+    assert cuda_sass.dgrad_mma_rows(128 * 32, 64, 4, 132) == 64
 
 
 def test_cuda_unit_range_from_rows():
@@ -287,22 +305,28 @@ def test_cuda_unit_prices_the_forward_that_runs():
     from fusedres.kernels import traffic
     from fusedres.perfmodel import cuda_sass, model
 
-    def row(name, own, nested, body):
-        return cuda_sass.CudaKernelRow("f.cu", name, 90, 64, 64, 32, 128, 96, 0, 30000,
+    def row(name, own, nested, body, bm=64):
+        return cuda_sass.CudaKernelRow("f.cu", name, 90, bm, 64, 32, 128, 96, 0, 30000,
                                        own=own, nested=nested, nested_body=body,
-                                       mma={"HMMA.16816": 16}, fma_cta=16 * 2048 * 4)
+                                       mma={"HMMA.16816": 16 * bm // 64},
+                                       fma_cta=16 * 2048 * 4 * bm // 64)
 
     wmma = row("bn_relu_conv2d_fwd_kernel<Half, Half, Tile<64, 64, 32, 128, true> >", 300, 2, 300)
-    mma = row("bn_relu_conv2d_fwd_mma_kernel<Half>", 500, 0, 0)
-    rows = [wmma, mma,
+    small = row("bn_relu_conv2d_fwd_mma_kernel<Half, MmaFwd<64, 64, 2, 2> >", 500, 0, 0)
+    mma = row("bn_relu_conv2d_fwd_mma_kernel<Half, MmaFwd<128, 64, 4, 1> >", 600, 0, 0, bm=128)
+    rows = [wmma, small, mma,
             row("wgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true>, true>", 300, 2, 300),
             row("dgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true> >", 300, 2, 300)]
-    assert cuda_sass._row(rows, 90, "bn_relu_conv2d_fwd_mma_kernel", "fp16") is mma
+    assert cuda_sass._row(rows, 90, "bn_relu_conv2d_fwd_mma_kernel", "fp16", bm=128) is mma
+    assert cuda_sass._row(rows, 90, "bn_relu_conv2d_fwd_mma_kernel", "fp16", bm=64) is small
     assert cuda_sass._row(rows, 90, "bn_relu_conv2d_fwd_kernel", "fp16") is wmma
     with pytest.raises(ValueError, match="BFloat16"):
         cuda_sass._row(rows, 90, "bn_relu_conv2d_fwd_mma_kernel", "bf16")
     u = traffic.IMAGENET_UNITS[0]
     assert u.c % 8 == 0 and u.co % 8 == 0
+    # The ImageNet unit's 128-row tiles fill the H100's SMs: the model prices the tall tile,
+    # as the host picks it (forward_mma_rows).
+    assert cuda_sass.forward_mma_rows(u.n * u.ho * u.ho, u.co, H100.sms) == 128
     unit_model = functools.partial(cuda_sass.model_cuda_unit, wgrad="wmma", dgrad="wmma")
     got = unit_model(u, "fp16", H100, rows)
     ref = unit_model(u, "fp16", H100, rows, forward="wmma")
@@ -352,7 +376,9 @@ def test_cuda_unit_prices_the_weight_gradient_that_runs():
 
     wmma = row("wgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true>, true>", 32, 900, 7, 1300)
     mma = row("wgrad_mma_kernel<Half, true>", 16, 300, 0, 0)
-    rows = [row("bn_relu_conv2d_fwd_mma_kernel<Half>", 32, 500, 0, 0),
+    fwd = row("bn_relu_conv2d_fwd_mma_kernel<Half, MmaFwd<128, 64, 4, 1> >", 32, 500, 0, 0)
+    fwd.bm = 128
+    rows = [fwd,
             row("bn_relu_conv2d_fwd_kernel<Half, Half, Tile<64, 64, 32, 128, true> >", 32, 300,
                 2, 300),
             wmma, mma, row("wgrad_mma_kernel<Half, false>", 16, 200, 0, 0),
@@ -407,14 +433,20 @@ def test_cuda_unit_prices_the_data_gradient_that_runs():
                                        mma={"HMMA.16816": 16}, fma_cta=16 * 2048 * 4)
 
     dg_wmma = row("dgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true> >", 300, 3, 320)
-    dg_mma = row("dgrad_mma_kernel<Half>", 250, 0, 0)
-    rows = [row("bn_relu_conv2d_fwd_mma_kernel<Half>", 500, 0, 0),
+    dg_mma = row("dgrad_mma_kernel<Half, MmaDgrad<128, 64, 4, 1> >", 250, 0, 0)
+    dg_mma.bm, dg_mma.fma_cta = 128, 2 * dg_mma.fma_cta
+    fwd = row("bn_relu_conv2d_fwd_mma_kernel<Half, MmaFwd<128, 64, 4, 1> >", 500, 0, 0)
+    fwd.bm = 128
+    rows = [row("bn_relu_conv2d_fwd_mma_kernel<Half, MmaFwd<64, 64, 2, 2> >", 500, 0, 0), fwd,
+            row("dgrad_mma_kernel<Half, MmaDgrad<64, 64, 2, 2> >", 200, 0, 0),
             row("bn_relu_conv2d_fwd_kernel<Half, Half, Tile<64, 64, 32, 128, true> >", 300, 2, 300),
             row("wgrad_mma_kernel<Half, true>", 300, 0, 0),
             row("wgrad_kernel<Half, Half, Tile<64, 64, 32, 128, true>, true>", 900, 7, 1300),
             dg_wmma, dg_mma]
-    assert cuda_sass._row(rows, 90, "dgrad_mma_kernel", "fp16") is dg_mma
+    assert cuda_sass._row(rows, 90, "dgrad_mma_kernel", "fp16", bm=128) is dg_mma
     u = traffic.IMAGENET_UNITS[0]
+    # Its 128-row tiles fill the H100's SMs (dgrad_mma_rows): the tall row is priced.
+    assert cuda_sass.dgrad_mma_rows(u.n * u.h * u.h, u.c, 1, H100.sms) == 128
     assert cuda_sass.dgrad_kernel(u) == "dgrad_mma_kernel"
     got = cuda_sass.model_cuda_unit(u, "fp16", H100, rows)
     ref = cuda_sass.model_cuda_unit(u, "fp16", H100, rows, dgrad="wmma")
@@ -459,7 +491,7 @@ def test_backward_kernel_rules_match_the_dispatch():
         assert "wgrad_mma_operands(" in rule and '"wmma") return false' in rule
         declared = settings.SETTINGS[f"FUSEDRES_CUDA_{name.upper()}"]
         assert set(declared.choices) == {"mma", "wmma"} and declared.default == "mma"
-    assert "MmaDgrad::MAX_TAPS" in body("dgrad_uses_mma")
+    assert "MmaDgradSmall::MAX_TAPS" in body("dgrad_uses_mma")
     assert re.search(r"MAX_TAPS = 64;", text)
 
 
@@ -508,8 +540,10 @@ def test_auto_on_a_gpu_is_the_faster_backend_by_the_committed_model():
     these units now). Pinned: CIFAR's 1x1 64->16, where the CUDA step (mma.sync forward, weight
     and data gradients) is modeled faster than Triton's (A100 87 us against 99.5, H100 62
     against 74.8, MODELED; it was undecided before, while the Triton side ran ~32 host ops
-    between its kernels). ``auto`` picks one backend for every unit, and Triton is modeled
-    faster on the 10 other units (every ImageNet one), so it stays first. A CUDA rewrite that the
+    between its kernels); and since the 128x64 mma.sync tiles (2026-11-27) ImageNet's 1x1
+    256->64 too, by 1-5% (fp16: A100 1459 us against Triton's 1475, H100 912 against 963,
+    MODELED). ``auto`` picks one backend for every unit, and Triton is modeled faster on the 9
+    other units (every 3x3 one), so it stays first. A CUDA rewrite that the
     model puts ahead, or leaves undecided, on another unit fails here until ``AUTO_ORDER``
     follows (or this set, with the reason)."""
     from fusedres._backend import AUTO_ORDER
@@ -526,7 +560,7 @@ def test_auto_on_a_gpu_is_the_faster_backend_by_the_committed_model():
     assert len(both) == 22, both  # 11 units x fp16, bf16
     cuda_surely_faster = [k for k in both
                           if any(hi < t for t, (_, hi) in zip(triton[k], cuda[k]))]
-    pinned = {"cifar bottleneck 1x1 64->16@32"}
+    pinned = {"cifar bottleneck 1x1 64->16@32", "imagenet bottleneck 1x1 256->64@56"}
     assert {k[0] for k in cuda_surely_faster} == pinned, cuda_surely_faster
     undecided = {k[0] for k in both if any(lo < t for t, (lo, _) in zip(triton[k], cuda[k]))}
     assert undecided == pinned, undecided

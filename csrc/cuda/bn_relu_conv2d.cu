@@ -174,19 +174,28 @@ __global__ void __launch_bounds__(T::THREADS)
 // The forward of 16-bit x and weight of the same dtype, x channels-last with C a multiple of 8
 // (every pixel's channels in 16-byte pieces): mma.sync m16n8k16 on operands that cp.async stages
 // into shared memory, 16 bytes a copy, through a STAGES-deep pipeline with one barrier per
-// K chunk (BK channels of one tap). A block of 4 warps owns a 64 x 64 output tile, each warp a
-// 32 x 32 quarter (2 x 4 m16n8 accumulators). x rows are copied raw: a tap outside the image
+// K chunk (BK channels of one tap). A block of 4 warps owns a BM x BN output tile (MmaFwd: 64 x 64
+// of 2 x 2 warps of 32 x 32, or 128 x 64 of 4 x 1 warps of 32 x 64; forward_mma_rows picks one
+// per shape). x rows are copied raw: a tap outside the image
 // or a row past M is zero-filled, channels past C too. The BatchNorm affine and the ReLU are
 // applied to the A fragments after ldmatrix, in float32 and rounded to the weight dtype as the
 // unfused sequence does, and a fragment row whose tap is padding (or past M) is set to 0: the
-// padding is of a = relu(bn(x)), never of x. The weight is pre-packed (host) as a row-major
+// padding is of a = relu(bn(x)), never of x (the copying thread writes each row's tap flag
+// beside the stage, Vs). No division in the main loop: the next chunk's tap, channel offset and
+// address shift are stepped one chunk at a time, and a row's tap-(0, 0) offset is computed once. The weight is pre-packed (host) as a row-major
 // (kh*kw*C, Co8) matrix, Co8 = Co rounded up to 8 with zero columns: row tap*C + c. Shared rows
 // are padded by 8 halves (A: 80 bytes, B: 144 bytes), so the 8 row addresses of each ldmatrix
 // phase fall in 8 different 4-bank groups. The accumulators go through shared memory (aliasing
 // the drained pipeline) to the epilogue shared with the other path (store_tile).
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_>
 struct MmaFwd {
-  static constexpr int BM = 64, BN = 64, BK = 32, STAGES = 3, THREADS = 128;
-  static constexpr int WARPS_N = 2, WM = 32, WN = 32;  // warp grid 2 x 2, warp tile 32 x 32
+  static constexpr int BM = BM_, BN = BN_, BK = 32, STAGES = 3;
+  static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, THREADS = 32 * WARPS_M * WARPS_N;
+  // Resident blocks per SM promised to ptxas (__launch_bounds__' second argument): without it
+  // ptxas gave the 64 x 64 tile 96 registers and a 4-byte spill on sm_90; 4 blocks (128
+  // registers) keep it at 0, 3 (170) the 128 x 64 tile's 159 registers on sm_80.
+  static constexpr int MIN_BLOCKS = BM == 64 ? 4 : 3;
+  static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;  // warp tile
   static constexpr int FM = WM / 16, FN = WN / 8;      // m16 tiles, n8 tiles per warp
   static constexpr int AST = BK + 8, BST = BN + 8, CLD = BN + 4;  // shared row lengths
   static constexpr int A_COPIES = BM * BK / 8 / THREADS;           // 16-byte copies per thread
@@ -194,15 +203,24 @@ struct MmaFwd {
   static constexpr int A_BYTES = STAGES * BM * AST * 2;
   static constexpr int B_BYTES = STAGES * BK * BST * 2;
   static constexpr int S_BYTES = STAGES * 2 * BK * 4;  // scale and shift of the chunk's channels
-  static constexpr int PIPE_BYTES = A_BYTES + B_BYTES + S_BYTES;
+  static constexpr int V_BYTES = STAGES * BM;          // the rows' tap flags
+  static constexpr int PIPE_BYTES = A_BYTES + B_BYTES + S_BYTES + V_BYTES;
   static constexpr int C_BYTES = BM * CLD * 4;
   static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
   static_assert(A_COPIES * THREADS * 8 == BM * BK && B_COPIES * THREADS * 8 == BK * BN,
                 "the 16-byte copies do not divide among the threads");
-  static_assert((BM / WM) * (BN / WN) * 32 == THREADS && BN / WN == WARPS_N, "warp grid");
+  static_assert(WM * WARPS_M == BM && WN * WARPS_N == BN && FM * 16 == WM && FN % 2 == 0,
+                "warp grid");
   static_assert(2 * BK / 4 <= THREADS, "one thread per 16 bytes of scale and shift");
   static_assert(A_BYTES % 128 == 0 && B_BYTES % 128 == 0, "stage buffers 128-byte aligned");
+  static_assert(SMEM + BM * 16 <= 48 * 1024, "static shared memory (with the row tables)");
 };
+// The two tile configurations (forward_mma_rows picks one per shape): 64 x 64 tiles of 4 warps
+// of 32 x 32 (2 x 2: every A row is loaded and transformed by 2 warps), and 128 x 64 tiles of 4
+// warps of 32 x 64 (4 x 1: each warp owns its A rows, so every A element is transformed once,
+// and each A fragment feeds 8 mma's instead of 4; twice the multiply-adds per barrier).
+using MmaFwdSmall = MmaFwd<64, 64, 2, 2>;
+using MmaFwdTall = MmaFwd<128, 64, 4, 1>;
 
 // Two 16-bit values of one register through relu(scale * x + shift), rounded back to W.
 template <typename W>
@@ -217,8 +235,8 @@ __device__ __forceinline__ uint32_t bn_relu2(uint32_t v, float s0, float b0, flo
   return ptx::pack2(al, ah);
 }
 
-template <typename W>
-__global__ void __launch_bounds__(MmaFwd::THREADS)
+template <typename W, typename T>
+__global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
     bn_relu_conv2d_fwd_mma_kernel(const W* __restrict__ x, const W* __restrict__ wp,
                                   const float* __restrict__ scale,
                                   const float* __restrict__ shift, const W* __restrict__ bias,
@@ -227,8 +245,7 @@ __global__ void __launch_bounds__(MmaFwd::THREADS)
                                   float* __restrict__ part_mean, float* __restrict__ part_m2,
                                   Dims4 xd, Dims4 yd, Dims4 rd, ConvGeom g, int64_t M,
                                   int64_t co8) {
-  FUSEDRES_LAUNCH_BOUNDS(MmaFwd::THREADS);
-  using T = MmaFwd;
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS, T::MIN_BLOCKS);
   using E = native_t<W>;
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
   __shared__ __align__(128) unsigned char smem[T::SMEM];
@@ -238,71 +255,85 @@ __global__ void __launch_bounds__(MmaFwd::THREADS)
   auto* As = reinterpret_cast<uint16_t(*)[BM][T::AST]>(smem);
   auto* Bs = reinterpret_cast<uint16_t(*)[BK][T::BST]>(smem + T::A_BYTES);
   auto* Ss = reinterpret_cast<float(*)[2][BK]>(smem + T::A_BYTES + T::B_BYTES);
+  auto* Vs = reinterpret_cast<uint8_t(*)[BM]>(smem + T::A_BYTES + T::B_BYTES + T::S_BYTES);
   auto* Cs = reinterpret_cast<float(*)[T::CLD]>(smem);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
   const int64_t co0 = static_cast<int64_t>(blockIdx.y) * BN;
   const int64_t Cin = xd.c;
-  // Input coordinates of a row's tap (0, 0): n (-1 past M), oh * sh - ph, ow * sw - pw.
+  // A copied row's source at tap (0, 0): the element offset of x[n, 0, ih, iw] and the input
+  // pixel ih = oh * sh - ph, iw = ow * sw - pw; a row past M has ih = kOutside, outside the
+  // image at every tap. A tap (i, j) moves it by (i * dh, j * dw), the same for every row.
   struct Src {
-    int64_t n;
+    int64_t off;
     int32_t ih, iw;
   };
+  constexpr int32_t kOutside = -(1 << 30);
   const auto src_of = [&](int r) {
     const int64_t m = m0 + r;
-    if (m >= M) return Src{-1, 0, 0};
+    if (m >= M) return Src{0, kOutside, 0};
     const Pixel p = pixel_of(m, yd.h, yd.w);
-    return Src{p.n, p.h * g.sh - g.ph, p.w * g.sw - g.pw};
+    const int32_t ih = p.h * g.sh - g.ph, iw = p.w * g.sw - g.pw;
+    return Src{p.n * xd.sn + int64_t(ih) * xd.sh + int64_t(iw) * xd.sw, ih, iw};
   };
   fill_row_table<BM, THREADS>(row_n, row_oh, row_ow, m0, M, yd, tid);
   // The rows this thread copies (copy e = tid + q * THREADS: row e / (BK / 8)).
   Src a_src[T::A_COPIES];
 #pragma unroll
   for (int q = 0; q < T::A_COPIES; ++q) a_src[q] = src_of((tid + q * THREADS) / (BK / 8));
-  // The rows of this lane's A fragments: tile i, half h (rows g and g + 8).
   const int wm = (warp / T::WARPS_N) * T::WM, wn = (warp % T::WARPS_N) * T::WN;
-  Src f_src[T::FM][2];
-#pragma unroll
-  for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) f_src[i][h] = src_of(wm + 16 * i + 8 * h + lane / 4);
 
-  const int chunks_per_tap = static_cast<int>((Cin + BK - 1) / BK);
-  const int chunks = g.kh * g.kw * chunks_per_tap;
-  const auto inside = [&](const Src& s, int ti, int tj) {
-    const int64_t ih = s.ih + int64_t(ti) * g.dh, iw = s.iw + int64_t(tj) * g.dw;
-    return s.n >= 0 && ih >= 0 && ih < xd.h && iw >= 0 && iw < xd.w;
+  const int32_t Cin32 = static_cast<int32_t>(Cin);
+  const int chunks = g.kh * g.kw * static_cast<int>((Cin + BK - 1) / BK);
+  const uint32_t H = static_cast<uint32_t>(xd.h), Wd = static_cast<uint32_t>(xd.w);
+  // The next chunk to copy, stepped one chunk at a time (no division in the loop): its channel
+  // offset c0 in the tap, the tap's column tj, its input-pixel shift (dih, diw) and element
+  // offset toff, and the packed weight's first row for the tap (tap * C).
+  struct Next {
+    int32_t c0, tj, dih, diw;
+    int64_t toff, krow;
+  } nx{0, 0, 0, 0, 0, 0};
+  const auto step = [&] {
+    nx.c0 += BK;
+    if (nx.c0 < Cin32) return;
+    nx.c0 = 0;
+    nx.krow += Cin;
+    if (++nx.tj < g.kw) {
+      nx.diw += g.dw;
+    } else {
+      nx.tj = 0;
+      nx.diw = 0;
+      nx.dih += g.dh;
+    }
+    nx.toff = int64_t(nx.dih) * xd.sh + int64_t(nx.diw) * xd.sw;
   };
-  // Issue the copies of chunk kc into stage st (the caller commits).
-  const auto load = [&](int kc, int st) {
-    const int tap = kc / chunks_per_tap;
-    const int64_t c0 = int64_t(kc - tap * chunks_per_tap) * BK;
-    const int ti = tap / g.kw, tj = tap % g.kw;
+  // Issue the copies of chunk nx into stage st (the caller commits): x rows raw (zero-filled
+  // where the tap is outside the image, past M or past C), each row's tap flag into Vs (the
+  // thread copying its first 16 bytes), the weight rows, the channels' scale and shift.
+  const auto load = [&](int st) {
 #pragma unroll
     for (int q = 0; q < T::A_COPIES; ++q) {
       const int e = tid + q * THREADS, r = e / (BK / 8), k = (e % (BK / 8)) * 8;
-      const W* src = x;
-      int bytes = 0;
-      if (c0 + k < Cin && inside(a_src[q], ti, tj)) {
-        src = x + xd.offset(a_src[q].n, c0 + k, a_src[q].ih + int64_t(ti) * g.dh,
-                            a_src[q].iw + int64_t(tj) * g.dw);
-        bytes = 16;
-      }
-      ptx::cp_async_cg16(&As[st][r][k], src, bytes);
+      const bool in = static_cast<uint32_t>(a_src[q].ih + nx.dih) < H &&
+                      static_cast<uint32_t>(a_src[q].iw + nx.diw) < Wd;
+      const bool ok = in && nx.c0 + k < Cin32;
+      ptx::cp_async_cg16(&As[st][r][k], ok ? x + (a_src[q].off + nx.toff + nx.c0 + k) : x,
+                         ok ? 16 : 0);
+      if (k == 0) Vs[st][r] = in ? 1 : 0;
     }
 #pragma unroll
     for (int q = 0; q < T::B_COPIES; ++q) {
       const int e = tid + q * THREADS, r = e / (BN / 8), n = (e % (BN / 8)) * 8;
-      const bool ok = c0 + r < Cin && co0 + n < co8;
-      const W* src = ok ? wp + (int64_t(tap) * Cin + c0 + r) * co8 + co0 + n : wp;
+      const bool ok = nx.c0 + r < Cin32 && co0 + n < co8;
+      const W* src = ok ? wp + (nx.krow + nx.c0 + r) * co8 + co0 + n : wp;
       ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
     }
     if (tid < 2 * BK / 4) {
       const int which = tid / (BK / 4), k = (tid % (BK / 4)) * 4;
       const float* v = which == 0 ? scale : shift;
-      const bool ok = c0 + k < Cin;
-      ptx::cp_async_cg16(&Ss[st][which][k], ok ? v + c0 + k : v, ok ? 16 : 0);
+      const bool ok = nx.c0 + k < Cin32;
+      ptx::cp_async_cg16(&Ss[st][which][k], ok ? v + nx.c0 + k : v, ok ? 16 : 0);
     }
   };
 
@@ -316,29 +347,36 @@ __global__ void __launch_bounds__(MmaFwd::THREADS)
 
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < chunks) load(st, st);
+    if (st < chunks) {
+      load(st);
+      step();
+    }
     ptx::cp_async_commit();
   }
+  const int lr = (lane % 8) + 8 * ((lane / 8) % 2), lc = 8 * (lane / 16);
+  const int t2 = 2 * (lane % 4);
+  int st = 0, next_st = STAGES - 1;  // the stages of chunk kc and of chunk kc + STAGES - 1
   for (int kc = 0; kc < chunks; ++kc) {
     // Chunk kc has landed (at most STAGES - 2 younger groups in flight), and every warp is done
-    // with chunk kc - 1, whose stage the copies of chunk kc + STAGES - 1 now overwrite.
+    // with chunk kc - 1, whose stage the copies of chunk kc + STAGES - 1 now overwrite (its tap
+    // flags, written by plain stores, are published by the same barrier).
     ptx::cp_async_wait<STAGES - 2>();
     __syncthreads();
-    if (kc + STAGES - 1 < chunks) load(kc + STAGES - 1, (kc + STAGES - 1) % STAGES);
+    if (kc + STAGES - 1 < chunks) {
+      load(next_st);
+      step();
+    }
     ptx::cp_async_commit();
 
-    const int st = kc % STAGES;
-    const int tap = kc / chunks_per_tap;
-    const int ti = tap / g.kw, tj = tap % g.kw;
+    // The tap flags of this lane's fragment rows: tile i, half h (rows g and g + 8).
     bool valid[T::FM][2];
 #pragma unroll
     for (int i = 0; i < T::FM; ++i)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) valid[i][h] = inside(f_src[i][h], ti, tj);
+      for (int h = 0; h < 2; ++h) valid[i][h] = Vs[st][wm + 16 * i + 8 * h + lane / 4] != 0;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       uint32_t fa[T::FM][4], fb[T::FN / 2][4];
-      const int lr = (lane % 8) + 8 * ((lane / 8) % 2), lc = 8 * (lane / 16);
 #pragma unroll
       for (int i = 0; i < T::FM; ++i) ptx::ldmatrix<4>(fa[i], &As[st][wm + 16 * i + lr][kk + lc]);
 #pragma unroll
@@ -346,7 +384,6 @@ __global__ void __launch_bounds__(MmaFwd::THREADS)
         ptx::ldmatrix<4, true>(fb[j], &Bs[st][kk + lr][wn + 16 * j + lc]);
       }
       // a[r] holds rows g + 8 (r % 2), channels kk + 8 (r / 2) + 2t, + 1.
-      const int t2 = 2 * (lane % 4);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int k = kk + 8 * (r / 2) + t2;
@@ -368,6 +405,8 @@ __global__ void __launch_bounds__(MmaFwd::THREADS)
           for (int r = 0; r < 4; ++r) acc[i][j][r] = d[r];
         }
     }
+    st = st + 1 == STAGES ? 0 : st + 1;
+    next_st = next_st + 1 == STAGES ? 0 : next_st + 1;
   }
   // Drain the (empty) trailing groups; every warp is done with the stages before Cs reuses them.
   ptx::cp_async_wait<0>();
@@ -416,17 +455,35 @@ inline at::Tensor pack_weight(const at::Tensor& weight) {
   return wp;
 }
 
-template <typename W>
+// The mma.sync forward's tile rows for M output pixels and Co output channels: 128 (MmaFwdTall)
+// when its tiles fill every SM at least once (cdiv(M, 128) * cdiv(Co, 64) >= the SM count), else
+// 64 (MmaFwdSmall: twice the blocks for small grids). FUSEDRES_CUDA_FORWARD_TILE=64 or 128
+// (read at every call) forces one (tests, comparison); anything else but empty is an error.
+// fusedres/perfmodel/cuda_sass.py (forward_mma_rows) prices the same rule.
+inline int64_t forward_mma_rows(int64_t M, int64_t Co) {
+  const char* env = std::getenv("FUSEDRES_CUDA_FORWARD_TILE");
+  if (env != nullptr && *env != 0) {
+    const std::string v(env);
+    TORCH_CHECK(v == "64" || v == "128", "FUSEDRES_CUDA_FORWARD_TILE must be '64' or '128', got '",
+                v, "'");
+    return v == "64" ? MmaFwdSmall::BM : MmaFwdTall::BM;
+  }
+  return ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, MmaFwdTall::BN) >= sm_count()
+             ? MmaFwdTall::BM
+             : MmaFwdSmall::BM;
+}
+
+template <typename W, typename T>
 void launch_forward_mma(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
                         const Affine& bn, const at::Tensor* residual, const at::Tensor* bscale,
                         at::Tensor& y, at::Tensor* part_mean, at::Tensor* part_m2,
                         const ConvGeom& g, int64_t M) {
-  using T = MmaFwd;
   const at::Tensor wp = pack_weight(weight);
   const dim3 grid(static_cast<unsigned>(ceil_div(M, T::BM)),
                   static_cast<unsigned>(ceil_div(weight.size(0), T::BN)));
   const Dims4 rd = residual != nullptr ? dims_of(*residual) : Dims4{};
-  FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), bn_relu_conv2d_fwd_mma_kernel<W>)(
+  FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(),
+                  bn_relu_conv2d_fwd_mma_kernel<W, T>)(
       x.const_data_ptr<W>(), wp.const_data_ptr<W>(), bn.scale.const_data_ptr<float>(),
       bn.shift.const_data_ptr<float>(), bias != nullptr ? bias->const_data_ptr<W>() : nullptr,
       residual != nullptr ? residual->const_data_ptr<W>() : nullptr,
@@ -437,21 +494,30 @@ void launch_forward_mma(const at::Tensor& x, const at::Tensor& weight, const at:
   FUSEDRES_CHECK_LAUNCH();
 }
 
+// bm: the tile rows forward_rows chose (the genstats partials have one row per tile).
 template <typename X, typename W>
 void launch_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
                     const Affine& bn, const at::Tensor* residual, const at::Tensor* bscale,
                     at::Tensor& y,
-                    at::Tensor* part_mean, at::Tensor* part_m2, const ConvGeom& g, int64_t M) {
+                    at::Tensor* part_mean, at::Tensor* part_m2, const ConvGeom& g, int64_t M,
+                    int64_t bm) {
   using T = typename TilesFor<W>::Fwd;
   using A = acc_t<X>;
   using C = acc_t<W>;
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
-    static_assert(MmaFwd::BM == T::BM, "forward_tile_rows: one tile height for both paths");
     if (use_mma_forward(x, bn)) {
-      launch_forward_mma<W>(x, weight, bias, bn, residual, bscale, y, part_mean, part_m2, g, M);
+      if (bm == MmaFwdTall::BM) {
+        launch_forward_mma<W, MmaFwdTall>(x, weight, bias, bn, residual, bscale, y, part_mean,
+                                          part_m2, g, M);
+      } else {
+        TORCH_CHECK(bm == MmaFwdSmall::BM, "launch_forward: no mma.sync tile of ", bm, " rows");
+        launch_forward_mma<W, MmaFwdSmall>(x, weight, bias, bn, residual, bscale, y, part_mean,
+                                           part_m2, g, M);
+      }
       return;
     }
   }
+  TORCH_CHECK(bm == T::BM, "launch_forward: the FMA / WMMA tile has ", T::BM, " rows, not ", bm);
   const dim3 grid(static_cast<unsigned>(ceil_div(M, T::BM)),
                   static_cast<unsigned>(ceil_div(weight.size(0), T::BN)));
   const Dims4 rd = residual != nullptr ? dims_of(*residual) : Dims4{};
@@ -475,6 +541,16 @@ int64_t forward_tile_rows(at::ScalarType wt) {
     case at::kBFloat16: return TilesFor<at::BFloat16>::Fwd::BM;
     default: return TilesFor<float>::Fwd::BM;
   }
+}
+
+// The tile rows of the kernel launch_forward runs: the mma.sync path's per-shape choice
+// (forward_mma_rows), else the FMA / WMMA tile's for the weight dtype.
+int64_t forward_rows(const at::Tensor& x, const at::Tensor& weight, const Affine& bn, int64_t M) {
+  const at::ScalarType wt = weight.scalar_type();
+  if (x.scalar_type() == wt && (wt == at::kHalf || wt == at::kBFloat16) && use_mma_forward(x, bn)) {
+    return forward_mma_rows(M, weight.size(0));
+  }
+  return forward_tile_rows(wt);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
@@ -522,7 +598,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
                    static_cast<int32_t>(padding[0]),     static_cast<int32_t>(padding[1]),
                    static_cast<int32_t>(dilation[0]),    static_cast<int32_t>(dilation[1])};
   const int64_t M = N * Ho * Wo;
-  const int64_t bm = forward_tile_rows(weight.scalar_type());
+  const int64_t bm = forward_rows(x, weight, bn, M);
   const int64_t tiles = ceil_div(M, bm);
   at::Tensor part_mean, part_m2;
   if (genstats) {
@@ -537,8 +613,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
     using X = decltype(xt);
     using W = decltype(wt);
-    launch_forward<X, W>(x, weight, b, bn, r, bscale.defined() ? &bscale : nullptr, y, genstats ? &part_mean : nullptr,
-                         genstats ? &part_m2 : nullptr, g, M);
+    launch_forward<X, W>(x, weight, b, bn, r, bscale.defined() ? &bscale : nullptr, y,
+                         genstats ? &part_mean : nullptr, genstats ? &part_m2 : nullptr, g, M, bm);
   });
   if (!genstats) return {y, at::Tensor(), at::Tensor()};
   // Chan's merge of the tiles' (count, mean, M2) in float64.

@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "conv_tiles.cuh"
@@ -40,7 +41,7 @@ enum DgradWrite : int { kWriteNothing = 0, kWriteDz = 1, kWriteDx = 2 };
 // The data gradient's epilogue, shared by the WMMA and the mma.sync kernel, on the block's
 // BM x BN tile of da (Cs; rows: the phase's input pixels row_n / row_ih / row_iw, -1 past its
 // pixels; columns c0 + n): loads x, recomputes the ReLU mask, writes dz or dx (or nothing), and
-// reduces per channel sum dz and sum dz * xhat over the tile into its partials' row (Ds holds
+// reduces per channel sum dz and sum dz * xhat over the tile into its partials' row `row` (Ds holds
 // dz * xhat). The caller synchronises after filling Cs.
 template <typename X, int BM, int BN, int LD, int THREADS>
 __device__ __forceinline__ void dgrad_store(
@@ -51,7 +52,7 @@ __device__ __forceinline__ void dgrad_store(
     acc_t<X>* __restrict__ part_dz, acc_t<X>* __restrict__ part_dzx,
     const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
     const acc_t<X>* __restrict__ branch_scale, const Dims4& xd, const Dims4& gd, int64_t c0,
-    int write, int tid) {
+    int write, int64_t row, int tid) {
   using A = acc_t<X>;
   const int64_t Cin = xd.c;
   const bool stats = part_dz != nullptr;
@@ -84,7 +85,6 @@ __device__ __forceinline__ void dgrad_store(
   }
   if (!stats) return;
   __syncthreads();
-  const int64_t row = static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x;
   for (int q = tid; q < 2 * BN; q += THREADS) {
     const int n = q % BN;
     const int64_t c = c0 + n;
@@ -190,7 +190,10 @@ __global__ void __launch_bounds__(T::THREADS)
   __syncthreads();
   dgrad_store<X, BM, BN, BN + T::CPAD, THREADS>(Cs, Ds, row_n, row_ih, row_iw, x, scale, shift,
                                                 mean, invstd, gx, dz_out, part_dz, part_dzx, m1,
-                                                m2, branch_scale, xd, gd, c0, write, tid);
+                                                m2, branch_scale, xd, gd, c0, write,
+                                                static_cast<int64_t>(blockIdx.z) * gridDim.x +
+                                                    blockIdx.x,
+                                                tid);
 }
 
 // ----------------------------------------------------------------------------- tensor-core dgrad
@@ -200,34 +203,49 @@ __global__ void __launch_bounds__(T::THREADS)
 // input pixels x 64 input channels a block) and epilogue (dgrad_store), its main loop mma.sync
 // m16n8k16 on operands that cp.async stages, 16 bytes a copy, through a STAGES-deep pipeline
 // with one barrier per K chunk (BK output channels of one tap). The K chunks run over the taps
-// that feed the phase (tap_list, built once per block) and the output channels. A (dy rows,
+// that feed the phase (tap_list with each tap's shift, built once per block) and the output
+// channels; the next chunk's tap, channel offset and address shift are stepped one chunk at a
+// time (no division in the main loop), and a row's base offset is computed once. A (dy rows,
 // pixels x Co): a row's output pixel at tap (i, j) is (h + di, w + dj) on the phase grid
 // (di = (pa + ph - i dh) / sh, exact for a tap of the phase), a row outside dy zero-filled,
 // as are rows past the phase's pixels. B: the weight pre-packed (host) as row-major
 // (taps*Co, C), row tap*Co + co, so a chunk is BK rows of 16-byte pieces. No transform on the
 // fragments: the ReLU mask and the branch scale are applied in the epilogue. 4 warps of 32 x 32
 // (2 x 4 m16n8 accumulators); shared rows padded by 8 halves as in the forward.
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_>
 struct MmaDgrad {
-  static constexpr int BM = 64, BN = 64, BK = 32, STAGES = 3, THREADS = 128;
-  static constexpr int WARPS_N = 2, WM = 32, WN = 32;
+  static constexpr int BM = BM_, BN = BN_, BK = 32, STAGES = 3;
+  static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, THREADS = 32 * WARPS_M * WARPS_N;
+  static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
   static constexpr int FM = WM / 16, FN = WN / 8;
   static constexpr int AST = BK + 8, BST = BN + 8, CLD = BN + 4;
   static constexpr int A_COPIES = BM * BK / 8 / THREADS;
   static constexpr int B_COPIES = BK * BN / 8 / THREADS;
   static constexpr int MAX_TAPS = 64;  // kh * kw of the kernels it takes
+  // The epilogue runs on EM rows at a time (BM / EM passes, each with its own partials' row),
+  // so the 128-row tile's da / dz and dz * xhat fit in the static 48 KiB beside the pipeline.
+  static constexpr int EM = 64, PASSES = BM / EM;
   static constexpr int A_BYTES = STAGES * BM * AST * 2;
   static constexpr int B_BYTES = STAGES * BK * BST * 2;
   static constexpr int PIPE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int C_BYTES = 2 * BM * CLD * 4;  // da / dz and dz * xhat
+  static constexpr int C_BYTES = 2 * EM * CLD * 4;  // da / dz and dz * xhat
   static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
   static_assert(A_COPIES * THREADS * 8 == BM * BK && B_COPIES * THREADS * 8 == BK * BN,
                 "the 16-byte copies do not divide among the threads");
-  static_assert((BM / WM) * (BN / WN) * 32 == THREADS && BN / WN == WARPS_N, "warp grid");
+  static_assert(WM * WARPS_M == BM && WN * WARPS_N == BN && FM * 16 == WM && FN % 2 == 0,
+                "warp grid");
+  static_assert(PASSES * EM == BM && EM % WM == 0, "a warp's rows in one epilogue pass");
   static_assert(A_BYTES % 128 == 0 && B_BYTES % 128 == 0, "stage buffers 128-byte aligned");
+  static_assert(SMEM + BM * 16 + 3 * MAX_TAPS * 4 + 4 <= 48 * 1024, "static shared memory");
 };
+// The two tile configurations (dgrad_mma_rows picks one per shape): 64 x 64 of 2 x 2 warps of
+// 32 x 32, and 128 x 64 of 4 x 1 warps of 32 x 64 (each ldmatrix feeds twice the mma's, twice
+// the multiply-adds per barrier).
+using MmaDgradSmall = MmaDgrad<64, 64, 2, 2>;
+using MmaDgradTall = MmaDgrad<128, 64, 4, 1>;
 
-template <typename W>
-__global__ void __launch_bounds__(MmaDgrad::THREADS)
+template <typename W, typename T>
+__global__ void __launch_bounds__(T::THREADS)
     dgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ wp, const W* __restrict__ x,
                      const float* __restrict__ scale, const float* __restrict__ shift,
                      const float* __restrict__ mean, const float* __restrict__ invstd,
@@ -236,8 +254,7 @@ __global__ void __launch_bounds__(MmaDgrad::THREADS)
                      const float* __restrict__ m1, const float* __restrict__ m2,
                      const float* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gd,
                      ConvGeom g, int write) {
-  FUSEDRES_LAUNCH_BOUNDS(MmaDgrad::THREADS);
-  using T = MmaDgrad;
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
   using E = native_t<W>;
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
   __shared__ __align__(128) unsigned char smem[T::SMEM];
@@ -245,11 +262,13 @@ __global__ void __launch_bounds__(MmaDgrad::THREADS)
   __shared__ int32_t row_ih[BM];
   __shared__ int32_t row_iw[BM];
   __shared__ int32_t tap_list[T::MAX_TAPS];
+  __shared__ int32_t tap_di[T::MAX_TAPS];  // the tap's output-pixel shift on the phase grid
+  __shared__ int32_t tap_dj[T::MAX_TAPS];
   __shared__ int32_t tap_count;
   auto* As = reinterpret_cast<uint16_t(*)[BM][T::AST]>(smem);
   auto* Bs = reinterpret_cast<uint16_t(*)[BK][T::BST]>(smem + T::A_BYTES);
   auto* Cs = reinterpret_cast<float(*)[T::CLD]>(smem);
-  auto* Ds = reinterpret_cast<float(*)[T::CLD]>(smem + BM * T::CLD * 4);
+  auto* Ds = reinterpret_cast<float(*)[T::CLD]>(smem + T::EM * T::CLD * 4);
 
   const int phases_w = static_cast<int>(xd.w < g.sw ? xd.w : g.sw);
   const int pa = blockIdx.z / phases_w, pb = blockIdx.z % phases_w;
@@ -273,57 +292,77 @@ __global__ void __launch_bounds__(MmaDgrad::THREADS)
     }
   }
   if (tid == 0) {
-    // The taps that feed this phase: (ih + ph - i dh) a multiple of sh for every row.
+    // The taps that feed this phase: (ih + ph - i dh) a multiple of sh for every row, with the
+    // shift (di, dj) from a row's phase-grid pixel to its output pixel at that tap (exact).
     int n = 0;
     for (int t = 0; t < g.kh * g.kw; ++t) {
-      if (mod_pos(pa + g.ph - (t / g.kw) * g.dh, g.sh) == 0 &&
-          mod_pos(pb + g.pw - (t % g.kw) * g.dw, g.sw) == 0) {
-        tap_list[n++] = t;
+      const int ti = t / g.kw, tj = t % g.kw;
+      if (mod_pos(pa + g.ph - ti * g.dh, g.sh) == 0 && mod_pos(pb + g.pw - tj * g.dw, g.sw) == 0) {
+        tap_list[n] = t;
+        tap_di[n] = (pa + g.ph - ti * g.dh) / g.sh;
+        tap_dj[n] = (pb + g.pw - tj * g.dw) / g.sw;
+        ++n;
       }
     }
     tap_count = n;
   }
-  // The rows this thread copies (copy e = tid + q * THREADS: row e / (BK / 8)), on the phase
-  // grid: (n, h, w), n = -1 past the phase's pixels.
+  // A copied row's source: the element offset of dy[n, 0, h, w] at its phase-grid pixel (n, h,
+  // w) and (h, w); a tap (di, dj) moves it to the output pixel (h + di, w + dj), the same shift
+  // for every row. A row past the phase's pixels has h = kOutside, outside dy at every tap.
   struct Src {
-    int64_t n;
+    int64_t off;
     int32_t h, w;
   };
+  constexpr int32_t kOutside = -(1 << 30);
   Src a_src[T::A_COPIES];
 #pragma unroll
   for (int q = 0; q < T::A_COPIES; ++q) {
     const int64_t m = m0 + (tid + q * THREADS) / (BK / 8);
     if (m < Mp) {
       const Pixel p = pixel_of(m, HP, WP);
-      a_src[q] = Src{p.n, p.h, p.w};
+      a_src[q] = Src{p.n * dyd.sn + int64_t(p.h) * dyd.sh + int64_t(p.w) * dyd.sw, p.h, p.w};
     } else {
-      a_src[q] = Src{-1, 0, 0};
+      a_src[q] = Src{0, kOutside, 0};
     }
   }
-  __syncthreads();  // tap_list, tap_count
-  const int chunks_per_tap = static_cast<int>((Co + BK - 1) / BK);
-  const int chunks = tap_count * chunks_per_tap;
-  const auto load = [&](int kc, int st) {
-    const int tl = kc / chunks_per_tap;
-    const int tap = tap_list[tl];
-    const int64_t k0 = int64_t(kc - tl * chunks_per_tap) * BK;
-    const int ti = tap / g.kw, tj = tap % g.kw;
-    // Exact: the tap feeds the phase.
-    const int32_t di = (pa + g.ph - ti * g.dh) / g.sh, dj = (pb + g.pw - tj * g.dw) / g.sw;
+  __syncthreads();  // tap_list, tap_di, tap_dj, tap_count
+  const int32_t Co32 = static_cast<int32_t>(Co), Cin32 = static_cast<int32_t>(Cin);
+  const int chunks = tap_count * static_cast<int>((Co + BK - 1) / BK);
+  const uint32_t Ho = static_cast<uint32_t>(dyd.h), Wo = static_cast<uint32_t>(dyd.w);
+  // The next chunk to copy, stepped one chunk at a time (no division in the loop): its output
+  // channel offset k0 in the tap, the tap's place in tap_list, its shift (di, dj) and dy element
+  // offset toff, and the packed weight's first row for the tap (tap * Co).
+  struct Next {
+    int32_t k0, tl, di, dj;
+    int64_t toff, krow;
+  } nx{0, 0, 0, 0, 0, 0};
+  const auto set_tap = [&] {
+    nx.di = tap_di[nx.tl];
+    nx.dj = tap_dj[nx.tl];
+    nx.toff = int64_t(nx.di) * dyd.sh + int64_t(nx.dj) * dyd.sw;
+    nx.krow = int64_t(tap_list[nx.tl]) * Co;
+  };
+  if (chunks > 0) set_tap();
+  const auto step = [&] {
+    nx.k0 += BK;
+    if (nx.k0 < Co32) return;
+    nx.k0 = 0;
+    if (++nx.tl < tap_count) set_tap();
+  };
+  const auto load = [&](int st) {
 #pragma unroll
     for (int q = 0; q < T::A_COPIES; ++q) {
       const int e = tid + q * THREADS, r = e / (BK / 8), k = (e % (BK / 8)) * 8;
-      const int64_t oh = int64_t(a_src[q].h) + di, ow = int64_t(a_src[q].w) + dj;
-      const bool ok = a_src[q].n >= 0 && oh >= 0 && oh < dyd.h && ow >= 0 && ow < dyd.w &&
-                      k0 + k < Co;
-      ptx::cp_async_cg16(&As[st][r][k], ok ? dy + dyd.offset(a_src[q].n, k0 + k, oh, ow) : dy,
+      const bool ok = static_cast<uint32_t>(a_src[q].h + nx.di) < Ho &&
+                      static_cast<uint32_t>(a_src[q].w + nx.dj) < Wo && nx.k0 + k < Co32;
+      ptx::cp_async_cg16(&As[st][r][k], ok ? dy + (a_src[q].off + nx.toff + nx.k0 + k) : dy,
                          ok ? 16 : 0);
     }
 #pragma unroll
     for (int q = 0; q < T::B_COPIES; ++q) {
       const int e = tid + q * THREADS, r = e / (BN / 8), n = (e % (BN / 8)) * 8;
-      const bool ok = k0 + r < Co && c0 + n < Cin;
-      const W* src = ok ? wp + (int64_t(tap) * Co + k0 + r) * Cin + c0 + n : wp;
+      const bool ok = nx.k0 + r < Co32 && c0 + n < Cin32;
+      const W* src = ok ? wp + (nx.krow + nx.k0 + r) * Cin + c0 + n : wp;
       ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
     }
   };
@@ -338,17 +377,23 @@ __global__ void __launch_bounds__(MmaDgrad::THREADS)
 
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < chunks) load(st, st);
+    if (st < chunks) {
+      load(st);
+      step();
+    }
     ptx::cp_async_commit();
   }
   const int wm = (warp / T::WARPS_N) * T::WM, wn = (warp % T::WARPS_N) * T::WN;
   const int lr = (lane % 8) + 8 * ((lane / 8) % 2), lc = 8 * (lane / 16);
+  int st = 0, next_st = STAGES - 1;  // the stages of chunk kc and of chunk kc + STAGES - 1
   for (int kc = 0; kc < chunks; ++kc) {
     ptx::cp_async_wait<STAGES - 2>();
     __syncthreads();
-    if (kc + STAGES - 1 < chunks) load(kc + STAGES - 1, (kc + STAGES - 1) % STAGES);
+    if (kc + STAGES - 1 < chunks) {
+      load(next_st);
+      step();
+    }
     ptx::cp_async_commit();
-    const int st = kc % STAGES;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       uint32_t fa[T::FM][4], fb[T::FN / 2][4];
@@ -369,22 +414,35 @@ __global__ void __launch_bounds__(MmaDgrad::THREADS)
           for (int r = 0; r < 4; ++r) acc[i][j][r] = d[r];
         }
     }
+    st = st + 1 == STAGES ? 0 : st + 1;
+    next_st = next_st + 1 == STAGES ? 0 : next_st + 1;
   }
   ptx::cp_async_wait<0>();
-  __syncthreads();
+  // The epilogue, EM rows a pass (the partials' row of pass p: PASSES rows per block).
+  const int64_t prow = (static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x) * T::PASSES;
 #pragma unroll
-  for (int i = 0; i < T::FM; ++i)
+  for (int pass = 0; pass < T::PASSES; ++pass) {
+    // Every warp is done with the pipeline (pass 0) or the previous pass's Cs and Ds.
+    __syncthreads();
+    if (wm / T::EM == pass) {
+      const int wr = wm - pass * T::EM;
 #pragma unroll
-    for (int j = 0; j < T::FN; ++j)
+      for (int i = 0; i < T::FM; ++i)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        Cs[wm + 16 * i + lane / 4 + 8 * (r / 2)][wn + 8 * j + 2 * (lane % 4) + r % 2] =
-            acc[i][j][r];
-      }
-  __syncthreads();
-  dgrad_store<W, BM, BN, T::CLD, THREADS>(Cs, Ds, row_n, row_ih, row_iw, x, scale, shift, mean,
-                                          invstd, gx, dz_out, part_dz, part_dzx, m1, m2,
-                                          branch_scale, xd, gd, c0, write, tid);
+        for (int j = 0; j < T::FN; ++j)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            Cs[wr + 16 * i + lane / 4 + 8 * (r / 2)][wn + 8 * j + 2 * (lane % 4) + r % 2] =
+                acc[i][j][r];
+          }
+    }
+    __syncthreads();
+    const int o = pass * T::EM;
+    dgrad_store<W, T::EM, BN, T::CLD, THREADS>(Cs, Ds, row_n + o, row_ih + o, row_iw + o, x,
+                                               scale, shift, mean, invstd, gx, dz_out, part_dz,
+                                               part_dzx, m1, m2, branch_scale, xd, gd, c0, write,
+                                               prow + pass, tid);
+  }
 }
 
 // Per-channel BatchNorm quantities the SUMS variant of the weight gradient reads.
@@ -592,9 +650,12 @@ __global__ void __launch_bounds__(T::THREADS)
 // columns (warp tile 64 x 16: every x element is transformed by one warp only): per chunk
 // a warp loads its A fragments (dy, m = Co, k = pixels) with 4 ldmatrix.x4.trans and its
 // B fragments (x, k = pixels, n = C) with one, and issues 8 mma.sync (SUMS: 16, the mask m and
-// m * xhat as two B operands). With a branch scale the A fragments are scaled per pixel
-// (s[n] * dy rounded to W, as the WMMA kernel stages them; Ps holds the pixel's factor). The
-// bias gradient (first column block of tap 0) sums the A fragments of warp 0 in float32.
+// m * xhat as two B operands). With a branch scale each thread scales the dy piece it copied,
+// in shared memory between its cp.async wait and the chunk's barrier (s[n] * dy rounded to W,
+// as the WMMA kernel stages them; Ps holds the pixel's factor): once per element, not once per
+// warp, and outside the m16n8k16 steps. The bias gradient (first column block of tap 0): each
+// thread sums the (scaled) dy pieces it copied in float32 there too, reduced after the loop.
+// The pixel stepping divides by Ho and Wo by multiply-high (FastDiv).
 // Shared rows are padded by 8 halves (144 bytes): the 8 rows of an ldmatrix phase fall in 8
 // different 4-bank groups. Both accumulator sets go through shared memory (aliasing the drained
 // pipeline) to the epilogue of both kernels (wgrad_store).
@@ -651,36 +712,22 @@ __device__ __forceinline__ void mask2(uint32_t v, float s, float b, float mu, fl
                   p1 ? static_cast<W>((f1 - mu) * is) : zero);
 }
 
-// s * v for the two 16-bit elements of a register (two pixels' dy), each rounded to W.
-template <typename W>
-__device__ __forceinline__ uint32_t scale2(uint32_t v, float s0, float s1) {
-  uint16_t lo = static_cast<uint16_t>(v & 0xffffu), hi = static_cast<uint16_t>(v >> 16);
-  W d0, d1;
-  memcpy(&d0, &lo, 2);
-  memcpy(&d1, &hi, 2);
-  return ptx::pack2(static_cast<W>(static_cast<float>(d0) * s0),
-                    static_cast<W>(static_cast<float>(d1) * s1));
-}
+// 16 bytes of shared memory (a thread's dy piece of a stage), for memcpy's alignment.
+struct alignas(16) Piece16 {
+  uint32_t u[4];
+};
 
-// The sum of the two 16-bit elements of a register, in float32.
-template <typename W>
-__device__ __forceinline__ float sum2(uint32_t v) {
-  uint16_t lo = static_cast<uint16_t>(v & 0xffffu), hi = static_cast<uint16_t>(v >> 16);
-  W d0, d1;
-  memcpy(&d0, &lo, 2);
-  memcpy(&d1, &hi, 2);
-  return static_cast<float>(d0) + static_cast<float>(d1);
-}
-
+// 4 resident blocks promised to ptxas without SUMS (up to 128 registers: without it ptxas gave
+// the float16 kernel 96 and an 8-byte spill on sm_90), 2 with SUMS (up to 255: 229 on sm_80).
 template <typename W, bool SUMS>
-__global__ void __launch_bounds__(MmaWgrad::THREADS)
+__global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
     wgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ x,
                      const float* __restrict__ scale, const float* __restrict__ shift,
                      W* __restrict__ gw, float* __restrict__ part_dw,
                      float* __restrict__ part_db, BnSums<float> bs,
                      const float* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gwd,
                      Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
-  FUSEDRES_LAUNCH_BOUNDS(MmaWgrad::THREADS);
+  FUSEDRES_LAUNCH_BOUNDS(MmaWgrad::THREADS, SUMS ? 2 : 4);
   using T = MmaWgrad;
   using E = native_t<W>;
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
@@ -694,6 +741,7 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS)
   // The block's channels' scale, shift (and with SUMS mean, invstd): read from shared memory at
   // each use rather than held in registers across the loop.
   __shared__ float Cp[SUMS ? 4 : 2][BN];
+  __shared__ float Bsum[T::THREADS / 32][BM];  // the bias sums' per-warp partials
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int taps = g.kh * g.kw;
@@ -725,6 +773,7 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS)
     pow_[q] = p.w;
   }
   const int32_t Ho = static_cast<int32_t>(dyd.h), Wo = static_cast<int32_t>(dyd.w);
+  const FastDiv div_ho(Ho), div_wo(Wo);
   // Issue the copies of the next chunk into stage st (the caller commits), then step the
   // pixels by BK.
   const auto load = [&](int st) {
@@ -746,15 +795,17 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS)
         Vs[st][r] = inside ? 1 : 0;
         Ps[st][r] = live && branch_scale != nullptr ? branch_scale[pn[q]] : 0.0f;
       }
-      // Next chunk: the pixel BK further on.
+      // Next chunk: the pixel BK further on (divisions by multiply-high, FastDiv).
       pix[q] += BK;
       int32_t w = pow_[q] + BK;
       if (w >= Wo) {
-        int32_t h = poh[q] + w / Wo;
-        w %= Wo;
+        const int32_t dh = div_wo.div(w);
+        int32_t h = poh[q] + dh;
+        w -= dh * Wo;
         if (h >= Ho) {
-          pn[q] += h / Ho;
-          h %= Ho;
+          const int32_t dn = div_ho.div(h);
+          pn[q] += dn;
+          h -= dn * Ho;
         }
         poh[q] = h;
       }
@@ -792,8 +843,8 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc2[i][j][r] = 0.0f;
   }
-  float db[T::FM][2] = {};  // bias: rows 16 i + lane / 4 + 8 h
-  const bool sum_bias = bias_block && warp == 0;
+  float db[8] = {};  // bias sums of output channels co0 + col + e over this thread's pixels
+  const bool sum_bias = bias_block;
   const bool scaled = branch_scale != nullptr;
 
 #pragma unroll
@@ -804,15 +855,39 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS)
   const int lr = (lane % 8) + 8 * ((lane / 8) % 2), lc = 8 * (lane / 16);  // B (x) rows
   const int ar = (lane % 8) + 8 * (lane / 16), ac = 8 * ((lane / 8) % 2);  // A (dy) rows
   const int t2 = 2 * (lane % 4);
+  // The prologue's pixel factors (Ps) are read by other threads before the loop's first barrier.
+  __syncthreads();
   for (int kc = 0; kc < chunks; ++kc) {
-    // Chunk kc has landed, and every warp is done with chunk kc - 1, whose stage the copies of
-    // chunk kc + STAGES - 1 now overwrite.
+    const int st = kc % STAGES;
+    // This thread's copies of chunk kc have landed. Its dy pieces (16 bytes: 8 output channels
+    // of one pixel) are multiplied by the pixel's branch scale (rounded to W: s[n] * dy as the
+    // unfused sequence rounds it) in place, once for every warp that reads them, and added to
+    // its bias sums (s[n] * dy summed over the pixels, float32) before the barrier publishes
+    // them. Ps[st] was written STAGES - 1 chunks ago, a barrier since.
     ptx::cp_async_wait<STAGES - 2>();
+    if (scaled || sum_bias) {
+#pragma unroll
+      for (int q = 0; q < T::PASSES; ++q) {
+        const int r = tid / (BM / 8) + T::ROWS_PER_PASS * q;
+        // 16-byte aligned (a cp.async destination): one 128-bit access each way.
+        Piece16* piece = reinterpret_cast<Piece16*>(&Ds[st][r][col]);
+        W v[8];
+        memcpy(v, piece, 16);
+        const float sp = scaled ? Ps[st][r] : 1.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          if (scaled) v[e] = static_cast<W>(static_cast<float>(v[e]) * sp);
+          db[e] += static_cast<float>(v[e]);
+        }
+        if (scaled) memcpy(piece, v, 16);
+      }
+    }
+    // Chunk kc is in place for every warp, and every warp is done with chunk kc - 1, whose stage
+    // the copies of chunk kc + STAGES - 1 now overwrite.
     __syncthreads();
     if (kc + STAGES - 1 < chunks) load((kc + STAGES - 1) % STAGES);
     ptx::cp_async_commit();
 
-    const int st = kc % STAGES;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       // a[i][r]: output channels 16 i + lane / 4 + 8 (r % 2), pixels kk + 8 (r / 2) + t2, + 1;
@@ -828,23 +903,6 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS)
       for (int h = 0; h < 2; ++h) {
         on[h][0] = Vs[st][kk + 8 * h + t2] != 0;
         on[h][1] = Vs[st][kk + 8 * h + t2 + 1] != 0;
-      }
-      if (scaled) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float s0 = Ps[st][kk + 8 * h + t2], s1 = Ps[st][kk + 8 * h + t2 + 1];
-#pragma unroll
-          for (int i = 0; i < T::FM; ++i) {
-            fa[i][2 * h] = scale2<W>(fa[i][2 * h], s0, s1);
-            fa[i][2 * h + 1] = scale2<W>(fa[i][2 * h + 1], s0, s1);
-          }
-        }
-      }
-      if (sum_bias) {
-#pragma unroll
-        for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) db[i][r % 2] += sum2<W>(fa[i][r]);
       }
       uint32_t b1[4], b2[SUMS ? 4 : 1];
 #pragma unroll
@@ -879,17 +937,21 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS)
   ptx::cp_async_wait<0>();
   __syncthreads();
   if (sum_bias) {
-    // The four lanes of a group hold the same rows' sums over different pixels.
+    // Lanes l, l + 8, l + 16, l + 24 of a warp hold the same channels' sums over different
+    // pixels; then the four warps' through shared memory (Bsum, apart from the aliased stages).
 #pragma unroll
-    for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float v = db[i][h];
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        v += __shfl_xor_sync(0xffffffffu, v, 2);
-        const int64_t co = co0 + 16 * i + 8 * h + lane / 4;
-        if (lane % 4 == 0 && co < Co) part_db[blockIdx.z * Co + co] = v;
-      }
+    for (int e = 0; e < 8; ++e) {
+      float v = db[e];
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (lane < 8) Bsum[warp][col + e] = v;
+    }
+    __syncthreads();
+    for (int m = tid; m < BM; m += THREADS) {
+      float v = 0.0f;
+      for (int w = 0; w < THREADS / 32; ++w) v += Bsum[w][m];
+      if (co0 + m < Co) part_db[blockIdx.z * Co + co0 + m] = v;
+    }
   }
   // c[r] is row lane / 4 + 8 (r / 2), column 2 (lane % 4) + (r % 2) of the m16n8 tile. Both
   // accumulator sets go to shared memory at once (no registers held through the epilogue).
@@ -1099,8 +1161,33 @@ bool dgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, const at::Tensor&
   if (env != nullptr && std::string(env) == "wmma") return false;
   TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
               "FUSEDRES_CUDA_DGRAD must be 'mma' or 'wmma', got '", env, "'");
-  return weight.size(2) * weight.size(3) <= MmaDgrad::MAX_TAPS;
+  return weight.size(2) * weight.size(3) <= MmaDgradSmall::MAX_TAPS;
 }
+
+// The mma.sync data gradient's tile rows for `rows` input pixels of the largest stride phase,
+// C input channels and `phases` phases: 128 (MmaDgradTall) when its tiles fill every SM at least
+// once (cdiv(rows, 128) * cdiv(C, 64) * phases >= the SM count), else 64 (MmaDgradSmall).
+// FUSEDRES_CUDA_DGRAD_TILE=64 or 128 (read at every call) forces one; anything else but empty is
+// an error. fusedres/perfmodel/cuda_sass.py (dgrad_mma_rows) prices the same rule.
+int64_t dgrad_mma_rows(int64_t rows, int64_t C, int64_t phases) {
+  const char* env = std::getenv("FUSEDRES_CUDA_DGRAD_TILE");
+  if (env != nullptr && *env != 0) {
+    const std::string v(env);
+    TORCH_CHECK(v == "64" || v == "128", "FUSEDRES_CUDA_DGRAD_TILE must be '64' or '128', got '",
+                v, "'");
+    return v == "64" ? MmaDgradSmall::BM : MmaDgradTall::BM;
+  }
+  return ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, MmaDgradTall::BN) * phases >= sm_count()
+             ? MmaDgradTall::BM
+             : MmaDgradSmall::BM;
+}
+
+// The data gradient's tiling for one call: which kernel (mma: dgrad_mma_kernel), its tile rows,
+// the row tiles of the largest stride phase (the grid's x), and the partials' rows per tile.
+struct DgradTiles {
+  bool mma;
+  int64_t rows, row_tiles, parts_per_tile;
+};
 
 // The weight packed for the mma.sync data gradient: (Co, C, kh, kw) -> row-major (kh*kw*Co, C),
 // row (i*kw + j)*Co + co, on a 16-byte boundary.
@@ -1118,19 +1205,23 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
                   const Affine& bn, const at::Tensor& mean, const at::Tensor& invstd,
                   at::Tensor* gx, at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
                   const at::Tensor* m1, const at::Tensor* m2, const at::Tensor* bscale,
-                  int write, const ConvGeom& g, int64_t phases, int64_t row_tiles) {
+                  int write, const ConvGeom& g, int64_t phases, const DgradTiles& dt) {
   using T = typename TilesFor<W>::Fwd;
   using A = acc_t<X>;
-  const dim3 grid(static_cast<unsigned>(row_tiles),
+  const dim3 grid(static_cast<unsigned>(dt.row_tiles),
                   static_cast<unsigned>(ceil_div(x.size(1), T::BN)), static_cast<unsigned>(phases));
   const at::Tensor& out = gx != nullptr ? *gx : (dz != nullptr ? *dz : x);
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
-    // One grid and one set of partials for both kernels.
-    static_assert(MmaDgrad::BM == T::BM && MmaDgrad::BN == T::BN,
-                  "the mma.sync data gradient shares the WMMA kernel's tile");
-    if (dgrad_uses_mma(go, x, weight)) {
+    // One grid (but the tile rows) and one layout of partials for both kernels.
+    static_assert(MmaDgradSmall::BN == T::BN && MmaDgradTall::BN == T::BN,
+                  "the mma.sync data gradient shares the WMMA kernel's tile columns");
+    if (dt.mma) {
       const at::Tensor wp = pack_weight_dgrad(weight);
-      FUSEDRES_LAUNCH(grid, dim3(MmaDgrad::THREADS), 0, current_stream(), dgrad_mma_kernel<W>)(
+      const auto launch = [&](auto tile) {
+        using TM = decltype(tile);
+        TORCH_CHECK(dt.rows == TM::BM && dt.parts_per_tile == TM::PASSES,
+                    "launch_dgrad: the tile plan does not match the kernel");
+        FUSEDRES_LAUNCH(grid, dim3(TM::THREADS), 0, current_stream(), dgrad_mma_kernel<W, TM>)(
           go.const_data_ptr<W>(), wp.const_data_ptr<W>(), x.const_data_ptr<X>(),
           bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
           invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
@@ -1141,10 +1232,18 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
           m2 != nullptr ? m2->const_data_ptr<A>() : nullptr,
           bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(x),
           dims_of(out), g, write);
-      FUSEDRES_CHECK_LAUNCH();
+        FUSEDRES_CHECK_LAUNCH();
+      };
+      if (dt.rows == MmaDgradTall::BM) {
+        launch(MmaDgradTall{});
+      } else {
+        launch(MmaDgradSmall{});
+      }
       return;
     }
   }
+  TORCH_CHECK(dt.rows == T::BM && dt.parts_per_tile == 1,
+              "launch_dgrad: the tile plan does not match the WMMA / FMA kernel");
   FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), dgrad_kernel<X, W, T>)(
       go.const_data_ptr<W>(), weight.const_data_ptr<W>(), x.const_data_ptr<X>(),
       bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
@@ -1248,14 +1347,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   const bool need_sums = want_g || want_beta || (want_x && batch_stats);
   const double inv_m = 1.0 / static_cast<double>(N * H * W);
   const int64_t phases = std::min(stride[0], H) * std::min(stride[1], W);
-  const int64_t row_tiles = ceil_div(N * ceil_div(H, stride[0]) * ceil_div(W, stride[1]),
-                                     tile_rows(weight.scalar_type()));
+  // The data gradient's kernel and tiles, decided where it first runs (dgrad_uses_mma reads
+  // FUSEDRES_CUDA_DGRAD, dgrad_mma_rows FUSEDRES_CUDA_DGRAD_TILE).
+  const int64_t phase_rows = N * ceil_div(H, stride[0]) * ceil_div(W, stride[1]);
+  std::optional<DgradTiles> dgrad_tiles;
+  const auto plan = [&]() -> const DgradTiles& {
+    if (!dgrad_tiles.has_value()) {
+      DgradTiles d{dgrad_uses_mma(go, x, weight), 0, 0, 1};
+      d.rows = d.mma ? dgrad_mma_rows(phase_rows, Cin, phases) : tile_rows(weight.scalar_type());
+      d.row_tiles = ceil_div(phase_rows, d.rows);
+      if (d.mma) d.parts_per_tile = d.rows / MmaDgradSmall::EM;
+      dgrad_tiles = d;
+    }
+    return *dgrad_tiles;
+  };
   auto dgrad = [&](at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
                    const at::Tensor* m1, const at::Tensor* m2, int write) {
     dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
       launch_dgrad<decltype(xt), decltype(wt)>(go, x, weight, bn, mean, invstd,
                                                want_x ? &gx : nullptr, dz, part_dz, part_dzx,
-                                               m1, m2, bsp, write, g, phases, row_tiles);
+                                               m1, m2, bsp, write, g, phases, plan());
     });
   };
 
@@ -1297,7 +1408,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   if (!need_da) return {gx, gw, gb, gg, gbeta};
   at::Tensor part_dz, part_dzx;
   if (need_sums) {
-    part_dz = at::zeros({phases * row_tiles, Cin}, mean.options());
+    part_dz = at::zeros({phases * plan().row_tiles * plan().parts_per_tile, Cin}, mean.options());
     part_dzx = at::zeros_like(part_dz);
   }
   at::Tensor dz;

@@ -58,6 +58,26 @@ __host__ __device__ inline Pixel pixel_of(int64_t row, int64_t height, int64_t w
   return {n, static_cast<int32_t>(r / width), static_cast<int32_t>(r % width)};
 }
 
+// Division by a divisor d (1 <= d < 2^31) fixed for a launch, of dividends 0 <= n < 2^31, as a
+// multiply-high and a shift (Granlund and Montgomery 1994, the form of CUTLASS's FastDivmod):
+// with l = ceil(log2 d), p = 31 + l and m = ceil(2^p / d) (< 2^32), n / d = (n * m) >> p
+// exactly; d = 1 is taken apart (m would need 2^32). For the main loops, where a division by a
+// runtime value costs ~20 instructions.
+struct FastDiv {
+  uint32_t d, m, s;  // divisor, multiplier, shift (p - 32)
+  __host__ __device__ explicit FastDiv(int32_t divisor) : d(static_cast<uint32_t>(divisor)) {
+    uint32_t l = 0;
+    while ((uint32_t{1} << l) < d) ++l;
+    const uint32_t p = 31 + l;
+    m = d == 1 ? 0u : static_cast<uint32_t>(((uint64_t{1} << p) + d - 1) / d);
+    s = d == 1 ? 0u : p - 32;
+  }
+  __host__ __device__ int32_t div(int32_t n) const {
+    const uint32_t hi = static_cast<uint32_t>((uint64_t{static_cast<uint32_t>(n)} * m) >> 32);
+    return static_cast<int32_t>(d == 1 ? static_cast<uint32_t>(n) : hi >> s);
+  }
+};
+
 // Convolution geometry (kernel taps, stride, padding, dilation) in the forward's terms.
 struct ConvGeom {
   int32_t kh, kw, sh, sw, ph, pw, dh, dw;

@@ -27,12 +27,15 @@ from . import sass
 from .devices import A100, H100
 
 _TILE = re.compile(r"TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])E")
+# The mma.sync kernels whose tile is a template argument MmaFwd<BM, BN, WARPS_M, WARPS_N>
+# (csrc/cuda/bn_relu_conv2d.cu) or MmaDgrad<...> (bn_relu_conv2d_backward.cu); BK = 32,
+# 32 * WARPS_M * WARPS_N threads; demangled.
+_MMA_TILE = re.compile(r"Mma(?:Fwd|Dgrad)<(\d+), (\d+), (\d+), (\d+)\s*>")
+_MMA_TILE_BK = 32
 # Kernels whose tile is fixed in their source rather than a Tile<> argument: name ->
-# (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d.cu, struct MmaFwd;
-# csrc/cuda/bn_relu_conv2d_backward.cu, structs MmaWgrad and MmaDgrad).
-_FIXED_TILES = {"bn_relu_conv2d_fwd_mma_kernel": (64, 64, 32, 128),
-                "wgrad_mma_kernel": (64, 64, 16, 128),
-                "dgrad_mma_kernel": (64, 64, 32, 128)}
+# (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d_backward.cu,
+# struct MmaWgrad).
+_FIXED_TILES = {"wgrad_mma_kernel": (64, 64, 16, 128)}
 
 
 # The weight gradient's split unit (pixels; pick_split and launch_wgrad's K-step, both kernels):
@@ -144,6 +147,10 @@ def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
             tile = _TILE.search(mangled)
             dem = names.get(mangled, mangled)
             fixed = next((t for n, t in _FIXED_TILES.items() if f"{n}<" in dem), None)
+            mt = _MMA_TILE.search(dem)
+            if mt is not None:
+                wm, wn = int(mt.group(3)), int(mt.group(4))
+                fixed = (int(mt.group(1)), int(mt.group(2)), _MMA_TILE_BK, 32 * wm * wn)
             if fixed is not None:
                 if not re.search(r"<(Half|BFloat16)[,>]", dem.replace("c10::", "")):
                     continue
@@ -220,16 +227,18 @@ class CudaUnitModel:
 
 
 def _row(rows: list[CudaKernelRow], arch: int, kernel: str, dtype: str,
-         sums: bool | None = None) -> CudaKernelRow:
+         sums: bool | None = None, bm: int | None = None) -> CudaKernelRow:
     t = "Half" if dtype == "fp16" else "BFloat16"
     for r in rows:
-        # <X, W, Tile...> instantiations, or the fixed-tile kernels' <W> and <W, SUMS>
-        # (_FIXED_TILES).
-        if r.arch == arch and (r.name.startswith(f"{kernel}<{t}, {t},") or r.name in (
-                f"{kernel}<{t}>", f"{kernel}<{t}, true>", f"{kernel}<{t}, false>")) and (
-                sums is None or r.name.rstrip(" >").endswith("true" if sums else "false")):
+        # <X, W, Tile...> instantiations, the fixed-tile kernels' <W> and <W, SUMS>
+        # (_FIXED_TILES), or <W, MmaFwd<...> > (_MMA_TILE) with ``bm`` rows.
+        if r.arch == arch and (r.name.startswith((f"{kernel}<{t}, {t},", f"{kernel}<{t}, Mma"))
+                               or r.name in (f"{kernel}<{t}>", f"{kernel}<{t}, true>",
+                                             f"{kernel}<{t}, false>")) and (
+                sums is None or r.name.rstrip(" >").endswith("true" if sums else "false")) and (
+                bm is None or r.bm == bm):
             return r
-    raise ValueError(f"no {kernel} <{t}> instantiation for sm_{arch} in the CUDA rows")
+    raise ValueError(f"no {kernel} <{t}> instantiation (bm {bm}) for sm_{arch} in the CUDA rows")
 
 
 def _launch(r: CudaKernelRow, label: str, ctas: int, chunks: float, dram: float,
@@ -256,6 +265,21 @@ def forward_kernel(u, forward: str = "mma", channels_last: bool = True) -> str:
     if forward == "mma" and channels_last and u.c % 8 == 0:
         return "bn_relu_conv2d_fwd_mma_kernel"
     return "bn_relu_conv2d_fwd_kernel"
+
+
+def forward_mma_rows(m: int, co: int, sms: int) -> int:
+    """The mma.sync forward's tile rows for m output pixels and co output channels on a GPU of
+    ``sms`` SMs (forward_mma_rows in csrc/cuda/bn_relu_conv2d.cu): 128 (MmaFwd<128, 64, 4, 1>)
+    when cdiv(m, 128) * cdiv(co, 64) >= sms, else 64 (MmaFwd<64, 64, 2, 2>)."""
+    return 128 if -(-m // 128) * -(-co // 64) >= sms else 64
+
+
+def dgrad_mma_rows(rows: int, c: int, phases: int, sms: int) -> int:
+    """The mma.sync data gradient's tile rows for ``rows`` pixels of the largest stride phase,
+    c input channels and ``phases`` phases on a GPU of ``sms`` SMs (dgrad_mma_rows in
+    csrc/cuda/bn_relu_conv2d_backward.cu): 128 (MmaDgrad<128, 64, 4, 1>) when
+    cdiv(rows, 128) * cdiv(c, 64) * phases >= sms, else 64 (MmaDgrad<64, 64, 2, 2>)."""
+    return 128 if -(-rows // 128) * -(-c // 64) * phases >= sms else 64
 
 
 def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
@@ -287,12 +311,13 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
                     channels_last: bool = True, wgrad: str = "mma",
                     dgrad: str = "mma") -> CudaUnitModel:
     """The CUDA C++ backend's training step of unit ``u`` (kernels/traffic.Unit, 16-bit) on
-    ``dev``, as csrc/cuda launches it ("sums" backward; 64x64x32 tiles, 128 threads, for every
-    16-bit kernel here):
+    ``dev``, as csrc/cuda launches it ("sums" backward; 128 threads and 64x64 tiles for every
+    16-bit kernel here but the mma.sync forward's and data gradient's per-shape tiles):
 
     * fwd: the kernel that runs (:func:`forward_kernel`): for channels-last x with C % 8 == 0,
-      the benchmark units, the mma.sync kernel bn_relu_conv2d_fwd_mma_kernel (struct MmaFwd),
-      after a DRAM-bound launch packing the weight to (kh*kw*C, Co8); ``forward="wmma"``
+      the benchmark units, the mma.sync kernel bn_relu_conv2d_fwd_mma_kernel (struct MmaFwd:
+      128x64x32 tiles where they fill the SMs, else 64x64x32, :func:`forward_mma_rows`), after a
+      DRAM-bound launch packing the weight to (kh*kw*C, Co8); ``forward="wmma"``
       (FUSEDRES_CUDA_FORWARD=wmma) or NCHW x prices the WMMA kernel bn_relu_conv2d_fwd_kernel
       instead. Grid cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, BK);
     * wgrad (SUMS): the kernel that runs (:func:`wgrad_kernel`): for channels-last x and
@@ -302,7 +327,8 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
       (pick_split with the device's SMs); K chunks: cdiv(cdiv(M, 32), split) K-steps of 32
       pixels, each 32 / BK chunks (BK = 16 for the mma.sync kernel, 32 for the WMMA one);
     * dgrad writing dx: the kernel that runs (:func:`dgrad_kernel`): for the same units the
-      mma.sync kernel dgrad_mma_kernel (struct MmaDgrad), after a DRAM-bound launch packing the
+      mma.sync kernel dgrad_mma_kernel (struct MmaDgrad: 128x64x32 tiles where they fill the
+      SMs, else 64x64x32, :func:`dgrad_mma_rows`), after a DRAM-bound launch packing the
       weight to (kh*kw*Co, C); ``dgrad="wmma"`` (FUSEDRES_CUDA_DGRAD=wmma) or NCHW the WMMA
       kernel dgrad_kernel. Grid per stride phase cdiv(rows, BM) x cdiv(C, BN); K chunks: the
       phase's taps x cdiv(Co, BK);
@@ -323,7 +349,8 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     m_out = u.n * u.ho * u.ho
     out = []
     fwd_name = forward_kernel(u, forward, channels_last)
-    fwd = _row(rows, dev.arch, fwd_name, dtype)
+    fwd = _row(rows, dev.arch, fwd_name, dtype, bm=forward_mma_rows(m_out, u.co, dev.sms)
+               if fwd_name == "bn_relu_conv2d_fwd_mma_kernel" else None)
     out.append(("fwd", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
                 taps * cdiv(u.c, fwd.bk), dram["fwd"]))
     wg = _row(rows, dev.arch, wgrad_kernel(u, wgrad, channels_last), dtype, sums=True)
@@ -332,8 +359,10 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
                 cdiv(cdiv(m_out, WGRAD_KSTEP), split) * WGRAD_KSTEP // wg.bk,
                 dram["wgrad+sums"]))
     dg_name = dgrad_kernel(u, dgrad, channels_last)
-    dg = _row(rows, dev.arch, dg_name, dtype)
     p, s = u.padding, u.stride
+    dg = _row(rows, dev.arch, dg_name, dtype, bm=dgrad_mma_rows(
+        u.n * cdiv(u.h, s) * cdiv(u.h, s), u.c, min(s, u.h) ** 2, dev.sms)
+        if dg_name == "dgrad_mma_kernel" else None)
     ctas, work = 0, 0.0
     for pa in range(min(s, u.h)):
         for pb in range(min(s, u.h)):

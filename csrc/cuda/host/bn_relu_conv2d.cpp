@@ -34,3 +34,12 @@ TORCH_LIBRARY(fusedres_cuda_testing, m) {
         "int channel) -> Tensor");
   m.impl("pixel_offsets", c10::DispatchKey::CPU, &fusedres::cuda_host::pixel_offsets);
 }
+
+// Which mma.sync forward tile (its rows: 64 MmaFwdSmall, 128 MmaFwdTall) the forward launches for
+// M output pixels and Co output channels, by forward_mma_rows (FUSEDRES_CUDA_FORWARD_TILE
+// included), for inputs that take the mma.sync path.
+TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
+  m.def("forward_mma_rows(int M, int Co) -> int");
+  m.impl("forward_mma_rows",
+         [](int64_t M, int64_t Co) { return fusedres::cuda_host::forward_mma_rows(M, Co); });
+}

@@ -34,3 +34,13 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
            return fusedres::cuda_host::dgrad_uses_mma(g, x, w) ? "mma" : "wmma";
          });
 }
+
+// Likewise the mma.sync data gradient's tile rows (64: MmaDgradSmall, 128: MmaDgradTall) for
+// `rows` pixels of the largest stride phase, C input channels and `phases` phases, by
+// dgrad_mma_rows (FUSEDRES_CUDA_DGRAD_TILE included).
+TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
+  m.def("dgrad_mma_rows(int rows, int C, int phases) -> int");
+  m.impl("dgrad_mma_rows", [](int64_t rows, int64_t C, int64_t phases) {
+    return fusedres::cuda_host::dgrad_mma_rows(rows, C, phases);
+  });
+}

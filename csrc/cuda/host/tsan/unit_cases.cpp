@@ -139,6 +139,14 @@ FUSEDRES_TSAN_CASE(unit_forward_wmma) { check_forward(at::kBFloat16, true, 3e-2)
 
 FUSEDRES_TSAN_CASE(unit_forward_mma) { check_forward(at::kHalf, true, 2e-2, 40); }
 
+// The mma.sync forward's 128-row tile (MmaFwdTall, forced: these shapes pick the 64-row one):
+// 4 warps of 32 x 64, the 84 output rows one partial tile.
+FUSEDRES_TSAN_CASE(unit_forward_mma_tall) {
+  setenv("FUSEDRES_CUDA_FORWARD_TILE", "128", 1);
+  check_forward(at::kBFloat16, true, 3e-2, 40);
+  unsetenv("FUSEDRES_CUDA_FORWARD_TILE");
+}
+
 FUSEDRES_TSAN_CASE(unit_backward_sums) { check_backward(at::kFloat, false, "sums", "1", 1e-5); }
 
 FUSEDRES_TSAN_CASE(unit_backward_store_split) {
@@ -156,4 +164,12 @@ FUSEDRES_TSAN_CASE(unit_backward_wmma) { check_backward(at::kHalf, true, "sums",
 FUSEDRES_TSAN_CASE(unit_backward_wgrad_mma) {
   check_backward(at::kHalf, true, "sums", "1", 2e-2, 40, 16, 1e-3);
   check_backward(at::kBFloat16, true, "store", "2", 1e-1, 40, 16, 8e-3);
+}
+
+// The mma.sync data gradient's 128-row tile (MmaDgradTall, forced), its epilogue in two 64-row
+// passes: the store strategy takes the BatchNorm sums from its partials.
+FUSEDRES_TSAN_CASE(unit_backward_dgrad_mma_tall) {
+  setenv("FUSEDRES_CUDA_DGRAD_TILE", "128", 1);
+  check_backward(at::kHalf, true, "store", "1", 2e-2, 40, 16, 1e-3);
+  unsetenv("FUSEDRES_CUDA_DGRAD_TILE");
 }
