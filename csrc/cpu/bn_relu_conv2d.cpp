@@ -87,6 +87,9 @@ int64_t weight_bytes(const at::Tensor& weight) {
 
 std::vector<int64_t> ints(c10::SymIntArrayRef v) { return C10_AS_INTARRAYREF_SLOW(v).vec(); }
 
+// An optional tensor argument that was given (not None, not an undefined tensor).
+bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
 Layout layout_of(const at::Tensor& x) {
   return suggests_channels_last(x) ? Layout::NHWC : Layout::NCHW;
 }
@@ -375,9 +378,6 @@ std::tuple<at::Tensor, at::Tensor> prepare_batch_norm(
   TORCH_CHECK(x.dim() == 4 && x.size(1) > 0 && x.numel() > 0,
               "fusedres_cpu.prepare_batch_norm: x must be a non-empty 4-D tensor, got shape ",
               x.sizes());
-  const auto present = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() && t->defined();
-  };
   const bool tracked = present(running_mean);
   TORCH_CHECK(tracked == present(running_var),
               "fusedres_cpu.prepare_batch_norm: running_mean, running_var: give both or neither");
@@ -1267,9 +1267,6 @@ struct EagerCpuUnit : public torch::autograd::Function<EagerCpuUnit> {
     ctx->saved_data["batch_stats"] = batch_stats;
     // needs_input_grad counts the tensor inputs only (an absent optional is none): the index of
     // each input that can take a gradient among them, -1 when absent.
-    const auto present = [](const std::optional<at::Tensor>& t) {
-      return t.has_value() && t->defined();
-    };
     int64_t edge = 2;  // x, weight
     const int64_t e_bias = present(bias) ? edge++ : -1;
     const int64_t e_g = present(bn_weight) ? edge++ : -1;
@@ -1358,9 +1355,6 @@ bool module_unit_accepts(const at::Tensor& x, const at::Tensor& weight,
                          std::optional<double> momentum, const std::optional<at::Tensor>& residual,
                          c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
                          c10::SymIntArrayRef dilation) {
-  const auto present = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() && t->defined();
-  };
   const auto dt = x.scalar_type();
   if (!(x.dim() == 4 && x.device().is_cpu() && (dt == at::kFloat || dt == at::kDouble) &&
         x.numel() > 0 && weight.dim() == 4 && weight.device().is_cpu() &&
@@ -1423,7 +1417,7 @@ std::vector<at::Tensor> module_unit(
                                                 training, momentum, eps, std::nullopt,
                                                 std::nullopt);
   }
-  const bool batch_stats = training || !(running_mean.has_value() && running_mean->defined());
+  const bool batch_stats = training || !present(running_mean);
   if (!at::GradMode::is_enabled()) {  // no graph to record (and inference tensors stay unsaved)
     at::AutoDispatchBelowADInplaceOrView below;
     return {bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
