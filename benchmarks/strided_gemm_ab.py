@@ -1,18 +1,19 @@
-"""Whether a strided 1x1 projection shortcut beside conv1 should run as GEMMs: each
-channels_last unit's fused training step with the cpu backend's rule (``FUSEDRES_CPU_GEMM_STRIDED``
-unset: the strided GEMM route of csrc/cpu/bn_relu_conv2d.cpp where it applies) and with the
-route off (``=0``: oneDNN's strided convolution), each over plain PyTorch's channels_last step,
+"""Whether a strided 1x1 projection shortcut beside conv1 should run as GEMMs: each unit's
+fused training step with the cpu backend's rule (``FUSEDRES_CPU_GEMM_STRIDED`` unset: the
+strided GEMM route of csrc/cpu/bn_relu_conv2d.cpp where it applies) and with the route off
+(``=0``: oneDNN's strided convolution), each over plain PyTorch's step in the same layout,
 interleaved in one process (``fusedres.bench.measure.time_interleaved``, samples of at least
 50 ms, glibc keeping freed memory, as ``fusedres bench`` runs).
 
     python benchmarks/strided_gemm_ab.py [--set cifar,resnet50] [--rounds 9] [--threads 2]
                                          [--clock wall|thread] [--models 20,56 --batch 128]
+                                         [--layout channels_last|nchw]
 
 The default set is the four units of the bottleneck set that have such a shortcut (ResNet-50's
 three strided first units, stride on the 3x3; ResNet-20's 16-32 /2 basic unit).
 
 ``--models``: whole training steps of those zoo models instead (``fusedres bench step``'s
-trainers, fused and plain, channels_last). ``--clock thread`` (1 thread only) times the step's
+trainers, fused and plain, in ``--layout``). ``--clock thread`` (1 thread only) times the step's
 own CPU time, for a machine that is not quiet. Units without a strided 1x1 beside another
 convolution run the same code either way: their two fused columns differ by the run's noise
 alone. The figures are in benchmarks/RESULTS.md
@@ -46,6 +47,7 @@ def main(argv=None) -> None:
     p.add_argument("--clock", choices=("wall", "thread"), default="wall")
     p.add_argument("--models", default=None, help="comma-separated zoo depths, e.g. 20,56")
     p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--layout", choices=("channels_last", "nchw"), default="channels_last")
     args = p.parse_args(argv)
     if args.clock == "thread" and args.threads != 1:
         p.error("--clock thread: needs --threads 1 (other threads' work is not counted)")
@@ -54,7 +56,7 @@ def main(argv=None) -> None:
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     cpu = torch.device("cpu")
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.clock} clock, "
-          f"channels_last; fused step over plain channels_last (medians of {args.rounds} "
+          f"{args.layout}; fused step over plain {args.layout} (medians of {args.rounds} "
           "interleaved samples)")
     print(f"{'shape':36s} {'plain ms':>9s} {'rule':>7s} {'oneDNN':>7s}")
     if args.models:
@@ -62,11 +64,14 @@ def main(argv=None) -> None:
         for m in args.models.split(","):
             name = model_name(m)
             cases[f"{name} b{args.batch}"] = tuple(
-                build_variant(name, v, args.batch, cpu, layout="channels_last").step
+                build_variant(name, v, args.batch, cpu, layout=args.layout).step
                 for v in ("fused", "plain"))
     else:
-        cases = {shape.name: (make_step(make_case(shape, "cpu channels_last", cpu)),
-                              make_step(make_case(shape, "channels_last", cpu)))
+        cl = args.layout == "channels_last"
+        cases = {shape.name: (make_step(make_case(shape, "cpu channels_last" if cl else "cpu",
+                                                  cpu)),
+                              make_step(make_case(shape, "channels_last" if cl else "plain",
+                                                  cpu)))
                  for shape in select(args.set, False, args.set)}
     for name, (fused, plain) in cases.items():
         steps = {"plain": plain, "rule": with_env(fused, VAR, None),

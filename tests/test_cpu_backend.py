@@ -451,14 +451,17 @@ def _aten_calls(fn) -> dict[str, int]:
 @pytest.mark.parametrize("tile_bytes", ["6000", "0"], ids=["tiles", "one"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("pair", ["1x1/2 + 3x3/2", "1x1/2 + 1x1"])
-def test_strided_1x1_beside_another_is_a_gemm(monkeypatch, pair, dtype, tile_bytes):
-    """A channels_last pair's strided 1x1 shortcut runs as GEMMs on the pixels it reads, its
-    data gradient added into the other convolution's (no oneDNN convolution for it, forward or
-    backward; FUSEDRES_CPU_GEMM_STRIDED=0: oneDNN's), and gives what oneDNN gives, every output
-    of forward and backward, in tiles of a few samples or one. A strided 1x1 unit alone keeps
-    oneDNN's convolution (strided_beside_dense)."""
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_strided_1x1_beside_another_is_a_gemm(monkeypatch, layout, pair, dtype, tile_bytes):
+    """A pair's strided 1x1 shortcut runs as GEMMs on the pixels it reads, its data gradient
+    added into the other convolution's (no oneDNN convolution for it, forward or backward;
+    FUSEDRES_CPU_GEMM_STRIDED=0: oneDNN's), and gives what oneDNN gives, every output of forward
+    and backward, in tiles of a few samples or one, on channels_last tiles (pixel rows) and
+    NCHW ones (channel-major columns: the NCHW 1x1 + 1x1 pair, and float64's 3x3 pair; float32
+    NCHW tensors beside a 3x3 run on NHWC tiles, and keep oneDNN's there). A
+    strided 1x1 unit alone keeps oneDNN's convolution (strided_beside_dense)."""
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
-    cl = torch.channels_last
+    cl = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     (k1, s1, p1), (k2, s2, p2) = PAIRS[pair]
     args = _inputs(n=5, c=16, h=12, w=11, co=12, k=(k1, k1), dtype=dtype, x_format=cl,
                    w_format=cl, stride=(s1, s1), padding=(p1, p1), residual=False)
@@ -483,10 +486,13 @@ def test_strided_1x1_beside_another_is_a_gemm(monkeypatch, pair, dtype, tile_byt
         convs[strided] = [calls.get(f"aten::{op}", 0) for op in ("convolution",
                                                                   "convolution_backward")]
     # Per tile, one convolution forward and one backward by oneDNN for each convolution that
-    # is not a GEMM: none for 1x1 + 1x1 with the strided route, the 3x3's alone beside it.
+    # is not a GEMM: none for 1x1 + 1x1 with the strided route, the 3x3's alone beside it;
+    # float32 NCHW tensors beside a 3x3 (NHWC tiles) keep oneDNN's.
+    route = not (layout == "nchw" and k2 == 3 and dtype == torch.float32)
     for fwd_or_bwd in (0, 1):
         with_gemm, without = convs["1"][fwd_or_bwd], convs["0"][fwd_or_bwd]
-        assert without > 0 and with_gemm == (0 if k2 == 1 else without // 2), convs
+        want = without if not route else 0 if k2 == 1 else without // 2
+        assert without > 0 and with_gemm == want, convs
     names = ["y1", "y2", "mean2", "var2", "gx", "gw1", "gb1", "gw2", "gb2", "gg", "gbeta"]
     for name, got, want in zip(names, out["1"], out["0"]):
         assert got.shape == want.shape and got.stride() == want.stride(), name

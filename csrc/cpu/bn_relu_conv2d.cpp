@@ -132,6 +132,13 @@ Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial, b
 //   same GEMMs on the pixels the convolution reads, the tile's strided rows copied out
 //   (strided_rows), and the data gradient added into those pixels of the tile's
 //   (strided_pixels).
+// - NCHW tiles, stride > 1 (StridedCols): the same GEMMs channel-major, the read pixels copied
+//   out as a (C, len*Ho*Wo) matrix (strided_cols), one GEMM for the tile (not one per sample:
+//   ResNet-50's last stage has 49 output pixels a sample), its (Co, len*Ho*Wo) output copied
+//   into y's samples. 1 thread, NCHW, fused / plain with the route and oneDNN's: ResNet-50's
+//   strided first units 0.60 / 0.75, 0.84 / 0.93, 0.92 / 1.01 (RESULTS.md). Beside NHWC tiles
+//   (a 3x3 of NCHW tensors) oneDNN's convolution of the tile, as fast or faster (ResNet-20's
+//   16-32 /2 unit: 0.72 by columns against 0.69).
 //   oneDNN's strided 1x1 backward writes a whole-tile data gradient, 3/4 zeros at stride 2,
 //   that is then added to the other convolution's, and returns a weight gradient that ATen
 //   copies into the weight's layout per tile (RESULTS.md, "Strided 1x1 convolutions as GEMMs").
@@ -140,13 +147,23 @@ Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial, b
 //   data gradient would be a tile of zeros and the scattered rows, and oneDNN measured as fast
 //   or faster (CIFAR ResNet-164's strided units 0.624 / 0.566 of plain by oneDNN, 0.637 / 0.589
 //   by GEMM). FUSEDRES_CPU_GEMM_STRIDED=0 turns this route alone off.
-enum class Gemm1x1 { None, PerSample, Whole, Strided };
+enum class Gemm1x1 { None, PerSample, Whole, Strided, StridedCols };
+
+bool is_strided(Gemm1x1 g) { return g == Gemm1x1::Strided || g == Gemm1x1::StridedCols; }
+
+// The route of a convolution gemm_1x1 put on the GEMMs, given its output (forward) or grad_out
+// (backward) t: t dense in the tiles' layout, except for the strided GEMMs on NCHW tiles
+// (StridedCols), which read and write t in any layout.
+Gemm1x1 gemm_for(Gemm1x1 gemm, const at::Tensor& t, Layout a_layout) {
+  if (gemm == Gemm1x1::Strided && a_layout == Layout::NCHW) return Gemm1x1::StridedCols;
+  return gemm != Gemm1x1::None && !dense_in(t, a_layout) ? Gemm1x1::None : gemm;
+}
 
 // The strided GEMMs of one activation's convolutions `gemms` where another one is not strided
 // (its data gradient is the tile the strided ones add into); otherwise oneDNN's convolutions.
 void strided_beside_dense(std::vector<Gemm1x1>& gemms) {
   bool dense = false;
-  for (const Gemm1x1 g : gemms) dense = dense || g != Gemm1x1::Strided;
+  for (const Gemm1x1 g : gemms) dense = dense || !is_strided(g);
   if (dense) return;
   for (Gemm1x1& g : gemms) g = Gemm1x1::None;
 }
@@ -162,8 +179,7 @@ Gemm1x1 gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
   }
   if (stride[0] > 1 || stride[1] > 1) {
     const char* strided = std::getenv("FUSEDRES_CPU_GEMM_STRIDED");
-    if (a_layout != Layout::NHWC || (strided && strided[0] == '0')) return Gemm1x1::None;
-    return Gemm1x1::Strided;
+    return strided && strided[0] == '0' ? Gemm1x1::None : Gemm1x1::Strided;
   }
   if (a_layout == Layout::NHWC) return Gemm1x1::Whole;
   return spatial >= 64 ? Gemm1x1::PerSample : Gemm1x1::None;
@@ -177,7 +193,7 @@ Gemm1x1 gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
 // 2.48, 256 -> 64 @8 0.98 / 1.18). FUSEDRES_CPU_GW_T=0 / 1 forces either (unset or anything
 // else: this rule).
 bool gw_t_for(Gemm1x1 gemm, const at::Tensor& weight) {
-  if (gemm != Gemm1x1::Whole && gemm != Gemm1x1::Strided) return false;
+  if (gemm != Gemm1x1::Whole && !is_strided(gemm)) return false;
   const char* env = std::getenv("FUSEDRES_CPU_GW_T");
   if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
   return weight.size(1) < weight.size(0);
@@ -321,6 +337,25 @@ at::Tensor strided_pixels(const at::Tensor& t, const std::vector<int64_t>& strid
   return t.permute({0, 2, 3, 1})
       .slice(1, 0, (Ho - 1) * stride[0] + 1, stride[0])
       .slice(2, 0, (Wo - 1) * stride[1] + 1, stride[1]);
+}
+
+// The same pixels of an NCHW tile t, as a (len, C, Ho, Wo) view.
+at::Tensor strided_pixels_nchw(const at::Tensor& t, const std::vector<int64_t>& stride,
+                               int64_t Ho, int64_t Wo) {
+  return t.slice(2, 0, (Ho - 1) * stride[0] + 1, stride[0])
+      .slice(3, 0, (Wo - 1) * stride[1] + 1, stride[1]);
+}
+
+// An NCHW tile t (len, C, H, W) as the (C, len*Ho*Wo) matrix of a strided 1x1 convolution's
+// read pixels (Ho = H, Wo = W at stride 1), channel-major, copied into buf: the GEMM's operand
+// for the whole tile at once (one GEMM of len*Ho*Wo columns where per-sample GEMMs would have
+// Ho*Wo, 49 on ResNet-50's last stage).
+at::Tensor strided_cols(const at::Tensor& t, const std::vector<int64_t>& stride, int64_t Ho,
+                        int64_t Wo, const at::Tensor& buf) {
+  const int64_t len = t.size(0), C = t.size(1);
+  at::Tensor cols = buf.narrow(0, 0, C * len * Ho * Wo);
+  cols.view({C, len, Ho, Wo}).copy_(strided_pixels_nchw(t, stride, Ho, Wo).transpose(0, 1));
+  return cols.view({C, len * Ho * Wo});
 }
 
 // Those pixels of the tile a, copied into buf as the rows of a (len*Ho*Wo, C) matrix.
@@ -551,9 +586,8 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
   std::vector<Gemm1x1> gemms;
   for (const ConvFwd& c : convs) {
     ws.push_back(c.weight.contiguous(a_fmt));
-    Gemm1x1 gemm = gemm_1x1(c.weight, c.stride, c.padding, a_layout, H * W);
-    if (gemm != Gemm1x1::None && !dense_in(c.y, a_layout)) gemm = Gemm1x1::None;
-    gemms.push_back(gemm);
+    gemms.push_back(gemm_for(gemm_1x1(c.weight, c.stride, c.padding, a_layout, H * W), c.y,
+                             a_layout));
   }
   strided_beside_dense(gemms);
   {
@@ -588,11 +622,15 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
   const int64_t nb = tile_samples(N, (C * H * W + out_per_sample) * weight0.element_size(),
                                   wbytes, layout == Layout::NHWC);
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(a_fmt));
-  std::vector<at::Tensor> rows_bufs(convs.size());  // the strided GEMMs' pixels of a tile
+  // The strided GEMMs' pixels of a tile; on NCHW tiles, their (Co, len*Ho*Wo) outputs too.
+  std::vector<at::Tensor> rows_bufs(convs.size()), out_bufs(convs.size());
   for (size_t i = 0; i < convs.size(); ++i) {
-    if (gemms[i] == Gemm1x1::Strided) {
-      rows_bufs[i] = at::empty({nb * convs[i].y.size(2) * convs[i].y.size(3) * C},
-                               weight0.options());
+    if (is_strided(gemms[i])) {
+      const int64_t pixels = nb * convs[i].y.size(2) * convs[i].y.size(3);
+      rows_bufs[i] = at::empty({pixels * C}, weight0.options());
+      if (gemms[i] == Gemm1x1::StridedCols) {
+        out_bufs[i] = at::empty({pixels * convs[i].weight.size(0)}, weight0.options());
+      }
     }
   }
   for (int64_t n0 = 0; n0 < N; n0 += nb) {
@@ -616,6 +654,31 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
                      residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor());
         } else if (residual.has_value()) {
           ys.add_(residual->narrow(0, n0, len));
+        }
+        continue;
+      }
+      if (gemms[i] == Gemm1x1::StridedCols) {
+        // One GEMM for the tile, (Co, P) = W (Co, C) @ its read pixels (C, P), P = len*Ho*Wo,
+        // the bias added by the GEMM, then copied into y's samples (the residual added on the
+        // way).
+        at::Tensor ys = y.narrow(0, n0, len);
+        const int64_t Ho = y.size(2), Wo = y.size(3), P = len * Ho * Wo;
+        at::Tensor out = out_bufs[i].narrow(0, 0, Co * P).view({Co, P});
+        const at::Tensor cols = strided_cols(a, c.stride, Ho, Wo, rows_bufs[i]);
+        if (bias.has_value()) {
+          at::addmm_out(out, bias->view({Co, 1}), w.view({Co, C}), cols);
+        } else {
+          at::mm_out(out, w.view({Co, C}), cols);
+        }
+        const at::Tensor out4 = out.view({Co, len, Ho, Wo}).transpose(0, 1);
+        const at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
+        if (c.bs.defined()) {
+          ys.copy_(out4);
+          scale_tile(ys, c.bs.narrow(0, n0, len), rs);
+        } else if (rs.defined()) {
+          at::add_out(ys, rs, out4);
+        } else {
+          ys.copy_(out4);
         }
         continue;
       }
@@ -816,7 +879,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
   // route, the accumulators and tile buffers.
   struct Work {
     at::Tensor go, w, gw_acc, gb_acc, gemm_da_buf, go_buf;
-    at::Tensor rows_buf, drows_buf;  // Gemm1x1::Strided: the tile's read pixels, their gradient
+    // The strided GEMMs: the tile's read pixels, their gradient; StridedCols: grad_out's tile as
+    // (Co, len*Ho*Wo) too.
+    at::Tensor rows_buf, drows_buf, go_cols_buf;
     at::ScalarType wacc;
     Gemm1x1 gemm;
     // channels_last GEMM route, fewer input than output channels: the weight gradient is
@@ -846,8 +911,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
   for (size_t i = 0; i < convs.size(); ++i) {
     const ConvGrad& c = convs[i];
     Work& k = work[i];
-    k.gemm = gemm_1x1(c.weight, c.stride, c.padding, a_layout, H * W);
-    if (k.gemm != Gemm1x1::None && !dense_in(k.go, a_layout)) k.gemm = Gemm1x1::None;
+    k.gemm = gemm_for(gemm_1x1(c.weight, c.stride, c.padding, a_layout, H * W), k.go, a_layout);
   }
   {
     std::vector<Gemm1x1> gemms;
@@ -863,13 +927,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
       k.gw_acc = k.gw_t ? at::zeros({C, c.weight.size(0)}, c.weight.options().dtype(k.wacc))
                         : at::zeros(c.weight.sizes(), c.weight.options().dtype(k.wacc));
     }
-    if (k.gemm != Gemm1x1::None && k.gemm != Gemm1x1::Strided && need_da) {
+    if (k.gemm != Gemm1x1::None && !is_strided(k.gemm) && need_da) {
       k.gemm_da_buf = at::empty({nb, C, H, W}, c.weight.options().memory_format(a_fmt));
     }
-    if (k.gemm == Gemm1x1::Strided) {
+    if (is_strided(k.gemm)) {
       const int64_t rows_numel = nb * k.go.size(2) * k.go.size(3) * C;
       k.rows_buf = at::empty({rows_numel}, c.weight.options());
       if (need_da) k.drows_buf = at::empty({rows_numel}, c.weight.options());
+      if (k.gemm == Gemm1x1::StridedCols) {
+        k.go_cols_buf = at::empty({rows_numel / C * k.go.size(1)}, c.weight.options());
+      }
     }
     // Tile buffers for the layout changes around an NHWC convolution of NCHW tensors; the
     // scaled grad_out tiles.
@@ -970,10 +1037,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
   // others' sum.
   std::vector<size_t> order;
   for (size_t i = 0; i < convs.size(); ++i) {
-    if (work[i].gemm != Gemm1x1::Strided) order.push_back(i);
+    if (!is_strided(work[i].gemm)) order.push_back(i);
   }
   for (size_t i = 0; i < convs.size(); ++i) {
-    if (work[i].gemm == Gemm1x1::Strided) order.push_back(i);
+    if (is_strided(work[i].gemm)) order.push_back(i);
   }
   for (int64_t n0 = rc > 0 ? N : 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
@@ -986,7 +1053,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
       Work& k = work[i];
       const int64_t Co = c.weight.size(0);
       at::Tensor got = k.go.narrow(0, n0, len);
-      if (a_layout != layout && dense_in(got, layout)) {
+      const bool cols = k.gemm == Gemm1x1::StridedCols;  // reads got in any layout
+      if (a_layout != layout && dense_in(got, layout) && !cols) {
         at::Tensor t = k.go_buf.narrow(0, 0, len);
         transpose_layout_kernel(got, t, layout);
         if (c.bs.defined()) t.mul_(c.bs.narrow(0, n0, len));  // in cache, just transposed
@@ -996,12 +1064,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
         at::Tensor t = k.go_buf.narrow(0, 0, len);
         at::mul_out(t, got, c.bs.narrow(0, n0, len));
         got = t;
-      } else {
+      } else if (!cols) {
         got = got.contiguous(a_fmt);
       }
       if (c.want_b) k.gb_acc.add_(got.sum({0, 2, 3}, false, k.wacc));
       at::Tensor dai, dw;
-      if (k.gemm == Gemm1x1::Whole || k.gemm == Gemm1x1::Strided) {
+      if (cols) {
+        // The forward's GEMM on NCHW tiles, transposed: grad_out's tile and the read pixels
+        // as (Co, P) and (C, P) matrices, P = len*Ho*Wo, one GEMM each for the tile.
+        const int64_t Ho = got.size(2), Wo = got.size(3), P = len * Ho * Wo;
+        at::Tensor go2 = k.go_cols_buf.narrow(0, 0, Co * P).view({Co, P});
+        go2.view({Co, len, Ho, Wo}).copy_(got.transpose(0, 1));
+        const at::Tensor cols = strided_cols(a, c.stride, Ho, Wo, k.rows_buf);
+        const at::Tensor wm = k.w.view({Co, C});
+        if (need_da) {
+          at::Tensor d2 = k.drows_buf.narrow(0, 0, C * P).view({C, P});
+          at::mm_out(d2, wm.t(), go2);
+          TORCH_INTERNAL_ASSERT(da.defined(), "fusedres_cpu: a strided GEMM alone");
+          strided_pixels_nchw(da, c.stride, Ho, Wo).add_(d2.view({C, len, Ho, Wo}).transpose(0, 1));
+        }
+        if (c.want_w && k.gw_t) {
+          k.gw_acc.addmm_(cols, go2.t());
+        } else if (c.want_w) {
+          k.gw_acc.view({Co, C}).addmm_(go2, cols.t());
+        }
+      } else if (k.gemm == Gemm1x1::Whole || k.gemm == Gemm1x1::Strided) {
         const bool strided = k.gemm == Gemm1x1::Strided;
         const int64_t Ho = got.size(2), Wo = got.size(3), P = len * Ho * Wo;
         const at::Tensor go2 = got.permute({0, 2, 3, 1}).view({P, Co});
