@@ -132,13 +132,6 @@ Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial, b
 //   same GEMMs on the pixels the convolution reads, the tile's strided rows copied out
 //   (strided_rows), and the data gradient added into those pixels of the tile's
 //   (strided_pixels).
-// - NCHW tiles, stride > 1 (StridedCols): the same GEMMs channel-major, the read pixels copied
-//   out as a (C, len*Ho*Wo) matrix (strided_cols), one GEMM for the tile (not one per sample:
-//   ResNet-50's last stage has 49 output pixels a sample), its (Co, len*Ho*Wo) output copied
-//   into y's samples. 1 thread, NCHW, fused / plain with the route and oneDNN's: ResNet-50's
-//   strided first units 0.60 / 0.75, 0.84 / 0.93, 0.92 / 1.01 (RESULTS.md). Beside NHWC tiles
-//   (a 3x3 of NCHW tensors) oneDNN's convolution of the tile, as fast or faster (ResNet-20's
-//   16-32 /2 unit: 0.72 by columns against 0.69).
 //   oneDNN's strided 1x1 backward writes a whole-tile data gradient, 3/4 zeros at stride 2,
 //   that is then added to the other convolution's, and returns a weight gradient that ATen
 //   copies into the weight's layout per tile (RESULTS.md, "Strided 1x1 convolutions as GEMMs").
@@ -147,6 +140,13 @@ Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial, b
 //   data gradient would be a tile of zeros and the scattered rows, and oneDNN measured as fast
 //   or faster (CIFAR ResNet-164's strided units 0.624 / 0.566 of plain by oneDNN, 0.637 / 0.589
 //   by GEMM). FUSEDRES_CPU_GEMM_STRIDED=0 turns this route alone off.
+// - NCHW tiles, stride > 1 (StridedCols), under the same rule: the same GEMMs channel-major,
+//   the read pixels copied out as a (C, len*Ho*Wo) matrix (strided_cols), one GEMM for the
+//   tile (not one per sample: ResNet-50's last stage has 49 output pixels a sample), its
+//   (Co, len*Ho*Wo) output copied into y's samples. 1 thread, NCHW, fused / plain with the
+//   route and oneDNN's: ResNet-50's strided first units 0.60 / 0.75, 0.84 / 0.93, 0.92 / 1.01
+//   (RESULTS.md). Beside NHWC tiles (a 3x3 of NCHW tensors) oneDNN's convolution of the tile,
+//   as fast or faster (ResNet-20's 16-32 /2 unit: 0.72 by columns against 0.69).
 enum class Gemm1x1 { None, PerSample, Whole, Strided, StridedCols };
 
 bool is_strided(Gemm1x1 g) { return g == Gemm1x1::Strided || g == Gemm1x1::StridedCols; }
@@ -1053,8 +1053,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
       Work& k = work[i];
       const int64_t Co = c.weight.size(0);
       at::Tensor got = k.go.narrow(0, n0, len);
-      const bool cols = k.gemm == Gemm1x1::StridedCols;  // reads got in any layout
-      if (a_layout != layout && dense_in(got, layout) && !cols) {
+      const bool by_cols = k.gemm == Gemm1x1::StridedCols;  // reads got in any layout
+      if (a_layout != layout && dense_in(got, layout) && !by_cols) {
         at::Tensor t = k.go_buf.narrow(0, 0, len);
         transpose_layout_kernel(got, t, layout);
         if (c.bs.defined()) t.mul_(c.bs.narrow(0, n0, len));  // in cache, just transposed
@@ -1064,12 +1064,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
         at::Tensor t = k.go_buf.narrow(0, 0, len);
         at::mul_out(t, got, c.bs.narrow(0, n0, len));
         got = t;
-      } else if (!cols) {
+      } else if (!by_cols) {
         got = got.contiguous(a_fmt);
       }
       if (c.want_b) k.gb_acc.add_(got.sum({0, 2, 3}, false, k.wacc));
       at::Tensor dai, dw;
-      if (cols) {
+      if (by_cols) {
         // The forward's GEMM on NCHW tiles, transposed: grad_out's tile and the read pixels
         // as (Co, P) and (C, P) matrices, P = len*Ho*Wo, one GEMM each for the tile.
         const int64_t Ho = got.size(2), Wo = got.size(3), P = len * Ho * Wo;
@@ -1081,7 +1081,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
           at::Tensor d2 = k.drows_buf.narrow(0, 0, C * P).view({C, P});
           at::mm_out(d2, wm.t(), go2);
           TORCH_INTERNAL_ASSERT(da.defined(), "fusedres_cpu: a strided GEMM alone");
-          strided_pixels_nchw(da, c.stride, Ho, Wo).add_(d2.view({C, len, Ho, Wo}).transpose(0, 1));
+          strided_pixels_nchw(da, c.stride, Ho, Wo)
+              .add_(d2.view({C, len, Ho, Wo}).transpose(0, 1));
         }
         if (c.want_w && k.gw_t) {
           k.gw_acc.addmm_(cols, go2.t());
