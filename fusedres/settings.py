@@ -79,7 +79,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "at every cpu-backend call (csrc/cpu), and by the memory accounting through "
             "`fusedres._C`'s `cpu_tile_samples`",
             "Bytes of activation + output per tile of the cpu backend; unset: 4 MiB per thread "
-            "(16 MiB for channels_last inputs); 0 or less: the whole batch in one tile."),
+            "(16 MiB per thread and 32 MiB at least for channels_last inputs); 0 or less: the "
+            "whole batch in one tile."),
     Setting("FUSEDRES_CPU_TILE_WEIGHT_X", "int", "4", "at every cpu-backend call (csrc/cpu)",
             "A tile's budget is at least this many times the weight's bytes."),
     Setting("FUSEDRES_CPU_CONV_NHWC", "choice", "", "at every cpu-backend call (csrc/cpu)",
@@ -89,10 +90,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "Run stride-1 unpadded 1x1 convolutions as GEMMs (NCHW tiles: batched, one per "
             "sample; channels_last tiles: one per tile)."),
     Setting("FUSEDRES_CPU_GEMM_STRIDED", "bool", "1", "at every cpu-backend call (csrc/cpu)",
-            "Run a strided unpadded 1x1 convolution of channels_last tiles that shares its "
-            "BatchNorm-ReLU with another convolution (a projection shortcut beside conv1) as "
-            "GEMMs on the pixels it reads; 0: oneDNN's convolution (FUSEDRES_CPU_GEMM_1X1=0 "
-            "turns both GEMM routes off)."),
+            "Run a strided unpadded 1x1 convolution that shares its BatchNorm-ReLU with another "
+            "convolution (a projection shortcut beside conv1) as GEMMs on the pixels it reads, "
+            "on channels_last tiles (pixel rows) and NCHW ones (channel-major, one GEMM a "
+            "tile); 0: oneDNN's convolution (FUSEDRES_CPU_GEMM_1X1=0 turns both GEMM routes "
+            "off)."),
     Setting("FUSEDRES_CPU_CHUNK_BYTES", "int", "262144", "at every cpu-backend call (csrc/cpu)",
             "Bytes of activation + output rows per pixel chunk of a channels_last 1x1 unit "
             "(the GEMM route: one convolution, or a pair's two) whose weights are no larger: "

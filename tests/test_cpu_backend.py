@@ -170,9 +170,11 @@ def _tile_rule(n, bytes_per_sample, weight_bytes, tile_bytes, weight_x=4):
 
 def test_tile_rule_is_exported_from_the_extension(monkeypatch):
     """_extension.cpu_tile_samples runs the kernels' own rule, reading the environment and the
-    thread count at the call: 4 MiB per thread for NCHW inputs, 16 MiB for channels_last."""
-    for channels_last, mib in ((False, 4), (True, 16)):
-        default = torch.get_num_threads() * mib * 2**20
+    thread count at the call: 4 MiB per thread for NCHW inputs, 16 MiB for channels_last (32
+    MiB at least)."""
+    threads = torch.get_num_threads()
+    for channels_last, default in ((False, threads * 4 * 2**20),
+                                   (True, max(threads, 2) * 16 * 2**20)):
         for n, per_sample, weight in [(128, 131072, 9216), (7, 300_000, 0), (1, 10, 10),
                                       (64, 1 << 20, 1 << 22), (5, 0, 0), (128, 81920, 65536)]:
             assert _extension.cpu_tile_samples(n, per_sample, weight, channels_last) == _tile_rule(

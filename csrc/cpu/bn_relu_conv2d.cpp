@@ -52,13 +52,19 @@ namespace {
 // convolution; 1 MiB per thread (half a core's L2, the rule until 2026-11-24, chosen when every
 // large buffer was a fresh mmap) ran the 3x3 units of 32-256 channels at N=64, 16x16 at
 // 0.98-1.0x plain PyTorch's NCHW unit, 4 MiB 0.85-0.98x, 16 MiB the same (2 threads).
-// channels_last units: 16 MiB per thread. They have no transposes to keep in cache; with 4 MiB
-// per thread the 3x3 units of 160-256 channels ran 1.01-1.04x plain PyTorch's channels_last
-// unit, one tile 0.98-1.00x (2 threads). (The channels_last 1x1 route runs by pixel chunks.)
+// channels_last units: 16 MiB per thread, and 32 MiB at least. They have no transposes to keep
+// in cache; with 4 MiB per thread the 3x3 units of 160-256 channels ran 1.01-1.04x plain
+// PyTorch's channels_last unit, one tile 0.98-1.00x (2 threads). On 1 thread, 16 MiB split
+// those units in two tiles (an output copy into y and a weight-gradient reorder each): one tile
+// ran 1-4% faster (fused / plain, thread CPU time: C=256 s1 0.996 -> 0.982, C=256 s1 +res
+// 1.061 -> 1.048, C=192 s1 +res 0.991 -> 0.968, C=256 s2 0.962 -> 0.917; N=64, 16x16).
+// (The channels_last 1x1 route runs by pixel chunks.)
 int64_t tile_bytes(bool channels_last) {
   // Read at every call so that benchmarks can sweep it; 0 or less means one tile.
   if (const char* env = std::getenv("FUSEDRES_CPU_TILE_BYTES")) return std::atoll(env);
-  return std::max<int64_t>(at::get_num_threads(), 1) * (int64_t(channels_last ? 16 : 4) << 20);
+  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+  return channels_last ? std::max<int64_t>(threads, 2) * (int64_t(16) << 20)
+                       : threads * (int64_t(4) << 20);
 }
 
 }  // namespace
