@@ -56,9 +56,10 @@ from .reductions import stats_combine
 # CIFAR batch 128, fp16, H100 / A100): 16@32 128x16x16 3 stages 13.3 / 20.6 us, shared-bound;
 # ONE_CB 11.5 / 16.4; 256x16x16 2 stages 9.5 / 14.1 (1 stage 7.8 / 11.9, but then no load
 # runs ahead of its K-step, a latency the model does not charge). 32@16 128x32x16 7.6 / 13.6;
-# 128x32x32 (ONE_CB) 6.8 / 10.3. Read from the sm_90 SASS (JIT specialisation, C = Co = 256,
-# 14x14), instructions a warp per K-step and issue / tensor-core cycles a block: 216 at
-# 64x256x64 (0.84), 186 at
+# 128x32x32 (ONE_CB) 6.8 / 10.3; 64x32x32 on 2 warps (twice the blocks, each warp its own
+# 32 rows) 6.6 / 9.3 (4 warps 7.3 / 10.7). Read from the sm_90 SASS (JIT specialisation,
+# C = Co = 256, 14x14), instructions a warp per K-step and issue / tensor-core cycles a
+# block: 216 at 64x256x64 (0.84), 186 at
 # 128x128x32 (1.45), 185 at 128x64x32 (2.9; 200 and 3.1 before the loop was flattened). The
 # BatchNorm-ReLU of the A tile costs the same per K-step whatever BLOCK_N: wide tiles are
 # what make the loop tensor-bound. 128x256x64 and 128x128x64 (0.69, 1.3) spill in the
@@ -71,7 +72,7 @@ CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
     KernelConfig.of(BLOCK_M=256, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, BSCALE_AT=1),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2),
     KernelConfig.of(BLOCK_M=256, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2, BSCALE_AT=1),
