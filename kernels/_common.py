@@ -169,6 +169,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def short_rows_fill_better(m: int, col_tiles: int, sms: int, tall: int, short: int) -> bool:
+    """Whether tiles ``short`` rows tall finish a grid of ``m`` rows x ``col_tiles`` column
+    tiles sooner than tiles ``tall`` rows tall on ``sms`` SMs, by grid quantisation alone: the
+    busiest SM runs cdiv(tiles, sms) tiles of ``rows`` rows each. A small grid just over one
+    wave (CIFAR 64@8, batch 128: 128 tiles of 64 rows on an A100's 108 SMs, 20 SMs run two
+    while 88 idle) ends sooner on half-height tiles (256 on 108: 3 x 32 rows against 2 x 64);
+    ties keep the tall tile (its operand tiles are reused over more rows)."""
+    def busiest(rows: int) -> int:
+        return cdiv(cdiv(m, rows) * col_tiles, sms) * rows
+    return busiest(short) < busiest(tall)
+
+
 def sm_count(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).multi_processor_count

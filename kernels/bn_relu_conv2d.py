@@ -41,6 +41,7 @@ from ._common import (
     interpreting,
     is_aligned,
     launcher,
+    short_rows_fill_better,
     sm_count,
     usable,
 )
@@ -55,9 +56,10 @@ from .reductions import stats_combine
 # CIFAR batch 128, fp16, H100 / A100): 16@32 128x16x16 3 stages 13.3 / 20.6 us, shared-bound;
 # ONE_CB 11.5 / 16.4; 256x16x16 2 stages 9.5 / 14.1 (1 stage 7.8 / 11.9, but then no load
 # runs ahead of its K-step, a latency the model does not charge). 32@16 128x32x16 7.6 / 13.6;
-# 128x32x32 (ONE_CB) 6.8 / 10.3. Read from the sm_90 SASS (JIT specialisation, C = Co = 256,
-# 14x14), instructions a warp per K-step and issue / tensor-core cycles a block: 216 at
-# 64x256x64 (0.84), 186 at
+# 128x32x32 (ONE_CB) 6.8 / 10.3; 64x32x32 on 2 warps (twice the blocks, each warp its own
+# 32 rows) 6.6 / 9.3 (4 warps 7.3 / 10.7). Read from the sm_90 SASS (JIT specialisation,
+# C = Co = 256, 14x14), instructions a warp per K-step and issue / tensor-core cycles a
+# block: 216 at 64x256x64 (0.84), 186 at
 # 128x128x32 (1.45), 185 at 128x64x32 (2.9; 200 and 3.1 before the loop was flattened). The
 # BatchNorm-ReLU of the A tile costs the same per K-step whatever BLOCK_N: wide tiles are
 # what make the loop tensor-bound. 128x256x64 and 128x128x64 (0.69, 1.3) spill in the
@@ -70,10 +72,17 @@ CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
     KernelConfig.of(BLOCK_M=256, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, BSCALE_AT=1),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2),
     KernelConfig.of(BLOCK_M=256, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2, BSCALE_AT=1),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=2, num_stages=2, BSCALE_AT=1),
 ]
+# 7 and 8: few pixels with C >= 64 on aligned operands (CIFAR 64@8, batch 128: 8192 rows), K
+# 64 (C = 64: one channel block, ONE_CB, 9 K-steps), 2 stages; 8 is 7 half as tall, picked
+# where it quantises onto the SMs better (``short_rows_fill_better``). fusedres.perfmodel,
+# fp16, A100 / H100 (MODELED): 3 (64x64x32, 4 stages) 12.4 / 5.9 us, shared-bound; 7 10.1 /
+# 4.9; 8 9.0 / 5.8 (3 stages 9.2 / 5.9; 4 warps 10.4 / 6.5); 64x32x64 11.8 / 7.0.
 # float32 with TF32, by role: 0 many pixels, 1 mid, 2 narrow (Co <= 32), 3 wide (Co >= 128,
 # many pixels). sm_90 SASS (fusedres.perfmodel, H100, batch 256): 64@56 128x64x16 540 us
 # modeled, 128x64x32 481; 256@14 on 128x64 tiles 505 us (shared-bound: the activation tile
@@ -84,7 +93,10 @@ FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=2, num_stages=2),
 ]
+# 4: 1 half as tall, where it quantises onto the SMs better (``short_rows_fill_better``): CIFAR
+# 64@8 on the A100 (MODELED) 18.2 -> 15.5 us.
 # float32 without TF32 (``ieee`` products: FMA), same roles (3 is 0's tile: an FMA tile of
 # 128x128 would hold 64 accumulators a thread). 64x64x32 with 3 stages spills there (sm_80, a
 # CIFAR 64-channel 3x3 unit at 8x8: ptxas holds it to 80 registers, 8 bytes spilled); 2 stages:
@@ -314,7 +326,9 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
       tile (the A-tile BatchNorm-ReLU amortised over 256 columns).
     * Co >= 128 (and C >= 32) with a full wave of 128x128 tiles: the wide tile.
     * C >= 32 with a full wave of 256x64 tiles: 256x64x32 (64-channel units, many pixels).
-    * otherwise the 64x64 tile (few pixels: more, smaller blocks to fill the SMs).
+    * C >= 64: the 64x64x64 tile (few pixels: more, smaller blocks to fill the SMs), or its
+      32-row half where that ends the grid's last wave sooner on ``sms`` SMs.
+    * otherwise the 64x64x32 tile.
 
     The first three only when ``aligned`` (see ``is_aligned``).
     """
@@ -328,7 +342,11 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
             return configs[2]
         if co >= 128 and cdiv(m, 128) * cdiv(co, 128) >= sms:
             return configs[3]
-        return configs[0] if m * co >= 128 * 64 * 264 else configs[1]
+        if m * co >= 128 * 64 * 264:
+            return configs[0]
+        if configs is FP32_CONFIGS and short_rows_fill_better(m, cdiv(co, 64), sms, 64, 32):
+            return configs[4]
+        return configs[1]
     if co <= 16:
         return configs[5]
     if co <= 32:
@@ -341,6 +359,8 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
         return configs[1]
     if c >= 32 and cdiv(m, 256) * cdiv(co, 64) >= sms:
         return configs[2]
+    if c >= 64:
+        return configs[8] if short_rows_fill_better(m, cdiv(co, 64), sms, 64, 32) else configs[7]
     return configs[3]
 
 

@@ -39,6 +39,7 @@ from ._common import (
     interpreting,
     is_aligned,
     launcher,
+    short_rows_fill_better,
     sm_count,
     usable,
 )
@@ -62,11 +63,24 @@ CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=256, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=2, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2),
 ]
+# 7: 32-channel units with Co >= 32 (K 32, the whole reduction a tap in one K-step at Co = 32;
+# 3's K 16 takes two), 2 warps, twice 3's blocks: CIFAR 32@16 batch 128, fp16, dx-writing
+# variant, A100 / H100 (MODELED) 9.2 / 5.7 -> 7.6 / 5.5 us (128x32x32 on 4 warps 8.2 / 5.0).
+# 5 and 6: few pixels with C and Co >= 64 on aligned operands (CIFAR 64@8, batch 128), as the
+# forward's 7 and 8: K 64, 2 stages; 6 where half-height tiles quantise onto the SMs better
+# (``short_rows_fill_better``). fusedres.perfmodel, fp16, the dz-storing variant, A100 / H100
+# (MODELED): 2 (64x64x32, 4 stages) 9.1 / 4.3 us; 5 8.8 / 3.9; 6 8.1 / 5.3.
+# float32 (TF32): 1 on 4 warps (CIFAR 64@8, dz-storing, A100 / H100, MODELED: 8 warps 17.6 /
+# 7.4 us, 4 warps 14.2 / 6.4); 3, 1 half as tall, as 16-bit's 6 (A100 14.0 us).
 FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
+    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
     KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=2, num_stages=2),
 ]
 # float32 without TF32 (``ieee`` products: FMA), same roles. 128x64 at K 32 spills there (sm_80,
 # a 64 -> 16 channel 1x1 unit: 255 registers + 8 / 24 bytes, dx / dz epilogue); K 16: 121-124.
@@ -269,10 +283,12 @@ def dx_configs_for(dtype) -> list[KernelConfig]:
 def pick_config(m: int, c: int, co: int, dtype: torch.dtype,
                 interpret: bool | None = None, sms: int = 132,
                 aligned: bool = True) -> KernelConfig:
-    """Host rule (16-bit operands; see CONFIGS): C <= 16 / <= 32 the narrow tiles; aligned
+    """Host rule (16-bit operands; see CONFIGS): C <= 16 / <= 32 the narrow tiles (for C <= 32
+    with Co >= 32 the one with K 32); aligned
     operands with Co >= 64 and C >= 128 / >= 64 the big / wide tile when it gives a full wave
-    on ``sms`` SMs; otherwise 64x64 (more, smaller blocks). float32 and float64 keep their
-    own lists (same roles as before)."""
+    on ``sms`` SMs, else the 64x64x64 tile or its 32-row half where that ends the grid's last
+    wave sooner (``short_rows_fill_better``); otherwise 64x64x32. float32 and float64 keep
+    their own lists (same roles as before; float32's mid tile also has its 32-row half)."""
     if interpreting() if interpret is None else interpret:
         return INTERPRET_CONFIG
     if dtype == torch.float64:
@@ -281,16 +297,21 @@ def pick_config(m: int, c: int, co: int, dtype: torch.dtype,
     if dtype == torch.float32:
         if c <= 32:
             return configs[2]
-        return configs[0] if m * c >= 128 * 64 * 264 else configs[1]
+        if m * c >= 128 * 64 * 264:
+            return configs[0]
+        if configs is FP32_CONFIGS and short_rows_fill_better(m, cdiv(c, 64), sms, 64, 32):
+            return configs[3]
+        return configs[1]
     if c <= 16:
         return configs[4]
     if c <= 32:
-        return configs[3]
+        return configs[7] if co >= 32 else configs[3]
     if aligned and co >= 64:
         if c >= 128 and cdiv(m, 64) * cdiv(c, 128) >= sms:
             return configs[0]
         if cdiv(m, 128) * cdiv(c, 64) >= sms:
             return configs[1]
+        return configs[6] if short_rows_fill_better(m, cdiv(c, 64), sms, 64, 32) else configs[5]
     return configs[2]
 
 

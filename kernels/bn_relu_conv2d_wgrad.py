@@ -64,17 +64,22 @@ from .reductions import reduce_partials
 # tensor-core cycles a block: 297 at 128x128x32 (2.3; was 278 at 128x64x32, 4.3). Still
 # issue-bound: each K-step splits its pixel indices into (n, oh, ow) with integer division,
 # for both operand tiles. Wider tiles (64x128 with 4 warps, K 64) spill in the unspecialised
-# compile (kernels/aot.py).
+# compile (kernels/aot.py). The big tile takes K 64 in 2 stages: per K-step that index work
+# is paid once for twice the MMAs (fusedres.perfmodel, "store" plan, fp16, H100, MODELED:
+# C = Co = 512 at 7x7 wgrad 126 -> 102 us, 256 at 14x14 112 -> 89, 128 at 28x28 112 -> 88,
+# still issue-bound but less; K 64 in 3 stages 108 / 94 / 93; the A100's tensor-bound, within
+# 1%). float32's big tile is 128x128 for the same reason (its K 32 a K-step, 2 stages: H100
+# 291 -> 200 / 279 -> 184 / 286 -> 184 us; 3 stages 191).
 CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2),
     KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
 ]
 FP32_CONFIGS = [
     KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=2),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
     KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
     KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_T=4, num_warps=4, num_stages=2),

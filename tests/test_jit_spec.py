@@ -140,8 +140,8 @@ def test_specialisation_equals_triton_jit_run(probe):
 
 def test_launch_order_and_grids_of_a_known_shape(probe):
     """x (128, 16, 32, 32) fp16 channels_last, 3x3 16 -> 16, H100 (132 SMs). By the host rules:
-    batch_stats (C <= 32, channels_last: 128 x 16 tiles): 1024 tiles, split min(4 * 132,
-    1024 / 2, 128) = 128; forward and data gradient (16 channels: 256 x 16 tiles, no padding
+    batch_stats (C <= 32, channels_last: 256 x 16 tiles): 512 tiles, split min(4 * 132,
+    512 / 2, 128) = 128; forward and data gradient (16 channels: 256 x 16 tiles, no padding
     column; the forward's K = C) 131072 / 256 programs; the weight gradient in the
     taps form (unit stride, no bias, <= 16 channels: 16 x 16 tiles of 4 taps, so 3 tap groups
     for the 9 taps; K-steps of 64 input pixels, 2048): split the least modeled time of
@@ -156,7 +156,7 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
     combine = ("bn_prepare", [1, 1, 1], "R=16 C=64 w=4 s=1")
     affine = ("scale_shift", [1, 1, 1], "C=256 w=4 s=1")
     assert sums == [
-        ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"), combine, affine,
+        ("batch_stats", [1, 128, 1], "M=256 C=16 w=4 s=1"), combine, affine,
         ("bn_relu_conv2d_fwd", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"), affine,
         ("wgrad_sums", [1, 3, 44], "M=16 N=16 K=64 T=4 w=4 s=2"),
         ("partials_reduce", [37, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
@@ -164,7 +164,7 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
     ]
     store = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["store"]]
     assert store == [
-        ("batch_stats", [1, 128, 1], "M=128 C=16 w=4 s=1"), combine, affine,
+        ("batch_stats", [1, 128, 1], "M=256 C=16 w=4 s=1"), combine, affine,
         ("bn_relu_conv2d_fwd", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"), affine,
         ("wgrad", [1, 3, 42], "M=16 N=16 K=64 T=4 w=4 s=2"),
         ("partials_reduce", [36, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
