@@ -100,8 +100,28 @@ __device__ __forceinline__ void dgrad_store(
   }
 }
 
+// Resident blocks per SM promised to ptxas (__launch_bounds__' second argument) by the WMMA /
+// FMA kernels below. With the thread count alone ptxas capped them low and spilled (sm_90: the
+// 16-bit data gradient at 96 registers, 8-12 bytes; the float32 one at 80, 4 bytes; sm_80: the
+// float16 weight gradient at 128, 4 bytes). The data gradient fits 128 registers (4 blocks of
+// 128 threads, 2 of 256); the weight gradient takes up to 168 without the BatchNorm sums (3
+// blocks of 128 threads) and up to 254 with them (1: no cap), where a 128 cap spilled 0.5 KiB.
+// No spills now (csrc/cuda/COMPILE.md), for one resident block fewer: the 16-bit data gradient
+// 4 blocks on sm_90 (5 before), the float32 one 2 (3, also on sm_80, where it had not spilled),
+// the float16 weight gradient 3 (4). These kernels run where the mma.sync ones do not
+// (float32, float64, 16-bit tensors that are not channels_last or not 8-channel aligned,
+// kernels of more than 64 taps).
+template <typename T>
+constexpr int dgrad_min_blocks() {
+  return T::THREADS >= 256 ? 2 : 4;
+}
+template <typename T, bool SUMS>
+constexpr int wgrad_min_blocks() {
+  return SUMS ? 1 : (T::THREADS >= 256 ? 2 : 3);
+}
+
 template <typename X, typename W, typename T>
-__global__ void __launch_bounds__(T::THREADS)
+__global__ void __launch_bounds__(T::THREADS, dgrad_min_blocks<T>())
     dgrad_kernel(const W* __restrict__ dy, const W* __restrict__ w, const X* __restrict__ x,
                  const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
                  const acc_t<X>* __restrict__ mean, const acc_t<X>* __restrict__ invstd,
@@ -110,7 +130,7 @@ __global__ void __launch_bounds__(T::THREADS)
                  const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
                  const acc_t<X>* __restrict__ branch_scale, Dims4 dyd, Dims4 wd, Dims4 xd,
                  Dims4 gd, ConvGeom g, int write) {
-  FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS, dgrad_min_blocks<T>());
   using A = acc_t<X>;
   static_assert(std::is_same_v<A, acc_t<W>>, "x and weight must share an accumulator type");
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
@@ -528,14 +548,14 @@ __device__ __forceinline__ void wgrad_store(acc_t<W> (*Cs)[LD], StoreG2&& store_
 }
 
 template <typename X, typename W, typename T, bool SUMS>
-__global__ void __launch_bounds__(T::THREADS)
+__global__ void __launch_bounds__(T::THREADS, wgrad_min_blocks<T, SUMS>())
     wgrad_kernel(const W* __restrict__ dy, const X* __restrict__ x,
                  const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
                  W* __restrict__ gw, acc_t<W>* __restrict__ part_dw,
                  acc_t<W>* __restrict__ part_db, BnSums<acc_t<X>> bs,
                  const acc_t<W>* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gwd,
                  Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
-  FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS, wgrad_min_blocks<T, SUMS>());
   using A = acc_t<X>;
   using C = acc_t<W>;
   static_assert(std::is_same_v<A, C>, "x and weight must share an accumulator type");
