@@ -205,7 +205,7 @@ def _kernel_names() -> set[str]:
 @pytest.mark.skipif(cuda_aot.find_nvcc() is None, reason="nvcc not found: csrc/cuda cannot be "
                     "compiled for sm_80/sm_90 on this machine")
 def test_nvcc_compiles_every_kernel_for_sm80_and_sm90(tmp_path):
-    """The CI compile of csrc/cuda: every kernel for both architectures, its spills reported,
+    """The CI compile of csrc/cuda: every kernel for both architectures, none of them spilling,
     and the committed table (csrc/cuda/COMPILE.md) lists every kernel the compile reports."""
     out = tmp_path / "COMPILE.md"
     res = subprocess.run([sys.executable, "-m", "fusedres.cuda_aot", "--out", str(out)],
@@ -215,8 +215,11 @@ def test_nvcc_compiles_every_kernel_for_sm80_and_sm90(tmp_path):
     seen = {(re.search(r"`(\w+)", r).group(1), re.search(r"sm_(\d+)", r).group(1)) for r in rows}
     for name in _kernel_names():
         assert (name, "80") in seen and (name, "90") in seen, name
-    # Spills are reported in the table (goal 0), not failed on: a few kernels spill 4-36 bytes.
+    # Spills are reported in the table, and there are none (issue 16's goal; the WMMA / FMA
+    # backward kernels' resident-block hints in bn_relu_conv2d_backward.cu say how).
     assert all(re.search(r"\| \d+/\d+ \|", row) for row in rows), rows
+    spilling = [row for row in rows if not re.search(r"\| 0/0 \|", row)]
+    assert not spilling, spilling
     committed = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "COMPILE.md")).read()
     for row in rows:
         kernel = re.search(r"`([^`]+)`", row).group(1)

@@ -112,16 +112,12 @@ __device__ __forceinline__ void dgrad_store(
 // (float32, float64, 16-bit tensors that are not channels_last or not 8-channel aligned,
 // kernels of more than 64 taps).
 template <typename T>
-constexpr int dgrad_min_blocks() {
-  return T::THREADS >= 256 ? 2 : 4;
-}
+constexpr int kDgradMinBlocks = T::THREADS >= 256 ? 2 : 4;
 template <typename T, bool SUMS>
-constexpr int wgrad_min_blocks() {
-  return SUMS ? 1 : (T::THREADS >= 256 ? 2 : 3);
-}
+constexpr int kWgradMinBlocks = SUMS ? 1 : (T::THREADS >= 256 ? 2 : 3);
 
 template <typename X, typename W, typename T>
-__global__ void __launch_bounds__(T::THREADS, dgrad_min_blocks<T>())
+__global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
     dgrad_kernel(const W* __restrict__ dy, const W* __restrict__ w, const X* __restrict__ x,
                  const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
                  const acc_t<X>* __restrict__ mean, const acc_t<X>* __restrict__ invstd,
@@ -130,7 +126,7 @@ __global__ void __launch_bounds__(T::THREADS, dgrad_min_blocks<T>())
                  const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
                  const acc_t<X>* __restrict__ branch_scale, Dims4 dyd, Dims4 wd, Dims4 xd,
                  Dims4 gd, ConvGeom g, int write) {
-  FUSEDRES_LAUNCH_BOUNDS(T::THREADS, dgrad_min_blocks<T>());
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS, kDgradMinBlocks<T>);
   using A = acc_t<X>;
   static_assert(std::is_same_v<A, acc_t<W>>, "x and weight must share an accumulator type");
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
@@ -548,14 +544,14 @@ __device__ __forceinline__ void wgrad_store(acc_t<W> (*Cs)[LD], StoreG2&& store_
 }
 
 template <typename X, typename W, typename T, bool SUMS>
-__global__ void __launch_bounds__(T::THREADS, wgrad_min_blocks<T, SUMS>())
+__global__ void __launch_bounds__(T::THREADS, kWgradMinBlocks<T, SUMS>)
     wgrad_kernel(const W* __restrict__ dy, const X* __restrict__ x,
                  const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
                  W* __restrict__ gw, acc_t<W>* __restrict__ part_dw,
                  acc_t<W>* __restrict__ part_db, BnSums<acc_t<X>> bs,
                  const acc_t<W>* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gwd,
                  Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
-  FUSEDRES_LAUNCH_BOUNDS(T::THREADS, wgrad_min_blocks<T, SUMS>());
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS, kWgradMinBlocks<T, SUMS>);
   using A = acc_t<X>;
   using C = acc_t<W>;
   static_assert(std::is_same_v<A, C>, "x and weight must share an accumulator type");
