@@ -336,20 +336,18 @@ at::Tensor thread_rows(const at::Tensor& buf, int64_t tid, int64_t rc, int64_t r
   return buf.narrow(0, tid * rc * C, rows * C).view({rows, C, 1, 1});
 }
 
-// The pixels of an NHWC tile t (len, C, H, W) that a strided 1x1 convolution with output
-// (Ho, Wo) reads (or writes the data gradient of), as a (len, Ho, Wo, C) view.
-at::Tensor strided_pixels(const at::Tensor& t, const std::vector<int64_t>& stride, int64_t Ho,
-                          int64_t Wo) {
-  return t.permute({0, 2, 3, 1})
-      .slice(1, 0, (Ho - 1) * stride[0] + 1, stride[0])
-      .slice(2, 0, (Wo - 1) * stride[1] + 1, stride[1]);
-}
-
-// The same pixels of an NCHW tile t, as a (len, C, Ho, Wo) view.
+// The pixels of a tile t (len, C, H, W) that a strided 1x1 convolution with output (Ho, Wo)
+// reads (or writes the data gradient of), as a (len, C, Ho, Wo) view in t's layout.
 at::Tensor strided_pixels_nchw(const at::Tensor& t, const std::vector<int64_t>& stride,
                                int64_t Ho, int64_t Wo) {
   return t.slice(2, 0, (Ho - 1) * stride[0] + 1, stride[0])
       .slice(3, 0, (Wo - 1) * stride[1] + 1, stride[1]);
+}
+
+// The same pixels of an NHWC tile, as a (len, Ho, Wo, C) view.
+at::Tensor strided_pixels(const at::Tensor& t, const std::vector<int64_t>& stride, int64_t Ho,
+                          int64_t Wo) {
+  return strided_pixels_nchw(t, stride, Ho, Wo).permute({0, 2, 3, 1});
 }
 
 // An NCHW tile t (len, C, H, W) as the (C, len*Ho*Wo) matrix of a strided 1x1 convolution's
