@@ -274,19 +274,45 @@ def _store_backward(s: Step, u: Unit, dt, vec: int, m_in: int, m_out: int) -> St
 CUDA_TILES = {2: (64, 64, 32), 4: (64, 64, 16), 8: (32, 32, 16)}
 
 
+# pick_split's resident blocks an SM (csrc/cuda/bn_relu_conv2d_backward.cu, kResident).
+CUDA_WGRAD_RESIDENT = 2
+
+
 def cuda_wgrad_split(u: Unit, sms: int = H100_SMS) -> int:
-    """The weight gradient's split-K count: pick_split of csrc/cuda/bn_relu_conv2d_backward.cu
-    (about two waves of blocks, >= 4 K-steps a split, partials small against dy and x) on a GPU
-    of ``sms`` SMs."""
+    """The weight gradient's split-K count for unit ``u`` on a GPU of ``sms`` SMs:
+    :func:`cuda_pick_split` with the unit's tiles and its 16-bit (or float32, float64) dy and
+    x. FUSEDRES_CUDA_WGRAD_SPLIT is not read here: the model prices the default."""
     bm, bn, bk = CUDA_TILES[u.elem]
     m = u.n * u.ho * u.ho
-    taps = u.k * u.k
+    return cuda_pick_split(u.co, u.c, u.k * u.k, m, bm, bn, bk, sms, m * (u.c + u.co) * u.elem,
+                           8 if u.elem == 8 else 4)
+
+
+def cuda_pick_split(co: int, c: int, taps: int, m: int, bm: int, bn: int, bk: int, sms: int,
+                    operand_bytes: int, acc_bytes: int) -> int:
+    """pick_split of csrc/cuda/bn_relu_conv2d_backward.cu, the same integers: the split with
+    the least estimated time in K-steps of one block. Waves of CUDA_WGRAD_RESIDENT blocks an SM,
+    each as long as its blocks' K-steps (+ 2 a block for the prologue and epilogue); once split,
+    + the float32 partials (a K-step per MiB, written and read) and the reduction's launch (8
+    K-steps). The partials' bytes are capped at half ``operand_bytes`` (dy and x), as the Triton
+    rule caps them; ties go to the smaller split."""
+    mib = 1 << 20
     k_steps = cdiv(m, bk)
-    tiles = cdiv(u.co, bm) * cdiv(u.c, bn) * taps
-    traffic_cap = max(1, m * (u.c + u.co) // (32 * u.co * u.c * taps))
-    split = min(cdiv(2 * sms, tiles), max(1, k_steps // 4), traffic_cap)
-    split = max(1, min(split, k_steps))
-    return cdiv(k_steps, cdiv(k_steps, split))
+    limit = min(k_steps, 65535)
+    tiles = cdiv(co, bm) * cdiv(c, bn) * taps
+    partial = 2 * co * c * taps * acc_bytes
+    cap = max(1, operand_bytes // (2 * partial))
+    split, best = 1, None
+    for s in range(1, min(limit, 8 * sms, cap) + 1):
+        steps = cdiv(k_steps, s)
+        if cdiv(k_steps, steps) != s:
+            continue
+        cost = cdiv(tiles * s, sms * CUDA_WGRAD_RESIDENT) * CUDA_WGRAD_RESIDENT * (steps + 2) * mib
+        if s > 1:
+            cost += s * partial + 8 * mib
+        if best is None or cost < best:
+            split, best = s, cost
+    return cdiv(k_steps, cdiv(k_steps, max(1, min(split, limit))))
 
 
 def cuda_fused_step(u: Unit, genstats: bool = False) -> Step:

@@ -344,6 +344,52 @@ def test_weight_gradient_split_k(monkeypatch, split, dtype):
     assert rel_err(got[1], exact[1]) <= tol and rel_err(got[2], exact[2]) <= tol
 
 
+HAS_SPLIT_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
+    torch.ops.fusedres_cuda_testing, "wgrad_split")
+
+
+@pytest.mark.skipif(not HAS_SPLIT_HOOK, reason="the split hook is built with the host copy")
+def test_weight_gradient_split_rule(monkeypatch):
+    """pick_split (csrc/cuda, through the host copy's hook) and kernels/traffic.cuda_pick_split
+    (the performance model's copy) choose the same split for every tile size the kernels use,
+    over a grid of shapes on an A100's 108 and an H100's 132 SMs. The split keeps the partials
+    within half the operands' bytes, fills the SMs within two resident blocks an SM where that
+    cap allows, never leaves an empty split, and leaves a reduction of 4 K-steps whole;
+    FUSEDRES_CUDA_WGRAD_SPLIT overrides it (clamped to the K-steps)."""
+    from fusedres.kernels import traffic
+
+    split = torch.ops.fusedres_cuda_testing.wgrad_split
+    monkeypatch.delenv("FUSEDRES_CUDA_WGRAD_SPLIT", raising=False)
+    seen = set()
+    for (bm, bn, bk), elem, acc in (((64, 64, 32), 2, 4), ((64, 64, 16), 4, 4),
+                                    ((32, 32, 16), 8, 8)):
+        for co, c, taps, m, sms in itertools.product(
+                (8, 16, 64, 200, 512), (16, 64, 256), (1, 9), (128, 8192, 131072, 401408),
+                (108, 132)):
+            ops = m * (c + co) * elem
+            got = split(co, c, taps, m, bm, bn, bk, sms, ops, acc)
+            assert got == traffic.cuda_pick_split(co, c, taps, m, bm, bn, bk, sms, ops, acc), (
+                co, c, taps, m, bm, sms)
+            # The partials (written and read) within half the operands' bytes.
+            assert got == 1 or 4 * got * co * c * taps * acc <= ops
+            k_steps = -(-m // bk)
+            per = -(-k_steps // got)
+            assert 1 <= got <= k_steps and (got - 1) * per < k_steps  # no empty split
+            seen.add(got)
+    assert len(seen) > 20  # the grid exercises the rule, not one constant
+    # ImageNet 64@56 at batch 256 (401408 pixels, 9 blocks): one wave of two blocks an SM,
+    # none left over (the rule it replaced: 270 blocks for 264 slots); ImageNet 256@14 (36
+    # blocks) past the 132 SMs; 4 K-steps stay whole.
+    got = split(64, 64, 9, 401408, 64, 64, 32, 132, 401408 * 128 * 2, 4)
+    assert 132 < 9 * got <= 2 * 132
+    assert 132 < 36 * split(256, 256, 9, 50176, 64, 64, 32, 132, 50176 * 512 * 2, 4)
+    assert split(16, 16, 9, 128, 64, 64, 32, 132, 128 * 32 * 2, 4) == 1
+    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", "7")
+    assert split(64, 64, 9, 8192, 64, 64, 32, 132, 8192 * 128 * 2, 4) == 7
+    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", "100000")
+    assert split(64, 64, 9, 8192, 64, 64, 32, 132, 8192 * 128 * 2, 4) == 256
+
+
 # (case, grad_out channels-last): inputs the mma.sync weight gradient takes (16-bit, x and
 # grad_out channels-last, C and Co multiples of 8): 3x3 padded (padding taps at every border),
 # strided, 1x1, a Co past one 64-row tile and a C past one 64-column tile (partial tiles).

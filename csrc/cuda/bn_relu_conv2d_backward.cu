@@ -1036,22 +1036,51 @@ ConvGeom geom_of(const at::Tensor& weight, const std::vector<int64_t>& s,
           static_cast<int32_t>(p[1]), static_cast<int32_t>(d[0]), static_cast<int32_t>(d[1])};
 }
 
-// Split of the weight gradient's reduction: about two waves of blocks, at least 4 K-steps a
-// split, and the partials' traffic (a float32 Co*C*kh*kw tile per split, written and read)
-// small against the dy and x the pass reads. FUSEDRES_CUDA_WGRAD_SPLIT forces a split count
-// (read at every call, for tests and measurements).
+// Split of the weight gradient's reduction over the pixels: the count with the least estimated
+// time, in K-steps of one block (integers, so that kernels/traffic.cuda_pick_split, the
+// performance model's copy, computes the same split):
+//   waves of kResident blocks an SM (ceil(blocks / (sms * kResident))), each as long as
+//   kResident blocks' K-steps (the SM's issue is shared by its resident blocks), a block's
+//   K-steps being its share of the split plus 2 (prologue and epilogue);
+//   split, + the partials: a Co * C * kh * kw tile of `acc_bytes` a split, written and read,
+//   at a K-step per MiB (a K-step of a 64 x 64 block is ~0.4 us on an A100 or H100, the time
+//   the GPU moves ~1 MiB), and the reduction's launch (8 K-steps).
+// Ties go to the smaller split. The partials' bytes (written and read) are capped at half the
+// operands' (`operand_bytes`, the dy and x the pass reads), the Triton rule's cap
+// (kernels/bn_relu_conv2d_wgrad.pick_split), which keeps a step's DRAM bytes under half the
+// plain sequence's (tests/test_traffic_model.py); it costs time where the grid is small.
+// The rule it replaces (two waves for one resident block an SM, >= 4 K-steps a split,
+// partials <= 1/8 of the operands) left a nearly empty last wave (ImageNet 64@56 on an H100:
+// 270 blocks for 264 slots) or a grid under the SMs (ImageNet 256@14: 36 blocks on 132).
+// FUSEDRES_CUDA_WGRAD_SPLIT forces a split count (read at every call, for tests and
+// measurements).
+constexpr int64_t kResident = 2;
 int64_t pick_split(int64_t co, int64_t c, int64_t taps, int64_t m, int64_t bm, int64_t bn,
-                   int64_t bk, int64_t sms) {
+                   int64_t bk, int64_t sms, int64_t operand_bytes, int64_t acc_bytes) {
   const int64_t k_steps = ceil_div(m, bk);
-  int64_t split;
+  const int64_t limit = std::min<int64_t>(k_steps, 65535);  // grid.z limit
+  int64_t split = 1;
   if (const char* env = std::getenv("FUSEDRES_CUDA_WGRAD_SPLIT")) {
     split = std::atoll(env);
   } else {
+    constexpr int64_t kMiB = int64_t(1) << 20;
     const int64_t tiles = ceil_div(co, bm) * ceil_div(c, bn) * taps;
-    const int64_t traffic_cap = std::max<int64_t>(1, m * (c + co) / (32 * co * c * taps));
-    split = std::min({ceil_div(2 * sms, tiles), std::max<int64_t>(1, k_steps / 4), traffic_cap});
+    const int64_t partial = 2 * co * c * taps * acc_bytes;  // bytes a split, written and read
+    const int64_t cap = std::max<int64_t>(1, operand_bytes / (2 * partial));
+    int64_t best = -1;
+    for (int64_t s = 1; s <= std::min({limit, 8 * sms, cap}); ++s) {
+      const int64_t steps = ceil_div(k_steps, s);
+      if (ceil_div(k_steps, steps) != s) continue;  // the same blocks as a smaller split
+      const int64_t waves = ceil_div(tiles * s, sms * kResident);
+      int64_t cost = waves * kResident * (steps + 2) * kMiB;
+      if (s > 1) cost += s * partial + 8 * kMiB;
+      if (best < 0 || cost < best) {
+        best = cost;
+        split = s;
+      }
+    }
   }
-  split = std::clamp<int64_t>(split, 1, std::min<int64_t>(k_steps, 65535));  // grid.z limit
+  split = std::clamp<int64_t>(split, 1, limit);
   return ceil_div(k_steps, ceil_div(k_steps, split));  // no empty split
 }
 
@@ -1097,7 +1126,9 @@ void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, a
   using C = acc_t<W>;
   const int64_t Co = gw.size(0), Cin = x.size(1), taps = int64_t(g.kh) * g.kw;
   const int64_t M = go.size(0) * go.size(2) * go.size(3);
-  const int64_t split = pick_split(Co, Cin, taps, M, T::BM, T::BN, T::BK, sm_count());
+  const int64_t split = pick_split(
+      Co, Cin, taps, M, T::BM, T::BN, T::BK, sm_count(),
+      M * (Cin * int64_t(sizeof(X)) + Co * int64_t(sizeof(W))), sizeof(C));
   const int64_t steps = ceil_div(ceil_div(M, T::BK), split);
   constexpr at::ScalarType acc_type = c10::CppTypeToScalarType<C>::value;
   const auto acc_opts = gw.options().dtype(acc_type);
