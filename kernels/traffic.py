@@ -278,28 +278,46 @@ CUDA_TILES = {2: (64, 64, 32), 4: (64, 64, 16), 8: (32, 32, 16)}
 CUDA_WGRAD_RESIDENT = 2
 
 
-def cuda_wgrad_split(u: Unit, sms: int = H100_SMS) -> int:
+def cuda_wgrad_mma(u: Unit) -> bool:
+    """Whether csrc/cuda's weight gradient runs the mma.sync kernel for unit ``u`` (16-bit, C
+    and Co multiples of 8, channels-last: wgrad_uses_mma), else the WMMA or FMA one."""
+    return u.elem == 2 and u.c % 8 == 0 and u.co % 8 == 0
+
+
+def cuda_wgrad_tiles(u: Unit, mma: bool | None = None) -> int:
+    """The weight gradient's blocks a split (launch_wgrad): the mma.sync kernel's columns run
+    on across taps, cdiv(Co, BM) * cdiv(taps * C, BN); the WMMA kernel's are one tap's,
+    cdiv(Co, BM) * cdiv(C, BN) * taps. ``mma`` None: the kernel that runs (cuda_wgrad_mma)."""
+    bm, bn, _ = CUDA_TILES[u.elem]
+    taps = u.k * u.k
+    if cuda_wgrad_mma(u) if mma is None else mma:
+        return cdiv(u.co, bm) * cdiv(taps * u.c, bn)
+    return cdiv(u.co, bm) * cdiv(u.c, bn) * taps
+
+
+def cuda_wgrad_split(u: Unit, sms: int = H100_SMS, mma: bool | None = None) -> int:
     """The weight gradient's split-K count for unit ``u`` on a GPU of ``sms`` SMs:
-    :func:`cuda_pick_split` with the unit's tiles and its 16-bit (or float32, float64) dy and
-    x. FUSEDRES_CUDA_WGRAD_SPLIT is not read here: the model prices the default."""
-    bm, bn, bk = CUDA_TILES[u.elem]
+    :func:`cuda_pick_split` with the kernel's blocks (:func:`cuda_wgrad_tiles`) and the unit's
+    16-bit (or float32, float64) dy and x. FUSEDRES_CUDA_WGRAD_SPLIT is not read here: the
+    model prices the default."""
+    _, _, bk = CUDA_TILES[u.elem]
     m = u.n * u.ho * u.ho
-    return cuda_pick_split(u.co, u.c, u.k * u.k, m, bm, bn, bk, sms, m * (u.c + u.co) * u.elem,
-                           8 if u.elem == 8 else 4)
+    return cuda_pick_split(cuda_wgrad_tiles(u, mma), u.co, u.c, u.k * u.k, m, bk, sms,
+                           m * (u.c + u.co) * u.elem, 8 if u.elem == 8 else 4)
 
 
-def cuda_pick_split(co: int, c: int, taps: int, m: int, bm: int, bn: int, bk: int, sms: int,
+def cuda_pick_split(tiles: int, co: int, c: int, taps: int, m: int, bk: int, sms: int,
                     operand_bytes: int, acc_bytes: int) -> int:
-    """pick_split of csrc/cuda/bn_relu_conv2d_backward.cu, the same integers: the split with
-    the least estimated time in K-steps of one block. Waves of CUDA_WGRAD_RESIDENT blocks an SM,
-    each as long as its blocks' K-steps (+ 2 a block for the prologue and epilogue); once split,
-    + the float32 partials (a K-step per MiB, written and read) and the reduction's launch (8
-    K-steps). The partials' bytes are capped at half ``operand_bytes`` (dy and x), as the Triton
-    rule caps them; ties go to the smaller split."""
+    """pick_split of csrc/cuda/bn_relu_conv2d_backward.cu, the same integers: the split of the
+    reduction over ``tiles`` blocks with the least estimated time in K-steps of one block.
+    Waves of CUDA_WGRAD_RESIDENT blocks an SM, each as long as its blocks' K-steps (+ 2 a block
+    for the prologue and epilogue); once split, + the float32 partials (a K-step per MiB,
+    written and read) and the reduction's launch (8 K-steps). The partials' bytes are capped at
+    half ``operand_bytes`` (dy and x), as the Triton rule caps them; ties go to the smaller
+    split."""
     mib = 1 << 20
     k_steps = cdiv(m, bk)
     limit = min(k_steps, 65535)
-    tiles = cdiv(co, bm) * cdiv(c, bn) * taps
     partial = 2 * co * c * taps * acc_bytes
     cap = max(1, operand_bytes // (2 * partial))
     split, best = 1, None
@@ -342,7 +360,7 @@ def cuda_fused_step(u: Unit, genstats: bool = False) -> Step:
     taps = u.k * u.k
     sums = 2 * split * cdiv(u.co, bm) * taps * vec
     dw_partials = split * u.co * u.c * taps * acc if split > 1 else 0
-    flops = 2 * 2 * cdiv(u.co, bm) * bm * cdiv(u.c, bn) * bn * taps * cdiv(m_out, bk) * bk
+    flops = 2 * 2 * cuda_wgrad_tiles(u) * bm * bn * cdiv(m_out, bk) * bk
     s.add("wgrad+sums", u.act_out() + u.act_in() + 2 * u.weight() + 6 * vec,
           dw_partials + sums + (0 if dw_partials else u.weight()), flops)
     s.add("wgrad reduce", dw_partials + sums, (u.weight() if dw_partials else 0) + 2 * vec)

@@ -363,12 +363,13 @@ def test_weight_gradient_split_rule(monkeypatch):
     seen = set()
     for (bm, bn, bk), elem, acc in (((64, 64, 32), 2, 4), ((64, 64, 16), 4, 4),
                                     ((32, 32, 16), 8, 8)):
-        for co, c, taps, m, sms in itertools.product(
+        for co, c, taps, m, sms, fold in itertools.product(
                 (8, 16, 64, 200, 512), (16, 64, 256), (1, 9), (128, 8192, 131072, 401408),
-                (108, 132)):
+                (108, 132), (False, True)):
+            tiles = -(-co // bm) * (-(-taps * c // bn) if fold else -(-c // bn) * taps)
             ops = m * (c + co) * elem
-            got = split(co, c, taps, m, bm, bn, bk, sms, ops, acc)
-            assert got == traffic.cuda_pick_split(co, c, taps, m, bm, bn, bk, sms, ops, acc), (
+            got = split(tiles, co, c, taps, m, bk, sms, ops, acc)
+            assert got == traffic.cuda_pick_split(tiles, co, c, taps, m, bk, sms, ops, acc), (
                 co, c, taps, m, bm, sms)
             # The partials (written and read) within half the operands' bytes.
             assert got == 1 or 4 * got * co * c * taps * acc <= ops
@@ -380,14 +381,14 @@ def test_weight_gradient_split_rule(monkeypatch):
     # ImageNet 64@56 at batch 256 (401408 pixels, 9 blocks): one wave of two blocks an SM,
     # none left over (the rule it replaced: 270 blocks for 264 slots); ImageNet 256@14 (36
     # blocks) past the 132 SMs; 4 K-steps stay whole.
-    got = split(64, 64, 9, 401408, 64, 64, 32, 132, 401408 * 128 * 2, 4)
+    got = split(9, 64, 64, 9, 401408, 32, 132, 401408 * 128 * 2, 4)
     assert 132 < 9 * got <= 2 * 132
-    assert 132 < 36 * split(256, 256, 9, 50176, 64, 64, 32, 132, 50176 * 512 * 2, 4)
-    assert split(16, 16, 9, 128, 64, 64, 32, 132, 128 * 32 * 2, 4) == 1
+    assert 132 < 36 * split(36, 256, 256, 9, 50176, 32, 132, 50176 * 512 * 2, 4)
+    assert split(3, 16, 16, 9, 128, 32, 132, 128 * 32 * 2, 4) == 1
     monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", "7")
-    assert split(64, 64, 9, 8192, 64, 64, 32, 132, 8192 * 128 * 2, 4) == 7
+    assert split(9, 64, 64, 9, 8192, 32, 132, 8192 * 128 * 2, 4) == 7
     monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", "100000")
-    assert split(64, 64, 9, 8192, 64, 64, 32, 132, 8192 * 128 * 2, 4) == 256
+    assert split(9, 64, 64, 9, 8192, 32, 132, 8192 * 128 * 2, 4) == 256
 
 
 # (case, grad_out channels-last): inputs the mma.sync weight gradient takes (16-bit, x and

@@ -398,15 +398,21 @@ def test_cuda_unit_prices_the_weight_gradient_that_runs():
     assert wg[1] == wg[2] and wg_w[1] < wg_w[2] and wg[1] < wg_w[1]
     assert got.kernels[:1] + got.kernels[2:] == ref.kernels[:1] + ref.kernels[2:]
     assert got.low_s == pytest.approx(ref.low_s - wg_w[1] + wg[1])
-    # The same K-steps of 32 pixels (the split's unit), two 16-pixel chunks each for mma.sync.
+    # The same K-steps of 32 pixels (the split's unit), two 16-pixel chunks each for mma.sync;
+    # its columns run on across taps (the same blocks here, C = 64: one tap a block).
     tu = traffic.Unit(u.name, u.n, u.c, u.h, u.co, u.k, u.stride, u.residual, 2)
-    split = traffic.cuda_wgrad_split(tu, H100.sms)
-    steps = cdiv(cdiv(u.n * u.ho * u.ho, 32), split)
-    ctas = cdiv(u.co, 64) * cdiv(u.c, 64) * u.k * u.k * split
     nbytes = {k.name: k.bytes for k in traffic.cuda_fused_step(tu).kernels}["wgrad+sums"]
-    for r, chunks, t in ((mma, 2 * steps, wg[1]), (wmma, steps, wg_w[1])):
-        launch = cuda_sass._launch(r, "wgrad+sums", ctas, chunks, nbytes, False)
+    for r, is_mma, t in ((mma, True, wg[1]), (wmma, False, wg_w[1])):
+        split = traffic.cuda_wgrad_split(tu, H100.sms, mma=is_mma)
+        steps = cdiv(cdiv(u.n * u.ho * u.ho, 32), split)
+        ctas = cdiv(u.co, 64) * cdiv(u.k * u.k * u.c, 64) * split
+        assert traffic.cuda_wgrad_tiles(tu, mma=is_mma) * split == ctas
+        launch = cuda_sass._launch(r, "wgrad+sums", ctas, (2 if is_mma else 1) * steps, nbytes,
+                                   False)
         assert model.predict(launch, H100).time_s == pytest.approx(t)
+    # 16 channels: 3 mma.sync column blocks of 64 (4 taps x 16 channels) for the WMMA kernel's 9.
+    c16 = traffic.Unit("c16", 128, 16, 32, 16, 3, 1, True, 2)
+    assert traffic.cuda_wgrad_tiles(c16) == 3 and traffic.cuda_wgrad_tiles(c16, mma=False) == 9
     for other in (dataclasses.replace(u, c=u.c + 4), dataclasses.replace(u, co=u.co + 4)):
         assert cuda_sass.wgrad_kernel(other) == "wgrad_kernel"
         m = cuda_sass.model_cuda_unit(other, "fp16", H100, rows, dgrad="wmma")
@@ -572,8 +578,9 @@ def test_auto_on_a_gpu_is_the_faster_backend_by_the_committed_model():
 
 
 def test_committed_cuda_unit_range_recomputes_from_its_kernel_table():
-    """benchmarks/GPU_MODEL.md's CUDA C++ unit ranges are model_cuda_unit over the committed
-    kernel table's rows (no compile here), pricing the forward that runs for these 16-bit
+    """benchmarks/GPU_MODEL.md's CUDA C++ unit ranges (and each GPU's slowest launch) are
+    model_cuda_unit over the committed kernel table's rows (no compile here), pricing the
+    forward that runs for these 16-bit
     channels-last units: the mma.sync kernels. The WMMA forward's, and the WMMA weight
     gradient's, figures differ on every row."""
     from fusedres.kernels import traffic
@@ -597,14 +604,15 @@ def test_committed_cuda_unit_range_recomputes_from_its_kernel_table():
     assert {r.name.split("<")[0] for r in rows} >= {
         "bn_relu_conv2d_fwd_kernel", "bn_relu_conv2d_fwd_mma_kernel", "wgrad_kernel",
         "wgrad_mma_kernel", "dgrad_kernel", "dgrad_mma_kernel"}
-    committed = {(r[0], r[1]): (r[2], r[5])
+    committed = {(r[0], r[1]): (r[2], r[5], r[8], r[9])
                  for r in _table_rows(table, "### CUDA C++ backend: fused unit")}
     units = traffic.CIFAR_UNITS + traffic.IMAGENET_UNITS
     assert len(committed) == 2 * len(units)
 
     def cells(u, dtype, **kw):
         ms = [cuda_sass.model_cuda_unit(u, dtype, dev, rows, **kw) for dev in (A100, H100)]
-        return tuple(f"{m.low_s * 1e6:.0f} - {m.high_s * 1e6:.0f}" for m in ms)
+        return (tuple(f"{m.low_s * 1e6:.0f} - {m.high_s * 1e6:.0f}" for m in ms)
+                + tuple(cuda_sass.slowest(m) for m in ms))
 
     for u in units:
         assert cuda_sass.forward_kernel(u) == "bn_relu_conv2d_fwd_mma_kernel", u.name

@@ -474,21 +474,30 @@ struct BnSums {
 };
 
 // The weight gradient's epilogue, shared by the WMMA and the mma.sync kernel, on the block's
-// BM x BN tile (rows co0 + m, columns c0 + n of tap t) in shared memory: Cs holds sum dy * a
+// BM x BN tile in shared memory: rows co0 + m; column n is the flat (tap, input channel) index
+// f = f0 + n, tap f / Cin and channel f % Cin, while f < f_end (the WMMA kernel's columns are
+// channels c0 + n of one tap t: f0 = t * Cin + c0, f_end = (t + 1) * Cin; the mma.sync
+// kernel's run on across taps: f0 = blockIdx.y * BN, f_end = taps * Cin). Cs holds sum dy * a
 // (plain) or G1 = sum dy * m (SUMS), and store_g2() overwrites it with G2 = sum dy * m * xhat
 // (SUMS; called between barriers). Writes the split's partial (part_dw) or the weight gradient
-// itself, and with SUMS the (co block, tap, split) row of the sums' partials. The caller
+// itself, and with SUMS the (co block, tap, split) rows of the sums' partials. The caller
 // synchronises after filling Cs.
 template <typename W, int BM, int BN, int LD, int THREADS, bool SUMS, typename StoreG2>
 __device__ __forceinline__ void wgrad_store(acc_t<W> (*Cs)[LD], StoreG2&& store_g2,
                                             W* __restrict__ gw, acc_t<W>* __restrict__ part_dw,
                                             const BnSums<acc_t<W>>& bs, const Dims4& gwd,
                                             const Dims4& wd, const ConvGeom& g, int64_t co0,
-                                            int64_t c0, int t, int64_t Co, int64_t Cin,
-                                            int tid) {
+                                            int64_t f0, int64_t f_end, int64_t Co,
+                                            int64_t Cin, int tid) {
   using C = acc_t<W>;
   const int taps = g.kh * g.kw;
-  const int i = t / g.kw, j = t % g.kw;
+  // Column n's tap t and channel c; false past f_end.
+  const auto column = [&](int n, int& t, int64_t& c) {
+    const int64_t f = f0 + n;
+    t = static_cast<int>(f / Cin);
+    c = f - t * Cin;
+    return f < f_end;
+  };
   // Consecutive threads along C: the contiguous dimension of a channels_last weight, and the
   // partials' row.
   constexpr int kPerThread = (BM * BN + THREADS - 1) / THREADS;
@@ -497,48 +506,50 @@ __device__ __forceinline__ void wgrad_store(acc_t<W> (*Cs)[LD], StoreG2&& store_
     // dW = gamma * G2 + beta * G1; sum dz = sum over (co, tap) of W * G1, sum dz xhat of W * G2.
     // G1 first: its beta * G1 share kept in registers, its contraction with W per column.
     const W* wt = static_cast<const W*>(bs.weight);
-    const int64_t row = (static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x) * taps + t;
+    const int64_t row0 = (static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x) * taps;
 #pragma unroll
     for (int r = 0; r < kPerThread; ++r) {
       const int e = tid + r * THREADS;
       const int n = e % BN, m = e / BN;
-      const int64_t c = c0 + n;
-      dw_part[r] = (e < BM * BN && c < Cin) ? bs.beta[c] * Cs[m][n] : C(0);
+      int t;
+      int64_t c;
+      dw_part[r] = (e < BM * BN && column(n, t, c)) ? bs.beta[c] * Cs[m][n] : C(0);
     }
-    for (int n = tid; n < BN; n += THREADS) {
-      const int64_t c = c0 + n;
-      if (c >= Cin) continue;
-      C s = C(0);
-      for (int m = 0; m < BM && co0 + m < Co; ++m) {
-        s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
+    // Column n's contraction with W over the block's output channels, into `part`'s row of
+    // its tap.
+    const auto contract = [&](C* part) {
+      for (int n = tid; n < BN; n += THREADS) {
+        int t;
+        int64_t c;
+        if (!column(n, t, c)) continue;
+        const int i = t / g.kw, j = t % g.kw;
+        C s = C(0);
+        for (int m = 0; m < BM && co0 + m < Co; ++m) {
+          s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
+        }
+        part[(row0 + t) * Cin + c] = s;
       }
-      bs.part_dz[row * Cin + c] = s;
-    }
+    };
+    contract(bs.part_dz);
     __syncthreads();
     store_g2();
     __syncthreads();
-    for (int n = tid; n < BN; n += THREADS) {
-      const int64_t c = c0 + n;
-      if (c >= Cin) continue;
-      C s = C(0);
-      for (int m = 0; m < BM && co0 + m < Co; ++m) {
-        s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
-      }
-      bs.part_dzx[row * Cin + c] = s;
-    }
+    contract(bs.part_dzx);
   }
 #pragma unroll
   for (int r = 0; r < kPerThread; ++r) {
     const int e = tid + r * THREADS;
     const int n = e % BN, m = e / BN;
-    const int64_t co = co0 + m, c = c0 + n;
-    if (e >= BM * BN || co >= Co || c >= Cin) continue;
+    const int64_t co = co0 + m;
+    int t;
+    int64_t c;
+    if (e >= BM * BN || co >= Co || !column(n, t, c)) continue;
     C v = Cs[m][n];
     if constexpr (SUMS) v = bs.gamma[c] * v + dw_part[r];
     if (part_dw != nullptr) {
       part_dw[((blockIdx.z * Co + co) * taps + t) * Cin + c] = v;
     } else {
-      gw[gwd.offset(co, c, i, j)] = static_cast<W>(v);
+      gw[gwd.offset(co, c, t / g.kw, t % g.kw)] = static_cast<W>(v);
     }
   }
 }
@@ -645,7 +656,8 @@ __global__ void __launch_bounds__(T::THREADS, kWgradMinBlocks<T, SUMS>)
   acc.store(Cs, tid);
   __syncthreads();
   wgrad_store<W, BM, BN, BN + T::CPAD, THREADS, SUMS>(
-      Cs, [&] { acc2.store(Cs, tid); }, gw, part_dw, bs, gwd, wd, g, co0, c0, t, Co, Cin, tid);
+      Cs, [&] { acc2.store(Cs, tid); }, gw, part_dw, bs, gwd, wd, g, co0, t * Cin + c0,
+      (t + 1) * Cin, Co, Cin, tid);
 }
 
 // ----------------------------------------------------------------------------- tensor-core path
@@ -653,14 +665,20 @@ __global__ void __launch_bounds__(T::THREADS, kWgradMinBlocks<T, SUMS>)
 // The weight gradient (and with SUMS the BatchNorm sums' G1, G2) of 16-bit x, grad_out and
 // weight of one dtype, x and grad_out channels-last with C and Co multiples of 8: mma.sync
 // m16n8k16 on operands that cp.async stages, 16 bytes a copy, through a STAGES-deep pipeline
-// with one barrier per K chunk of BK = 16 output pixels. The tile and grid are the WMMA
-// kernel's (BM = 64 output channels x BN = 64 input channels of one tap, split-K over
-// blockIdx.z in its K-steps of KSTEP = 32 pixels), so the partials and the host code around
-// them are shared. Per chunk a thread copies one pixel row piece of dy (BK x BM, rows = pixels,
-// 16 bytes = 8 output channels) and of x at the tap (BK x BN); the pixel indices are carried
+// with one barrier per K chunk of BK = 16 output pixels. The tile is the WMMA kernel's size,
+// BM = 64 output channels x BN = 64 columns, split-K over blockIdx.z in its K-steps of
+// KSTEP = 32 pixels, so the partials and the host code around them are shared; but its columns
+// are the flat (tap, input channel) indices blockIdx.y * BN + n of kh * kw * C, channels
+// fastest, so that with C = 16 a block covers 4 taps (3 column blocks for a 3 x 3 conv where
+// one a tap gave 9, each 3/4 zero columns), with C = 32 two. A 16-byte x piece (8 channels,
+// C % 8 == 0) is one tap's: each thread's tap is fixed for the loop. Per chunk a thread copies
+// one pixel row piece of dy (BK x BM, rows = pixels, 16 bytes = 8 output channels) and of x at
+// its tap (BK x BN); the pixel indices are carried
 // from chunk to chunk (no 64-bit division in the loop). (BK = 16: one m16n8k16 step a chunk
-// keeps one set of fragments live; with BK = 32 the SUMS variant spilled on sm_80.) A pixel past the split's end zero-fills both rows; a tap outside the image
-// zero-fills the x row and clears the pixel's flag (Vs): the activation there is 0 (padding of
+// keeps one set of fragments live; with BK = 32 the SUMS variant spilled on sm_80.) A pixel
+// past the split's end zero-fills both rows; a tap outside the image zero-fills the x piece and
+// clears its flag (Vs: a flag per 16-byte piece of a pixel row, whose pieces can be different
+// taps'): the activation there is 0 (padding of
 // a = relu(bn(x)), never of x), which the B fragments get by a select after the BatchNorm-ReLU,
 // applied in float32 and rounded to W as the unfused sequence does. The 4 warps split the
 // columns (warp tile 64 x 16: every x element is transformed by one warp only): per chunk
@@ -669,7 +687,7 @@ __global__ void __launch_bounds__(T::THREADS, kWgradMinBlocks<T, SUMS>)
 // m * xhat as two B operands). With a branch scale each thread scales the dy piece it copied,
 // in shared memory between its cp.async wait and the chunk's barrier (s[n] * dy rounded to W,
 // as the WMMA kernel stages them; Ps holds the pixel's factor): once per element, not once per
-// warp, and outside the m16n8k16 steps. The bias gradient (first column block of tap 0): each
+// warp, and outside the m16n8k16 steps. The bias gradient (the first column block): each
 // thread sums the (scaled) dy pieces it copied in float32 there too, reduced after the loop.
 // The pixel stepping divides by Ho and Wo by multiply-high (FastDiv).
 // Shared rows are padded by 8 halves (144 bytes): the 8 rows of an ldmatrix phase fall in 8
@@ -687,7 +705,8 @@ struct MmaWgrad {
   static constexpr int D_BYTES = STAGES * BK * DST * 2;
   static constexpr int X_BYTES = STAGES * BK * XST * 2;
   static constexpr int P_BYTES = STAGES * BK * 4;      // the pixels' branch scale
-  static constexpr int V_BYTES = STAGES * BK;          // the pixels' x-row flag
+  static constexpr int PIECES = BN / 8;                // 16-byte x pieces a pixel row
+  static constexpr int V_BYTES = STAGES * BK * PIECES; // the pieces' tap-inside flags
   static constexpr int PIPE_BYTES = D_BYTES + X_BYTES + P_BYTES + V_BYTES;
   static constexpr int C_BYTES = 2 * BM * CLD * 4;  // G1 (or sum dy * a) and G2
   static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
@@ -751,7 +770,8 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
   auto* Ds = reinterpret_cast<uint16_t(*)[BK][T::DST]>(smem);
   auto* Xs = reinterpret_cast<uint16_t(*)[BK][T::XST]>(smem + T::D_BYTES);
   auto* Ps = reinterpret_cast<float(*)[BK]>(smem + T::D_BYTES + T::X_BYTES);
-  auto* Vs = reinterpret_cast<uint8_t(*)[BK]>(smem + T::D_BYTES + T::X_BYTES + T::P_BYTES);
+  auto* Vs = reinterpret_cast<uint8_t(*)[BK][T::PIECES]>(smem + T::D_BYTES + T::X_BYTES +
+                                                         T::P_BYTES);
   auto* Cs = reinterpret_cast<float(*)[T::CLD]>(smem);
   auto* C2s = reinterpret_cast<float(*)[T::CLD]>(smem + BM * T::CLD * 4);  // SUMS: G2
   // The block's channels' scale, shift (and with SUMS mean, invstd): read from shared memory at
@@ -761,11 +781,11 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int taps = g.kh * g.kw;
-  const int t = blockIdx.y % taps;
-  const int ti = t / g.kw, tj = t % g.kw;
   const int64_t co0 = static_cast<int64_t>(blockIdx.x) * BM;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y / taps) * BN;
   const int64_t Co = dyd.c, Cin = xd.c;
+  // The block's columns: the flat (tap, input channel) indices f0 + n of taps * Cin, channels
+  // fastest; a tile runs on across taps where C is not a multiple of BN.
+  const int64_t f0 = static_cast<int64_t>(blockIdx.y) * BN, f_end = taps * Cin;
   const int64_t M = dyd.n * dyd.h * dyd.w;
   const int64_t k_begin = static_cast<int64_t>(blockIdx.z) * k_steps_per_split * T::KSTEP;
   const int64_t k_end = k_begin + k_steps_per_split * T::KSTEP < M
@@ -776,7 +796,12 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
 
   // The copies: thread tid moves the 16 bytes at column (tid % 8) * 8 of pixel rows
   // tid / 8 + ROWS_PER_PASS * q, for dy and for x; the pixel (n, oh, ow) of each is carried.
+  // Its x piece (8 channels: C % 8 == 0, so one tap's) is channels xc ... of tap (ti, tj).
   const int col = (tid % (BM / 8)) * 8;
+  const bool x_col = f0 + col < f_end;
+  const int xt = static_cast<int>((f0 + col) / Cin);
+  const int64_t xc = f0 + col - xt * Cin;
+  const int ti = xt / g.kw, tj = xt % g.kw;
   int64_t pix[T::PASSES];  // the row's pixel index
   int64_t pn[T::PASSES];
   int32_t poh[T::PASSES], pow_[T::PASSES];
@@ -804,13 +829,11 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
       ptx::cp_async_cg16(&Ds[st][r][col],
                          dy_ok ? dy + dyd.offset(pn[q], co0 + col, poh[q], pow_[q]) : dy,
                          dy_ok ? 16 : 0);
-      const bool x_ok = inside && c0 + col < Cin;
-      ptx::cp_async_cg16(&Xs[st][r][col], x_ok ? x + xd.offset(pn[q], c0 + col, ih, iw) : x,
+      const bool x_ok = inside && x_col;
+      ptx::cp_async_cg16(&Xs[st][r][col], x_ok ? x + xd.offset(pn[q], xc, ih, iw) : x,
                          x_ok ? 16 : 0);
-      if (col == 0) {
-        Vs[st][r] = inside ? 1 : 0;
-        Ps[st][r] = live && branch_scale != nullptr ? branch_scale[pn[q]] : 0.0f;
-      }
+      Vs[st][r][col / 8] = inside ? 1 : 0;
+      if (col == 0) Ps[st][r] = live && branch_scale != nullptr ? branch_scale[pn[q]] : 0.0f;
       // Next chunk: the pixel BK further on (divisions by multiply-high, FastDiv).
       pix[q] += BK;
       int32_t w = pow_[q] + BK;
@@ -829,10 +852,11 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
     }
   };
 
-  // The channels' parameters (0 past C); the main loop's first barrier publishes them.
+  // The columns' channel parameters (0 past the last tap); the main loop's first barrier
+  // publishes them.
   for (int n = tid; n < BN; n += THREADS) {
-    const int64_t c = c0 + n;
-    const bool ok = c < Cin;
+    const bool ok = f0 + n < f_end;
+    const int64_t c = (f0 + n) % Cin;
     Cp[0][n] = ok ? scale[c] : 0.0f;
     Cp[1][n] = ok ? shift[c] : 0.0f;
     if constexpr (SUMS) {
@@ -914,21 +938,24 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
         ptx::ldmatrix<4, true>(fa[i], &Ds[st][kk + ar][16 * i + ac]);
       }
       ptx::ldmatrix<4, true>(fb, &Xs[st][kk + lr][wn + lc]);
-      bool on[2][2];
+      // The tap-inside flags of the lane's pixels in its two pieces (columns wn + 8 jj ...).
+      bool on[2][2][2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        on[h][0] = Vs[st][kk + 8 * h + t2] != 0;
-        on[h][1] = Vs[st][kk + 8 * h + t2 + 1] != 0;
-      }
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          on[h][jj][0] = Vs[st][kk + 8 * h + t2][wn / 8 + jj] != 0;
+          on[h][jj][1] = Vs[st][kk + 8 * h + t2 + 1][wn / 8 + jj] != 0;
+        }
       uint32_t b1[4], b2[SUMS ? 4 : 1];
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int n = wn + 8 * (r / 2) + lane / 4, h = r % 2;
+        const bool on0 = on[h][r / 2][0], on1 = on[h][r / 2][1];
         if constexpr (SUMS) {
-          mask2<W>(fb[r], Cp[0][n], Cp[1][n], Cp[2][n], Cp[3][n], on[h][0], on[h][1], b1[r],
-                   b2[r]);
+          mask2<W>(fb[r], Cp[0][n], Cp[1][n], Cp[2][n], Cp[3][n], on0, on1, b1[r], b2[r]);
         } else {
-          b1[r] = act2<W>(fb[r], Cp[0][n], Cp[1][n], on[h][0], on[h][1]);
+          b1[r] = act2<W>(fb[r], Cp[0][n], Cp[1][n], on0, on1);
         }
       }
 #pragma unroll
@@ -989,7 +1016,7 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
       [&] {
         for (int e = tid; e < BM * BN; e += THREADS) Cs[e / BN][e % BN] = C2s[e / BN][e % BN];
       },
-      gw, part_dw, bs, gwd, wd, g, co0, c0, t, Co, Cin, tid);
+      gw, part_dw, bs, gwd, wd, g, co0, f0, f_end, Co, Cin, tid);
 }
 
 // In place over the data gradient: dx = scale * (dz - m1 - xhat * m2), m1 = sum dz / M,
@@ -1054,9 +1081,11 @@ ConvGeom geom_of(const at::Tensor& weight, const std::vector<int64_t>& s,
 // 270 blocks for 264 slots) or a grid under the SMs (ImageNet 256@14: 36 blocks on 132).
 // FUSEDRES_CUDA_WGRAD_SPLIT forces a split count (read at every call, for tests and
 // measurements).
+// `tiles`: the blocks of one split (the WMMA kernel's cdiv(Co, 64) * cdiv(C, 64) * taps, the
+// mma.sync kernel's cdiv(Co, 64) * cdiv(taps * C, 64)).
 constexpr int64_t kResident = 2;
-int64_t pick_split(int64_t co, int64_t c, int64_t taps, int64_t m, int64_t bm, int64_t bn,
-                   int64_t bk, int64_t sms, int64_t operand_bytes, int64_t acc_bytes) {
+int64_t pick_split(int64_t tiles, int64_t co, int64_t c, int64_t taps, int64_t m, int64_t bk,
+                   int64_t sms, int64_t operand_bytes, int64_t acc_bytes) {
   const int64_t k_steps = ceil_div(m, bk);
   const int64_t limit = std::min<int64_t>(k_steps, 65535);  // grid.z limit
   int64_t split = 1;
@@ -1064,7 +1093,6 @@ int64_t pick_split(int64_t co, int64_t c, int64_t taps, int64_t m, int64_t bm, i
     split = std::atoll(env);
   } else {
     constexpr int64_t kMiB = int64_t(1) << 20;
-    const int64_t tiles = ceil_div(co, bm) * ceil_div(c, bn) * taps;
     const int64_t partial = 2 * co * c * taps * acc_bytes;  // bytes a split, written and read
     const int64_t cap = std::max<int64_t>(1, operand_bytes / (2 * partial));
     int64_t best = -1;
@@ -1126,9 +1154,17 @@ void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, a
   using C = acc_t<W>;
   const int64_t Co = gw.size(0), Cin = x.size(1), taps = int64_t(g.kh) * g.kw;
   const int64_t M = go.size(0) * go.size(2) * go.size(3);
-  const int64_t split = pick_split(
-      Co, Cin, taps, M, T::BM, T::BN, T::BK, sm_count(),
-      M * (Cin * int64_t(sizeof(X)) + Co * int64_t(sizeof(W))), sizeof(C));
+  // The mma.sync kernel's columns run on across taps (cdiv(taps * C, 64) column blocks), the
+  // WMMA kernel's are one tap's (cdiv(C, 64) * taps): the same partials either way.
+  bool mma = false;
+  if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
+    mma = wgrad_uses_mma(go, x, gw.scalar_type());
+  }
+  const int64_t co_blocks = ceil_div(Co, T::BM);
+  const int64_t col_blocks = mma ? ceil_div(taps * Cin, T::BN) : ceil_div(Cin, T::BN) * taps;
+  const int64_t split =
+      pick_split(co_blocks * col_blocks, Co, Cin, taps, M, T::BK, sm_count(),
+                 M * (Cin * int64_t(sizeof(X)) + Co * int64_t(sizeof(W))), sizeof(C));
   const int64_t steps = ceil_div(ceil_div(M, T::BK), split);
   constexpr at::ScalarType acc_type = c10::CppTypeToScalarType<C>::value;
   const auto acc_opts = gw.options().dtype(acc_type);
@@ -1137,9 +1173,8 @@ void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, a
     part_dw = at::empty({split, Co, taps, Cin}, acc_opts);
   }
   at::Tensor part_db = gb != nullptr ? at::empty({split, Co}, acc_opts) : at::Tensor();
-  const int64_t co_blocks = ceil_div(Co, T::BM);
-  const dim3 grid(static_cast<unsigned>(co_blocks),
-                  static_cast<unsigned>(ceil_div(Cin, T::BN) * taps), static_cast<unsigned>(split));
+  const dim3 grid(static_cast<unsigned>(co_blocks), static_cast<unsigned>(col_blocks),
+                  static_cast<unsigned>(split));
   BnSums<A> bs{};
   at::Tensor part_dz, part_dzx;
   if (sums != nullptr) {
@@ -1159,10 +1194,10 @@ void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, a
   const C* bsp = bscale != nullptr ? bscale->const_data_ptr<C>() : nullptr;
   bool launched = false;
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
-    // One grid and one set of partials for both kernels.
+    // One set of partials for both kernels (the grids differ in their column blocks).
     static_assert(MmaWgrad::BM == T::BM && MmaWgrad::BN == T::BN && MmaWgrad::KSTEP == T::BK,
                   "the mma.sync weight gradient shares the WMMA kernel's tile and K-step");
-    if (wgrad_uses_mma(go, x, gw.scalar_type())) {
+    if (mma) {
       if (sums != nullptr) {
         FUSEDRES_LAUNCH(grid, dim3(MmaWgrad::THREADS), 0, current_stream(),
                         wgrad_mma_kernel<W, true>)(gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb,

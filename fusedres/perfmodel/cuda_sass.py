@@ -323,8 +323,9 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     * wgrad (SUMS): the kernel that runs (:func:`wgrad_kernel`): for channels-last x and
       grad_out with C and Co multiples of 8, the benchmark units, the mma.sync kernel
       wgrad_mma_kernel (struct MmaWgrad); ``wgrad="wmma"`` (FUSEDRES_CUDA_WGRAD=wmma) or NCHW
-      prices the WMMA kernel wgrad_kernel. Grid cdiv(Co, BM) x cdiv(C, BN)*taps x split
-      (pick_split with the device's SMs); K chunks: cdiv(cdiv(M, 32), split) K-steps of 32
+      prices the WMMA kernel wgrad_kernel. Grid cdiv(Co, BM) x cdiv(taps*C, BN) (mma.sync: the
+      columns run on across taps) or cdiv(C, BN)*taps (WMMA) x split (pick_split with the
+      device's SMs); K chunks: cdiv(cdiv(M, 32), split) K-steps of 32
       pixels, each 32 / BK chunks (BK = 16 for the mma.sync kernel, 32 for the WMMA one);
     * dgrad writing dx: the kernel that runs (:func:`dgrad_kernel`): for the same units the
       mma.sync kernel dgrad_mma_kernel (struct MmaDgrad: 128x64x32 tiles where they fill the
@@ -353,9 +354,10 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
                if fwd_name == "bn_relu_conv2d_fwd_mma_kernel" else None)
     out.append(("fwd", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
                 taps * cdiv(u.c, fwd.bk), dram["fwd"]))
+    wg_mma = wgrad_kernel(u, wgrad, channels_last) == "wgrad_mma_kernel"
     wg = _row(rows, dev.arch, wgrad_kernel(u, wgrad, channels_last), dtype, sums=True)
-    split = traffic.cuda_wgrad_split(tu, dev.sms)
-    out.append(("wgrad+sums", wg, cdiv(u.co, wg.bm) * cdiv(u.c, wg.bn) * taps * split,
+    split = traffic.cuda_wgrad_split(tu, dev.sms, mma=wg_mma)
+    out.append(("wgrad+sums", wg, traffic.cuda_wgrad_tiles(tu, mma=wg_mma) * split,
                 cdiv(cdiv(m_out, WGRAD_KSTEP), split) * WGRAD_KSTEP // wg.bk,
                 dram["wgrad+sums"]))
     dg_name = dgrad_kernel(u, dgrad, channels_last)
@@ -395,22 +397,32 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     return CudaUnitModel(u, dtype, dev.arch, kernels)
 
 
+def slowest(m: CudaUnitModel) -> str:
+    """The launch that bounds ``m`` (its high end): name, time, share of the step, bound."""
+    name, _, high, bound = max(m.kernels, key=lambda k: k[2])
+    return f"{name} {high * 1e6:.0f} us ({100 * high / m.high_s:.0f}%): {bound}"
+
+
 def unit_table(models: list[CudaUnitModel], plain: dict) -> list[str]:
-    """``plain``: (unit name, dtype, arch) -> the plain sequence's modeled seconds."""
+    """``plain``: (unit name, dtype, arch) -> the plain sequence's modeled seconds. The last
+    two columns: each GPU's slowest launch (:func:`slowest`)."""
     lines = ["| unit | dtype | A100 CUDA fused us (low - high) | A100 plain us | A100 fused/plain "
-             "| H100 CUDA fused us (low - high) | H100 plain us | H100 fused/plain |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| H100 CUDA fused us (low - high) | H100 plain us | H100 fused/plain "
+             "| A100 slowest launch | H100 slowest launch |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     by_key: dict[tuple, dict] = {}
     for m in models:
         by_key.setdefault((m.unit.name, m.dtype), {})[m.arch] = m
     for (name, dtype), d in by_key.items():
-        cells = []
+        cells, bounds = [], []
         for arch in (80, 90):
             m, p = d.get(arch), plain.get((name, dtype, arch))
+            bounds.append("-" if m is None else slowest(m))
             if m is None or p is None:
                 cells += ["-"] * 3
                 continue
             cells += [f"{m.low_s * 1e6:.0f} - {m.high_s * 1e6:.0f}", f"{p * 1e6:.1f}",
                       f"{m.low_s / p:.1f} - {m.high_s / p:.1f}"]
+        cells += bounds
         lines.append(f"| {name} | {dtype} | " + " | ".join(cells) + " |")
     return lines

@@ -48,12 +48,11 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
 // Likewise the weight gradient's split of its reduction, by pick_split on `sms` SMs
 // (FUSEDRES_CUDA_WGRAD_SPLIT included): kernels/traffic.cuda_wgrad_split must agree.
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
-  m.def("wgrad_split(int Co, int C, int taps, int M, int bm, int bn, int bk, int sms, "
+  m.def("wgrad_split(int tiles, int Co, int C, int taps, int M, int bk, int sms, "
         "int operand_bytes, int acc_bytes) -> int");
-  m.impl("wgrad_split", [](int64_t co, int64_t c, int64_t taps, int64_t m, int64_t bm,
-                           int64_t bn, int64_t bk, int64_t sms, int64_t operand_bytes,
-                           int64_t acc_bytes) {
-    return fusedres::cuda_host::pick_split(co, c, taps, m, bm, bn, bk, sms, operand_bytes,
+  m.impl("wgrad_split", [](int64_t tiles, int64_t co, int64_t c, int64_t taps, int64_t m,
+                           int64_t bk, int64_t sms, int64_t operand_bytes, int64_t acc_bytes) {
+    return fusedres::cuda_host::pick_split(tiles, co, c, taps, m, bk, sms, operand_bytes,
                                            acc_bytes);
   });
 }
