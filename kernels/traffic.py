@@ -311,7 +311,7 @@ def cuda_pick_split(tiles: int, co: int, c: int, taps: int, m: int, bk: int, sms
     """pick_split of csrc/cuda/bn_relu_conv2d_backward.cu, the same integers: the split of the
     reduction over ``tiles`` blocks with the least estimated time in K-steps of one block.
     Waves of CUDA_WGRAD_RESIDENT blocks an SM, each as long as its blocks' K-steps (+ 2 a block
-    for the prologue and epilogue); once split, + the float32 partials (a K-step per MiB,
+    for the prologue and epilogue); once split, + the partials (``acc_bytes``: a K-step per MiB,
     written and read) and the reduction's launch (8 K-steps). The partials' bytes are capped at
     half ``operand_bytes`` (dy and x), as the Triton rule caps them; ties go to the smaller
     split."""

@@ -710,3 +710,37 @@ def test_no_gemm_kernel_repeats_its_products_on_the_benchmark_shapes():
         elif factor != 1:
             repeats[(r[3], f"{bm}x{bn}", warps)] = factor
     assert repeats == {("wgrad_sums", "32x32", 4): 2.0}, repeats
+
+
+def test_committed_losses_cover_every_row_above_the_plain_sequence():
+    """benchmarks/GPU_MODEL.md's "Where the default is slower" list names exactly the unit
+    table's (unit, dtype, GPU) rows whose default plan is above 1.00x, with the table's times
+    and plan, and its two differences (the GEMMs against the plain convolutions, everything else
+    against the BatchNorm / ReLU / add passes) add up to fused - plain."""
+    import re
+
+    text = (ROOT / "benchmarks" / "GPU_MODEL.md").read_text()
+    rows = _table_rows(text, "## Fused unit forward + backward")
+    slower, tied = {}, set()  # tied: equal at the table's 0.1 us, either side unrounded
+    for r in rows:
+        for gpu, base in (("A100", 2), ("H100", 10)):
+            fused, plain, plan = float(r[base]), float(r[base + 1]), r[base + 3]
+            if fused > plain:
+                slower[(r[0], r[1], gpu)] = (fused, plain, plan)
+            elif fused == plain:
+                tied.add((r[0], r[1], gpu))
+    assert slower  # the list is not vacuous
+    section = text[text.index("### Where the default is slower"):text.index("## Per kernel")]
+    listed = {}
+    for line in section.splitlines():
+        if not line.startswith("- "):
+            continue
+        m = re.match(r"- (.+?), (fp16|bf16|fp32), (A100|H100) \((sums|store)\): ([\d.]+) us "
+                     r"against ([\d.]+) .*: ([+-][\d.]+) us; .*: ([+-][\d.]+) us\.$", line)
+        assert m, line
+        name, dtype, gpu, plan = m.group(1, 2, 3, 4)
+        fused, plain, d_gemm, d_other = (float(v) for v in m.group(5, 6, 7, 8))
+        listed[(name, dtype, gpu)] = (fused, plain, plan)
+        assert d_gemm + d_other == pytest.approx(fused - plain, abs=0.25), line
+    assert set(slower) <= set(listed) <= set(slower) | tied
+    assert all(listed[k] == v for k, v in slower.items())

@@ -125,11 +125,11 @@ def test_cuda_compulsory_traffic_accounting():
 
 def test_cuda_split_rule_splits_long_reductions():
     """Few output tiles over many pixels (a 1x1 conv with 16 channels): the weight gradient's
-    reduction is split; ImageNet's 256@14 unit (36 blocks of 64 x 64) is split past the H100's
-    132 SMs (the rule it replaced left it whole); CIFAR's 64@8 as far as the partials' cap
+    reduction is split; ImageNet's 256@14 unit (144 blocks of 64 x 64 on the H100's 132 SMs) is
+    split (the rule it replaced left it whole); CIFAR's 64@8 as far as the partials' cap
     allows (3: its 147 KiB tile a split against 2 MiB of dy and x); four K-steps are not."""
     assert T.cuda_wgrad_split(T.Unit("long", 128, 16, 32, 16, k=1)) > 1
-    assert 36 * T.cuda_wgrad_split(T.Unit("256@14", 256, 256, 14, 256)) > T.H100_SMS
+    assert T.cuda_wgrad_split(T.Unit("256@14", 256, 256, 14, 256)) > 1
     assert T.cuda_wgrad_split(T.Unit("64@8", 128, 64, 8, 64)) == 3
     assert T.cuda_wgrad_split(T.Unit("tiny", 2, 16, 8, 16)) == 1
     assert "CUDA C++ kernels" in T.full_report()

@@ -717,7 +717,7 @@ struct MmaWgrad {
 };
 
 // Two 16-bit elements of one register (two pixels of one channel in a B fragment) through
-// relu(scale * x + shift), rounded to W; an element whose pixel flag is clear becomes 0.
+// relu(scale * x + shift), rounded to W; an element whose tap flag is clear becomes 0.
 template <typename W>
 __device__ __forceinline__ uint32_t act2(uint32_t v, float s, float b, bool on0, bool on1) {
   uint16_t lo = static_cast<uint16_t>(v & 0xffffu), hi = static_cast<uint16_t>(v >> 16);
@@ -864,7 +864,7 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
       Cp[3][n] = ok ? bs.invstd[c] : 0.0f;
     }
   }
-  // This lane's B-fragment channels: wn + 8 jj + lane / 4 (jj = 0, 1) of the block's.
+  // This lane's B-fragment columns: wn + 8 jj + lane / 4 (jj = 0, 1) of the block's.
   const int wn = warp * T::WN;
 
   float acc[T::FM][T::FN][4];
@@ -1078,7 +1078,8 @@ ConvGeom geom_of(const at::Tensor& weight, const std::vector<int64_t>& s,
 // plain sequence's (tests/test_traffic_model.py); it costs time where the grid is small.
 // The rule it replaces (two waves for one resident block an SM, >= 4 K-steps a split,
 // partials <= 1/8 of the operands) left a nearly empty last wave (ImageNet 64@56 on an H100:
-// 270 blocks for 264 slots) or a grid under the SMs (ImageNet 256@14: 36 blocks on 132).
+// 270 blocks for 264 slots) or a grid just past the SMs (ImageNet 256@14: 144 blocks, unsplit,
+// on 132: 12 SMs with two, the rest idle half the pass).
 // FUSEDRES_CUDA_WGRAD_SPLIT forces a split count (read at every call, for tests and
 // measurements).
 // `tiles`: the blocks of one split (the WMMA kernel's cdiv(Co, 64) * cdiv(C, 64) * taps, the

@@ -99,6 +99,46 @@ def unit_table(models: list[UnitModel], store: list[UnitModel] | None = None) ->
     return lines
 
 
+# The fused step's launches that are convolutions (GEMMs), by role, and the plain sequence's.
+GEMM_ROLES = ("bn_relu_conv2d_fwd", "wgrad_sums", "wgrad", "dgrad_dx", "dgrad_store")
+PLAIN_GEMMS = ("conv fwd", "conv dgrad", "conv wgrad")
+
+
+def losses(models: list[UnitModel], store: list[UnitModel] | None = None) -> list[str]:
+    """Per (unit, dtype, GPU) whose default plan is slower than the plain sequence, what the
+    difference is made of: the GEMM launches against the plain convolutions (their time, their
+    share of dense tensor peak, the slowest GEMM's bound) and every other launch (statistics,
+    affine, partials, dx, host ops) against the plain BatchNorm / ReLU / add passes (their
+    count, at LAUNCH_S each at least)."""
+    lines = []
+    for um in default_models(models, store):
+        if um.fused_s <= um.plain_s:
+            continue
+        gemms = [k for k in um.kernels if k.role in GEMM_ROLES]
+        if not gemms:
+            raise ValueError(f"{um.unit.name}: no GEMM launch among {[k.role for k in um.kernels]}")
+        g_f = sum(k.pred.time_s for k in gemms)
+        flops = sum(k.pred.flops for k in gemms)
+        peak = um.device.tensor_peak_flops(
+            max(gemms[0].pred.mma_fma_cta, key=gemms[0].pred.mma_fma_cta.get)
+            if gemms[0].pred.mma_fma_cta else "fp16")
+        g_p = sum(t for n, t, _ in um.plain if n in PLAIN_GEMMS)
+        o_f, o_p = um.fused_s - g_f, um.plain_s - g_p
+        n_f = len(um.kernels) - len(gemms) + len(um.host)
+        n_p = len(um.plain) - sum(n in PLAIN_GEMMS for n, _, _ in um.plain)
+        worst = max(gemms, key=lambda k: k.pred.time_s)
+        gpu = "A100" if um.device is A100 else "H100"
+        lines.append(
+            f"- {um.unit.name}, {um.dtype}, {gpu} ({um.backward}): {_us(um.fused_s)} us against "
+            f"{_us(um.plain_s)} ({um.fused_s / um.plain_s:.2f}x). GEMMs {_us(g_f)} us, "
+            f"{100 * flops / g_f / peak:.0f}% of tensor peak (slowest {worst.role}: "
+            f"{worst.pred.bound}), against the plain convolutions' {_us(g_p)} at "
+            f"{100 * model.TENSOR_SUSTAINED[um.device.arch]:.0f}%: {(g_f - g_p) * 1e6:+.1f} us; "
+            f"the other {n_f} launches {_us(o_f)} us against the plain sequence's {n_p} "
+            f"BatchNorm / ReLU / add passes, {_us(o_p)} us: {(o_f - o_p) * 1e6:+.1f} us.")
+    return lines
+
+
 def kernel_table(models: list[UnitModel], store: list[UnitModel] | None = None) -> list[str]:
     """Per launch of the "sums" plan (``models``), and of the "store" plan (``store``) those
     launches it alone makes (roles wgrad, dgrad_store, dx) where the default runs it."""
@@ -200,6 +240,14 @@ def markdown(calib, models, runtime_s: float, cuda=None,
             "what bounds it and its share of dense tensor peak (the per-kernel table below has "
             "the rest).", ""]
     out += unit_table(models, store)
+    out += ["", "### Where the default is slower than the plain sequence (MODELED)", "",
+            "Each row above 1.0x split in two: the convolutions (the fused GEMM launches, "
+            "BatchNorm-ReLU in their operand loads, against cuDNN at the calibrated sustained "
+            "tensor rate) and everything else (the fused step's statistics, affine, partials' "
+            "reductions, dx pass and host ops, against the BatchNorm, ReLU and add passes it "
+            "replaces, each at least a launch). A positive difference is time the fused step "
+            "loses there.", ""]
+    out += losses(models, store) or ["None."]
     out += ["", "## Per kernel (MODELED)", "",
             "Per main-loop iteration counts are per warp (instructions) and per thread (bytes); "
             "MMA/iter lists SASS tensor instructions per warp per iteration. Bound: the largest "
