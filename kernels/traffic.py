@@ -313,8 +313,8 @@ def cuda_pick_split(tiles: int, co: int, c: int, taps: int, m: int, bk: int, sms
     Waves of CUDA_WGRAD_RESIDENT blocks an SM, each as long as its blocks' K-steps (+ 2 a block
     for the prologue and epilogue); once split, + the partials (``acc_bytes``: a K-step per MiB,
     written and read) and the reduction's launch (8 K-steps). The partials' bytes are capped at
-    half ``operand_bytes`` (dy and x), as the Triton rule caps them; ties go to the smaller
-    split."""
+    half ``operand_bytes`` (dy and x), as the Triton rule caps them; splits up to 8 an SM are
+    tried, ties go to the smaller."""
     mib = 1 << 20
     k_steps = cdiv(m, bk)
     limit = min(k_steps, 65535)

@@ -1072,10 +1072,11 @@ ConvGeom geom_of(const at::Tensor& weight, const std::vector<int64_t>& s,
 //   split, + the partials: a Co * C * kh * kw tile of `acc_bytes` a split, written and read,
 //   at a K-step per MiB (a K-step of a 64 x 64 block is ~0.4 us on an A100 or H100, the time
 //   the GPU moves ~1 MiB), and the reduction's launch (8 K-steps).
-// Ties go to the smaller split. The partials' bytes (written and read) are capped at half the
-// operands' (`operand_bytes`, the dy and x the pass reads), the Triton rule's cap
-// (kernels/bn_relu_conv2d_wgrad.pick_split), which keeps a step's DRAM bytes under half the
-// plain sequence's (tests/test_traffic_model.py); it costs time where the grid is small.
+// Splits up to 8 an SM are tried; ties go to the smaller. The partials' bytes (written and
+// read) are capped at half the operands' (`operand_bytes`, the dy and x the pass reads), the
+// Triton rule's cap (kernels/bn_relu_conv2d_wgrad.pick_split), which keeps a step's DRAM bytes
+// under half the plain sequence's (tests/test_traffic_model.py); it costs time where the grid
+// is small.
 // The rule it replaces (two waves for one resident block an SM, >= 4 K-steps a split,
 // partials <= 1/8 of the operands) left a nearly empty last wave (ImageNet 64@56 on an H100:
 // 270 blocks for 264 slots) or a grid just past the SMs (ImageNet 256@14: 144 blocks, unsplit,
