@@ -278,19 +278,20 @@ CUDA_TILES = {2: (64, 64, 32), 4: (64, 64, 16), 8: (32, 32, 16)}
 CUDA_WGRAD_RESIDENT = 2
 
 
-def cuda_wgrad_mma(u: Unit) -> bool:
-    """Whether csrc/cuda's weight gradient runs the mma.sync kernel for unit ``u`` (16-bit, C
-    and Co multiples of 8, channels-last: wgrad_uses_mma), else the WMMA or FMA one."""
+def cuda_mma_operands(u: Unit) -> bool:
+    """Whether unit ``u``'s channels-last x and grad_out are what csrc/cuda's mma.sync backward
+    kernels take (wgrad_mma_operands: 16-bit, C and Co multiples of 8); else the weight and
+    data gradients run the WMMA or FMA ones."""
     return u.elem == 2 and u.c % 8 == 0 and u.co % 8 == 0
 
 
 def cuda_wgrad_tiles(u: Unit, mma: bool | None = None) -> int:
     """The weight gradient's blocks a split (launch_wgrad): the mma.sync kernel's columns run
     on across taps, cdiv(Co, BM) * cdiv(taps * C, BN); the WMMA kernel's are one tap's,
-    cdiv(Co, BM) * cdiv(C, BN) * taps. ``mma`` None: the kernel that runs (cuda_wgrad_mma)."""
+    cdiv(Co, BM) * cdiv(C, BN) * taps. ``mma`` None: the kernel that runs (cuda_mma_operands)."""
     bm, bn, _ = CUDA_TILES[u.elem]
     taps = u.k * u.k
-    if cuda_wgrad_mma(u) if mma is None else mma:
+    if cuda_mma_operands(u) if mma is None else mma:
         return cdiv(u.co, bm) * cdiv(taps * u.c, bn)
     return cdiv(u.co, bm) * cdiv(u.c, bn) * taps
 

@@ -287,9 +287,11 @@ def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
     csrc/cuda/bn_relu_conv2d_backward.cu): the mma.sync one for channels-last x and grad_out
     with C and Co multiples of 8 unless ``wgrad`` (FUSEDRES_CUDA_WGRAD) is "wmma", else the WMMA
     one."""
+    from ..kernels import traffic
+
     if wgrad not in ("mma", "wmma"):
         raise ValueError(f"wgrad: 'mma' or 'wmma' (FUSEDRES_CUDA_WGRAD), not {wgrad!r}")
-    if wgrad == "mma" and channels_last and u.c % 8 == 0 and u.co % 8 == 0:
+    if wgrad == "mma" and channels_last and traffic.cuda_mma_operands(u):
         return "wgrad_mma_kernel"
     return "wgrad_kernel"
 
@@ -299,10 +301,11 @@ def dgrad_kernel(u, dgrad: str = "mma", channels_last: bool = True) -> str:
     csrc/cuda/bn_relu_conv2d_backward.cu): the mma.sync one for channels-last x and grad_out
     with C and Co multiples of 8 and at most 64 taps unless ``dgrad`` (FUSEDRES_CUDA_DGRAD) is
     "wmma", else the WMMA one."""
+    from ..kernels import traffic
+
     if dgrad not in ("mma", "wmma"):
         raise ValueError(f"dgrad: 'mma' or 'wmma' (FUSEDRES_CUDA_DGRAD), not {dgrad!r}")
-    if (dgrad == "mma" and channels_last and u.c % 8 == 0 and u.co % 8 == 0
-            and u.k * u.k <= 64):
+    if dgrad == "mma" and channels_last and traffic.cuda_mma_operands(u) and u.k * u.k <= 64:
         return "dgrad_mma_kernel"
     return "dgrad_kernel"
 
@@ -354,8 +357,9 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
                if fwd_name == "bn_relu_conv2d_fwd_mma_kernel" else None)
     out.append(("fwd", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
                 taps * cdiv(u.c, fwd.bk), dram["fwd"]))
-    wg_mma = wgrad_kernel(u, wgrad, channels_last) == "wgrad_mma_kernel"
-    wg = _row(rows, dev.arch, wgrad_kernel(u, wgrad, channels_last), dtype, sums=True)
+    wg_name = wgrad_kernel(u, wgrad, channels_last)
+    wg_mma = wg_name == "wgrad_mma_kernel"
+    wg = _row(rows, dev.arch, wg_name, dtype, sums=True)
     split = traffic.cuda_wgrad_split(tu, dev.sms, mma=wg_mma)
     out.append(("wgrad+sums", wg, traffic.cuda_wgrad_tiles(tu, mma=wg_mma) * split,
                 cdiv(cdiv(m_out, WGRAD_KSTEP), split) * WGRAD_KSTEP // wg.bk,
