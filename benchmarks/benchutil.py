@@ -39,3 +39,26 @@ def ab_row(name: str, steps: dict[str, Callable[[], object]], rounds: int, width
     cells = [f"{name:{widths[0]}s}", f"{med[0] * 1e3:{widths[1]}.2f}"]
     cells += [f"{m / med[0]:{w}.3f}" for m, w in zip(med[1:], widths[2:])]
     return " ".join(cells)
+
+
+def with_route(backend: str, fn: Callable[[], object], **fields) -> Callable[[], object]:
+    """``fn`` run with backend ``backend``'s eager route (fusedres.route.EAGER) given ``fields``
+    (e.g. ``module_unit=None``: the checked Python route instead of the one call); ``public=
+    True`` for the public ops throughout."""
+    from fusedres import route
+
+    def run():
+        saved = route.EAGER.get(backend)
+        base = route.eager_route(backend)
+        if fields.get("public"):
+            route.EAGER[backend] = route.PUBLIC
+        else:
+            route.EAGER[backend] = base._replace(**fields)
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                route.EAGER.pop(backend, None)
+            else:
+                route.EAGER[backend] = saved
+    return run

@@ -6,8 +6,7 @@ Medians over interleaved rounds; run on a quiet machine.
 
     python benchmarks/eager_overhead.py [--rounds 30] [--threads 1]
 
-The figures are in benchmarks/RESULTS.md ("eager CPU overhead"). The script runs unchanged on
-older trees (it only uses names those have), so a before/after is one command in each.
+The figures are in benchmarks/RESULTS.md ("eager CPU overhead").
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import time
 import torch
 
 import fusedres
-from fusedres import ops
+from benchutil import with_route
 
 
 def _unit(n: int, c: int, hw: int):
@@ -69,14 +68,7 @@ def main(argv=None) -> None:
     fusedres.set_backend("cpu")
     n, c, hw = (int(v) for v in args.shape.split(","))
     m, x = _unit(n, c, hw)
-    eager_cpu = ops.eager_cpu
-
-    def public():
-        ops.eager_cpu = lambda t: False
-        try:
-            _step_module(m, x)
-        finally:
-            ops.eager_cpu = eager_cpu
+    public = with_route("cpu", lambda: _step_module(m, x), public=True)
 
     plain = torch.nn.Sequential(m.bn, torch.nn.ReLU(), m.conv)  # the same parameters
     variants = {"module (eager route)": lambda: _step_module(m, x),

@@ -1,4 +1,4 @@
-"""Whether BNReLUConv2d's forward in one C++ call (``fusedres.ops.module_unit_cpu``) pays: each
+"""Whether BNReLUConv2d's forward in one C++ call (the cpu route's ``module_unit``) pays: each
 unit's fused training step with the one-call route and with the Python route (the op set to None
 for that candidate's calls), over plain PyTorch's step in the same layout, interleaved in one
 process (``benchutil.ab_row``: samples of at least 50 ms), glibc keeping freed memory. Run on a
@@ -16,8 +16,8 @@ import argparse
 
 import torch
 
-from benchutil import ab_row
-from fusedres import allocator, ops
+from benchutil import ab_row, with_route
+from fusedres import allocator, route
 from fusedres.bench.units import make_case, make_step
 from fusedres.unit_shapes import select
 
@@ -25,15 +25,7 @@ SIXTEEN = "basic C=16 s1,basic C=16 s1 +res,basic C=16 s2,basic C=16 s2 +res"
 
 
 def _route(step, one_call: bool):
-    op = ops.module_unit_cpu
-
-    def run():
-        ops.module_unit_cpu = op if one_call else None
-        try:
-            step()
-        finally:
-            ops.module_unit_cpu = op
-    return run
+    return step if one_call else with_route("cpu", step, module_unit=None)
 
 
 def main(argv=None) -> None:
@@ -43,7 +35,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layouts", default="channels_last,nchw")
     args = p.parse_args(argv)
-    if ops.module_unit_cpu is None:
+    if route.eager_route("cpu").module_unit is None:
         p.error("the cpu backend's extension is not built (fusedres._C)")
     torch.set_num_threads(args.threads)
     allocator.keep_freed_memory()

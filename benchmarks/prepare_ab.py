@@ -1,5 +1,5 @@
 """A/B of the cpu backend's BatchNorm preparation: the fused BN-ReLU-conv unit (the sweep's
-basic 3x3 unit, N=64, 16x16) with ``fusedres.ops.prepare_batch_norm_cpu`` (one C++ call) and
+basic 3x3 unit, N=64, 16x16) with the cpu route's ``prepare_batch_norm`` (one C++ call) and
 without it (the Python rule), beside plain PyTorch, channels_last then NCHW, interleaved in one
 process (61 rounds after 5 of warm-up, medians of single steps). Run on a quiet machine:
 
@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from fusedres import allocator, ops
+from benchutil import with_route
+from fusedres import allocator
 from fusedres.bench.units import build_module
 from fusedres.unit_shapes import ConvUnit
 
@@ -30,32 +31,23 @@ def _measure(shape: ConvUnit, fmt: torch.memory_format) -> dict[str, float]:
     out = (64, c, shape.ho, shape.ho)
     r = torch.randn(out).contiguous(memory_format=fmt).requires_grad_() if res else None
     gy = torch.randn(out).contiguous(memory_format=fmt)
-    new_route = ops.prepare_batch_norm_cpu
 
     def step(m):
         y = m(x, r) if res else m(x)
         y.backward(gy)
 
-    def with_route(route):
-        def run():
-            ops.prepare_batch_norm_cpu = route
-            step(fused)
-        return run
-
-    cands = {"new": with_route(new_route), "old": with_route(None),
+    cands = {"new": lambda: step(fused),
+             "old": with_route("cpu", lambda: step(fused), prepare_batch_norm=None),
              "plain": lambda: step(plain)}
-    try:
-        for _ in range(5):
-            for run in cands.values():
-                run()
-        times = {k: [] for k in cands}
-        for _ in range(61):
-            for k, run in cands.items():
-                t = time.perf_counter()
-                run()
-                times[k].append(time.perf_counter() - t)
-    finally:
-        ops.prepare_batch_norm_cpu = new_route
+    for _ in range(5):
+        for run in cands.values():
+            run()
+    times = {k: [] for k in cands}
+    for _ in range(61):
+        for k, run in cands.items():
+            t = time.perf_counter()
+            run()
+            times[k].append(time.perf_counter() - t)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import fusedres  # noqa: E402
-from fusedres import ops  # noqa: E402
+from benchutil import with_route  # noqa: E402
 
 LAUNCHES = []
 
@@ -61,7 +61,6 @@ def unit_step(shape: tuple[int, int, int], reps: int, rounds: int) -> None:
     m = fusedres.BNReLUConv2d(c, c, 3, padding=1)
     x = torch.randn(n, c, hw, hw, requires_grad=True)
     g = torch.randn(n, c, hw, hw)
-    eager_backend = getattr(ops, "eager_backend", None)  # None: a tree before the eager route
 
     def step():
         m(x).backward(g)
@@ -70,14 +69,7 @@ def unit_step(shape: tuple[int, int, int], reps: int, rounds: int) -> None:
         m(x)
 
     def public(fn):
-        def run():
-            ops.eager_backend = lambda *a: None
-            try:
-                fn()
-            finally:
-                if eager_backend is not None:
-                    ops.eager_backend = eager_backend
-        return run
+        return with_route("triton", fn, public=True)
 
     variants = {"eager route, step": step, "public ops, step": public(step),
                 "eager route, forward": forward, "public ops, forward": public(forward)}

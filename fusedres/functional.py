@@ -15,8 +15,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _backend, ops, reference
+from . import _backend, reference
 from .opdefs import ConvGeometry, UnitArgs, out_shape, stats_dtype
+from .route import route
 
 __all__ = [
     "BatchNormState",
@@ -48,6 +49,9 @@ class BatchNormState(NamedTuple):
     invstd: Tensor | None
     batch_stats: bool
     activated: Tensor | None = None
+    # The fused affine (scale, shift) (C,) when the preparation made it (the triton route's
+    # launch does): the unit's kernels read it instead of making it again.
+    affine: tuple[Tensor, Tensor] | None = None
 
 
 def _pair(value, name: str, *, minimum: int) -> tuple[int, int]:
@@ -129,21 +133,13 @@ def check_x(x: Tensor) -> None:
         raise TypeError(f"x: expected float16, bfloat16, float32 or float64, got {x.dtype}")
 
 
-def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | None,
-                       running_mean: Tensor | None, running_var: Tensor | None,
-                       num_batches_tracked: Tensor | None = None, *, training: bool,
-                       momentum: float | None = 0.1, eps: float = 1e-5,
-                       stats: tuple[Tensor, Tensor] | None = None) -> BatchNormState:
-    """Batch statistics and running-stats update of ``nn.BatchNorm2d``, once.
-
-    Args are those of ``F.batch_norm`` plus ``num_batches_tracked`` (incremented in training;
-    needed when ``momentum`` is None, the cumulative average) and ``stats``: the batch mean and
-    biased variance of ``x`` per channel when they are already known, as
-    ``conv2d_from_prepared(..., return_stats=True)`` gives them for its output (then no
-    statistics pass runs; ignored when the BatchNorm uses its running statistics). All checks
-    run before any state is touched. Returns a :class:`BatchNormState` for
-    :func:`conv2d_from_prepared`.
-    """
+def check_batch_norm_args(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | None,
+                          running_mean: Tensor | None, running_var: Tensor | None,
+                          num_batches_tracked: Tensor | None = None, *, training: bool,
+                          momentum: float | None = 0.1,
+                          stats: tuple[Tensor, Tensor] | None = None) -> None:
+    """Raise the error :func:`prepare_batch_norm` raises for these arguments, touching
+    nothing."""
     check_x(x)
     c = x.shape[1]
     for t, name in ((bn_weight, "bn_weight"), (bn_bias, "bn_bias"),
@@ -164,6 +160,29 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
         raise ValueError("x: expected more than 1 value per channel when training, got input "
                          f"size {tuple(x.shape)}")
 
+
+def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | None,
+                       running_mean: Tensor | None, running_var: Tensor | None,
+                       num_batches_tracked: Tensor | None = None, *, training: bool,
+                       momentum: float | None = 0.1, eps: float = 1e-5,
+                       stats: tuple[Tensor, Tensor] | None = None) -> BatchNormState:
+    """Batch statistics and running-stats update of ``nn.BatchNorm2d``, once.
+
+    Args are those of ``F.batch_norm`` plus ``num_batches_tracked`` (incremented in training;
+    needed when ``momentum`` is None, the cumulative average) and ``stats``: the batch mean and
+    biased variance of ``x`` per channel when they are already known, as
+    ``conv2d_from_prepared(..., return_stats=True)`` gives them for its output (then no
+    statistics pass runs; ignored when the BatchNorm uses its running statistics). All checks
+    run before any state is touched. Returns a :class:`BatchNormState` for
+    :func:`conv2d_from_prepared`.
+    """
+    check_batch_norm_args(x, bn_weight, bn_bias, running_mean, running_var,
+                          num_batches_tracked, training=training, momentum=momentum,
+                          stats=stats)
+    c = x.shape[1]
+    use_batch = training or running_mean is None
+    count = x.numel() // c if c else 0
+
     if _backend.get_backend() == "reference":
         a = reference.batch_norm_relu(x, bn_weight, bn_bias, running_mean, running_var,
                                       num_batches_tracked, training=training,
@@ -177,37 +196,34 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
             with torch.no_grad():
                 num_batches_tracked.add_(1)
         mean, var = x.new_zeros((c,), dtype=sdt), x.new_ones((c,), dtype=sdt)
-    elif ops.prepare_batch_norm_cpu is not None and ops.eager_cpu(x):
-        # The rest of this function in one C++ call (the same ATen ops, ~20 us less a call).
-        given = stats is not None and use_batch
-        mean, invstd = ops.prepare_batch_norm_cpu(
-            x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-            *(stats if given else (None, None)))
-        if given:  # the caller's tensor, as below (the op returns a copy: no output aliases)
-            mean = stats[0]
-        return BatchNormState(x, _cast(bn_weight, sdt), _cast(bn_bias, sdt), mean, invstd,
-                              use_batch)
-    elif ops.eager_triton(x) and _triton_prepares(x, running_mean, running_var, training):
-        # The same rule in one or two launches of the triton backend (~10 PyTorch ops fewer).
-        given = stats is not None and use_batch
-        mean, invstd = _backend.backend_module("triton").prepare_batch_norm(
-            x.detach(), running_mean, running_var, num_batches_tracked, training, momentum, eps,
-            *(stats if given else (None, None)))
-        return BatchNormState(x, _cast(bn_weight, sdt), _cast(bn_bias, sdt), mean, invstd,
-                              use_batch)
-    elif use_batch:
-        mean, var = stats if stats is not None else _batch_stats(x.detach())
-        if training and running_mean is not None:
-            _update_running_stats(running_mean, running_var, num_batches_tracked, mean, var,
-                                  momentum, count)
     else:
-        mean, var = running_mean.detach().to(sdt), running_var.detach().to(sdt)
+        r = route(x)
+        if r.prepare_batch_norm is not None and (
+                r.prepares is None or r.prepares(x, running_mean, running_var, training)):
+            # The rule below in the backend's own call (C++, or two launches): ~10 ops fewer.
+            given = stats if stats is not None and use_batch else (None, None)
+            bn_weight, bn_bias = _cast(bn_weight, sdt), _cast(bn_bias, sdt)
+            affine = None
+            if r.prepare_affine is not None:  # and the affine, in the same launch
+                mean, invstd, *affine = r.prepare_affine(
+                    x, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
+                    training, momentum, eps, *given)
+            else:
+                mean, invstd = r.prepare_batch_norm(
+                    x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+                    *given)
+            if given[0] is not None:  # the caller's tensor (an op returns a copy)
+                mean = given[0]
+            return BatchNormState(x, bn_weight, bn_bias, mean, invstd, use_batch, None, affine)
+        if use_batch:
+            mean, var = stats if stats is not None else _batch_stats(x.detach())
+            if training and running_mean is not None:
+                _update_running_stats(running_mean, running_var, num_batches_tracked, mean, var,
+                                      momentum, count)
+        else:
+            mean, var = running_mean.detach().to(sdt), running_var.detach().to(sdt)
     invstd = torch.rsqrt(var + eps)
     return BatchNormState(x, _cast(bn_weight, sdt), _cast(bn_bias, sdt), mean, invstd, use_batch)
-
-
-def _triton_prepares(x, running_mean, running_var, training) -> bool:
-    return _backend.backend_module("triton").prepares(x, running_mean, running_var, training)
 
 
 def _cast(p: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -284,9 +300,9 @@ def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | N
                     dilation=geometry.dilation, batch_stats=state.batch_stats,
                     branch_scale=branch_scale)
     if return_stats and (residual is None or inner is not None):
-        y, mean, var = _unit(args, genstats=True)
+        y, mean, var = _unit(args, True, state.affine)
         return y, (mean, var)
-    y = _unit(args, genstats=False)
+    y = _unit(args, False, state.affine)
     if residual is not None and inner is None:
         y = y + residual
     if return_stats:  # the residual was added outside: the statistics of the sum
@@ -309,13 +325,14 @@ def conv2d_pair_from_prepared(state: BatchNormState, weight: Tensor, bias: Tenso
     backward does, instead of two of each. Elsewhere (other backends, autocast, tracing) two
     :func:`conv2d_from_prepared` calls."""
     x = state.x
-    if (state.activated is None and ops.EagerCpuPair is not None and ops.eager_cpu(x)
-            and _autocast_dtype(x, weight) is None and weight.dtype == weight2.dtype
+    pair = route(x, weight).pair if state.activated is None else None
+    if (pair is not None and _autocast_dtype(x, weight) is None
+            and weight.dtype == weight2.dtype
             and all(b is None or b.dtype == weight.dtype for b in (bias, bias2))):
-        out = ops.EagerCpuPair.apply(x, weight, bias, weight2, bias2, state.bn_weight,
-                                     state.bn_bias, state.mean, state.invstd, tuple(geometry),
-                                     tuple(geometry2), state.batch_stats, return_stats)
-        return out[0], ((out[1], (out[2], out[3])) if return_stats else out[1])
+        y, y2, mean2, var2 = pair(x, weight, bias, weight2, bias2, state.bn_weight, state.bn_bias,
+                                  state.mean, state.invstd, *geometry, *geometry2,
+                                  state.batch_stats, return_stats)
+        return y, ((y2, (mean2, var2)) if return_stats else y2)
     y = conv2d_from_prepared(state, weight, bias, geometry=geometry)
     return y, conv2d_from_prepared(state, weight2, bias2, geometry=geometry2,
                                    return_stats=return_stats)
@@ -334,71 +351,25 @@ def conv2d_with_shortcut_from_prepared(state: BatchNormState, weight: Tensor,
     convolution's, are summed in the op's data-gradient pass instead of by autograd in a pass
     of its own. Elsewhere ``x`` itself and :func:`conv2d_from_prepared`."""
     x = state.x
-    if (state.activated is None and ops.EagerCpuUnitWithShortcut is not None
-            and ops.eager_cpu(x) and _autocast_dtype(x, weight) is None):
+    with_shortcut = route(x, weight).unit_with_shortcut if state.activated is None else None
+    if with_shortcut is not None and _autocast_dtype(x, weight) is None:
         args = UnitArgs(x=x, weight=weight, bias=bias, bn_weight=state.bn_weight,
                         bn_bias=state.bn_bias, mean=state.mean, invstd=state.invstd,
                         residual=None, stride=geometry.stride, padding=geometry.padding,
                         dilation=geometry.dilation, batch_stats=state.batch_stats,
                         branch_scale=None)
-        out = ops.EagerCpuUnitWithShortcut.apply(*args, return_stats)
+        out = with_shortcut(args, return_stats)
         return out[1], ((out[0], (out[2], out[3])) if return_stats else out[0])
     return x, conv2d_from_prepared(state, weight, bias, geometry=geometry,
                                    return_stats=return_stats)
 
 
-# The device whose traced units go through the triton_ops (a test traces "cpu" tensors instead).
-_TRACED_DEVICE_TYPE = "cuda"
-
-
-@torch.compiler.assume_constant_result
-def _auto_traced_backend() -> str:
-    # Constant for the process: which backends can run is a property of the build and machine.
-    return _backend.resolve_backend(torch.device(_TRACED_DEVICE_TYPE))
-
-
-@torch.compiler.assume_constant_result
-def _triton_runs_traced() -> bool:
-    return _backend.unavailable_reason("triton", _TRACED_DEVICE_TYPE) is None
-
-
-def _compiled_triton(x: Tensor) -> bool:
-    """True while torch.compile traces a unit on a GPU with the triton backend in force: then the
-    unit is built from the ``fusedres_triton`` triton_ops, which Inductor sees down to their
-    kernels (the public ops are opaque to it). Eager code takes :func:`_unit`'s other routes.
-    The backend name in force is read here, so torch.compile guards on it and retraces when it
-    changes."""
-    if x.device.type != _TRACED_DEVICE_TYPE or not torch.compiler.is_compiling():
-        return False
-    name = _backend.get_backend()
-    if name == "auto":
-        name = _auto_traced_backend()
-    return name == "triton" and _triton_runs_traced()
-
-
-def _unit(args: UnitArgs, genstats: bool):
-    if ops.eager_cpu(args.x):
-        return ops.EagerCpuUnit(args, genstats)
-    eager = ops.eager_backend(args.x, args.weight)
-    if eager is not None:  # "triton" or "cuda": the backend's own ops, no public-op layers
-        return _backend.backend_module(eager).eager_unit(args, genstats)
-    if _compiled_triton(args.x):
-        from .backends import triton as triton_backend
-
-        return triton_backend.compiled_unit(args, genstats=genstats)
-    if genstats:
-        return torch.ops.fusedres.bn_relu_conv2d_genstats(*args)
-    return torch.ops.fusedres.bn_relu_conv2d(*args)
+def _unit(args: UnitArgs, genstats: bool, affine=None):
+    return route(args.x, args.weight).unit(args, genstats, affine)
 
 
 def _batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
-    if ops.eager_cpu(x):
-        return tuple(torch.ops.fusedres_cpu.batch_stats(x))
-    if _compiled_triton(x):
-        from .backends import triton as triton_backend
-
-        return triton_backend.compiled_batch_stats(x)
-    return tuple(torch.ops.fusedres.batch_stats(x))
+    return route(x).batch_stats(x)
 
 
 def _resolve_padding(padding, kernel: tuple[int, int], stride, dilation) -> tuple[int, int]:

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import functional as FR
-from . import ops
 from .distributed import prepare_batch_norm_sync
 from .opdefs import suggests_channels_last
+from .route import route
 
 __all__ = ["BNReLUConv2d", "BasicBlock", "Bottleneck", "BNReLUConvLayer", "DROP_PATH_MODES",
            "FUSED", "FusedBNReLUConv", "NORMS", "PLAIN", "PlainBNReLUConv",
@@ -292,17 +292,22 @@ class BNReLUConv2d(nn.Module):
                               bias=bias, **kw)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        c, bn = self.conv, self.bn
-        if (ops.module_unit_cpu is not None and type(bn) is nn.BatchNorm2d
-                and c.groups == 1 and c.padding_mode == "zeros" and type(c.padding) is tuple
-                and (bn.momentum is None or type(bn.momentum) is float) and ops.eager_cpu(x)):
-            # One C++ call (ops.module_unit_cpu); [] leaves these arguments to the route below.
-            out = ops.module_unit_cpu(x, c.weight, c.bias, bn.weight, bn.bias, bn.running_mean,
-                                      bn.running_var, bn.num_batches_tracked, bn.training,
-                                      bn.momentum, bn.eps, residual, c.stride, c.padding,
-                                      c.dilation)
-            if out:
-                return out[0]
+        c, bn = self._modules["conv"], self._modules["bn"]
+        if (type(bn) is nn.BatchNorm2d and type(c) is nn.Conv2d and c.groups == 1
+                and c.padding_mode == "zeros" and type(c.padding) is tuple
+                and (bn.momentum is None or type(bn.momentum) is float)):
+            # Plain modules: their tensors read from their dicts, as Module.__getattr__ finds
+            # them (a Python call each that way, ten a step).
+            cp, bp, bb = c._parameters, bn._parameters, bn._buffers
+            module_unit = route(x, cp["weight"]).module_unit
+            if module_unit is not None:
+                # One call (fusedres.route); [] leaves these arguments to the checked route.
+                out = module_unit(x, cp["weight"], cp["bias"], bp["weight"], bp["bias"],
+                                  bb["running_mean"], bb["running_var"],
+                                  bb["num_batches_tracked"], bn.training, bn.momentum, bn.eps,
+                                  residual, c.stride, c.padding, c.dilation)
+                if out:
+                    return out[0]
         check_convs(c)
         geometry = FR.check_conv_args(x, c.weight, c.bias, residual, c.stride, c.padding,
                                       c.dilation)

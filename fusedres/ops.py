@@ -18,22 +18,13 @@ fake kernels and the fused unit's autograd rule.
   ``branch_scale`` every gradient sees ``branch_scale[n] * grad_out[n]``.
 
 Every op routes at run time to the backend in force (:mod:`fusedres._backend`), whose module
-implements the op under the same name with the same arguments. The autograd rule saves ``x``,
-the conv weight, the BN parameters, the per-channel statistics and the (N,) branch scale when
-there is one, never the normalised or activated tensor.
-
-Three routes reach the kernels, sharing that rule: the public ops; :data:`EagerCpuUnit`, eager
-units on plain CPU tensors with the cpu backend (:func:`eager_cpu`), through
-``fusedres_cpu::eager_unit``, whose autograd node is C++ (the custom-op layers, argument
-normalisation, the autograd wrapper's redispatch and the run-time routing, measured ~0.16 ms a
-unit more than a direct route, a third of a small unit's forward+backward, and a Python
-``autograd.Function`` ~50 us more than the C++ node: benchmarks/RESULTS.md, "Eager CPU
-overhead" and "Larger tiles; the eager unit's autograd node in C++"); and :func:`direct_unit`,
-an ``autograd.Function`` over one backend's own ops: the triton and cuda backends' eager route
-(:func:`eager_backend`, their ``eager_unit``; on the triton backend it also skips the
-``triton_op`` layer: a small unit's step 448 -> 293 us of host time,
-benchmarks/report-gpu-h100/README.md), and graphs that torch.compile traces on a GPU with the
-triton backend (fusedres.backends.triton), where the public ops would be opaque to Inductor.
+implements the op under the same name with the same arguments. The autograd rule
+(:func:`unit_setup_context`, :func:`unit_backward`) saves ``x``, the conv weight, the BN
+parameters, the per-channel statistics and the (N,) branch scale when there is one, never the
+normalised or activated tensor. The eager routes (:mod:`fusedres.route` decides which runs)
+share that rule: the cpu backend's C++ node (:data:`EagerCpuUnit`), its pair and shortcut
+nodes here, the triton backend's ``EagerTritonUnit``, and :func:`direct_unit` for a backend's own
+ops (cuda; the traced triton unit).
 """
 
 from __future__ import annotations
@@ -52,10 +43,11 @@ from .opdefs import (
     out_shape,
     stats_dtype,
 )
+from .route import is_eager
 
 __all__ = ["EagerCpuPair", "EagerCpuUnit", "EagerCpuUnitWithShortcut", "batch_stats",
            "bn_relu_conv2d", "bn_relu_conv2d_backward", "bn_relu_conv2d_genstats", "direct_unit",
-           "eager_backend", "eager_cpu", "unit_backward", "unit_setup_context"]
+           "unit_backward", "unit_setup_context"]
 
 
 def _backend_for(x: Tensor):
@@ -126,12 +118,13 @@ def _(*inputs):
 
 # --------------------------------------------------------------------------- autograd
 
-def unit_setup_context(ctx, inputs, output) -> None:
+def unit_setup_context(ctx, inputs, output, *extra: Tensor) -> None:
     """What the autograd rule keeps: x, the conv weight, the BN parameters and statistics, and
-    the (N,) branch scale when there is one."""
-    a = UnitArgs(*inputs)
+    the (N,) branch scale when there is one; then ``extra`` (a route's own, after them in
+    ``ctx.saved_tensors``)."""
+    a = inputs if type(inputs) is UnitArgs else UnitArgs(*inputs)
     ctx.save_for_backward(a.x, a.weight, a.bn_weight, a.bn_bias, a.mean, a.invstd,
-                          a.branch_scale)
+                          a.branch_scale, *extra)
     ctx.geometry = (a.stride, a.padding, a.dilation)
     ctx.batch_stats = a.batch_stats
     ctx.has_bias = a.bias is not None
@@ -148,7 +141,7 @@ def unit_backward(ctx, grad_out, backward_op) -> tuple[Tensor | None, ...]:
     """The autograd rule of the fused unit for a ``ctx`` filled by :func:`unit_setup_context`:
     the gradients of its inputs (in :class:`UnitArgs` order), computed by ``backward_op`` (an
     op with the schema of ``bn_relu_conv2d_backward``)."""
-    x, weight, bn_weight, bn_bias, mean, invstd, branch_scale = ctx.saved_tensors
+    x, weight, bn_weight, bn_bias, mean, invstd, branch_scale = ctx.saved_tensors[:7]
     need = ctx.needs_input_grad
     mask = [need[_SLOT["x"]], need[_SLOT["weight"]], need[_SLOT["bias"]] and ctx.has_bias,
             need[_SLOT["bn_weight"]] and bn_weight is not None,
@@ -198,7 +191,7 @@ def direct_unit(name: str, forward, forward_genstats, backward, *,
     (``forward``, ``forward_genstats``, ``backward``: ops with the schemas of
     ``bn_relu_conv2d``, ``_genstats`` and ``_backward``) with the public ops' autograd rule.
     ``eager``: ``forward`` and ``backward`` run the kernels bare, for eager tensors (the caller
-    checks the inputs: :func:`eager_backend`); the backward then calls ``backward`` only on a
+    checks the inputs: fusedres.route); the backward then calls ``backward`` only on a
     plain gradient with grad mode off, else the public backward op.
     ``apply(*UnitArgs, genstats)`` returns ``y``, or ``(y, mean, var)`` when ``genstats`` (last,
     so that ``ctx.needs_input_grad`` lines up with :class:`UnitArgs`)."""
@@ -228,7 +221,7 @@ def direct_unit(name: str, forward, forward_genstats, backward, *,
 
 
 def _eager_cpu_unit(op):
-    def unit(args: UnitArgs, genstats: bool):
+    def unit(args: UnitArgs, genstats: bool, affine=None):
         y, mean, var = op(*args, genstats)
         return (y, mean, var) if genstats else y
     unit.__doc__ = (
@@ -242,20 +235,8 @@ def _eager_cpu_unit(op):
 
 
 EagerCpuUnit = None
-# nn.BatchNorm2d's statistics and running-stats update on the cpu backend in one C++ call:
-# ``(x, running_mean, running_var, num_batches_tracked, training, momentum, eps, mean, var) ->
-# (mean, invstd)`` (fusedres.functional.prepare_batch_norm).
-prepare_batch_norm_cpu = None
-# A BNReLUConv2d's forward on the cpu backend in one C++ call, prepare_batch_norm_cpu then
-# EagerCpuUnit: ``(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-# num_batches_tracked, training, momentum, eps, residual, stride, padding, dilation) -> [y]``, or
-# ``[]`` with nothing touched for arguments it leaves to the Python checks
-# (``module_unit_accepts`` in csrc/cpu/bn_relu_conv2d.cpp; fusedres.modules.BNReLUConv2d).
-module_unit_cpu = None
 if _extension.LOADED:  # else the cpu backend never runs (and its namespace may lack the ops)
     EagerCpuUnit = _eager_cpu_unit(torch.ops.fusedres_cpu.eager_unit.default)
-    prepare_batch_norm_cpu = torch.ops.fusedres_cpu.prepare_batch_norm.default
-    module_unit_cpu = torch.ops.fusedres_cpu.module_unit.default
 
 
 class _EagerCpuPair(torch.autograd.Function):
@@ -361,52 +342,15 @@ class _EagerCpuUnitWithShortcut(torch.autograd.Function):
 EagerCpuUnitWithShortcut = _EagerCpuUnitWithShortcut if _extension.LOADED else None
 
 
-_PLAIN_PARAMETERS = (Tensor, torch.nn.Parameter)
-_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
-
-
 def _bare(*grads: Tensor | None) -> bool:
     """Whether an eager route's backward may run the backend's kernels on ``grads`` bare: grad
     mode off (not a backward that builds a graph, ``create_graph=True``: the kernels' outputs
-    would have none) and plain tensors (:func:`_eager`: not the batched gradients of
-    ``is_grads_batched`` or vmap, no dispatch mode). Otherwise the public backward op runs it:
-    its layers batch, trace, and refuse a double backward as the public route does."""
-    return not torch.is_grad_enabled() and all(g is None or _eager(g) for g in grads)
-
-
-def _eager(x: Tensor) -> bool:
-    """A plain, non-empty tensor in eager mode: no tracing, no dispatch mode, no torch.func
-    transform, not a batched gradient (``autograd.grad(..., is_grads_batched=True)`` runs the
-    backward on legacy-vmap tensors, with no transform active): what the eager routes need."""
-    return (not torch.compiler.is_compiling()  # first: nothing below becomes a guard
-            and type(x) is Tensor and x.numel() > 0
-            and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._are_functorch_transforms_active()
-            and not _is_legacy_batched(x))
-
-
-def eager_cpu(x: Tensor) -> bool:
-    """True when a unit on ``x`` may take :data:`EagerCpuUnit`: a plain CPU tensor, eager mode
-    (no tracing, no dispatch mode, no torch.func transform), a non-empty batch and the cpu
-    backend in force (by name or by ``auto``)."""
-    return _eager(x) and x.is_cpu and _backend.resolve_backend(x.device) == "cpu"
-
-
-def eager_backend(x: Tensor, weight: Tensor | None = None) -> str | None:
-    """``"triton"`` or ``"cuda"`` when a unit on ``x`` may take that backend's eager route (its
-    ``eager_unit``: an ``autograd.Function`` over the backend's own ops, without the public
-    ops' custom-op layers): a plain tensor in eager mode, non-empty, a plain ``weight`` (a
-    tensor or ``nn.Parameter``, not a subclass such as DTensor, whose data the Triton
-    launchers would read raw), and that backend in force for its device. None otherwise (the
-    cpu backend has :data:`EagerCpuUnit`)."""
-    if not _eager(x) or (weight is not None and type(weight) not in _PLAIN_PARAMETERS):
-        return None
-    name = _backend.resolve_backend(x.device)
-    return name if name in ("triton", "cuda") else None
-
-
-def eager_triton(x: Tensor) -> bool:
-    """True when ``x``'s BatchNorm may be prepared by the triton backend's own launches
-    (``fusedres.backends.triton.prepare_batch_norm``): a plain tensor in eager mode (as
-    :func:`eager_cpu`), non-empty, and the triton backend in force for its device."""
-    return _eager(x) and _backend.resolve_backend(x.device) == "triton"
+    would have none) and eager tensors (:func:`fusedres.route.is_eager`: not the batched
+    gradients of ``is_grads_batched`` or vmap, no dispatch mode). Otherwise the public backward
+    op runs it: its layers batch, trace, and refuse a double backward as the public route does."""
+    if torch.is_grad_enabled():
+        return False
+    for g in grads:
+        if g is not None and not is_eager(g):
+            return False
+    return True

@@ -159,12 +159,37 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 )}
 
 
+# os.environ's own store (CPython: a dict of encoded names to encoded values, which setting or
+# deleting through os.environ keeps current), read by get() without os.environ's Python-level
+# mapping methods: the eager routes read settings at every step, ~4 Python calls each that way.
+_STORE = getattr(os.environ, "_data", None)
+_ENCODE = getattr(os.environ, "encodekey", None)
+if not (isinstance(_STORE, dict) and callable(_ENCODE)):
+    _STORE = None
+_ENCODED: dict[str, object] = {}
+_PARSED: dict[tuple, object] = {}  # (name, raw value) -> the value parsed from it
+_UNSET = object()
+
+
 def get(name: str, environ=None):
     """The value of setting ``name`` from the environment, parsed; its default when unset
     (``None`` for a setting whose default is unset). Raises ``ValueError`` naming the
     variable for a value of the wrong form, ``KeyError`` for an undeclared name."""
+    if environ is None and _STORE is not None:
+        key = _ENCODED.get(name)
+        if key is None:
+            SETTINGS[name]  # noqa: B018 (KeyError for an undeclared name)
+            key = _ENCODED[name] = _ENCODE(name)
+        memo = (name, _STORE.get(key))
+        value = _PARSED.get(memo, _UNSET)
+        if value is _UNSET:
+            value = _PARSED[memo] = _parse(name, os.environ.get(name))
+        return value
+    return _parse(name, (os.environ if environ is None else environ).get(name))
+
+
+def _parse(name: str, raw):
     setting = SETTINGS[name]
-    raw = (os.environ if environ is None else environ).get(name)
     if raw is None or raw == "":
         return None if setting.default == "" else setting.parse(setting.default)
     return setting.parse(raw)

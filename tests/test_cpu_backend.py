@@ -664,13 +664,13 @@ MODULE_CASES = {
 @pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "inference"])
 @pytest.mark.parametrize("case", MODULE_CASES)
 def test_module_forward_in_one_call_is_the_python_route(monkeypatch, case, mode):
-    """BNReLUConv2d's forward on the cpu backend is one C++ call (ops.module_unit_cpu: the
+    """BNReLUConv2d's forward on the cpu backend is one C++ call (the cpu route's module_unit: the
     BatchNorm preparation, then the unit with its C++ autograd node) where it accepts the
     arguments, and gives what the Python route gives, to the bit: outputs, every gradient,
     running statistics and the batch count, over two steps; in training and eval (forward and
     backward), no_grad and inference mode. bfloat16 is left to the Python route (the op
     returns [])."""
-    from fusedres import ops
+    from fusedres import route as routes
 
     unit_kw, bn_kw, dtype, cl, residual = MODULE_CASES[case]
     fmt = torch.channels_last if cl else torch.contiguous_format
@@ -693,10 +693,12 @@ def test_module_forward_in_one_call_is_the_python_route(monkeypatch, case, mode)
         calls.append(len(out))
         return out
 
-    module_unit = ops.module_unit_cpu
+    cpu_route = routes.eager_route("cpu")
+    module_unit = cpu_route.module_unit
     results = {}
     for name, unit in (("python", ref), ("one call", fast)):
-        monkeypatch.setattr(ops, "module_unit_cpu", counted if name == "one call" else None)
+        monkeypatch.setitem(routes.EAGER, "cpu", cpu_route._replace(
+            module_unit=counted if name == "one call" else None))
         outs = []
         for x, r in zip(xs, rs):
             grads = mode in ("train", "eval")
@@ -843,15 +845,16 @@ def test_eager_route_is_taken_and_agrees_with_the_public_op():
 @pytest.mark.parametrize("c", [6, 37])
 def test_prepare_batch_norm_in_one_call_is_the_python_rule(monkeypatch, momentum, mode, dtype,
                                                             stats_dtype, c):
-    """prepare_batch_norm on eager CPU tensors is one C++ call (ops.prepare_batch_norm_cpu):
+    """prepare_batch_norm on eager CPU tensors is one C++ call (the cpu route's prepare_batch_norm):
     the same statistics, running statistics and count, bit for bit, as the Python sequence it
     replaces (37 channels: ATen's vectorised kernels and their tails, against the C++ loop that
     updates float running statistics); the given mean kept, never running_mean; the running
     statistics' version counters bumped as by in-place ops."""
     from fusedres import functional as FR
-    from fusedres import ops
+    from fusedres import route as routes
 
-    assert ops.prepare_batch_norm_cpu is not None
+    cpu_route = routes.eager_route("cpu")
+    assert cpu_route.prepare_batch_norm is not None
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(5, c, 7, 9, generator=g) * 3 + 2).to(dtype).requires_grad_()
     gamma, beta = torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g)
@@ -868,9 +871,9 @@ def test_prepare_batch_norm_in_one_call_is_the_python_rule(monkeypatch, momentum
         if mode == "no_running_stats":
             rm = rv = nbt = None
         calls = []
-        op = ops.prepare_batch_norm_cpu if route == "c++" else None
-        monkeypatch.setattr(ops, "prepare_batch_norm_cpu",
-                            None if op is None else (lambda *a: calls.append(a) or op(*a)))
+        op = cpu_route.prepare_batch_norm if route == "c++" else None
+        monkeypatch.setitem(routes.EAGER, "cpu", cpu_route._replace(
+            prepare_batch_norm=None if op is None else (lambda *a: calls.append(a) or op(*a))))
         versions = None if rm is None else (rm._version, rv._version)
         with fusedres.use_backend("cpu"):
             state = FR.prepare_batch_norm(x, gamma, beta, rm, rv, nbt, training=mode != "eval",

@@ -58,10 +58,13 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+# The eager route's C++ entry points (fusedres.route); None until the extension provides them.
+module_unit = prepare_batch_norm = prepares = eager_pair = None
+
 _EAGER_UNIT = None
 
 
-def eager_unit(args: UnitArgs, genstats: bool):
+def eager_unit(args: UnitArgs, genstats: bool, affine=None):
     """The fused unit in eager mode (fusedres.functional): an ``autograd.Function`` over this
     backend's ops, without the public op's layers (its dispatch, autograd wrapper and routing).
     Returns ``y``, or ``(y, mean, var)`` of y when ``genstats``."""
