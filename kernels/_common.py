@@ -10,8 +10,10 @@ interpreter. Every config of every kernel is compiled ahead of time (kernels/aot
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -20,14 +22,14 @@ from .. import settings
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when kernels/ is imported (with
 # this module): what it read then is what the kernels are, whatever the environment says later.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# INTERPRET is that, for the launchers' hot paths (a name read, not a call).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1`` when the
-    kernels were defined). Read once: the launchers ask ~20 times a unit step, and each
-    ``os.environ`` lookup costs ~1 us."""
-    return _INTERPRET
+    kernels were defined): :data:`INTERPRET`."""
+    return INTERPRET
 
 
 @dataclass(frozen=True)
@@ -42,11 +44,14 @@ class KernelConfig:
     def of(cls, num_warps: int = 4, num_stages: int = 3, **blocks: int) -> KernelConfig:
         return cls(tuple(blocks.items()), num_warps, num_stages)
 
-    @property
+    # Built once a config (a launch reads them ~5 times): read them, never mutate them.
+    @cached_property
     def meta(self) -> dict:
         return dict(self.blocks)
 
+    @cached_property
     def launch_kwargs(self) -> dict:
+        """The keyword arguments of a launch: the block sizes, warps and stages."""
         return {**self.meta, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def __str__(self) -> str:
@@ -64,6 +69,11 @@ def dtype_name(dtype) -> str:
 
 def acc_is_fp64(dtype: torch.dtype) -> bool:
     return dtype == torch.float64
+
+
+# torch.backends.cudnn.allow_tf32 as its getter reads it (a C call; the property is a Python
+# one): plans key on it.
+_tf32 = torch._C._get_cudnn_allow_tf32
 
 
 def allow_tf32(dtype: torch.dtype) -> bool:
@@ -104,6 +114,9 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+
+
 def launcher(kernel):
     """What ``launcher(kernel)[grid](...)`` launches through: ``torch.library.wrap_triton`` while
     a graph is traced (:func:`tracing`: inside a ``triton_op`` that torch.compile decomposes,
@@ -113,16 +126,147 @@ def launcher(kernel):
     ``triton_kernel_wrapper_mutation`` higher-order op, ~100 us of host time a launch, and
     adds an entry to torch's kernel side table that is never freed (measured:
     benchmarks/report-gpu-h100/README.md, "After the run")."""
-    if interpreting() or not tracing():
+    if INTERPRET or not (torch.compiler.is_compiling() or _dispatch_depth()):  # tracing()
         return kernel
     return torch.library.wrap_triton(kernel)
+
+
+_DUMMIES: dict[tuple, torch.Tensor] = {}
+
+
+def dummy(t: torch.Tensor) -> torch.Tensor:
+    """A 1-element tensor of ``t``'s dtype and device for a pointer argument the kernel never
+    reads or writes (an absent bias, residual or output): one per (device, dtype), made once,
+    for plain tensors; a new one for the fake tensors of a trace (a real tensor must not enter
+    it)."""
+    if type(t) is not torch.Tensor:
+        return t.new_empty((1,))
+    key = (t.device, t.dtype)
+    d = _DUMMIES.get(key)
+    if d is None:
+        d = _DUMMIES[key] = t.new_empty((1,))
+    return d
+
+
+_PLAN_CACHES: list[dict] = []
+
+
+def plan_cache() -> dict:
+    """A new cache of launch plans (one a host launcher), cleared by :func:`clear_plans`."""
+    cache: dict = {}
+    _PLAN_CACHES.append(cache)
+    return cache
+
+
+def clear_plans() -> None:
+    """Forget every cached launch plan: after a change to what the plans were built from (the
+    config rules, the SM count, a setting a test patches); the next call of each key builds its
+    plan again."""
+    for cache in _PLAN_CACHES:
+        cache.clear()
+
+
+class Launch:
+    """One launch of a plan (a host launcher's work for one key of shapes, strides, dtypes and
+    alignments, done once): kernel, grid, constexprs and options fixed; ``launch.go(*args)``
+    runs it on the kernel's runtime arguments, given positionally (every kernel here declares
+    its constexprs after them).
+
+    ``go`` starts as the JIT's launch (``kernel[grid](*args, **kwargs)``: it specialises, and
+    compiles on first use). On a GPU, after the first launch it becomes a call of the compiled
+    kernel's launcher with the constexprs appended: Triton's per-launch argument binding,
+    specialisation key, cache lookup and launch-metadata build are skipped (public figures:
+    ~10 us a launch at 20 arguments; these kernels take 30-60). That is sound because the plan's
+    key fixes what the JIT keys on: every integer argument (shapes and strides: equal to 1,
+    divisible by 16), every pointer's dtype and 16-byte alignment, and the constexprs. Under
+    the interpreter, while a graph is traced (``wrap_triton`` must see the launch), with fake
+    tensors, or with a launch hook installed (a profiler reads its metadata), ``go`` stays the
+    JIT's launch."""
+
+    __slots__ = ("kernel", "grid", "kwargs", "go", "fast")
+
+    def __init__(self, kernel, grid: tuple[int, ...], kwargs: dict, fast: bool = True):
+        """``fast``: the plan is for real tensors (not fake or meta ones), so its later launches
+        may skip the JIT once one has gone through it."""
+        self.kernel = kernel
+        self.grid = grid
+        self.kwargs = kwargs
+        self.fast = fast and not INTERPRET and torch.cuda.is_available()
+        if INTERPRET:  # the interpreter launches the kernel itself, traced or not
+            self.go = functools.partial(kernel[grid], **kwargs)
+        else:
+            self.go = self._first if self.fast else self._jit
+
+    def _jit(self, *args):
+        return launcher(self.kernel)[self.grid](*args, **self.kwargs)
+
+    def _first(self, *args):
+        compiled = self._jit(*args)
+        if not tracing() and not _hooked():
+            self.go = _direct(self.kernel, compiled, self.grid, len(args), self.kwargs,
+                              torch.cuda.current_device(), self._jit)
+        return compiled
+
+
+def _hooked() -> bool:
+    """A launch hook is installed (Triton's knobs): the direct launch would not feed it."""
+    from triton import knobs
+
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def launch_tail(kernel, n_args: int, kwargs: dict) -> tuple:
+    """The values of ``kernel``'s parameters after its first ``n_args`` (its constexprs, then
+    their defaults where ``kwargs`` has none), in signature order: what Triton's binder appends
+    to the runtime arguments of a launch. Options (``num_warps``, ``num_stages``) are not
+    parameters."""
+    import inspect
+
+    params = list(inspect.signature(getattr(kernel, "fn", kernel)).parameters.values())
+    tail = []
+    for p in params[n_args:]:
+        if p.name in kwargs:
+            tail.append(kwargs[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            tail.append(p.default)
+        else:
+            raise TypeError(f"{p.name}: a launch of {getattr(kernel, '__name__', kernel)} "
+                            "gives no value for this parameter")
+    return tuple(tail)
+
+
+def _direct(kernel, compiled, grid, n_args: int, kwargs: dict, device: int, jit):
+    """The launch of ``compiled`` (the CompiledKernel the JIT returned for these arguments)
+    without the JIT: ``run(grid, stream, function, metadata, launch metadata, hooks, *args,
+    *constexprs)``, as JITFunction.run calls it (Triton 3.6 to 3.8), on the current stream of
+    ``device``. Under a dispatch mode (a trace over real tensors: wrap_triton must see the
+    launch) the JIT's launch ``jit`` instead."""
+    from triton import knobs
+
+    run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    g0, g1, g2 = (*grid, 1, 1)[:3]
+    tail = launch_tail(kernel, n_args, kwargs)
+    stream = torch._C._cuda_getCurrentRawStream
+
+    def go(*args):
+        if _dispatch_depth():
+            return jit(*args)
+        run(g0, g1, g2, stream(device), function, packed, None, enter, exit_, *args, *tail)
+    return go
 
 
 def fits_int32(*tensors) -> bool:
     """The kernels index with int32: every element offset of every tensor must fit."""
     for t in tensors:
-        if t is not None and sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())
-                                 if n > 0) >= 2**31:
+        if t is None:
+            continue
+        last = 0
+        for n, s in zip(t.shape, t.stride()):
+            if n > 0:
+                last += (n - 1) * abs(s)
+        if last >= 2**31:
             return False
     return True
 
@@ -131,8 +275,9 @@ def is_aligned(channels, *tensors) -> bool:
     """Operands the ``ALIGNED`` configs may run on: every channel count in ``channels`` a
     multiple of 16, every 4-D tensor with unit channel stride (channels-last, or any layout
     whose channel axis is innermost), every data pointer 16-byte aligned (None skipped)."""
-    if any(ch % 16 for ch in channels):
-        return False
+    for ch in channels:
+        if ch % 16:
+            return False
     for t in tensors:
         if t is None:
             continue

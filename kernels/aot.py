@@ -132,9 +132,13 @@ def jobs(archs, dtypes, units, kernels=None) -> list[Job]:
                 # Both backward plans, and the forward whose epilogue gives the next BatchNorm
                 # its statistics (genstats: what the models run; its partials merged by
                 # stats_combine_kernel).
-                for backward, genstats in [(b, False) for b in BACKWARDS] + [("sums", True)]:
+                # The genstats step through the public ops' bodies: every kernel a route
+                # launches (their own affine launch included) is then compiled.
+                for backward, genstats, route in [(b, False, "eager") for b in BACKWARDS] + [
+                        ("sums", True, "public")]:
                     for launch in jit_spec.unit_launches(unit, dtype, arch=arch, tf32=tf32,
-                                                         backward=backward, genstats=genstats):
+                                                         backward=backward, genstats=genstats,
+                                                         route=route):
                         if kernels and launch.kernel not in kernels:
                             continue
                         job = found.setdefault((variant, launch.key()), Job(launch, variant))

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..opdefs import stats_dtype as _stats_dtype
-from ._common import KernelConfig, cdiv, interpreting, launcher, sm_count
+from ._common import KernelConfig, Launch, cdiv, interpreting, launcher, plan_cache, sm_count
 from .reductions import STATS_COMBINE_CONFIG, bn_prepare_kernel, stats_combine
 
 # Roles by index: channels_last with >= 32 channels, the rest, <= 8 channels. A tile's own
@@ -132,7 +132,7 @@ def _partials(x: torch.Tensor, config: KernelConfig | None = None, split: int | 
         x, mean_p, m2_p, c, h * w, w, m, *x.stride(), tps,
         FP64=sdt == torch.float64,
         DENSE=x.stride(0) == h * w * x.stride(3) and x.stride(2) == w * x.stride(3),
-        **cfg.launch_kwargs(),
+        **cfg.launch_kwargs,
     )
     # Split r holds min(tps * bm, m - r * tps * bm) elements (the last may be short).
     return mean_p, m2_p, m, tps * bm
@@ -170,16 +170,119 @@ def prepare_unsupported(x: torch.Tensor, running_mean, running_var,
     return None
 
 
+class PreparePlan:
+    """:func:`prepare_batch_norm`'s launches for one key (:func:`prepare_plan`): the statistics
+    pass's config, split and grid, the preparation's flags and scalars fixed; :meth:`run` on
+    the tensors of a call."""
+
+    def __init__(self, x, running_mean, running_var, counted: bool, training: bool,
+                 momentum, eps: float, given: bool, gamma, beta, affine: bool):
+        n, c, h, w = x.shape
+        sdt = _stats_dtype(x.dtype)
+        tracked = running_mean is not None
+        self.use_batch = training or not tracked
+        self.update = training and tracked
+        self.cumulative = self.update and momentum is None
+        count = self.update and counted and not self.cumulative
+        self.merge = self.use_batch and not given
+        self.c, self.sdt, self.affine = c, sdt, affine
+        m = x.numel() // c
+        real = type(x) is torch.Tensor and x.device.type != "meta"
+        self.partials = None
+        rows, row_elems = 0, 1
+        if self.merge:
+            cfg = pick_config(x)
+            bm, bc = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_C"]
+            tiles, c_blocks = cdiv(m, bm), cdiv(c, bc)
+            split = 1 if interpreting() else pick_split(tiles, c_blocks, sm_count(x.device))
+            split = max(1, min(split, tiles))
+            tps = cdiv(tiles, split)
+            split = cdiv(tiles, tps)  # no empty splits
+            rows, row_elems = split, tps * bm
+            self.partial_shape = (split, c)
+            self.partials = Launch(batch_stats_kernel, (c_blocks, split), dict(
+                FP64=sdt == torch.float64,
+                DENSE=x.stride(0) == h * w * x.stride(3) and x.stride(2) == w * x.stride(3),
+                **cfg.launch_kwargs), fast=real)
+            self.partial_ints = (c, h * w, w, m, *x.stride(), tps)
+        factor = 0.0 if momentum is None else float(momentum)
+        self.ints = (rows, c, m, row_elems, 1.0 - factor, factor,
+                     m / (m - 1) if m > 1 else 1.0, float(eps))
+        self.counts = self.cumulative or count
+        cfg = STATS_COMBINE_CONFIG
+        self.prepare = Launch(bn_prepare_kernel, (cdiv(c, cfg.meta["BLOCK_C"]),), dict(
+            MERGE=self.merge, UPDATE=self.update, CUMULATIVE=self.cumulative, COUNT=count,
+            AFFINE=affine, HAS_GAMMA=gamma is not None, HAS_BETA=beta is not None,
+            **cfg.launch_kwargs), fast=real)
+
+    def run(self, x, running_mean, running_var, num_batches_tracked, mean=None, var=None,
+            gamma=None, beta=None):
+        """(mean, invstd), and with ``affine`` (scale, shift) after them."""
+        c, sdt, dev = self.c, self.sdt, x.device
+        if self.cumulative:
+            num_batches_tracked.add_(1)
+        invstd = torch.empty((c,), device=dev, dtype=sdt)
+        if self.merge:
+            src0 = torch.empty(self.partial_shape, device=dev, dtype=torch.float64)
+            src1 = torch.empty(self.partial_shape, device=dev, dtype=torch.float64)
+            self.partials.go(x, src0, src1, *self.partial_ints)
+            mean = torch.empty((c,), device=dev, dtype=sdt)
+        elif not self.use_batch:  # eval: the running statistics
+            mean = running_mean.detach().to(sdt)
+            src0, src1 = mean.contiguous(), running_var.detach().contiguous()
+        else:  # the producer's statistics, read with unit strides
+            src0, src1 = mean.contiguous(), var.contiguous()
+        if self.affine:
+            scale = torch.empty((c,), device=dev, dtype=sdt)
+            shift = torch.empty((c,), device=dev, dtype=sdt)
+        else:
+            scale = shift = invstd
+        update = self.update
+        self.prepare.go(src0, src1, mean, invstd, running_mean if update else invstd,
+                        running_var if update else invstd,
+                        num_batches_tracked if self.counts else invstd,
+                        invstd if gamma is None else gamma, invstd if beta is None else beta,
+                        scale, shift, *self.ints)
+        if update:
+            torch.autograd.graph.increment_version((running_mean, running_var))
+        if self.counts and not self.cumulative:
+            torch.autograd.graph.increment_version(num_batches_tracked)
+        return (mean, invstd, scale, shift) if self.affine else (mean, invstd)
+
+
+_PLANS: dict[tuple, PreparePlan] = plan_cache()
+
+
+def prepare_plan(x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+                 given: bool, gamma=None, beta=None, affine: bool = False) -> PreparePlan:
+    """The cached :class:`PreparePlan` for these arguments (checked by the caller)."""
+    key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16,
+           None if running_mean is None else (running_mean.dtype, running_var.dtype),
+           num_batches_tracked is not None, training, momentum, eps, given,
+           None if gamma is None else gamma.dtype, None if beta is None else beta.dtype,
+           affine)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = PreparePlan(x, running_mean, running_var, num_batches_tracked is not None,
+                           training, momentum, eps, given, gamma, beta, affine)
+        if type(x) is torch.Tensor and x.device.type != "meta":
+            _PLANS[key] = plan
+    return plan
+
+
 def prepare_batch_norm(x: torch.Tensor, running_mean, running_var, num_batches_tracked,
-                       training: bool, momentum: float | None, eps: float, mean=None, var=None):
+                       training: bool, momentum: float | None, eps: float, mean=None, var=None,
+                       gamma=None, beta=None, affine: bool = False):
     """nn.BatchNorm2d's statistics, running-statistics update and ``invstd`` for x in two
     launches (batch_stats_kernel, then reductions.bn_prepare_kernel), or one when the batch
     statistics are given (``mean``, ``var``: the producer's) or the running ones are used
-    (eval): (mean, invstd) in the statistics dtype, float32 (x of 16 or 32 bits). The rule of
-    fusedres.functional.prepare_batch_norm, whose PyTorch ops are ~10 launches (the update,
-    var + eps, rsqrt); the caller has checked the arguments. With ``mean`` given, the mean
-    returned is that tensor. Running statistics float32 or float16 (``PREPARE_RUNNING_DTYPES``);
-    float64 x or statistics stay with the PyTorch ops (this kernel's scalars are float32).
+    (eval): (mean, invstd) in the statistics dtype, float32 (x of 16 or 32 bits); with
+    ``affine`` also the fused BatchNorm's (scale, shift) from ``gamma``, ``beta`` (C,) or None,
+    made in the same launch. The rule of fusedres.functional.prepare_batch_norm, whose PyTorch
+    ops are ~10 launches (the update, var + eps, rsqrt); the caller has checked the arguments.
+    With ``mean`` given, the mean returned is that tensor. Running statistics float32 or
+    float16 (``PREPARE_RUNNING_DTYPES``); float64 x or statistics stay with the PyTorch ops
+    (this kernel's scalars are float32).
 
     ``momentum`` None (cumulative average) costs one more launch, ``num_batches_tracked.add_(1)``
     before the kernel reads it; else the kernel counts the step itself. The running statistics'
@@ -187,39 +290,7 @@ def prepare_batch_norm(x: torch.Tensor, running_mean, running_var, num_batches_t
     reason = prepare_unsupported(x, running_mean, running_var, training)
     if reason is not None:
         raise ValueError(reason)
-    sdt = _stats_dtype(x.dtype)
-    tracked = running_mean is not None
-    c = x.shape[1]
-    use_batch = training or not tracked
-    update = training and tracked
-    cumulative = update and momentum is None
-    count = update and num_batches_tracked is not None and not cumulative
-    if cumulative:
-        num_batches_tracked.add_(1)
-    invstd = torch.empty((c,), device=x.device, dtype=sdt)
-    m = x.numel() // c
-    if use_batch and mean is None:
-        src0, src1, m, row_elems = _partials(x)
-        out_mean = torch.empty((c,), device=x.device, dtype=sdt)
-        rows, merge = src0.shape[0], True
-    else:
-        if not use_batch:
-            mean = running_mean.detach().to(sdt)
-            var = running_var.detach()
-        src0, src1, out_mean, rows, row_elems, merge = (mean.contiguous(), var.contiguous(),
-                                                        mean, 0, 1, False)
-    dummy = invstd
-    factor = 0.0 if momentum is None else float(momentum)
-    cfg = STATS_COMBINE_CONFIG
-    launcher(bn_prepare_kernel)[(cdiv(c, cfg.meta["BLOCK_C"]),)](
-        src0, src1, out_mean, invstd,
-        running_mean if update else dummy, running_var if update else dummy,
-        num_batches_tracked if (cumulative or count) else dummy,
-        rows, c, m, row_elems, 1.0 - factor, factor, m / (m - 1) if m > 1 else 1.0, float(eps),
-        MERGE=merge, UPDATE=update, CUMULATIVE=cumulative, COUNT=count, **cfg.launch_kwargs())
-    if update:
-        torch.autograd.graph.increment_version(running_mean)
-        torch.autograd.graph.increment_version(running_var)
-    if count:
-        torch.autograd.graph.increment_version(num_batches_tracked)
-    return out_mean, invstd
+    given = mean is not None and (training or running_mean is None)
+    plan = prepare_plan(x, running_mean, running_var, num_batches_tracked, training, momentum,
+                        eps, given, gamma, beta, affine)
+    return plan.run(x, running_mean, running_var, num_batches_tracked, mean, var, gamma, beta)

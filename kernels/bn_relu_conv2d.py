@@ -27,9 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..opdefs import ConvGeometry, stats_dtype
+from ..opdefs import ConvGeometry, out_memory_format, stats_dtype
 from ._common import (
     KernelConfig,
+    Launch,
+    _tf32,
     acc_is_fp64,
     allow_tf32,
     autotune_enabled,
@@ -37,16 +39,17 @@ from ._common import (
     cdiv,
     check_usable,
     config_variant,
+    dummy,
     interp_bf16,
     interpreting,
     is_aligned,
-    launcher,
+    plan_cache,
     short_rows_fill_better,
     sm_count,
     usable,
 )
 from ._tl import cast, load_tile, load_vec, mma
-from .reductions import stats_combine
+from .reductions import stats_combine_launch
 
 # Tensor-core configs (fp16, bf16), by role (index): 0, 1 and 2 for large C with Co >= 256,
 # >= 128 and 64 (wgmma-sized: m64 per warpgroup, N 256 / 128 / 64); 3 mid (64-channel units
@@ -364,8 +367,116 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
     return configs[3]
 
 
-def _dummy(t: torch.Tensor) -> torch.Tensor:
-    return t.new_empty((1,))
+class ForwardPlan:
+    """A forward's launches for one key (:func:`forward_plan`): the config, grid, constexprs
+    and integer arguments fixed; :meth:`run` allocates y (and the genstats partials) and
+    launches on the tensors of a call."""
+
+    def __init__(self, x, weight, bias, scale, shift, residual, stride, padding, dilation,
+                 memory_format, genstats: bool, config: KernelConfig | None, branch_scale):
+        n, c, h, w = x.shape
+        co, _, kh, kw = weight.shape
+        ho, wo = ConvGeometry(stride, padding, dilation).out_hw(h, w, kh, kw)
+        m = n * ho * wo
+        if memory_format is None:
+            memory_format = out_memory_format(x, weight)
+        self.y_shape, self.y_dtype, self.memory_format = (n, co, ho, wo), weight.dtype, \
+            memory_format
+        y = torch.empty(self.y_shape, device=x.device, dtype=weight.dtype,
+                        memory_format=memory_format)  # its strides (and what autotuning runs)
+        aligned = is_aligned((c, co), x, weight, y, residual, scale, shift)
+        if config is None and autotune_enabled(x, weight):
+            configs = [cfg for cfg in configs_for(weight.dtype) if usable(cfg, aligned)]
+            config = autotuned(("fwd", *plan_key(x, weight, bias, scale, shift, residual,
+                                                 stride, padding, dilation, memory_format,
+                                                 genstats, branch_scale)), configs,
+                               lambda cfg: ForwardPlan(
+                                   x, weight, bias, scale, shift, residual, stride, padding,
+                                   dilation, memory_format, genstats, cfg, branch_scale).run(
+                                   x, weight, scale, shift, bias, residual, branch_scale))
+        cfg = config or pick_config(m, co, c, weight.dtype, sms=sm_count(x.device),
+                                    aligned=aligned)
+        check_usable(cfg, aligned)
+        bm, bn = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"]
+        grid = (cdiv(m, bm), cdiv(co, bn))
+        self.genstats = genstats
+        self.stats_shape = (grid[0], co)
+        self.acc = torch.float64 if acc_is_fp64(weight.dtype) else torch.float32
+        self.out_stats_dtype = stats_dtype(weight.dtype)
+        self.rows, self.co, self.m, self.bm = grid[0], co, m, bm
+        self.unused = dummy(scale)  # the absent optional tensors' pointers: never read
+        self.unused_w = dummy(weight)
+        self.ints = (c, h, w, co, ho, wo, m, kh, kw, *stride, *padding, *dilation,
+                     *x.stride(), *weight.stride(), *y.stride(),
+                     *(residual.stride() if residual is not None else (0, 0, 0, 0)))
+        real = type(x) is torch.Tensor
+        self.launch = Launch(bn_relu_conv2d_fwd_kernel, (grid[0] * grid[1],), dict(
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, GENSTATS=genstats,
+            HAS_BSCALE=branch_scale is not None, FP64=acc_is_fp64(weight.dtype),
+            TF32=allow_tf32(weight.dtype), EVEN_K=c % cfg.meta["BLOCK_K"] == 0,
+            EVEN_N=co % bn == 0, ONE_CB=c <= cfg.meta["BLOCK_K"],
+            INTERP_BF16=interp_bf16(weight.dtype),
+            # Every constexpr passed, defaults included: torch.library.wrap_triton's analysis
+            # of which tensors a kernel writes needs them all (else it assumes every input
+            # written).
+            **{"BSCALE_AT": 0, "ALIGNED": 0, **cfg.launch_kwargs}), fast=real)
+        self.combine = stats_combine_launch(co, fast=real) if genstats else None
+
+    def run(self, x, weight, scale, shift, bias, residual, branch_scale):
+        """y, or with genstats ``(y, mean, var)`` of y per channel."""
+        y = torch.empty(self.y_shape, device=x.device, dtype=self.y_dtype,
+                        memory_format=self.memory_format)
+        if self.genstats:
+            smean = torch.empty(self.stats_shape, device=x.device, dtype=self.acc)
+            sm2 = torch.empty(self.stats_shape, device=x.device, dtype=self.acc)
+        else:
+            smean = sm2 = self.unused
+        self.launch.go(x, weight, scale, shift, self.unused_w if bias is None else bias,
+                       self.unused_w if residual is None else residual,
+                       self.unused if branch_scale is None else branch_scale, y, smean, sm2,
+                       *self.ints)
+        if not self.genstats:
+            return y
+        mean = torch.empty((self.co,), device=x.device, dtype=self.out_stats_dtype)
+        var = torch.empty((self.co,), device=x.device, dtype=self.out_stats_dtype)
+        self.combine.go(smean, sm2, mean, var, self.rows, self.co, self.m, self.bm)
+        return y, mean, var
+
+
+def plan_key(x, weight, bias, scale, shift, residual, stride, padding, dilation, memory_format,
+             genstats, branch_scale) -> tuple:
+    """What a :class:`ForwardPlan` depends on: every shape, stride, dtype and device, the
+    pointers' 16-byte alignment (Triton specialises on it, ALIGNED configs need it), the
+    geometry and flags, and the TF32 setting."""
+    return (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
+            None if bias is None else (bias.dtype, bias.data_ptr() % 16),
+            None if residual is None else (residual.shape, residual.stride(), residual.dtype,
+                                           residual.data_ptr() % 16),
+            None if branch_scale is None else (branch_scale.dtype, branch_scale.data_ptr() % 16),
+            scale.dtype, shift.dtype, x.data_ptr() % 16, weight.data_ptr() % 16,
+            scale.data_ptr() % 16, shift.data_ptr() % 16, tuple(stride), tuple(padding),
+            tuple(dilation), memory_format, genstats, _tf32())
+
+
+_PLANS: dict[tuple, ForwardPlan] = plan_cache()
+
+
+def forward_plan(x, weight, bias, scale, shift, residual, stride, padding, dilation,
+                 memory_format=None, genstats: bool = False, branch_scale=None) -> ForwardPlan:
+    """The cached :class:`ForwardPlan` for these arguments (fake tensors, under a trace: a new
+    one, never cached). ``memory_format`` None: y's layout by fusedres.opdefs'
+    ``out_memory_format`` (what the key's strides decide)."""
+    if type(x) is not torch.Tensor or x.device.type == "meta":
+        return ForwardPlan(x, weight, bias, scale, shift, residual, stride, padding, dilation,
+                           memory_format, genstats, None, branch_scale)
+    key = plan_key(x, weight, bias, scale, shift, residual, stride, padding, dilation,
+                   memory_format, genstats, branch_scale)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = ForwardPlan(x, weight, bias, scale, shift, residual, stride,
+                                         padding, dilation, memory_format, genstats, None,
+                                         branch_scale)
+    return plan
 
 
 def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding, dilation,
@@ -377,53 +488,12 @@ def bn_relu_conv2d_fwd(x, weight, bias, scale, shift, residual, stride, padding,
     x: (N, C, H, W) any float dtype and strides; weight (Co, C, kh, kw); scale, shift (C,) in the
     statistics dtype of x; bias (Co,) or None; residual (N, Co, Ho, Wo) in weight.dtype or None;
     branch_scale (N,) contiguous in the accumulator dtype (float32, float64 for float64) or None:
-    y = residual + branch_scale[n] * (conv + bias).
+    y = residual + branch_scale[n] * (conv + bias). ``config``: this config (uncached plan).
     """
-    n, c, h, w = x.shape
-    co, _, kh, kw = weight.shape
-    sh, sw = stride
-    ph, pw = padding
-    dh, dw = dilation
-    ho, wo = ConvGeometry(stride, padding, dilation).out_hw(h, w, kh, kw)
-    y = torch.empty((n, co, ho, wo), device=x.device, dtype=weight.dtype,
-                    memory_format=memory_format)
-    m = n * ho * wo
-    aligned = is_aligned((c, co), x, weight, y, residual, scale, shift)
-    if config is None and autotune_enabled(x, weight):
-        key = ("fwd", x.shape, x.stride(), weight.shape, weight.dtype, x.dtype, tuple(stride),
-               tuple(padding), tuple(dilation), bias is not None, residual is not None, genstats,
-               branch_scale is not None)
-        configs = [cfg for cfg in configs_for(weight.dtype) if usable(cfg, aligned)]
-        config = autotuned(key, configs, lambda cfg: bn_relu_conv2d_fwd(
-            x, weight, bias, scale, shift, residual, stride, padding, dilation, memory_format,
-            genstats, cfg, branch_scale))
-    cfg = config or pick_config(m, co, c, weight.dtype, sms=sm_count(x.device), aligned=aligned)
-    check_usable(cfg, aligned)
-    bm, bn = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"]
-    grid = (cdiv(m, bm), cdiv(co, bn))
-    fp64 = acc_is_fp64(weight.dtype)
-    sdt = torch.float64 if fp64 else torch.float32
-    if genstats:
-        smean = torch.empty((grid[0], co), device=x.device, dtype=sdt)
-        sm2 = torch.empty((grid[0], co), device=x.device, dtype=sdt)
+    if config is not None:
+        plan = ForwardPlan(x, weight, bias, scale, shift, residual, stride, padding, dilation,
+                           memory_format, genstats, config, branch_scale)
     else:
-        smean = sm2 = _dummy(scale)
-    res = residual if residual is not None else _dummy(y)
-    res_strides = residual.stride() if residual is not None else (0, 0, 0, 0)
-    launcher(bn_relu_conv2d_fwd_kernel)[(grid[0] * grid[1],)](
-        x, weight, scale, shift, bias if bias is not None else _dummy(weight), res,
-        branch_scale if branch_scale is not None else _dummy(scale), y, smean, sm2,
-        c, h, w, co, ho, wo, m, kh, kw, sh, sw, ph, pw, dh, dw,
-        *x.stride(), *weight.stride(), *y.stride(), *res_strides,
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, GENSTATS=genstats,
-        HAS_BSCALE=branch_scale is not None, FP64=fp64, TF32=allow_tf32(weight.dtype),
-        EVEN_K=c % cfg.meta["BLOCK_K"] == 0, EVEN_N=co % bn == 0, ONE_CB=c <= cfg.meta["BLOCK_K"],
-        INTERP_BF16=interp_bf16(weight.dtype),
-        # Every constexpr passed, defaults included: torch.library.wrap_triton's analysis of
-        # which tensors a kernel writes needs them all (else it assumes every input written).
-        **{"BSCALE_AT": 0, "ALIGNED": 0, **cfg.launch_kwargs()},
-    )
-    if not genstats:
-        return y
-    mean, var = stats_combine(smean, sm2, m, bm, stats_dtype(y.dtype))
-    return y, mean, var
+        plan = forward_plan(x, weight, bias, scale, shift, residual, stride, padding, dilation,
+                            memory_format, genstats, branch_scale)
+    return plan.run(x, weight, scale, shift, bias, residual, branch_scale)

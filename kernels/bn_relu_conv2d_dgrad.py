@@ -26,8 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import settings
 from ._common import (
     KernelConfig,
+    Launch,
+    _tf32,
     acc_is_fp64,
     allow_tf32,
     autotune_enabled,
@@ -35,16 +38,17 @@ from ._common import (
     cdiv,
     check_usable,
     config_variant,
+    dummy,
     interp_bf16,
     interpreting,
     is_aligned,
-    launcher,
+    plan_cache,
     short_rows_fill_better,
     sm_count,
     usable,
 )
 from ._tl import cast, load_tile, mma
-from .reductions import reduce_partials
+from .reductions import ReducePlan
 
 # 16-bit operands, by role: 0 big (C >= 128), 1 wide (C >= 64), K 64 = four k16 steps a
 # K-step; 2 mid (64-channel units with few pixels); 3 and 4 narrow (32 and 16-channel units:
@@ -331,6 +335,193 @@ def pick_dx_config(x: torch.Tensor) -> KernelConfig:
     return DX_CONFIGS[0] if cl else DX_CONFIGS[1]
 
 
+class DgradPlan:
+    """:func:`bn_relu_conv2d_dgrad`'s launches for one key (:func:`dgrad_plan`): the config,
+    the stride phases' grids and integer arguments, each pass's constexprs, the reductions and
+    the dx pass fixed; :meth:`run` on the tensors of a call."""
+
+    def __init__(self, grad_out, x, weight, scale, grad_x, stride, padding, dilation, *,
+                 batch_stats: bool, want_sums: bool, sums_given: bool, strategy: str,
+                 branch: bool, means_given: bool, config: KernelConfig | None = None,
+                 aligned: bool):
+        n, c, h, w = x.shape
+        co, _, kh, kw = weight.shape
+        ho, wo = grad_out.shape[2], grad_out.shape[3]
+        self.m = m = n * h * w
+        cfg = config or pick_config(m, c, co, weight.dtype, sms=sm_count(x.device),
+                                    aligned=aligned)
+        check_usable(cfg, aligned)
+        bm, col_tiles = cfg.meta["BLOCK_M"], cdiv(c, cfg.meta["BLOCK_N"])
+        # One launch per stride phase (pixels with ih % sh, iw % sw fixed), see dgrad_kernel.
+        phases = []
+        rows = 0
+        for pa in range(min(stride[0], h)):
+            for pb in range(min(stride[1], w)):
+                hp, wp = cdiv(h - pa, stride[0]), cdiv(w - pb, stride[1])
+                taps = (*phase_taps(pa, padding[0], dilation[0], stride[0], kh),
+                        *phase_taps(pb, padding[1], dilation[1], stride[1], kw))
+                phases.append((cdiv(n * hp * wp, bm) * col_tiles,
+                               (c, h, w, co, ho, wo, n * hp * wp, *stride, *padding, *dilation,
+                                pa, pb, hp, wp, rows, *taps)))
+                rows += cdiv(n * hp * wp, bm)
+        fp64 = acc_is_fp64(weight.dtype)
+        self.acc = acc = torch.float64 if fp64 else torch.float32
+        self.c, self.rows = c, rows
+        self.has_grad_x, self.train = grad_x is not None, batch_stats and grad_x is not None
+        self.sums_given, self.means_given, self.want_sums = sums_given, means_given, want_sums
+        self.strategy = strategy
+        self.strides = (*grad_out.stride(), *weight.stride(), *x.stride(),
+                        *(grad_x.stride() if grad_x is not None else (0, 0, 0, 0)))
+        real = type(x) is torch.Tensor and x.device.type != "meta"
+        flags = dict(FP64=fp64, TF32=allow_tf32(weight.dtype),
+                     INTERP_BF16=interp_bf16(weight.dtype, x.dtype), HAS_BSCALE=branch,
+                     EVEN_K=co % cfg.meta["BLOCK_K"] == 0, EVEN_N=c % cfg.meta["BLOCK_N"] == 0,
+                     TRAIN=batch_stats,
+                     # every constexpr passed: wrap_triton's write analysis needs them all
+                     **{"ALIGNED": 0, **cfg.launch_kwargs})
+
+        def passes(write_dz, write_dx, stats):
+            return [(Launch(dgrad_kernel, (programs,), dict(
+                WRITE_DZ=write_dz, WRITE_DX=write_dx, STATS=stats, **flags), fast=real), ints)
+                for programs, ints in phases]
+
+        self.pass_dx = self.pass_sums = self.pass_dz = None
+        self.reduce = self.reduce_means = self.dx = None
+        train = self.train
+        if sums_given:
+            if grad_x is not None:
+                self.pass_dx = passes(False, True, False)
+        elif grad_x is None:  # only dgamma / dbeta
+            self.pass_sums = passes(False, False, True)
+        elif not train:  # eval: dx = scale * dz, one pass
+            self.pass_dx = passes(False, True, want_sums)
+        elif strategy == "recompute":
+            self.pass_sums = passes(False, False, True)
+            self.pass_dx = passes(False, True, False)
+        else:
+            self.pass_dz = passes(True, False, True)
+            dcfg = pick_dx_config(x)
+            self.dx = Launch(dx_kernel, (cdiv(m, dcfg.meta["BLOCK_M"]),
+                                         cdiv(c, dcfg.meta["BLOCK_C"])), dict(
+                FP64=fp64, INTERP_BF16=interp_bf16(x.dtype), **dcfg.launch_kwargs), fast=real)
+            self.dx_ints = (c, h * w, w, m, *x.stride(), *grad_x.stride())
+        if not sums_given and (grad_x is None or train or want_sums):
+            out_dtype = scale.dtype
+            self.reduce = ReducePlan(None, None, None, (rows, c), False, m, acc, (out_dtype,),
+                                     fast=real)
+            self.reduce_means = ReducePlan(None, None, None, (rows, c), True, m, acc,
+                                           (out_dtype,), fast=real)
+        self.unused = dummy(scale)  # never read (m1, m2 outside training) nor written
+        self.unused_x = dummy(x)
+        self.unused_acc = dummy(torch.empty((0,), device=x.device, dtype=acc))
+
+
+    def _reduced(self, plan, s1, s2, scale, out_sums, with_means, joined=None):
+        """The sums (and their means) from the per-row partials: one launch, which with
+        ``joined`` (a :class:`~fusedres.kernels.reductions.ReducePlan` and the weight
+        gradient's ``dw_p, dw, db_p, db``) sums those partials too."""
+        c = self.c
+        out = out_sums if out_sums is not None else (scale.new_empty((c,)),
+                                                     scale.new_empty((c,)))
+        mm = (scale.new_empty((c,)), scale.new_empty((c,))) if with_means else None
+        if joined is not None:
+            joined[0].run(self.unused_acc, *joined[1:], s1, s2, out, mm)
+        else:
+            plan.run(self.unused_acc, s1_p=s1, s2_p=s2, sums=out, means=mm)
+        return out, mm
+
+    def joined_reduce(self, wgrad_reduce) -> ReducePlan | None:
+        """The reduction of the store strategy's sums joined with a weight gradient's (its
+        :class:`~fusedres.kernels.reductions.ReducePlan`, which sums dw and db partials): one
+        launch for both; None when this plan reduces no sums with their means."""
+        if self.pass_dz is None or wgrad_reduce is None:
+            return None
+        return ReducePlan.joined(wgrad_reduce, self.reduce_means)
+
+    def run(self, grad_out, x, weight, scale, shift, mean, invstd, grad_x, sums=None,
+            branch_scale=None, means=None, out_sums=None, joined=None):
+        """(sum dz, sum dz * xhat) or (None, None): see :func:`bn_relu_conv2d_dgrad`.
+        ``joined``: the store strategy's one reduction for the sums and a weight gradient's
+        partials, ``(joined_reduce(...), dw_p, dw, db_p, db)``."""
+        s1 = torch.empty((self.rows, self.c), device=x.device, dtype=self.acc)
+        s2 = torch.empty((self.rows, self.c), device=x.device, dtype=self.acc)
+        unused = self.unused
+        g = grad_x if grad_x is not None else self.unused_x
+        bscale = branch_scale if branch_scale is not None else unused
+        common = (grad_out, weight, x, scale, shift, mean, invstd)
+        sum_dz = sum_dzx = None
+        if sums is not None:
+            sum_dz, sum_dzx = sums
+            if grad_x is not None:
+                if not self.train:
+                    m1, m2 = unused, unused
+                elif means is not None:
+                    m1, m2 = means
+                else:
+                    m1, m2 = (sum_dz / self.m).to(scale.dtype), (sum_dzx / self.m).to(scale.dtype)
+                for launch, ints in self.pass_dx:
+                    launch.go(*common, m1, m2, g, s1, s2, bscale, *ints, *self.strides)
+        elif grad_x is None:
+            for launch, ints in self.pass_sums:
+                launch.go(*common, unused, unused, g, s1, s2, bscale, *ints, *self.strides)
+            (sum_dz, sum_dzx), _ = self._reduced(self.reduce, s1, s2, scale, out_sums, False)
+        elif not self.train:
+            for launch, ints in self.pass_dx:
+                launch.go(*common, unused, unused, g, s1, s2, bscale, *ints, *self.strides)
+            if self.want_sums:
+                (sum_dz, sum_dzx), _ = self._reduced(self.reduce, s1, s2, scale, out_sums,
+                                                     False)
+        elif self.pass_sums is not None:  # recompute
+            for launch, ints in self.pass_sums:
+                launch.go(*common, unused, unused, g, s1, s2, bscale, *ints, *self.strides)
+            (sum_dz, sum_dzx), (m1, m2) = self._reduced(self.reduce_means, s1, s2, scale,
+                                                        out_sums, True)
+            for launch, ints in self.pass_dx:
+                launch.go(*common, m1, m2, g, s1, s2, bscale, *ints, *self.strides)
+        else:  # store
+            for launch, ints in self.pass_dz:
+                launch.go(*common, unused, unused, g, s1, s2, bscale, *ints, *self.strides)
+            (sum_dz, sum_dzx), (m1, m2) = self._reduced(self.reduce_means, s1, s2, scale,
+                                                        out_sums, True, joined)
+            self.dx.go(grad_x, x, scale, mean, invstd, m1, m2, *self.dx_ints)
+        if sum_dz is None:
+            return None, None
+        if out_sums is not None:
+            return sum_dz, sum_dzx
+        return sum_dz.to(scale.dtype), sum_dzx.to(scale.dtype)
+
+
+_PLANS: dict[tuple, DgradPlan] = plan_cache()
+
+
+def dgrad_plan(grad_out, x, weight, scale, shift, mean, invstd, grad_x, stride, padding,
+               dilation, *, batch_stats, want_sums, sums_given, strategy, branch_scale,
+               means_given) -> DgradPlan:
+    """The cached :class:`DgradPlan` for these arguments (fake and meta tensors: a new one)."""
+    kw = dict(batch_stats=batch_stats, want_sums=want_sums, sums_given=sums_given,
+              strategy=strategy, branch=branch_scale is not None, means_given=means_given)
+    if type(x) is not torch.Tensor or x.device.type == "meta":
+        return DgradPlan(grad_out, x, weight, scale, grad_x, stride, padding, dilation,
+                         aligned=is_aligned((x.shape[1], weight.shape[0]), grad_out, weight, x,
+                                            grad_x, scale, shift, mean, invstd), **kw)
+    key = (grad_out.shape, grad_out.stride(), grad_out.dtype, x.shape, x.stride(), x.dtype,
+           x.device, weight.shape, weight.stride(), weight.dtype, scale.dtype,
+           None if grad_x is None else (grad_x.stride(), grad_x.dtype, grad_x.data_ptr() % 16),
+           grad_out.data_ptr() % 16, weight.data_ptr() % 16, x.data_ptr() % 16,
+           scale.data_ptr() % 16, shift.data_ptr() % 16, mean.data_ptr() % 16,
+           invstd.data_ptr() % 16, tuple(stride), tuple(padding), tuple(dilation), batch_stats,
+           want_sums, sums_given, strategy,
+           None if branch_scale is None else (branch_scale.dtype, branch_scale.data_ptr() % 16),
+           means_given, _tf32())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = DgradPlan(
+            grad_out, x, weight, scale, grad_x, stride, padding, dilation,
+            aligned=is_aligned((x.shape[1], weight.shape[0]), grad_out, weight, x, grad_x,
+                               scale, shift, mean, invstd), **kw)
+    return plan
+
+
 def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride, padding,
                          dilation, *, batch_stats: bool, grad_x: torch.Tensor | None,
                          want_sums: bool, sums=None, strategy: str = "store",
@@ -348,14 +539,14 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
     accumulator dtype, or None: the conv branch's gradient is branch_scale[n] * grad_out[n].
     ``means``: the sums / M in the statistics dtype, with ``sums``, when the weight-gradient
     pass's reduction wrote them too (else computed here). ``out_sums``: (C,) each, where the
-    sums this pass reduces are written (and returned).
+    sums this pass reduces are written (and returned). ``config``: this config (an uncached
+    plan).
     """
-    n, c, h, w = x.shape
-    co, _, kh, kw = weight.shape
-    ho, wo = grad_out.shape[2], grad_out.shape[3]
-    m = n * h * w
-    aligned = is_aligned((c, co), grad_out, weight, x, grad_x, scale, shift, mean, invstd)
-    if config is None and autotune_enabled(x, weight):
+    kw = dict(batch_stats=batch_stats, want_sums=want_sums, sums_given=sums is not None,
+              strategy=strategy, means_given=means is not None)
+    if config is None and settings.get("FUSEDRES_TRITON_AUTOTUNE") and autotune_enabled(x, weight):
+        c, co = x.shape[1], weight.shape[0]
+        aligned = is_aligned((c, co), grad_out, weight, x, grad_x, scale, shift, mean, invstd)
         key = ("dgrad", x.shape, x.stride(), weight.shape, weight.dtype, x.dtype, tuple(stride),
                tuple(padding), tuple(dilation), batch_stats, grad_x is None, want_sums,
                sums is None, strategy, branch_scale is not None)
@@ -364,86 +555,14 @@ def bn_relu_conv2d_dgrad(grad_out, x, weight, scale, shift, mean, invstd, stride
             grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
             batch_stats=batch_stats, grad_x=grad_x, want_sums=want_sums, sums=sums,
             strategy=strategy, config=cfg, branch_scale=branch_scale))
-    cfg = config or pick_config(m, c, co, weight.dtype, sms=sm_count(x.device), aligned=aligned)
-    check_usable(cfg, aligned)
-    bm, col_tiles = cfg.meta["BLOCK_M"], cdiv(c, cfg.meta["BLOCK_N"])
-    # One launch per stride phase (pixels with ih % sh, iw % sw fixed), see dgrad_kernel.
-    phases = []
-    rows = 0
-    for pa in range(min(stride[0], h)):
-        for pb in range(min(stride[1], w)):
-            hp, wp = cdiv(h - pa, stride[0]), cdiv(w - pb, stride[1])
-            taps = (*phase_taps(pa, padding[0], dilation[0], stride[0], kh),
-                    *phase_taps(pb, padding[1], dilation[1], stride[1], kw))
-            phases.append((pa, pb, hp, wp, rows, taps))
-            rows += cdiv(n * hp * wp, bm)
-    fp64 = acc_is_fp64(weight.dtype)
-    acc = torch.float64 if fp64 else torch.float32
-    train = batch_stats and grad_x is not None
-    s1 = torch.empty((rows, c), device=x.device, dtype=acc)
-    s2 = torch.empty((rows, c), device=x.device, dtype=acc)
-    dummy = scale.new_empty((1,))
-    g = grad_x if grad_x is not None else x.new_empty((1,))
-    g_strides = grad_x.stride() if grad_x is not None else (0, 0, 0, 0)
-    common = (
-        grad_out, weight, x, scale, shift, mean, invstd,
-    )
-    strides = (*grad_out.stride(), *weight.stride(), *x.stride(), *g_strides)
-    flags = dict(FP64=fp64, TF32=allow_tf32(weight.dtype),
-                 INTERP_BF16=interp_bf16(weight.dtype, x.dtype),
-                 HAS_BSCALE=branch_scale is not None, EVEN_K=co % cfg.meta["BLOCK_K"] == 0,
-                 EVEN_N=c % cfg.meta["BLOCK_N"] == 0,
-                 # every constexpr passed: wrap_triton's write analysis needs them all
-                 **{"ALIGNED": 0, **cfg.launch_kwargs()})
-    bscale = branch_scale if branch_scale is not None else dummy
-
-    def run(m1, m2, write_dz, write_dx, stats):
-        for pa, pb, hp, wp, row0, taps in phases:
-            mp = n * hp * wp
-            launcher(dgrad_kernel)[(cdiv(mp, bm) * col_tiles,)](
-                *common, m1, m2, g, s1, s2, bscale, c, h, w, co, ho, wo, mp, *stride,
-                *padding, *dilation, pa, pb, hp, wp, row0, *taps, *strides, WRITE_DZ=write_dz,
-                WRITE_DX=write_dx, STATS=stats, TRAIN=batch_stats, **flags)
-
-    def reduced(with_means: bool):
-        """The sums (and their means) from the per-row partials: one launch."""
-        out = out_sums if out_sums is not None else (scale.new_empty((c,)),
-                                                     scale.new_empty((c,)))
-        mm = (scale.new_empty((c,)), scale.new_empty((c,))) if with_means else None
-        reduce_partials(s1_p=s1, s2_p=s2, sums=out, means=mm, m=m)
-        return out, mm
-
-    if sums is not None:
-        sum_dz, sum_dzx = sums
-        if grad_x is not None:
-            if not train:
-                m1, m2 = dummy, dummy
-            elif means is not None:
-                m1, m2 = means
-            else:
-                m1, m2 = (sum_dz / m).to(scale.dtype), (sum_dzx / m).to(scale.dtype)
-            run(m1, m2, False, True, False)
-    elif grad_x is None:  # only dgamma / dbeta
-        run(dummy, dummy, False, False, True)
-        (sum_dz, sum_dzx), _ = reduced(False)
-    elif not train:  # eval: dx = scale * dz, one pass
-        run(dummy, dummy, False, True, want_sums)
-        (sum_dz, sum_dzx), _ = reduced(False) if want_sums else ((None, None), None)
-    elif strategy == "recompute":
-        run(dummy, dummy, False, False, True)
-        (sum_dz, sum_dzx), (m1, m2) = reduced(True)
-        run(m1, m2, False, True, False)
+    if config is not None:
+        c, co = x.shape[1], weight.shape[0]
+        plan = DgradPlan(grad_out, x, weight, scale, grad_x, stride, padding, dilation,
+                         branch=branch_scale is not None, config=config,
+                         aligned=is_aligned((c, co), grad_out, weight, x, grad_x, scale, shift,
+                                            mean, invstd), **kw)
     else:
-        run(dummy, dummy, True, False, True)
-        (sum_dz, sum_dzx), (m1, m2) = reduced(True)
-        dcfg = pick_dx_config(x)
-        dgrid = (cdiv(m, dcfg.meta["BLOCK_M"]), cdiv(c, dcfg.meta["BLOCK_C"]))
-        launcher(dx_kernel)[dgrid](
-            grad_x, x, scale, mean, invstd, m1, m2, c, h * w, w, m, *x.stride(),
-            *grad_x.stride(), FP64=fp64, INTERP_BF16=interp_bf16(x.dtype),
-            **dcfg.launch_kwargs())
-    if sum_dz is None:
-        return None, None
-    if out_sums is not None:
-        return sum_dz, sum_dzx
-    return sum_dz.to(scale.dtype), sum_dzx.to(scale.dtype)
+        plan = dgrad_plan(grad_out, x, weight, scale, shift, mean, invstd, grad_x, stride,
+                          padding, dilation, branch_scale=branch_scale, **kw)
+    return plan.run(grad_out, x, weight, scale, shift, mean, invstd, grad_x, sums,
+                    branch_scale, means, out_sums)

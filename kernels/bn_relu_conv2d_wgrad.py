@@ -39,22 +39,26 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import settings
 from ._common import (
     KernelConfig,
+    Launch,
+    _tf32,
     acc_is_fp64,
     allow_tf32,
     autotune_enabled,
     autotuned,
     cdiv,
     config_variant,
+    dummy,
     interp_bf16,
     interpreting,
-    launcher,
+    plan_cache,
     sm_count,
 )
 from ._tl import cast, mma, relu_window
 from .bn_relu_conv2d import bn_relu_tile
-from .reductions import reduce_partials
+from .reductions import ReducePlan
 
 # Roles by index: 0 mid, 1 big (Co >= 128, C >= 64), 2 small (<= 32 channels); the last two,
 # in every list, the taps form's (``use_taps``: unit stride, no bias, <= 32 channels each side):
@@ -608,6 +612,148 @@ def _normalise_split(split: int, k_iters: int) -> tuple[int, int]:
     return cdiv(k_iters, ips), ips
 
 
+class WgradPlan:
+    """:func:`bn_relu_conv2d_wgrad`'s launches for one key (:func:`wgrad_plan`): config, split,
+    grid, the partials' shapes, constexprs, integer arguments and the reduction's plan fixed;
+    :meth:`run` allocates and launches on the tensors of a call."""
+
+    def __init__(self, grad_out, x, weight, stride, padding, dilation, *, want_weight: bool,
+                 want_bias: bool, sums: bool, has_out: bool, branch: bool, has_means: bool,
+                 out_dtypes: tuple, out_w_strides, config: KernelConfig | None = None,
+                 split: int | None = None, run_for_tuning=None):
+        n, c, h, w = x.shape
+        co, _, kh, kw = weight.shape
+        ho, wo = grad_out.shape[2], grad_out.shape[3]
+        m = n * ho * wo
+        taps_ok = use_taps(co, c, kh, kw, stride, want_bias)
+        if config is None and run_for_tuning is not None and autotune_enabled(x, weight):
+            key = ("wgrad", x.shape, x.stride(), weight.shape, grad_out.dtype, x.dtype,
+                   tuple(stride), tuple(padding), tuple(dilation), want_bias, sums, split,
+                   branch)
+            config = autotuned(key, [cfg for cfg in configs_for(grad_out.dtype, sums)
+                                     if taps_ok or taps_of(cfg) == 1], run_for_tuning)
+        cfg = config or pick_config(co, c, grad_out.dtype, sums=sums, taps=taps_ok)
+        bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
+        bt = taps_of(cfg)
+        if bt > 1:
+            if not taps_ok:
+                raise ValueError(f"config {cfg}: the taps form needs stride 1, more than one tap "
+                                 f"and no bias gradient (stride {tuple(stride)}, {kh}x{kw}, "
+                                 f"want_bias={want_bias})")
+            m = n * h * w  # its reduction runs over the input pixels
+        groups = cdiv(kh * kw, bt)
+        if split is None:
+            split = 1 if interpreting() else pick_split(co, c, kh, kw, m, cfg,
+                                                        sm_count(x.device),
+                                                        gemms=2 if sums else 1)
+        split, ips = _normalise_split(split, cdiv(m, bk))
+        fp64 = acc_is_fp64(grad_out.dtype)
+        self.acc = acc = torch.float64 if fp64 else torch.float32
+        self.sums, self.want_weight, self.want_bias = sums, want_weight, want_bias
+        self.direct = direct = has_out and split == 1
+        self.split, self.co, self.c, self.kh, self.kw = split, co, c, kh, kw
+        dw_strides = (0, *out_w_strides) if direct else \
+            torch.empty((split, co, c, kh, kw), device="meta").stride()
+        co_blocks = cdiv(co, bm)
+        self.s_shape = (split * co_blocks * groups, c)
+        real = type(x) is torch.Tensor and x.device.type != "meta"
+        self.ints = (c, h, w, co, ho, wo, m, kh, kw, *stride, *padding, *dilation,
+                     *grad_out.stride(), *x.stride(), *weight.stride(), *dw_strides, ips)
+        self.launch = Launch(wgrad_kernel, (co_blocks, cdiv(c, bn) * groups, split), dict(
+            SUMS=sums, HAS_DB=want_bias, HAS_BSCALE=branch, FP64=fp64,
+            TF32=allow_tf32(grad_out.dtype), INTERP_BF16=interp_bf16(grad_out.dtype),
+            X16=sums and x.dtype in (torch.float16, torch.bfloat16) and grad_out.dtype == x.dtype,
+            DY_DENSE=grad_out.stride(0) == ho * wo * grad_out.stride(3)
+            and grad_out.stride(2) == wo * grad_out.stride(3),
+            ROWS=bt > 1 and whole_rows(h, w, bk), **cfg.launch_kwargs), fast=real)
+        # One launch sums the partials over the splits into the results (none when all are
+        # direct).
+        self.reduce_w = want_weight and not direct and not (not has_out and split == 1)
+        self.take_w0 = want_weight and not direct and not has_out and split == 1
+        self.pixels = n * h * w  # x's: the BatchNorm sums' means are over them
+        self.unused = dummy(torch.empty((0,), device=x.device, dtype=acc))
+        self.reduce = None
+        if self.reduce_w or want_bias or sums:
+            self.reduce = ReducePlan(
+                (split, co, c, kh, kw) if self.reduce_w else None,
+                (out_w_strides if has_out else (c * kh * kw, kh * kw, kw, 1))
+                if self.reduce_w else None,
+                (split, co) if want_bias else None, self.s_shape if sums else None,
+                has_means, self.pixels, acc, out_dtypes, fast=real)
+
+    def run(self, grad_out, x, weight, scale, shift, *, bn_affine=None, mean=None, invstd=None,
+            out=None, branch_scale=None, out_bias=None, out_sums=None, out_means=None,
+            deferred: list | None = None):
+        """(grad_weight or None, grad_bias or None, sums or None): see
+        :func:`bn_relu_conv2d_wgrad`. ``deferred`` (a list; no BatchNorm sums): the
+        reduction is not launched; its partials and destinations are appended to it, as
+        :meth:`fusedres.kernels.reductions.ReducePlan.run`'s ``dw_p, dw, db_p, db``, for a
+        later reduction that sums other partials in the same launch (the results are written
+        then)."""
+        dev, acc, split, co, c = x.device, self.acc, self.split, self.co, self.c
+        dw = out if self.direct else torch.empty((split, co, c, self.kh, self.kw), device=dev,
+                                                 dtype=acc)
+        sums = self.sums
+        s1 = torch.empty(self.s_shape, device=dev, dtype=acc) if sums else dw
+        s2 = torch.empty(self.s_shape, device=dev, dtype=acc) if sums else dw
+        db = torch.empty((split, co), device=dev, dtype=acc) if self.want_bias else dw
+        gamma, beta = bn_affine if sums else (scale, scale)
+        self.launch.go(grad_out, x, scale, shift, mean if sums else scale,
+                       invstd if sums else scale, weight, gamma, beta, dw, s1, s2, db,
+                       scale if branch_scale is None else branch_scale, *self.ints)
+        grad_w = None
+        if self.take_w0:
+            grad_w = dw[0]
+        elif self.reduce_w:
+            grad_w = out if out is not None else torch.empty((co, c, self.kh, self.kw),
+                                                             device=dev, dtype=acc)
+        elif self.direct:
+            grad_w = out
+        grad_b = None
+        if self.want_bias:
+            grad_b = out_bias if out_bias is not None else torch.empty((co,), device=dev,
+                                                                       dtype=acc)
+        reduced = None
+        if sums:
+            reduced = out_sums if out_sums is not None else (
+                torch.empty((c,), device=dev, dtype=acc), torch.empty((c,), device=dev,
+                                                                      dtype=acc))
+        if deferred is not None:
+            deferred += [dw if self.reduce_w else None, grad_w if self.reduce_w else None,
+                         db if self.want_bias else None, grad_b]
+        elif self.reduce is not None:
+            self.reduce.run(self.unused, dw if self.reduce_w else None,
+                            grad_w if self.reduce_w else None, db if self.want_bias else None,
+                            grad_b,
+                            s1 if sums else None, s2 if sums else None, reduced, out_means)
+        return grad_w, grad_b, reduced
+
+
+_PLANS: dict[tuple, WgradPlan] = plan_cache()
+
+
+def wgrad_plan(grad_out, x, weight, scale, stride, padding, dilation, *, want_weight, want_bias,
+               sums, out, branch_scale, out_bias, out_sums, out_means) -> WgradPlan:
+    """The cached :class:`WgradPlan` for these arguments (fake and meta tensors: a new one)."""
+    out_dtypes = ((out.dtype,) if want_weight and out is not None else ()) + \
+        ((out_bias.dtype,) if out_bias is not None else ())
+    key = (grad_out.shape, grad_out.stride(), grad_out.dtype, x.shape, x.stride(), x.dtype,
+           x.device, weight.shape, weight.stride(), weight.dtype, tuple(stride), tuple(padding),
+           tuple(dilation), want_weight, want_bias, sums,
+           None if out is None else out.stride(), out_dtypes, branch_scale is not None,
+           out_means is not None, _tf32())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = WgradPlan(grad_out, x, weight, stride, padding, dilation,
+                         want_weight=want_weight, want_bias=want_bias, sums=sums,
+                         has_out=out is not None, branch=branch_scale is not None,
+                         has_means=out_means is not None, out_dtypes=out_dtypes,
+                         out_w_strides=None if out is None else out.stride())
+        if type(x) is torch.Tensor and x.device.type != "meta":
+            _PLANS[key] = plan
+    return plan
+
+
 def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dilation, *,
                          want_weight: bool = True, want_bias: bool,
                          bn_affine=None, mean=None, invstd=None, out=None,
@@ -625,89 +771,31 @@ def bn_relu_conv2d_wgrad(grad_out, x, weight, scale, shift, stride, padding, dil
     branch_scale[n] * grad_out[n]. ``out_bias`` (Co,), ``out_sums`` (sum dz, sum dz * xhat)
     and ``out_means`` (the sums / (N*H*W), x's pixels) (C,) each, any float dtype: written
     there (and returned) by the one launch that reduces the partials (kernels/reductions.py);
-    ``out_means`` only with ``bn_affine``.
+    ``out_means`` only with ``bn_affine``. ``config``, ``split``: these (an uncached plan).
     """
-    n, c, h, w = x.shape
-    co, _, kh, kw = weight.shape
-    ho, wo = grad_out.shape[2], grad_out.shape[3]
-    m = n * ho * wo
-    taps_ok = use_taps(co, c, kh, kw, stride, want_bias)
-    if config is None and autotune_enabled(x, weight):
-        key = ("wgrad", x.shape, x.stride(), weight.shape, grad_out.dtype, x.dtype,
-               tuple(stride), tuple(padding), tuple(dilation), want_bias, bn_affine is None,
-               split, branch_scale is not None)
-        config = autotuned(key, [cfg for cfg in configs_for(grad_out.dtype, bn_affine is not None)
-                                 if taps_ok or taps_of(cfg) == 1],
-                           lambda cfg: bn_relu_conv2d_wgrad(
-                               grad_out, x, weight, scale, shift, stride, padding, dilation,
-                               want_weight=want_weight, want_bias=want_bias, bn_affine=bn_affine,
-                               mean=mean, invstd=invstd, out=out, config=cfg, split=split,
-                               branch_scale=branch_scale))
-    cfg = config or pick_config(co, c, grad_out.dtype, sums=bn_affine is not None,
-                                taps=taps_ok)
-    bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
-    bt = taps_of(cfg)
-    if bt > 1:
-        if not taps_ok:
-            raise ValueError(f"config {cfg}: the taps form needs stride 1, more than one tap "
-                             f"and no bias gradient (stride {tuple(stride)}, {kh}x{kw}, "
-                             f"want_bias={want_bias})")
-        m = n * h * w  # its reduction runs over the input pixels
-    groups = cdiv(kh * kw, bt)
-    if split is None:
-        split = 1 if interpreting() else pick_split(co, c, kh, kw, m, cfg, sm_count(x.device),
-                                                    gemms=2 if bn_affine is not None else 1)
-    split, ips = _normalise_split(split, cdiv(m, bk))
-    fp64 = acc_is_fp64(grad_out.dtype)
-    acc = torch.float64 if fp64 else torch.float32
     sums = bn_affine is not None
-    direct = out is not None and split == 1
-    dw = out if direct else torch.empty((split, co, c, kh, kw), device=x.device, dtype=acc)
-    dw_strides = (0, *out.stride()) if direct else dw.stride()
-    co_blocks = cdiv(co, bm)
-    s1 = torch.empty((split * co_blocks * groups, c), device=x.device, dtype=acc) if sums \
-        else dw
-    s2 = torch.empty_like(s1) if sums else dw
-    db = torch.empty((split, co), device=x.device, dtype=acc) if want_bias else dw
-    gamma, beta = bn_affine if sums else (scale, scale)
-    grid = (co_blocks, cdiv(c, bn) * groups, split)
-    launcher(wgrad_kernel)[grid](
-        grad_out, x, scale, shift, mean if sums else scale, invstd if sums else scale,
-        weight, gamma, beta, dw, s1, s2, db,
-        branch_scale if branch_scale is not None else scale,
-        c, h, w, co, ho, wo, m, kh, kw, *stride, *padding, *dilation,
-        *grad_out.stride(), *x.stride(), *weight.stride(), *dw_strides, ips,
-        SUMS=sums, HAS_DB=want_bias, HAS_BSCALE=branch_scale is not None, FP64=fp64,
-        TF32=allow_tf32(grad_out.dtype),
-        INTERP_BF16=interp_bf16(grad_out.dtype),
-        X16=sums and x.dtype in (torch.float16, torch.bfloat16) and grad_out.dtype == x.dtype,
-        DY_DENSE=grad_out.stride(0) == ho * wo * grad_out.stride(3)
-        and grad_out.stride(2) == wo * grad_out.stride(3),
-        ROWS=bt > 1 and whole_rows(h, w, bk), **cfg.launch_kwargs(),
-    )
-    # One launch sums the partials over the splits into the results (none when all are direct).
-    red = {}
-    if want_weight and not direct and out is None and split == 1:
-        grad_w = dw[0]
-    elif want_weight and not direct:
-        grad_w = out if out is not None else torch.empty((co, c, kh, kw), device=x.device,
-                                                         dtype=acc)
-        red.update(dw_p=dw, dw=grad_w)
-    else:
-        grad_w = out if direct else None
-    grad_b = None
-    if want_bias:
-        grad_b = out_bias if out_bias is not None else torch.empty((co,), device=x.device,
-                                                                   dtype=acc)
-        red.update(db_p=db, db=grad_b)
-    reduced = None
-    if sums:
-        reduced = out_sums if out_sums is not None else (
-            torch.empty((c,), device=x.device, dtype=acc),
-            torch.empty((c,), device=x.device, dtype=acc))
-        red.update(s1_p=s1, s2_p=s2, sums=reduced, means=out_means, m=n * h * w)  # x's pixels
-    elif out_means is not None:
+    if out_means is not None and not sums:
         raise ValueError("out_means: the BatchNorm sums' means need bn_affine")
-    if red:
-        reduce_partials(**red)
-    return grad_w, grad_b, reduced
+    if config is not None or split is not None or (
+            settings.get("FUSEDRES_TRITON_AUTOTUNE") and autotune_enabled(x, weight)):
+        def run_for_tuning(cfg):
+            return bn_relu_conv2d_wgrad(
+                grad_out, x, weight, scale, shift, stride, padding, dilation,
+                want_weight=want_weight, want_bias=want_bias, bn_affine=bn_affine, mean=mean,
+                invstd=invstd, out=out, config=cfg, split=split, branch_scale=branch_scale)
+        out_dtypes = tuple(t.dtype for t in ((out if want_weight else None), out_bias)
+                           if t is not None)
+        plan = WgradPlan(grad_out, x, weight, stride, padding, dilation,
+                         want_weight=want_weight, want_bias=want_bias, sums=sums,
+                         has_out=out is not None, branch=branch_scale is not None,
+                         has_means=out_means is not None, out_dtypes=out_dtypes,
+                         out_w_strides=None if out is None else out.stride(), config=config,
+                         split=split, run_for_tuning=None if config else run_for_tuning)
+    else:
+        plan = wgrad_plan(grad_out, x, weight, scale, stride, padding, dilation,
+                          want_weight=want_weight, want_bias=want_bias, sums=sums, out=out,
+                          branch_scale=branch_scale, out_bias=out_bias, out_sums=out_sums,
+                          out_means=out_means)
+    return plan.run(grad_out, x, weight, scale, shift, bn_affine=bn_affine, mean=mean,
+                    invstd=invstd, out=out, branch_scale=branch_scale, out_bias=out_bias,
+                    out_sums=out_sums, out_means=out_means)

@@ -337,15 +337,18 @@ def capturing(sms: int, tf32: bool, backward: str):
 
 
 def _training_step(shape, dtype: torch.dtype, fmt, training: bool, genstats: bool,
-                   during=contextlib.nullcontext) -> None:
-    """One fwd+bwd of the fused unit ``shape`` through the Triton backend's entry points, on
+                   during=contextlib.nullcontext, route: str = "eager") -> None:
+    """One fwd+bwd of the fused unit ``shape`` through the Triton backend's eager route, on
     meta tensors, as fusedres.functional and the autograd rule (fusedres.ops) call them: the
     BatchNorm's preparation of an ``nn.BatchNorm2d`` with running statistics (momentum 0.1:
     batch statistics and the running-statistics update in training, the running statistics in
-    eval; fusedres.backends.triton.prepare_batch_norm, the eager route), the forward, the
-    backward with the gradients of x, the weight and the BatchNorm affine (the unit has no conv
-    bias). ``during()``: a context entered once the inputs exist, around every call of the step
-    (fusedres.perfmodel counts the host ops in it)."""
+    eval) with the fused affine in its launch (fusedres.backends.triton.prepare_affine), the
+    forward and the backward reading that affine (``eager_launches``), the backward with the
+    gradients of x, the weight and the BatchNorm affine (the unit has no conv bias); float64,
+    and ``route="public"``, through the public ops' bodies (what a traced graph runs: the
+    affine made by a launch of its own, forward and backward). ``during()``: a context entered
+    once the inputs exist, around every call of the step (fusedres.perfmodel counts the host
+    ops in it)."""
     from ..backends import triton as backend
     from ..opdefs import BackwardArgs, UnitArgs, stats_dtype
 
@@ -368,33 +371,42 @@ def _training_step(shape, dtype: torch.dtype, fmt, training: bool, genstats: boo
     running_var = torch.empty((shape.cin,), device="meta", dtype=sdt)
     num_batches_tracked = torch.empty((), device="meta", dtype=torch.int64)
     with during():
-        if sdt == torch.float64:  # not the one-launch route: functional's PyTorch ops
-            if training:
+        affine = None
+        if sdt == torch.float64 or route == "public":  # not the eager route's preparation
+            if sdt != torch.float64:  # the public route's one-launch preparation
+                mean, invstd = backend.prepare_batch_norm(x, running_mean, running_var,
+                                                          num_batches_tracked, training, 0.1,
+                                                          1e-5)
+            elif training:
                 mean, var = backend.batch_stats(x)
+                invstd = torch.rsqrt(var + 1e-5)
             else:
                 mean, var = running_mean, running_var
-            invstd = torch.rsqrt(var + 1e-5)
-        else:
-            mean, invstd = backend.prepare_batch_norm(x, running_mean, running_var,
-                                                      num_batches_tracked, training, 0.1, 1e-5)
+                invstd = torch.rsqrt(var + 1e-5)
+        else:  # the eager route's: the affine made in the preparation's launch
+            mean, invstd, *affine = backend.prepare_affine(
+                x, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked, training,
+                0.1, 1e-5)
         geometry = dict(stride=[s, s], padding=[p, p], dilation=[1, 1])
         args = UnitArgs(x=x, weight=weight, bias=None, bn_weight=bn_weight, bn_bias=bn_bias,
                         mean=mean, invstd=invstd, residual=residual, batch_stats=training,
                         **geometry)
-        if genstats:
-            backend.bn_relu_conv2d_genstats(*args)
-        else:
-            backend.bn_relu_conv2d(*args)
-        backend.bn_relu_conv2d_backward(*BackwardArgs(
+        b = BackwardArgs(
             grad_out=grad_out, x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, mean=mean,
             invstd=invstd, batch_stats=training, output_mask=[True, True, False, True, True],
-            **geometry))
+            **geometry)
+        if affine is None:
+            (backend.bn_relu_conv2d_genstats if genstats else backend.bn_relu_conv2d)(*args)
+            backend.bn_relu_conv2d_backward(*b)
+        else:
+            backend.eager_launches(args, genstats, affine, b)
 
 
 def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
                   channels_last: bool = True, sm_count: int | None = None,
                   training: bool = True, backward: str = "sums",
-                  genstats: bool = False, during=contextlib.nullcontext) -> list[Launch]:
+                  genstats: bool = False, during=contextlib.nullcontext,
+                  route: str = "eager") -> list[Launch]:
     """The kernel launches of one training step (forward + backward) of the fused unit
     ``shape`` (a :class:`fusedres.unit_shapes.ConvUnit`), in launch order, specialised as the
     JIT specialises them on a GPU of compute capability ``arch`` with ``sm_count`` SMs
@@ -407,6 +419,7 @@ def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
     gradients through them). ``backward``: the Triton backward's plan, "sums" or "store"
     (``FUSEDRES_TRITON_BACKWARD``). ``genstats``: the forward also reduces y's statistics.
     ``during``: a context manager factory entered around the step's calls (its inputs made).
+    ``route``: "eager" (fusedres.route's triton route) or "public" (the public ops' bodies).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -421,7 +434,7 @@ def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
         raise ValueError(f"sm_count: expected a positive SM count, got {sms}")
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     with capturing(sms, tf32, backward) as recorder:
-        _training_step(shape, DTYPES[dtype], fmt, training, genstats, during)
+        _training_step(shape, DTYPES[dtype], fmt, training, genstats, during, route)
     return [specialise(fn, grid, args, kwargs, arch) for fn, grid, args, kwargs
             in recorder.launches]
 
@@ -534,7 +547,7 @@ def with_config(launch: Launch, config: KernelConfig) -> Launch:
     the host rule did not pick."""
     kwargs = {k: v for k, v in launch.kwargs.items()
               if k not in launch.config.meta and k not in ("num_warps", "num_stages")}
-    kwargs.update(config.launch_kwargs())
+    kwargs.update(config.launch_kwargs)
     return specialise(launch.fn, launch.grid, launch.args, kwargs, launch.arch, launch.kernel,
                       config)
 

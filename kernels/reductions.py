@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelConfig, acc_is_fp64, cdiv, interp_bf16, launcher
+from ._common import KernelConfig, Launch, cdiv, dummy, interp_bf16, launcher, plan_cache
 from ._tl import cast
 
 STATS_COMBINE_CONFIG = KernelConfig.of(BLOCK_R=16, BLOCK_C=64, num_warps=4, num_stages=1)
@@ -103,9 +103,11 @@ def stats_combine_kernel(
 @triton.jit
 def bn_prepare_kernel(
     src0_ptr, src1_ptr, mean_ptr, invstd_ptr, rm_ptr, rv_ptr, nbt_ptr,
+    gamma_ptr, beta_ptr, scale_ptr, shift_ptr,
     rows, C, M, ROW_ELEMS, keep, factor, unbias, eps,
     MERGE: tl.constexpr, UPDATE: tl.constexpr, CUMULATIVE: tl.constexpr, COUNT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, AFFINE: tl.constexpr = False,
+    HAS_GAMMA: tl.constexpr = False, HAS_BETA: tl.constexpr = False,
 ):
     """Program (channel block): nn.BatchNorm2d's preparation of a step, what
     fusedres.functional.prepare_batch_norm does with PyTorch ops, in one launch.
@@ -120,7 +122,11 @@ def bn_prepare_kernel(
     running statistics' dtype, the variance unbiased first (``var * unbias``, unbias = M/(M-1));
     the host's float ``keep`` = 1 - momentum and ``factor`` = momentum, or CUMULATIVE: factor =
     1 / num_batches_tracked (incremented by the host first), keep = 1 - factor, in the running
-    statistics' dtype. COUNT: program 0 adds 1 to num_batches_tracked (no program reads it)."""
+    statistics' dtype. COUNT: program 0 adds 1 to num_batches_tracked (no program reads it).
+    AFFINE: also the fused BatchNorm's ``scale = gamma * invstd`` and ``shift = beta - mean *
+    scale`` (gamma 1 and beta 0 without HAS_GAMMA / HAS_BETA), as scale_shift_kernel makes
+    them from the stored mean and invstd: the unit's kernels read them, so a step needs no
+    launch of its own for them."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
     sdt = mean_ptr.dtype.element_ty
@@ -133,7 +139,11 @@ def bn_prepare_kernel(
     else:
         mean = tl.load(src0_ptr + c, mask=ok, other=0.0).to(sdt)
         var = tl.load(src1_ptr + c, mask=ok, other=1.0).to(sdt)
-    tl.store(invstd_ptr + c, tl.math.rsqrt(var + eps), mask=ok)
+    invstd = tl.math.rsqrt(var + eps)
+    tl.store(invstd_ptr + c, invstd, mask=ok)
+    if AFFINE:
+        _affine(gamma_ptr, beta_ptr, mean, invstd.to(sdt), scale_ptr, shift_ptr, c, ok,
+                HAS_GAMMA, HAS_BETA)
     if UPDATE:
         rmt = rm_ptr.dtype.element_ty
         rvt = rv_ptr.dtype.element_ty
@@ -177,8 +187,16 @@ def stats_combine(mean_p: torch.Tensor, m2_p: torch.Tensor, m: int, row_elems: i
     var = torch.empty((c,), device=mean_p.device, dtype=dtype)
     cfg = STATS_COMBINE_CONFIG
     launcher(stats_combine_kernel)[(cdiv(c, cfg.meta["BLOCK_C"]),)](
-        mean_p, m2_p, mean, var, rows, c, m, row_elems, **cfg.launch_kwargs())
+        mean_p, m2_p, mean, var, rows, c, m, row_elems, **cfg.launch_kwargs)
     return mean, var
+
+
+def stats_combine_launch(c: int, fast: bool = True) -> Launch:
+    """:func:`stats_combine`'s launch for C channels: ``go(mean_p, m2_p, mean, var, rows, C, m,
+    row_elems)``."""
+    cfg = STATS_COMBINE_CONFIG
+    return Launch(stats_combine_kernel, (cdiv(c, cfg.meta["BLOCK_C"]),), cfg.launch_kwargs,
+                  fast=fast)
 
 
 @triton.jit
@@ -192,6 +210,15 @@ def scale_shift_kernel(
     ok = c < C
     invstd = tl.load(invstd_ptr + c, mask=ok, other=0.0)
     mean = tl.load(mean_ptr + c, mask=ok, other=0.0)
+    _affine(gamma_ptr, beta_ptr, mean, invstd, scale_ptr, shift_ptr, c, ok, HAS_GAMMA,
+            HAS_BETA)
+
+
+@triton.jit
+def _affine(gamma_ptr, beta_ptr, mean, invstd, scale_ptr, shift_ptr, c, ok,
+            HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr):
+    """scale = gamma * invstd, shift = beta - mean * scale for channels ``c`` (the operations
+    and their order as fusedres.opdefs.scale_shift)."""
     if HAS_GAMMA:
         scale = tl.load(gamma_ptr + c, mask=ok, other=0.0) * invstd
     else:
@@ -221,7 +248,7 @@ def scale_shift(bn) -> tuple[torch.Tensor, torch.Tensor]:
     launcher(scale_shift_kernel)[(cdiv(c, cfg.meta["BLOCK_C"]),)](
         vecs[0] if gamma is not None else invstd, vecs[1] if beta is not None else invstd,
         vecs[2], vecs[3], scale, shift, c, HAS_GAMMA=gamma is not None,
-        HAS_BETA=beta is not None, **cfg.launch_kwargs())
+        HAS_BETA=beta is not None, **cfg.launch_kwargs)
     return scale, shift
 
 
@@ -300,6 +327,86 @@ def partials_reduce_kernel(
                 tl.store(m2_ptr + c, acc2 / M, mask=ok)
 
 
+class ReducePlan:
+    """:func:`reduce_partials`'s launch for one layout of partials: ``run(dw_p, dw, db_p, db,
+    s1_p, s2_p, sums, means)`` with the parts it was planned for (the others None)."""
+
+    def __init__(self, dw_shape, dw_strides, db_shape, s_shape, has_means: bool, m: int,
+                 acc: torch.dtype, out_dtypes: tuple, fast: bool = True):
+        self.parts = (dw_shape, dw_strides, db_shape, s_shape, has_means, m, acc, out_dtypes,
+                      fast)
+        cfg = REDUCE_CONFIG
+        split, k, co, cin, kh, kw, sw, n_dw = 1, 0, 0, 0, 1, 1, (0, 0, 0, 0), 0
+        if dw_shape is not None:
+            split, co, cin, kh, kw = dw_shape
+            k = co * cin * kh * kw
+            sw = dw_strides
+        if db_shape is not None:
+            split, co = db_shape
+        # A small weight gradient (fewer than 16 column blocks: 16- and 32-channel 3x3s)
+        # split many ways (the taps form's 36-44 splits) sums up to 16 splits a step, over
+        # BLOCK_K / 16 columns: more, shorter programs (CIFAR 16@32, H100: 37 programs of 3
+        # steps, 5.1 -> 3.4 us modeled, instead of 4 of 44). Larger ones keep BLOCK_K columns
+        # a split a step: the (16, 64) tile's sum over its rows runs through shared memory
+        # (ImageNet 64@56: 4.4 -> 8.8 us).
+        split_r = min(16, triton.next_power_of_2(split)) \
+            if cdiv(max(k, co), cfg.meta["BLOCK_K"]) < 16 else 1
+        bk = cfg.meta["BLOCK_K"] // split_r
+        if dw_shape is not None:
+            n_dw = cdiv(k, bk)
+        n_db = cdiv(co, bk) if db_shape is not None else 0
+        rows, c, n_c = 0, 0, 0
+        if s_shape is not None:
+            rows, c = s_shape
+            n_c = cdiv(c, cfg.meta["BLOCK_C"])
+        self.ints = (split, k, cin, kh, kw, *sw, co, rows, c, m, n_dw, n_db)
+        self.launch = Launch(partials_reduce_kernel, (n_dw + n_db + n_c,), dict(
+            HAS_DW=dw_shape is not None, HAS_DB=db_shape is not None,
+            HAS_SUMS=s_shape is not None, HAS_MEANS=has_means, FP64=acc == torch.float64,
+            INTERP_BF16=interp_bf16(*out_dtypes), SPLIT_R=split_r, **cfg.launch_kwargs),
+            fast=fast)
+
+    @classmethod
+    def joined(cls, weights: ReducePlan, sums: ReducePlan) -> ReducePlan:
+        """One launch doing what ``weights`` (dw and db partials) and ``sums`` (BatchNorm sums
+        partials, and their means) do: the kernel's programs are split between the parts."""
+        key = (weights.parts, sums.parts)
+        plan = _JOINED.get(key)
+        if plan is None:
+            plan = _JOINED[key] = cls(*weights.parts[:3], sums.parts[3], sums.parts[4],
+                                      sums.parts[5], weights.parts[6],
+                                      weights.parts[7] + sums.parts[7], weights.parts[8])
+        return plan
+
+    def run(self, unused, dw_p=None, dw=None, db_p=None, db=None, s1_p=None, s2_p=None,
+            sums=None, means=None) -> None:
+        """``unused``: a tensor of the partials' dtype for the absent pointers."""
+        sum1, sum2 = sums if sums is not None else (unused, unused)
+        m1, m2 = means if means is not None else (unused, unused)
+        self.launch.go(unused if dw_p is None else dw_p, unused if dw_p is None else dw,
+                       unused if db_p is None else db_p, unused if db_p is None else db,
+                       unused if s1_p is None else s1_p, unused if s1_p is None else s2_p,
+                       sum1, sum2, m1, m2, *self.ints)
+
+
+_JOINED: dict[tuple, ReducePlan] = plan_cache()  # joined plans by their parts' parts
+
+
+def reduce_plan(*, dw_p=None, dw=None, db_p=None, db=None, s1_p=None, s2_p=None, means=None,
+                m: int = 1) -> ReducePlan:
+    """The :class:`ReducePlan` for these partials (see :func:`reduce_partials`)."""
+    parts = [t for t in (dw_p, db_p, s1_p) if t is not None]
+    if not parts:
+        raise ValueError("reduce_partials: no partials given (dw_p, db_p, s1_p all None)")
+    ref = parts[0]
+    return ReducePlan(
+        None if dw_p is None else tuple(dw_p.shape), None if dw_p is None else dw.stride(),
+        None if db_p is None else tuple(db_p.shape),
+        None if s1_p is None else tuple(s1_p.shape), means is not None, m, ref.dtype,
+        tuple(t.dtype for t in (dw, db) if t is not None),
+        fast=type(ref) is torch.Tensor and ref.device.type != "meta")
+
+
 def reduce_partials(*, dw_p=None, dw=None, db_p=None, db=None, s1_p=None, s2_p=None,
                     sums=None, means=None, m: int = 1) -> None:
     """One launch of :func:`partials_reduce_kernel`. ``dw_p`` (split, Co, Cin, KH, KW)
@@ -308,43 +415,7 @@ def reduce_partials(*, dw_p=None, dw=None, db_p=None, db=None, s1_p=None, s2_p=N
     (C,) each, the sums over ``m``. Partials in the accumulation dtype (float32, float64);
     destinations in any float dtype (the store rounds to nearest, under the interpreter too).
     Parts passed as None are skipped."""
-    cfg = REDUCE_CONFIG
-    parts = [t for t in (dw_p, db_p, s1_p) if t is not None]
-    if not parts:
-        raise ValueError("reduce_partials: no partials given (dw_p, db_p, s1_p all None)")
-    ref = parts[0]
-    dummy = ref.new_empty((1,))
-    split, k, co, cin, kh, kw, sw, n_dw = 1, 0, 0, 0, 1, 1, (0, 0, 0, 0), 0
-    if dw_p is not None:
-        split, co, cin, kh, kw = dw_p.shape
-        k = co * cin * kh * kw
-        sw = dw.stride()
-    if db_p is not None:
-        split, co = db_p.shape
-    # A small weight gradient (fewer than 16 column blocks: 16- and 32-channel 3x3s) split
-    # many ways (the taps form's 36-44 splits) sums up to 16 splits a step, over BLOCK_K /
-    # 16 columns: more, shorter programs (CIFAR 16@32, H100: 37 programs of 3 steps, 5.1 ->
-    # 3.4 us modeled, instead of 4 of 44). Larger ones keep BLOCK_K columns a split a step: the
-    # (16, 64) tile's sum over its rows runs through shared memory (ImageNet 64@56: 4.4 ->
-    # 8.8 us).
-    split_r = min(16, triton.next_power_of_2(split)) if cdiv(max(k, co), cfg.meta["BLOCK_K"]) < 16 \
-        else 1
-    bk = cfg.meta["BLOCK_K"] // split_r
-    if dw_p is not None:
-        n_dw = cdiv(k, bk)
-    n_db = cdiv(co, bk) if db_p is not None else 0
-    rows, c, n_c = 0, 0, 0
-    if s1_p is not None:
-        rows, c = s1_p.shape
-        n_c = cdiv(c, cfg.meta["BLOCK_C"])
-    sum1, sum2 = sums if sums is not None else (dummy, dummy)
-    m1, m2 = means if means is not None else (dummy, dummy)
-    launcher(partials_reduce_kernel)[(n_dw + n_db + n_c,)](
-        dw_p if dw_p is not None else dummy, dw if dw_p is not None else dummy,
-        db_p if db_p is not None else dummy, db if db_p is not None else dummy,
-        s1_p if s1_p is not None else dummy, s2_p if s1_p is not None else dummy,
-        sum1, sum2, m1, m2, split, k, cin, kh, kw, *sw, co, rows, c, m, n_dw, n_db,
-        HAS_DW=dw_p is not None, HAS_DB=db_p is not None, HAS_SUMS=s1_p is not None,
-        HAS_MEANS=means is not None, FP64=acc_is_fp64(ref.dtype),
-        INTERP_BF16=interp_bf16(*(t.dtype for t in (dw, db) if t is not None)),
-        SPLIT_R=split_r, **cfg.launch_kwargs())
+    plan = reduce_plan(dw_p=dw_p, dw=dw, db_p=db_p, db=db, s1_p=s1_p, s2_p=s2_p, means=means,
+                       m=m)
+    ref = next(t for t in (dw_p, db_p, s1_p) if t is not None)
+    plan.run(dummy(ref), dw_p, dw, db_p, db, s1_p, s2_p, sums, means)

@@ -39,6 +39,19 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Each test builds the Triton launch plans it uses (a test may patch what they are built
+    from: a config rule, the SM count)."""
+    try:
+        from fusedres.kernels._common import clear_plans
+    except ImportError:  # triton missing
+        yield
+        return
+    clear_plans()
+    yield
+
+
 # A finished tiny training run for the experiments on runs (tests/test_lesion.py,
 # tests/test_landscape.py): digits, pre-activation ResNet-14 (6 units, 4 of them keep their
 # input's shape), 6 iterations, checkpoints at iterations 3 and 6. About 10 s on 2 cores.

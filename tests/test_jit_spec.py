@@ -108,7 +108,7 @@ buf = io.StringIO()
 with contextlib.redirect_stdout(buf):
     jit_spec.main(["conv:N=128,C=16,K=3,CO=16,HW=32", "--backward", "store"])
 out["cli"] = buf.getvalue()
-out["from_values"] = {k: repr(v) for k, v in jit_spec.unit_launches(cifar, "fp16")[3]
+out["from_values"] = {k: repr(v) for k, v in jit_spec.unit_launches(cifar, "fp16")[2]
                       .constexprs_from_values.items()}
 # The PyTorch ops the host runs between the kernels (fusedres.perfmodel's count), both plans.
 from fusedres.perfmodel.launches import unit_step
@@ -133,7 +133,7 @@ def test_specialisation_equals_triton_jit_run(probe):
     constexprs, attrs, warps and stages equal what JITFunction.run computes for the same
     arguments (run with a stand-in driver, stopped before compiling)."""
     rows = probe["same_as_jit_run"]
-    assert len(rows) == 2 * (8 + 10)
+    assert len(rows) == 2 * (6 + 7)  # sm_80 and sm_90, the sums and store plans
     for row in rows:
         assert all(row[2:]), row
 
@@ -149,27 +149,27 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
     42 (126 of 49); the dx pass 64 x 32 tiles."""
     sums = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["sums"]]
     # Between them the small kernels of kernels/reductions.py: the splits' statistics merged
-    # with the running statistics' update and invstd (bn_prepare: the BatchNorm's whole
-    # preparation, no host op), the BatchNorm affine (forward and backward), the weight-gradient
-    # partials reduced (the 16 * 16 * 9 weight gradient, 16 splits a step over 1024 / 16 = 64
-    # columns: 36 programs, the 16 channels' sums in 1).
-    combine = ("bn_prepare", [1, 1, 1], "R=16 C=64 w=4 s=1")
-    affine = ("scale_shift", [1, 1, 1], "C=256 w=4 s=1")
+    # with the running statistics' update, invstd and the fused affine (bn_prepare: the
+    # BatchNorm's whole preparation, no host op; the forward and backward read its affine),
+    # the weight-gradient partials reduced (the 16 * 16 * 9 weight gradient, 16 splits a step
+    # over 1024 / 16 = 64 columns: 36 programs, the 16 channels' sums in 1). Six launches; the
+    # store plan's seven reduce the weight gradient's split and the data gradient's sums in
+    # one launch.
+    prepare = ("bn_prepare", [1, 1, 1], "R=16 C=64 w=4 s=1")
     assert sums == [
-        ("batch_stats", [1, 128, 1], "M=256 C=16 w=4 s=1"), combine, affine,
-        ("bn_relu_conv2d_fwd", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"), affine,
+        ("batch_stats", [1, 128, 1], "M=256 C=16 w=4 s=1"), prepare,
+        ("bn_relu_conv2d_fwd", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"),
         ("wgrad_sums", [1, 3, 44], "M=16 N=16 K=64 T=4 w=4 s=2"),
         ("partials_reduce", [37, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
         ("dgrad_dx", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"),
     ]
     store = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["store"]]
     assert store == [
-        ("batch_stats", [1, 128, 1], "M=256 C=16 w=4 s=1"), combine, affine,
-        ("bn_relu_conv2d_fwd", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"), affine,
+        ("batch_stats", [1, 128, 1], "M=256 C=16 w=4 s=1"), prepare,
+        ("bn_relu_conv2d_fwd", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"),
         ("wgrad", [1, 3, 42], "M=16 N=16 K=64 T=4 w=4 s=2"),
-        ("partials_reduce", [36, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
         ("dgrad_store", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"),
-        ("partials_reduce", [1, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
+        ("partials_reduce", [37, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
         ("dx", [2048, 1, 1], "M=64 C=32 w=4 s=1"),
     ]
     # A100's 108 SMs: 36 ways fill them in one wave (3 x 36 = 108 programs).
@@ -187,7 +187,7 @@ def test_divisibility_and_unit_strides(probe):
     """channels_last: the channel stride 1 is a constexpr, C = 16 and every pointer are
     divisible by 16; a unit with C = 24 and 14 x 14 pixels drops the attribute from C and the
     strides that are multiples of C only; NCHW makes the pixel stride the constexpr instead."""
-    fwd = probe["h100"]["sums"][3]
+    fwd = probe["h100"]["sums"][2]
     assert fwd["kernel"] == "bn_relu_conv2d_fwd"
     assert fwd["constexprs"]["sxc"] == "1" and fwd["signature"]["sxc"] == "constexpr"
     assert fwd["constexprs"]["SH"] == "1" and fwd["constexprs"]["TF32"] == "False"
@@ -195,12 +195,12 @@ def test_divisibility_and_unit_strides(probe):
         assert name in fwd["divisible"], name
     assert "PH" not in fwd["divisible"] and fwd["constexprs"]["PH"] == "1"
     assert fwd["signature"]["x_ptr"] == "*fp16" and fwd["signature"]["scale_ptr"] == "*fp32"
-    odd = probe["odd"][3]
+    odd = probe["odd"][2]
     assert odd["kernel"] == "bn_relu_conv2d_fwd"
     for name in ("C", "Co", "sxw", "H", "W"):
         assert name not in odd["divisible"], name
     assert "x_ptr" in odd["divisible"] and "sxn" in odd["divisible"]  # 24 * 14 * 14 = 16 * 294
-    nchw = probe["nchw"][3]
+    nchw = probe["nchw"][2]
     assert nchw["constexprs"]["sxw"] == "1" and "sxc" in nchw["divisible"]
     assert "sxc" not in nchw["constexprs"]
     assert probe["view_ptr"] == [0, 6, 0]  # fp16 views at offsets 0, 3, 8 elements
@@ -224,8 +224,8 @@ def test_command_lists_the_launches(probe):
     dilation of 1) and the divisible arguments."""
     heads = [line for line in probe["cli"].splitlines() if not line.startswith(" ")]
     assert [h.split()[0] for h in heads] == [
-        "batch_stats", "bn_prepare", "scale_shift", "bn_relu_conv2d_fwd", "scale_shift",
-        "wgrad", "partials_reduce", "dgrad_store", "partials_reduce", "dx"]
-    assert heads[3].startswith("bn_relu_conv2d_fwd  grid=(512, 1, 1)  M=256 N=16 K=16")
+        "batch_stats", "bn_prepare", "bn_relu_conv2d_fwd", "wgrad", "dgrad_store",
+        "partials_reduce", "dx"]
+    assert heads[2].startswith("bn_relu_conv2d_fwd  grid=(512, 1, 1)  M=256 N=16 K=16")
     assert probe["from_values"] == {name: "1" for name in (
         "SH", "SW", "PH", "PW", "DH", "DW", "sxc", "swc", "syc")}

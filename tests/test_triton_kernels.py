@@ -75,7 +75,7 @@ def _noop_jit_kernel(monkeypatch):
     launched = []
     kernel.run = lambda *args, grid=None, **kwargs: launched.append(grid)
     from fusedres.kernels import _common
-    monkeypatch.setattr(_common, "_INTERPRET", False)
+    monkeypatch.setattr(_common, "INTERPRET", False)
     assert isinstance(kernel, JITFunction) and triton is not None
     return kernel, launched
 
@@ -498,7 +498,7 @@ def test_interpreter_bf16_rounds_to_nearest():
 def test_kernel_config_str():
     cfg = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     assert str(cfg) == "M=64 N=32 w=4 s=2"
-    assert cfg.launch_kwargs() == {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4,
+    assert cfg.launch_kwargs == {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4,
                                    "num_stages": 2}
 
 
@@ -606,7 +606,7 @@ class Sm80:  # the target Inductor's mutation analysis lowers the kernels for (n
 triton.runtime.driver.set_active(Sm80())
 # What a GPU's tensors select, for CPU tensors: traced "cpu" units go through the triton_ops,
 # triton counts as runnable (nothing runs), and auto prefers it.
-FR._TRACED_DEVICE_TYPE = "cpu"
+fusedres.route._TRACED_DEVICE_TYPE = "cpu"
 triton_backend.unavailable_reason = lambda device: None
 fusedres._backend.AUTO_ORDER["cpu"] = ("triton", "cpu", "portable")
 fconfig.force_non_lazy_backward_lowering = True  # trace the backward graph now
@@ -816,7 +816,7 @@ def _prepare(x, route, running_dtype, training, momentum, tracked, given, counte
     (``route``) or without it (the PyTorch ops): (mean, invstd, running mean, running var,
     num_batches_tracked, the kernels launched)."""
     from fusedres import functional as FR
-    from fusedres import ops
+    from fusedres import route as routes
 
     c = x.shape[1]
     g = torch.Generator().manual_seed(1)
@@ -826,21 +826,27 @@ def _prepare(x, route, running_dtype, training, momentum, tracked, given, counte
     stats = (x.float().mean((0, 2, 3)), x.float().var((0, 2, 3), unbiased=False)) if given \
         else None
     launched = []
-    real, eager = bs.launcher, ops.eager_triton
+    from triton.runtime.interpreter import InterpretedFunction
 
-    def recording(kernel):
-        launched.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
-        return real(kernel)
+    real, eager = InterpretedFunction.run, routes.EAGER.get("triton")
 
-    bs.launcher = recording
+    def recording(kernel, *args, **kwargs):
+        launched.append(kernel.fn.__name__)
+        return real(kernel, *args, **kwargs)
+
+    InterpretedFunction.run = recording  # every launch of the interpreter goes through it
     if not route:
-        ops.eager_triton = lambda t: False
+        routes.EAGER["triton"] = routes.eager_route("triton")._replace(prepare_batch_norm=None)
     try:
         with fusedres.use_backend("triton"):
             st = FR.prepare_batch_norm(x, None, None, rm, rv, nbt, training=training,
                                        momentum=momentum, eps=1e-5, stats=stats)
     finally:
-        bs.launcher, ops.eager_triton = real, eager
+        InterpretedFunction.run = real
+        if eager is None:
+            routes.EAGER.pop("triton", None)
+        else:
+            routes.EAGER["triton"] = eager
     return st.mean, st.invstd, rm, rv, nbt, launched
 
 
@@ -1145,3 +1151,130 @@ def test_tf32_dots_round_both_operands(monkeypatch):
     err_rounded = (y - rounded).abs().mean().item()
     err_exact = (y - exact).abs().mean().item()
     assert err_rounded * 20 < err_exact, (err_rounded, err_exact)
+
+
+# --------------------------------------------------------------------------- launch plans
+
+def _step_launches(monkeypatch, strategy):
+    """(kernel function, args, kwargs) of every launch of one training step of a unit on the
+    eager route (a 3x3 unit, then a strided 1x1 with a residual and a branch scale)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches = []
+    real = InterpretedFunction.run
+
+    def recording(kernel, *args, grid=None, warmup=False, **kwargs):
+        launches.append((kernel.fn, args, kwargs))
+        return real(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    monkeypatch.setenv("FUSEDRES_TRITON_BACKWARD", strategy)
+    torch.manual_seed(0)
+    with fusedres.use_backend("triton"):
+        m = fusedres.BNReLUConv2d(5, 6, 3, padding=1)
+        x = torch.randn(2, 5, 6, 6, requires_grad=True)
+        m(x).sum().backward()
+        block = fusedres.modules.BasicBlock(5, 7, stride=2, drop_path=0.5)
+        block(torch.randn(3, 5, 6, 6, requires_grad=True)).sum().backward()
+    return launches
+
+
+@pytest.mark.parametrize("strategy", ["sums", "store"])
+def test_plan_launch_arguments_are_the_binders(monkeypatch, strategy):
+    """Every launch of a step, as a plan passes it (runtime arguments positionally, constexprs
+    and options by name), bound by Triton's own binder for an sm_90 target: the values it
+    hands the compiled launcher are the runtime arguments then ``launch_tail``'s constexprs,
+    in that order: what the direct launch (kernels._common._direct) passes on a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    from fusedres.kernels._common import launch_tail
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    launches = _step_launches(monkeypatch, strategy)
+    names = {fn.__name__ for fn, _, _ in launches}
+    assert {"batch_stats_kernel", "bn_prepare_kernel", "bn_relu_conv2d_fwd_kernel",
+            "wgrad_kernel", "dgrad_kernel"} <= names, names
+    for fn, args, kwargs in launches:
+        jit = JITFunction(fn)
+        binder = create_function_from_signature(jit.signature, jit.params, backend)
+        bound, _, options = binder(*args, **kwargs)
+        assert list(bound.values()) == [*args, *launch_tail(fn, len(args), kwargs)], fn.__name__
+        assert set(options) <= {"num_warps", "num_stages"}
+
+
+def test_direct_launch_calls_the_compiled_launcher(monkeypatch):
+    """After the JIT's first launch, a plan's launch goes to the compiled kernel's launcher:
+    grid, the current stream of the device, function, packed metadata, no launch metadata, the
+    hooks, then the runtime arguments and the constexprs; under a dispatch mode (a trace over
+    real tensors) it takes the JIT's launch again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fusedres.kernels import _common
+    from fusedres.kernels.reductions import stats_combine_kernel as kernel
+
+    calls, jit_calls = [], []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device)
+    go = _common._direct(getattr(kernel, "fn", kernel), Compiled(), (3,), 8,
+                         {"BLOCK_R": 16, "BLOCK_C": 64, "num_warps": 4, "num_stages": 1}, 2,
+                         lambda *a: jit_calls.append(a))
+    args = (torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), 1, 4, 16, 16)
+    go(*args)
+    (got,) = calls
+    assert got[:7] == (3, 1, 1, 1002, "fn", "meta", None)
+    assert got[9:] == (*args, 16, 64)
+    with TorchDispatchMode():
+        go(*args)
+    assert len(calls) == 1 and len(jit_calls) == 1
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_store_strategy_reduces_once(monkeypatch, bias):
+    """The "store" backward with the weight gradient split over 3 programs (as on a GPU; 1
+    under the interpreter otherwise): the split partials, the bias gradient's and the
+    BatchNorm sums are summed by ONE reduction launch, between the data-gradient pass and dx;
+    every gradient as the "sums" strategy's, which reduces in its own launch."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fusedres.kernels import bn_relu_conv2d_wgrad as wg
+
+    real_pick = wg.pick_config
+    monkeypatch.setattr(wg, "pick_split", lambda *a, **k: 3)
+    monkeypatch.setattr(wg, "interpreting", lambda: False)
+    monkeypatch.setattr(wg, "pick_config", lambda *a, **k: real_pick(*a, **{**k,
+                                                                          "interpret": True}))
+    launched = []
+    real_run = InterpretedFunction.run
+
+    def recording(kernel, *args, **kwargs):
+        launched.append(kernel.fn.__name__)
+        return real_run(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    grads = {}
+    for strategy in ("sums", "store"):
+        monkeypatch.setenv("FUSEDRES_TRITON_BACKWARD", strategy)
+        torch.manual_seed(0)
+        m = fusedres.BNReLUConv2d(6, 5, 3, padding=1, bias=bias)
+        x = torch.randn(3, 6, 7, 7, requires_grad=True)
+        with fusedres.use_backend("triton"):
+            y = m(x)
+            launched.clear()
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+        grads[strategy] = [x.grad] + [p.grad for p in m.parameters()]
+        if strategy == "store":
+            assert launched == ["wgrad_kernel", "dgrad_kernel", "partials_reduce_kernel",
+                                "dx_kernel"], launched
+        else:
+            assert launched == ["wgrad_kernel", "partials_reduce_kernel", "dgrad_kernel"]
+    assert [p.split for p in wg._PLANS.values()] == [3, 3]  # sums, store: split as asked
+    for a, b in zip(grads["sums"], grads["store"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
