@@ -231,4 +231,11 @@ TORCH_LIBRARY(fusedres_cuda_layer_test, m) {
   m.def("bounded(int threads) -> Tensor", &mt::bounded);
   m.def("dynamic_smem(int bytes, bool opt_in) -> Tensor", &mt::dynamic_smem);
   m.def("divergent_collective(int mode) -> Tensor", &mt::divergent_collective);
+  // The launches counted so far; stub_launches(on) makes later launches count without running
+  // (the host cost of a route, its kernels as no-ops: benchmarks/hostcost.py). Returns the
+  // previous setting.
+  m.def("launches() -> int",
+        [] { return static_cast<int64_t>(fusedres_host::launch_count().load()); });
+  m.def("stub_launches(bool on) -> bool",
+        [](bool on) { return fusedres_host::launch_stub().exchange(on); });
 }

@@ -151,7 +151,14 @@ void cp_async_wait(unsigned n);
 
 // ----------------------------------------------------------------------------- launch
 
-// Runs `body(thread)` for every thread of every block; throws c10::Error on a layer error.
+// Launches run_grid has checked since the process started, and whether it then runs them
+// (false: a stub, for measuring the host's own work around the kernels). Test hooks:
+// fusedres_cuda_layer_test::launches and ::stub_launches (layer_tests.cpp).
+std::atomic<int64_t>& launch_count();
+std::atomic<bool>& launch_stub();
+
+// Runs `body(thread)` for every thread of every block, unless launch_stub(); throws c10::Error
+// on a layer error.
 // `fn` identifies the kernel for its cudaFuncSetAttribute settings.
 void run_grid(const char* kernel, const void* fn, dim3 grid, dim3 block, size_t smem,
               void (*body)(void* ctx), void* ctx);

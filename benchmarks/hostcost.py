@@ -1,0 +1,261 @@
+"""What the host does for one fused BN-ReLU-conv chain's training step, route by route, with
+plain PyTorch's chain beside it: Python calls, kernel launches, top-level ops, and host time
+with the kernels as no-ops.
+
+    python benchmarks/hostcost.py [--rounds 15] [--reps 50] [--routes plain,cpu,cuda,triton]
+
+The chain is ``BNReLUConv2d(16, 16, 3, padding=1)`` on a 2x16x8x8 batch in training mode
+(plain: ``nn.BatchNorm2d``, ``nn.ReLU``, ``nn.Conv2d`` called in turn), forward and backward.
+Every count is a count of the host's own work, the same on any machine with these versions:
+
+- *Python calls*: function calls ``sys.setprofile`` sees while the step runs, torch's own
+  included (``Module.__call__``, ``Tensor.backward``); nothing inside Triton's package is
+  counted, and a kernel launch counts once (the no-op that stands for it).
+- *own calls*: those of them outside torch's package and the standard library: the route's.
+- *launches*: Triton kernels launched (their ``run`` replaced by a counting no-op: the
+  interpreter never executes them), or CUDA kernels launched through the CPU execution layer
+  (its launch counter; ``stub_launches`` skips running them while timing).
+- *top-level ops*: profiler events of ops (names with ``::``) that no other op encloses: what
+  the dispatcher is asked from Python or from the autograd engine.
+- *host us*: median wall time of the step with the kernels as no-ops (plain: PyTorch's CPU
+  kernels run, so its figure includes its kernels' time: a ceiling of its host work).
+
+The routes run on CPU tensors: triton under ``TRITON_INTERPRET=1``, cuda through the test
+extension ``fusedres._C_cuda_host`` (``FUSEDRES_CUDA_ON_CPU=1``); both are set here before
+fusedres is imported. tests/test_host_cost.py asserts the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("FUSEDRES_CUDA_ON_CPU", "1")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import fusedres  # noqa: E402
+
+ROUTES = ("plain", "cpu", "cuda", "triton", "portable")
+SHAPE = (2, 16, 8, 8)  # N, C, H, W: small, so that the host's work is the step
+
+
+def available(route: str) -> str | None:
+    """None when ``route`` can run here, else why not."""
+    if route == "plain":
+        return None
+    return fusedres.unavailable_reason(route, "cpu")
+
+
+def make_step(route: str):
+    """The chain's training step on ``route``: a callable, run inside :func:`using`."""
+    torch.manual_seed(0)
+    n, c, h, w = SHAPE
+    x = torch.randn(n, c, h, w, requires_grad=True)
+    g = torch.randn(n, c, h, w)
+    if route == "plain":
+        bn, relu, conv = nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1, bias=False)
+
+        def step():
+            conv(relu(bn(x))).backward(g)
+    else:
+        unit = fusedres.BNReLUConv2d(c, c, 3, padding=1)
+
+        def step():
+            unit(x).backward(g)
+    return step
+
+
+class _Launches:
+    """Counts the launches of the route in force; with ``stub``, its kernels do not run."""
+
+    def __init__(self):
+        self.triton = 0
+        self._cuda0 = 0
+
+    def _noop(self, *args, **kwargs):
+        self.triton += 1
+
+    @contextlib.contextmanager
+    def patched(self, stub: bool):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        real = InterpretedFunction.run
+        layer = _cuda_layer()
+        InterpretedFunction.run = lambda fn, *a, **k: self._noop()
+        before = layer.stub_launches(stub) if layer is not None else None
+        try:
+            yield self
+        finally:
+            InterpretedFunction.run = real
+            if layer is not None:
+                layer.stub_launches(before)
+
+    def reset(self):
+        self.triton = 0
+        layer = _cuda_layer()
+        self._cuda0 = layer.launches() if layer is not None else 0
+
+    def count(self) -> int:
+        layer = _cuda_layer()
+        cuda = layer.launches() - self._cuda0 if layer is not None else 0
+        return self.triton + cuda
+
+
+def _cuda_layer():
+    from fusedres import _extension
+
+    if _extension.load_cuda_host() is not None:
+        return None
+    layer = torch.ops.fusedres_cuda_layer_test
+    return layer if hasattr(layer, "launches") else None
+
+
+@contextlib.contextmanager
+def using(route: str, stub: bool = True):
+    """The backend of ``route`` in force and the launches counted (``stub``: not run)."""
+    launches = _Launches()
+    backend = "reference" if route == "plain" else route
+    with fusedres.use_backend(backend), launches.patched(stub):
+        yield launches
+
+
+def python_calls(fn) -> tuple[int, dict[str, int]]:
+    """Python function calls made while ``fn()`` runs (see the module's docstring): the count
+    and, per ``file:function``, where they were made."""
+    import triton
+
+    triton_dir = os.path.dirname(triton.__file__)
+    here = _Launches._noop.__code__
+    counts: dict[str, int] = {}
+    depth = 0  # inside Triton's package
+
+    def profile(frame, event, arg):
+        nonlocal depth
+        code = frame.f_code
+        inside = code.co_filename.startswith(triton_dir)
+        if event == "call":
+            if code is here:
+                counts["<launch>"] = counts.get("<launch>", 0) + 1
+            elif inside:
+                depth += 1
+            elif depth == 0:
+                key = f"{code.co_filename}:{code.co_name}"
+                counts[key] = counts.get(key, 0) + 1
+        elif event == "return" and inside:
+            depth -= 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    counts.pop(f"{__file__}:step", None)  # the step closure itself
+    return sum(counts.values()), counts
+
+
+def own_calls(where: dict[str, int]) -> int:
+    """The calls of ``where`` made outside torch's package and the standard library: what a
+    route adds (fusedres's files, or anything planted), whatever torch's version."""
+    import sysconfig
+
+    skip = (os.path.dirname(torch.__file__) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep,
+            "<")  # <frozen ...>, <string> (namedtuple constructors count: they are the route's)
+    return sum(n for k, n in where.items()
+               if k == "<launch>" or not k.startswith(skip) or k.startswith("<string>"))
+
+
+def top_level_ops(fn) -> list[str]:
+    """Names of the ops the step runs that no other op encloses."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        fn()
+    out = []
+    for e in p.events():
+        if "::" not in e.name:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and "::" not in parent.name:
+            parent = parent.cpu_parent
+        if parent is None:
+            out.append(e.name)
+    return out
+
+
+def counts(route: str, warmup: int = 3) -> dict:
+    """Python calls, launches and top-level ops of one step of ``route`` (after ``warmup``)."""
+    step = make_step(route)
+    with using(route) as launches:
+        for _ in range(warmup):
+            step()
+        launches.reset()
+        calls, where = python_calls(step)
+        n_launches = launches.count()
+        ops = top_level_ops(step)
+    return {"route": route, "python_calls": calls, "launches": n_launches,
+            "top_level_ops": len(ops), "ops": ops, "where": where}
+
+
+def host_us(routes, reps: int = 50, rounds: int = 15) -> dict[str, float]:
+    """Median microseconds a step, the routes interleaved round by round."""
+    steps = {r: make_step(r) for r in routes}
+    samples: dict[str, list[float]] = {r: [] for r in routes}
+    for r in routes:
+        with using(r):
+            for _ in range(5):
+                steps[r]()
+    for _ in range(rounds):
+        for r in routes:
+            with using(r):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    steps[r]()
+                samples[r].append((time.perf_counter() - t) / reps * 1e6)
+    return {r: statistics.median(v) for r, v in samples.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--routes", default=",".join(ROUTES))
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--where", action="store_true", help="list where each route's calls go")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    routes = [r for r in args.routes.split(",") if available(r) is None]
+    for r in args.routes.split(","):
+        if r not in routes:
+            print(f"# {r}: not run here ({available(r)})")
+    rows = [counts(r) for r in routes]
+    times = host_us(routes, args.reps, args.rounds)
+    plain = next((row for row in rows if row["route"] == "plain"), None)
+    print(f"# torch {torch.__version__}, {args.threads} thread(s); one {SHAPE} 3x3 chain, "
+          f"training step; kernels as no-ops; {args.rounds} rounds x {args.reps} steps")
+    print("| route | Python calls | / plain | own calls | launches | top-level ops | host us | "
+          "/ plain |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        r = row["route"]
+        rc = row["python_calls"] / plain["python_calls"] if plain else float("nan")
+        rt = times[r] / times["plain"] if plain else float("nan")
+        print(f"| {r} | {row['python_calls']} | {rc:.2f} | {own_calls(row['where'])} | "
+              f"{row['launches']} | "
+              f"{row['top_level_ops']} | {times[r]:.1f} | {rt:.2f} |")
+    if args.where:
+        for row in rows:
+            print(f"\n{row['route']}:")
+            for k, v in sorted(row["where"].items(), key=lambda kv: -kv[1]):
+                print(f"  {v:4d} {os.path.relpath(k) if k.startswith(os.sep) else k}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
