@@ -21,8 +21,10 @@ Every count is a count of the host's own work, the same on any machine with thes
   kernels run, so its figure includes its kernels' time: a ceiling of its host work).
 
 The routes run on CPU tensors: triton under ``TRITON_INTERPRET=1``, cuda through the test
-extension ``fusedres._C_cuda_host`` (``FUSEDRES_CUDA_ON_CPU=1``); both are set here before
-fusedres is imported. tests/test_host_cost.py asserts the counts.
+extension ``fusedres._C_cuda_host`` (``FUSEDRES_CUDA_ON_CPU=1``): the script sets both before
+fusedres is imported; a process that imports this module sets them itself (tests/conftest.py
+does; :func:`available` says why a route cannot run). tests/test_host_cost.py asserts the
+counts; benchmarks/test_bench_host.py times the routes with pytest-benchmark.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("FUSEDRES_CUDA_ON_CPU", "1")
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("FUSEDRES_CUDA_ON_CPU", "1")
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -47,9 +50,17 @@ SHAPE = (2, 16, 8, 8)  # N, C, H, W: small, so that the host's work is the step
 
 
 def available(route: str) -> str | None:
-    """None when ``route`` can run here, else why not."""
+    """None when ``route`` can run here, on CPU tensors with its kernels as no-ops, else why
+    not."""
     if route == "plain":
         return None
+    if route == "triton":
+        try:
+            from fusedres.kernels._common import INTERPRET
+        except ImportError as exc:
+            return f"triton's kernels do not import ({exc})"
+        if not INTERPRET:
+            return "the kernels were imported without TRITON_INTERPRET=1 (run on CPU tensors)"
     return fusedres.unavailable_reason(route, "cpu")
 
 
