@@ -26,4 +26,28 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+
+def _handle(op: str, dispatch_key: str = "CPU"):
+    """``torch.ops.fusedres_cpu.<op>.default`` when fusedres._C has its kernel, else None."""
+    if not (_extension.LOADED and _extension.has_kernels(NAMESPACE, dispatch_key, op)):
+        return None
+    return getattr(getattr(torch.ops, NAMESPACE), op).default
+
+
+# The eager routes' ops (csrc/eager.h, schemas: fusedres.opdefs.NAMESPACE_SCHEMAS), bound as op
+# handles: a call is the dispatcher's, no Python frame of ours. None where fusedres._C lacks them.
+# module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
+#   num_batches_tracked, training, momentum, eps, residual, stride, padding, dilation) -> [y], or
+#   [] with nothing touched: the arguments are left to the Python route (its checks word the
+#   error).
+module_unit = _handle("module_unit", "CompositeImplicitAutograd")
+# prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+#   mean=None, var=None) -> (mean, invstd)
+prepare_batch_norm = _handle("prepare_batch_norm")
+# eager_unit_op(*UnitArgs, genstats) -> (y, mean of y, var of y): the unit's C++ autograd node.
+eager_unit_op = _handle("eager_unit")
+# eager_pair(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, stride, padding,
+#   dilation, stride2, padding2, dilation2, batch_stats, genstats) -> (y, y2, mean2, var2)
+eager_pair = _handle("eager_pair")
+
 __getattr__ = _extension.op_handles(__name__, globals(), NAMESPACE)
