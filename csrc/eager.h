@@ -1,6 +1,7 @@
 // The eager routes' C++ layer, written once for every backend whose kernels are C++ functions:
 // the fused unit's autograd rule as C++ autograd nodes (one convolution: UnitNode; two
-// convolutions of one BN-ReLU: PairNode), and a BNReLUConv2d module's forward in one call
+// convolutions of one BN-ReLU: PairNode; the unit handing x on as an identity shortcut:
+// ShortcutNode), and a BNReLUConv2d module's forward in one call
 // (module_unit: prepare_batch_norm, then the unit's node). The cpu backend (csrc/cpu) and both
 // copies of the cuda backend (csrc/cuda/eager.cu: nvcc's and the host layer's) instantiate them
 // with their kernels. Host-only code, plain C++ (nvcc compiles it as host code of eager.cu).
@@ -16,6 +17,7 @@
 //   prepare                  prepare_batch_norm's schema (fusedres/opdefs.py NAMESPACE_SCHEMAS)
 //   forward, genstats        bn_relu_conv2d's and bn_relu_conv2d_genstats's schemas
 //   backward                 bn_relu_conv2d_backward's schema
+//   backward_add             (ShortcutNode only) bn_relu_conv2d_backward_add's schema
 //   kPairKernels             true: pair_forward / pair_backward, the schemas of
 //                            bn_relu_conv2d_pair / _pair_backward, run the pair (one activation
 //                            recompute for both convolutions); false: the pair is two forward
@@ -109,6 +111,40 @@ std::tuple<Tensor, Tensor, Tensor> unit_forward(
           mean.new_empty({0}), mean.new_empty({0})};
 }
 
+// The gradients of a node that UnitNode::forward filled `ctx` for, from grad_out by `backward`
+// (an op with bn_relu_conv2d_backward's schema, asked only for the gradients this backward
+// needs), in the forward's argument order: x, weight, bias, bn_weight, bn_bias, then none for
+// mean and invstd (functions of x when batch_stats: folded into x's gradient), the residual's
+// (grad_out, not scaled), none for the geometry, batch_stats, branch_scale (a random draw) and
+// genstats.
+template <typename Backward>
+variable_list unit_gradients(AutogradContext* ctx, const Tensor& grad_out, Backward&& backward) {
+  const auto saved = ctx->get_saved_variables();
+  const Tensor &x = saved[0], &weight = saved[1], &mean = saved[4], &invstd = saved[5];
+  const OptTensor bn_weight = optional(saved[2]), bn_bias = optional(saved[3]),
+                  branch_scale = optional(saved[6]);
+  variable_list out(14);
+  const std::vector<int64_t> edges = ctx->saved_data["edges"].toIntVector();
+  const auto need = [&](int i) { return edges[i] >= 0 && ctx->needs_input_grad(edges[i]); };
+  const std::array<bool, 5> mask{need(0), need(1), need(2), need(3), need(4)};
+  if (grad_out.defined() && any(mask)) {
+    const std::vector<int64_t> g = ctx->saved_data["geometry"].toIntVector();
+    const c10::IntArrayRef geo(g);
+    auto [gx, gw, gb, gg, gbeta] =
+        backward(grad_out, x, weight, bn_weight, bn_bias, mean, invstd,
+                 c10::fromIntArrayRefSlow(geo.slice(0, 2)),
+                 c10::fromIntArrayRefSlow(geo.slice(2, 2)),
+                 c10::fromIntArrayRefSlow(geo.slice(4, 2)),
+                 ctx->saved_data["batch_stats"].toBool(), mask, branch_scale);
+    const Tensor* r[5] = {&gx, &gw, &gb, &gg, &gbeta};
+    for (int i = 0; i < 5; ++i) {
+      if (mask[i]) out[i] = *r[i];
+    }
+  }
+  if (need(5)) out[7] = grad_out;
+  return out;
+}
+
 // The fused unit's autograd rule (fusedres.ops.unit_setup_context / unit_backward) as a C++
 // node. Self names the node (CppNode<Self>: EagerCpuUnit, EagerCudaUnit). Inputs:
 // bn_relu_conv2d's, then genstats; outputs (y, mean of y, biased var of y), the statistics empty
@@ -149,43 +185,15 @@ struct UnitNode : torch::autograd::Function<Self> {
     return {y, y_mean, y_var};
   }
 
-  // Gradients in the forward's argument order: x, weight, bias, bn_weight, bn_bias, then none
-  // for mean and invstd (functions of x when batch_stats: folded into x's gradient), the
-  // residual's (grad_out, not scaled), none for the geometry, batch_stats, branch_scale (a
-  // random draw) and genstats.
+  // Gradients in the forward's argument order (unit_gradients); the kernels run bare only on a
+  // bare gradient.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const Tensor &x = saved[0], &weight = saved[1], &mean = saved[4], &invstd = saved[5];
-    const OptTensor bn_weight = optional(saved[2]), bn_bias = optional(saved[3]),
-                    branch_scale = optional(saved[6]);
     const Tensor& grad_out = grads[0];
-    variable_list out(14);
-    const std::vector<int64_t> edges = ctx->saved_data["edges"].toIntVector();
-    const auto need = [&](int i) { return edges[i] >= 0 && ctx->needs_input_grad(edges[i]); };
-    const std::array<bool, 5> mask{need(0), need(1), need(2), need(3), need(4)};
-    if (grad_out.defined() && any(mask)) {
-      const std::vector<int64_t> g = ctx->saved_data["geometry"].toIntVector();
-      const c10::IntArrayRef geo(g);
-      const auto args = std::make_tuple(
-          grad_out, x, weight, bn_weight, bn_bias, mean, invstd,
-          c10::fromIntArrayRefSlow(geo.slice(0, 2)), c10::fromIntArrayRefSlow(geo.slice(2, 2)),
-          c10::fromIntArrayRefSlow(geo.slice(4, 2)), ctx->saved_data["batch_stats"].toBool(),
-          mask, branch_scale);
-      Grads5 grads_in;
-      if (bare_gradient(grad_out)) {
-        at::AutoDispatchBelowADInplaceOrView below;
-        grads_in = std::apply(K::backward, args);
-      } else {  // the public op, whose layers handle it (and refuse a double backward)
-        grads_in = std::apply(public_backward, args);
-      }
-      auto [gx, gw, gb, gg, gbeta] = grads_in;
-      const Tensor* r[5] = {&gx, &gw, &gb, &gg, &gbeta};
-      for (int i = 0; i < 5; ++i) {
-        if (mask[i]) out[i] = *r[i];
-      }
+    if (bare_gradient(grad_out)) {
+      at::AutoDispatchBelowADInplaceOrView below;
+      return unit_gradients(ctx, grad_out, K::backward);
     }
-    if (need(5)) out[7] = grad_out;
-    return out;
+    return unit_gradients(ctx, grad_out, public_backward);  // its layers handle the gradient
   }
 };
 
@@ -199,6 +207,84 @@ std::tuple<Tensor, Tensor, Tensor> eager_unit(
   auto out = Node::apply(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
                          padding, dilation, batch_stats, branch_scale, genstats);
   return {out[0], out[1], out[2]};
+}
+
+// The unit that also returns its input x, for a pre-activation unit's identity shortcut (the
+// next unit's residual): eager_unit_with_shortcut, fusedres.ops.EagerCpuUnitWithShortcut's rule.
+// Outputs (y, x as a view, mean of y, biased var of y); no residual, no branch scale. Autograd
+// then sees x used once, and x's two gradients, the shortcut's and the convolution's, are summed
+// in the data-gradient pass of K::backward_add (bn_relu_conv2d_backward_add's schema) instead
+// of by autograd in a pass of its own. x is returned as the input itself: autograd's output
+// wrapping makes it a view whose grad_fn is this node (in-place changes to it are refused, as
+// to a view a Python autograd.Function returns).
+template <typename Self, typename K>
+struct ShortcutNode : torch::autograd::Function<Self> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
+                               const OptTensor& bias, const OptTensor& bn_weight,
+                               const OptTensor& bn_bias, const Tensor& mean,
+                               const Tensor& invstd, const OptTensor& residual, SymInts stride,
+                               SymInts padding, SymInts dilation, bool batch_stats,
+                               const OptTensor& branch_scale, bool genstats) {
+    TORCH_CHECK(!present(residual) && !present(branch_scale),
+                "eager_unit_with_shortcut: residual, branch_scale: must be None (the unit "
+                "returns x for the next unit's residual)");
+    variable_list out = UnitNode<Self, K>::forward(ctx, x, weight, bias, bn_weight, bn_bias,
+                                                   mean, invstd, residual, stride, padding,
+                                                   dilation, batch_stats, branch_scale, genstats);
+    // A gradient no output took stays undefined: y's alone, or the shortcut's alone.
+    ctx->set_materialize_grads(false);
+    return {out[0], x, out[1], out[2]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor &grad_out = grads[0], &grad_short = grads[1];
+    const bool want_x = ctx->needs_input_grad(0);
+    if (!grad_out.defined()) {  // y took no gradient: x's is the shortcut's alone
+      variable_list out(14);
+      if (want_x) out[0] = grad_short;
+      return out;
+    }
+    const bool short_in = grad_short.defined() && want_x;
+    if (!bare_gradient(grad_out) || (grad_short.defined() && !bare_gradient(grad_short))) {
+      // The public op, and the sum autograd would form.
+      variable_list out = unit_gradients(ctx, grad_out, public_backward);
+      if (short_in) out[0] = out[0].defined() ? out[0] + grad_short : grad_short;
+      return out;
+    }
+    at::AutoDispatchBelowADInplaceOrView below;
+    if (!short_in) return unit_gradients(ctx, grad_out, K::backward);
+    return unit_gradients(ctx, grad_out, [&](auto&&... args) {
+      return K::backward_add(std::forward<decltype(args)>(args)..., grad_short);
+    });
+  }
+};
+
+// eager_unit_with_shortcut's backend-key kernel (below autograd): (y, an alias of x, mean of y,
+// biased var of y).
+template <typename K>
+std::tuple<Tensor, Tensor, Tensor, Tensor> shortcut_forward(
+    const Tensor& x, const Tensor& weight, const OptTensor& bias, const OptTensor& bn_weight,
+    const OptTensor& bn_bias, const Tensor& mean, const Tensor& invstd, const OptTensor& residual,
+    SymInts stride, SymInts padding, SymInts dilation, bool batch_stats,
+    const OptTensor& branch_scale, bool genstats) {
+  TORCH_CHECK(!present(residual) && !present(branch_scale),
+              "eager_unit_with_shortcut: residual, branch_scale: must be None (the unit returns "
+              "x for the next unit's residual)");
+  auto [y, m, v] = unit_forward<K>(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
+                                   stride, padding, dilation, batch_stats, branch_scale, genstats);
+  return {std::move(y), x.alias(), std::move(m), std::move(v)};
+}
+
+// eager_unit_with_shortcut's autograd-key kernel: through Node (a ShortcutNode).
+template <typename Node>
+std::tuple<Tensor, Tensor, Tensor, Tensor> eager_unit_with_shortcut(
+    const Tensor& x, const Tensor& weight, const OptTensor& bias, const OptTensor& bn_weight,
+    const OptTensor& bn_bias, const Tensor& mean, const Tensor& invstd, const OptTensor& residual,
+    SymInts stride, SymInts padding, SymInts dilation, bool batch_stats,
+    const OptTensor& branch_scale, bool genstats) {
+  auto out = Node::apply(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
+                         padding, dilation, batch_stats, branch_scale, genstats);
+  return {out[0], out[1], out[2], out[3]};
 }
 
 // ------------------------------------------------------------------------------------ the pair

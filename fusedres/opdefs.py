@@ -109,6 +109,13 @@ NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
             "SymInt[2] padding, SymInt[2] dilation, SymInt[2] stride2, SymInt[2] padding2, "
             "SymInt[2] dilation2, bool batch_stats, bool[5] output_mask) "
             "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"),
+        # eager_unit with x handed on for a pre-activation unit's identity shortcut (the next
+        # unit's residual): (y, x as a view, mean of y, biased var of y), no residual, no branch
+        # scale; x's two gradients summed in bn_relu_conv2d_backward_add's pass
+        # (fusedres.ops.EagerCpuUnitWithShortcut).
+        "eager_unit_with_shortcut": (
+            f"({_UNIT.replace('Tensor x,', 'Tensor(a) x,', 1)}, bool genstats=False) "
+            "-> (Tensor, Tensor(a), Tensor, Tensor)"),
         # bn_relu_conv2d_backward with grad_x_add (x's shape) added to grad_x in its pass:
         # the gradient a pre-activation unit's identity shortcut brings to x.
         "bn_relu_conv2d_backward_add": (

@@ -580,3 +580,58 @@ def test_eager_pair_gradients_by_input_and_when_not_bare(name, wanted):
     by_input = [r1[0] + r2[0], r1[1], r1[2], r2[1], r2[2], r1[3] + r2[3], r1[4] + r2[4]]
     for a, i in zip(got, PAIR_WANTED[wanted]):
         _equal(a.detach(), by_input[i])
+
+
+# ----------------------------------------------------------------- eager_unit_with_shortcut
+
+@pytest.mark.parametrize("use", ["both", "y only", "shortcut only", "create_graph"])
+@pytest.mark.parametrize("genstats", [False, True])
+def test_eager_unit_with_shortcut_is_the_python_node(use, genstats):
+    """fusedres_cpu::eager_unit_with_shortcut (the unit handing x on as a view for the next
+    unit's residual, one C++ node) against fusedres.ops.EagerCpuUnitWithShortcut, the Python
+    node it replaces: y, y's statistics and every gradient bit for bit, x's two gradients summed
+    in the backward's pass (bn_relu_conv2d_backward_add) when both outputs take one; the
+    returned x a view of x that refuses in-place changes, as the Python node's."""
+    backend = _backend("cpu")
+    if backend.eager_unit_with_shortcut is None:
+        pytest.skip("fusedres_cpu has no eager_unit_with_shortcut")
+    c, co = 4, 4
+    g = torch.Generator().manual_seed(13)
+    x = _x((2, c, 5, 5), F64).requires_grad_()
+    w = (torch.randn(co, c, 3, 3, generator=g, dtype=F64) * 0.3).requires_grad_()
+    b = torch.randn(co, generator=g, dtype=F64).requires_grad_()
+    gamma = (torch.rand(c, generator=g, dtype=F64) + 0.5).requires_grad_()
+    beta = torch.randn(c, generator=g, dtype=F64).requires_grad_()
+    mean = torch.randn(c, generator=g, dtype=F64)
+    invstd = torch.rand(c, generator=g, dtype=F64) + 0.5
+    args = UnitArgs(x, w, b, gamma, beta, mean, invstd, None, (1, 1), (1, 1), (1, 1), True)
+    y, short, ym, yv = backend.eager_unit_with_shortcut(*args, genstats)
+    assert "EagerCpuUnitWithShortcut" in y.grad_fn.name() and short.grad_fn is y.grad_fn
+    assert short._base is x and torch.equal(short, x)
+    with fusedres.use_backend("cpu"):
+        out = ops.EagerCpuUnitWithShortcut.apply(*args, genstats)
+    y_ref, short_ref = out[0], out[1]
+    for view in (short, short_ref):
+        with pytest.raises(RuntimeError, match="view"):
+            view.add_(1)
+    _equal(y, y_ref)
+    if genstats:
+        _equal(ym, out[2])
+        _equal(yv, out[3])
+    else:
+        assert ym.numel() == 0 and yv.numel() == 0
+    gen = torch.Generator().manual_seed(3)
+    gy = torch.randn(y.shape, generator=gen, dtype=F64)
+    gs = torch.randn(x.shape, generator=gen, dtype=F64)
+    wrt = [x, w, b, gamma, beta]
+
+    def grads(y_, s_):
+        outs, gouts = {"both": ([y_, s_], [gy, gs]), "y only": ([y_], [gy]),
+                       "shortcut only": ([s_], [gs]), "create_graph": ([y_, s_], [gy, gs])}[use]
+        return torch.autograd.grad(outs, wrt, gouts, allow_unused=True,
+                                   create_graph=use == "create_graph")
+
+    with fusedres.use_backend("cpu"):  # the public backward op routes by the backend in force
+        got, ref = grads(y, short), grads(y_ref, short_ref)
+    for a, b_ in zip(got, ref, strict=True):
+        _equal(None if a is None else a.detach(), None if b_ is None else b_.detach())

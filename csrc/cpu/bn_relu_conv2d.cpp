@@ -1266,7 +1266,8 @@ bn_relu_conv2d_pair_backward(const at::Tensor& grad_out, const at::Tensor& grad_
 // ------------------------------------------------------------- the eager routes (../eager.h)
 
 // The cpu backend's kernels in the shared eager layer: its C++ autograd nodes (EagerCpuUnit,
-// EagerCpuPair: fusedres_cpu::eager_unit, eager_pair) and a module's forward in one call
+// EagerCpuPair, EagerCpuUnitWithShortcut: fusedres_cpu::eager_unit, eager_pair,
+// eager_unit_with_shortcut) and a module's forward in one call
 // (fusedres_cpu::module_unit), which takes float32 and float64 x.
 struct CpuKernels {
   static bool on_device(const at::Tensor& t) { return t.device().is_cpu(); }
@@ -1275,6 +1276,7 @@ struct CpuKernels {
   static constexpr auto forward = &bn_relu_conv2d;
   static constexpr auto genstats = &bn_relu_conv2d_genstats;
   static constexpr auto backward = &bn_relu_conv2d_backward;
+  static constexpr auto backward_add = &bn_relu_conv2d_backward_add;
   // The pair's kernels: one activation recompute for both convolutions, their data gradients
   // summed in cache before the one mask + sums pass and the one data-gradient pass over x.
   static constexpr bool kPairKernels = true;
@@ -1285,6 +1287,8 @@ struct CpuKernels {
 // The nodes' names (CppNode<...::EagerCpuUnit>) say which route built a graph.
 struct EagerCpuUnit : eager::UnitNode<EagerCpuUnit, CpuKernels> {};
 struct EagerCpuPair : eager::PairNode<EagerCpuPair, CpuKernels> {};
+struct EagerCpuUnitWithShortcut
+    : eager::ShortcutNode<EagerCpuUnitWithShortcut, CpuKernels> {};
 
 }  // namespace
 }  // namespace fusedres::cpu
@@ -1298,6 +1302,8 @@ TORCH_LIBRARY_IMPL(fusedres_cpu, Autograd, m) {
   using namespace fusedres::cpu;
   m.impl("eager_unit", &fusedres::eager::eager_unit<EagerCpuUnit>);
   m.impl("eager_pair", &fusedres::eager::eager_pair<EagerCpuPair>);
+  m.impl("eager_unit_with_shortcut",
+         &fusedres::eager::eager_unit_with_shortcut<EagerCpuUnitWithShortcut>);
   m.impl("prepare_batch_norm", &fusedres::eager::prepare_below_autograd<CpuKernels>);
 }
 
@@ -1306,6 +1312,7 @@ TORCH_LIBRARY_IMPL(fusedres_cpu, CPU, m) {
   using namespace fusedres::cpu;
   m.impl("eager_unit", &fusedres::eager::unit_forward<CpuKernels>);
   m.impl("eager_pair", &fusedres::eager::pair_forward<CpuKernels>);
+  m.impl("eager_unit_with_shortcut", &fusedres::eager::shortcut_forward<CpuKernels>);
   m.impl("batch_stats", &fusedres::cpu::batch_stats);
   m.impl("prepare_batch_norm", &fusedres::cpu::prepare_batch_norm);
   m.impl("bn_relu_conv2d", &fusedres::cpu::bn_relu_conv2d);

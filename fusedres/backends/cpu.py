@@ -49,5 +49,8 @@ eager_unit_op = _handle("eager_unit")
 # eager_pair(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, stride, padding,
 #   dilation, stride2, padding2, dilation2, batch_stats, genstats) -> (y, y2, mean2, var2)
 eager_pair = _handle("eager_pair")
+# eager_unit_with_shortcut(*UnitArgs (no residual, no branch_scale), genstats) -> (y, x as a view,
+#   mean of y, var of y): x's two gradients summed in the backward's data-gradient pass.
+eager_unit_with_shortcut = _handle("eager_unit_with_shortcut")
 
 __getattr__ = _extension.op_handles(__name__, globals(), NAMESPACE)
