@@ -26,7 +26,6 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-
 def _handle(op: str, dispatch_key: str = "CPU"):
     """``torch.ops.fusedres_cpu.<op>.default`` when fusedres._C has its kernel, else None."""
     if not (_extension.LOADED and _extension.has_kernels(NAMESPACE, dispatch_key, op)):
