@@ -319,7 +319,7 @@ def conv2d_pair_from_prepared(state: BatchNormState, weight: Tensor, bias: Tenso
     ``return_stats``: the second is ``(y2, stats of y2)`` as
     :func:`conv2d_from_prepared` gives them.
 
-    On the cpu backend in eager mode the two are one autograd node (``ops.EagerCpuPair``):
+    On the cpu backend in eager mode the two are one autograd node (its ``eager_pair``):
     its backward recomputes the activation once and makes one pass over x for the ReLU mask
     and BatchNorm sums and one for the data gradient, as plain PyTorch's one BatchNorm-ReLU
     backward does, instead of two of each. Elsewhere (other backends, autocast, tracing) two
@@ -347,7 +347,7 @@ def conv2d_with_shortcut_from_prepared(state: BatchNormState, weight: Tensor,
     second is ``(y, stats of y)`` as :func:`conv2d_from_prepared` gives them.
 
     On the cpu backend in eager mode the ``x`` returned is a view that the fused op hands out
-    (``ops.EagerCpuUnitWithShortcut``), so that the two gradients of x, the shortcut's and the
+    (its ``eager_unit_with_shortcut``), so that the two gradients of x, the shortcut's and the
     convolution's, are summed in the op's data-gradient pass instead of by autograd in a pass
     of its own. Elsewhere ``x`` itself and :func:`conv2d_from_prepared`."""
     x = state.x
@@ -358,7 +358,7 @@ def conv2d_with_shortcut_from_prepared(state: BatchNormState, weight: Tensor,
                         residual=None, stride=geometry.stride, padding=geometry.padding,
                         dilation=geometry.dilation, batch_stats=state.batch_stats,
                         branch_scale=None)
-        out = with_shortcut(args, return_stats)
+        out = with_shortcut(*args, return_stats)
         return out[1], ((out[0], (out[2], out[3])) if return_stats else out[0])
     return x, conv2d_from_prepared(state, weight, bias, geometry=geometry,
                                    return_stats=return_stats)

@@ -58,32 +58,46 @@ SCHEMAS: dict[str, str] = {
 }
 
 
+# The eager routes' ops, which the C++ backends (fusedres_cpu, fusedres_cuda) define beyond
+# SCHEMAS with the same signatures, from one C++ layer (csrc/eager.h):
+# eager_unit: bn_relu_conv2d with its autograd rule as a C++ node, then genstats: (y, mean of y,
+# biased var of y), the statistics empty unless genstats (fusedres.ops.eager_unit_of).
+# prepare_batch_norm: nn.BatchNorm2d's statistics and running-stats update in one call, (mean,
+# invstd) (fusedres.functional.prepare_batch_norm).
+# module_unit: prepare_batch_norm then eager_unit, a BNReLUConv2d's forward in one call: [y], or
+# [] (nothing touched) for arguments it leaves to the Python checks (fusedres.route).
+# eager_pair: two convolutions of one BN-ReLU (a pre-activation unit's projection shortcut and
+# first convolution) as one C++ autograd node saving x once: (y, y2, mean of y2, biased var of
+# y2), the statistics empty unless genstats; no residual, no branch scale.
+_EAGER_SCHEMAS: dict[str, str] = {
+    "eager_unit": f"({_UNIT}, bool genstats=False) -> (Tensor, Tensor, Tensor)",
+    "prepare_batch_norm": (
+        "(Tensor x, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+        "Tensor(c!)? num_batches_tracked, bool training, float? momentum, float eps, "
+        "Tensor? mean=None, Tensor? var=None) -> (Tensor, Tensor)"),
+    "module_unit": (
+        "(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, "
+        "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, "
+        "bool training, float? momentum, float eps, Tensor? residual, SymInt[2] stride, "
+        "SymInt[2] padding, SymInt[2] dilation) -> Tensor[]"),
+    "eager_pair": (
+        "(Tensor x, Tensor weight, Tensor? bias, Tensor weight2, Tensor? bias2, "
+        "Tensor? bn_weight, Tensor? bn_bias, Tensor mean, Tensor invstd, SymInt[2] stride, "
+        "SymInt[2] padding, SymInt[2] dilation, SymInt[2] stride2, SymInt[2] padding2, "
+        "SymInt[2] dilation2, bool batch_stats, bool genstats) "
+        "-> (Tensor, Tensor, Tensor, Tensor)"),
+}
+
 # Ops that one C++ namespace defines beyond SCHEMAS, used by that backend's own routes only.
 # fusedres_cpu::bn_relu_conv2d_pair: two convolutions of one BN-ReLU (a pre-activation unit's
 # projection shortcut and first convolution), the activation computed once per tile:
 # (y, y2, mean of y2, biased var of y2), the statistics empty unless stats2.
 # fusedres_cpu::bn_relu_conv2d_pair_backward: their backward in one pass over x:
 # (grad_x, grad_weight, grad_bias, grad_weight2, grad_bias2, grad_bn_weight, grad_bn_bias);
-# output_mask: x, both weights, both biases, bn_weight, bn_bias (fusedres.ops.EagerCpuPair).
-# fusedres_cpu::eager_unit: bn_relu_conv2d with its autograd rule as a C++ node, then genstats:
-# (y, mean of y, biased var of y), the statistics empty unless genstats (fusedres.ops.EagerCpuUnit).
-# fusedres_cpu::prepare_batch_norm: nn.BatchNorm2d's statistics and running-stats update in one
-# call, (mean, invstd) (fusedres.functional.prepare_batch_norm on eager CPU tensors).
-# fusedres_cpu::module_unit: prepare_batch_norm then eager_unit, a BNReLUConv2d's forward in one
-# call: [y], or [] (nothing touched) for arguments it leaves to the Python checks
-# (fusedres.ops.module_unit_cpu).
+# output_mask: x, both weights, both biases, bn_weight, bn_bias (the cpu eager_pair's kernels).
 NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
     "fusedres_cpu": {
-        "eager_unit": f"({_UNIT}, bool genstats=False) -> (Tensor, Tensor, Tensor)",
-        "prepare_batch_norm": (
-            "(Tensor x, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
-            "Tensor(c!)? num_batches_tracked, bool training, float? momentum, float eps, "
-            "Tensor? mean=None, Tensor? var=None) -> (Tensor, Tensor)"),
-        "module_unit": (
-            "(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, "
-            "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, "
-            "bool training, float? momentum, float eps, Tensor? residual, SymInt[2] stride, "
-            "SymInt[2] padding, SymInt[2] dilation) -> Tensor[]"),
+        **_EAGER_SCHEMAS,
         "bn_relu_conv2d_pair": (
             "(Tensor x, Tensor weight, Tensor? bias, Tensor weight2, Tensor? bias2, "
             "Tensor? bn_weight, Tensor? bn_bias, Tensor mean, Tensor invstd, SymInt[2] stride, "
@@ -95,6 +109,13 @@ NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
             "SymInt[2] padding, SymInt[2] dilation, SymInt[2] stride2, SymInt[2] padding2, "
             "SymInt[2] dilation2, bool batch_stats, bool[5] output_mask) "
             "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"),
+        # eager_unit with x handed on for a pre-activation unit's identity shortcut (the next
+        # unit's residual): (y, x as a view, mean of y, biased var of y), no residual, no branch
+        # scale; x's two gradients summed in bn_relu_conv2d_backward_add's pass
+        # (fusedres.route: the cpu route's unit_with_shortcut).
+        "eager_unit_with_shortcut": (
+            f"({_UNIT.replace('Tensor x,', 'Tensor(a) x,', 1)}, bool genstats=False) "
+            "-> (Tensor, Tensor(a), Tensor, Tensor)"),
         # bn_relu_conv2d_backward with grad_x_add (x's shape) added to grad_x in its pass:
         # the gradient a pre-activation unit's identity shortcut brings to x.
         "bn_relu_conv2d_backward_add": (
@@ -103,6 +124,7 @@ NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
             "bool batch_stats, bool[5] output_mask, Tensor? branch_scale, Tensor grad_x_add) "
             "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"),
     },
+    "fusedres_cuda": dict(_EAGER_SCHEMAS),
 }
 
 

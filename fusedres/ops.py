@@ -22,9 +22,9 @@ implements the op under the same name with the same arguments. The autograd rule
 (:func:`unit_setup_context`, :func:`unit_backward`) saves ``x``, the conv weight, the BN
 parameters, the per-channel statistics and the (N,) branch scale when there is one, never the
 normalised or activated tensor. The eager routes (:mod:`fusedres.route` decides which runs)
-share that rule: the cpu backend's C++ node (:data:`EagerCpuUnit`), its pair and shortcut
-nodes here, the triton backend's ``EagerTritonUnit``, and :func:`direct_unit` for a backend's own
-ops (cuda; the traced triton unit).
+share that rule: the C++ backends' nodes (csrc/eager.h; :func:`eager_unit_of`), the triton
+backend's ``EagerTritonUnit``, and :func:`direct_unit` for a backend's own ops (the traced
+triton unit).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from .opdefs import (
 )
 from .route import is_eager
 
-__all__ = ["EagerCpuPair", "EagerCpuUnit", "EagerCpuUnitWithShortcut", "batch_stats",
-           "bn_relu_conv2d", "bn_relu_conv2d_backward", "bn_relu_conv2d_genstats", "direct_unit",
-           "unit_backward", "unit_setup_context"]
+__all__ = ["EagerCpuUnit", "batch_stats", "bn_relu_conv2d", "bn_relu_conv2d_backward",
+           "bn_relu_conv2d_genstats", "direct_unit", "eager_unit_of", "unit_backward",
+           "unit_setup_context"]
 
 
 def _backend_for(x: Tensor):
@@ -220,126 +220,21 @@ def direct_unit(name: str, forward, forward_genstats, backward, *,
         "__doc__": f"The fused unit on {forward} and its backward (fusedres.ops.direct_unit)."})
 
 
-def _eager_cpu_unit(op):
+def eager_unit_of(op):
+    """The route's ``unit(args, genstats, affine)`` over ``op``, a C++ backend's ``eager_unit``
+    op (csrc/eager.h: the rule of :func:`unit_setup_context` and :func:`unit_backward` as a
+    C++ autograd node, no Python frame in forward or backward): ``y``, or ``(y, mean, var)`` of
+    y when ``genstats``; ``affine`` is not used (the C++ kernels make it)."""
     def unit(args: UnitArgs, genstats: bool, affine=None):
         y, mean, var = op(*args, genstats)
         return (y, mean, var) if genstats else y
-    unit.__doc__ = (
-        "The fused unit on the cpu backend through ``fusedres_cpu::eager_unit``, whose autograd "
-        "node is C++ (``EagerCpuUnit`` in csrc/cpu/bn_relu_conv2d.cpp: the rule of "
-        ":func:`unit_setup_context` and :func:`unit_backward`, no Python frame in forward or "
-        "backward; a Python ``autograd.Function`` cost a small unit ~50 us a step). "
-        "``EagerCpuUnit(args, genstats)``: ``args`` a :class:`UnitArgs`; returns ``y``, or "
-        "``(y, mean, var)`` of y when ``genstats``.")
     return unit
 
 
+# The cpu backend's eager unit (fusedres_cpu::eager_unit), None without the extension.
 EagerCpuUnit = None
 if _extension.LOADED:  # else the cpu backend never runs (and its namespace may lack the ops)
-    EagerCpuUnit = _eager_cpu_unit(torch.ops.fusedres_cpu.eager_unit.default)
-
-
-class _EagerCpuPair(torch.autograd.Function):
-    """Two convolutions of one BN-ReLU on the cpu backend (a pre-activation unit's projection
-    shortcut and first convolution), one autograd node: ``fusedres_cpu::bn_relu_conv2d_pair``
-    forward (the activation computed once per tile for both) and
-    ``fusedres_cpu::bn_relu_conv2d_pair_backward`` (one recompute of the activation, one
-    ReLU-mask + BatchNorm-sums pass and one data-gradient pass over x, instead of two of each
-    and the sum of two x gradients). Saves x, both weights, the BN parameters and statistics
-    once. ``apply(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, geometry,
-    geometry2, batch_stats, genstats)`` -> ``(y, y2)`` or ``(y, y2, mean2, var2)``
-    (``genstats``: the statistics of ``y2``); geometries are (stride, padding, dilation)
-    triples. No residual, no branch scale."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd,
-                geometry, geometry2, batch_stats, genstats):
-        y, y2, m2, v2 = torch.ops.fusedres_cpu.bn_relu_conv2d_pair(
-            x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, *geometry,
-            *geometry2, genstats)
-        ctx.save_for_backward(x, weight, weight2, bn_weight, bn_bias, mean, invstd)
-        ctx.geometry = (*geometry, *geometry2)
-        ctx.batch_stats = batch_stats
-        ctx.has_bias = (bias is not None, bias2 is not None)
-        if not genstats:
-            return y, y2
-        ctx.mark_non_differentiable(m2, v2)
-        return y, y2, m2, v2
-
-    @staticmethod
-    def backward(ctx, grad, grad2, *_stats_grads):
-        x, weight, weight2, bn_weight, bn_bias, mean, invstd = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        b1, b2 = ctx.has_bias
-        mask = [need[0], need[1] or need[3], (need[2] and b1) or (need[4] and b2),
-                need[5] and bn_weight is not None, need[6] and bn_bias is not None]
-        if not any(mask):
-            return (None,) * 13
-        if _bare(grad, grad2):
-            gx, gw, gb, gw2, gb2, gg, gbeta = torch.ops.fusedres_cpu.bn_relu_conv2d_pair_backward(
-                grad, grad2, x, weight, weight2, bn_weight, bn_bias, mean, invstd,
-                *ctx.geometry, ctx.batch_stats, mask)
-        else:  # the public op once per convolution, the shared gradients summed
-            op = torch.ops.fusedres.bn_relu_conv2d_backward
-            g1, g2 = ctx.geometry[:3], ctx.geometry[3:]
-            gx, gw, gb, gg, gbeta = op(grad, x, weight, bn_weight, bn_bias, mean, invstd, *g1,
-                                       ctx.batch_stats, [mask[0], need[1], need[2] and b1,
-                                                         mask[3], mask[4]])
-            gx2, gw2, gb2, gg2, gbeta2 = op(grad2, x, weight2, bn_weight, bn_bias, mean, invstd,
-                                            *g2, ctx.batch_stats, [mask[0], need[3],
-                                                                   need[4] and b2, mask[3],
-                                                                   mask[4]])
-            gx, gg, gbeta = ((a + b if m else None) for a, b, m in
-                             ((gx, gx2, mask[0]), (gg, gg2, mask[3]), (gbeta, gbeta2, mask[4])))
-        keep = (lambda g, wanted: g if wanted else None)
-        return (keep(gx, need[0]), keep(gw, need[1]), keep(gb, need[2] and b1),
-                keep(gw2, need[3]), keep(gb2, need[4] and b2), keep(gg, mask[3]),
-                keep(gbeta, mask[4]), None, None, None, None, None, None)
-
-
-EagerCpuPair = _EagerCpuPair if _extension.LOADED else None
-
-
-class _EagerCpuUnitWithShortcut(torch.autograd.Function):
-    """The fused unit on the cpu backend that also returns its input ``x`` (a view) for a
-    pre-activation unit's identity shortcut: ``apply(*UnitArgs, genstats)`` (no residual, no
-    branch scale) -> ``(y, x)`` or ``(y, x, mean, var)``. Autograd then sees x used once, and
-    the two gradients of x (the shortcut's, which the unit's last convolution hands back as its
-    residual's, and the convolution's) are summed in the data-gradient pass of
-    ``fusedres_cpu::bn_relu_conv2d_backward_add`` instead of by autograd, which reads both and
-    writes a third tensor of x's size (a new one when the shortcut's gradient is still
-    referenced: the caller's ``backward(grad)``). Saves what :data:`EagerCpuUnit` saves."""
-
-    @staticmethod
-    def forward(ctx, *inputs_and_genstats):
-        *inputs, genstats = inputs_and_genstats
-        unit_setup_context(ctx, inputs, None)
-        ctx.set_materialize_grads(False)
-        x = inputs[0]
-        if not genstats:
-            return torch.ops.fusedres_cpu.bn_relu_conv2d(*inputs), x.view_as(x)
-        y, mean, var = torch.ops.fusedres_cpu.bn_relu_conv2d_genstats(*inputs)
-        ctx.mark_non_differentiable(mean, var)
-        return y, x.view_as(x), mean, var
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_short, *_stats_grads):
-        if grad_out is None:  # y took no gradient: x's is the shortcut's alone
-            return (grad_short, *([None] * len(UnitArgs._fields)))
-        if not _bare(grad_out, grad_short):  # the public op, and autograd's sum
-            grads = list(unit_backward(ctx, grad_out, torch.ops.fusedres.bn_relu_conv2d_backward))
-            gx = grads[_SLOT["x"]]
-            if grad_short is not None:
-                grads[_SLOT["x"]] = grad_short if gx is None else gx + grad_short
-            return (*grads, None)
-        op = torch.ops.fusedres_cpu.bn_relu_conv2d_backward
-        if grad_short is not None and ctx.needs_input_grad[_SLOT["x"]]:
-            def op(*args):
-                return torch.ops.fusedres_cpu.bn_relu_conv2d_backward_add(*args, grad_short)
-        return (*unit_backward(ctx, grad_out, op), None)
-
-
-EagerCpuUnitWithShortcut = _EagerCpuUnitWithShortcut if _extension.LOADED else None
+    EagerCpuUnit = eager_unit_of(torch.ops.fusedres_cpu.eager_unit.default)
 
 
 def _bare(*grads: Tensor | None) -> bool:

@@ -11,7 +11,7 @@ PyTorch ops, a module's forward from checks, preparation and unit).
 =================  ===========  ==========  ===========  ==========  ==========  ===========
 route              module_unit  prepare     unit         pair        shortcut    batch_stats
 =================  ===========  ==========  ===========  ==========  ==========  ===========
-cpu, eager         C++ call     C++ call    C++ node     C++ node    autograd.F  C++ call
+cpu, eager         C++ call     C++ call    C++ node     C++ node    C++ node    C++ call
 cuda, eager        C++ call     C++ call    C++ node     C++ node    --          public op
 triton, eager      --           2 launches  autograd.F   --          --          public op
 triton, compiled   --           --          triton_ops   --          --          triton_op
@@ -20,14 +20,15 @@ public             --           --          public op    --          --         
 
 The names: *C++ call* an op of the backend's namespace (``fusedres_cpu::module_unit``,
 ``prepare_batch_norm``, ``batch_stats``), *C++ node* one whose autograd node is C++
-(``eager_unit``, ``eager_pair``), *autograd.F* a Python ``autograd.Function`` over the
-backend's kernels (fusedres.backends.triton's ``EagerTritonUnit``; fusedres.ops'
-``EagerCpuUnitWithShortcut``), *triton_ops* the ``fusedres_triton`` ops that torch.compile
-decomposes into their kernels on a GPU (``CompiledUnit``), *public op* ``fusedres::<op>``
-(its autograd rule, then the backend's op). *Compiled* is a graph that torch.compile traces
-with the triton backend in force on a GPU; *public* every other call: the portable backend,
-and tracing, dispatch modes, torch.func transforms, empty batches and weights that are
-tensor subclasses on every backend.
+(csrc/eager.h: ``eager_unit``, ``eager_pair``, ``eager_unit_with_shortcut``), *autograd.F* a
+Python ``autograd.Function`` launching the backend's kernels through their plans
+(fusedres.backends.triton's ``EagerTritonUnit``), *2 launches* the statistics and the
+preparation with the fused affine (one when the statistics are given), *triton_ops* the
+``fusedres_triton`` ops that torch.compile decomposes into their kernels on a GPU
+(``CompiledUnit``), *public op* ``fusedres::<op>`` (its autograd rule, then the backend's op).
+*Compiled* is a graph that torch.compile traces with the triton backend in force on a GPU;
+*public* every other call: the portable backend, and tracing, dispatch modes, torch.func
+transforms, empty batches and weights that are tensor subclasses on every backend.
 
 *Eager* is a plain, non-empty tensor outside any trace, dispatch mode or torch.func
 transform, with a plain weight (a tensor or ``nn.Parameter``, not a subclass such as DTensor,
@@ -111,16 +112,18 @@ def _cpu_route() -> Route | None:
     from .backends import cpu
 
     return Route("cpu", ops.EagerCpuUnit, cpu.batch_stats_tuple, module_unit=cpu.module_unit,
-                 prepare_batch_norm=cpu.prepare_batch_norm,
-                 pair=cpu.eager_pair, unit_with_shortcut=cpu.eager_unit_with_shortcut)
+                 prepare_batch_norm=cpu.prepare_batch_norm, pair=cpu.eager_pair,
+                 unit_with_shortcut=cpu.eager_unit_with_shortcut)
 
 
 def _cuda_route() -> Route:
+    from . import ops
     from .backends import cuda
 
-    return Route("cuda", cuda.eager_unit, _public_batch_stats, module_unit=cuda.module_unit,
-                 prepare_batch_norm=cuda.prepare_batch_norm, prepares=cuda.prepares,
-                 pair=cuda.eager_pair)
+    node = cuda.eager_unit_op  # None where the extension lacks the C++ node
+    return Route("cuda", cuda.eager_unit if node is None else ops.eager_unit_of(node),
+                 _public_batch_stats, module_unit=cuda.module_unit,
+                 prepare_batch_norm=cuda.prepare_batch_norm, pair=cuda.eager_pair)
 
 
 def _triton_route() -> Route:

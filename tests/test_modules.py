@@ -149,7 +149,7 @@ def test_identity_unit_matches_plain(backend, name, channels_last):
     if backend == "cpu":
         leaf = x.clone().requires_grad_()
         nodes, edges = _graph(copy.deepcopy(fused)(leaf))  # a copy: its running stats move
-        assert sum(type(n).__name__ == "_EagerCpuUnitWithShortcutBackward" for n in nodes) == 1
+        assert sum("EagerCpuUnitWithShortcut" in n.name() for n in nodes) == 1
         (acc,) = [n for n in nodes if type(n).__name__ == "AccumulateGrad"
                   and n.variable is leaf]
         assert edges[acc] == 1
@@ -225,7 +225,7 @@ def test_projection_unit_matches_plain(backend, name, channels_last):
             if node is not None and node not in nodes:
                 nodes.add(node)
                 todo.extend(f for f, _ in node.next_functions)
-        assert sum(type(n).__name__ == "_EagerCpuPairBackward" for n in nodes) == 1
+        assert sum("EagerCpuPair" in n.name() for n in nodes) == 1
     plain.load_state_dict(fused.state_dict())
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(3, 8, 8, 8, dtype=torch.float64).to(memory_format=fmt)

@@ -29,7 +29,6 @@
 // gradients and the BatchNorm sums all see s[n] * dy. No pass over a whole tensor, nothing
 // saved beyond the (N,) vector.
 #include <ATen/ThreadLocalState.h>
-#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -37,6 +36,8 @@
 #include <cstdlib>
 #include <tuple>
 
+#include "../eager.h"
+#include "../prepare.h"
 #include "common.h"
 
 namespace fusedres::cpu {
@@ -92,9 +93,6 @@ int64_t weight_bytes(const at::Tensor& weight) {
 }
 
 std::vector<int64_t> ints(c10::SymIntArrayRef v) { return C10_AS_INTARRAYREF_SLOW(v).vec(); }
-
-// An optional tensor argument that was given (not None, not an undefined tensor).
-bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
 Layout layout_of(const at::Tensor& x) {
   return suggests_channels_last(x) ? Layout::NHWC : Layout::NCHW;
@@ -406,87 +404,53 @@ void update_running_stats(T* rm, T* rv, const T* mean, const T* var, T* invstd, 
 // statistics of x) or one pass over x, the running statistics updated in place; in eval the
 // running statistics'. The update is the Python rule's sequence of ATen ops (same kernels, same
 // roundings); one call instead of ~10 from Python: ~20 us a BatchNorm (RESULTS.md). Every
-// argument is checked by the caller first; an empty batch stays in Python. Outputs never alias
-// an input (a given mean is copied).
+// argument is checked before anything is written (check_prepare_args); an empty batch stays in
+// Python. Outputs never alias an input (a given mean is copied).
 std::tuple<at::Tensor, at::Tensor> prepare_batch_norm(
     const at::Tensor& x, const std::optional<at::Tensor>& running_mean,
     const std::optional<at::Tensor>& running_var,
     const std::optional<at::Tensor>& num_batches_tracked, bool training,
     std::optional<double> momentum, double eps, const std::optional<at::Tensor>& mean_in,
     const std::optional<at::Tensor>& var_in) {
-  TORCH_CHECK(x.dim() == 4 && x.size(1) > 0 && x.numel() > 0,
-              "fusedres_cpu.prepare_batch_norm: x must be a non-empty 4-D tensor, got shape ",
-              x.sizes());
+  check_prepare_args("fusedres_cpu.prepare_batch_norm", x, running_mean, running_var,
+                     num_batches_tracked, training, momentum, mean_in, var_in);
   const bool tracked = present(running_mean);
-  TORCH_CHECK(tracked == present(running_var),
-              "fusedres_cpu.prepare_batch_norm: running_mean, running_var: give both or neither");
   const at::ScalarType sdt = at::toOpMathType(x.scalar_type());
+  if (!training && tracked) return eval_stats_aten(*running_mean, *running_var, sdt, eps);
   at::Tensor mean, var;
-  if (training || !tracked) {
-    if (present(mean_in) && present(var_in)) {
-      mean = mean_in->clone();
-      var = *var_in;
-    } else {
-      std::tie(mean, var) = batch_stats(x);
-    }
-    if (training && tracked) {
-      const int64_t count = x.numel() / x.size(1);
-      at::Tensor rm = *running_mean, rv = *running_var;
+  if (present(mean_in)) {
+    mean = mean_in->clone();
+    var = *var_in;
+  } else {
+    std::tie(mean, var) = batch_stats(x);
+  }
+  if (training && tracked) {
+    const int64_t count = x.numel() / x.size(1);
+    at::Tensor rm = *running_mean, rv = *running_var;
+    const at::ScalarType st = rm.scalar_type();
+    if (momentum.has_value() && (st == at::kFloat || st == at::kDouble) &&
+        rv.scalar_type() == st && mean.scalar_type() == st && var.scalar_type() == st &&
+        rm.is_contiguous() && rv.is_contiguous() && mean.is_contiguous() &&
+        var.is_contiguous()) {
+      // update_running_stats_aten in one loop (~10 ATen calls fewer), each product and sum
+      // rounded as those calls round them; the invstd too (var + eps, then 1 / sqrt, as
+      // at::rsqrt).
       if (present(num_batches_tracked)) num_batches_tracked->add_(1);
       const double bessel = static_cast<double>(count) / static_cast<double>(count - 1);
-      const at::ScalarType st = rm.scalar_type();
-      if (momentum.has_value() && (st == at::kFloat || st == at::kDouble) &&
-          rv.scalar_type() == st && mean.scalar_type() == st && var.scalar_type() == st &&
-          rm.is_contiguous() && rv.is_contiguous() && mean.is_contiguous() &&
-          var.is_contiguous()) {
-        // The update below in one loop (~10 ATen calls fewer), each product and sum rounded
-        // as those calls round them; the invstd too (var + eps, then 1 / sqrt, as at::rsqrt).
-        at::Tensor invstd = at::empty_like(var);
-        // Counted first, as the in-place ops' would be: a tensor that may not be updated (an
-        // inference tensor outside inference mode) throws here, before anything is written.
-        torch::autograd::impl::bump_version(rm);
-        torch::autograd::impl::bump_version(rv);
-        AT_DISPATCH_FLOATING_TYPES(st, "running_stats", [&] {
-          update_running_stats(rm.data_ptr<scalar_t>(), rv.data_ptr<scalar_t>(),
-                               mean.const_data_ptr<scalar_t>(), var.const_data_ptr<scalar_t>(),
-                               invstd.data_ptr<scalar_t>(), mean.numel(), *momentum, bessel,
-                               eps);
-        });
-        return {mean, invstd};
-      }
-      const at::Tensor unbiased = var * bessel;
-      if (momentum.has_value()) {
-        const double f = *momentum;
-        rm.mul_(1 - f).add_(mean.to(rm.scalar_type()) * f);
-        rv.mul_(1 - f).add_(unbiased.to(rv.scalar_type()) * f);
-      } else {  // cumulative average: 1 / num_batches_tracked, as a tensor (Python: 1.0 / t)
-        TORCH_CHECK(present(num_batches_tracked),
-                    "fusedres_cpu.prepare_batch_norm: num_batches_tracked: required when "
-                    "momentum is None");
-        const at::Tensor f = num_batches_tracked->to(rm.scalar_type()).reciprocal() * 1.0;
-        rm.mul_(at::rsub(f, 1)).add_(mean.to(rm.scalar_type()) * f);
-        rv.mul_(at::rsub(f, 1)).add_(unbiased.to(rv.scalar_type()) * f);
-      }
+      at::Tensor invstd = at::empty_like(var);
+      // Counted as the in-place ops would count them.
+      torch::autograd::impl::bump_version(rm);
+      torch::autograd::impl::bump_version(rv);
+      AT_DISPATCH_FLOATING_TYPES(st, "running_stats", [&] {
+        update_running_stats(rm.data_ptr<scalar_t>(), rv.data_ptr<scalar_t>(),
+                             mean.const_data_ptr<scalar_t>(), var.const_data_ptr<scalar_t>(),
+                             invstd.data_ptr<scalar_t>(), mean.numel(), *momentum, bessel, eps);
+      });
+      return {mean, invstd};
     }
-  } else {
-    mean = running_mean->to(sdt, /*non_blocking=*/false, /*copy=*/true);
-    var = running_var->to(sdt);
+    update_running_stats_aten(rm, rv, num_batches_tracked, mean, var, momentum, count);
   }
   return {mean, at::rsqrt(var + eps)};
-}
-
-// Above autograd (x may require grad; nothing here is differentiated: the unit's backward
-// folds the statistics' gradient into x's): the CPU kernel, with the in-place updates still
-// counted by the running statistics' version counters.
-std::tuple<at::Tensor, at::Tensor> prepare_batch_norm_autograd(
-    const at::Tensor& x, const std::optional<at::Tensor>& running_mean,
-    const std::optional<at::Tensor>& running_var,
-    const std::optional<at::Tensor>& num_batches_tracked, bool training,
-    std::optional<double> momentum, double eps, const std::optional<at::Tensor>& mean_in,
-    const std::optional<at::Tensor>& var_in) {
-  at::AutoDispatchBelowAutograd below;
-  return prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training, momentum,
-                            eps, mean_in, var_in);
 }
 
 // One convolution of a BN-ReLU's activation tiles: its weight, geometry and branch factor.
@@ -1299,240 +1263,56 @@ bn_relu_conv2d_pair_backward(const at::Tensor& grad_out, const at::Tensor& grad_
   return {gx, convs[0].gw, convs[0].gb, convs[1].gw, convs[1].gb, gg, gbeta};
 }
 
-// ---------------------------------------------------------------- the eager unit's autograd node
+// ------------------------------------------------------------- the eager routes (../eager.h)
 
-// fusedres_cpu::eager_unit's forward: (y, mean of y, biased var of y), the statistics empty
-// unless genstats. Registered for the CPU key too: below autograd (inference mode, or no
-// autograd key) it runs alone.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> eager_unit_forward(
-    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
-    const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
-    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
-    bool batch_stats, const std::optional<at::Tensor>& branch_scale, bool genstats) {
-  if (genstats) {
-    return bn_relu_conv2d_genstats(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
-                                   stride, padding, dilation, batch_stats, branch_scale);
-  }
-  return {bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                         padding, dilation, batch_stats, branch_scale),
-          mean.new_empty({0}), mean.new_empty({0})};
-}
-
-// Whether the node's backward may run the kernels on `grad` bare: grad mode off (not a backward
-// that builds a graph: create_graph=True) and a plain tensor (not a batched gradient of
-// autograd.grad(..., is_grads_batched=True) or vmap, not a tensor subclass). Otherwise the public
-// op fusedres::bn_relu_conv2d_backward runs it, as fusedres.ops.direct_unit does in Python.
-bool bare_gradient(const at::Tensor& grad) {
-  constexpr c10::DispatchKeySet layered({c10::DispatchKey::Batched,
-                                         c10::DispatchKey::FuncTorchBatched,
-                                         c10::DispatchKey::Python,
-                                         c10::DispatchKey::Functionalize});
-  return !at::GradMode::is_enabled() && !grad.key_set().has_any(layered);
-}
-
-// The fused unit's autograd rule as a C++ node (fusedres.ops.EagerCpuUnit; the rule of
-// fusedres.ops.unit_setup_context / unit_backward): forward and backward run without a Python
-// frame, the ops below autograd. An autograd.Function in Python cost a small unit ~50 us a
-// training step (its apply, the engine's call into Python, the backward's argument handling):
-// a 16-channel 3x3 unit at N=64, 16x16 takes ~1.3 ms (RESULTS.md). Inputs: bn_relu_conv2d's,
-// then genstats; outputs (y, mean of y, biased var of y), the statistics empty unless genstats
-// and never differentiable.
-struct EagerCpuUnit : public torch::autograd::Function<EagerCpuUnit> {
-  static torch::autograd::variable_list forward(
-      torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-      const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& bn_weight,
-      const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean, const at::Tensor& invstd,
-      const std::optional<at::Tensor>& residual, c10::SymIntArrayRef stride,
-      c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
-      const std::optional<at::Tensor>& branch_scale, bool genstats) {
-    at::AutoDispatchBelowADInplaceOrView below;
-    auto [y, y_mean, y_var] =
-        eager_unit_forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                           padding, dilation, batch_stats, branch_scale, genstats);
-    const at::Tensor none;
-    ctx->save_for_backward({x, weight, bn_weight.value_or(none), bn_bias.value_or(none), mean,
-                            invstd, branch_scale.value_or(none)});
-    ctx->saved_data["stride"] = C10_AS_INTARRAYREF_SLOW(stride).vec();
-    ctx->saved_data["padding"] = C10_AS_INTARRAYREF_SLOW(padding).vec();
-    ctx->saved_data["dilation"] = C10_AS_INTARRAYREF_SLOW(dilation).vec();
-    ctx->saved_data["batch_stats"] = batch_stats;
-    // needs_input_grad counts the tensor inputs only (an absent optional is none): the index of
-    // each input that can take a gradient among them, -1 when absent.
-    int64_t edge = 2;  // x, weight
-    const int64_t e_bias = present(bias) ? edge++ : -1;
-    const int64_t e_g = present(bn_weight) ? edge++ : -1;
-    const int64_t e_beta = present(bn_bias) ? edge++ : -1;
-    edge += 2;  // mean, invstd
-    const int64_t e_res = present(residual) ? edge : -1;
-    ctx->saved_data["edges"] = std::vector<int64_t>{0, 1, e_bias, e_g, e_beta, e_res};
-    ctx->mark_non_differentiable({y_mean, y_var});
-    return {y, y_mean, y_var};
-  }
-
-  // Gradients in the forward's argument order: x, weight, bias, bn_weight, bn_bias, then none
-  // for mean and invstd (functions of x when batch_stats: folded into x's gradient), the
-  // residual's (grad_out, not scaled), none for the geometry, batch_stats, branch_scale (a
-  // random draw) and genstats.
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &mean = saved[4], &invstd = saved[5];
-    const auto opt = [](const at::Tensor& t) {
-      return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-    };
-    const std::optional<at::Tensor> bn_weight = opt(saved[2]), bn_bias = opt(saved[3]),
-                                    branch_scale = opt(saved[6]);
-    const at::Tensor& grad_out = grads[0];
-    torch::autograd::variable_list out(14);
-    const std::vector<int64_t> edges = ctx->saved_data["edges"].toIntVector();
-    const auto need = [&](int i) { return edges[i] >= 0 && ctx->needs_input_grad(edges[i]); };
-    const std::array<bool, 5> mask{need(0), need(1), need(2), need(3), need(4)};
-    if (grad_out.defined() && (mask[0] || mask[1] || mask[2] || mask[3] || mask[4])) {
-      const auto ints = [&](const char* key) { return ctx->saved_data[key].toIntVector(); };
-      const std::vector<int64_t> stride = ints("stride"), padding = ints("padding"),
-                                 dilation = ints("dilation");
-      const auto args = std::make_tuple(
-          grad_out, x, weight, bn_weight, bn_bias, mean, invstd, c10::fromIntArrayRefSlow(stride),
-          c10::fromIntArrayRefSlow(padding), c10::fromIntArrayRefSlow(dilation),
-          ctx->saved_data["batch_stats"].toBool(), mask, branch_scale);
-      std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grads_in;
-      if (bare_gradient(grad_out)) {
-        at::AutoDispatchBelowADInplaceOrView below;
-        grads_in = std::apply(bn_relu_conv2d_backward, args);
-      } else {  // the public op, whose layers handle it (and refuse a double backward)
-        static const auto public_backward =
-            c10::Dispatcher::singleton()
-                .findSchemaOrThrow("fusedres::bn_relu_conv2d_backward", "")
-                .typed<decltype(bn_relu_conv2d_backward)>();
-        grads_in = std::apply(
-            [&](auto&&... a) { return public_backward.call(a...); }, args);
-      }
-      auto [gx, gw, gb, gg, gbeta] = grads_in;
-      const at::Tensor* g[5] = {&gx, &gw, &gb, &gg, &gbeta};
-      for (int i = 0; i < 5; ++i) {
-        if (mask[i]) out[i] = *g[i];
-      }
-    }
-    if (need(5)) out[7] = grad_out;
-    return out;
-  }
+// The cpu backend's kernels in the shared eager layer: its C++ autograd nodes (EagerCpuUnit,
+// EagerCpuPair, EagerCpuUnitWithShortcut: fusedres_cpu::eager_unit, eager_pair,
+// eager_unit_with_shortcut) and a module's forward in one call
+// (fusedres_cpu::module_unit), which takes float32 and float64 x.
+struct CpuKernels {
+  static bool on_device(const at::Tensor& t) { return t.device().is_cpu(); }
+  static bool takes_dtype(at::ScalarType dt) { return dt == at::kFloat || dt == at::kDouble; }
+  static constexpr auto prepare = &prepare_batch_norm;
+  static constexpr auto forward = &bn_relu_conv2d;
+  static constexpr auto genstats = &bn_relu_conv2d_genstats;
+  static constexpr auto backward = &bn_relu_conv2d_backward;
+  static constexpr auto backward_add = &bn_relu_conv2d_backward_add;
+  // The pair's kernels: one activation recompute for both convolutions, their data gradients
+  // summed in cache before the one mask + sums pass and the one data-gradient pass over x.
+  static constexpr bool kPairKernels = true;
+  static constexpr auto pair_forward = &bn_relu_conv2d_pair;
+  static constexpr auto pair_backward = &bn_relu_conv2d_pair_backward;
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> eager_unit(
-    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
-    const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& residual,
-    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
-    bool batch_stats, const std::optional<at::Tensor>& branch_scale, bool genstats) {
-  auto out = EagerCpuUnit::apply(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
-                                 stride, padding, dilation, batch_stats, branch_scale, genstats);
-  return {out[0], out[1], out[2]};
-}
-
-// ------------------------------------------------------ a BNReLUConv2d module's forward, one call
-
-// Whether fusedres_cpu::module_unit runs these arguments: a subset of what the Python checks
-// accept (fusedres.functional.check_conv_args and prepare_batch_norm, which stay the rule and
-// word the errors). Anything else is left to them: module_unit returns no result and has touched
-// nothing. float32 and float64 only, BatchNorm parameters in x's dtype, a residual in the
-// weight's, autocast off.
-bool module_unit_accepts(const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias,
-                         const std::optional<at::Tensor>& bn_weight,
-                         const std::optional<at::Tensor>& bn_bias,
-                         const std::optional<at::Tensor>& running_mean,
-                         const std::optional<at::Tensor>& running_var,
-                         const std::optional<at::Tensor>& num_batches_tracked, bool training,
-                         std::optional<double> momentum, const std::optional<at::Tensor>& residual,
-                         c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
-                         c10::SymIntArrayRef dilation) {
-  const auto dt = x.scalar_type();
-  if (!(x.dim() == 4 && x.device().is_cpu() && (dt == at::kFloat || dt == at::kDouble) &&
-        x.numel() > 0 && weight.dim() == 4 && weight.device().is_cpu() &&
-        weight.scalar_type() == dt && weight.size(0) > 0 && weight.size(1) == x.size(1))) {
-    return false;
-  }
-  if (at::autocast::is_autocast_enabled(c10::DeviceType::CPU)) return false;
-  const int64_t C = x.size(1), Co = weight.size(0);
-  const auto vector_of = [&](const std::optional<at::Tensor>& t, int64_t n, bool same_dtype) {
-    return !present(t) || (t->dim() == 1 && t->size(0) == n && t->device().is_cpu() &&
-                           (same_dtype ? t->scalar_type() == dt : t->is_floating_point()));
-  };
-  if (!(vector_of(bias, Co, true) && vector_of(bn_weight, C, true) &&
-        vector_of(bn_bias, C, true) && vector_of(running_mean, C, false) &&
-        vector_of(running_var, C, false))) {
-    return false;
-  }
-  const bool tracked = present(running_mean);
-  if (tracked != present(running_var)) return false;
-  if (training && tracked && !momentum.has_value() && !present(num_batches_tracked)) return false;
-  if ((training || !tracked) && x.numel() / C <= 1) return false;
-  const auto s = C10_AS_INTARRAYREF_SLOW(stride), p = C10_AS_INTARRAYREF_SLOW(padding),
-             d = C10_AS_INTARRAYREF_SLOW(dilation);
-  if (s.size() != 2 || p.size() != 2 || d.size() != 2) return false;
-  for (int i = 0; i < 2; ++i) {
-    if (s[i] < 1 || p[i] < 0 || d[i] < 1) return false;
-    if (conv_out_size(x.size(2 + i), weight.size(2 + i), s[i], p[i], d[i]) <= 0) return false;
-  }
-  if (present(residual)) {
-    const std::vector<int64_t> shape = out_shape(x, weight, s.vec(), p.vec(), d.vec());
-    if (!(residual->device().is_cpu() && residual->scalar_type() == dt &&
-          residual->sizes() == c10::IntArrayRef(shape))) {
-      return false;
-    }
-  }
-  return true;
-}
-
-// BNReLUConv2d's forward on the cpu backend in one call (fusedres.modules.BNReLUConv2d): the
-// BatchNorm's statistics and running-statistics update (prepare_batch_norm), then the fused unit
-// with its C++ autograd node (eager_unit). The Python route's checks, preparation and argument
-// handling cost a small unit ~50 us a forward (RESULTS.md, "A module's forward in one call").
-// Returns [y], or [] when module_unit_accepts does not take the arguments (nothing touched).
-std::vector<at::Tensor> module_unit(
-    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
-    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
-    const std::optional<at::Tensor>& num_batches_tracked, bool training,
-    std::optional<double> momentum, double eps, const std::optional<at::Tensor>& residual,
-    c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation) {
-  if (!module_unit_accepts(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-                           num_batches_tracked, training, momentum, residual, stride, padding,
-                           dilation)) {
-    return {};
-  }
-  at::Tensor mean, invstd;
-  {
-    at::AutoDispatchBelowAutograd below;
-    std::tie(mean, invstd) = prepare_batch_norm(x, running_mean, running_var, num_batches_tracked,
-                                                training, momentum, eps, std::nullopt,
-                                                std::nullopt);
-  }
-  const bool batch_stats = training || !present(running_mean);
-  if (!at::GradMode::is_enabled()) {  // no graph to record (and inference tensors stay unsaved)
-    at::AutoDispatchBelowADInplaceOrView below;
-    return {bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                           padding, dilation, batch_stats, std::nullopt)};
-  }
-  return {std::get<0>(eager_unit(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
-                                 stride, padding, dilation, batch_stats, std::nullopt, false))};
-}
+// The nodes' names (CppNode<...::EagerCpuUnit>) say which route built a graph.
+struct EagerCpuUnit : eager::UnitNode<EagerCpuUnit, CpuKernels> {};
+struct EagerCpuPair : eager::PairNode<EagerCpuPair, CpuKernels> {};
+struct EagerCpuUnitWithShortcut
+    : eager::ShortcutNode<EagerCpuUnitWithShortcut, CpuKernels> {};
 
 }  // namespace
 }  // namespace fusedres::cpu
 
 TORCH_LIBRARY_IMPL(fusedres_cpu, CompositeImplicitAutograd, m) {
-  m.impl("module_unit", &fusedres::cpu::module_unit);
+  using namespace fusedres::cpu;
+  m.impl("module_unit", &fusedres::eager::module_unit<CpuKernels, EagerCpuUnit>);
 }
 
 TORCH_LIBRARY_IMPL(fusedres_cpu, Autograd, m) {
-  m.impl("eager_unit", &fusedres::cpu::eager_unit);
-  m.impl("prepare_batch_norm", &fusedres::cpu::prepare_batch_norm_autograd);
+  using namespace fusedres::cpu;
+  m.impl("eager_unit", &fusedres::eager::eager_unit<EagerCpuUnit>);
+  m.impl("eager_pair", &fusedres::eager::eager_pair<EagerCpuPair>);
+  m.impl("eager_unit_with_shortcut",
+         &fusedres::eager::eager_unit_with_shortcut<EagerCpuUnitWithShortcut>);
+  m.impl("prepare_batch_norm", &fusedres::eager::prepare_below_autograd<CpuKernels>);
 }
 
+// Below autograd (inference mode, or no autograd key) the eager ops run their forward alone.
 TORCH_LIBRARY_IMPL(fusedres_cpu, CPU, m) {
-  m.impl("eager_unit", &fusedres::cpu::eager_unit_forward);
+  using namespace fusedres::cpu;
+  m.impl("eager_unit", &fusedres::eager::unit_forward<CpuKernels>);
+  m.impl("eager_pair", &fusedres::eager::pair_forward<CpuKernels>);
+  m.impl("eager_unit_with_shortcut", &fusedres::eager::shortcut_forward<CpuKernels>);
   m.impl("batch_stats", &fusedres::cpu::batch_stats);
   m.impl("prepare_batch_norm", &fusedres::cpu::prepare_batch_norm);
   m.impl("bn_relu_conv2d", &fusedres::cpu::bn_relu_conv2d);

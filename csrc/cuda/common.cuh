@@ -85,29 +85,31 @@ __device__ __forceinline__ T* fusedres_dynamic_shared() {
 #endif
 
 // The kernel file's registrations for fusedres_cuda (schemas: fusedres/opdefs.py), for CUDA or
-// CPU; one per kernel file. nvcc's copy registers as fusedres._C loads (TORCH_LIBRARY_IMPL), and
-// fusedres._extension defines the schemas after that import. The host copy, in the test extension
-// fusedres._C_cuda_host that is imported after the schemas exist, registers from its PyInit inside
-// a try block (host/module.cpp): a C++ signature that differs from its schema becomes an
-// ImportError there, where a static registration would abort the process inside the loader.
+// CPU; one per kernel file and key. nvcc's copy registers as fusedres._C loads
+// (TORCH_LIBRARY_IMPL), and fusedres._extension defines the schemas after that import. The host
+// copy, in the test extension fusedres._C_cuda_host that is imported after the schemas exist,
+// registers from its PyInit inside a try block (host/module.cpp): a C++ signature that differs
+// from its schema becomes an ImportError there, where a static registration would abort the
+// process inside the loader.
+// FUSEDRES_CUDA_LIBRARY_IMPL_AT(KEY, m) registers for another key: FUSEDRES_CUDA_AUTOGRAD_KEY,
+// the autograd key of this copy's device (AutogradCUDA, AutogradCPU), where the eager routes'
+// autograd nodes go (eager.cu). A key of the copy's own device, not the Autograd alias: with
+// both extensions loaded (a GPU machine running the host copy's tests) each copy's nodes take
+// its own device's tensors, and neither registration overrides the other.
 #if defined(__CUDACC__)
-#define FUSEDRES_CUDA_LIBRARY_IMPL(m) TORCH_LIBRARY_IMPL(fusedres_cuda, FUSEDRES_CUDA_KEY, m)
+#define FUSEDRES_CUDA_AUTOGRAD_KEY AutogradCUDA
+#define FUSEDRES_CUDA_LIBRARY_IMPL_AT(KEY, m) TORCH_LIBRARY_IMPL(fusedres_cuda, KEY, m)
 #else
-namespace fusedres_host {
-using Registration = void (*)(torch::Library&);
-// Every FUSEDRES_CUDA_LIBRARY_IMPL of the host copy, in load order (runtime.cpp).
-std::vector<Registration>& registrations();
-inline bool add_registration(Registration r) {
-  registrations().push_back(r);
-  return true;
-}
-}  // namespace fusedres_host
-#define FUSEDRES_CUDA_LIBRARY_IMPL(m)                                         \
-  static void C10_CONCATENATE(fusedres_register_, __LINE__)(torch::Library&); \
+#define FUSEDRES_CUDA_AUTOGRAD_KEY AutogradCPU
+#include "host/registrations.h"
+#define FUSEDRES_CUDA_LIBRARY_IMPL_AT(KEY, m)                                          \
+  static void C10_CONCATENATE(fusedres_register_, __LINE__)(torch::Library&);          \
   [[maybe_unused]] static const bool C10_CONCATENATE(fusedres_registered_, __LINE__) = \
-      fusedres_host::add_registration(&C10_CONCATENATE(fusedres_register_, __LINE__)); \
+      fusedres_host::add_registration(c10::DispatchKey::KEY,                          \
+                                      &C10_CONCATENATE(fusedres_register_, __LINE__)); \
   static void C10_CONCATENATE(fusedres_register_, __LINE__)(torch::Library & m)
 #endif
+#define FUSEDRES_CUDA_LIBRARY_IMPL(m) FUSEDRES_CUDA_LIBRARY_IMPL_AT(FUSEDRES_CUDA_KEY, m)
 
 // float, double, half, bfloat16 (scalar_t = float, double, at::Half, at::BFloat16).
 #define FUSEDRES_DISPATCH_FLOATING(TYPE, NAME, ...) \
@@ -225,5 +227,19 @@ struct Moments {
     }
   }
 };
+
+// ----------------------------------------------------------------------------- rounding
+
+// One IEEE operation rounded to nearest even, never contracted into an FMA with a neighbouring
+// multiply or add (nvcc contracts a * b + c by default, rounding once): what one ATen
+// elementwise op computes, for kernels that must reproduce a sequence of them bit for bit.
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
 
 }  // namespace fusedres::FUSEDRES_CUDA_NS

@@ -14,6 +14,14 @@ namespace fusedres::FUSEDRES_CUDA_NS {
 // batch_stats.cu: per-channel (mean, biased var) of x over (N, H, W), float32 (float64 for
 // float64 x).
 std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x);
+// batch_stats.cu: nn.BatchNorm2d's statistics and running-statistics update, (mean, invstd) in
+// the statistics dtype (the schema of fusedres_cpu::prepare_batch_norm).
+std::tuple<at::Tensor, at::Tensor> prepare_batch_norm(
+    const at::Tensor& x, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var,
+    const std::optional<at::Tensor>& num_batches_tracked, bool training,
+    std::optional<double> momentum, double eps, const std::optional<at::Tensor>& mean,
+    const std::optional<at::Tensor>& var);
 
 // bn_relu_conv2d.cu: the fused unit's forward, y = conv2d(relu(scale * x + shift), weight) +
 // bias + residual (scale, shift from bn_weight, bn_bias, mean, invstd); with branch_scale (N,),

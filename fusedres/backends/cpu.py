@@ -26,38 +26,36 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def _handle(op: str, dispatch_key: str = "CPU"):
+    """``torch.ops.fusedres_cpu.<op>.default`` when fusedres._C has its kernel, else None."""
+    if not (_extension.LOADED and _extension.has_kernels(NAMESPACE, dispatch_key, op)):
+        return None
+    return getattr(getattr(torch.ops, NAMESPACE), op).default
+
+
+# The eager routes' ops (csrc/eager.h, schemas: fusedres.opdefs.NAMESPACE_SCHEMAS), bound as op
+# handles: a call is the dispatcher's, no Python frame of ours. None where fusedres._C lacks them.
+# module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
+#   num_batches_tracked, training, momentum, eps, residual, stride, padding, dilation) -> [y], or
+#   [] with nothing touched: the arguments are left to the Python route (its checks word the
+#   error).
+module_unit = _handle("module_unit", "CompositeImplicitAutograd")
+# prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+#   mean=None, var=None) -> (mean, invstd)
+prepare_batch_norm = _handle("prepare_batch_norm")
+# eager_unit_op(*UnitArgs, genstats) -> (y, mean of y, var of y): the unit's C++ autograd node.
+eager_unit_op = _handle("eager_unit")
+# eager_pair(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, stride, padding,
+#   dilation, stride2, padding2, dilation2, batch_stats, genstats) -> (y, y2, mean2, var2)
+eager_pair = _handle("eager_pair")
+# eager_unit_with_shortcut(*UnitArgs (no residual, no branch_scale), genstats) -> (y, x as a view,
+#   mean of y, var of y): x's two gradients summed in the backward's data-gradient pass.
+eager_unit_with_shortcut = _handle("eager_unit_with_shortcut")
+
 __getattr__ = _extension.op_handles(__name__, globals(), NAMESPACE)
 
 
-# The eager route's entry points (fusedres.route): op handles, no Python layer between.
-module_unit = prepare_batch_norm = batch_stats_op = None
-if _extension.LOADED:  # else the cpu backend never runs (and its namespace may lack the ops)
-    _ns = torch.ops.fusedres_cpu
-    module_unit = _ns.module_unit.default
-    prepare_batch_norm = _ns.prepare_batch_norm.default
-    batch_stats_op = _ns.batch_stats.default
-
 
 def batch_stats_tuple(x):
-    """``(mean, var)`` of x from the C++ kernel, as a tuple."""
-    return tuple(batch_stats_op(x))
-
-
-def eager_pair(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, stride,
-               padding, dilation, stride2, padding2, dilation2, batch_stats, genstats):
-    """Two convolutions of one BN-ReLU as one autograd node (fusedres.ops.EagerCpuPair):
-    ``(y, y2, mean of y2, var of y2)``, the statistics None unless ``genstats``."""
-    from ..ops import EagerCpuPair
-
-    out = EagerCpuPair.apply(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd,
-                             (stride, padding, dilation), (stride2, padding2, dilation2),
-                             batch_stats, genstats)
-    return out if genstats else (out[0], out[1], None, None)
-
-
-def eager_unit_with_shortcut(args, genstats):
-    """The unit handing out a view of x as the identity shortcut, whose gradient its backward
-    adds into x's in the data-gradient pass (fusedres.ops.EagerCpuUnitWithShortcut)."""
-    from ..ops import EagerCpuUnitWithShortcut
-
-    return EagerCpuUnitWithShortcut.apply(*args, genstats)
+    """``(mean, var)`` of x from the C++ kernel, as a tuple (fusedres.route's batch_stats)."""
+    return tuple(torch.ops.fusedres_cpu.batch_stats.default(x))

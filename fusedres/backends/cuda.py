@@ -58,16 +58,13 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-# The eager route's C++ entry points (fusedres.route); None until the extension provides them.
-module_unit = prepare_batch_norm = prepares = eager_pair = None
-
 _EAGER_UNIT = None
 
 
 def eager_unit(args: UnitArgs, genstats: bool, affine=None):
-    """The fused unit in eager mode (fusedres.functional): an ``autograd.Function`` over this
-    backend's ops, without the public op's layers (its dispatch, autograd wrapper and routing).
-    Returns ``y``, or ``(y, mean, var)`` of y when ``genstats``."""
+    """The fused unit in eager mode where the extension lacks the C++ node (``eager_unit_op``):
+    an ``autograd.Function`` over this backend's ops, without the public op's layers. Returns
+    ``y``, or ``(y, mean, var)`` of y when ``genstats``."""
     global _EAGER_UNIT
     if _EAGER_UNIT is None:  # the op handles exist once the extension has loaded them
         from ..ops import direct_unit
@@ -78,4 +75,39 @@ def eager_unit(args: UnitArgs, genstats: bool, affine=None):
     return _EAGER_UNIT.apply(*args, genstats)
 
 
-__getattr__ = _extension.op_handles(__name__, globals(), NAMESPACE)
+# The eager routes' ops (csrc/eager.h via csrc/cuda/eager.cu; schemas:
+# fusedres.opdefs.NAMESPACE_SCHEMAS), as op handles ``torch.ops.fusedres_cuda.<op>.default``: a
+# call is the dispatcher's, no Python frame of ours. None where no extension has their kernels
+# (fusedres._C built with CUDA; with FUSEDRES_CUDA_ON_CPU=1 the test extension). Each is looked up
+# on first use (the test extension loads then), then kept in the module.
+#   module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
+#     num_batches_tracked, training, momentum, eps, residual, stride, padding, dilation) -> [y],
+#     or [] with nothing touched: the arguments are left to the Python route.
+#   prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training, momentum,
+#     eps, mean=None, var=None) -> (mean, invstd)
+#   eager_unit_op(*UnitArgs, genstats) -> (y, mean of y, var of y): the C++ autograd node.
+#   eager_pair(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, stride,
+#     padding, dilation, stride2, padding2, dilation2, batch_stats, genstats) -> (y, y2, mean2,
+#     var2)
+_EAGER_HANDLES = {"module_unit": "module_unit", "prepare_batch_norm": "prepare_batch_norm",
+                  "eager_unit_op": "eager_unit", "eager_pair": "eager_pair"}
+
+
+def _eager_handle(op: str):
+    if _extension.LOADED and _extension.has_kernels(NAMESPACE, "CUDA", op):
+        return getattr(getattr(torch.ops, NAMESPACE), op).default
+    if ON_CPU and _extension.load_cuda_host() is None and _extension.has_kernels(
+            NAMESPACE, "CPU", op):
+        return getattr(getattr(torch.ops, NAMESPACE), op).default
+    return None
+
+
+_op_handle = _extension.op_handles(__name__, globals(), NAMESPACE)
+
+
+def __getattr__(name: str):
+    if name in _EAGER_HANDLES:
+        handle = _eager_handle(_EAGER_HANDLES[name])
+        globals()[name] = handle  # later lookups find it directly
+        return handle
+    return _op_handle(name)

@@ -8,8 +8,9 @@ themselves. Eager code (fusedres.route) takes a shorter route to the same launch
 :class:`EagerTritonUnit` (an ``autograd.Function`` over them), :func:`prepare_affine` and
 :func:`module_unit`; every launch through its plan (kernels/: config, grid and arguments fixed
 per shapes, strides, dtypes and alignments; on a GPU, straight to the compiled launcher after
-the JIT's first launch). Under ``TRITON_INTERPRET=1`` (CPU tensors) the ops run eagerly; they cannot be traced
-with fake tensors there, so torch.compile is tested through the other backends' ops.
+the JIT's first launch). Under ``TRITON_INTERPRET=1`` (CPU tensors) the ops run eagerly; they
+cannot be traced with fake tensors there, so torch.compile is tested through the other
+backends' ops.
 """
 
 import functools
@@ -381,8 +382,8 @@ class EagerTritonUnit(torch.autograd.Function):
 
 
 def eager_unit(args: UnitArgs, genstats: bool, affine=None):
-    """:class:`EagerTritonUnit` on ``args`` (eager tensors), or the public op for the cases the kernels
-    leave to the portable code. Returns ``y``, or ``(y, mean, var)`` of y when ``genstats``.
+    """:class:`EagerTritonUnit` on ``args`` (eager tensors), or the public op for the cases the
+    kernels leave to the portable code. Returns ``y``, or ``(y, mean, var)`` of y when ``genstats``.
     ``affine``: (scale, shift) from the preparation, or None."""
     if _forward_portable_case(args):
         op = (torch.ops.fusedres.bn_relu_conv2d_genstats if genstats

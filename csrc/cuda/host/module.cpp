@@ -13,9 +13,7 @@
 #include <string>
 #include <vector>
 
-namespace fusedres_host {
-std::vector<void (*)(torch::Library&)>& registrations();
-}
+#include "registrations.h"
 
 extern "C" {
 PyMODINIT_FUNC PyInit__C_cuda_host(void) {
@@ -24,14 +22,24 @@ PyMODINIT_FUNC PyInit__C_cuda_host(void) {
       "fusedres test extension: csrc/cuda executed on CPU (fusedres_cuda ops, CPU key)", -1,
       nullptr};
   // The dispatcher checks each function against the schema already defined and throws on a
-  // mismatch; the library is then destroyed, which undoes the registrations made before it.
-  static std::unique_ptr<torch::Library> library;
-  if (!library) {
+  // mismatch; the libraries are then destroyed, which undoes the registrations made before it.
+  // One library per dispatch key (a library registers for its own key only).
+  static std::vector<std::unique_ptr<torch::Library>> libraries;
+  if (libraries.empty()) {
     try {
-      auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "fusedres_cuda",
-                                                  c10::DispatchKey::CPU, __FILE__, __LINE__);
-      for (auto reg : fusedres_host::registrations()) reg(*lib);
-      library = std::move(lib);
+      std::vector<std::unique_ptr<torch::Library>> libs;
+      std::vector<c10::DispatchKey> keys;
+      for (const auto& reg : fusedres_host::registrations()) {
+        size_t i = 0;
+        while (i < keys.size() && keys[i] != reg.key) ++i;
+        if (i == keys.size()) {
+          keys.push_back(reg.key);
+          libs.push_back(std::make_unique<torch::Library>(
+              torch::Library::IMPL, "fusedres_cuda", reg.key, __FILE__, __LINE__));
+        }
+        reg.fn(*libs[i]);
+      }
+      libraries = std::move(libs);
     } catch (const std::exception& e) {
       const std::string what = e.what();
       PyErr_SetString(PyExc_ImportError,

@@ -26,17 +26,15 @@
 #include <ucontext.h>
 #endif
 
-namespace torch {
-class Library;
-}
+#include "registrations.h"
 
 namespace fusedres_host {
 
 thread_local Thread* tls_thread = nullptr;
 
 // The host copy's fusedres_cuda registrations (../common.cuh), run by host/module.cpp.
-std::vector<void (*)(torch::Library&)>& registrations() {
-  static std::vector<void (*)(torch::Library&)> all;
+std::vector<Registration>& registrations() {
+  static std::vector<Registration> all;
   return all;
 }
 

@@ -355,13 +355,36 @@ template <typename T>
 inline T __ldg(const T* p) {
   return *p;
 }
+// rsqrt as ATen's CPU kernel computes torch.rsqrt: 1 / sqrt, each correctly rounded (CUDA's
+// rsqrtf is an approximation: the host copy matches the CPU tensors' ATen, not a GPU's bits).
+// float stays float: rsqrt(double) on a float would round once where 1.0f / sqrtf rounds twice.
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline double __drcp_rn(double x) { return 1.0 / x; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline double __fma_rn(double a, double b, double c) { return std::fma(a, b, c); }
+// Separately rounded IEEE operations, which nvcc never contracts into an FMA with a
+// neighbouring multiply or add. The host compiler would (-ffp-contract=fast with FMA
+// instructions, -march=native): the operands and the result pass through volatile, so that
+// nothing outside the call can fuse with the operation inside it.
+#define FUSEDRES_HOST_RN(name, T, op)          \
+  inline T name(T a, T b) {                     \
+    const volatile T va = a, vb = b;            \
+    const volatile T r = va op vb;              \
+    return r;                                   \
+  }
+FUSEDRES_HOST_RN(__fadd_rn, float, +)
+FUSEDRES_HOST_RN(__fsub_rn, float, -)
+FUSEDRES_HOST_RN(__fmul_rn, float, *)
+FUSEDRES_HOST_RN(__fdiv_rn, float, /)
+FUSEDRES_HOST_RN(__dadd_rn, double, +)
+FUSEDRES_HOST_RN(__dsub_rn, double, -)
+FUSEDRES_HOST_RN(__dmul_rn, double, *)
+FUSEDRES_HOST_RN(__ddiv_rn, double, /)
+#undef FUSEDRES_HOST_RN
 inline float __int_as_float(int v) { return std::bit_cast<float>(v); }
 inline int __float_as_int(float v) { return std::bit_cast<int>(v); }
 inline unsigned __float_as_uint(float v) { return std::bit_cast<unsigned>(v); }
