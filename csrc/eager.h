@@ -117,6 +117,18 @@ std::tuple<Tensor, Tensor, Tensor> unit_forward(
 // mean and invstd (functions of x when batch_stats: folded into x's gradient), the residual's
 // (grad_out, not scaled), none for the geometry, batch_stats, branch_scale (a random draw) and
 // genstats.
+// `kernel` called below autograd. A backward enters that guard only around its kernels, after
+// unpacking its saved tensors: an unpack may run code that records autograd (the forward that
+// torch.utils.checkpoint's non-reentrant mode recomputes, which must save its tensors again);
+// under the guard that code's ops would skip their autograd kernels and save nothing.
+template <typename Kernel>
+auto below_autograd(Kernel&& kernel) {
+  return [k = std::decay_t<Kernel>(kernel)](auto&&... args) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return k(std::forward<decltype(args)>(args)...);
+  };
+}
+
 template <typename Backward>
 variable_list unit_gradients(AutogradContext* ctx, const Tensor& grad_out, Backward&& backward) {
   const auto saved = ctx->get_saved_variables();
@@ -189,10 +201,7 @@ struct UnitNode : torch::autograd::Function<Self> {
   // bare gradient.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor& grad_out = grads[0];
-    if (bare_gradient(grad_out)) {
-      at::AutoDispatchBelowADInplaceOrView below;
-      return unit_gradients(ctx, grad_out, K::backward);
-    }
+    if (bare_gradient(grad_out)) return unit_gradients(ctx, grad_out, below_autograd(K::backward));
     return unit_gradients(ctx, grad_out, public_backward);  // its layers handle the gradient
   }
 };
@@ -251,9 +260,9 @@ struct ShortcutNode : torch::autograd::Function<Self> {
       if (short_in) out[0] = out[0].defined() ? out[0] + grad_short : grad_short;
       return out;
     }
-    at::AutoDispatchBelowADInplaceOrView below;
-    if (!short_in) return unit_gradients(ctx, grad_out, K::backward);
+    if (!short_in) return unit_gradients(ctx, grad_out, below_autograd(K::backward));
     return unit_gradients(ctx, grad_out, [&](auto&&... args) {
+      at::AutoDispatchBelowADInplaceOrView below;
       return K::backward_add(std::forward<decltype(args)>(args)..., grad_short);
     });
   }

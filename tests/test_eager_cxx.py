@@ -670,3 +670,30 @@ def test_eager_unit_with_shortcut_is_its_kernels(use, genstats):
             ref[0] = ref[0] + gs
     for a, b_ in zip(got, ref, strict=True):
         _equal(None if a is None else a.detach(), None if b_ is None else b_.detach())
+
+
+# ----------------------------------------------------------------- checkpointing
+
+@pytest.mark.parametrize("kind", ["unit", "identity block", "projection block"])
+def test_nodes_recompute_under_checkpoint(name, kind):
+    """torch.utils.checkpoint (non-reentrant) of a module on the eager route: the backward of
+    a C++ node unpacks its saved tensors, which recomputes the forward, before it runs its
+    kernels below autograd (recomputed under that guard, the nodes saved nothing: "a different
+    number of tensors was saved"); the gradients equal the module's without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    from fusedres.modules import BasicBlock
+
+    _backend(name)
+    torch.manual_seed(0)
+    m = (fusedres.BNReLUConv2d(4, 4, 3, padding=1) if kind == "unit"
+         else BasicBlock(4, 4 if kind == "identity block" else 6)).double()
+    m_ref = copy.deepcopy(m)
+    x = _x((2, 4, 5, 5), F64).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    with fusedres.use_backend(name):
+        checkpoint(m, x, use_reentrant=False).square().sum().backward()
+        m_ref(x_ref).square().sum().backward()
+    for a, b in zip([x.grad, *[p.grad for p in m.parameters()]],
+                    [x_ref.grad, *[p.grad for p in m_ref.parameters()]]):
+        _equal(a, b)
