@@ -36,9 +36,9 @@ import statistics
 import sys
 import time
 
-if __name__ == "__main__":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("FUSEDRES_CUDA_ON_CPU", "1")
+if __name__ == "__main__":  # set before fusedres reads them (a default; not a read)
+    for _name in ("TRITON_INTERPRET", "FUSEDRES_CUDA_ON_CPU"):
+        os.environ.setdefault(_name, "1")
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402

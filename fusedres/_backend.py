@@ -120,3 +120,17 @@ def resolve_backend(device: torch.device) -> str:
             stacklevel=3,
         )
     return candidate
+
+
+_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def is_eager(x) -> bool:
+    """A plain, non-empty tensor in eager mode: no tracing, no dispatch mode, no torch.func
+    transform, not a batched gradient (``autograd.grad(..., is_grads_batched=True)`` runs the
+    backward on legacy-vmap tensors, with no transform active): what the eager routes need."""
+    return not (torch.compiler.is_compiling()  # first: nothing below becomes a guard
+                or type(x) is not torch.Tensor or x.numel() == 0 or _dispatch_depth()
+                or _transforms_active() or _is_legacy_batched(x))

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from . import _backend, _extension
+from ._backend import is_eager
 from .opdefs import (
     SCHEMAS,
     BackwardArgs,
@@ -43,7 +44,6 @@ from .opdefs import (
     out_shape,
     stats_dtype,
 )
-from .route import is_eager
 
 __all__ = ["EagerCpuUnit", "batch_stats", "bn_relu_conv2d", "bn_relu_conv2d_backward",
            "bn_relu_conv2d_genstats", "direct_unit", "eager_unit_of", "unit_backward",
@@ -210,7 +210,7 @@ def direct_unit(name: str, forward, forward_genstats, backward, *,
     def backward_fn(ctx, grad_out, *_stats_grads):
         # With ``eager``, ``backward`` runs the kernels bare only where :func:`_bare` allows.
         op = backward
-        if eager and not _bare(grad_out):
+        if eager and not bare_gradients(grad_out):
             op = torch.ops.fusedres.bn_relu_conv2d_backward
         return (*unit_backward(ctx, grad_out, op), None)  # genstats takes no gradient
 
@@ -237,10 +237,10 @@ if _extension.LOADED:  # else the cpu backend never runs (and its namespace may 
     EagerCpuUnit = eager_unit_of(torch.ops.fusedres_cpu.eager_unit.default)
 
 
-def _bare(*grads: Tensor | None) -> bool:
+def bare_gradients(*grads: Tensor | None) -> bool:
     """Whether an eager route's backward may run the backend's kernels on ``grads`` bare: grad
     mode off (not a backward that builds a graph, ``create_graph=True``: the kernels' outputs
-    would have none) and eager tensors (:func:`fusedres.route.is_eager`: not the batched
+    would have none) and eager tensors (:func:`fusedres._backend.is_eager`: not the batched
     gradients of ``is_grads_batched`` or vmap, no dispatch mode). Otherwise the public backward
     op runs it: its layers batch, trace, and refuse a double backward as the public route does."""
     if torch.is_grad_enabled():

@@ -48,8 +48,9 @@ import torch
 from torch import Tensor
 
 from . import _backend, _extension
+from ._backend import is_eager
 
-__all__ = ["EAGER", "PUBLIC", "Route", "eager_route", "is_eager", "route"]
+__all__ = ["EAGER", "PUBLIC", "Route", "eager_route", "route"]
 
 
 class Route(NamedTuple):
@@ -143,18 +144,6 @@ EAGER: dict[str, Route] = {}
 _RESOLVED: dict[tuple, str] = {}
 _TRACED_DEVICE_TYPE = "cuda"  # where torch.compile traces the triton_ops (tests trace "cpu")
 _PLAIN = (Tensor, torch.nn.Parameter)
-_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
-_dispatch_depth = torch._C._len_torch_dispatch_stack
-_transforms_active = torch._C._are_functorch_transforms_active
-
-
-def is_eager(x) -> bool:
-    """A plain, non-empty tensor in eager mode: no tracing, no dispatch mode, no torch.func
-    transform, not a batched gradient (``autograd.grad(..., is_grads_batched=True)`` runs the
-    backward on legacy-vmap tensors, with no transform active): what the eager routes need."""
-    return not (torch.compiler.is_compiling()  # first: nothing below becomes a guard
-                or type(x) is not Tensor or x.numel() == 0 or _dispatch_depth()
-                or _transforms_active() or _is_legacy_batched(x))
 
 
 def eager_route(name: str) -> Route:

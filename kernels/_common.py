@@ -73,7 +73,7 @@ def acc_is_fp64(dtype: torch.dtype) -> bool:
 
 # torch.backends.cudnn.allow_tf32 as its getter reads it (a C call; the property is a Python
 # one): plans key on it.
-_tf32 = torch._C._get_cudnn_allow_tf32
+tf32_allowed = torch._C._get_cudnn_allow_tf32
 
 
 def allow_tf32(dtype: torch.dtype) -> bool:

@@ -31,7 +31,6 @@ from ..opdefs import ConvGeometry, out_memory_format, stats_dtype
 from ._common import (
     KernelConfig,
     Launch,
-    _tf32,
     acc_is_fp64,
     allow_tf32,
     autotune_enabled,
@@ -46,6 +45,7 @@ from ._common import (
     plan_cache,
     short_rows_fill_better,
     sm_count,
+    tf32_allowed,
     usable,
 )
 from ._tl import cast, load_tile, load_vec, mma
@@ -455,7 +455,7 @@ def plan_key(x, weight, bias, scale, shift, residual, stride, padding, dilation,
             None if branch_scale is None else (branch_scale.dtype, branch_scale.data_ptr() % 16),
             scale.dtype, shift.dtype, x.data_ptr() % 16, weight.data_ptr() % 16,
             scale.data_ptr() % 16, shift.data_ptr() % 16, tuple(stride), tuple(padding),
-            tuple(dilation), memory_format, genstats, _tf32())
+            tuple(dilation), memory_format, genstats, tf32_allowed())
 
 
 _PLANS: dict[tuple, ForwardPlan] = plan_cache()

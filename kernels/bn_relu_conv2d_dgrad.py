@@ -30,7 +30,6 @@ from .. import settings
 from ._common import (
     KernelConfig,
     Launch,
-    _tf32,
     acc_is_fp64,
     allow_tf32,
     autotune_enabled,
@@ -45,6 +44,7 @@ from ._common import (
     plan_cache,
     short_rows_fill_better,
     sm_count,
+    tf32_allowed,
     usable,
 )
 from ._tl import cast, load_tile, mma
@@ -512,7 +512,7 @@ def dgrad_plan(grad_out, x, weight, scale, shift, mean, invstd, grad_x, stride, 
            invstd.data_ptr() % 16, tuple(stride), tuple(padding), tuple(dilation), batch_stats,
            want_sums, sums_given, strategy,
            None if branch_scale is None else (branch_scale.dtype, branch_scale.data_ptr() % 16),
-           means_given, _tf32())
+           means_given, tf32_allowed())
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = DgradPlan(

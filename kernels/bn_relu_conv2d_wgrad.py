@@ -43,7 +43,6 @@ from .. import settings
 from ._common import (
     KernelConfig,
     Launch,
-    _tf32,
     acc_is_fp64,
     allow_tf32,
     autotune_enabled,
@@ -55,6 +54,7 @@ from ._common import (
     interpreting,
     plan_cache,
     sm_count,
+    tf32_allowed,
 )
 from ._tl import cast, mma, relu_window
 from .bn_relu_conv2d import bn_relu_tile
@@ -741,7 +741,7 @@ def wgrad_plan(grad_out, x, weight, scale, stride, padding, dilation, *, want_we
            x.device, weight.shape, weight.stride(), weight.dtype, tuple(stride), tuple(padding),
            tuple(dilation), want_weight, want_bias, sums,
            None if out is None else out.stride(), out_dtypes, branch_scale is not None,
-           out_means is not None, _tf32())
+           out_means is not None, tf32_allowed())
     plan = _PLANS.get(key)
     if plan is None:
         plan = WgradPlan(grad_out, x, weight, stride, padding, dilation,

@@ -30,7 +30,7 @@ from ..opdefs import (
     out_shape,
     python_signature,
 )
-from ..ops import _bare, direct_unit, unit_backward, unit_setup_context
+from ..ops import bare_gradients, direct_unit, unit_backward, unit_setup_context
 from . import portable
 
 _KERNELS_ERROR: Optional[str] = None
@@ -356,7 +356,7 @@ class EagerTritonUnit(torch.autograd.Function):
     it (None: one launch makes it here). The autograd rule of fusedres.ops (unit_setup_context,
     unit_backward), with the affine saved beside it. Its backward runs the kernels bare on a
     plain gradient with grad mode off, else the public backward op (a double backward, batched
-    gradients: fusedres.ops._bare)."""
+    gradients: fusedres.ops.bare_gradients)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
@@ -373,7 +373,7 @@ class EagerTritonUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_stats_grads):
-        if _bare(grad_out):
+        if bare_gradients(grad_out):
             scale, shift = ctx.saved_tensors[-2:]
             op = functools.partial(_eager_backward, scale, shift)
         else:
@@ -448,10 +448,10 @@ def _module_takes(x, weight, bias, bn_weight, bn_bias, running_mean, running_var
     touched), what the preparation and the kernels take: statistics of 16- or 32-bit x, the
     BatchNorm's affine in the statistics dtype, a residual in the weight's dtype, autocast off,
     offsets the kernels index."""
-    from .. import functional as FR
+    from ..checks import check_batch_norm_args, check_conv_args
 
-    FR.check_conv_args(x, weight, bias, residual, stride, padding, dilation)
-    FR.check_batch_norm_args(x, bn_weight, bn_bias, running_mean, running_var,
+    check_conv_args(x, weight, bias, residual, stride, padding, dilation)
+    check_batch_norm_args(x, bn_weight, bn_bias, running_mean, running_var,
                              num_batches_tracked, training=training, momentum=momentum)
     sdt = torch.float32
     return (not torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64
