@@ -63,7 +63,7 @@ def autocast_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
         return None
     if x.dtype == torch.float64 or weight.dtype == torch.float64:
         return None
-    return torch.getautocast_dtype(device_type)
+    return torch.get_autocast_dtype(device_type)
 
 
 def check_branch_scale(branch_scale, x: Tensor) -> None:
