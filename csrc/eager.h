@@ -60,6 +60,16 @@ using BackwardFn = Grads5(const Tensor& grad_out, const Tensor& x, const Tensor&
 
 inline std::vector<int64_t> ints(SymInts v) { return C10_AS_INTARRAYREF_SLOW(v).vec(); }
 
+// Geometry lists one after another (stride, padding, dilation, ...): what a node saves.
+inline std::vector<int64_t> flat_ints(std::initializer_list<SymInts> lists) {
+  std::vector<int64_t> out;
+  for (SymInts v : lists) {
+    const auto i = ints(v);
+    out.insert(out.end(), i.begin(), i.end());
+  }
+  return out;
+}
+
 inline OptTensor optional(const Tensor& t) {
   return t.defined() ? OptTensor(t) : std::nullopt;
 }
@@ -177,12 +187,7 @@ struct UnitNode : torch::autograd::Function<Self> {
     const Tensor none;
     ctx->save_for_backward({x, weight, bn_weight.value_or(none), bn_bias.value_or(none), mean,
                             invstd, branch_scale.value_or(none)});
-    std::vector<int64_t> geometry = ints(stride);
-    for (SymInts v : {padding, dilation}) {
-      const auto i = ints(v);
-      geometry.insert(geometry.end(), i.begin(), i.end());
-    }
-    ctx->saved_data["geometry"] = std::move(geometry);
+    ctx->saved_data["geometry"] = flat_ints({stride, padding, dilation});
     ctx->saved_data["batch_stats"] = batch_stats;
     // needs_input_grad counts the tensor inputs only (an absent optional is none): the index of
     // each input that can take a gradient among them, -1 when absent.
@@ -375,12 +380,8 @@ struct PairNode : torch::autograd::Function<Self> {
     const Tensor none;
     ctx->save_for_backward({x, weight, weight2, bn_weight.value_or(none),
                             bn_bias.value_or(none), mean, invstd});
-    std::vector<int64_t> geometry;
-    for (SymInts v : {stride, padding, dilation, stride2, padding2, dilation2}) {
-      const auto i = ints(v);
-      geometry.insert(geometry.end(), i.begin(), i.end());
-    }
-    ctx->saved_data["geometry"] = std::move(geometry);
+    ctx->saved_data["geometry"] =
+        flat_ints({stride, padding, dilation, stride2, padding2, dilation2});
     ctx->saved_data["batch_stats"] = batch_stats;
     // Each input's index among the tensor inputs present (needs_input_grad), -1 when absent.
     int64_t edge = 2;  // x, weight
