@@ -133,9 +133,10 @@ def jobs(archs, dtypes, units, kernels=None) -> list[Job]:
                 # its statistics (genstats: what the models run; its partials merged by
                 # stats_combine_kernel).
                 # The genstats step through the public ops' bodies: every kernel a route
-                # launches (their own affine launch included) is then compiled.
+                # launches (their own affine launch included) is then compiled; through the
+                # eager route: its next BatchNorm prepared from the given statistics.
                 for backward, genstats, route in [(b, False, "eager") for b in BACKWARDS] + [
-                        ("sums", True, "public")]:
+                        ("sums", True, "public"), ("sums", True, "eager")]:
                     for launch in jit_spec.unit_launches(unit, dtype, arch=arch, tf32=tf32,
                                                          backward=backward, genstats=genstats,
                                                          route=route):

@@ -17,8 +17,22 @@ import triton
 import triton.language as tl
 
 from ..opdefs import stats_dtype as _stats_dtype
-from ._common import KernelConfig, Launch, cdiv, interpreting, launcher, plan_cache, sm_count
-from .reductions import STATS_COMBINE_CONFIG, bn_prepare_kernel, stats_combine
+from ._common import (
+    KernelConfig,
+    Launch,
+    cdiv,
+    dummy,
+    interpreting,
+    launcher,
+    plan_cache,
+    sm_count,
+)
+from .reductions import (
+    STATS_COMBINE_CONFIG,
+    bn_prepare_channels,
+    bn_prepare_kernel,
+    stats_combine,
+)
 
 # Roles by index: channels_last with >= 32 channels, the rest, <= 8 channels. A tile's own
 # reduction (three sums over its rows across the threads, the float64 merge) is paid per tile:
@@ -41,10 +55,27 @@ def batch_stats_kernel(
     C, HW, W, M,
     sxn, sxc, sxh, sxw,
     tiles_per_split,
+    count_ptr, bmean_ptr, invstd_ptr, rm_ptr, rv_ptr, nbt_ptr, gamma_ptr, beta_ptr, scale_ptr,
+    shift_ptr, keep, factor, unbias, eps,
     FP64: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-    DENSE: tl.constexpr = False,
+    DENSE: tl.constexpr = False, PREPARE: tl.constexpr = False, UPDATE: tl.constexpr = False,
+    CUMULATIVE: tl.constexpr = False, COUNT: tl.constexpr = False, AFFINE: tl.constexpr = False,
+    HAS_GAMMA: tl.constexpr = False, HAS_BETA: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
 ):
-    """Program (channel block, split): partial mean and M2 of its tiles -> row ``split``."""
+    """Program (channel block, split): partial mean and M2 of its tiles -> row ``split``.
+
+    PREPARE: then the last program of the channel block to finish merges the block's rows and
+    does the BatchNorm's preparation for its channels (reductions.bn_prepare_channels: the
+    arguments after ``tiles_per_split``, as bn_prepare_kernel takes them): the statistics and
+    the preparation in one launch. Which program is last is counted in ``count_ptr`` (an int32
+    a channel block, zero between launches: the last program sets it back). Ordering: every
+    thread's partial stores, then a barrier of the program's threads, then the count as an
+    acquire-release atomic at GPU scope (the rows this program stored are released with it; the
+    last program's increment acquires every other program's), and the merge reads the rows past
+    L1. The pattern of torch Inductor's grid barrier (triton_helpers.x_grid_barrier), without
+    the wait: no program waits for another, so it is safe whatever the number of programs
+    resident. Launches of one plan must not run concurrently (two streams): they share the
+    counts."""
     pid_c = tl.program_id(0)
     split = tl.program_id(1)
     acc_t = tl.float64 if FP64 else tl.float32
@@ -88,6 +119,33 @@ def batch_stats_kernel(
         n_run = n_new
     tl.store(mean_ptr + split * C + c, mean, mask=c_ok)
     tl.store(m2_ptr + split * C + c, m2, mask=c_ok)
+    if PREPARE:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_c, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            tl.store(count_ptr + pid_c, 0)
+            _prepare_block(pid_c, C, mean_ptr, m2_ptr, bmean_ptr, invstd_ptr, rm_ptr, rv_ptr,
+                           nbt_ptr, gamma_ptr, beta_ptr, scale_ptr, shift_ptr,
+                           tl.num_programs(1), M, tiles_per_split * BLOCK_M, keep, factor,
+                           unbias, eps, UPDATE, CUMULATIVE, COUNT, BLOCK_R, BLOCK_C, AFFINE,
+                           HAS_GAMMA, HAS_BETA)
+
+
+# Out of line: inlined, its float64 divisions (subroutine calls in SASS) made ptxas keep values
+# of the statistics loop in local memory across them (16 bytes spilled, sm_90, 128 x 32 fp32).
+@triton.jit(noinline=True)
+def _prepare_block(pid_c, C, mean_ptr, m2_ptr, bmean_ptr, invstd_ptr, rm_ptr, rv_ptr, nbt_ptr,
+                   gamma_ptr, beta_ptr, scale_ptr, shift_ptr, rows, M, ROW_ELEMS, keep, factor,
+                   unbias, eps, UPDATE: tl.constexpr, CUMULATIVE: tl.constexpr,
+                   COUNT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                   AFFINE: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr):
+    """batch_stats_kernel's PREPARE tail for channel block ``pid_c``: its rows merged, the
+    BatchNorm prepared (reductions.bn_prepare_channels)."""
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    bn_prepare_channels(c, c < C, pid_c == 0, mean_ptr, m2_ptr, bmean_ptr, invstd_ptr, rm_ptr,
+                        rv_ptr, nbt_ptr, gamma_ptr, beta_ptr, scale_ptr, shift_ptr, rows, C, M,
+                        ROW_ELEMS, keep, factor, unbias, eps, True, UPDATE, CUMULATIVE, COUNT,
+                        BLOCK_R, BLOCK_C, AFFINE, HAS_GAMMA, HAS_BETA)
 
 
 def configs_for(dtype) -> list[KernelConfig]:
@@ -130,8 +188,13 @@ def _partials(x: torch.Tensor, config: KernelConfig | None = None, split: int | 
     m2_p = torch.empty((split, c), device=x.device, dtype=torch.float64)
     launcher(batch_stats_kernel)[(c_blocks, split)](
         x, mean_p, m2_p, c, h * w, w, m, *x.stride(), tps,
+        *(dummy(mean_p),) * 10, 0.0, 0.0, 0.0, 0.0,  # the preparation's: unused here
         FP64=sdt == torch.float64,
         DENSE=x.stride(0) == h * w * x.stride(3) and x.stride(2) == w * x.stride(3),
+        # Every constexpr passed, defaults included: torch.library.wrap_triton's analysis of
+        # which tensors a kernel writes needs them all (else it assumes every input written).
+        PREPARE=False, UPDATE=False, CUMULATIVE=False, COUNT=False, AFFINE=False,
+        HAS_GAMMA=False, HAS_BETA=False, BLOCK_R=STATS_COMBINE_CONFIG.meta["BLOCK_R"],
         **cfg.launch_kwargs,
     )
     # Split r holds min(tps * bm, m - r * tps * bm) elements (the last may be short).
@@ -171,12 +234,16 @@ def prepare_unsupported(x: torch.Tensor, running_mean, running_var,
 
 
 class PreparePlan:
-    """:func:`prepare_batch_norm`'s launches for one key (:func:`prepare_plan`): the statistics
-    pass's config, split and grid, the preparation's flags and scalars fixed; :meth:`run` on
-    the tensors of a call."""
+    """:func:`prepare_batch_norm`'s launch for one key (:func:`prepare_plan`): with batch
+    statistics to compute, batch_stats_kernel in its PREPARE mode (statistics and preparation
+    in one launch; its config, split, grid and per-channel-block counts fixed), else
+    bn_prepare_kernel on the given or running statistics; :meth:`run` on the tensors of a
+    call. ``split``: the statistics' programs a channel block (None: the rule's; the
+    interpreter's is 1, tests give more to exercise the merge)."""
 
     def __init__(self, x, running_mean, running_var, counted: bool, training: bool,
-                 momentum, eps: float, given: bool, gamma, beta, affine: bool):
+                 momentum, eps: float, given: bool, gamma, beta, affine: bool,
+                 split: int | None = None):
         n, c, h, w = x.shape
         sdt = _stats_dtype(x.dtype)
         tracked = running_mean is not None
@@ -188,32 +255,36 @@ class PreparePlan:
         self.c, self.sdt, self.affine = c, sdt, affine
         m = x.numel() // c
         real = type(x) is torch.Tensor and x.device.type != "meta"
-        self.partials = None
-        rows, row_elems = 0, 1
+        factor = 0.0 if momentum is None else float(momentum)
+        self.floats = (1.0 - factor, factor, m / (m - 1) if m > 1 else 1.0, float(eps))
+        self.counts = self.cumulative or count
+        flags = dict(UPDATE=self.update, CUMULATIVE=self.cumulative, COUNT=count, AFFINE=affine,
+                     HAS_GAMMA=gamma is not None, HAS_BETA=beta is not None)
         if self.merge:
             cfg = pick_config(x)
             bm, bc = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_C"]
             tiles, c_blocks = cdiv(m, bm), cdiv(c, bc)
-            split = 1 if interpreting() else pick_split(tiles, c_blocks, sm_count(x.device))
+            if split is None:
+                split = 1 if interpreting() else pick_split(tiles, c_blocks, sm_count(x.device))
             split = max(1, min(split, tiles))
             tps = cdiv(tiles, split)
             split = cdiv(tiles, tps)  # no empty splits
-            rows, row_elems = split, tps * bm
             self.partial_shape = (split, c)
-            self.partials = Launch(batch_stats_kernel, (c_blocks, split), dict(
+            # The last program of each channel block merges; zero between launches (a plan for
+            # meta or fake tensors, made anew each call, launches nothing: no zeros kernel).
+            self.arrivals = (torch.zeros if real else torch.empty)((c_blocks,), device=x.device,
+                                                                  dtype=torch.int32)
+            self.launch = Launch(batch_stats_kernel, (c_blocks, split), dict(
                 FP64=sdt == torch.float64,
                 DENSE=x.stride(0) == h * w * x.stride(3) and x.stride(2) == w * x.stride(3),
+                PREPARE=True, BLOCK_R=STATS_COMBINE_CONFIG.meta["BLOCK_R"], **flags,
                 **cfg.launch_kwargs), fast=real)
-            self.partial_ints = (c, h * w, w, m, *x.stride(), tps)
-        factor = 0.0 if momentum is None else float(momentum)
-        self.ints = (rows, c, m, row_elems, 1.0 - factor, factor,
-                     m / (m - 1) if m > 1 else 1.0, float(eps))
-        self.counts = self.cumulative or count
-        cfg = STATS_COMBINE_CONFIG
-        self.prepare = Launch(bn_prepare_kernel, (cdiv(c, cfg.meta["BLOCK_C"]),), dict(
-            MERGE=self.merge, UPDATE=self.update, CUMULATIVE=self.cumulative, COUNT=count,
-            AFFINE=affine, HAS_GAMMA=gamma is not None, HAS_BETA=beta is not None,
-            **cfg.launch_kwargs), fast=real)
+            self.ints = (c, h * w, w, m, *x.stride(), tps)
+        else:
+            cfg = STATS_COMBINE_CONFIG
+            self.launch = Launch(bn_prepare_kernel, (cdiv(c, cfg.meta["BLOCK_C"]),), dict(
+                MERGE=False, **flags, **cfg.launch_kwargs), fast=real)
+            self.ints = (0, c, m, 1)
 
     def run(self, x, running_mean, running_var, num_batches_tracked, mean=None, var=None,
             gamma=None, beta=None):
@@ -222,32 +293,38 @@ class PreparePlan:
         if self.cumulative:
             num_batches_tracked.add_(1)
         invstd = torch.empty((c,), device=dev, dtype=sdt)
-        if self.merge:
-            src0 = torch.empty(self.partial_shape, device=dev, dtype=torch.float64)
-            src1 = torch.empty(self.partial_shape, device=dev, dtype=torch.float64)
-            self.partials.go(x, src0, src1, *self.partial_ints)
-            mean = torch.empty((c,), device=dev, dtype=sdt)
-        elif not self.use_batch:  # eval: the running statistics
-            mean = running_mean.detach().to(sdt)
-            src0, src1 = mean.contiguous(), running_var.detach().contiguous()
-        else:  # the producer's statistics, read with unit strides
-            src0, src1 = mean.contiguous(), var.contiguous()
         if self.affine:
             scale = torch.empty((c,), device=dev, dtype=sdt)
             shift = torch.empty((c,), device=dev, dtype=sdt)
         else:
             scale = shift = invstd
         update = self.update
-        self.prepare.go(src0, src1, mean, invstd, running_mean if update else invstd,
-                        running_var if update else invstd,
-                        num_batches_tracked if self.counts else invstd,
-                        invstd if gamma is None else gamma, invstd if beta is None else beta,
-                        scale, shift, *self.ints)
+        prepared = (running_mean if update else invstd, running_var if update else invstd,
+                    num_batches_tracked if self.counts else invstd,
+                    invstd if gamma is None else gamma, invstd if beta is None else beta,
+                    scale, shift)
+        if self.merge:
+            mean = torch.empty((c,), device=dev, dtype=sdt)
+            self.launch.go(x, torch.empty(self.partial_shape, device=dev, dtype=torch.float64),
+                           torch.empty(self.partial_shape, device=dev, dtype=torch.float64),
+                           *self.ints, self.arrivals, mean, invstd, *prepared, *self.floats)
+        else:
+            if not self.use_batch:  # eval: the running statistics
+                mean = running_mean.detach().to(sdt)
+                src0, src1 = mean.contiguous(), running_var.detach().contiguous()
+            else:  # the producer's statistics, read with unit strides
+                src0, src1 = mean.contiguous(), var.contiguous()
+            self.launch.go(src0, src1, mean, invstd, *prepared, *self.ints, *self.floats)
+        # The in-kernel writes are in-place updates: their version counters move as add_'s do
+        # (torch._C's own function: autograd.graph.increment_version is a Python layer on it).
         if update:
-            torch.autograd.graph.increment_version((running_mean, running_var))
+            _increment_version((running_mean, running_var))
         if self.counts and not self.cumulative:
-            torch.autograd.graph.increment_version(num_batches_tracked)
+            _increment_version((num_batches_tracked,))
         return (mean, invstd, scale, shift) if self.affine else (mean, invstd)
+
+
+_increment_version = torch._C._increment_version
 
 
 _PLANS: dict[tuple, PreparePlan] = plan_cache()
@@ -273,10 +350,10 @@ def prepare_plan(x, running_mean, running_var, num_batches_tracked, training, mo
 def prepare_batch_norm(x: torch.Tensor, running_mean, running_var, num_batches_tracked,
                        training: bool, momentum: float | None, eps: float, mean=None, var=None,
                        gamma=None, beta=None, affine: bool = False):
-    """nn.BatchNorm2d's statistics, running-statistics update and ``invstd`` for x in two
-    launches (batch_stats_kernel, then reductions.bn_prepare_kernel), or one when the batch
-    statistics are given (``mean``, ``var``: the producer's) or the running ones are used
-    (eval): (mean, invstd) in the statistics dtype, float32 (x of 16 or 32 bits); with
+    """nn.BatchNorm2d's statistics, running-statistics update and ``invstd`` for x in one
+    launch (batch_stats_kernel in its PREPARE mode; reductions.bn_prepare_kernel when the batch
+    statistics are given, ``mean``, ``var``: the producer's, or the running ones are used in
+    eval): (mean, invstd) in the statistics dtype, float32 (x of 16 or 32 bits); with
     ``affine`` also the fused BatchNorm's (scale, shift) from ``gamma``, ``beta`` (C,) or None,
     made in the same launch. The rule of fusedres.functional.prepare_batch_norm, whose PyTorch
     ops are ~10 launches (the update, var + eps, rsqrt); the caller has checked the arguments.

@@ -400,6 +400,12 @@ def _training_step(shape, dtype: torch.dtype, fmt, training: bool, genstats: boo
             backend.bn_relu_conv2d_backward(*b)
         else:
             backend.eager_launches(args, genstats, affine, b)
+            if genstats:  # the next unit's BatchNorm, prepared from these statistics
+                co = shape.cout
+                vec = [torch.empty((co,), device="meta", dtype=sdt) for _ in range(5)]
+                backend.prepare_affine(act(shape.n, co, shape.ho), vec[0], vec[1], vec[2],
+                                       vec[3], num_batches_tracked, training, 0.1, 1e-5,
+                                       mean=vec[4], var=vec[4])
 
 
 def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
@@ -417,8 +423,10 @@ def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
     (fp32 only: off compiles the ``ieee`` products). ``channels_last``: the layout of the
     activations and the weight. ``training``: training-mode BatchNorm (batch statistics,
     gradients through them). ``backward``: the Triton backward's plan, "sums" or "store"
-    (``FUSEDRES_TRITON_BACKWARD``). ``genstats``: the forward also reduces y's statistics.
-    ``during``: a context manager factory entered around the step's calls (its inputs made).
+    (``FUSEDRES_TRITON_BACKWARD``). ``genstats``: the forward also reduces y's statistics;
+    on the eager route the next unit's BatchNorm preparation from them (bn_prepare, where
+    the next unit would run the statistics kernel) closes the step. ``during``: a context
+    manager factory entered around the step's calls (its inputs made).
     ``route``: "eager" (fusedres.route's triton route) or "public" (the public ops' bodies).
     """
     if dtype not in DTYPES:

@@ -57,7 +57,9 @@ def _chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """(mean, biased var) in float64 of the channels ``c`` from the (rows, C) partial mean and
     M2: mean = sum_r n_r mean_r / M, then var = sum_r (M2_r + n_r (mean_r - mean)^2) / M (two
-    passes over the rows)."""
+    passes over the rows). The partials are read past L1 (``.cg``): batch_stats_kernel's last
+    program of a channel block reads rows other SMs wrote in the same launch, and a line of
+    them (a neighbouring channel block's) may already sit in this SM's L1."""
     # (M may arrive as a constexpr 1: through a tensor so that .to applies either way)
     total = (tl.zeros((), dtype=tl.int64) + M).to(tl.float64)
     acc = tl.zeros((BLOCK_C,), dtype=tl.float64)
@@ -67,7 +69,8 @@ def _chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS,
         cnt = tl.minimum(M - r.to(tl.int64) * ROW_ELEMS, ROW_ELEMS)
         cnt = tl.where(r_ok, tl.maximum(cnt, 0), 0).to(tl.float64)
         mask = r_ok[:, None] & c_ok[None, :]
-        mu = tl.load(mean_p_ptr + r[:, None] * C + c[None, :], mask=mask, other=0.0)
+        mu = tl.load(mean_p_ptr + r[:, None] * C + c[None, :], mask=mask, other=0.0,
+                     cache_modifier=".cg")
         acc += tl.sum(cnt[:, None] * mu.to(tl.float64), axis=0)
     gmean = acc / total
     acc2 = tl.zeros((BLOCK_C,), dtype=tl.float64)
@@ -78,8 +81,8 @@ def _chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS,
         cnt = tl.where(r_ok, tl.maximum(cnt, 0), 0).to(tl.float64)
         mask = r_ok[:, None] & c_ok[None, :]
         off = r[:, None] * C + c[None, :]
-        mu = tl.load(mean_p_ptr + off, mask=mask, other=0.0).to(tl.float64)
-        m2 = tl.load(m2_p_ptr + off, mask=mask, other=0.0).to(tl.float64)
+        mu = tl.load(mean_p_ptr + off, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float64)
+        m2 = tl.load(m2_p_ptr + off, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float64)
         d = mu - gmean[None, :]
         acc2 += tl.sum(tl.where(mask, m2 + cnt[:, None] * (d * d), 0.0), axis=0)
     return gmean, acc2 / total
@@ -110,7 +113,27 @@ def bn_prepare_kernel(
     HAS_GAMMA: tl.constexpr = False, HAS_BETA: tl.constexpr = False,
 ):
     """Program (channel block): nn.BatchNorm2d's preparation of a step, what
-    fusedres.functional.prepare_batch_norm does with PyTorch ops, in one launch.
+    fusedres.functional.prepare_batch_norm does with PyTorch ops, in one launch
+    (:func:`bn_prepare_channels` on the program's channels). batch_stats_kernel does the same
+    in its own launch (its PREPARE mode) when it computes the statistics."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    bn_prepare_channels(c, c < C, tl.program_id(0) == 0, src0_ptr, src1_ptr, mean_ptr,
+                        invstd_ptr, rm_ptr, rv_ptr, nbt_ptr, gamma_ptr, beta_ptr, scale_ptr,
+                        shift_ptr, rows, C, M, ROW_ELEMS, keep, factor, unbias, eps, MERGE,
+                        UPDATE, CUMULATIVE, COUNT, BLOCK_R, BLOCK_C, AFFINE, HAS_GAMMA,
+                        HAS_BETA)
+
+
+@triton.jit
+def bn_prepare_channels(
+    c, ok, first, src0_ptr, src1_ptr, mean_ptr, invstd_ptr, rm_ptr, rv_ptr, nbt_ptr,
+    gamma_ptr, beta_ptr, scale_ptr, shift_ptr,
+    rows, C, M, ROW_ELEMS, keep, factor, unbias, eps,
+    MERGE: tl.constexpr, UPDATE: tl.constexpr, CUMULATIVE: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, AFFINE: tl.constexpr,
+    HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr,
+):
+    """nn.BatchNorm2d's preparation of a step for the channels ``c`` (``ok``: in range).
 
     MERGE: the batch mean and biased variance from batch_stats' partial rows (src0, src1 =
     partial mean, M2), merged as stats_combine_kernel, stored at ``mean_ptr``; else src0, src1
@@ -122,13 +145,11 @@ def bn_prepare_kernel(
     running statistics' dtype, the variance unbiased first (``var * unbias``, unbias = M/(M-1));
     the host's float ``keep`` = 1 - momentum and ``factor`` = momentum, or CUMULATIVE: factor =
     1 / num_batches_tracked (incremented by the host first), keep = 1 - factor, in the running
-    statistics' dtype. COUNT: program 0 adds 1 to num_batches_tracked (no program reads it).
-    AFFINE: also the fused BatchNorm's ``scale = gamma * invstd`` and ``shift = beta - mean *
-    scale`` (gamma 1 and beta 0 without HAS_GAMMA / HAS_BETA), as scale_shift_kernel makes
-    them from the stored mean and invstd: the unit's kernels read them, so a step needs no
-    launch of its own for them."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = c < C
+    statistics' dtype. COUNT: the caller whose ``first`` is true adds 1 to num_batches_tracked
+    (no program reads it). AFFINE: also the fused BatchNorm's ``scale = gamma * invstd`` and
+    ``shift = beta - mean * scale`` (gamma 1 and beta 0 without HAS_GAMMA / HAS_BETA), as
+    scale_shift_kernel makes them from the stored mean and invstd: the unit's kernels read
+    them, so a step needs no launch of its own for them."""
     sdt = mean_ptr.dtype.element_ty
     if MERGE:
         mean64, var64 = _chan_merge(src0_ptr, src1_ptr, c, ok, rows, C, M, ROW_ELEMS, BLOCK_R,
@@ -168,7 +189,7 @@ def bn_prepare_kernel(
         tl.store(rm_ptr + c, new_m.to(rmt), mask=ok)
         tl.store(rv_ptr + c, new_v.to(rvt), mask=ok)
     if COUNT:
-        if tl.program_id(0) == 0:
+        if first:
             tl.store(nbt_ptr, tl.load(nbt_ptr) + 1)
 
 

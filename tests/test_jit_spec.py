@@ -108,7 +108,7 @@ buf = io.StringIO()
 with contextlib.redirect_stdout(buf):
     jit_spec.main(["conv:N=128,C=16,K=3,CO=16,HW=32", "--backward", "store"])
 out["cli"] = buf.getvalue()
-out["from_values"] = {k: repr(v) for k, v in jit_spec.unit_launches(cifar, "fp16")[2]
+out["from_values"] = {k: repr(v) for k, v in jit_spec.unit_launches(cifar, "fp16")[1]
                       .constexprs_from_values.items()}
 # The PyTorch ops the host runs between the kernels (fusedres.perfmodel's count), both plans.
 from fusedres.perfmodel.launches import unit_step
@@ -133,7 +133,7 @@ def test_specialisation_equals_triton_jit_run(probe):
     constexprs, attrs, warps and stages equal what JITFunction.run computes for the same
     arguments (run with a stand-in driver, stopped before compiling)."""
     rows = probe["same_as_jit_run"]
-    assert len(rows) == 2 * (6 + 7)  # sm_80 and sm_90, the sums and store plans
+    assert len(rows) == 2 * (5 + 6)  # sm_80 and sm_90, the sums and store plans
     for row in rows:
         assert all(row[2:]), row
 
@@ -148,16 +148,15 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
     pick_split, wgrad_sums up to 2 * cdiv(132, 3) = 88: 44 (132 programs of 47 K-steps), wgrad
     42 (126 of 49); the dx pass 64 x 32 tiles."""
     sums = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["sums"]]
-    # Between them the small kernels of kernels/reductions.py: the splits' statistics merged
-    # with the running statistics' update, invstd and the fused affine (bn_prepare: the
-    # BatchNorm's whole preparation, no host op; the forward and backward read its affine),
-    # the weight-gradient partials reduced (the 16 * 16 * 9 weight gradient, 16 splits a step
-    # over 1024 / 16 = 64 columns: 36 programs, the 16 channels' sums in 1). Six launches; the
-    # store plan's seven reduce the weight gradient's split and the data gradient's sums in
-    # one launch.
-    prepare = ("bn_prepare", [1, 1, 1], "R=16 C=64 w=4 s=1")
+    # batch_stats in its PREPARE mode: the last of a channel block's programs merges the
+    # splits' statistics with the running statistics' update, invstd and the fused affine
+    # (the BatchNorm's whole preparation, no host op; the forward and backward read its
+    # affine). Then the small kernels of kernels/reductions.py: the weight-gradient partials
+    # reduced (the 16 * 16 * 9 weight gradient, 16 splits a step over 1024 / 16 = 64 columns:
+    # 36 programs, the 16 channels' sums in 1). Five launches; the store plan's six reduce the
+    # weight gradient's split and the data gradient's sums in one launch.
     assert sums == [
-        ("batch_stats", [1, 128, 1], "M=256 C=16 w=4 s=1"), prepare,
+        ("batch_stats", [1, 128, 1], "M=256 C=16 w=4 s=1"),
         ("bn_relu_conv2d_fwd", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"),
         ("wgrad_sums", [1, 3, 44], "M=16 N=16 K=64 T=4 w=4 s=2"),
         ("partials_reduce", [37, 1, 1], "K=1024 R=16 C=64 w=4 s=1"),
@@ -165,7 +164,7 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
     ]
     store = [(r["kernel"], r["grid"], r["config"]) for r in probe["h100"]["store"]]
     assert store == [
-        ("batch_stats", [1, 128, 1], "M=256 C=16 w=4 s=1"), prepare,
+        ("batch_stats", [1, 128, 1], "M=256 C=16 w=4 s=1"),
         ("bn_relu_conv2d_fwd", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"),
         ("wgrad", [1, 3, 42], "M=16 N=16 K=64 T=4 w=4 s=2"),
         ("dgrad_store", [512, 1, 1], "M=256 N=16 K=16 w=4 s=2"),
@@ -179,7 +178,8 @@ def test_launch_order_and_grids_of_a_known_shape(probe):
 def test_no_host_op_between_the_kernels(probe):
     """A training step runs no PyTorch op between the backend's kernels: the partials' merges
     and reductions, the BatchNorm affine and the BatchNorm's preparation (running-statistics
-    update, invstd = rsqrt(var + eps): bn_prepare) are kernels/reductions.py's launches."""
+    update, invstd = rsqrt(var + eps): batch_stats' PREPARE mode, bn_prepare for given
+    statistics) are the backend's launches."""
     assert probe["host_ops"] == {"sums": [], "store": []}
 
 
@@ -187,7 +187,7 @@ def test_divisibility_and_unit_strides(probe):
     """channels_last: the channel stride 1 is a constexpr, C = 16 and every pointer are
     divisible by 16; a unit with C = 24 and 14 x 14 pixels drops the attribute from C and the
     strides that are multiples of C only; NCHW makes the pixel stride the constexpr instead."""
-    fwd = probe["h100"]["sums"][2]
+    fwd = probe["h100"]["sums"][1]
     assert fwd["kernel"] == "bn_relu_conv2d_fwd"
     assert fwd["constexprs"]["sxc"] == "1" and fwd["signature"]["sxc"] == "constexpr"
     assert fwd["constexprs"]["SH"] == "1" and fwd["constexprs"]["TF32"] == "False"
@@ -195,12 +195,12 @@ def test_divisibility_and_unit_strides(probe):
         assert name in fwd["divisible"], name
     assert "PH" not in fwd["divisible"] and fwd["constexprs"]["PH"] == "1"
     assert fwd["signature"]["x_ptr"] == "*fp16" and fwd["signature"]["scale_ptr"] == "*fp32"
-    odd = probe["odd"][2]
+    odd = probe["odd"][1]
     assert odd["kernel"] == "bn_relu_conv2d_fwd"
     for name in ("C", "Co", "sxw", "H", "W"):
         assert name not in odd["divisible"], name
     assert "x_ptr" in odd["divisible"] and "sxn" in odd["divisible"]  # 24 * 14 * 14 = 16 * 294
-    nchw = probe["nchw"][2]
+    nchw = probe["nchw"][1]
     assert nchw["constexprs"]["sxw"] == "1" and "sxc" in nchw["divisible"]
     assert "sxc" not in nchw["constexprs"]
     assert probe["view_ptr"] == [0, 6, 0]  # fp16 views at offsets 0, 3, 8 elements
@@ -224,8 +224,7 @@ def test_command_lists_the_launches(probe):
     dilation of 1) and the divisible arguments."""
     heads = [line for line in probe["cli"].splitlines() if not line.startswith(" ")]
     assert [h.split()[0] for h in heads] == [
-        "batch_stats", "bn_prepare", "bn_relu_conv2d_fwd", "wgrad", "dgrad_store",
-        "partials_reduce", "dx"]
-    assert heads[2].startswith("bn_relu_conv2d_fwd  grid=(512, 1, 1)  M=256 N=16 K=16")
+        "batch_stats", "bn_relu_conv2d_fwd", "wgrad", "dgrad_store", "partials_reduce", "dx"]
+    assert heads[1].startswith("bn_relu_conv2d_fwd  grid=(512, 1, 1)  M=256 N=16 K=16")
     assert probe["from_values"] == {name: "1" for name in (
         "SH", "SW", "PH", "PW", "DH", "DW", "sxc", "swc", "syc")}

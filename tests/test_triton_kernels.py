@@ -853,10 +853,10 @@ def _prepare(x, route, running_dtype, training, momentum, tracked, given, counte
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("running_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("training,momentum", [(True, 0.1), (True, None), (False, 0.1)])
-def test_bn_prepare_is_the_pytorch_rule_in_one_or_two_launches(x_dtype, running_dtype,
-                                                                training, momentum):
-    """The triton backend's BatchNorm preparation (batch_stats_kernel + bn_prepare_kernel, or
-    bn_prepare_kernel alone for given or running statistics) against fusedres.functional's
+def test_bn_prepare_is_the_pytorch_rule_in_one_launch(x_dtype, running_dtype, training,
+                                                      momentum):
+    """The triton backend's BatchNorm preparation (batch_stats_kernel in its PREPARE mode, or
+    bn_prepare_kernel for given or running statistics) against fusedres.functional's
     PyTorch ops: the same mean, invstd, running statistics and step count, bit for bit under
     the interpreter (the kernel rounds each product and sum to the running statistics' dtype,
     in the rule's order), with and without running statistics and given statistics."""
@@ -873,12 +873,46 @@ def test_bn_prepare_is_the_pytorch_rule_in_one_or_two_launches(x_dtype, running_
                 if a is not None:
                     assert a.dtype == b.dtype and torch.equal(a, b), (name, tracked, given)
             merges = (training or not tracked) and not given
-            assert launched == (["batch_stats_kernel"] if merges else []) + ["bn_prepare_kernel"]
+            assert launched == (["batch_stats_kernel"] if merges else ["bn_prepare_kernel"])
     if training:  # the update happened: the running statistics moved, the step was counted
         *_, rm, rv, nbt, _ = _prepare(x, True, running_dtype, training, momentum, True, False)
         assert int(nbt) == 4
         *_, rm0, rv0, _, _ = _prepare(x, True, running_dtype, False, momentum, True, False)
         assert not torch.equal(rm, rm0) and not torch.equal(rv, rv0)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_bn_prepare_merges_in_the_last_program_of_each_channel_block(momentum):
+    """The one-launch preparation split over several programs a channel block (the GPU's
+    case; the interpreter's rule is one): the last program to arrive merges the block's rows,
+    whichever it is, and sets the count back to zero for the next launch; results equal to one
+    program a block's (the float64 merge is exact to the float32 results here) and to
+    nn.BatchNorm2d's running statistics."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 40, 20, 20, generator=g) * 3 + 2).to(DEVICE)  # 13 row tiles
+    gamma, beta = torch.rand(40, generator=g).to(DEVICE), torch.randn(40, generator=g).to(DEVICE)
+    results = {}
+    for split in (1, 3, 13):
+        rm, rv = torch.zeros(40, device=DEVICE), torch.ones(40, device=DEVICE)
+        nbt = torch.tensor(0, device=DEVICE)
+        plan = bs.PreparePlan(x, rm, rv, True, True, momentum, 1e-5, False, gamma, beta, True,
+                              split=split)
+        assert plan.launch.grid == (2, split)  # two channel blocks of 32
+        for _ in range(2):  # the counts went back to zero: the second launch merges too
+            out = plan.run(x, rm, rv, nbt, gamma=gamma, beta=beta)
+            assert plan.arrivals.tolist() == [0, 0]
+        results[split] = (*out, rm, rv, nbt)
+    for split in (3, 13):
+        for a, b in zip(results[1], results[split]):
+            assert torch.equal(a, b), split
+    bn = torch.nn.BatchNorm2d(40, momentum=momentum).to(DEVICE).train()
+    bn(x), bn(x)
+    mean, invstd, scale, shift, rm, rv, nbt = results[13]
+    torch.testing.assert_close(rm, bn.running_mean)
+    torch.testing.assert_close(rv, bn.running_var)
+    assert int(nbt) == 2
+    torch.testing.assert_close(scale, gamma * invstd)
+    torch.testing.assert_close(shift, beta - mean * scale)
 
 
 def test_bn_prepare_bumps_versions_and_leaves_what_it_cannot_take():
