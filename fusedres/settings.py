@@ -188,6 +188,17 @@ def get(name: str, environ=None):
     return _parse(name, (os.environ if environ is None else environ).get(name))
 
 
+def raw_lookup(*names: str) -> tuple:
+    """``(get, keys)`` with ``tuple(map(get, keys))`` the raw values of the settings ``names``
+    in the environment now: a cache key for what those settings decide (a launch plan), read
+    with no Python frame on CPython (os.environ's own store), os.environ's mapping elsewhere."""
+    for name in names:
+        SETTINGS[name]  # noqa: B018 (KeyError for an undeclared name)
+    if _STORE is None:
+        return os.environ.get, names
+    return _STORE.get, tuple(_ENCODE(n) for n in names)
+
+
 def _parse(name: str, raw):
     setting = SETTINGS[name]
     if raw is None or raw == "":

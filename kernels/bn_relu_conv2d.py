@@ -421,6 +421,10 @@ class ForwardPlan:
             # written).
             **{"BSCALE_AT": 0, "ALIGNED": 0, **cfg.launch_kwargs}), fast=real)
         self.combine = stats_combine_launch(co, fast=real) if genstats else None
+        # The eager route's backward plans for this forward, by gradient layout and outputs
+        # (fusedres.backends.triton.EagerTritonUnit fills it); the geometry they read.
+        self.backwards: dict = {}
+        self.geometry = (tuple(stride), tuple(padding), tuple(dilation))
 
     def run(self, x, weight, scale, shift, bias, residual, branch_scale):
         """y, or with genstats ``(y, mean, var)`` of y per channel."""

@@ -197,6 +197,42 @@ def test_eager_route_wants_a_plain_weight(name):
         assert route(x, TwoTensor(w, w.clone())).name == "public"
 
 
+def test_eager_triton_backward_plans_per_gradient_layout(monkeypatch):
+    """The triton eager route's backward keeps one plan a gradient layout, set of outputs
+    wanted and backward setting (``FUSEDRES_TRITON_BACKWARD``, read at every backward): each
+    gives the public op's gradients to the bit, and a step like an earlier one reuses its
+    plan."""
+    _eager_backend_or_skip("triton")
+    from fusedres import route
+
+    torch.manual_seed(0)
+    m = fusedres.BNReLUConv2d(6, 5, 3, padding=1)
+    x = torch.randn(2, 6, 5, 5)
+    g = torch.randn(2, 5, 5, 5)
+    g_cl = g.contiguous(memory_format=torch.channels_last)
+
+    def run(grad, need_x):
+        xr = x.clone().requires_grad_(need_x)
+        y = m(xr)
+        y.backward(grad)
+        grads = [xr.grad] + [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        return y.grad_fn, grads
+
+    cases = [("sums", g, True, 1), ("sums", g_cl, True, 2), ("store", g, True, 3),
+             ("sums", g, False, 4), ("sums", g, True, 4), ("store", g, True, 4)]
+    with fusedres.use_backend("triton"):
+        for strategy, grad, need_x, plans in cases:
+            monkeypatch.setenv("FUSEDRES_TRITON_BACKWARD", strategy)
+            node, grads = run(grad, need_x)
+            assert len(node.plan.backwards) == plans, (strategy, need_x)
+            with monkeypatch.context() as mp:
+                mp.setitem(route.EAGER, "triton", route.PUBLIC)
+                _, grads_pub = run(grad, need_x)
+            for a, b in zip(grads, grads_pub):
+                assert (a is None and b is None) or torch.equal(a, b), (strategy, need_x)
+
+
 def test_eager_triton_backward_checks_the_gradient_offsets(monkeypatch):
     """The triton eager route's backward sends a gradient whose offsets pass int32 (a strided
     view, e.g. of a torch.cat output's gradient, where y itself fits) to the portable code, as

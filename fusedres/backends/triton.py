@@ -13,7 +13,6 @@ cannot be traced with fake tensors there, so torch.compile is tested through the
 backends' ops.
 """
 
-import functools
 import math
 import os
 from typing import Optional
@@ -22,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import settings
+from .._backend import is_eager
 from ..opdefs import (
     SCHEMAS,
     BackwardArgs,
@@ -30,7 +30,7 @@ from ..opdefs import (
     out_shape,
     python_signature,
 )
-from ..ops import bare_gradients, direct_unit, unit_backward, unit_setup_context
+from ..ops import direct_unit
 from . import portable
 
 _KERNELS_ERROR: Optional[str] = None
@@ -38,6 +38,8 @@ try:
     from ..kernels import bn_relu_conv2d_dgrad as _dgrad
     from ..kernels import bn_relu_conv2d_wgrad as _wgrad
     from ..kernels._common import fits_int32 as _fits_int32
+    from ..kernels._common import plan_cache as _plan_cache
+    from ..kernels._common import tf32_allowed as _tf32_allowed
     from ..kernels.batch_stats import batch_stats as _batch_stats
     from ..kernels.batch_stats import prepare_batch_norm as _prepare_batch_norm
     from ..kernels.batch_stats import prepare_plan as _prepare_plan
@@ -127,46 +129,162 @@ def _backward(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
 
 def _backward_with(b: BackwardArgs, scale: Tensor, shift: Tensor, strategy: str | None = None):
     """The backward's launches for ``b`` given the BatchNorm's affine (``scale``, ``shift``)
-    and, when known, the strategy (:func:`backward_strategy`)."""
-    x, weight, mean, invstd = b.x, b.weight, b.mean.contiguous(), b.invstd.contiguous()
-    stride, padding, dilation = b.stride, b.padding, b.dilation
-    want_x, want_w, want_b, want_g, want_beta = b.output_mask
-    outs = list(backward_outputs(x, weight, b.mean, b.output_mask))
-    grad_out = b.grad_out.to(weight.dtype)
+    and, when known, the strategy (:func:`backward_strategy`): a :class:`BackwardPlan` built for
+    this call (the eager route keeps its plans, :class:`EagerTritonUnit`)."""
     bscale = b.branch_scale
     if bscale is not None:
-        bscale = _branch_scale(bscale, weight)
-    need_sums = want_g or want_beta or (want_x and b.batch_stats)
-    if strategy is None:
-        strategy = backward_strategy(grad_out, x, weight, stride)
-    if strategy == "store":
-        return _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, padding,
-                               dilation, b.batch_stats, b.output_mask, outs, need_sums, bscale)
-    sums = means = None
-    if want_w or want_b or need_sums:
-        # One pass over dy and x: weight and bias gradients, and the BatchNorm backward sums;
-        # one launch reduces its partials into the outputs (and the sums' means dx needs).
-        affine = out_sums = None
-        if need_sums:
-            affine = (b.bn_weight if b.bn_weight is not None else torch.ones_like(mean),
-                      b.bn_bias if b.bn_bias is not None else torch.zeros_like(mean))
+        bscale = _branch_scale(bscale, b.weight)
+    grad_out = b.grad_out.to(b.weight.dtype)
+    mask = tuple(b.output_mask)
+    outs = backward_outputs(b.x, b.weight, b.mean, mask)
+    plan = BackwardPlan(grad_out, b.x, b.weight, b.bn_weight, b.bn_bias, b.mean, b.invstd,
+                        scale, shift, (b.stride, b.padding, b.dilation), b.batch_stats, mask,
+                        bscale, strategy, outs)
+    return plan.run(grad_out, b.x, b.weight, b.bn_weight, b.bn_bias, b.mean, b.invstd, scale,
+                    shift, bscale, outs)
+
+
+class BackwardPlan:
+    """The backward's launches for one key: the strategy (:func:`backward_strategy`), the
+    weight- and data-gradient plans (kernels/: configs, splits, grids and integer arguments) and
+    the store strategy's joined reduction fixed; :meth:`run` allocates the outputs and launches
+    on the tensors of a call. Built from a call's tensors (``grad_out`` in the weight's dtype,
+    ``bscale`` the kernels' branch scale or None); its kernels' own plans are cached by their
+    keys, and :class:`EagerTritonUnit` keeps the plan itself per gradient layout.
+
+    Three forms: *store* (the weight gradient's pass, the data gradient's with dz stored and
+    the sums' partials, one reduction of both passes' partials, the dx pass), *sums* (the
+    weight-gradient pass also reduces the BatchNorm sums, then one data-gradient pass writes
+    dx) and *passes* (each pass through its own entry: autotuning, or the store strategy with
+    one pass alone)."""
+
+    def __init__(self, grad_out, x, weight, bn_weight, bn_bias, mean, invstd, scale, shift,
+                 geometry, batch_stats: bool, output_mask: tuple, bscale,
+                 strategy: str | None = None, outs=None):
+        """``outs``: the outputs of a first :meth:`run` (``backward_outputs``), whose layouts
+        the plans read; None: made here for that."""
+        stride, padding, dilation = geometry
+        want_x, want_w, want_b, want_g, want_beta = output_mask
+        self.geometry, self.batch_stats, self.mask = geometry, batch_stats, output_mask
+        self.want_sums = want_g or want_beta
+        self.need_sums = self.want_sums or (want_x and batch_stats)
+        if strategy is None:
+            strategy = backward_strategy(grad_out, x, weight, stride)
+        self.strategy = strategy
+        mean, invstd = mean.contiguous(), invstd.contiguous()
+        if outs is None:
+            outs = backward_outputs(x, weight, mean, output_mask)
+        self.wplan = self.dplan = self.joined = None
+        autotune = settings.get("FUSEDRES_TRITON_AUTOTUNE")
+        if autotune or (strategy == "store" and not (
+                (want_w or want_b) and (want_x or self.need_sums))):
+            self.form = "passes"
+        elif strategy == "store":
+            self.form = "store"
+            self.wplan = _wgrad.wgrad_plan(
+                grad_out, x, weight, scale, stride, padding, dilation, want_weight=want_w,
+                want_bias=want_b, sums=False, out=outs[1] if want_w else None,
+                branch_scale=bscale, out_bias=outs[2] if want_b else None, out_sums=None,
+                out_means=None)
+            self.dplan = _dgrad.dgrad_plan(
+                grad_out, x, weight, scale, shift, mean, invstd, outs[0] if want_x else None,
+                stride, padding, dilation, batch_stats=batch_stats, want_sums=self.want_sums,
+                sums_given=False, strategy="store", branch_scale=bscale, means_given=False)
+            self.joined = self.dplan.joined_reduce(self.wplan.reduce)
+        else:
+            self.form = "sums"
+            means = want_x and batch_stats
+            if want_w or want_b or self.need_sums:
+                self.wplan = _wgrad.wgrad_plan(
+                    grad_out, x, weight, scale, stride, padding, dilation, want_weight=want_w,
+                    want_bias=want_b, sums=self.need_sums, out=outs[1] if want_w else None,
+                    branch_scale=bscale, out_bias=outs[2] if want_b else None,
+                    out_sums=(mean, mean) if self.need_sums else None,
+                    out_means=(mean, mean) if self.need_sums and means else None)
+            if want_x:
+                self.dplan = _dgrad.dgrad_plan(
+                    grad_out, x, weight, scale, shift, mean, invstd, outs[0], stride, padding,
+                    dilation, batch_stats=batch_stats, want_sums=False,
+                    sums_given=self.need_sums, strategy="store", branch_scale=bscale,
+                    means_given=self.need_sums and means)
+
+    def run(self, grad_out, x, weight, bn_weight, bn_bias, mean, invstd, scale, shift, bscale,
+            outs=None):
+        """The five outputs of ``bn_relu_conv2d_backward`` (an empty tensor where the mask
+        wants none), in ``outs`` when given. ``grad_out`` in the weight's dtype; ``bscale`` as
+        the kernels read it."""
+        want_x, want_w, want_b, want_g, want_beta = self.mask
+        mean, invstd = mean.contiguous(), invstd.contiguous()
+        if outs is None:
+            outs = backward_outputs(x, weight, mean, self.mask)
+        out_sums = None
+        if self.want_sums:
             out_sums = (outs[4] if want_beta else torch.empty_like(mean),
                         outs[3] if want_g else torch.empty_like(mean))
-            if want_x and b.batch_stats:
-                means = (torch.empty_like(scale), torch.empty_like(scale))
-        _, _, sums = _wgrad.bn_relu_conv2d_wgrad(
-            grad_out, x, weight, scale, shift, stride, padding, dilation, want_weight=want_w,
-            want_bias=want_b, bn_affine=affine, mean=mean, invstd=invstd,
-            out=outs[1] if want_w else None, branch_scale=bscale,
-            out_bias=outs[2] if want_b else None, out_sums=out_sums, out_means=means)
-    if want_x:
-        # Second pass: dx written directly (the sums are known).
-        _dgrad.bn_relu_conv2d_dgrad(
-            grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
-            batch_stats=b.batch_stats, grad_x=outs[0], want_sums=False, sums=sums,
-            branch_scale=bscale, means=means)
-    return tuple(outs)
+        if self.form == "store":
+            grad_x = outs[0] if want_x else None
+            deferred = [self.joined] if self.joined is not None else None
+            self.wplan.run(grad_out, x, weight, scale, shift, out=outs[1] if want_w else None,
+                           branch_scale=bscale, out_bias=outs[2] if want_b else None,
+                           deferred=deferred)
+            self.dplan.run(grad_out, x, weight, scale, shift, mean, invstd, grad_x, None,
+                           bscale, None, out_sums, deferred)
+        elif self.form == "sums":
+            sums = means = None
+            if self.wplan is not None:
+                affine = None
+                if self.need_sums:
+                    affine = (bn_weight if bn_weight is not None else torch.ones_like(mean),
+                              bn_bias if bn_bias is not None else torch.zeros_like(mean))
+                    if out_sums is None:
+                        out_sums = (torch.empty_like(mean), torch.empty_like(mean))
+                    if want_x and self.batch_stats:
+                        means = (torch.empty_like(scale), torch.empty_like(scale))
+                _, _, sums = self.wplan.run(
+                    grad_out, x, weight, scale, shift, bn_affine=affine, mean=mean,
+                    invstd=invstd, out=outs[1] if want_w else None, branch_scale=bscale,
+                    out_bias=outs[2] if want_b else None, out_sums=out_sums, out_means=means)
+            if want_x:
+                self.dplan.run(grad_out, x, weight, scale, shift, mean, invstd, outs[0], sums,
+                               bscale, means)
+        else:
+            self._passes(grad_out, x, weight, bn_weight, bn_bias, mean, invstd, scale, shift,
+                         bscale, outs, out_sums)
+        return outs
 
+    def _passes(self, grad_out, x, weight, bn_weight, bn_bias, mean, invstd, scale, shift,
+                bscale, outs, out_sums):
+        """Each pass through its own entry (autotuned configs; or one pass alone)."""
+        stride, padding, dilation = self.geometry
+        want_x, want_w, want_b, want_g, want_beta = self.mask
+        sums = means = None
+        if self.strategy != "store" and self.need_sums:
+            affine = (bn_weight if bn_weight is not None else torch.ones_like(mean),
+                      bn_bias if bn_bias is not None else torch.zeros_like(mean))
+            if out_sums is None:
+                out_sums = (torch.empty_like(mean), torch.empty_like(mean))
+            if want_x and self.batch_stats:
+                means = (torch.empty_like(scale), torch.empty_like(scale))
+        else:
+            affine = None
+        if want_w or want_b or affine is not None:
+            _, _, sums = _wgrad.bn_relu_conv2d_wgrad(
+                grad_out, x, weight, scale, shift, stride, padding, dilation,
+                want_weight=want_w, want_bias=want_b, bn_affine=affine, mean=mean,
+                invstd=invstd, out=outs[1] if want_w else None, branch_scale=bscale,
+                out_bias=outs[2] if want_b else None, out_sums=out_sums if affine else None,
+                out_means=means)
+        if self.strategy == "store" and (want_x or self.need_sums):
+            _dgrad.bn_relu_conv2d_dgrad(
+                grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
+                batch_stats=self.batch_stats, grad_x=outs[0] if want_x else None,
+                want_sums=self.want_sums, strategy="store", branch_scale=bscale,
+                out_sums=out_sums)
+        elif want_x:
+            _dgrad.bn_relu_conv2d_dgrad(
+                grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
+                batch_stats=self.batch_stats, grad_x=outs[0], want_sums=False, sums=sums,
+                branch_scale=bscale, means=means)
 
 
 # The same three bodies as triton_ops (what torch.compile traces, CompiledUnit below); the eager
@@ -203,49 +321,6 @@ def backward_strategy(grad_out=None, x=None, weight=None, stride=(1, 1)) -> str:
 
 
 _AUTO_STRATEGY: dict[tuple, str] = {}  # the model's pick per shape (a pure function of it)
-
-
-def _backward_store(grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
-                    batch_stats, output_mask, outs, need_sums, bscale=None):
-    """The "store" strategy: the weight gradient's pass, the data gradient's (dz stored, the
-    sums' partials), ONE reduction for the weight gradient's split partials and the sums, the
-    dx pass."""
-    want_x, want_w, want_b, want_g, want_beta = output_mask
-    want_sums = want_g or want_beta
-    out_sums = (outs[4] if want_beta else torch.empty_like(mean),
-                outs[3] if want_g else torch.empty_like(mean)) if want_sums else None
-    dx = want_x or need_sums
-    if settings.get("FUSEDRES_TRITON_AUTOTUNE") or not (want_w or want_b) or not dx:
-        # Each pass by its own entry (autotuned configs; or one pass alone).
-        if want_w or want_b:
-            _wgrad.bn_relu_conv2d_wgrad(
-                grad_out, x, weight, scale, shift, stride, padding, dilation,
-                want_weight=want_w, want_bias=want_b, out=outs[1] if want_w else None,
-                branch_scale=bscale, out_bias=outs[2] if want_b else None)
-        if dx:
-            _dgrad.bn_relu_conv2d_dgrad(
-                grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation,
-                batch_stats=batch_stats, grad_x=outs[0] if want_x else None,
-                want_sums=want_sums, strategy="store", branch_scale=bscale,
-                out_sums=out_sums)
-        return tuple(outs)
-    wplan = _wgrad.wgrad_plan(grad_out, x, weight, scale, stride, padding, dilation,
-                              want_weight=want_w, want_bias=want_b, sums=False,
-                              out=outs[1] if want_w else None, branch_scale=bscale,
-                              out_bias=outs[2] if want_b else None, out_sums=None,
-                              out_means=None)
-    grad_x = outs[0] if want_x else None
-    dplan = _dgrad.dgrad_plan(grad_out, x, weight, scale, shift, mean, invstd, grad_x, stride,
-                              padding, dilation, batch_stats=batch_stats, want_sums=want_sums,
-                              sums_given=False, strategy="store", branch_scale=bscale,
-                              means_given=False)
-    joined = dplan.joined_reduce(wplan.reduce)
-    deferred = [joined] if joined is not None else None
-    wplan.run(grad_out, x, weight, scale, shift, out=outs[1] if want_w else None,
-              branch_scale=bscale, out_bias=outs[2] if want_b else None, deferred=deferred)
-    dplan.run(grad_out, x, weight, scale, shift, mean, invstd, grad_x, None, bscale, None,
-              out_sums, deferred)
-    return tuple(outs)
 
 
 # --------------------------------------------------------------------------- backend interface
@@ -339,58 +414,103 @@ def compiled_batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
 # fusedres.route's "triton, eager": the kernels launched from an autograd.Function through their
 # plans (kernels/: config, grid and integer arguments cached per shapes, strides, dtypes and
 # alignments), with no custom-op layer between; the BatchNorm's affine (scale, shift) made by the
-# preparation's launch and kept for the backward.
+# preparation's launch and kept for the backward. What the host does per step is counted
+# (benchmarks/hostcost.py, tests/test_host_cost.py): each layer here is a Python call a step.
 
-def _eager_backward(scale: Tensor, shift: Tensor, *inputs) -> tuple[Tensor, ...]:
-    """The backward body for :class:`EagerTritonUnit`: x and the weight were checked by the forward
-    (:func:`eager_unit`), the gradient is checked here (a strided view, e.g. of a ``torch.cat``
-    output's gradient, can reach offsets past int32 where y did not)."""
-    if not _fits_int32(inputs[0]):
-        return portable.bn_relu_conv2d_backward(*inputs)
-    return _backward_with(BackwardArgs(*inputs), scale, shift)
+# The settings a backward plan depends on, read raw for its key (fusedres.settings.raw_lookup).
+_ENV_GET, _ENV_KEYS = settings.raw_lookup("FUSEDRES_TRITON_BACKWARD", "FUSEDRES_TRITON_AUTOTUNE")
+_MISSING = object()
 
 
 class EagerTritonUnit(torch.autograd.Function):
-    """The fused unit in eager mode: ``apply(*UnitArgs, genstats, scale, shift)`` -> ``y`` or
-    ``(y, mean, var)``; ``scale``, ``shift`` the BatchNorm's affine when the preparation made
-    it (None: one launch makes it here). The autograd rule of fusedres.ops (unit_setup_context,
-    unit_backward), with the affine saved beside it. Its backward runs the kernels bare on a
-    plain gradient with grad mode off, else the public backward op (a double backward, batched
-    gradients: fusedres.ops.bare_gradients)."""
+    """The fused unit in eager mode: ``apply(plan, x, weight, bias, bn_weight, bn_bias, mean,
+    invstd, residual, branch_scale, scale, shift, batch_stats)`` -> ``y`` or ``(y, mean, var)``
+    (``plan.genstats``), with ``plan`` the forward's (kernels/bn_relu_conv2d.py's
+    ``forward_plan`` for these tensors), ``residual`` in the weight's dtype and
+    ``branch_scale`` as the kernels read it (:func:`_branch_scale`), ``scale``, ``shift`` the
+    BatchNorm's affine. The autograd rule of fusedres.ops (x, the weight, the BatchNorm's
+    parameters and statistics kept; mean and invstd take no gradient, the residual's is
+    ``grad_out``), with the affine kept beside them. Its backward runs the kernels bare on a
+    plain gradient with grad mode off, through a :class:`BackwardPlan` the forward's plan keeps
+    per gradient layout; else the public backward op (a double backward, batched gradients:
+    fusedres.ops.bare_gradients's rule)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                padding, dilation, batch_stats, branch_scale, genstats, scale, shift):
-        u = UnitArgs(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                     padding, dilation, batch_stats, branch_scale)
-        if scale is None:
-            scale, shift = _scale_shift(u)
-        unit_setup_context(ctx, u, None, scale, shift)
-        out = _launch_forward(u, genstats, scale, shift)
-        if genstats:
+    def forward(ctx, plan, x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
+                branch_scale, scale, shift, batch_stats):
+        ctx.save_for_backward(x, weight, bn_weight, bn_bias, mean, invstd, branch_scale, scale,
+                              shift)
+        ctx.plan, ctx.batch_stats = plan, batch_stats
+        ctx.has_bias, ctx.has_residual = bias is not None, residual is not None
+        out = plan.run(x, weight, scale, shift, bias, residual, branch_scale)
+        if plan.genstats:
             ctx.mark_non_differentiable(out[1], out[2])
         return out
 
     @staticmethod
     def backward(ctx, grad_out, *_stats_grads):
-        if bare_gradients(grad_out):
-            scale, shift = ctx.saved_tensors[-2:]
-            op = functools.partial(_eager_backward, scale, shift)
-        else:
-            op = torch.ops.fusedres.bn_relu_conv2d_backward
-        return (*unit_backward(ctx, grad_out, op), None, None, None)  # genstats, affine
+        x, weight, bn_weight, bn_bias, mean, invstd, bscale, scale, shift = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        mask = (need[1], need[2], need[3] and ctx.has_bias, need[4] and bn_weight is not None,
+                need[5] and bn_bias is not None)
+        gx = gw = gb = gg = gbeta = None
+        if True in mask:
+            plan = ctx.plan
+            if torch.is_grad_enabled() or not is_eager(grad_out):
+                outs = torch.ops.fusedres.bn_relu_conv2d_backward(
+                    grad_out, x, weight, bn_weight, bn_bias, mean, invstd, *plan.geometry,
+                    ctx.batch_stats, list(mask), bscale)
+            else:
+                if grad_out.dtype != weight.dtype:
+                    grad_out = grad_out.to(weight.dtype)
+                # What the backward's plan depends on beyond the forward plan's key: the
+                # gradient's layout, the outputs wanted, the statistics' alignment, the mode,
+                # the settings.
+                key = (grad_out.stride(), grad_out.data_ptr() % 16, mask, ctx.batch_stats,
+                       bn_weight is None, bn_bias is None, mean.data_ptr() % 16,
+                       invstd.data_ptr() % 16, *map(_ENV_GET, _ENV_KEYS))
+                bplan = plan.backwards.get(key, _MISSING)
+                if bplan is _MISSING:
+                    # None: offsets past int32 (a strided view of a larger gradient, as a
+                    # torch.cat output's): the portable code.
+                    bplan = plan.backwards[key] = BackwardPlan(
+                        grad_out, x, weight, bn_weight, bn_bias, mean, invstd, scale, shift,
+                        plan.geometry, ctx.batch_stats, mask, bscale) \
+                        if _fits_int32(grad_out) else None
+                if bplan is None:
+                    outs = portable.bn_relu_conv2d_backward(
+                        grad_out, x, weight, bn_weight, bn_bias, mean, invstd, *plan.geometry,
+                        ctx.batch_stats, list(mask), bscale)
+                else:
+                    outs = bplan.run(grad_out, x, weight, bn_weight, bn_bias, mean, invstd,
+                                     scale, shift, bscale)
+            gx, gw, gb, gg, gbeta = outs  # (no generator: each of its steps is a Python call)
+            gx, gw = gx if mask[0] else None, gw if mask[1] else None
+            gb, gg, gbeta = gb if mask[2] else None, gg if mask[3] else None, \
+                gbeta if mask[4] else None
+        gres = grad_out if ctx.has_residual and need[8] else None
+        return None, gx, gw, gb, gg, gbeta, None, None, gres, None, None, None, None
 
 
 def eager_unit(args: UnitArgs, genstats: bool, affine=None):
     """:class:`EagerTritonUnit` on ``args`` (eager tensors), or the public op for the cases the
     kernels leave to the portable code. Returns ``y``, or ``(y, mean, var)`` of y when ``genstats``.
-    ``affine``: (scale, shift) from the preparation, or None."""
+    ``affine``: (scale, shift) from the preparation, or None (one launch makes it here)."""
     if _forward_portable_case(args):
         op = (torch.ops.fusedres.bn_relu_conv2d_genstats if genstats
               else torch.ops.fusedres.bn_relu_conv2d)
         return op(*args)
-    scale, shift = affine if affine is not None else (None, None)
-    return EagerTritonUnit.apply(*args, genstats, scale, shift)
+    (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding, dilation,
+     batch_stats, bscale) = args
+    scale, shift = affine if affine is not None else _scale_shift(args)
+    if residual is not None and residual.dtype != weight.dtype:
+        residual = residual.to(weight.dtype)  # differentiable: the gradient casts back
+    if bscale is not None:
+        bscale = _branch_scale(bscale, weight)
+    plan = _fwd_plan(x, weight, bias, scale, shift, residual, stride, padding, dilation, None,
+                     genstats, bscale)
+    return EagerTritonUnit.apply(plan, x, weight, bias, bn_weight, bn_bias, mean, invstd,
+                                 residual, bscale, scale, shift, batch_stats)
 
 
 def eager_launches(args: UnitArgs, genstats: bool, affine, backward: BackwardArgs):
@@ -411,82 +531,97 @@ def prepare_affine(x: Tensor, bn_weight, bn_bias, running_mean, running_var,
                                momentum, eps, mean, var, bn_weight, bn_bias, True)
 
 
-_MODULE_CASES: dict[tuple, bool] = {}
+class _ModuleCase:
+    """What :func:`module_unit` runs for one key: the preparation's plan and the forward's."""
+
+    __slots__ = ("prepare", "forward")
+
+    def __init__(self, prepare, forward):
+        self.prepare, self.forward = prepare, forward
 
 
-def _module_case_key(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-                     num_batches_tracked, training, momentum, eps, residual, stride, padding,
-                     dilation) -> tuple:
-    # Every type, shape, stride, dtype and device the checks read, written out: a helper
-    # function a tensor would cost ~10 Python calls a step.
-    return (type(x), x.shape, x.stride(), x.dtype, x.device,
-            type(weight), weight.shape, weight.stride(), weight.dtype, weight.device,
-            None if bias is None else (type(bias), bias.shape, bias.dtype, bias.device),
-            None if bn_weight is None else (type(bn_weight), bn_weight.shape, bn_weight.dtype,
-                                            bn_weight.device),
-            None if bn_bias is None else (type(bn_bias), bn_bias.shape, bn_bias.dtype,
-                                          bn_bias.device),
-            None if running_mean is None else (type(running_mean), running_mean.shape,
-                                               running_mean.stride(), running_mean.dtype,
-                                               running_mean.device),
-            None if running_var is None else (type(running_var), running_var.shape,
-                                              running_var.stride(), running_var.dtype,
-                                              running_var.device),
-            None if num_batches_tracked is None else (type(num_batches_tracked),
-                                                      num_batches_tracked.dtype),
-            None if residual is None else (type(residual), residual.shape, residual.stride(),
-                                           residual.dtype, residual.device),
-            training, momentum, eps, stride, padding, dilation,
-            torch.is_autocast_enabled(x.device.type))
+# key -> _ModuleCase, or False for arguments left to the checked route. Cleared with the plans.
+_MODULE_CASES: dict[tuple, object] = _plan_cache() if _KERNELS_ERROR is None else {}
 
 
-def _module_takes(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-                  num_batches_tracked, training, momentum, eps, residual, stride, padding,
-                  dilation) -> bool:
-    """Whether :func:`module_unit` runs these arguments: after the checks of the Python route
-    (fusedres.functional, whose errors name the argument: raised here, before anything is
-    touched), what the preparation and the kernels take: statistics of 16- or 32-bit x, the
-    BatchNorm's affine in the statistics dtype, a residual in the weight's dtype, autocast off,
-    offsets the kernels index."""
+def _module_case(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
+                 num_batches_tracked, training, momentum, eps, residual, stride, padding,
+                 dilation):
+    """A :class:`_ModuleCase` for these arguments, or False for those :func:`module_unit`
+    leaves to the checked route: after the checks of the Python route (fusedres.functional,
+    whose errors name the argument: raised here, before anything is touched), what the
+    preparation and the kernels take: statistics of 16- or 32-bit x, the BatchNorm's affine in
+    the statistics dtype, a residual in the weight's dtype, autocast off, offsets the kernels
+    index."""
     from ..checks import check_batch_norm_args, check_conv_args
 
     check_conv_args(x, weight, bias, residual, stride, padding, dilation)
     check_batch_norm_args(x, bn_weight, bn_bias, running_mean, running_var,
-                             num_batches_tracked, training=training, momentum=momentum)
+                          num_batches_tracked, training=training, momentum=momentum)
     sdt = torch.float32
-    return (not torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64
-            and all(t is None or t.dtype == sdt for t in (bn_weight, bn_bias))
-            and (residual is None or residual.dtype == weight.dtype)
-            and prepares(x, running_mean, running_var, training)
-            and not _forward_portable_case(UnitArgs(x, weight, bias, bn_weight, bn_bias, x, x,
-                                                    residual, stride, padding, dilation, True)))
+    takes = (not torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64
+             and all(t is None or t.dtype == sdt for t in (bn_weight, bn_bias))
+             and (residual is None or residual.dtype == weight.dtype)
+             and prepares(x, running_mean, running_var, training)
+             and not _forward_portable_case(UnitArgs(x, weight, bias, bn_weight, bn_bias, x, x,
+                                                     residual, stride, padding, dilation, True)))
+    if not takes:
+        return False
+    prepare = _prepare_plan(x, running_mean, running_var, num_batches_tracked, training,
+                            momentum, eps, False, bn_weight, bn_bias, True)
+    # The preparation's scale and shift are new (C,) tensors a step: allocator-aligned, as these.
+    affine = torch.empty((2, x.shape[1]), device=x.device, dtype=sdt)
+    forward = _fwd_plan(x, weight, bias, affine[0], affine[1], residual, stride, padding,
+                        dilation, None, False, None)
+    return _ModuleCase(prepare, forward)
 
 
 def module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
                 num_batches_tracked, training, momentum, eps, residual, stride, padding,
                 dilation) -> list[Tensor]:
     """A ``BNReLUConv2d``'s forward on the triton backend (fusedres.route's module_unit): the
-    BatchNorm's preparation with its affine (two launches, one with the batch statistics
-    given), then :class:`EagerTritonUnit`: ``[y]``, or ``[]`` with nothing touched for arguments it
-    leaves to the checked route. The checks run once per arguments' shapes, strides, dtypes
-    and flags (:func:`_module_takes`)."""
-    key = _module_case_key(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-                           num_batches_tracked, training, momentum, eps, residual, stride,
-                           padding, dilation)
-    takes = _MODULE_CASES.get(key)
-    if takes is None:
-        takes = _MODULE_CASES[key] = _module_takes(
+    BatchNorm's preparation with its affine (one launch), then :class:`EagerTritonUnit`:
+    ``[y]``, or ``[]`` with nothing touched for arguments it leaves to the checked route. The
+    checks and the plans are made once per arguments' types, shapes, strides, dtypes,
+    alignments and flags (:func:`_module_case`)."""
+    # Every type, shape, stride, dtype, device and alignment the checks and the plans read,
+    # written out: a helper function a tensor would cost ~10 Python calls a step.
+    key = (type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16,
+           type(weight), weight.shape, weight.stride(), weight.dtype, weight.device,
+           weight.data_ptr() % 16,
+           None if bias is None else (type(bias), bias.shape, bias.dtype, bias.device,
+                                      bias.data_ptr() % 16),
+           None if bn_weight is None else (type(bn_weight), bn_weight.shape, bn_weight.dtype,
+                                           bn_weight.device, bn_weight.data_ptr() % 16),
+           None if bn_bias is None else (type(bn_bias), bn_bias.shape, bn_bias.dtype,
+                                         bn_bias.device, bn_bias.data_ptr() % 16),
+           None if running_mean is None else (type(running_mean), running_mean.shape,
+                                              running_mean.stride(), running_mean.dtype,
+                                              running_mean.device, running_mean.data_ptr() % 16),
+           None if running_var is None else (type(running_var), running_var.shape,
+                                             running_var.stride(), running_var.dtype,
+                                             running_var.device, running_var.data_ptr() % 16),
+           None if num_batches_tracked is None else (type(num_batches_tracked),
+                                                     num_batches_tracked.dtype,
+                                                     num_batches_tracked.data_ptr() % 16),
+           None if residual is None else (type(residual), residual.shape, residual.stride(),
+                                          residual.dtype, residual.device,
+                                          residual.data_ptr() % 16),
+           training, momentum, eps, stride, padding, dilation,
+           torch.is_autocast_enabled(x.device.type), _tf32_allowed())
+    case = _MODULE_CASES.get(key)
+    if case is None:
+        case = _MODULE_CASES[key] = _module_case(
             x, weight, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
             training, momentum, eps, residual, stride, padding, dilation)
-    if not takes:
+    if case is False:
         return []
-    mean, invstd, scale, shift = _prepare_plan(
-        x, running_mean, running_var, num_batches_tracked, training, momentum, eps, False,
-        bn_weight, bn_bias, True).run(x, running_mean, running_var, num_batches_tracked, None,
-                                      None, bn_weight, bn_bias)
-    batch_stats = training or running_mean is None
-    args = UnitArgs(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                    padding, dilation, batch_stats)
+    mean, invstd, scale, shift = case.prepare.run(x, running_mean, running_var,
+                                                  num_batches_tracked, None, None, bn_weight,
+                                                  bn_bias)
+    plan = case.forward
     if not torch.is_grad_enabled():
-        return [_launch_forward(args, False, scale, shift)]
-    return [EagerTritonUnit.apply(*args, False, scale, shift)]
+        return [plan.run(x, weight, scale, shift, bias, residual, None)]
+    return [EagerTritonUnit.apply(plan, x, weight, bias, bn_weight, bn_bias, mean, invstd,
+                                  residual, None, scale, shift,
+                                  training or running_mean is None)]
