@@ -13,7 +13,7 @@ route              module_unit  prepare     unit         pair        shortcut   
 =================  ===========  ==========  ===========  ==========  ==========  ===========
 cpu, eager         C++ call     C++ call    C++ node     C++ node    C++ node    C++ call
 cuda, eager        C++ call     C++ call    C++ node     C++ node    --          public op
-triton, eager      --           2 launches  autograd.F   --          --          public op
+triton, eager      1 + autog.F  1 launch    autograd.F   --          --          public op
 triton, compiled   --           --          triton_ops   --          --          triton_op
 public             --           --          public op    --          --          public op
 =================  ===========  ==========  ===========  ==========  ==========  ===========
@@ -22,8 +22,10 @@ The names: *C++ call* an op of the backend's namespace (``fusedres_cpu::module_u
 ``prepare_batch_norm``, ``batch_stats``), *C++ node* one whose autograd node is C++
 (csrc/eager.h: ``eager_unit``, ``eager_pair``, ``eager_unit_with_shortcut``), *autograd.F* a
 Python ``autograd.Function`` launching the backend's kernels through their plans
-(fusedres.backends.triton's ``EagerTritonUnit``), *2 launches* the statistics and the
-preparation with the fused affine (one when the statistics are given), *triton_ops* the
+(fusedres.backends.triton's ``EagerTritonUnit``), *1 launch* the statistics and the
+preparation with the fused affine (batch_stats_kernel's last program of a channel block
+merges), *1 + autog.F* that launch then the autograd.Function, plans and checks cached per
+arguments' metadata, *triton_ops* the
 ``fusedres_triton`` ops that torch.compile decomposes into their kernels on a GPU
 (``CompiledUnit``), *public op* ``fusedres::<op>`` (its autograd rule, then the backend's op).
 *Compiled* is a graph that torch.compile traces with the triton backend in force on a GPU;
