@@ -3,9 +3,13 @@ plain PyTorch's chain beside it: Python calls, kernel launches, top-level ops, a
 with the kernels as no-ops.
 
     python benchmarks/hostcost.py [--rounds 15] [--reps 50] [--routes plain,cpu,cuda,triton]
+                                  [--unit chain|block]
 
 The chain is ``BNReLUConv2d(16, 16, 3, padding=1)`` on a 2x16x8x8 batch in training mode
-(plain: ``nn.BatchNorm2d``, ``nn.ReLU``, ``nn.Conv2d`` called in turn), forward and backward.
+(plain: ``nn.BatchNorm2d``, ``nn.ReLU``, ``nn.Conv2d`` called in turn), forward and backward;
+``--unit block`` times a ``PreActBasicBlock(16, 16)`` instead (two chains and the identity
+shortcut, the unit a deep pre-activation ResNet repeats; plain: the same block with
+``fused=False``).
 Every count is a count of the host's own work, the same on any machine with these versions:
 
 - *Python calls*: function calls ``sys.setprofile`` sees while the step runs, torch's own
@@ -64,13 +68,21 @@ def available(route: str) -> str | None:
     return fusedres.unavailable_reason(route, "cpu")
 
 
-def make_step(route: str):
-    """The chain's training step on ``route``: a callable, run inside :func:`using`."""
+def make_step(route: str, unit: str = "chain"):
+    """The training step of ``unit`` on ``route``: a callable, run inside :func:`using`.
+    ``unit``: "chain" (one BN-ReLU-conv) or "block" (``PreActBasicBlock(16, 16)``: He et al.'s
+    full pre-activation unit with the identity shortcut, two chains; plain: ``fused=False``,
+    PyTorch's modules in the same block)."""
     torch.manual_seed(0)
     n, c, h, w = SHAPE
     x = torch.randn(n, c, h, w, requires_grad=True)
     g = torch.randn(n, c, h, w)
-    if route == "plain":
+    if unit == "block":
+        block = fusedres.PreActBasicBlock(c, c, fused=route != "plain")
+
+        def step():
+            block(x).backward(g)
+    elif route == "plain":
         bn, relu, conv = nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1, bias=False)
 
         def step():
@@ -200,9 +212,10 @@ def top_level_ops(fn) -> list[str]:
     return out
 
 
-def counts(route: str, warmup: int = 3) -> dict:
-    """Python calls, launches and top-level ops of one step of ``route`` (after ``warmup``)."""
-    step = make_step(route)
+def counts(route: str, warmup: int = 3, unit: str = "chain") -> dict:
+    """Python calls, launches and top-level ops of one step of ``unit`` on ``route`` (after
+    ``warmup``)."""
+    step = make_step(route, unit)
     with using(route) as launches:
         for _ in range(warmup):
             step()
@@ -214,9 +227,9 @@ def counts(route: str, warmup: int = 3) -> dict:
             "top_level_ops": len(ops), "ops": ops, "where": where}
 
 
-def host_us(routes, reps: int = 50, rounds: int = 15) -> dict[str, float]:
+def host_us(routes, reps: int = 50, rounds: int = 15, unit: str = "chain") -> dict[str, float]:
     """Median microseconds a step, the routes interleaved round by round."""
-    steps = {r: make_step(r) for r in routes}
+    steps = {r: make_step(r, unit) for r in routes}
     samples: dict[str, list[float]] = {r: [] for r in routes}
     for r in routes:
         with using(r):
@@ -239,16 +252,19 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--where", action="store_true", help="list where each route's calls go")
+    p.add_argument("--unit", default="chain", choices=("chain", "block"),
+                   help="one BN-ReLU-conv chain, or a pre-activation basic block (two chains)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     routes = [r for r in args.routes.split(",") if available(r) is None]
     for r in args.routes.split(","):
         if r not in routes:
             print(f"# {r}: not run here ({available(r)})")
-    rows = [counts(r) for r in routes]
-    times = host_us(routes, args.reps, args.rounds)
+    rows = [counts(r, unit=args.unit) for r in routes]
+    times = host_us(routes, args.reps, args.rounds, args.unit)
     plain = next((row for row in rows if row["route"] == "plain"), None)
-    print(f"# torch {torch.__version__}, {args.threads} thread(s); one {SHAPE} 3x3 chain, "
+    what = "3x3 chain" if args.unit == "chain" else "PreActBasicBlock"
+    print(f"# torch {torch.__version__}, {args.threads} thread(s); one {SHAPE} {what}, "
           f"training step; kernels as no-ops; {args.rounds} rounds x {args.reps} steps")
     print("| route | Python calls | / plain | own calls | launches | top-level ops | host us | "
           "/ plain |")

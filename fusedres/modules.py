@@ -18,6 +18,8 @@ ReLU, a gate) is plain PyTorch: :attr:`ResidualBlock.plain_parts` lists it.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -26,7 +28,7 @@ from torch import Tensor
 
 from . import functional as FR
 from .distributed import prepare_batch_norm_sync
-from .opdefs import suggests_channels_last
+from .opdefs import UnitArgs, suggests_channels_last
 from .route import route
 
 __all__ = ["BNReLUConv2d", "BasicBlock", "Bottleneck", "BNReLUConvLayer", "DROP_PATH_MODES",
@@ -613,7 +615,9 @@ class ResidualBlock(nn.Module):
         (stats None when this unit cannot produce them: the next unit computes its own).
         """
         if self.unit == "preact":
-            y, out_stats = self._forward_preact(x, stats, return_stats)
+            out = _lean_preact(self, x, stats, return_stats)
+            y, out_stats = out if out is not None else self._forward_preact(x, stats,
+                                                                            return_stats)
         else:
             y, out_stats = self._forward_post(x), None
         return (y, out_stats) if return_stats else y
@@ -684,6 +688,114 @@ class ResidualBlock(nn.Module):
             bn = bns[-1]
             return F.relu(bn(y) if bn is not None else y)
         return y
+
+
+# --------------------------------------------------------------------------- the lean route
+# A fused pre-activation unit with the identity shortcut (most of a deep pre-activation ResNet)
+# runs _forward_preact's calls with its checks and its layers' Python between them: ~120
+# Python calls a chain on the C++ routes, where plain PyTorch's block makes ~45. Once the
+# checked route has run a key's arguments, later calls with the same key skip the checks and
+# call the route's fields in the same order on the same tensors (the same kernels, the same
+# results to the bit).
+
+# Arguments the checked route ran without error, by what its checks read: the block's
+# structure, x's and the statistics' metadata, and every BatchNorm's and convolution's
+# settings and tensors' shape, dtype and device (tensors are read afresh at every call).
+_LEAN_KEYS: set = set()
+_LEAN_NAMES = {k: tuple((f"bn{i}", f"conv{i}") for i in range(1, k + 1)) for k in (2, 3)}
+_META = operator.attrgetter("shape", "dtype", "device")
+
+
+def _lean_preact(block: ResidualBlock, x: Tensor, stats, return_stats: bool):
+    """``(y, stats of y or None)`` of ``block._forward_preact(x, stats, return_stats)`` through
+    the route's fields without the checks, for arguments whose key the checked route has run;
+    None where this route does not apply (then the caller runs the checked one): a
+    :data:`FUSED` pre-activation unit with the identity shortcut, two or three chains of plain
+    ``nn.BatchNorm2d`` and ``nn.Conv2d`` (explicit padding), no drop-path draw this step, no
+    autocast, a backend with a one-call BatchNorm preparation (cpu, cuda, triton), BatchNorm
+    parameters in the statistics dtype."""
+    names = _LEAN_NAMES.get(block.num_convs)
+    if (names is None or block.layer is not FUSED or block.path != "identity"
+            or block.gate is not None or (block.training and block._drop_path > 0)):
+        return None
+    mods = block._modules
+    conv1 = mods["conv1"]
+    if type(conv1) is not nn.Conv2d:
+        return None
+    r = route(x, conv1._parameters["weight"])
+    prepare_affine, prepare_bn, prepares = r.prepare_affine, r.prepare_batch_norm, r.prepares
+    if prepare_bn is None or torch.is_autocast_enabled(x.device.type):
+        return None
+    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32  # opdefs.stats_dtype
+    key = [r.name, x.shape, x.stride(), x.dtype, x.device, return_stats,
+           None if stats is None else (len(stats), *map(_META, stats))]
+    chain = []
+    for bn_name, conv_name in names:
+        bn, c = mods[bn_name], mods[conv_name]
+        if (type(bn) is not nn.BatchNorm2d or type(c) is not nn.Conv2d
+                or type(c.padding) is not tuple or "fused_prepare" in bn.__dict__):
+            return None
+        bp, bb, cp = bn._parameters, bn._buffers, c._parameters
+        g, b, rm, rv = bp["weight"], bp["bias"], bb["running_mean"], bb["running_var"]
+        nbt, w, cb = bb["num_batches_tracked"], cp["weight"], cp["bias"]
+        if (g is not None and g.dtype != sdt) or (b is not None and b.dtype != sdt):
+            return None  # the checked route casts them
+        key += (bn.training, bn.momentum, bn.eps, c.stride, c.padding, c.dilation, c.groups,
+                c.padding_mode, _META(w), None if cb is None else _META(cb),
+                None if g is None else _META(g), None if b is None else _META(b),
+                None if rm is None else (_META(rm), rm.stride()),
+                None if rv is None else (_META(rv), rv.stride()),
+                None if nbt is None else _META(nbt))
+        chain.append((bn.training, bn.momentum, bn.eps, g, b, rm, rv, nbt, w, cb, c.stride,
+                      c.padding, c.dilation))
+    key = tuple(key)
+    if key not in _LEAN_KEYS:
+        out = block._forward_preact(x, stats, return_stats)  # checks every argument
+        _LEAN_KEYS.add(key)
+        return out
+    # What _forward_preact runs for these arguments: each BatchNorm prepared as
+    # functional.prepare_batch_norm's route branch does (with the statistics its producer
+    # handed over when it uses batch statistics), each unit as functional.conv2d_from_prepared
+    # runs it, conv1 handing the shortcut on where the route has that form.
+    a = short = x
+    last = len(chain) - 1
+    for i, (training, momentum, eps, g, b, rm, rv, nbt, w, cb, stride, padding,
+            dilation) in enumerate(chain):
+        use_batch = training or rm is None
+        given = stats if stats is not None and use_batch else (None, None)
+        affine = None
+        if prepares is not None and not prepares(a, rm, rv, training):
+            state = FR.prepare_batch_norm(a, g, b, rm, rv, nbt, training=training,
+                                          momentum=momentum, eps=eps,
+                                          stats=stats if use_batch else None)
+            mean, invstd = state.mean, state.invstd
+        else:
+            if prepare_affine is not None:
+                mean, invstd, *affine = prepare_affine(a, g, b, rm, rv, nbt, training,
+                                                       momentum, eps, *given)
+            else:
+                mean, invstd = prepare_bn(a, rm, rv, nbt, training, momentum, eps, *given)
+            if given[0] is not None:
+                mean = given[0]
+        args = UnitArgs(a, w, cb, g, b, mean, invstd, short if i == last else None, stride,
+                        padding, dilation, use_batch)
+        if i == last:
+            if return_stats:
+                y, m, v = r.unit(args, True, affine)
+                return y, (m, v)
+            return r.unit(args, False, affine), None
+        # The next BatchNorm takes this unit's statistics when it uses batch statistics.
+        nxt = chain[i + 1]
+        want = nxt[0] or nxt[5] is None
+        if i == 0 and r.unit_with_shortcut is not None:
+            a, short, *stats = r.unit_with_shortcut(*args, want)
+        elif want:
+            a, *stats = r.unit(args, True, affine)
+        else:
+            a = r.unit(args, False, affine)
+        if not want:
+            stats = None
+    return None  # unreachable: the last chain returns
 
 
 class BasicBlock(ResidualBlock):

@@ -330,21 +330,59 @@ _increment_version = torch._C._increment_version
 _PLANS: dict[tuple, PreparePlan] = plan_cache()
 
 
+def _plan_key(x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+              given: bool, gamma, beta, affine: bool) -> tuple:
+    # Everything the plan and prepare_unsupported read: shapes, strides, dtypes, the device,
+    # every pointer's 16-byte alignment (the JIT specialises on it), flags and scalars.
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16,
+            None if running_mean is None else (running_mean.dtype, running_mean.stride(),
+                                               running_mean.data_ptr() % 16),
+            None if running_var is None else (running_var.dtype, running_var.stride(),
+                                              running_var.data_ptr() % 16),
+            None if num_batches_tracked is None else num_batches_tracked.data_ptr() % 16,
+            training, momentum, eps, given,
+            None if gamma is None else (gamma.dtype, gamma.data_ptr() % 16),
+            None if beta is None else (beta.dtype, beta.data_ptr() % 16), affine)
+
+
 def prepare_plan(x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
                  given: bool, gamma=None, beta=None, affine: bool = False) -> PreparePlan:
-    """The cached :class:`PreparePlan` for these arguments (checked by the caller)."""
-    key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16,
-           None if running_mean is None else (running_mean.dtype, running_var.dtype),
-           num_batches_tracked is not None, training, momentum, eps, given,
-           None if gamma is None else gamma.dtype, None if beta is None else beta.dtype,
-           affine)
+    """The cached :class:`PreparePlan` for these arguments (checked by the caller; raises
+    prepare_unsupported's error for those it cannot take)."""
+    key = _plan_key(x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+                    given, gamma, beta, affine)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = PreparePlan(x, running_mean, running_var, num_batches_tracked is not None,
-                           training, momentum, eps, given, gamma, beta, affine)
-        if type(x) is torch.Tensor and x.device.type != "meta":
-            _PLANS[key] = plan
+        plan = _new_plan(key, x, running_mean, running_var, num_batches_tracked, training,
+                         momentum, eps, given, gamma, beta, affine)
     return plan
+
+
+def _new_plan(key, x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+              given, gamma, beta, affine) -> PreparePlan:
+    reason = prepare_unsupported(x, running_mean, running_var, training)
+    if reason is not None:
+        raise ValueError(reason)
+    plan = PreparePlan(x, running_mean, running_var, num_batches_tracked is not None, training,
+                       momentum, eps, given, gamma, beta, affine)
+    if type(x) is torch.Tensor and x.device.type != "meta":
+        _PLANS[key] = plan
+    return plan
+
+
+def prepare_affine(x: torch.Tensor, gamma, beta, running_mean, running_var,
+                   num_batches_tracked, training: bool, momentum: float | None, eps: float,
+                   mean=None, var=None):
+    """:func:`prepare_batch_norm` with ``affine``: (mean, invstd, scale, shift); the eager
+    route's every BatchNorm, so with no layer between it and the plan's run."""
+    given = mean is not None and (training or running_mean is None)
+    key = _plan_key(x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
+                    given, gamma, beta, True)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _new_plan(key, x, running_mean, running_var, num_batches_tracked, training,
+                         momentum, eps, given, gamma, beta, True)
+    return plan.run(x, running_mean, running_var, num_batches_tracked, mean, var, gamma, beta)
 
 
 def prepare_batch_norm(x: torch.Tensor, running_mean, running_var, num_batches_tracked,
@@ -364,9 +402,6 @@ def prepare_batch_norm(x: torch.Tensor, running_mean, running_var, num_batches_t
     ``momentum`` None (cumulative average) costs one more launch, ``num_batches_tracked.add_(1)``
     before the kernel reads it; else the kernel counts the step itself. The running statistics'
     and the counter's version counters are bumped, as their in-place PyTorch updates do."""
-    reason = prepare_unsupported(x, running_mean, running_var, training)
-    if reason is not None:
-        raise ValueError(reason)
     given = mean is not None and (training or running_mean is None)
     plan = prepare_plan(x, running_mean, running_var, num_batches_tracked, training, momentum,
                         eps, given, gamma, beta, affine)

@@ -40,9 +40,45 @@ def check(route: str, counts: dict, plain: dict) -> None:
             route, counts["python_calls"], plain["python_calls"])
 
 
+# A pre-activation basic block (two chains, the identity shortcut): (launches a step, total
+# Python calls at most this times the plain block's). What a deep pre-activation ResNet repeats:
+# its checks made once per arguments' key (fusedres.modules._lean_preact).
+BLOCK_EXPECTED = {
+    "cpu": (0, 0.5),
+    "cuda": (9, 0.5),
+    "triton": (13, 1.0),
+}
+
+
 @pytest.fixture(scope="module")
 def plain():
     return hostcost.counts("plain")
+
+
+@pytest.fixture(scope="module")
+def plain_block():
+    return hostcost.counts("plain", unit="block")
+
+
+@pytest.mark.parametrize("route", sorted(BLOCK_EXPECTED))
+def test_host_work_per_block(route, plain_block):
+    _runs(route)
+    launches, ratio = BLOCK_EXPECTED[route]
+    c = hostcost.counts(route, unit="block")
+    assert c["launches"] == launches, (route, c["launches"])
+    assert c["python_calls"] <= ratio * plain_block["python_calls"], (
+        route, c["python_calls"], plain_block["python_calls"], c["where"])
+
+
+def test_a_block_without_its_lean_route_fails_the_count(plain_block, monkeypatch):
+    """The block through its checked route every step (the lean route planted away): the cuda
+    route's count fails."""
+    _runs("cuda")
+    from fusedres import modules
+
+    monkeypatch.setattr(modules, "_lean_preact", lambda *a: None)
+    c = hostcost.counts("cuda", unit="block")
+    assert c["python_calls"] > BLOCK_EXPECTED["cuda"][1] * plain_block["python_calls"]
 
 
 def _runs(route):

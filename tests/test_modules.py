@@ -315,3 +315,78 @@ def test_grouped_conv_is_refused():
     with pytest.raises(ValueError, match="groups"):
         m(torch.randn(2, 4, 5, 5))
     assert torch.equal(m.bn.running_mean, before)
+
+
+LEAN_BLOCKS = [
+    ("basic", lambda: fusedres.PreActBasicBlock(8, 8)),
+    ("bottleneck", lambda: fusedres.PreActBottleneck(16, 4)),
+]
+
+
+def _lean_runs(block, x, stats, return_stats):
+    """Three training steps and an eval step of ``block``: outputs, statistics, gradients and
+    running statistics, each a clone."""
+    out = []
+    for training in (True, True, True, False):
+        block.train(training)
+        xr = x.clone().requires_grad_()
+        y = block(xr, stats=stats, return_stats=return_stats)
+        y, ys = y if return_stats else (y, None)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+        out += [y.detach().clone(), xr.grad.clone()]
+        out += [t.clone() for t in ys or ()]
+        out += [p.grad.clone() for p in block.parameters()]
+        out += [b.clone() for b in block.buffers()]
+        block.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("name,make", LEAN_BLOCKS, ids=[n for n, _ in LEAN_BLOCKS])
+@pytest.mark.parametrize("channels_last,given", [(False, False), (False, True), (True, True)],
+                         ids=["nchw", "nchw-stats", "cl-stats"])
+def test_lean_preact_route_is_the_checked_route(backend, name, make, given, channels_last,
+                                                 monkeypatch):
+    """A fused pre-activation unit with the identity shortcut skips its checks once the checked
+    route has run its arguments' key (fusedres.modules._lean_preact): the same route calls on
+    the same tensors, so the same outputs, statistics handed on, gradients and running
+    statistics to the bit, in training and eval, with and without the producer's statistics;
+    and the checked route itself is still what a new key runs (an error there touches
+    nothing)."""
+    from fusedres import modules
+
+    torch.manual_seed(0)
+    block = make()
+    x = torch.randn(4, _in_channels(block), 6, 6)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    stats = (x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)) if given else None
+    twin = copy.deepcopy(block)
+    modules._LEAN_KEYS.clear()
+    calls = []
+    checked = modules.ResidualBlock._forward_preact
+    monkeypatch.setattr(modules.ResidualBlock, "_forward_preact",
+                        lambda *a: calls.append(1) or checked(*a))
+    lean = _lean_runs(block, x, stats, True)
+    lean_calls = len(calls)
+    monkeypatch.setattr(modules, "_lean_preact", lambda *a: None)
+    plain = _lean_runs(twin, x, stats, True)
+    assert len(lean) == len(plain)
+    for a, b in zip(lean, plain):
+        assert torch.equal(a, b)
+    # The checked route ran once per key (training, eval) where the lean route applies.
+    applies = backend in ("cpu", "cuda", "triton")
+    assert lean_calls == (2 if applies else 4), (backend, lean_calls)
+
+
+def test_lean_preact_route_keys_on_what_the_checks_read(monkeypatch):
+    """A change the checks would refuse reaches them: a weight of another dtype after the
+    key was cached (what ``module.double()`` on one submodule does) makes a new key, so the
+    checked route runs and raises its error (the lean route would have launched the kernels
+    on a float64 weight)."""
+    block = fusedres.PreActBasicBlock(8, 8)
+    x = torch.randn(2, 8, 5, 5)
+    block(x)
+    block(x)
+    block.conv2.double()
+    with pytest.raises(TypeError, match="weight: expected dtype torch.float32"):
+        block(x)

@@ -41,6 +41,7 @@ try:
     from ..kernels._common import plan_cache as _plan_cache
     from ..kernels._common import tf32_allowed as _tf32_allowed
     from ..kernels.batch_stats import batch_stats as _batch_stats
+    from ..kernels.batch_stats import prepare_affine as _prepare_affine
     from ..kernels.batch_stats import prepare_batch_norm as _prepare_batch_norm
     from ..kernels.batch_stats import prepare_plan as _prepare_plan
     from ..kernels.batch_stats import prepare_unsupported as _prepare_unsupported
@@ -347,9 +348,19 @@ def prepares(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Te
              training: bool) -> bool:
     """Whether :func:`prepare_batch_norm` takes ``x``'s BatchNorm (16- or 32-bit x the kernels
     index, contiguous running statistics of a dtype it updates); else fusedres.functional's
-    PyTorch ops do."""
-    return (not _portable_case(x)
+    PyTorch ops do. Decided once per what it reads."""
+    key = (x.shape, x.stride(), x.dtype,
+           None if running_mean is None else (running_mean.dtype, running_mean.stride()),
+           None if running_var is None else (running_var.dtype, running_var.stride()), training)
+    takes = _PREPARES.get(key)
+    if takes is None:
+        takes = _PREPARES[key] = (
+            not _portable_case(x)
             and _prepare_unsupported(x, running_mean, running_var, training) is None)
+    return takes
+
+
+_PREPARES: dict[tuple, bool] = {}  # a pure function of its key
 
 
 def prepare_batch_norm(x: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],
@@ -496,21 +507,48 @@ def eager_unit(args: UnitArgs, genstats: bool, affine=None):
     """:class:`EagerTritonUnit` on ``args`` (eager tensors), or the public op for the cases the
     kernels leave to the portable code. Returns ``y``, or ``(y, mean, var)`` of y when ``genstats``.
     ``affine``: (scale, shift) from the preparation, or None (one launch makes it here)."""
-    if _forward_portable_case(args):
-        op = (torch.ops.fusedres.bn_relu_conv2d_genstats if genstats
-              else torch.ops.fusedres.bn_relu_conv2d)
-        return op(*args)
     (x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride, padding, dilation,
      batch_stats, bscale) = args
-    scale, shift = affine if affine is not None else _scale_shift(args)
+    if affine is None:
+        if _forward_portable_case(args):
+            return _public_unit(args, genstats)
+        scale, shift = _scale_shift(args)
+    else:
+        scale, shift = affine
     if residual is not None and residual.dtype != weight.dtype:
         residual = residual.to(weight.dtype)  # differentiable: the gradient casts back
     if bscale is not None:
         bscale = _branch_scale(bscale, weight)
-    plan = _fwd_plan(x, weight, bias, scale, shift, residual, stride, padding, dilation, None,
-                     genstats, bscale)
+    # The forward plan's key (kernels/bn_relu_conv2d.py's plan_key, written out: a call a
+    # tensor would cost ~10 Python calls a step); None for the cases the kernels leave to the
+    # portable code.
+    key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, weight.shape,
+           weight.stride(), weight.dtype, weight.data_ptr() % 16,
+           None if bias is None else (bias.shape, bias.dtype, bias.data_ptr() % 16),
+           None if residual is None else (residual.shape, residual.stride(), residual.dtype,
+                                          residual.data_ptr() % 16),
+           None if bscale is None else (bscale.shape, bscale.dtype, bscale.data_ptr() % 16),
+           scale.dtype, shift.dtype, scale.data_ptr() % 16, shift.data_ptr() % 16,
+           tuple(stride), tuple(padding), tuple(dilation), genstats, _tf32_allowed())
+    plan = _UNIT_PLANS.get(key, _MISSING)
+    if plan is _MISSING:
+        plan = _UNIT_PLANS[key] = None if _forward_portable_case(args) else _fwd_plan(
+            x, weight, bias, scale, shift, residual, stride, padding, dilation, None, genstats,
+            bscale)
+    if plan is None:
+        return _public_unit(args, genstats)
     return EagerTritonUnit.apply(plan, x, weight, bias, bn_weight, bn_bias, mean, invstd,
                                  residual, bscale, scale, shift, batch_stats)
+
+
+def _public_unit(args: UnitArgs, genstats: bool):
+    op = (torch.ops.fusedres.bn_relu_conv2d_genstats if genstats
+          else torch.ops.fusedres.bn_relu_conv2d)
+    return op(*args)
+
+
+# eager_unit's forward plans by their key (None: the public op), cleared with the plans.
+_UNIT_PLANS: dict[tuple, object] = _plan_cache() if _KERNELS_ERROR is None else {}
 
 
 def eager_launches(args: UnitArgs, genstats: bool, affine, backward: BackwardArgs):
@@ -521,14 +559,11 @@ def eager_launches(args: UnitArgs, genstats: bool, affine, backward: BackwardArg
     return _backward_with(backward, *affine)
 
 
-def prepare_affine(x: Tensor, bn_weight, bn_bias, running_mean, running_var,
-                   num_batches_tracked, training: bool, momentum, eps: float, mean=None,
-                   var=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`prepare_batch_norm` that also makes the fused BatchNorm's (scale, shift) from
-    ``bn_weight``, ``bn_bias`` (in the statistics dtype, or None) in its launch: (mean, invstd,
-    scale, shift)."""
-    return _prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training,
-                               momentum, eps, mean, var, bn_weight, bn_bias, True)
+# prepare_affine(x, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
+#                training, momentum, eps, mean=None, var=None) -> (mean, invstd, scale, shift):
+# prepare_batch_norm that also makes the fused BatchNorm's (scale, shift) from bn_weight, bn_bias
+# (in the statistics dtype, or None) in its launch (kernels/batch_stats.py's, with no layer here).
+prepare_affine = _prepare_affine if _KERNELS_ERROR is None else None
 
 
 class _ModuleCase:
