@@ -17,8 +17,9 @@ config with the scale on): 1 for the fp16/bf16 64x64 w=8 tile (0 spills 8 bytes 
 2 for float64 (0 spills on sm_80, 1 on sm_90), 0 elsewhere (1 spills fp32 128x32 on sm_90).
 
 ``genstats``: the epilogue also reduces each output tile to per-channel (mean, M2) over its
-valid rows, so the next BatchNorm's batch statistics need no pass over y (merged on the host
-with Chan's formula, as in batch_stats).
+valid rows, so the next BatchNorm's batch statistics need no pass over y, merged with Chan's
+formula as in batch_stats: by the last row tile of each column tile to finish (``MERGE``), or
+by reductions.stats_combine_kernel's launch in a traced graph.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from ._common import (
     usable,
 )
 from ._tl import cast, load_tile, load_vec, mma
-from .reductions import stats_combine_launch
+from .reductions import STATS_COMBINE_CONFIG, chan_merge, stats_combine_launch
 
 # Tensor-core configs (fp16, bf16), by role (index): 0, 1 and 2 for large C with Co >= 256,
 # >= 128 and 64 (wgmma-sized: m64 per warpgroup, N 256 / 128 / 64); 3 mid (64-channel units
@@ -184,12 +185,13 @@ def bn_relu_conv2d_fwd_kernel(
     swo, swc, swh, sww,
     syn, syc, syh, syw,
     srn, src, srh, srw,
+    count_ptr, mean_ptr, var_ptr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GENSTATS: tl.constexpr,
     FP64: tl.constexpr, TF32: tl.constexpr, INTERP_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BSCALE: tl.constexpr = False, BSCALE_AT: tl.constexpr = 0,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, ALIGNED: tl.constexpr = False,
-    ONE_CB: tl.constexpr = False,
+    ONE_CB: tl.constexpr = False, MERGE: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
 ):
     # EVEN_K: C % BLOCK_K == 0, EVEN_N: Co % BLOCK_N == 0 (host-checked): the channel masks
     # of the loop's loads are left out (see _tl.load_tile). ALIGNED (a config's meta, launched
@@ -308,6 +310,29 @@ def bn_relu_conv2d_fwd_kernel(
         t_mean = tl.where(t_mean0 - t_mean0 == 0, t_mean0 + sd / cnt, t_mean0)  # inf stays
         tl.store(smean_ptr + pid_m * Co + co, t_mean, mask=co_ok)
         tl.store(sm2_ptr + pid_m * Co + co, tl.sum(d * d, axis=0) - sd * sd / cnt, mask=co_ok)
+        if MERGE:
+            # The last row tile of a column tile to finish merges its rows into (mean, var):
+            # batch_stats_kernel's PREPARE pattern (a count a column tile, back to zero after).
+            tl.debug_barrier()
+            rows = tl.cdiv(M, BLOCK_M)
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == rows - 1:
+                tl.store(count_ptr + pid_n, 0)
+                _genstats_merge(smean_ptr, sm2_ptr, mean_ptr, var_ptr, pid_n, Co, M, rows,
+                                BLOCK_M, BLOCK_R, BLOCK_N)
+
+
+@triton.jit
+def _genstats_merge(smean_ptr, sm2_ptr, mean_ptr, var_ptr, pid_n, Co, M, rows, ROW_ELEMS,
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Column tile ``pid_n``'s (mean, biased var) from the genstats rows, as
+    reductions.stats_combine_kernel merges them."""
+    co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = co < Co
+    mean, var = chan_merge(smean_ptr, sm2_ptr, co, ok, rows, Co, M, ROW_ELEMS, BLOCK_R,
+                            BLOCK_N)
+    tl.store(mean_ptr + co, mean, mask=ok)
+    tl.store(var_ptr + co, var, mask=ok)
 
 
 def configs_for(dtype, interpret: bool | None = None) -> list[KernelConfig]:
@@ -373,7 +398,10 @@ class ForwardPlan:
     launches on the tensors of a call."""
 
     def __init__(self, x, weight, bias, scale, shift, residual, stride, padding, dilation,
-                 memory_format, genstats: bool, config: KernelConfig | None, branch_scale):
+                 memory_format, genstats: bool, config: KernelConfig | None, branch_scale,
+                 merge: bool | None = None):
+        """``merge``: genstats' rows merged in the kernel (None: on plain and meta tensors, not
+        the fake ones of a trace; False: by stats_combine's launch)."""
         n, c, h, w = x.shape
         co, _, kh, kw = weight.shape
         ho, wo = ConvGeometry(stride, padding, dilation).out_hw(h, w, kh, kw)
@@ -410,8 +438,13 @@ class ForwardPlan:
                      *x.stride(), *weight.stride(), *y.stride(),
                      *(residual.stride() if residual is not None else (0, 0, 0, 0)))
         real = type(x) is torch.Tensor
+        # genstats' rows merged in the kernel (its last row tile of each column tile) on plain
+        # and meta tensors; in a traced graph (fake tensors) by stats_combine's launch, as the
+        # counts the merge needs would be a buffer of the graph's own, not zero.
+        self.merge = genstats and (real if merge is None else merge)
         self.launch = Launch(bn_relu_conv2d_fwd_kernel, (grid[0] * grid[1],), dict(
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, GENSTATS=genstats,
+            MERGE=self.merge, BLOCK_R=STATS_COMBINE_CONFIG.meta["BLOCK_R"],
             HAS_BSCALE=branch_scale is not None, FP64=acc_is_fp64(weight.dtype),
             TF32=allow_tf32(weight.dtype), EVEN_K=c % cfg.meta["BLOCK_K"] == 0,
             EVEN_N=co % bn == 0, ONE_CB=c <= cfg.meta["BLOCK_K"],
@@ -420,7 +453,12 @@ class ForwardPlan:
             # of which tensors a kernel writes needs them all (else it assumes every input
             # written).
             **{"BSCALE_AT": 0, "ALIGNED": 0, **cfg.launch_kwargs}), fast=real)
-        self.combine = stats_combine_launch(co, fast=real) if genstats else None
+        self.combine = stats_combine_launch(co, fast=real) if genstats and not self.merge \
+            else None
+        self.arrivals = None
+        if self.merge:  # zero between launches; no kernel for meta tensors (jit_spec)
+            self.arrivals = (torch.empty if x.device.type == "meta" else torch.zeros)(
+                (grid[1],), device=x.device, dtype=torch.int32)
         # The eager route's backward plans for this forward, by gradient layout and outputs
         # (fusedres.backends.triton.EagerTritonUnit fills it); the geometry they read.
         self.backwards: dict = {}
@@ -435,20 +473,27 @@ class ForwardPlan:
             sm2 = torch.empty(self.stats_shape, device=x.device, dtype=self.acc)
         else:
             smean = sm2 = self.unused
+        if self.merge:
+            mean = torch.empty((self.co,), device=x.device, dtype=self.out_stats_dtype)
+            var = torch.empty((self.co,), device=x.device, dtype=self.out_stats_dtype)
+            merged = (self.arrivals, mean, var)
+        else:
+            merged = (self.unused,) * 3
         self.launch.go(x, weight, scale, shift, self.unused_w if bias is None else bias,
                        self.unused_w if residual is None else residual,
                        self.unused if branch_scale is None else branch_scale, y, smean, sm2,
-                       *self.ints)
+                       *self.ints, *merged)
         if not self.genstats:
             return y
-        mean = torch.empty((self.co,), device=x.device, dtype=self.out_stats_dtype)
-        var = torch.empty((self.co,), device=x.device, dtype=self.out_stats_dtype)
-        self.combine.go(smean, sm2, mean, var, self.rows, self.co, self.m, self.bm)
+        if not self.merge:
+            mean = torch.empty((self.co,), device=x.device, dtype=self.out_stats_dtype)
+            var = torch.empty((self.co,), device=x.device, dtype=self.out_stats_dtype)
+            self.combine.go(smean, sm2, mean, var, self.rows, self.co, self.m, self.bm)
         return y, mean, var
 
 
 def plan_key(x, weight, bias, scale, shift, residual, stride, padding, dilation, memory_format,
-             genstats, branch_scale) -> tuple:
+             genstats, branch_scale, merge=None) -> tuple:
     """What a :class:`ForwardPlan` depends on: every shape, stride, dtype and device, the
     pointers' 16-byte alignment (Triton specialises on it, ALIGNED configs need it), the
     geometry and flags, and the TF32 setting."""
@@ -459,27 +504,28 @@ def plan_key(x, weight, bias, scale, shift, residual, stride, padding, dilation,
             None if branch_scale is None else (branch_scale.dtype, branch_scale.data_ptr() % 16),
             scale.dtype, shift.dtype, x.data_ptr() % 16, weight.data_ptr() % 16,
             scale.data_ptr() % 16, shift.data_ptr() % 16, tuple(stride), tuple(padding),
-            tuple(dilation), memory_format, genstats, tf32_allowed())
+            tuple(dilation), memory_format, genstats, tf32_allowed(), merge)
 
 
 _PLANS: dict[tuple, ForwardPlan] = plan_cache()
 
 
 def forward_plan(x, weight, bias, scale, shift, residual, stride, padding, dilation,
-                 memory_format=None, genstats: bool = False, branch_scale=None) -> ForwardPlan:
+                 memory_format=None, genstats: bool = False, branch_scale=None,
+                 merge: bool | None = None) -> ForwardPlan:
     """The cached :class:`ForwardPlan` for these arguments (fake tensors, under a trace: a new
     one, never cached). ``memory_format`` None: y's layout by fusedres.opdefs'
-    ``out_memory_format`` (what the key's strides decide)."""
+    ``out_memory_format`` (what the key's strides decide). ``merge``: as ForwardPlan's."""
     if type(x) is not torch.Tensor or x.device.type == "meta":
         return ForwardPlan(x, weight, bias, scale, shift, residual, stride, padding, dilation,
-                           memory_format, genstats, None, branch_scale)
+                           memory_format, genstats, None, branch_scale, merge)
     key = plan_key(x, weight, bias, scale, shift, residual, stride, padding, dilation,
-                   memory_format, genstats, branch_scale)
+                   memory_format, genstats, branch_scale, merge)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = ForwardPlan(x, weight, bias, scale, shift, residual, stride,
                                          padding, dilation, memory_format, genstats, None,
-                                         branch_scale)
+                                         branch_scale, merge)
     return plan
 
 

@@ -53,7 +53,7 @@ def reduce_configs_for(dtype) -> list[KernelConfig]:
 
 
 @triton.jit
-def _chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS,
+def chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """(mean, biased var) in float64 of the channels ``c`` from the (rows, C) partial mean and
     M2: mean = sum_r n_r mean_r / M, then var = sum_r (M2_r + n_r (mean_r - mean)^2) / M (two
@@ -62,6 +62,13 @@ def _chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS,
     them (a neighbouring channel block's) may already sit in this SM's L1."""
     # (M may arrive as a constexpr 1: through a tensor so that .to applies either way)
     total = (tl.zeros((), dtype=tl.int64) + M).to(tl.float64)
+    # 1 / M without a float64 division, which ptxas makes a subroutine call: in a GEMM
+    # kernel's epilogue (bn_relu_conv2d's genstats merge) a call anywhere costs registers in
+    # the main loop (spills). A float32 reciprocal refined twice by Newton's method: relative
+    # error 2^-22 -> 2^-44 -> below float64's rounding; the products below round once.
+    inv_total = (1.0 / total.to(tl.float32)).to(tl.float64)
+    inv_total = inv_total * (2.0 - total * inv_total)
+    inv_total = inv_total * (2.0 - total * inv_total)
     acc = tl.zeros((BLOCK_C,), dtype=tl.float64)
     for r0 in range(0, rows, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
@@ -72,7 +79,7 @@ def _chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS,
         mu = tl.load(mean_p_ptr + r[:, None] * C + c[None, :], mask=mask, other=0.0,
                      cache_modifier=".cg")
         acc += tl.sum(cnt[:, None] * mu.to(tl.float64), axis=0)
-    gmean = acc / total
+    gmean = acc * inv_total
     acc2 = tl.zeros((BLOCK_C,), dtype=tl.float64)
     for r0 in range(0, rows, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
@@ -85,7 +92,7 @@ def _chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS,
         m2 = tl.load(m2_p_ptr + off, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float64)
         d = mu - gmean[None, :]
         acc2 += tl.sum(tl.where(mask, m2 + cnt[:, None] * (d * d), 0.0), axis=0)
-    return gmean, acc2 / total
+    return gmean, acc2 * inv_total
 
 
 @triton.jit
@@ -94,10 +101,10 @@ def stats_combine_kernel(
     rows, C, M, ROW_ELEMS,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Program (channel block): Chan's merge of the partial rows (``_chan_merge``)."""
+    """Program (channel block): Chan's merge of the partial rows (``chan_merge``)."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
-    mean, var = _chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS, BLOCK_R,
+    mean, var = chan_merge(mean_p_ptr, m2_p_ptr, c, c_ok, rows, C, M, ROW_ELEMS, BLOCK_R,
                             BLOCK_C)
     tl.store(mean_ptr + c, mean, mask=c_ok)
     tl.store(var_ptr + c, var, mask=c_ok)
@@ -152,7 +159,7 @@ def bn_prepare_channels(
     them, so a step needs no launch of its own for them."""
     sdt = mean_ptr.dtype.element_ty
     if MERGE:
-        mean64, var64 = _chan_merge(src0_ptr, src1_ptr, c, ok, rows, C, M, ROW_ELEMS, BLOCK_R,
+        mean64, var64 = chan_merge(src0_ptr, src1_ptr, c, ok, rows, C, M, ROW_ELEMS, BLOCK_R,
                                     BLOCK_C)
         mean = mean64.to(sdt)
         var = var64.to(sdt)

@@ -46,7 +46,7 @@ def check(route: str, counts: dict, plain: dict) -> None:
 BLOCK_EXPECTED = {
     "cpu": (0, 0.5),
     "cuda": (9, 0.5),
-    "triton": (13, 1.0),
+    "triton": (12, 1.0),
 }
 
 

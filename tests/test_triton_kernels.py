@@ -915,6 +915,31 @@ def test_bn_prepare_merges_in_the_last_program_of_each_channel_block(momentum):
     torch.testing.assert_close(shift, beta - mean * scale)
 
 
+def test_genstats_rows_merged_by_the_last_row_tile():
+    """The forward's genstats epilogue on plain tensors: the last row tile of each column tile
+    to finish merges the rows (the count back to zero, so a second launch merges too), equal
+    to stats_combine's merge of the same rows (the traced graph's launch) and to y's own
+    statistics."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 20, 20, generator=g).to(DEVICE)
+    w = torch.randn(48, 8, 3, 3, generator=g).to(DEVICE)
+    scale, shift = torch.rand(8).to(DEVICE), torch.randn(8).to(DEVICE)
+    geometry = ((1, 1), (1, 1), (1, 1))
+    merged = fwd.ForwardPlan(x, w, None, scale, shift, None, *geometry, None, True, None, None)
+    assert merged.merge and merged.combine is None
+    assert merged.launch.grid[0] > 2 * merged.arrivals.numel() > 2  # rows and column tiles
+    combined = fwd.ForwardPlan(x, w, None, scale, shift, None, *geometry, None, True, None,
+                               None, merge=False)
+    assert combined.combine is not None
+    for _ in range(2):
+        y, mean, var = merged.run(x, w, scale, shift, None, None, None)
+        assert merged.arrivals.tolist() == [0] * merged.arrivals.numel()
+    y2, mean2, var2 = combined.run(x, w, scale, shift, None, None, None)
+    assert torch.equal(y, y2) and torch.equal(mean, mean2) and torch.equal(var, var2)
+    torch.testing.assert_close(mean, y.mean((0, 2, 3)))
+    torch.testing.assert_close(var, y.var((0, 2, 3), unbiased=False))
+
+
 def test_bn_prepare_bumps_versions_and_leaves_what_it_cannot_take():
     """The in-kernel updates count as in-place writes (version counters, as mul_/add_ do);
     float64 x, bfloat16 running statistics and a batch past int32 offsets stay with the

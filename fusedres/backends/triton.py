@@ -96,10 +96,12 @@ def _batch_stats_op(x: Tensor) -> tuple[Tensor, Tensor]:
     return _batch_stats(x)
 
 
-def _launch_forward(u: UnitArgs, genstats: bool, scale=None, shift=None):
+def _launch_forward(u: UnitArgs, genstats: bool, scale=None, shift=None, merge=None):
     """The forward's launches (its plan cached per shapes, strides, dtypes and alignments);
     ``scale``, ``shift``: the BatchNorm's affine when the preparation made it (else one
-    launch makes it here)."""
+    launch makes it here). ``merge``: the genstats rows merged in the forward's launch (None:
+    on plain and meta tensors; False: by a launch of their own, what the triton_ops' bodies
+    run, eager or traced: a graph cannot hold the counts the in-kernel merge needs)."""
     if scale is None:
         scale, shift = _scale_shift(u)
     residual = u.residual
@@ -109,18 +111,18 @@ def _launch_forward(u: UnitArgs, genstats: bool, scale=None, shift=None):
     if bscale is not None:
         bscale = _branch_scale(bscale, u.weight)
     plan = _fwd_plan(u.x, u.weight, u.bias, scale, shift, residual, u.stride, u.padding,
-                     u.dilation, None, genstats, bscale)
+                     u.dilation, None, genstats, bscale, merge)
     return plan.run(u.x, u.weight, scale, shift, u.bias, residual, bscale)
 
 
 def _forward(*inputs) -> Tensor:
-    return _launch_forward(UnitArgs(*inputs), genstats=False)
+    return _launch_forward(UnitArgs(*inputs), genstats=False, merge=False)
 
 
 def _forward_genstats(*inputs) -> tuple[Tensor, Tensor, Tensor]:
     """Forward that also returns (mean, biased var) of y per output channel, reduced in the
     convolution's epilogue."""
-    return _launch_forward(UnitArgs(*inputs), genstats=True)
+    return _launch_forward(UnitArgs(*inputs), genstats=True, merge=False)
 
 
 def _backward(*inputs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
