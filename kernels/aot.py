@@ -13,7 +13,8 @@ arguments, that config's block sizes, warps and stages): every config is checked
 
 Prints kernel, dtype, config, arch, shared memory, registers, spilled bytes (ptxas's log), the
 unit shapes that launch it, and exits non-zero when a compile fails, shared memory exceeds the
-arch's per-block limit, or registers spill. Shape sets: ``benchmark`` (default: the ResNet-164
+arch's per-block limit, registers spill, or a launch leaves an argument to its default
+(:func:`defaulted`). Shape sets: ``benchmark`` (default: the ResNet-164
 CIFAR units at batch 128, the ResNet-50 ImageNet units at batch 256, channels_last; 1262
 compiles, ~16 min on two cores, ~15 s from the cache), ``ci`` (a CIFAR 3x3 unit and an ImageNet
 1x1 unit with a residual). Compiles are cached (kernels/jit_spec.py's cache).
@@ -162,11 +163,26 @@ def jobs(archs, dtypes, units, kernels=None) -> list[Job]:
     return out
 
 
+def defaulted(launch) -> list[str]:
+    """The kernel's arguments that ``launch`` leaves to their defaults. torch 2.11's
+    ``wrap_triton`` analysis of which tensors a kernel writes needs every argument passed
+    (else it takes every input as written, and a traced backward then fails writing into a
+    leaf: the weight-gradient kernel's BLOCK_T did this); torch 2.14's fills the defaults in."""
+    names = launch.fn.arg_names
+    passed = set(names[:len(launch.args)]) | set(launch.kwargs)
+    return [n for n in names if n not in passed]
+
+
 def compile_one(job: Job) -> Result:
     from . import jit_spec
 
     launch = job.launch
     res = Result(launch.kernel, job.dtype, str(launch.config), launch.arch, where=job.where)
+    missing = defaulted(launch)
+    if missing:
+        res.error = (f"DefaultedArguments: {', '.join(missing)} not passed (torch 2.11's "
+                     "wrap_triton needs every argument)")
+        return res
     try:
         c = jit_spec.compile_launch(launch, keep_ptx=False)
     except Exception as exc:  # noqa: BLE001 - reported per config
