@@ -101,7 +101,8 @@ class Job:
 # Spills ptxas reports for the benchmark set, each allowed up to the bytes a thread it spilled
 # when it was found; any other spill, or more bytes, fails. Found with triton 3.8.0 (python -m
 # fusedres.kernels.aot --arch 80 90, 2026-11-28: 26 of 1,114 compiles of the three GEMM kernels)
-# and triton 3.6.0 (--arch 90: 8 of 882; its spills differ, and are allowed with 3.6 only).
+# and triton 3.6.0 (--arch 90: 8 of 882, and one more the ci set swaps in; its spills differ,
+# and are allowed with 3.6 only).
 # Keyed by (kernel, config, arch). The ``ci`` set holds the witness units (shape_set) of the
 # two-warp sm_80 entries and of 3.6's float64 one, so CI compiles them and sees one grow or a
 # new one appear there; the float32 ones (4-12 bytes) and the swapped-in sm_90 ones only the
@@ -155,6 +156,10 @@ KNOWN_SPILLS = {
         ("fp32-ieee",), 4, "triton 3.6's dot takes no K below 16: this K = 8 tile is padded "
         "to 16 (kernels/_tl.fit_k), twice its operand registers, on c164 64>16 1x1 @32",
         tritons=("3.6",)),
+    ("bn_relu_conv2d_fwd", "M=32 N=64 K=32 w=2 s=2", 90): Allowed(
+        ("fp32",), 4, "the float32 (TF32) forward's 2-warp narrow tile as triton 3.6 compiles "
+        "it (3.8: no spill) swapped into the ci set's c164 16>16 3x3 @32 (the compat step): "
+        "4 bytes past 168 registers", tritons=("3.6",)),
     ("dgrad_store", "M=32 N=32 K=16 w=4 s=3", 90): Allowed(
         ("fp64",), 16, "the float64 data gradient's small tile as triton 3.6 compiles it "
         "(3.8: no spill), on c164 64>256 1x1 @8 +res and three more units", tritons=("3.6",),
