@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 # No second copy of what pip downloads in its cache: the venv is ~5.8 GB (torch's CUDA build), and
 # a CI run once ran out of disk while installing it.
 export PIP_NO_CACHE_DIR ?= 1
-.PHONY: install test-ext demo compare test selftest bench gpu-report gpu-model gpu-model-cuda lint format clean tsan asan cuda-table
+.PHONY: install test-ext demo compare test selftest bench gpu-report gpu-check gpu-model gpu-model-cuda lint format clean tsan asan cuda-table compat
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -95,6 +95,27 @@ GPU_REPORT_ARGS ?=
 gpu-report: install
 	$(PY) -m fusedres.bench gpu-report --out $(GPU_REPORT_DIR) $(GPU_REPORT_ARGS)
 
+# On a bare GPU machine (its own python3, no pip index: no venv, nothing installed): fusedres._C
+# built in place for the visible GPU with every core, then gpu-report, all within one time limit
+# (<= 9 minutes), into $(OUT) (at most 4 files: report.md, results.json, gpu-check.log,
+# plots.zip). OUT may come from the environment (the device machine's $OUT). CI dry-runs it on
+# CPU: GPU_PYTHON=.venv/bin/python GPU_CHECK_ARGS="--device cpu --quick".
+GPU_PYTHON     ?= python3
+OUT            ?= gpu-check
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)
+
+# The oldest supported versions (fusedres/_versions.py), the GPU machines' own: torch 2.11.0 and
+# triton 3.6.0 in a second venv (.venv-compat; torch and triton only, the rest from .venv),
+# fusedres._C built against them in a copy of the tree (build/compat), the Triton, version and
+# cpu-backend tests there under the interpreter, every kernel config compiled for sm_90 by
+# triton 3.6 (.ci/compat says how).
+COMPAT_TORCH  ?= 2.11.0
+COMPAT_TRITON ?= 3.6.0
+compat: $(DEPS)
+	COMPAT_TORCH=$(COMPAT_TORCH) COMPAT_TRITON=$(COMPAT_TRITON) bash .ci/compat
+
 # No GPU needed: the performance model read from the kernels' sm_80/sm_90 SASS, calibrated on
 # published GEMM figures, and the CUDA C++ kernels' SASS (nvcc); every figure MODELED
 # (benchmarks/GPU_MODEL.md; ~10 min on 2 cores).
@@ -112,4 +133,4 @@ format: $(DEPS)
 	$(VENV)/bin/ruff format fusedres kernels tests benchmarks setup.py
 
 clean:
-	rm -rf build *.egg-info fusedres/_C*.so $(INSTALL) $(EXT) $(TEST_EXT)
+	rm -rf build *.egg-info fusedres/_C*.so $(INSTALL) $(EXT) $(TEST_EXT) .venv-compat

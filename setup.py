@@ -150,11 +150,11 @@ setup(
     + ["fusedres.kernels"] + [f"fusedres.kernels.{p}" for p in find_packages("kernels")],
     package_dir={"fusedres": "fusedres", "fusedres.kernels": "kernels"},
     package_data={"fusedres": ["configs/*.yaml"]},
-    install_requires=["torch>=2.6", "numpy", "tqdm", "pyyaml"],
+    install_requires=["torch>=2.11", "numpy", "tqdm", "pyyaml"],  # fusedres/_versions.py
     extras_require={
         "test": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],
         "train": ["torchvision", "pillow", "matplotlib", "scikit-learn"],
-        "triton": ["triton"],
+        "triton": ["triton>=3.6"],
     },
     entry_points={"console_scripts": ["fusedres = fusedres.cli:main"]},
     ext_modules=ext_modules,

@@ -1,9 +1,15 @@
 """fusedres: fused BatchNorm -> ReLU -> Conv2d (+ residual) for deep pre-activation ResNets.
 
-Importing never initialises CUDA and never fails for a missing compiled backend.
+Importing never initialises CUDA and never fails for a missing compiled backend; it fails, in one
+sentence naming the supported versions, on a torch older than fusedres supports (_versions.py).
 """
 
+# ruff: noqa: E402 - the version check runs before the imports that need a supported torch
 from __future__ import annotations
+
+from . import _versions
+
+_versions.check_torch()  # an older torch: ImportError, one sentence naming the supported versions
 
 from . import (
     _extension,  # loads fusedres._C (its load error is reported, not raised)  # noqa: F401

@@ -58,8 +58,11 @@ def autocast_dtype(x: Tensor, weight: Tensor) -> torch.dtype | None:
     """The dtype autocast runs this conv in, or None when it leaves it alone (autocast off, or
     float64 operands, which autocast never casts)."""
     device_type = x.device.type
-    if not (torch.amp.is_autocast_available(device_type)
-            and torch.is_autocast_enabled(device_type)):
+    # cpu and cuda always have autocast; asking only for other devices keeps the call out of
+    # traced code (torch 2.11's Dynamo cannot trace torch._C._is_autocast_available).
+    if device_type not in ("cpu", "cuda") and not torch.amp.is_autocast_available(device_type):
+        return None
+    if not torch.is_autocast_enabled(device_type):
         return None
     if x.dtype == torch.float64 or weight.dtype == torch.float64:
         return None

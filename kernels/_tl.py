@@ -3,14 +3,24 @@
 import triton
 import triton.language as tl
 
+from ._compat import DOT_MIN_K
+
+# The least K of a dot per operand width on this Triton (kernels/_compat.py): 16 for all on
+# triton 3.6; 8 for float32 and 4 for float64 on triton 3.8.
+DOT_MIN_K16 = tl.constexpr(DOT_MIN_K[16])
+DOT_MIN_K32 = tl.constexpr(DOT_MIN_K[32])
+DOT_MIN_K64 = tl.constexpr(DOT_MIN_K[64])
+
 
 @triton.jit
 def mma(acc, a, b, TF32: tl.constexpr, INTERP_BF16: tl.constexpr):
     """acc + a @ b with float32 (float64) accumulation.
 
     ``INTERP_BF16`` (bfloat16 under the interpreter only, whose dot multiplies the raw bits)
-    widens the operands to float32 first, which is exact for bfloat16.
+    widens the operands to float32 first, which is exact for bfloat16. A K narrower than this
+    Triton's dot takes is padded with zeros (:func:`fit_k`).
     """
+    a, b = fit_k(a, b)
     if INTERP_BF16:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif TF32:
@@ -18,6 +28,40 @@ def mma(acc, a, b, TF32: tl.constexpr, INTERP_BF16: tl.constexpr):
                       out_dtype=acc.dtype)
     else:
         return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
+
+
+@triton.jit
+def widen_k(a, b):
+    """``[a, 0]`` (M, 2K) and ``[b; 0]`` (2K, N): twice the reduction, the same product (each
+    added term is 0 * 0)."""
+    a2 = tl.reshape(tl.permute(tl.join(a, tl.zeros_like(a)), (0, 2, 1)),
+                    (a.shape[0], 2 * a.shape[1]))
+    b2 = tl.reshape(tl.permute(tl.join(b, tl.zeros_like(b)), (2, 0, 1)),
+                    (2 * b.shape[0], b.shape[1]))
+    return a2, b2
+
+
+@triton.jit
+def fit_k(a, b):
+    """``a`` (M, K) and ``b`` (K, N) widened with zeros until K reaches the least K of this
+    Triton's dot for their width (``DOT_MIN_K*``); unchanged when it does already (always on
+    triton 3.8 for the kernels' configs, whose K is >= 8, and >= 16 below 32 bits). Static:
+    nothing is emitted when no padding is needed. triton 3.6 pads the float32 (``ieee``)
+    forward's K = 8 tile and the float64 data gradient's to 16: twice the FMAs of that tile,
+    in exchange for compiling at all."""
+    if a.dtype.primitive_bitwidth == 64:
+        MIN_K: tl.constexpr = DOT_MIN_K64
+    elif a.dtype.primitive_bitwidth == 32:
+        MIN_K: tl.constexpr = DOT_MIN_K32
+    else:
+        MIN_K: tl.constexpr = DOT_MIN_K16
+    if a.shape[1] < MIN_K:
+        a, b = widen_k(a, b)
+    if a.shape[1] < MIN_K:
+        a, b = widen_k(a, b)
+    if a.shape[1] < MIN_K:
+        a, b = widen_k(a, b)
+    return a, b
 
 
 @triton.jit

@@ -13,10 +13,12 @@ arguments, that config's block sizes, warps and stages): every config is checked
 
 Prints kernel, dtype, config, arch, shared memory, registers, spilled bytes (ptxas's log), the
 unit shapes that launch it, and exits non-zero when a compile fails, shared memory exceeds the
-arch's per-block limit, or registers spill. Shape sets: ``benchmark`` (default: the ResNet-164
+arch's per-block limit, registers spill, or a launch leaves an argument to its default
+(:func:`defaulted`). Shape sets: ``benchmark`` (default: the ResNet-164
 CIFAR units at batch 128, the ResNet-50 ImageNet units at batch 256, channels_last; 1262
 compiles, ~16 min on two cores, ~15 s from the cache), ``ci`` (a CIFAR 3x3 unit and an ImageNet
-1x1 unit with a residual). Compiles are cached (kernels/jit_spec.py's cache).
+1x1 unit with a residual, and the witness shapes of :data:`KNOWN_SPILLS`, the spills allowed and
+why). Compiles are cached (kernels/jit_spec.py's cache).
 
 Needs ``TRITON_INTERPRET=0`` before the kernels are imported (``main`` sets it; a process that
 already imported them under the interpreter must start this as a subprocess).
@@ -30,6 +32,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # Max dynamic shared memory per block (opt-in), bytes.
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
@@ -49,9 +52,14 @@ def shape_set(name: str) -> list:
     cifar = list(dict.fromkeys(u for b in CIFAR_BOTTLENECKS for u in conv_units(b, 128, "c164")))
     if name == "benchmark":
         return cifar + R50_CONVS
-    if name == "ci":  # a 3x3 (taps loop) and a 1x1 + residual (KH = KW = 1: constexprs)
+    if name == "ci":
+        # A 3x3 (taps loop) and a 1x1 + residual (KH = KW = 1: constexprs), whose first
+        # launches the other configs are swapped into; then the witnesses of KNOWN_SPILLS, the
+        # units that launch the two-warp tiles' spills (22 compiles more).
+        witnesses = list(dict.fromkeys(a.witness for a in KNOWN_SPILLS.values() if a.witness))
         return [next(u for u in cifar if u.k == 3),
-                next(u for u in R50_CONVS if u.k == 1 and u.residual)]
+                next(u for u in R50_CONVS if u.k == 1 and u.residual)] + [
+                    u for w in witnesses for u in cifar if u.name == w]
     raise ValueError(f"--set: expected benchmark or ci, got {name!r}")
 
 
@@ -90,6 +98,93 @@ class Job:
         return f"{self.shapes[0]}{more}"
 
 
+# Spills ptxas reports for the benchmark set, each allowed up to the bytes a thread it spilled
+# when it was found; any other spill, or more bytes, fails. Found with triton 3.8.0 (python -m
+# fusedres.kernels.aot --arch 80 90, 2026-11-28: 26 of 1,114 compiles of the three GEMM kernels)
+# and triton 3.6.0 (--arch 90: 8 of 882, and one more the ci set swaps in; its spills differ,
+# and are allowed with 3.6 only).
+# Keyed by (kernel, config, arch). The ``ci`` set holds the witness units (shape_set) of the
+# two-warp sm_80 entries and of 3.6's float64 one, so CI compiles them and sees one grow or a
+# new one appear there; the float32 ones (4-12 bytes) and the swapped-in sm_90 ones only the
+# full set compiles (22 compiles in CI against ~190 for every witness). Not measured on a
+# GPU: what a spill costs there. The way out, for the two-warp tiles: the host rules could keep
+# them to units with one K block (what they were made for), which no GPU_MODEL.md row changes.
+class Allowed(NamedTuple):
+    """A known spill: the dtypes, the bytes a thread allowed, why, the triton releases it is
+    allowed with (None: any), and the unit of the ``ci`` set that launches it (None: only the
+    full set compiles it)."""
+
+    dtypes: tuple
+    bytes: int
+    why: str
+    tritons: tuple | None = None
+    witness: str | None = None
+
+
+_TWO_WARP_16BIT = (
+    "the 2-warp 32x64x64 tile (the half-height tile the host rule picks for few-pixel units "
+    "with C or Co >= 64, made for CIFAR's 64@8 units, one K block, which do not spill): with "
+    "more than one K block (a 1x1 unit with C >= 128, or the data gradient's Co = 256) 64 "
+    "threads hold the fp32 accumulator and a K-step's operand fragments in 255 registers")
+KNOWN_SPILLS = {
+    ("bn_relu_conv2d_fwd", "M=32 N=64 K=64 BSCALE_AT=1 w=2 s=2", 80): Allowed(
+        ("fp16", "bf16"), 52, _TWO_WARP_16BIT + "; launched by c164 256>64 1x1 @8 and "
+        "128>64 1x1 /2 @16 on an A100", witness="c164 256>64 1x1 @8"),
+    ("dgrad_store", "M=32 N=64 K=64 w=2 s=2", 80): Allowed(
+        ("fp16", "bf16"), 44, _TWO_WARP_16BIT + "; launched by c164 64>256 1x1 @8 +res",
+        witness="c164 64>256 1x1 @8 +res"),
+    ("dgrad_dx", "M=32 N=64 K=64 w=2 s=2", 80): Allowed(
+        ("fp16", "bf16"), 48, _TWO_WARP_16BIT + "; launched by c164 64>256 1x1 @8 +res",
+        witness="c164 64>256 1x1 @8 +res"),
+    ("dgrad_store", "M=32 N=64 K=64 w=2 s=2", 90): Allowed(
+        ("fp16", "bf16"), 144, _TWO_WARP_16BIT + "; no H100 launch picks it (the host rule "
+        "takes the 64-row tile there), only the autotuner could"),
+    ("dgrad_dx", "M=32 N=64 K=64 w=2 s=2", 90): Allowed(
+        ("fp16", "bf16"), 148, _TWO_WARP_16BIT + "; no H100 launch picks it, only the "
+        "autotuner could"),
+    ("bn_relu_conv2d_fwd", "M=32 N=64 K=64 BSCALE_AT=1 w=2 s=2", 90): Allowed(
+        ("fp16", "bf16"), 56, _TWO_WARP_16BIT + "; no H100 launch picks it, only the "
+        "autotuner could (triton 3.8: no spill)", tritons=("3.6",)),
+    ("dgrad_dx", "M=128 N=64 K=32 w=8 s=2", 80): Allowed(
+        ("fp32",), 12, "the float32 (TF32) data gradient's big tile writing dx in its "
+        "epilogue, strided units (c164 64>32 1x1 /2 @32, r50 3x3 /2): 4-12 bytes past 128 "
+        "registers"),
+    ("bn_relu_conv2d_fwd", "M=64 N=64 K=32 w=8 s=2", 80): Allowed(
+        ("fp32-ieee",), 4, "the float32 FMA (no TF32) forward's mid tile on c164 64>64 3x3 @8: "
+        "4 bytes past 80 registers"),
+    ("bn_relu_conv2d_fwd", "M=128 N=32 K=8 w=4 s=2", 90): Allowed(
+        ("fp32-ieee",), 4, "triton 3.6's dot takes no K below 16: this K = 8 tile is padded "
+        "to 16 (kernels/_tl.fit_k), twice its operand registers, on c164 64>16 1x1 @32",
+        tritons=("3.6",)),
+    ("bn_relu_conv2d_fwd", "M=32 N=64 K=32 w=2 s=2", 90): Allowed(
+        ("fp32",), 4, "the float32 (TF32) forward's 2-warp narrow tile as triton 3.6 compiles "
+        "it (3.8: no spill) swapped into the ci set's c164 16>16 3x3 @32 (the compat step): "
+        "4 bytes past 168 registers", tritons=("3.6",)),
+    ("dgrad_store", "M=32 N=32 K=16 w=4 s=3", 90): Allowed(
+        ("fp64",), 16, "the float64 data gradient's small tile as triton 3.6 compiles it "
+        "(3.8: no spill), on c164 64>256 1x1 @8 +res and three more units", tritons=("3.6",),
+        witness="c164 64>256 1x1 @8 +res"),
+}
+
+
+def _triton_release() -> str:
+    try:
+        import triton
+    except ImportError:
+        return ""
+    return ".".join(triton.__version__.split(".")[:2])
+
+
+def allowed_spill(kernel: str, dtype: str, config: str, arch: int) -> int:
+    """The spill bytes :data:`KNOWN_SPILLS` allows this compile with the installed triton (0:
+    none)."""
+    entry = KNOWN_SPILLS.get((kernel, config, arch))
+    if entry is None or dtype not in entry.dtypes or (
+            entry.tritons is not None and _triton_release() not in entry.tritons):
+        return 0
+    return entry.bytes
+
+
 @dataclass
 class Result:
     kernel: str
@@ -105,17 +200,24 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return (not self.error and self.spill_bytes == 0
+        return (not self.error and 0 <= self.spill_bytes <= self.allowed_spill
                 and 0 <= self.shared <= SMEM_LIMIT.get(self.arch, 0))
 
     @property
+    def allowed_spill(self) -> int:
+        return allowed_spill(self.kernel, self.dtype, self.config, self.arch)
+
+    @property
     def status(self) -> str:
-        """ok | error (did not compile) | spills | smem (over the arch's shared memory)."""
+        """ok | allowed (a spill within :data:`KNOWN_SPILLS`) | error (did not compile) |
+        spills | smem (over the arch's shared memory)."""
+        if self.ok and self.spill_bytes > 0:
+            return "allowed"
         if self.ok:
             return "ok"
         if self.error:
             return "error"
-        return "spills" if self.spill_bytes else "smem"
+        return "spills" if self.spill_bytes > self.allowed_spill else "smem"
 
 
 def jobs(archs, dtypes, units, kernels=None) -> list[Job]:
@@ -163,11 +265,26 @@ def jobs(archs, dtypes, units, kernels=None) -> list[Job]:
     return out
 
 
+def defaulted(launch) -> list[str]:
+    """The kernel's arguments that ``launch`` leaves to their defaults. torch 2.11's
+    ``wrap_triton`` analysis of which tensors a kernel writes needs every argument passed
+    (else it takes every input as written, and a traced backward then fails writing into a
+    leaf: the weight-gradient kernel's BLOCK_T did this); torch 2.14's fills the defaults in."""
+    names = launch.fn.arg_names
+    passed = set(names[:len(launch.args)]) | set(launch.kwargs)
+    return [n for n in names if n not in passed]
+
+
 def compile_one(job: Job) -> Result:
     from . import jit_spec
 
     launch = job.launch
     res = Result(launch.kernel, job.dtype, str(launch.config), launch.arch, where=job.where)
+    missing = [] if job.swapped else defaulted(launch)  # a swap replaces the config's keys
+    if missing:
+        res.error = (f"DefaultedArguments: {', '.join(missing)} not passed (torch 2.11's "
+                     "wrap_triton needs every argument)")
+        return res
     try:
         c = jit_spec.compile_launch(launch, keep_ptx=False)
     except Exception as exc:  # noqa: BLE001 - reported per config
@@ -245,7 +362,9 @@ def main(argv=None) -> int:
     results = run(args.arch, args.dtype, args.jobs, args.kernel, shape_set(args.set))
     print(format_table(results))
     bad = [r for r in results if not r.ok]
-    print(f"{len(results)} compiles, {len(bad)} failed, {time.perf_counter() - t0:.0f} s")
+    allowed = sum(r.status == "allowed" for r in results)
+    print(f"{len(results)} compiles, {len(bad)} failed, {time.perf_counter() - t0:.0f} s"
+          + (f" ({allowed} spills within KNOWN_SPILLS)" if allowed else ""))
     return 1 if bad else 0
 
 

@@ -665,7 +665,11 @@ class WgradPlan:
             X16=sums and x.dtype in (torch.float16, torch.bfloat16) and grad_out.dtype == x.dtype,
             DY_DENSE=grad_out.stride(0) == ho * wo * grad_out.stride(3)
             and grad_out.stride(2) == wo * grad_out.stride(3),
-            ROWS=bt > 1 and whole_rows(h, w, bk), **cfg.launch_kwargs), fast=real)
+            ROWS=bt > 1 and whole_rows(h, w, bk),
+            # Every constexpr, defaults included: torch 2.11's wrap_triton analysis of what a
+            # kernel writes needs them all (else it takes every input as written, and a traced
+            # backward fails writing into the weight).
+            **{"BLOCK_T": 1, **cfg.launch_kwargs}), fast=real)
         # One launch sums the partials over the splits into the results (none when all are
         # direct).
         self.reduce_w = want_weight and not direct and not (not has_out and split == 1)

@@ -57,6 +57,7 @@ def _cli(*argv, timeout=600):
     (["fit", "--budget", "0GiB"], "--budget"),
     (["fit", "--depth", "21"], "--depth"),
     (["gpu-report", "--time-limit", "-5"], "--time-limit"),
+    (["gpu-report", "--step-kinds", "warp"], "--step-kinds: unknown 'warp'; expected some of"),
 ])
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(argv, flag, capsys):
     assert main(argv) == 2

@@ -14,7 +14,7 @@ from fusedres import unit_shapes as S
 from fusedres.cli import UsageError, parse_bytes
 
 from .measure import resolve_device
-from .runner import run
+from .runner import run, step_kind_names
 from .step import LAYOUTS, VARIANTS, default_layouts, model_name
 from .units import BASELINES, fused_backends
 
@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(g, reps=7, warmup=2)
     g.add_argument("--budget", type=_size, default=None,
                    help="budget of the fit part (default 8GiB; --quick 12MiB)")
+    g.add_argument("--step-kinds", default=None,
+                   help="kinds of training step to time, comma-separated, each a part of "
+                        f"the report (default: all of {', '.join(step_kind_names())})")
     return p
 
 
@@ -174,6 +177,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
         _check_units(args)
     elif args.command == "step":
         _check_step(args)
+    elif args.command == "gpu-report" and args.step_kinds is not None:
+        kinds = _split(args.step_kinds)
+        bad = [k for k in kinds if k not in step_kind_names()]
+        if bad or not kinds:
+            raise UsageError(f"--step-kinds: {'unknown ' + repr(bad[0]) if bad else 'none given'}"
+                             f"; expected some of {', '.join(step_kind_names())} "
+                             "(comma-separated)")
+        args.step_kinds = kinds
     elif args.command == "fit":
         if args.depth is not None and (args.depth < 11 or (args.depth - 2) % 9):
             raise UsageError(f"--depth: expected a CIFAR bottleneck depth 9n+2 >= 11 (29, 164, "

@@ -342,17 +342,40 @@ def run(args) -> int:
     return 0
 
 
+def eager_steps(rep: Report, args, models, batch, *, image_size, deadline) -> list[dict]:
+    """The ``eager`` step kind: every variant of ``bench step`` (plain, fused, fused+plan,
+    plain+ckpt) in the device's default layouts, as the part named ``step``."""
+    return part_step(rep, args, models, batch, variants=step_mod.VARIANTS,
+                     layouts=step_mod.default_layouts(args.device), image_size=image_size,
+                     deadline=deadline)
+
+
+# The kinds of whole training step the GPU report times, in this order, each a part of the
+# report (its own table and plot) with an equal slice of the step share of the time limit:
+# (name, runner). A runner is called as runner(rep, args, models, batch, image_size=...,
+# deadline=...) (``deadline``: start no new model after it), adds its part to ``rep`` (eager's
+# is named ``step``; another kind's should be ``step-<name>``, as its progress lines are) and
+# returns its rows. CUDA-graphed steps slot in here as ("graphed", their runner);
+# ``gpu-report --step-kinds`` picks among these names.
+STEP_KINDS: list[tuple[str, Callable[..., list]]] = [("eager", eager_steps)]
+
+
+def step_kind_names() -> list[str]:
+    return [name for name, _ in STEP_KINDS]
+
+
 def gpu_report(rep: Report, args, start: float) -> int:
     """Self-test, then units (CIFAR and ResNet-50 shapes; single convs; torch.compile on a
-    few), step (ResNet-164 and -1001 at batch 128), fit (8 GiB): each part printed and written
-    as it finishes. The time limit (default
+    few), steps (ResNet-164 and -1001 at batch 128, each kind of :data:`STEP_KINDS`), fit
+    (8 GiB): each part printed and written as it finishes. The time limit (default
     8.5 minutes) is shared out so that every part starts: a part stops starting new shapes,
-    models or probes at its share's end."""
+    models or probes at its share's end, and the self-test is stopped at 30% of it."""
     total = args.time_limit or 510.0
     shares = _shares(start, total)
     args.backends = None  # every fused backend that runs on the device
     quick = args.quick
-    failed = _timed("self-test", lambda: part_selftest(rep, args))
+    failed = _timed("self-test", lambda: part_selftest(
+        rep, args, timeout=min(300.0, max(60.0, 0.3 * total))), start)
     # Units without torch.compile first (seconds per shape): whole blocks, then the single
     # BN-ReLU-convs whose modeled bytes give the achieved bandwidth; then torch.compile on a
     # few shapes (inductor compiles each for tens of seconds) until its share runs out.
@@ -365,23 +388,30 @@ def gpu_report(rep: Report, args, start: float) -> int:
                                          S.CIFAR_BASIC_BLOCKS[0]]
     eager = ("plain", "channels_last", "checkpoint")
     _timed("units", lambda: part_units(rep, args, blocks, baselines=eager,
-                                       deadline=shares["units"], title="Units, forward+backward"))
+                                       deadline=shares["units"], title="Units, forward+backward"),
+           start)
     _timed("convs", lambda: part_units(rep, args, convs, baselines=eager, name="convs",
-                                       deadline=shares["convs"], title="Single BN-ReLU-convs"))
+                                       deadline=shares["convs"], title="Single BN-ReLU-convs"),
+           start)
     _timed("compile", lambda: part_units(rep, args, compiled, baselines=("plain", "compile"),
                                          name="compile", deadline=shares["compile"],
-                                         title="Against torch.compile of the plain unit"))
+                                         title="Against torch.compile of the plain unit"), start)
     models = ["preact_resnet20"] if quick else ["preact_resnet164", "preact_resnet1001"]
     batch = 4 if quick else 128
-    _timed("step", lambda: part_step(rep, args, models, batch, variants=step_mod.VARIANTS,
-                                     layouts=step_mod.default_layouts(args.device),
-                                     image_size=16 if quick else None,
-                                     deadline=shares["step"]))
+    kinds = [(n, fn) for n, fn in STEP_KINDS
+             if getattr(args, "step_kinds", None) is None or n in args.step_kinds]
+    window = shares["step"] - shares["compile"]
+    for i, (kind, runner) in enumerate(kinds):
+        deadline = shares["compile"] + window * (i + 1) / len(kinds)
+        _timed("step" if kind == "eager" else f"step-{kind}",
+               lambda runner=runner, deadline=deadline: runner(
+                   rep, args, models, batch, image_size=16 if quick else None,
+                   deadline=deadline), start)
     q = QUICK_FIT if quick else {"budget": 8 * GIB, "depth": 164, "batch": 128,
                                  "max_batch": 4096, "max_depth": 1001}
     _timed("fit", lambda: part_fit(rep, args, args.budget or q["budget"], q["depth"],
                                    q["batch"], q["max_batch"], q["max_depth"],
-                                   deadline=shares["fit"]))
+                                   deadline=shares["fit"]), start)
     elapsed = time.monotonic() - start
     print(f"\ngpu-report finished in {elapsed:.0f} s"
           + (f"; written to {args.out}/ (report.md, results.json, PNGs)" if args.out else ""),
@@ -400,8 +430,13 @@ def _shares(start: float, total: float) -> dict[str, float]:
             "fit": start + 0.97 * total}
 
 
-def _timed(what: str, fn: Callable[[], Any]) -> Any:
+def _timed(what: str, fn: Callable[[], Any], start: float | None = None) -> Any:
+    """Runs a part between two progress lines: ``[what: started at N s]`` (seconds since
+    ``start``, when given) and ``[what: N s]``; a wrapper (the GPU check) reads the last
+    started part from them when it has to cut a run off."""
     t0 = time.monotonic()
+    if start is not None:
+        print(f"[{what}: started at {t0 - start:.0f} s]", flush=True)
     out = fn()
     print(f"[{what}: {time.monotonic() - t0:.0f} s]", flush=True)
     return out
