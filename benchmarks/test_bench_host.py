@@ -1,6 +1,7 @@
 """The host's time for one fused BN-ReLU-conv chain's training step, and a pre-activation basic
-block's, route by route, with the kernels as no-ops, against plain PyTorch's in the same run (benchmarks/hostcost.py: what
-is counted and how; its Python calls and launches sit beside the times).
+block's, route by route, with the kernels as no-ops, against plain PyTorch's in the same run
+(benchmarks/hostcost.py: what is counted and how; its Python calls and launches sit beside the
+times).
 
 Run: ``TRITON_INTERPRET=1 FUSEDRES_CUDA_ON_CPU=1 pytest benchmarks/test_bench_host.py
 --benchmark-only`` (without them the triton and cuda routes are skipped, saying why). The
@@ -13,7 +14,6 @@ import pytest
 
 import hostcost
 from benchutil import QUICK
-
 
 GROUPS = {"chain": "host: one 2x16x8x8 3x3 chain step",
           "block": "host: one 2x16x8x8 PreActBasicBlock step"}
