@@ -715,7 +715,7 @@ def _lean_preact(block: ResidualBlock, x: Tensor, stats, return_stats: bool):
     autocast, a backend with a one-call BatchNorm preparation (cpu, cuda, triton), BatchNorm
     parameters in the statistics dtype."""
     names = _LEAN_NAMES.get(block.num_convs)
-    if (names is None or block.layer is not FUSED or block.path != "identity"
+    if (names is None or type(block.layer) is not FusedBNReLUConv or block.path != "identity"
             or block.gate is not None or (block.training and block._drop_path > 0)):
         return None
     mods = block._modules

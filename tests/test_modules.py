@@ -390,3 +390,20 @@ def test_lean_preact_route_keys_on_what_the_checks_read(monkeypatch):
     block.conv2.double()
     with pytest.raises(TypeError, match="weight: expected dtype torch.float32"):
         block(x)
+
+
+def test_lean_preact_route_survives_a_deep_copy(monkeypatch):
+    """A deep copy of a fused block (its layer object copied too) still takes the lean route
+    once its key has run."""
+    from fusedres import modules
+
+    block = copy.deepcopy(fusedres.PreActBasicBlock(8, 8))
+    assert block.layer is not modules.FUSED
+    x = torch.randn(2, 8, 5, 5)
+    block(x)
+    calls = []
+    checked = modules.ResidualBlock._forward_preact
+    monkeypatch.setattr(modules.ResidualBlock, "_forward_preact",
+                        lambda *a: calls.append(1) or checked(*a))
+    block(x)
+    assert calls == []
