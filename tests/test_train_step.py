@@ -16,6 +16,7 @@ compares the replay with the eager step; it cannot run here.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -288,6 +289,8 @@ def test_graphed_driver_replays_the_eager_step(mode):
                         _state(graph_model, graphed_step.optimizer)):
             assert torch.equal(a, b), i
     assert len(calls) == 1
+    with pytest.raises(ValueError, match="forward_context: a replay runs no Python code"):
+        graphed(x, y, contextlib.nullcontext())
     # After the capture the outputs are the same two tensors, overwritten by each replay.
     assert all(o[0] is outputs[2][0] and o[1] is outputs[2][1] for o in outputs[2:])
     assert graphed.static_x.shape == (4, 3, 8, 8)

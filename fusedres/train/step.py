@@ -179,10 +179,13 @@ class GraphedStep:
     def __call__(self, x: Tensor, y: Tensor,
                  forward_context: contextlib.AbstractContextManager | None = None
                  ) -> tuple[Tensor, Tensor]:
+        if self.warmed < self.warmup:
+            self.warmed += 1
+            return self._eager(x, y, forward_context)
+        if forward_context is not None:
+            raise ValueError("forward_context: a replay runs no Python code; give it to one of "
+                             "the warm-up steps")
         if self.replay is None:
-            if self.warmed < self.warmup:
-                self.warmed += 1
-                return self._eager(x, y, forward_context)
             self._capture(x, y)
         self.static_x.copy_(x)
         self.static_y.copy_(y)
