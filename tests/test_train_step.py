@@ -314,10 +314,13 @@ def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path
     for graphed in (False, True):
         out = tmp_path / ("graphed" if graphed else "eager")
         cfg, explicit = resolve([*argv, "--out", str(out)])
-        run = Run(cfg, explicit)
-        if graphed:
-            run.run_step = GraphedStep(run.step, capture=lambda fn: fn)
-        assert run.train() == 0
+        # The scope ends the run's backend choice (fusedres.use_backend) with the run, as
+        # fusedres.train.main does: left open, it would pop whenever collected.
+        with contextlib.ExitStack() as scope:
+            run = Run(cfg, explicit, scope)
+            if graphed:
+                run.run_step = GraphedStep(run.step, capture=lambda fn: fn)
+            assert run.train() == 0
         assert not graphed or run.run_step.captured
         state = ckpt.load(ckpt.latest(out))
         states.append(state)
