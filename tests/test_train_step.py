@@ -138,8 +138,9 @@ def _tiny(depth=8, **kw):
 
 
 # One basic and one bottleneck network, with stochastic depth of both kinds: every backend.
-# The Triton interpreter takes 10-30 s a step of these here: the quick suite checks one step
-# of the basic network for syncs; the rest is the full matrix's.
+# The Triton interpreter takes 10-30 s a step of these here: one step of each is checked for
+# syncs (the bottleneck's in the full matrix); the traces it dispatches are the fusedres ops,
+# compared step to step on the other backends.
 BACKEND_CASES = {
     "basic-batch-drop": dict(depth=8, drop_path_rate=0.5, drop_path_mode="batch"),
     "bottleneck-row-drop": dict(depth=11, drop_path_rate=0.5, drop_path_mode="row"),
@@ -147,8 +148,9 @@ BACKEND_CASES = {
 _BACKEND_PARAMS = (
     [pytest.param(name, case, 2) for name in BACKENDS if name != "triton"
      for case in BACKEND_CASES]
-    + [pytest.param("triton", "basic-batch-drop", 1, id="triton-basic-batch-drop-1-step")]
-    + [pytest.param("triton", case, 2, marks=pytest.mark.full_matrix) for case in BACKEND_CASES])
+    + [pytest.param("triton", "basic-batch-drop", 1, id="triton-basic-batch-drop-1-step"),
+       pytest.param("triton", "bottleneck-row-drop", 1, id="triton-bottleneck-row-drop-1-step",
+                    marks=pytest.mark.full_matrix)])
 _BACKEND_PARAMS = [p for p in _BACKEND_PARAMS if p.values[0] in BACKENDS]
 
 
