@@ -10,7 +10,8 @@ forward; ``fused=True/False`` picks the layer.
 The blocks implement He et al.'s unit orderings (``unit=``, "Identity Mappings in Deep Residual
 Networks", 2016, Fig. 4) and shortcut variants (``shortcut=``, Table 1 / Fig. 2), plain units
 without shortcuts (``shortcut="none"``), units without normalisation (``norm="none"``) and
-stochastic depth (``drop_path=``, Huang et al. 2016; ``drop_path_mode="batch"`` or ``"row"``).
+stochastic depth (``drop_path=``, Huang et al. 2016; ``drop_path_mode="row"``, ``"batch"`` or
+``"batch_skip"``).
 Every BatchNorm -> ReLU -> conv chain of every variant runs through the layer (so fused when the
 layer is); the rest of a variant (a BatchNorm with no ReLU -> conv after it, a post-addition
 ReLU, a gate) is plain PyTorch: :attr:`ResidualBlock.plain_parts` lists it.
@@ -40,7 +41,11 @@ __all__ = ["BNReLUConv2d", "BasicBlock", "Bottleneck", "BNReLUConvLayer", "DROP_
 UNITS = ("preact", "original", "bn_after_add", "relu_before_add", "relu_only_preact")
 # He et al. 2016, Fig. 2 / Table 1, and "none": no shortcut at all (a plain network).
 SHORTCUTS = ("identity", "scale", "exclusive_gate", "shortcut_gate", "conv1x1", "dropout", "none")
-DROP_PATH_MODES = ("batch", "row")
+# "row": one draw per sample. "batch": one draw per mini-batch, applied on the device (the branch
+# runs and is scaled by 0 or 1/keep: no device-to-host sync, so a step can be captured in a CUDA
+# graph or compiled whole). "batch_skip": one draw per mini-batch read on the host, and a dropped
+# unit computes no branch (Huang et al.'s saving; one device-to-host sync per unit a step).
+DROP_PATH_MODES = ("batch", "row", "batch_skip")
 NORMS = ("batch", "none")
 
 
@@ -349,11 +354,23 @@ class ResidualBlock(nn.Module):
     - ``norm``: ``"batch"`` (BatchNorm) or ``"none"`` (no normalisation; convolutions get a bias).
     - ``drop_path``: probability of dropping the branch in training (stochastic depth);
       ``drop_path_mode`` ``"row"`` draws per sample (timm's DropPath, torchvision's
-      ``StochasticDepth(mode="row")``), ``"batch"`` once for the whole batch (Huang et al.: a
-      dropped unit computes no branch and keeps no activations). The kept branch is scaled by
-      ``1 / (1 - drop_path)`` in training, as torchvision's ``stochastic_depth`` does, so eval
-      uses the unit unchanged. Draws: ``torch.empty(size, dtype=x.dtype, device=x.device)
-      .bernoulli_(1 - drop_path)``, as torchvision draws them.
+      ``StochasticDepth(mode="row")``), ``"batch"`` and ``"batch_skip"`` once for the whole
+      batch (torchvision's ``mode="batch"``). ``"batch"`` decides on the device: the branch
+      always runs and is scaled by the draw, 0 or ``1 / (1 - drop_path)``, so a step has no
+      device-to-host sync and issues the same kernels whatever is drawn (CUDA graphs,
+      ``torch.compile(fullgraph=True)``). What that costs when the unit is dropped: the
+      branch's forward and backward compute and its saved activations (a kept unit's, which
+      the memory planner assumes for both modes anyway); its BatchNorms' running statistics
+      are updated from the batch; its parameters get zero gradients rather than none, so SGD's
+      weight decay and momentum still move them (as in Huang et al.'s Torch code, whose
+      optimizer steps every parameter); and a non-finite branch output gives NaN (0 * inf)
+      where skipping gives the shortcut. ``"batch_skip"`` reads the draw on the host (one
+      device-to-host sync per unit a step) and a dropped unit computes no branch, updates none
+      of its BatchNorms and keeps nothing for backward (Huang et al.'s saving; not
+      capturable). The kept branch is scaled by ``1 / (1 - drop_path)`` in training, as
+      torchvision's ``stochastic_depth`` does, so eval uses the unit unchanged. Draws:
+      ``torch.empty(size, dtype=x.dtype, device=x.device).bernoulli_(1 - drop_path)``, as
+      torchvision draws them; the three modes consume the random stream alike.
     - ``layer``: a :class:`BNReLUConvLayer`; default :data:`FUSED` if ``fused`` else
       :data:`PLAIN`.
 
@@ -562,12 +579,14 @@ class ResidualBlock(nn.Module):
             return False, None
         keep = 1.0 - p
         n = x.shape[0]
-        if self.drop_path_mode == "batch":
+        if self.drop_path_mode != "row":
             noise = torch.empty([1] * x.dim(), dtype=x.dtype, device=x.device).bernoulli_(keep)
-            if _has_no_data(x):  # the memory planner's meta/fake step: plan for a kept unit
-                return False, noise.reshape(1).expand(n)
-            if not bool(noise):  # a dropped unit computes no branch at all
-                return True, None
+            if self.drop_path_mode == "batch_skip" and not _has_no_data(x):
+                # Read on the host (a sync): a dropped unit computes no branch at all. (The
+                # planner's meta/fake step has no value and plans for a kept unit.)
+                if not bool(noise):
+                    return True, None
+            # "batch": decided on the device, the branch scaled by 0 or 1 / keep.
             return False, noise.div_(keep).reshape(1).expand(n)
         noise = torch.empty([n] + [1] * (x.dim() - 1), dtype=x.dtype, device=x.device)
         return False, noise.bernoulli_(keep).div_(keep).reshape(n)

@@ -68,3 +68,26 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_run") / "run"
     assert main([*TINY_RUN, "--out", str(out)]) == 0
     return out
+
+
+# The full matrices (every zoo model on every backend that runs here, every variant compiled
+# whole) take minutes: CI runs them in a step of their own (`pytest tests -m full_matrix
+# --full-matrix`); `make test` runs each one's representative subset and leaves them out.
+def pytest_addoption(parser):
+    parser.addoption("--full-matrix", action="store_true",
+                     help="also run the tests marked full_matrix (CI's own step)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "full_matrix: a full model/backend/variant matrix, run only with "
+                   "--full-matrix (CI's own step); its subset runs in the quick suite")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full-matrix"):
+        return
+    left = [item for item in items if item.get_closest_marker("full_matrix") is not None]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if item.get_closest_marker("full_matrix") is None]

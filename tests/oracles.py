@@ -76,7 +76,10 @@ class UnitOracle(nn.Module):
         if self.path == "scale" and self.scale_branch:
             f = (1 - self.scale) * f
         if self.drop_path:
-            f = stochastic_depth(f, self.drop_path, self.drop_path_mode, self.training)
+            # "batch" and "batch_skip" draw as torchvision's mode="batch" (they differ in what
+            # a dropped unit still computes, not in the result).
+            mode = "row" if self.drop_path_mode == "row" else "batch"
+            f = stochastic_depth(f, self.drop_path, mode, self.training)
         # combine
         if self.gate is not None:
             g = torch.sigmoid(self.gate(x))

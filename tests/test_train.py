@@ -336,6 +336,17 @@ def test_finished_run_has_its_outputs(finished_run):
                             "'shortcut_gate' takes it, got shortcut='identity'"),
     (["--shortcut", "none", "--drop-path-rate", "0.1"],
      "--drop-path-rate: a network without shortcuts (shortcut='none') cannot drop units"),
+    (["--cuda-graphs"], "--cuda-graphs: needs a CUDA device; none is available here"),
+    (["--cuda-graphs", "--device", "cpu"], "--cuda-graphs: needs a CUDA device; --device is cpu"),
+    (["--cuda-graphs", "--compile"], "--compile default: not with --cuda-graphs"),
+    (["--cuda-graphs", "--compile", "reduce-overhead"],
+     "--compile reduce-overhead: not with --cuda-graphs"),
+    (["--cuda-graphs", "--drop-path-rate", "0.2", "--drop-path-mode", "batch_skip"],
+     "--drop-path-mode batch_skip: not with --cuda-graphs"),
+    (["--cuda-graphs", "--memory-budget", "1GiB"], "--memory-budget: not with --cuda-graphs"),
+    (["--cuda-graphs", "--activation-budget", "1GiB"],
+     "--activation-budget: not with --cuda-graphs"),
+    (["--compile", "fast"], "argument --compile: invalid choice: 'fast'"),
 ])
 def test_bad_input_is_one_line_exit_2_and_the_run_is_untouched(finished_run, capsys, argv,
                                                                match, monkeypatch):
@@ -354,6 +365,80 @@ def test_bad_input_is_one_line_exit_2_and_the_run_is_untouched(finished_run, cap
     assert len(err.splitlines()) == 1, err
     assert err.startswith("fusedres train: error: ") and match in err, err
     assert _snapshot(finished_run) == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available")
+def test_cuda_graphs_without_a_gpu_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "2", "--out", str(out), "--cuda-graphs"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("fusedres train: error: --cuda-graphs: needs a CUDA device; none is "
+                   "available here (torch.cuda.is_available() is False)")
+    assert not out.exists()
+
+
+def test_compile_and_cuda_graphs_from_a_config_file(tmp_path):
+    """A config file's ``compile: true`` (an older config.yaml's) is the default mode; a mode
+    by name is kept; with ``cuda_graphs: true`` the conflict names --compile."""
+    path = tmp_path / "c.yaml"
+    path.write_text("compile: true\n")
+    assert resolve(["--config", str(path)])[0]["compile"] == "default"
+    path.write_text("compile: max-autotune\n")
+    assert resolve(["--config", str(path)])[0]["compile"] == "max-autotune"
+    assert resolve(["--config", str(path), "--no-compile"])[0]["compile"] is False
+    path.write_text("compile: fastest\n")
+    with pytest.raises(UsageError, match="--compile: expected one of default, reduce-overhead, "
+                                         "max-autotune"):
+        resolve(["--config", str(path)])
+    path.write_text("cuda_graphs: true\ncompile: reduce-overhead\n")
+    with pytest.raises(UsageError, match="--compile reduce-overhead: not with --cuda-graphs"):
+        resolve(["--config", str(path)])
+    assert resolve(["--config", str(path), "--no-cuda-graphs"])[0]["cuda_graphs"] is False
+
+
+@pytest.mark.parametrize("flags, mode", [(["--compile"], None),
+                                         (["--compile", "default"], None),
+                                         (["--compile", "reduce-overhead"], "reduce-overhead"),
+                                         (["--compile", "max-autotune"], "max-autotune")])
+def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch, capsys, flags, mode):
+    """``--compile MODE``: the model compiled in that mode (torch.compile stood in for: a real
+    compile is the full matrix's run below), said in the banner and the summary."""
+    from fusedres.train import loop
+
+    calls = []
+
+    def fake_compile(model, **kwargs):
+        calls.append(kwargs)
+        return model
+
+    monkeypatch.setattr(loop.torch, "compile", fake_compile)
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "1", "--out", str(out), *flags]) == 0
+    assert calls == [{"mode": mode}]
+    name = flags[1] if len(flags) > 1 else "default"
+    assert f"torch.compile, mode {name}" in capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["compile"] == name and summary["cuda_graphs"] is False
+
+
+@pytest.mark.full_matrix
+def test_compile_reduce_overhead_trains(tmp_path):
+    """A real --compile reduce-overhead run (Inductor's C++ code on CPU, where its CUDA graphs
+    do not apply): ~1 minute here."""
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "2", "--out", str(out), "--compile",
+                 "reduce-overhead"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["compile"] == "reduce-overhead"
+    assert summary["final_test_error"] == summary["final_test_error"]  # not NaN
+
+
+def test_the_banner_says_the_last_partial_batch_is_dropped(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "1", "--out", str(out)]) == 0
+    # digits: 1433 training images, batch 128: 11 steps an epoch, 25 images left out.
+    assert ("each epoch drops its last partial batch: 25 of the 1433 training images"
+            in capsys.readouterr().err)
 
 
 def test_out_that_is_a_file(tmp_path, capsys):

@@ -4,6 +4,7 @@ layout, and a checkpoint resumed in the other layout."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -96,10 +97,19 @@ def _layout_line(err: str) -> str:
     return lines[0][len("fusedres train: "):]
 
 
-def test_auto_on_cpu_trains_channels_last_and_says_why(tmp_path, capsys):
+@pytest.fixture
+def scope():
+    """The scope a Run's backend choice (fusedres.use_backend) ends with, as in
+    fusedres.train.main: closed after the test. (Left open, the choice was popped whenever the
+    garbage collector reached it, from whatever backend stack was in force then.)"""
+    with contextlib.ExitStack() as stack:
+        yield stack
+
+
+def test_auto_on_cpu_trains_channels_last_and_says_why(tmp_path, capsys, scope):
     out = tmp_path / "run"
     cfg, explicit = resolve([*TINY, "--max-iters", "2", "--out", str(out)])
-    run = Run(cfg, explicit)
+    run = Run(cfg, explicit, scope)
     line = _layout_line(capsys.readouterr().err)
     assert line.startswith("layout: channels_last (auto: on CPU oneDNN's convolutions")
     # Applied: the batches (one channel: both layouts at once) and the convolutions' weights.
@@ -153,7 +163,7 @@ def test_config_round_trip_with_auto_and_resume_keeps_the_layout(tmp_path, capsy
     assert _layout_line(capsys.readouterr().err) == line
 
 
-def test_resume_in_the_other_layout(tmp_path, capsys):
+def test_resume_in_the_other_layout(tmp_path, capsys, scope):
     """A checkpoint written in NCHW resumed channels_last (state dicts are layout-agnostic):
     the weights and the optimizer's momentum load, the next step's SGD update uses that
     momentum, and the run goes on to its end.
@@ -173,7 +183,7 @@ def test_resume_in_the_other_layout(tmp_path, capsys):
 
     cfg, explicit = resolve(["--out", str(out), "--resume", "--max-iters", "5",
                              "--channels-last", "on", "--no-progress"])
-    run = Run(cfg, explicit)
+    run = Run(cfg, explicit, scope)
     assert _layout_line(capsys.readouterr().err) == ("layout: channels_last (asked for "
                                                      "(--channels-last on))")
     conv = run.model.layer1[0].conv1.weight

@@ -15,6 +15,7 @@ from fusedres import models
 from fusedres.modules import FUSED, PLAIN, SHORTCUTS, UNITS, BasicBlock, Bottleneck
 
 F64 = torch.float64
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::nonzero"}
 
 
 def _block(cls, cin, planes, stride, layer, **kw):
@@ -159,14 +160,23 @@ def _seed_for(batch_kept: bool, p: float) -> int:
     raise AssertionError("no seed found")
 
 
+@pytest.mark.parametrize("mode", ["batch", "batch_skip"])
 @pytest.mark.parametrize("layer", [FUSED, PLAIN], ids=["fused", "plain"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_batch_drop_path(shape, layer):
-    cls, cin, planes, stride = shape
-    block = _block(cls, cin, planes, stride, layer, drop_path=0.5, drop_path_mode="batch")
-    x = torch.randn(4, cin, 5, 5, dtype=F64)
+def test_batch_drop_path_kept(shape, layer, mode):
     # Kept: as torchvision's stochastic_depth(mode="batch"), the branch scaled by 1 / keep.
+    cls, cin, planes, stride = shape
+    block = _block(cls, cin, planes, stride, layer, drop_path=0.5, drop_path_mode=mode)
+    x = torch.randn(4, cin, 5, 5, dtype=F64)
     _compare(block, unit_oracle(block), x, seed=_seed_for(True, 0.5), steps=1)
+
+
+@pytest.mark.parametrize("layer", [FUSED, PLAIN], ids=["fused", "plain"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_batch_skip_drop_path_computes_nothing(shape, layer):
+    cls, cin, planes, stride = shape
+    block = _block(cls, cin, planes, stride, layer, drop_path=0.5, drop_path_mode="batch_skip")
+    x = torch.randn(4, cin, 5, 5, dtype=F64)
     # Dropped: the shortcut alone; the branch computes nothing, its BatchNorms are untouched.
     before = copy.deepcopy(block.state_dict())
     xa = x.clone().requires_grad_()
@@ -185,6 +195,48 @@ def test_batch_drop_path(shape, layer):
     for name in before:
         if name.startswith(("bn2", "bn3")) or (block.shortcut is None and name.startswith("bn1")):
             assert torch.equal(before[name], after[name]), name
+
+
+@pytest.mark.parametrize("layer", [FUSED, PLAIN], ids=["fused", "plain"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_batch_drop_path_dropped_on_the_device(shape, layer):
+    """Dropped in "batch" mode: the output and the input's gradient are batch_skip's (the
+    branch scaled by an exact 0); the branch still runs, so its parameters get zero gradients
+    where batch_skip leaves none and its BatchNorms count the batch. No value is read on the
+    host (no sync op in the profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cls, cin, planes, stride = shape
+    device = _block(cls, cin, planes, stride, layer, drop_path=0.5, drop_path_mode="batch")
+    skip = copy.deepcopy(device)
+    skip.drop_path_mode = "batch_skip"
+    x = torch.randn(4, cin, 5, 5, dtype=F64)
+    before = copy.deepcopy(device.state_dict())
+    out = {}
+    for name, block in (("device", device), ("skip", skip)):
+        xa = x.clone().requires_grad_()
+        torch.manual_seed(_seed_for(False, 0.5))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            y = block(xa)
+            y.backward(torch.ones_like(y))
+        syncs = [e.name for e in prof.events() if e.name in SYNC_OPS]
+        out[name] = (y.detach(), xa.grad, dict(block.named_parameters()), syncs)
+    (y_d, gx_d, p_d, syncs_d), (y_s, gx_s, p_s, syncs_s) = out["device"], out["skip"]
+    assert syncs_d == [] and "aten::is_nonzero" in syncs_s
+    if device.shortcut is None:  # the shortcut alone, to the bit
+        assert torch.equal(y_d, y_s) and torch.equal(gx_d, gx_s)
+    else:  # the projection's convolution runs with conv1 (stacked/paired) in "batch" mode
+        torch.testing.assert_close(y_d, y_s, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gx_d, gx_s, rtol=1e-12, atol=1e-12)
+    for name, p in p_d.items():
+        if p_s[name].grad is None:
+            assert p.grad is not None and not p.grad.any(), name
+        else:
+            torch.testing.assert_close(p.grad, p_s[name].grad, rtol=1e-12, atol=1e-12,
+                                       msg=name)
+    for name, b in device.state_dict().items():
+        if name.startswith(("bn2", "bn3")) and name.endswith("num_batches_tracked"):
+            assert b == before[name] + 1, name  # the batch counted, as in a kept unit
 
 
 def test_drop_path_linear_rule_and_eval():

@@ -11,6 +11,8 @@ file cannot name another).
 
 ``channels_last`` is ``"auto"`` (the default), true or false; the run resolves ``auto`` with
 :func:`resolve_channels_last` once its device is known, and saves the resolved value.
+``compile`` is false or a torch.compile mode (:data:`COMPILE_MODES`); true, as older configs and
+the bare ``--compile`` say, is ``"default"``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 import yaml
 
 from fusedres.cli import UsageError, parse_bytes
+
+from .step import WARMUP_STEPS
 
 __all__ = ["UsageError", "build_parser", "channels_last_setting", "parse_bytes", "resolve",
            "resolve_channels_last"]
@@ -76,6 +80,7 @@ DEFAULTS: dict[str, Any] = {
     "amp": "none",
     "channels_last": "auto",
     "compile": False,
+    "cuda_graphs": False,
     "sync_bn": False,
     "checkpoint_every": 1000,
     "keep_checkpoints": 2,
@@ -112,8 +117,10 @@ CHOICES = {
     "shortcut": ("identity", "scale", "exclusive_gate", "shortcut_gate", "conv1x1", "dropout",
                  "none"),
     "norm": ("batch", "none"),
-    "drop_path_mode": ("batch", "row"),
+    "drop_path_mode": ("batch", "row", "batch_skip"),
 }
+# torch.compile's modes that --compile takes ("default" is torch.compile's mode=None).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -229,7 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stochastic depth: the last unit's drop probability, linear in depth "
                         "(Huang et al. 2016; default 0)")
     g.add_argument("--drop-path-mode", choices=CHOICES["drop_path_mode"],
-                   help="row (per sample, default) or batch (the whole batch skips a unit)")
+                   help="row (per sample, default); batch (one draw for the whole batch, "
+                        "applied on the device: a dropped unit's branch still runs, scaled by "
+                        "0; no device-to-host sync); batch_skip (one draw read on the host: a "
+                        "dropped unit computes nothing; one sync per unit a step, not with "
+                        "--cuda-graphs)")
     g.add_argument("--fused", action=argparse.BooleanOptionalAction,
                    help="fused BN-ReLU-conv blocks (default) or plain PyTorch ones")
     g.add_argument("--backend", choices=CHOICES["backend"], help="fusedres backend (auto)")
@@ -290,7 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "and saves the resolved value (a resumed run keeps it)")
     g.add_argument("--no-channels-last", dest="channels_last", action="store_const",
                    const=False, help="NCHW (as --channels-last off)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, help="torch.compile")
+    g.add_argument("--compile", nargs="?", const="default", choices=COMPILE_MODES,
+                   help="torch.compile the model in this mode (the flag alone: default)")
+    g.add_argument("--no-compile", dest="compile", action="store_const", const=False,
+                   help="no torch.compile (the default)")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                   help="capture the whole training step (forward, loss, backward, SGD step) "
+                        f"in a CUDA graph after {WARMUP_STEPS} eager warm-up steps and replay "
+                        "it (needs a CUDA device and one process; evaluation stays eager)")
     g.add_argument("--sync-bn", action=argparse.BooleanOptionalAction,
                    help="BatchNorm statistics over all processes (torchrun)")
     g = p.add_argument_group("run")
@@ -403,11 +421,25 @@ def load_yaml(path: str | Path, what: str) -> dict[str, Any]:
     return out
 
 
+def compile_setting(value: Any) -> str | bool:
+    """``compile``'s value as the configuration holds it: False, or one of
+    :data:`COMPILE_MODES` (True is ``"default"``); raises :class:`UsageError` naming the flag."""
+    if value is True:
+        return "default"
+    if value is False or value is None:
+        return False
+    if value in COMPILE_MODES:
+        return value
+    raise UsageError(f"--compile: expected one of {', '.join(COMPILE_MODES)} (or true/false), "
+                     f"got {value!r}")
+
+
 def _check_types(cfg: dict[str, Any]) -> None:
     cfg["channels_last"] = channels_last_setting(cfg["channels_last"])  # "auto", True, False
+    cfg["compile"] = compile_setting(cfg["compile"])
     for name, default in DEFAULTS.items():
         value = cfg[name]
-        if value is None:
+        if value is None or name == "compile":
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(default, bool) and not isinstance(value, bool):
@@ -453,6 +485,25 @@ def _check_values(cfg: dict[str, Any]) -> None:
         parse_bytes(cfg["memory_budget"])
     if cfg["activation_budget"] is not None:
         parse_bytes(cfg["activation_budget"], "--activation-budget")
+    _check_cuda_graphs(cfg)
+
+
+def _check_cuda_graphs(cfg: dict[str, Any]) -> None:
+    """The options a captured step cannot have, refused with ``--cuda-graphs``. (The device
+    and the number of processes are checked by the run, once it knows them.)"""
+    if not cfg["cuda_graphs"]:
+        return
+    if cfg["compile"]:
+        raise UsageError(f"--compile {cfg['compile']}: not with --cuda-graphs, choose one "
+                         "(--compile reduce-overhead is torch.compile's own CUDA graphs)")
+    if cfg["drop_path_mode"] == "batch_skip" and cfg["drop_path_rate"]:
+        raise UsageError("--drop-path-mode batch_skip: not with --cuda-graphs (it reads each "
+                         "unit's draw on the host and skips dropped branches, so every step "
+                         "would run other kernels); --drop-path-mode batch decides on the device")
+    for name in ("memory_budget", "activation_budget"):
+        if cfg[name] is not None:
+            raise UsageError(f"{_flag(name)}: not with --cuda-graphs (the activation "
+                             "checkpointing it plans is not captured by the trainer)")
 
 
 # Named zoo models of the CIFAR family (the others are ImageNet ones): what a --depth or

@@ -28,6 +28,16 @@ from . import checkpoint as ckpt
 from . import data as data_mod
 from . import metrics as M
 from .config import UsageError, merge_saved, parse_bytes, resolve_channels_last
+from .step import (
+    WARMUP_STEPS,
+    GraphedStep,
+    TrainStep,
+    float_lr_state,
+    lr_tensor,
+    sgd,
+    start_momentum,
+    use_lr,
+)
 
 _AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -114,6 +124,20 @@ def _device(cfg, local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     return torch.device("cuda", local_rank)
+
+
+def _check_cuda_graphs(cfg, device: torch.device, world: int) -> None:
+    """``--cuda-graphs`` needs a CUDA device and one process (the options it cannot capture are
+    refused with the configuration: ``config._check_cuda_graphs``)."""
+    if not cfg["cuda_graphs"]:
+        return
+    if device.type != "cuda":
+        why = ("--device is cpu" if cfg["device"] == "cpu"
+               else "none is available here (torch.cuda.is_available() is False)")
+        raise UsageError(f"--cuda-graphs: needs a CUDA device; {why}")
+    if world > 1:
+        raise UsageError(f"--cuda-graphs: one process only, this run has {world} (torchrun): "
+                         "DistributedDataParallel's gradient all-reduce is not captured here")
 
 
 def _check_backend(cfg, device: torch.device) -> None:
@@ -273,6 +297,7 @@ class Run:
             self.scope.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(cfg["threads"])
         self.device = _device(cfg, self.local_rank)
+        _check_cuda_graphs(cfg, self.device, self.world)
         _check_backend(cfg, self.device)
         self.scope.enter_context(fusedres.use_backend(cfg["backend"]))
         # On CPU a budget bounds the process only if freed blocks leave it: set glibc's
@@ -339,13 +364,18 @@ class Run:
             # routed to fusedres.distributed either way); it does not run on CPU tensors.
             model = (nn.SyncBatchNorm.convert_sync_batchnorm(model)
                      if self.device.type == "cuda" else fdist.convert_sync_batchnorm(model))
-        self.optimizer = torch.optim.SGD(_param_groups(model, cfg), lr=cfg["lr"],
-                                         momentum=cfg["momentum"], nesterov=cfg["nesterov"])
+        # The learning rate lives on the device and is filled in place each step (the step
+        # reads no value on the host: fusedres.train.step).
+        self.lr = lr_tensor(cfg["lr"], self.device)
+        self.optimizer = sgd(_param_groups(model, cfg), self.lr, cfg["momentum"],
+                             cfg["nesterov"])
         self.amp_dtype = _AMP[cfg["amp"]]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg["amp"] == "fp16")
         if state is not None:
             try:
                 self.optimizer.load_state_dict(state["optimizer"])
+                use_lr(self.optimizer, self.lr)
+                start_momentum(self.optimizer)  # a parameter that had no gradient yet
                 _state_like_params(self.optimizer)
                 if state.get("scaler"):
                     self.scaler.load_state_dict(state["scaler"])
@@ -362,8 +392,12 @@ class Run:
             ids = [self.device.index] if self.device.type == "cuda" else None
             train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         if cfg["compile"]:
-            train_model = torch.compile(train_model)
+            mode = cfg["compile"]
+            train_model = torch.compile(train_model, mode=None if mode == "default" else mode)
         self.train_model = train_model
+        self.step = TrainStep(train_model, self.optimizer, self.scaler, self.amp_dtype,
+                              self.device.type, mark_step=cfg["compile"] == "reduce-overhead")
+        self.run_step = GraphedStep(self.step) if cfg["cuda_graphs"] else self.step
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
 
@@ -436,6 +470,17 @@ class Run:
             f"run directory {self.out}",
             self.layout_line(),
         ]
+        left = d.num_train - ipe * cfg["batch_size"]
+        if left:
+            lines.append(f"each epoch drops its last partial batch: {left} of the {d.num_train} "
+                         f"training images (a different random subset each epoch), so that "
+                         f"every step has the batch's shape")
+        if cfg["cuda_graphs"]:
+            lines.append(f"CUDA graphs: the whole training step (forward, loss, backward, SGD "
+                         f"step) captured after {WARMUP_STEPS} eager warm-up steps on a side "
+                         f"stream, then replayed; evaluation eager")
+        if cfg["compile"]:
+            lines.append(f"torch.compile, mode {cfg['compile']}")
         if self.batches.describe() is not None:
             lines.append(self.batches.describe())
         if self.resume_state is not None:
@@ -550,7 +595,7 @@ class Run:
         cfg["resume"] = None
         return {
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": float_lr_state(self.optimizer),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
             "scheduler": {"iteration": self.iteration, "milestones": self.milestones,
                           "warmup_iters": self.cfg["warmup_iters"]},
@@ -671,23 +716,15 @@ class Run:
         return code
 
     def _train_step(self, x, y, lr: float):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        """One step at learning rate ``lr``: (loss, correct) as device tensors."""
+        self.lr.fill_(lr)  # in place: a kernel on the device's stream, no host read
         measure = self.saved_bytes is None and not self.cfg["compile"]
-        counter = SavedTensorCounter(exclude=self.model) if measure else contextlib.nullcontext()
-        # The previous step's gradients go before the forward, not after: they would otherwise
-        # be alive beside every saved activation (fusedres.accounting simulates this order).
-        self.optimizer.zero_grad(set_to_none=True)
-        with counter, self._autocast():
-            out = self.train_model(x)
-            loss = F.cross_entropy(out.float(), y)
+        counter = SavedTensorCounter(exclude=self.model) if measure else None
+        loss, correct = self.run_step(x, y, counter)
         if measure:
             self.saved_bytes = self._all_sum([float(counter.total_bytes)])[0] / self.world
             self.saved_bytes = int(self.saved_bytes)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        return loss.detach(), (out.detach().argmax(1) == y).sum()
+        return loss, correct
 
     def _loop(self) -> int:
         cfg, ipe = self.cfg, self.batches.iters_per_epoch
@@ -899,6 +936,7 @@ class Run:
                         else "plain PyTorch"),
             "device": str(self.device), "world_size": self.world,
             "batch_size": self.cfg["batch_size"], "amp": self.cfg["amp"],
+            "cuda_graphs": self.cfg["cuda_graphs"], "compile": self.cfg["compile"],
             "channels_last": self.layout["channels_last"],
             "channels_last_origin": self.layout["origin"],
             "layout_reason": self.layout["reason"],
