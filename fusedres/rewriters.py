@@ -255,7 +255,8 @@ def _block_chains(b: _m.ResidualBlock) -> list[Chain]:
 
 
 def _block_reason(b: _m.ResidualBlock) -> str | None:
-    if b.layer is _m.PLAIN or b.layer is _m.FUSED:
+    # By class, not identity: copy.deepcopy copies the PLAIN / FUSED layer objects.
+    if type(b.layer) in (_m.PlainBNReLUConv, _m.FusedBNReLUConv):
         return None
     return f"its layer is a custom {type(b.layer).__name__}, left to its author"
 
@@ -343,9 +344,12 @@ def _timm_block_reason(b: nn.Module) -> str | None:
     problems += [_conv_problem(c, getattr(b, c)) for c in convs]
     ds = b.downsample
     if ds is not None:
-        if _class_path(ds) != f"{_TIMM}.DownsampleConv":
-            problems.append(f"downsample is a {type(ds).__name__} (avg_down: the BN-ReLU feeds "
-                            f"a pooling), only DownsampleConv fuses")
+        kind = _class_path(ds)
+        if kind == f"{_TIMM}.DownsampleAvg" and not isinstance(ds.pool, nn.Identity):
+            problems.append("downsample is a DownsampleAvg with a pooling (avg_down, strided): "
+                            "the BN-ReLU output feeds the pooling")
+        elif kind not in (f"{_TIMM}.DownsampleConv", f"{_TIMM}.DownsampleAvg"):
+            problems.append(f"downsample is a {type(ds).__name__}, not timm's DownsampleConv")
         elif not isinstance(ds.norm, nn.Identity):
             problems.append("downsample has a norm (not a pre-activation projection)")
         else:
