@@ -297,16 +297,16 @@ def _preact_unit(x: Tensor, norms: Sequence[nn.Module], convs: Sequence[nn.Conv2
     """A full pre-activation unit, ``h(x) + F(x)`` with ``F`` = (BN-ReLU-conv) x k and ``h``
     the identity or a 1x1 projection of the first BN-ReLU, as fusedres's own unit runs it
     (:meth:`fusedres.modules.ResidualBlock._forward_preact`): the projection and conv1 share
-    one statistics pass (stacked or paired), the identity shortcut leaves from conv1's op,
+    one statistics pass (paired), the identity shortcut leaves from conv1's op,
     each conv hands its output's statistics to the next BatchNorm, the last conv adds the
     shortcut (scaled branch: drop-path) in its epilogue."""
     _m.check_inputs(x, convs[0], short)
     _m.check_convs(*convs[1:])
     a = _m.prepare(norms[0], x)
+    # (fusedres's stacked route, one conv on both weights, needs a strided shortcut of conv1's
+    # geometry: timm strides conv2, and PreActBasic's conv1 is a 3x3 beside a 1x1.)
     if short is None:
         h, a = _m.shortcut_conv_into(a, convs[0], norms[1])
-    elif short.stride != (1, 1) and _m._concatenable(short, convs[0]):
-        h, a = _m.shared_conv_into(a, short, convs[0], norms[1])
     else:
         h, a = _m.paired_conv_into(a, short, convs[0], norms[1])
     for i in range(2, len(convs)):
