@@ -35,6 +35,7 @@ from ._backend import (
     use_backend,
 )
 from .convert import fuse
+from .models import timm_registry as _timm_registry
 from .modules import (
     BasicBlock,
     BNReLUConv2d,
@@ -45,6 +46,16 @@ from .modules import (
 )
 
 __version__ = "0.1.0"
+
+# The zoo in timm's registry when timm is installed (timm.create_model("fusedres_" + name)),
+# without importing timm here (fusedres/models/timm_registry.py).
+try:
+    _timm_registry.install()
+except Exception as _e:  # noqa: BLE001 - an optional integration never breaks the import
+    import warnings
+
+    warnings.warn(f"fusedres: timm registration skipped ({type(_e).__name__}: {_e})",
+                  stacklevel=2)
 
 __all__ = [
     "BACKENDS",

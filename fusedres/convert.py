@@ -1,7 +1,19 @@
-"""``fusedres.fuse``: rewrite BatchNorm -> ReLU -> Conv2d (+ residual add) chains of any model to
-the fused op, by data flow (torch.fx), not by the names of the user's classes.
+"""``fusedres.fuse``: run a model's BatchNorm -> ReLU -> Conv2d (+ residual add) chains through
+the fused op, in place: the model keeps its identity, class, attributes and methods (timm's
+``set_grad_checkpointing``, ``forward_features``, ``reset_classifier``, ``pretrained_cfg``...).
 
-What is matched, in the traced graph:
+Two ways, tried in this order for every module, children before their parent:
+
+1. A rewriter registered for the module's class (:mod:`fusedres.rewriters`: fusedres's own
+   blocks, timm's ResNetV2 pre-activation blocks and stages, torchvision's ResNet blocks and
+   DenseNet layers). It knows the block: its fused forward keeps what the original does
+   (drop-path, the model's checkpointing) and runs every chain it can through the fused op.
+2. For code no rewriter knows, torch.fx: the module's forward is traced (BatchNorms, modules
+   already fused and modules that cannot be traced kept as calls), its chains matched by data
+   flow, and the module's class swapped for a subclass whose forward is the rewritten graph.
+   A module is traced only where a BatchNorm below it is not yet in a fused module.
+
+What the fx fallback matches, in the traced graph:
 
 * a BatchNorm node: a call of an ``nn.BatchNorm2d`` module (or of a subclass that prepares
   itself for the fused op with ``fused_prepare(x)``, e.g. ``fusedres.distributed.
@@ -18,13 +30,15 @@ What is matched, in the traced graph:
 
 Parameters and buffers stay in the modules they belong to, under the same names, so
 ``state_dict`` keys and values are unchanged and checkpoints load both ways. A chain that does
-not match is left as it was and reported with the reason; a module ``torch.fx`` cannot trace
-is searched submodule by submodule instead.
+not match is left as it was and reported with the reason (:class:`FuseReport`).
+
+A module whose class was swapped (by a rewriter or by the fx fallback) is a subclass of its
+class: ``isinstance`` holds, and ``copy.deepcopy`` and pickling rebuild it fused (the fx
+fallback traces the module again when it is loaded).
 """
 
 from __future__ import annotations
 
-import copy
 import operator
 from dataclasses import dataclass, field
 
@@ -37,13 +51,16 @@ from torch import Tensor
 from . import modules as _modules
 from .functional import BatchNormState
 from .opdefs import out_shape
+from .rewriters import Rewriter, is_fused, is_norm_act, rewriter_for
 
-__all__ = ["FuseReport", "fuse"]
+__all__ = ["ChainResult", "FuseReport", "fuse"]
 
+FX = "torch.fx"
 _RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, getattr(F, "relu_", None)} - {None}
 _RELU_METHODS = {"relu", "relu_"}
 _ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
 _FUNCTIONAL_BN = {F.batch_norm, torch.batch_norm}
+_BatchNorm = nn.modules.batchnorm._BatchNorm
 
 
 # --------------------------------------------------------------------------- run-time helpers
@@ -74,22 +91,41 @@ def fused_conv(state: BatchNormState, conv: nn.Conv2d, residual=None) -> Tensor:
 
 @dataclass
 class ChainResult:
-    """One BatchNorm found in the graph: where, and what became of it."""
+    """One BatchNorm found: where, what became of it, and which way (``by``: a rewriter's name
+    or ``"torch.fx"``)."""
 
     path: str
     fused: bool
     convs: list[str] = field(default_factory=list)
     residual_adds: int = 0
     reason: str = ""
+    by: str = ""
 
 
 @dataclass
 class FuseReport:
-    """What :func:`fuse` found: ``chains`` (one per BatchNorm call), ``untraced`` (modules
-    torch.fx could not trace, with the error; their children were searched instead)."""
+    """What :func:`fuse` found and did.
+
+    ``chains``: one per BatchNorm (a BatchNorm seen again by a parent's trace is reported as
+    the parent saw it). ``rewritten``: (module path, rewriter name or ``"torch.fx"``) of every
+    module rewritten. ``declined``: (path, rewriter, reason) of modules of a known class that
+    could not be fused as a whole (the fx fallback then took what it could). ``already``:
+    modules that already ran fused. ``untraced``: (path, error) of modules torch.fx could not
+    trace (their children were searched on their own).
+    """
 
     chains: list[ChainResult] = field(default_factory=list)
     untraced: list[tuple[str, str]] = field(default_factory=list)
+    rewritten: list[tuple[str, str]] = field(default_factory=list)
+    declined: list[tuple[str, str, str]] = field(default_factory=list)
+    already: list[str] = field(default_factory=list)
+
+    def add(self, result: ChainResult) -> None:
+        for i, c in enumerate(self.chains):
+            if c.path == result.path:
+                self.chains[i] = result
+                return
+        self.chains.append(result)
 
     @property
     def found(self) -> int:
@@ -112,11 +148,20 @@ class FuseReport:
         return sum(c.residual_adds for c in self.chains if c.fused)
 
     def __str__(self) -> str:
+        by: dict[str, int] = {}
+        for _, name in self.rewritten:
+            by[name] = by.get(name, 0) + 1
         lines = [f"fusedres.fuse: {self.found} BatchNorm chains found, {self.fused} fused "
                  f"({self.fused_convs} convs, {self.fused_residual_adds} residual adds), "
                  f"{len(self.left)} left"]
+        if by:
+            lines.append("  rewritten: " + ", ".join(f"{n} x{k}" for n, k in by.items()))
+        if self.already:
+            lines.append(f"  already fused: {len(self.already)} modules")
         for c in self.left:
             lines.append(f"  left {c.path}: {c.reason}")
+        for path, name, reason in self.declined:
+            lines.append(f"  not rewritten {path} ({name}): {reason}")
         for path, err in self.untraced:
             lines.append(f"  not traceable {path}: {err} (searched its submodules instead)")
         return "\n".join(lines)
@@ -124,32 +169,23 @@ class FuseReport:
 
 # --------------------------------------------------------------------------- tracing
 
-def _is_norm_act(m: nn.Module) -> bool:
-    act = getattr(m, "act", None)
-    drop = getattr(m, "drop", None)
-    return (isinstance(m, nn.BatchNorm2d) and isinstance(act, nn.ReLU)
-            and (drop is None or isinstance(drop, nn.Identity)
-                 or (isinstance(drop, nn.Dropout) and drop.p == 0)))
-
-
-def _is_already_fused(m: nn.Module) -> bool:
-    return isinstance(m, _modules.BNReLUConv2d) or (
-        isinstance(m, (_modules.PreActBasicBlock, _modules.PreActBottleneck))
-        and getattr(m, "fused", False))
-
-
 class _Tracer(fx.Tracer):
-    """Keeps every BatchNorm (subclasses included, e.g. norm+act modules) and the modules that
-    already run the fused op as single calls in the graph."""
+    """Keeps as single calls: every BatchNorm (subclasses included, e.g. norm+act modules),
+    modules that already run fused, and the modules named in ``leaves`` (qualified names
+    relative to the traced root: those that could not be traced)."""
+
+    def __init__(self, leaves=()):
+        super().__init__()
+        self._leaves = set(leaves)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) or _is_already_fused(m):
+        if isinstance(m, _BatchNorm) or is_fused(m) or qualname in self._leaves:
             return True
         return super().is_leaf_module(m, qualname)
 
 
-def _trace(root: nn.Module) -> fx.GraphModule:
-    tracer = _Tracer()
+def _trace(root: nn.Module, leaves=()) -> fx.GraphModule:
+    tracer = _Tracer(leaves)
     graph = tracer.trace(root)
     return fx.GraphModule(tracer.root, graph, root.__class__.__name__)
 
@@ -231,24 +267,27 @@ def _drop_identities(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
-def _rewrite(gm: fx.GraphModule, prefix: str, report: FuseReport) -> None:
+def _rewrite(gm: fx.GraphModule, prefix: str, report: FuseReport) -> int:
+    """Rewrite every chain of ``gm``'s graph the fused op can run; report each BatchNorm call;
+    return how many chains were fused."""
     graph = gm.graph
+    fused = 0
     _drop_identities(gm)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _FUNCTIONAL_BN:
-            report.chains.append(ChainResult(f"{prefix}{node.name}", False, reason=(
+            report.add(ChainResult(f"{prefix}{node.name}", False, reason=(
                 "functional batch_norm (no module owns its state); use nn.BatchNorm2d")))
             continue
         m = _module(gm, node) if node.op == "call_module" else None
         if not isinstance(m, nn.modules.batchnorm._BatchNorm):
             continue
         path = prefix + node.target
-        result = ChainResult(path, False)
-        report.chains.append(result)
+        result = ChainResult(path, False, by=FX)
+        report.add(result)
         if not isinstance(m, nn.BatchNorm2d):
             result.reason = f"{type(m).__name__} is not a BatchNorm2d (e.g. SyncBatchNorm)"
             continue
-        if type(m) is not nn.BatchNorm2d and not _is_norm_act(m) \
+        if type(m) is not nn.BatchNorm2d and not is_norm_act(m) \
                 and not callable(getattr(m, "fused_prepare", None)):
             result.reason = (f"{type(m).__name__} subclasses BatchNorm2d with its own forward "
                              f"and no `act` ReLU")
@@ -256,7 +295,7 @@ def _rewrite(gm: fx.GraphModule, prefix: str, report: FuseReport) -> None:
         if len(node.args) != 1 or node.kwargs:
             result.reason = "called with extra arguments"
             continue
-        if _is_norm_act(m):
+        if is_norm_act(m):
             act = node
         else:
             users = list(node.users)
@@ -302,63 +341,156 @@ def _rewrite(gm: fx.GraphModule, prefix: str, report: FuseReport) -> None:
             graph.erase_node(act)
         graph.erase_node(node)
         result.fused = True
+        fused += 1
     graph.lint()
     gm.recompile()
+    return fused
 
 
-def _restore_unused(gm: fx.GraphModule, original: nn.Module) -> None:
-    """Put back submodules the graph does not reference (the trace drops them), so that the
-    state_dict keeps every key of the original model."""
-    have = set(gm.state_dict().keys())
-    for name, mod in original.named_modules():
-        if not name:
-            continue
-        own = {f"{name}.{k}" for k in mod.state_dict().keys()}
-        if own and not own <= have:
-            try:
-                existing = gm.get_submodule(name)
-            except AttributeError:
-                existing = None
-            if existing is None:
-                gm.add_submodule(name, mod)
-                have |= own
+# --------------------------------------------------------------------------- fx install
+
+class _FxMixin:
+    """Base of the classes the fx fallback swaps in: the rewritten graph as ``forward``.
+    Pickles (and deep-copies) as the original class, traced and rewritten again on load."""
+
+    _fusedres_fx = True
+    _fusedres_base: type
+
+    def __reduce_ex__(self, protocol):
+        return (_fx_instance, (self._fusedres_base,), self.__dict__)
 
 
-def _fuse_module(module: nn.Module, prefix: str, report: FuseReport) -> nn.Module:
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) or _is_already_fused(module) or \
-            not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()):
-        return module
+class _PendingFx:
+    """An instance being loaded: once its state is back, it is traced and rewritten again."""
+
+    _fusedres_base: type
+
+    def __setstate__(self, state):
+        base = type(self)._fusedres_base
+        base.__setstate__(self, state)
+        self.__class__ = base
+        _fuse_own_forward(self, "", FuseReport(), getattr(self, "_fusedres_fx_leaves", ()))
+
+
+_PENDING: dict[type, type] = {}
+
+
+def _fx_instance(base: type):
+    cls = _PENDING.get(base)
+    if cls is None:
+        cls = _PENDING[base] = type(base.__name__, (_PendingFx, base),
+                                    {"_fusedres_base": base, "__module__": base.__module__})
+    return cls.__new__(cls)
+
+
+def _install(module: nn.Module, gm: fx.GraphModule, leaves: tuple[str, ...]) -> None:
+    """Make ``gm``'s code ``module``'s forward. The code reads submodules, parameters and
+    buffers by their paths from ``self``, the same in ``module`` as in ``gm``; constants the
+    trace made (``_tensor_constant0``) are added as non-persistent buffers."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            head = node.target.split(".")[0]
+            if not hasattr(module, head):
+                module.register_buffer(head, getattr(gm, head), persistent=False)
+    base = type(module)
+    cls = type(base.__name__, (_FxMixin, base),
+               {"forward": type(gm).forward, "_fusedres_base": base,
+                "__module__": base.__module__, "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__})
+    module.__class__ = cls
+    module._fusedres_fx_leaves = leaves
+
+
+def _fuse_own_forward(module: nn.Module, path: str, report: FuseReport, leaves) -> bool:
+    """The fx fallback on ``module``'s own forward; False when it cannot be traced."""
     try:
-        gm = _trace(module)
+        gm = _trace(module, leaves)
     except Exception as e:  # noqa: BLE001 - fx raises many kinds; any means "not traceable"
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        report.untraced.append((prefix.rstrip(".") or "<root>", f"{type(e).__name__}: {msg}"))
-        for name, child in list(module.named_children()):
-            new = _fuse_module(child, f"{prefix}{name}.", report)
-            if new is not child:
-                setattr(module, name, new)
-        return module
-    _rewrite(gm, prefix, report)
-    _restore_unused(gm, module)
-    return gm
+        report.untraced.append((path or "<root>", f"{type(e).__name__}: {msg}"))
+        return False
+    prefix = f"{path}." if path else ""
+    if _rewrite(gm, prefix, report):
+        _install(module, gm, tuple(leaves))
+        report.rewritten.append((path or "<root>", FX))
+    return True
+
+
+# --------------------------------------------------------------------------- the walk
+
+def _open_batch_norm(m: nn.Module, closed: set[int]) -> bool:
+    """Whether a BatchNorm below ``m`` is outside every fused (or untraceable) module."""
+    for c in m.children():
+        if isinstance(c, _BatchNorm):
+            return True
+        if is_fused(c) or id(c) in closed:
+            continue
+        if _open_batch_norm(c, closed):
+            return True
+    return False
+
+
+def _apply(rw: Rewriter, m: nn.Module, path: str, report: FuseReport) -> None:
+    rw.rewrite(m)
+    report.rewritten.append((path or "<root>", rw.name))
+    prefix = f"{path}." if path else ""
+    for c in rw.chains(m):
+        report.add(ChainResult(prefix + c.bn, not c.reason, [prefix + n for n in c.convs],
+                               int(c.residual) if not c.reason else 0, c.reason, rw.name))
+
+
+def _untraceable_below(m: nn.Module, closed: set[int]) -> tuple[str, ...]:
+    return tuple(name for name, c in m.named_modules() if name and id(c) in closed)
+
+
+def _visit(m: nn.Module, path: str, report: FuseReport, closed: set[int]) -> None:
+    """Fuse ``m`` and everything below it, children first (a rewriter for a container, e.g.
+    timm's ResNetStage, looks at its fused children)."""
+    if is_fused(m):
+        report.already.append(path or "<root>")
+        return
+    rw = rewriter_for(m)
+    if rw is not None and not rw.visit_children:
+        reason = rw.reason(m)
+        if reason is None:
+            _apply(rw, m, path, report)
+            return
+        report.declined.append((path or "<root>", rw.name, reason))
+        rw = None  # the parts of it the fx fallback can take
+    for name, child in m.named_children():
+        _visit(child, f"{path}.{name}" if path else name, report, closed)
+    if rw is not None:
+        reason = rw.reason(m)
+        if reason is None:
+            _apply(rw, m, path, report)
+            return
+        report.declined.append((path or "<root>", rw.name, reason))
+    if isinstance(m, _BatchNorm) or not _open_batch_norm(m, closed):
+        return
+    if not _fuse_own_forward(m, path, report, _untraceable_below(m, closed)):
+        closed.add(id(m))
 
 
 def fuse(model: nn.Module, *, verbose: bool = False, return_report: bool = False):
-    """A copy of ``model`` in which every BatchNorm -> ReLU -> Conv2d chain (with a following
-    residual add) runs through the fused op.
+    """Run every BatchNorm -> ReLU -> Conv2d chain of ``model`` (with a following residual add)
+    through the fused op, in place, and return ``model`` itself.
 
-    The copy has the same ``state_dict`` (keys and values), outputs and gradients, and keeps
-    ``nn.BatchNorm2d`` semantics (running statistics updated once per forward in training,
-    used in eval). It is a ``torch.fx.GraphModule`` (or, when the model cannot be traced as a
-    whole, the model with its traceable submodules replaced). Its ``fuse_report``
-    (a :class:`FuseReport`) says what was found, fused and left, and why; ``verbose=True``
-    prints it; ``return_report=True`` returns ``(model, report)``.
+    The model keeps its class, attributes and methods; fused blocks keep theirs (their class
+    becomes a subclass of it). ``state_dict`` (keys and values), outputs and gradients are
+    unchanged, with ``nn.BatchNorm2d`` semantics (running statistics updated once per forward
+    in training, used in eval), and so is the model's activation checkpointing (timm's
+    ``set_grad_checkpointing``, torchvision's DenseNet ``memory_efficient``, fusedres's
+    ``set_grad_checkpointing``), whose recomputation then counts a batch in the running
+    statistics once. Fusing twice does nothing more.
+
+    ``model.fuse_report`` (a :class:`FuseReport`) says what was found, fused and left, and
+    why; ``verbose=True`` prints it; ``return_report=True`` returns ``(model, report)``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     report = FuseReport()
-    out = _fuse_module(copy.deepcopy(model), "", report)
-    out.fuse_report = report
+    _visit(model, "", report, set())
+    model.fuse_report = report
     if verbose:
         print(report)
-    return (out, report) if return_report else out
+    return (model, report) if return_report else model

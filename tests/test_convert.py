@@ -1,11 +1,14 @@
-"""fusedres.fuse on models written the way users write them, in different styles.
+"""fusedres.fuse on models written the way users write them, in different styles (code no
+rewriter knows: the torch.fx fallback; tests/test_fuse_rewriters.py has the rewriters).
 
-Each model is checked for: the same state_dict (keys and values), the same outputs, parameter
-gradients and running statistics after a training step, the same eval outputs, the report's
-counts, and that fusing lowers the saved activations where a chain was fused.
+Each model is checked for: fusing in place (the same object, an instance of its class), the
+same state_dict (keys and values), the same outputs, parameter gradients and running
+statistics after a training step, the same eval outputs, the report's counts, and that fusing
+lowers the saved activations where a chain was fused.
 """
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -202,18 +205,22 @@ class Unfusable(nn.Module):
 
 
 class NotTraceable(nn.Module):
-    """Data-dependent control flow at the top (fx cannot trace it); traceable children."""
+    """Data-dependent control flow at the top (fx cannot trace it) around a chain of its own;
+    traceable children."""
 
     def __init__(self):
         super().__init__()
         self.a = KuangliuPreActBlock(4, 4)
         self.b = KuangliuPreActBlock(4, 6, 2)
+        self.bn = nn.BatchNorm2d(6)
+        self.conv = nn.Conv2d(6, 6, 1)
 
     def forward(self, x):
         x = self.a(x)
         if x.sum() > 0:
             x = x * 1.0
-        return self.b(x)
+        x = self.b(x)
+        return self.conv(F.relu(self.bn(x)))
 
 
 # --------------------------------------------------------------------------- checks
@@ -229,13 +236,15 @@ def _step(model, x):
 def _check_equivalent(model, x, rtol=1e-9, atol=1e-11):
     model = copy.deepcopy(model).double()
     x = x.double()
-    fused, report = fuse(model, return_report=True)
+    target = copy.deepcopy(model)
+    fused, report = fuse(target, return_report=True)
+    assert fused is target and isinstance(fused, type(model))  # in place
     assert isinstance(report, FuseReport) and fused.fuse_report is report
     sd_m, sd_f = model.state_dict(), fused.state_dict()
-    assert list(sd_f.keys()) == list(sd_m.keys()) or set(sd_f) == set(sd_m)
+    assert list(sd_f.keys()) == list(sd_m.keys())
     for k in sd_m:
         assert torch.equal(sd_m[k], sd_f[k]), k
-    ref = copy.deepcopy(model)  # fuse copies; the original is untouched
+    ref = copy.deepcopy(model)
     out_r, g_r = _step(ref, x)
     out_f, g_f = _step(fused, x)
     torch.testing.assert_close(out_f, out_r, rtol=rtol, atol=atol)
@@ -329,10 +338,11 @@ def test_unfusable_chains_are_left_with_reasons():
 def test_not_traceable_root_falls_back_to_children():
     model = NotTraceable()
     fused, report = _check_equivalent(model, torch.randn(2, 4, 7, 7))
-    assert report.untraced and report.untraced[0][0] == "<root>"
+    assert [p for p, _ in report.untraced] == ["<root>"]
     assert report.fused == 4 and report.fused_residual_adds == 2
     assert {c.path for c in report.chains} == {"a.bn1", "a.bn2", "b.bn1", "b.bn2"}
-    assert isinstance(fused, NotTraceable)
+    assert type(fused) is NotTraceable  # its own forward could not be rewritten: unchanged
+    assert [p for p, by in report.rewritten] == ["a", "b"]
     assert "not traceable <root>" in str(report)
 
 
@@ -347,6 +357,46 @@ def test_zoo_plain_model_fuses_to_the_fused_model():
     again, report = fuse(native, return_report=True)
     assert report.found == 1 and report.fused == 0  # the final BN (feeds the pooling)
     native.load_state_dict(again.state_dict())
+
+
+def test_fx_fallback_in_place_copies_and_pickles():
+    # Children whose forward holds chains get a rewritten forward (a subclass of their class);
+    # the root, with no chain of its own that fuses, keeps its class. deepcopy and pickle
+    # rebuild the rewritten modules (traced again on load) with the same results and bytes.
+    model = KuangliuNet().double()
+    model.note = "kept"
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    fused = fuse(model)
+    assert fused is model and type(model) is KuangliuNet and model.note == "kept"
+    block = model.layers[1]
+    assert isinstance(block, KuangliuPreActBlock) and type(block) is not KuangliuPreActBlock
+    assert fusedres.rewriters.is_fused(block)
+    want, want_bytes = model(x), saved_bytes(model, x)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert type(clone) is KuangliuNet and clone.note == "kept"
+        assert fusedres.rewriters.is_fused(clone.layers[1])
+        torch.testing.assert_close(clone(x), want, rtol=0, atol=0)
+        assert saved_bytes(clone, x) == want_bytes
+    # Fusing again finds the three blocks fused and changes nothing.
+    again, report = fuse(model, return_report=True)
+    assert again is model and report.already == ["layers.0", "layers.1", "layers.2"]
+    assert report.fused == 0 and [c.path for c in report.chains] == ["bn"]
+
+
+def test_fx_fallback_on_the_root_own_forward():
+    # The model's own forward holds the chains: the model itself becomes a subclass of its
+    # class whose forward is the rewritten graph; a pickled copy is rewritten again on load.
+    model = MethodStyleBottleneck().double()
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    fused, report = fuse(model, return_report=True)
+    assert fused is model and isinstance(model, MethodStyleBottleneck)
+    assert type(model) is not MethodStyleBottleneck
+    assert report.rewritten == [("<root>", "torch.fx")]
+    loaded = pickle.loads(pickle.dumps(model))
+    assert isinstance(loaded, MethodStyleBottleneck) and type(loaded) is not type(ref)
+    torch.testing.assert_close(loaded(x), ref(x), rtol=1e-12, atol=1e-12)
+    assert saved_bytes(loaded, x) == saved_bytes(model, x) < saved_bytes(ref, x)
 
 
 def test_verbose_prints_summary(capsys):
@@ -365,7 +415,7 @@ def test_fused_graph_on_every_backend(name):
 
 def test_float32_and_bfloat16_under_fuse():
     model = KuangliuNet()
-    fused = fuse(model)
+    fused = fuse(copy.deepcopy(model))
     x = torch.randn(2, 3, 13, 13)
     torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
