@@ -438,11 +438,12 @@ def test_gpu_report_quick_end_to_end_on_cpu(tmp_path):
     for p in pngs:
         assert (out / p).read_bytes()[:8] == PNG_MAGIC
     doc = json.loads((out / "results.json").read_text())
-    assert list(doc["parts"]) == ["selftest", "units", "convs", "compile", "step", "fit"]
+    assert list(doc["parts"]) == ["selftest", "units", "convs", "compile", "step",
+                                  "step-graphed", "fit"]
     # Printed as each part finished, in order.
     text = proc.stdout
-    marks = ["[self-test:", "[units:", "[convs:", "[compile:", "[step:", "[fit:",
-             "gpu-report finished"]
+    marks = ["[self-test:", "[units:", "[convs:", "[compile:", "[step:", "[step-graphed:",
+             "[fit:", "gpu-report finished"]
     assert all(m in text for m in marks), text[-2000:]
     assert [text.index(m) for m in marks] == sorted(text.index(m) for m in marks)
     md = (out / "report.md").read_text()
@@ -467,6 +468,11 @@ def test_gpu_report_quick_end_to_end_on_cpu(tmp_path):
     assert steps["fused+plan"]["units_checkpointed"] > 0  # default budget: half of fused
     assert steps["plain+ckpt"]["saved_bytes"] < steps["plain"]["saved_bytes"]
     assert steps["fused"]["peak_bytes"] < steps["plain"]["peak_bytes"]
+    # The graphed kind: plain and fused eager timed, the CUDA-graph rows skipped off a GPU.
+    graphed = {r["variant"]: r for r in doc["parts"]["step-graphed"]["rows"]}
+    assert set(graphed) == {"plain", "plain+graph", "fused", "fused+graph"}
+    assert graphed["fused"]["images_per_s"] > 0
+    assert graphed["fused+graph"]["skipped"] == "needs a CUDA device"
     _check_fit(doc["parts"]["fit"], QUICK_FIT["budget"])
 
 
@@ -516,3 +522,26 @@ def test_kernel_columns_only_on_a_gpu_row_with_a_model():
 def _modeled_table(rows):
     from fusedres.bench import report as R
     return R.markdown_table(rows, units_mod.columns() + units_mod.modeled_cols())
+
+
+def test_graphed_trainer_steps_from_its_capture(monkeypatch):
+    """The bench's graphed step (the trainer's GraphedStep) on CPU, its capture a stand-in that
+    runs the captured function itself: warm-up and capture at build, then each step trains
+    (the loss on the fixed batch falls), with the fused SGD's state as the trainer keeps it."""
+    from fusedres.train import step as train_step
+
+    monkeypatch.setattr(train_step, "cuda_graph_capture", lambda fn: fn)
+    torch.manual_seed(0)
+    from fusedres import models
+
+    model = models.preact_resnet20(fused=True)
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    tr = step_mod.GraphedTrainer(model, x, y, "cpu", {})
+    assert tr.graphed.captured
+    losses = []
+    for _ in range(4):
+        tr.step()
+        losses.append(float(tr.graphed.loss))
+    assert losses[-1] < losses[0]
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        step_mod.build_variant("preact_resnet20", "fused+graph", 2, torch.device("cpu"))

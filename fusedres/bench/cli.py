@@ -15,7 +15,7 @@ from fusedres.cli import UsageError, parse_bytes
 
 from .measure import resolve_device
 from .runner import run, step_kind_names
-from .step import LAYOUTS, VARIANTS, default_layouts, model_name
+from .step import ALL_VARIANTS, LAYOUTS, default_layouts, model_name
 from .units import BASELINES, fused_backends
 
 __all__ = ["UsageError", "build_parser", "main"]
@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zoo models by depth: 20,56,110,164,1001 (CIFAR), 18..200 (ImageNet)")
     s.add_argument("--batch", type=_positive_int("--batch"), default=128)
     s.add_argument("--variants", default="plain,fused,fused+plan,plain+ckpt",
-                   help="comma-separated, some of plain, fused, fused+plan, plain+ckpt (plain "
+                   help="comma-separated, some of plain, fused, fused+plan, plain+ckpt, "
+                        "plain+graph, fused+graph (CUDA graphs: a GPU only; plain "
                         "is always run: the ratios are to it)")
     s.add_argument("--layouts", default=None,
                    help="memory layouts to run each variant in, comma-separated: nchw, "
@@ -228,10 +229,10 @@ def _check_step(args) -> None:
     if not args.models:
         raise UsageError("--models: expected at least one model")
     variants = _split(args.variants)
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in ALL_VARIANTS]
     if bad or not variants:
         raise UsageError(f"--variants: unknown {bad[0] if bad else ''!r}; expected some of "
-                         f"{', '.join(VARIANTS)}")
+                         f"{', '.join(ALL_VARIANTS)}")
     args.variants = ["plain"] + [v for v in variants if v != "plain"]
     if args.layouts is None:
         args.layouts = list(default_layouts(args.device))

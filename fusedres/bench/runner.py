@@ -179,7 +179,7 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
 
 
 def part_step(rep: Report, args, models, batch, *, variants, layouts=("nchw",),
-              plan_budget=None, image_size=None, deadline=None) -> list[dict]:
+              plan_budget=None, image_size=None, deadline=None, name="step") -> list[dict]:
     reps, warmup = _reps(args, 5, 2), _warmup(args, 1, 1)
     cols = step_mod.columns()
     bar = _bar(len(models) * reps, "bench step", args)
@@ -194,7 +194,7 @@ def part_step(rep: Report, args, models, batch, *, variants, layouts=("nchw",),
     skipped = [f"{r['model']} {r.get('variant') or ''} {r.get('layout') or ''}: "
                f"{r['skipped']}".replace("  ", " ") for r in rows if r.get("skipped")]
     plots = []
-    path = rep.png("step.png")
+    path = rep.png(f"{name}.png")
     if path is not None and measured:
         step_mod.plot(rows, path, f"Training step, batch {batch}: "
                       f"{R.short_machine(rep.doc['machine'])}")
@@ -209,7 +209,9 @@ def part_step(rep: Report, args, models, batch, *, variants, layouts=("nchw",),
           "best plain`: over the model's best plain row, the faster of its plain rows"
           + (" (plain NCHW and plain channels_last)" if len(layouts) > 1 else "")
           + ". `plain+ckpt`: the plain model with every unit checkpointed; `fused+plan`: "
-          "fusedres.memory.plan at the budget shown.", "",
+          "fusedres.memory.plan at the budget shown; `+graph`: the step replayed from a CUDA "
+          "graph captured after warm-up steps (the trainer's `--cuda-graphs`), `x plain "
+          "graphed` over the plain graphed row.", "",
           R.markdown_table(measured, cols), ""]
     if skipped:
         md += ["Not run: " + "; ".join(skipped) + ".", ""]
@@ -217,7 +219,7 @@ def part_step(rep: Report, args, models, batch, *, variants, layouts=("nchw",),
     text = "\nWhole training steps\n" + R.text_table(measured, cols)
     if skipped:
         text += "\nnot run: " + "; ".join(skipped)
-    rep.add("step", {"rows": rows, "plots": plots}, text, "\n".join(md))
+    rep.add(name, {"rows": rows, "plots": plots}, text, "\n".join(md))
     return rows
 
 
@@ -357,7 +359,16 @@ def eager_steps(rep: Report, args, models, batch, *, image_size, deadline) -> li
 # is named ``step``; another kind's should be ``step-<name>``, as its progress lines are) and
 # returns its rows. CUDA-graphed steps slot in here as ("graphed", their runner);
 # ``gpu-report --step-kinds`` picks among these names.
-STEP_KINDS: list[tuple[str, Callable[..., list]]] = [("eager", eager_steps)]
+def graphed_steps(rep: Report, args, models, batch, *, image_size, deadline) -> list[dict]:
+    """The ``graphed`` step kind: plain and fused, eager and replayed from a CUDA graph, NCHW,
+    as the part ``step-graphed`` (the graphed rows are skipped, saying why, off a GPU)."""
+    return part_step(rep, args, models, batch,
+                     variants=("plain", "plain+graph", "fused", "fused+graph"),
+                     image_size=image_size, deadline=deadline, name="step-graphed")
+
+
+STEP_KINDS: list[tuple[str, Callable[..., list]]] = [("eager", eager_steps),
+                                                     ("graphed", graphed_steps)]
 
 
 def step_kind_names() -> list[str]:

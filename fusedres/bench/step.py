@@ -1,5 +1,6 @@
 """``fusedres bench step``: whole training steps (forward, cross-entropy, backward, SGD step) of
-the zoo's models for plain / fused / fused + planner / plain + checkpointing, each in every
+the zoo's models for plain / fused / fused + planner / plain + checkpointing, and on a GPU
+plain and fused replayed from a CUDA graph (the trainer's ``--cuda-graphs`` step), each in every
 memory layout asked for (NCHW, channels_last): images/s, peak memory of the step, saved
 activations, and time and peak over the best plain row of the model (the faster of plain NCHW
 and plain channels_last)."""
@@ -20,10 +21,14 @@ from fusedres.memory import saved_bytes
 from .measure import peak_bytes, summarize, sync, time_interleaved
 from .report import Column, fmt_bytes, mem_unit, pyplot
 
-__all__ = ["LAYOUTS", "VARIANTS", "build_variant", "default_layouts", "model_input",
-           "run_steps"]
+__all__ = ["ALL_VARIANTS", "GRAPHED_VARIANTS", "LAYOUTS", "VARIANTS", "build_variant",
+           "default_layouts", "model_input", "run_steps"]
 
 VARIANTS = ("plain", "fused", "fused+plan", "plain+ckpt")
+# The step replayed from a CUDA graph (fusedres.train.step.GraphedStep: the host launches
+# nothing between the kernels): plain and fused, on a CUDA device only.
+GRAPHED_VARIANTS = ("plain+graph", "fused+graph")
+ALL_VARIANTS = VARIANTS + GRAPHED_VARIANTS
 LAYOUTS = ("nchw", "channels_last")
 
 
@@ -75,6 +80,29 @@ class Trainer:
         self.opt.step()
 
 
+class GraphedTrainer(Trainer):
+    """:class:`Trainer` whose step is the trainer's, captured in a CUDA graph after its warm-up
+    steps (made here, so that timing starts at the replays): fused SGD reading a device
+    learning rate, cross-entropy in float32 (fusedres.train.step)."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor,
+                 backend: str, info: dict):
+        from ..train import step as train_step
+
+        self.model, self.x, self.target, self.backend, self.info = model, x, target, backend, info
+        lr = train_step.lr_tensor(0.01, x.device)
+        self.opt = train_step.sgd([{"params": list(model.parameters())}], lr, 0.9, False)
+        scaler = torch.amp.GradScaler(x.device.type, enabled=False)
+        self.graphed = train_step.GraphedStep(train_step.TrainStep(model, self.opt, scaler, None,
+                                                                   x.device.type))
+        for _ in range(self.graphed.warmup + 1):  # the warm-up, then the capture's first replay
+            self.step()
+
+    def step(self) -> None:
+        with fusedres.use_backend(self.backend):
+            self.graphed(self.x, self.target)
+
+
 def fused_backend(device: torch.device) -> str:
     """The backend the fused variants run on: what ``auto`` picks for ``device``."""
     return fusedres.resolve_backend(device)
@@ -88,8 +116,12 @@ def build_variant(name: str, variant: str, batch: int, device: torch.device, *,
     (``nchw`` or ``channels_last``: ``.to(memory_format=torch.channels_last)``). ``fused+plan``
     calls ``fusedres.memory.plan(model, input_shape, budget_bytes=plan_budget)``, which raises
     ``fusedres.planner.PlanError`` when the budget cannot be met."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
+    if variant not in ALL_VARIANTS:
+        raise ValueError(f"variant: expected one of {', '.join(ALL_VARIANTS)}, got {variant!r}")
+    graphed = variant in GRAPHED_VARIANTS
+    if graphed and device.type != "cuda":
+        raise ValueError(f"variant: {variant} replays a CUDA graph and needs a CUDA device, "
+                         f"got {device.type}")
     fmt = memory_format(layout)
     fused = variant.startswith("fused")
     torch.manual_seed(0)
@@ -116,7 +148,7 @@ def build_variant(name: str, variant: str, batch: int, device: torch.device, *,
     target = torch.randint(0, classes, (batch,), generator=g).to(device)
     backend = fused_backend(device) if fused else "reference"
     info["backend"] = backend
-    return Trainer(model, x, target, backend, info)
+    return (GraphedTrainer if graphed else Trainer)(model, x, target, backend, info)
 
 
 def step_peak(tr: Trainer, device: torch.device) -> int:
@@ -161,6 +193,10 @@ def run_steps(names, batch: int, device: torch.device, *, variants=VARIANTS,
         trainers, model_rows = {}, []
         for v in variants:
             for layout in layouts:
+                if v in GRAPHED_VARIANTS and device.type != "cuda":
+                    model_rows.append({"model": name, "batch": batch, "variant": v,
+                                       "layout": layout, "skipped": "needs a CUDA device"})
+                    continue
                 try:
                     trainers[v, layout] = build_variant(name, v, batch, device,
                                                         plan_budget=budget,
@@ -215,6 +251,11 @@ def best_plain_ratios(model_rows: list[dict]) -> None:
         r["best_plain_layout"] = best["layout"]
         same = plain.get(r["layout"])
         r["same_layout_time_ratio"] = r["median_s"] / same["median_s"] if same else None
+    # A graphed row over the plain graphed row of its layout: both steps without the host.
+    graphed = {r["layout"]: r for r in measured if r["variant"] == "plain+graph"}
+    for r in measured:
+        g = graphed.get(r["layout"]) if r["variant"] in GRAPHED_VARIANTS else None
+        r["graphed_time_ratio"] = r["median_s"] / g["median_s"] if g else None
 
 
 def _free(device: torch.device) -> None:
@@ -237,6 +278,7 @@ def columns():
                    lambda v: f"{v[0]:.1f}-{v[1]:.1f}"),
             Column("ms", lambda r: r["median_s"] * 1e3, "{:.1f}"),
             Column("time x best plain", "time_ratio", "{:.2f}"),
+            Column("x plain graphed", "graphed_time_ratio", "{:.2f}"),
             Column("peak", "peak_bytes", fmt_bytes),
             Column("peak x best plain", "peak_ratio", "{:.2f}"),
             Column("saved", "saved_bytes", fmt_bytes),
@@ -254,10 +296,11 @@ def plot(rows: list[dict], path, title: str) -> None:
     names = list(dict.fromkeys(r["model"] for r in rows))
     if not names:
         return
-    series = [(v, layout) for v in VARIANTS for layout in LAYOUTS
+    series = [(v, layout) for v in ALL_VARIANTS for layout in LAYOUTS
               if any(r["variant"] == v and r.get("layout", "nchw") == layout for r in rows)]
     several = len({layout for _, layout in series}) > 1
-    colors = dict(zip(VARIANTS, ("tab:gray", "tab:blue", "tab:green", "tab:orange")))
+    colors = dict(zip(ALL_VARIANTS, ("tab:gray", "tab:blue", "tab:green", "tab:orange",
+                                     "tab:brown", "tab:purple")))
     fig, axes = plt.subplots(1, 2, figsize=(10, 1.8 + 0.55 * len(names) * len(series) / 2))
     width = 0.8 / len(series)
     mem_scale, unit = mem_unit(max(r["peak_bytes"] for r in rows))
