@@ -750,7 +750,7 @@ def _lean_preact(block: ResidualBlock, x: Tensor, stats, return_stats: bool):
            None if stats is None else (len(stats), *map(_META, stats))]
     chain = []
     for bn_name, conv_name in names:
-        bn, c = mods[bn_name], mods[conv_name]
+        bn, c = mods.get(bn_name), mods[conv_name]  # no bn under norm='none'
         if (type(bn) is not nn.BatchNorm2d or type(c) is not nn.Conv2d
                 or type(c.padding) is not tuple or "fused_prepare" in bn.__dict__):
             return None

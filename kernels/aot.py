@@ -128,8 +128,10 @@ _TWO_WARP_16BIT = (
     "threads hold the fp32 accumulator and a K-step's operand fragments in 255 registers")
 KNOWN_SPILLS = {
     ("bn_relu_conv2d_fwd", "M=32 N=64 K=64 BSCALE_AT=1 w=2 s=2", 80): Allowed(
-        ("fp16", "bf16"), 52, _TWO_WARP_16BIT + "; launched by c164 256>64 1x1 @8 and "
-        "128>64 1x1 /2 @16 on an A100", witness="c164 256>64 1x1 @8"),
+        ("fp16", "bf16"), 84, _TWO_WARP_16BIT + "; launched by c164 256>64 1x1 @8 and "
+        "128>64 1x1 /2 @16 on an A100; 52 bytes, 84 where the kernel also merges the "
+        "statistics of its output (GENSTATS with MERGE; a noinline merge spills more, and "
+        "spills on other tiles)", witness="c164 256>64 1x1 @8"),
     ("dgrad_store", "M=32 N=64 K=64 w=2 s=2", 80): Allowed(
         ("fp16", "bf16"), 44, _TWO_WARP_16BIT + "; launched by c164 64>256 1x1 @8 +res",
         witness="c164 64>256 1x1 @8 +res"),

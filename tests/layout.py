@@ -257,8 +257,10 @@ def function_level_imports(modules: dict[str, Module]) -> int:
 # they share (UsageError, parse_bytes); an app may import it, and it the apps.
 DISPATCHER = "fusedres.cli"
 # (importer, imported) app pairs allowed beside the dispatcher: the experiments read the
-# trainer's runs with the trainer's own config, checkpoint, data and build_model.
-ALLOWED_APP_IMPORTS = {("fusedres.experiments", "fusedres.train")}
+# trainer's runs with the trainer's own config, checkpoint, data and build_model; the step
+# benchmark times the trainer's own graphed step (fusedres.train.step), not a copy of it.
+ALLOWED_APP_IMPORTS = {("fusedres.experiments", "fusedres.train"),
+                       ("fusedres.bench", "fusedres.train")}
 
 
 def app_cross_imports(modules: dict[str, Module]) -> list[str]:
