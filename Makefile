@@ -10,7 +10,7 @@ EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/
 EXT     := $(VENV)/.ext-stamp
 # The test extension fusedres._C_cuda_host: csrc/cuda by the host compiler through the CPU
 # execution layer (csrc/cuda/host), the cuda backend's CPU test vehicle; `make test` builds it.
-TEST_EXT_SRC := $(wildcard csrc/common.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/host/*.cpp csrc/cuda/host/*.h csrc/cuda/host/tests/*.cu)
+TEST_EXT_SRC := $(wildcard csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/host/*.cpp csrc/cuda/host/*.h csrc/cuda/host/tests/*.cu)
 TEST_EXT     := $(VENV)/.test-ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1
