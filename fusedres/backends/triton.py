@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import settings
+from ..checks import check_op_args
 from ..opdefs import (
     SCHEMAS,
     BackwardArgs,
@@ -82,9 +83,14 @@ def _triton_op(op: str):
     function also carries that schema as its Python signature: torch 2.11 infers the schema
     from the signature whatever ``schema=`` says (and ``*inputs`` cannot be inferred)."""
     def register(fn):
-        fn.__signature__ = python_signature(op)
+        def checked(*args):  # every argument first: the ops' contract (fusedres.checks)
+            check_op_args(op, args, f"fusedres_triton::{op}", ("cuda", "cpu"))
+            return fn(*args)
+
+        checked.__name__ = fn.__name__
+        checked.__signature__ = python_signature(op)
         return torch.library.triton_op(f"fusedres_triton::{op}", mutates_args=(),
-                                       schema=SCHEMAS[op])(fn)
+                                       schema=SCHEMAS[op])(checked)
     return register
 
 
@@ -428,16 +434,16 @@ def _module_case_key(x, weight, bias, bn_weight, bn_bias, running_mean, running_
                                           bn_bias.device),
             None if running_mean is None else (type(running_mean), running_mean.shape,
                                                running_mean.stride(), running_mean.dtype,
-                                               running_mean.device),
+                                               running_mean.device, running_mean.requires_grad),
             None if running_var is None else (type(running_var), running_var.shape,
                                               running_var.stride(), running_var.dtype,
-                                              running_var.device),
+                                              running_var.device, running_var.requires_grad),
             None if num_batches_tracked is None else (type(num_batches_tracked),
                                                       num_batches_tracked.dtype),
             None if residual is None else (type(residual), residual.shape, residual.stride(),
                                            residual.dtype, residual.device),
             training, momentum, eps, stride, padding, dilation,
-            torch.is_autocast_enabled(x.device.type))
+            torch.is_autocast_enabled(x.device.type), torch.is_grad_enabled())
 
 
 def _module_takes(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
@@ -452,7 +458,7 @@ def _module_takes(x, weight, bias, bn_weight, bn_bias, running_mean, running_var
 
     check_conv_args(x, weight, bias, residual, stride, padding, dilation)
     check_batch_norm_args(x, bn_weight, bn_bias, running_mean, running_var,
-                             num_batches_tracked, training=training, momentum=momentum)
+                             num_batches_tracked, training=training, momentum=momentum, eps=eps)
     sdt = torch.float32
     return (not torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64
             and all(t is None or t.dtype == sdt for t in (bn_weight, bn_bias))
