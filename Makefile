@@ -77,8 +77,11 @@ tsan: install
 
 # The same kernel matrix under AddressSanitizer + UndefinedBehaviorSanitizer (build/asan): an
 # out-of-bounds access (global, or past a static __shared__ array) or undefined behaviour fails.
+# Then the fusedres_cpu ops' malformed-argument cases (fusedres.opfuzz, tests/test_op_contracts.py)
+# against fusedres._C built with AddressSanitizer (build/asan-ext, the ASan runtime preloaded).
 asan: install
 	$(PY) -m fusedres.cuda_tsan --asan
+	$(PY) -m fusedres.opfuzz --asan
 
 # nvcc compiles csrc/cuda for sm_80 and sm_90; registers, spills, shared memory, occupancy.
 cuda-table: install

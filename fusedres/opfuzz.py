@@ -409,6 +409,14 @@ def _child(ids: list[str], out_path: str, valid_ops: list[str]) -> None:
 
     ops = sorted({_op_of(i) for i in ids} | set(valid_ops))
     _setup({op.split("::")[0] for op in ops})
+    asan = os.environ.get("FUSEDRES_ASAN_EXTENSION")
+    if asan:  # the cases must reach the instrumented build
+        from fusedres import _extension
+
+        loaded = getattr(sys.modules.get("fusedres._C"), "__file__", None)
+        if not (_extension.LOADED and loaded == asan):
+            raise RuntimeError(f"fusedres._C is {loaded}, not the ASan build {asan} "
+                               f"({_extension.LOAD_ERROR})")
     torch.set_num_threads(1)
     by_id = {c.id: c for c in cases(sorted({_op_of(i) for i in ids}))}
     with open(out_path, "a", buffering=1) as out:
@@ -426,7 +434,9 @@ def _env(asan: bool) -> dict[str, str]:
     env.setdefault("FUSEDRES_CUDA_ON_CPU", "1")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     if asan:
-        env["LD_PRELOAD"] = asan_runtime()
+        # libstdc++ beside it: ASan's __cxa_throw interceptor must find the real one before a
+        # library loaded later throws (triton's does, as torch imports it).
+        env["LD_PRELOAD"] = " ".join(asan_runtime())
         env["FUSEDRES_ASAN_EXTENSION"] = ASAN_EXTENSION
         # libtorch keeps allocations to the end and is not instrumented: no leak check;
         # Python's allocator is: no ODR checks across the two builds of the ops.
@@ -483,7 +493,11 @@ def _run_batch(ids: list[str], valid_ops: list[str], asan: bool,
 
 
 def _tail(output: str, lines: int = 12) -> str:
+    """The end of a child's output; an AddressSanitizer report's headline and first frames."""
     keep = [ln for ln in output.splitlines() if ln.strip() and "Warning" not in ln]
+    for i, line in enumerate(keep):
+        if ASAN_REPORT in line:
+            return " | ".join(keep[i:i + lines])[:2000]
     return " | ".join(keep[-lines:])[-2000:]
 
 
@@ -532,14 +546,45 @@ ASAN_BUILD = os.path.join(ROOT, "build", "asan-ext")
 ASAN_EXTENSION = os.path.join(ASAN_BUILD, "_C.so")
 
 
-def asan_runtime() -> str:
-    """The compiler's ASan runtime (preloaded: an uninstrumented python loads the extension)."""
+def asan_runtime() -> list[str]:
+    """The compiler's ASan runtime and its libstdc++, to preload (an uninstrumented python
+    loads the instrumented extension)."""
     cxx = os.environ.get("CXX", "g++")
-    path = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-    if not os.path.isabs(path):
-        raise RuntimeError(f"{cxx} has no libasan.so ({path!r})")
-    return path
+    paths = []
+    for lib in ("libasan.so", "libstdc++.so.6"):
+        path = subprocess.run([cxx, f"-print-file-name={lib}"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        if not os.path.isabs(path):
+            raise RuntimeError(f"{cxx} has no {lib} ({path!r})")
+        paths.append(path)
+    return paths
+
+
+ASAN_REPORT = "ERROR: AddressSanitizer"
+
+
+def asan_catches_a_planted_read() -> str | None:
+    """Whether this set-up catches an out-of-bounds read: a function compiled with
+    -fsanitize=address reads one float past a tensor's storage in a child run as the cases
+    are. None when the report came, else what happened (then a clean run proves nothing)."""
+    src = os.path.join(ASAN_BUILD, "planted_read.cpp")
+    lib = os.path.join(ASAN_BUILD, "planted_read.so")
+    os.makedirs(ASAN_BUILD, exist_ok=True)
+    with open(src, "w") as f:
+        f.write('extern "C" float read_past(const float* p, long n) { return p[n]; }\n')
+    subprocess.run([os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O0",
+                    "-fsanitize=address", src, "-o", lib], check=True)
+    code = ("import ctypes, torch\n"
+            "t = torch.ones(16)\n"
+            f"f = ctypes.CDLL({lib!r}).read_past\n"
+            "f.restype = ctypes.c_float\n"
+            "print(f(ctypes.c_void_p(t.data_ptr()), 16))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=_env(True), timeout=300)
+    out = res.stdout + res.stderr
+    if res.returncode != 0 and ASAN_REPORT in out:
+        return None
+    return f"exit status {res.returncode}, no report: {_tail(out)}"
 
 
 def build_asan_extension(jobs: int | None = None, verbose: bool = True) -> str:
@@ -613,6 +658,11 @@ def main(argv=None) -> int:
     if args.asan:
         build_asan_extension()
         print(f"asan-ext: built in {time.perf_counter() - start:.0f} s", flush=True)
+        missed = asan_catches_a_planted_read()
+        if missed is not None:
+            print(f"FAIL: AddressSanitizer missed a planted out-of-bounds read ({missed})")
+            return 1
+        print("asan-ext: a planted out-of-bounds read is reported", flush=True)
     _setup()
     namespaces = args.namespace or (["fusedres_cpu"] if args.asan else None)
     ops = [o for o in op_names() if namespaces is None or o.split("::")[0] in namespaces]
