@@ -8,7 +8,9 @@ so a new op is covered or refused at once), then for each argument the malformed
 kind has (:func:`_variants`: wrong shape, dtype, device, overlapping or grad-requiring buffers,
 geometry lists of the wrong length or out of range, a bad eps, None for a required tensor).
 Each case must raise an exception whose message names the argument, leave every tensor
-argument unchanged (running statistics, num_batches_tracked) and never end the process.
+argument unchanged (running statistics, num_batches_tracked) and never end the process. And per
+tensor argument a well-formed case: its values strided (:data:`STRIDED`), which must give the
+valid call's outputs and state bit for bit (the strides the kernels assume).
 
 ``python -m fusedres.opfuzz [--asan] [--namespace NS ...] [--jobs J]`` runs the table and prints
 the cases that failed; exit status 0 when none did. ``--asan`` runs the ``fusedres_cpu`` cases
@@ -288,14 +290,34 @@ def _variants(op: str, arg, valid: dict[str, Any]) -> list[tuple[str, Callable, 
     return out
 
 
+# The label of a well-formed case: the argument's values in a tensor of other strides (every
+# other element of a larger one), which the op must take and answer exactly as the valid call:
+# the kernels read a tensor through its strides, or a contiguous copy, whatever they assume.
+STRIDED = "strided"
+
+
+def _strided(t):
+    """``t``'s values in a tensor whose last dimension has stride 2 (not contiguous)."""
+    buf = t.new_empty(*t.shape[:-1], 2 * t.shape[-1])
+    view = buf[..., ::2]
+    view.copy_(t)
+    return view
+
+
 def cases(ops: list[str] | None = None) -> list[Case]:
-    """The table: one case per malformed value of each argument of each op."""
+    """The table: one case per malformed value of each argument of each op, and one
+    :data:`STRIDED` case per tensor argument of the valid call."""
+    import torch
+
     out = []
     for op in ops if ops is not None else op_names():
         valid = valid_call(op)
         for a in _schema(op).arguments:
             for i, (label, _, _) in enumerate(_variants(op, a, valid)):
                 out.append(Case(op, a.name, label, i))
+            v = valid[a.name]
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() > 1:
+                out.append(Case(op, a.name, STRIDED, -1))
     return out
 
 
@@ -329,9 +351,43 @@ def names_argument(message: str, arg: str) -> bool:
     return re.search(rf"(?<![A-Za-z0-9_]){re.escape(arg)}(?![A-Za-z0-9_])", message) is not None
 
 
+def _flat(out) -> list:
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in _flat(o)] if isinstance(out, (tuple, list)) else [out]
+
+
+def _run_strided(case: Case) -> dict[str, Any]:
+    """The valid call, and again with ``case.arg`` strided: "same" when every output and every
+    tensor argument after the call (running statistics) are equal, bit for bit."""
+    import torch
+
+    result: dict[str, Any] = {"id": case.id}
+    ref = valid_call(case.op)
+    want = _flat(_call(case.op, list(ref.values()), "call"))
+    values = valid_call(case.op)
+    values[case.arg] = _strided(values[case.arg])
+    try:
+        got = _flat(_call(case.op, list(values.values()), "call"))
+    except Exception as exc:  # noqa: BLE001
+        return {**result, "outcome": "raised", "type": type(exc).__name__,
+                "message": str(exc).split("\nException raised from")[0][:600]}
+    differ = [f"output {i}" for i, (a, b) in enumerate(zip(got, want))
+              if not (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)]
+    differ += [k for k, v in values.items() if isinstance(v, torch.Tensor)
+               and not torch.equal(v.detach(), ref[k].detach())]
+    return {**result, "outcome": "differs" if differ or len(got) != len(want) else "same",
+            "changed": differ}
+
+
 def run_case(case: Case) -> dict[str, Any]:
     """Call the op with the case's malformed argument: a dict with "outcome" ("raised" or
-    "returned"), the exception's type and message, and the tensor arguments it changed."""
+    "returned"), the exception's type and message, and the tensor arguments it changed. A
+    :data:`STRIDED` case: "same", "differs" (and what) or "raised"."""
+    if case.label == STRIDED:
+        return _run_strided(case)
     valid = valid_call(case.op)
     arg = next(a for a in _schema(case.op).arguments if a.name == case.arg)
     label, make, how = _variants(case.op, arg, valid)[case.index]
@@ -383,6 +439,12 @@ def failure(case_id: str, result: dict[str, Any] | None) -> str | None:
     arg = case_id.rsplit(":", 2)[1]
     if result["outcome"] == "signal":
         return f"the process ended: {result.get('detail')}"
+    if case_id.endswith(f":{STRIDED}"):
+        if result["outcome"] == "same":
+            return None
+        if result["outcome"] == "differs":
+            return f"strided {arg}: differs in {', '.join(result['changed'])}"
+        return f"strided {arg}: raised {result.get('type')}: {result.get('message')}"
     if result["outcome"] == "returned":
         return "returned normally"
     if (result.get("type") == "NotImplementedError" and case_id.endswith(":none")
@@ -504,8 +566,9 @@ def _tail(output: str, lines: int = 12) -> str:
 def run(table: list[Case], *, asan: bool = False, batch: int = 400, jobs: int = 2,
         timeout: float = 600, valid: bool = True) -> dict[str, dict]:
     """Run the table, a namespace's cases about ``batch`` a subprocess, ``jobs`` at a time, and
-    (``valid``) every op's valid call; a batch whose process dies is run again one case a
-    process. Results by case id."""
+    (``valid``) every op's valid call. When a batch's process dies, the case it was running is
+    run alone (the culprit if it dies again; if not, the cases before it run alone each), and
+    the cases after it as a batch of their own. Results by case id."""
     batches, valid_for = [], []
     for ns in sorted({c.op.split("::")[0] for c in table}):
         ids = [c.id for c in table if c.op.split("::")[0] == ns]
@@ -518,21 +581,35 @@ def run(table: list[Case], *, asan: bool = False, batch: int = 400, jobs: int = 
             valid_for.append(ops if i == 0 and valid else [])
     results: dict[str, dict] = {}
 
-    def alone(item: tuple[str, bool]) -> tuple[str, dict | None]:
-        i, valid = item
-        op = i.removesuffix(":valid")
-        r, _, _ = _run_batch([] if valid else [i], [op] if valid else [], asan, timeout)
-        return i, r.get(i)
+    def alone(item: str) -> tuple[str, dict | None]:
+        valid = item.endswith(":valid")
+        r, _, _ = _run_batch([] if valid else [item], [item.removesuffix(":valid")] if valid
+                             else [], asan, timeout)
+        return item, r.get(item)
 
-    def one(args):
+    def one(args) -> dict[str, dict]:
         b, v = args
         got, died, _ = _run_batch(b, v, asan, timeout)
         if died is None:
             return got
-        # Each case of the batch alone: a corruption may end the process after its own case.
-        items = [(i, False) for i in b] + [(f"{op}:valid", True) for op in v]
-        with ThreadPoolExecutor(jobs) as again:
-            return dict(again.map(alone, items))
+        ran = [f"{op}:valid" for op in v] + b  # in the order the process ran them
+        if died not in ran:  # before its first item or after its last: every item alone
+            with ThreadPoolExecutor(jobs) as again:
+                return dict(again.map(alone, ran))
+        k = ran.index(died)
+        # The item running when the process died, alone: the culprit if it dies again. If it
+        # does not, an earlier item corrupted the process: each of those alone too. The items
+        # after it never ran: a batch of their own (the same procedure).
+        out = {i: got[i] for i in ran[:k] if i in got}
+        _, out[died] = alone(died)
+        if out[died] is None or out[died]["outcome"] != "signal":
+            with ThreadPoolExecutor(jobs) as again:
+                out.update(again.map(alone, ran[:k]))
+        rest = ran[k + 1:]
+        if rest:
+            out.update(one(([i for i in rest if not i.endswith(":valid")],
+                            [i.removesuffix(":valid") for i in rest if i.endswith(":valid")])))
+        return out
 
     with ThreadPoolExecutor(jobs) as pool:
         for got in pool.map(one, zip(batches, valid_for)):

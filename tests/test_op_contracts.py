@@ -2,16 +2,20 @@
 writes anything: called directly with one malformed argument at a time (the table
 fusedres.opfuzz generates from the ops' schemas), each case raises an exception naming the
 argument, changes no tensor argument (running statistics, num_batches_tracked) and never ends
-the process (cases run in subprocesses, ~150 a process; a process that dies has its cases run
-again one a process). The harness itself is shown to catch each kind of fault on planted ops.
-CI runs the fusedres_cpu cases again under AddressSanitizer (`make asan`). About 40 s on 2 cores.
+the process (cases run in subprocesses, ~400 a process; when one dies, the case it was running
+runs alone). Each tensor argument strided (not contiguous) gives the valid call's answer bit for
+bit. The harness itself is shown to catch each kind of fault on planted ops. CI runs the
+fusedres_cpu cases again under AddressSanitizer (`make asan`). About 1 minute on 2 shared
+cores.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fusedres import _extension, opfuzz
+from fusedres import functional as FR
 
 pytestmark = pytest.mark.skipif(not _extension.LOADED, reason=f"no fusedres._C: "
                                 f"{_extension.LOAD_ERROR}")
@@ -67,25 +71,23 @@ def test_every_malformed_argument_is_refused_by_name(table, results):
 
 
 def test_the_harness_catches_each_kind_of_fault(monkeypatch):
-    """Planted ops that, given an int64 weight, return normally, raise without naming the
-    weight, or change x before raising: each case fails; one that ends its process with
-    SIGSEGV fails too, and the harness goes on (its batch runs again one case a process)."""
+    """Planted ops that, given an int64 weight, return normally, end the process with SIGSEGV,
+    raise without naming the weight, or change x before raising, run as one batch: each case
+    fails; the process dies at the second, which fails again alone (the culprit), the first's
+    result stands and the last two run as a batch of their own."""
     opfuzz.plant()
-    cases = {c.op.split("::")[1]: c for c in opfuzz.cases(
-        [f"{opfuzz.PLANTED}::{k}" for k in opfuzz.PLANTED_KINDS])
-        if c.arg == "weight" and c.label == "int64"}
-    why = {kind: opfuzz.failure(c.id, opfuzz.run_case(c)) for kind, c in cases.items()
-           if kind != "signals"}
+    monkeypatch.setenv("FUSEDRES_OPFUZZ_PLANT", "1")
+    table = [c for c in opfuzz.cases([f"{opfuzz.PLANTED}::{k}" for k in opfuzz.PLANTED_KINDS])
+             if c.arg == "weight" and c.label == "int64"]
+    assert [c.op.split("::")[1] for c in table] == list(opfuzz.PLANTED_KINDS)
+    results = opfuzz.run(table, jobs=2)
+    why = {c.op.split("::")[1]: opfuzz.failure(c.id, results.get(c.id)) for c in table}
     assert why["returns"] == "returned normally"
+    assert why["signals"].startswith("the process ended: exit status -11"), why["signals"]
     assert why["unnamed"].startswith("the message does not name 'weight'"), why["unnamed"]
     assert why["changes_x"] == "changed x"
-    for kind in why:  # their valid calls return
-        assert opfuzz.failure(f"{cases[kind].op}:valid", opfuzz.run_valid(cases[kind].op)) is None
-    monkeypatch.setenv("FUSEDRES_OPFUZZ_PLANT", "1")
-    signals = cases["signals"]
-    results = opfuzz.run([signals], jobs=1, valid=False)
-    assert opfuzz.failure(signals.id, results[signals.id]).startswith(
-        "the process ended: exit status -11"), results
+    for c in table:  # the valid calls ran (first, in the batch that died) and returned
+        assert opfuzz.failure(f"{c.op}:valid", results.get(f"{c.op}:valid")) is None
 
 
 def test_an_argument_is_named_as_a_word():
@@ -93,3 +95,30 @@ def test_an_argument_is_named_as_a_word():
     assert not opfuzz.names_argument("op: bn_bias: expected shape (4,)", "bias")
     assert not opfuzz.names_argument("op: weight2: expected", "weight")
     assert opfuzz.names_argument("Expected a value of type 'Tensor' for argument 'x'", "x")
+
+
+def test_strided_arguments_give_the_contiguous_answer_on_every_backend(backend):
+    """Through the public API, every tensor argument strided (every other element of a larger
+    tensor) gives the contiguous call's output and running statistics, on every backend: the
+    triton backend's forward read a strided bias at unit stride (an error of 1.7 here)."""
+    g = torch.Generator().manual_seed(0)
+    c, co = 3, 4
+
+    def args():
+        r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+        return dict(x=r(2, c, 5, 5), weight=r(co, c, 3, 3), bias=r(co), bn_weight=r(c).abs(),
+                    bn_bias=r(c), running_mean=r(c), running_var=r(c).abs() + 0.5,
+                    residual=r(2, co, 5, 5))
+
+    def call(a):
+        return FR.bn_relu_conv2d(a["x"], a["weight"], a["bias"], a["bn_weight"], a["bn_bias"],
+                                 a["running_mean"], a["running_var"], training=True, padding=1,
+                                 residual=a["residual"])
+
+    want = args()
+    got = {k: opfuzz._strided(v) for k, v in want.items()}  # the same values, strided
+    y = call(want)
+    assert not any(v.is_contiguous() for v in got.values())
+    torch.testing.assert_close(call(got), y, rtol=1e-5, atol=1e-5)
+    for k in ("running_mean", "running_var"):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)

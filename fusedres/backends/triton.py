@@ -111,9 +111,12 @@ def _launch_forward(u: UnitArgs, genstats: bool, scale=None, shift=None):
     bscale = u.branch_scale
     if bscale is not None:
         bscale = _branch_scale(bscale, u.weight)
-    plan = _fwd_plan(u.x, u.weight, u.bias, scale, shift, residual, u.stride, u.padding,
+    bias = u.bias  # the kernels read bias[co] at unit stride (a strided one read other values)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    plan = _fwd_plan(u.x, u.weight, bias, scale, shift, residual, u.stride, u.padding,
                      u.dilation, None, genstats, bscale)
-    return plan.run(u.x, u.weight, scale, shift, u.bias, residual, bscale)
+    return plan.run(u.x, u.weight, scale, shift, bias, residual, bscale)
 
 
 def _forward(*inputs) -> Tensor:
