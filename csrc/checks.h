@@ -318,9 +318,12 @@ inline void check_writable(const char* op, const char* name, const at::Tensor& t
 }
 
 // Whether a and b may share memory: one storage and an overlap ATen cannot rule out (exact for
-// dense tensors; fusedres.checks._share_memory).
+// dense tensors; fusedres.checks._share_memory). Meta tensors have none.
 inline bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
+  if (a.numel() == 0 || b.numel() == 0 || a.is_meta() || b.is_meta()) return false;
+  if (!a.has_storage() || !b.has_storage() || !a.storage().is_alias_of(b.storage())) {
+    return false;
+  }
   return at::get_overlap_status(a, b) != at::MemOverlapStatus::No;
 }
 

@@ -141,9 +141,10 @@ def _share_memory(a: Tensor, b: Tensor) -> bool:
     while torch.compile traces: a traced tensor has no storage to compare."""
     if torch.compiler.is_compiling():
         return False
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False  # meta tensors (fusedres.planner's simulated step) have no memory
+    ptr = a.untyped_storage().data_ptr()
+    if ptr == 0 or ptr != b.untyped_storage().data_ptr():
         return False
 
     def span(t: Tensor) -> tuple[int, int]:
