@@ -10,7 +10,7 @@ EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/
 EXT     := $(VENV)/.ext-stamp
 # The test extension fusedres._C_cuda_host: csrc/cuda by the host compiler through the CPU
 # execution layer (csrc/cuda/host), the cuda backend's CPU test vehicle; `make test` builds it.
-TEST_EXT_SRC := $(wildcard csrc/common.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/host/*.cpp csrc/cuda/host/*.h csrc/cuda/host/tests/*.cu)
+TEST_EXT_SRC := $(wildcard csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/host/*.cpp csrc/cuda/host/*.h csrc/cuda/host/tests/*.cu)
 TEST_EXT     := $(VENV)/.test-ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1
@@ -77,8 +77,11 @@ tsan: install
 
 # The same kernel matrix under AddressSanitizer + UndefinedBehaviorSanitizer (build/asan): an
 # out-of-bounds access (global, or past a static __shared__ array) or undefined behaviour fails.
+# Then the fusedres_cpu ops' malformed-argument cases (fusedres.opfuzz, tests/test_op_contracts.py)
+# against fusedres._C built with AddressSanitizer (build/asan-ext, the ASan runtime preloaded).
 asan: install
 	$(PY) -m fusedres.cuda_tsan --asan
+	$(PY) -m fusedres.opfuzz --asan
 
 # nvcc compiles csrc/cuda for sm_80 and sm_90; registers, spills, shared memory, occupancy.
 cuda-table: install

@@ -12,6 +12,7 @@
 // (benchmarks/RESULTS.md); here forward and backward run without a Python frame.
 //
 // A kernel set K (a struct of static members) gives:
+//   kDevice, kNamespace      the device type the kernels run on, the ops' namespace (errors)
 //   on_device(t)             t is on the device the kernels run on
 //   takes_dtype(dt)          module_unit takes x of dtype dt
 //   prepare                  prepare_batch_norm's schema (fusedres/opdefs.py NAMESPACE_SCHEMAS)
@@ -23,7 +24,9 @@
 //                            recompute for both convolutions); false: the pair is two forward
 //                            and two backward calls, the shared gradients summed
 // Every kernel is called below autograd (AutoDispatchBelowADInplaceOrView), directly: no
-// dispatcher in between.
+// dispatcher in between. Each kernel checks its arguments (checks.h) before it reads anything; the
+// templates here check what they use first themselves (the pair composed of two calls, a
+// module's forward).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -35,9 +38,11 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
+#include "checks.h"
 #include "common.h"
 #include "prepare.h"
 
@@ -174,6 +179,7 @@ variable_list unit_gradients(AutogradContext* ctx, const Tensor& grad_out, Backw
 // statistics and the branch scale: never the activation.
 template <typename Self, typename K>
 struct UnitNode : torch::autograd::Function<Self> {
+  using Kernels = K;
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                                const OptTensor& bias, const OptTensor& bn_weight,
                                const OptTensor& bn_bias, const Tensor& mean,
@@ -218,6 +224,9 @@ std::tuple<Tensor, Tensor, Tensor> eager_unit(
     const OptTensor& bn_bias, const Tensor& mean, const Tensor& invstd, const OptTensor& residual,
     SymInts stride, SymInts padding, SymInts dilation, bool batch_stats,
     const OptTensor& branch_scale, bool genstats) {
+  static const std::string op = std::string(Node::Kernels::kNamespace) + ".eager_unit";
+  checks::check_defined(op.c_str(), {{"x", &x}, {"weight", &weight}, {"mean", &mean},
+                                     {"invstd", &invstd}});
   auto out = Node::apply(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
                          padding, dilation, batch_stats, branch_scale, genstats);
   return {out[0], out[1], out[2]};
@@ -233,15 +242,16 @@ std::tuple<Tensor, Tensor, Tensor> eager_unit(
 // to a view a Python autograd.Function returns).
 template <typename Self, typename K>
 struct ShortcutNode : torch::autograd::Function<Self> {
+  using Kernels = K;
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                                const OptTensor& bias, const OptTensor& bn_weight,
                                const OptTensor& bn_bias, const Tensor& mean,
                                const Tensor& invstd, const OptTensor& residual, SymInts stride,
                                SymInts padding, SymInts dilation, bool batch_stats,
                                const OptTensor& branch_scale, bool genstats) {
-    TORCH_CHECK(!present(residual) && !present(branch_scale),
-                "eager_unit_with_shortcut: residual, branch_scale: must be None (the unit "
-                "returns x for the next unit's residual)");
+    TORCH_CHECK_VALUE(!present(residual) && !present(branch_scale),
+                      "eager_unit_with_shortcut: residual, branch_scale: must be None (the unit "
+                      "returns x for the next unit's residual)");
     variable_list out = UnitNode<Self, K>::forward(ctx, x, weight, bias, bn_weight, bn_bias,
                                                    mean, invstd, residual, stride, padding,
                                                    dilation, batch_stats, branch_scale, genstats);
@@ -281,9 +291,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> shortcut_forward(
     const OptTensor& bn_bias, const Tensor& mean, const Tensor& invstd, const OptTensor& residual,
     SymInts stride, SymInts padding, SymInts dilation, bool batch_stats,
     const OptTensor& branch_scale, bool genstats) {
-  TORCH_CHECK(!present(residual) && !present(branch_scale),
-              "eager_unit_with_shortcut: residual, branch_scale: must be None (the unit returns "
-              "x for the next unit's residual)");
+  TORCH_CHECK_VALUE(!present(residual) && !present(branch_scale),
+                    "eager_unit_with_shortcut: residual, branch_scale: must be None (the unit "
+                    "returns x for the next unit's residual)");
   auto [y, m, v] = unit_forward<K>(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual,
                                    stride, padding, dilation, batch_stats, branch_scale, genstats);
   return {std::move(y), x.alias(), std::move(m), std::move(v)};
@@ -296,6 +306,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eager_unit_with_shortcut(
     const OptTensor& bn_bias, const Tensor& mean, const Tensor& invstd, const OptTensor& residual,
     SymInts stride, SymInts padding, SymInts dilation, bool batch_stats,
     const OptTensor& branch_scale, bool genstats) {
+  static const std::string op =
+      std::string(Node::Kernels::kNamespace) + ".eager_unit_with_shortcut";
+  checks::check_defined(op.c_str(), {{"x", &x}, {"weight", &weight}, {"mean", &mean},
+                                     {"invstd", &invstd}});
   auto out = Node::apply(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
                          padding, dilation, batch_stats, branch_scale, genstats);
   return {out[0], out[1], out[2], out[3]};
@@ -312,10 +326,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> pair_forward(
     const OptTensor& bias2, const OptTensor& bn_weight, const OptTensor& bn_bias,
     const Tensor& mean, const Tensor& invstd, SymInts stride, SymInts padding, SymInts dilation,
     SymInts stride2, SymInts padding2, SymInts dilation2, bool batch_stats, bool genstats) {
-  if constexpr (K::kPairKernels) {
+  if constexpr (K::kPairKernels) {  // one kernel, which checks every argument
     return K::pair_forward(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd,
                            stride, padding, dilation, stride2, padding2, dilation2, genstats);
   } else {
+    // Both convolutions checked before the first runs.
+    static const std::string op = std::string(K::kNamespace) + ".eager_pair";
+    checks::check_pair_args(op.c_str(), K::kDevice, x, weight, bias, weight2, bias2,
+                            bn_weight, bn_bias, mean, invstd, stride, padding, dilation, stride2,
+                            padding2, dilation2);
     Tensor y = K::forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, std::nullopt,
                           stride, padding, dilation, batch_stats, std::nullopt);
     auto [y2, m2, v2] = unit_forward<K>(x, weight2, bias2, bn_weight, bn_bias, mean, invstd,
@@ -365,6 +384,7 @@ Grads7 composed_pair_backward(Backward&& backward, const Tensor& grad, const Ten
 // the public backward op once per convolution (as fusedres.ops._EagerCpuPair).
 template <typename Self, typename K>
 struct PairNode : torch::autograd::Function<Self> {
+  using Kernels = K;
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                                const OptTensor& bias, const Tensor& weight2,
                                const OptTensor& bias2, const OptTensor& bn_weight,
@@ -445,6 +465,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> eager_pair(
     const OptTensor& bias2, const OptTensor& bn_weight, const OptTensor& bn_bias,
     const Tensor& mean, const Tensor& invstd, SymInts stride, SymInts padding, SymInts dilation,
     SymInts stride2, SymInts padding2, SymInts dilation2, bool batch_stats, bool genstats) {
+  static const std::string op = std::string(Node::Kernels::kNamespace) + ".eager_pair";
+  checks::check_defined(op.c_str(), {{"x", &x}, {"weight", &weight}, {"weight2", &weight2},
+                                     {"mean", &mean}, {"invstd", &invstd}});
   auto out = Node::apply(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd,
                          stride, padding, dilation, stride2, padding2, dilation2, batch_stats,
                          genstats);
@@ -463,63 +486,36 @@ inline bool plain(const Tensor& t) {
   return !t.key_set().has_any(layered);
 }
 
-// Whether module_unit runs these arguments on kernel set K: a subset of what the Python checks
-// accept (fusedres.functional.check_conv_args and prepare_batch_norm, which stay the rule and
-// word the errors). Anything else is left to them: module_unit returns no result and has touched
-// nothing. x of a dtype K takes, plain tensors on the kernels' device (x's), the weight, bias
-// and residual in x's dtype (else autocast's or PyTorch's promotion, which the Python route
-// applies), BatchNorm tensors of a float dtype, autocast off, no dispatch mode.
+// Whether every tensor argument of module_unit is plain and no dispatch mode is on: else the
+// arguments are the Python route's alone (it checks them through their layers).
+inline bool plain_arguments(std::initializer_list<const Tensor*> tensors,
+                            std::initializer_list<const OptTensor*> optionals) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return false;
+  for (const Tensor* t : tensors) {
+    if (!plain(*t)) return false;
+  }
+  for (const OptTensor* t : optionals) {
+    if (present(*t) && !plain(**t)) return false;
+  }
+  return true;
+}
+
+// Whether module_unit runs these well-formed arguments (checks::check_module_args passed) on
+// kernel set K: a subset of what the Python route takes, the rest left to it (module_unit returns
+// no result and has touched nothing): x non-empty of a dtype K takes, the weight, bias and
+// residual in x's dtype (else autocast's or PyTorch's promotion, which the Python route applies),
+// autocast off.
 template <typename K>
 bool module_unit_accepts(const Tensor& x, const Tensor& weight, const OptTensor& bias,
-                         const OptTensor& bn_weight, const OptTensor& bn_bias,
-                         const OptTensor& running_mean, const OptTensor& running_var,
-                         const OptTensor& num_batches_tracked, bool training,
-                         std::optional<double> momentum, const OptTensor& residual,
-                         SymInts stride, SymInts padding, SymInts dilation) {
+                         const OptTensor& residual) {
   const auto dt = x.scalar_type();
-  if (!(x.dim() == 4 && K::on_device(x) && K::takes_dtype(dt) && x.numel() > 0 && plain(x) &&
-        weight.dim() == 4 && weight.device() == x.device() && weight.scalar_type() == dt &&
-        plain(weight) && weight.size(0) > 0 && weight.size(1) == x.size(1))) {
+  if (!(K::on_device(x) && K::takes_dtype(dt) && x.numel() > 0 && weight.size(0) > 0 &&
+        weight.scalar_type() == dt)) {
     return false;
   }
-  if (at::autocast::is_autocast_enabled(x.device().type()) ||
-      c10::impl::TorchDispatchModeTLS::stack_len() > 0) {
-    return false;
-  }
-  const int64_t C = x.size(1), Co = weight.size(0);
-  const auto vector_of = [&](const OptTensor& t, int64_t n, bool x_dtype) {
-    return !present(t) ||
-           (t->dim() == 1 && t->size(0) == n && t->device() == x.device() && plain(*t) &&
-            (x_dtype ? t->scalar_type() == dt : is_float_dtype(t->scalar_type())));
-  };
-  if (!(vector_of(bias, Co, true) && vector_of(bn_weight, C, false) &&
-        vector_of(bn_bias, C, false) && vector_of(running_mean, C, false) &&
-        vector_of(running_var, C, false))) {
-    return false;
-  }
-  const bool tracked = present(running_mean);
-  if (tracked != present(running_var)) return false;
-  if (present(num_batches_tracked) && !(num_batches_tracked->device() == x.device() &&
-                                        num_batches_tracked->numel() == 1)) {
-    return false;
-  }
-  if (training && tracked && !momentum.has_value() && !present(num_batches_tracked)) return false;
-  if ((training || !tracked) && x.numel() / C <= 1) return false;
-  const auto s = C10_AS_INTARRAYREF_SLOW(stride), p = C10_AS_INTARRAYREF_SLOW(padding),
-             d = C10_AS_INTARRAYREF_SLOW(dilation);
-  if (s.size() != 2 || p.size() != 2 || d.size() != 2) return false;
-  int64_t out_hw[2];
-  for (int i = 0; i < 2; ++i) {
-    if (s[i] < 1 || p[i] < 0 || d[i] < 1) return false;
-    out_hw[i] = conv_out_size(x.size(2 + i), weight.size(2 + i), s[i], p[i], d[i]);
-    if (out_hw[i] <= 0) return false;
-  }
-  if (present(residual)) {
-    const std::array<int64_t, 4> shape{x.size(0), Co, out_hw[0], out_hw[1]};
-    if (!(residual->device() == x.device() && residual->scalar_type() == dt && plain(*residual) &&
-          residual->sizes() == c10::IntArrayRef(shape))) {
-      return false;
-    }
+  if (at::autocast::is_autocast_enabled(x.device().type())) return false;
+  for (const OptTensor* t : {&bias, &residual}) {
+    if (present(*t) && (*t)->scalar_type() != dt) return false;
   }
   return true;
 }
@@ -533,9 +529,10 @@ inline OptTensor in_dtype(const OptTensor& p, at::ScalarType dtype) {
 
 // BNReLUConv2d's forward in one call (fusedres.modules.BNReLUConv2d): the BatchNorm's statistics
 // and running-statistics update (K::prepare), then the fused unit through Node (a UnitNode), or
-// with grad mode off the forward kernel alone. Returns [y], or [] when module_unit_accepts does
-// not take the arguments (nothing touched: the caller's Python route checks them and words the
-// error).
+// with grad mode off the forward kernel alone. Arguments that no route takes raise
+// (checks::check_module_args), before anything is touched. Returns [y], or [] when
+// module_unit_accepts does not take well-formed arguments (a dtype pairing, autocast, a layered
+// tensor: nothing touched, the caller's Python route runs them).
 template <typename K, typename Node>
 std::vector<Tensor> module_unit(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                 const OptTensor& bn_weight, const OptTensor& bn_bias,
@@ -544,11 +541,15 @@ std::vector<Tensor> module_unit(const Tensor& x, const Tensor& weight, const Opt
                                 std::optional<double> momentum, double eps,
                                 const OptTensor& residual, SymInts stride, SymInts padding,
                                 SymInts dilation) {
-  if (!module_unit_accepts<K>(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-                              num_batches_tracked, training, momentum, residual, stride, padding,
-                              dilation)) {
+  if (!plain_arguments({&x, &weight}, {&bias, &bn_weight, &bn_bias, &running_mean, &running_var,
+                                       &num_batches_tracked, &residual})) {
     return {};
   }
+  static const std::string op = std::string(K::kNamespace) + ".module_unit";
+  checks::check_module_args(op.c_str(), K::kDevice, x, weight, bias, bn_weight, bn_bias,
+                            running_mean, running_var, num_batches_tracked, training, momentum,
+                            eps, residual, stride, padding, dilation);
+  if (!module_unit_accepts<K>(x, weight, bias, residual)) return {};
   Tensor mean, invstd;
   {
     at::AutoDispatchBelowAutograd below;

@@ -41,7 +41,7 @@ def sources() -> list[str]:
 
 def _headers() -> list[str]:
     base = os.path.join(ROOT, "csrc", "cuda")
-    return [os.path.join(ROOT, "csrc", "common.h")] + [
+    return glob.glob(os.path.join(ROOT, "csrc", "*.h")) + [
         p for ext in ("h", "cuh", "cu") for p in glob.glob(f"{base}/**/*.{ext}", recursive=True)]
 
 

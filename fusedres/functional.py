@@ -74,7 +74,7 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
     :func:`conv2d_from_prepared`.
     """
     check_batch_norm_args(x, bn_weight, bn_bias, running_mean, running_var,
-                          num_batches_tracked, training=training, momentum=momentum,
+                          num_batches_tracked, training=training, momentum=momentum, eps=eps,
                           stats=stats)
     c = x.shape[1]
     use_batch = training or running_mean is None

@@ -762,8 +762,8 @@ def _lean_preact(block: ResidualBlock, x: Tensor, stats, return_stats: bool):
         key += (bn.training, bn.momentum, bn.eps, c.stride, c.padding, c.dilation, c.groups,
                 c.padding_mode, _META(w), None if cb is None else _META(cb),
                 None if g is None else _META(g), None if b is None else _META(b),
-                None if rm is None else (_META(rm), rm.stride()),
-                None if rv is None else (_META(rv), rv.stride()),
+                None if rm is None else (_META(rm), rm.stride(), rm.requires_grad),
+                None if rv is None else (_META(rv), rv.stride(), rv.requires_grad),
                 None if nbt is None else _META(nbt))
         chain.append((bn.training, bn.momentum, bn.eps, g, b, rm, rv, nbt, w, cb, c.stride,
                       c.padding, c.dilation))

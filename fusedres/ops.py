@@ -34,6 +34,7 @@ from torch import Tensor
 
 from . import _backend, _extension
 from ._backend import is_eager
+from .checks import check_op_args
 from .opdefs import (
     SCHEMAS,
     BackwardArgs,
@@ -60,11 +61,13 @@ def _backend_for(x: Tensor):
 
 
 def _define(name: str, routing_arg: str):
-    """The public op ``fusedres::<name>``: runs the op of the same name of the backend in force
-    for the device of the argument ``routing_arg``."""
+    """The public op ``fusedres::<name>``: checks every argument (the ops' contract,
+    :func:`fusedres.checks.check_op_args`), then runs the op of the same name of the backend in
+    force for the device of the argument ``routing_arg``."""
     index = arg_names(name).index(routing_arg)
 
     def impl(*args):
+        check_op_args(name, args)
         return getattr(_backend_for(args[index]), name)(*args)
 
     impl.__name__ = name

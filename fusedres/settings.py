@@ -156,6 +156,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "torch's thread count for the benchmark run; unset: torch's default."),
     Setting("FUSEDRES_BENCH_COMPILE", "bool", "1", "when benchmarks/ is collected",
             "Include the torch.compile rows."),
+    # ---- the op fuzzer's child processes (fusedres.opfuzz), set by its parent
+    Setting("FUSEDRES_OPFUZZ_PLANT", "bool", "0", "when an opfuzz child process starts",
+            "Register the planted-fault namespace the fuzzer's own test calls."),
+    Setting("FUSEDRES_ASAN_EXTENSION", "str", "", "when an opfuzz child process starts",
+            "The AddressSanitizer build of `fusedres._C` the child loads in place of the "
+            "regular one (`make asan`); unset: the regular build."),
 )}
 
 

@@ -73,9 +73,9 @@ def test_batch_stats_strided_input_and_empty_planes():
 
 
 def test_batch_stats_rejects_bad_input():
-    with pytest.raises(RuntimeError, match="x must be 4-D"):
+    with pytest.raises(ValueError, match=r"x: expected a 4-D \(N, C, H, W\) tensor"):
         cuda.batch_stats(torch.randn(3, 4, 5))
-    with pytest.raises(RuntimeError, match="x must be float32, float16, bfloat16 or float64"):
+    with pytest.raises(TypeError, match="x: expected float16, bfloat16, float32 or float64"):
         cuda.batch_stats(torch.ones(2, 3, 4, 4, dtype=torch.int32))
 
 

@@ -208,7 +208,7 @@ def test_prepare_batch_norm_errors_name_the_argument_and_touch_nothing(name, bad
     elif bad == "one_running":
         rv = None
     before = [t.clone() for t in (rm, rv, nbt) if t is not None]
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         backend.prepare_batch_norm(x, rm, rv, nbt, True, momentum, 1e-5, *given)
     for a, b in zip([t for t in (rm, rv, nbt) if t is not None], before):
         assert torch.equal(a, b)
@@ -316,8 +316,8 @@ def test_module_unit_without_grad_runs_the_forward_alone(name, python_prepare):
 
 
 def _refused(name, how):
-    """Arguments module_unit leaves to the Python route (which checks them and words the
-    error); a dict of the call's arguments, changed as `how` says."""
+    """Arguments module_unit does not run (it leaves them to the Python route or refuses
+    them); a dict of the call's arguments, changed as `how` says."""
     c, co = 3, 4
     m = _module(c, co, F32, F32, stride=1, bias=True, momentum=0.1, affine=True, track=True)
     a = dict(x=_x((2, c, 4, 4), F32), weight=m.conv.weight, bias=m.conv.bias,
@@ -360,38 +360,68 @@ def _refused(name, how):
     return a
 
 
-REFUSED = ["weight dtype", "grouped weight", "bn_weight shape", "residual shape",
-           "residual dtype", "momentum None, no count", "one value a channel",
-           "kernel larger than x", "running_var missing", "int x", "half x on cpu", "meta x",
-           "bias dtype", "strided stride", "autocast"]
+# Well-formed arguments the one call does not take (a dtype pairing the Python route casts or
+# promotes, autocast, half x on the cpu backend): [] with nothing touched.
+LEFT = ["weight dtype", "residual dtype", "half x on cpu", "bias dtype", "autocast"]
+# Malformed arguments, which no route takes: refused by module_unit itself (csrc/checks.h's
+# check_module_args), naming the argument, before anything is touched.
+MALFORMED = {"grouped weight": (ValueError, "weight: expected shape .* to match the 3 channels"),
+             "bn_weight shape": (ValueError, r"bn_weight: expected shape \(3,\)"),
+             "residual shape": (ValueError, "residual: expected shape"),
+             "momentum None, no count": (ValueError, "num_batches_tracked: required"),
+             "one value a channel": (ValueError, "x: expected more than 1 value per channel"),
+             "kernel larger than x": (ValueError, "x: spatial size .* is too small"),
+             "running_var missing": (ValueError, "running_mean, running_var: give both"),
+             "int x": (TypeError, "x: expected float16, bfloat16, float32 or float64"),
+             "meta x": (ValueError, "x: expected a (CPU|cpu) tensor, got device meta"),
+             "strided stride": (ValueError, r"stride: expected values in \[1, 2\^31\)")}
 
 
-@pytest.mark.parametrize("how", REFUSED)
-def test_module_unit_refuses_and_touches_nothing(name, how):
-    """Arguments the conservative predicate does not take: [] and the running statistics, count
-    and version counters untouched (the Python route then runs, and raises where they are
-    wrong)."""
-    if how == "half x on cpu" and name == "cuda":
-        pytest.skip("the cuda backend takes half x")
-    if how == "meta x" and name == "cuda":
-        pytest.skip("the dispatcher takes a meta x to the Meta key: this copy registers its "
-                    "module_unit for its own device's keys")
-    backend = _backend(name)
-    a = _refused(name, "autocast" if how == "autocast" else how)
+def _untouched(a):
+    """A check that the running statistics, count and version counters of ``a`` are as now."""
     kept = [t.clone() for t in (a["running_mean"], a["running_var"]) if t is not None]
     versions = [t._version for t in (a["running_mean"], a["running_var"]) if t is not None]
     nbt = a["num_batches_tracked"]
     count = None if nbt is None else int(nbt)
+
+    def check():
+        now = [t for t in (a["running_mean"], a["running_var"]) if t is not None]
+        assert all(torch.equal(t, k) for t, k in zip(now, kept))
+        assert [t._version for t in now] == versions
+        assert count is None or int(nbt) == count
+    return check
+
+
+@pytest.mark.parametrize("how", LEFT)
+def test_module_unit_leaves_what_it_does_not_take_and_touches_nothing(name, how):
+    """Well-formed arguments the conservative predicate does not take: [] and the running
+    statistics, count and version counters untouched (the Python route then runs them)."""
+    if how == "half x on cpu" and name == "cuda":
+        pytest.skip("the cuda backend takes half x")
+    backend = _backend(name)
+    a = _refused(name, "autocast" if how == "autocast" else how)
+    untouched = _untouched(a)
     if how == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = backend.module_unit(*a.values())
     else:
         out = backend.module_unit(*a.values())
     assert out == []
-    now = [t for t in (a["running_mean"], a["running_var"]) if t is not None]
-    assert all(torch.equal(t, k) for t, k in zip(now, kept))
-    assert [t._version for t in now] == versions
-    assert count is None or int(nbt) == count
+    untouched()
+
+
+@pytest.mark.parametrize("how", sorted(MALFORMED))
+def test_module_unit_refuses_malformed_arguments_by_name_and_touches_nothing(name, how):
+    if how == "meta x" and name == "cuda":
+        pytest.skip("the dispatcher takes a meta x to the Meta key: this copy registers its "
+                    "module_unit for its own device's keys")
+    backend = _backend(name)
+    a = _refused(name, how)
+    untouched = _untouched(a)
+    exc, match = MALFORMED[how]
+    with pytest.raises(exc, match=match):
+        backend.module_unit(*a.values())
+    untouched()
 
 
 # ------------------------------------------------------------------------------- eager_unit

@@ -44,7 +44,7 @@ BAD = [
                                    weight=torch.randn(CO, C, 1, 1),
                                    residual=torch.randn(1, CO, 1, 1)),
      ValueError, "more than 1 value per channel"),
-    ("stride_zero", dict(stride=0), ValueError, "stride: expected values >= 1"),
+    ("stride_zero", dict(stride=0), ValueError, r"stride: expected values in \[1, 2\^31\)"),
     ("padding_negative", dict(padding=-1), ValueError, "padding"),
     ("padding_string", dict(padding="full"), ValueError, "padding: expected an int"),
     ("padding_same_strided", dict(padding="same", stride=2, residual=None), ValueError,
@@ -57,17 +57,50 @@ BAD = [
     ("cumulative_without_count", dict(num_batches_tracked=None), ValueError,
      "num_batches_tracked: required", {"momentum": None}),
     ("bn_weight_not_tensor", dict(bn_weight=[1.0] * C), TypeError, "bn_weight: expected a Tensor"),
+    # Once refused only after the running statistics had changed, or not at all (issue 38).
+    ("padding_2^31", dict(padding=2**31), ValueError, r"padding: expected values in \[0, 2\^31\)"),
+    ("padding_2^30", dict(padding=2**30), ValueError, "padding: x's height 7 padded by"),
+    ("dilation_2^30", dict(dilation=2**30), ValueError,
+     "dilation: a kernel of 3 taps dilated by"),
+    ("running_var_expanded", dict(running_var=torch.ones(1).expand(C)), ValueError,
+     "running_var: expected a tensor whose elements do not share memory"),
+    ("running_var_is_running_mean", dict(running_var="running_mean"), ValueError,
+     "running_var: expected memory of its own"),
+    ("running_mean_requires_grad", dict(running_mean=torch.zeros(C, requires_grad=True)),
+     ValueError, "running_mean: expected a buffer that does not require grad"),
+    ("running_var_requires_grad", dict(running_var=torch.ones(C, requires_grad=True)),
+     ValueError, "running_var: expected a buffer that does not require grad"),
+    ("eps_zero", {}, ValueError, r"eps: expected a value > 0 in training", {"eps": 0.0}),
+    ("eps_negative_eval", dict(training=False), ValueError, "eps: expected a value >= 0",
+     {"eps": -1e-5}),
+    ("eps_nan", {}, ValueError, "eps: expected a value > 0", {"eps": float("nan")}),
+    ("count_float", dict(num_batches_tracked=torch.tensor(0.0)), TypeError,
+     "num_batches_tracked: expected an integer tensor"),
+    ("count_two", dict(num_batches_tracked=torch.tensor([0, 0])), ValueError,
+     "num_batches_tracked: expected one element"),
 ]
+
+# The cases issue 38 found refused late or not at all; every backend runs them (below).
+LATE = ["padding_2^31", "padding_2^30", "dilation_2^30", "running_var_expanded",
+        "running_var_is_running_mean", "running_mean_requires_grad", "running_var_requires_grad",
+        "eps_zero", "eps_negative_eval", "eps_nan", "count_float", "count_two"]
+
+
+def _bad_args(change: dict) -> dict:
+    args = _good()
+    args.update(change)
+    if args["running_var"] == "running_mean":  # the same tensor for both
+        args["running_var"] = args["running_mean"]
+    return args
 
 
 @pytest.mark.parametrize("bad", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_names_argument_and_leaves_state(bad):
     _, change, exc, pattern, *extra = bad
-    args = _good()
-    args.update(change)
+    args = _bad_args(change)
     kwargs = extra[0] if extra else {}
     rm, rv, nbt = args["running_mean"], args["running_var"], args["num_batches_tracked"]
-    before = [t.clone() if t is not None else None for t in (rm, rv, nbt)]
+    before = [t.detach().clone() if t is not None else None for t in (rm, rv, nbt)]
     with pytest.raises(exc, match=pattern):
         FR.bn_relu_conv2d(
             args["x"], args["weight"], args["bias"], args["bn_weight"], args["bn_bias"], rm, rv,
@@ -77,6 +110,30 @@ def test_bad_input_names_argument_and_leaves_state(bad):
     for t, b in zip((rm, rv, nbt), before):
         if t is not None:
             assert torch.equal(t, b), "running statistics changed before the error"
+
+
+@pytest.mark.parametrize("name", LATE)
+def test_late_refusals_come_first_on_every_backend_and_route(backend, name):
+    """Issue 38's cases through the public API on every backend: the functional call and the
+    module (whose one-call route, fusedres.route's module_unit, runs first where a backend has
+    one): the error names the argument, no running statistic or count changes."""
+    _, change, exc, pattern, *extra = next(b for b in BAD if b[0] == name)
+    kwargs = extra[0] if extra else {}
+    args = _bad_args(change)
+    m = fusedres.BNReLUConv2d(C, CO, 3, stride=args.get("stride", 1),
+                              padding=args["padding"], dilation=args.get("dilation", 1),
+                              eps=kwargs.get("eps", 1e-5))
+    m.train(args["training"])
+    with torch.no_grad():
+        m.conv.weight.copy_(args["weight"])
+    for buffer in ("running_mean", "running_var", "num_batches_tracked"):
+        setattr(m.bn, buffer, args[buffer])
+    state = [t.detach().clone() for t in (args["running_mean"], args["running_var"],
+                                          args["num_batches_tracked"])]
+    with pytest.raises(exc, match=pattern):
+        m(args["x"], args["residual"])
+    for t, b in zip((m.bn.running_mean, m.bn.running_var, m.bn.num_batches_tracked), state):
+        assert torch.equal(t, b), "state changed before the error"
 
 
 def test_mismatched_devices_named():

@@ -75,7 +75,9 @@ def _environ_reads(tree: ast.AST) -> list[tuple[int, str]]:
         name = None
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
             f = node.func
-            if (f.attr in ("get", "pop", "setdefault") and is_environ(f.value)) or \
+            # setdefault is a default written for a later reader (which parses it through
+            # settings.get), not a read.
+            if (f.attr in ("get", "pop") and is_environ(f.value)) or \
                     f.attr == "getenv":
                 name = name_of(node.args[0])
         elif isinstance(node, ast.Subscript) and is_environ(node.value):

@@ -210,16 +210,8 @@ std::vector<int64_t> out_shape(const at::Tensor& x, const at::Tensor& w,
           conv_out_size(x.size(3), w.size(3), s[1], p[1], d[1])};
 }
 
-void check_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& mean,
-                  const at::Tensor& invstd) {
-  TORCH_CHECK(x.dim() == 4, "fusedres_cpu: x must be 4-D (N, C, H, W), got ", x.dim(), "-D");
-  TORCH_CHECK(weight.dim() == 4 && weight.size(1) == x.size(1),
-              "fusedres_cpu: weight must be (Co, C, kh, kw) with C = ", x.size(1), ", got ",
-              weight.sizes());
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "fusedres_cpu: CPU tensors only");
-  TORCH_CHECK(mean.numel() == x.size(1) && invstd.numel() == x.size(1),
-              "fusedres_cpu: mean and invstd must have one value per channel");
-}
+// The device type the ops' arguments are checked against (checks.h).
+constexpr c10::DeviceType kCpu = c10::DeviceType::CPU;
 
 // Per-channel affine of the BatchNorm in the acc dtype of x: bn(x) = scale * x + shift. The four
 // vectors are rows of one (4, C) tensor filled by one loop: a unit's fixed cost is a few dozen
@@ -254,16 +246,11 @@ Affine affine(const std::optional<at::Tensor>& bn_weight, const std::optional<at
 
 // The branch scale as an (N, 1, 1, 1) tensor in the conv's accumulator dtype (float32 for half
 // weights; undefined without one): multiplied into tiles of y and grad_out in that dtype and
-// rounded once, as the cuda and triton epilogues do.
-at::Tensor branch_factor(const std::optional<at::Tensor>& branch_scale, const at::Tensor& x,
+// rounded once, as the cuda and triton epilogues do. Checked by the op (checks.h).
+at::Tensor branch_factor(const std::optional<at::Tensor>& branch_scale,
                          const at::Tensor& weight) {
-  if (!branch_scale.has_value()) return {};
-  const at::Tensor& s = *branch_scale;
-  TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0) && s.device().is_cpu() &&
-                  at::isFloatingType(s.scalar_type()),
-              "fusedres_cpu: branch_scale must be a floating (N,) CPU tensor with N = ",
-              x.size(0), ", got ", s.sizes(), " ", s.scalar_type());
-  return s.to(at::toOpMathType(weight.scalar_type())).contiguous().view({-1, 1, 1, 1});
+  if (!present(branch_scale)) return {};
+  return branch_scale->to(at::toOpMathType(weight.scalar_type())).contiguous().view({-1, 1, 1, 1});
 }
 
 // A forward tile's epilogue with a branch scale, in place while the tile is in cache:
@@ -372,7 +359,7 @@ at::Tensor strided_rows(const at::Tensor& a, const std::vector<int64_t>& stride,
 // ----------------------------------------------------------------------------- ops
 
 std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 4, "fusedres_cpu.batch_stats: x must be 4-D, got ", x_in.dim(), "-D");
+  checks::check_stats_input("fusedres_cpu.batch_stats", x_in, kCpu);
   const Layout layout = layout_of(x_in);
   return batch_stats_kernel(x_in.contiguous(memory_format(layout)), layout);
 }
@@ -412,8 +399,9 @@ std::tuple<at::Tensor, at::Tensor> prepare_batch_norm(
     const std::optional<at::Tensor>& num_batches_tracked, bool training,
     std::optional<double> momentum, double eps, const std::optional<at::Tensor>& mean_in,
     const std::optional<at::Tensor>& var_in) {
-  check_prepare_args("fusedres_cpu.prepare_batch_norm", x, running_mean, running_var,
-                     num_batches_tracked, training, momentum, mean_in, var_in);
+  checks::check_prepare_args("fusedres_cpu.prepare_batch_norm", kCpu, x, running_mean,
+                             running_var, num_batches_tracked, training, momentum, eps, mean_in,
+                             var_in);
   const bool tracked = present(running_mean);
   const at::ScalarType sdt = at::toOpMathType(x.scalar_type());
   if (!training && tracked) return eval_stats_aten(*running_mean, *running_var, sdt, eps);
@@ -702,8 +690,8 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
   }
 }
 
-// The fused unit's forward; with stats_out, as forward_convs fills it.
-at::Tensor unit_forward(const at::Tensor& x_in, const at::Tensor& weight,
+// The fused unit's forward (op: its name in errors); with stats_out, as forward_convs fills it.
+at::Tensor unit_forward(const char* op, const at::Tensor& x_in, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& bn_weight,
                         const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
@@ -712,9 +700,10 @@ at::Tensor unit_forward(const at::Tensor& x_in, const at::Tensor& weight,
                         c10::SymIntArrayRef dilation,
                         const std::optional<at::Tensor>& branch_scale,
                         std::optional<std::tuple<at::Tensor, at::Tensor>>* stats_out) {
-  check_inputs(x_in, weight, mean, invstd);
+  checks::check_unit_args(op, kCpu, x_in, weight, bias, bn_weight, bn_bias, mean, invstd,
+                          residual, stride, padding, dilation, branch_scale);
   std::vector<ConvFwd> convs{ConvFwd{
-      {weight, stride, padding, dilation, branch_factor(branch_scale, x_in, weight)},
+      {weight, stride, padding, dilation, branch_factor(branch_scale, weight)},
       bias,
       residual}};
   forward_convs(x_in, convs, bn_weight, bn_bias, mean, invstd, stats_out);
@@ -729,8 +718,8 @@ at::Tensor bn_relu_conv2d(const at::Tensor& x_in, const at::Tensor& weight,
                           c10::SymIntArrayRef stride, c10::SymIntArrayRef padding,
                           c10::SymIntArrayRef dilation, bool /*batch_stats*/,
                           const std::optional<at::Tensor>& branch_scale) {
-  return unit_forward(x_in, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                      padding, dilation, branch_scale, nullptr);
+  return unit_forward("fusedres_cpu.bn_relu_conv2d", x_in, weight, bias, bn_weight, bn_bias,
+                      mean, invstd, residual, stride, padding, dilation, branch_scale, nullptr);
 }
 
 // Two convolutions of one BN-ReLU (a pre-activation unit's projection shortcut and first
@@ -743,11 +732,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_pair(
     const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
     c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, c10::SymIntArrayRef stride2,
     c10::SymIntArrayRef padding2, c10::SymIntArrayRef dilation2, bool stats2) {
-  check_inputs(x, weight, mean, invstd);
-  check_inputs(x, weight2, mean, invstd);
-  TORCH_CHECK(weight2.scalar_type() == weight.scalar_type(),
-              "fusedres_cpu.bn_relu_conv2d_pair: weight2 must have weight's dtype ",
-              weight.scalar_type(), ", got ", weight2.scalar_type());
+  checks::check_pair_args("fusedres_cpu.bn_relu_conv2d_pair", kCpu, x, weight, bias, weight2,
+                          bias2, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
+                          stride2, padding2, dilation2);
   std::vector<ConvFwd> convs{ConvFwd{{weight, stride, padding, dilation}, bias, std::nullopt},
                              ConvFwd{{weight2, stride2, padding2, dilation2}, bias2, std::nullopt}};
   forward_convs(x, convs, bn_weight, bn_bias, mean, invstd);
@@ -772,8 +759,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
     c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
     bool /*stats_of_batch*/, const std::optional<at::Tensor>& branch_scale) {
   std::optional<std::tuple<at::Tensor, at::Tensor>> stats;
-  at::Tensor y = unit_forward(x, weight, bias, bn_weight, bn_bias, mean, invstd, residual, stride,
-                              padding, dilation, branch_scale, &stats);
+  at::Tensor y = unit_forward("fusedres_cpu.bn_relu_conv2d_genstats", x, weight, bias, bn_weight,
+                              bn_bias, mean, invstd, residual, stride, padding, dilation,
+                              branch_scale, &stats);
   auto [y_mean, y_var] = stats.has_value() ? *stats : batch_stats(y);
   return {std::move(y), std::move(y_mean), std::move(y_var)};
 }
@@ -1190,10 +1178,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
     c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
     std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale,
     const at::Tensor* grad_x_add) {
-  check_inputs(x_in, weight, mean, invstd);
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
   std::vector<ConvGrad> convs{ConvGrad{
-      {weight, stride, padding, dilation, branch_factor(branch_scale, x_in, weight)},
+      {weight, stride, padding, dilation, branch_factor(branch_scale, weight)},
       grad_out,
       want_w,
       want_b}};
@@ -1208,6 +1195,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
     c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
     std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale) {
+  checks::check_backward_args("fusedres_cpu.bn_relu_conv2d_backward", kCpu, grad_out, x_in,
+                              weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
+                              branch_scale);
   return backward_one(grad_out, x_in, weight, bn_weight, bn_bias, mean, invstd, stride, padding,
                       dilation, batch_stats, output_mask, branch_scale, nullptr);
 }
@@ -1222,15 +1212,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
     std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale,
     const at::Tensor& grad_x_add) {
-  TORCH_CHECK(grad_x_add.sizes() == x_in.sizes(),
-              "fusedres_cpu.bn_relu_conv2d_backward_add: grad_x_add must have x's shape ",
-              x_in.sizes(), ", got ", grad_x_add.sizes());
-  TORCH_CHECK(grad_x_add.device() == x_in.device() && grad_x_add.is_floating_point(),
-              "fusedres_cpu.bn_relu_conv2d_backward_add: grad_x_add must be a floating-point "
-              "tensor on x's device, got ", grad_x_add.scalar_type(), " on ", grad_x_add.device());
-  TORCH_CHECK(output_mask[0],
-              "fusedres_cpu.bn_relu_conv2d_backward_add: output_mask[0] (x) must be set: "
-              "grad_x_add is added to x's gradient");
+  const char* op = "fusedres_cpu.bn_relu_conv2d_backward_add";
+  checks::check_backward_args(op, kCpu, grad_out, x_in, weight, bn_weight, bn_bias, mean, invstd,
+                              stride, padding, dilation, branch_scale);
+  checks::check_shaped(op, "grad_x_add", grad_x_add, x_in, x_in.sizes(), "x's gradient",
+                       at::ScalarType::Undefined);
+  TORCH_CHECK_VALUE(output_mask[0], op,
+                    ": output_mask: expected output_mask[0] (x) set: grad_x_add is added to x's "
+                    "gradient");
   return backward_one(grad_out, x_in, weight, bn_weight, bn_bias, mean, invstd, stride, padding,
                       dilation, batch_stats, output_mask, branch_scale, &grad_x_add);
 }
@@ -1249,11 +1238,14 @@ bn_relu_conv2d_pair_backward(const at::Tensor& grad_out, const at::Tensor& grad_
                              c10::SymIntArrayRef stride2, c10::SymIntArrayRef padding2,
                              c10::SymIntArrayRef dilation2, bool batch_stats,
                              std::array<bool, 5> output_mask) {
-  check_inputs(x_in, weight, mean, invstd);
-  check_inputs(x_in, weight2, mean, invstd);
-  TORCH_CHECK(weight2.scalar_type() == weight.scalar_type(),
-              "fusedres_cpu.bn_relu_conv2d_pair_backward: weight2 must have weight's dtype ",
-              weight.scalar_type(), ", got ", weight2.scalar_type());
+  const char* op = "fusedres_cpu.bn_relu_conv2d_pair_backward";
+  const auto convs_checked = checks::check_pair_args(
+      op, kCpu, x_in, weight, std::nullopt, weight2, std::nullopt, bn_weight, bn_bias, mean,
+      invstd, stride, padding, dilation, stride2, padding2, dilation2);
+  checks::check_shaped(op, "grad_out", grad_out, x_in, convs_checked[0].out,
+                       "the first convolution's output", at::ScalarType::Undefined);
+  checks::check_shaped(op, "grad_out2", grad_out2, x_in, convs_checked[1].out,
+                       "the second convolution's output", at::ScalarType::Undefined);
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
   std::vector<ConvGrad> convs{
       ConvGrad{{weight, stride, padding, dilation}, grad_out, want_w, want_b},
@@ -1263,6 +1255,52 @@ bn_relu_conv2d_pair_backward(const at::Tensor& grad_out, const at::Tensor& grad_
   return {gx, convs[0].gw, convs[0].gb, convs[1].gw, convs[1].gb, gg, gbeta};
 }
 
+// The backward ops' registered kernels: output_mask from the dispatcher as a c10::List, checked
+// (checks::check_output_mask) and passed on as the std::array the functions above take.
+using Grads5 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Grads5 bn_relu_conv2d_backward_op(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
+    const c10::List<bool>& output_mask, const std::optional<at::Tensor>& branch_scale) {
+  return bn_relu_conv2d_backward(
+      grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
+      batch_stats,
+      checks::check_output_mask("fusedres_cpu.bn_relu_conv2d_backward", output_mask),
+      branch_scale);
+}
+
+Grads5 bn_relu_conv2d_backward_add_op(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
+    const c10::List<bool>& output_mask, const std::optional<at::Tensor>& branch_scale,
+    const at::Tensor& grad_x_add) {
+  return bn_relu_conv2d_backward_add(
+      grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
+      batch_stats,
+      checks::check_output_mask("fusedres_cpu.bn_relu_conv2d_backward_add", output_mask),
+      branch_scale, grad_x_add);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+bn_relu_conv2d_pair_backward_op(
+    const at::Tensor& grad_out, const at::Tensor& grad_out2, const at::Tensor& x,
+    const at::Tensor& weight, const at::Tensor& weight2,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, c10::SymIntArrayRef stride2,
+    c10::SymIntArrayRef padding2, c10::SymIntArrayRef dilation2, bool batch_stats,
+    const c10::List<bool>& output_mask) {
+  return bn_relu_conv2d_pair_backward(
+      grad_out, grad_out2, x, weight, weight2, bn_weight, bn_bias, mean, invstd, stride, padding,
+      dilation, stride2, padding2, dilation2, batch_stats,
+      checks::check_output_mask("fusedres_cpu.bn_relu_conv2d_pair_backward", output_mask));
+}
+
 // ------------------------------------------------------------- the eager routes (../eager.h)
 
 // The cpu backend's kernels in the shared eager layer: its C++ autograd nodes (EagerCpuUnit,
@@ -1270,6 +1308,8 @@ bn_relu_conv2d_pair_backward(const at::Tensor& grad_out, const at::Tensor& grad_
 // eager_unit_with_shortcut) and a module's forward in one call
 // (fusedres_cpu::module_unit), which takes float32 and float64 x.
 struct CpuKernels {
+  static constexpr c10::DeviceType kDevice = kCpu;
+  static constexpr const char* kNamespace = "fusedres_cpu";
   static bool on_device(const at::Tensor& t) { return t.device().is_cpu(); }
   static bool takes_dtype(at::ScalarType dt) { return dt == at::kFloat || dt == at::kDouble; }
   static constexpr auto prepare = &prepare_batch_norm;
@@ -1317,8 +1357,8 @@ TORCH_LIBRARY_IMPL(fusedres_cpu, CPU, m) {
   m.impl("prepare_batch_norm", &fusedres::cpu::prepare_batch_norm);
   m.impl("bn_relu_conv2d", &fusedres::cpu::bn_relu_conv2d);
   m.impl("bn_relu_conv2d_genstats", &fusedres::cpu::bn_relu_conv2d_genstats);
-  m.impl("bn_relu_conv2d_backward", &fusedres::cpu::bn_relu_conv2d_backward);
-  m.impl("bn_relu_conv2d_backward_add", &fusedres::cpu::bn_relu_conv2d_backward_add);
+  m.impl("bn_relu_conv2d_backward", &fusedres::cpu::bn_relu_conv2d_backward_op);
+  m.impl("bn_relu_conv2d_backward_add", &fusedres::cpu::bn_relu_conv2d_backward_add_op);
   m.impl("bn_relu_conv2d_pair", &fusedres::cpu::bn_relu_conv2d_pair);
-  m.impl("bn_relu_conv2d_pair_backward", &fusedres::cpu::bn_relu_conv2d_pair_backward);
+  m.impl("bn_relu_conv2d_pair_backward", &fusedres::cpu::bn_relu_conv2d_pair_backward_op);
 }

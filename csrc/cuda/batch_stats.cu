@@ -226,12 +226,7 @@ constexpr int kFinalizeWarps = 8;
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 4, "fusedres_cuda.batch_stats: x must be 4-D (N, C, H, W), got ",
-              x_in.dim(), "-D");
-  check_device(x_in, "batch_stats", "x");
-  TORCH_CHECK(at::isFloatingType(x_in.scalar_type()),
-              "fusedres_cuda.batch_stats: x must be float32, float16, bfloat16 or float64, got ",
-              x_in.scalar_type());
+  checks::check_stats_input("fusedres_cuda.batch_stats", x_in, kDeviceType);
   DeviceGuard guard(x_in.device());
   const StatsPass p = stats_pass("fusedres_cuda.batch_stats", x_in);
   const auto acc_type = at::toOpMathType(p.x.scalar_type());
@@ -421,9 +416,8 @@ std::tuple<at::Tensor, at::Tensor> prepare_batch_norm(
     std::optional<double> momentum, double eps, const std::optional<at::Tensor>& mean_in,
     const std::optional<at::Tensor>& var_in) {
   const char* op = "fusedres_cuda.prepare_batch_norm";
-  check_device(x_in, "prepare_batch_norm", "x");
-  check_prepare_args(op, x_in, running_mean, running_var, num_batches_tracked, training,
-                     momentum, mean_in, var_in);
+  checks::check_prepare_args(op, kDeviceType, x_in, running_mean, running_var,
+                             num_batches_tracked, training, momentum, eps, mean_in, var_in);
   DeviceGuard guard(x_in.device());
   const bool tracked = present(running_mean);
   const bool use_batch = training || !tracked, update = training && tracked;

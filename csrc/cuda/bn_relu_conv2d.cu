@@ -560,26 +560,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     c10::SymIntArrayRef stride_, c10::SymIntArrayRef padding_, c10::SymIntArrayRef dilation_,
     bool genstats, const std::optional<at::Tensor>& branch_scale) {
   const char* op = genstats ? "fusedres_cuda.bn_relu_conv2d_genstats" : "fusedres_cuda.bn_relu_conv2d";
-  check_unit_inputs(op, x, weight, mean, invstd);
-  check_bn_params(op, x, bn_weight, bn_bias);
-  const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
-  const int64_t N = x.size(0), Co = weight.size(0);
-  const int64_t Ho =
-      conv_out_size(x.size(2), weight.size(2), stride[0], padding[0], dilation[0]);
-  const int64_t Wo =
-      conv_out_size(x.size(3), weight.size(3), stride[1], padding[1], dilation[1]);
-  TORCH_CHECK(Ho > 0 && Wo > 0, op, ": the output would be empty (", Ho, " x ", Wo, ")");
-  if (bias.has_value()) check_vector(op, "bias", *bias, x, Co, weight.scalar_type());
-  if (residual.has_value()) {
-    check_same_device(op, "residual", *residual, x);
-    TORCH_CHECK(residual->sizes() == at::IntArrayRef({N, Co, Ho, Wo}) &&
-                    residual->scalar_type() == weight.scalar_type(),
-                op, ": residual must be (", N, ", ", Co, ", ", Ho, ", ", Wo, ") of dtype ",
-                weight.scalar_type(), ", got ", residual->sizes(), " ", residual->scalar_type());
-  }
+  const checks::Conv c =
+      checks::check_unit_args(op, kDeviceType, x, weight, bias, bn_weight, bn_bias, mean, invstd,
+                              residual, stride_, padding_, dilation_, branch_scale);
+  const auto &stride = c.stride, &padding = c.padding, &dilation = c.dilation;
+  const int64_t N = x.size(0), Co = weight.size(0), Ho = c.out[2], Wo = c.out[3];
   const DeviceGuard guard(x.device());
   // The branch scale in the accumulator dtype, one factor per sample.
-  const at::Tensor bscale = branch_scale_acc(op, branch_scale, x, weight);
+  const at::Tensor bscale = branch_scale_acc(branch_scale, weight);
   at::Tensor y = at::empty({N, Co, Ho, Wo},
                            weight.options().memory_format(out_memory_format(x, weight)));
   const auto sdt = weight.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

@@ -1056,8 +1056,8 @@ __global__ void __launch_bounds__(256)
 
 // ----------------------------------------------------------------------------- host
 
-ConvGeom geom_of(const at::Tensor& weight, const std::vector<int64_t>& s,
-                 const std::vector<int64_t>& p, const std::vector<int64_t>& d) {
+ConvGeom geom_of(const at::Tensor& weight, const std::array<int64_t, 2>& s,
+                 const std::array<int64_t, 2>& p, const std::array<int64_t, 2>& d) {
   return {static_cast<int32_t>(weight.size(2)), static_cast<int32_t>(weight.size(3)),
           static_cast<int32_t>(s[0]), static_cast<int32_t>(s[1]), static_cast<int32_t>(p[0]),
           static_cast<int32_t>(p[1]), static_cast<int32_t>(d[0]), static_cast<int32_t>(d[1])};
@@ -1390,22 +1390,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     c10::SymIntArrayRef padding_, c10::SymIntArrayRef dilation_, bool batch_stats,
     std::array<bool, 5> output_mask, const std::optional<at::Tensor>& branch_scale) {
   const char* op = "fusedres_cuda.bn_relu_conv2d_backward";
-  check_unit_inputs(op, x, weight, mean_in, invstd_in);
-  check_bn_params(op, x, bn_weight, bn_bias);
-  check_same_device(op, "grad_out", grad_out, x);
-  TORCH_CHECK(at::isFloatingType(grad_out.scalar_type()), op,
-              ": grad_out must be a floating-point tensor, got ", grad_out.scalar_type());
+  const checks::Conv c = checks::check_backward_args(op, kDeviceType, grad_out, x, weight,
+                                                     bn_weight, bn_bias, mean_in, invstd_in,
+                                                     stride_, padding_, dilation_, branch_scale);
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
-  const auto stride = ints(stride_), padding = ints(padding_), dilation = ints(dilation_);
+  const auto &stride = c.stride, &padding = c.padding, &dilation = c.dilation;
   const int64_t N = x.size(0), Cin = x.size(1), H = x.size(2), W = x.size(3);
   const int64_t Co = weight.size(0);
-  const int64_t Ho = conv_out_size(H, weight.size(2), stride[0], padding[0], dilation[0]);
-  const int64_t Wo = conv_out_size(W, weight.size(3), stride[1], padding[1], dilation[1]);
-  TORCH_CHECK(grad_out.dim() == 4 && grad_out.sizes() == at::IntArrayRef({N, Co, Ho, Wo}), op,
-              ": grad_out must be (", N, ", ", Co, ", ", Ho, ", ", Wo, "), got ",
-              grad_out.sizes());
   const DeviceGuard guard(x.device());
-  const at::Tensor bscale = branch_scale_acc(op, branch_scale, x, weight);
+  const at::Tensor bscale = branch_scale_acc(branch_scale, weight);
   const at::Tensor* bsp = bscale.defined() ? &bscale : nullptr;
   // Outputs with the metadata of ops.backward_empty_outputs.
   at::Tensor gx = want_x ? at::empty_like(x) : x.new_empty({0});
@@ -1520,8 +1513,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   return {gx, gw, gb, gg, gbeta};
 }
 
+namespace {
+
+// The registered kernel: output_mask from the dispatcher as a c10::List, checked
+// (checks::check_output_mask) and passed on as the std::array the function above takes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_op(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, c10::SymIntArrayRef stride,
+    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool batch_stats,
+    const c10::List<bool>& output_mask, const std::optional<at::Tensor>& branch_scale) {
+  return bn_relu_conv2d_backward(
+      grad_out, x, weight, bn_weight, bn_bias, mean, invstd, stride, padding, dilation,
+      batch_stats,
+      checks::check_output_mask("fusedres_cuda.bn_relu_conv2d_backward", output_mask),
+      branch_scale);
+}
+
+}  // namespace
 }  // namespace fusedres::FUSEDRES_CUDA_NS
 
 FUSEDRES_CUDA_LIBRARY_IMPL(m) {
-  m.impl("bn_relu_conv2d_backward", &fusedres::FUSEDRES_CUDA_NS::bn_relu_conv2d_backward);
+  m.impl("bn_relu_conv2d_backward", &fusedres::FUSEDRES_CUDA_NS::backward_op);
 }

@@ -13,7 +13,7 @@
 //   namespace fusedres::FUSEDRES_CUDA_NS {
 //   template <typename scalar_t> __global__ void my_kernel(const scalar_t* x, int64_t n) {...}
 //   at::Tensor my_op(const at::Tensor& x) {
-//     check_device(x, "my_op", "x");
+//     checks::check_x("fusedres_cuda.my_op", x, kDeviceType);  // every argument (../checks.h)
 //     DeviceGuard guard(x);
 //     FUSEDRES_DISPATCH_FLOATING(x.scalar_type(), "my_op", [&] {
 //       FUSEDRES_LAUNCH(grid, block, smem_bytes, current_stream(), my_kernel<scalar_t>)(
@@ -36,7 +36,9 @@
 #include <type_traits>
 #include <vector>
 
-// conv_out_size, suggests_channels_last, out_memory_format: the rules csrc/cpu shares.
+// conv_out_size, suggests_channels_last, out_memory_format: the rules csrc/cpu shares; the ops'
+// argument checks (checks.h), csrc/cpu's too.
+#include "../checks.h"
 #include "../common.h"
 
 #if defined(__CUDACC__)
@@ -130,12 +132,6 @@ struct DeviceGuard {
 };
 inline cudaStream_t current_stream() { return nullptr; }
 #endif
-
-// A clear error when a tensor is on the wrong device for this copy of the kernels.
-inline void check_device(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().type() == kDeviceType, "fusedres_cuda.", op, ": ", name, " must be a ",
-              c10::DeviceTypeName(kDeviceType), " tensor, got ", t.device());
-}
 
 // Arithmetic type for storage type T: float for half, bfloat16 and float; double for double.
 template <typename T>

@@ -289,64 +289,20 @@ struct Affine {
 inline Affine bn_affine(const std::optional<at::Tensor>& bn_weight,
                         const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
                         const at::Tensor& invstd) {
-  // Callers check the shapes first (check_bn_params): a (1,) bn_weight would broadcast here.
+  // The ops check the shapes first (checks.h): a (1,) bn_weight would broadcast here.
   const at::Tensor scale = bn_weight.has_value() ? *bn_weight * invstd : invstd.clone();
   const at::Tensor shift = bn_bias.has_value() ? *bn_bias - mean * scale : -mean * scale;
   return {scale.contiguous(), shift.contiguous()};
 }
 
-// Every tensor argument is checked before a launch: a wrong device, dtype or size would reach
-// the kernel (a fault on a GPU, a wrong answer from a broadcast (1,) parameter).
-inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
-                              const at::Tensor& x) {
-  TORCH_CHECK(t.device() == x.device(), op, ": ", name, " must be on the device of x (",
-              x.device(), "), got ", t.device());
-}
-
-// A per-channel vector: 1-D (n,) of `dtype` on the device of x (any stride: the ops make it
-// contiguous before a kernel reads it).
-inline void check_vector(const char* op, const char* name, const at::Tensor& t,
-                         const at::Tensor& x, int64_t n, at::ScalarType dtype) {
-  check_same_device(op, name, t, x);
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", name, " must be a 1-D (", n,
-              ",) tensor, got shape ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must have dtype ", dtype, ", got ",
-              t.scalar_type());
-}
-
-inline void check_unit_inputs(const char* op, const at::Tensor& x, const at::Tensor& weight,
-                              const at::Tensor& mean, const at::Tensor& invstd) {
-  TORCH_CHECK(x.dim() == 4, op, ": x must be 4-D (N, C, H, W), got ", x.dim(), "-D");
-  TORCH_CHECK(weight.dim() == 4 && weight.size(1) == x.size(1), op,
-              ": weight must be (Co, C, kh, kw) with C = ", x.size(1), ", got ", weight.sizes());
-  check_device(x, op, "x");
-  check_same_device(op, "weight", weight, x);
-  const auto sdt = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  check_vector(op, "mean", mean, x, x.size(1), sdt);
-  check_vector(op, "invstd", invstd, x, x.size(1), sdt);
-}
-
-// The BatchNorm affine parameters, when given: (C,) in the statistics dtype, on x's device.
-inline void check_bn_params(const char* op, const at::Tensor& x,
-                            const std::optional<at::Tensor>& bn_weight,
-                            const std::optional<at::Tensor>& bn_bias) {
-  const auto sdt = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  if (bn_weight.has_value()) check_vector(op, "bn_weight", *bn_weight, x, x.size(1), sdt);
-  if (bn_bias.has_value()) check_vector(op, "bn_bias", *bn_bias, x, x.size(1), sdt);
-}
-
-// The branch scale (stochastic depth's per-sample factor) as a contiguous (N,) tensor in the
-// accumulator dtype of the weight (float64 for float64, else float32); undefined without one.
-inline at::Tensor branch_scale_acc(const char* op, const std::optional<at::Tensor>& branch_scale,
-                                   const at::Tensor& x, const at::Tensor& weight) {
-  if (!branch_scale.has_value()) return {};
-  const at::Tensor& s = *branch_scale;
-  TORCH_CHECK(s.dim() == 1 && s.size(0) == x.size(0) && at::isFloatingType(s.scalar_type()), op,
-              ": branch_scale must be a floating (N,) tensor with N = ", x.size(0), ", got ",
-              s.sizes(), " ", s.scalar_type());
-  check_same_device(op, "branch_scale", s, x);
+// The branch scale (stochastic depth's per-sample factor; checked by the op: checks.h) as a
+// contiguous (N,) tensor in the accumulator dtype of the weight (float64 for float64, else
+// float32); undefined without one.
+inline at::Tensor branch_scale_acc(const std::optional<at::Tensor>& branch_scale,
+                                   const at::Tensor& weight) {
+  if (!present(branch_scale)) return {};
   const auto acc = weight.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  return s.to(acc).contiguous();
+  return branch_scale->to(acc).contiguous();
 }
 
 }  // namespace fusedres::FUSEDRES_CUDA_NS

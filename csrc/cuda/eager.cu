@@ -17,6 +17,8 @@ namespace {
 // The pair has no kernels of its own here: two forward launches, and in backward two backward
 // calls (eager::composed_pair_backward), x's and the BatchNorm parameters' gradients summed.
 struct CudaKernels {
+  static constexpr c10::DeviceType kDevice = kDeviceType;
+  static constexpr const char* kNamespace = "fusedres_cuda";
   static bool on_device(const at::Tensor& t) { return t.device().type() == kDeviceType; }
   static bool takes_dtype(at::ScalarType dt) {
     return dt == at::kFloat || dt == at::kDouble || dt == at::kHalf || dt == at::kBFloat16;

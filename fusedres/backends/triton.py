@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .. import settings
 from .._backend import is_eager
+from ..checks import check_op_args
 from ..opdefs import (
     SCHEMAS,
     BackwardArgs,
@@ -85,9 +86,14 @@ def _triton_op(op: str):
     function also carries that schema as its Python signature: torch 2.11 infers the schema
     from the signature whatever ``schema=`` says (and ``*inputs`` cannot be inferred)."""
     def register(fn):
-        fn.__signature__ = python_signature(op)
+        def checked(*args):  # every argument first: the ops' contract (fusedres.checks)
+            check_op_args(op, args, f"fusedres_triton::{op}", ("cuda", "cpu"))
+            return fn(*args)
+
+        checked.__name__ = fn.__name__
+        checked.__signature__ = python_signature(op)
         return torch.library.triton_op(f"fusedres_triton::{op}", mutates_args=(),
-                                       schema=SCHEMAS[op])(fn)
+                                       schema=SCHEMAS[op])(checked)
     return register
 
 
@@ -110,9 +116,12 @@ def _launch_forward(u: UnitArgs, genstats: bool, scale=None, shift=None, merge=N
     bscale = u.branch_scale
     if bscale is not None:
         bscale = _branch_scale(bscale, u.weight)
-    plan = _fwd_plan(u.x, u.weight, u.bias, scale, shift, residual, u.stride, u.padding,
+    bias = u.bias  # the kernels read bias[co] at unit stride (a strided one read other values)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    plan = _fwd_plan(u.x, u.weight, bias, scale, shift, residual, u.stride, u.padding,
                      u.dilation, None, genstats, bscale, merge)
-    return plan.run(u.x, u.weight, scale, shift, u.bias, residual, bscale)
+    return plan.run(u.x, u.weight, scale, shift, bias, residual, bscale)
 
 
 def _forward(*inputs) -> Tensor:
@@ -519,6 +528,8 @@ def eager_unit(args: UnitArgs, genstats: bool, affine=None):
         scale, shift = affine
     if residual is not None and residual.dtype != weight.dtype:
         residual = residual.to(weight.dtype)  # differentiable: the gradient casts back
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()  # the kernels read bias[co] at unit stride; differentiable
     if bscale is not None:
         bscale = _branch_scale(bscale, weight)
     # The forward plan's key (kernels/bn_relu_conv2d.py's plan_key, written out: a call a
@@ -594,7 +605,7 @@ def _module_case(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
 
     check_conv_args(x, weight, bias, residual, stride, padding, dilation)
     check_batch_norm_args(x, bn_weight, bn_bias, running_mean, running_var,
-                          num_batches_tracked, training=training, momentum=momentum)
+                          num_batches_tracked, training=training, momentum=momentum, eps=eps)
     sdt = torch.float32
     takes = (not torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64
              and all(t is None or t.dtype == sdt for t in (bn_weight, bn_bias))
@@ -621,6 +632,8 @@ def module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
     ``[y]``, or ``[]`` with nothing touched for arguments it leaves to the checked route. The
     checks and the plans are made once per arguments' types, shapes, strides, dtypes,
     alignments and flags (:func:`_module_case`)."""
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()  # the kernels read bias[co] at unit stride; differentiable
     # Every type, shape, stride, dtype, device and alignment the checks and the plans read,
     # written out: a helper function a tensor would cost ~10 Python calls a step.
     key = (type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16,
@@ -634,10 +647,12 @@ def module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
                                          bn_bias.device, bn_bias.data_ptr() % 16),
            None if running_mean is None else (type(running_mean), running_mean.shape,
                                               running_mean.stride(), running_mean.dtype,
-                                              running_mean.device, running_mean.data_ptr() % 16),
+                                              running_mean.device, running_mean.data_ptr() % 16,
+                                              running_mean.requires_grad),
            None if running_var is None else (type(running_var), running_var.shape,
                                              running_var.stride(), running_var.dtype,
-                                             running_var.device, running_var.data_ptr() % 16),
+                                             running_var.device, running_var.data_ptr() % 16,
+                                             running_var.requires_grad),
            None if num_batches_tracked is None else (type(num_batches_tracked),
                                                      num_batches_tracked.dtype,
                                                      num_batches_tracked.data_ptr() % 16),
