@@ -516,7 +516,29 @@ def test_kernel_columns_only_on_a_gpu_row_with_a_model():
     units_mod.kernel_columns(row, lambda: None, torch.device("cpu"))
     assert "kernel_s" not in row
     md = _modeled_table([dict(row, median_s=1e-3, iqr_s=0, ratio=1.0, kernel_s=2e-4)])
-    assert md.splitlines()[2].endswith("| 0.100 | 10.00 | 0.200 | 2.00 |")
+    assert md.splitlines()[2].endswith("| 0.100 | 10.00 | 0.200 | 2.00 | - | - |")
+
+
+def test_replay_seconds_warms_up_captures_once_and_times_the_replays():
+    """The replay timing's bookkeeping on CPU with a stand-in capture: the warm-up steps, one
+    capture of the step, one untimed replay, then the timed ones; only GPU rows with a model
+    get the column (what a GPU adds: the capture itself and CUDA events, not run here)."""
+    calls, captured = [], []
+
+    def step():
+        calls.append("step")
+
+    def capture(fn):
+        captured.append(fn)
+        return lambda: calls.append("replay")
+
+    t = units_mod.replay_seconds(step, torch.device("cpu"), reps=5, warmup=3, capture=capture)
+    assert captured == [step] and calls == ["step"] * 3 + ["replay"] * 6 and t >= 0
+    row = {"shape": "s", "impl": "plain", "modeled_s": 1e-4}
+    units_mod.replay_columns(row, step, torch.device("cpu"))
+    assert "replay_s" not in row
+    md = _modeled_table([dict(row, median_s=1e-3, iqr_s=0, ratio=1.0, replay_s=1.5e-4)])
+    assert md.splitlines()[2].endswith("| - | - | 0.150 | 1.50 |")
 
 
 def _modeled_table(rows):

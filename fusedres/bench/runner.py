@@ -159,7 +159,9 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
         md += ["MODELED: fusedres.perfmodel's time for the plain sequence (plain row) and the "
                "fused Triton kernels (triton channels_last row). `kernels ms`: the GPU time of "
                "one step's kernels by torch.profiler (3 profiled steps), what the model prices; "
-               "the median wall time also holds the host's time between launches.", ""]
+               "`replay ms`: the step replayed from a CUDA graph (20 replays, CUDA events), its "
+               "kernels with the gaps between them and no host time; the median wall time also "
+               "holds the host's time between launches.", ""]
     md += [R.markdown_table(measured, all_cols), ""]
     summary = units_mod.layout_summary(rows) if layouts else []
     lines = units_mod.summary_lines(summary)

@@ -260,13 +260,66 @@ def kernel_columns(row: dict, step, device: torch.device, reps: int = 3) -> None
         row["kernel_s"] = t
 
 
+def replay_seconds(step, device: torch.device, reps: int = 20, warmup: int = 3,
+                   capture=None) -> float:
+    """Seconds per step of ``step`` replayed from a CUDA graph: its kernels back to back on the
+    device with no host work between launches, timed by CUDA events around ``reps`` replays.
+    The warm-up steps run on a side stream first (Triton compiles and picks its configs there,
+    the gradients' buffers exist), as fusedres.train.step.GraphedStep does. ``capture``: how a
+    function becomes its replay (default: fusedres.train.step.cuda_graph_capture); on CPU a
+    stand-in (``lambda fn: fn``) runs the same bookkeeping with a wall clock."""
+    from ..train.step import cuda_graph_capture
+
+    capture = cuda_graph_capture if capture is None else capture
+    cuda = device.type == "cuda"
+    side = torch.cuda.Stream(device) if cuda else None
+    if cuda:
+        side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+        for _ in range(warmup):
+            step()
+    if cuda:
+        torch.cuda.current_stream(device).wait_stream(side)
+    replay = capture(step)
+    replay()  # the capture recorded; this runs it once before the timed replays
+    if not cuda:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            replay()
+        return (time.perf_counter() - t0) / reps
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    start.record()
+    for _ in range(reps):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3 / reps
+
+
+def replay_columns(row: dict, step, device: torch.device, reps: int = 20) -> None:
+    """Adds ``replay_s`` to a row that has a MODELED time: the step replayed from a CUDA graph
+    (:func:`replay_seconds`), the kernels' time with the gaps between them but no host time,
+    the measurement the performance model's prediction is checked against. A capture that
+    fails (an op that cannot be captured) is a warning; the other columns stand."""
+    if device.type != "cuda" or "modeled_s" not in row:
+        return
+    try:
+        row["replay_s"] = replay_seconds(step, device, reps)
+    except Exception as exc:  # noqa: BLE001 - the wall and profiler times stand without it
+        warnings.warn(f"CUDA graph: no replay time for {row['shape']} {row['impl']}: {exc}",
+                      stacklevel=2)
+
+
 def modeled_cols():
     return [Column("MODELED ms", lambda r: _scaled(r, "modeled_s", 1e-3), "{:.3f}"),
             Column("measured / MODELED", lambda r: r["median_s"] / r["modeled_s"]
                    if "modeled_s" in r else None, "{:.2f}"),
             Column("kernels ms", lambda r: _scaled(r, "kernel_s", 1e-3), "{:.3f}"),
             Column("kernels / MODELED", lambda r: r["kernel_s"] / r["modeled_s"]
-                   if "kernel_s" in r and "modeled_s" in r else None, "{:.2f}")]
+                   if "kernel_s" in r and "modeled_s" in r else None, "{:.2f}"),
+            Column("replay ms", lambda r: _scaled(r, "replay_s", 1e-3), "{:.3f}"),
+            Column("replay / MODELED", lambda r: r["replay_s"] / r["modeled_s"]
+                   if "replay_s" in r and "modeled_s" in r else None, "{:.2f}")]
 
 
 def _impls(device: torch.device, baselines, backends) -> list[str]:
@@ -333,6 +386,7 @@ def run_units(shapes, device: torch.device, *, baselines=BASELINES, backends=Non
             bandwidth_columns(row, shape, amp or dtype, peak_bw)
             modeled_columns(row, shape, amp or dtype, device)
             kernel_columns(row, steps[row["impl"]], device)
+            replay_columns(row, steps[row["impl"]], device)
         layout_ratios(shape_rows)
         rows += shape_rows
         if on_shape is not None:
