@@ -330,8 +330,11 @@ def _plot_landscapes(runs: list[str], path: Path) -> bool:
         ax.set_ylabel("β: step along direction 2 (filter-normalised)")
         ax.set_title(_depth_label(name).replace(": ", ":\n") + ", seed 0", fontsize=9)
         ax.legend(fontsize=8, loc="upper right")
-    fig.colorbar(cs, ax=list(axes[0]), label="training loss (cross-entropy, nats), the same "
-                                             "log-spaced contours in every panel")
+    bar = fig.colorbar(cs, ax=list(axes[0]), label="training loss (cross-entropy, nats), the "
+                                                   "same log-spaced contours in every panel")
+    ticks = levels[::4]
+    bar.set_ticks(ticks, labels=[f"{v:.3g}" for v in ticks])
+    bar.ax.minorticks_off()
     fig.suptitle("Training loss around the trained weights (Li et al. 2018)")
     figures.save(fig, path)
     return True

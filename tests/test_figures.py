@@ -68,6 +68,21 @@ def test_each_fault_is_found(fault, expected):
     plt.close(fig)
 
 
+def test_panels_on_one_scale_share_a_colour_bar_and_another_scale_needs_its_own():
+    from matplotlib.colors import LogNorm
+
+    fig, axes = plt.subplots(1, 3)
+    z = np.arange(1.0, 10.0).reshape(3, 3)
+    for ax in axes:
+        _labelled(ax)
+    cs = [ax.contour(z, norm=LogNorm(1, 9), cmap="viridis") for ax in axes[:2]]
+    fig.colorbar(cs[1], ax=list(axes[:2]), label="loss (nats)")
+    axes[2].contour(z, norm=LogNorm(1, 20), cmap="viridis")  # another scale, no bar
+    problems = figures.unlabelled(fig)
+    assert len(problems) == 1 and problems[0].startswith("panel 2"), problems
+    plt.close(fig)
+
+
 def test_a_figure_title_stands_for_panel_titles_and_twin_axes_need_no_second_xlabel():
     fig, ax = plt.subplots()
     ax.set_xlabel("t")

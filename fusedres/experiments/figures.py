@@ -72,11 +72,15 @@ def unlabelled(fig) -> list[str]:
 
     Checked on the artists: every visible x, y (and 3-D z) axis of every panel has a label; a
     panel has a title unless the figure has one (twin axes share their panel's); a contour set,
-    image or coloured surface (a colour mapping) has a colour bar, and a colour bar has a label;
+    image or coloured surface (a colour mapping) has a colour bar, its own or one on the same
+    scale (normalisation and colour map) elsewhere in the figure, and a colour bar has a label;
     a panel with two or more labelled lines or collections has a legend (its own or the
     figure's)."""
     problems = []
     suptitle = fig.get_suptitle()
+    # Scales that a colour bar in the figure shows: panels on one shared scale need one bar.
+    shown = {_scale(m) for ax in fig.axes for m in [*ax.collections, *ax.images]
+             if _maps_colour(m) and getattr(m, "colorbar", None) is not None}
     for i, ax in enumerate(fig.axes):
         if not ax.get_visible():
             continue
@@ -99,7 +103,8 @@ def unlabelled(fig) -> list[str]:
         if not titled and not suptitle.strip():
             problems.append(f"{where}: no title (nor a figure title)")
         for mappable in [*ax.collections, *ax.images]:
-            if _maps_colour(mappable) and getattr(mappable, "colorbar", None) is None:
+            if (_maps_colour(mappable) and getattr(mappable, "colorbar", None) is None
+                    and _scale(mappable) not in shown):
                 problems.append(f"{where}: a colour mapping ({type(mappable).__name__}) "
                                 "without a colour bar")
         labelled = [a for a in [*ax.lines, *ax.collections, *ax.patches]
@@ -107,6 +112,12 @@ def unlabelled(fig) -> list[str]:
         if len(labelled) >= 2 and ax.get_legend() is None and not fig.legends:
             problems.append(f"{where}: {len(labelled)} labelled curves and no legend")
     return problems
+
+
+def _scale(mappable) -> tuple:
+    """What a colour bar shows of a mapping: its normalisation and colour map."""
+    norm = mappable.norm
+    return type(norm).__name__, norm.vmin, norm.vmax, mappable.get_cmap().name
 
 
 def _maps_colour(artist) -> bool:
