@@ -1,7 +1,7 @@
-"""The ``fusedres`` command: ``fusedres train|bench|demo|selftest|lesion|landscape [args]``,
-and the command-line conventions its apps share (:class:`UsageError`, :func:`parse_bytes`):
-the apps import them from here, not from each other. Imports nothing from fusedres at module
-level."""
+"""The ``fusedres`` command: ``fusedres train|bench|demo|selftest|lesion|landscape|compare
+[args]``, and the command-line conventions its apps share (:class:`UsageError`,
+:func:`parse_bytes`): the apps import them from here, not from each other. Imports nothing
+from fusedres at module level."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ COMMANDS = {
                                               "deleted (Veit et al. 2016)"),
     "landscape": ("fusedres.experiments.landscape", "loss and accuracy around a run's trained "
                                                     "weights (Li et al. 2018)"),
+    "compare": ("fusedres.experiments.compare", "runs side by side: curves per variant (median "
+                                                "over seeds) and a table of test errors"),
     "settings": ("fusedres.settings", "the FUSEDRES_* environment variables, and those set here"),
 }
 

@@ -13,6 +13,7 @@ not committed (reproduction/runs is ignored); results.json keeps every figure th
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import os
@@ -22,6 +23,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 RUNS = HERE / "runs"
@@ -63,9 +66,15 @@ EXPERIMENTS = {"orderings": ORDERINGS, "shortcuts": SHORTCUTS, "depth": DEPTH_ST
 # stochastic depth.
 SAME_AS = {"short-identity": "order-original", "sd-none-110": "depth-res-bn-110"}
 # Analyses on finished runs: (kind, runs, extra flags, out folder).
-LESION = ("lesion", ["depth-res-bn-56-s0", "depth-plain-bn-56-s0"],
-          ["--max-deleted", "10", "--draws", "5"], "lesion-56")
-LANDSCAPES = [("landscape", [run], ["--grid", "31", "--batches", "4"], f"landscape-{run}")
+# Depth 20: the deepest plain network with BatchNorm that trains here (plain-56 stays at
+# 47-63 % test error, so deleting its units shows nothing).
+LESION = ("lesion", ["depth-res-bn-20-s0", "depth-plain-bn-20-s0"],
+          ["--max-deleted", "7", "--draws", "5"], "lesion-20")
+# He et al. 2015 Fig. 6: plain against residual (BatchNorm), depths 20 and 56, every seed.
+COMPARE = ("compare", [f"depth-{kind}-bn-{d}-s{s}" for d in (20, 56) for kind in ("plain", "res")
+                       for s in SEEDS], [], "compare-depth")
+ANALYSES = ("lesion", "landscape", "compare")
+LANDSCAPES = [("landscape", [run], ["--grid", "15", "--batches", "2"], f"landscape-{run}")
               for run in ("depth-res-bn-56-s0", "depth-plain-bn-56-s0")]
 
 
@@ -102,12 +111,14 @@ def _run(cmd: list[str], log: Path) -> int:
     return code
 
 
-def run(only: list[str], jobs: int) -> int:
+def run(only: list[str], jobs: int, match: str = "*") -> int:
     todo = []
     for group in only:
-        if group in ("lesion", "landscape"):
+        if group in ANALYSES:
             continue
         for name, (flags, seeds) in EXPERIMENTS[group].items():
+            if not fnmatch.fnmatch(name, match):
+                continue
             for seed in seeds:
                 out = RUNS / f"{name}-s{seed}"
                 if not _done(out):
@@ -121,6 +132,8 @@ def run(only: list[str], jobs: int) -> int:
     analyses = []
     if "lesion" in only:
         analyses.append(LESION)
+    if "compare" in only:
+        analyses.append(COMPARE)
     if "landscape" in only:
         analyses += LANDSCAPES
     for kind, runs, flags, out in analyses:
@@ -128,10 +141,12 @@ def run(only: list[str], jobs: int) -> int:
             print(f"skipping {kind} {out}: runs not finished", flush=True)
             continue
         target = RUNS / out
-        if (target / "lesion.json").exists() or (target / "landscape_2d_contour.png").exists():
+        if any((target / f).exists() for f in ("lesion.json", "landscape_2d_contour.png",
+                                                   "compare.json")):
             continue
+        options = [] if kind == "compare" else ["--threads", "2", "--no-progress"]
         cmd = [_python(), "-m", "fusedres.cli", kind, *[str(RUNS / r) for r in runs], *flags,
-               "--threads", "2", "--out", str(target), "--no-progress"]
+               *options, "--out", str(target)]
         codes.append(_run(cmd, target / f"{kind}.log"))
     return 1 if any(codes) else 0
 
@@ -153,10 +168,26 @@ def _relative(command: str) -> str:
     return command.replace(str(HERE.parent) + "/", "")
 
 
+FIRST_COMMIT = "4507d9f"  # the commit the first full set of runs was made at
+
+
+def _revision() -> str:
+    return subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip() or "unknown"
+
+
 def collect() -> dict:
+    """Every experiment's runs: from reproduction/runs where they are there (finished), else
+    the figures committed in results.json (a partial rerun keeps the others)."""
+    saved_path = HERE / "results.json"
+    saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
     out = {}
     for group, runs in EXPERIMENTS.items():
         for name, (flags, seeds) in runs.items():
+            if not any(_done(RUNS / f"{name}-s{seed}") for seed in seeds) and name in saved:
+                # Entries older than this field were all made at FIRST_COMMIT.
+                out[name] = {"commit": FIRST_COMMIT, **saved[name]}
+                continue
             rows = []
             for seed in seeds:
                 d = RUNS / f"{name}-s{seed}"
@@ -169,7 +200,7 @@ def collect() -> dict:
                              "parameters": s["parameters"],
                              "command": _relative(" ".join(
                                  ["fusedres train"] + train_command(name, flags, seed)[3:]))})
-            out[name] = {"group": group, "flags": flags, "runs": rows}
+            out[name] = {"group": group, "flags": flags, "runs": rows, "commit": _revision()}
     return out
 
 
@@ -208,71 +239,104 @@ def _entry(data, name):
 
 
 def _plot_depth(data, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Final training loss and test error against depth: the median over the seeds with the
+    interquartile range as error bars, a run whose loss is not finite counted as +inf and
+    marked x at the top; chance error dashed."""
+    from fusedres.experiments import figures
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    plt = figures.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     plotted = 0
-    for (short, norm), style in {("res", "bn"): "o-", ("plain", "bn"): "s-",
-                                 ("res", "nobn"): "o--", ("plain", "nobn"): "s--"}.items():
-        xs, loss, err = [], [], []
+    series = {("res", "bn"): "o-", ("plain", "bn"): "s-", ("res", "nobn"): "o--",
+              ("plain", "nobn"): "s--"}
+    for i, ((short, norm), style) in enumerate(series.items()):
+        xs, loss, err, diverged = [], [], [], []
         for d in DEPTHS + (1001,):
             e = data.get(f"depth-{short}-{norm}-{d}")
             if not e or not e["runs"]:
                 continue
             xs.append(d)
-            loss.append(_median([r["train_loss"] for r in e["runs"]]))
-            err.append(100 * _median([r["test_error"] for r in e["runs"]]))
-        label = f"{'residual' if short == 'res' else 'plain (no shortcut)'}, " \
-                f"{'BatchNorm' if norm == 'bn' else 'no normalisation'}"
+            loss.append([r["train_loss"] for r in e["runs"]])
+            err.append([100 * r["test_error"] for r in e["runs"]])
+            diverged += [d] * sum(not math.isfinite(r["train_loss"]) for r in e["runs"])
+        label = (f"{'residual' if short == 'res' else 'plain (no shortcut)'}, "
+                 f"{'BatchNorm' if norm == 'bn' else 'no normalisation'}")
         plotted += len(xs)
-        axes[0].plot(xs, loss, style, label=label)
-        axes[1].plot(xs, err, style, label=label)
+        for ax, values in zip(axes, (loss, err)):
+            med, q1, q3 = figures.band(values)
+            shown = np.where(np.isfinite(med), med, np.nan)
+            lower = np.where(np.isfinite(med), med - q1, np.nan)
+            upper = np.where(np.isfinite(q3), q3 - med, 0.0)
+            ax.errorbar(xs, shown, yerr=[lower, upper], fmt=style, color=f"C{i}", capsize=3,
+                        label=label)
+        if diverged:
+            axes[0].plot(diverged, [0.97] * len(diverged), "x", color=f"C{i}", ms=8, mew=2,
+                         transform=axes[0].get_xaxis_transform(), clip_on=False)
     if not plotted:
         plt.close(fig)
         return
-    for ax, what in zip(axes, ("final training loss (last epoch, augmented)",
-                               "test error (%)")):
+    axes[1].axhline(90.0, color="0.4", ls="--", lw=1, label="chance error (10 classes)")
+    axes[0].plot([], [], "kx", ms=8, mew=2, label="a seed whose loss is not finite")
+    for ax, what, ylabel in zip(
+            axes, ("final training loss (last epoch, augmented batches)", "final test error"),
+            ("training loss (cross-entropy, nats)", "test error (%)")):
         ax.set_xscale("log")
         ax.set_xlabel("depth (layers)")
+        ax.set_ylabel(ylabel)
         ax.set_title(what)
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     axes[0].set_yscale("log")
-    axes[1].legend(fontsize=8)
-    fig.suptitle("Depth study on digits (median of 3 seeds; 1001 layers: 1 seed)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fig.suptitle("Depth on digits: median of 3 seeds, interquartile bars (1001 layers: 1 seed)")
+    figures.save(fig, path)
+
+
+def _depth_label(run: str) -> str:
+    """'depth-plain-bn-56-s0' -> the variant label of that network."""
+    from fusedres.train.naming import variant_label
+
+    _, short, norm, depth, _ = run.split("-")
+    return variant_label({"model": "preact_resnet", "depth": int(depth),
+                          "shortcut": "none" if short == "plain" else "identity",
+                          "norm": "batch" if norm == "bn" else "none"})
 
 
 def _plot_landscapes(runs: list[str], path: Path) -> bool:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    """The runs' 2-D loss surfaces side by side on one scale: the same log-spaced contour
+    levels, one colour bar, the same axes."""
+    from fusedres.experiments import figures
 
     files = [RUNS / f"landscape-{r}" / "landscape_2d.npz" for r in runs]
     if not all(f.exists() for f in files):
         return False
-    fig, axes = plt.subplots(1, len(files), figsize=(5.5 * len(files), 5))
+    plt = figures.pyplot()
+    fig, axes = plt.subplots(1, len(files), figsize=(6.2 * len(files), 6.2), sharex=True,
+                             sharey=True, layout="constrained", squeeze=False)
     surfaces = [np.load(f) for f in files]
-    lo = min(float(np.nanmin(z["loss"])) for z in surfaces)
-    hi = max(float(np.nanmax(z["loss"])) for z in surfaces)
+    finite = [z["loss"][np.isfinite(z["loss"])] for z in surfaces]
+    lo = min(float(v.min()) for v in finite)
+    hi = max(float(v.max()) for v in finite)
     levels = np.geomspace(max(lo, 1e-4), hi, 30)
-    for ax, z, name in zip(np.atleast_1d(axes), surfaces, runs):
+    from matplotlib.colors import LogNorm
+
+    norm = LogNorm(levels[0], levels[-1])
+    for ax, z, name in zip(axes[0], surfaces, runs):
         X, Y = np.meshgrid(z["x"], z["y"])
-        cs = ax.contour(X, Y, z["loss"], levels=levels, cmap="summer")
-        ax.clabel(cs, cs.levels[::4], fontsize=6, fmt="%.2g")
-        ax.plot([0], [0], "r*", ms=10)
+        cs = ax.contour(X, Y, np.ma.masked_invalid(z["loss"]), levels=levels, cmap="viridis",
+                        norm=norm, linewidths=1)
+        ax.plot([0], [0], "r*", ms=12, label="trained weights (α = β = 0)")
         ax.set_aspect("equal")
-        ax.set_title(name.replace("depth-", "").replace("-s0", "")
-                     .replace("res-bn-56", "ResNet-56").replace("plain-bn-56", "ResNet-56-noshort"))
-    fig.suptitle("Training loss around the trained weights, filter-normalised directions "
-                 "(same contour levels)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        ax.set_xlabel("α: step along direction 1 (filter-normalised)")
+        ax.set_ylabel("β: step along direction 2 (filter-normalised)")
+        ax.set_title(_depth_label(name).replace(": ", ":\n") + ", seed 0", fontsize=9)
+        ax.legend(fontsize=8, loc="upper right")
+    bar = fig.colorbar(cs, ax=list(axes[0]), label="training loss (cross-entropy, nats), the "
+                                                   "same log-spaced contours in every panel")
+    ticks = levels[::4]
+    bar.set_ticks(ticks, labels=[f"{v:.3g}" for v in ticks])
+    bar.ax.minorticks_off()
+    fig.suptitle("Training loss around the trained weights (Li et al. 2018)")
+    figures.save(fig, path)
     return True
 
 
@@ -324,27 +388,45 @@ def report() -> None:
         shutil.copy(lesion / "lesion.png", HERE / "lesion.png")
         (HERE / "lesion.json").write_text(_relative((lesion / "lesion.json").read_text()))
         doc = json.loads((lesion / "lesion.json").read_text())
-        L += ["", "## Lesion study (Veit et al. 2016), depth 56, seed 0", "",
+        from fusedres.experiments import figures
+
+        L += ["", "## Lesion study (Veit et al. 2016), depth 20, seed 0", "",
               "![lesion](lesion.png)", "",
               "Test error (%) with k units deleted (k = 1: every deletable unit alone; k >= 2: "
-              "the mean of random subsets):", "",
-              "| k | " + " | ".join(r["run"].split("/")[-1] for r in doc["runs"]) + " |",
-              "|---|" + "---|" * len(doc["runs"])]
+              f"{LESION[2][3]} random subsets): median over the subsets (min-max). Depth 20, as "
+              "the plain network with BatchNorm does not train at 56 layers here (47-63 % test "
+              "error): deleting its units would show nothing.", "",
+              "| k | " + " | ".join(_depth_label(r["run"].split("/")[-1]) for r in doc["runs"])
+              + " |", "|---|" + "---|" * len(doc["runs"])]
         for i, row in enumerate(doc["runs"][0]["by_k"]):
-            cells = [f"{100 * r['by_k'][i]['mean']:.2f} ({100 * r['by_k'][i]['min']:.2f}-"
-                     f"{100 * r['by_k'][i]['max']:.2f})" for r in doc["runs"]]
+            cells = [f"{100 * figures.quantile(r['by_k'][i]['errors'], 0.5):.2f} "
+                     f"({100 * r['by_k'][i]['min']:.2f}-{100 * r['by_k'][i]['max']:.2f})"
+                     for r in doc["runs"] if i < len(r["by_k"])]
             L.append(f"| {row['k']} | " + " | ".join(cells) + " |")
         L += ["", f"`{_relative(doc['command'])}`; every error is in `lesion.json`."]
+    compared = RUNS / COMPARE[3]
+    if (compared / "compare.json").exists():
+        shutil.copy(compared / "compare.png", HERE / "compare-depth.png")
+        md = (compared / "compare.md").read_text().splitlines()
+        table = [line for line in md if line.startswith("|")]
+        L += ["", "## Plain against residual over training (He et al. 2015, Fig. 6)", "",
+              "![training curves of plain and residual networks](compare-depth.png)", "",
+              "Test error (%) per variant, median over seeds 0, 1, 2 (min-max):", "", *table, "",
+              f"`{_relative(json.loads((compared / 'compare.json').read_text())['command'])}`"]
     if _plot_landscapes([r[1][0] for r in LANDSCAPES], HERE / "landscapes.png"):
         L += ["", "## Loss landscapes (Li et al. 2018), depth 56, seed 0", "",
               "![landscapes](landscapes.png)", ""]
         for kind, runs, flags, out in LANDSCAPES:
             L.append(f"`fusedres {kind} reproduction/runs/{runs[0]} {' '.join(flags)} --out "
                      f"reproduction/runs/{out}`  ")
-    rev = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip() or "unknown"
-    L += ["", f"Runs made with fusedres at commit {rev}, 2-core Xeon (no GPU), torch "
-          f"{_torch_version()}."]
+    commits: dict[str, list[str]] = {}
+    for name, entry in data.items():
+        if entry["runs"]:
+            commits.setdefault(entry.get("commit", FIRST_COMMIT), []).append(name)
+    where = "; ".join(f"at {c}: {', '.join(names) if len(commits) > 1 else 'all'}"
+                      for c, names in commits.items())
+    L += ["", f"Runs read with fusedres (`results.json` records each experiment's commit) {where};"
+          f" 2-core Xeon (no GPU), torch {_torch_version()}."]
     L += ["", "## The same experiments on CIFAR-10 (a GPU)", "",
           "The papers' settings with the CLI (the trainer's defaults are He et al.'s CIFAR "
           "recipe: 64k iterations, batch 128, lr 0.1 with steps at 32k and 48k; add `--seed S` "
@@ -371,18 +453,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="reproduction/digits.py")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--only", default="orderings,shortcuts,depth,stochastic,lesion,landscape",
-                   help="comma-separated: " + ",".join(list(EXPERIMENTS) +
-                                                       ["lesion", "landscape"]))
+    r.add_argument("--only", default=",".join([*EXPERIMENTS, *ANALYSES]),
+                   help="comma-separated: " + ",".join([*EXPERIMENTS, *ANALYSES]))
     r.add_argument("--jobs", type=int, default=2)
+    r.add_argument("--match", default="*",
+                   help="train only the experiments whose name matches this glob "
+                        "(depth-*-bn-20: the residual and plain ResNet-20s)")
     sub.add_parser("report")
     args = p.parse_args(argv)
     if args.cmd == "run":
         only = [g for g in args.only.split(",") if g]
-        unknown = set(only) - set(EXPERIMENTS) - {"lesion", "landscape"}
+        unknown = set(only) - set(EXPERIMENTS) - set(ANALYSES)
         if unknown:
             p.error(f"--only: unknown {sorted(unknown)}")
-        return run(only, args.jobs)
+        return run(only, args.jobs, args.match)
     report()
     return 0
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from fusedres import cli
-from fusedres.experiments import landscape, runs
+from fusedres.experiments import figures, landscape, runs
+from fusedres.train import checkpoint as ckpt
 
 BATCH = ["--batches", "1", "--batch-size", "48"]  # 48 training images: a few ms a point
 FAST = ["--threads", "1", "--no-progress", *BATCH]
@@ -61,6 +62,18 @@ def test_plots_and_files_are_written(surface_2d):
                      "landscape_2d_surface.png"}
     for png in ("landscape_2d_contour.png", "landscape_2d_surface.png"):
         assert (surface_2d / png).read_bytes()[:4] == b"\x89PNG"
+    # Every axis labelled, every colour mapping with a labelled colour bar, the marker named.
+    built = landscape.figures_of(_surface(surface_2d), "a run")
+    assert set(built) == {"_contour", "_surface"}
+    for fig in built.values():
+        assert figures.unlabelled(fig) == []
+    contour = built["_contour"]
+    assert [a.get_xlabel() for a in contour.axes[:2]] == [
+        "α: step along direction 1 (filter-normalised)"] * 2
+    legend = [t.get_text() for t in contour.axes[0].get_legend().get_texts()]
+    assert legend == ["trained weights (α = β = 0)"]
+    for fig in built.values():
+        figures.pyplot().close(fig)
 
 
 def test_directions_are_filter_normalised_filter_by_filter(tiny_run):
@@ -154,18 +167,107 @@ def test_interpolation_end_points_are_the_checkpoints_losses(tiny_run, tmp_path)
     a, b = (tiny_run / "checkpoints" / f"iter_0000000{i}.pt" for i in (3, 6))
     out = tmp_path / "interp"
     assert _run(tiny_run, out, "--interpolate", str(a), str(b), "--range", "0", "1",
-                "--grid", "3") == 0
+                "--grid", "3", "--bn-stats", "keep") == 0
     s = _surface(out, "interpolation")
     assert s.coords[0].tolist() == [0.0, 0.5, 1.0]
-    for i, ckpt in ((0, a), (2, b)):
-        run = runs.open_run(tiny_run, ckpt)
+    for i, path in ((0, a), (2, b)):
+        run = runs.open_run(tiny_run, path)
         with run.use_backend():
             ev = runs.evaluate(run.model, run.train_batches(48, 1))
-        assert s.loss[i] == pytest.approx(ev.loss, rel=1e-6, abs=0), ckpt.name
+        assert s.loss[i] == pytest.approx(ev.loss, rel=1e-6, abs=0), path.name
     assert s.loss[0] != s.loss[2]
     doc = json.loads((out / "interpolation.json").read_text())
     assert doc["at"]["A"]["loss"] == pytest.approx(s.loss[0], rel=1e-6)
     assert doc["at"]["B"]["loss"] == pytest.approx(s.loss[2], rel=1e-6)
+
+
+def _low_variance_checkpoint(tiny_run, path):
+    """Checkpoint A of the tiny run with every BatchNorm running variance divided by 20: on
+    the path to B, the interpolated variance goes below zero before t = -0.5."""
+    payload = ckpt.load(tiny_run / "checkpoints" / "iter_00000003.pt")
+    for k, v in payload["model"].items():
+        if k.endswith("running_var"):
+            payload["model"][k] = v / 20
+    torch.save(payload, path)
+    return path
+
+
+def test_interpolation_recomputes_batch_norm_and_reports_what_is_not_finite(tiny_run, tmp_path):
+    a = _low_variance_checkpoint(tiny_run, tmp_path / "a.pt")
+    b = tiny_run / "checkpoints" / "iter_00000006.pt"
+    path = ["--interpolate", str(a), str(b), "--grid", "5"]  # t = -0.5, 0, 0.5, 1, 1.5
+    # The state's statistics kept: NaN where the variance went negative, said, not drawn.
+    assert _run(tiny_run, tmp_path / "keep", *path, "--bn-stats", "keep") == 0
+    kept = _surface(tmp_path / "keep", "interpolation")
+    bad = ~np.isfinite(kept.loss)
+    assert bad[0] and not bad[1:4].any()
+    assert np.isnan(kept.accuracy[bad]).all()  # not 10 %: the argmax of NaN means nothing
+    doc = json.loads((tmp_path / "keep" / "interpolation.json").read_text())
+    assert doc["non_finite"]["points"] == int(bad.sum()) and doc["non_finite"]["at"][0] == {
+        "t": -0.5}
+    assert "running variance is below zero" in doc["non_finite"]["why"]
+    fig = landscape.figures_of(kept, "a run")[""]
+    assert figures.unlabelled(fig) == []
+    loss_line, acc_line = fig.axes[0].lines[0], fig.axes[1].lines[0]
+    assert np.isnan(loss_line.get_ydata()[bad]).all() and np.isnan(acc_line.get_ydata()[bad]).all()
+    marks = [ln for ln in fig.axes[0].lines if ln.get_label() == "loss not finite here (not drawn)"]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == list(kept.coords[0][bad])
+    figures.pyplot().close(fig)
+    # The default with --interpolate: recomputed at every point, finite everywhere.
+    assert _run(tiny_run, tmp_path / "recompute", *path) == 0
+    fresh = _surface(tmp_path / "recompute", "interpolation")
+    assert np.isfinite(fresh.loss).all() and np.isfinite(fresh.accuracy).all()
+    doc = json.loads((tmp_path / "recompute" / "interpolation.json").read_text())
+    assert doc["non_finite"]["points"] == 0 and doc["settings"]["bn_stats"] == "recompute"
+    # Its end point B: B's weights with statistics recomputed on the same 48 images.
+    run = runs.open_run(tiny_run, b)
+    data = run.train_batches(48, 1)
+    with run.use_backend():
+        landscape.recompute_batch_norm(run.model, data)
+        ev = runs.evaluate(run.model, data)
+    assert fresh.loss[3] == pytest.approx(ev.loss, rel=1e-5)
+
+
+def test_recomputed_statistics_are_update_bns(tiny_run):
+    """The statistics recomputed with the BatchNorms alone in training mode are
+    torch.optim.swa_utils.update_bn's (which puts the whole model in training mode)."""
+    run = runs.open_run(tiny_run)
+    other = runs.open_run(tiny_run).model
+    data = run.train_batches(100, 3)
+    with run.use_backend():
+        landscape.recompute_batch_norm(run.model, data)
+        torch.optim.swa_utils.update_bn(data, other)
+    assert not run.model.training
+    mine = landscape.batch_norms(run.model)
+    theirs = landscape.batch_norms(other)
+    assert len(mine) == len(theirs) > 5
+    for m, t in zip(mine, theirs):
+        torch.testing.assert_close(m.running_mean, t.running_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m.running_var, t.running_var, rtol=1e-5, atol=1e-6)
+        assert m.momentum == 0.1  # put back
+
+
+def test_a_checkpoint_of_another_model_or_cut_short_exits_2(tiny_run, tmp_path, capsys):
+    from fusedres import models
+
+    payload = ckpt.load(tiny_run / "checkpoints" / "iter_00000006.pt")
+    r14 = set(payload["model"])
+    payload["model"] = models.preact_resnet(20, num_classes=10, in_chans=1).state_dict()
+    extra = len(set(payload["model"]) - r14)  # units layer1.2, layer2.2, layer3.2
+    torch.save(payload, tmp_path / "r20.pt")
+    data = (tiny_run / "checkpoints" / "iter_00000006.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[:100])
+    for name, match in (("r20.pt", "does not fit the run's model ResNet-14: full pre-activation "
+                                   "unit, identity shortcut, BatchNorm, no drop-path "
+                                   f"({extra} unexpected key(s), first layer1.2.bn1.bias)"),
+                        ("cut.pt", "cannot be loaded: it is truncated or corrupt (PytorchStream"
+                                   "Reader failed reading zip archive: failed finding central "
+                                   "directory)")):
+        out = tmp_path / f"out-{name}"
+        assert _run(tiny_run, out, "--checkpoint", str(tmp_path / name)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.endswith(match), err
+        assert not out.exists()
 
 
 def test_rows_split_over_processes_and_merge():
@@ -212,7 +314,11 @@ def test_torchrun_two_processes_give_the_one_process_surface(surface_2d, tiny_ru
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--grid", "0"], "--grid: expected a positive number of points, got 0"),
+    (["--grid", "0"], "--grid: expected at least 2 points per axis (one point is no curve nor "
+                      "surface), got 0"),
+    (["--grid", "1"], "--grid: expected at least 2 points per axis (one point is no curve nor "
+                      "surface), got 1"),
+    (["--bn-stats", "fresh"], "argument --bn-stats: invalid choice: 'fresh'"),
     (["--range", "1", "1"], "--range: expected A < B, got 1 1"),
     (["--range", "-1"], "--range: expected R > 0"),
     (["--range", "1", "2", "3"], "--range: expected A B or R, got 3 values"),

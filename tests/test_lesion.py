@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from fusedres import cli
-from fusedres.experiments import lesion, runs
+from fusedres.experiments import figures, lesion, runs
 
 FAST = ["--threads", "1", "--no-progress"]
 
@@ -57,6 +57,24 @@ def test_outputs_are_written(study):
         assert row["min"] <= row["mean"] <= row["max"]
     text = (out / "lesion.md").read_text()
     assert "| units deleted |" in text and "layer2.0 | 16x8x8 -> 32x4x4 | kept" in text
+
+
+def test_the_figure_names_the_variant_and_marks_chance(study):
+    _, doc = study
+    fig = lesion.figure(doc["runs"])
+    assert figures.unlabelled(fig) == []
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[0].startswith("ResNet-14: full pre-activation unit, identity shortcut, "
+                                "BatchNorm, no drop-path; seed 0")
+    assert "chance error (1 - 1/10 classes)" in legend
+    for ax in fig.axes[:2]:  # the chance line at 90 % on both panels
+        assert any(list(ln.get_ydata()) == [90.0, 90.0] for ln in ax.lines)
+    # Median over the draws with the interquartile band, not a min-max smear.
+    k2 = doc["runs"][0]["by_k"][2]
+    line = fig.axes[0].lines[0]
+    assert line.get_ydata()[2] == pytest.approx(100 * figures.quantile(k2["errors"], 0.5))
+    figures.pyplot().close(fig)
+    assert doc["runs"][0]["num_classes"] == 10 and doc["runs"][0]["plain"] is False
 
 
 def test_only_shape_preserving_units_are_deletable(study):

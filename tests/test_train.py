@@ -79,6 +79,9 @@ def test_flags_win_over_the_config_file_and_replace_what_they_conflict_with(tmp_
      "--depth: only with --model preact_resnet (preact_resnet20 fixes the depth)"),
     (["--model", "preact_resnet50", "--variant", "cifar"],
      "--variant: only with --model preact_resnet (preact_resnet50 fixes the variant)"),
+    (["--drop-path-mode", "batch"], "--drop-path-mode: only with a --drop-path-rate above 0"),
+    (["--drop-path-mode", "row", "--drop-path-rate", "0"],
+     "--drop-path-mode: only with a --drop-path-rate above 0"),
 ])
 def test_conflicting_flags_are_an_error(argv, match, capsys):
     with pytest.raises(UsageError, match=match.replace("(", r"\(").replace(")", r"\)")):

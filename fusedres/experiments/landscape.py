@@ -19,6 +19,16 @@ ones, and a 1-D landscape follows the 2-D one's x direction.
 entry of the state, BatchNorm's running statistics included, as the reference code's ``states``
 directions), t over ``--range`` (default -0.5 1.5).
 
+BatchNorm statistics (``--bn-stats``): ``keep`` evaluates with the running statistics the state
+holds at the point: the trained ones along random directions (Li et al.), the interpolated ones
+along a path. Outside [0, 1] an interpolated running variance can go below zero, and the loss
+there is NaN; so ``--interpolate`` defaults to ``recompute``: at every point the running
+statistics are reset and recomputed from the same training batches the loss is measured on
+(BatchNorm alone in training mode, ``momentum=None``: the exact average over the batches, as
+``torch.optim.swa_utils.update_bn``), then the loss is evaluated with them. A point whose loss is
+not finite all the same is reported (stdout and the JSON) and left out of the plots, never drawn
+as a number; its accuracy is recorded as NaN (the argmax of NaN logits means nothing).
+
 The surface is saved (``<name>.npz``) after every row, written to a temporary file and renamed,
 with the settings it was computed with: a rerun with the same settings continues from the rows
 missing, other settings are an error naming the option (``--overwrite`` starts again). Under
@@ -29,7 +39,9 @@ missing), each writes its own part file, and process 0 merges them at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import shlex
 import sys
 import time
@@ -49,15 +61,16 @@ from fusedres.cli import UsageError
 from fusedres.train.checkpoint import write_atomically
 from fusedres.train.seeds import derived_seed
 
-from . import runs
+from . import figures, runs
 
-__all__ = ["SurfaceFile", "build_parser", "directions", "grid_rows", "main",
-           "perturbable_parameters", "split_rows"]
+__all__ = ["SurfaceFile", "batch_norms", "build_parser", "directions", "figures_of", "grid_rows",
+           "main", "perturbable_parameters", "plot", "recompute_batch_norm", "split_rows"]
 
 FORMAT = "fusedres-landscape"
 VERSION = 1
 DEFAULT_GRID = {1: 51, 2: 51, "interpolate": 41}  # 41 over [-0.5, 1.5]: t = 0 and 1 on the grid
 SURFACE_CLIP = 10.0  # the 3-D plot's loss axis stops here
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 DEFAULT_RANGE = {"directions": (-1.0, 1.0), "interpolate": (-0.5, 1.5)}
 
 
@@ -172,6 +185,7 @@ class SurfaceFile:
 
 # The option each setting comes from, for the message when a rerun asks for other settings.
 _FLAGS = {"format": "--overwrite", "mode": "--interpolate", "dims": "--dims", "grid": "--grid",
+          "bn_stats": "--bn-stats",
           "range": "--range", "seed": "--seed", "ignore_biasbn": "--ignore-biasbn",
           "samples": "--batches", "checkpoint": "--checkpoint",
           "interpolate": "--interpolate", "dataset": "RUN", "model": "RUN"}
@@ -220,6 +234,11 @@ def build_parser() -> runs.Parser:
     p.add_argument("--interpolate", nargs=2, metavar=("CKPT_A", "CKPT_B"),
                    help="the 1-D path (1 - t) A + t B between two checkpoints of the run's "
                         "model instead of random directions")
+    p.add_argument("--bn-stats", choices=("keep", "recompute"),
+                   help="BatchNorm running statistics at each point: keep those of the state "
+                        "(default along random directions: the trained ones) or recompute them "
+                        "on the loss's training batches (default with --interpolate, where "
+                        "extrapolated variances can go below zero)")
     p.add_argument("--out", help="output directory (default RUN/landscape)")
     p.add_argument("--overwrite", action="store_true",
                    help="start again when --out holds a surface computed with other settings")
@@ -253,7 +272,8 @@ def _check(args) -> dict[str, Any]:
             raise UsageError("--checkpoint: not with --interpolate (its two checkpoints are the "
                              "weights)")
     dims = 1 if mode == "interpolate" else (args.dims or 2)
-    runs.at_least(args.grid, 1, "--grid", "a positive number of points")
+    runs.at_least(args.grid, 2, "--grid", "at least 2 points per axis (one point is no curve "
+                  "nor surface)")
     runs.at_least(args.batches, 1, "--batches", "at least 1 batch")
     runs.at_least(args.batch_size, 1, "--batch-size", "a positive batch")
     runs.at_least(args.threads, 1, "--threads", "at least 1 thread")
@@ -266,7 +286,8 @@ def _check(args) -> dict[str, Any]:
     if mode == "interpolate":
         for path in args.interpolate:
             runs.check_checkpoint(path, "--interpolate")
-    return {"mode": mode, "dims": dims, "grid": grid, "range": [lo, hi]}
+    bn_stats = args.bn_stats or ("recompute" if mode == "interpolate" else "keep")
+    return {"mode": mode, "dims": dims, "grid": grid, "range": [lo, hi], "bn_stats": bn_stats}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,6 +344,15 @@ class _Weights:
             [d[n].to(dev, self.slots[i].dtype) for i, n in enumerate(names)] for d in dirs]
         self.target = None if target is None else [
             target[n].to(dev, self.slots[i].dtype) for i, n in enumerate(names)]
+        # The state's own BatchNorm statistics, put back after --bn-stats recompute.
+        self.buffers = [(v, v.detach().clone()) for v in state.values()
+                        if not isinstance(v, nn.Parameter)]
+
+    @torch.no_grad()
+    def restore_batch_norm(self) -> None:
+        """Every buffer (BatchNorm's running statistics and batch counts) as it was built."""
+        for slot, value in self.buffers:
+            slot.copy_(value)
 
     @torch.no_grad()
     def set(self, point: tuple[float, ...]) -> None:
@@ -352,6 +382,7 @@ def _run(args, asked: dict[str, Any], argv: list[str]) -> int:
     coords = [_axis(lo, hi, grid) for _ in range(dims)]
     settings: dict[str, Any] = {"format": VERSION, "mode": mode, "dims": dims, "grid": grid,
                                 "range": [lo, hi], "samples": samples,
+                                "bn_stats": asked["bn_stats"],
                                 "dataset": run.cfg["dataset"], "model": run.model_name}
     if mode == "interpolate":
         a, b = (Path(p).resolve() for p in args.interpolate)
@@ -400,18 +431,19 @@ def _run(args, asked: dict[str, Any], argv: list[str]) -> int:
                                  disable=not args.progress or rank != 0, unit="point",
                                  desc=f"{name} rows {len(mine)}" + (f" (of {len(rows)}, "
                                       f"{resumed} done)" if resumed else "")) as bar:
-        centre = _centre(run, data, weights, mode)
+        recompute = asked["bn_stats"] == "recompute"
+        centre = _centre(run, data, weights, mode, recompute)
         for r in mine:
             losses, accs = [], []
             for point in rows[r]:
-                weights.set(point)
-                ev = runs.evaluate(run.model, data, run.amp_dtype)
+                ev = _evaluate_at(run, data, weights, point, recompute)
                 losses.append(ev.loss)
-                accs.append(1.0 - ev.error)
+                accs.append(1.0 - ev.error if math.isfinite(ev.loss) else math.nan)
                 bar.update(1)
             surface.set_row(r, losses, accs)
             surface.save(own_file)
-    weights.set((0.0,) * dims)  # the trained weights again
+    weights.set((0.0,) * dims)  # the trained weights (A) again, their own statistics too
+    weights.restore_batch_norm()
     _barrier()
     if rank != 0:
         return 0
@@ -421,49 +453,142 @@ def _run(args, asked: dict[str, Any], argv: list[str]) -> int:
         surface.save(main_file)
         for path in sorted(out.glob(f"{name}.rank*.npz")):
             path.unlink()
-    return _report(args, argv, run, surface, centre, out, name, world, resumed)
+    def negative_variances(point: tuple[float, ...]) -> int:
+        weights.set(point)
+        try:
+            return sum(int((bn.running_var < 0).sum()) for bn in batch_norms(run.model)
+                       if bn.running_var is not None)
+        finally:
+            weights.set((0.0,) * dims)
+
+    return _report(args, argv, run, surface, centre, out, name, world, resumed,
+                   negative_variances)
 
 
-def _centre(run, data, weights: _Weights, mode: str) -> dict[str, Any]:
-    """The loss and accuracy at the trained weights (interpolation: at A and at B)."""
+def _evaluate_at(run, data, weights: _Weights, point: tuple[float, ...], recompute: bool
+                 ) -> runs.Evaluation:
+    weights.set(point)
+    if recompute:
+        recompute_batch_norm(run.model, data, run.amp_dtype)
+    return runs.evaluate(run.model, data, run.amp_dtype)
+
+
+def _centre(run, data, weights: _Weights, mode: str, recompute: bool) -> dict[str, Any]:
+    """The loss and accuracy at the trained weights (interpolation: at A and at B), as the
+    grid's points are evaluated (``recompute``: BatchNorm statistics recomputed)."""
     points = {"A": (0.0,), "B": (1.0,)} if mode == "interpolate" else {
         "trained": (0.0,) * len(weights.dirs)}
     out = {}
     for key, point in points.items():
-        weights.set(point)
-        ev = runs.evaluate(run.model, data, run.amp_dtype)
-        out[key] = {"loss": ev.loss, "accuracy": 1.0 - ev.error}
+        ev = _evaluate_at(run, data, weights, point, recompute)
+        out[key] = {"loss": figures.finite_or_none(ev.loss),
+                    "accuracy": 1.0 - ev.error if math.isfinite(ev.loss) else None}
+    return out
+
+
+def batch_norms(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, _BATCH_NORMS)]
+
+
+@torch.no_grad()
+def recompute_batch_norm(model: nn.Module, batches, amp_dtype: torch.dtype | None = None
+                         ) -> None:
+    """Every BatchNorm's running statistics recomputed from ``batches`` for the model's weights
+    as they are: reset, then one forward pass of each batch with the BatchNorms alone in
+    training mode and ``momentum=None`` (the cumulative average: every batch weighs the same),
+    as ``torch.optim.swa_utils.update_bn`` does; but everything else stays in eval mode (a
+    drop-path unit keeps every sample). The model is left in eval mode."""
+    norms = batch_norms(model)
+    if not norms:
+        return
+    momenta = [bn.momentum for bn in norms]
+    model.eval()
+    try:
+        for bn in norms:
+            bn.reset_running_stats()
+            bn.momentum = None
+            bn.train()
+        for x, _ in batches:
+            ctx = (torch.autocast(x.device.type, dtype=amp_dtype) if amp_dtype is not None
+                   else contextlib.nullcontext())
+            with ctx:
+                model(x)
+    finally:
+        for bn, m in zip(norms, momenta):
+            bn.momentum = m
+        model.eval()
+
+
+def _non_finite(surface: SurfaceFile) -> list[dict[str, float]]:
+    """The grid points whose loss is not finite, by coordinate (t; or x, y)."""
+    s = surface.settings
+    names = ["t"] if s["mode"] == "interpolate" else ["x", "y"][:s["dims"]]
+    out = []
+    for idx in zip(*np.nonzero(~np.isfinite(surface.loss))):
+        # idx is (i,) for 1-D, (j, i) = (y, x) for 2-D
+        out.append({ax: float(surface.coords[k][idx[len(idx) - 1 - k]])
+                    for k, ax in enumerate(names)})
     return out
 
 
 def _report(args, argv, run, surface: SurfaceFile, centre, out: Path, name: str, world: int,
-            resumed: int) -> int:
+            resumed: int, negative_variances) -> int:
+    """Write the JSON and the plots, print the summary. ``negative_variances(point)``: how
+    many BatchNorm channels have a running variance below zero at ``point`` (state kept)."""
     s = surface.settings
     loss = surface.loss
-    i_min = np.unravel_index(np.nanargmin(loss), loss.shape)
+    finite = np.isfinite(loss)
+    bad = _non_finite(surface)
     axes = ["t"] if s["mode"] == "interpolate" else ["x", "y"][:s["dims"]]
-    at_min = {ax: float(surface.coords[k][i_min[len(i_min) - 1 - k]])
-              for k, ax in enumerate(axes)}
+    grid_min = None
+    if finite.any():
+        i_min = np.unravel_index(np.argmin(np.where(finite, loss, np.inf)), loss.shape)
+        grid_min = {"loss": float(loss[i_min]),
+                    **{ax: float(surface.coords[k][i_min[len(i_min) - 1 - k]])
+                       for k, ax in enumerate(axes)}}
+    grid_max = float(loss[finite].max()) if finite.any() else None
+    hint = None
+    if bad and s["mode"] == "interpolate" and s.get("bn_stats") == "keep":
+        negative = [p for p in bad if negative_variances((p["t"],)) > 0]
+        if negative:
+            hint = (f"at {len(negative)} of them the interpolated BatchNorm running variance is "
+                    "below zero in some channel; --bn-stats recompute (the default with "
+                    "--interpolate) recomputes the statistics at every point")
+    bn_text = ("BatchNorm statistics recomputed at every point on those images"
+               if s.get("bn_stats") == "recompute" else
+               "BatchNorm statistics as the state holds them"
+               + (" (interpolated)" if s["mode"] == "interpolate" else " (the trained ones)"))
     doc = {"command": "fusedres landscape " + shlex.join(argv), "settings": s,
            "run": str(run.directory), "label": run.label, "iteration": run.iteration,
-           "training_images": s["samples"], "at": centre,
-           "grid_min": {"loss": float(loss[i_min]), **at_min},
-           "grid_max_loss": float(np.nanmax(loss)),
+           "training_images": s["samples"], "batch_norm_statistics": bn_text, "at": centre,
+           "grid_min": grid_min, "grid_max_loss": grid_max,
+           "non_finite": {"points": len(bad), "at": bad, "why": hint},
            "processes": world, "rows_resumed": resumed, "notes": list(run.notes),
            "files": {"surface": f"{name}.npz"}}
-    pngs = plot(surface, out, name, run.label)
+    where_text = ("the path between two checkpoints" if s["mode"] == "interpolate"
+                  else f"iteration {run.iteration}")
+    pngs = plot(surface, out, name, f"{run.model_name}\nseed {run.cfg['seed']} "
+                f"({run.directory.resolve().name}), {where_text}")
     doc["files"]["plots"] = [p.name for p in pngs]
-    (out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
     for note in run.notes:
         print(f"fusedres landscape: note: {note}", file=sys.stderr)
-    where = ", ".join(f"{k} = {v:+.3g}" for k, v in at_min.items())
-    lines = [f"{name}: {run.label}, iteration {run.iteration}; {s['grid']} points per axis over "
-             f"[{s['range'][0]:g}, {s['range'][1]:g}] on {s['samples']} training images"
-             + (f"; {resumed} rows resumed" if resumed else "")]
+    lines = [f"{name}: {run.label}, {where_text}; {s['grid']} points per axis over "
+             f"[{s['range'][0]:g}, {s['range'][1]:g}] on {s['samples']} training images; "
+             + bn_text + (f"; {resumed} rows resumed" if resumed else "")]
     for key, v in centre.items():
-        lines.append(f"  at {key}: loss {v['loss']:.4f}, accuracy {100 * v['accuracy']:.2f} %")
-    lines.append(f"  grid minimum: loss {float(loss[i_min]):.4f} at {where}; "
-                 f"maximum {float(np.nanmax(loss)):.4f}")
+        lines.append(f"  at {key}: " + ("loss not finite" if v["loss"] is None else
+                                        f"loss {v['loss']:.4f}, accuracy "
+                                        f"{100 * v['accuracy']:.2f} %"))
+    if grid_min is not None:
+        where = ", ".join(f"{k} = {grid_min[k]:+.3g}" for k in axes)
+        lines.append(f"  grid minimum: loss {grid_min['loss']:.4f} at {where}; "
+                     f"maximum {grid_max:.4f} (finite points)")
+    if bad:
+        shown = "; ".join(", ".join(f"{k} = {v:+.3g}" for k, v in p.items()) for p in bad[:10])
+        lines.append(f"  loss not finite at {len(bad)} of {loss.size} points (not drawn): "
+                     f"{shown}" + ("; ..." if len(bad) > 10 else "")
+                     + (f" ({hint})" if hint else ""))
     lines.append(f"  written: {out / (name + '.npz')}, {out / (name + '.json')}"
                  + ("".join(f", {p}" for p in pngs) if pngs
                     else " (no plots: matplotlib is not installed)"))
@@ -473,79 +598,108 @@ def _report(args, argv, run, surface: SurfaceFile, centre, out: Path, name: str,
 
 # --------------------------------------------------------------------------- plots
 
-def plot(surface: SurfaceFile, out: Path, name: str, title: str) -> list[Path]:
-    """1-D: loss and accuracy against the coordinate; 2-D: contours of loss and accuracy, and
-    a 3-D surface of the loss. Returns the files written (none without matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
+_DIRECTION_LABELS = ("α: step along direction 1 (filter-normalised)",
+                     "β: step along direction 2 (filter-normalised)")
+LOSS_LABEL = "training loss (cross-entropy, nats)"
+
+
+def figures_of(surface: SurfaceFile, title: str) -> dict[str, Any]:
+    """The surface's figures by file suffix ('' for 1-D; '_contour', '_surface' for 2-D), not
+    yet saved; empty without matplotlib. A point whose loss is not finite is left out (a gap)
+    and marked x; it is never drawn as a value."""
+    plt = figures.pyplot()
+    if plt is None:
+        return {}
+
     s = surface.settings
-    loss, acc = surface.loss, 100 * surface.accuracy
-    written = []
+    ok = np.isfinite(surface.loss)
+    loss = np.where(ok, surface.loss, np.nan)
+    acc = np.where(ok, 100 * surface.accuracy, np.nan)
+    bn = ("BatchNorm statistics recomputed at each point" if s.get("bn_stats") == "recompute"
+          else "BatchNorm running statistics of the state")
+    bad_label = "loss not finite here (not drawn)"
     if s["dims"] == 1:
         x = surface.coords[0]
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        ax.plot(x, loss, "b-", label="loss")
-        if np.nanmin(loss) > 0 and np.nanmax(loss) > 10 * np.nanmin(loss):
+        fig, ax = plt.subplots(figsize=(7.5, 5))
+        ax.plot(x, loss, "b-", marker=".", label="training loss (left)")
+        finite = loss[ok]
+        if finite.size and finite.min() > 0 and finite.max() > 10 * finite.min():
             ax.set_yscale("log")
-        ax.set_ylabel("training loss", color="b")
+        ax.set_ylabel(LOSS_LABEL, color="b")
         ax2 = ax.twinx()
-        ax2.plot(x, acc, "r--", label="accuracy")
+        ax2.plot(x, acc, "r--", marker=".", label="training accuracy (right)")
         ax2.set_ylabel("training accuracy (%)", color="r")
+        ax2.set_ylim(0, 100)
+        if not ok.all():
+            ax.plot(x[~ok], np.zeros((~ok).sum()), "x", color="k", ms=9, mew=2,
+                    transform=ax.get_xaxis_transform(), clip_on=False, label=bad_label)
         if s["mode"] == "interpolate":
-            ax.set_xlabel("t: (1 - t) A + t B")
-            for t in (0, 1):
+            a, b = (Path(p).name for p in s.get("interpolate", ["A", "B"]))
+            ax.set_xlabel(f"t: weights (1 - t) A + t B   (A = {a}, B = {b})")
+            for t, what in ((0, "A"), (1, "B")):
                 ax.axvline(t, color="gray", lw=0.8, ls=":")
+                ax.text(t, 0.02, f" {what}", transform=ax.get_xaxis_transform(), ha="left",
+                        color="gray")
         else:
-            ax.set_xlabel("x (filter-normalised direction)")
-            ax.axvline(0, color="gray", lw=0.8, ls=":")
+            ax.set_xlabel(_DIRECTION_LABELS[0])
+            ax.axvline(0, color="gray", lw=0.8, ls=":", label="trained weights (α = 0)")
         ax.grid(alpha=0.3)
-        ax.set_title(title)
-        return [_save(fig, out / f"{name}.png")]
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper center")
+        ax.set_title(f"{title}\n{bn}, {s['samples']} training images", fontsize=9)
+        return {"": fig}
     x, y = surface.coords
     X, Y = np.meshgrid(x, y)
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
-    if len(x) > 1 and len(y) > 1:
-        lo, hi = float(np.nanmin(loss)), float(np.nanmax(loss))
-        levels = np.geomspace(max(lo, 1e-6), hi, 30) if hi > lo > 0 else 30
-        cs = ax.contour(X, Y, loss, levels=levels, cmap="summer")
-        ax.clabel(cs, cs.levels[::3], fontsize=6, fmt="%.3g")
-        cs2 = ax2.contourf(X, Y, acc, levels=20, cmap="viridis")
-        fig.colorbar(cs2, ax=ax2, label="training accuracy (%)")
-    for a, what in ((ax, "training loss (log-spaced contours)"), (ax2, "training accuracy")):
-        a.plot([0], [0], "r*", ms=10)
-        a.set_xlabel("x")
-        a.set_ylabel("y")
+    out = {}
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 6), sharex=True, sharey=True,
+                                  layout="constrained")
+    finite = loss[ok]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    levels = np.geomspace(max(lo, 1e-6), hi, 25) if hi > lo > 0 else 25
+    cs = ax.contour(X, Y, np.ma.masked_invalid(loss), levels=levels, cmap="viridis",
+                    linewidths=1)
+    fig.colorbar(cs, ax=ax, label=LOSS_LABEL + ", log-spaced contours")
+    cs2 = ax2.contourf(X, Y, np.ma.masked_invalid(acc), levels=np.linspace(0, 100, 21),
+                       cmap="viridis")
+    fig.colorbar(cs2, ax=ax2, label="training accuracy (%)")
+    for a, what in ((ax, "training loss"), (ax2, "training accuracy")):
+        a.plot([0], [0], "r*", ms=12, label="trained weights (α = β = 0)")
+        if not ok.all():
+            a.plot(X[~ok], Y[~ok], "kx", ms=6, label=bad_label)
+        a.set_xlabel(_DIRECTION_LABELS[0])
+        a.set_ylabel(_DIRECTION_LABELS[1])
         a.set_title(what)
         a.set_aspect("equal")
-    fig.suptitle(title)
-    written.append(_save(fig, out / f"{name}_contour.png"))
-    fig = plt.figure(figsize=(7, 6))
+        a.legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"{title}\n{bn}, {s['samples']} training images", fontsize=10)
+    out["_contour"] = fig
+    fig = plt.figure(figsize=(8, 6.5), layout="constrained")
     ax = fig.add_subplot(projection="3d")
     # Far from the minimum the loss explodes and would flatten the bowl: clipped at Li et al.'s
     # plotting limit (vmax 10) when it goes above.
-    clipped = np.nanmax(loss) > SURFACE_CLIP
+    clipped = bool(finite.size) and finite.max() > SURFACE_CLIP
     z = np.minimum(loss, SURFACE_CLIP) if clipped else loss
-    ax.plot_surface(X, Y, z, cmap="coolwarm", linewidth=0, antialiased=True)
-    ax.set_xlabel("x")
-    ax.set_ylabel("y")
-    ax.set_zlabel(f"training loss{f' (clipped at {SURFACE_CLIP:g})' if clipped else ''}")
-    ax.set_title(title)
-    written.append(_save(fig, out / f"{name}_surface.png"))
-    return written
+    surf = ax.plot_surface(X, Y, np.ma.masked_invalid(z), cmap="viridis", linewidth=0,
+                           antialiased=True, vmin=np.nanmin(z) if finite.size else 0,
+                           vmax=np.nanmax(z) if finite.size else 1)
+    clip_text = f" (clipped at {SURFACE_CLIP:g})" if clipped else ""
+    fig.colorbar(surf, ax=ax, shrink=0.6, pad=0.1, label=LOSS_LABEL + clip_text)
+    ax.set_xlabel("α (direction 1)")
+    ax.set_ylabel("β (direction 2)")
+    ax.set_zlabel("training loss" + clip_text)
+    ax.set_title(f"{title}\n{bn}" + ("" if ok.all() else
+                                     f"; {(~ok).sum()} points not finite, left out"),
+                 fontsize=9)
+    out["_surface"] = fig
+    return out
 
 
-def _save(fig, path: Path) -> Path:
-    """Lay out, write at 100 dpi and close ``fig``."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+def plot(surface: SurfaceFile, out: Path, name: str, title: str) -> list[Path]:
+    """1-D: loss and accuracy against the coordinate; 2-D: contours of loss and accuracy, and
+    a 3-D surface of the loss. Returns the files written (none without matplotlib)."""
+    return [figures.save(fig, out / f"{name}{suffix}.png")
+            for suffix, fig in figures_of(surface, title).items()]
 
 
 if __name__ == "__main__":

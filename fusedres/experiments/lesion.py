@@ -42,10 +42,10 @@ from fusedres import BackendUnavailableError
 from fusedres.cli import UsageError
 from fusedres.train.seeds import derived_seed
 
-from . import runs
+from . import figures, runs
 
-__all__ = ["Study", "Unit", "build_parser", "deleted_units", "draw_subsets", "lesion", "main",
-           "plan", "unit_slots", "units_of"]
+__all__ = ["Study", "Unit", "build_parser", "deleted_units", "draw_subsets", "figure", "lesion",
+           "main", "plan", "plot", "unit_slots", "units_of"]
 
 DEFAULT_MAX_DELETED = 10
 
@@ -207,7 +207,9 @@ def lesion(study: Study, bar=None) -> dict[str, Any]:
     return {
         "run": str(run.directory), "checkpoint": str(run.checkpoint),
         "iteration": run.iteration, "label": run.label, "model": run.model_name,
-        "dataset": run.cfg["dataset"], "fused": run.cfg["fused"], "device": str(run.device),
+        "dataset": run.cfg["dataset"], "num_classes": run.data.num_classes,
+        "plain": run.cfg["shortcut"] == "none",
+        "fused": run.cfg["fused"], "device": str(run.device),
         "test_images": base.n, "baseline": {"error": base.error, "loss": base.loss},
         "units": [{"index": u.index, "name": u.name, "input_shape": list(u.input_shape),
                    "output_shape": list(u.output_shape), "deletable": u.deletable,
@@ -231,14 +233,15 @@ def table(record: dict[str, Any]) -> str:
     """The markdown section of one run: the curve, the single-unit errors, what was kept."""
     units = record["units"]
     kept = [u for u in units if not u["deletable"]]
+    what = "units (layer pairs, no shortcut)" if record.get("plain") else "residual units"
     lines = [f"## {record['label']}", "",
              f"{record['run']}, checkpoint {Path(record['checkpoint']).name} (iteration "
              f"{record['iteration']}); {record['dataset']} test set, {record['test_images']} "
              f"images; baseline error {_pct(record['baseline']['error'])} %.",
-             f"{len(units)} residual units, {record['deletable']} deletable (output shape = "
-             "input shape)" + ("; kept, as they change the shape: "
-                               + ", ".join(f"{u['name']} ({_shape(u)})" for u in kept)
-                               if kept else "") + ".", "",
+             f"{len(units)} {what}, {record['deletable']} deletable (output shape = input "
+             "shape)" + ("; kept, as they change the shape: "
+                         + ", ".join(f"{u['name']} ({_shape(u)})" for u in kept)
+                         if kept else "") + ".", "",
              "| units deleted | subsets | mean error (%) | std | min | max |",
              "|---:|---:|---:|---:|---:|---:|"]
     for row in record["by_k"]:
@@ -263,47 +266,65 @@ def _shape(u: dict[str, Any]) -> str:
     return a if a == b else f"{a} -> {b}"
 
 
-def plot(records: list[dict[str, Any]], path: Path) -> Path | None:
-    """Error against the number of units deleted (mean over draws, min-max band), and the error
-    with each unit deleted alone, one curve per run."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
+def figure(records: list[dict[str, Any]]):
+    """The lesion figure (None without matplotlib): left, test error against the number of
+    units deleted together (median over the draws, interquartile band; k = 1 is every unit
+    alone); right, the error with each unit deleted alone, against its position. One colour a
+    run, named by its variant; chance error dashed."""
+    plt = figures.pyplot()
+    if plt is None:
         return None
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.6 + 0.17 * (len(records) + 3)))
+    handles = []
     for i, r in enumerate(records):
-        color = f"C{i}"
+        color = f"C{i % 10}"
         ks = [row["k"] for row in r["by_k"]]
-        ax.plot(ks, [100 * row["mean"] for row in r["by_k"]], "o-", color=color,
-                label=r["label"])
-        ax.fill_between(ks, [100 * row["min"] for row in r["by_k"]],
-                        [100 * row["max"] for row in r["by_k"]], color=color, alpha=0.2)
+        med, q1, q3 = figures.band([row["errors"] for row in r["by_k"]])
+        ax.plot(ks, 100 * med, "o-", color=color, ms=4)
+        ax.fill_between(ks, 100 * q1, 100 * q3, color=color, alpha=0.2, lw=0)
         # Kept units break the line (NaN).
         ax2.plot([u["index"] for u in r["units"]],
                  [100 * u["error"] if u["deletable"] else float("nan") for u in r["units"]],
-                 "o-", color=color, label=r["label"])
-        ax2.axhline(100 * r["baseline"]["error"], color=color, ls="--", lw=1)
+                 "o-", color=color, ms=4)
+        ax2.axhline(100 * r["baseline"]["error"], color=color, ls=":", lw=1.2)
         for u in r["units"]:
             if not u["deletable"]:
-                ax2.axvline(u["index"], color=color, ls=":", lw=0.8)
-    ax.set_xlabel("residual units deleted")
+                ax2.axvline(u["index"], color=color, ls="-", lw=0.6, alpha=0.4)
+        handles.append(Line2D([], [], color=color, marker="o", ms=4, label=r["label"]))
+    classes = sorted({r["num_classes"] for r in records if r.get("num_classes")})
+    for a in (ax, ax2):
+        for c in classes:
+            a.axhline(100 * (1 - 1 / c), color="0.4", ls="--", lw=1)
+    if classes:
+        handles.append(Line2D([], [], color="0.4", ls="--", lw=1, label="chance error (1 - 1/"
+                              + ", ".join(str(c) for c in classes) + " classes)"))
+    handles.append(Line2D([], [], color="0.3", ls=":", lw=1.2,
+                          label="right: the run's error with nothing deleted"))
+    handles.append(Line2D([], [], color="0.3", lw=0.6, alpha=0.4,
+                          label="right: units that change the shape (kept, never deleted)"))
+    ax.set_xlabel("units deleted together, k (each replaced by the identity)")
     ax.set_ylabel("test error (%)")
-    ax.set_title("k random units deleted (mean, min-max band)")
-    ax2.set_xlabel("unit deleted alone (forward order; dotted: kept units)")
+    ax.set_title("k random units deleted (median over the draws, interquartile band)")
+    ax2.set_xlabel("the unit deleted alone (position in forward order)")
     ax2.set_ylabel("test error (%)")
-    ax2.set_title("single units (dashed: nothing deleted)")
+    ax2.set_title("one unit deleted")
     for a in (ax, ax2):
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    fig.suptitle("Lesion study (Veit et al. 2016)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+        a.set_ylim(0, 100)
+    fig.suptitle("Lesion study (Veit et al. 2016): test error with units deleted at test time")
+    fig.legend(handles=handles, loc="lower center", ncol=1, fontsize=8, frameon=False)
+    figures.leave_room_for_legend(fig, len(handles))
+    return fig
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> Path | None:
+    """Write :func:`figure` to ``path``; None without matplotlib."""
+    fig = figure(records)
+    return None if fig is None else figures.save(fig, path, layout=False)
 
 
 # --------------------------------------------------------------------------- command line

@@ -29,10 +29,11 @@ from fusedres.train import checkpoint as ckpt
 from fusedres.train import data as data_mod
 from fusedres.train.config import DEFAULTS, load_yaml, merge_saved
 from fusedres.train.loop import build_model
+from fusedres.train.naming import variant_label
 
 __all__ = ["Evaluation", "LoadedRun", "Parser", "add_run_options", "at_least", "check_checkpoint",
            "evaluate", "load_checkpoint", "locate", "open_run", "pick_device", "rank_and_world",
-           "threads"]
+           "read_config", "state_mismatch", "threads"]
 
 _AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,11 +63,6 @@ def at_least(value, minimum: int | float, flag: str, what: str = "") -> None:
     """UsageError naming ``flag`` when ``value`` (not None) is below ``minimum``."""
     if value is not None and value < minimum:
         raise UsageError(f"{flag}: expected {what or f'a value >= {minimum}'}, got {value}")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def check_checkpoint(path: str | Path, flag: str) -> Path:
@@ -111,14 +107,47 @@ def load_checkpoint(path: Path, flag: str) -> dict[str, Any]:
         raise UsageError(f"{flag}: {e}") from None
 
 
-def _config(run_dir: Path, state: dict[str, Any]) -> dict[str, Any]:
+def _config(run_dir: Path, state: dict[str, Any] | None) -> dict[str, Any]:
     """The run's saved config.yaml (else the checkpoint's copy) over the trainer's defaults."""
     path = run_dir / "config.yaml"
+    if not path.is_file() and state is None:
+        raise UsageError(f"RUN: {str(run_dir)!r} is not a run directory of fusedres train (no "
+                         "config.yaml in it)")
     saved = load_yaml(path, "RUN") if path.is_file() else dict(state["config"])
     try:
         return merge_saved(dict(DEFAULTS), set(), saved)
     except UsageError as e:
         raise UsageError(f"RUN: the saved configuration {str(path)!r} is invalid ({e})") from None
+
+
+def read_config(run_dir: str | Path) -> dict[str, Any]:
+    """A run directory's configuration (its config.yaml over the trainer's defaults), without
+    loading a checkpoint."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a directory"
+        raise UsageError(f"RUN: {str(path)!r} {what} (expected the directory of a fusedres "
+                         "train run)")
+    return _config(path, None)
+
+
+def state_mismatch(reference: dict[str, Tensor], state: dict[str, Tensor]) -> str | None:
+    """How the weights ``state`` differ from a model's ``reference`` state dict, in full (the
+    counts and the first key of each kind), or None when every key and shape matches."""
+    missing = sorted(set(reference) - set(state))
+    extra = sorted(set(state) - set(reference))
+    bad = [k for k in reference
+           if k in state and tuple(state[k].shape) != tuple(reference[k].shape)]
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} key(s) missing, first {missing[0]}")
+    if extra:
+        parts.append(f"{len(extra)} unexpected key(s), first {extra[0]}")
+    if bad:
+        parts.append(f"{len(bad)} shape(s) differ, first {bad[0]}: "
+                     f"{tuple(state[bad[0]].shape)} in the checkpoint, "
+                     f"{tuple(reference[bad[0]].shape)} in the model")
+    return "; ".join(parts) or None
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -198,13 +227,12 @@ class LoadedRun:
 
     @property
     def model_name(self) -> str:
-        cfg = self.cfg
-        return (cfg["model"] if cfg["depth"] is None
-                else f"{cfg['model']} (depth {cfg['depth']})")
+        """The network and its variant (``fusedres.train.naming.variant_label``)."""
+        return variant_label(self.cfg)
 
     @property
     def label(self) -> str:
-        return f"{self.model_name}, {self.directory.resolve().name}"
+        return f"{self.model_name}; seed {self.cfg['seed']} ({self.directory.resolve().name})"
 
     def use_backend(self) -> contextlib.AbstractContextManager:
         return fusedres.use_backend(self.backend)
@@ -227,16 +255,10 @@ class LoadedRun:
     def model_state(self, path: Path, flag: str) -> dict[str, Tensor]:
         """The model weights of checkpoint ``path``, checked to fit this run's model."""
         state = load_checkpoint(path, flag)["model"]
-        reference = self.model.state_dict()
-        missing = sorted(set(reference) - set(state))
-        extra = sorted(set(state) - set(reference))
-        bad = [k for k in reference if k in state and state[k].shape != reference[k].shape]
-        if missing or extra or bad:
-            what = (f"missing {missing[0]}" if missing else f"unexpected {extra[0]}" if extra
-                    else f"{bad[0]} has shape {tuple(state[bad[0]].shape)}, the model "
-                         f"{tuple(reference[bad[0]].shape)}")
+        why = state_mismatch(self.model.state_dict(), state)
+        if why is not None:
             raise UsageError(f"{flag}: {str(path)!r} does not fit the run's model "
-                             f"{self.model_name} ({what})")
+                             f"{self.model_name} ({why})")
         return state
 
 
@@ -266,11 +288,15 @@ def open_run(run: str | Path, checkpoint: str | Path | None = None, device: str 
     data = data_mod.load(cfg["dataset"], data_dir or cfg["data_dir"], cfg["download"],
                          explicit_dir=data_dir is not None)
     model = build_model(cfg, data.image_shape[0], data.num_classes)
+    why = state_mismatch(model.state_dict(), state["model"])
+    if why is not None:  # load_state_dict's own message is many lines, cut it says nothing
+        raise UsageError(f"{flag}: {str(path)!r} does not fit the run's model "
+                         f"{variant_label(cfg)} ({why})")
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
-        raise UsageError(f"{flag}: {str(path)!r} does not fit the run's model {cfg['model']} "
-                         f"({_first_line(e)})") from None
+        raise UsageError(f"{flag}: {str(path)!r} does not fit the run's model "
+                         f"{variant_label(cfg)} ({' '.join(str(e).split())})") from None
     model = model.to(dev)
     if cfg["channels_last"]:
         model = model.to(memory_format=torch.channels_last)

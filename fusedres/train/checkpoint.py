@@ -104,7 +104,8 @@ def load(path: str | Path) -> dict[str, Any]:
             why = "it is empty"
         else:
             first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-            why = f"it is truncated or corrupt ({first[:120]})"
+            # torch's first sentence (its long advice after it would be cut mid-word).
+            why = f"it is truncated or corrupt ({first.split('. ')[0]})"
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded: {why}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {str(path)!r} is not a fusedres training checkpoint "

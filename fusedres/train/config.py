@@ -574,6 +574,9 @@ def resolve(argv: list[str] | None) -> tuple[dict[str, Any], set[str]]:
     changed |= _apply(cfg, ns, "flags")
     _check_types(cfg)
     _check_values(cfg)
+    if "drop_path_mode" in ns and not cfg["drop_path_rate"]:
+        raise UsageError("--drop-path-mode: only with a --drop-path-rate above 0 (without one no "
+                         "unit is dropped and the mode changes nothing)")
     _check_imagefolder(cfg, resuming=cfg["resume"] is not None)
     cfg["config"] = str(config_file) if config_file is not None else None
     return cfg, set(ns) | set(from_file) | changed

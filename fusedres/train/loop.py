@@ -28,6 +28,7 @@ from . import checkpoint as ckpt
 from . import data as data_mod
 from . import metrics as M
 from .config import UsageError, merge_saved, parse_bytes, resolve_channels_last
+from .naming import variant_label
 from .step import (
     WARMUP_STEPS,
     GraphedStep,
@@ -930,6 +931,7 @@ class Run:
         extra = {
             "model": self.cfg["model"] if self.cfg["model"] != "preact_resnet"
             else f"preact_resnet (depth {self.cfg['depth']})",
+            "label": variant_label(self.cfg),
             "dataset": self.cfg["dataset"], "iterations": self.iteration,
             "fused": self.cfg["fused"],
             "backend": (fusedres.resolve_backend(self.device) if self.cfg["fused"]
@@ -958,7 +960,7 @@ class Run:
         (self.out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
         (self.out / "summary.md").write_text(table + "\n")
         png = M.plot(self.history, self.out / "curves.png",
-                     f"{extra['model']} on {self.cfg['dataset']}")
+                     f"{extra['label']} on {self.cfg['dataset']}")
         print(table)
         if png is not None:
             print(f"curves: {png}")

@@ -154,6 +154,7 @@ def summary_table(s: dict[str, Any]) -> str:
 
     rows = [
         ("model", s.get("model")),
+        ("network", s.get("label", "n/a")),
         ("dataset", s.get("dataset")),
         ("iterations", s.get("iterations")),
         ("final test error", pct(s.get("final_test_error"))),
