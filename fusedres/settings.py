@@ -3,9 +3,9 @@
 The one place they are declared. Python code reads them through :func:`get` (which parses and
 checks the value, naming the variable in the error); the C++ kernels read theirs with
 ``std::getenv`` at the moment this table says; ``setup.py`` loads this file by path (it needs no
-torch). ``fusedres settings`` prints the table that README.md carries
+torch). ``fusedres settings`` prints the table that docs/settings.md carries
 (tests/test_layout.py checks that every variable the sources read is declared here and that the
-README's table is this one).
+docs' table is this one).
 
 This module imports nothing from fusedres or torch.
 """
@@ -213,7 +213,7 @@ def _parse(name: str, raw):
 
 
 def markdown_table() -> str:
-    """The README's table of settings."""
+    """The table of settings in docs/settings.md."""
     rows = ["| variable | values | default | read | what it does |",
             "|---|---|---|---|---|"]
     for s in SETTINGS.values():
