@@ -309,7 +309,8 @@ def _kernel_modules() -> list:
 def capturing(sms: int, tf32: bool, backward: str):
     """Within: every kernel module's ``launcher`` records, ``sm_count`` is ``sms``, cuDNN's
     TF32 switch is ``tf32``, the Triton backend's ``backward_strategy`` (what
-    ``FUSEDRES_TRITON_BACKWARD`` selects) returns ``backward``. Yields the recorder."""
+    ``FUSEDRES_TRITON_BACKWARD`` selects) returns ``backward`` and its ops take meta tensors.
+    Yields the recorder."""
     if _common.interpreting():
         raise RuntimeError("TRITON_INTERPRET=1: launches can only be captured with "
                            "TRITON_INTERPRET=0 (the kernels compile for a GPU then)")
@@ -324,6 +325,8 @@ def capturing(sms: int, tf32: bool, backward: str):
              if getattr(m, name, None) is orig]
     swaps.append((backend, "backward_strategy", backend.backward_strategy,
                   lambda *args, **kwargs: backward))
+    swaps.append((backend, "DEVICE_TYPES", backend.DEVICE_TYPES,
+                  (*backend.DEVICE_TYPES, "meta")))  # the step's tensors are meta tensors
     old_tf32 = torch.backends.cudnn.allow_tf32
     for m, name, _, new in swaps:
         setattr(m, name, new)

@@ -81,13 +81,18 @@ def _branch_scale(branch_scale: Optional[Tensor], weight: Tensor) -> Optional[Te
 # The schemas of fusedres.opdefs; the bodies launch the kernels through kernels._common.launcher
 # (wrap_triton while a graph is traced, the kernel itself in eager code).
 
+# The devices the triton ops take x on. kernels/jit_spec.capturing adds "meta" while it records
+# a step's launches (its recorder stands in for every launch: no kernel reads a meta tensor).
+DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
+
+
 def _triton_op(op: str):
     """``torch.library.triton_op("fusedres_triton::<op>")`` with the schema of SCHEMAS. The
     function also carries that schema as its Python signature: torch 2.11 infers the schema
     from the signature whatever ``schema=`` says (and ``*inputs`` cannot be inferred)."""
     def register(fn):
         def checked(*args):  # every argument first: the ops' contract (fusedres.checks)
-            check_op_args(op, args, f"fusedres_triton::{op}", ("cuda", "cpu"))
+            check_op_args(op, args, f"fusedres_triton::{op}", DEVICE_TYPES)
             return fn(*args)
 
         checked.__name__ = fn.__name__
