@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 # No second copy of what pip downloads in its cache: the venv is ~5.8 GB (torch's CUDA build), and
 # a CI run once ran out of disk while installing it.
 export PIP_NO_CACHE_DIR ?= 1
-.PHONY: install test-ext demo compare test selftest bench gpu-report gpu-check gpu-model gpu-model-cuda lint format clean tsan asan cuda-table compat
+.PHONY: test-all install test-ext demo compare test selftest bench gpu-report gpu-check gpu-model gpu-model-cuda lint format clean tsan asan cuda-table compat
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,8 +63,14 @@ compare: install
 	$(PY) -m fusedres.demo
 
 # With the test extension: the cuda backend's kernels run on CPU tensors (tests/conftest.py).
+# The quick suite: the tests marked slow (tests/conftest.py's SLOW table: compiles, sanitizer
+# drivers, whole trainings, installs) and the full matrices are left to test-all and CI.
 test: install $(TEST_EXT)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+# Everything pytest runs in CI: the quick suite, the slow tests and the full matrices.
+test-all: install $(TEST_EXT)
+	$(PY) -m pytest tests --full-matrix $(PYTEST_ARGS)
 
 # On a GPU: the kernels against the reference, with a table (on CPU: interpreter, small shapes).
 selftest: install

@@ -6,6 +6,7 @@ they are set first thing (an explicit TRITON_INTERPRET=0 or FUSEDRES_CUDA_ON_CPU
 environment keeps them off, e.g. on a GPU machine).
 """
 
+import fnmatch
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -84,7 +85,38 @@ def pytest_configure(config):
                    "--full-matrix (CI's own step); its subset runs in the quick suite")
 
 
+# The slow tests (tens of seconds to minutes each on 2 cores: compiles, sanitizer drivers, whole
+# trainings, fresh installs, multi-process runs), marked ``slow`` here in one table: `make test`
+# leaves them out (-m "not slow"), CI runs them in a step of their own, `make test-all` runs
+# everything. A pattern matches a test's node id (fnmatch).
+SLOW = (
+    "tests/test_cuda_mma.py::test_asan_*",                 # builds and runs the ASan driver
+    "tests/test_cuda_host.py::test_nvcc_*",                # nvcc for sm_80 and sm_90
+    "tests/test_cuda_host.py::test_tsan_*",                # the TSan driver
+    "tests/test_triton_aot.py::*",                         # every config compiled for a GPU
+    "tests/test_perfmodel.py::test_compiled_counts_and_committed_table",
+    "tests/test_install.py::*",                            # fresh venvs and installs
+    "tests/test_memory.py::test_predicted_step_peak_matches_measured[r1001-*",
+    "tests/test_planner.py::test_resnet1001_goals",
+    "tests/test_bench.py::test_gpu_report_quick_end_to_end_on_cpu",
+    "tests/test_bench.py::test_fit_quick_*",
+    "tests/test_allocator_keep.py::test_bench_records_the_allocator",
+    "tests/test_ops.py::test_compile_fullgraph_matches_eager[triton-*",
+    "tests/test_ops.py::test_opcheck[triton-*",            # the interpreter, every opcheck
+    "tests/test_models.py::test_units_hand_their_output_statistics_to_the_next[triton-*",
+    "tests/test_train_compile.py::test_triton_model_compiles_whole_*",
+    "tests/test_train_distributed.py::*",                  # torchrun, two processes
+    "tests/test_landscape.py::test_torchrun_*",
+    "tests/test_train_resume.py::test_killed_and_resumed_run_is_bit_exact",
+    "tests/test_train_imagefolder.py::test_sigterm_*",
+    "tests/test_train.py::test_digits_demo_reaches_its_accuracy",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(fnmatch.fnmatch(item.nodeid, pattern) for pattern in SLOW):
+            item.add_marker(pytest.mark.slow)
     if config.getoption("--full-matrix"):
         return
     left = [item for item in items if item.get_closest_marker("full_matrix") is not None]
