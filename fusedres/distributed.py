@@ -37,6 +37,7 @@ from . import ops
 
 __all__ = [
     "SyncBatchNorm2d",
+    "SyncBatchNormAct2d",
     "convert_sync_batchnorm",
     "prepare_batch_norm_sync",
     "sync_active",
@@ -231,14 +232,69 @@ class SyncBatchNorm2d(nn.BatchNorm2d):
         return _sync_batch_norm_plain(x, self, self.process_group)
 
 
+class SyncBatchNormAct2d(SyncBatchNorm2d):
+    """A norm-act layer's synchronised copy (timm's ``BatchNormAct2d``: BatchNorm, then its
+    ``drop``, then its ``act``, in one module with a BatchNorm's state_dict keys):
+    :class:`SyncBatchNorm2d`, then the same ``drop`` and ``act`` modules. The fused blocks
+    prepare it through :meth:`SyncBatchNorm2d.fused_prepare` as any synchronised BatchNorm."""
+
+    def __init__(self, *args, drop: nn.Module, act: nn.Module, process_group=None, **kwargs):
+        super().__init__(*args, process_group=process_group, **kwargs)
+        self.drop, self.act = drop, act
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.drop(super().forward(x)))
+
+
+# Norm-act classes whose forward is BatchNorm, then ``drop``, then ``act`` (module, class name):
+# converted to SyncBatchNormAct2d. Other BatchNorm2d subclasses are refused: what their forward
+# adds is unknown, and a plain synchronised BatchNorm would drop it.
+_NORM_ACT = {("timm.layers.norm_act", "BatchNormAct2d"),
+             ("timm.layers.norm_act", "SyncBatchNormAct")}
+
+
+def _kind(module: nn.Module) -> str | None:
+    """"bn" for a BatchNorm to synchronise, "norm_act" for a known norm-act layer, "other" for
+    another BatchNorm subclass, None for anything else (and for what is synchronised already)."""
+    cls = type(module)
+    if isinstance(module, SyncBatchNorm2d) or not isinstance(module, (nn.BatchNorm2d,
+                                                                      nn.SyncBatchNorm)):
+        return None
+    if cls in (nn.BatchNorm2d, nn.SyncBatchNorm):
+        return "bn"
+    return "norm_act" if (cls.__module__, cls.__name__) in _NORM_ACT else "other"
+
+
 def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
     """Replace every ``nn.BatchNorm2d`` (and ``nn.SyncBatchNorm``) in ``module`` by a
     :class:`SyncBatchNorm2d` holding the same parameters and buffers (returned module; the
-    input is changed in place where possible, as ``nn.SyncBatchNorm.convert_sync_batchnorm``)."""
-    if isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm)) and not isinstance(
-            module, SyncBatchNorm2d):
-        new = SyncBatchNorm2d(module.num_features, module.eps, module.momentum, module.affine,
-                              module.track_running_stats, process_group=process_group)
+    input is changed in place where possible, as ``nn.SyncBatchNorm.convert_sync_batchnorm``),
+    and timm's norm-act layers by a :class:`SyncBatchNormAct2d` that keeps their ``drop`` and
+    ``act``. Any other subclass of BatchNorm2d raises TypeError naming it, before anything is
+    replaced: its forward may add what a synchronised BatchNorm would silently drop."""
+    found = [(name or "the module", type(m)) for name, m in module.named_modules()
+             if _kind(m) == "other"]
+    if found:
+        name, cls = found[0]
+        raise TypeError(
+            f"module: {name} is a {cls.__module__}.{cls.__qualname__}, a BatchNorm2d subclass "
+            f"convert_sync_batchnorm does not know: converting it to a synchronised BatchNorm "
+            f"would drop what its forward adds (known: nn.BatchNorm2d, nn.SyncBatchNorm, timm's "
+            f"BatchNormAct2d); convert it yourself, or replace it first"
+            + (f" ({len(found) - 1} more)" if len(found) > 1 else ""))
+    return _convert(module, process_group)
+
+
+def _convert(module: nn.Module, process_group) -> nn.Module:
+    kind = _kind(module)
+    if kind in ("bn", "norm_act"):
+        args = (module.num_features, module.eps, module.momentum, module.affine,
+                module.track_running_stats)
+        if kind == "bn":
+            new = SyncBatchNorm2d(*args, process_group=process_group)
+        else:
+            new = SyncBatchNormAct2d(*args, drop=module.drop, act=module.act,
+                                     process_group=process_group)
         if module.affine:  # the same Parameter objects: optimisers and DDP see no change
             new.weight = module.weight
             new.bias = module.bias
@@ -248,7 +304,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
         new.train(module.training)
         return new
     for name, child in module.named_children():
-        converted = convert_sync_batchnorm(child, process_group)
+        converted = _convert(child, process_group)
         if converted is not child:
             setattr(module, name, converted)
     return module

@@ -46,6 +46,19 @@ def _make_block(fused: bool) -> nn.Module:
     return block.double()
 
 
+def _make_normact() -> nn.Module:
+    """timm's norm-act layer (BatchNorm, dropout, ReLU in one module) between two convolutions."""
+    from timm.layers import BatchNormAct2d
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(C_IN, 6, 3, padding=1), BatchNormAct2d(6),
+                        nn.Conv2d(6, C_OUT, 3, stride=2, padding=1))
+    with torch.no_grad():
+        net[1].weight.uniform_(0.5, 1.5)
+        net[1].bias.uniform_(-0.5, 0.5)
+    return net.double()
+
+
 def _inputs():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(WORLD * N_LOCAL, C_IN, H, H, generator=g, dtype=torch.float64) * 2 + 0.5
@@ -73,6 +86,8 @@ def _worker(rank, port, fused, convert, backend, out_dir):
     try:
         if convert == "torch":  # nn.SyncBatchNorm modules are routed to the same sync
             block = nn.SyncBatchNorm.convert_sync_batchnorm(_make_block(fused))
+        elif convert == "normact":
+            block = fdist.convert_sync_batchnorm(_make_normact())
         else:
             block = fdist.convert_sync_batchnorm(_make_block(fused))
         x, gy = _inputs()
@@ -121,6 +136,54 @@ def test_sync_batch_norm_equals_one_process_with_whole_batch(fused, convert, bac
         for k in ref_buffers:
             torch.testing.assert_close(buffers[k], ref_buffers[k], atol=ATOL, rtol=RTOL,
                                        msg=k)
+
+
+def test_a_norm_act_layer_keeps_its_activation_across_two_processes(tmp_path):
+    """timm's BatchNormAct2d converted keeps its ReLU (and dropout), its statistics synchronised:
+    two processes with half the batch each give the one process's outputs, gradients and
+    running statistics (converted to a plain synchronised BatchNorm, the ReLU was lost)."""
+    pytest.importorskip("timm")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, False, "normact", "reference",
+                                               str(tmp_path))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    ref_outs, ref_grads, ref_buffers = _step(_make_normact(), *_inputs())
+    for rank in range(WORLD):
+        outs, grads, buffers = torch.load(tmp_path / f"rank{rank}.pt")
+        sl = slice(rank * N_LOCAL, (rank + 1) * N_LOCAL)
+        for (y, gx), (ry, rgx) in zip(outs, ref_outs):
+            torch.testing.assert_close(y, ry[sl], atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(gx, rgx[sl], atol=ATOL, rtol=RTOL)
+        for k in ref_grads:
+            torch.testing.assert_close(grads[k], ref_grads[k], atol=ATOL, rtol=RTOL, msg=k)
+        for k in ref_buffers:
+            torch.testing.assert_close(buffers[k], ref_buffers[k], atol=ATOL, rtol=RTOL, msg=k)
+
+
+def test_conversion_keeps_a_norm_act_layer_and_refuses_an_unknown_subclass():
+    pytest.importorskip("timm")
+    net = fdist.convert_sync_batchnorm(_make_normact())
+    assert type(net[1]) is fdist.SyncBatchNormAct2d and isinstance(net[1].act, nn.ReLU)
+    assert net.state_dict().keys() == _make_normact().state_dict().keys()
+    x = _inputs()[0]
+    torch.testing.assert_close(net(x), _make_normact()(x), atol=0, rtol=0)
+    without_act = copy.deepcopy(net)
+    without_act[1].act = nn.Identity()  # what a plain synchronised BatchNorm computed
+    assert (net(x) - without_act(x)).abs().max() > 0.1
+
+    class ScaledBN(nn.BatchNorm2d):  # a forward convert_sync_batchnorm cannot know
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.Sequential(ScaledBN(3)))
+    with pytest.raises(TypeError, match=r"module: 1\.0 is a .*ScaledBN, a BatchNorm2d subclass"):
+        fdist.convert_sync_batchnorm(model)
+    assert type(model[0]) is nn.BatchNorm2d  # refused before anything was replaced
 
 
 def test_single_process_sync_batch_norm_is_plain_batch_norm():
