@@ -6,7 +6,7 @@ size. Interleaved samples, medians; run on a quiet machine.
 
     python benchmarks/conv_backward_cache.py [--channels 16] [--stride 1] [--threads 2]
 
-The figures are in benchmarks/RESULTS.md ("Fewer small ops around the kernels").
+The figures are in benchmarks/RESULTS-history.md ("Fewer small ops around the kernels").
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ times all three. Run on a quiet machine.
 
     python benchmarks/conv_layout_ab.py [--set basic-sweep] [--rounds 9] [--threads 2]
 
-The figures are in benchmarks/RESULTS.md ("NCHW units: the convolution's layout by stride and
-width").
+The figures are in benchmarks/RESULTS-history.md ("NCHW units: the convolution's layout by
+stride and width").
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ time). Medians of 15 samples of 20 calls on the same tensors, microseconds.
     python benchmarks/cpu_kernels.py [--threads 2] [--layout channels_last|nchw]
         [--shapes 64x16x16x16,64x64x8x8]
 
-The figures are in benchmarks/RESULTS.md ("NHWC kernels with their sums in registers").
+The figures are in benchmarks/RESULTS-history.md ("NHWC kernels with their sums in registers").
 """
 
 from __future__ import annotations

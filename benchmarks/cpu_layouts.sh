@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU figures of both memory layouts (benchmarks/RESULTS.md, "Both layouts"): the 40-shape
+# The CPU figures of both memory layouts (benchmarks/RESULTS.md, its current section): the 40-shape
 # BASIC_SWEEP and the bottleneck set on 2 threads and 1, and whole training steps. Run on a
 # quiet machine (nothing else running); ~40 minutes on 2 cores. Usage: bash
 # benchmarks/cpu_layouts.sh [OUT_DIR] (default benchmarks/report-cpu-layouts).

@@ -6,7 +6,7 @@ Medians over interleaved rounds; run on a quiet machine.
 
     python benchmarks/eager_overhead.py [--rounds 30] [--threads 1]
 
-The figures are in benchmarks/RESULTS.md ("eager CPU overhead").
+The figures are in benchmarks/RESULTS-history.md ("eager CPU overhead").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ quiet machine.
     python benchmarks/module_unit_ab.py [--set "basic C=16 s1,basic C=16 s2"] [--rounds 11]
                                         [--threads 2] [--layouts channels_last,nchw]
 
-The figures are in benchmarks/RESULTS.md ("A module's forward in one call").
+The figures are in benchmarks/RESULTS-history.md ("A module's forward in one call").
 """
 
 from __future__ import annotations

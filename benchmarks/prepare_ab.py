@@ -5,7 +5,7 @@ process (61 rounds after 5 of warm-up, medians of single steps). Run on a quiet 
 
     python benchmarks/prepare_ab.py C STRIDE RESIDUAL(0|1) [THREADS]
 
-The figures are in benchmarks/RESULTS.md ("BatchNorm preparation in one C++ call").
+The figures are in benchmarks/RESULTS-history.md ("BatchNorm preparation in one C++ call").
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ glibc keeping freed memory, as ``fusedres bench`` runs; run on a quiet machine.
     python benchmarks/step_breakdown.py [--set "basic C=16 s1,basic C=96 s2"] [--threads 2]
         [--layout channels_last|nchw]
 
-The figures are in benchmarks/RESULTS.md ("Where the remaining shapes lose").
+The figures are in benchmarks/RESULTS-history.md ("Where the remaining shapes lose").
 """
 
 from __future__ import annotations

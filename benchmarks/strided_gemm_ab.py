@@ -16,7 +16,7 @@ three strided first units, stride on the 3x3; ResNet-20's 16-32 /2 basic unit).
 trainers, fused and plain, in ``--layout``). ``--clock thread`` (1 thread only) times the step's
 own CPU time, for a machine that is not quiet. Units without a strided 1x1 beside another
 convolution run the same code either way: their two fused columns differ by the run's noise
-alone. The figures are in benchmarks/RESULTS.md
+alone. The figures are in benchmarks/RESULTS-history.md
 ("Strided 1x1 shortcuts as GEMMs").
 """
 

@@ -471,10 +471,8 @@ class ResidualBlock(nn.Module):
         stacked weights (:func:`shared_conv_into`): a :data:`FUSED` pre-activation unit whose
         shortcut and conv1 are :func:`_concatenable`, both after a BatchNorm, and strided. (At
         stride 1 the stacked output, as large as x or larger, costs more in the gradients'
-        concatenation than the second pass over x saves: measured on 2 cores, ResNet-50's first
-        unit 64 -> 256 @56 channels_last ran 221 ms stacked vs 211 ms as two ops. Strided, the
-        stack beats the cpu backend's paired route too: ResNet-164's 64-32-128 /2 unit 59.7 vs
-        74.9 ms NCHW, 43.1 vs 45.4 ms channels_last, and peaks lower; RESULTS.md.)"""
+        concatenation than the second pass over x saves; strided, the stack beats the cpu
+        backend's paired route too, and peaks lower: benchmarks/RESULTS-history.md.)"""
         return (self._fused_projection_reads_bn1 and self.shortcut.stride != (1, 1)
                 and _concatenable(self.shortcut, self.convs[0]))
 
@@ -492,9 +490,8 @@ class ResidualBlock(nn.Module):
         (:func:`shortcut_conv_into`), so that the shortcut's gradient and the branch's are
         summed in conv1's data-gradient pass on the cpu backend: a :data:`FUSED`
         pre-activation unit with the identity shortcut and BatchNorms before conv1 and conv2.
-        (Autograd's own sum reads both gradients and writes a third tensor of x's size.
-        Measured on 2 cores, the unit with / without it: 0.97-1.0, median 0.99; RESULTS.md,
-        "The identity shortcut's gradient".)"""
+        (Autograd's own sum reads both gradients and writes a third tensor of x's size; the
+        measurement: benchmarks/RESULTS-history.md, "The identity shortcut's gradient".)"""
         return self._fused_conv1_between_bns and self.path == "identity"
 
     @property
