@@ -428,22 +428,32 @@ def report() -> None:
     L += ["", f"Runs read with fusedres (`results.json` records each experiment's commit) {where};"
           f" 2-core Xeon (no GPU), torch {_torch_version()}."]
     L += ["", "## The same experiments on CIFAR-10 (a GPU)", "",
-          "The papers' settings with the CLI (the trainer's defaults are He et al.'s CIFAR "
-          "recipe: 64k iterations, batch 128, lr 0.1 with steps at 32k and 48k; add `--seed S` "
-          "per seed):", "", "```bash"]
-    for unit in PAPER_ORDERINGS:  # Table 2, ResNet-110 and ResNet-164
-        L.append(f"fusedres train --dataset cifar10 --model preact_resnet110 --unit {unit} "
-                 f"--out runs/c10-110-{unit}")
-    for sc, (flags, _) in SHORTCUTS.items():  # Table 1, original ResNet-110
-        extra = " ".join(flags[2:])
-        L.append(f"fusedres train --dataset cifar10 --model preact_resnet --depth 110 {extra} "
-                 f"--out runs/c10-110-{sc}")
-    L += ["fusedres train --dataset cifar10 --model preact_resnet --depth 56 --shortcut none "
-          "--out runs/c10-56-noshort          # Li et al.'s noshort",
-          "fusedres train --dataset cifar10 --model preact_resnet110 --drop-path-rate 0.5 "
-          "--drop-path-mode batch --out runs/c10-110-sd   # Huang et al.",
-          "fusedres lesion runs/c10-110-original runs/c10-56-noshort",
-          "fusedres landscape runs/c10-56-noshort", "```"]
+          "Each paper's recipe is a shipped config (fusedres/configs; its comments give the "
+          "recipe and the paper's figures); the option picks the variant. Test error (%) the "
+          "papers report beside each command; run each over seeds, as the papers' medians "
+          "are (He et al. 2016: 5 runs):", "",
+          "| experiment | `fusedres train --config ...` | paper |", "|---|---|---|"]
+    for unit, (p110, p164) in PAPER_ORDERINGS.items():  # Table 2
+        L.append(f"| Table 2, {unit}, ResNet-110 / 164 | `he2016_cifar10_resnet110 --unit "
+                 f"{unit}` (add `--model preact_resnet164`) | {p110:.2f} / {p164:.2f} |")
+    for sc, paper in PAPER_SHORTCUTS.items():  # Table 1, original ResNet-110
+        flags = SHORTCUTS.get(f"short-{sc}", (["", "", "", "", "--shortcut", "identity"], None))[0]
+        L.append(f"| Table 1, {sc} | `he2016_cifar10_shortcuts {' '.join(flags[4:])}` "
+                 f"| {paper} |")
+    L += ["| Huang et al., stochastic depth p_L = 0.5, ResNet-110 | "
+          "`huang2016_cifar10_resnet110_sd` (constant depth: `--drop-path-rate 0`) | "
+          "5.25 (constant depth 6.41) |",
+          "| Li et al., ResNet-56 / ResNet-56-noshort | `li2018_cifar10_resnet56` "
+          "(`--shortcut none`) | 5.89 / 13.31 |",
+          "| He et al. 2016 Table 3, CIFAR-100, ResNet-164 | `cifar100_resnet164` | 24.33 |",
+          "", "```bash",
+          "for s in 0 1 2 3 4; do    # a seed loop: one run per seed, then compare them",
+          "  fusedres train --config he2016_cifar10_resnet110 --unit original --seed $s "
+          "--out runs/t2-original-s$s",
+          "done",
+          "fusedres compare runs/t2-original-s*",
+          "fusedres lesion runs/t2-original-s0",
+          "fusedres landscape runs/li-56", "```"]
     _plot_depth(data, HERE / "depth.png")
     (HERE / "RESULTS.md").write_text("\n".join(L) + "\n")
     print(f"wrote {HERE / 'RESULTS.md'}, results.json and the plots")
