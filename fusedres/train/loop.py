@@ -29,10 +29,12 @@ from . import data as data_mod
 from . import metrics as M
 from .config import UsageError, merge_saved, parse_bytes, resolve_channels_last
 from .naming import variant_label
+from .schedule import LRSchedule
 from .step import (
     WARMUP_STEPS,
     GraphedStep,
     TrainStep,
+    adamw,
     float_lr_state,
     lr_tensor,
     sgd,
@@ -149,17 +151,34 @@ def _check_backend(cfg, device: torch.device) -> None:
         raise UsageError(f"--backend {cfg['backend']}: cannot run on {device.type}: {reason}")
 
 
+# The training recipe's options, recorded together in summary.json.
+RECIPE_KEYS = ("optimizer", "lr", "momentum", "nesterov", "betas", "weight_decay",
+               "bn_weight_decay", "bias_weight_decay", "schedule", "warmup_iters", "milestones",
+               "lr_decay", "min_lr", "poly_power", "label_smoothing", "ema_decay")
+
+# The layers whose parameters are a normalisation's scale and shift.
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm,
+          nn.modules.instancenorm._InstanceNorm)
+
+
 def _param_groups(model: nn.Module, cfg) -> list[dict[str, Any]]:
-    """Weight decay on every parameter but BatchNorm's (unless --bn-weight-decay)."""
-    bn_params = set()
+    """Weight decay on every parameter but the normalisation layers' (unless
+    --bn-weight-decay) and the other layers' biases (unless --bias-weight-decay): decay pulls
+    a weight towards 0 to limit the function's scale, which a norm's scale and shift and a
+    bias do not set (Goyal et al. 2017 and timm's recipes leave them undecayed)."""
+    norm_params, biases = set(), set()
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            bn_params.update(id(p) for p in m.parameters(recurse=False))
+        if isinstance(m, _NORMS):
+            norm_params.update(id(p) for p in m.parameters(recurse=False))
+        else:
+            biases.update(id(p) for n, p in m.named_parameters(recurse=False) if n == "bias")
     decay, no_decay = [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        (no_decay if id(p) in bn_params and not cfg["bn_weight_decay"] else decay).append(p)
+        keep = ((id(p) in norm_params and not cfg["bn_weight_decay"])
+                or (id(p) in biases and not cfg["bias_weight_decay"]))
+        (no_decay if keep else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg["weight_decay"]}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -184,12 +203,22 @@ def milestones(cfg, max_iters: int) -> list[int]:
     return sorted(int(round(m * max_iters)) if m < 1 else int(m) for m in cfg["milestones"])
 
 
-def lr_at(cfg, iteration: int, steps: list[int]) -> float:
-    """Learning rate of (0-based) ``iteration``: linear warm-up, then /decay at milestones."""
-    lr = cfg["lr"]
-    if iteration < cfg["warmup_iters"]:
-        lr *= (iteration + 1) / cfg["warmup_iters"]
-    return lr * cfg["lr_decay"] ** sum(iteration >= m for m in steps)
+def _optimizer(param_groups: list[dict[str, Any]], lr: torch.Tensor, cfg
+               ) -> torch.optim.Optimizer:
+    """--optimizer: torch's SGD or AdamW, fused, reading the device learning rate ``lr``."""
+    if cfg["optimizer"] == "adamw":
+        return adamw(param_groups, lr, cfg["betas"])
+    return sgd(param_groups, lr, cfg["momentum"], cfg["nesterov"])
+
+
+def _ema(model: nn.Module, decay: float) -> torch.optim.swa_utils.AveragedModel:
+    """--ema-decay: torch's AveragedModel of ``model`` with the exponential moving average
+    (weights and buffers: BatchNorm's running statistics are averaged too, as timm's EMA
+    does). Its first ``update_parameters`` copies the model; each later one moves the
+    average by (1 - decay) towards it."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
 
 
 def crop_average(model: nn.Module, x: torch.Tensor,
@@ -336,6 +365,7 @@ class Run:
         ipe = self.batches.iters_per_epoch
         self.max_iters = cfg["epochs"] * ipe if cfg["epochs"] else cfg["max_iters"]
         self.milestones = milestones(cfg, self.max_iters)
+        self.schedule = LRSchedule(cfg, self.max_iters, self.milestones)
 
         torch.manual_seed(cfg["seed"])
         in_chans = self.data.image_shape[0]
@@ -368,8 +398,10 @@ class Run:
         # The learning rate lives on the device and is filled in place each step (the step
         # reads no value on the host: fusedres.train.step).
         self.lr = lr_tensor(cfg["lr"], self.device)
-        self.optimizer = sgd(_param_groups(model, cfg), self.lr, cfg["momentum"],
-                             cfg["nesterov"])
+        self.optimizer = _optimizer(_param_groups(model, cfg), self.lr, cfg)
+        # --ema-decay: updated after each step, outside the step (and its CUDA graph):
+        # AveragedModel's update reads its count on the host.
+        self.ema = _ema(model, cfg["ema_decay"]) if cfg["ema_decay"] is not None else None
         self.amp_dtype = _AMP[cfg["amp"]]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg["amp"] == "fp16")
         if state is not None:
@@ -380,6 +412,16 @@ class Run:
                 _state_like_params(self.optimizer)
                 if state.get("scaler"):
                     self.scaler.load_state_dict(state["scaler"])
+                if self.ema is not None:
+                    if "ema" not in state:
+                        raise KeyError("ema: the checkpoint holds no EMA weights (its run had "
+                                       "no --ema-decay)")
+                    self.ema.load_state_dict(state["ema"])
+                if "lr_scheduler" in state:
+                    self.schedule.load_state_dict(state["lr_scheduler"])
+                else:  # a checkpoint of an older fusedres: run the schedule up to it
+                    for _ in range(state["iteration"]):
+                        self.schedule.step()
             except (ValueError, KeyError, RuntimeError) as e:
                 raise UsageError(f"--resume: the optimiser state does not fit this model "
                                  f"({_first_line(e)})") from None
@@ -397,7 +439,8 @@ class Run:
             train_model = torch.compile(train_model, mode=None if mode == "default" else mode)
         self.train_model = train_model
         self.step = TrainStep(train_model, self.optimizer, self.scaler, self.amp_dtype,
-                              self.device.type, mark_step=cfg["compile"] == "reduce-overhead")
+                              self.device.type, mark_step=cfg["compile"] == "reduce-overhead",
+                              label_smoothing=cfg["label_smoothing"])
         self.run_step = GraphedStep(self.step) if cfg["cuda_graphs"] else self.step
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
@@ -482,6 +525,7 @@ class Run:
                          f"stream, then replayed; evaluation eager")
         if cfg["compile"]:
             lines.append(f"torch.compile, mode {cfg['compile']}")
+        lines.append(self.recipe_line())
         if self.batches.describe() is not None:
             lines.append(self.batches.describe())
         if self.resume_state is not None:
@@ -498,6 +542,27 @@ class Run:
             lines.append(f"warning: {self.device_warning}")
         for line in lines:
             print(f"fusedres train: {line}", file=sys.stderr)
+
+    def recipe_line(self) -> str:
+        """The banner's line for the optimiser, the schedule and the regularisers."""
+        cfg = self.cfg
+        opt = (f"AdamW betas {cfg['betas'][0]:g} {cfg['betas'][1]:g}"
+               if cfg["optimizer"] == "adamw"
+               else f"SGD momentum {cfg['momentum']:g}" + (" nesterov" if cfg["nesterov"]
+                                                            else ""))
+        skip = [w for w, on in (("norms", not cfg["bn_weight_decay"]),
+                                ("biases", not cfg["bias_weight_decay"])) if on]
+        sched = {"step": f"step x{cfg['lr_decay']:g} at {self.milestones}",
+                 "cosine": f"cosine to {cfg['min_lr']:g}",
+                 "poly": f"poly power {cfg['poly_power']:g}"}[cfg["schedule"]]
+        line = (f"recipe: {opt}, lr {cfg['lr']:g}, {cfg['warmup_iters']} warm-up iterations "
+                f"then {sched}; weight decay {cfg['weight_decay']:g}"
+                + (f" (not on {' and '.join(skip)})" if skip else ""))
+        if cfg["label_smoothing"]:
+            line += f"; label smoothing {cfg['label_smoothing']:g}"
+        if cfg["ema_decay"] is not None:
+            line += f"; EMA decay {cfg['ema_decay']:g} (evaluated)"
+        return line
 
     def _device_fit(self, total_bytes: int) -> str | None:
         """On a GPU, before the first step: whether --memory-budget (or the plan's predicted
@@ -533,8 +598,12 @@ class Run:
         self.memory_budget = budget
         shape = (self.batches.local, *self.data.image_shape)
         # The trainer's optimizer, as the planner simulates it (class and hyperparameters).
-        spec = torch.optim.SGD(_param_groups(model, cfg), lr=cfg["lr"],
-                               momentum=cfg["momentum"], nesterov=cfg["nesterov"])
+        if cfg["optimizer"] == "adamw":
+            spec = torch.optim.AdamW(_param_groups(model, cfg), lr=cfg["lr"],
+                                     betas=tuple(cfg["betas"]))
+        else:
+            spec = torch.optim.SGD(_param_groups(model, cfg), lr=cfg["lr"],
+                                   momentum=cfg["momentum"], nesterov=cfg["nesterov"])
         n_eval = min(cfg["eval_batch_size"], math.ceil(self.data.num_test / self.world))
         # Ten crops, or crops larger than the training one (imagefolder): the evaluation
         # forward as a batch of training-sized images (activations scale with the pixels).
@@ -600,6 +669,8 @@ class Run:
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
             "scheduler": {"iteration": self.iteration, "milestones": self.milestones,
                           "warmup_iters": self.cfg["warmup_iters"]},
+            "lr_scheduler": self.schedule.state_dict(),
+            **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
             "sampler": {"seed": self.cfg["seed"],
                         "epoch": self.iteration // self.batches.iters_per_epoch,
                         "position": self.iteration % self.batches.iters_per_epoch},
@@ -635,7 +706,8 @@ class Run:
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
-        model = self.model
+        """Test loss and error of the model, or of its EMA with --ema-decay."""
+        model = self.model if self.ema is None else self.ema.module
         was_training = model.training
         model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -722,6 +794,8 @@ class Run:
         measure = self.saved_bytes is None and not self.cfg["compile"]
         counter = SavedTensorCounter(exclude=self.model) if measure else None
         loss, correct = self.run_step(x, y, counter)
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
         if measure:
             self.saved_bytes = self._all_sum([float(counter.total_bytes)])[0] / self.world
             self.saved_bytes = int(self.saved_bytes)
@@ -753,9 +827,10 @@ class Run:
             t0 = time.perf_counter()
             while self.iteration < self.max_iters and self.iteration // ipe == epoch:
                 it = self.iteration
-                lr = lr_at(cfg, it, self.milestones)
+                lr = self.schedule.lr
                 x, y = self.batches.train_batch(it)
                 loss, correct = self._train_step(x, y, lr)
+                self.schedule.step()
                 win[0] += loss.double() * local
                 win[1] += correct
                 win[2] += local
@@ -949,6 +1024,7 @@ class Run:
             "parameters": self.parameters,
             "variant": {k: self.cfg[k] for k in ("unit", "shortcut", "norm", "drop_path_rate",
                                                  "drop_path_mode", *_SHORTCUT_ARGS)},
+            "recipe": {k: self.cfg[k] for k in RECIPE_KEYS},
             "diverged_at_iteration": self.diverged_at,
             "memory_plan": None if self.plan_summary is None else str(self.plan_summary),
         }
