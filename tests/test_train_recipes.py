@@ -26,7 +26,8 @@ TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--th
         "--pad", "1", "--no-flip", "--warmup-iters", "2", "--milestones", "0.5",
         "--no-progress", "--no-tensorboard", "--log-every", "2", "--batch-size", "32"]
 RECIPE = ["--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.05", "--schedule",
-          "cosine", "--min-lr", "0.0001", "--label-smoothing", "0.1", "--ema-decay", "0.8"]
+          "cosine", "--min-lr", "0.0001", "--label-smoothing", "0.1", "--ema-decay", "0.8",
+          "--accum-steps", "2"]
 
 
 @pytest.fixture(autouse=True)
@@ -46,13 +47,15 @@ def _smoothed_ce(logits: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Ten
     return ((1 - eps) * -log_p.gather(1, y[:, None])[:, 0] - eps * log_p.mean(1)).mean()
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_step_matches_a_plain_pytorch_loop(optimizer):
+@pytest.mark.parametrize("optimizer,accum", [("sgd", 1), ("adamw", 1), ("sgd", 2),
+                                             ("adamw", 4)])
+def test_step_matches_a_plain_pytorch_loop(optimizer, accum):
     """The trainer's step (fused torch optimizer with a device lr, the trainer's decay groups,
     CrossEntropyLoss's label smoothing) against a plain loop: torch's non-fused optimizer,
     decay on the >1-dim weights only (in this network exactly the convolutions' and the
-    classifier's), the smoothed loss written out. Same weights after three steps at three
-    rates."""
+    classifier's), the smoothed loss written out, accumulated by hand over ``accum``
+    micro-batches (loss / accum each, one optimizer step). Same weights after three steps at
+    three rates."""
     torch.manual_seed(0)
     model = models.preact_resnet(8, num_classes=3, fused=False)
     oracle = copy.deepcopy(model)
@@ -61,7 +64,7 @@ def test_step_matches_a_plain_pytorch_loop(optimizer):
     lr = lr_tensor(0.1, torch.device("cpu"))
     step = TrainStep(model, _optimizer(_param_groups(model, cfg), lr, cfg),
                      torch.amp.GradScaler("cpu", enabled=False), None, "cpu",
-                     label_smoothing=0.2)
+                     label_smoothing=0.2, accum_steps=accum)
     decay = [p for p in oracle.parameters() if p.dim() > 1]
     rest = [p for p in oracle.parameters() if p.dim() <= 1]
     groups = [{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}]
@@ -76,8 +79,12 @@ def test_step_matches_a_plain_pytorch_loop(optimizer):
         for group in opt.param_groups:
             group["lr"] = rate
         opt.zero_grad()
-        ref = _smoothed_ce(oracle(x), y, 0.2)
-        ref.backward()
+        ref = 0.0
+        for j in range(accum):
+            part = slice(j * 4 // accum, (j + 1) * 4 // accum)
+            micro = _smoothed_ce(oracle(x[part]), y[part], 0.2) / accum
+            micro.backward()
+            ref += micro.detach()
         opt.step()
         assert loss.item() == pytest.approx(ref.item(), rel=1e-5), i
     # Float32 rounding of the fused vs the plain kernels, which Adam's division by sqrt(v)
@@ -204,6 +211,8 @@ def test_interrupted_run_with_every_recipe_option_resumes_bit_exact(tmp_path):
     (["--poly-power", "0"], "--poly-power"),
     (["--schedule", "linear"], "--schedule"),
     (["--optimizer", "lamb"], "--optimizer"),
+    (["--accum-steps", "0"], "--accum-steps"),
+    (["--accum-steps", "3"], "--accum-steps"),  # 32 does not split in 3
 ])
 def test_bad_recipe_values_exit_2_naming_the_flag(tmp_path, capsys, flags, flag):
     out = tmp_path / "run"

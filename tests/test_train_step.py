@@ -54,14 +54,15 @@ def _one_thread():
 
 
 def _trainer_step(model: nn.Module, amp: torch.dtype | None = None, lr: float = 0.1,
-                  nesterov: bool = False, optimizer: str = "sgd", label_smoothing: float = 0.0
-                  ) -> tuple[TrainStep, torch.Tensor]:
+                  nesterov: bool = False, optimizer: str = "sgd", label_smoothing: float = 0.0,
+                  accum_steps: int = 1) -> tuple[TrainStep, torch.Tensor]:
     """The trainer's step for ``model`` (fusedres.train.loop builds it so) and its lr tensor."""
     lr_t = lr_tensor(lr, torch.device("cpu"))
     cfg = dict(_CFG, optimizer=optimizer, momentum=0.9, nesterov=nesterov, betas=[0.9, 0.999])
     opt = _optimizer(_param_groups(model, _CFG), lr_t, cfg)
     scaler = torch.amp.GradScaler("cpu", enabled=amp == torch.float16)
-    return TrainStep(model, opt, scaler, amp, "cpu", label_smoothing=label_smoothing), lr_t
+    return TrainStep(model, opt, scaler, amp, "cpu", label_smoothing=label_smoothing,
+                     accum_steps=accum_steps), lr_t
 
 
 def _syncs(prof) -> list[str]:
@@ -183,7 +184,7 @@ VARIANTS = (
        # The recipe's options inside the step: AdamW (its state appears at the first step:
        # three steps), label smoothing.
        {"optimizer": "adamw", "steps": 3}, {"optimizer": "adamw", "amp": torch.float16},
-       {"label_smoothing": 0.1},
+       {"label_smoothing": 0.1}, {"accum_steps": 2}, {"accum_steps": 2, "amp": torch.float16},
        {"variant": "imagenet", "depth": 18}])
 
 
@@ -197,7 +198,7 @@ def test_variant_step_has_no_sync_and_repeats_its_ops(kw):
     cpu backend (the portable op, where the compiled extension is missing)."""
     kw = dict(kw)
     amp, channels_last = kw.pop("amp", None), kw.pop("channels_last", False)
-    recipe = {k: kw.pop(k) for k in ("optimizer", "label_smoothing") if k in kw}
+    recipe = {k: kw.pop(k) for k in ("optimizer", "label_smoothing", "accum_steps") if k in kw}
     steps = kw.pop("steps", 3 if amp == torch.float16 else 2)
     torch.manual_seed(0)
     model = _tiny(**kw)

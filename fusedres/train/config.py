@@ -71,6 +71,7 @@ DEFAULTS: dict[str, Any] = {
     "poly_power": 1.0,
     "label_smoothing": 0.0,
     "ema_decay": None,
+    "accum_steps": 1,
     "warmup_iters": 400,
     "milestones": [32000, 48000],
     "lr_decay": 0.1,
@@ -293,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep an exponential moving average of the weights and buffers "
                         "(torch.optim.swa_utils.AveragedModel, get_ema_multi_avg_fn) with this "
                         "decay in (0, 1), e.g. 0.999; evaluation uses it (default: none)")
+    g.add_argument("--accum-steps", type=int,
+                   help="gradient accumulation: each iteration's batch (--batch-size) runs as "
+                        "this many equal micro-batches, their gradients summed before the one "
+                        "optimizer step (less activation memory; BatchNorm sees the "
+                        "micro-batches; default 1)")
     g.add_argument("--schedule", choices=CHOICES["schedule"],
                    help="learning-rate schedule after the warm-up (torch.optim.lr_scheduler): "
                         "step (default, MultiStepLR at --milestones by --lr-decay), cosine "
@@ -499,6 +505,7 @@ def _check_types(cfg: dict[str, Any]) -> None:
 
 def _check_values(cfg: dict[str, Any]) -> None:
     positive = ("batch_size", "eval_batch_size", "max_iters", "epochs", "checkpoint_every",
+                "accum_steps",
                 "keep_checkpoints", "eval_every", "log_every", "threads", "lr")
     for name in positive:
         if cfg[name] is not None and cfg[name] <= 0:

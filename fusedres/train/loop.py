@@ -154,7 +154,7 @@ def _check_backend(cfg, device: torch.device) -> None:
 # The training recipe's options, recorded together in summary.json.
 RECIPE_KEYS = ("optimizer", "lr", "momentum", "nesterov", "betas", "weight_decay",
                "bn_weight_decay", "bias_weight_decay", "schedule", "warmup_iters", "milestones",
-               "lr_decay", "min_lr", "poly_power", "label_smoothing", "ema_decay")
+               "lr_decay", "min_lr", "poly_power", "label_smoothing", "ema_decay", "accum_steps")
 
 # The layers whose parameters are a normalisation's scale and shift.
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm,
@@ -363,6 +363,11 @@ class Run:
         self.data_rss = (None if self.rss_baseline is None
                          else fusedres.memory.rss_bytes() - self.rss_baseline)
         ipe = self.batches.iters_per_epoch
+        if self.batches.local % cfg["accum_steps"]:
+            raise UsageError(f"--accum-steps {cfg['accum_steps']}: this process's batch of "
+                             f"{self.batches.local} (--batch-size {cfg['batch_size']}"
+                             + (f" over {self.world} processes" if self.world > 1 else "")
+                             + ") does not split into equal micro-batches")
         self.max_iters = cfg["epochs"] * ipe if cfg["epochs"] else cfg["max_iters"]
         self.milestones = milestones(cfg, self.max_iters)
         self.schedule = LRSchedule(cfg, self.max_iters, self.milestones)
@@ -440,7 +445,8 @@ class Run:
         self.train_model = train_model
         self.step = TrainStep(train_model, self.optimizer, self.scaler, self.amp_dtype,
                               self.device.type, mark_step=cfg["compile"] == "reduce-overhead",
-                              label_smoothing=cfg["label_smoothing"])
+                              label_smoothing=cfg["label_smoothing"],
+                              accum_steps=cfg["accum_steps"])
         self.run_step = GraphedStep(self.step) if cfg["cuda_graphs"] else self.step
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
@@ -562,6 +568,9 @@ class Run:
             line += f"; label smoothing {cfg['label_smoothing']:g}"
         if cfg["ema_decay"] is not None:
             line += f"; EMA decay {cfg['ema_decay']:g} (evaluated)"
+        if cfg["accum_steps"] > 1:
+            line += (f"; gradients accumulated over {cfg['accum_steps']} micro-batches of "
+                     f"{self.batches.local // cfg['accum_steps']}")
         return line
 
     def _device_fit(self, total_bytes: int) -> str | None:
@@ -596,7 +605,8 @@ class Run:
         activation = (None if cfg["activation_budget"] is None
                       else parse_bytes(cfg["activation_budget"], "--activation-budget"))
         self.memory_budget = budget
-        shape = (self.batches.local, *self.data.image_shape)
+        # One micro-batch's activations at a time under --accum-steps.
+        shape = (self.batches.local // cfg["accum_steps"], *self.data.image_shape)
         # The trainer's optimizer, as the planner simulates it (class and hyperparameters).
         if cfg["optimizer"] == "adamw":
             spec = torch.optim.AdamW(_param_groups(model, cfg), lr=cfg["lr"],
@@ -635,8 +645,9 @@ class Run:
 
         try:
             meta = copy.deepcopy(model).to("meta")
-            x = torch.empty((self.batches.local, *self.data.image_shape), device="meta")
-            y = torch.zeros(self.batches.local, dtype=torch.int64, device="meta")
+            n = self.batches.local // self.cfg["accum_steps"]  # one micro-batch's forward
+            x = torch.empty((n, *self.data.image_shape), device="meta")
+            y = torch.zeros(n, dtype=torch.int64, device="meta")
             with SavedTensorCounter(exclude=meta) as counter:
                 F.cross_entropy(meta(x), y)
             return counter.total_bytes

@@ -118,8 +118,12 @@ class TrainStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, amp_dtype: torch.dtype | None,
-                 device_type: str, mark_step: bool = False, label_smoothing: float = 0.0):
+                 device_type: str, mark_step: bool = False, label_smoothing: float = 0.0,
+                 accum_steps: int = 1):
+        if accum_steps < 1:
+            raise ValueError(f"accum_steps: expected at least 1, got {accum_steps}")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.accum_steps = accum_steps
         # --label-smoothing: torch's own loss (its smoothing is a device computation).
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.amp_dtype, self.device_type, self.mark_step = amp_dtype, device_type, mark_step
@@ -140,13 +144,39 @@ class TrainStep:
         # be alive beside every saved activation (fusedres.accounting simulates this order).
         # Under capture this records nothing: the backward then writes gradients the graph owns.
         self.optimizer.zero_grad(set_to_none=True)
-        with forward_context or contextlib.nullcontext(), self.autocast():
-            out = self.model(x)
-            loss = self.criterion(out.float(), y)
-        self.scaler.scale(loss).backward()
+        k = self.accum_steps
+        if k == 1:
+            with forward_context or contextlib.nullcontext(), self.autocast():
+                out = self.model(x)
+                loss = self.criterion(out.float(), y)
+            self.scaler.scale(loss).backward()
+            total, correct = loss.detach(), (out.detach().argmax(1) == y).sum()
+        else:
+            # Gradient accumulation: the batch in k equal micro-batches, one after the other,
+            # each loss / k so that the summed gradients are the batch mean's; only the last
+            # backward all-reduces under DistributedDataParallel (no_sync on the others).
+            # The same kernels every step: the split is by shape, not data.
+            if x.shape[0] % k:
+                raise ValueError(f"accum_steps: the batch of {x.shape[0]} does not split into "
+                                 f"{k} equal micro-batches")
+            total = correct = None
+            no_sync = getattr(self.model, "no_sync", None)
+            for i, (xi, yi) in enumerate(zip(x.chunk(k), y.chunk(k))):
+                ctx = (forward_context if i == 0 and forward_context is not None
+                       else contextlib.nullcontext())
+                sync = no_sync() if no_sync is not None and i < k - 1 \
+                    else contextlib.nullcontext()
+                with sync:
+                    with ctx, self.autocast():
+                        out = self.model(xi)
+                        loss = self.criterion(out.float(), yi) / k
+                    self.scaler.scale(loss).backward()
+                hits = (out.detach().argmax(1) == yi).sum()
+                total = loss.detach() if total is None else total + loss.detach()
+                correct = hits if correct is None else correct + hits
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        return loss.detach(), (out.detach().argmax(1) == y).sum()
+        return total, correct
 
 
 def cuda_graph_capture(fn: Callable[[], None]) -> Callable[[], None]:
