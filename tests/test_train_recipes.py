@@ -246,3 +246,73 @@ def test_label_smoothing_changes_only_the_training_loss():
         _smoothed_ce(x, y, 0.3).item(), rel=1e-6)
     assert F.cross_entropy(x, y).item() == pytest.approx(_smoothed_ce(x, y, 0.0).item(),
                                                          rel=1e-6)
+
+
+# --------------------------------------------------------------------------- fusedres evaluate
+
+def _by_hand(model_state: dict, cfg: dict) -> tuple[float, float, float]:
+    """The oracle: the run's network built anew, the weights loaded, the digits test set
+    normalised with the training set's per-channel mean and std, plain cross-entropy and
+    top-1/top-5 hits summed over it in one batch."""
+    from fusedres.train.data import load
+    from fusedres.train.loop import build_model
+
+    data = load("digits", "data", False, False)
+    model = build_model(cfg, data.image_shape[0], data.num_classes)
+    model.load_state_dict(model_state)
+    model.eval()
+
+    def scaled(x):
+        return x.float() / 255 if x.dtype == torch.uint8 else x.float()
+
+    x = scaled(data.train_x).double()
+    mean = x.mean((0, 2, 3), keepdim=True)
+    std = x.std((0, 2, 3), keepdim=True)
+    with torch.no_grad():
+        out = model(((scaled(data.test_x) - mean) / std).float()).double()
+    y = data.test_y
+    top5 = (out.topk(5, 1).indices == y[:, None]).any(1).double().mean().item()
+    return (F.cross_entropy(out, y).item(), 1 - (out.argmax(1) == y).double().mean().item(),
+            1 - top5)
+
+
+def test_evaluate_gives_the_runs_last_evaluation_and_the_oracles(tmp_path, capsys):
+    from fusedres.cli import main as cli
+
+    out = tmp_path / "run"
+    assert main([*TINY, *RECIPE, "--max-iters", "6", "--out", str(out)]) == 0
+    capsys.readouterr()
+    report = tmp_path / "eval.json"
+    assert cli(["evaluate", str(out), "--threads", "1", "--no-progress", "--json",
+                str(report)]) == 0
+    text = capsys.readouterr().out
+    assert "| model |" in text and "| ema |" in text and "top-5 error" in text
+    rows = json.loads(report.read_text())["results"]
+    state = ckpt.load(ckpt.latest(out))
+    last = [r for r in state["metrics"] if r["kind"] == "eval"][-1]
+    # The trainer evaluates its EMA: the same sums, the same floats.
+    assert (rows["ema"]["test_loss"], rows["ema"]["top1_error"]) == (last["test_loss"],
+                                                                      last["test_error"])
+    assert rows["model"]["test_loss"] != rows["ema"]["test_loss"]
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    ema = {k[len("module."):]: v for k, v in state["ema"].items() if k.startswith("module.")}
+    for name, weights in (("model", state["model"]), ("ema", ema)):
+        loss, top1, top5 = _by_hand(weights, cfg)
+        assert rows[name]["test_loss"] == pytest.approx(loss, rel=1e-4), name
+        assert rows[name]["top1_error"] == pytest.approx(top1, abs=1e-9), name
+        assert rows[name]["top5_error"] == pytest.approx(top5, abs=1e-9), name
+        assert rows[name]["images"] == 364
+
+
+def test_evaluate_bad_requests_exit_2(tmp_path, capsys):
+    from fusedres.cli import main as cli
+
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert cli(["evaluate", str(out), "--weights", "ema"]) == 2
+    assert "--weights ema:" in capsys.readouterr().err
+    assert cli(["evaluate", str(tmp_path / "nowhere")]) == 2
+    assert "RUN" in capsys.readouterr().err
+    assert cli(["evaluate", str(out), "--batch-size", "0"]) == 2
+    assert "--batch-size" in capsys.readouterr().err
