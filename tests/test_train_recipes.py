@@ -27,7 +27,7 @@ TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--th
         "--no-progress", "--no-tensorboard", "--log-every", "2", "--batch-size", "32"]
 RECIPE = ["--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.05", "--schedule",
           "cosine", "--min-lr", "0.0001", "--label-smoothing", "0.1", "--ema-decay", "0.8",
-          "--accum-steps", "2"]
+          "--accum-steps", "2", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"]
 
 
 @pytest.fixture(autouse=True)
@@ -213,6 +213,8 @@ def test_interrupted_run_with_every_recipe_option_resumes_bit_exact(tmp_path):
     (["--optimizer", "lamb"], "--optimizer"),
     (["--accum-steps", "0"], "--accum-steps"),
     (["--accum-steps", "3"], "--accum-steps"),  # 32 does not split in 3
+    (["--mixup-alpha", "-1"], "--mixup-alpha"),
+    (["--cutmix-alpha", "-0.5"], "--cutmix-alpha"),
 ])
 def test_bad_recipe_values_exit_2_naming_the_flag(tmp_path, capsys, flags, flag):
     out = tmp_path / "run"
@@ -316,3 +318,81 @@ def test_evaluate_bad_requests_exit_2(tmp_path, capsys):
     assert "RUN" in capsys.readouterr().err
     assert cli(["evaluate", str(out), "--batch-size", "0"]) == 2
     assert "--batch-size" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- MixUp / CutMix
+
+def _mixup_by_hand(x, y, k, alpha):
+    """Zhang et al. 2018 as torchvision pairs the samples: each with its predecessor in the
+    batch (roll by one), lam ~ Beta(alpha, alpha) from torch's global generator."""
+    lam = float(torch.distributions.Beta(torch.tensor([alpha]), torch.tensor([alpha])).sample(()))
+    t = F.one_hot(y, k).float()
+    return lam * x + (1 - lam) * x.roll(1, 0), lam * t + (1 - lam) * t.roll(1, 0)
+
+
+def _cutmix_by_hand(x, y, k, alpha):
+    """Yun et al. 2019: a box of area (1 - lam) of the image, centred at a uniform point and
+    clipped to the image, pasted from the predecessor; the labels mixed by the area kept."""
+    import math
+
+    lam = float(torch.distributions.Beta(torch.tensor([alpha]), torch.tensor([alpha])).sample(()))
+    h, w = x.shape[-2:]
+    cx, cy = int(torch.randint(w, (1,))), int(torch.randint(h, (1,)))
+    r = 0.5 * math.sqrt(1 - lam)
+    hw, hh = int(r * w), int(r * h)
+    x1, x2, y1, y2 = max(cx - hw, 0), min(cx + hw, w), max(cy - hh, 0), min(cy + hh, h)
+    out = x.clone()
+    out[..., y1:y2, x1:x2] = x.roll(1, 0)[..., y1:y2, x1:x2]
+    kept = 1 - (x2 - x1) * (y2 - y1) / (w * h)
+    t = F.one_hot(y, k).float()
+    return out, kept * t + (1 - kept) * t.roll(1, 0)
+
+
+@pytest.mark.parametrize("which", ["mixup", "cutmix"])
+def test_mixup_and_cutmix_are_the_papers_by_hand(tmp_path, which):
+    flag = {"mixup": "--mixup-alpha", "cutmix": "--cutmix-alpha"}[which]
+    cfg, explicit = resolve([*TINY, flag, "0.7", "--max-iters", "2", "--out",
+                             str(tmp_path / "r")])
+    with contextlib.ExitStack() as scope:
+        run = Run(cfg, explicit, scope)
+        x, y = run.batches.train_batch(0)
+        for seed in range(4):
+            torch.manual_seed(seed)
+            got_x, got_y = run.mixed(x, y)
+            torch.manual_seed(seed)
+            by_hand = _mixup_by_hand if which == "mixup" else _cutmix_by_hand
+            want_x, want_y = by_hand(x, y, 10, 0.7)
+            torch.testing.assert_close(got_x, want_x, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got_y, want_y, rtol=1e-6, atol=1e-6)
+            assert got_x.is_contiguous(memory_format=torch.channels_last) == bool(
+                cfg["channels_last"])
+            assert not torch.equal(got_x, x)
+
+
+def test_soft_targets_train_with_the_soft_cross_entropy():
+    """The step with MixUp's soft targets and label smoothing: torch's loss of probability
+    targets, -sum(t' log p) with t' = (1 - eps) t + eps / K, written out."""
+    torch.manual_seed(0)
+    model = models.preact_resnet(8, num_classes=3, fused=False)
+    cfg = {"weight_decay": 0.0, "bn_weight_decay": False, "bias_weight_decay": False,
+           "optimizer": "sgd", "momentum": 0.0, "nesterov": False, "betas": [0.9, 0.999]}
+    step = TrainStep(model, _optimizer(_param_groups(model, cfg),
+                                       lr_tensor(0.0, torch.device("cpu")), cfg),
+                     torch.amp.GradScaler("cpu", enabled=False), None, "cpu",
+                     label_smoothing=0.1)
+    x = torch.randn(4, 3, 8, 8)
+    t = torch.tensor([[0.7, 0.3, 0.0], [0.0, 0.2, 0.8], [1.0, 0.0, 0.0], [0.5, 0.0, 0.5]])
+    loss, correct = step(x, t)
+    with torch.no_grad():
+        model.train()
+        log_p = model(x).log_softmax(1)
+    smoothed = 0.9 * t + 0.1 / 3
+    assert loss.item() == pytest.approx(-(smoothed * log_p).sum(1).mean().item(), rel=1e-5)
+    assert correct.item() == (log_p.argmax(1) == t.argmax(1)).sum().item()
+
+
+def test_mixup_and_cutmix_refuse_cuda_graphs(tmp_path, capsys):
+    for flag in ("--mixup-alpha", "--cutmix-alpha"):
+        assert main([*TINY, "--max-iters", "2", "--out", str(tmp_path / "r"), flag, "0.2",
+                     "--cuda-graphs"]) == 2
+        assert f"{flag}: not with --cuda-graphs" in capsys.readouterr().err

@@ -72,6 +72,8 @@ DEFAULTS: dict[str, Any] = {
     "label_smoothing": 0.0,
     "ema_decay": None,
     "accum_steps": 1,
+    "mixup_alpha": 0.0,
+    "cutmix_alpha": 0.0,
     "warmup_iters": 400,
     "milestones": [32000, 48000],
     "lr_decay": 0.1,
@@ -299,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "this many equal micro-batches, their gradients summed before the one "
                         "optimizer step (less activation memory; BatchNorm sees the "
                         "micro-batches; default 1)")
+    g.add_argument("--mixup-alpha", type=float,
+                   help="MixUp (torchvision.transforms.v2.MixUp) of each training batch, its "
+                        "Beta(alpha, alpha) mixing weight; 0 off (default). With "
+                        "--cutmix-alpha too, one of the two per batch at random")
+    g.add_argument("--cutmix-alpha", type=float,
+                   help="CutMix (torchvision.transforms.v2.CutMix) of each training batch; 0 "
+                        "off (default)")
     g.add_argument("--schedule", choices=CHOICES["schedule"],
                    help="learning-rate schedule after the warm-up (torch.optim.lr_scheduler): "
                         "step (default, MultiStepLR at --milestones by --lr-decay), cosine "
@@ -491,7 +500,7 @@ def _check_types(cfg: dict[str, Any]) -> None:
             allowed = ", ".join(str(c) for c in CHOICES[name] if c is not None)
             raise UsageError(f"{flag}: expected one of {allowed}, got {value!r}")
     for name in ("lr", "momentum", "weight_decay", "lr_decay", "min_lr", "poly_power",
-                 "label_smoothing"):
+                 "label_smoothing", "mixup_alpha", "cutmix_alpha"):
         cfg[name] = float(cfg[name])
     betas = cfg["betas"]
     if (not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(
@@ -511,7 +520,8 @@ def _check_values(cfg: dict[str, Any]) -> None:
         if cfg[name] is not None and cfg[name] <= 0:
             raise UsageError(f"--{name.replace('_', '-')}: expected a positive value, "
                              f"got {cfg[name]}")
-    for name in ("warmup_iters", "pad", "weight_decay", "momentum", "seed", "min_lr"):
+    for name in ("warmup_iters", "pad", "weight_decay", "momentum", "seed", "min_lr",
+                 "mixup_alpha", "cutmix_alpha"):
         if cfg[name] < 0:
             raise UsageError(f"--{name.replace('_', '-')}: expected a value >= 0, "
                              f"got {cfg[name]}")
@@ -559,6 +569,11 @@ def _check_cuda_graphs(cfg: dict[str, Any]) -> None:
         raise UsageError("--drop-path-mode batch_skip: not with --cuda-graphs (it reads each "
                          "unit's draw on the host and skips dropped branches, so every step "
                          "would run other kernels); --drop-path-mode batch decides on the device")
+    for name in ("mixup_alpha", "cutmix_alpha"):
+        if cfg[name]:
+            raise UsageError(f"{_flag(name)}: not with --cuda-graphs (torchvision's MixUp and "
+                             "CutMix draw their weight and box on the host each batch: a "
+                             "captured step would replay the first batch's)")
     for name in ("memory_budget", "activation_budget"):
         if cfg[name] is not None:
             raise UsageError(f"{_flag(name)}: not with --cuda-graphs (the activation "

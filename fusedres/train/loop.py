@@ -154,7 +154,8 @@ def _check_backend(cfg, device: torch.device) -> None:
 # The training recipe's options, recorded together in summary.json.
 RECIPE_KEYS = ("optimizer", "lr", "momentum", "nesterov", "betas", "weight_decay",
                "bn_weight_decay", "bias_weight_decay", "schedule", "warmup_iters", "milestones",
-               "lr_decay", "min_lr", "poly_power", "label_smoothing", "ema_decay", "accum_steps")
+               "lr_decay", "min_lr", "poly_power", "label_smoothing", "ema_decay", "accum_steps",
+               "mixup_alpha", "cutmix_alpha")
 
 # The layers whose parameters are a normalisation's scale and shift.
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm,
@@ -209,6 +210,23 @@ def _optimizer(param_groups: list[dict[str, Any]], lr: torch.Tensor, cfg
     if cfg["optimizer"] == "adamw":
         return adamw(param_groups, lr, cfg["betas"])
     return sgd(param_groups, lr, cfg["momentum"], cfg["nesterov"])
+
+
+def _mixer(cfg, num_classes: int):
+    """--mixup-alpha / --cutmix-alpha: torchvision.transforms.v2's MixUp and CutMix of a batch
+    and its labels (soft targets out), one of the two at random per batch when both are on
+    (as torchvision's classification reference does); None when both are 0. They draw from
+    torch's global generator, which checkpoints save."""
+    from torchvision.transforms import v2
+
+    mixers = []
+    if cfg["mixup_alpha"]:
+        mixers.append(v2.MixUp(alpha=cfg["mixup_alpha"], num_classes=num_classes))
+    if cfg["cutmix_alpha"]:
+        mixers.append(v2.CutMix(alpha=cfg["cutmix_alpha"], num_classes=num_classes))
+    if not mixers:
+        return None
+    return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
 
 
 def _ema(model: nn.Module, decay: float) -> torch.optim.swa_utils.AveragedModel:
@@ -371,6 +389,7 @@ class Run:
         self.max_iters = cfg["epochs"] * ipe if cfg["epochs"] else cfg["max_iters"]
         self.milestones = milestones(cfg, self.max_iters)
         self.schedule = LRSchedule(cfg, self.max_iters, self.milestones)
+        self.mix = _mixer(cfg, self.data.num_classes)
 
         torch.manual_seed(cfg["seed"])
         in_chans = self.data.image_shape[0]
@@ -568,6 +587,12 @@ class Run:
             line += f"; label smoothing {cfg['label_smoothing']:g}"
         if cfg["ema_decay"] is not None:
             line += f"; EMA decay {cfg['ema_decay']:g} (evaluated)"
+        mix = [f"{name} alpha {cfg[key]:g}" for name, key in (("MixUp", "mixup_alpha"),
+                                                               ("CutMix", "cutmix_alpha"))
+               if cfg[key]]
+        if mix:
+            line += "; " + " or ".join(mix) + (" (one per batch at random)" if len(mix) > 1
+                                               else "")
         if cfg["accum_steps"] > 1:
             line += (f"; gradients accumulated over {cfg['accum_steps']} micro-batches of "
                      f"{self.batches.local // cfg['accum_steps']}")
@@ -799,6 +824,13 @@ class Run:
             self.log.close()
         return code
 
+    def mixed(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch through MixUp/CutMix, in the batch's memory layout (their roll makes a
+        contiguous copy)."""
+        fmt = (torch.channels_last if self.cfg["channels_last"] else torch.contiguous_format)
+        x, y = self.mix(x, y)
+        return x.contiguous(memory_format=fmt), y
+
     def _train_step(self, x, y, lr: float):
         """One step at learning rate ``lr``: (loss, correct) as device tensors."""
         self.lr.fill_(lr)  # in place: a kernel on the device's stream, no host read
@@ -840,6 +872,8 @@ class Run:
                 it = self.iteration
                 lr = self.schedule.lr
                 x, y = self.batches.train_batch(it)
+                if self.mix is not None:
+                    x, y = self.mixed(x, y)
                 loss, correct = self._train_step(x, y, lr)
                 self.schedule.step()
                 win[0] += loss.double() * local

@@ -150,7 +150,7 @@ class TrainStep:
                 out = self.model(x)
                 loss = self.criterion(out.float(), y)
             self.scaler.scale(loss).backward()
-            total, correct = loss.detach(), (out.detach().argmax(1) == y).sum()
+            total, correct = loss.detach(), _hits(out, y)
         else:
             # Gradient accumulation: the batch in k equal micro-batches, one after the other,
             # each loss / k so that the summed gradients are the batch mean's; only the last
@@ -171,12 +171,19 @@ class TrainStep:
                         out = self.model(xi)
                         loss = self.criterion(out.float(), yi) / k
                     self.scaler.scale(loss).backward()
-                hits = (out.detach().argmax(1) == yi).sum()
+                hits = _hits(out, yi)
                 total = loss.detach() if total is None else total + loss.detach()
                 correct = hits if correct is None else correct + hits
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return total, correct
+
+
+def _hits(out: Tensor, y: Tensor) -> Tensor:
+    """Correct predictions: the label, or for mixed soft targets (MixUp/CutMix) the class of
+    the largest weight."""
+    label = y if y.dim() == 1 else y.argmax(1)
+    return (out.detach().argmax(1) == label).sum()
 
 
 def cuda_graph_capture(fn: Callable[[], None]) -> Callable[[], None]:
