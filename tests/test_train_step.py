@@ -315,7 +315,13 @@ def test_graphed_driver_replays_the_eager_step(mode):
     assert graphed.static_x.shape == (4, 3, 8, 8)
 
 
-def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path):
+# The recipe options a captured step runs (MixUp/CutMix are refused with --cuda-graphs).
+_GRAPHED_RECIPE = ["--optimizer", "adamw", "--lr", "0.003", "--schedule", "cosine",
+                   "--label-smoothing", "0.1", "--ema-decay", "0.9", "--accum-steps", "2"]
+
+
+@pytest.mark.parametrize("recipe", [[], _GRAPHED_RECIPE], ids=["he-et-al", "recipe"])
+def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path, recipe):
     """The trainer's loop driving a GraphedStep (capture replaced as above: the loop's side of
     --cuda-graphs, which needs a GPU, run on CPU), against the eager run: the learning-rate
     schedule filled in place through warm-up, the outputs accumulated across replays,
@@ -328,7 +334,8 @@ def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path
     argv = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
             "--pad", "1", "--warmup-iters", "3", "--milestones", "0.5", "--no-progress",
             "--no-tensorboard", "--log-every", "2", "--eval-every", "3", "--max-iters", "7",
-            "--batch-size", "32", "--drop-path-rate", "0.5", "--drop-path-mode", "batch"]
+            "--batch-size", "32", "--drop-path-rate", "0.5", "--drop-path-mode", "batch",
+            *recipe]
     states, records = [], []
     for graphed in (False, True):
         out = tmp_path / ("graphed" if graphed else "eager")
@@ -348,8 +355,11 @@ def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path
     for k, v in states[0]["model"].items():
         assert torch.equal(v, states[1]["model"][k]), k
     for k, v in states[0]["optimizer"]["state"].items():
-        assert torch.equal(v["momentum_buffer"], states[1]["optimizer"]["state"][k][
-            "momentum_buffer"]), k
+        for name, t in v.items():  # momentum_buffer; AdamW's exp_avg, exp_avg_sq, step
+            assert torch.equal(t, states[1]["optimizer"]["state"][k][name]), (k, name)
+    for k, v in states[0].get("ema", {}).items():
+        assert torch.equal(v, states[1]["ema"][k]), k
+    assert ("ema" in states[0]) == bool(recipe)
     assert all(type(g["lr"]) is float for g in states[1]["optimizer"]["param_groups"])
 
 
