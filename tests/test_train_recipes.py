@@ -396,3 +396,22 @@ def test_mixup_and_cutmix_refuse_cuda_graphs(tmp_path, capsys):
         assert main([*TINY, "--max-iters", "2", "--out", str(tmp_path / "r"), flag, "0.2",
                      "--cuda-graphs"]) == 2
         assert f"{flag}: not with --cuda-graphs" in capsys.readouterr().err
+
+
+def test_memory_plan_counts_the_ema_copy(tmp_path, monkeypatch):
+    """--memory-budget with --ema-decay: the plan holds the average's weights and buffers as
+    resident beside the step (their bytes, counted by hand from the model). The data's share
+    of the resident figure is pinned (on CPU it is what loading it added to the process, which
+    the first load in a process inflates)."""
+    monkeypatch.setattr(Run, "_resident_bytes", lambda self: 1000)
+    resident = []
+    for extra in ([], ["--ema-decay", "0.9"]):
+        cfg, explicit = resolve([*TINY, "--max-iters", "2", "--memory-budget", "8GiB",
+                                 *extra, "--out", str(tmp_path / f"r{len(extra)}")])
+        with contextlib.ExitStack() as scope:
+            run = Run(cfg, explicit, scope)
+            resident.append(run.plan_summary.step.resident)
+            model = run.model
+    ema_bytes = sum(4 * p.numel() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers())
+    assert resident[1] - resident[0] == ema_bytes

@@ -425,7 +425,9 @@ class Run:
         self.optimizer = _optimizer(_param_groups(model, cfg), self.lr, cfg)
         # --ema-decay: updated after each step, outside the step (and its CUDA graph):
         # AveragedModel's update reads its count on the host.
-        self.ema = _ema(model, cfg["ema_decay"]) if cfg["ema_decay"] is not None else None
+        # Of the unwrapped model (self.model: what checkpoints hold, before --sync-bn).
+        self.ema = (_ema(self.model, cfg["ema_decay"]) if cfg["ema_decay"] is not None
+                    else None)
         self.amp_dtype = _AMP[cfg["amp"]]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg["amp"] == "fp16")
         if state is not None:
@@ -651,7 +653,8 @@ class Run:
             return fusedres.memory.plan(
                 model, shape, budget, dtype=self.amp_dtype_for_plan(),
                 autocast=_AMP[cfg["amp"]] is not None, activation_budget=activation,
-                optimizer=spec, eval_batch_size=n_eval, resident_bytes=self._resident_bytes(),
+                optimizer=spec, eval_batch_size=n_eval,
+                resident_bytes=self._resident_bytes() + self._ema_bytes(model),
                 channels_last=cfg["channels_last"], process=process,
                 baseline_bytes=self.rss_baseline if process else None,
                 cuda_capability=(torch.cuda.get_device_capability(self.device)
@@ -664,6 +667,14 @@ class Run:
         except (ValueError, RuntimeError, MemoryError) as e:
             raise UsageError(f"{flag} {cfg[flag[2:].replace('-', '_')]}: "
                              f"{_first_line(e)}") from None
+
+    def _ema_bytes(self, model: nn.Module) -> int:
+        """--ema-decay: the average's copy of the weights and buffers, resident beside the
+        step (0 without)."""
+        if self.cfg["ema_decay"] is None:
+            return 0
+        return sum(t.numel() * t.element_size()
+                   for t in (*model.parameters(), *model.buffers()))
 
     def _saved_bytes_on_meta(self, model: nn.Module) -> int | None:
         import copy
