@@ -415,3 +415,30 @@ def test_memory_plan_counts_the_ema_copy(tmp_path, monkeypatch):
     ema_bytes = sum(4 * p.numel() for p in model.parameters()) + sum(
         b.numel() * b.element_size() for b in model.buffers())
     assert resident[1] - resident[0] == ema_bytes
+
+
+def test_checkpoint_without_scheduler_state_replays_the_schedule(tmp_path, monkeypatch):
+    """A checkpoint of an older fusedres (no ``lr_scheduler`` key) resumes with the schedule
+    run up to its iteration: the same rates as the uninterrupted run."""
+    argv = [*TINY, "--schedule", "cosine", "--max-iters", "8", "--checkpoint-every", "4",
+            "--log-every", "1"]
+    ref = tmp_path / "ref"
+    assert main([*argv, "--out", str(ref)]) == 0
+    old_state = Run._state
+
+    def without_scheduler(self):
+        state = old_state(self)
+        del state["lr_scheduler"]
+        return state
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(Run, "_state", without_scheduler)
+        assert _interrupted(argv, run, 3) == 128 + signal.SIGTERM
+    assert "lr_scheduler" not in ckpt.load(ckpt.latest(run))
+    assert main(["--out", str(run), "--resume"]) == 0
+    a, b = ckpt.load(ckpt.latest(ref)), ckpt.load(ckpt.latest(run))
+    assert [r["lr"] for r in a["metrics"] if r["kind"] == "train"] == [
+        r["lr"] for r in b["metrics"] if r["kind"] == "train"]
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
