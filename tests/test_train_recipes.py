@@ -211,6 +211,7 @@ def test_interrupted_run_with_every_recipe_option_resumes_bit_exact(tmp_path):
     (["--poly-power", "0"], "--poly-power"),
     (["--schedule", "linear"], "--schedule"),
     (["--optimizer", "lamb"], "--optimizer"),
+    (["--optimizer", "adamw", "--nesterov"], "--nesterov"),
     (["--accum-steps", "0"], "--accum-steps"),
     (["--accum-steps", "3"], "--accum-steps"),  # 32 does not split in 3
     (["--mixup-alpha", "-1"], "--mixup-alpha"),

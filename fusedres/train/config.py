@@ -541,6 +541,9 @@ def _check_values(cfg: dict[str, Any]) -> None:
                          f"{cfg['label_smoothing']}")
     if cfg["ema_decay"] is not None and not 0 < cfg["ema_decay"] < 1:
         raise UsageError(f"--ema-decay: expected a decay in (0, 1), got {cfg['ema_decay']}")
+    if cfg["optimizer"] == "adamw" and cfg["nesterov"]:
+        raise UsageError("--nesterov: only with --optimizer sgd (AdamW has no Nesterov "
+                         "momentum here)")
     if not all(0 <= b < 1 for b in cfg["betas"]):
         raise UsageError(f"--betas: expected two values in [0, 1), got {cfg['betas']}")
     if not 0 <= cfg["drop_path_rate"] < 1:
