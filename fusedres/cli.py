@@ -1,5 +1,5 @@
-"""The ``fusedres`` command: ``fusedres train|bench|demo|selftest|lesion|landscape|compare
-[args]``, and the command-line conventions its apps share (:class:`UsageError`,
+"""The ``fusedres`` command: ``fusedres train|bench|demo|selftest|evaluate|lesion|landscape|
+compare [args]``, and the command-line conventions its apps share (:class:`UsageError`,
 :func:`parse_bytes`): the apps import them from here, not from each other. Imports nothing
 from fusedres at module level."""
 
@@ -45,6 +45,8 @@ COMMANDS = {
                                 "(units, step, fit, gpu-report)"),
     "demo": ("fusedres.demo", "fused unit vs plain PyTorch: agreement and saved memory"),
     "selftest": ("fusedres.selftest", "run the kernels against the reference on this machine"),
+    "evaluate": ("fusedres.experiments.evaluate", "a trained run's checkpoint on its test set: "
+                                                  "loss, top-1/top-5 error (model and EMA)"),
     "lesion": ("fusedres.experiments.lesion", "test error of a trained run with residual units "
                                               "deleted (Veit et al. 2016)"),
     "landscape": ("fusedres.experiments.landscape", "loss and accuracy around a run's trained "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from fusedres.train import checkpoint as ckpt
 from fusedres.train import main
 from fusedres.train.config import DEFAULTS, UsageError, parse_bytes, resolve
 from fusedres.train.data import Batches, Data, augment
-from fusedres.train.loop import _param_groups, lr_at, milestones
+from fusedres.train.loop import _param_groups, milestones
+from fusedres.train.schedule import lr_sequence
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
@@ -167,18 +169,75 @@ def test_schedule_warmup_then_step_decays():
     cfg, _ = resolve(["--max-iters", "1000", "--warmup-iters", "4", "--milestones", "0.5,800"])
     steps = milestones(cfg, 1000)
     assert steps == [500, 800]
-    lrs = [lr_at(cfg, i, steps) for i in (0, 1, 3, 4, 499, 500, 799, 800, 999)]
+    lrs = lr_sequence(cfg, 1000, steps, 1000)
     expected = [0.025, 0.05, 0.1, 0.1, 0.1, 0.01, 0.01, 0.001, 0.001]
-    assert lrs == pytest.approx(expected, rel=1e-12)
+    assert [lrs[i] for i in (0, 1, 3, 4, 499, 500, 799, 800, 999)] == pytest.approx(
+        expected, rel=1e-12)
 
 
-def test_weight_decay_skips_batch_norm_unless_asked():
-    model = nn.Sequential(nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5), nn.Linear(5, 2))
+def _oracle_lrs(kind: str, n: int, warmup: int, **kw) -> list[float]:
+    """A plain PyTorch loop: torch's schedulers on an SGD, stepped after each iteration as
+    the torch docs order it, the rate read from the group before each step."""
+    from torch.optim import lr_scheduler as S
+
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.4)
+    main = {"step": lambda: S.MultiStepLR(opt, [m - warmup for m in kw.get("ms", [])], 0.1),
+            "cosine": lambda: S.CosineAnnealingLR(opt, n - warmup, eta_min=0.01),
+            "poly": lambda: S.PolynomialLR(opt, n - warmup, power=2.0)}[kind]()
+    warm = S.LinearLR(opt, 1 / warmup, 1.0, warmup - 1)
+    sched = S.SequentialLR(opt, [warm, main], [warmup])
+    out = []
+    for _ in range(n):
+        out.append(opt.param_groups[0]["lr"])
+        p.grad = torch.ones(1)
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["step", "cosine", "poly"])
+def test_schedule_is_torchs_scheduler_run_by_hand(kind, tmp_path):
+    """The trainer's rate at every iteration, as it writes them to metrics (log-every 1), is
+    the oracle's: torch's schedulers run by hand in a plain loop; the ends are the rule's."""
+    n, warmup = 12, 3
+    out = tmp_path / kind
+    code = main([*TINY, "--max-iters", str(n), "--warmup-iters", str(warmup), "--log-every",
+                 "1", "--lr", "0.4", "--schedule", kind, "--milestones", "6,9", "--min-lr",
+                 "0.01", "--poly-power", "2", "--batch-size", "16", "--no-tensorboard",
+                 "--out", str(out)])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in records if r["kind"] == "train"]
+    expected = _oracle_lrs(kind, n, warmup, ms=[6, 9])
+    assert lrs == expected  # the same floats: the same scheduler arithmetic
+    assert lrs[0] == pytest.approx(0.4 / 3) and lrs[2] == pytest.approx(0.4)
+    if kind == "step":
+        assert lrs[5] == pytest.approx(0.4) and lrs[6] == pytest.approx(0.04)
+        assert lrs[9] == pytest.approx(0.004)
+    elif kind == "cosine":
+        assert lrs[-1] > 0.01 and lrs[-1] == pytest.approx(
+            0.01 + 0.39 * (1 + math.cos(math.pi * 8 / 9)) / 2)
+    else:
+        assert lrs[-1] == pytest.approx(0.4 * (1 - 8 / 9) ** 2)
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert (cfg["schedule"], cfg["min_lr"], cfg["poly_power"]) == (kind, 0.01, 2.0)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["recipe"]["schedule"] == kind
+
+
+def test_weight_decay_skips_norms_and_biases_unless_asked():
+    model = nn.Sequential(nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5), nn.Linear(5, 2),
+                          nn.GroupNorm(1, 2))
     cfg, _ = resolve([])
     decay, no_decay = _param_groups(model, cfg)
-    assert {id(p) for p in no_decay["params"]} == {id(model[1].weight), id(model[1].bias)}
+    assert {id(p) for p in decay["params"]} == {id(model[0].weight), id(model[2].weight)}
     assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 1e-4
-    cfg, _ = resolve(["--bn-weight-decay"])
+    cfg, _ = resolve(["--bias-weight-decay"])
+    decay, no_decay = _param_groups(model, cfg)
+    assert {id(p) for p in no_decay["params"]} == {id(model[1].weight), id(model[1].bias),
+                                                   id(model[3].weight), id(model[3].bias)}
+    cfg, _ = resolve(["--bn-weight-decay", "--bias-weight-decay"])
     (only,) = _param_groups(model, cfg)
     assert len(only["params"]) == len(list(model.parameters()))
 

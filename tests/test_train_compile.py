@@ -25,7 +25,7 @@ from fusedres.train.loop import _param_groups
 from fusedres.train.step import TrainStep, lr_tensor, sgd
 
 BACKENDS = [b for b in ("cpu", "portable") if b in fusedres.available_backends("cpu")]
-_CFG = {"weight_decay": 1e-4, "bn_weight_decay": False}
+_CFG = {"weight_decay": 1e-4, "bn_weight_decay": False, "bias_weight_decay": False}
 
 
 @pytest.fixture(autouse=True)

@@ -231,3 +231,19 @@ def test_torchrun_two_processes_with_sync_bn_equal_one_process(tmp_path):
     diff = max((local["model"][k] - v).abs().max().item()
                for k, v in one["model"].items() if k.endswith("running_var"))
     assert diff > 1e-3
+
+
+def test_torchrun_gradient_accumulation_equals_one_process(tmp_path):
+    """--accum-steps under DistributedDataParallel (no_sync on all but the last micro-batch):
+    two processes of 32 images in 2 micro-batches of 16 each are one process's 64 in 4
+    micro-batches of 16, the same micro-batches in the same order (each process holds a
+    contiguous half of the batch), so the same weights; the running statistics are not
+    compared (each process updates its own from its micro-batches)."""
+    one = _train(tmp_path / "one", "--accum-steps", "4")
+    two = _train(tmp_path / "two", "--accum-steps", "2", nproc=2)
+    assert two["world_size"] == 2 and two["iteration"] == 6
+    assert two["config"]["accum_steps"] == 2
+    for k, v in one["model"].items():
+        if "running" in k or "num_batches" in k:
+            continue
+        torch.testing.assert_close(two["model"][k], v, atol=1e-5, rtol=1e-4, msg=k)

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedres
 from fusedres import models
-from fusedres.train.loop import _param_groups
+from fusedres.train.loop import _optimizer, _param_groups
 from fusedres.train.step import GraphedStep, TrainStep, lr_tensor, sgd
 
 # The ops through which a value reaches the host: Tensor.item() and bool(t) (is_nonzero goes
@@ -36,10 +36,12 @@ SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten
 # Where the profile's host reads are not syncs on a GPU: torch's fused SGD kernel on CPU reads
 # its tensor learning rate on the host (lr.item(): a CPU tensor), the CUDA kernel reads it on
 # the device (lr.data_ptr<float>() in aten/src/ATen/native/cuda/FusedSgdKernel.cu).
-CPU_ONLY_READS = ("aten::_fused_sgd_",)
+# AdamW's likewise (the CUDA kernel's tensor-lr overload reads it on the device:
+# aten/src/ATen/native/cuda/FusedAdamWKernel.cu).
+CPU_ONLY_READS = ("aten::_fused_sgd_", "aten::_fused_adamw_")
 
 BACKENDS = fusedres.available_backends("cpu")
-_CFG = {"weight_decay": 1e-4, "bn_weight_decay": False}
+_CFG = {"weight_decay": 1e-4, "bn_weight_decay": False, "bias_weight_decay": False}
 
 
 @pytest.fixture(autouse=True)
@@ -52,12 +54,15 @@ def _one_thread():
 
 
 def _trainer_step(model: nn.Module, amp: torch.dtype | None = None, lr: float = 0.1,
-                  nesterov: bool = False) -> tuple[TrainStep, torch.Tensor]:
+                  nesterov: bool = False, optimizer: str = "sgd", label_smoothing: float = 0.0,
+                  accum_steps: int = 1) -> tuple[TrainStep, torch.Tensor]:
     """The trainer's step for ``model`` (fusedres.train.loop builds it so) and its lr tensor."""
     lr_t = lr_tensor(lr, torch.device("cpu"))
-    opt = sgd(_param_groups(model, _CFG), lr_t, 0.9, nesterov)
+    cfg = dict(_CFG, optimizer=optimizer, momentum=0.9, nesterov=nesterov, betas=[0.9, 0.999])
+    opt = _optimizer(_param_groups(model, _CFG), lr_t, cfg)
     scaler = torch.amp.GradScaler("cpu", enabled=amp == torch.float16)
-    return TrainStep(model, opt, scaler, amp, "cpu"), lr_t
+    return TrainStep(model, opt, scaler, amp, "cpu", label_smoothing=label_smoothing,
+                     accum_steps=accum_steps), lr_t
 
 
 def _syncs(prof) -> list[str]:
@@ -110,11 +115,12 @@ def _batch(shape, classes, step, channels_last=False):
     return x, torch.randint(0, classes, (shape[0],), generator=g)
 
 
-def _check_capturable(model: nn.Module, shape, amp=None, channels_last=False, steps=2):
+def _check_capturable(model: nn.Module, shape, amp=None, channels_last=False, steps=2,
+                      **recipe):
     """Run ``steps`` trainer steps of ``model`` (other lr and data each); every one has no
     sync, and the last two dispatch the same ops (fp16's GradScaler makes its scale at the
     first step: three steps there; one step: the sync check alone)."""
-    step, lr = _trainer_step(model, amp)
+    step, lr = _trainer_step(model, amp, **recipe)
     traces = []
     for i in range(steps):
         lr.fill_(0.1 * (i + 1) / steps)
@@ -175,6 +181,10 @@ VARIANTS = (
        {"stride_on": "conv2", "depth": 11}, {"fused": False},
        {"fused": False, "drop_path_rate": 0.5, "drop_path_mode": "batch"},
        {"amp": torch.bfloat16}, {"amp": torch.float16}, {"channels_last": True},
+       # The recipe's options inside the step: AdamW (its state appears at the first step:
+       # three steps), label smoothing.
+       {"optimizer": "adamw", "steps": 3}, {"optimizer": "adamw", "amp": torch.float16},
+       {"label_smoothing": 0.1}, {"accum_steps": 2}, {"accum_steps": 2, "amp": torch.float16},
        {"variant": "imagenet", "depth": 18}])
 
 
@@ -188,13 +198,14 @@ def test_variant_step_has_no_sync_and_repeats_its_ops(kw):
     cpu backend (the portable op, where the compiled extension is missing)."""
     kw = dict(kw)
     amp, channels_last = kw.pop("amp", None), kw.pop("channels_last", False)
+    recipe = {k: kw.pop(k) for k in ("optimizer", "label_smoothing", "accum_steps") if k in kw}
+    steps = kw.pop("steps", 3 if amp == torch.float16 else 2)
     torch.manual_seed(0)
     model = _tiny(**kw)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     with fusedres.use_backend("cpu" if "cpu" in BACKENDS else "portable"):
-        _check_capturable(model, (2, 3, 8, 8), amp, channels_last,
-                          steps=3 if amp == torch.float16 else 2)
+        _check_capturable(model, (2, 3, 8, 8), amp, channels_last, steps=steps, **recipe)
 
 
 # Every named model on the cpu backend; on portable and the plain reference all but
@@ -304,7 +315,13 @@ def test_graphed_driver_replays_the_eager_step(mode):
     assert graphed.static_x.shape == (4, 3, 8, 8)
 
 
-def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path):
+# The recipe options a captured step runs (MixUp/CutMix are refused with --cuda-graphs).
+_GRAPHED_RECIPE = ["--optimizer", "adamw", "--lr", "0.003", "--schedule", "cosine",
+                   "--label-smoothing", "0.1", "--ema-decay", "0.9", "--accum-steps", "2"]
+
+
+@pytest.mark.parametrize("recipe", [[], _GRAPHED_RECIPE], ids=["he-et-al", "recipe"])
+def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path, recipe):
     """The trainer's loop driving a GraphedStep (capture replaced as above: the loop's side of
     --cuda-graphs, which needs a GPU, run on CPU), against the eager run: the learning-rate
     schedule filled in place through warm-up, the outputs accumulated across replays,
@@ -317,7 +334,8 @@ def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path
     argv = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
             "--pad", "1", "--warmup-iters", "3", "--milestones", "0.5", "--no-progress",
             "--no-tensorboard", "--log-every", "2", "--eval-every", "3", "--max-iters", "7",
-            "--batch-size", "32", "--drop-path-rate", "0.5", "--drop-path-mode", "batch"]
+            "--batch-size", "32", "--drop-path-rate", "0.5", "--drop-path-mode", "batch",
+            *recipe]
     states, records = [], []
     for graphed in (False, True):
         out = tmp_path / ("graphed" if graphed else "eager")
@@ -337,8 +355,11 @@ def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path
     for k, v in states[0]["model"].items():
         assert torch.equal(v, states[1]["model"][k]), k
     for k, v in states[0]["optimizer"]["state"].items():
-        assert torch.equal(v["momentum_buffer"], states[1]["optimizer"]["state"][k][
-            "momentum_buffer"]), k
+        for name, t in v.items():  # momentum_buffer; AdamW's exp_avg, exp_avg_sq, step
+            assert torch.equal(t, states[1]["optimizer"]["state"][k][name]), (k, name)
+    for k, v in states[0].get("ema", {}).items():
+        assert torch.equal(v, states[1]["ema"][k]), k
+    assert ("ema" in states[0]) == bool(recipe)
     assert all(type(g["lr"]) is float for g in states[1]["optimizer"]["param_groups"])
 
 

@@ -63,6 +63,17 @@ DEFAULTS: dict[str, Any] = {
     "nesterov": False,
     "weight_decay": 1e-4,
     "bn_weight_decay": False,
+    "bias_weight_decay": False,
+    "optimizer": "sgd",
+    "betas": [0.9, 0.999],
+    "schedule": "step",
+    "min_lr": 0.0,
+    "poly_power": 1.0,
+    "label_smoothing": 0.0,
+    "ema_decay": None,
+    "accum_steps": 1,
+    "mixup_alpha": 0.0,
+    "cutmix_alpha": 0.0,
     "warmup_iters": 400,
     "milestones": [32000, 48000],
     "lr_decay": 0.1,
@@ -107,6 +118,8 @@ IMAGEFOLDER_OPTIONS = ("workers", "crop_size", "scale_range", "eval_resize", "ev
 CHOICES = {
     "dataset": ("cifar10", "cifar100", "digits", "synthetic", "imagefolder"),
     "amp": ("none", "bf16", "fp16"),
+    "optimizer": ("sgd", "adamw"),
+    "schedule": ("step", "cosine", "poly"),  # fusedres.train.schedule.SCHEDULES
     "device": ("auto", "cpu", "cuda"),
     "log_format": ("jsonl", "csv"),
     "backend": ("auto", "reference", "portable", "cpu", "triton", "cuda"),
@@ -263,11 +276,44 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, help="global batch, split over processes (128)")
     g.add_argument("--eval-batch-size", type=int, help="batch for evaluation (500)")
     g.add_argument("--lr", type=float, help="peak learning rate (0.1)")
+    g.add_argument("--optimizer", choices=CHOICES["optimizer"],
+                   help="sgd (default: torch.optim.SGD, --momentum, --nesterov) or adamw "
+                        "(torch.optim.AdamW, --betas; decoupled --weight-decay)")
     g.add_argument("--momentum", type=float, help="SGD momentum (0.9)")
     g.add_argument("--nesterov", action=argparse.BooleanOptionalAction)
-    g.add_argument("--weight-decay", type=float, help="L2 weight decay (1e-4)")
+    g.add_argument("--betas", type=float, nargs=2, metavar=("B1", "B2"),
+                   help="--optimizer adamw: Adam's beta1 beta2 (0.9 0.999)")
+    g.add_argument("--weight-decay", type=float, help="weight decay (1e-4): L2 for sgd, "
+                                                      "decoupled for adamw")
     g.add_argument("--bn-weight-decay", action=argparse.BooleanOptionalAction,
-                   help="also decay BN weights and all biases (off)")
+                   help="also decay the normalisation layers' weights and biases (off)")
+    g.add_argument("--bias-weight-decay", action=argparse.BooleanOptionalAction,
+                   help="also decay the biases of convolutions and linear layers (off)")
+    g.add_argument("--label-smoothing", type=float,
+                   help="the training loss's label smoothing, in [0, 1) "
+                        "(nn.CrossEntropyLoss(label_smoothing=); default 0)")
+    g.add_argument("--ema-decay", type=float,
+                   help="keep an exponential moving average of the weights and buffers "
+                        "(torch.optim.swa_utils.AveragedModel, get_ema_multi_avg_fn) with this "
+                        "decay in (0, 1), e.g. 0.999; evaluation uses it (default: none)")
+    g.add_argument("--accum-steps", type=int,
+                   help="gradient accumulation: each iteration's batch (--batch-size) runs as "
+                        "this many equal micro-batches, their gradients summed before the one "
+                        "optimizer step (less activation memory; BatchNorm sees the "
+                        "micro-batches; default 1)")
+    g.add_argument("--mixup-alpha", type=float,
+                   help="MixUp (torchvision.transforms.v2.MixUp) of each training batch, its "
+                        "Beta(alpha, alpha) mixing weight; 0 off (default). With "
+                        "--cutmix-alpha too, one of the two per batch at random")
+    g.add_argument("--cutmix-alpha", type=float,
+                   help="CutMix (torchvision.transforms.v2.CutMix) of each training batch; 0 "
+                        "off (default)")
+    g.add_argument("--schedule", choices=CHOICES["schedule"],
+                   help="learning-rate schedule after the warm-up (torch.optim.lr_scheduler): "
+                        "step (default, MultiStepLR at --milestones by --lr-decay), cosine "
+                        "(CosineAnnealingLR to --min-lr), poly (PolynomialLR, --poly-power)")
+    g.add_argument("--min-lr", type=float, help="--schedule cosine: the final rate (0)")
+    g.add_argument("--poly-power", type=float, help="--schedule poly: the power (1)")
     g.add_argument("--warmup-iters", type=int, help="linear warm-up iterations (400)")
     g.add_argument("--milestones", type=_int_list,
                    help="iterations where the lr is multiplied by --lr-decay (32000,48000); "
@@ -453,18 +499,29 @@ def _check_types(cfg: dict[str, Any]) -> None:
         if name in CHOICES and value not in CHOICES[name]:
             allowed = ", ".join(str(c) for c in CHOICES[name] if c is not None)
             raise UsageError(f"{flag}: expected one of {allowed}, got {value!r}")
-    for name in ("lr", "momentum", "weight_decay", "lr_decay"):
+    for name in ("lr", "momentum", "weight_decay", "lr_decay", "min_lr", "poly_power",
+                 "label_smoothing", "mixup_alpha", "cutmix_alpha"):
         cfg[name] = float(cfg[name])
+    betas = cfg["betas"]
+    if (not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
+        raise UsageError(f"--betas: expected two numbers B1 B2, got {betas!r}")
+    cfg["betas"] = [float(b) for b in betas]
+    ema = cfg["ema_decay"]
+    if ema is not None and (isinstance(ema, bool) or not isinstance(ema, (int, float))):
+        raise UsageError(f"--ema-decay: expected a number, got {ema!r}")
 
 
 def _check_values(cfg: dict[str, Any]) -> None:
     positive = ("batch_size", "eval_batch_size", "max_iters", "epochs", "checkpoint_every",
+                "accum_steps",
                 "keep_checkpoints", "eval_every", "log_every", "threads", "lr")
     for name in positive:
         if cfg[name] is not None and cfg[name] <= 0:
             raise UsageError(f"--{name.replace('_', '-')}: expected a positive value, "
                              f"got {cfg[name]}")
-    for name in ("warmup_iters", "pad", "weight_decay", "momentum", "seed"):
+    for name in ("warmup_iters", "pad", "weight_decay", "momentum", "seed", "min_lr",
+                 "mixup_alpha", "cutmix_alpha"):
         if cfg[name] < 0:
             raise UsageError(f"--{name.replace('_', '-')}: expected a value >= 0, "
                              f"got {cfg[name]}")
@@ -474,6 +531,21 @@ def _check_values(cfg: dict[str, Any]) -> None:
             raise UsageError(f"{_flag(name)}: expected a number, got {value!r}")
     if cfg["scale_branch"] is not None and not isinstance(cfg["scale_branch"], bool):
         raise UsageError(f"--scale-branch: expected true or false, got {cfg['scale_branch']!r}")
+    if cfg["poly_power"] <= 0:
+        raise UsageError(f"--poly-power: expected a positive value, got {cfg['poly_power']}")
+    if cfg["min_lr"] > cfg["lr"]:
+        raise UsageError(f"--min-lr: expected a value <= --lr ({cfg['lr']}), got "
+                         f"{cfg['min_lr']}")
+    if not 0 <= cfg["label_smoothing"] < 1:
+        raise UsageError(f"--label-smoothing: expected a value in [0, 1), got "
+                         f"{cfg['label_smoothing']}")
+    if cfg["ema_decay"] is not None and not 0 < cfg["ema_decay"] < 1:
+        raise UsageError(f"--ema-decay: expected a decay in (0, 1), got {cfg['ema_decay']}")
+    if cfg["optimizer"] == "adamw" and cfg["nesterov"]:
+        raise UsageError("--nesterov: only with --optimizer sgd (AdamW has no Nesterov "
+                         "momentum here)")
+    if not all(0 <= b < 1 for b in cfg["betas"]):
+        raise UsageError(f"--betas: expected two values in [0, 1), got {cfg['betas']}")
     if not 0 <= cfg["drop_path_rate"] < 1:
         raise UsageError(f"--drop-path-rate: expected a rate in [0, 1), got "
                          f"{cfg['drop_path_rate']}")
@@ -500,6 +572,11 @@ def _check_cuda_graphs(cfg: dict[str, Any]) -> None:
         raise UsageError("--drop-path-mode batch_skip: not with --cuda-graphs (it reads each "
                          "unit's draw on the host and skips dropped branches, so every step "
                          "would run other kernels); --drop-path-mode batch decides on the device")
+    for name in ("mixup_alpha", "cutmix_alpha"):
+        if cfg[name]:
+            raise UsageError(f"{_flag(name)}: not with --cuda-graphs (torchvision's MixUp and "
+                             "CutMix draw their weight and box on the host each batch: a "
+                             "captured step would replay the first batch's)")
     for name in ("memory_budget", "activation_budget"):
         if cfg[name] is not None:
             raise UsageError(f"{_flag(name)}: not with --cuda-graphs (the activation "

@@ -29,10 +29,12 @@ from . import data as data_mod
 from . import metrics as M
 from .config import UsageError, merge_saved, parse_bytes, resolve_channels_last
 from .naming import variant_label
+from .schedule import LRSchedule
 from .step import (
     WARMUP_STEPS,
     GraphedStep,
     TrainStep,
+    adamw,
     float_lr_state,
     lr_tensor,
     sgd,
@@ -149,17 +151,35 @@ def _check_backend(cfg, device: torch.device) -> None:
         raise UsageError(f"--backend {cfg['backend']}: cannot run on {device.type}: {reason}")
 
 
+# The training recipe's options, recorded together in summary.json.
+RECIPE_KEYS = ("optimizer", "lr", "momentum", "nesterov", "betas", "weight_decay",
+               "bn_weight_decay", "bias_weight_decay", "schedule", "warmup_iters", "milestones",
+               "lr_decay", "min_lr", "poly_power", "label_smoothing", "ema_decay", "accum_steps",
+               "mixup_alpha", "cutmix_alpha")
+
+# The layers whose parameters are a normalisation's scale and shift.
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm,
+          nn.modules.instancenorm._InstanceNorm)
+
+
 def _param_groups(model: nn.Module, cfg) -> list[dict[str, Any]]:
-    """Weight decay on every parameter but BatchNorm's (unless --bn-weight-decay)."""
-    bn_params = set()
+    """Weight decay on every parameter but the normalisation layers' (unless
+    --bn-weight-decay) and the other layers' biases (unless --bias-weight-decay): decay pulls
+    a weight towards 0 to limit the function's scale, which a norm's scale and shift and a
+    bias do not set (Goyal et al. 2017 and timm's recipes leave them undecayed)."""
+    norm_params, biases = set(), set()
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            bn_params.update(id(p) for p in m.parameters(recurse=False))
+        if isinstance(m, _NORMS):
+            norm_params.update(id(p) for p in m.parameters(recurse=False))
+        else:
+            biases.update(id(p) for n, p in m.named_parameters(recurse=False) if n == "bias")
     decay, no_decay = [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        (no_decay if id(p) in bn_params and not cfg["bn_weight_decay"] else decay).append(p)
+        keep = ((id(p) in norm_params and not cfg["bn_weight_decay"])
+                or (id(p) in biases and not cfg["bias_weight_decay"]))
+        (no_decay if keep else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg["weight_decay"]}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -184,12 +204,39 @@ def milestones(cfg, max_iters: int) -> list[int]:
     return sorted(int(round(m * max_iters)) if m < 1 else int(m) for m in cfg["milestones"])
 
 
-def lr_at(cfg, iteration: int, steps: list[int]) -> float:
-    """Learning rate of (0-based) ``iteration``: linear warm-up, then /decay at milestones."""
-    lr = cfg["lr"]
-    if iteration < cfg["warmup_iters"]:
-        lr *= (iteration + 1) / cfg["warmup_iters"]
-    return lr * cfg["lr_decay"] ** sum(iteration >= m for m in steps)
+def _optimizer(param_groups: list[dict[str, Any]], lr: torch.Tensor, cfg
+               ) -> torch.optim.Optimizer:
+    """--optimizer: torch's SGD or AdamW, fused, reading the device learning rate ``lr``."""
+    if cfg["optimizer"] == "adamw":
+        return adamw(param_groups, lr, cfg["betas"])
+    return sgd(param_groups, lr, cfg["momentum"], cfg["nesterov"])
+
+
+def _mixer(cfg, num_classes: int):
+    """--mixup-alpha / --cutmix-alpha: torchvision.transforms.v2's MixUp and CutMix of a batch
+    and its labels (soft targets out), one of the two at random per batch when both are on
+    (as torchvision's classification reference does); None when both are 0. They draw from
+    torch's global generator, which checkpoints save."""
+    from torchvision.transforms import v2
+
+    mixers = []
+    if cfg["mixup_alpha"]:
+        mixers.append(v2.MixUp(alpha=cfg["mixup_alpha"], num_classes=num_classes))
+    if cfg["cutmix_alpha"]:
+        mixers.append(v2.CutMix(alpha=cfg["cutmix_alpha"], num_classes=num_classes))
+    if not mixers:
+        return None
+    return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
+
+
+def _ema(model: nn.Module, decay: float) -> torch.optim.swa_utils.AveragedModel:
+    """--ema-decay: torch's AveragedModel of ``model`` with the exponential moving average
+    (weights and buffers: BatchNorm's running statistics are averaged too, as timm's EMA
+    does). Its first ``update_parameters`` copies the model; each later one moves the
+    average by (1 - decay) towards it."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
 
 
 def crop_average(model: nn.Module, x: torch.Tensor,
@@ -334,8 +381,15 @@ class Run:
         self.data_rss = (None if self.rss_baseline is None
                          else fusedres.memory.rss_bytes() - self.rss_baseline)
         ipe = self.batches.iters_per_epoch
+        if self.batches.local % cfg["accum_steps"]:
+            raise UsageError(f"--accum-steps {cfg['accum_steps']}: this process's batch of "
+                             f"{self.batches.local} (--batch-size {cfg['batch_size']}"
+                             + (f" over {self.world} processes" if self.world > 1 else "")
+                             + ") does not split into equal micro-batches")
         self.max_iters = cfg["epochs"] * ipe if cfg["epochs"] else cfg["max_iters"]
         self.milestones = milestones(cfg, self.max_iters)
+        self.schedule = LRSchedule(cfg, self.max_iters, self.milestones)
+        self.mix = _mixer(cfg, self.data.num_classes)
 
         torch.manual_seed(cfg["seed"])
         in_chans = self.data.image_shape[0]
@@ -368,8 +422,12 @@ class Run:
         # The learning rate lives on the device and is filled in place each step (the step
         # reads no value on the host: fusedres.train.step).
         self.lr = lr_tensor(cfg["lr"], self.device)
-        self.optimizer = sgd(_param_groups(model, cfg), self.lr, cfg["momentum"],
-                             cfg["nesterov"])
+        self.optimizer = _optimizer(_param_groups(model, cfg), self.lr, cfg)
+        # --ema-decay: updated after each step, outside the step (and its CUDA graph):
+        # AveragedModel's update reads its count on the host.
+        # Of the unwrapped model (self.model: what checkpoints hold, before --sync-bn).
+        self.ema = (_ema(self.model, cfg["ema_decay"]) if cfg["ema_decay"] is not None
+                    else None)
         self.amp_dtype = _AMP[cfg["amp"]]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg["amp"] == "fp16")
         if state is not None:
@@ -380,6 +438,16 @@ class Run:
                 _state_like_params(self.optimizer)
                 if state.get("scaler"):
                     self.scaler.load_state_dict(state["scaler"])
+                if self.ema is not None:
+                    if "ema" not in state:
+                        raise KeyError("ema: the checkpoint holds no EMA weights (its run had "
+                                       "no --ema-decay)")
+                    self.ema.load_state_dict(state["ema"])
+                if "lr_scheduler" in state:
+                    self.schedule.load_state_dict(state["lr_scheduler"])
+                else:  # a checkpoint of an older fusedres: run the schedule up to it
+                    for _ in range(state["iteration"]):
+                        self.schedule.step()
             except (ValueError, KeyError, RuntimeError) as e:
                 raise UsageError(f"--resume: the optimiser state does not fit this model "
                                  f"({_first_line(e)})") from None
@@ -397,7 +465,9 @@ class Run:
             train_model = torch.compile(train_model, mode=None if mode == "default" else mode)
         self.train_model = train_model
         self.step = TrainStep(train_model, self.optimizer, self.scaler, self.amp_dtype,
-                              self.device.type, mark_step=cfg["compile"] == "reduce-overhead")
+                              self.device.type, mark_step=cfg["compile"] == "reduce-overhead",
+                              label_smoothing=cfg["label_smoothing"],
+                              accum_steps=cfg["accum_steps"])
         self.run_step = GraphedStep(self.step) if cfg["cuda_graphs"] else self.step
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
@@ -482,6 +552,7 @@ class Run:
                          f"stream, then replayed; evaluation eager")
         if cfg["compile"]:
             lines.append(f"torch.compile, mode {cfg['compile']}")
+        lines.append(self.recipe_line())
         if self.batches.describe() is not None:
             lines.append(self.batches.describe())
         if self.resume_state is not None:
@@ -498,6 +569,36 @@ class Run:
             lines.append(f"warning: {self.device_warning}")
         for line in lines:
             print(f"fusedres train: {line}", file=sys.stderr)
+
+    def recipe_line(self) -> str:
+        """The banner's line for the optimiser, the schedule and the regularisers."""
+        cfg = self.cfg
+        opt = (f"AdamW betas {cfg['betas'][0]:g} {cfg['betas'][1]:g}"
+               if cfg["optimizer"] == "adamw"
+               else f"SGD momentum {cfg['momentum']:g}" + (" nesterov" if cfg["nesterov"]
+                                                            else ""))
+        skip = [w for w, on in (("norms", not cfg["bn_weight_decay"]),
+                                ("biases", not cfg["bias_weight_decay"])) if on]
+        sched = {"step": f"step x{cfg['lr_decay']:g} at {self.milestones}",
+                 "cosine": f"cosine to {cfg['min_lr']:g}",
+                 "poly": f"poly power {cfg['poly_power']:g}"}[cfg["schedule"]]
+        line = (f"recipe: {opt}, lr {cfg['lr']:g}, {cfg['warmup_iters']} warm-up iterations "
+                f"then {sched}; weight decay {cfg['weight_decay']:g}"
+                + (f" (not on {' and '.join(skip)})" if skip else ""))
+        if cfg["label_smoothing"]:
+            line += f"; label smoothing {cfg['label_smoothing']:g}"
+        if cfg["ema_decay"] is not None:
+            line += f"; EMA decay {cfg['ema_decay']:g} (evaluated)"
+        mix = [f"{name} alpha {cfg[key]:g}" for name, key in (("MixUp", "mixup_alpha"),
+                                                               ("CutMix", "cutmix_alpha"))
+               if cfg[key]]
+        if mix:
+            line += "; " + " or ".join(mix) + (" (one per batch at random)" if len(mix) > 1
+                                               else "")
+        if cfg["accum_steps"] > 1:
+            line += (f"; gradients accumulated over {cfg['accum_steps']} micro-batches of "
+                     f"{self.batches.local // cfg['accum_steps']}")
+        return line
 
     def _device_fit(self, total_bytes: int) -> str | None:
         """On a GPU, before the first step: whether --memory-budget (or the plan's predicted
@@ -531,10 +632,15 @@ class Run:
         activation = (None if cfg["activation_budget"] is None
                       else parse_bytes(cfg["activation_budget"], "--activation-budget"))
         self.memory_budget = budget
-        shape = (self.batches.local, *self.data.image_shape)
+        # One micro-batch's activations at a time under --accum-steps.
+        shape = (self.batches.local // cfg["accum_steps"], *self.data.image_shape)
         # The trainer's optimizer, as the planner simulates it (class and hyperparameters).
-        spec = torch.optim.SGD(_param_groups(model, cfg), lr=cfg["lr"],
-                               momentum=cfg["momentum"], nesterov=cfg["nesterov"])
+        if cfg["optimizer"] == "adamw":
+            spec = torch.optim.AdamW(_param_groups(model, cfg), lr=cfg["lr"],
+                                     betas=tuple(cfg["betas"]))
+        else:
+            spec = torch.optim.SGD(_param_groups(model, cfg), lr=cfg["lr"],
+                                   momentum=cfg["momentum"], nesterov=cfg["nesterov"])
         n_eval = min(cfg["eval_batch_size"], math.ceil(self.data.num_test / self.world))
         # Ten crops, or crops larger than the training one (imagefolder): the evaluation
         # forward as a batch of training-sized images (activations scale with the pixels).
@@ -547,7 +653,8 @@ class Run:
             return fusedres.memory.plan(
                 model, shape, budget, dtype=self.amp_dtype_for_plan(),
                 autocast=_AMP[cfg["amp"]] is not None, activation_budget=activation,
-                optimizer=spec, eval_batch_size=n_eval, resident_bytes=self._resident_bytes(),
+                optimizer=spec, eval_batch_size=n_eval,
+                resident_bytes=self._resident_bytes() + self._ema_bytes(model),
                 channels_last=cfg["channels_last"], process=process,
                 baseline_bytes=self.rss_baseline if process else None,
                 cuda_capability=(torch.cuda.get_device_capability(self.device)
@@ -561,13 +668,22 @@ class Run:
             raise UsageError(f"{flag} {cfg[flag[2:].replace('-', '_')]}: "
                              f"{_first_line(e)}") from None
 
+    def _ema_bytes(self, model: nn.Module) -> int:
+        """--ema-decay: the average's copy of the weights and buffers, resident beside the
+        step (0 without)."""
+        if self.cfg["ema_decay"] is None:
+            return 0
+        return sum(t.numel() * t.element_size()
+                   for t in (*model.parameters(), *model.buffers()))
+
     def _saved_bytes_on_meta(self, model: nn.Module) -> int | None:
         import copy
 
         try:
             meta = copy.deepcopy(model).to("meta")
-            x = torch.empty((self.batches.local, *self.data.image_shape), device="meta")
-            y = torch.zeros(self.batches.local, dtype=torch.int64, device="meta")
+            n = self.batches.local // self.cfg["accum_steps"]  # one micro-batch's forward
+            x = torch.empty((n, *self.data.image_shape), device="meta")
+            y = torch.zeros(n, dtype=torch.int64, device="meta")
             with SavedTensorCounter(exclude=meta) as counter:
                 F.cross_entropy(meta(x), y)
             return counter.total_bytes
@@ -600,6 +716,8 @@ class Run:
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
             "scheduler": {"iteration": self.iteration, "milestones": self.milestones,
                           "warmup_iters": self.cfg["warmup_iters"]},
+            "lr_scheduler": self.schedule.state_dict(),
+            **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
             "sampler": {"seed": self.cfg["seed"],
                         "epoch": self.iteration // self.batches.iters_per_epoch,
                         "position": self.iteration % self.batches.iters_per_epoch},
@@ -635,7 +753,8 @@ class Run:
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
-        model = self.model
+        """Test loss and error of the model, or of its EMA with --ema-decay."""
+        model = self.model if self.ema is None else self.ema.module
         was_training = model.training
         model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -716,12 +835,21 @@ class Run:
             self.log.close()
         return code
 
+    def mixed(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch through MixUp/CutMix, in the batch's memory layout (their roll makes a
+        contiguous copy)."""
+        fmt = (torch.channels_last if self.cfg["channels_last"] else torch.contiguous_format)
+        x, y = self.mix(x, y)
+        return x.contiguous(memory_format=fmt), y
+
     def _train_step(self, x, y, lr: float):
         """One step at learning rate ``lr``: (loss, correct) as device tensors."""
         self.lr.fill_(lr)  # in place: a kernel on the device's stream, no host read
         measure = self.saved_bytes is None and not self.cfg["compile"]
         counter = SavedTensorCounter(exclude=self.model) if measure else None
         loss, correct = self.run_step(x, y, counter)
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
         if measure:
             self.saved_bytes = self._all_sum([float(counter.total_bytes)])[0] / self.world
             self.saved_bytes = int(self.saved_bytes)
@@ -753,9 +881,12 @@ class Run:
             t0 = time.perf_counter()
             while self.iteration < self.max_iters and self.iteration // ipe == epoch:
                 it = self.iteration
-                lr = lr_at(cfg, it, self.milestones)
+                lr = self.schedule.lr
                 x, y = self.batches.train_batch(it)
+                if self.mix is not None:
+                    x, y = self.mixed(x, y)
                 loss, correct = self._train_step(x, y, lr)
+                self.schedule.step()
                 win[0] += loss.double() * local
                 win[1] += correct
                 win[2] += local
@@ -949,6 +1080,7 @@ class Run:
             "parameters": self.parameters,
             "variant": {k: self.cfg[k] for k in ("unit", "shortcut", "norm", "drop_path_rate",
                                                  "drop_path_mode", *_SHORTCUT_ARGS)},
+            "recipe": {k: self.cfg[k] for k in RECIPE_KEYS},
             "diverged_at_iteration": self.diverged_at,
             "memory_plan": None if self.plan_summary is None else str(self.plan_summary),
         }

@@ -32,11 +32,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["GraphedStep", "TrainStep", "WARMUP_STEPS", "cuda_graph_capture", "float_lr_state",
-           "lr_tensor", "sgd", "start_momentum", "use_lr"]
+__all__ = ["GraphedStep", "TrainStep", "WARMUP_STEPS", "adamw", "cuda_graph_capture",
+           "float_lr_state", "lr_tensor", "sgd", "start_momentum", "use_lr"]
 
 # Eager steps before the capture, on a side stream: cuDNN's benchmark picks its algorithms,
 # Triton compiles and autotunes, autograd and the allocator set up their state there, none of
@@ -62,6 +61,15 @@ def sgd(param_groups: list[dict], lr: Tensor, momentum: float, nesterov: bool
     opt = torch.optim.SGD(param_groups, lr=lr, momentum=momentum, nesterov=nesterov, fused=True)
     start_momentum(opt)
     return opt
+
+
+def adamw(param_groups: list[dict], lr: Tensor, betas: tuple[float, float]
+          ) -> torch.optim.AdamW:
+    """torch.optim.AdamW's fused implementation with a tensor learning rate (the rules of
+    :func:`sgd`). Its step count is a device tensor in the fused implementation, so the bias
+    corrections need no host read either; its state appears at the first step, which a CUDA
+    graph's eager warm-up steps run before the capture."""
+    return torch.optim.AdamW(param_groups, lr=lr, betas=tuple(betas), fused=True)
 
 
 def start_momentum(optimizer: torch.optim.Optimizer) -> None:
@@ -98,18 +106,26 @@ def float_lr_state(optimizer: torch.optim.Optimizer) -> dict:
 
 class TrainStep:
     """One training step of ``model``: gradients to None, forward under autocast
-    (``amp_dtype``, None for none), cross-entropy in float32, backward through ``scaler``,
-    ``optimizer`` step, scaler update. ``step(x, y)`` returns (loss, correct) as 0-dim device
-    tensors (the mean loss, float32; the count of correct predictions, int64).
+    (``amp_dtype``, None for none), cross-entropy in float32 (``label_smoothing``), backward
+    through ``scaler``, ``optimizer`` step, scaler update. ``step(x, y)`` returns (loss,
+    correct) as 0-dim device tensors (the mean loss, float32; the count of correct
+    predictions, int64).
 
     The function the trainer runs eagerly and the one :class:`GraphedStep` captures. Its
-    optimizer must read its learning rate from a tensor (:func:`sgd`); ``mark_step``: tell
-    torch.compile's CUDA graphs that a new iteration begins (``--compile reduce-overhead``)."""
+    optimizer must read its learning rate from a tensor (:func:`sgd`, :func:`adamw`);
+    ``mark_step``: tell torch.compile's CUDA graphs that a new iteration begins (``--compile
+    reduce-overhead``)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, amp_dtype: torch.dtype | None,
-                 device_type: str, mark_step: bool = False):
+                 device_type: str, mark_step: bool = False, label_smoothing: float = 0.0,
+                 accum_steps: int = 1):
+        if accum_steps < 1:
+            raise ValueError(f"accum_steps: expected at least 1, got {accum_steps}")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.accum_steps = accum_steps
+        # --label-smoothing: torch's own loss (its smoothing is a device computation).
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.amp_dtype, self.device_type, self.mark_step = amp_dtype, device_type, mark_step
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -128,13 +144,46 @@ class TrainStep:
         # be alive beside every saved activation (fusedres.accounting simulates this order).
         # Under capture this records nothing: the backward then writes gradients the graph owns.
         self.optimizer.zero_grad(set_to_none=True)
-        with forward_context or contextlib.nullcontext(), self.autocast():
-            out = self.model(x)
-            loss = F.cross_entropy(out.float(), y)
-        self.scaler.scale(loss).backward()
+        k = self.accum_steps
+        if k == 1:
+            with forward_context or contextlib.nullcontext(), self.autocast():
+                out = self.model(x)
+                loss = self.criterion(out.float(), y)
+            self.scaler.scale(loss).backward()
+            total, correct = loss.detach(), _hits(out, y)
+        else:
+            # Gradient accumulation: the batch in k equal micro-batches, one after the other,
+            # each loss / k so that the summed gradients are the batch mean's; only the last
+            # backward all-reduces under DistributedDataParallel (no_sync on the others).
+            # The same kernels every step: the split is by shape, not data.
+            if x.shape[0] % k:
+                raise ValueError(f"accum_steps: the batch of {x.shape[0]} does not split into "
+                                 f"{k} equal micro-batches")
+            total = correct = None
+            no_sync = getattr(self.model, "no_sync", None)
+            for i, (xi, yi) in enumerate(zip(x.chunk(k), y.chunk(k))):
+                ctx = (forward_context if i == 0 and forward_context is not None
+                       else contextlib.nullcontext())
+                sync = no_sync() if no_sync is not None and i < k - 1 \
+                    else contextlib.nullcontext()
+                with sync:
+                    with ctx, self.autocast():
+                        out = self.model(xi)
+                        loss = self.criterion(out.float(), yi) / k
+                    self.scaler.scale(loss).backward()
+                hits = _hits(out, yi)
+                total = loss.detach() if total is None else total + loss.detach()
+                correct = hits if correct is None else correct + hits
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        return loss.detach(), (out.detach().argmax(1) == y).sum()
+        return total, correct
+
+
+def _hits(out: Tensor, y: Tensor) -> Tensor:
+    """Correct predictions: the label, or for mixed soft targets (MixUp/CutMix) the class of
+    the largest weight."""
+    label = y if y.dim() == 1 else y.argmax(1)
+    return (out.detach().argmax(1) == label).sum()
 
 
 def cuda_graph_capture(fn: Callable[[], None]) -> Callable[[], None]:
