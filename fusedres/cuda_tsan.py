@@ -66,6 +66,23 @@ def _flags(asan: bool = False) -> tuple[list[str], list[str]]:
     return cflags, ldflags
 
 
+def compile_objects(cxx: str, cflags: list[str], stale: list[tuple[str, str]],
+                    jobs: int | None, verbose: bool, tag: str) -> None:
+    """Compile each (source, object) of ``stale`` with ``cxx cflags -c``, ``jobs`` at a time
+    (None: one per core); the first failure raises with the compiler's message."""
+    def compile_one(item):
+        src, obj = item
+        if verbose:
+            print(f"{tag}: compiling {os.path.relpath(src, ROOT)}", flush=True)
+        res = subprocess.run([cxx, *cflags, "-c", src, "-o", obj], capture_output=True,
+                             text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"compiling {src} failed:\n{res.stderr[-4000:]}")
+
+    with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+        list(pool.map(compile_one, stale))
+
+
 def build(jobs: int | None = None, verbose: bool = True, asan: bool = False) -> str:
     """Compile what changed and link the driver (ThreadSanitizer, or ASan + UBSan with
     ``asan``); returns its path."""
@@ -84,17 +101,7 @@ def build(jobs: int | None = None, verbose: bool = True, asan: bool = False) -> 
                                                                     newest_header):
             stale.append((src, obj))
 
-    def compile_one(item):
-        src, obj = item
-        if verbose:
-            print(f"{tag}: compiling {os.path.relpath(src, ROOT)}", flush=True)
-        res = subprocess.run([cxx, *cflags, "-c", src, "-o", obj], capture_output=True,
-                             text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"compiling {src} failed:\n{res.stderr[-4000:]}")
-
-    with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
-        list(pool.map(compile_one, stale))
+    compile_objects(cxx, cflags, stale, jobs, verbose, tag)
     if stale or not os.path.exists(binary):
         res = subprocess.run([cxx, *objects, "-o", binary, *ldflags], capture_output=True,
                              text=True)

@@ -702,17 +702,9 @@ def build_asan_extension(jobs: int | None = None, verbose: bool = True) -> str:
         if not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src), newest):
             stale.append((src, obj))
 
-    def compile_one(item):
-        src, obj = item
-        if verbose:
-            print(f"asan-ext: compiling {os.path.relpath(src, ROOT)}", flush=True)
-        res = subprocess.run([cxx, *cflags, "-c", src, "-o", obj], capture_output=True,
-                             text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"compiling {src} failed:\n{res.stderr[-4000:]}")
+    from fusedres.cuda_tsan import compile_objects
 
-    with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
-        list(pool.map(compile_one, stale))
+    compile_objects(cxx, cflags, stale, jobs, verbose, "asan-ext")
     if stale or not os.path.exists(ASAN_EXTENSION):
         libs = cpp_extension.library_paths()
         res = subprocess.run([cxx, "-shared", *objects, "-o", ASAN_EXTENSION,

@@ -101,6 +101,22 @@ def _worker(rank, port, fused, convert, backend, out_dir):
         dist.destroy_process_group()
 
 
+def _assert_each_rank_matches(results: dict, reference) -> None:
+    """Each rank's outputs and input gradients equal its slice of the one-process run's; its
+    parameter gradients (summed over the ranks) and buffers equal the one-process run's."""
+    ref_outs, ref_grads, ref_buffers = reference
+    for rank in range(WORLD):
+        outs, grads, buffers = results[rank]
+        sl = slice(rank * N_LOCAL, (rank + 1) * N_LOCAL)
+        for (y, gx), (ry, rgx) in zip(outs, ref_outs):
+            torch.testing.assert_close(y, ry[sl], atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(gx, rgx[sl], atol=ATOL, rtol=RTOL)
+        for k in ref_grads:
+            torch.testing.assert_close(grads[k], ref_grads[k], atol=ATOL, rtol=RTOL, msg=k)
+        for k in ref_buffers:
+            torch.testing.assert_close(buffers[k], ref_buffers[k], atol=ATOL, rtol=RTOL, msg=k)
+
+
 # The CPU fused backends (Triton's interpreter is too slow for this; its op contract is the same).
 _CPU_FUSED = [b for b in ("portable", "cpu") if b in fusedres.available_backends("cpu")]
 _CASES = ([(True, "fusedres", b) for b in _CPU_FUSED]
@@ -123,19 +139,7 @@ def test_sync_batch_norm_equals_one_process_with_whole_batch(fused, convert, bac
 
     block = _make_block(fused=False)  # the oracle: plain BatchNorm on the whole batch
     x, gy = _inputs()
-    ref_outs, ref_grads, ref_buffers = _step(block, x, gy)
-
-    for rank in range(WORLD):
-        outs, grads, buffers = results[rank]
-        sl = slice(rank * N_LOCAL, (rank + 1) * N_LOCAL)
-        for (y, gx), (ry, rgx) in zip(outs, ref_outs):
-            torch.testing.assert_close(y, ry[sl], atol=ATOL, rtol=RTOL)
-            torch.testing.assert_close(gx, rgx[sl], atol=ATOL, rtol=RTOL)
-        for k in ref_grads:
-            torch.testing.assert_close(grads[k], ref_grads[k], atol=ATOL, rtol=RTOL, msg=k)
-        for k in ref_buffers:
-            torch.testing.assert_close(buffers[k], ref_buffers[k], atol=ATOL, rtol=RTOL,
-                                       msg=k)
+    _assert_each_rank_matches(results, _step(block, x, gy))
 
 
 def test_a_norm_act_layer_keeps_its_activation_across_two_processes(tmp_path):
@@ -152,17 +156,8 @@ def test_a_norm_act_layer_keeps_its_activation_across_two_processes(tmp_path):
     for p in procs:
         p.join(timeout=120)
         assert p.exitcode == 0
-    ref_outs, ref_grads, ref_buffers = _step(_make_normact(), *_inputs())
-    for rank in range(WORLD):
-        outs, grads, buffers = torch.load(tmp_path / f"rank{rank}.pt")
-        sl = slice(rank * N_LOCAL, (rank + 1) * N_LOCAL)
-        for (y, gx), (ry, rgx) in zip(outs, ref_outs):
-            torch.testing.assert_close(y, ry[sl], atol=ATOL, rtol=RTOL)
-            torch.testing.assert_close(gx, rgx[sl], atol=ATOL, rtol=RTOL)
-        for k in ref_grads:
-            torch.testing.assert_close(grads[k], ref_grads[k], atol=ATOL, rtol=RTOL, msg=k)
-        for k in ref_buffers:
-            torch.testing.assert_close(buffers[k], ref_buffers[k], atol=ATOL, rtol=RTOL, msg=k)
+    results = {r: torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)}
+    _assert_each_rank_matches(results, _step(_make_normact(), *_inputs()))
 
 
 def test_conversion_keeps_a_norm_act_layer_and_refuses_an_unknown_subclass():
