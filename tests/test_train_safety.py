@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fusedres.train import checkpoint as ckpt
-from fusedres.train import main
+from fusedres.train import main, runlock
 from fusedres.train.loop import Run
 from fusedres.train.runlock import LOCK_NAME, RunLock, RunLocked
 
@@ -76,10 +76,13 @@ def test_checkpoint_write_error_is_an_oserror_with_the_cause(tmp_path, monkeypat
 def test_a_second_trainer_on_a_locked_out_exits_2_naming_it_and_the_holder(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
+    # Another process holds the lock (runlock.py loaded by path: no torch import, fast).
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom fusedres.train.runlock import RunLock\n"
-         "lock = RunLock(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(120)\n",
-         str(out)], stdout=subprocess.PIPE, text=True)
+        [sys.executable, "-c", "import importlib.util as u, sys, time\n"
+         "spec = u.spec_from_file_location('runlock', sys.argv[2])\n"
+         "m = u.module_from_spec(spec); spec.loader.exec_module(m)\n"
+         "lock = m.RunLock(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(120)\n",
+         str(out), runlock.__file__], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert main([*TINY, "--max-iters", "1", "--out", str(out)]) == 2
