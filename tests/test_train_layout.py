@@ -216,6 +216,7 @@ def test_resume_in_the_other_layout(tmp_path, capsys, scope):
         assert torch.allclose(p, p0 - 0.05 * expect, rtol=1e-5, atol=1e-7)
     assert any((buf0 != 0).any() for _, buf0 in before)  # a loaded buffer, not a fresh one
 
+    scope.close()  # the inspected Run ends, releasing its lock on --out, as a process would
     assert main(["--out", str(out), "--resume", "--max-iters", "5", "--channels-last", "on",
                  "--no-progress"]) == 0
     s = json.loads((out / "summary.json").read_text())

@@ -7,7 +7,9 @@ fused BN-ReLU-conv blocks, on one device or many (torchrun), never losing a run.
         --data-dir /data/imagenet --sync-bn ...   # ImageFolder trees streamed from disk
 
 :func:`main` returns the exit code: 0 done, 2 a bad request (one line on stderr, nothing of an
-existing run touched), 128 + signal number when stopped by SIGTERM/SIGINT after checkpointing.
+existing run touched), 1 a checkpoint that could not be written (a full disk: one line naming
+the file, the previous checkpoint intact), 128 + signal number when stopped by SIGTERM/SIGINT
+after checkpointing. The run directory is locked (``<out>/.lock``) while a run uses it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from fusedres import BackendUnavailableError
 
+from .checkpoint import CheckpointWriteError
 from .config import UsageError, resolve
 from .loop import Run
 
@@ -39,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, BackendUnavailableError) as e:
         print(f"fusedres train: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as e:  # a full disk: one line, the previous checkpoint kept
+        print(f"fusedres train: error: {e}", file=sys.stderr)
+        return 1
     finally:
         if initialised:
             _leave_distributed(dist, finished)

@@ -18,8 +18,8 @@ from typing import Any, BinaryIO, Callable
 import numpy as np
 import torch
 
-__all__ = ["CheckpointError", "FORMAT", "latest", "list_checkpoints", "load", "rng_state",
-           "save", "set_rng_state", "write_atomically"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "FORMAT", "latest", "list_checkpoints",
+           "load", "rng_state", "save", "set_rng_state", "write_atomically"]
 
 FORMAT = "fusedres-train-checkpoint"
 VERSION = 1
@@ -28,6 +28,11 @@ _NAME = re.compile(r"iter_(\d+)\.pt")
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names the file and why."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk, a quota, a read-only mount): the
+    message names the file, the cause and the previous checkpoint, which is left intact."""
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -80,10 +85,21 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
 def save(run_dir: str | Path, state: dict[str, Any], iteration: int, keep: int) -> Path:
     """Write ``state`` atomically as the checkpoint of ``iteration``; prune to ``keep`` files."""
     folder = checkpoint_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"iter_{iteration:08d}.pt"
     payload = {"format": FORMAT, "version": VERSION, "iteration": iteration, **state}
-    write_atomically(final, lambda f: torch.save(payload, f))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomically(final, lambda f: torch.save(payload, f))
+    except OSError as e:
+        # write_atomically removed its temporary file and never touched the older ones (pruning
+        # comes after a successful write): say so, with the newest one a resume would use.
+        prev = latest(run_dir)
+        kept = (f"the previous checkpoint {str(prev)!r} is intact" if prev is not None
+                else "no earlier checkpoint exists")
+        err = CheckpointWriteError(f"cannot write checkpoint {str(final)!r}: "
+                                   f"{e.strerror or e}; {kept}")
+        err.errno = e.errno
+        raise err from None
     for old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
     return final

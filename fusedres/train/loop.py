@@ -29,7 +29,9 @@ from . import data as data_mod
 from . import metrics as M
 from .config import UsageError, merge_saved, parse_bytes, resolve_channels_last
 from .naming import variant_label
+from .runlock import RunLock, RunLocked
 from .schedule import LRSchedule
+from .seeds import seed_python_and_numpy
 from .step import (
     WARMUP_STEPS,
     GraphedStep,
@@ -392,6 +394,7 @@ class Run:
         self.mix = _mixer(cfg, self.data.num_classes)
 
         torch.manual_seed(cfg["seed"])
+        seed_python_and_numpy(cfg["seed"])
         in_chans = self.data.image_shape[0]
         model = build_model(cfg, in_chans, self.data.num_classes).to(self.device)
         if cfg["channels_last"]:
@@ -475,6 +478,7 @@ class Run:
         # Everything is checked: from here on the run directory may be written.
         if self.world > 1:
             dist.barrier()
+        self._lock_out()
         self.iteration = state["iteration"] if state is not None else 0
         self.history = list(state["metrics"]) if state is not None else []
         self.accum = dict(state.get("accum", {})) if state is not None else {}
@@ -494,6 +498,33 @@ class Run:
         self.last_saved = self.iteration if state is not None else -1
         if self.rank == 0:
             self._banner()
+
+    def _lock_out(self) -> None:
+        """Rank 0 (the one that writes) holds ``--out``'s lock until the run ends: released
+        when ``self.scope`` closes, or by the kernel if the process dies. Every rank learns the
+        outcome, so that a refusal ends them all with the same exit code 2."""
+        error = None
+        if self.rank == 0:
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                lock = RunLock(self.out)
+            except RunLocked as e:
+                error = str(e)
+            except OSError as e:
+                error = f"--out: cannot lock {str(self.out)!r}: {e.strerror or e}"
+            else:
+                self.scope.callback(lock.release)
+                # The checkpoint check in _resume_state ran before the lock: a run that started,
+                # wrote and ended in between is seen here.
+                if self.cfg["resume"] is None and ckpt.list_checkpoints(self.out):
+                    error = (f"--out: {str(self.out)!r} already holds a run (checkpoints); "
+                             "continue it with --resume, or choose another --out")
+        if self.world > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error is not None:
+            raise UsageError(error)
 
     RESUMED = "as the run it resumes: "
 
