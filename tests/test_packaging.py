@@ -46,14 +46,19 @@ def test_package_data_has_py_typed_and_license(setup_py):
     assert 'license="BSD-3-Clause"' in text
 
 
-def test_python_m_fusedres_runs_the_cli():
+def test_python_m_fusedres_runs_the_cli(capsys):
     out = subprocess.run([sys.executable, "-m", "fusedres", "--help"], capture_output=True,
                          text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("usage: fusedres {") and "train" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "fusedres", "nonsense"], capture_output=True,
-                         text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 2 and "unknown command 'nonsense'" in out.stderr
+    # The module is cli.main itself: its exit status and errors are the command's.
+    import runpy
+
+    from fusedres import cli
+
+    assert runpy.run_module("fusedres.__main__", run_name="not_main")["main"] is cli.main
+    assert cli.main(["nonsense"]) == 2
+    assert "unknown command 'nonsense'" in capsys.readouterr().err
 
 
 def test_cuda_arch_list_default_and_environment(setup_py):
@@ -125,3 +130,21 @@ def test_setup_builds_against_the_installed_torch(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[-1] == fusedres.__version__
     assert any(line.startswith("fusedres: building fusedres._C (") for line in lines)
+
+
+def test_sdist_carries_what_a_build_from_it_needs(tmp_path):
+    """The source distribution has the extension's headers (setuptools adds only the .cpp/.cu
+    sources it is told of), the licence, the changelog and py.typed (MANIFEST.in)."""
+    import tarfile
+
+    out = _run_setup(["-q", "egg_info", "-e", str(tmp_path), "sdist", "-d", str(tmp_path)],
+                     tmp_path, FUSEDRES_BUILD_EXT="0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    (archive,) = tmp_path.glob("fusedres-*.tar.gz")
+    names = {n.split("/", 1)[1] for n in tarfile.open(archive).getnames() if "/" in n}
+    tracked = subprocess.run(["git", "ls-files", "csrc"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    headers = [p for p in tracked if p.endswith((".h", ".cuh"))]
+    assert headers and not set(headers) - names, sorted(set(headers) - names)
+    assert {"LICENSE", "CHANGELOG.md", "fusedres/py.typed", "setup.py"} <= names
+    assert archive.name == f"fusedres-{fusedres.__version__}.tar.gz"
