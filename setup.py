@@ -115,6 +115,15 @@ def _installed_torch_versions(paths: list[str]) -> list[str]:
     return sorted({d.version for d in metadata.distributions(name="torch", path=paths)})
 
 
+def _imported_torch_version(torch) -> str:
+    # The imported torch's distribution version, as _installed_torch_versions reads the
+    # installed one's: torch.__version__ may carry a local label (+cu130) that the wheel's
+    # metadata does not. torch.__version__ where no metadata sits beside it.
+    site_dir = os.path.dirname(os.path.dirname(os.path.realpath(torch.__file__)))
+    found = _installed_torch_versions([site_dir])
+    return found[0] if len(found) == 1 else torch.__version__
+
+
 def torch_mismatch(build_torch: str | None, installed: list[str]) -> str | None:
     """Why the extension must not be built against the torch this script imports (None: build).
     ``build_torch`` is that torch's version (None: not importable); ``installed`` the versions
@@ -188,7 +197,7 @@ def extensions():
     if not any(torch_file.startswith(p + os.sep) for p in targets):
         # Not the installed torch (an isolated build environment's, or none): build only
         # against the same version.
-        problem = torch_mismatch(torch.__version__ if torch else None,
+        problem = torch_mismatch(_imported_torch_version(torch) if torch else None,
                                  _installed_torch_versions(targets))
         if problem:
             sys.exit(problem)

@@ -148,3 +148,12 @@ def test_sdist_carries_what_a_build_from_it_needs(tmp_path):
     assert headers and not set(headers) - names, sorted(set(headers) - names)
     assert {"LICENSE", "CHANGELOG.md", "fusedres/py.typed", "setup.py"} <= names
     assert archive.name == f"fusedres-{fusedres.__version__}.tar.gz"
+
+
+def test_imported_torch_version_is_its_distribution_version(setup_py):
+    """The comparison is between like spellings: the imported torch's metadata version (a wheel
+    may say 2.14.1 where torch.__version__ says 2.14.1+cu130), as the installed one's is read."""
+    import torch
+
+    installed = setup_py._installed_torch_versions(setup_py._target_paths())
+    assert setup_py._imported_torch_version(torch) in installed
