@@ -14,6 +14,9 @@ TEST_EXT_SRC := $(wildcard csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh
 TEST_EXT     := $(VENV)/.test-ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1
+# The in-place build runs on this machine only: its CPU kernels with -march=native (setup.py's
+# default is portable, for wheels; benchmarks/NATIVE.md measures the difference).
+export FUSEDRES_CPU_NATIVE ?= 1
 # The nvcc copy of csrc/cuda only runs on a GPU: off without one (the test extension runs the
 # same kernels on CPU; `make cuda-table` and tests/test_cuda_host.py compile csrc/cuda with nvcc
 # for sm_80/sm_90). Where a GPU is visible (nvidia-smi -L) the nvcc copy is built too (auto).

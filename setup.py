@@ -4,8 +4,16 @@
 Switches: FUSEDRES_BUILD_EXT, FUSEDRES_BUILD_CUDA, FUSEDRES_BUILD_TEST_EXT and
 FUSEDRES_CPU_NATIVE, declared (values, defaults, meaning) in fusedres/settings.py, which this
 script loads by path; `fusedres settings` and README's Settings table list them. Also read:
-  TORCH_CUDA_ARCH_LIST    default "8.0;9.0" when no GPU is visible
+  TORCH_CUDA_ARCH_LIST    honoured as given (architectures below 8.0 refused: csrc/cuda uses
+                          sm_80 instructions); unset with no GPU visible: DEFAULT_CUDA_ARCHS;
+                          unset with a GPU visible: torch's default, the visible cards'
+  CUDA_HOME               where nvcc is not on PATH
   MAX_JOBS                default: the number of cores, capped by free memory (2 GiB a job)
+
+The extension is built against the torch this script imports. A build in an isolated
+environment (`pip install .`) may import another torch than the one that will load the
+extension, and a binary built against one torch does not load into another: such a build
+stops with a message (`pip install --no-build-isolation .` builds against the installed torch).
 """
 
 from __future__ import annotations
@@ -13,8 +21,10 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import re
 import shutil
 import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 
@@ -33,6 +43,102 @@ def _load_settings():
 
 
 _SETTINGS = _load_settings()
+
+
+def _version() -> str:
+    # fusedres/_version.py, the one place the version is spelled.
+    with open(os.path.join(ROOT, "fusedres", "_version.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
+
+# With no GPU visible: the common data-centre and workstation cards that the kernels run on
+# (A100, RTX 30xx/A6000, L4/L40/RTX 40xx, H100), and PTX of the newest so that later
+# architectures JIT-compile it. csrc/cuda uses sm_80 instructions (mma.sync on bfloat16,
+# cp.async): 7.5 (T4, RTX 20xx) cannot be built.
+DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0+PTX"
+MIN_CUDA_ARCH = (8, 0)
+
+
+def cuda_arch_list(env: dict, gpu_visible: bool) -> str | None:
+    """The TORCH_CUDA_ARCH_LIST to build with: the environment's (checked), else
+    DEFAULT_CUDA_ARCHS when no GPU is visible, else None (torch's default: the visible cards').
+    Raises ValueError naming the variable for an entry below MIN_CUDA_ARCH or one not of the
+    form 8.0, 8.6+PTX, 9.0a."""
+    given = env.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if not given:
+        return None if gpu_visible else DEFAULT_CUDA_ARCHS
+    for entry in given.replace(" ", ";").split(";"):
+        if not entry:
+            continue
+        m = re.fullmatch(r"(\d+)\.(\d+)[af]?(\+PTX)?", entry)
+        if m is None:
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST: expected entries like 8.0, 8.6+PTX or 9.0a "
+                             f"separated by ';', got {entry!r} in {given!r}")
+        if (int(m.group(1)), int(m.group(2))) < MIN_CUDA_ARCH:
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST: csrc/cuda needs compute capability 8.0 or "
+                             f"newer (mma.sync on bfloat16, cp.async), got {entry!r} in {given!r}")
+    return given
+
+
+def cuda_include_dirs(cuda_home: str | None, torch_dir: str) -> list[str]:
+    """The CUDA header folders found: the toolkit's (CUDA_HOME/include, and the targets/*/include
+    of a split install), then those of the NVIDIA pip wheels beside torch (nvidia/<pkg>/include:
+    cu13's one folder, or cu12's per-library ones), which carry headers a pip-installed nvcc's
+    toolkit may lack. Only folders that exist."""
+    candidates = []
+    if cuda_home:
+        candidates.append(os.path.join(cuda_home, "include"))
+        candidates += sorted(glob.glob(os.path.join(cuda_home, "targets", "*", "include")))
+    candidates += sorted(glob.glob(os.path.join(os.path.dirname(torch_dir), "nvidia", "*",
+                                                "include")))
+    found = []
+    for path in map(os.path.abspath, candidates):
+        if os.path.isdir(path) and path not in found:
+            found.append(path)
+    return found
+
+
+def _target_paths() -> list[str]:
+    # Where the installed package will find torch: the target environment's site-packages
+    # (sysconfig's paths, which an isolated build environment does not change) and the user's.
+    import site
+
+    paths = [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
+    if site.ENABLE_USER_SITE:
+        paths.append(site.getusersitepackages())
+    return [os.path.realpath(p) for p in dict.fromkeys(paths)]
+
+
+def _installed_torch_versions(paths: list[str]) -> list[str]:
+    from importlib import metadata
+
+    return sorted({d.version for d in metadata.distributions(name="torch", path=paths)})
+
+
+def _imported_torch_version(torch) -> str:
+    # The imported torch's distribution version, as _installed_torch_versions reads the
+    # installed one's: torch.__version__ may carry a local label (+cu130) that the wheel's
+    # metadata does not. torch.__version__ where no metadata sits beside it.
+    site_dir = os.path.dirname(os.path.dirname(os.path.realpath(torch.__file__)))
+    found = _installed_torch_versions([site_dir])
+    return found[0] if len(found) == 1 else torch.__version__
+
+
+def torch_mismatch(build_torch: str | None, installed: list[str]) -> str | None:
+    """Why the extension must not be built against the torch this script imports (None: build).
+    ``build_torch`` is that torch's version (None: not importable); ``installed`` the versions
+    of torch in the environment the package is installed into."""
+    how = ("Install torch first, then build against it with `pip install --no-build-isolation "
+           ".`; or set FUSEDRES_BUILD_EXT=0 for the Python-only package.")
+    if build_torch is None:
+        return f"fusedres: torch is not importable here, so fusedres._C cannot be built. {how}"
+    if build_torch not in installed:
+        where = (f"torch {', '.join(installed)} is installed" if installed
+                 else "no torch is installed")
+        return (f"fusedres: this build imports torch {build_torch} (an isolated build "
+                f"environment?) but {where} where fusedres goes: fusedres._C built against one "
+                f"torch does not load into another. {how}")
+    return None
 
 
 def _setting(name: str):
@@ -82,7 +188,19 @@ def extensions():
     if build_ext_switch == "auto" and shutil.which(os.environ.get("CXX", "c++")) is None:
         print("fusedres: no C++ compiler found, installing Python-only")
         return [], {}
-    import torch
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    targets = _target_paths()
+    torch_file = os.path.realpath(torch.__file__) if torch else ""
+    if not any(torch_file.startswith(p + os.sep) for p in targets):
+        # Not the installed torch (an isolated build environment's, or none): build only
+        # against the same version.
+        problem = torch_mismatch(_imported_torch_version(torch) if torch else None,
+                                 _installed_torch_versions(targets))
+        if problem:
+            sys.exit(problem)
 
     _max_jobs()
     # The product: the CPU kernels, and the nvcc copy of csrc/cuda when CUDA is built.
@@ -104,9 +222,15 @@ def extensions():
         cxx.append("-march=native")
     kwargs = {"extra_compile_args": {"cxx": list(cxx)}, "extra_link_args": ["-fopenmp"]}
     if use_cuda:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
-        include = os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu13", "include")
-        kwargs["include_dirs"] = [os.path.abspath(include)] if os.path.isdir(include) else []
+        try:
+            archs = cuda_arch_list(os.environ, torch.cuda.is_available())
+        except ValueError as exc:
+            sys.exit(str(exc))
+        if archs is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+        print(f"fusedres: CUDA architectures {archs or 'of the visible GPUs'}")
+        kwargs["include_dirs"] = cuda_include_dirs(os.environ.get("CUDA_HOME"),
+                                                   os.path.dirname(torch.__file__))
         kwargs["extra_compile_args"]["nvcc"] = ["-O3"]
         exts = [CUDAExtension("fusedres._C", sources + cuda_sources, **kwargs)]
     else:
@@ -138,25 +262,28 @@ def extensions():
     return exts, {"build_ext": OptionalBuildExt.with_options(use_ninja=True)}
 
 
-ext_modules, cmdclass = extensions()
+if __name__ == "__main__":  # pip, build and `python setup.py` run it so; tests import it
+    ext_modules, cmdclass = extensions()
 
-setup(
-    name="fusedres",
-    version="0.1.0",
-    description="Fused BatchNorm-ReLU-Conv2d kernels and drop-in modules for deep "
-    "pre-activation ResNets",
-    python_requires=">=3.9",
-    packages=find_packages(include=["fusedres", "fusedres.*"])
-    + ["fusedres.kernels"] + [f"fusedres.kernels.{p}" for p in find_packages("kernels")],
-    package_dir={"fusedres": "fusedres", "fusedres.kernels": "kernels"},
-    package_data={"fusedres": ["configs/*.yaml"]},
-    install_requires=["torch>=2.11", "numpy", "tqdm", "pyyaml"],  # fusedres/_versions.py
-    extras_require={
-        "test": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],
-        "train": ["torchvision", "pillow", "matplotlib", "scikit-learn"],
-        "triton": ["triton>=3.6"],
-    },
-    entry_points={"console_scripts": ["fusedres = fusedres.cli:main"]},
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+    setup(
+        name="fusedres",
+        version=_version(),
+        license="BSD-3-Clause",
+        license_files=["LICENSE"],
+        description="Fused BatchNorm-ReLU-Conv2d kernels and drop-in modules for deep "
+        "pre-activation ResNets",
+        python_requires=">=3.9",
+        packages=find_packages(include=["fusedres", "fusedres.*"])
+        + ["fusedres.kernels"] + [f"fusedres.kernels.{p}" for p in find_packages("kernels")],
+        package_dir={"fusedres": "fusedres", "fusedres.kernels": "kernels"},
+        package_data={"fusedres": ["configs/*.yaml", "py.typed"]},
+        install_requires=["torch>=2.11", "numpy", "tqdm", "pyyaml"],  # fusedres/_versions.py
+        extras_require={
+            "test": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],
+            "train": ["torchvision", "pillow", "matplotlib", "scikit-learn"],
+            "triton": ["triton>=3.6"],
+        },
+        entry_points={"console_scripts": ["fusedres = fusedres.cli:main"]},
+        ext_modules=ext_modules,
+        cmdclass=cmdclass,
+    )

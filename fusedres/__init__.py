@@ -34,6 +34,7 @@ from ._backend import (
     unavailable_reason,
     use_backend,
 )
+from ._version import __version__  # noqa: F401 - re-exported
 from .convert import fuse
 from .models import timm_registry as _timm_registry
 from .modules import (
@@ -44,8 +45,6 @@ from .modules import (
     PreActBottleneck,
     ResidualBlock,
 )
-
-__version__ = "0.1.0"
 
 # The zoo in timm's registry when timm is installed (timm.create_model("fusedres_" + name)),
 # without importing timm here (fusedres/models/timm_registry.py).

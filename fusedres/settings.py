@@ -147,8 +147,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "compiler through the execution layer, and the layer's own test ops): `auto` for "
             "in-place builds; `make test` and CI build it, `pip install .` does not.",
             ("auto", "0", "1")),
-    Setting("FUSEDRES_CPU_NATIVE", "bool", "1", "by setup.py",
-            "Compile the CPU kernels with `-march=native`."),
+    Setting("FUSEDRES_CPU_NATIVE", "bool", "0", "by setup.py",
+            "Compile the CPU kernels with `-march=native`: faster on the build machine, but "
+            "the binary then runs only on CPUs with its instruction set (0: portable x86-64; "
+            "benchmarks/NATIVE.md)."),
     # ---- benchmarks (benchmarks/)
     Setting("FUSEDRES_BENCH_QUICK", "bool", "0", "when benchmarks/ is collected",
             "Tiny shapes and few rounds, so CI can smoke-run every benchmark file."),

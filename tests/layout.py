@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # Package directories and the dotted name they install as (setup.py's package_dir).
 PACKAGE_DIRS = {"fusedres": ROOT / "fusedres", "fusedres.kernels": ROOT / "kernels"}
 # Applications built on the library: they use its public API, as a user's code would.
+# fusedres.__main__ is `python -m fusedres`: the dispatcher's entry point, an app like it.
 APPS = ("fusedres.train", "fusedres.bench", "fusedres.selftest", "fusedres.demo",
-        "fusedres.experiments", "fusedres.cli")
+        "fusedres.experiments", "fusedres.cli", "fusedres.__main__")
 
 
 def is_app(module: str) -> bool:

@@ -1,5 +1,6 @@
 """A non-editable, Python-only install into a fresh virtual environment imports from outside the
-repository, kernels (``fusedres.kernels``, mapped from ``kernels/``) included."""
+repository, kernels (``fusedres.kernels``, mapped from ``kernels/``) included, and carries its
+version, py.typed and LICENSE."""
 
 import os
 import subprocess
@@ -35,11 +36,18 @@ def test_fresh_venv_non_editable_install(tmp_path):
         "m = fusedres.BNReLUConv2d(3, 4, 3, padding=1)\n"
         "m(torch.randn(2, 3, 5, 5)).sum().backward()\n"
         "print(fusedres._extension.LOADED, sorted(fusedres.available_backends('cpu')))\n"
+        "from importlib import metadata\n"
+        "dist = metadata.distribution('fusedres')\n"
+        "files = {str(f).replace(os.sep, '/') for f in dist.files}\n"
+        "print(dist.version == fusedres.__version__, 'fusedres/py.typed' in files,\n"
+        "      any(f.endswith('LICENSE') for f in files), dist.metadata['License'])\n"
     )
     out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=""))
     assert out.returncode == 0, out.stderr
-    pkg, kernels, backends = out.stdout.strip().splitlines()
+    pkg, kernels, backends, packaging = out.stdout.strip().splitlines()
+    # One version, the typing marker and the licence in the installed distribution.
+    assert packaging == "True True True BSD-3-Clause", packaging
     site_dir = str(venv)
     assert pkg.startswith(site_dir) and kernels.startswith(site_dir), out.stdout
     assert kernels.endswith(os.path.join("fusedres", "kernels", "__init__.py"))

@@ -1,6 +1,6 @@
 """The CUDA C++ backend: ``torch.ops.fusedres_cuda.*``, kernels from csrc/cuda/.
 
-The kernels in csrc/cuda are compiled twice: by nvcc for sm_80/sm_90 into the product extension
+The kernels in csrc/cuda are compiled twice: by nvcc (sm_80 and newer) into the product extension
 ``fusedres._C`` (when built with ``FUSEDRES_BUILD_CUDA``), registered for the CUDA dispatch key;
 and by the host C++ compiler through the CPU execution layer (csrc/cuda/host) into the test
 extension ``fusedres._C_cuda_host`` (built with ``FUSEDRES_BUILD_TEST_EXT=1``: ``make test``,
