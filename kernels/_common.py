@@ -10,9 +10,10 @@ interpreter. Every config of every kernel is compiled ahead of time (kernels/aot
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
@@ -34,11 +35,14 @@ def interpreting() -> bool:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Meta-parameters of one kernel launch: block sizes (constexprs), warps and stages."""
+    """Meta-parameters of one kernel launch: block sizes (constexprs), warps and stages.
+    ``name``: the key of the kernel's config table that holds it (:func:`named`), for people
+    and tests; not part of equality, hashing or ``str`` (kernels/aot.py keys on ``str``)."""
 
     blocks: tuple[tuple[str, int], ...]
     num_warps: int = 4
     num_stages: int = 3
+    name: str = field(default="", compare=False)
 
     @classmethod
     def of(cls, num_warps: int = 4, num_stages: int = 3, **blocks: int) -> KernelConfig:
@@ -57,6 +61,13 @@ class KernelConfig:
     def __str__(self) -> str:
         b = " ".join(f"{k.replace('BLOCK_', '')}={v}" for k, v in self.blocks)
         return f"{b} w={self.num_warps} s={self.num_stages}"
+
+
+def named(configs: dict[str, KernelConfig]) -> dict[str, KernelConfig]:
+    """A kernel's config table: name -> config, each config given its name. The order is the
+    order ``configs_for`` lists them in (the autotuner's and kernels/aot.py's); a host rule
+    picks by name."""
+    return {name: dataclasses.replace(cfg, name=name) for name, cfg in configs.items()}
 
 
 def dtype_name(dtype) -> str:

@@ -24,6 +24,7 @@ from ._common import (
     dummy,
     interpreting,
     launcher,
+    named,
     plan_cache,
     sm_count,
 )
@@ -34,18 +35,17 @@ from .reductions import (
     stats_combine,
 )
 
-# Roles by index: channels_last with >= 32 channels, the rest, <= 8 channels. A tile's own
-# reduction (three sums over its rows across the threads, the float64 merge) is paid per tile:
-# tall tiles amortise it. sm_90 SASS, ImageNet 64@56 batch 256 fp16 (fusedres.perfmodel):
-# 64x32 issue-bound at 86 us modeled (34 us of DRAM), 128x32 46 us; 256x32 DRAM-bound at 36 us
-# but spills 8 bytes on sm_80 (kernels/aot.py). The 16-channel tile is as tall as it holds
-# the same elements a thread as 128x32: CIFAR 16@32 batch 128 fp16, A100 / H100 (MODELED), 128
-# rows issue-bound at 11.4 / 5.9 us, 256 rows 7.9 / 4.5 (512 on 8 warps 8.4 / 4.8).
-CONFIGS = [
-    KernelConfig.of(BLOCK_M=128, BLOCK_C=32, num_warps=4, num_stages=1),
-    KernelConfig.of(BLOCK_M=256, BLOCK_C=16, num_warps=4, num_stages=1),
-    KernelConfig.of(BLOCK_M=256, BLOCK_C=8, num_warps=8, num_stages=1),
-]
+# Configs by name; each entry's comment is the rule ``pick_config`` picks it by, and why. A
+# tile's own reduction (three sums over its rows across the threads, the float64 merge) is paid
+# per tile: tall tiles amortise it. Figures: kernels/TUNING.md, "Batch statistics".
+CONFIGS = named({
+    # channels_last with >= 32 channels: 32 contiguous channels a row; 128 rows (256 spill).
+    "channels_last": KernelConfig.of(BLOCK_M=128, BLOCK_C=32, num_warps=4, num_stages=1),
+    # The rest (NCHW, or < 32 channels): as tall as it holds channels_last's elements a thread.
+    "tall_c16": KernelConfig.of(BLOCK_M=256, BLOCK_C=16, num_warps=4, num_stages=1),
+    # <= 8 channels: 8 columns, 256 rows on 8 warps.
+    "few_channels": KernelConfig.of(BLOCK_M=256, BLOCK_C=8, num_warps=8, num_stages=1),
+})
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=128, BLOCK_C=32, num_warps=4, num_stages=1)
 
 
@@ -149,7 +149,7 @@ def _prepare_block(pid_c, C, mean_ptr, m2_ptr, bmean_ptr, invstd_ptr, rm_ptr, rv
 
 
 def configs_for(dtype) -> list[KernelConfig]:
-    return CONFIGS
+    return list(CONFIGS.values())
 
 
 def pick_config(x: torch.Tensor) -> KernelConfig:
@@ -157,8 +157,8 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
         return INTERPRET_CONFIG
     c = x.shape[1]
     if x.is_contiguous(memory_format=torch.channels_last) and c >= 32:
-        return CONFIGS[0]
-    return CONFIGS[2] if c <= 8 else CONFIGS[1]
+        return CONFIGS["channels_last"]
+    return CONFIGS["few_channels" if c <= 8 else "tall_c16"]
 
 
 def pick_split(tiles: int, c_blocks: int, sms: int) -> int:

@@ -43,6 +43,7 @@ from ._common import (
     interp_bf16,
     interpreting,
     is_aligned,
+    named,
     plan_cache,
     short_rows_fill_better,
     sm_count,
@@ -52,71 +53,81 @@ from ._common import (
 from ._tl import cast, load_tile, load_vec, mma
 from .reductions import STATS_COMBINE_CONFIG, chan_merge, stats_combine_launch
 
-# Tensor-core configs (fp16, bf16), by role (index): 0, 1 and 2 for large C with Co >= 256,
-# >= 128 and 64 (wgmma-sized: m64 per warpgroup, N 256 / 128 / 64); 3 mid (64-channel units
-# with few pixels); 4 and 5 narrow (32 and 16-channel units: N = Co, K = C = one channel
-# block a tap, so scale and shift load once, ONE_CB); 6 narrow with 16 input channels
-# (Co <= 32, C <= 16: K 16, no padded half K-step). sm_90 / sm_80 SASS (fusedres.perfmodel,
-# CIFAR batch 128, fp16, H100 / A100): 16@32 128x16x16 3 stages 13.3 / 20.6 us, shared-bound;
-# ONE_CB 11.5 / 16.4; 256x16x16 2 stages 9.5 / 14.1 (1 stage 7.8 / 11.9, but then no load
-# runs ahead of its K-step, a latency the model does not charge). 32@16 128x32x16 7.6 / 13.6;
-# 128x32x32 (ONE_CB) 6.8 / 10.3; 64x32x32 on 2 warps (twice the blocks, each warp its own
-# 32 rows) 6.6 / 9.3 (4 warps 7.3 / 10.7). Read from the sm_90 SASS (JIT specialisation,
-# C = Co = 256, 14x14), instructions a warp per K-step and issue / tensor-core cycles a
-# block: 216 at 64x256x64 (0.84), 186 at
-# 128x128x32 (1.45), 185 at 128x64x32 (2.9; 200 and 3.1 before the loop was flattened). The
-# BatchNorm-ReLU of the A tile costs the same per K-step whatever BLOCK_N: wide tiles are
-# what make the loop tensor-bound. 128x256x64 and 128x128x64 (0.69, 1.3) spill in the
-# unspecialised compile kernels/aot.py checks (255 registers + 1.2 KB / 100 B), 64x128x64 with
-# 4 warps too. The first three run only on aligned operands (``ALIGNED``: vector loads;
-# scalar gathers at these sizes spill), where the others are the fallback. float64 runs on
-# smaller tiles (FMA / DMMA, twice the registers per accumulator).
-CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3, ALIGNED=1),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
-    KernelConfig.of(BLOCK_M=256, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3, ALIGNED=1),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4, BSCALE_AT=1),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2),
-    KernelConfig.of(BLOCK_M=256, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2, BSCALE_AT=1),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=2, num_stages=2, BSCALE_AT=1),
-]
-# 7 and 8: few pixels with C >= 64 on aligned operands (CIFAR 64@8, batch 128: 8192 rows), K
-# 64 (C = 64: one channel block, ONE_CB, 9 K-steps), 2 stages; 8 is 7 half as tall, picked
-# where it quantises onto the SMs better (``short_rows_fill_better``). fusedres.perfmodel,
-# fp16, A100 / H100 (MODELED): 3 (64x64x32, 4 stages) 12.4 / 5.9 us, shared-bound; 7 10.1 /
-# 4.9; 8 9.0 / 5.8 (3 stages 9.2 / 5.9; 4 warps 10.4 / 6.5); 64x32x64 11.8 / 7.0.
-# float32 with TF32, by role: 0 many pixels, 1 mid, 2 narrow (Co <= 32), 3 wide (Co >= 128,
-# many pixels). sm_90 SASS (fusedres.perfmodel, H100, batch 256): 64@56 128x64x16 540 us
-# modeled, 128x64x32 481; 256@14 on 128x64 tiles 505 us (shared-bound: the activation tile
-# staged once per 64 columns), 128x128x16 274; CIFAR 64@8 (batch 128) on 64x64x32, 8 warps
-# 9.4 us, 4 warps 7.7.
-FP32_CONFIGS = [
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=2, num_stages=2),
-]
-# 4: 1 half as tall, where it quantises onto the SMs better (``short_rows_fill_better``): CIFAR
-# 64@8 on the A100 (MODELED) 18.2 -> 15.5 us.
-# float32 without TF32 (``ieee`` products: FMA), same roles (3 is 0's tile: an FMA tile of
-# 128x128 would hold 64 accumulators a thread). 64x64x32 with 3 stages spills there (sm_80, a
-# CIFAR 64-channel 3x3 unit at 8x8: ptxas holds it to 80 registers, 8 bytes spilled); 2 stages:
-# 80 / 116 registers on sm_80 / sm_90, none. The narrow tile reads 8 channels a K-step: at 16,
-# the forward with the genstats epilogue (what the models run) spilled 16 bytes on sm_90 (128
-# registers; 8 warps: 8 bytes), unseen until kernels/aot.py compiled that variant.
-IEEE_CONFIGS = [
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=8, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=3),
-]
-FP64_CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=8, num_stages=3, BSCALE_AT=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3, BSCALE_AT=2),
-]
+# Configs by name: each entry's comment is the rule the host picks it by (``pick_config``) and
+# why the tile is shaped so. The dict order is the order ``configs_for`` gives the autotuner and
+# kernels/aot.py. The SASS and model figures behind each tile: kernels/TUNING.md, "Forward".
+# Tensor-core tiles (fp16, bf16) are wgmma-sized (m64 a warpgroup). The BatchNorm-ReLU of the A
+# tile costs the same per K-step whatever BLOCK_N, so wide tiles are what make the loop
+# tensor-bound. ``ALIGNED`` tiles run only on aligned operands (vector loads; scalar gathers at
+# these sizes spill); the others are the fallback. Wider tiles (128x256x64, 128x128x64, 64x128x64
+# on 4 warps) spill in the unspecialised compile kernels/aot.py checks.
+CONFIGS = named({
+    # Co > 128, C >= 64 with a full wave: the A-tile BatchNorm-ReLU amortised over 256 columns.
+    "big_n256": KernelConfig.of(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3,
+                                ALIGNED=1),
+    # Co >= 128, C >= 32 with a full wave of 128x128 tiles.
+    "wide_n128": KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8,
+                                 num_stages=3, ALIGNED=1),
+    # 64-channel units with many pixels (C >= 32, a full wave of 256x64 tiles).
+    "tall_n64": KernelConfig.of(BLOCK_M=256, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3,
+                                ALIGNED=1),
+    # The fallback: 64-channel units with few pixels, C < 64, and every unaligned operand.
+    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4,
+                           BSCALE_AT=1),
+    # Co <= 32 (N = Co, no padded columns); K = C = 32 is one channel block a tap (ONE_CB:
+    # scale and shift load once); 2 warps, twice the blocks, each warp its own 32 rows.
+    "narrow_n32": KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=2,
+                                  num_stages=2),
+    # Co <= 16: 256 rows tall, the per-row address work amortised over the 16 columns.
+    "narrow_n16": KernelConfig.of(BLOCK_M=256, BLOCK_N=16, BLOCK_K=16, num_warps=4,
+                                  num_stages=2),
+    # Co <= 32 with C <= 16: K 16, no padded half K-step.
+    "narrow_n32_k16": KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4,
+                                      num_stages=3),
+    # Few pixels with C >= 64, aligned (CIFAR 64@8): K 64, one channel block (ONE_CB), 2 stages.
+    "few_pixels_k64": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4,
+                                      num_stages=2, BSCALE_AT=1),
+    # few_pixels_k64 half as tall, where it ends the last wave sooner (short_rows_fill_better).
+    "few_pixels_k64_short": KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=2,
+                                            num_stages=2, BSCALE_AT=1),
+})
+# float32 with TF32 products.
+FP32_CONFIGS = named({
+    # Many pixels (M * Co >= 128 * 64 * 264, two waves of 128x64 tiles on 132 SMs).
+    "many_pixels": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8,
+                                   num_stages=3),
+    # The fallback; 4 warps, not 8 (CIFAR 64@8 modeled faster).
+    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    # Co <= 32: N = Co, no padded columns.
+    "narrow": KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    # Co >= 128 with a full wave: the activation tile staged once per 128 columns, not 64.
+    "wide": KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16, num_warps=8, num_stages=3),
+    # mid half as tall, where it ends the last wave sooner (short_rows_fill_better).
+    "mid_short": KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=2, num_stages=2),
+})
+# float32 without TF32 (``ieee`` products: FMA), the same rules; an FMA tile holds
+# BLOCK_M*BLOCK_N / threads accumulators a thread, so the tiles are smaller.
+IEEE_CONFIGS = named({
+    # Many pixels; K 16 keeps the broadcast operands in registers.
+    "many_pixels": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8,
+                                   num_stages=3),
+    # The fallback; 2 stages (3 spill on sm_80).
+    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
+    # Co <= 32; 8 channels a K-step (16 spilled with the genstats epilogue on sm_90).
+    "narrow": KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=8, num_warps=4, num_stages=2),
+    # Co >= 128 with a full wave: many_pixels' tile (128x128 would be 64 accumulators a thread).
+    "wide": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=3),
+})
+# float64 (FMA / DMMA, twice the registers an accumulator): smaller tiles; the branch scale in
+# the epilogue as a broadcast tile (BSCALE_AT=2: the other forms spill).
+FP64_CONFIGS = named({
+    # Many pixels (M >= 64 * 264, two waves of 64-row tiles on 132 SMs).
+    "many_pixels": KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=8,
+                                   num_stages=3, BSCALE_AT=2),
+    # Fewer pixels: smaller blocks, more of them to fill the SMs.
+    "few_pixels": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4,
+                                  num_stages=3, BSCALE_AT=2),
+})
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
 
 
@@ -339,6 +350,11 @@ def configs_for(dtype, interpret: bool | None = None) -> list[KernelConfig]:
     """The configs this kernel may launch with for operands of ``dtype`` (all compiled AOT): a
     torch dtype (float32: with or without TF32 as it runs now, see ``config_variant``) or a
     variant name ("fp32-ieee": float32 without TF32)."""
+    return list(named_configs(dtype, interpret).values())
+
+
+def named_configs(dtype, interpret: bool | None = None) -> dict[str, KernelConfig]:
+    """:func:`configs_for`'s configs by name (the rules ``pick_config`` picks them by)."""
     return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS, "fp32-ieee": IEEE_CONFIGS}.get(
         config_variant(dtype, interpret), CONFIGS)
 
@@ -346,7 +362,7 @@ def configs_for(dtype, interpret: bool | None = None) -> list[KernelConfig]:
 def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
                 interpret: bool | None = None, sms: int = 132,
                 aligned: bool = True) -> KernelConfig:
-    """Host rule (16-bit operands; see CONFIGS for the roles):
+    """Host rule (16-bit operands; the configs by name in CONFIGS):
 
     * Co <= 16 / <= 32: the narrow tiles (N = Co, no padded columns), whatever the pixels;
       for Co <= 32 with C <= 16 the one with K 16.
@@ -363,33 +379,34 @@ def pick_config(m: int, co: int, c: int, dtype: torch.dtype,
     if interpreting() if interpret is None else interpret:
         return INTERPRET_CONFIG
     if dtype == torch.float64:
-        return FP64_CONFIGS[0] if m >= 64 * 264 else FP64_CONFIGS[1]
-    configs = configs_for(dtype, interpret=False)
+        return FP64_CONFIGS["many_pixels" if m >= 64 * 264 else "few_pixels"]
+    configs = named_configs(dtype, interpret=False)
     if dtype == torch.float32:
         if co <= 32:
-            return configs[2]
+            return configs["narrow"]
         if co >= 128 and cdiv(m, 128) * cdiv(co, 128) >= sms:
-            return configs[3]
+            return configs["wide"]
         if m * co >= 128 * 64 * 264:
-            return configs[0]
-        if configs is FP32_CONFIGS and short_rows_fill_better(m, cdiv(co, 64), sms, 64, 32):
-            return configs[4]
-        return configs[1]
+            return configs["many_pixels"]
+        if "mid_short" in configs and short_rows_fill_better(m, cdiv(co, 64), sms, 64, 32):
+            return configs["mid_short"]
+        return configs["mid"]
     if co <= 16:
-        return configs[5]
+        return configs["narrow_n16"]
     if co <= 32:
-        return configs[6] if c <= 16 else configs[4]
+        return configs["narrow_n32_k16" if c <= 16 else "narrow_n32"]
     if not aligned:
-        return configs[3]
+        return configs["mid"]
     if co > 128 and c >= 64 and cdiv(m, 64) * cdiv(co, 256) >= sms:
-        return configs[0]
+        return configs["big_n256"]
     if co >= 128 and c >= 32 and cdiv(m, 128) * cdiv(co, 128) >= sms:
-        return configs[1]
+        return configs["wide_n128"]
     if c >= 32 and cdiv(m, 256) * cdiv(co, 64) >= sms:
-        return configs[2]
+        return configs["tall_n64"]
     if c >= 64:
-        return configs[8] if short_rows_fill_better(m, cdiv(co, 64), sms, 64, 32) else configs[7]
-    return configs[3]
+        short = short_rows_fill_better(m, cdiv(co, 64), sms, 64, 32)
+        return configs["few_pixels_k64_short" if short else "few_pixels_k64"]
+    return configs["mid"]
 
 
 class ForwardPlan:

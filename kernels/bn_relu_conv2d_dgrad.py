@@ -41,6 +41,7 @@ from ._common import (
     interp_bf16,
     interpreting,
     is_aligned,
+    named,
     plan_cache,
     short_rows_fill_better,
     sm_count,
@@ -50,61 +51,77 @@ from ._common import (
 from ._tl import cast, load_tile, mma
 from .reductions import ReducePlan
 
-# 16-bit operands, by role: 0 big (C >= 128), 1 wide (C >= 64), K 64 = four k16 steps a
-# K-step; 2 mid (64-channel units with few pixels); 3 and 4 narrow (32 and 16-channel units:
-# N = C, K 16). Read from the sm_90 SASS (JIT specialisation, C = Co = 256, 14x14),
-# instructions a warp per K-step and issue / tensor-core cycles a block: 113 at 64x128x64
-# (0.88), 135 at 128x64x64 (1.05); 76 + a tap's pipeline drain at 128x64x32 before the loop
-# was flattened. No 128x128 tile: the WRITE_DX epilogue (x tile, ReLU mask, xhat, sums, dx)
-# on top of its accumulator spills (128x128x64: 255 registers + 12 bytes). 0 and 1 run only
-# on aligned operands (``ALIGNED``, as the forward's). The 16-channel tile is 256 pixels tall:
-# issue-bound, the K-step's address and mask work is per row whatever the 16 columns (CIFAR
-# 16@32 batch 128 fp16, fusedres.perfmodel: 128x16x16 3 stages H100 / A100 10.0 / 15.7 us;
-# 256x16x16 2 stages 7.4 / 11.2).
-CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, ALIGNED=1),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, ALIGNED=1),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=256, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=2, num_stages=2),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2),
-]
-# 7: 32-channel units with Co >= 32 (K 32, the whole reduction a tap in one K-step at Co = 32;
-# 3's K 16 takes two), 2 warps, twice 3's blocks: CIFAR 32@16 batch 128, fp16, dx-writing
-# variant, A100 / H100 (MODELED) 9.2 / 5.7 -> 7.6 / 5.5 us (128x32x32 on 4 warps 8.2 / 5.0).
-# 5 and 6: few pixels with C and Co >= 64 on aligned operands (CIFAR 64@8, batch 128), as the
-# forward's 7 and 8: K 64, 2 stages; 6 where half-height tiles quantise onto the SMs better
-# (``short_rows_fill_better``). fusedres.perfmodel, fp16, the dz-storing variant, A100 / H100
-# (MODELED): 2 (64x64x32, 4 stages) 9.1 / 4.3 us; 5 8.8 / 3.9; 6 8.1 / 5.3.
-# float32 (TF32): 1 on 4 warps (CIFAR 64@8, dz-storing, A100 / H100, MODELED: 8 warps 17.6 /
-# 7.4 us, 4 warps 14.2 / 6.4); 3, 1 half as tall, as 16-bit's 6 (A100 14.0 us).
-FP32_CONFIGS = [
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=2, num_stages=2),
-]
-# float32 without TF32 (``ieee`` products: FMA), same roles. 128x64 at K 32 spills there (sm_80,
-# a 64 -> 16 channel 1x1 unit: 255 registers + 8 / 24 bytes, dx / dz epilogue); K 16: 121-124.
-IEEE_CONFIGS = [
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
-]
-# float64: K 8 for the big one. At 64x32x16 with 8 warps ptxas holds the WRITE_DX variant to
-# 80 registers and spills 8 bytes (sm_80, a 1x1 unit with a residual); K 8 takes 79, none.
-FP64_CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=8, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=3),
-]
+# Configs by name: each entry's comment is the rule the host picks it by (``pick_config``) and
+# why the tile is shaped so; the dict order is the order ``configs_for`` gives the autotuner and
+# kernels/aot.py. The SASS and model figures behind each tile: kernels/TUNING.md, "Data
+# gradient". No 128x128 tile: the WRITE_DX epilogue (x tile, ReLU mask, xhat, sums, dx) on top
+# of its accumulator spills. ``ALIGNED`` tiles run only on aligned operands, as the forward's.
+CONFIGS = named({
+    # C >= 128, Co >= 64 with a full wave: K 64 = four k16 steps a K-step.
+    "big_n128": KernelConfig.of(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3,
+                                ALIGNED=1),
+    # C >= 64, Co >= 64 with a full wave of 128x64 tiles.
+    "wide_n64": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3,
+                                ALIGNED=1),
+    # The fallback: 64-channel units with few pixels, Co < 64, and every unaligned operand.
+    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+    # C <= 32 with Co < 32: N = C, K 16.
+    "narrow_n32": KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4,
+                                  num_stages=3),
+    # C <= 16: 256 pixels tall, the per-row address and mask work amortised over 16 columns.
+    "narrow_n16": KernelConfig.of(BLOCK_M=256, BLOCK_N=16, BLOCK_K=16, num_warps=4,
+                                  num_stages=2),
+    # Few pixels with C and Co >= 64, aligned (CIFAR 64@8), as the forward's: K 64, 2 stages.
+    "few_pixels_k64": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4,
+                                      num_stages=2),
+    # few_pixels_k64 half as tall, where it ends the last wave sooner (short_rows_fill_better).
+    "few_pixels_k64_short": KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=2,
+                                            num_stages=2),
+    # C <= 32 with Co >= 32: K 32, a tap's whole reduction in one K-step at Co = 32; 2 warps,
+    # twice narrow_n32's blocks.
+    "narrow_n32_k32": KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=32, num_warps=2,
+                                      num_stages=2),
+})
+# float32 with TF32 products.
+FP32_CONFIGS = named({
+    # Many pixels (M * C >= 128 * 64 * 264, two waves of 128x64 tiles on 132 SMs).
+    "many_pixels": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8,
+                                   num_stages=2),
+    # The fallback, on 4 warps (CIFAR 64@8 modeled faster than 8).
+    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2),
+    # C <= 32: N = C, no padded columns.
+    "narrow": KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    # mid half as tall, where it ends the last wave sooner (short_rows_fill_better).
+    "mid_short": KernelConfig.of(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=2, num_stages=2),
+})
+# float32 without TF32 (``ieee`` products: FMA), the same rules.
+IEEE_CONFIGS = named({
+    # Many pixels; K 16 (128x64 at K 32 spills here: 255 registers).
+    "many_pixels": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8,
+                                   num_stages=2),
+    # The fallback.
+    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2),
+    # C <= 32: N = C, no padded columns.
+    "narrow": KernelConfig.of(BLOCK_M=128, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+})
+# float64.
+FP64_CONFIGS = named({
+    # Many pixels (M >= 64 * 264); K 8 (K 16 on 8 warps spills the WRITE_DX variant on sm_80).
+    "many_pixels": KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=8, num_warps=8,
+                                   num_stages=3),
+    # Fewer pixels: smaller blocks, more of them to fill the SMs.
+    "few_pixels": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4,
+                                  num_stages=3),
+})
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
 
-DX_CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_C=32, num_warps=4, num_stages=1),
-    KernelConfig.of(BLOCK_M=256, BLOCK_C=8, num_warps=4, num_stages=1),
-]
+# dx_kernel (dz -> dx in place, elementwise): tiles along the contiguous axis.
+DX_CONFIGS = named({
+    # channels_last: 32 channels contiguous a row, 64 pixels.
+    "channels_last": KernelConfig.of(BLOCK_M=64, BLOCK_C=32, num_warps=4, num_stages=1),
+    # NCHW: pixels contiguous, so 256 pixels by 8 channels.
+    "nchw": KernelConfig.of(BLOCK_M=256, BLOCK_C=8, num_warps=4, num_stages=1),
+})
 DX_INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=128, BLOCK_C=32, num_warps=4, num_stages=1)
 
 
@@ -276,19 +293,24 @@ def dx_kernel(
 
 def configs_for(dtype, interpret: bool | None = None) -> list[KernelConfig]:
     """As the forward's ``configs_for``."""
+    return list(named_configs(dtype, interpret).values())
+
+
+def named_configs(dtype, interpret: bool | None = None) -> dict[str, KernelConfig]:
+    """:func:`configs_for`'s configs by name (the rules ``pick_config`` picks them by)."""
     return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS, "fp32-ieee": IEEE_CONFIGS}.get(
         config_variant(dtype, interpret), CONFIGS)
 
 
 def dx_configs_for(dtype) -> list[KernelConfig]:
-    return DX_CONFIGS
+    return list(DX_CONFIGS.values())
 
 
 def pick_config(m: int, c: int, co: int, dtype: torch.dtype,
                 interpret: bool | None = None, sms: int = 132,
                 aligned: bool = True) -> KernelConfig:
-    """Host rule (16-bit operands; see CONFIGS): C <= 16 / <= 32 the narrow tiles (for C <= 32
-    with Co >= 32 the one with K 32); aligned
+    """Host rule (16-bit operands; the configs by name in CONFIGS): C <= 16 / <= 32 the
+    narrow tiles (for C <= 32 with Co >= 32 the one with K 32); aligned
     operands with Co >= 64 and C >= 128 / >= 64 the big / wide tile when it gives a full wave
     on ``sms`` SMs, else the 64x64x64 tile or its 32-row half where that ends the grid's last
     wave sooner (``short_rows_fill_better``); otherwise 64x64x32. float32 and float64 keep
@@ -296,27 +318,28 @@ def pick_config(m: int, c: int, co: int, dtype: torch.dtype,
     if interpreting() if interpret is None else interpret:
         return INTERPRET_CONFIG
     if dtype == torch.float64:
-        return FP64_CONFIGS[0] if m >= 64 * 264 else FP64_CONFIGS[1]
-    configs = configs_for(dtype, interpret=False)
+        return FP64_CONFIGS["many_pixels" if m >= 64 * 264 else "few_pixels"]
+    configs = named_configs(dtype, interpret=False)
     if dtype == torch.float32:
         if c <= 32:
-            return configs[2]
+            return configs["narrow"]
         if m * c >= 128 * 64 * 264:
-            return configs[0]
-        if configs is FP32_CONFIGS and short_rows_fill_better(m, cdiv(c, 64), sms, 64, 32):
-            return configs[3]
-        return configs[1]
+            return configs["many_pixels"]
+        if "mid_short" in configs and short_rows_fill_better(m, cdiv(c, 64), sms, 64, 32):
+            return configs["mid_short"]
+        return configs["mid"]
     if c <= 16:
-        return configs[4]
+        return configs["narrow_n16"]
     if c <= 32:
-        return configs[7] if co >= 32 else configs[3]
+        return configs["narrow_n32_k32" if co >= 32 else "narrow_n32"]
     if aligned and co >= 64:
         if c >= 128 and cdiv(m, 64) * cdiv(c, 128) >= sms:
-            return configs[0]
+            return configs["big_n128"]
         if cdiv(m, 128) * cdiv(c, 64) >= sms:
-            return configs[1]
-        return configs[6] if short_rows_fill_better(m, cdiv(c, 64), sms, 64, 32) else configs[5]
-    return configs[2]
+            return configs["wide_n64"]
+        short = short_rows_fill_better(m, cdiv(c, 64), sms, 64, 32)
+        return configs["few_pixels_k64_short" if short else "few_pixels_k64"]
+    return configs["mid"]
 
 
 def phase_taps(pa: int, pad: int, dil: int, stride: int, k: int) -> tuple[int, int, int]:
@@ -332,7 +355,7 @@ def pick_dx_config(x: torch.Tensor) -> KernelConfig:
     if interpreting():
         return DX_INTERPRET_CONFIG
     cl = x.is_contiguous(memory_format=torch.channels_last)
-    return DX_CONFIGS[0] if cl else DX_CONFIGS[1]
+    return DX_CONFIGS["channels_last" if cl else "nchw"]
 
 
 class DgradPlan:

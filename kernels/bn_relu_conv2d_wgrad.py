@@ -52,6 +52,7 @@ from ._common import (
     dummy,
     interp_bf16,
     interpreting,
+    named,
     plan_cache,
     sm_count,
     tf32_allowed,
@@ -60,88 +61,127 @@ from ._tl import cast, mma, relu_window
 from .bn_relu_conv2d import bn_relu_tile
 from .reductions import ReducePlan
 
-# Roles by index: 0 mid, 1 big (Co >= 128, C >= 64), 2 small (<= 32 channels); the last two,
-# in every list, the taps form's (``use_taps``: unit stride, no bias, <= 32 channels each side):
-# "taps" (<= 16 channels) and "taps wide". M is Co, N is
-# C, K the output pixels. 16-bit: wgmma-sized (M 64 a warpgroup), 3-4 stages. sm_90 SASS (JIT
-# specialisation) at C = Co = 256, 14x14, instructions a warp per K-step and issue /
-# tensor-core cycles a block: 297 at 128x128x32 (2.3; was 278 at 128x64x32, 4.3). Still
-# issue-bound: each K-step splits its pixel indices into (n, oh, ow) with integer division,
-# for both operand tiles. Wider tiles (64x128 with 4 warps, K 64) spill in the unspecialised
-# compile (kernels/aot.py). The big tile takes K 64 in 2 stages: per K-step that index work
-# is paid once for twice the MMAs (fusedres.perfmodel, "store" plan, fp16, H100, MODELED:
-# C = Co = 512 at 7x7 wgrad 126 -> 102 us, 256 at 14x14 112 -> 89, 128 at 28x28 112 -> 88,
-# still issue-bound but less; K 64 in 3 stages 108 / 94 / 93; the A100's tensor-bound, within
-# 1%). float32's big tile is 128x128 for the same reason (its K 32 a K-step, 2 stages: H100
-# 291 -> 200 / 279 -> 184 / 286 -> 184 us; 3 stages 191).
-CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
-]
-FP32_CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_T=4, num_warps=4, num_stages=2),
-]
-# float32 without TF32 (``ieee`` products: FMA, no tensor cores), same roles. An FMA tile keeps
-# BLOCK_M*BLOCK_N / threads accumulators and, per K-step, the broadcast operand rows of its
-# fragment in registers: the TF32 tiles spill here (JIT specialisation, kernels/aot.py: 32x32x64
-# w4 s3 255 registers + 280-564 bytes, 128x64x32 w8 s3 4-5 KB). K 16 and 2 stages: 16, 32 and
-# 8 accumulators a thread, 128 / ~210 / ~115 registers on sm_80 and sm_90, no spills.
-IEEE_CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
-]
-FP64_CONFIGS = [
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
-]
-# The SUMS variant carries two accumulators: 8 warps (two warpgroups) for the wide ones.
-# Each x element it loads is recomputed (mask, m * x) once and used by BLOCK_M output
-# channels: the wide tile is tall (128 output channels x 64 input), not wide. sm_90 SASS at C =
-# Co = 256, 14x14, fp16 (fusedres.perfmodel): 64x128x32 419 instructions a K-step, issue-bound
-# (485 us modeled); the 16-bit window operands 315 (367 us); 128x64x32 190, 224 us (tensor time
-# 201 us; 256x64 and 128x128 reach it but at 255 registers). The mid tile (64 x 64) runs 4
-# warps: with 8, sm_80's mma.sync layout repeats each product on two warps (64@56: 32 HMMA a
-# warp a K-step where 16 would do; 1342 -> 686 us modeled on the A100, H100 346 -> 308). A
-# fourth role, 16-channel units (Co and C <= 16): 16x16 tiles, no padded rows or columns in
-# either GEMM (CIFAR 16@32 batch 128, H100: 41.5 -> 24.8 us fp16, 79.5 -> 46.0 us fp32).
-SUMS_CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
-    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
-]
-# float32, tall for the same reason (C = Co = 256 at 14x14, TF32: 64x128 495 us modeled,
-# issue-bound; 128x64 404 us, tensor-bound); its 64 x 64 tile on 4 warps too (64@56, TF32:
-# A100 2683 -> 1368 us modeled, H100 564 -> 405).
-SUMS_FP32_CONFIGS = [
-    KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_T=4, num_warps=4, num_stages=2),
-]
-# Its per-tap tiles are spill-free with ieee products too (kernels/aot.py); the taps form's
-# K 64 is not (sm_80 / sm_90: 255 registers + 516-560 bytes): the ieee lists' K 16.
-SUMS_IEEE_CONFIGS = SUMS_FP32_CONFIGS[:-2] + IEEE_CONFIGS[-2:]
-SUMS_FP64_CONFIGS = [
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
-    KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4, num_stages=2),
-]
+# Configs by name, in every list: the per-tap tiles "mid", "big", "small" (and the SUMS lists'
+# "tiny"), then the taps form's "taps" and "taps_wide" (``use_taps``: unit stride, no bias,
+# <= 32 channels each side). Each entry's comment is the rule the host picks it by
+# (``pick_config``) and why the tile is shaped so; the dict order is the order ``configs_for``
+# gives the autotuner and kernels/aot.py. The SASS and model figures behind each tile:
+# kernels/TUNING.md, "Weight gradient". M is Co, N is C, K the output pixels. Each K-step
+# splits its pixel indices into (n, oh, ow) for both operand tiles: the loop is issue-bound, so
+# the big tiles take a long K (that index work paid once for more MMAs). 16-bit tiles are
+# wgmma-sized (M 64 a warpgroup); wider ones (64x128 on 4 warps, K 64) spill in the
+# unspecialised compile (kernels/aot.py).
+CONFIGS = named({
+    # The fallback: more than 32 channels each side, not both wide.
+    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+    # Co >= 128 and C >= 64: K 64 in 2 stages, the index work amortised over twice the MMAs.
+    "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2),
+    # <= 32 channels on either side: no padded rows or columns past 32.
+    "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2),
+    # Taps form, <= 16 channels each side: GEMM rows (tap, co), 4 taps x 16 = a wgmma m64.
+    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
+                            num_stages=2),
+    # Taps form, up to 32 output channels: 4 taps x 32 rows.
+    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
+                                 num_stages=2),
+})
+# float32 with TF32 products: the same rules.
+FP32_CONFIGS = named({
+    # The fallback.
+    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+    # Co >= 128 and C >= 64: 128x128 for the same reason as 16-bit's big, K 32 in 2 stages.
+    "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=2),
+    # <= 32 channels on either side.
+    "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+    # Taps form, <= 16 channels each side.
+    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
+                            num_stages=2),
+    # Taps form, up to 32 output channels.
+    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_T=4, num_warps=4,
+                                 num_stages=2),
+})
+# float32 without TF32 (``ieee`` products: FMA, no tensor cores), the same rules. An FMA tile
+# keeps BLOCK_M*BLOCK_N / threads accumulators and, per K-step, the broadcast operand rows of
+# its fragment in registers: the TF32 tiles spill here. K 16 and 2 stages: none spill.
+IEEE_CONFIGS = named({
+    # The fallback: 16 accumulators a thread.
+    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+    # Co >= 128 and C >= 64: 32 accumulators a thread.
+    "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+    # <= 32 channels on either side: 8 accumulators a thread.
+    "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    # Taps form, <= 16 channels each side.
+    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
+                            num_stages=2),
+    # Taps form, up to 32 output channels.
+    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
+                                 num_stages=2),
+})
+# float64: one per-tap tile for every shape.
+FP64_CONFIGS = named({
+    # Every per-tap launch.
+    "mid": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
+    # Taps form, <= 16 channels each side.
+    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
+                            num_stages=2),
+    # Taps form, up to 32 output channels.
+    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
+                                 num_stages=2),
+})
+# The SUMS variant carries two accumulators: 8 warps (two warpgroups) for the wide ones. Each x
+# element it loads is recomputed (mask, m * x) once and used by BLOCK_M output channels: the
+# wide tile is tall (128 output channels x 64 input), not wide.
+SUMS_CONFIGS = named({
+    # The fallback, on 4 warps: with 8, sm_80's mma.sync layout repeats each product on two.
+    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+    # Co >= 128 and C >= 64: tall, 128 output channels x 64 input.
+    "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+    # <= 32 channels on either side.
+    "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+    # <= 16 channels each side: 16x16, no padded rows or columns in either GEMM.
+    "tiny": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+    # Taps form, <= 16 channels each side.
+    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
+                            num_stages=2),
+    # Taps form, up to 32 output channels.
+    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
+                                 num_stages=2),
+})
+# float32 (TF32), tall for the same reason.
+SUMS_FP32_CONFIGS = named({
+    # The fallback, on 4 warps as 16-bit's.
+    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=2),
+    # Co >= 128 and C >= 64: tall (64x128 is issue-bound, 128x64 tensor-bound).
+    "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+    # <= 32 channels on either side.
+    "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
+    # <= 16 channels each side: no padded rows or columns.
+    "tiny": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),
+    # Taps form, <= 16 channels each side.
+    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
+                            num_stages=2),
+    # Taps form, up to 32 output channels.
+    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_T=4, num_warps=4,
+                                 num_stages=2),
+})
+# float32 without TF32: the TF32 per-tap tiles are spill-free with ieee products too; the taps
+# form's K 64 is not (255 registers + spills): the ieee lists' K 16 taps tiles.
+SUMS_IEEE_CONFIGS = named({
+    **{name: SUMS_FP32_CONFIGS[name] for name in ("mid", "big", "small", "tiny")},
+    "taps": IEEE_CONFIGS["taps"],  # Taps form, <= 16 channels each side, K 16.
+    "taps_wide": IEEE_CONFIGS["taps_wide"],  # Taps form, up to 32 output channels, K 16.
+})
+# float64: one per-tap tile for every shape.
+SUMS_FP64_CONFIGS = named({
+    # Every per-tap launch.
+    "mid": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    # Taps form, <= 16 channels each side.
+    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
+                            num_stages=2),
+    # Taps form, up to 32 output channels.
+    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
+                                 num_stages=2),
+})
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1)
 INTERPRET_TAPS_CONFIG = KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, BLOCK_T=16,
                                         num_warps=4, num_stages=1)
@@ -149,13 +189,8 @@ INTERPRET_TAPS_CONFIG = KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, BLOC
 # MMA: the program computes BLOCK_T taps (GEMM rows (tap, co): M = BLOCK_T * BLOCK_M, a
 # wgmma m64 at 4 x 16), the x-side operands (mask, m * x) once per pixel tile for all of
 # them, and gathers dy per tap. 3x3 taps in groups of 4 (4, 4, 1): 25% padded rows; 16 (one
-# group) pads 44% and needs ~3x the split to fill the SMs (more partials to reduce). sm_90 /
-# sm_80 SASS, fusedres.perfmodel, CIFAR 16@32 batch 128 fp16, wgrad_sums H100 / A100: per-tap
-# 16x16x128 24.8 / 36.9 us; taps 16x16x64 T=4 10.0 / 16.5 us (T=16: 8.1 / 14.9, but split
-# 128 / 108 against 44 / 36: a partials' reduce of 8.9 / 9.7 us instead of 5.1 / 5.5, before
-# it summed 16 splits a step). 32@16: per-tap 32x32x64 12.9 / 18.2;
-# taps wide 32x16x64 T=4 7.7 / 12.7. 64 channels: the per-tap tiles are faster (64@8 wgrad
-# H100 5.4 us per-tap, 6.5 taps).
+# group) pads 44% and needs ~3x the split to fill the SMs (more partials to reduce). At 64
+# channels the per-tap tiles are faster (modeled; kernels/TUNING.md, "Weight gradient").
 TAPS_MAX_CHANNELS = 32
 
 
@@ -493,6 +528,12 @@ def configs_for(dtype, sums: bool = False, interpret: bool | None = None) -> lis
     """The configs of the plain (``sums``: SUMS) variant for operands of ``dtype``, a torch
     dtype (float32: with or without TF32 as it runs now, see ``config_variant``) or a variant
     name ("fp32-ieee": float32 without TF32)."""
+    return list(named_configs(dtype, sums, interpret).values())
+
+
+def named_configs(dtype, sums: bool = False,
+                  interpret: bool | None = None) -> dict[str, KernelConfig]:
+    """:func:`configs_for`'s configs by name (the rules ``pick_config`` picks them by)."""
     name = config_variant(dtype, interpret)
     if sums:
         return {"fp64": SUMS_FP64_CONFIGS, "fp32": SUMS_FP32_CONFIGS,
@@ -507,24 +548,24 @@ def sums_configs_for(dtype, interpret: bool | None = None) -> list[KernelConfig]
 
 def pick_config(co: int, c: int, dtype: torch.dtype, interpret: bool | None = None,
                 sums: bool = False, taps: bool = False) -> KernelConfig:
-    """Roles by index in every list: 0 mid, 1 big (wide channels), 2 small (<= 32 channels);
-    the SUMS lists (but float64's) also 3, tiny (16 channels or fewer each side). ``taps``
-    (``use_taps``): the taps form's configs, the last two of each list (<= 16 channels each
-    side, else the wide one)."""
+    """The configs by name in every list: "mid", "big" (wide channels), "small" (<= 32
+    channels); the SUMS lists (but float64's) also "tiny" (16 channels or fewer each side).
+    ``taps`` (``use_taps``): the taps form's "taps" (<= 16 channels each side), else
+    "taps_wide"."""
     if interpreting() if interpret is None else interpret:
         return INTERPRET_TAPS_CONFIG if taps else INTERPRET_CONFIG
-    configs = configs_for(dtype, sums, interpret=False)
+    configs = named_configs(dtype, sums, interpret=False)
     if taps:
-        return configs[-2] if co <= 16 and c <= 16 else configs[-1]
+        return configs["taps" if co <= 16 and c <= 16 else "taps_wide"]
     if dtype == torch.float64:
-        return configs[0]
+        return configs["mid"]
     if co >= 128 and c >= 64:
-        return configs[1]
+        return configs["big"]
     if sums and co <= 16 and c <= 16:
-        return configs[3]
+        return configs["tiny"]
     if co <= 32 or c <= 32:
-        return configs[2]
-    return configs[0]
+        return configs["small"]
+    return configs["mid"]
 
 
 def use_taps(co: int, c: int, kh: int, kw: int, stride, want_bias: bool) -> bool:

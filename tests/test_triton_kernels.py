@@ -214,19 +214,22 @@ def test_fp32_configs_follow_tf32(monkeypatch):
     assert config_variant("fp32-ieee") == "fp32-ieee"
     with pytest.raises(ValueError, match="dtype"):
         config_variant("fp8")
-    roles = [(64, 64), (256, 256), (32, 256)]  # mid, big, small
-    assert [wg.pick_config(co, c, torch.float32, interpret=False) for co, c in roles] == \
-        wg.FP32_CONFIGS[:3]
+    roles = {"mid": (64, 64), "big": (256, 256), "small": (32, 256)}
+    tiles = wg.FP32_CONFIGS
+    assert {name: wg.pick_config(co, c, torch.float32, interpret=False)
+            for name, (co, c) in roles.items()} == {name: tiles[name] for name in roles}
     assert [wg.pick_config(co, c, torch.float32, interpret=False, taps=True)
-            for co, c in [(16, 16), (32, 16)]] == wg.FP32_CONFIGS[3:]
-    assert wg.configs_for(torch.float32, interpret=False) == wg.FP32_CONFIGS
+            for co, c in [(16, 16), (32, 16)]] == [tiles["taps"], tiles["taps_wide"]]
+    assert wg.configs_for(torch.float32, interpret=False) == list(tiles.values())
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    assert [wg.pick_config(co, c, torch.float32, interpret=False) for co, c in roles] == \
-        wg.IEEE_CONFIGS[:3]
-    assert wg.configs_for(torch.float32, interpret=False) == wg.IEEE_CONFIGS
-    assert not set(wg.IEEE_CONFIGS) & set(wg.FP32_CONFIGS)
-    assert fwd.pick_config(64, 64, 64, torch.float32, interpret=False) == fwd.IEEE_CONFIGS[1]
-    assert dg.pick_config(10**6, 64, 16, torch.float32, interpret=False) == dg.IEEE_CONFIGS[0]
+    ieee = wg.IEEE_CONFIGS
+    assert {name: wg.pick_config(co, c, torch.float32, interpret=False)
+            for name, (co, c) in roles.items()} == {name: ieee[name] for name in roles}
+    assert wg.configs_for(torch.float32, interpret=False) == list(ieee.values())
+    assert not set(ieee.values()) & set(tiles.values())
+    assert fwd.pick_config(64, 64, 64, torch.float32, interpret=False) == fwd.IEEE_CONFIGS["mid"]
+    assert dg.pick_config(10**6, 64, 16, torch.float32,
+                          interpret=False) == dg.IEEE_CONFIGS["many_pixels"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -1130,8 +1133,8 @@ def test_wgrad_taps_form_matches_per_tap_form(dtype, sums):
                           True)
         kw = dict(want_bias=False, bn_affine=(gamma, beta) if sums else None, mean=mean,
                   invstd=invstd, split=split, branch_scale=bsc)
-        configs = wg.configs_for(dtype, sums)
-        for cfg in (None, configs[-2], configs[-1], configs[0]):  # taps, taps wide, per tap
+        tiles = wg.named_configs(dtype, sums)
+        for cfg in (None, tiles["taps"], tiles["taps_wide"], tiles["mid"]):
             out = torch.empty_like(wt) if split == 1 else None  # unsplit: written in place
             gw, gb, s = wg.bn_relu_conv2d_wgrad(dy, x, wt, scale, shift, (1, 1), padding,
                                                 dilation, config=cfg, out=out, **kw)
