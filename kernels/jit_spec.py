@@ -180,7 +180,8 @@ def _config_of(fn, params: dict, options) -> KernelConfig:
     module = sys.modules.get(fn.__module__)
     found = []
     for value in vars(module).values() if module else ():
-        cands = value if isinstance(value, (list, tuple)) else [value]
+        cands = (list(value.values()) if isinstance(value, dict)  # a named config table
+                 else value if isinstance(value, (list, tuple)) else [value])
         for cfg in cands:
             if (isinstance(cfg, KernelConfig) and cfg.num_warps == options.num_warps
                     and cfg.num_stages == options.num_stages
