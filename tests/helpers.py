@@ -166,3 +166,48 @@ def assert_autocast_close(names, y, grads, y_ref, grads_ref) -> None:
         assert g.dtype == g_ref.dtype, name
         scale = g_ref.abs().max().item()
         torch.testing.assert_close(g, g_ref, atol=3e-2 * scale, rtol=5e-2, msg=name)
+
+
+# The start of a subprocess script that traces fused code under torch.compile for a GPU that is
+# not there (TRITON_INTERPRET=0, an sm_80 target for Inductor's mutation analysis, the traced
+# "cpu" units routed through the triton_ops, triton counted as runnable and preferred by
+# auto), with ``capture(kind)``: an aot_autograd compiler that keeps the forward ("fw") or
+# backward ("bw") graph in ``graphs`` and stops the run (nothing runs: the graphs are the
+# result). tests/test_triton_kernels.py and tests/test_train_compile.py append their bodies.
+TRITON_TRACE_PRELUDE = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import torch
+import torch._functorch.config as fconfig
+import triton
+from torch._dynamo.backends.common import aot_autograd
+from triton.backends.compiler import GPUTarget
+
+import fusedres
+from fusedres.backends import triton as triton_backend
+
+
+class Sm80:  # the target Inductor's mutation analysis lowers the kernels for (nothing runs)
+    def get_current_target(self):
+        return GPUTarget("cuda", 80, 32)
+
+
+triton.runtime.driver.set_active(Sm80())
+# What a GPU's tensors select, for CPU tensors: traced "cpu" units go through the triton_ops,
+# triton counts as runnable (nothing runs), and auto prefers it.
+fusedres.route._TRACED_DEVICE_TYPE = "cpu"
+triton_backend.unavailable_reason = lambda device: None
+fusedres._backend.AUTO_ORDER["cpu"] = ("triton", "cpu", "portable")
+fconfig.force_non_lazy_backward_lowering = True  # trace the backward graph now
+graphs = {"fw": [], "bw": []}
+
+
+def capture(kind):
+    def compiler(gm, example_inputs):
+        graphs[kind].append(gm)
+
+        def stop(*args):
+            raise RuntimeError("captured")  # no GPU here: the graphs are what we want
+        return stop
+    return compiler
+"""

@@ -23,6 +23,7 @@ import fusedres
 from fusedres import models
 from fusedres.train.loop import _param_groups
 from fusedres.train.step import TrainStep, lr_tensor, sgd
+from helpers import TRITON_TRACE_PRELUDE
 
 BACKENDS = [b for b in ("cpu", "portable") if b in fusedres.available_backends("cpu")]
 _CFG = {"weight_decay": 1e-4, "bn_weight_decay": False, "bias_weight_decay": False}
@@ -132,44 +133,10 @@ def test_zoo_models_compile_whole(model_name):
 
 # --------------------------------------------------------------------------- the triton backend
 
-_TRACE_TRITON = r"""
-import os, sys
-os.environ["TRITON_INTERPRET"] = "0"
-import torch
-import torch._functorch.config as fconfig
+_TRACE_TRITON = TRITON_TRACE_PRELUDE + r"""
 import torch.nn.functional as F
-import triton
-from torch._dynamo.backends.common import aot_autograd
-from triton.backends.compiler import GPUTarget
 
-import fusedres
 from fusedres import models
-from fusedres.backends import triton as triton_backend
-
-
-class Sm80:  # the target Inductor's mutation analysis lowers the kernels for (nothing runs)
-    def get_current_target(self):
-        return GPUTarget("cuda", 80, 32)
-
-
-triton.runtime.driver.set_active(Sm80())
-# What a GPU's tensors select, for CPU tensors (as tests/test_triton_kernels.py sets it up).
-fusedres.route._TRACED_DEVICE_TYPE = "cpu"
-triton_backend.unavailable_reason = lambda device: None
-fusedres._backend.AUTO_ORDER["cpu"] = ("triton", "cpu", "portable")
-fconfig.force_non_lazy_backward_lowering = True  # trace the backward graph now
-graphs = {"fw": [], "bw": []}
-
-
-def capture(kind):
-    def compiler(gm, example_inputs):
-        graphs[kind].append(gm)
-
-        def stop(*args):
-            raise RuntimeError("captured")  # no GPU here: the graphs are what we want
-        return stop
-    return compiler
-
 
 kw = eval(sys.argv[1])
 model = models.preact_resnet(num_classes=3, **kw)

@@ -18,6 +18,7 @@ from fusedres.kernels import bn_relu_conv2d as fwd  # noqa: E402
 from fusedres.kernels import bn_relu_conv2d_dgrad as dg  # noqa: E402
 from fusedres.kernels import bn_relu_conv2d_wgrad as wg  # noqa: E402
 from fusedres.kernels._common import KernelConfig  # noqa: E402
+from helpers import TRITON_TRACE_PRELUDE  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HALF = (torch.float16, torch.bfloat16)
@@ -587,34 +588,7 @@ def test_triton_ops_decompose_into_kernels_under_compile():
                                    "dgrad_kernel"]
 
 
-_CAPTURE_BLOCK = r"""
-import os
-os.environ["TRITON_INTERPRET"] = "0"
-import torch
-import torch._functorch.config as fconfig
-import triton
-from torch._dynamo.backends.common import aot_autograd
-from triton.backends.compiler import GPUTarget
-
-import fusedres
-from fusedres import functional as FR
-from fusedres.backends import triton as triton_backend
-
-
-class Sm80:  # the target Inductor's mutation analysis lowers the kernels for (nothing runs)
-    def get_current_target(self):
-        return GPUTarget("cuda", 80, 32)
-
-
-triton.runtime.driver.set_active(Sm80())
-# What a GPU's tensors select, for CPU tensors: traced "cpu" units go through the triton_ops,
-# triton counts as runnable (nothing runs), and auto prefers it.
-fusedres.route._TRACED_DEVICE_TYPE = "cpu"
-triton_backend.unavailable_reason = lambda device: None
-fusedres._backend.AUTO_ORDER["cpu"] = ("triton", "cpu", "portable")
-fconfig.force_non_lazy_backward_lowering = True  # trace the backward graph now
-graphs = {"fw": [], "bw": []}
-
+_CAPTURE_BLOCK = TRITON_TRACE_PRELUDE + r"""
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
 
@@ -622,16 +596,6 @@ def kernel_names(gs):  # the Triton kernels of the graphs, in graph order
     return [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
             for g in gs for n in g.graph.nodes
             if str(n.target) == "triton_kernel_wrapper_functional"]
-
-
-def capture(kind):
-    def compiler(gm, example_inputs):
-        graphs[kind].append(gm)
-
-        def stop(*args):
-            raise RuntimeError("captured")
-        return stop
-    return compiler
 
 
 block = fusedres.PreActBasicBlock(8, 16, stride=2)
