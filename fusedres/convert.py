@@ -51,7 +51,7 @@ from torch import Tensor
 from . import modules as _modules
 from .functional import BatchNormState
 from .opdefs import out_shape
-from .rewriters import Rewriter, is_fused, is_norm_act, rewriter_for
+from .rewriters import Rewriter, conv_problem, is_fused, is_norm_act, rewriter_for
 
 __all__ = ["ChainResult", "FuseReport", "fuse"]
 
@@ -216,19 +216,15 @@ def _describe(gm: fx.GraphModule, node: fx.Node) -> str:
 
 
 def _conv_problem(gm: fx.GraphModule, node: fx.Node, act: fx.Node) -> str | None:
-    """None when ``node`` is a Conv2d call the fused op can run on ``act``; else why not."""
+    """None when ``node`` is a Conv2d call the fused op can run on ``act``; else why not. The
+    module rules are the rewriters' (one place: a Conv2d subclass with its own forward, such as
+    timm's StdConv2d or Conv2dSame kept as a leaf, is refused on both paths)."""
     m = _module(gm, node)
     if not isinstance(m, nn.Conv2d):
         return f"the activation is also used by {_describe(gm, node)}, which is not a Conv2d"
     if len(node.args) != 1 or node.args[0] is not act or node.kwargs:
         return f"{node.target} is called with other arguments"
-    if m.groups != 1:
-        return f"{node.target} has groups={m.groups} (the fused op supports groups=1)"
-    if m.padding_mode != "zeros":
-        return f"{node.target} has padding_mode={m.padding_mode!r} (fused op: zeros)"
-    if isinstance(m.padding, str):
-        return f"{node.target} has padding={m.padding!r} (fused op: explicit padding)"
-    return None
+    return conv_problem(str(node.target), m)
 
 
 def _residual_add(node: fx.Node):

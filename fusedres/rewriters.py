@@ -205,7 +205,7 @@ def _bn_problem(name: str, bn: nn.Module, with_act: bool) -> str | None:
     return f"{name} is a {type(bn).__name__}, not an nn.BatchNorm2d"
 
 
-def _conv_problem(name: str, c: nn.Module) -> str | None:
+def conv_problem(name: str, c: nn.Module) -> str | None:
     """None when ``c`` is a convolution the fused op runs: an ``nn.Conv2d`` (its own forward,
     not a subclass with another: timm's StdConv2d, Conv2dSame), groups=1, explicit zero
     padding; else why not."""
@@ -341,7 +341,7 @@ def _timm_names(b: nn.Module) -> tuple[list[str], list[str]]:
 def _timm_block_reason(b: nn.Module) -> str | None:
     norms, convs = _timm_names(b)
     problems = [_bn_problem(n, getattr(b, n), True) for n in norms]
-    problems += [_conv_problem(c, getattr(b, c)) for c in convs]
+    problems += [conv_problem(c, getattr(b, c)) for c in convs]
     ds = b.downsample
     if ds is not None:
         kind = _class_path(ds)
@@ -353,7 +353,7 @@ def _timm_block_reason(b: nn.Module) -> str | None:
         elif not isinstance(ds.norm, nn.Identity):
             problems.append("downsample has a norm (not a pre-activation projection)")
         else:
-            problems.append(_conv_problem("downsample.conv", ds.conv))
+            problems.append(conv_problem("downsample.conv", ds.conv))
     dp = b.drop_path
     if not isinstance(dp, nn.Identity) and _class_path(dp) != "timm.layers.drop.DropPath":
         problems.append(f"drop_path is a {type(dp).__name__}, not timm's DropPath")
@@ -414,7 +414,7 @@ def _tv_block_reason(b: nn.Module) -> str | None:
     k = 3 if hasattr(b, "conv3") else 2
     problems = [_relu_problem("relu", b.relu)]
     problems += [_bn_problem(f"bn{i}", getattr(b, f"bn{i}"), False) for i in range(1, k)]
-    problems += [_conv_problem(f"conv{i}", getattr(b, f"conv{i}")) for i in range(2, k + 1)]
+    problems += [conv_problem(f"conv{i}", getattr(b, f"conv{i}")) for i in range(2, k + 1)]
     return _first(*problems)
 
 
@@ -466,8 +466,8 @@ register_rewriter(f"{_TV_RESNET}.Bottleneck", Rewriter(
 
 def _dense_reason(layer: nn.Module) -> str | None:
     return _first(_bn_problem("norm1", layer.norm1, False), _relu_problem("relu1", layer.relu1),
-                  _conv_problem("conv1", layer.conv1), _bn_problem("norm2", layer.norm2, False),
-                  _relu_problem("relu2", layer.relu2), _conv_problem("conv2", layer.conv2))
+                  conv_problem("conv1", layer.conv1), _bn_problem("norm2", layer.norm2, False),
+                  _relu_problem("relu2", layer.relu2), conv_problem("conv2", layer.conv2))
 
 
 def _dense_bn_function(self, inputs: Sequence[Tensor]) -> Tensor:
@@ -515,6 +515,6 @@ def _transition_forward(self, x: Tensor) -> Tensor:
 register_rewriter(f"{_TV_DENSENET}._Transition", Rewriter(
     "torchvision._Transition",
     lambda t: _first(_bn_problem("norm", t.norm, False), _relu_problem("relu", t.relu),
-                     _conv_problem("conv", t.conv)),
+                     conv_problem("conv", t.conv)),
     lambda t: [Chain("norm", ("conv",))],
     swap={"forward": _transition_forward}))

@@ -423,3 +423,33 @@ def test_float32_and_bfloat16_under_fuse():
     assert a.dtype == b.dtype
     torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
     fusedres.memory.saved_bytes(fused, x)
+
+
+class _QatChain(nn.Module):
+    """BN -> ReLU -> a QAT Conv2d: an nn.Conv2d subclass with its own forward (the weight goes
+    through fake quantisation), kept as one call by fx (torch.ao.nn modules are leaves)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.ao.nn.qat import Conv2d as QatConv2d
+        from torch.ao.quantization import get_default_qat_qconfig
+        self.bn = nn.BatchNorm2d(4)
+        self.conv = QatConv2d(4, 4, 3, padding=1, bias=False,
+                              qconfig=get_default_qat_qconfig("x86"))
+
+    def forward(self, x):
+        return self.conv(F.relu(self.bn(x)))
+
+
+def test_fx_path_refuses_a_conv2d_subclass_with_its_own_forward():
+    # The rewriters and the fx fallback share one rule: fusing the QAT conv would run its raw
+    # weight and drop the fake quantisation (outputs differ by a quantisation step).
+    torch.manual_seed(0)
+    model = _QatChain()
+    x = torch.randn(2, 4, 6, 6)
+    want = copy.deepcopy(model)(x)
+    fused, report = fuse(model, return_report=True)
+    assert report.found == 1 and report.fused == 0
+    (chain,) = report.left
+    assert chain.path == "bn" and "Conv2d, not an nn.Conv2d" in chain.reason, chain.reason
+    torch.testing.assert_close(fused(x), want, rtol=0, atol=0)
