@@ -648,3 +648,23 @@ def test_selftest_runs_the_cuda_backend(monkeypatch, capsys):
     rows = [line for line in out.splitlines() if line.startswith(("cuda ", "triton "))]
     assert rows and all(line.startswith("cuda ") and " pass " in line for line in rows), out
     assert "max rel err" in out and "FAIL" not in out
+
+
+@pytest.mark.parametrize("capability, ok", [((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_cuda_backend_reports_a_gpu_older_than_sm80_unavailable(monkeypatch, capability, ok):
+    # A machine with the kernels built and a visible GPU: the capability decides, before any
+    # launch (a Turing card has no sm_80 image to run).
+    from fusedres import _extension
+    from fusedres.backends import cuda as cuda_backend
+
+    monkeypatch.setattr(_extension, "LOADED", True)
+    monkeypatch.setattr(cuda_backend, "missing_ops", lambda key: [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    reason = cuda_backend.unavailable_reason(torch.device("cuda"))
+    if ok:
+        assert reason is None
+    else:
+        assert reason == ("the GPU (Tesla T4) has compute capability 7.5; "
+                          "the CUDA kernels need 8.0 or newer")

@@ -25,6 +25,10 @@ OPS = tuple(opdefs.SCHEMAS)
 # Read once, at import: availability is cached per device type (fusedres._backend).
 ON_CPU: bool = settings.get("FUSEDRES_CUDA_ON_CPU")
 
+# csrc/cuda is built for sm_80 and newer (bf16 mma.sync, cp.async, ldmatrix); an older GPU has
+# no image to load, so it is reported unavailable instead of failing at the first launch.
+MIN_CAPABILITY = (8, 0)
+
 
 def missing_ops(dispatch_key: str) -> list[str]:
     """The ``fusedres_cuda`` ops with no kernel for ``dispatch_key`` ("CUDA" or "CPU")."""
@@ -55,6 +59,11 @@ def unavailable_reason(device: torch.device) -> str | None:
         return f"fusedres._C has no CUDA kernel for {NAMESPACE}::{', '.join(missing)}"
     if not torch.cuda.is_available():
         return "fusedres._C has the CUDA kernels but no CUDA device is visible"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        have, need = (".".join(map(str, c)) for c in (capability, MIN_CAPABILITY))
+        return (f"the GPU ({torch.cuda.get_device_name(device)}) has compute capability {have}; "
+                f"the CUDA kernels need {need} or newer")
     return None
 
 
