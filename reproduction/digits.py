@@ -3,6 +3,13 @@
     python reproduction/digits.py run [--only orderings,shortcuts,...] [--jobs 2]
     python reproduction/digits.py report            # reproduction/RESULTS.md and the plots
 
+    python reproduction/digits.py recipes --seeds 0,1,2,3,4 [--only table2,li] [--runs DIR]
+    python reproduction/digits.py recipes --seeds 0,1 --smoke      # their digits versions
+
+``recipes`` trains the papers' CIFAR recipes (the shipped configs, one run per variant and seed,
+resumable as ``run``) and compares each paper's runs with ``fusedres compare`` (per variant the
+median over the seeds and the spread); ``--smoke`` runs the same commands on digits for a few
+iterations (what CI checks), and trainer options after ``--`` are added to every run.
 ``run`` trains every missing run (a run with a summary.json is done; an interrupted one resumes
 from its checkpoint) as ``python -m fusedres.train --config digits --out reproduction/runs/NAME
 --seed S --threads 1 ...``, then the lesion studies and loss landscapes; ``report`` reads the run
@@ -76,6 +83,71 @@ COMPARE = ("compare", [f"depth-{kind}-bn-{d}-s{s}" for d in (20, 56) for kind in
 ANALYSES = ("lesion", "landscape", "compare")
 LANDSCAPES = [("landscape", [run], ["--grid", "15", "--batches", "2"], f"landscape-{run}")
               for run in ("depth-res-bn-56-s0", "depth-plain-bn-56-s0")]
+
+
+# The papers' CIFAR recipes (fusedres/configs), by paper: run name -> (config, variant flags).
+# The seed loop of `recipes` trains each over --seeds; `fusedres compare` then groups each
+# paper's runs by variant (median over the seeds, min-max, interquartile range).
+RECIPES = {
+    "table2": {f"t2-{d}-{u}": ("he2016_cifar10_resnet110", ["--unit", u] + (
+        ["--model", "preact_resnet164"] if d == 164 else []))
+        for d in (110, 164) for u in ("original", "bn_after_add", "relu_before_add",
+                                       "relu_only_preact", "preact")},
+    "table1": {f"t1-{sc}": ("he2016_cifar10_shortcuts", flags[4:]) for sc, flags in (
+        ("identity", ["", "", "", "", "--shortcut", "identity"]),
+        *((k[len("short-"):], f) for k, (f, _) in SHORTCUTS.items()))},
+    "huang": {"huang-sd-110": ("huang2016_cifar10_resnet110_sd", []),
+              "huang-constant-110": ("huang2016_cifar10_resnet110_sd",
+                                     ["--drop-path-rate", "0"])},
+    "li": {"li-56": ("li2018_cifar10_resnet56", []),
+           "li-56-noshort": ("li2018_cifar10_resnet56", ["--shortcut", "none"])},
+    "cifar100": {"c100-164": ("cifar100_resnet164", [])},
+}
+# --smoke: the recipes' digits versions (their networks and variants, a few iterations).
+SMOKE = ["--dataset", "digits", "--max-iters", "2", "--batch-size", "16", "--eval-batch-size",
+         "64", "--warmup-iters", "0", "--milestones", "1", "--log-every", "1", "--threads", "1",
+         "--no-tensorboard"]
+
+
+def recipe_command(config: str, flags: list[str], seed: int, out: Path,
+                   extra: list[str]) -> list[str]:
+    return [_python(), "-m", "fusedres.train", "--config", config, *flags, "--seed", str(seed),
+            "--no-progress", *extra, "--out", str(out)]
+
+
+def recipes(only: list[str], seeds: list[int], runs_dir: Path, jobs: int,
+            extra: list[str], dry_run: bool = False) -> int:
+    """Train every recipe of ``only`` (papers of RECIPES) over ``seeds`` into ``runs_dir``
+    (NAME-sSEED; a finished run is kept, an interrupted one resumed), then one
+    ``fusedres compare`` per paper over all its runs into ``runs_dir/compare-PAPER``."""
+    todo, compares = [], []
+    for paper in only:
+        dirs = []
+        for name, (config, flags) in RECIPES[paper].items():
+            for seed in seeds:
+                out = runs_dir / f"{name}-s{seed}"
+                dirs.append(out)
+                if not _done(out):
+                    cmd = recipe_command(config, flags, seed, out, extra)
+                    if (out / "checkpoints").is_dir():
+                        cmd.append("--resume")
+                    todo.append((cmd, out / "train.log"))
+        target = runs_dir / f"compare-{paper}"
+        compares.append(([_python(), "-m", "fusedres.cli", "compare", *map(str, dirs),
+                          "--out", str(target)], target / "compare.log"))
+    if dry_run:
+        for cmd, _ in todo + compares:
+            print(" ".join(cmd[2:] if cmd[1] == "-m" else cmd))
+        return 0
+    print(f"{len(todo)} runs to train ({len(seeds)} seeds), {jobs} at a time", flush=True)
+    with ThreadPoolExecutor(jobs) as pool:
+        codes = list(pool.map(lambda job: _run(*job), todo))
+    if any(codes):
+        print("some runs failed (their train.log says why): no comparison", flush=True)
+        return 1
+    for cmd, log in compares:
+        codes.append(_run(cmd, log))
+    return 1 if any(codes) else 0
 
 
 def _torch_version() -> str:
@@ -470,7 +542,38 @@ def main(argv=None) -> int:
                    help="train only the experiments whose name matches this glob "
                         "(depth-*-bn-20: the residual and plain ResNet-20s)")
     sub.add_parser("report")
+    c = sub.add_parser("recipes", help="the papers' CIFAR recipes over seeds, then compared")
+    c.add_argument("--only", default=",".join(RECIPES),
+                   help="comma-separated papers: " + ",".join(RECIPES))
+    c.add_argument("--seeds", default="0,1,2,3,4",
+                   help="comma-separated seeds (default 0,1,2,3,4: He et al. 2016's 5 runs)")
+    c.add_argument("--runs", default=str(RUNS / "recipes"),
+                   help="where the runs and comparisons go (default reproduction/runs/recipes)")
+    c.add_argument("--jobs", type=int, default=1)
+    c.add_argument("--smoke", action="store_true",
+                   help="the digits versions: the same networks for 2 iterations on digits")
+    c.add_argument("--dry-run", action="store_true", help="print the commands only")
+    c.add_argument("extra", nargs=argparse.REMAINDER,
+                   help="-- then trainer options added to every run (--threads 4 ...)")
     args = p.parse_args(argv)
+    if args.cmd == "recipes":
+        only = [g for g in args.only.split(",") if g]
+        unknown = sorted(set(only) - set(RECIPES))
+        if unknown:
+            p.error(f"--only: unknown papers {unknown}; known: {', '.join(RECIPES)}")
+        try:
+            seeds = sorted({int(v) for v in args.seeds.split(",") if v.strip()})
+        except ValueError:
+            p.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+        if not seeds or min(seeds) < 0:
+            p.error(f"--seeds: expected at least one seed >= 0, got {args.seeds!r}")
+        if args.jobs < 1:
+            p.error(f"--jobs: expected at least 1, got {args.jobs}")
+        extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+        if extra and not extra[0].startswith("-"):
+            p.error(f"unrecognised arguments: {' '.join(extra)} (trainer options go after --)")
+        return recipes(only, seeds, Path(args.runs), args.jobs,
+                       (SMOKE if args.smoke else []) + extra, args.dry_run)
     if args.cmd == "run":
         only = [g for g in args.only.split(",") if g]
         unknown = set(only) - set(EXPERIMENTS) - set(ANALYSES)
