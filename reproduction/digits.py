@@ -67,8 +67,13 @@ STOCHASTIC = {
     "sd-batch-110": (["--depth", "110", "--drop-path-rate", "0.5", "--drop-path-mode",
                       "batch"], SEEDS),
 }
+# Why plain networks fail: the depth study's BatchNorm networks at 20 and 56 layers again, with
+# each unit's gradient norms logged every 44 iterations (10 records a run).
+GRADNORMS = {f"grad-{_sname}-bn-{_d}": (["--depth", str(_d), "--shortcut", _short,
+                                         "--log-grad-norms", "44"], SEEDS)
+             for _d in (20, 56) for _short, _sname in (("identity", "res"), ("none", "plain"))}
 EXPERIMENTS = {"orderings": ORDERINGS, "shortcuts": SHORTCUTS, "depth": DEPTH_STUDY,
-               "stochastic": STOCHASTIC, "deepest": DEEPEST}
+               "stochastic": STOCHASTIC, "deepest": DEEPEST, "gradnorms": GRADNORMS}
 # Rows the tables share: the identity shortcut on the original unit, training without
 # stochastic depth.
 SAME_AS = {"short-identity": "order-original", "sd-none-110": "depth-res-bn-110"}
@@ -80,6 +85,9 @@ LESION = ("lesion", ["depth-res-bn-20-s0", "depth-plain-bn-20-s0"],
 # He et al. 2015 Fig. 6: plain against residual (BatchNorm), depths 20 and 56, every seed.
 COMPARE = ("compare", [f"depth-{kind}-bn-{d}-s{s}" for d in (20, 56) for kind in ("plain", "res")
                        for s in SEEDS], [], "compare-depth")
+# fusedres compare over the gradnorms runs: grad_norms.png (norm against unit depth).
+COMPARE_GRAD = ("compare", [f"{name}-s{s}" for name in GRADNORMS for s in SEEDS], [],
+                "compare-gradnorms")
 ANALYSES = ("lesion", "landscape", "compare")
 LANDSCAPES = [("landscape", [run], ["--grid", "15", "--batches", "2"], f"landscape-{run}")
               for run in ("depth-res-bn-56-s0", "depth-plain-bn-56-s0")]
@@ -206,6 +214,8 @@ def run(only: list[str], jobs: int, match: str = "*") -> int:
         analyses.append(LESION)
     if "compare" in only:
         analyses.append(COMPARE)
+    if "gradnorms" in only:
+        analyses.append(COMPARE_GRAD)
     if "landscape" in only:
         analyses += LANDSCAPES
     for kind, runs, flags, out in analyses:
@@ -518,14 +528,19 @@ def report() -> None:
           "| Li et al., ResNet-56 / ResNet-56-noshort | `li2018_cifar10_resnet56` "
           "(`--shortcut none`) | 5.89 / 13.31 |",
           "| He et al. 2016 Table 3, CIFAR-100, ResNet-164 | `cifar100_resnet164` | 24.33 |",
-          "", "```bash",
-          "for s in 0 1 2 3 4; do    # a seed loop: one run per seed, then compare them",
-          "  fusedres train --config he2016_cifar10_resnet110 --unit original --seed $s "
-          "--out runs/t2-original-s$s",
-          "done",
-          "fusedres compare runs/t2-original-s*",
-          "fusedres lesion runs/t2-original-s0",
-          "fusedres landscape runs/li-56", "```"]
+          "", "The seed loop: every row above over 5 seeds, then one `fusedres compare` per "
+          "paper (per variant the median over the seeds, min-max and interquartile range; "
+          "`compare-PAPER/compare.md`). The same commands on digits for 2 iterations "
+          "(`--smoke`) are CI's check of the loop.", "", "```bash",
+          "python reproduction/digits.py recipes --seeds 0,1,2,3,4     # all papers: "
+          + ", ".join(RECIPES),
+          "python reproduction/digits.py recipes --only table2 --seeds 0,1,2,3,4 --runs runs "
+          "-- --threads 8",
+          "python reproduction/digits.py recipes --dry-run             # the commands only",
+          "fusedres lesion runs/t2-110-original-s0",
+          "fusedres landscape runs/li-56-s0 --trajectory   # its checkpoints' path: train it "
+          "with `-- --keep-checkpoints 200`",
+          "```"]
     _plot_depth(data, HERE / "depth.png")
     (HERE / "RESULTS.md").write_text("\n".join(L) + "\n")
     print(f"wrote {HERE / 'RESULTS.md'}, results.json and the plots")
