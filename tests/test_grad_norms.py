@@ -96,3 +96,21 @@ def test_refused_at_argument_time(flags, match, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert match in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_checkpointed_units_are_measured_once(tmp_path):
+    """Under an activation budget the plan recomputes units in backward (their forward runs
+    again, inside the autograd engine): the norms are the uncheckpointed run's, not counted
+    twice."""
+    tiny = [*ARGS[:ARGS.index("--norm")], *ARGS[ARGS.index("--norm") + 2:]]
+    tiny[tiny.index("--max-iters") + 1] = "2"
+    tiny[tiny.index("--log-every") + 1] = "2"
+    got = []
+    for name, extra in (("plain", []), ("checkpointed", ["--activation-budget", "2.8MiB"])):
+        assert main([*tiny, "--log-grad-norms", *extra, "--out", str(tmp_path / name)]) == 0
+        (rec,) = _records(tmp_path / name)
+        got.append(rec)
+    plan = json.loads((tmp_path / "checkpointed" / "summary.json").read_text())["memory_plan"]
+    assert "checkpointed 5 of 9 units" in plan
+    for key in ("input_grad_norm", "param_grad_norm"):
+        assert got[1][key] == pytest.approx(got[0][key], rel=1e-5)

@@ -77,6 +77,12 @@ class GradNormProbe:
     def _forward(self, i: int, module: nn.Module, args: tuple) -> None:
         if not self.armed or not torch.is_grad_enabled() or not args:
             return
+        # A unit recomputed in backward (activation checkpointing, --memory-budget's plan) runs
+        # its forward again inside the autograd engine: its input's gradient is the one the
+        # first forward's hook sees, so it is not hooked twice (torch.utils.checkpoint tells the
+        # two apart the same way).
+        if torch._C._current_graph_task_id() != -1:
+            return
         x = args[0]
         if torch.is_tensor(x) and x.requires_grad:
             x.register_hook(functools.partial(self._backward, i))
