@@ -422,6 +422,36 @@ def _plot_landscapes(runs: list[str], path: Path) -> bool:
     return True
 
 
+def gradnorms_section() -> list[str]:
+    """RESULTS.md's section on the gradnorms runs (and reproduction/grad_norms.png), from their
+    `fusedres compare`; [] before it exists."""
+    import shutil
+
+    compared = RUNS / COMPARE_GRAD[3]
+    if not (compared / "grad_norms.png").exists():
+        return []
+    shutil.copy(compared / "grad_norms.png", HERE / "grad_norms.png")
+    doc = json.loads((compared / "compare.json").read_text())
+    L = ["", "## Gradient norms against depth (why plain networks fail)", "",
+         "![gradient norms against unit depth](grad_norms.png)", "",
+         "||dL/dx|| at each unit's input (`--log-grad-norms 44`: 10 records a run over the 440 "
+         "iterations), median over the records of seeds 0, 1, 2 (interquartile range), at the "
+         "first unit, the last, and their ratio; then the first records alone (iteration 44):", "",
+         "| network | unit 1 | last unit | unit 1 / last | at iteration 44: unit 1 / last | "
+         "test error (%) |", "|---|---|---|---|---|---|"]
+    for g in doc["groups"]:
+        prof = g["grad_norms"]["input_grad_norm"]
+        a, f = prof["all"], prof["first"]
+        err = g["final_test_error"]
+        L.append(f"| {g['label']} | {a['median'][0]:.3g} ({a['q1'][0]:.3g}-{a['q3'][0]:.3g}) | "
+                 f"{a['median'][-1]:.3g} ({a['q1'][-1]:.3g}-{a['q3'][-1]:.3g}) | "
+                 f"{a['median'][0] / a['median'][-1]:.3g} | "
+                 f"{f['median'][0] / f['median'][-1]:.3g} | "
+                 f"{100 * err['median']:.2f} ({100 * err['min']:.2f}-{100 * err['max']:.2f}) |")
+    L += ["", f"`{_relative(doc['command'])}`"]
+    return L
+
+
 def report() -> None:
     import shutil
 
@@ -495,6 +525,7 @@ def report() -> None:
               "![training curves of plain and residual networks](compare-depth.png)", "",
               "Test error (%) per variant, median over seeds 0, 1, 2 (min-max):", "", *table, "",
               f"`{_relative(json.loads((compared / 'compare.json').read_text())['command'])}`"]
+    L += gradnorms_section()
     if _plot_landscapes([r[1][0] for r in LANDSCAPES], HERE / "landscapes.png"):
         L += ["", "## Loss landscapes (Li et al. 2018), depth 56, seed 0", "",
               "![landscapes](landscapes.png)", ""]

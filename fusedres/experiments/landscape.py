@@ -328,7 +328,8 @@ def build_parser() -> runs.Parser:
                         "and 1 on the grid)")
     p.add_argument("--range", type=float, nargs="+", metavar="BOUND",
                    help="the axes' range: A B, or R for [-R, R] (default -1 1; with "
-                        "--interpolate -0.5 1.5)")
+                        "--interpolate -0.5 1.5; with --trajectory each axis the path's extent "
+                        "and a quarter of it on both sides)")
     p.add_argument("--batches", type=int, metavar="B",
                    help="use the first B training batches of --batch-size (default: the whole "
                         "training set)")
