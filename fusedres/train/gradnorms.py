@@ -54,7 +54,7 @@ def residual_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 class GradNormProbe:
-    """Hooks on ``model``'s residual units. ``arm()`` before a step, ``after_backward(scale)``
+    """Hooks on ``model``'s residual units. ``arm(scaler)`` before a step, ``after_backward()``
     between its backward and its optimizer step (``TrainStep`` does), ``read()`` after it:
     ``{"units", "input_grad_norm", "param_grad_norm"}`` as lists (one host read), and the
     buffers zeroed for the next armed step."""
