@@ -436,7 +436,9 @@ def gradnorms_section() -> list[str]:
          "![gradient norms against unit depth](grad_norms.png)", "",
          "||dL/dx|| at each unit's input (`--log-grad-norms 44`: 10 records a run over the 440 "
          "iterations), median over the records of seeds 0, 1, 2 (interquartile range), at the "
-         "first unit, the last, and their ratio; then the first records alone (iteration 44):", "",
+         "first unit, the last, and their ratio; then the first records alone (iteration 44). "
+         "The runs are the depth study's BatchNorm networks trained again with the norms "
+         "logged (`python reproduction/digits.py run --only gradnorms`):", "",
          "| network | unit 1 | last unit | unit 1 / last | at iteration 44: unit 1 / last | "
          "test error (%) |", "|---|---|---|---|---|---|"]
     for g in doc["groups"]:

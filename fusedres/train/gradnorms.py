@@ -8,8 +8,8 @@ Two norms per unit, in forward order (unit 1 nearest the input):
   a residual network, x_L = x_l + sum F, so dL/dx_l = dL/dx_L (1 + d(sum F)/dx_l) (He et al.
   2016, eq. 5): the identity term carries the gradient to every depth whatever the branches do.
   A plain network has only the product of the branches' Jacobians, so the norm grows or decays
-  geometrically with depth (explodes towards the input with BatchNorm, Philipp et al. 2018 and
-  Yang et al. 2019; vanishes without). It is what the figure of ``fusedres compare`` shows first.
+  geometrically with depth (measured on digits: docs/experiments.md). It is what the figure of
+  ``fusedres compare`` shows first.
 * ``param_grad_norm``: the L2 norm of all of the unit's parameter gradients, what SGD steps by.
   Weaker as a diagnosis alone: behind BatchNorm a convolution's weight gradient scales as
   1/||w||, so it also moves with the weights' own norm.
