@@ -72,8 +72,12 @@ STOCHASTIC = {
 GRADNORMS = {f"grad-{_sname}-bn-{_d}": (["--depth", str(_d), "--shortcut", _short,
                                          "--log-grad-norms", "44"], SEEDS)
              for _d in (20, 56) for _short, _sname in (("identity", "res"), ("none", "plain"))}
+# Li et al.'s trajectory plot: the residual ResNet-20 with a checkpoint every 2 epochs, all kept.
+TRAJECTORY = {"traj-res-bn-20": (["--depth", "20", "--checkpoint-every", "22",
+                                  "--keep-checkpoints", "100"], (0,))}
 EXPERIMENTS = {"orderings": ORDERINGS, "shortcuts": SHORTCUTS, "depth": DEPTH_STUDY,
-               "stochastic": STOCHASTIC, "deepest": DEEPEST, "gradnorms": GRADNORMS}
+               "stochastic": STOCHASTIC, "deepest": DEEPEST, "gradnorms": GRADNORMS,
+               "trajectory": TRAJECTORY}
 # Rows the tables share: the identity shortcut on the original unit, training without
 # stochastic depth.
 SAME_AS = {"short-identity": "order-original", "sd-none-110": "depth-res-bn-110"}
@@ -88,6 +92,8 @@ COMPARE = ("compare", [f"depth-{kind}-bn-{d}-s{s}" for d in (20, 56) for kind in
 # fusedres compare over the gradnorms runs: grad_norms.png (norm against unit depth).
 COMPARE_GRAD = ("compare", [f"{name}-s{s}" for name in GRADNORMS for s in SEEDS], [],
                 "compare-gradnorms")
+TRAJECTORY_PLOT = ("landscape", ["traj-res-bn-20-s0"],
+                   ["--trajectory", "--grid", "21", "--batches", "2"], "trajectory-res-bn-20")
 ANALYSES = ("lesion", "landscape", "compare")
 LANDSCAPES = [("landscape", [run], ["--grid", "15", "--batches", "2"], f"landscape-{run}")
               for run in ("depth-res-bn-56-s0", "depth-plain-bn-56-s0")]
@@ -216,6 +222,8 @@ def run(only: list[str], jobs: int, match: str = "*") -> int:
         analyses.append(COMPARE)
     if "gradnorms" in only:
         analyses.append(COMPARE_GRAD)
+    if "trajectory" in only:
+        analyses.append(TRAJECTORY_PLOT)
     if "landscape" in only:
         analyses += LANDSCAPES
     for kind, runs, flags, out in analyses:
@@ -224,7 +232,7 @@ def run(only: list[str], jobs: int, match: str = "*") -> int:
             continue
         target = RUNS / out
         if any((target / f).exists() for f in ("lesion.json", "landscape_2d_contour.png",
-                                                   "compare.json")):
+                                                   "compare.json", "trajectory_contour.png")):
             continue
         options = [] if kind == "compare" else ["--threads", "2", "--no-progress"]
         cmd = [_python(), "-m", "fusedres.cli", kind, *[str(RUNS / r) for r in runs], *flags,
@@ -454,6 +462,28 @@ def gradnorms_section() -> list[str]:
     return L
 
 
+def trajectory_section() -> list[str]:
+    """RESULTS.md's section on Li et al.'s trajectory plot (and reproduction/trajectory.png);
+    [] before the plot exists."""
+    import shutil
+
+    out = RUNS / TRAJECTORY_PLOT[3]
+    if not (out / "trajectory_contour.png").exists():
+        return []
+    shutil.copy(out / "trajectory_contour.png", HERE / "trajectory.png")
+    doc = json.loads((out / "trajectory.json").read_text())
+    path = doc["settings"]["trajectory"]
+    ev = path["explained_variance"]
+    return ["", "## Optimisation path on the loss surface (Li et al. 2018, section 7), depth 20, "
+            "seed 0", "", "![training path on the loss contours](trajectory.png)", "",
+            f"The {len(path['iterations'])} checkpoints (iterations {path['iterations'][0]}-"
+            f"{path['iterations'][-1]}) minus the final weights: their first two PCA directions "
+            f"explain {100 * ev[0]:.1f} % and {100 * ev[1]:.1f} % of the path's variance; "
+            f"loss at the final weights {doc['at']['trained']['loss']:.4f} "
+            f"({doc['training_images']} training images, {doc['batch_norm_statistics']}).", "",
+            f"`{_relative(doc['command'])}`"]
+
+
 def report() -> None:
     import shutil
 
@@ -528,6 +558,7 @@ def report() -> None:
               "Test error (%) per variant, median over seeds 0, 1, 2 (min-max):", "", *table, "",
               f"`{_relative(json.loads((compared / 'compare.json').read_text())['command'])}`"]
     L += gradnorms_section()
+    L += trajectory_section()
     if _plot_landscapes([r[1][0] for r in LANDSCAPES], HERE / "landscapes.png"):
         L += ["", "## Loss landscapes (Li et al. 2018), depth 56, seed 0", "",
               "![landscapes](landscapes.png)", ""]
