@@ -3,6 +3,13 @@
     python reproduction/digits.py run [--only orderings,shortcuts,...] [--jobs 2]
     python reproduction/digits.py report            # reproduction/RESULTS.md and the plots
 
+    python reproduction/digits.py recipes --seeds 0,1,2,3,4 [--only table2,li] [--runs DIR]
+    python reproduction/digits.py recipes --seeds 0,1 --smoke      # their digits versions
+
+``recipes`` trains the papers' CIFAR recipes (the shipped configs, one run per variant and seed,
+resumable as ``run``) and compares each paper's runs with ``fusedres compare`` (per variant the
+median over the seeds and the spread); ``--smoke`` runs the same commands on digits for a few
+iterations (what CI checks), and trainer options after ``--`` are added to every run.
 ``run`` trains every missing run (a run with a summary.json is done; an interrupted one resumes
 from its checkpoint) as ``python -m fusedres.train --config digits --out reproduction/runs/NAME
 --seed S --threads 1 ...``, then the lesion studies and loss landscapes; ``report`` reads the run
@@ -60,8 +67,17 @@ STOCHASTIC = {
     "sd-batch-110": (["--depth", "110", "--drop-path-rate", "0.5", "--drop-path-mode",
                       "batch"], SEEDS),
 }
+# Why plain networks fail: the depth study's BatchNorm networks at 20 and 56 layers again, with
+# each unit's gradient norms logged every 44 iterations (10 records a run).
+GRADNORMS = {f"grad-{_sname}-bn-{_d}": (["--depth", str(_d), "--shortcut", _short,
+                                         "--log-grad-norms", "44"], SEEDS)
+             for _d in (20, 56) for _short, _sname in (("identity", "res"), ("none", "plain"))}
+# Li et al.'s trajectory plot: the residual ResNet-20 with a checkpoint every 2 epochs, all kept.
+TRAJECTORY = {"traj-res-bn-20": (["--depth", "20", "--checkpoint-every", "22",
+                                  "--keep-checkpoints", "100"], (0,))}
 EXPERIMENTS = {"orderings": ORDERINGS, "shortcuts": SHORTCUTS, "depth": DEPTH_STUDY,
-               "stochastic": STOCHASTIC, "deepest": DEEPEST}
+               "stochastic": STOCHASTIC, "deepest": DEEPEST, "gradnorms": GRADNORMS,
+               "trajectory": TRAJECTORY}
 # Rows the tables share: the identity shortcut on the original unit, training without
 # stochastic depth.
 SAME_AS = {"short-identity": "order-original", "sd-none-110": "depth-res-bn-110"}
@@ -73,9 +89,79 @@ LESION = ("lesion", ["depth-res-bn-20-s0", "depth-plain-bn-20-s0"],
 # He et al. 2015 Fig. 6: plain against residual (BatchNorm), depths 20 and 56, every seed.
 COMPARE = ("compare", [f"depth-{kind}-bn-{d}-s{s}" for d in (20, 56) for kind in ("plain", "res")
                        for s in SEEDS], [], "compare-depth")
+# fusedres compare over the gradnorms runs: grad_norms.png (norm against unit depth).
+COMPARE_GRAD = ("compare", [f"{name}-s{s}" for name in GRADNORMS for s in SEEDS], [],
+                "compare-gradnorms")
+TRAJECTORY_PLOT = ("landscape", ["traj-res-bn-20-s0"],
+                   ["--trajectory", "--grid", "21", "--batches", "2"], "trajectory-res-bn-20")
 ANALYSES = ("lesion", "landscape", "compare")
 LANDSCAPES = [("landscape", [run], ["--grid", "15", "--batches", "2"], f"landscape-{run}")
               for run in ("depth-res-bn-56-s0", "depth-plain-bn-56-s0")]
+
+
+# The papers' CIFAR recipes (fusedres/configs), by paper: run name -> (config, variant flags).
+# The seed loop of `recipes` trains each over --seeds; `fusedres compare` then groups each
+# paper's runs by variant (median over the seeds, min-max, interquartile range).
+RECIPES = {
+    "table2": {f"t2-{d}-{u}": ("he2016_cifar10_resnet110", ["--unit", u] + (
+        ["--model", "preact_resnet164"] if d == 164 else []))
+        for d in (110, 164) for u in ("original", "bn_after_add", "relu_before_add",
+                                       "relu_only_preact", "preact")},
+    "table1": {f"t1-{sc}": ("he2016_cifar10_shortcuts", flags[4:]) for sc, flags in (
+        ("identity", ["", "", "", "", "--shortcut", "identity"]),
+        *((k[len("short-"):], f) for k, (f, _) in SHORTCUTS.items()))},
+    "huang": {"huang-sd-110": ("huang2016_cifar10_resnet110_sd", []),
+              "huang-constant-110": ("huang2016_cifar10_resnet110_sd",
+                                     ["--drop-path-rate", "0"])},
+    "li": {"li-56": ("li2018_cifar10_resnet56", []),
+           "li-56-noshort": ("li2018_cifar10_resnet56", ["--shortcut", "none"])},
+    "cifar100": {"c100-164": ("cifar100_resnet164", [])},
+}
+# --smoke: the recipes' digits versions (their networks and variants, a few iterations).
+SMOKE = ["--dataset", "digits", "--max-iters", "2", "--batch-size", "16", "--eval-batch-size",
+         "64", "--warmup-iters", "0", "--milestones", "1", "--log-every", "1", "--threads", "1",
+         "--no-tensorboard"]
+
+
+def recipe_command(config: str, flags: list[str], seed: int, out: Path,
+                   extra: list[str]) -> list[str]:
+    return [_python(), "-m", "fusedres.train", "--config", config, *flags, "--seed", str(seed),
+            "--no-progress", *extra, "--out", str(out)]
+
+
+def recipes(only: list[str], seeds: list[int], runs_dir: Path, jobs: int,
+            extra: list[str], dry_run: bool = False) -> int:
+    """Train every recipe of ``only`` (papers of RECIPES) over ``seeds`` into ``runs_dir``
+    (NAME-sSEED; a finished run is kept, an interrupted one resumed), then one
+    ``fusedres compare`` per paper over all its runs into ``runs_dir/compare-PAPER``."""
+    todo, compares = [], []
+    for paper in only:
+        dirs = []
+        for name, (config, flags) in RECIPES[paper].items():
+            for seed in seeds:
+                out = runs_dir / f"{name}-s{seed}"
+                dirs.append(out)
+                if not _done(out):
+                    cmd = recipe_command(config, flags, seed, out, extra)
+                    if (out / "checkpoints").is_dir():
+                        cmd.append("--resume")
+                    todo.append((cmd, out / "train.log"))
+        target = runs_dir / f"compare-{paper}"
+        compares.append(([_python(), "-m", "fusedres.cli", "compare", *map(str, dirs),
+                          "--out", str(target)], target / "compare.log"))
+    if dry_run:
+        for cmd, _ in todo + compares:
+            print(" ".join(cmd[2:] if cmd[1] == "-m" else cmd))
+        return 0
+    print(f"{len(todo)} runs to train ({len(seeds)} seeds), {jobs} at a time", flush=True)
+    with ThreadPoolExecutor(jobs) as pool:
+        codes = list(pool.map(lambda job: _run(*job), todo))
+    if any(codes):
+        print("some runs failed (their train.log says why): no comparison", flush=True)
+        return 1
+    for cmd, log in compares:
+        codes.append(_run(cmd, log))
+    return 1 if any(codes) else 0
 
 
 def _torch_version() -> str:
@@ -134,6 +220,10 @@ def run(only: list[str], jobs: int, match: str = "*") -> int:
         analyses.append(LESION)
     if "compare" in only:
         analyses.append(COMPARE)
+    if "gradnorms" in only:
+        analyses.append(COMPARE_GRAD)
+    if "trajectory" in only:
+        analyses.append(TRAJECTORY_PLOT)
     if "landscape" in only:
         analyses += LANDSCAPES
     for kind, runs, flags, out in analyses:
@@ -142,7 +232,7 @@ def run(only: list[str], jobs: int, match: str = "*") -> int:
             continue
         target = RUNS / out
         if any((target / f).exists() for f in ("lesion.json", "landscape_2d_contour.png",
-                                                   "compare.json")):
+                                                   "compare.json", "trajectory_contour.png")):
             continue
         options = [] if kind == "compare" else ["--threads", "2", "--no-progress"]
         cmd = [_python(), "-m", "fusedres.cli", kind, *[str(RUNS / r) for r in runs], *flags,
@@ -340,6 +430,60 @@ def _plot_landscapes(runs: list[str], path: Path) -> bool:
     return True
 
 
+def gradnorms_section() -> list[str]:
+    """RESULTS.md's section on the gradnorms runs (and reproduction/grad_norms.png), from their
+    `fusedres compare`; [] before it exists."""
+    import shutil
+
+    compared = RUNS / COMPARE_GRAD[3]
+    if not (compared / "grad_norms.png").exists():
+        return []
+    shutil.copy(compared / "grad_norms.png", HERE / "grad_norms.png")
+    doc = json.loads((compared / "compare.json").read_text())
+    L = ["", "## Gradient norms against depth (why plain networks fail)", "",
+         "![gradient norms against unit depth](grad_norms.png)", "",
+         "||dL/dx|| at each unit's input (`--log-grad-norms 44`: 10 records a run over the 440 "
+         "iterations), median over the records of seeds 0, 1, 2 (interquartile range), at the "
+         "first unit, the last, and their ratio; then the first records alone (iteration 44). "
+         "The runs are the depth study's BatchNorm networks trained again with the norms "
+         "logged (`python reproduction/digits.py run --only gradnorms`):", "",
+         "| network | unit 1 | last unit | unit 1 / last | at iteration 44: unit 1 / last | "
+         "test error (%) |", "|---|---|---|---|---|---|"]
+    for g in doc["groups"]:
+        prof = g["grad_norms"]["input_grad_norm"]
+        a, f = prof["all"], prof["first"]
+        err = g["final_test_error"]
+        L.append(f"| {g['label']} | {a['median'][0]:.3g} ({a['q1'][0]:.3g}-{a['q3'][0]:.3g}) | "
+                 f"{a['median'][-1]:.3g} ({a['q1'][-1]:.3g}-{a['q3'][-1]:.3g}) | "
+                 f"{a['median'][0] / a['median'][-1]:.3g} | "
+                 f"{f['median'][0] / f['median'][-1]:.3g} | "
+                 f"{100 * err['median']:.2f} ({100 * err['min']:.2f}-{100 * err['max']:.2f}) |")
+    L += ["", f"`{_relative(doc['command'])}`"]
+    return L
+
+
+def trajectory_section() -> list[str]:
+    """RESULTS.md's section on Li et al.'s trajectory plot (and reproduction/trajectory.png);
+    [] before the plot exists."""
+    import shutil
+
+    out = RUNS / TRAJECTORY_PLOT[3]
+    if not (out / "trajectory_contour.png").exists():
+        return []
+    shutil.copy(out / "trajectory_contour.png", HERE / "trajectory.png")
+    doc = json.loads((out / "trajectory.json").read_text())
+    path = doc["settings"]["trajectory"]
+    ev = path["explained_variance"]
+    return ["", "## Optimisation path on the loss surface (Li et al. 2018, section 7), depth 20, "
+            "seed 0", "", "![training path on the loss contours](trajectory.png)", "",
+            f"The {len(path['iterations'])} checkpoints (iterations {path['iterations'][0]}-"
+            f"{path['iterations'][-1]}) minus the final weights: their first two PCA directions "
+            f"explain {100 * ev[0]:.1f} % and {100 * ev[1]:.1f} % of the path's variance; "
+            f"loss at the final weights {doc['at']['trained']['loss']:.4f} "
+            f"({doc['training_images']} training images, {doc['batch_norm_statistics']}).", "",
+            f"`{_relative(doc['command'])}`"]
+
+
 def report() -> None:
     import shutil
 
@@ -413,6 +557,8 @@ def report() -> None:
               "![training curves of plain and residual networks](compare-depth.png)", "",
               "Test error (%) per variant, median over seeds 0, 1, 2 (min-max):", "", *table, "",
               f"`{_relative(json.loads((compared / 'compare.json').read_text())['command'])}`"]
+    L += gradnorms_section()
+    L += trajectory_section()
     if _plot_landscapes([r[1][0] for r in LANDSCAPES], HERE / "landscapes.png"):
         L += ["", "## Loss landscapes (Li et al. 2018), depth 56, seed 0", "",
               "![landscapes](landscapes.png)", ""]
@@ -446,14 +592,19 @@ def report() -> None:
           "| Li et al., ResNet-56 / ResNet-56-noshort | `li2018_cifar10_resnet56` "
           "(`--shortcut none`) | 5.89 / 13.31 |",
           "| He et al. 2016 Table 3, CIFAR-100, ResNet-164 | `cifar100_resnet164` | 24.33 |",
-          "", "```bash",
-          "for s in 0 1 2 3 4; do    # a seed loop: one run per seed, then compare them",
-          "  fusedres train --config he2016_cifar10_resnet110 --unit original --seed $s "
-          "--out runs/t2-original-s$s",
-          "done",
-          "fusedres compare runs/t2-original-s*",
-          "fusedres lesion runs/t2-original-s0",
-          "fusedres landscape runs/li-56", "```"]
+          "", "The seed loop: every row above over 5 seeds, then one `fusedres compare` per "
+          "paper (per variant the median over the seeds, min-max and interquartile range; "
+          "`compare-PAPER/compare.md`). The same commands on digits for 2 iterations "
+          "(`--smoke`) are CI's check of the loop.", "", "```bash",
+          "python reproduction/digits.py recipes --seeds 0,1,2,3,4     # all papers: "
+          + ", ".join(RECIPES),
+          "python reproduction/digits.py recipes --only table2 --seeds 0,1,2,3,4 --runs runs "
+          "-- --threads 8",
+          "python reproduction/digits.py recipes --dry-run             # the commands only",
+          "fusedres lesion runs/t2-110-original-s0",
+          "fusedres landscape runs/li-56-s0 --trajectory   # its checkpoints' path: train it "
+          "with `-- --keep-checkpoints 200`",
+          "```"]
     _plot_depth(data, HERE / "depth.png")
     (HERE / "RESULTS.md").write_text("\n".join(L) + "\n")
     print(f"wrote {HERE / 'RESULTS.md'}, results.json and the plots")
@@ -470,7 +621,38 @@ def main(argv=None) -> int:
                    help="train only the experiments whose name matches this glob "
                         "(depth-*-bn-20: the residual and plain ResNet-20s)")
     sub.add_parser("report")
+    c = sub.add_parser("recipes", help="the papers' CIFAR recipes over seeds, then compared")
+    c.add_argument("--only", default=",".join(RECIPES),
+                   help="comma-separated papers: " + ",".join(RECIPES))
+    c.add_argument("--seeds", default="0,1,2,3,4",
+                   help="comma-separated seeds (default 0,1,2,3,4: He et al. 2016's 5 runs)")
+    c.add_argument("--runs", default=str(RUNS / "recipes"),
+                   help="where the runs and comparisons go (default reproduction/runs/recipes)")
+    c.add_argument("--jobs", type=int, default=1)
+    c.add_argument("--smoke", action="store_true",
+                   help="the digits versions: the same networks for 2 iterations on digits")
+    c.add_argument("--dry-run", action="store_true", help="print the commands only")
+    c.add_argument("extra", nargs=argparse.REMAINDER,
+                   help="-- then trainer options added to every run (--threads 4 ...)")
     args = p.parse_args(argv)
+    if args.cmd == "recipes":
+        only = [g for g in args.only.split(",") if g]
+        unknown = sorted(set(only) - set(RECIPES))
+        if unknown:
+            p.error(f"--only: unknown papers {unknown}; known: {', '.join(RECIPES)}")
+        try:
+            seeds = sorted({int(v) for v in args.seeds.split(",") if v.strip()})
+        except ValueError:
+            p.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
+        if not seeds or min(seeds) < 0:
+            p.error(f"--seeds: expected at least one seed >= 0, got {args.seeds!r}")
+        if args.jobs < 1:
+            p.error(f"--jobs: expected at least 1, got {args.jobs}")
+        extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+        if extra and not extra[0].startswith("-"):
+            p.error(f"unrecognised arguments: {' '.join(extra)} (trainer options go after --)")
+        return recipes(only, seeds, Path(args.runs), args.jobs,
+                       (SMOKE if args.smoke else []) + extra, args.dry_run)
     if args.cmd == "run":
         only = [g for g in args.only.split(",") if g]
         unknown = set(only) - set(EXPERIMENTS) - set(ANALYSES)

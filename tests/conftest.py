@@ -110,6 +110,7 @@ SLOW = (
     "tests/test_train_resume.py::test_killed_and_resumed_run_is_bit_exact",
     "tests/test_train_imagefolder.py::test_sigterm_*",
     "tests/test_train.py::test_digits_demo_reaches_its_accuracy",
+    "tests/test_recipes.py::test_the_recipe_seed_loop_trains_*",  # four trainings, compared
 )
 
 

@@ -162,3 +162,16 @@ def test_bad_input_exits_2_before_writing(runs, tmp_path, capsys):
     (res[1] / "metrics.jsonl").write_text('{"kind": "train", "iter')
     assert compare.main([str(res[1]), "--out", str(out)]) == 2
     assert "line 1 is not JSON" in capsys.readouterr().err and not out.exists()
+
+
+def test_logging_gradient_norms_is_not_a_variant(runs):
+    """--log-grad-norms changes nothing trained: such a run is a seed of the same variant, and
+    without any grad_norms record there is no gradient figure."""
+    base, res, _ = runs
+    logged = _write_run(base / "res-gn", {**RES, "seed": 5, "log_grad_norms": 10,
+                                            "log_every": 10}, 0.3)
+    groups = compare.group_runs([compare.load_run(p) for p in [*res, logged]])
+    assert [len(g.runs) for g in groups] == [4]
+    summary = compare.summarise(groups)
+    assert summary[0]["grad_norms"] is None
+    assert compare.grad_norm_figure(groups, summary) is None

@@ -343,3 +343,102 @@ def test_a_run_without_checkpoints_exits_2(tmp_path, capsys):
     assert landscape.main([str(empty), *FAST]) == 2
     assert "RUN: no checkpoint in" in capsys.readouterr().err
     assert list(empty.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- --trajectory
+
+def test_pca_directions_are_the_paths_principal_components():
+    """Rows in a known plane: the two directions span it, their variance ratios are sklearn
+    PCA's, and the uncentred projections give the rows back (the final weights at 0)."""
+    from sklearn.decomposition import PCA
+
+    g = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(50, 2, generator=g, dtype=torch.float64))[0].T
+    coeffs = torch.randn(7, 2, generator=g, dtype=torch.float64) * torch.tensor([3.0, 0.5])
+    rows = coeffs @ basis
+    dirs, ratio, proj = landscape.pca_directions(rows)
+    assert torch.allclose(proj @ dirs, rows, atol=1e-10)
+    assert torch.allclose(dirs @ dirs.T, torch.eye(2, dtype=torch.float64), atol=1e-12)
+    ref = PCA(n_components=2).fit(rows.numpy())
+    assert ratio.tolist() == pytest.approx(ref.explained_variance_ratio_.tolist(), rel=1e-9)
+    assert ratio.sum().item() == pytest.approx(1.0)
+    assert (proj[0] <= 0).all()  # the path starts at negative coordinates
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        landscape.pca_directions(rows[:1])
+
+
+@pytest.fixture(scope="module")
+def trajectory_run(tmp_path_factory):
+    """conftest's tiny run with a checkpoint at every iteration, all kept (6)."""
+    from conftest import TINY_RUN
+    from fusedres.train import main
+
+    out = tmp_path_factory.mktemp("trajectory") / "run"
+    argv = [*TINY_RUN, "--out", str(out)]
+    argv[argv.index("--checkpoint-every") + 1] = "1"
+    assert main([*argv, "--keep-checkpoints", "10"]) == 0
+    return out
+
+
+def test_trajectory_projects_the_checkpoints_on_their_pca_plane(trajectory_run, tmp_path):
+    from sklearn.decomposition import PCA
+
+    out = tmp_path / "t"
+    assert _run(trajectory_run, out, "--trajectory", "--grid", "5") == 0
+    doc = json.loads((out / "trajectory.json").read_text())
+    path = doc["settings"]["trajectory"]
+    assert path["iterations"] == [1, 2, 3, 4, 5, 6]
+    assert (path["x"][-1], path["y"][-1]) == (0.0, 0.0)  # the final weights at the origin
+    assert doc["settings"]["bn_stats"] == "recompute"
+    # The oracle: sklearn's PCA of the checkpoints' parameters (not 1-D ones) minus the final.
+    run = runs.open_run(trajectory_run)
+    names = [n for n, p in run.model.named_parameters() if p.dim() > 1]
+    states = [torch.load(p, weights_only=True)["model"]
+              for p in ckpt.list_checkpoints(trajectory_run)]
+    flat = np.stack([torch.cat([s[n].double().flatten() for n in names]).numpy()
+                     for s in states])
+    deltas = flat[:-1] - flat[-1]
+    pca = PCA(n_components=2).fit(deltas)
+    assert path["explained_variance"] == pytest.approx(pca.explained_variance_ratio_.tolist(),
+                                                       rel=1e-6)
+    want = deltas @ pca.components_.T
+    got = np.array([path["x"][:-1], path["y"][:-1]]).T
+    assert np.abs(got) == pytest.approx(np.abs(want), rel=1e-6, abs=1e-9)  # up to each sign
+    # The grid holds the path; its centre value is the final weights' loss, statistics recomputed.
+    s = _surface(out, "trajectory")
+    assert s.coords[0][0] < min(path["x"]) and s.coords[0][-1] > max(path["x"])
+    assert s.coords[1][0] < min(path["y"]) and s.coords[1][-1] > max(path["y"])
+    assert s.done.all() and np.isfinite(s.loss).all()
+    with run.use_backend():
+        data = run.train_batches(48, 1)
+        landscape.recompute_batch_norm(run.model, data)
+        ev = runs.evaluate(run.model, data)
+    assert doc["at"]["trained"]["loss"] == pytest.approx(ev.loss, rel=1e-6)
+    # The figure: axes name the directions with their explained variance, the path is drawn.
+    built = landscape.figures_of(s, "a run")
+    contour = built["_contour"]
+    for fig in built.values():
+        assert figures.unlabelled(fig) == []
+    pct = [f"{100 * r:.1f} % of the variance" for r in path["explained_variance"]]
+    ax = contour.axes[0]
+    assert ax.get_xlabel().startswith(f"PC1 ({pct[0]})")
+    assert ax.get_ylabel().startswith(f"PC2 ({pct[1]})")
+    drawn = next(ln for ln in ax.lines if ln.get_label().startswith("training path"))
+    assert list(drawn.get_xdata()) == path["x"] and list(drawn.get_ydata()) == path["y"]
+    for fig in built.values():
+        figures.pyplot().close(fig)
+    assert {p.name for p in out.iterdir()} == {"trajectory.npz", "trajectory.json",
+                                               "trajectory_contour.png",
+                                               "trajectory_surface.png"}
+
+
+def test_trajectory_needs_three_earlier_checkpoints(tiny_run, tmp_path, capsys):
+    out = tmp_path / "t"
+    assert _run(tiny_run, out, "--trajectory") == 2
+    err = capsys.readouterr().err.strip()
+    assert "--trajectory: 1 checkpoint(s) of" in err and "needs at least 3" in err, err
+    assert len(err.splitlines()) == 1 and not out.exists()
+    for argv, match in ((["--dims", "1"], "--dims: --trajectory gives a 2-D surface"),
+                        (["--interpolate", "a", "b"], "--trajectory: not with --interpolate")):
+        assert _run(tiny_run, out, "--trajectory", *argv) == 2
+        assert match in capsys.readouterr().err

@@ -403,3 +403,62 @@ def test_cuda_graph_replay_equals_the_eager_step(mode):
                         _state(graph_model, graphed_step.optimizer)):
             assert torch.equal(a, b), i
     assert graphed.captured
+
+
+@pytest.mark.parametrize("amp,accum", [(None, 1), (torch.float16, 1), (None, 2)])
+def test_grad_norm_probe_reads_nothing_back_and_measures_the_gradients(amp, accum):
+    """--log-grad-norms: an armed step has no sync either (the norms stay on the device until
+    the log record reads them), and what it measures is each unit's ||dL/dx|| and parameter
+    gradient norm, loss scale divided out (fp16), input gradients summed in squares over
+    micro-batches (--accum-steps), checked against torch.autograd.grad on a copy of the model.
+    A disarmed step dispatches what a step without a probe does."""
+    from fusedres.train.gradnorms import GradNormProbe, residual_units
+
+    torch.manual_seed(0)
+    model = models.preact_resnet(8, num_classes=3, in_chans=3, shortcut="none")
+    ref = copy.deepcopy(model)
+    probe = GradNormProbe(model)
+    assert probe.names == ["layer1.0", "layer2.0", "layer3.0"]
+    step, lr = _trainer_step(model, amp, accum_steps=accum)
+    step.probe = probe
+    x, y = _batch((4, 3, 8, 8), 3, 0)
+    probe.arm(step.scaler)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(x, y)
+    assert _syncs(prof) == []
+    assert not probe.armed
+    got = probe.read()
+    # The reference: the same micro-batch losses, gradients with respect to each unit's input
+    # and parameters by torch.autograd.grad.
+    units = [u for _, u in residual_units(ref)]
+    params = [list(u.parameters()) for u in units]
+    in_sq = torch.zeros(len(units))
+    p_grads = [[torch.zeros_like(p) for p in ps] for ps in params]
+    for xk, yk in zip(x.chunk(accum), y.chunk(accum)):
+        inputs: list[torch.Tensor] = []
+        hooks = [u.register_forward_pre_hook(lambda m, a, seen=inputs: seen.append(a[0]))
+                 for u in units]
+        with torch.autocast("cpu", dtype=amp) if amp else contextlib.nullcontext():
+            loss = nn.functional.cross_entropy(ref(xk).float(), yk) / accum
+        for h in hooks:
+            h.remove()
+        grads = torch.autograd.grad(loss, inputs + [p for ps in params for p in ps])
+        in_sq += torch.stack([g.float().norm() ** 2 for g in grads[:len(units)]])
+        flat = iter(grads[len(units):])
+        for acc in p_grads:
+            for a in acc:
+                a += next(flat)
+    want_p = [torch.cat([g.float().flatten() for g in acc]).norm().item() for acc in p_grads]
+    tol = 2e-2 if amp else 1e-4  # fp16: half-precision activations
+    assert got["input_grad_norm"] == pytest.approx(in_sq.sqrt().tolist(), rel=tol)
+    assert got["param_grad_norm"] == pytest.approx(want_p, rel=tol)
+    assert probe.input_sq.abs().sum() == 0  # zeroed for the next armed step
+    # Disarmed: the same dispatched ops as a step without a probe.
+    traces = []
+    for p in (probe, None):
+        step.probe = p
+        trace = _OpTrace()
+        with trace:
+            step(*_batch((4, 3, 8, 8), 3, 1))
+        traces.append([op[0] for op in trace.ops])
+    assert traces[0] == traces[1]

@@ -17,6 +17,11 @@ an unfinished run is compared as far as it got, and said to be unfinished. A run
 loss stops being finite is diverged from that iteration: it counts as infinitely bad in the
 medians (:func:`fusedres.experiments.figures.quantile`) and is marked where it diverged.
 
+Runs trained with ``--log-grad-norms`` also give ``grad_norms.png``: each unit's gradient norms
+(at its input, of its parameters) against its depth, log-scale, per variant the median over its
+seeds and logged iterations with the interquartile band, and each run's first record dotted
+(:func:`grad_norm_figure`; what the norms are: :mod:`fusedres.train.gradnorms`).
+
 Writes ``compare.md``, ``compare.json`` and ``compare.png`` to --out (default: ``compare`` in the
 runs' common parent directory).
 """
@@ -41,8 +46,8 @@ from fusedres.train.naming import VARIANT_KEYS, variant_label
 
 from . import figures, runs
 
-__all__ = ["Group", "RunCurves", "build_parser", "group_runs", "load_run", "main", "plot",
-           "summarise"]
+__all__ = ["Group", "RunCurves", "build_parser", "grad_norm_figure", "grad_norm_profile",
+           "group_runs", "load_run", "main", "plot", "summarise"]
 
 # Options that do not change what is trained: runs differing only in these (and the seed) are
 # seeds of one variant.
@@ -50,7 +55,11 @@ IGNORED = frozenset({
     "seed", "out", "resume", "threads", "device", "backend", "data_dir", "download",
     "eval_batch_size", "memory_budget", "activation_budget", "channels_last", "compile",
     "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "log_format",
-    "tensorboard", "progress", "workers", "config"})
+    "tensorboard", "progress", "workers", "config", "log_grad_norms"})
+
+# The two norms of a grad_norms record (fusedres.train.gradnorms), with their axis labels.
+GRAD_NORMS = {"input_grad_norm": "||dL/dx||, gradient at the unit's input (L2, whole batch)",
+              "param_grad_norm": "||dL/dθ||, gradient of the unit's parameters (L2)"}
 
 
 @dataclass
@@ -64,6 +73,8 @@ class RunCurves:
     finished: bool
     target_iterations: int | None
     num_classes: int | None
+    # --log-grad-norms records: iteration, units, input_grad_norm, param_grad_norm (lists).
+    grad_norms: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def seed(self) -> int:
@@ -160,8 +171,11 @@ def load_run(path: str | Path) -> RunCurves:
     target = None
     if summary.is_file():
         target = json.loads(summary.read_text()).get("iterations")
+    grad_norms = [{"iteration": int(r["iteration"]), "units": list(r["units"]),
+                   **{k: [_float(v) for v in r[k]] for k in GRAD_NORMS}}
+                  for r in records if r.get("kind") == "grad_norms"]
     return RunCurves(run_dir, cfg, train, evals, summary.is_file(), target,
-                     _num_classes(run_dir))
+                     _num_classes(run_dir), grad_norms)
 
 
 def _float(v) -> float:
@@ -242,10 +256,35 @@ def summarise(groups: list[Group]) -> list[dict[str, Any]]:
             "final_train_loss": _stats([f["final_train_loss"] for f in finals]),
             "diverged": sum(r.diverged_at is not None for r in g.runs),
             "unfinished": sum(not r.finished for r in g.runs),
+            "grad_norms": grad_norm_profile(g),
             "curves": {"train_loss": _curve([r.train for r in g.runs], "loss"),
                        "train_error": _curve([r.train for r in g.runs], "error"),
                        "test_error": _curve([r.evals for r in g.runs], "test_error")},
         })
+    return out
+
+
+def grad_norm_profile(g: Group) -> dict[str, Any] | None:
+    """Per unit (forward order), each norm's median and quartiles over every grad_norms record
+    of the group's runs (seeds x logged iterations), and over the first record of each run (the
+    start of training, where a plain network's gradients are already off); None when no run
+    logged any."""
+    logged = [r for r in g.runs if r.grad_norms]
+    if not logged:
+        return None
+    units = logged[0].grad_norms[0]["units"]
+    out: dict[str, Any] = {"units": units, "records": sum(len(r.grad_norms) for r in logged),
+                           "runs": len(logged),
+                           "iterations": sorted({rec["iteration"] for r in logged
+                                                 for rec in r.grad_norms})}
+    for key in GRAD_NORMS:
+        for name, recs in (("all", [rec for r in logged for rec in r.grad_norms]),
+                           ("first", [r.grad_norms[0] for r in logged])):
+            cols = [[rec[key][u] for rec in recs if len(rec[key]) == len(units)]
+                    for u in range(len(units))]
+            med, q1, q3 = figures.band(cols)
+            out.setdefault(key, {})[name] = {"median": med.tolist(), "q1": q1.tolist(),
+                                             "q3": q3.tolist()}
     return out
 
 
@@ -385,6 +424,53 @@ def figure(groups: list[Group], summary: list[dict[str, Any]]):
     return fig
 
 
+def grad_norm_figure(groups: list[Group], summary: list[dict[str, Any]]):
+    """Gradient norm against unit depth (--log-grad-norms runs), log-scale y: one panel per
+    norm, one curve per variant (the median over its seeds and logged iterations, interquartile
+    band; dotted: the median of each run's first record). None without matplotlib or when no
+    run logged gradient norms."""
+    plt = figures.pyplot()
+    drawn = [(g, s) for g, s in zip(groups, summary) if s.get("grad_norms")]
+    if plt is None or not drawn:
+        return None
+    from matplotlib.lines import Line2D
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8 + 0.17 * (2 * len(drawn) + 1)))
+    handles = []
+    for i, (g, s) in enumerate(zip(groups, summary)):
+        prof = s.get("grad_norms")
+        if not prof:
+            continue
+        colour = f"C{i % 10}"
+        depth = list(range(1, len(prof["units"]) + 1))
+        for ax, key in zip(axes, GRAD_NORMS):
+            allr, first = prof[key]["all"], prof[key]["first"]
+            ax.plot(depth, _finite(allr["median"]), ".-", color=colour, lw=1.5)
+            if prof["records"] > 1:
+                ax.fill_between(depth, _finite(allr["q1"]), _finite(allr["q3"]),
+                                color=colour, alpha=0.2, lw=0)
+            ax.plot(depth, _finite(first["median"]), ":", color=colour, lw=1.2)
+        its = prof["iterations"]
+        handles.append(Line2D([], [], color=colour, lw=1.5, marker=".",
+                              label=f"{g.label}: median of {prof['records']} records "
+                                    f"({prof['runs']} run(s), iterations {its[0]}-{its[-1]}), "
+                                    "interquartile band"))
+        handles.append(Line2D([], [], color=colour, lw=1.2, ls=":",
+                              label=f"{g.label}: first record (iteration {its[0]})"))
+    for ax, ylabel in zip(axes, GRAD_NORMS.values()):
+        ax.set_yscale("log")
+        ax.set_xlabel("residual unit, in forward order (1 = nearest the input)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    axes[0].set_title("gradient reaching each unit's input")
+    axes[1].set_title("gradient of each unit's parameters")
+    fig.suptitle("gradient norms against depth (fusedres train --log-grad-norms)")
+    fig.legend(handles=handles, loc="lower center", ncol=1, fontsize=8, frameon=False)
+    figures.leave_room_for_legend(fig, len(handles))
+    return fig
+
+
 # --------------------------------------------------------------------------- command line
 
 def build_parser() -> runs.Parser:
@@ -426,9 +512,13 @@ def _run(args, argv: list[str]) -> int:
     summary = summarise(groups)
     out.mkdir(parents=True, exist_ok=True)
     png = plot(groups, summary, out / "compare.png")
+    grad_fig = grad_norm_figure(groups, summary)
+    grad_png = (figures.save(grad_fig, out / "grad_norms.png", layout=False)
+                if grad_fig is not None else None)
     doc = {"command": "fusedres compare " + shlex.join(argv), "groups": _jsonable(summary),
            "null": "a value that is not finite (a median or quartile a diverged run reaches)",
-           "files": {"figure": png.name if png else None}}
+           "files": {"figure": png.name if png else None,
+                     "grad_norms": grad_png.name if grad_png else None}}
     (out / "compare.json").write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
     lines = ["# Runs compared", "", f"`{doc['command']}`", "",
              "Per variant (runs differing only in the seed): test error in % as the median over "
@@ -445,12 +535,16 @@ def _run(args, argv: list[str]) -> int:
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
     if png is not None:
         lines += ["![training curves](compare.png)", ""]
+    if grad_png is not None:
+        lines += ["Gradient norms against depth (`--log-grad-norms` runs; `compare.json`'s "
+                  "`grad_norms` per variant):", "", "![gradient norms](grad_norms.png)", ""]
     (out / "compare.md").write_text("\n".join(lines))
     print(table(summary))
     for n in notes:
         print(f"note: {n}")
     print(f"\nwritten: {out / 'compare.md'}, {out / 'compare.json'}"
-          + (f", {png}" if png else " (no figure: matplotlib is not installed)"))
+          + (f", {png}" if png else " (no figure: matplotlib is not installed)")
+          + (f", {grad_png}" if grad_png else ""))
     return 0
 
 

@@ -19,10 +19,19 @@ ones, and a 1-D landscape follows the 2-D one's x direction.
 entry of the state, BatchNorm's running statistics included, as the reference code's ``states``
 directions), t over ``--range`` (default -0.5 1.5).
 
+``--trajectory``: Li et al.'s section 7 plot. The run's checkpoints before the final one (its
+latest, or ``--checkpoint``), each minus the final weights, flattened over the parameters (1-D
+ones left out with ``--ignore-biasbn``, the default); their first two principal directions
+(centred PCA, :func:`pca_directions`) are the axes, each labelled with the share of the
+variance it explains; the surface is computed over them around the final weights (unit-norm
+directions, not filter-normalised: the path's own scale), on a range that holds the projected
+path (``--range`` overrides), and the path is drawn on the contours.
+
 BatchNorm statistics (``--bn-stats``): ``keep`` evaluates with the running statistics the state
 holds at the point: the trained ones along random directions (Li et al.), the interpolated ones
 along a path. Outside [0, 1] an interpolated running variance can go below zero, and the loss
-there is NaN; so ``--interpolate`` defaults to ``recompute``: at every point the running
+there is NaN; so ``--interpolate`` defaults to ``recompute`` (and so does ``--trajectory``, whose
+points are no trained weights either): at every point the running
 statistics are reset and recomputed from the same training batches the loss is measured on
 (BatchNorm alone in training mode, ``momentum=None``: the exact average over the batches, as
 ``torch.optim.swa_utils.update_bn``), then the loss is evaluated with them. A point whose loss is
@@ -110,6 +119,101 @@ def directions(model: nn.Module, seed: int, count: int = 2, ignore_biasbn: bool 
     return out
 
 
+# --------------------------------------------------------------------------- the trajectory
+
+TRAJECTORY_MARGIN = 0.25  # of the path's extent on each axis, added on both sides
+
+
+@torch.no_grad()
+def pca_directions(deltas: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The first two principal directions of the rows of ``deltas`` (n, P): the checkpoints'
+    weights minus the final ones, flattened (Li et al. 2018, section 7; their code fits
+    sklearn's PCA, which centres the rows first: so does this).
+
+    Returns (directions (2, P), unit vectors; explained-variance ratio of each (2,); the
+    projections of the rows on them (n, 2), uncentred, so that the final weights are the
+    origin). Each direction's sign is chosen so that the first row projects to a coordinate
+    <= 0 (the path runs towards +x and +y)."""
+    if deltas.shape[0] < 2:
+        raise ValueError(f"deltas: need at least 2 rows for 2 directions, got {deltas.shape[0]}")
+    d = deltas.double()
+    centred = d - d.mean(0, keepdim=True)
+    _, sv, vh = torch.linalg.svd(centred, full_matrices=False)
+    var = sv.square()
+    ratio = var[:2] / var.sum()
+    dirs = vh[:2].clone()
+    if dirs.shape[0] < 2:  # 2 rows: the centred rows span one direction only
+        raise ValueError("deltas: the checkpoints span fewer than 2 directions")
+    proj = d @ dirs.T
+    flip = torch.where(proj[0] > 0, -1.0, 1.0).to(d.dtype)
+    return dirs * flip[:, None], ratio, proj * flip
+
+
+def trajectory(run, ignore_biasbn: bool = True) -> tuple[dict[str, Any], list[dict[str, Tensor]]]:
+    """The PCA directions of ``run``'s checkpoints before its selected one (its final weights
+    theta_n): rows theta_i - theta_n over the parameters (every 1-D parameter, biases and
+    BatchNorm's, left out with ``ignore_biasbn``, as Li et al.'s ``ignore='biasbn'``).
+
+    Returns the path (``{"checkpoints", "iterations", "x", "y", "explained_variance"}``, the
+    final weights at the origin and last in the lists) and the two directions as
+    ``{name: tensor}`` dicts in each parameter's shape (CPU float32), for :class:`_Weights`."""
+    from fusedres.train import checkpoint as ckpt
+
+    names = [n for n, p in perturbable_parameters(run.model)
+             if not (ignore_biasbn and p.dim() <= 1)]
+    theta = {n: p.detach().to("cpu", torch.float64).flatten()
+             for n, p in run.model.named_parameters()}
+    reference = run.model.state_dict()
+    final = run.checkpoint.resolve()
+    earlier, rows = [], []
+    for path in ckpt.list_checkpoints(run.directory):
+        if path.resolve() == final:
+            continue
+        state = runs.load_checkpoint(path, "--trajectory")
+        if int(state["iteration"]) >= run.iteration:
+            continue
+        why = runs.state_mismatch(reference, state["model"])
+        if why is not None:
+            raise UsageError(f"--trajectory: {str(path)!r} does not fit the run's model "
+                             f"{run.model_name} ({why})")
+        earlier.append((path, int(state["iteration"])))
+        rows.append(torch.cat([state["model"][n].to("cpu", torch.float64).flatten() - theta[n]
+                               for n in names]))
+    if len(earlier) < 3:
+        raise UsageError(
+            f"--trajectory: {len(earlier)} checkpoint(s) of {str(run.directory)!r} before "
+            f"iteration {run.iteration}; the PCA of the path needs at least 3: train with "
+            "--checkpoint-every N and --keep-checkpoints above the number of checkpoints")
+    deltas = torch.stack(rows)
+    try:
+        dirs, ratio, proj = pca_directions(deltas)
+    except ValueError as e:
+        raise UsageError(f"--trajectory: {str(e).partition(': ')[2]}") from None
+    out = []
+    for k in range(2):
+        d, at = {}, 0
+        for n, p in run.model.named_parameters():
+            if n in names:
+                d[n] = dirs[k, at:at + p.numel()].view(p.shape).float().contiguous()
+                at += p.numel()
+            else:
+                d[n] = torch.zeros(tuple(p.shape))
+        out.append(d)
+    path_info = {"checkpoints": [p.name for p, _ in earlier] + [run.checkpoint.name],
+                 "iterations": [it for _, it in earlier] + [run.iteration],
+                 "x": proj[:, 0].tolist() + [0.0], "y": proj[:, 1].tolist() + [0.0],
+                 "explained_variance": ratio.tolist()}
+    return path_info, out
+
+
+def path_extent(values: Sequence[float]) -> tuple[float, float]:
+    """An axis range holding every value and 0 (the final weights), widened on both sides by
+    :data:`TRAJECTORY_MARGIN` of the extent."""
+    lo, hi = min(0.0, *values), max(0.0, *values)
+    pad = TRAJECTORY_MARGIN * (hi - lo) if hi > lo else 1.0
+    return lo - pad, hi + pad
+
+
 # --------------------------------------------------------------------------- the grid
 
 def _axis(lo: float, hi: float, n: int) -> np.ndarray:
@@ -184,7 +288,9 @@ class SurfaceFile:
 
 
 # The option each setting comes from, for the message when a rerun asks for other settings.
-_FLAGS = {"format": "--overwrite", "mode": "--interpolate", "dims": "--dims", "grid": "--grid",
+_FLAGS = {"format": "--overwrite", "mode": "--interpolate or --trajectory",
+          "range_y": "--range", "trajectory": "--trajectory (the run's checkpoints)",
+          "dims": "--dims", "grid": "--grid",
           "bn_stats": "--bn-stats",
           "range": "--range", "seed": "--seed", "ignore_biasbn": "--ignore-biasbn",
           "samples": "--batches", "checkpoint": "--checkpoint",
@@ -222,7 +328,8 @@ def build_parser() -> runs.Parser:
                         "and 1 on the grid)")
     p.add_argument("--range", type=float, nargs="+", metavar="BOUND",
                    help="the axes' range: A B, or R for [-R, R] (default -1 1; with "
-                        "--interpolate -0.5 1.5)")
+                        "--interpolate -0.5 1.5; with --trajectory each axis the path's extent "
+                        "and a quarter of it on both sides)")
     p.add_argument("--batches", type=int, metavar="B",
                    help="use the first B training batches of --batch-size (default: the whole "
                         "training set)")
@@ -234,6 +341,11 @@ def build_parser() -> runs.Parser:
     p.add_argument("--interpolate", nargs=2, metavar=("CKPT_A", "CKPT_B"),
                    help="the 1-D path (1 - t) A + t B between two checkpoints of the run's "
                         "model instead of random directions")
+    p.add_argument("--trajectory", action="store_true",
+                   help="Li et al.'s trajectory plot: the 2-D surface over the first two PCA "
+                        "directions of the run's checkpoints (each minus the final weights), "
+                        "the training path projected onto them and drawn on the contours "
+                        "(BatchNorm statistics recomputed at each point by default)")
     p.add_argument("--bn-stats", choices=("keep", "recompute"),
                    help="BatchNorm running statistics at each point: keep those of the state "
                         "(default along random directions: the trained ones) or recompute them "
@@ -249,11 +361,13 @@ def build_parser() -> runs.Parser:
 def _range(args, mode: str) -> tuple[float, float]:
     if args.range is None:
         return DEFAULT_RANGE[mode]
+    what = "R > 0 (the range [-R, R]) or A B with A < B" + (
+        " (default: the path's extent on each axis, and a margin)" if mode == "trajectory"
+        else "")
     r = args.range
     if len(r) == 1:
         if not r[0] > 0:
-            raise UsageError(f"--range: expected R > 0 (the range [-R, R]) or A B with A < B, "
-                             f"got {r[0]:g}")
+            raise UsageError(f"--range: expected {what}, got {r[0]:g}")
         return (-r[0], r[0])
     if len(r) != 2:
         raise UsageError(f"--range: expected A B or R, got {len(r)} values")
@@ -264,7 +378,13 @@ def _range(args, mode: str) -> tuple[float, float]:
 
 def _check(args) -> dict[str, Any]:
     """What the command line asks for, checked; nothing is read from disk."""
-    mode = "interpolate" if args.interpolate else "directions"
+    if args.trajectory and args.interpolate:
+        raise UsageError("--trajectory: not with --interpolate (choose one path)")
+    mode = "interpolate" if args.interpolate else (
+        "trajectory" if args.trajectory else "directions")
+    if mode == "trajectory":
+        if args.dims == 1:
+            raise UsageError("--dims: --trajectory gives a 2-D surface; leave --dims out")
     if mode == "interpolate":
         if args.dims == 2:
             raise UsageError("--dims: --interpolate gives a 1-D path; leave --dims out")
@@ -278,7 +398,7 @@ def _check(args) -> dict[str, Any]:
     runs.at_least(args.batch_size, 1, "--batch-size", "a positive batch")
     runs.at_least(args.threads, 1, "--threads", "at least 1 thread")
     runs.at_least(args.seed, 0, "--seed")
-    lo, hi = _range(args, mode)
+    lo, hi = _range(args, mode) if mode != "trajectory" or args.range else (None, None)
     grid = args.grid or DEFAULT_GRID["interpolate" if mode == "interpolate" else dims]
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and not out.is_dir():
@@ -286,7 +406,7 @@ def _check(args) -> dict[str, Any]:
     if mode == "interpolate":
         for path in args.interpolate:
             runs.check_checkpoint(path, "--interpolate")
-    bn_stats = args.bn_stats or ("recompute" if mode == "interpolate" else "keep")
+    bn_stats = args.bn_stats or ("keep" if mode == "directions" else "recompute")
     return {"mode": mode, "dims": dims, "grid": grid, "range": [lo, hi], "bn_stats": bn_stats}
 
 
@@ -379,12 +499,27 @@ def _run(args, asked: dict[str, Any], argv: list[str]) -> int:
     data = run.train_batches(batch_size, args.batches)
     samples = sum(len(y) for _, y in data)
     lo, hi = asked["range"]
-    coords = [_axis(lo, hi, grid) for _ in range(dims)]
+    path_info = None
+    if mode == "trajectory":
+        path_info, dirs = trajectory(run, args.ignore_biasbn)
+        if lo is None:
+            (lo, hi), (ylo, yhi) = (path_extent(path_info[a]) for a in ("x", "y"))
+        else:
+            ylo, yhi = lo, hi
+        coords = [_axis(lo, hi, grid), _axis(ylo, yhi, grid)]
+    else:
+        coords = [_axis(lo, hi, grid) for _ in range(dims)]
     settings: dict[str, Any] = {"format": VERSION, "mode": mode, "dims": dims, "grid": grid,
                                 "range": [lo, hi], "samples": samples,
                                 "bn_stats": asked["bn_stats"],
                                 "dataset": run.cfg["dataset"], "model": run.model_name}
-    if mode == "interpolate":
+    if mode == "trajectory":
+        settings.update(range_y=[ylo, yhi], trajectory=path_info,
+                        ignore_biasbn=args.ignore_biasbn,
+                        checkpoint=f"{run.checkpoint.resolve()} (iteration {run.iteration})")
+        base = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+        weights = _Weights(run.model, base, dirs)
+    elif mode == "interpolate":
         a, b = (Path(p).resolve() for p in args.interpolate)
         target = run.model_state(b, "--interpolate")
         settings["interpolate"] = [str(a), str(b)]
@@ -400,7 +535,8 @@ def _run(args, asked: dict[str, Any], argv: list[str]) -> int:
     out = Path(args.out) if args.out else run.directory / "landscape"
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out: {str(out)!r} exists and is not a directory")
-    name = "interpolation" if mode == "interpolate" else f"landscape_{dims}d"
+    name = {"interpolate": "interpolation", "trajectory": "trajectory"}.get(
+        mode, f"landscape_{dims}d")
     main_file = out / f"{name}.npz"
     parts = sorted(out.glob(f"{name}.rank*.npz")) if out.is_dir() else []
     surface = SurfaceFile.empty(settings, coords)
@@ -567,14 +703,19 @@ def _report(args, argv, run, surface: SurfaceFile, centre, out: Path, name: str,
            "files": {"surface": f"{name}.npz"}}
     where_text = ("the path between two checkpoints" if s["mode"] == "interpolate"
                   else f"iteration {run.iteration}")
+    if s["mode"] == "trajectory":
+        t = s["trajectory"]
+        where_text = (f"the training path of {len(t['iterations'])} checkpoints to iteration "
+                      f"{run.iteration}")
     pngs = plot(surface, out, name, f"{run.model_name}\nseed {run.cfg['seed']} "
                 f"({run.directory.resolve().name}), {where_text}")
     doc["files"]["plots"] = [p.name for p in pngs]
     (out / f"{name}.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
     for note in run.notes:
         print(f"fusedres landscape: note: {note}", file=sys.stderr)
+    y_range = (f" x [{s['range_y'][0]:g}, {s['range_y'][1]:g}]" if "range_y" in s else "")
     lines = [f"{name}: {run.label}, {where_text}; {s['grid']} points per axis over "
-             f"[{s['range'][0]:g}, {s['range'][1]:g}] on {s['samples']} training images; "
+             f"[{s['range'][0]:g}, {s['range'][1]:g}]{y_range} on {s['samples']} training images; "
              + bn_text + (f"; {resumed} rows resumed" if resumed else "")]
     for key, v in centre.items():
         lines.append(f"  at {key}: " + ("loss not finite" if v["loss"] is None else
@@ -601,6 +742,14 @@ def _report(args, argv, run, surface: SurfaceFile, centre, out: Path, name: str,
 _DIRECTION_LABELS = ("α: step along direction 1 (filter-normalised)",
                      "β: step along direction 2 (filter-normalised)")
 LOSS_LABEL = "training loss (cross-entropy, nats)"
+
+
+def trajectory_labels(path: dict[str, Any]) -> tuple[str, str]:
+    """The axis labels of a trajectory plot: each PCA direction with the share of the path's
+    variance it explains."""
+    return tuple(f"PC{k + 1} ({100 * r:.1f} % of the variance): distance along PCA "
+                 f"direction {k + 1} of the checkpoints"
+                 for k, r in enumerate(path["explained_variance"]))
 
 
 def figures_of(surface: SurfaceFile, title: str) -> dict[str, Any]:
@@ -652,6 +801,8 @@ def figures_of(surface: SurfaceFile, title: str) -> dict[str, Any]:
     x, y = surface.coords
     X, Y = np.meshgrid(x, y)
     out = {}
+    path = s.get("trajectory") if s["mode"] == "trajectory" else None
+    labels = trajectory_labels(path) if path else _DIRECTION_LABELS
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 6), sharex=True, sharey=True,
                                   layout="constrained")
     finite = loss[ok]
@@ -664,13 +815,22 @@ def figures_of(surface: SurfaceFile, title: str) -> dict[str, Any]:
                        cmap="viridis")
     fig.colorbar(cs2, ax=ax2, label="training accuracy (%)")
     for a, what in ((ax, "training loss"), (ax2, "training accuracy")):
-        a.plot([0], [0], "r*", ms=12, label="trained weights (α = β = 0)")
+        if path:
+            its = path["iterations"]
+            a.plot(path["x"], path["y"], "-o", color="tab:red", ms=3, lw=1.2,
+                   label=f"training path: {len(its)} checkpoints, iterations {its[0]}-{its[-1]}")
+            a.plot(path["x"][:1], path["y"][:1], "s", color="tab:red", ms=7,
+                   label=f"first checkpoint (iteration {its[0]})")
+            a.plot([0], [0], "r*", ms=12, label=f"final weights (iteration {its[-1]})")
+        else:
+            a.plot([0], [0], "r*", ms=12, label="trained weights (α = β = 0)")
         if not ok.all():
             a.plot(X[~ok], Y[~ok], "kx", ms=6, label=bad_label)
-        a.set_xlabel(_DIRECTION_LABELS[0])
-        a.set_ylabel(_DIRECTION_LABELS[1])
+        a.set_xlabel(labels[0])
+        a.set_ylabel(labels[1])
         a.set_title(what)
-        a.set_aspect("equal")
+        # PCA coordinates: the second direction's extent is often a fraction of the first's.
+        a.set_aspect("auto" if path else "equal")
         a.legend(fontsize=8, loc="upper right")
     fig.suptitle(f"{title}\n{bn}, {s['samples']} training images", fontsize=10)
     out["_contour"] = fig
@@ -685,8 +845,11 @@ def figures_of(surface: SurfaceFile, title: str) -> dict[str, Any]:
                            vmax=np.nanmax(z) if finite.size else 1)
     clip_text = f" (clipped at {SURFACE_CLIP:g})" if clipped else ""
     fig.colorbar(surf, ax=ax, shrink=0.6, pad=0.1, label=LOSS_LABEL + clip_text)
-    ax.set_xlabel("α (direction 1)")
-    ax.set_ylabel("β (direction 2)")
+    short = ([f"PC{k + 1} ({100 * r:.1f} % of the variance)"
+              for k, r in enumerate(path["explained_variance"])] if path
+             else ["α (direction 1)", "β (direction 2)"])
+    ax.set_xlabel(short[0])
+    ax.set_ylabel(short[1])
     ax.set_zlabel("training loss" + clip_text)
     ax.set_title(f"{title}\n{bn}" + ("" if ok.all() else
                                      f"; {(~ok).sum()} points not finite, left out"),

@@ -97,6 +97,9 @@ DEFAULTS: dict[str, Any] = {
     "keep_checkpoints": 2,
     "eval_every": None,
     "log_every": 50,
+    # --log-grad-norms [N]: per-unit gradient norms every N iterations (a multiple of
+    # --log-every; the flag alone: every --log-every); None: off. fusedres.train.gradnorms.
+    "log_grad_norms": None,
     "log_format": "jsonl",
     "tensorboard": True,
     "progress": True,
@@ -368,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(default: each epoch end)")
     g.add_argument("--log-every", type=int, help="iterations between metric records (50)")
     g.add_argument("--log-format", choices=CHOICES["log_format"], help="metrics file (jsonl)")
+    g.add_argument("--log-grad-norms", nargs="?", const=True, type=int, metavar="N",
+                   help="log each residual unit's gradient norms (of its input and of its "
+                        "parameters) every N iterations, a multiple of --log-every (the flag "
+                        "alone: every --log-every), as 'grad_norms' records in metrics.jsonl; "
+                        "fusedres compare plots them against depth")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction,
                    help="TensorBoard events when tensorboard is installed (on)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction,
@@ -558,6 +566,38 @@ def _check_values(cfg: dict[str, Any]) -> None:
     if cfg["activation_budget"] is not None:
         parse_bytes(cfg["activation_budget"], "--activation-budget")
     _check_cuda_graphs(cfg)
+    _check_grad_norms(cfg)
+
+
+def _check_grad_norms(cfg: dict[str, Any]) -> None:
+    """--log-grad-norms: resolved to its interval (the flag alone, or ``true`` in a config
+    file: --log-every), which must be a multiple of --log-every so that the norms are read back
+    at a log record, where the loop synchronises anyway."""
+    n = cfg["log_grad_norms"]
+    if n is None or n is False:
+        cfg["log_grad_norms"] = None
+        return
+    if n is True:
+        n = cfg["log_every"]
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise UsageError(f"--log-grad-norms: expected a positive number of iterations N (or the "
+                         f"flag alone), got {n!r}")
+    if n % cfg["log_every"]:
+        raise UsageError(f"--log-grad-norms {n}: expected a multiple of --log-every "
+                         f"({cfg['log_every']}): the norms are read back at a log record")
+    if cfg["log_format"] != "jsonl":
+        raise UsageError(f"--log-grad-norms: needs --log-format jsonl (a record holds a list per "
+                         f"unit, which metrics.csv's fixed columns cannot), got "
+                         f"{cfg['log_format']!r}")
+    if cfg["cuda_graphs"]:
+        raise UsageError("--log-grad-norms: not with --cuda-graphs (a replayed step runs no "
+                         "Python, so the gradient hooks cannot be armed on the logged steps "
+                         "only); train without --cuda-graphs to log gradient norms")
+    if cfg["compile"]:
+        raise UsageError(f"--log-grad-norms: not with --compile {cfg['compile']} (the tensor "
+                         "hooks on each unit's input are not compiled); train eagerly to log "
+                         "gradient norms")
+    cfg["log_grad_norms"] = n
 
 
 def _check_cuda_graphs(cfg: dict[str, Any]) -> None:

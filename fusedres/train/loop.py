@@ -28,6 +28,7 @@ from . import checkpoint as ckpt
 from . import data as data_mod
 from . import metrics as M
 from .config import UsageError, merge_saved, parse_bytes, resolve_channels_last
+from .gradnorms import GradNormProbe
 from .naming import variant_label
 from .runlock import RunLock, RunLocked
 from .schedule import LRSchedule
@@ -467,10 +468,17 @@ class Run:
             mode = cfg["compile"]
             train_model = torch.compile(train_model, mode=None if mode == "default" else mode)
         self.train_model = train_model
+        self.probe = None
+        if cfg["log_grad_norms"]:
+            try:
+                self.probe = GradNormProbe(self.model)
+            except ValueError as e:
+                raise UsageError(f"--log-grad-norms: --model {cfg['model']} "
+                                 f"{_first_line(e).partition(': ')[2]}") from None
         self.step = TrainStep(train_model, self.optimizer, self.scaler, self.amp_dtype,
                               self.device.type, mark_step=cfg["compile"] == "reduce-overhead",
                               label_smoothing=cfg["label_smoothing"],
-                              accum_steps=cfg["accum_steps"])
+                              accum_steps=cfg["accum_steps"], probe=self.probe)
         self.run_step = GraphedStep(self.step) if cfg["cuda_graphs"] else self.step
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
@@ -916,6 +924,12 @@ class Run:
                 x, y = self.batches.train_batch(it)
                 if self.mix is not None:
                     x, y = self.mixed(x, y)
+                # --log-grad-norms: measured on the steps that end at a multiple of its interval
+                # (a multiple of --log-every: read back below with the log record's sync).
+                probed = (self.probe is not None
+                          and (it + 1) % cfg["log_grad_norms"] == 0)
+                if probed:
+                    self.probe.arm(self.scaler)
                 loss, correct = self._train_step(x, y, lr)
                 self.schedule.step()
                 win[0] += loss.double() * local
@@ -948,6 +962,9 @@ class Run:
                           "images_per_s": rate, "peak_memory_bytes": mem,
                           "time_s": self.elapsed}
                 self._record(record)
+                if probed:
+                    self._record({"kind": "grad_norms", "iteration": self.iteration,
+                                  "epoch": epoch + 1, **self.probe.read()})
                 if not math.isfinite(record["loss"]) and self.diverged_at is None:
                     self.diverged_at = self.iteration
                     if self.rank == 0:

@@ -1,6 +1,7 @@
 """Metrics: the log file (JSON lines or CSV, TensorBoard when installed), curves, summary.
 
-Every record is a flat dict with ``kind`` ("train", "eval" or "epoch") and ``iteration``. The
+Every record is a dict with ``kind`` ("train", "eval" or "epoch": flat; "grad_norms" with
+``--log-grad-norms``: lists per unit, jsonl only) and ``iteration``. The
 full history also travels in each checkpoint, so a resumed run rewrites the log from it and no
 record after the checkpoint's iteration is kept twice.
 """

@@ -119,7 +119,7 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, amp_dtype: torch.dtype | None,
                  device_type: str, mark_step: bool = False, label_smoothing: float = 0.0,
-                 accum_steps: int = 1):
+                 accum_steps: int = 1, probe=None):
         if accum_steps < 1:
             raise ValueError(f"accum_steps: expected at least 1, got {accum_steps}")
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
@@ -127,6 +127,9 @@ class TrainStep:
         # --label-smoothing: torch's own loss (its smoothing is a device computation).
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.amp_dtype, self.device_type, self.mark_step = amp_dtype, device_type, mark_step
+        # --log-grad-norms: a fusedres.train.gradnorms.GradNormProbe; when armed, it measures
+        # the gradients between the backward and the optimizer step (on the device).
+        self.probe = probe
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.amp_dtype is None:
@@ -174,6 +177,8 @@ class TrainStep:
                 hits = _hits(out, yi)
                 total = loss.detach() if total is None else total + loss.detach()
                 correct = hits if correct is None else correct + hits
+        if self.probe is not None and self.probe.armed:
+            self.probe.after_backward()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return total, correct
