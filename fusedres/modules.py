@@ -739,9 +739,22 @@ def _lean_preact(block: ResidualBlock, x: Tensor, stats, return_stats: bool):
     if type(conv1) is not nn.Conv2d:
         return None
     r = route(x, conv1._parameters["weight"])
-    prepare_affine, prepare_bn, prepares = r.prepare_affine, r.prepare_batch_norm, r.prepares
-    if prepare_bn is None or torch.is_autocast_enabled(x.device.type):
+    if r.prepare_batch_norm is None or torch.is_autocast_enabled(x.device.type):
         return None
+    keyed = _lean_key(r, names, mods, x, stats, return_stats)
+    if keyed is None:
+        return None
+    key, chain = keyed
+    if key not in _LEAN_KEYS:
+        out = block._forward_preact(x, stats, return_stats)  # checks every argument
+        _LEAN_KEYS.add(key)
+        return out
+    return _lean_run(r, chain, x, stats, return_stats)
+
+
+def _lean_key(r, names, mods, x: Tensor, stats, return_stats: bool):
+    """(the key of these arguments, each chain's fields) for :func:`_lean_preact`, or None
+    where a BatchNorm or convolution is not one the lean route runs."""
     sdt = torch.float64 if x.dtype == torch.float64 else torch.float32  # opdefs.stats_dtype
     key = [r.name, x.shape, x.stride(), x.dtype, x.device, return_stats,
            None if stats is None else (len(stats), *map(_META, stats))]
@@ -764,11 +777,13 @@ def _lean_preact(block: ResidualBlock, x: Tensor, stats, return_stats: bool):
                 None if nbt is None else _META(nbt))
         chain.append((bn.training, bn.momentum, bn.eps, g, b, rm, rv, nbt, w, cb, c.stride,
                       c.padding, c.dilation))
-    key = tuple(key)
-    if key not in _LEAN_KEYS:
-        out = block._forward_preact(x, stats, return_stats)  # checks every argument
-        _LEAN_KEYS.add(key)
-        return out
+    return tuple(key), chain
+
+
+def _lean_run(r, chain, x: Tensor, stats, return_stats: bool):
+    """The lean route's run of ``chain`` (:func:`_lean_key`'s) on ``x``: ``(y, stats of y
+    or None)``."""
+    prepare_affine, prepare_bn, prepares = r.prepare_affine, r.prepare_batch_norm, r.prepares
     # What _forward_preact runs for these arguments: each BatchNorm prepared as
     # functional.prepare_batch_norm's route branch does (with the statistics its producer
     # handed over when it uses batch statistics), each unit as functional.conv2d_from_prepared
