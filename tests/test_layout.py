@@ -183,17 +183,25 @@ def test_nothing_imports_the_deprecated_checkpoint_module():
 MAX_LENGTH, MAX_CCN = 150, 40
 _SIZE_FOLDERS = ("fusedres", "kernels", "csrc")
 _SIZE_SUFFIXES = {".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"}
+# Still over, to be split (issue 39): the CUDA kernels' main loops and the backward op's host
+# code. The list only shrinks: a function split below the bounds must leave it.
+KNOWN_OVER = {
+    "csrc/cuda/bn_relu_conv2d.cu fusedres::FUSEDRES_CUDA_NS::bn_relu_conv2d_fwd_mma_kernel",
+    "csrc/cuda/bn_relu_conv2d_backward.cu fusedres::FUSEDRES_CUDA_NS::dgrad_mma_kernel",
+    "csrc/cuda/bn_relu_conv2d_backward.cu fusedres::FUSEDRES_CUDA_NS::wgrad_mma_kernel",
+    "csrc/cuda/bn_relu_conv2d_backward.cu fusedres::FUSEDRES_CUDA_NS::bn_relu_conv2d_backward",
+}
 
 
 def oversized_functions(path: Path, text: str) -> list[str]:
     """The functions of ``text`` (the source of ``path``) over :data:`MAX_LENGTH` lines or
-    :data:`MAX_CCN`, as "path:line name: N lines, CCN M"."""
+    :data:`MAX_CCN`, as "path name: N lines, CCN M"."""
     import lizard  # requirements-dev.txt
 
     # lizard picks its reader by suffix and has none for CUDA: .cu/.cuh are read as C++.
     name = str(path) + (".cpp" if path.suffix in (".cu", ".cuh") else "")
     info = lizard.analyze_file.analyze_source_code(name, text)
-    return [f"{path}:{f.start_line} {f.name}: {f.length} lines, CCN {f.cyclomatic_complexity}"
+    return [f"{path} {f.name}: {f.length} lines, CCN {f.cyclomatic_complexity}"
             for f in info.function_list
             if f.length > MAX_LENGTH or f.cyclomatic_complexity > MAX_CCN]
 
@@ -211,19 +219,23 @@ def _complex_cuda(branches: int) -> str:
 def test_size_rule_catches_a_planted_function():
     assert oversized_functions(Path("p.py"), _long_python(MAX_LENGTH)) == []
     assert oversized_functions(Path("p.py"), _long_python(MAX_LENGTH + 1)) == [
-        f"p.py:1 planted: {MAX_LENGTH + 1} lines, CCN 1"]
+        f"p.py planted: {MAX_LENGTH + 1} lines, CCN 1"]
     # CCN = 1 + one per branch; a .cu file is read (as C++), not skipped.
     assert oversized_functions(Path("k.cu"), _complex_cuda(MAX_CCN - 1)) == []
     assert oversized_functions(Path("k.cu"), _complex_cuda(MAX_CCN)) == [
-        f"k.cu:1 planted: {MAX_CCN + 2} lines, CCN {MAX_CCN + 1}"]
+        f"k.cu planted: {MAX_CCN + 2} lines, CCN {MAX_CCN + 1}"]
 
 
 def test_no_function_over_150_lines_or_ccn_40():
-    found, read = [], 0
+    found, read = {}, 0
     for folder in _SIZE_FOLDERS:
         for path in sorted((ROOT / folder).rglob("*")):
             if path.suffix in _SIZE_SUFFIXES and path.is_file():
                 read += 1
-                found += oversized_functions(path.relative_to(ROOT), path.read_text())
+                for line in oversized_functions(path.relative_to(ROOT), path.read_text()):
+                    found[line.rsplit(": ", 1)[0]] = line
     assert read > 100  # the folders were read
-    assert found == [], "split these along their phases:\n" + "\n".join(found)
+    new = [line for key, line in found.items() if key not in KNOWN_OVER]
+    assert new == [], "split these along their phases:\n" + "\n".join(new)
+    fixed = sorted(KNOWN_OVER - set(found))
+    assert fixed == [], "within the bounds now: remove from KNOWN_OVER"
