@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import functional as FR
+from . import unit_variants as V
 from .distributed import prepare_batch_norm_sync
 from .opdefs import UnitArgs, suggests_channels_last
 from .route import route
+from .unit_variants import scaled
 
 __all__ = ["BNReLUConv2d", "BasicBlock", "Bottleneck", "BNReLUConvLayer", "DROP_PATH_MODES",
            "FUSED", "FusedBNReLUConv", "NORMS", "PLAIN", "PlainBNReLUConv",
@@ -197,10 +199,6 @@ def _has_no_data(x: Tensor) -> bool:
     return x.is_meta or is_fake(x)
 
 
-def _scaled(y: Tensor, scale: Tensor | None) -> Tensor:
-    return y if scale is None else y * scale.view(-1, *([1] * (y.dim() - 1))).to(y.dtype)
-
-
 # --------------------------------------------------------------------------- the layers
 
 class BNReLUConvLayer:
@@ -241,7 +239,7 @@ class PlainBNReLUConv(BNReLUConvLayer):
         return F.relu(bn(x) if bn is not None else x)
 
     def conv(self, a, conv, residual=None, branch_scale=None, return_stats=False):
-        y = _scaled(conv(a), branch_scale)
+        y = scaled(conv(a), branch_scale)
         y = y if residual is None else residual + y
         return (y, None) if return_stats else y
 
@@ -537,27 +535,7 @@ class ResidualBlock(nn.Module):
     @property
     def plain_parts(self) -> list[str]:
         """What this unit runs as plain PyTorch whatever the layer (no BN-ReLU -> conv chain)."""
-        parts = []
-        k = self.num_convs
-        if self.unit in ("original", "bn_after_add", "relu_before_add"):
-            parts.append("conv1 (reads the unit's input, no BN-ReLU before it)")
-        if self.unit != "preact":
-            if self.shortcut is not None:
-                parts.append("shortcut (1x1 conv of the unit's input)"
-                             + (" and shortcut_bn" if self.shortcut_bn is not None else ""))
-            last = {"original": f"bn{k} and the ReLU after the addition",
-                    "bn_after_add": f"the addition's bn{k} and ReLU",
-                    "relu_before_add": f"bn{k}-ReLU before the addition",
-                    "relu_only_preact": f"bn{k} before the addition"}[self.unit]
-            parts.append(last if self.norm == "batch" else last.replace(f"bn{k} and ", "")
-                         .replace(f"bn{k}-", "").replace(f"the addition's bn{k} and ", ""))
-        if self.unit == "relu_only_preact":
-            parts.append("the first ReLU -> conv1 (no BatchNorm: fusing would save nothing)")
-        if self.norm == "none":
-            parts.append("every ReLU -> conv (no BatchNorm: fusing would save nothing)")
-        if self.gate is not None:
-            parts.append("gate (sigmoid of a 1x1 conv) and the gated sum")
-        return parts
+        return V.plain_parts(self)
 
     def extra_repr(self) -> str:
         bits = [f"unit={self.unit!r}", f"shortcut={self.path!r}", f"layer={self.layer!r}"]
@@ -588,40 +566,6 @@ class ResidualBlock(nn.Module):
         noise = torch.empty([n] + [1] * (x.dim() - 1), dtype=x.dtype, device=x.device)
         return False, noise.bernoulli_(keep).div_(keep).reshape(n)
 
-    def _branch_scale(self, drawn: Tensor | None, x: Tensor) -> Tensor | None:
-        if self.path == "scale" and self.scale_branch:
-            s = x.new_full((x.shape[0],), 1.0 - self.scale)
-            return s if drawn is None else s * drawn
-        return drawn
-
-    def _short(self, x: Tensor, a) -> Tensor | None:
-        """h(x) for the additive shortcuts (gates are combined in :meth:`_combine`)."""
-        kind = self.path
-        if kind == "identity" or kind in ("exclusive_gate", "shortcut_gate"):
-            return x
-        if kind == "scale":
-            return x * self.scale
-        if kind == "dropout":
-            return F.dropout(x, self.shortcut_dropout, self.training)
-        if kind == "none":
-            return None
-        if self.unit == "preact":  # the projection shares the first BN-ReLU
-            return self.layer.conv(a, self.shortcut)
-        h = self.shortcut(x)
-        return self.shortcut_bn(h) if self.shortcut_bn is not None else h
-
-    def _combine(self, x: Tensor, short: Tensor | None, f: Tensor | None) -> Tensor:
-        """h(x) + F for a branch ``f`` already scaled (None: dropped, zero)."""
-        if self.gate is not None:
-            g = torch.sigmoid(self.gate(x))
-            kept = (1 - g) * x
-            if f is None:
-                return kept
-            return kept + (g * f if self.path == "exclusive_gate" else f)
-        if f is None:
-            return short if short is not None else torch.zeros_like(x)
-        return f if short is None else short + f
-
     def forward(self, x: Tensor, stats=None, return_stats: bool = False):
         """``x`` (N, in_planes, H, W) -> (N, out_planes, H / stride, W / stride).
 
@@ -646,64 +590,37 @@ class ResidualBlock(nn.Module):
         dropped, drawn = self._draw(x)
         if dropped:  # the shortcut alone: only a projection reads the BN-ReLU
             a = L.act(bns[0], x, stats) if self.path in ("projection", "conv1x1") else None
-            return self._combine(x, self._short(x, a), None), None
+            return V.combine(self, x, V.shortcut(self, x, a), None), None
         a = L.act(bns[0], x, stats)
-        first = 1
-        if self.stacked_shortcut:
-            short, a = shared_conv_into(a, self.shortcut, convs[0], bns[1])
-            first = 2
-        elif self.paired_shortcut:
-            short, a = paired_conv_into(a, self.shortcut, convs[0], bns[1])
-            first = 2
-        elif self.shortcut_from_conv1:
-            short, a = shortcut_conv_into(a, convs[0], bns[1])
-            first = 2
-        else:
-            short = self._short(x, a)
+        short, a, first = self._shortcut_beside_conv1(x, a)
         for i in range(first, self.num_convs):
             a = L.conv_into(a, convs[i - 1], bns[i])
-        last = convs[-1]
-        scale = self._branch_scale(drawn, x)
+        scale = V.branch_scale(self, drawn, x)
         if self.gate is None:
-            out = L.conv(a, last, residual=short, branch_scale=scale,
+            out = L.conv(a, convs[-1], residual=short, branch_scale=scale,
                          return_stats=return_stats)
             return out if return_stats else (out, None)
-        return self._combine(x, short, L.conv(a, last, branch_scale=scale)), None
+        return V.combine(self, x, short, L.conv(a, convs[-1], branch_scale=scale)), None
+
+    def _shortcut_beside_conv1(self, x: Tensor, a):
+        """(h(x), the chain's activation, the first convolution left to run): conv1 run with
+        the shortcut where a route pairs them (stacked, paired, or the identity handed on),
+        else the shortcut alone."""
+        convs, bns = self.convs, self.bns
+        if self.stacked_shortcut:
+            return (*shared_conv_into(a, self.shortcut, convs[0], bns[1]), 2)
+        if self.paired_shortcut:
+            return (*paired_conv_into(a, self.shortcut, convs[0], bns[1]), 2)
+        if self.shortcut_from_conv1:
+            return (*shortcut_conv_into(a, convs[0], bns[1]), 2)
+        return V.shortcut(self, x, a), a, 1
 
     def _forward_post(self, x: Tensor) -> Tensor:
-        L = self.layer
-        convs, bns = self.convs, self.bns
-        k = self.num_convs
-        first_relu = self.unit == "relu_only_preact"
-        if first_relu:
-            L.check(x, convs[0])
-        check_convs(*convs[1:])
+        if self.unit == "relu_only_preact":
+            self.layer.check(x, self.convs[0])
+        check_convs(*self.convs[1:])
         dropped, drawn = self._draw(x)
-        short = self._short(x, None)
-        if dropped:
-            f = None
-        else:
-            t = L.conv(L.act(None, x), convs[0]) if first_relu else convs[0](x)
-            if k > 1:
-                a = L.act(bns[0], t)
-                for i in range(1, k - 1):
-                    a = L.conv_into(a, convs[i], bns[i])
-                t = L.conv(a, convs[-1])
-            bn = bns[-1]
-            if self.unit in ("original", "relu_only_preact"):
-                f = bn(t) if bn is not None else t
-            elif self.unit == "relu_before_add":
-                f = F.relu(bn(t) if bn is not None else t)
-            else:  # bn_after_add: the BatchNorm comes after the addition
-                f = t
-            f = _scaled(f, self._branch_scale(drawn, x))
-        y = self._combine(x, short, f)
-        if self.unit == "original":
-            return F.relu(y)
-        if self.unit == "bn_after_add":
-            bn = bns[-1]
-            return F.relu(bn(y) if bn is not None else y)
-        return y
+        return V.forward_post(self, x, dropped, drawn)
 
 
 # --------------------------------------------------------------------------- the lean route
@@ -739,9 +656,22 @@ def _lean_preact(block: ResidualBlock, x: Tensor, stats, return_stats: bool):
     if type(conv1) is not nn.Conv2d:
         return None
     r = route(x, conv1._parameters["weight"])
-    prepare_affine, prepare_bn, prepares = r.prepare_affine, r.prepare_batch_norm, r.prepares
-    if prepare_bn is None or torch.is_autocast_enabled(x.device.type):
+    if r.prepare_batch_norm is None or torch.is_autocast_enabled(x.device.type):
         return None
+    keyed = _lean_key(r, names, mods, x, stats, return_stats)
+    if keyed is None:
+        return None
+    key, chain = keyed
+    if key not in _LEAN_KEYS:
+        out = block._forward_preact(x, stats, return_stats)  # checks every argument
+        _LEAN_KEYS.add(key)
+        return out
+    return _lean_run(r, chain, x, stats, return_stats)
+
+
+def _lean_key(r, names, mods, x: Tensor, stats, return_stats: bool):
+    """(the key of these arguments, each chain's fields) for :func:`_lean_preact`, or None
+    where a BatchNorm or convolution is not one the lean route runs."""
     sdt = torch.float64 if x.dtype == torch.float64 else torch.float32  # opdefs.stats_dtype
     key = [r.name, x.shape, x.stride(), x.dtype, x.device, return_stats,
            None if stats is None else (len(stats), *map(_META, stats))]
@@ -764,11 +694,13 @@ def _lean_preact(block: ResidualBlock, x: Tensor, stats, return_stats: bool):
                 None if nbt is None else _META(nbt))
         chain.append((bn.training, bn.momentum, bn.eps, g, b, rm, rv, nbt, w, cb, c.stride,
                       c.padding, c.dilation))
-    key = tuple(key)
-    if key not in _LEAN_KEYS:
-        out = block._forward_preact(x, stats, return_stats)  # checks every argument
-        _LEAN_KEYS.add(key)
-        return out
+    return tuple(key), chain
+
+
+def _lean_run(r, chain, x: Tensor, stats, return_stats: bool):
+    """The lean route's run of ``chain`` (:func:`_lean_key`'s) on ``x``: ``(y, stats of y
+    or None)``."""
+    prepare_affine, prepare_bn, prepares = r.prepare_affine, r.prepare_batch_norm, r.prepares
     # What _forward_preact runs for these arguments: each BatchNorm prepared as
     # functional.prepare_batch_norm's route branch does (with the statistics its producer
     # handed over when it uses batch statistics), each unit as functional.conv2d_from_prepared

@@ -461,6 +461,89 @@ def _activation_choice(prof: UnitProfile, budget: int):
     return list(segs), saved, peak, cost
 
 
+def _fit_step(prof: UnitProfile, budget: int, act_cap: float, choice, simulate, total,
+              what: str, process: bool):
+    """The checkpoint choice whose simulated step fits ``budget`` (the step's peak, or the
+    process's with ``process``), starting from ``choice`` (the activation budget's, or None:
+    no checkpointing): (choice, its simulated step). Raises :class:`PlanError` naming the
+    smallest budget that works when even checkpointing every unit does not fit."""
+    unplanned = prof.total_saved
+    first = choice if choice is not None else ([], unplanned, unplanned, 0)
+    step = simulate(first[0])
+    if total(step) > budget:
+        # Saved activations get what the rest of the step leaves; the simulation checks
+        # each choice and the shortfall tightens the next one.
+        target = min(act_cap, first[2] - (total(step) - budget))
+        choice = None
+        for _ in range(8):
+            if target <= 0:
+                break
+            c = _activation_choice(prof, target)
+            if c is None:
+                break
+            s = simulate(c[0])
+            if total(s) <= budget:
+                choice, step = c, s
+                break
+            target = min(target - (total(s) - budget) - (budget >> 10), c[2] - 1)
+        if choice is None:
+            c = _min_peak_segments(prof)
+            s = simulate(c[0])
+            if total(s) > budget or c[2] > act_cap:
+                smallest = total(s)
+                slack = (f" (the step's {_size(s.peak_bytes)} + the allocator's slack "
+                         f"{_size(smallest - s.peak_bytes)})" if process else "")
+                raise PlanError(
+                    f"budget_bytes: {budget} bytes ({_size(budget)}) cannot be met for "
+                    f"{what}; the smallest budget that works is {smallest} bytes "
+                    f"({_size(smallest)}){slack}, with every unit checkpointed; without "
+                    f"checkpointing the step peaks at {_size(step.peak_bytes)} "
+                    + ("(the eval forward, which checkpointing does not shrink, is the "
+                       "peak: a smaller eval batch lowers it: " if s.phase == "eval forward"
+                       else f"(the {s.phase} is the peak: ") + "; ".join(
+                        " ".join(line.split()) for line in s.lines()[1:]) + ")",
+                    smallest)
+            choice, step = c, s
+    else:
+        choice = first
+    return choice, step
+
+
+def _check_plan_args(input_shape, budget_bytes, activation_budget, eval_batch_size, process,
+                     baseline_bytes, cuda_capability, optimizer) -> None:
+    """:func:`plan`'s arguments, checked before anything is set."""
+    for name, value in (("budget_bytes", budget_bytes), ("activation_budget", activation_budget)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or math.isnan(value) or value <= 0):
+            raise ValueError(f"{name}: expected a positive number of bytes, got {value!r}")
+    if budget_bytes is None and activation_budget is None:
+        raise ValueError("budget_bytes: give budget_bytes (whole step) or activation_budget "
+                         "(saved activations only)")
+    if len(tuple(input_shape)) != 4:
+        raise ValueError(f"input_shape: expected (N, C, H, W), got {tuple(input_shape)}")
+    if eval_batch_size is not None and (not isinstance(eval_batch_size, int)
+                                        or eval_batch_size <= 0):
+        raise ValueError(f"eval_batch_size: expected a positive int, got {eval_batch_size!r}")
+    if not isinstance(process, bool):
+        raise TypeError(f"process: expected True or False, got {process!r}")
+    if process and budget_bytes is None:
+        raise ValueError("process: bounds the process with budget_bytes; give budget_bytes")
+    if baseline_bytes is not None and (isinstance(baseline_bytes, bool)
+                                       or not isinstance(baseline_bytes, int)
+                                       or baseline_bytes < 0):
+        raise ValueError(f"baseline_bytes: expected a non-negative int or None, got "
+                         f"{baseline_bytes!r}")
+    if baseline_bytes is not None and not process:
+        raise ValueError("baseline_bytes: only with process=True")
+    if (not isinstance(cuda_capability, (tuple, list)) or len(cuda_capability) != 2
+            or not all(isinstance(v, int) and v >= 0 for v in cuda_capability)):
+        raise ValueError(f"cuda_capability: expected (major, minor), e.g. (9, 0), got "
+                         f"{cuda_capability!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got "
+                        f"{type(optimizer).__name__}")
+
+
 def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None = None,
          dtype: torch.dtype = torch.float32, *, autocast: bool = False,
          activation_budget: int | None = None, optimizer: torch.optim.Optimizer | None = None,
@@ -512,36 +595,8 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
     Raises :class:`PlanError` (a ``ValueError``) naming the smallest budget the planner can meet
     (``min_budget_bytes``) when even checkpointing every unit does not fit.
     """
-    for name, value in (("budget_bytes", budget_bytes), ("activation_budget", activation_budget)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or math.isnan(value) or value <= 0):
-            raise ValueError(f"{name}: expected a positive number of bytes, got {value!r}")
-    if budget_bytes is None and activation_budget is None:
-        raise ValueError("budget_bytes: give budget_bytes (whole step) or activation_budget "
-                         "(saved activations only)")
-    if len(tuple(input_shape)) != 4:
-        raise ValueError(f"input_shape: expected (N, C, H, W), got {tuple(input_shape)}")
-    if eval_batch_size is not None and (not isinstance(eval_batch_size, int)
-                                        or eval_batch_size <= 0):
-        raise ValueError(f"eval_batch_size: expected a positive int, got {eval_batch_size!r}")
-    if not isinstance(process, bool):
-        raise TypeError(f"process: expected True or False, got {process!r}")
-    if process and budget_bytes is None:
-        raise ValueError("process: bounds the process with budget_bytes; give budget_bytes")
-    if baseline_bytes is not None and (isinstance(baseline_bytes, bool)
-                                       or not isinstance(baseline_bytes, int)
-                                       or baseline_bytes < 0):
-        raise ValueError(f"baseline_bytes: expected a non-negative int or None, got "
-                         f"{baseline_bytes!r}")
-    if baseline_bytes is not None and not process:
-        raise ValueError("baseline_bytes: only with process=True")
-    if (not isinstance(cuda_capability, (tuple, list)) or len(cuda_capability) != 2
-            or not all(isinstance(v, int) and v >= 0 for v in cuda_capability)):
-        raise ValueError(f"cuda_capability: expected (major, minor), e.g. (9, 0), got "
-                         f"{cuda_capability!r}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got "
-                        f"{type(optimizer).__name__}")
+    _check_plan_args(input_shape, budget_bytes, activation_budget, eval_batch_size, process,
+                     baseline_bytes, cuda_capability, optimizer)
     _units_of(model)  # a model the planner cannot work on fails here, before anything is set
     released, allocator_note = False, "not asked"
     if process:
@@ -586,45 +641,8 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
                 f"activation budget that works is {smallest} bytes ({_size(smallest)})",
                 smallest)
     if budget_bytes is not None:
-        budget = int(budget_bytes)
-        first = choice if choice is not None else ([], unplanned, unplanned, 0)
-        step = simulate(first[0])
-        if total(step) > budget:
-            # Saved activations get what the rest of the step leaves; the simulation checks
-            # each choice and the shortfall tightens the next one.
-            target = min(act_cap, first[2] - (total(step) - budget))
-            choice = None
-            for _ in range(8):
-                if target <= 0:
-                    break
-                c = _activation_choice(prof, target)
-                if c is None:
-                    break
-                s = simulate(c[0])
-                if total(s) <= budget:
-                    choice, step = c, s
-                    break
-                target = min(target - (total(s) - budget) - (budget >> 10), c[2] - 1)
-            if choice is None:
-                c = _min_peak_segments(prof)
-                s = simulate(c[0])
-                if total(s) > budget or c[2] > act_cap:
-                    smallest = total(s)
-                    slack = (f" (the step's {_size(s.peak_bytes)} + the allocator's slack "
-                             f"{_size(smallest - s.peak_bytes)})" if process else "")
-                    raise PlanError(
-                        f"budget_bytes: {budget} bytes ({_size(budget)}) cannot be met for "
-                        f"{what}; the smallest budget that works is {smallest} bytes "
-                        f"({_size(smallest)}){slack}, with every unit checkpointed; without "
-                        f"checkpointing the step peaks at {_size(step.peak_bytes)} "
-                        + ("(the eval forward, which checkpointing does not shrink, is the "
-                           "peak: a smaller eval batch lowers it: " if s.phase == "eval forward"
-                           else f"(the {s.phase} is the peak: ") + "; ".join(
-                            " ".join(line.split()) for line in s.lines()[1:]) + ")",
-                        smallest)
-                choice, step = c, s
-        else:
-            choice = first
+        choice, step = _fit_step(prof, int(budget_bytes), act_cap, choice, simulate, total,
+                                 what, process)
     segs, saved, peak, cost = choice
     if step is None:
         step = simulate(segs)

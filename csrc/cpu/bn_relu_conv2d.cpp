@@ -506,6 +506,155 @@ void forward_1x1_chunks(const at::Tensor& x, std::vector<ConvFwd>& convs,
   });
 }
 
+// A tile of a 1x1 convolution on NCHW: one batched GEMM over its samples.
+void tile_per_sample(ConvFwd& c, const at::Tensor& w, const at::Tensor& a, int64_t n0,
+                     int64_t len, int64_t C, int64_t H, int64_t W) {
+  const int64_t Co = c.weight.size(0);
+  const std::optional<at::Tensor>& bias = c.bias;
+  const std::optional<at::Tensor>& residual = c.residual;
+  at::Tensor& y = c.y;
+  at::Tensor ys = y.narrow(0, n0, len);
+  at::Tensor y3 = ys.view({len, Co, H * W});
+  at::bmm_out(y3, w.view({1, Co, C}).expand({len, Co, C}), a.view({len, C, H * W}));
+  if (bias.has_value()) ys.add_(bias->view({1, Co, 1, 1}));
+  if (c.bs.defined()) {
+    scale_tile(ys, c.bs.narrow(0, n0, len),
+               residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor());
+  } else if (residual.has_value()) {
+    ys.add_(residual->narrow(0, n0, len));
+  }
+}
+
+// A tile of a strided 1x1 convolution on NCHW tiles: one GEMM over its read pixels.
+void tile_strided_cols(ConvFwd& c, const at::Tensor& w, const at::Tensor& a, int64_t n0,
+                       int64_t len, int64_t C, at::Tensor& rows_buf, at::Tensor& out_buf) {
+  const int64_t Co = c.weight.size(0);
+  const std::optional<at::Tensor>& bias = c.bias;
+  const std::optional<at::Tensor>& residual = c.residual;
+  at::Tensor& y = c.y;
+  // One GEMM for the tile, (Co, P) = W (Co, C) @ its read pixels (C, P), P = len*Ho*Wo,
+  // the bias added by the GEMM, then copied into y's samples (the residual added on the
+  // way).
+  at::Tensor ys = y.narrow(0, n0, len);
+  const int64_t Ho = y.size(2), Wo = y.size(3), P = len * Ho * Wo;
+  at::Tensor out = out_buf.narrow(0, 0, Co * P).view({Co, P});
+  const at::Tensor cols = strided_cols(a, c.stride, Ho, Wo, rows_buf);
+  if (bias.has_value()) {
+    at::addmm_out(out, bias->view({Co, 1}), w.view({Co, C}), cols);
+  } else {
+    at::mm_out(out, w.view({Co, C}), cols);
+  }
+  const at::Tensor out4 = out.view({Co, len, Ho, Wo}).transpose(0, 1);
+  const at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
+  if (c.bs.defined()) {
+    ys.copy_(out4);
+    scale_tile(ys, c.bs.narrow(0, n0, len), rs);
+  } else if (rs.defined()) {
+    at::add_out(ys, rs, out4);
+  } else {
+    ys.copy_(out4);
+  }
+}
+
+// A tile of a 1x1 convolution on channels_last tiles (strided: its read pixels copied out).
+void tile_pixel_rows(ConvFwd& c, const at::Tensor& w, const at::Tensor& a, int64_t n0,
+                     int64_t len, int64_t C, Gemm1x1 gemm, at::Tensor& rows_buf) {
+  const int64_t Co = c.weight.size(0);
+  const std::optional<at::Tensor>& bias = c.bias;
+  const std::optional<at::Tensor>& residual = c.residual;
+  at::Tensor& y = c.y;
+  // Rows of a channels_last tile are pixels: (P, C) @ (C, Co) into y's P rows, P the
+  // tile's output pixels (a strided convolution's read pixels copied out).
+  at::Tensor ys = y.narrow(0, n0, len);
+  const int64_t P = len * y.size(2) * y.size(3);
+  at::Tensor y2 = ys.permute({0, 2, 3, 1}).view({P, Co});
+  const at::Tensor a2 =
+      gemm == Gemm1x1::Strided
+          ? strided_rows(a, c.stride, y.size(2), y.size(3), rows_buf)
+          : a.permute({0, 2, 3, 1}).view({P, C});
+  const at::Tensor wt = w.view({Co, C}).t();
+  at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
+  if (c.bs.defined()) {  // y = rs + s * (a @ W^T + bias): the GEMM, then the epilogue
+    at::mm_out(y2, a2, wt);
+    if (bias.has_value()) y2.add_(*bias);
+    scale_tile(ys, c.bs.narrow(0, n0, len), rs);
+    return;
+  }
+  if (rs.defined() && rs.scalar_type() == y.scalar_type() && dense_in(rs, Layout::NHWC)) {
+    at::addmm_out(y2, rs.permute({0, 2, 3, 1}).view({P, Co}), a2, wt);
+    rs = at::Tensor();
+  } else {
+    at::mm_out(y2, a2, wt);
+  }
+  if (bias.has_value()) y2.add_(*bias);
+  if (rs.defined()) ys.add_(rs);
+}
+
+// A tile of any other convolution: ATen's, then into y's layout (the residual added on the
+// way); one tile already in y's layout becomes y.
+void tile_convolution(ConvFwd& c, const at::Tensor& w, const at::Tensor& a, int64_t n0,
+                      int64_t len, int64_t N, int64_t nb, Layout layout, Layout a_layout) {
+  const std::optional<at::Tensor>& bias = c.bias;
+  const std::optional<at::Tensor>& residual = c.residual;
+  at::Tensor& y = c.y;
+  at::Tensor yt = at::convolution(a, w, bias, c.stride, c.padding, c.dilation, false,
+                                  {0, 0}, 1);
+  if (c.bs.defined()) yt.mul_(c.bs.narrow(0, n0, len));  // in cache, before its residual
+  if (nb >= N && yt.strides() == y.strides()) {  // one tile, already in y's layout
+    if (residual.has_value()) yt.add_(*residual);
+    y = yt;
+    return;
+  }
+  at::Tensor ys = y.narrow(0, n0, len);
+  if (a_layout != layout && dense_in(yt, a_layout) && dense_in(ys, layout)) {
+    // NHWC tile back to NCHW y in cache, the residual added on the way when it lies as y.
+    const at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
+    const bool fuse = rs.defined() && rs.scalar_type() == ys.scalar_type() && dense_in(rs, layout);
+    transpose_layout_kernel(yt, ys, a_layout, fuse ? &rs : nullptr);
+    if (rs.defined() && !fuse) ys.add_(rs);
+  } else if (residual.has_value()) {
+    at::add_out(ys, yt, residual->narrow(0, n0, len));
+  } else {
+    ys.copy_(yt);
+  }
+}
+
+// The pixel-chunk route (forward_1x1_chunks) when every convolution is a channels_last GEMM
+// (one, or a pair's two), no branch scale, each residual as y; false when it does not apply.
+bool forward_by_chunks(const at::Tensor& x, std::vector<ConvFwd>& convs,
+                       const std::vector<at::Tensor>& ws, const std::vector<Gemm1x1>& gemms,
+                       const Affine& bn, Layout layout,
+                       std::optional<std::tuple<at::Tensor, at::Tensor>>* stats_out) {
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const at::Tensor& weight0 = convs.front().weight;
+  bool chunkable = layout == Layout::NHWC;
+  int64_t row_values = C, weight_values = 0;
+  for (size_t i = 0; i < convs.size(); ++i) {
+    const ConvFwd& c = convs[i];
+    weight_values += c.weight.numel();
+    chunkable = chunkable && gemms[i] == Gemm1x1::Whole && !c.bs.defined() &&
+                (!c.residual.has_value() ||
+                 (c.residual->scalar_type() == c.y.scalar_type() &&
+                  dense_in(*c.residual, Layout::NHWC)));
+    row_values += c.weight.size(0);
+  }
+  const int64_t elt = weight0.element_size();
+  const int64_t rc =
+      chunkable ? chunk_rows(N * H * W, row_values * elt, weight_values * elt) : 0;
+  if (rc > 0) {
+    if (stats_out && convs.size() == 1) {
+      const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+      RowStats stats(convs[0].weight.size(0), threads, convs[0].y.scalar_type());
+      forward_1x1_chunks(x, convs, ws, bn, rc, &stats);
+      *stats_out = stats.finish(x.options());
+    } else {
+      forward_1x1_chunks(x, convs, ws, bn, rc);
+    }
+    return true;
+  }
+  return false;
+}
+
 // The forward of one BN-ReLU feeding the convolutions `convs` (one for the fused unit; two for a
 // pre-activation unit's projection shortcut and first convolution, bn_relu_conv2d_pair): per
 // tile the activation is computed once and every convolution reads it in cache.
@@ -546,35 +695,7 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
                              a_layout));
   }
   strided_beside_dense(gemms);
-  {
-    // Every convolution a channels_last GEMM (one, or a pair's two), no branch scale, each
-    // residual as y: pixel chunks.
-    bool chunkable = layout == Layout::NHWC;
-    int64_t row_values = C, weight_values = 0;
-    for (size_t i = 0; i < convs.size(); ++i) {
-      const ConvFwd& c = convs[i];
-      weight_values += c.weight.numel();
-      chunkable = chunkable && gemms[i] == Gemm1x1::Whole && !c.bs.defined() &&
-                  (!c.residual.has_value() ||
-                   (c.residual->scalar_type() == c.y.scalar_type() &&
-                    dense_in(*c.residual, Layout::NHWC)));
-      row_values += c.weight.size(0);
-    }
-    const int64_t elt = weight0.element_size();
-    const int64_t rc =
-        chunkable ? chunk_rows(N * H * W, row_values * elt, weight_values * elt) : 0;
-    if (rc > 0) {
-      if (stats_out && convs.size() == 1) {
-        const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
-        RowStats stats(convs[0].weight.size(0), threads, convs[0].y.scalar_type());
-        forward_1x1_chunks(x, convs, ws, bn, rc, &stats);
-        *stats_out = stats.finish(x.options());
-      } else {
-        forward_1x1_chunks(x, convs, ws, bn, rc);
-      }
-      return;
-    }
-  }
+  if (forward_by_chunks(x, convs, ws, gemms, bn, layout, stats_out)) return;
   const int64_t nb = tile_samples(N, (C * H * W + out_per_sample) * weight0.element_size(),
                                   wbytes, layout == Layout::NHWC);
   at::Tensor a_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(a_fmt));
@@ -595,96 +716,14 @@ void forward_convs(const at::Tensor& x_in, std::vector<ConvFwd>& convs,
     bn_relu_kernel(x.narrow(0, n0, len), bn.scale, bn.shift, a, layout, a_layout);
     for (size_t i = 0; i < convs.size(); ++i) {
       ConvFwd& c = convs[i];
-      const at::Tensor& w = ws[i];
-      const int64_t Co = c.weight.size(0);
-      const std::optional<at::Tensor>& bias = c.bias;
-      const std::optional<at::Tensor>& residual = c.residual;
-      at::Tensor& y = c.y;
       if (gemms[i] == Gemm1x1::PerSample) {
-        at::Tensor ys = y.narrow(0, n0, len);
-        at::Tensor y3 = ys.view({len, Co, H * W});
-        at::bmm_out(y3, w.view({1, Co, C}).expand({len, Co, C}), a.view({len, C, H * W}));
-        if (bias.has_value()) ys.add_(bias->view({1, Co, 1, 1}));
-        if (c.bs.defined()) {
-          scale_tile(ys, c.bs.narrow(0, n0, len),
-                     residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor());
-        } else if (residual.has_value()) {
-          ys.add_(residual->narrow(0, n0, len));
-        }
-        continue;
-      }
-      if (gemms[i] == Gemm1x1::StridedCols) {
-        // One GEMM for the tile, (Co, P) = W (Co, C) @ its read pixels (C, P), P = len*Ho*Wo,
-        // the bias added by the GEMM, then copied into y's samples (the residual added on the
-        // way).
-        at::Tensor ys = y.narrow(0, n0, len);
-        const int64_t Ho = y.size(2), Wo = y.size(3), P = len * Ho * Wo;
-        at::Tensor out = out_bufs[i].narrow(0, 0, Co * P).view({Co, P});
-        const at::Tensor cols = strided_cols(a, c.stride, Ho, Wo, rows_bufs[i]);
-        if (bias.has_value()) {
-          at::addmm_out(out, bias->view({Co, 1}), w.view({Co, C}), cols);
-        } else {
-          at::mm_out(out, w.view({Co, C}), cols);
-        }
-        const at::Tensor out4 = out.view({Co, len, Ho, Wo}).transpose(0, 1);
-        const at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
-        if (c.bs.defined()) {
-          ys.copy_(out4);
-          scale_tile(ys, c.bs.narrow(0, n0, len), rs);
-        } else if (rs.defined()) {
-          at::add_out(ys, rs, out4);
-        } else {
-          ys.copy_(out4);
-        }
-        continue;
-      }
-      if (gemms[i] == Gemm1x1::Whole || gemms[i] == Gemm1x1::Strided) {
-        // Rows of a channels_last tile are pixels: (P, C) @ (C, Co) into y's P rows, P the
-        // tile's output pixels (a strided convolution's read pixels copied out).
-        at::Tensor ys = y.narrow(0, n0, len);
-        const int64_t P = len * y.size(2) * y.size(3);
-        at::Tensor y2 = ys.permute({0, 2, 3, 1}).view({P, Co});
-        const at::Tensor a2 =
-            gemms[i] == Gemm1x1::Strided
-                ? strided_rows(a, c.stride, y.size(2), y.size(3), rows_bufs[i])
-                : a.permute({0, 2, 3, 1}).view({P, C});
-        const at::Tensor wt = w.view({Co, C}).t();
-        at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
-        if (c.bs.defined()) {  // y = rs + s * (a @ W^T + bias): the GEMM, then the epilogue
-          at::mm_out(y2, a2, wt);
-          if (bias.has_value()) y2.add_(*bias);
-          scale_tile(ys, c.bs.narrow(0, n0, len), rs);
-          continue;
-        }
-        if (rs.defined() && rs.scalar_type() == y.scalar_type() && dense_in(rs, Layout::NHWC)) {
-          at::addmm_out(y2, rs.permute({0, 2, 3, 1}).view({P, Co}), a2, wt);
-          rs = at::Tensor();
-        } else {
-          at::mm_out(y2, a2, wt);
-        }
-        if (bias.has_value()) y2.add_(*bias);
-        if (rs.defined()) ys.add_(rs);
-        continue;
-      }
-      at::Tensor yt = at::convolution(a, w, bias, c.stride, c.padding, c.dilation, false,
-                                      {0, 0}, 1);
-      if (c.bs.defined()) yt.mul_(c.bs.narrow(0, n0, len));  // in cache, before its residual
-      if (nb >= N && yt.strides() == y.strides()) {  // one tile, already in y's layout
-        if (residual.has_value()) yt.add_(*residual);
-        y = yt;
-        continue;
-      }
-      at::Tensor ys = y.narrow(0, n0, len);
-      if (a_layout != layout && dense_in(yt, a_layout) && dense_in(ys, layout)) {
-        // NHWC tile back to NCHW y in cache, the residual added on the way when it lies as y.
-        const at::Tensor rs = residual.has_value() ? residual->narrow(0, n0, len) : at::Tensor();
-        const bool fuse = rs.defined() && rs.scalar_type() == ys.scalar_type() && dense_in(rs, layout);
-        transpose_layout_kernel(yt, ys, a_layout, fuse ? &rs : nullptr);
-        if (rs.defined() && !fuse) ys.add_(rs);
-      } else if (residual.has_value()) {
-        at::add_out(ys, yt, residual->narrow(0, n0, len));
+        tile_per_sample(c, ws[i], a, n0, len, C, H, W);
+      } else if (gemms[i] == Gemm1x1::StridedCols) {
+        tile_strided_cols(c, ws[i], a, n0, len, C, rows_bufs[i], out_bufs[i]);
+      } else if (gemms[i] == Gemm1x1::Whole || gemms[i] == Gemm1x1::Strided) {
+        tile_pixel_rows(c, ws[i], a, n0, len, C, gemms[i], rows_bufs[i]);
       } else {
-        ys.copy_(yt);
+        tile_convolution(c, ws[i], a, n0, len, N, nb, layout, a_layout);
       }
     }
   }
@@ -774,122 +813,88 @@ struct ConvGrad : ConvSpec {
   at::Tensor gw, gb;
 };
 
-// The backward of one BN-ReLU feeding the convolutions `convs` (one for the fused unit; two for
-// a pre-activation unit's projection shortcut and first convolution, bn_relu_conv2d_pair_backward):
-// per tile the activation is recomputed once, each convolution's data gradient is added into one
-// tile, and one mask + sums pass and one data-gradient pass run over x, whatever the number of
-// convolutions. Returns (gx, gg, gbeta) and fills each conv's gw, gb; every output has the
-// metadata of ops.backward_empty_outputs (empty when not wanted).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
-    const at::Tensor& x_in, std::vector<ConvGrad>& convs,
-    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
-    const at::Tensor& mean, const at::Tensor& invstd, bool batch_stats, bool want_x, bool want_g,
-    bool want_beta, const at::Tensor* grad_x_add = nullptr) {
-  const int64_t C_in = x_in.size(1);
-  at::Tensor gx = want_x ? at::empty_like(x_in) : x_in.new_empty({0});
-  at::Tensor gg = mean.new_empty({want_g ? C_in : 0});
-  at::Tensor gbeta = mean.new_empty({want_beta ? C_in : 0});
-  bool need_conv = want_x || want_g || want_beta;
-  for (ConvGrad& c : convs) {
-    c.gw = c.want_w ? at::empty_like(c.weight) : c.weight.new_empty({0});
-    c.gb = c.weight.new_empty({c.want_b ? c.weight.size(0) : 0});
-    need_conv = need_conv || c.want_w || c.want_b;
-  }
-  if (!need_conv) return {gx, gg, gbeta};
-  const bool need_da = want_x || want_g || want_beta;
+// Per convolution of a backward pass: grad_out in the weight's dtype, the weight in the tile's
+// layout, the GEMM route, the accumulators and tile buffers.
+struct ConvBwdWork {
+  at::Tensor go, w, gw_acc, gb_acc, gemm_da_buf, go_buf;
+  // The strided GEMMs: the tile's read pixels, their gradient; StridedCols: grad_out's tile as
+  // (Co, len*Ho*Wo) too.
+  at::Tensor rows_buf, drows_buf, go_cols_buf;
+  at::ScalarType wacc;
+  Gemm1x1 gemm;
+  // channels_last GEMM route, fewer input than output channels: the weight gradient is
+  // accumulated transposed, gw^T (C x Co) += a^T @ go (gw_t_for says why).
+  bool gw_t = false;
+};
 
-  const Layout layout = layout_of(x_in);
-  const at::MemoryFormat fmt = memory_format(layout);
-  const at::Tensor x = x_in.contiguous(fmt);
-  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
-  const at::ScalarType acc = at::toOpMathType(x.scalar_type());
-  const Affine bn = affine(bn_weight, bn_bias, mean, invstd, acc);
+// What every phase of backward_convs reads: x in the layout it is walked in, its BN-ReLU, the
+// activation tiles' layout, size and buffer, and where the BatchNorm's backward goes (dz and
+// the threads' sums).
+struct BwdPass {
+  at::Tensor x;
+  Layout layout, a_layout;
+  at::MemoryFormat fmt, a_fmt;
+  int64_t N, C, H, W;
+  at::ScalarType acc;
+  Affine bn;
+  bool need_da, want_x, stream_dz;
+  at::Tensor dz, out_scale, sums;
+  int64_t nb = 0;
+  at::Tensor a_buf;
+};
+
+// The plan: per convolution its grad_out, weight, GEMM route, accumulators and tile buffers;
+// the tile size (P.nb) and the activation tiles' buffer (P.a_buf).
+std::vector<ConvBwdWork> plan_backward(BwdPass& P, const std::vector<ConvGrad>& convs,
+                                       const at::Tensor& x_in) {
+  const int64_t C = P.C, H = P.H, W = P.W;
+  const Layout layout = P.layout, a_layout = P.a_layout;
   const at::Tensor& weight0 = convs.front().weight;
-
-  // dz lands in the x gradient itself when it has the acc dtype and the walking layout.
-  at::Tensor gx_work, dz;
-  if (want_x) {
-    gx_work = gx.is_contiguous(fmt) ? gx : at::empty(x.sizes(), x.options().memory_format(fmt));
-    dz = x.scalar_type() == acc ? gx_work : at::empty(x.sizes(), x.options().dtype(acc).memory_format(fmt));
-  }
-  // dz streams past the cache when it is too large to stay there until the data-gradient pass:
-  // more than 8 MiB a thread (measured, 2 threads, channels_last backward of a 1x1 unit: 33.5
-  // MB of dz 10.9 -> 8.5 ms streamed, 16.8 MB the same either way, 8.4 MB 2.0 -> 2.2 ms).
-  // store_nt in bn_relu.cpp says why.
-  const bool stream_dz =
-      want_x && dz.numel() * dz.element_size() > (int64_t(at::get_num_threads()) << 23);
-  // In eval mode dx = scale * dz: the first pass writes the final value when it can.
-  const at::Tensor out_scale = batch_stats ? at::ones_like(bn.scale) : bn.scale;
-  at::Tensor sums = at::zeros({at::get_num_threads(), 2, C}, x.options().dtype(at::kDouble));
-
-  // The activation tile's layout: NHWC when any convolution's rule picks it (a 1x1 on NHWC
-  // tiles is as fast as on NCHW ones: conv_layout).
-  Layout a_layout = layout;
-  for (const ConvGrad& c : convs) {
-    if (conv_layout(c.weight, layout, H * W, c.stride[0] * c.stride[1] > 1) == Layout::NHWC) {
-      a_layout = Layout::NHWC;
-    }
-  }
-  const at::MemoryFormat a_fmt = memory_format(a_layout);
-  // Per convolution: grad_out in the weight's dtype, the weight in the tile's layout, the GEMM
-  // route, the accumulators and tile buffers.
-  struct Work {
-    at::Tensor go, w, gw_acc, gb_acc, gemm_da_buf, go_buf;
-    // The strided GEMMs: the tile's read pixels, their gradient; StridedCols: grad_out's tile as
-    // (Co, len*Ho*Wo) too.
-    at::Tensor rows_buf, drows_buf, go_cols_buf;
-    at::ScalarType wacc;
-    Gemm1x1 gemm;
-    // channels_last GEMM route, fewer input than output channels: the weight gradient is
-    // accumulated transposed, gw^T (C x Co) += a^T @ go (gw_t_for says why).
-    bool gw_t = false;
-  };
-  std::vector<Work> work(convs.size());
+  std::vector<ConvBwdWork> work(convs.size());
   int64_t go_per_sample = 0, wbytes = 0;
-  bool all_float = x.scalar_type() == at::kFloat;
   for (size_t i = 0; i < convs.size(); ++i) {
     const ConvGrad& c = convs[i];
-    Work& k = work[i];
+    ConvBwdWork& k = work[i];
     k.go = c.grad_out.to(c.weight.scalar_type());
     if (!k.go.is_contiguous() && !k.go.is_contiguous(at::MemoryFormat::ChannelsLast)) {
       k.go = k.go.contiguous(out_memory_format(x_in, c.weight));
     }
     k.wacc = at::toOpMathType(c.weight.scalar_type());
     if (c.want_b) k.gb_acc = at::zeros({c.weight.size(0)}, c.weight.options().dtype(k.wacc));
-    k.w = c.weight.contiguous(a_fmt);
+    k.w = c.weight.contiguous(P.a_fmt);
     go_per_sample += k.go[0].numel();
     wbytes += weight_bytes(c.weight);
-    all_float = all_float && c.weight.scalar_type() == at::kFloat;
   }
-  const int64_t nb = tile_samples(N, (C * H * W + go_per_sample) * weight0.element_size(), wbytes,
-                                  layout == Layout::NHWC);
-  at::Tensor a_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(a_fmt));
+  const int64_t nb = tile_samples(P.N, (C * H * W + go_per_sample) * weight0.element_size(),
+                                  wbytes, layout == Layout::NHWC);
+  P.nb = nb;
+  P.a_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(P.a_fmt));
   for (size_t i = 0; i < convs.size(); ++i) {
     const ConvGrad& c = convs[i];
-    Work& k = work[i];
+    ConvBwdWork& k = work[i];
     k.gemm = gemm_for(gemm_1x1(c.weight, c.stride, c.padding, a_layout, H * W), k.go, a_layout);
   }
   {
     std::vector<Gemm1x1> gemms;
-    for (const Work& k : work) gemms.push_back(k.gemm);
+    for (const ConvBwdWork& k : work) gemms.push_back(k.gemm);
     strided_beside_dense(gemms);
     for (size_t i = 0; i < convs.size(); ++i) work[i].gemm = gemms[i];
   }
   for (size_t i = 0; i < convs.size(); ++i) {
     const ConvGrad& c = convs[i];
-    Work& k = work[i];
+    ConvBwdWork& k = work[i];
     if (k.gemm != Gemm1x1::None && c.want_w) {
       k.gw_t = gw_t_for(k.gemm, c.weight);
       k.gw_acc = k.gw_t ? at::zeros({C, c.weight.size(0)}, c.weight.options().dtype(k.wacc))
                         : at::zeros(c.weight.sizes(), c.weight.options().dtype(k.wacc));
     }
-    if (k.gemm != Gemm1x1::None && !is_strided(k.gemm) && need_da) {
-      k.gemm_da_buf = at::empty({nb, C, H, W}, c.weight.options().memory_format(a_fmt));
+    if (k.gemm != Gemm1x1::None && !is_strided(k.gemm) && P.need_da) {
+      k.gemm_da_buf = at::empty({nb, C, H, W}, c.weight.options().memory_format(P.a_fmt));
     }
     if (is_strided(k.gemm)) {
       const int64_t rows_numel = nb * k.go.size(2) * k.go.size(3) * C;
       k.rows_buf = at::empty({rows_numel}, c.weight.options());
-      if (need_da) k.drows_buf = at::empty({rows_numel}, c.weight.options());
+      if (P.need_da) k.drows_buf = at::empty({rows_numel}, c.weight.options());
       if (k.gemm == Gemm1x1::StridedCols) {
         k.go_cols_buf = at::empty({rows_numel / C * k.go.size(1)}, c.weight.options());
       }
@@ -898,93 +903,210 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
     // scaled grad_out tiles.
     if (a_layout != layout || c.bs.defined()) {
       k.go_buf = at::empty({nb, k.go.size(1), k.go.size(2), k.go.size(3)},
-                           k.go.options().memory_format(a_fmt));
+                           k.go.options().memory_format(P.a_fmt));
     }
   }
-  // A channels_last 1x1 unit (every convolution on the GEMM route: one, or a pair's two) runs
-  // by pixel chunks instead of batch tiles (chunk_bytes says why).
-  int64_t rc = 0;
-  {
-    bool chunkable = layout == Layout::NHWC && need_da && x.scalar_type() == acc;
-    int64_t row_values = C, weight_values = 0;
-    for (size_t i = 0; i < convs.size(); ++i) {
-      chunkable = chunkable && work[i].gemm == Gemm1x1::Whole && !convs[i].bs.defined() &&
-                  dense_in(work[i].go, Layout::NHWC);
-      row_values += convs[i].weight.size(0);
-      weight_values += convs[i].weight.numel();
-    }
-    const int64_t elt = weight0.element_size();
-    if (chunkable) rc = chunk_rows(N * H * W, row_values * elt, weight_values * elt);
+  return work;
+}
+
+// A channels_last 1x1 unit (every convolution on the GEMM route: one, or a pair's two) runs by
+// pixel chunks instead of batch tiles (chunk_bytes says why): the rows of a chunk, else 0.
+int64_t backward_chunk_rows(const BwdPass& P, const std::vector<ConvGrad>& convs,
+                            const std::vector<ConvBwdWork>& work) {
+  bool chunkable = P.layout == Layout::NHWC && P.need_da && P.x.scalar_type() == P.acc;
+  int64_t row_values = P.C, weight_values = 0;
+  for (size_t i = 0; i < convs.size(); ++i) {
+    chunkable = chunkable && work[i].gemm == Gemm1x1::Whole && !convs[i].bs.defined() &&
+                dense_in(work[i].go, Layout::NHWC);
+    row_values += convs[i].weight.size(0);
+    weight_values += convs[i].weight.numel();
   }
-  if (rc > 0) {
-    const int64_t R = N * H * W;
-    const int64_t chunks = (R + rc - 1) / rc;
-    const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
-    const at::Tensor a_rows = at::empty({threads * rc * C}, weight0.options());
-    const at::Tensor da_rows = at::empty({threads * rc * C}, weight0.options());
-    // Per convolution: grad_out's rows, the weight as (Co, C), and one weight-gradient
-    // accumulator a thread, laid out as gw_acc (gw^T when gw_t), one bias-gradient one.
-    struct Rows {
-      at::Tensor go2, wm, gw_parts, gb_parts;
-      int64_t gw_r = 0, gw_c = 0;
-    };
-    std::vector<Rows> rows(convs.size());
-    for (size_t i = 0; i < convs.size(); ++i) {
-      const ConvGrad& c = convs[i];
-      const Work& k = work[i];
-      const int64_t Co = c.weight.size(0);
-      Rows& r = rows[i];
-      r.go2 = k.go.permute({0, 2, 3, 1}).view({R, Co});
-      r.wm = k.w.view({Co, C});
-      r.gw_r = k.gw_t ? C : Co;
-      r.gw_c = k.gw_t ? Co : C;
-      const at::TensorOptions acc_opts = weight0.options().dtype(k.wacc);
-      if (c.want_w) r.gw_parts = at::zeros({threads, r.gw_r, r.gw_c}, acc_opts);
-      if (c.want_b) r.gb_parts = at::zeros({threads, Co}, acc_opts);
-    }
-    const at::ThreadLocalState tls;  // as in forward_1x1_chunks
-    at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
-      const at::ThreadLocalStateGuard tls_guard(tls);
-      const int64_t tid = at::get_thread_num();
-      // The kernels below run serially here and index their sums by thread 0: give them this
-      // thread's row.
-      at::Tensor sums_t = sums.narrow(0, tid, 1);
-      for (int64_t j = b; j < e; ++j) {
-        const int64_t r0 = j * rc, len = std::min(rc, R - r0);
-        const at::Tensor xc = pixel_rows(x, r0, len);
-        at::Tensor a = thread_rows(a_rows, tid, rc, len, C);
-        bn_relu_kernel(xc, bn.scale, bn.shift, a, Layout::NHWC, Layout::NHWC);
-        const at::Tensor a2 = a.view({len, C});
-        at::Tensor da = thread_rows(da_rows, tid, rc, len, C);
-        at::Tensor da2 = da.view({len, C});
-        for (size_t i = 0; i < convs.size(); ++i) {
-          const ConvGrad& c = convs[i];
-          const Rows& r = rows[i];
-          const at::Tensor goc = r.go2.narrow(0, r0, len);
-          if (c.want_w && work[i].gw_t) {
-            r.gw_parts[tid].addmm_(a2.t(), goc);
-          } else if (c.want_w) {
-            r.gw_parts[tid].addmm_(goc.t(), a2);
-          }
-          if (c.want_b) r.gb_parts[tid].add_(goc.sum(0, false, work[i].wacc));
-          if (i == 0) {
-            at::mm_out(da2, goc, r.wm);
-          } else {
-            da2.addmm_(goc, r.wm);  // the convolutions' data gradients summed in cache
-          }
+  const int64_t elt = convs.front().weight.element_size();
+  return chunkable ? chunk_rows(P.N * P.H * P.W, row_values * elt, weight_values * elt) : 0;
+}
+
+// The pixel-chunk route: per chunk of `rc` rows, in the thread that owns it, the activation,
+// each convolution's weight and bias gradients into the thread's accumulators, their data
+// gradients summed in cache, then the BatchNorm's mask and sums (dz when wanted).
+void backward_by_chunks(const BwdPass& P, const std::vector<ConvGrad>& convs,
+                        std::vector<ConvBwdWork>& work, int64_t rc) {
+  const at::Tensor& x = P.x;
+  const int64_t C = P.C;
+  const at::Tensor& weight0 = convs.front().weight;
+  const Affine& bn = P.bn;
+  const int64_t R = P.N * P.H * P.W;
+  const int64_t chunks = (R + rc - 1) / rc;
+  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+  const at::Tensor a_rows = at::empty({threads * rc * C}, weight0.options());
+  const at::Tensor da_rows = at::empty({threads * rc * C}, weight0.options());
+  // Per convolution: grad_out's rows, the weight as (Co, C), and one weight-gradient
+  // accumulator a thread, laid out as gw_acc (gw^T when gw_t), one bias-gradient one.
+  struct Rows {
+    at::Tensor go2, wm, gw_parts, gb_parts;
+    int64_t gw_r = 0, gw_c = 0;
+  };
+  std::vector<Rows> rows(convs.size());
+  for (size_t i = 0; i < convs.size(); ++i) {
+    const ConvGrad& c = convs[i];
+    const ConvBwdWork& k = work[i];
+    const int64_t Co = c.weight.size(0);
+    Rows& r = rows[i];
+    r.go2 = k.go.permute({0, 2, 3, 1}).view({R, Co});
+    r.wm = k.w.view({Co, C});
+    r.gw_r = k.gw_t ? C : Co;
+    r.gw_c = k.gw_t ? Co : C;
+    const at::TensorOptions acc_opts = weight0.options().dtype(k.wacc);
+    if (c.want_w) r.gw_parts = at::zeros({threads, r.gw_r, r.gw_c}, acc_opts);
+    if (c.want_b) r.gb_parts = at::zeros({threads, Co}, acc_opts);
+  }
+  const at::ThreadLocalState tls;  // as in forward_1x1_chunks
+  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+    const at::ThreadLocalStateGuard tls_guard(tls);
+    const int64_t tid = at::get_thread_num();
+    // The kernels below run serially here and index their sums by thread 0: give them this
+    // thread's row.
+    at::Tensor sums_t = P.sums.narrow(0, tid, 1);
+    for (int64_t j = b; j < e; ++j) {
+      const int64_t r0 = j * rc, len = std::min(rc, R - r0);
+      const at::Tensor xc = pixel_rows(x, r0, len);
+      at::Tensor a = thread_rows(a_rows, tid, rc, len, C);
+      bn_relu_kernel(xc, bn.scale, bn.shift, a, Layout::NHWC, Layout::NHWC);
+      const at::Tensor a2 = a.view({len, C});
+      at::Tensor da = thread_rows(da_rows, tid, rc, len, C);
+      at::Tensor da2 = da.view({len, C});
+      for (size_t i = 0; i < convs.size(); ++i) {
+        const ConvGrad& c = convs[i];
+        const Rows& r = rows[i];
+        const at::Tensor goc = r.go2.narrow(0, r0, len);
+        if (c.want_w && work[i].gw_t) {
+          r.gw_parts[tid].addmm_(a2.t(), goc);
+        } else if (c.want_w) {
+          r.gw_parts[tid].addmm_(goc.t(), a2);
         }
-        at::Tensor dzc = want_x ? pixel_rows(dz, r0, len) : at::Tensor();
-        bn_relu_backward_reduce_kernel(da, xc, bn.scale, bn.shift, bn.mean, out_scale, sums_t,
-                                       want_x ? &dzc : nullptr, Layout::NHWC, Layout::NHWC,
-                                       stream_dz);
+        if (c.want_b) r.gb_parts[tid].add_(goc.sum(0, false, work[i].wacc));
+        if (i == 0) {
+          at::mm_out(da2, goc, r.wm);
+        } else {
+          da2.addmm_(goc, r.wm);  // the convolutions' data gradients summed in cache
+        }
       }
-    });
-    for (size_t i = 0; i < convs.size(); ++i) {
-      const Rows& r = rows[i];
-      if (convs[i].want_w) work[i].gw_acc.view({r.gw_r, r.gw_c}).copy_(r.gw_parts.sum(0));
-      if (convs[i].want_b) work[i].gb_acc.copy_(r.gb_parts.sum(0));
+      at::Tensor dzc = P.want_x ? pixel_rows(P.dz, r0, len) : at::Tensor();
+      bn_relu_backward_reduce_kernel(da, xc, bn.scale, bn.shift, bn.mean, P.out_scale, sums_t,
+                                     P.want_x ? &dzc : nullptr, Layout::NHWC, Layout::NHWC,
+                                     P.stream_dz);
     }
+  });
+  for (size_t i = 0; i < convs.size(); ++i) {
+    const Rows& r = rows[i];
+    if (convs[i].want_w) work[i].gw_acc.view({r.gw_r, r.gw_c}).copy_(r.gw_parts.sum(0));
+    if (convs[i].want_b) work[i].gb_acc.copy_(r.gb_parts.sum(0));
   }
+}
+
+// Convolution c's grad_out tile as its route reads it: in the tiles' layout (the GEMM on NCHW
+// tiles reads any), scaled by the branch factor, staged once per tile for every use.
+at::Tensor grad_out_tile(const BwdPass& P, const ConvGrad& c, ConvBwdWork& k, int64_t n0,
+                         int64_t len) {
+  at::Tensor got = k.go.narrow(0, n0, len);
+  const bool by_cols = k.gemm == Gemm1x1::StridedCols;  // reads got in any layout
+  if (P.a_layout != P.layout && dense_in(got, P.layout) && !by_cols) {
+    at::Tensor t = k.go_buf.narrow(0, 0, len);
+    transpose_layout_kernel(got, t, P.layout);
+    if (c.bs.defined()) t.mul_(c.bs.narrow(0, n0, len));  // in cache, just transposed
+    got = t;
+  } else if (c.bs.defined()) {
+    // The conv branch's gradient s[n] * dy, staged once per tile for every use below.
+    at::Tensor t = k.go_buf.narrow(0, 0, len);
+    at::mul_out(t, got, c.bs.narrow(0, n0, len));
+    got = t;
+  } else if (!by_cols) {
+    got = got.contiguous(P.a_fmt);
+  }
+  return got;
+}
+
+// A tile of a strided 1x1 convolution on NCHW tiles: the forward's GEMM transposed, grad_out's
+// tile and the read pixels as (Co, P) and (C, P) matrices, P = len*Ho*Wo, one GEMM each; its
+// data gradient added into the pixels it read of `da`.
+void backward_tile_cols(const BwdPass& P, const ConvGrad& c, ConvBwdWork& k,
+                        const at::Tensor& got, const at::Tensor& a, const at::Tensor& da,
+                        int64_t len) {
+  const int64_t C = P.C, Co = c.weight.size(0);
+  const int64_t Ho = got.size(2), Wo = got.size(3), Pn = len * Ho * Wo;
+  at::Tensor go2 = k.go_cols_buf.narrow(0, 0, Co * Pn).view({Co, Pn});
+  go2.view({Co, len, Ho, Wo}).copy_(got.transpose(0, 1));
+  const at::Tensor cols = strided_cols(a, c.stride, Ho, Wo, k.rows_buf);
+  const at::Tensor wm = k.w.view({Co, C});
+  if (P.need_da) {
+    at::Tensor d2 = k.drows_buf.narrow(0, 0, C * Pn).view({C, Pn});
+    at::mm_out(d2, wm.t(), go2);
+    TORCH_INTERNAL_ASSERT(da.defined(), "fusedres_cpu: a strided GEMM alone");
+    strided_pixels_nchw(da, c.stride, Ho, Wo).add_(d2.view({C, len, Ho, Wo}).transpose(0, 1));
+  }
+  if (c.want_w && k.gw_t) {
+    k.gw_acc.addmm_(cols, go2.t());
+  } else if (c.want_w) {
+    k.gw_acc.view({Co, C}).addmm_(go2, cols.t());
+  }
+}
+
+// A tile of a 1x1 convolution on channels_last tiles (strided: its read pixels copied out):
+// its data gradient, or undefined when a strided one added it into the pixels it read of `da`.
+at::Tensor backward_tile_rows(const BwdPass& P, const ConvGrad& c, ConvBwdWork& k,
+                              const at::Tensor& got, const at::Tensor& a, const at::Tensor& da,
+                              int64_t len) {
+  const int64_t C = P.C, Co = c.weight.size(0);
+  const bool strided = k.gemm == Gemm1x1::Strided;
+  const int64_t Ho = got.size(2), Wo = got.size(3), Pn = len * Ho * Wo;
+  const at::Tensor go2 = got.permute({0, 2, 3, 1}).view({Pn, Co});
+  const at::Tensor a2 = strided ? strided_rows(a, c.stride, Ho, Wo, k.rows_buf)
+                                : a.permute({0, 2, 3, 1}).view({Pn, C});
+  const at::Tensor wm = k.w.view({Co, C});
+  at::Tensor dai;
+  if (P.need_da && strided) {
+    at::Tensor d2 = k.drows_buf.narrow(0, 0, Pn * C).view({Pn, C});
+    at::mm_out(d2, go2, wm);
+    // strided_beside_dense: an unstrided convolution ran first (order) and wrote da.
+    TORCH_INTERNAL_ASSERT(da.defined(), "fusedres_cpu: a strided GEMM alone");
+    strided_pixels(da, c.stride, Ho, Wo).add_(d2.view({len, Ho, Wo, C}));
+  } else if (P.need_da) {
+    dai = k.gemm_da_buf.narrow(0, 0, len);
+    at::Tensor da2 = dai.permute({0, 2, 3, 1}).view({Pn, C});
+    at::mm_out(da2, go2, wm);
+  }
+  if (c.want_w && k.gw_t) {
+    k.gw_acc.addmm_(a2.t(), go2);
+  } else if (c.want_w) {
+    k.gw_acc.view({Co, C}).addmm_(go2.t(), a2);
+  }
+  return dai;
+}
+
+// A tile of a 1x1 convolution on NCHW tiles: batched GEMMs over its samples; its data gradient.
+at::Tensor backward_tile_per_sample(const BwdPass& P, const ConvGrad& c, ConvBwdWork& k,
+                                    const at::Tensor& got, const at::Tensor& a, int64_t len) {
+  const int64_t C = P.C, Co = c.weight.size(0), HW = P.H * P.W;
+  const at::Tensor got3 = got.reshape({len, Co, HW}), a3 = a.view({len, C, HW});
+  at::Tensor dai;
+  if (P.need_da) {
+    dai = k.gemm_da_buf.narrow(0, 0, len);
+    at::Tensor da3 = dai.view({len, C, HW});
+    at::bmm_out(da3, k.w.view({1, Co, C}).transpose(1, 2).expand({len, C, Co}), got3);
+  }
+  if (c.want_w) k.gw_acc.view({Co, C}).addbmm_(got3, a3.transpose(1, 2));
+  return dai;
+}
+
+// The batch-tile route: per tile the activation recomputed once; each convolution's gradients
+// by its route, the data gradients summed into one tile (the strided GEMMs last, added into the
+// pixels they read of the others' sum); then the BatchNorm's mask and sums over the tile.
+void backward_tiles(BwdPass& P, std::vector<ConvGrad>& convs,
+                    std::vector<ConvBwdWork>& work, bool all_float) {
+  const at::Tensor& x = P.x;
+  const Layout layout = P.layout, a_layout = P.a_layout;
+  const int64_t N = P.N, C = P.C, H = P.H, W = P.W, nb = P.nb;
+  const Affine& bn = P.bn;
+  const at::Tensor& weight0 = convs.front().weight;
   // A float32 NHWC data gradient is read as it is by the first backward pass (no transposed
   // copy).
   at::Tensor da_buf;
@@ -998,88 +1120,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
   for (size_t i = 0; i < convs.size(); ++i) {
     if (is_strided(work[i].gemm)) order.push_back(i);
   }
-  for (int64_t n0 = rc > 0 ? N : 0; n0 < N; n0 += nb) {
+  for (int64_t n0 = 0; n0 < N; n0 += nb) {
     const int64_t len = std::min(nb, N - n0);
     const at::Tensor xt = x.narrow(0, n0, len);
-    at::Tensor a = a_buf.narrow(0, 0, len);
+    at::Tensor a = P.a_buf.narrow(0, 0, len);
     bn_relu_kernel(xt, bn.scale, bn.shift, a, layout, a_layout);
     at::Tensor da;  // the sum of the convolutions' data gradients for this tile
     for (const size_t i : order) {
       ConvGrad& c = convs[i];
-      Work& k = work[i];
-      const int64_t Co = c.weight.size(0);
-      at::Tensor got = k.go.narrow(0, n0, len);
-      const bool by_cols = k.gemm == Gemm1x1::StridedCols;  // reads got in any layout
-      if (a_layout != layout && dense_in(got, layout) && !by_cols) {
-        at::Tensor t = k.go_buf.narrow(0, 0, len);
-        transpose_layout_kernel(got, t, layout);
-        if (c.bs.defined()) t.mul_(c.bs.narrow(0, n0, len));  // in cache, just transposed
-        got = t;
-      } else if (c.bs.defined()) {
-        // The conv branch's gradient s[n] * dy, staged once per tile for every use below.
-        at::Tensor t = k.go_buf.narrow(0, 0, len);
-        at::mul_out(t, got, c.bs.narrow(0, n0, len));
-        got = t;
-      } else if (!by_cols) {
-        got = got.contiguous(a_fmt);
-      }
+      ConvBwdWork& k = work[i];
+      const at::Tensor got = grad_out_tile(P, c, k, n0, len);
       if (c.want_b) k.gb_acc.add_(got.sum({0, 2, 3}, false, k.wacc));
       at::Tensor dai, dw;
-      if (by_cols) {
-        // The forward's GEMM on NCHW tiles, transposed: grad_out's tile and the read pixels
-        // as (Co, P) and (C, P) matrices, P = len*Ho*Wo, one GEMM each for the tile.
-        const int64_t Ho = got.size(2), Wo = got.size(3), P = len * Ho * Wo;
-        at::Tensor go2 = k.go_cols_buf.narrow(0, 0, Co * P).view({Co, P});
-        go2.view({Co, len, Ho, Wo}).copy_(got.transpose(0, 1));
-        const at::Tensor cols = strided_cols(a, c.stride, Ho, Wo, k.rows_buf);
-        const at::Tensor wm = k.w.view({Co, C});
-        if (need_da) {
-          at::Tensor d2 = k.drows_buf.narrow(0, 0, C * P).view({C, P});
-          at::mm_out(d2, wm.t(), go2);
-          TORCH_INTERNAL_ASSERT(da.defined(), "fusedres_cpu: a strided GEMM alone");
-          strided_pixels_nchw(da, c.stride, Ho, Wo)
-              .add_(d2.view({C, len, Ho, Wo}).transpose(0, 1));
-        }
-        if (c.want_w && k.gw_t) {
-          k.gw_acc.addmm_(cols, go2.t());
-        } else if (c.want_w) {
-          k.gw_acc.view({Co, C}).addmm_(go2, cols.t());
-        }
+      if (k.gemm == Gemm1x1::StridedCols) {
+        backward_tile_cols(P, c, k, got, a, da, len);
       } else if (k.gemm == Gemm1x1::Whole || k.gemm == Gemm1x1::Strided) {
-        const bool strided = k.gemm == Gemm1x1::Strided;
-        const int64_t Ho = got.size(2), Wo = got.size(3), P = len * Ho * Wo;
-        const at::Tensor go2 = got.permute({0, 2, 3, 1}).view({P, Co});
-        const at::Tensor a2 = strided ? strided_rows(a, c.stride, Ho, Wo, k.rows_buf)
-                                      : a.permute({0, 2, 3, 1}).view({P, C});
-        const at::Tensor wm = k.w.view({Co, C});
-        if (need_da && strided) {
-          at::Tensor d2 = k.drows_buf.narrow(0, 0, P * C).view({P, C});
-          at::mm_out(d2, go2, wm);
-          // strided_beside_dense: an unstrided convolution ran first (order) and wrote da.
-          TORCH_INTERNAL_ASSERT(da.defined(), "fusedres_cpu: a strided GEMM alone");
-          strided_pixels(da, c.stride, Ho, Wo).add_(d2.view({len, Ho, Wo, C}));
-        } else if (need_da) {
-          dai = k.gemm_da_buf.narrow(0, 0, len);
-          at::Tensor da2 = dai.permute({0, 2, 3, 1}).view({P, C});
-          at::mm_out(da2, go2, wm);
-        }
-        if (c.want_w && k.gw_t) {
-          k.gw_acc.addmm_(a2.t(), go2);
-        } else if (c.want_w) {
-          k.gw_acc.view({Co, C}).addmm_(go2.t(), a2);
-        }
+        dai = backward_tile_rows(P, c, k, got, a, da, len);
       } else if (k.gemm == Gemm1x1::PerSample) {
-        const at::Tensor got3 = got.reshape({len, Co, H * W}), a3 = a.view({len, C, H * W});
-        if (need_da) {
-          dai = k.gemm_da_buf.narrow(0, 0, len);
-          at::Tensor da3 = dai.view({len, C, H * W});
-          at::bmm_out(da3, k.w.view({1, Co, C}).transpose(1, 2).expand({len, C, Co}), got3);
-        }
-        if (c.want_w) k.gw_acc.view({Co, C}).addbmm_(got3, a3.transpose(1, 2));
+        dai = backward_tile_per_sample(P, c, k, got, a, len);
       } else {
         std::tie(dai, dw, std::ignore) = at::convolution_backward(
             got, a, k.w, std::nullopt, c.stride, c.padding, c.dilation, false, {0, 0}, 1,
-            {need_da, c.want_w, false});
+            {P.need_da, c.want_w, false});
       }
       if (c.want_w && dw.defined()) {
         if (nb >= N && dw.scalar_type() == k.wacc && dw.strides() == c.gw.strides()) {
@@ -1090,7 +1152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
           k.gw_acc = dw.to(k.wacc);
         }
       }
-      if (need_da && dai.defined()) {
+      if (P.need_da && dai.defined()) {
         if (!da.defined()) {
           da = dai;
         } else {
@@ -1098,41 +1160,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
         }
       }
     }
-    if (need_da) {
+    if (P.need_da) {
       Layout da_layout = layout;
       if (da_as_is && dense_in(da, Layout::NHWC)) {
         da_layout = Layout::NHWC;
       } else if (a_layout != layout && dense_in(da, a_layout)) {
-        if (!da_buf.defined()) da_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(fmt));
+        if (!da_buf.defined()) da_buf = at::empty({nb, C, H, W}, weight0.options().memory_format(P.fmt));
         at::Tensor t = da_buf.narrow(0, 0, len);
         transpose_layout_kernel(da, t, a_layout);
         da = t;
       } else {
-        da = da.contiguous(fmt);
+        da = da.contiguous(P.fmt);
       }
-      at::Tensor dzt = want_x ? dz.narrow(0, n0, len) : at::Tensor();
-      bn_relu_backward_reduce_kernel(da, xt, bn.scale, bn.shift, bn.mean, out_scale, sums,
-                                     want_x ? &dzt : nullptr, layout, da_layout, stream_dz);
+      at::Tensor dzt = P.want_x ? P.dz.narrow(0, n0, len) : at::Tensor();
+      bn_relu_backward_reduce_kernel(da, xt, bn.scale, bn.shift, bn.mean, P.out_scale, P.sums,
+                                     P.want_x ? &dzt : nullptr, layout, da_layout, P.stream_dz);
     }
   }
-  for (size_t i = 0; i < convs.size(); ++i) {
-    if (convs[i].want_w && work[i].gw_t) {
-      convs[i].gw.copy_(work[i].gw_acc.t().view(convs[i].gw.sizes()));
-    } else if (convs[i].want_w && work[i].gw_acc.defined()) {
-      convs[i].gw.copy_(work[i].gw_acc);
-    }
-    if (convs[i].want_b) convs[i].gb.copy_(work[i].gb_acc);
-  }
-  if (!need_da) return {gx, gg, gbeta};
+}
 
-  // One loop over C: the threads' sums (double), the BN parameter gradients, and the
-  // coefficients of the data gradient dx = k1 * dz + k2 * (x - mean) + k3. Training:
-  // dx = scale * (dz - mean(dz) - xhat * mean(dz * xhat)), xhat = (x - mean) * invstd; eval:
-  // dz already holds scale * dz (k1 = 1, k2 = k3 = 0; only a cast to x's dtype is left).
+// The finish: one loop over C turns the threads' sums (double) into the BN parameter gradients
+// and the coefficients of the data gradient dx = k1 * dz + k2 * (x - mean) + k3. Training:
+// dx = scale * (dz - mean(dz) - xhat * mean(dz * xhat)), xhat = (x - mean) * invstd; eval:
+// dz already holds scale * dz (k1 = 1, k2 = k3 = 0; only a cast to x's dtype is left). Then
+// the data-gradient pass into gx (grad_x_add added).
+void finish_bn_backward(const BwdPass& P, bool batch_stats, bool want_g, bool want_beta,
+                        at::Tensor& gx, at::Tensor& gx_work, at::Tensor& gg,
+                        at::Tensor& gbeta, const at::Tensor* grad_x_add) {
+  const at::Tensor& x = P.x;
+  const at::Tensor& sums = P.sums;
+  const at::Tensor& dz = P.dz;
+  const Affine& bn = P.bn;
+  const int64_t N = P.N, C = P.C, H = P.H, W = P.W;
+  const bool want_x = P.want_x;
   const bool apply = want_x && (batch_stats || !dz.is_same(gx_work));
   at::Tensor grads = at::empty({2, C}, sums.options());  // sum(dz), sum(dz * xhat)
-  at::Tensor coef = at::empty({3, C}, x.options().dtype(acc));
-  AT_DISPATCH_FLOATING_TYPES(acc, "bn_backward_coef", [&] {
+  at::Tensor coef = at::empty({3, C}, x.options().dtype(P.acc));
+  AT_DISPATCH_FLOATING_TYPES(P.acc, "bn_backward_coef", [&] {
     const double* sp = sums.const_data_ptr<double>();
     const int64_t threads = sums.size(0);
     const scalar_t* scale = bn.scale.const_data_ptr<scalar_t>();
@@ -1160,14 +1224,96 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
     // grad_x_add joins the data-gradient pass when it lies as x does; else it is added after.
     const bool add_in_pass = grad_x_add && apply &&
                              grad_x_add->scalar_type() == x.scalar_type() &&
-                             dense_in(*grad_x_add, layout);
+                             dense_in(*grad_x_add, P.layout);
     if (apply) {
-      bn_backward_apply_kernel(dz, x, bn.mean, coef[0], coef[1], coef[2], gx_work, layout,
+      bn_backward_apply_kernel(dz, x, bn.mean, coef[0], coef[1], coef[2], gx_work, P.layout,
                                add_in_pass ? grad_x_add : nullptr);
     }
     if (!gx_work.is_same(gx)) gx.copy_(gx_work);
     if (grad_x_add && !add_in_pass) gx.add_(*grad_x_add);
   }
+}
+
+// The backward of one BN-ReLU feeding the convolutions `convs` (one for the fused unit; two for
+// a pre-activation unit's projection shortcut and first convolution, bn_relu_conv2d_pair_backward):
+// per tile the activation is recomputed once, each convolution's data gradient is added into one
+// tile, and one mask + sums pass and one data-gradient pass run over x, whatever the number of
+// convolutions. Returns (gx, gg, gbeta) and fills each conv's gw, gb; every output has the
+// metadata of ops.backward_empty_outputs (empty when not wanted). Phases: the plan
+// (plan_backward), the pixel chunks or the batch tiles, the weight gradients, the finish.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
+    const at::Tensor& x_in, std::vector<ConvGrad>& convs,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& mean, const at::Tensor& invstd, bool batch_stats, bool want_x, bool want_g,
+    bool want_beta, const at::Tensor* grad_x_add = nullptr) {
+  const int64_t C_in = x_in.size(1);
+  at::Tensor gx = want_x ? at::empty_like(x_in) : x_in.new_empty({0});
+  at::Tensor gg = mean.new_empty({want_g ? C_in : 0});
+  at::Tensor gbeta = mean.new_empty({want_beta ? C_in : 0});
+  bool need_conv = want_x || want_g || want_beta;
+  for (ConvGrad& c : convs) {
+    c.gw = c.want_w ? at::empty_like(c.weight) : c.weight.new_empty({0});
+    c.gb = c.weight.new_empty({c.want_b ? c.weight.size(0) : 0});
+    need_conv = need_conv || c.want_w || c.want_b;
+  }
+  if (!need_conv) return {gx, gg, gbeta};
+
+  BwdPass P;
+  P.need_da = want_x || want_g || want_beta;
+  P.want_x = want_x;
+  P.layout = layout_of(x_in);
+  P.fmt = memory_format(P.layout);
+  P.x = x_in.contiguous(P.fmt);
+  const at::Tensor& x = P.x;
+  P.N = x.size(0), P.C = x.size(1), P.H = x.size(2), P.W = x.size(3);
+  P.acc = at::toOpMathType(x.scalar_type());
+  P.bn = affine(bn_weight, bn_bias, mean, invstd, P.acc);
+
+  // dz lands in the x gradient itself when it has the acc dtype and the walking layout.
+  at::Tensor gx_work;
+  if (want_x) {
+    gx_work = gx.is_contiguous(P.fmt) ? gx : at::empty(x.sizes(), x.options().memory_format(P.fmt));
+    P.dz = x.scalar_type() == P.acc ? gx_work : at::empty(x.sizes(), x.options().dtype(P.acc).memory_format(P.fmt));
+  }
+  // dz streams past the cache when it is too large to stay there until the data-gradient pass:
+  // more than 8 MiB a thread (measured, 2 threads, channels_last backward of a 1x1 unit: 33.5
+  // MB of dz 10.9 -> 8.5 ms streamed, 16.8 MB the same either way, 8.4 MB 2.0 -> 2.2 ms).
+  // store_nt in bn_relu.cpp says why.
+  P.stream_dz =
+      want_x && P.dz.numel() * P.dz.element_size() > (int64_t(at::get_num_threads()) << 23);
+  // In eval mode dx = scale * dz: the first pass writes the final value when it can.
+  P.out_scale = batch_stats ? at::ones_like(P.bn.scale) : P.bn.scale;
+  P.sums = at::zeros({at::get_num_threads(), 2, P.C}, x.options().dtype(at::kDouble));
+
+  // The activation tile's layout: NHWC when any convolution's rule picks it (a 1x1 on NHWC
+  // tiles is as fast as on NCHW ones: conv_layout).
+  P.a_layout = P.layout;
+  for (const ConvGrad& c : convs) {
+    if (conv_layout(c.weight, P.layout, P.H * P.W, c.stride[0] * c.stride[1] > 1) ==
+        Layout::NHWC) {
+      P.a_layout = Layout::NHWC;
+    }
+  }
+  P.a_fmt = memory_format(P.a_layout);
+  std::vector<ConvBwdWork> work = plan_backward(P, convs, x_in);
+  bool all_float = x.scalar_type() == at::kFloat;
+  for (const ConvGrad& c : convs) all_float = all_float && c.weight.scalar_type() == at::kFloat;
+  const int64_t rc = backward_chunk_rows(P, convs, work);
+  if (rc > 0) {
+    backward_by_chunks(P, convs, work, rc);
+  } else {
+    backward_tiles(P, convs, work, all_float);
+  }
+  for (size_t i = 0; i < convs.size(); ++i) {
+    if (convs[i].want_w && work[i].gw_t) {
+      convs[i].gw.copy_(work[i].gw_acc.t().view(convs[i].gw.sizes()));
+    } else if (convs[i].want_w && work[i].gw_acc.defined()) {
+      convs[i].gw.copy_(work[i].gw_acc);
+    }
+    if (convs[i].want_b) convs[i].gb.copy_(work[i].gb_acc);
+  }
+  if (!P.need_da) return {gx, gg, gbeta};
+  finish_bn_backward(P, batch_stats, want_g, want_beta, gx, gx_work, gg, gbeta, grad_x_add);
   return {gx, gg, gbeta};
 }
 

@@ -350,16 +350,11 @@ def plot(groups: list[Group], summary: list[dict[str, Any]], path: Path) -> Path
     return figures.save(fig, path, layout=False)
 
 
-def figure(groups: list[Group], summary: list[dict[str, Any]]):
-    plt = figures.pyplot()
-    if plt is None:
-        return None
+def _draw_curves(panels, groups: list[Group], summary: list[dict[str, Any]]) -> list:
+    """Each variant's median curves, interquartile bands and divergence marks: the legend's
+    handles, one a variant."""
     from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6 + 0.17 * (len(groups) + 2)))
-    panels = [("train_loss", axes[0], "training loss (cross-entropy, nats)", False),
-              ("train_error", axes[1], "training error (%)", True),
-              ("test_error", axes[2], "test error (%)", True)]
     handles = []
     for i, (g, s) in enumerate(zip(groups, summary)):
         colour = f"C{i % 10}"
@@ -380,7 +375,12 @@ def figure(groups: list[Group], summary: list[dict[str, Any]]):
                             transform=ax.get_xaxis_transform(), clip_on=False)
         what = f"median of {n} seeds, interquartile band" if n > 1 else "1 seed"
         handles.append(Line2D([], [], color=colour, lw=1.5, label=f"{g.label} ({what})"))
-    classes = sorted({r.num_classes for g in groups for r in g.runs if r.num_classes})
+    return handles
+
+
+def _draw_chance(panels, summary: list[dict[str, Any]], classes: list[int]) -> bool:
+    """Chance error on the error panels, dashed where it fits the scale, else named in a
+    note: whether a dashed line was drawn."""
     drawn = False
     for name, ax, _, _ in panels[1:]:
         top = max([100 * v for s in summary for key in ("median", "q3")
@@ -394,6 +394,22 @@ def figure(groups: list[Group], summary: list[dict[str, Any]]):
                 ax.set_ylim(0, 1.1 * top if top > 0 else 1)
                 ax.text(0.99, 0.98, f"chance error {chance:.0f} % (above the scale)",
                         transform=ax.transAxes, ha="right", va="top", fontsize=8, color="0.4")
+    return drawn
+
+
+def figure(groups: list[Group], summary: list[dict[str, Any]]):
+    plt = figures.pyplot()
+    if plt is None:
+        return None
+    from matplotlib.lines import Line2D
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6 + 0.17 * (len(groups) + 2)))
+    panels = [("train_loss", axes[0], "training loss (cross-entropy, nats)", False),
+              ("train_error", axes[1], "training error (%)", True),
+              ("test_error", axes[2], "test error (%)", True)]
+    handles = _draw_curves(panels, groups, summary)
+    classes = sorted({r.num_classes for g in groups for r in g.runs if r.num_classes})
+    drawn = _draw_chance(panels, summary, classes)
     if drawn:
         handles.append(Line2D([], [], color="0.4", ls="--", lw=1,
                               label="chance error (1 - 1/classes: "

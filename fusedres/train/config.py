@@ -222,6 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--config", help="YAML file of defaults (keys are flag names, - or _), or the name of "
                          "one shipped in fusedres/configs (digits, cifar10_resnet164, "
                          "cifar10_resnet1001, imagenet_resnet200)")
+    _add_model_group(p)
+    _add_data_group(p)
+    _add_imagefolder_group(p)
+    _add_optimisation_group(p)
+    _add_memory_group(p)
+    _add_run_group(p)
+    return p
+
+
+def _add_model_group(p: argparse.ArgumentParser) -> None:
+    """The model: depth, family, unit ordering, shortcut, norm, drop-path, backend."""
     g = p.add_argument_group("model")
     g.add_argument("--model", help="a fusedres.models name (preact_resnet110, ...), or "
                                    "preact_resnet with --depth (default preact_resnet110)")
@@ -260,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fused", action=argparse.BooleanOptionalAction,
                    help="fused BN-ReLU-conv blocks (default) or plain PyTorch ones")
     g.add_argument("--backend", choices=CHOICES["backend"], help="fusedres backend (auto)")
+
+
+def _add_data_group(p: argparse.ArgumentParser) -> None:
+    """The dataset and its augmentation."""
     g = p.add_argument_group("data")
     g.add_argument("--dataset", choices=CHOICES["dataset"],
                    help="cifar10 (default), cifar100, or digits (scikit-learn's 8x8 "
@@ -274,7 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pad", type=int, help="random-translation padding in pixels (4)")
     g.add_argument("--flip", action=argparse.BooleanOptionalAction,
                    help="random horizontal flips (on)")
-    _add_imagefolder_group(p)
+
+
+def _add_optimisation_group(p: argparse.ArgumentParser) -> None:
+    """Batch, optimizer, regularisation, schedule and length."""
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch-size", type=int, help="global batch, split over processes (128)")
     g.add_argument("--eval-batch-size", type=int, help="batch for evaluation (500)")
@@ -327,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                "--max-iters; not both)")
     g.add_argument("--seed", type=int, help="seed of initialisation, data order and "
                                             "augmentation (0)")
+
+
+def _add_memory_group(p: argparse.ArgumentParser) -> None:
+    """Device, threads, memory budgets, precision, layout, compile, graphs."""
     g = p.add_argument_group("memory and speed")
     g.add_argument("--device", choices=CHOICES["device"], help="auto: cuda when available")
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
@@ -360,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "it (needs a CUDA device and one process; evaluation stays eager)")
     g.add_argument("--sync-bn", action=argparse.BooleanOptionalAction,
                    help="BatchNorm statistics over all processes (torchrun)")
+
+
+def _add_run_group(p: argparse.ArgumentParser) -> None:
+    """The run directory, resuming, checkpoints and logging."""
     g = p.add_argument_group("run")
     g.add_argument("--out", help="run directory (default runs/<dataset>-<model>)")
     g.add_argument("--resume", nargs="?", const="latest",
@@ -380,7 +406,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TensorBoard events when tensorboard is installed (on)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction,
                    help="a progress bar per epoch (on)")
-    return p
 
 
 def _add_imagefolder_group(p: argparse.ArgumentParser) -> None:

@@ -344,6 +344,15 @@ class Run:
     def _setup(self, cfg, explicit):
         cfg, out, state = self._resolve_resume(cfg, explicit)
         self.cfg, self.out, self.resume_state = cfg, out, state
+        self._setup_process(cfg, explicit)
+        self._open_data(cfg, explicit)
+        model = self._build_model(cfg, state)
+        model = self._build_optimizer(model, cfg, state)
+        self._build_step(model, cfg)
+        self._open_run(cfg, state)
+
+    def _setup_process(self, cfg, explicit) -> None:
+        """Threads, the device, the backend and glibc's allocator, before anything allocates."""
         if cfg["threads"]:
             self.scope.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(cfg["threads"])
@@ -376,6 +385,8 @@ class Run:
             raise UsageError("--amp fp16 with --compile: not supported on CPU; use --amp bf16")
         self._resolve_layout(explicit)
 
+    def _open_data(self, cfg, explicit) -> None:
+        """The data, its batches and the schedule that follows from their count."""
         # In memory on the device, or streamed from disk (--dataset imagefolder).
         self.data, self.batches = data_mod.open_data(cfg, "data_dir" in explicit, self.device,
                                                      self.rank, self.world)
@@ -394,6 +405,8 @@ class Run:
         self.schedule = LRSchedule(cfg, self.max_iters, self.milestones)
         self.mix = _mixer(cfg, self.data.num_classes)
 
+    def _build_model(self, cfg, state) -> nn.Module:
+        """The seeded model, its memory plan, and the checkpoint's weights on --resume."""
         torch.manual_seed(cfg["seed"])
         seed_python_and_numpy(cfg["seed"])
         in_chans = self.data.image_shape[0]
@@ -417,7 +430,11 @@ class Run:
                                  f"({_first_line(e)})") from None
         self.model = model  # unwrapped: what checkpoints hold
         self.parameters = sum(p.numel() for p in model.parameters())
+        return model
 
+    def _build_optimizer(self, model: nn.Module, cfg, state) -> nn.Module:
+        """--sync-bn, the optimizer, EMA and scaler (restored on --resume); returns the model
+        the step trains (SyncBatchNorm converted)."""
         if self.world > 1 and cfg["sync_bn"]:
             # On GPUs torch's own SyncBatchNorm serves the plain BatchNorms (the fused ones are
             # routed to fusedres.distributed either way); it does not run on CPU tensors.
@@ -455,6 +472,10 @@ class Run:
             except (ValueError, KeyError, RuntimeError) as e:
                 raise UsageError(f"--resume: the optimiser state does not fit this model "
                                  f"({_first_line(e)})") from None
+        return model
+
+    def _build_step(self, model: nn.Module, cfg) -> None:
+        """The training step: DDP, torch.compile and CUDA graphs around ``model``."""
         self.saved_bytes = None
         if cfg["compile"] and cfg["amp"] == "none":
             # The first step's count (below) cannot see inside a compiled graph: count the
@@ -483,7 +504,9 @@ class Run:
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
 
-        # Everything is checked: from here on the run directory may be written.
+    def _open_run(self, cfg, state) -> None:
+        """Everything is checked: lock and write the run directory, restore the counters."""
+        # From here on the run directory may be written.
         if self.world > 1:
             dist.barrier()
         self._lock_out()
