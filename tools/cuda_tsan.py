@@ -1,6 +1,6 @@
-"""Build and run the CUDA kernels under a sanitizer on the CPU (csrc/cuda/host/tsan).
+"""Build and run the CUDA kernels under a sanitizer on the CPU (csrc/cuda/on_cpu/tsan).
 
-``python -m fusedres.cuda_tsan [--asan] [case ...]`` compiles the host copy of every kernel in
+``python -m tools.cuda_tsan [--asan] [case ...]`` compiles the host copy of every kernel in
 csrc/cuda with one OS thread per CUDA thread (``FUSEDRES_HOST_THREADS``) into a standalone driver
 (no Python), then runs its cases (default: ``all``): with ``-fsanitize=thread`` (make tsan;
 build/tsan/), or with ``--asan`` AddressSanitizer + UndefinedBehaviorSanitizer,
@@ -32,8 +32,8 @@ ASAN_REPORTS = ("ERROR: AddressSanitizer:", "runtime error:")
 
 
 def sources() -> list[str]:
-    """The test extension's sources (csrc/cuda/host) less its Python module, plus the driver."""
-    host = os.path.join(ROOT, "csrc", "cuda", "host")
+    """The test extension's sources (csrc/cuda/on_cpu) less its Python module, plus the driver."""
+    host = os.path.join(ROOT, "csrc", "cuda", "on_cpu")
     layer = [p for p in glob.glob(os.path.join(host, "*.cpp"))
              if os.path.basename(p) != "module.cpp"]
     return sorted(layer + glob.glob(os.path.join(host, "tsan", "*.cpp")))
@@ -94,7 +94,7 @@ def build(jobs: int | None = None, verbose: bool = True, asan: bool = False) -> 
     newest_header = max((os.path.getmtime(p) for p in _headers()), default=0)
     objects, stale = [], []
     for src in sources():
-        rel = os.path.relpath(src, os.path.join(ROOT, "csrc", "cuda", "host"))
+        rel = os.path.relpath(src, os.path.join(ROOT, "csrc", "cuda", "on_cpu"))
         obj = os.path.join(build_dir, rel.replace(os.sep, "_").replace(".cpp", ".o"))
         objects.append(obj)
         if not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src),

@@ -52,8 +52,8 @@ from pathlib import Path
 
 import torch
 
-from . import _common
-from ._common import KernelConfig
+from fusedres.kernels import _common
+from fusedres.kernels._common import KernelConfig
 
 __all__ = ["Compiled", "DevicePointer", "Launch", "compile_launch", "specialise", "unit_launches",
            "with_config"]
@@ -63,7 +63,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
 BACKWARDS = ("sums", "store")
 _CACHE_VERSION = "1"  # bump when Compiled's fields or the log parsing change
 
-# Role names (as kernels/aot.py prints them) of the kernels with one launch form.
+# Role names (as tools/triton_aot.py prints them) of the kernels with one launch form.
 _ROLE_OF_FN = {"batch_stats_kernel": "batch_stats", "bn_relu_conv2d_fwd_kernel":
                "bn_relu_conv2d_fwd", "dx_kernel": "dx"}
 
@@ -317,7 +317,7 @@ def capturing(sms: int, tf32: bool, backward: str):
                            "TRITON_INTERPRET=0 (the kernels compile for a GPU then)")
     # Every kernel module is imported before patching: one imported within would bind the
     # recorder for good (``from ._common import launcher``).
-    from ..backends import triton as backend
+    from fusedres.backends import triton as backend
 
     recorder = _Recorder()
     swaps = [(m, name, orig, new) for m in _kernel_modules()
@@ -351,10 +351,10 @@ def _training_step(shape, dtype: torch.dtype, fmt, training: bool, genstats: boo
     gradients of x, the weight and the BatchNorm affine (the unit has no conv bias); float64,
     and ``route="public"``, through the public ops' bodies (what a traced graph runs: the
     affine made by a launch of its own, forward and backward). ``during()``: a context entered
-    once the inputs exist, around every call of the step (fusedres.perfmodel counts the host
+    once the inputs exist, around every call of the step (tools.perfmodel counts the host
     ops in it)."""
-    from ..backends import triton as backend
-    from ..opdefs import BackwardArgs, UnitArgs, stats_dtype
+    from fusedres.backends import triton as backend
+    from fusedres.ops.opdefs import BackwardArgs, UnitArgs, stats_dtype
 
     sdt = stats_dtype(dtype)
     k, s, p = shape.k, shape.stride, shape.padding
@@ -418,7 +418,7 @@ def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
                   genstats: bool = False, during=contextlib.nullcontext,
                   route: str = "eager") -> list[Launch]:
     """The kernel launches of one training step (forward + backward) of the fused unit
-    ``shape`` (a :class:`fusedres.unit_shapes.ConvUnit`), in launch order, specialised as the
+    ``shape`` (a :class:`fusedres.models.unit_shapes.ConvUnit`), in launch order, specialised as the
     JIT specialises them on a GPU of compute capability ``arch`` with ``sm_count`` SMs
     (default: A100's 108 for sm_80, H100's 132 otherwise).
 
@@ -431,7 +431,7 @@ def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
     on the eager route the next unit's BatchNorm preparation from them (bn_prepare, where
     the next unit would run the statistics kernel) closes the step. ``during``: a context
     manager factory entered around the step's calls (its inputs made).
-    ``route``: "eager" (fusedres.route's triton route) or "public" (the public ops' bodies).
+    ``route``: "eager" (fusedres.ops.route's triton route) or "public" (the public ops' bodies).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -439,7 +439,7 @@ def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
         raise ValueError(f"backward: expected one of {', '.join(BACKWARDS)}, got {backward!r}")
     for name in ("n", "cin", "cout", "hw", "k", "stride"):
         if not hasattr(shape, name):
-            raise TypeError(f"shape: expected a fusedres.unit_shapes.ConvUnit, got "
+            raise TypeError(f"shape: expected a fusedres.models.unit_shapes.ConvUnit, got "
                             f"{type(shape).__name__}")
     sms = sm_count if sm_count is not None else (108 if arch == 80 else 132)
     if sms < 1:
@@ -596,7 +596,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true", help="also compile (registers, spills)")
     args = ap.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "0"
-    from ..unit_shapes import ConvUnit, parse_shape
+    from fusedres.models.unit_shapes import ConvUnit, parse_shape
 
     # Run as ``-m``, this file is ``__main__``: work through the package's module instead.
     spec = importlib.import_module(f"{__package__}.jit_spec")

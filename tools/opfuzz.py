@@ -12,7 +12,7 @@ argument unchanged (running statistics, num_batches_tracked) and never end the p
 tensor argument a well-formed case: its values strided (:data:`STRIDED`), which must give the
 valid call's outputs and state bit for bit (the strides the kernels assume).
 
-``python -m fusedres.opfuzz [--asan] [--namespace NS ...] [--jobs J]`` runs the table and prints
+``python -m tools.opfuzz [--asan] [--namespace NS ...] [--jobs J]`` runs the table and prints
 the cases that failed; exit status 0 when none did. ``--asan`` runs the ``fusedres_cpu`` cases
 against fusedres._C built with AddressSanitizer (build/asan-ext, :func:`build_asan_extension`),
 preloading the ASan runtime: an out-of-bounds access in a CPU kernel ends its case with a report.
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The test extension's own probes of the CPU execution layer (kernels that race or read out of
 # bounds on purpose, for the sanitizers to find) and its hooks into kernel rules: test vehicles
-# that no install ships (fusedres._C_cuda_host is built by `make test` only), called by their
+# that no install ships (fusedres._C_cuda_on_cpu is built by `make test` only), called by their
 # tests with fixed arguments.
 EXCLUDED = ("fusedres_cuda_layer_test", "fusedres_cuda_testing")
 
@@ -56,7 +56,7 @@ def _setup(namespaces=None) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("FUSEDRES_CUDA_ON_CPU", "1")
     import fusedres  # noqa: F401
-    from fusedres import _extension
+    from fusedres.ops import _extension
 
     if namespaces is None or "fusedres_cuda" in namespaces:
         _extension.load_cuda_host()
@@ -87,7 +87,7 @@ def plant() -> None:
 
     import torch
 
-    from fusedres.opdefs import SCHEMAS
+    from fusedres.ops.opdefs import SCHEMAS
 
     lib = torch.library.Library(PLANTED, "DEF")
     _planted.append(lib)
@@ -168,7 +168,7 @@ def valid_call(op: str) -> dict[str, Any]:
     for a in _schema(op).arguments:
         if a.name not in values:
             raise KeyError(f"{op}: no valid value for argument {a.name!r} in "
-                           "fusedres.opfuzz._valid_values: add one (and its kind, _KIND)")
+                           "tools.opfuzz._valid_values: add one (and its kind, _KIND)")
         out[a.name] = None if a.name in NONE_IN_VALID.get(name, ()) else values[a.name]()
     return out
 
@@ -477,7 +477,7 @@ def _child(ids: list[str], out_path: str, valid_ops: list[str]) -> None:
 
     asan = settings.get("FUSEDRES_ASAN_EXTENSION")
     if asan:  # the cases must reach the instrumented build
-        from fusedres import _extension
+        from fusedres.ops import _extension
 
         loaded = getattr(sys.modules.get("fusedres._C"), "__file__", None)
         if not (_extension.LOADED and loaded == asan):
@@ -702,7 +702,7 @@ def build_asan_extension(jobs: int | None = None, verbose: bool = True) -> str:
         if not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src), newest):
             stale.append((src, obj))
 
-    from fusedres.cuda_tsan import compile_objects
+    from tools.cuda_tsan import compile_objects
 
     compile_objects(cxx, cflags, stale, jobs, verbose, "asan-ext")
     if stale or not os.path.exists(ASAN_EXTENSION):
@@ -720,7 +720,7 @@ def build_asan_extension(jobs: int | None = None, verbose: bool = True) -> str:
 # --------------------------------------------------------------------------- command line
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fusedres.opfuzz", description=__doc__.split(
+    p = argparse.ArgumentParser(prog="python -m tools.opfuzz", description=__doc__.split(
         "\n\n")[0])
     p.add_argument("--asan", action="store_true",
                    help="the fusedres_cpu ops against fusedres._C built with AddressSanitizer")

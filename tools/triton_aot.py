@@ -1,7 +1,7 @@
 """Ahead-of-time compile of every Triton kernel as its JIT specialises it, for given CUDA archs.
 
-``python -m fusedres.kernels.aot --arch 80 90`` captures the launches of one training step
-(forward and both backward plans) of each representative unit shape (kernels/jit_spec.py: the
+``python -m tools.triton_aot --arch 80 90`` captures the launches of one training step
+(forward and both backward plans) of each representative unit shape (tools/jit_spec.py: the
 host launchers on meta tensors, Triton's own binder for the specialisation: ints equal to 1 as
 constexprs, divisibility by 16, the dtypes of each tensor), for each dtype variant (fp16, bf16,
 fp32 with TF32, fp32 without TF32 = ``ieee`` products, fp64) on an A100 (108 SMs) for sm_80 and
@@ -18,7 +18,7 @@ arch's per-block limit, registers spill, or a launch leaves an argument to its d
 CIFAR units at batch 128, the ResNet-50 ImageNet units at batch 256, channels_last; 1262
 compiles, ~16 min on two cores, ~15 s from the cache), ``ci`` (a CIFAR 3x3 unit and an ImageNet
 1x1 unit with a residual, and the witness shapes of :data:`KNOWN_SPILLS`, the spills allowed and
-why). Compiles are cached (kernels/jit_spec.py's cache).
+why). Compiles are cached (tools/jit_spec.py's cache).
 
 Needs ``TRITON_INTERPRET=0`` before the kernels are imported (``main`` sets it; a process that
 already imported them under the interpreter must start this as a subprocess).
@@ -46,8 +46,8 @@ KERNELS = ("batch_stats", "bn_relu_conv2d_fwd", "dgrad_store", "dgrad_dx", "dx",
 
 
 def shape_set(name: str) -> list:
-    """The unit shapes (fusedres.unit_shapes.ConvUnit) of set ``name``."""
-    from ..unit_shapes import CIFAR_BOTTLENECKS, R50_CONVS, conv_units
+    """The unit shapes (fusedres.models.unit_shapes.ConvUnit) of set ``name``."""
+    from fusedres.models.unit_shapes import CIFAR_BOTTLENECKS, R50_CONVS, conv_units
 
     cifar = list(dict.fromkeys(u for b in CIFAR_BOTTLENECKS for u in conv_units(b, 128, "c164")))
     if name == "benchmark":
@@ -66,11 +66,11 @@ def shape_set(name: str) -> list:
 def role_configs() -> dict:
     """Each kernel role's ``configs_for(variant)``: the configs it may launch with for a dtype
     variant (a name of ``VARIANTS``: "fp32-ieee" has its own configs)."""
-    from . import batch_stats as bs
-    from . import bn_relu_conv2d as fwd
-    from . import bn_relu_conv2d_dgrad as dg
-    from . import bn_relu_conv2d_wgrad as wg
-    from . import reductions as red
+    from fusedres.kernels import batch_stats as bs
+    from fusedres.kernels import bn_relu_conv2d as fwd
+    from fusedres.kernels import bn_relu_conv2d_dgrad as dg
+    from fusedres.kernels import bn_relu_conv2d_wgrad as wg
+    from fusedres.kernels import reductions as red
 
     return {"batch_stats": bs.configs_for, "bn_relu_conv2d_fwd": fwd.configs_for,
             "dgrad_store": dg.configs_for, "dgrad_dx": dg.configs_for,
@@ -100,7 +100,7 @@ class Job:
 
 # Spills ptxas reports for the benchmark set, each allowed up to the bytes a thread it spilled
 # when it was found; any other spill, or more bytes, fails. Found with triton 3.8.0 (python -m
-# fusedres.kernels.aot --arch 80 90, 2026-11-28: 26 of 1,114 compiles of the three GEMM kernels)
+# tools.triton_aot --arch 80 90, 2026-11-28: 26 of 1,114 compiles of the three GEMM kernels)
 # and triton 3.6.0 (--arch 90: 8 of 882, and one more the ci set swaps in; its spills differ,
 # and are allowed with 3.6 only).
 # Keyed by (kernel, config, arch). The ``ci`` set holds the witness units (shape_set) of the
@@ -355,7 +355,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: cores)")
     args = ap.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "0"
-    from .bn_relu_conv2d import bn_relu_conv2d_fwd_kernel
+    from fusedres.kernels.bn_relu_conv2d import bn_relu_conv2d_fwd_kernel
     if not hasattr(bn_relu_conv2d_fwd_kernel, "arg_names") or "Interpreted" in type(
             bn_relu_conv2d_fwd_kernel).__name__:
         print("the kernels were imported under TRITON_INTERPRET=1: run this in a fresh process")

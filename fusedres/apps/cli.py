@@ -40,19 +40,21 @@ def parse_bytes(text, flag: str | None = "--memory-budget") -> int:
 
 
 COMMANDS = {
-    "train": ("fusedres.train", "train a pre-activation ResNet (He et al.'s recipe)"),
-    "bench": ("fusedres.bench", "time and memory of the fused units on this machine "
+    "train": ("fusedres.apps.train", "train a pre-activation ResNet (He et al.'s recipe)"),
+    "bench": ("fusedres.apps.bench", "time and memory of the fused units on this machine "
                                 "(units, step, fit, gpu-report)"),
-    "demo": ("fusedres.demo", "fused unit vs plain PyTorch: agreement and saved memory"),
-    "selftest": ("fusedres.selftest", "run the kernels against the reference on this machine"),
-    "evaluate": ("fusedres.experiments.evaluate", "a trained run's checkpoint on its test set: "
-                                                  "loss, top-1/top-5 error (model and EMA)"),
-    "lesion": ("fusedres.experiments.lesion", "test error of a trained run with residual units "
-                                              "deleted (Veit et al. 2016)"),
-    "landscape": ("fusedres.experiments.landscape", "loss and accuracy around a run's trained "
-                                                    "weights (Li et al. 2018)"),
-    "compare": ("fusedres.experiments.compare", "runs side by side: curves per variant (median "
-                                                "over seeds) and a table of test errors"),
+    "demo": ("fusedres.apps.demo", "fused unit vs plain PyTorch: agreement and saved memory"),
+    "selftest": ("fusedres.apps.selftest", "run the kernels against the reference on this machine"),
+    "evaluate": ("fusedres.apps.experiments.evaluate",
+                 "a trained run's checkpoint on its test set: loss, top-1/top-5 error "
+                 "(model and EMA)"),
+    "lesion": ("fusedres.apps.experiments.lesion",
+               "test error of a trained run with residual units deleted (Veit et al. 2016)"),
+    "landscape": ("fusedres.apps.experiments.landscape",
+                  "loss and accuracy around a run's trained weights (Li et al. 2018)"),
+    "compare": ("fusedres.apps.experiments.compare",
+                "runs side by side: curves per variant (median over seeds) and a table of "
+                "test errors"),
     "settings": ("fusedres.settings", "the FUSEDRES_* environment variables, and those set here"),
 }
 

@@ -1,4 +1,4 @@
-"""``python -m fusedres.demo``: the fused pre-activation unit against plain PyTorch.
+"""``python -m fusedres.apps.demo``: the fused pre-activation unit against plain PyTorch.
 
 Prints forward/backward agreement and saved-activation bytes for every backend that runs here,
 on the units of a CIFAR ResNet-164 (small batch so it runs in seconds on a laptop CPU).

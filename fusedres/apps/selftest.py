@@ -1,4 +1,4 @@
-"""``python -m fusedres.selftest``: the GPU kernels against the reference, with a table.
+"""``python -m fusedres.apps.selftest``: the GPU kernels against the reference, with a table.
 
 What a user with a GPU runs first. For each case (shape x dtype x layout) it runs one fused
 unit, forward and backward, on every GPU backend that runs (``triton``, ``cuda``) and on
@@ -24,7 +24,7 @@ import time
 import torch
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when the fusedres package is
-# imported, which `python -m fusedres.selftest` does before this module runs: the __main__
+# imported, which `python -m fusedres.apps.selftest` does before this module runs: the __main__
 # block below starts the process again with it set.
 _NEEDS_INTERPRETER = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
 if not torch.cuda.is_available():
@@ -33,14 +33,14 @@ if not torch.cuda.is_available():
 import fusedres  # noqa: E402
 from fusedres import functional as FR  # noqa: E402
 from fusedres.memory import saved_bytes  # noqa: E402
-from fusedres.unit_shapes import SELFTEST_CPU, SELFTEST_GPU, ConvUnit  # noqa: E402
+from fusedres.models.unit_shapes import SELFTEST_CPU, SELFTEST_GPU, ConvUnit  # noqa: E402
 
 # Relative error bound (max |err| / max |ref|) per dtype against a float64 reference; the
 # reference backend's own error at that dtype is printed beside ours.
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
-# The cases are the shared shape table's (fusedres.unit_shapes): one BN-ReLU-conv each.
+# The cases are the shared shape table's (fusedres.models.unit_shapes): one BN-ReLU-conv each.
 Case = ConvUnit
 GPU_CASES = SELFTEST_GPU
 CPU_CASES = SELFTEST_CPU
@@ -272,5 +272,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     if _NEEDS_INTERPRETER:  # the kernels were defined without the interpreter: run again
-        os.execv(sys.executable, [sys.executable, "-m", "fusedres.selftest", *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, "-m", "fusedres.apps.selftest", *sys.argv[1:]])
     sys.exit(main())

@@ -4,7 +4,7 @@ the fused op, in place: the model keeps its identity, class, attributes and meth
 
 Two ways, tried in this order for every module, children before their parent:
 
-1. A rewriter registered for the module's class (:mod:`fusedres.rewriters`: fusedres's own
+1. A rewriter registered for the module's class (:mod:`fusedres.convert.rewriters`: fusedres's own
    blocks, timm's ResNetV2 pre-activation blocks and stages, torchvision's ResNet blocks and
    DenseNet layers). It knows the block: its fused forward keeps what the original does
    (drop-path, the model's checkpointing) and runs every chain it can through the fused op.
@@ -48,9 +48,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import modules as _modules
-from .functional import BatchNormState
-from .opdefs import out_shape
+from .. import modules as _modules
+from ..functional import BatchNormState
+from ..ops.opdefs import out_shape
 from .rewriters import Rewriter, conv_problem, is_fused, is_norm_act, rewriter_for
 
 __all__ = ["ChainResult", "FuseReport", "fuse"]

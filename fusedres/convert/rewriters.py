@@ -17,7 +17,7 @@ Two ways of applying, both keeping every attribute and method:
 Built in: fusedres's :class:`~fusedres.modules.ResidualBlock` and
 :class:`~fusedres.models.PreActResNet`; timm's ResNetV2 pre-activation blocks
 (``PreActBottleneck``, ``PreActBasic``) and ``ResNetStage`` (its ``grad_checkpointing``
-recomputes the blocks with :func:`fusedres.activation_checkpoint.checkpoint`, which counts a
+recomputes the blocks with :func:`fusedres.memory.activation_checkpoint.checkpoint`, which counts a
 batch in the BatchNorm running statistics once, where timm's ``checkpoint_seq`` counts it
 twice); torchvision's ``BasicBlock``, ``Bottleneck``, DenseNet's ``_DenseLayer`` (its
 ``memory_efficient`` recompute kept, BatchNorm-safe) and ``_Transition``.
@@ -34,8 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import modules as _m
-from .activation_checkpoint import checkpoint, checkpoint_segments
+from .. import modules as _m
+from ..memory.activation_checkpoint import checkpoint, checkpoint_segments
 
 __all__ = ["Chain", "Rewriter", "fused_class", "is_fused", "register_rewriter", "rewriter_for",
            "rewriters"]
@@ -103,7 +103,7 @@ def register_rewriter(cls: type | str, rewriter: Rewriter) -> None:
     """Use ``rewriter`` for instances of exactly ``cls`` (a class, or its ``"module.QualName"``
     path: no import needed). Subclasses are not matched: they may run another forward."""
     if not isinstance(rewriter, Rewriter):
-        raise TypeError(f"rewriter: expected a fusedres.rewriters.Rewriter, got "
+        raise TypeError(f"rewriter: expected a fusedres.convert.rewriters.Rewriter, got "
                         f"{type(rewriter).__name__}")
     if isinstance(cls, type):
         key = _key(cls)
@@ -164,7 +164,8 @@ def _fused_instance(base: type, name: str):
     rewriter = _BY_NAME.get(name)
     if rewriter is None:
         raise RuntimeError(f"a {base.__name__} fused by the rewriter {name!r}: register that "
-                           f"rewriter (fusedres.rewriters.register_rewriter) before loading it")
+                           "rewriter (fusedres.convert.rewriters.register_rewriter) before "
+                           "loading it")
     cls = fused_class(base, rewriter)
     return cls.__new__(cls)
 

@@ -1,11 +1,11 @@
 """Memory of a training step: saved activations, live tensors, whole-step peak, planning.
 
-The public face of :mod:`fusedres.accounting` (the counting rules, the whole-step simulation)
-and :mod:`fusedres.planner` (where to checkpoint for a budget), of :mod:`fusedres.allocator`
-(glibc told to return freed memory; the process's resident set, its baseline and the
-allocator's slack, which a CPU budget bounds) and of :mod:`fusedres.cuda_memory` (what the CUDA
-caching allocator reserves for a step; the context and workspaces beside it). Imports run one
-way:
+The public face of :mod:`fusedres.memory.accounting` (the counting rules, the whole-step simulation)
+and :mod:`fusedres.memory.planner` (where to checkpoint for a budget), of
+:mod:`fusedres.memory.allocator` (glibc told to return freed memory; the process's resident set,
+its baseline and the allocator's slack, which a CPU budget bounds) and of
+:mod:`fusedres.memory.cuda_memory` (what the CUDA caching allocator reserves for a step; the
+context and workspaces beside it). Imports run one way:
 ``accounting`` <- ``planner`` <- ``memory``; the trainer and the benchmarks read the same
 accounting.
 

@@ -30,9 +30,10 @@ What the tracker cannot see, and how it is treated:
   runs on meta tensors (fake CPU tensors under autocast): torch's autograd engine needs a CUDA
   driver to run a backward on fake CUDA tensors. Not counted here: cuDNN and cuBLAS workspaces
   (cuBLAS's is allocated through the caching allocator and counted by
-  ``max_memory_allocated``), the CUDA context (not counted there); :mod:`fusedres.cuda_memory`
-  replays the step's allocations (``StepMemory.events``) through the allocator's rules for
-  the reserved memory, and states the workspaces and the context beside it.
+  ``max_memory_allocated``), the CUDA context (not counted there);
+  :mod:`fusedres.memory.cuda_memory` replays the step's allocations (``StepMemory.events``) through
+  the allocator's rules for the reserved memory, and states the workspaces and the context beside
+  it.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import _extension
-from .opdefs import ConvGeometry, bind, suggests_channels_last
+from ..ops import _extension
+from ..ops.opdefs import ConvGeometry, bind, suggests_channels_last
 
 __all__ = ["CUDA_BLOCK_BYTES", "LiveTensorTracker", "SavedTensor", "SavedTensorCounter",
            "StepMemory", "cpu_op_workspace_bytes", "format_bytes", "optimizer_spec", "saved_bytes",
@@ -164,7 +165,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.current_bytes = 0
         self.peak_bytes = 0
         # When a list: ("alloc", key, nbytes) and ("free", key) in order, nbytes unrounded
-        # (the allocator replay of fusedres.cuda_memory reads it).
+        # (the allocator replay of fusedres.memory.cuda_memory reads it).
         self.events: list[tuple] | None = None
 
     def _free(self, key: int) -> None:
@@ -306,7 +307,7 @@ class StepMemory:
     cuda_rules: bool = False
     notes: list[str] = field(default_factory=list)
     # cuda_rules: the step's allocations and frees in order (LiveTensorTracker.events), for
-    # fusedres.cuda_memory's allocator replay.
+    # fusedres.memory.cuda_memory's allocator replay.
     events: list[tuple] | None = field(default=None, repr=False)
 
     @property
@@ -507,7 +508,7 @@ def simulate_step(model: nn.Module, input_shape: Sequence[int], *,
                 else contextlib.nullcontext())
     cpu_ws = False
     if workspace and not cuda_rules:
-        from . import _backend
+        from ..ops import _backend
         cpu_ws = _backend.resolve_backend(torch.device("cpu")) == "cpu"
     live = _StepTracker(cpu_ws, round_to=CUDA_BLOCK_BYTES if cuda_rules else 1,
                         keep_peak_set=True)

@@ -11,7 +11,7 @@ unaffected (training-mode BatchNorm normalises with batch statistics, not runnin
 Works for fused and plain modules alike (it restores buffers, it does not look at classes).
 
 (Activation checkpoints, recomputed in backward: not the trainer's run checkpoints, which are
-``fusedres.train.checkpoint``.)
+``fusedres.apps.train.checkpoint``.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The process's memory as the system sees it: glibc's allocator told to hand freed blocks back,
 and the resident set (current and peak) read from Linux.
 
-Why: a budget planned over live tensors (:mod:`fusedres.planner`) bounds the process only if
+Why: a budget planned over live tensors (:mod:`fusedres.memory.planner`) bounds the process only if
 freed memory leaves it. glibc's malloc serves large blocks with mmap, but its threshold is
 dynamic: once a block of size s is freed it raises the threshold to s (and the trim threshold
 to 2s), so later blocks of that size come from the heap and stay resident after ``free``. A

@@ -6,7 +6,7 @@ Reserved memory. ``torch.cuda.max_memory_allocated`` counts blocks; the allocato
 it gets memory from the driver in segments and keeps freed blocks cached, so
 ``torch.cuda.max_memory_reserved`` (what the device must have) is the peak of the segments.
 :class:`CachingAllocatorModel` replays a step's allocations and frees (recorded by
-:func:`fusedres.accounting.simulate_step` with ``cuda_rules=True``) through the rules of
+:func:`fusedres.memory.accounting.simulate_step` with ``cuda_rules=True``) through the rules of
 PyTorch's ``c10/cuda/CUDACachingAllocator.cpp`` (the native backend; one stream, no CUDA graphs,
 ``max_split_size_mb`` and ``garbage_collection_threshold`` unset, no out-of-memory retries):
 

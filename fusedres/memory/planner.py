@@ -4,13 +4,13 @@
 buffers, gradients, optimizer state, the batch, saved activations and the largest transient
 (the segment recomputed during backward, the gradients in flight, the optimizer step's
 temporaries, the evaluation forward at its batch size), plus the cpu backend's kernel
-workspace and whatever the caller keeps resident (:mod:`fusedres.accounting` itemises and
+workspace and whatever the caller keeps resident (:mod:`fusedres.memory.accounting` itemises and
 simulates it). ``activation_budget`` keeps the older, narrower meaning: saved activations only,
 as described below. ``process=True`` (training on CPU) makes ``budget_bytes`` bound the
 process instead: its peak resident set above a baseline, the step's peak plus the allocator's
-slack (:mod:`fusedres.allocator`: glibc told to return freed memory, the slack measured).
+slack (:mod:`fusedres.memory.allocator`: glibc told to return freed memory, the slack measured).
 With ``predict_cuda`` the plan also replays the step through the CUDA caching allocator's
-rules (:mod:`fusedres.cuda_memory`): reserved memory with and without expandable segments,
+rules (:mod:`fusedres.memory.cuda_memory`): reserved memory with and without expandable segments,
 and what the GPU holds beside it.
 
 The planner measures, for the given input shape and dtype, what every residual unit saves for
@@ -18,8 +18,8 @@ backward (a count of storages, :mod:`fusedres.memory`'s rule) and its forward FL
 meta device by default (no real memory is touched, so ResNet-1001 at batch 128 plans on a
 laptop); a unit with stochastic depth saves its (N,) branch scale beside x, counted the same way
 (N * 4 bytes in float32), and a checkpointed one redraws the same scale on recompute
-(:func:`fusedres.activation_checkpoint.checkpoint` preserves the RNG state). It then picks
-contiguous segments of units to checkpoint with :mod:`fusedres.activation_checkpoint`
+(:func:`fusedres.memory.activation_checkpoint.checkpoint` preserves the RNG state). It then picks
+contiguous segments of units to checkpoint with :mod:`fusedres.memory.activation_checkpoint`
 (BatchNorm-safe), minimising the recomputed FLOPs, and applies the choice with
 ``model.set_grad_checkpointing(ranges)``.
 
@@ -47,7 +47,9 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import _backend, allocator, cuda_memory, settings
+from .. import settings
+from ..ops import _backend
+from . import allocator, cuda_memory
 from .accounting import (
     LiveTensorTracker,
     StepMemory,
@@ -102,13 +104,13 @@ class MemoryPlan:
 
     ``budget_bytes``: the whole-step budget (None when only ``activation_budget_bytes`` was
     given). ``step``: the simulated whole step with the chosen checkpointing, itemised
-    (:class:`fusedres.accounting.StepMemory`); ``peak_bytes`` is its peak, the figure the
-    budget bounds, unless ``process`` (a :class:`fusedres.allocator.ProcessMemory`, with
+    (:class:`fusedres.memory.accounting.StepMemory`); ``peak_bytes`` is its peak, the figure the
+    budget bounds, unless ``process`` (a :class:`fusedres.memory.allocator.ProcessMemory`, with
     ``process=True``): then the budget bounds ``process.above_baseline``, the peak plus the
     allocator's slack (``budgeted_bytes`` is whichever applies). ``cuda_step``: the same step
     counted as the CUDA caching allocator would (what ``torch.cuda.max_memory_allocated``
     reports), when asked for; ``cuda``: its replay through the allocator's rules
-    (:class:`fusedres.cuda_memory.CudaMemory`: reserved memory, workspaces, the context).
+    (:class:`fusedres.memory.cuda_memory.CudaMemory`: reserved memory, workspaces, the context).
     ``saved_bytes`` / ``activation_peak_bytes`` / ``unplanned_bytes``: saved activations after
     the forward, at their peak during backward, and without checkpointing (the activation
     model).
@@ -479,7 +481,7 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
     (the recomputed segment, gradients in flight, the optimizer step, the evaluation forward at
     ``eval_batch_size`` when given), the cpu backend's kernel workspace, and
     ``resident_bytes`` the caller keeps on the device (e.g. a dataset). The step is simulated on
-    fake tensors (:func:`fusedres.accounting.simulate_step`), so the prediction is the peak
+    fake tensors (:func:`fusedres.memory.accounting.simulate_step`), so the prediction is the peak
     :class:`fusedres.memory.LiveTensorTracker` measures on the real step.
 
     ``activation_budget``: instead of (or with) ``budget_bytes``, bound only the saved

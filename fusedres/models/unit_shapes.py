@@ -1,5 +1,5 @@
 """The unit shapes every benchmark and the self-test measure: one table, imported by
-``fusedres bench``, the pytest-benchmark files in ``benchmarks/`` and ``fusedres.selftest``
+``fusedres bench``, the pytest-benchmark files in ``benchmarks/`` and ``fusedres.apps.selftest``
 (a library module, so that those apps share it without importing each other; plain data, it
 imports nothing).
 
@@ -146,7 +146,7 @@ CIFAR_CONVS = [
     ConvUnit("64>256 1x1 @8", 128, 64, 256, 8, k=1),
 ]
 # The distinct BN-ReLU-conv units of the ResNet-50 bottlenecks at the ImageNet batch of 256
-# (the performance model's and kernels/aot.py's ImageNet shapes).
+# (the performance model's and tools/triton_aot.py's ImageNet shapes).
 R50_CONVS = list(dict.fromkeys(u for b in R50_BOTTLENECKS for u in conv_units(b, 256, "r50")))
 # Single fused basic units: BN -> ReLU -> Conv3x3(C -> C, stride s, padding 1, no bias),
 # optional residual of the output's shape, N=64, H=W=16, float32 (issue 10's sweep: channel

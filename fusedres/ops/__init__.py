@@ -1,5 +1,5 @@
-"""The public ``fusedres`` operators: registered from :data:`fusedres.opdefs.SCHEMAS`, with their
-fake kernels and the fused unit's autograd rule.
+"""The public ``fusedres`` operators: registered from :data:`fusedres.ops.opdefs.SCHEMAS`, with
+their fake kernels and the fused unit's autograd rule.
 
 * ``fusedres::batch_stats(x) -> (mean, var)``: per-channel batch mean and biased variance over
   (N, H, W), in the statistics dtype (float32 for half inputs, else ``x.dtype``). Not
@@ -17,11 +17,11 @@ fake kernels and the fused unit's autograd rule.
   includes the path through the batch statistics (training-mode BatchNorm). With
   ``branch_scale`` every gradient sees ``branch_scale[n] * grad_out[n]``.
 
-Every op routes at run time to the backend in force (:mod:`fusedres._backend`), whose module
+Every op routes at run time to the backend in force (:mod:`fusedres.ops._backend`), whose module
 implements the op under the same name with the same arguments. The autograd rule
 (:func:`unit_setup_context`, :func:`unit_backward`) saves ``x``, the conv weight, the BN
 parameters, the per-channel statistics and the (N,) branch scale when there is one, never the
-normalised or activated tensor. The eager routes (:mod:`fusedres.route` decides which runs)
+normalised or activated tensor. The eager routes (:mod:`fusedres.ops.route` decides which runs)
 share that rule: the C++ backends' nodes (csrc/eager.h; :func:`eager_unit_of`), the triton
 backend's ``EagerTritonUnit``, and :func:`direct_unit` for a backend's own ops (the traced
 triton unit).
@@ -62,7 +62,7 @@ def _backend_for(x: Tensor):
 
 def _define(name: str, routing_arg: str):
     """The public op ``fusedres::<name>``: checks every argument (the ops' contract,
-    :func:`fusedres.checks.check_op_args`), then runs the op of the same name of the backend in
+    :func:`fusedres.ops.checks.check_op_args`), then runs the op of the same name of the backend in
     force for the device of the argument ``routing_arg``."""
     index = arg_names(name).index(routing_arg)
 
@@ -194,7 +194,7 @@ def direct_unit(name: str, forward, forward_genstats, backward, *,
     (``forward``, ``forward_genstats``, ``backward``: ops with the schemas of
     ``bn_relu_conv2d``, ``_genstats`` and ``_backward``) with the public ops' autograd rule.
     ``eager``: ``forward`` and ``backward`` run the kernels bare, for eager tensors (the caller
-    checks the inputs: fusedres.route); the backward then calls ``backward`` only on a
+    checks the inputs: fusedres.ops.route); the backward then calls ``backward`` only on a
     plain gradient with grad mode off, else the public backward op.
     ``apply(*UnitArgs, genstats)`` returns ``y``, or ``(y, mean, var)`` when ``genstats`` (last,
     so that ``ctx.needs_input_grad`` lines up with :class:`UnitArgs`)."""
@@ -243,7 +243,7 @@ if _extension.LOADED:  # else the cpu backend never runs (and its namespace may 
 def bare_gradients(*grads: Tensor | None) -> bool:
     """Whether an eager route's backward may run the backend's kernels on ``grads`` bare: grad
     mode off (not a backward that builds a graph, ``create_graph=True``: the kernels' outputs
-    would have none) and eager tensors (:func:`fusedres._backend.is_eager`: not the batched
+    would have none) and eager tensors (:func:`fusedres.ops._backend.is_eager`: not the batched
     gradients of ``is_grads_batched`` or vmap, no dispatch mode). Otherwise the public backward
     op runs it: its layers batch, trace, and refuse a double backward as the public route does."""
     if torch.is_grad_enabled():

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import settings
+from .. import settings
 
 BACKENDS = ("reference", "portable", "cpu", "triton", "cuda")
 # Best first. The compiled backends fill in through later issues; portable always runs.

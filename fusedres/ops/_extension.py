@@ -1,14 +1,14 @@
 """Loads the compiled extension ``fusedres._C`` if it was built; never raises.
 
 The C++ kernels' op namespaces (``fusedres_cpu``, ``fusedres_cuda``) are defined here from
-:data:`fusedres.opdefs.SCHEMAS` whether or not the extension is built; the extension registers
+:data:`fusedres.ops.opdefs.SCHEMAS` whether or not the extension is built; the extension registers
 implementations only. It is loaded first, then the schemas defined: the dispatcher checks each
 registered C++ function against its schema then, and a mismatch (an extension built from other
 sources) becomes ``LOAD_ERROR`` instead of an abort inside the library's loader.
 
 ``LOAD_ERROR`` says why the extension is missing (used in backend error messages).
 
-The test extension ``fusedres._C_cuda_host`` (csrc/cuda executed on CPU: the ``fusedres_cuda``
+The test extension ``fusedres._C_cuda_on_cpu`` (csrc/cuda executed on CPU: the ``fusedres_cuda``
 ops' CPU kernels, and the layer's test ops) is loaded on demand by :func:`load_cuda_host`, after
 the schemas exist; it registers from its module initialiser, so a mismatch there is an
 ImportError too.
@@ -48,13 +48,13 @@ for _namespace in NAMESPACES:
         _LIBRARIES.append(opdefs.define_namespace(_namespace))
     except RuntimeError as exc:  # a kernel of fusedres._C does not match its schema
         LOADED = False
-        LOAD_ERROR = (f"fusedres._C does not match the op schemas of fusedres/opdefs.py "
+        LOAD_ERROR = (f"fusedres._C does not match the op schemas of fusedres/ops/opdefs.py "
                       f"(rebuild it): {_schema_error(exc)}")
 
 
 def op_handles(module_name: str, module_globals: dict, namespace: str):
-    """A module ``__getattr__`` giving, under the names of :data:`fusedres.opdefs.SCHEMAS`, the op
-    handles ``torch.ops.<namespace>.<op>``, each looked up on first use and then kept in the
+    """A module ``__getattr__`` giving, under the names of :data:`fusedres.ops.opdefs.SCHEMAS`, the
+    op handles ``torch.ops.<namespace>.<op>``, each looked up on first use and then kept in the
     module: a namespace whose definition failed (``LOAD_ERROR``) must not break importing the
     backend module."""
 
@@ -90,12 +90,12 @@ def cpu_tile_samples(n: int, bytes_per_sample: int, weight_bytes: int,
         int(n), int(bytes_per_sample), int(weight_bytes), bool(channels_last))
 
 
-CUDA_HOST_MODULE = "fusedres._C_cuda_host"
+CUDA_HOST_MODULE = "fusedres._C_cuda_on_cpu"
 _cuda_host_error: list[str | None] = []  # filled by the first load_cuda_host()
 
 
 def load_cuda_host() -> str | None:
-    """Import the test extension ``fusedres._C_cuda_host`` once; None when it is loaded, else
+    """Import the test extension ``fusedres._C_cuda_on_cpu`` once; None when it is loaded, else
     why not. It registers the ``fusedres_cuda`` CPU kernels against the schemas defined above."""
     if not _cuda_host_error:
         try:

@@ -17,7 +17,8 @@ import os
 import sys
 
 NAME = "fusedres.kernels"
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# fusedres/ (this file is fusedres/ops/_source_checkout.py)
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE_DIR = os.path.join(os.path.dirname(PACKAGE_DIR), "kernels")
 
 

@@ -8,7 +8,7 @@ Two layers:
   (running statistics) changes; the backends' one-call routes run them once per arguments'
   metadata (fusedres.backends.triton.module_unit).
 * The ops' contract (:func:`check_op_args`): every argument of a call of an op of
-  :data:`fusedres.opdefs.SCHEMAS`, for the ops registered in Python (``fusedres::``,
+  :data:`fusedres.ops.opdefs.SCHEMAS`, for the ops registered in Python (``fusedres::``,
   ``fusedres_triton::``). It is csrc/checks.h's contract, which the C++ namespaces
   (``fusedres_cpu::``, ``fusedres_cuda::``) run, in the same words: stricter than the functions'
   (the BatchNorm vectors, bias and residual in the dtypes the functions cast them to), since the
@@ -145,7 +145,7 @@ def _share_memory(a: Tensor, b: Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
-        return False  # meta tensors (fusedres.planner's simulated step) have no memory
+        return False  # meta tensors (fusedres.memory.planner's simulated step) have no memory
     ptr = a.untyped_storage().data_ptr()
     if ptr == 0 or ptr != b.untyped_storage().data_ptr():
         return False
@@ -440,7 +440,7 @@ def _op_output_mask(where: str, mask) -> None:
 def check_op_args(op: str, args, where: str | None = None,
                   device_types: tuple[str, ...] | None = None) -> None:
     """Raise the error csrc/checks.h raises for a call of ``op`` (a key of
-    :data:`fusedres.opdefs.SCHEMAS`) with ``args`` (positional, in schema order), touching
+    :data:`fusedres.ops.opdefs.SCHEMAS`) with ``args`` (positional, in schema order), touching
     nothing: every argument, in the words of the C++ namespaces' ops. ``where``: the op's name
     in the messages (default ``fusedres::<op>``). ``device_types``: those x may be on (None:
     any; the public ops run on x's device, whichever it is)."""

@@ -36,7 +36,7 @@ transforms, empty batches and weights that are tensor subclasses on every backen
 transform, with a plain weight (a tensor or ``nn.Parameter``, not a subclass such as DTensor,
 whose data a kernel would read raw). The reference backend's BatchNorm never reaches the ops
 (fusedres.functional keeps its activation). The backend is the
-one in force for the tensor's device (:mod:`fusedres._backend`); a backend asked for by name
+one in force for the tensor's device (:mod:`fusedres.ops._backend`); a backend asked for by name
 that cannot run raises there. The routes per backend are data (:data:`EAGER`), so a test or a
 benchmark compares two routes by replacing one field.
 """
@@ -67,7 +67,7 @@ class Route(NamedTuple):
       running_mean, running_var, training)`` says whether it takes them (None: all of them).
     - ``prepare_affine(x, bn_weight, bn_bias, running_mean, ..., var) -> (mean, invstd, scale,
       shift)``: ``prepare_batch_norm`` that also makes the fused affine (the unit takes it).
-    - ``unit(args, genstats, affine)``: ``args`` a :class:`fusedres.opdefs.UnitArgs`,
+    - ``unit(args, genstats, affine)``: ``args`` a :class:`fusedres.ops.opdefs.UnitArgs`,
       ``affine`` a preparation's (scale, shift) or None; ``y``, or ``(y, mean, var)`` of y
       when ``genstats``.
     - ``pair(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, stride, padding,
@@ -103,7 +103,7 @@ PUBLIC = Route("public", _public_unit, _public_batch_stats)
 
 
 def _compiled_triton_route() -> Route:
-    from .backends import triton as tb
+    from ..backends import triton as tb
 
     return Route("triton-compiled", tb.compiled_unit, tb.compiled_batch_stats)
 
@@ -111,8 +111,8 @@ def _compiled_triton_route() -> Route:
 def _cpu_route() -> Route | None:
     if not _extension.LOADED:  # the namespace may then lack the ops
         return None
-    from . import ops
-    from .backends import cpu
+    from .. import ops
+    from ..backends import cpu
 
     return Route("cpu", ops.EagerCpuUnit, cpu.batch_stats_tuple, module_unit=cpu.module_unit,
                  prepare_batch_norm=cpu.prepare_batch_norm, pair=cpu.eager_pair,
@@ -120,8 +120,8 @@ def _cpu_route() -> Route | None:
 
 
 def _cuda_route() -> Route:
-    from . import ops
-    from .backends import cuda
+    from .. import ops
+    from ..backends import cuda
 
     node = cuda.eager_unit_op  # None where the extension lacks the C++ node
     return Route("cuda", cuda.eager_unit if node is None else ops.eager_unit_of(node),
@@ -130,7 +130,7 @@ def _cuda_route() -> Route:
 
 
 def _triton_route() -> Route:
-    from .backends import triton as tb
+    from ..backends import triton as tb
 
     return Route("triton", tb.eager_unit, _public_batch_stats, module_unit=tb.module_unit,
                  prepare_batch_norm=tb.prepare_batch_norm, prepare_affine=tb.prepare_affine,
@@ -142,7 +142,7 @@ def _triton_route() -> Route:
 _BUILDERS = {"cpu": _cpu_route, "cuda": _cuda_route, "triton": _triton_route}
 EAGER: dict[str, Route] = {}
 # (backend name in force, device type) -> the backend that runs there, once resolved: which
-# backends can run is a property of the build and the machine (fusedres._backend caches it too).
+# backends can run is a property of the build and the machine (fusedres.ops._backend caches it too).
 _RESOLVED: dict[tuple, str] = {}
 _TRACED_DEVICE_TYPE = "cuda"  # where torch.compile traces the triton_ops (tests trace "cpu")
 _PLAIN = (Tensor, torch.nn.Parameter)

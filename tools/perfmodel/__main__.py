@@ -1,4 +1,4 @@
-"""``python -m fusedres.perfmodel``: the GPU performance model's report (MODELED figures).
+"""``python -m tools.perfmodel``: the GPU performance model's report (MODELED figures).
 
 --out PATH writes the markdown there (benchmarks/GPU_MODEL.md); --quick models one CIFAR and
 one ImageNet unit in fp16 only; --no-calibration skips the GEMM calibration; --cuda adds the
@@ -17,7 +17,7 @@ import time
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fusedres.perfmodel",
+    ap = argparse.ArgumentParser(prog="python -m tools.perfmodel",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the markdown report here")
     ap.add_argument("--dtype", nargs="+", default=["fp16", "bf16", "fp32"],
@@ -31,11 +31,12 @@ def main(argv=None) -> int:
     if args.cuda_only:
         return _cuda_only(args.out)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        print("fusedres.perfmodel: unset TRITON_INTERPRET (the kernels must be compiled)",
+        print("tools.perfmodel: unset TRITON_INTERPRET (the kernels must be compiled)",
               file=sys.stderr)
         return 2
     os.environ["TRITON_INTERPRET"] = "0"
-    from ..kernels import traffic
+    from fusedres.kernels import traffic
+
     from . import report
     from .calibrate import calibrate
     from .devices import A100, H100
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
             cuda = cuda_rows(root)
         except (FileNotFoundError, RuntimeError) as exc:
             cuda = str(exc)
-    command = " ".join(["python -m fusedres.perfmodel", *(argv if argv is not None
+    command = " ".join(["python -m tools.perfmodel", *(argv if argv is not None
                                                           else sys.argv[1:])])
     text = report.markdown(calib, models, time.perf_counter() - t0, cuda, command, store)
     if args.out:
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
 
 
 def _cuda_only(path: str | None) -> int:
-    from ..kernels import traffic
+    from fusedres.kernels import traffic
+
     from . import report
     from .cuda_sass import cuda_rows
     from .devices import A100, H100
@@ -87,12 +89,12 @@ def _cuda_only(path: str | None) -> int:
 
     heading = "## CUDA C++ kernels"
     if path is None or not os.path.exists(path):
-        print("fusedres.perfmodel: --cuda-only needs --out naming an existing report",
+        print("tools.perfmodel: --cuda-only needs --out naming an existing report",
               file=sys.stderr)
         return 2
     text = open(path).read()
     if heading not in text:
-        print(f"fusedres.perfmodel: {path} has no '{heading}' section", file=sys.stderr)
+        print(f"tools.perfmodel: {path} has no '{heading}' section", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

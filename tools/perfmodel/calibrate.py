@@ -39,11 +39,11 @@ class GemmPrediction:
 
 def gemm_launch(m: int, n: int, k: int, cfg: tuple, arch: int):
     """The tutorial launch on row-major fp16 A (m, k), B (k, n), C (m, n), specialised by
-    kernels/jit_spec.py as Triton's JIT would (the unit strides become constexprs, the rest
+    tools/jit_spec.py as Triton's JIT would (the unit strides become constexprs, the rest
     are marked divisible by 16 when they are)."""
     import torch
 
-    from ..kernels.jit_spec import DevicePointer, specialise
+    from ..jit_spec import DevicePointer, specialise
 
     bm, bn, bk, gm, nw, ns = cfg
     half = torch.float16
@@ -57,7 +57,7 @@ def gemm_launch(m: int, n: int, k: int, cfg: tuple, arch: int):
 
 
 def predict_gemm(case: Measured, cfg: tuple) -> GemmPrediction:
-    from ..kernels.jit_spec import compile_launch
+    from ..jit_spec import compile_launch
 
     dev = device(case.device)
     bm, bn, bk, _, nw, _ = cfg

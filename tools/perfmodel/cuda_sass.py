@@ -1,5 +1,5 @@
 """The CUDA C++ kernels (csrc/cuda) through the same SASS reading: nvcc compiles each .cu for
-sm_80 and sm_90 with the extension's flags (fusedres/cuda_aot.py), cuobjdump disassembles the
+sm_80 and sm_90 with the extension's flags (tools/cuda_aot.py), cuobjdump disassembles the
 object, and each 16-bit tensor-core (WMMA or mma.sync) kernel's main loop is read: the loop
 carrying the HMMA instructions with no such loop inside it.
 
@@ -287,7 +287,7 @@ def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
     csrc/cuda/bn_relu_conv2d_backward.cu): the mma.sync one for channels-last x and grad_out
     with C and Co multiples of 8 unless ``wgrad`` (FUSEDRES_CUDA_WGRAD) is "wmma", else the WMMA
     one."""
-    from ..kernels import traffic
+    from fusedres.kernels import traffic
 
     if wgrad not in ("mma", "wmma"):
         raise ValueError(f"wgrad: 'mma' or 'wmma' (FUSEDRES_CUDA_WGRAD), not {wgrad!r}")
@@ -301,7 +301,7 @@ def dgrad_kernel(u, dgrad: str = "mma", channels_last: bool = True) -> str:
     csrc/cuda/bn_relu_conv2d_backward.cu): the mma.sync one for channels-last x and grad_out
     with C and Co multiples of 8 and at most 64 taps unless ``dgrad`` (FUSEDRES_CUDA_DGRAD) is
     "wmma", else the WMMA one."""
-    from ..kernels import traffic
+    from fusedres.kernels import traffic
 
     if dgrad not in ("mma", "wmma"):
         raise ValueError(f"dgrad: 'mma' or 'wmma' (FUSEDRES_CUDA_DGRAD), not {dgrad!r}")
@@ -341,8 +341,9 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     DRAM bytes: kernels/traffic.cuda_fused_step. A RANGE: issue per K chunk counts each nested
     staging loop once (low) or T = BM*BK/THREADS times (high), no prologue or epilogue (the
     mma.sync kernels have no nested loop: their cp.async copies are unrolled, low = high)."""
-    from ..kernels import traffic
-    from ..kernels._common import cdiv
+    from fusedres.kernels import traffic
+    from fusedres.kernels._common import cdiv
+
     from . import model
 
     if dtype not in ("fp16", "bf16"):

@@ -1,4 +1,4 @@
-"""The fused unit's training-step launches for the model, through kernels/jit_spec.py: each
+"""The fused unit's training-step launches for the model, through tools/jit_spec.py: each
 launch captured from the Triton backend's entry points on meta tensors and specialised as
 Triton's JIT specialises it (jit_spec.capturing / specialise), compiled with
 jit_spec.compile_launch (registers and spills from ptxas's log, disk cache).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..unit_shapes import ConvUnit
+from fusedres.models.unit_shapes import ConvUnit
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -75,7 +75,7 @@ class _HostOps(TorchDispatchMode):
 
 def _require_compiler_mode() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        raise RuntimeError("fusedres.perfmodel: TRITON_INTERPRET=1 is set; the kernels must be "
+        raise RuntimeError("tools.perfmodel: TRITON_INTERPRET=1 is set; the kernels must be "
                            "compiled, run it in a process with TRITON_INTERPRET=0")
 
 
@@ -87,7 +87,7 @@ def unit_step(unit: ConvUnit, dtype: str, *, arch: int, sms: int, training: bool
     affine), the host ops recorded around the step's calls. ``launches``: jit_spec.Launch,
     specialised for sm_``arch`` with ``sms`` SMs."""
     _require_compiler_mode()
-    from ..kernels import jit_spec
+    from .. import jit_spec
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..kernels import traffic
-from ..kernels._common import cdiv
-from ..unit_shapes import ConvUnit
+from fusedres.kernels import traffic
+from fusedres.kernels._common import cdiv
+from fusedres.models.unit_shapes import ConvUnit
+
 from . import model, sass
 from .devices import Device
 from .launches import HostOp, params, unit_step
@@ -133,7 +134,7 @@ def model_unit(u: traffic.Unit, dtype: str, dev: Device, backward: str = "auto")
     """The unit's training step with the Triton backward plan ``backward``: "sums", "store", or
     "auto" (the default, as the backend's: the plan kernels/traffic.auto_strategy picks; see
     fusedres.backends.triton.backward_strategy). ``UnitModel.backward`` names the plan."""
-    from ..kernels.jit_spec import compile_launch
+    from ..jit_spec import compile_launch
 
     tu = traffic_unit(u, dtype)
     if backward == "auto":

@@ -1,10 +1,10 @@
-// fusedres._C_cuda_host, the test extension (built with FUSEDRES_BUILD_TEST_EXT=1: `make test`,
+// fusedres._C_cuda_on_cpu, the test extension (built with FUSEDRES_BUILD_TEST_EXT=1: `make test`,
 // `make tsan`, CI; never by `pip install .`): the CUDA kernels of csrc/cuda compiled by the host
 // compiler through the CPU execution layer (runtime.cpp), registered as the CPU kernels of
 // fusedres_cuda, plus the layer's own test ops (fusedres_cuda_layer_test, layer_tests.cpp) and
 // the kernels' test hooks (fusedres_cuda_testing). It links against libtorch only, not against
 // fusedres._C. fusedres/backends/cuda.py imports it (FUSEDRES_CUDA_ON_CPU=1) after
-// fusedres._extension has defined the fusedres_cuda schemas.
+// fusedres.ops._extension has defined the fusedres_cuda schemas.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -16,9 +16,9 @@
 #include "registrations.h"
 
 extern "C" {
-PyMODINIT_FUNC PyInit__C_cuda_host(void) {
+PyMODINIT_FUNC PyInit__C_cuda_on_cpu(void) {
   static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C_cuda_host",
+      PyModuleDef_HEAD_INIT, "_C_cuda_on_cpu",
       "fusedres test extension: csrc/cuda executed on CPU (fusedres_cuda ops, CPU key)", -1,
       nullptr};
   // The dispatcher checks each function against the schema already defined and throws on a
@@ -43,7 +43,7 @@ PyMODINIT_FUNC PyInit__C_cuda_host(void) {
     } catch (const std::exception& e) {
       const std::string what = e.what();
       PyErr_SetString(PyExc_ImportError,
-                      ("fusedres._C_cuda_host: registering the fusedres_cuda kernels failed (an "
+                      ("fusedres._C_cuda_on_cpu: registering the fusedres_cuda kernels failed (an "
                        "extension built from other sources? rebuild it): " +
                        what.substr(0, what.find("\nException raised from")))
                           .c_str());

@@ -1,6 +1,6 @@
 // The host copy's fusedres_cuda registrations: every FUSEDRES_CUDA_LIBRARY_IMPL block of the
 // kernel files (../common.cuh) adds its function here as the test extension's shared objects
-// load; host/module.cpp runs them from its PyInit, one torch::Library per dispatch key (CPU for
+// load; on_cpu/module.cpp runs them from its PyInit, one torch::Library per dispatch key (CPU for
 // the kernels, AutogradCPU for the eager routes' autograd nodes).
 #pragma once
 

@@ -32,7 +32,7 @@ namespace fusedres_host {
 
 thread_local Thread* tls_thread = nullptr;
 
-// The host copy's fusedres_cuda registrations (../common.cuh), run by host/module.cpp.
+// The host copy's fusedres_cuda registrations (../common.cuh), run by on_cpu/module.cpp.
 std::vector<Registration>& registrations() {
   static std::vector<Registration> all;
   return all;

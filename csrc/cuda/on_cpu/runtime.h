@@ -21,7 +21,7 @@
 // its own mask, a mask naming lanes that have exited or do not exist, or lanes that disagree
 // on the mask (a deadlock) raise an error (on a GPU: undefined behaviour); reading a lane
 // outside the mask gives all bits set (NaN, -1), as CUDA leaves that value undefined. Atomics
-// are std::atomic_ref. The WMMA fragment API is emulated whole-tile (host/wmma.h).
+// are std::atomic_ref. The WMMA fragment API is emulated whole-tile (on_cpu/wmma.h).
 //
 // Errors inside a kernel (layer checks, __trap) end the block; the launch then throws a
 // c10::Error naming the kernel, as a checked launch on a GPU would.
@@ -141,7 +141,7 @@ bool in_shared(const void* p, size_t bytes);
 // The bound of __launch_bounds__(bound), checked against the block's threads.
 void check_launch_bounds(const char* kernel, long bound);
 
-// mma.sync, ldmatrix and cp.async per the PTX ISA (host/mma.cpp; the interface is ../mma.cuh).
+// mma.sync, ldmatrix and cp.async per the PTX ISA (on_cpu/mma.cpp; the interface is ../mma.cuh).
 void mma_m16n8k16(bool bf16, float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
                   const float (&c)[4]);
 void ldmatrix(int num, bool trans, uint32_t* r, const void* row);

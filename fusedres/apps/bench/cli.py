@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 import fusedres.memory
-from fusedres import unit_shapes as S
-from fusedres.cli import UsageError, parse_bytes
+from fusedres.apps.cli import UsageError, parse_bytes
+from fusedres.models import unit_shapes as S
 
 from .measure import resolve_device
 from .runner import run, step_kind_names

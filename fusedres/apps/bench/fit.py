@@ -2,7 +2,7 @@
 
 For plain, fused, and fused + planner: the largest batch of one CIFAR ResNet, and the deepest
 CIFAR ResNet (bottleneck units, depth 9n+2) at one batch, whose training step's peak memory
-(:func:`fusedres.bench.measure.peak_bytes`, two steps so the optimizer state exists) stays
+(:func:`fusedres.apps.bench.measure.peak_bytes`, two steps so the optimizer state exists) stays
 within ``budget``. The search grows the size geometrically until a step does not fit (or a cap),
 then bisects; every probe is kept, so the plot shows depth (or batch) against peak memory.
 
@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from fusedres.planner import PlanError
+from fusedres.memory.planner import PlanError
 
 from .measure import sync
 from .report import Column, fmt_bytes, mem_unit, pyplot

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from fusedres import unit_shapes as S
+from fusedres.models import unit_shapes as S
 
 from . import fit as fit_mod
 from . import report as R
@@ -156,7 +156,7 @@ def part_units(rep: Report, args, units, *, baselines, name="units", deadline=No
                "measured median time, and its fraction of the device's peak (2 x memory clock "
                "x bus width).", ""]
     if any("modeled_s" in r for r in measured):
-        md += ["MODELED: fusedres.perfmodel's time for the plain sequence (plain row) and the "
+        md += ["MODELED: tools.perfmodel's time for the plain sequence (plain row) and the "
                "fused Triton kernels (triton channels_last row). `kernels ms`: the GPU time of "
                "one step's kernels by torch.profiler (3 profiled steps), what the model prices; "
                "`replay ms`: the step replayed from a CUDA graph (20 replays, CUDA events), its "
@@ -264,7 +264,7 @@ def part_fit(rep: Report, args, budget, depth, batch, max_batch, max_depth,
 
 
 def part_selftest(rep: Report, args, timeout: float = 300.0) -> int:
-    """``python -m fusedres.selftest`` in a child process (on CPU under TRITON_INTERPRET=1,
+    """``python -m fusedres.apps.selftest`` in a child process (on CPU under TRITON_INTERPRET=1,
     which must be set before triton is imported; on a GPU a kernel fault cannot poison the
     rest of the report's CUDA context). Its table streams through; the rows come back as
     JSON. Returns the number of failed cases (1 when the self-test could not run at all)."""
@@ -279,7 +279,7 @@ def part_selftest(rep: Report, args, timeout: float = 300.0) -> int:
     reps = 0 if device.type != "cuda" else (2 if args.quick else 10)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "selftest.json"
-        cmd = [sys.executable, "-m", "fusedres.selftest", "--device", device.type,
+        cmd = [sys.executable, "-m", "fusedres.apps.selftest", "--device", device.type,
                "--reps", str(reps), "--json", str(path)]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -300,7 +300,7 @@ def part_selftest(rep: Report, args, timeout: float = 300.0) -> int:
                          "failed": failed, "exit_status": code, "output": out[-4000:]},
             table + ("" if rows else "\n" + summary),
             "## Self-test: the GPU backends against the reference\n\n"
-            "`python -m fusedres.selftest`: one fused unit forward and backward on the triton "
+            "`python -m fusedres.apps.selftest`: one fused unit forward and backward on the triton "
             "backend against plain PyTorch, worst relative error against a float64 reference "
             "(and PyTorch's own error at that dtype), per dtype and layout.\n\n```\n"
             + table[-6000:] + "\n```\n\n" + summary)

@@ -25,7 +25,7 @@ __all__ = ["ALL_VARIANTS", "GRAPHED_VARIANTS", "LAYOUTS", "VARIANTS", "build_var
            "default_layouts", "model_input", "run_steps"]
 
 VARIANTS = ("plain", "fused", "fused+plan", "plain+ckpt")
-# The step replayed from a CUDA graph (fusedres.train.step.GraphedStep: the host launches
+# The step replayed from a CUDA graph (fusedres.apps.train.step.GraphedStep: the host launches
 # nothing between the kernels): plain and fused, on a CUDA device only.
 GRAPHED_VARIANTS = ("plain+graph", "fused+graph")
 ALL_VARIANTS = VARIANTS + GRAPHED_VARIANTS
@@ -83,7 +83,7 @@ class Trainer:
 class GraphedTrainer(Trainer):
     """:class:`Trainer` whose step is the trainer's, captured in a CUDA graph after its warm-up
     steps (made here, so that timing starts at the replays): fused SGD reading a device
-    learning rate, cross-entropy in float32 (fusedres.train.step)."""
+    learning rate, cross-entropy in float32 (fusedres.apps.train.step)."""
 
     def __init__(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor,
                  backend: str, info: dict):
@@ -115,7 +115,7 @@ def build_variant(name: str, variant: str, batch: int, device: torch.device, *,
     ``depth`` bottleneck layers when ``depth`` is given), model and batch in ``layout``
     (``nchw`` or ``channels_last``: ``.to(memory_format=torch.channels_last)``). ``fused+plan``
     calls ``fusedres.memory.plan(model, input_shape, budget_bytes=plan_budget)``, which raises
-    ``fusedres.planner.PlanError`` when the budget cannot be met."""
+    ``fusedres.memory.planner.PlanError`` when the budget cannot be met."""
     if variant not in ALL_VARIANTS:
         raise ValueError(f"variant: expected one of {', '.join(ALL_VARIANTS)}, got {variant!r}")
     graphed = variant in GRAPHED_VARIANTS
@@ -169,7 +169,7 @@ def default_plan_budget(name: str, batch: int, image_size: int | None = None) ->
     target = max(1, unplanned.peak_bytes - unplanned.step.saved_after_forward // 2)
     try:
         fusedres.memory.plan(model, shape, budget_bytes=target)
-    except fusedres.planner.PlanError as e:
+    except fusedres.memory.planner.PlanError as e:
         return e.min_budget_bytes
     return target
 
@@ -201,7 +201,7 @@ def run_steps(names, batch: int, device: torch.device, *, variants=VARIANTS,
                     trainers[v, layout] = build_variant(name, v, batch, device,
                                                         plan_budget=budget,
                                                         image_size=image_size, layout=layout)
-                except fusedres.planner.PlanError as e:
+                except fusedres.memory.planner.PlanError as e:
                     model_rows.append({"model": name, "batch": batch, "variant": v,
                                        "layout": layout,
                                        "skipped": f"planner: {str(e).splitlines()[0]}"})

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fusedres
 from fusedres.memory import saved_bytes
-from fusedres.unit_shapes import BlockUnit, ConvUnit
+from fusedres.models.unit_shapes import BlockUnit, ConvUnit
 
 from .measure import peak_bytes, summarize, time_interleaved
 from .report import Column, fmt_bytes, pyplot
@@ -196,7 +196,7 @@ _MODELED: dict[tuple, tuple[float, float] | None] = {}
 
 
 def modeled_columns(row: dict, shape, dtype: torch.dtype, device: torch.device) -> None:
-    """Adds ``modeled_s`` (fusedres.perfmodel's MODELED step time: the fused Triton kernels for
+    """Adds ``modeled_s`` (tools.perfmodel's MODELED step time: the fused Triton kernels for
     a triton channels_last row, the plain sequence for the plain row) on an sm_80 / sm_90 GPU,
     so each measured time has the model's prediction beside it. Single conv units only."""
     if device.type != "cuda" or not isinstance(shape, ConvUnit):
@@ -209,14 +209,14 @@ def modeled_columns(row: dict, shape, dtype: torch.dtype, device: torch.device) 
     key = (shape, name, device.index)
     if key not in _MODELED:
         try:
-            from ..perfmodel.units import device_for, model_conv_unit
+            from tools.perfmodel.units import device_for, model_conv_unit
 
             p = torch.cuda.get_device_properties(device)
             um = model_conv_unit(shape, name, device_for((p.major, p.minor),
                                                          p.multi_processor_count))
             _MODELED[key] = (um.fused_s, um.plain_s)
         except Exception as exc:  # noqa: BLE001 - no prediction, the measurement stands
-            warnings.warn(f"fusedres.perfmodel: no prediction for {shape.name}: {exc}",
+            warnings.warn(f"tools.perfmodel: no prediction for {shape.name}: {exc}",
                           stacklevel=2)
             _MODELED[key] = None
     if _MODELED[key] is not None:
@@ -265,8 +265,8 @@ def replay_seconds(step, device: torch.device, reps: int = 20, warmup: int = 3,
     """Seconds per step of ``step`` replayed from a CUDA graph: its kernels back to back on the
     device with no host work between launches, timed by CUDA events around ``reps`` replays.
     The warm-up steps run on a side stream first (Triton compiles and picks its configs there,
-    the gradients' buffers exist), as fusedres.train.step.GraphedStep does. ``capture``: how a
-    function becomes its replay (default: fusedres.train.step.cuda_graph_capture); on CPU a
+    the gradients' buffers exist), as fusedres.apps.train.step.GraphedStep does. ``capture``: how a
+    function becomes its replay (default: fusedres.apps.train.step.cuda_graph_capture); on CPU a
     stand-in (``lambda fn: fn``) runs the same bookkeeping with a wall clock."""
     from ..train.step import cuda_graph_capture
 

@@ -8,14 +8,14 @@ median and spread (min-max, and the interquartile range in the JSON) over seeds.
 Runs are grouped by what was trained: two runs are one variant when their saved configurations
 agree on everything but the seed and the options that do not change the training (where the run
 is written, threads, device, backend, logging, checkpoints, memory budgets, layout; ``IGNORED``).
-Each group is named by :func:`fusedres.train.naming.variant_label` (depth, unit, shortcut,
+Each group is named by :func:`fusedres.apps.train.naming.variant_label` (depth, unit, shortcut,
 normalisation, drop-path) and, when the groups differ in anything else, by that too ("lr 0.05").
 
 A run is read from its directory only (config.yaml, metrics.jsonl or metrics.csv, summary.json
 when finished; the latest checkpoint's classifier for the number of classes, the chance line):
 an unfinished run is compared as far as it got, and said to be unfinished. A run whose training
 loss stops being finite is diverged from that iteration: it counts as infinitely bad in the
-medians (:func:`fusedres.experiments.figures.quantile`) and is marked where it diverged.
+medians (:func:`fusedres.apps.experiments.figures.quantile`) and is marked where it diverged.
 
 Writes ``compare.md``, ``compare.json`` and ``compare.png`` to --out (default: ``compare`` in the
 runs' common parent directory).
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from fusedres.cli import UsageError
-from fusedres.train import checkpoint as ckpt
-from fusedres.train.naming import VARIANT_KEYS, variant_label
+from fusedres.apps.cli import UsageError
+from fusedres.apps.train import checkpoint as ckpt
+from fusedres.apps.train.naming import VARIANT_KEYS, variant_label
 
 from . import figures, runs
 

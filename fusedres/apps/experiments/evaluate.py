@@ -3,7 +3,7 @@ directory), a table of loss and top-1/top-5 error, for the model's weights and, 
 kept one (``fusedres train --ema-decay``), for its EMA weights.
 
 The evaluation is the trainer's: the same normalisation, batches and float64 sums
-(``fusedres.experiments.runs``), so a final checkpoint gives the run's last evaluation.
+(``fusedres.apps.experiments.runs``), so a final checkpoint gives the run's last evaluation.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fusedres import BackendUnavailableError
-from fusedres.cli import UsageError
+from fusedres.apps.cli import UsageError
 
 from . import runs
 

@@ -57,9 +57,9 @@ import torch.nn as nn
 from torch import Tensor
 
 from fusedres import BackendUnavailableError
-from fusedres.cli import UsageError
-from fusedres.train.checkpoint import write_atomically
-from fusedres.train.seeds import derived_seed
+from fusedres.apps.cli import UsageError
+from fusedres.apps.train.checkpoint import write_atomically
+from fusedres.apps.train.seeds import derived_seed
 
 from . import figures, runs
 
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if joined:
             dist.destroy_process_group()
-            time.sleep(0.05)  # see fusedres.train's _leave_distributed: let gloo's threads go
+            time.sleep(0.05)  # see fusedres.apps.train's _leave_distributed: let gloo's threads go
 
 
 def _join_processes(device: str) -> bool:

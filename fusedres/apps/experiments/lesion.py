@@ -39,8 +39,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from fusedres import BackendUnavailableError
-from fusedres.cli import UsageError
-from fusedres.train.seeds import derived_seed
+from fusedres.apps.cli import UsageError
+from fusedres.apps.train.seeds import derived_seed
 
 from . import figures, runs
 

@@ -4,8 +4,9 @@ checkpoint's weights (BatchNorm in eval mode: running statistics), its dataset a
 Nothing here copies the trainer: the configuration is the run's saved ``config.yaml`` layered
 over the trainer's defaults as a resume layers it (``merge_saved``), the model comes from the
 trainer's ``build_model`` (so a model variant the trainer learns to build loads here too), the
-weights from ``fusedres.train.checkpoint``, the data and its normalisation from
-``fusedres.train.data``. Every problem is a :class:`~fusedres.cli.UsageError` naming the option.
+weights from ``fusedres.apps.train.checkpoint``, the data and its normalisation from
+``fusedres.apps.train.data``. Every problem is a :class:`~fusedres.apps.cli.UsageError` naming the
+option.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fusedres
-from fusedres.cli import UsageError
-from fusedres.train import checkpoint as ckpt
-from fusedres.train import data as data_mod
-from fusedres.train.config import DEFAULTS, load_yaml, merge_saved
-from fusedres.train.loop import build_model
-from fusedres.train.naming import variant_label
+from fusedres.apps.cli import UsageError
+from fusedres.apps.train import checkpoint as ckpt
+from fusedres.apps.train import data as data_mod
+from fusedres.apps.train.config import DEFAULTS, load_yaml, merge_saved
+from fusedres.apps.train.loop import build_model
+from fusedres.apps.train.naming import variant_label
 
 __all__ = ["Evaluation", "LoadedRun", "Parser", "add_run_options", "at_least", "check_checkpoint",
            "evaluate", "load_checkpoint", "locate", "open_run", "pick_device", "rank_and_world",
@@ -227,7 +228,7 @@ class LoadedRun:
 
     @property
     def model_name(self) -> str:
-        """The network and its variant (``fusedres.train.naming.variant_label``)."""
+        """The network and its variant (``fusedres.apps.train.naming.variant_label``)."""
         return variant_label(self.cfg)
 
     @property

@@ -1,9 +1,9 @@
 """``fusedres train``: He et al.'s CIFAR and ImageNet recipes for pre-activation ResNets, with
 fused BN-ReLU-conv blocks, on one device or many (torchrun), never losing a run.
 
-    python -m fusedres.train --config digits --out runs/digits
-    torchrun --nproc_per_node 2 -m fusedres.train --model preact_resnet1001 --sync-bn ...
-    torchrun --nproc_per_node 8 -m fusedres.train --config imagenet_resnet200 \
+    python -m fusedres.apps.train --config digits --out runs/digits
+    torchrun --nproc_per_node 2 -m fusedres.apps.train --model preact_resnet1001 --sync-bn ...
+    torchrun --nproc_per_node 8 -m fusedres.apps.train --config imagenet_resnet200 \
         --data-dir /data/imagenet --sync-bn ...   # ImageFolder trees streamed from disk
 
 :func:`main` returns the exit code: 0 done, 2 a bad request (one line on stderr, nothing of an

@@ -1,4 +1,4 @@
-"""``python -m fusedres.train``."""
+"""``python -m fusedres.apps.train``."""
 
 from . import main
 

@@ -25,14 +25,14 @@ from typing import Any
 import torch
 import yaml
 
-from fusedres.cli import UsageError, parse_bytes
+from fusedres.apps.cli import UsageError, parse_bytes
 
 from .step import WARMUP_STEPS
 
 __all__ = ["UsageError", "build_parser", "channels_last_setting", "parse_bytes", "resolve",
            "resolve_channels_last"]
 
-# Named configs ship inside the package (fusedres/configs/*.yaml): `--config digits`.
+# Named configs ship inside the package (fusedres/apps/configs/*.yaml): `--config digits`.
 PACKAGE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -110,7 +110,7 @@ DEFAULTS: dict[str, Any] = {
     "ten_crop": False,
 }
 
-# He et al. (2016) [1]'s ImageNet augmentation and testing (fusedres.train.data explains).
+# He et al. (2016) [1]'s ImageNet augmentation and testing (fusedres.apps.train.data explains).
 IMAGEFOLDER_DEFAULTS = {"crop_size": 224, "scale_range": [256, 480]}
 IMAGEFOLDER_OPTIONS = ("workers", "crop_size", "scale_range", "eval_resize", "eval_crop",
                        "ten_crop")
@@ -119,7 +119,7 @@ CHOICES = {
     "dataset": ("cifar10", "cifar100", "digits", "synthetic", "imagefolder"),
     "amp": ("none", "bf16", "fp16"),
     "optimizer": ("sgd", "adamw"),
-    "schedule": ("step", "cosine", "poly"),  # fusedres.train.schedule.SCHEDULES
+    "schedule": ("step", "cosine", "poly"),  # fusedres.apps.train.schedule.SCHEDULES
     "device": ("auto", "cpu", "cuda"),
     "log_format": ("jsonl", "csv"),
     "backend": ("auto", "reference", "portable", "cpu", "triton", "cuda"),
@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = p.add_argument
     add("--config", help="YAML file of defaults (keys are flag names, - or _), or the name of "
-                         "one shipped in fusedres/configs (digits, cifar10_resnet164, "
+                         "one shipped in fusedres/apps/configs (digits, cifar10_resnet164, "
                          "cifar10_resnet1001, imagenet_resnet200)")
     g = p.add_argument_group("model")
     g.add_argument("--model", help="a fusedres.models name (preact_resnet110, ...), or "

@@ -1,6 +1,6 @@
 """Datasets held whole in memory (on the training device), deterministic batches, augmentation;
 :func:`open_data`, the loop's one entry, also opens the streamed ``imagefolder`` path
-(fusedres.train.imagefolder) for datasets too large to hold.
+(fusedres.apps.train.imagefolder) for datasets too large to hold.
 
 The batch of iteration ``i`` is a pure function of (seed, i): the epoch's permutation comes from
 a generator seeded by (seed, epoch) and the augmentation (translation by padding + random crop,
@@ -150,7 +150,7 @@ def open_data(cfg: dict, explicit_dir: bool, device: torch.device, rank: int = 0
     it (``train_batch(i)``, ``eval_batches(n)``, ``local``, ``iters_per_epoch``,
     ``eval_scale``, ``describe()``, ``close()``). In memory on ``device`` (:class:`Batches`),
     or streamed from disk for ``imagefolder``
-    (:class:`fusedres.train.imagefolder.StreamingBatches`)."""
+    (:class:`fusedres.apps.train.imagefolder.StreamingBatches`)."""
     if cfg["dataset"] == "imagefolder":
         from . import imagefolder
 

@@ -423,7 +423,7 @@ class Run:
             model = (nn.SyncBatchNorm.convert_sync_batchnorm(model)
                      if self.device.type == "cuda" else fdist.convert_sync_batchnorm(model))
         # The learning rate lives on the device and is filled in place each step (the step
-        # reads no value on the host: fusedres.train.step).
+        # reads no value on the host: fusedres.apps.train.step).
         self.lr = lr_tensor(cfg["lr"], self.device)
         self.optimizer = _optimizer(_param_groups(model, cfg), self.lr, cfg)
         # --ema-decay: updated after each step, outside the step (and its CUDA graph):

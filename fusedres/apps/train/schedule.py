@@ -1,7 +1,7 @@
 """The trainer's learning-rate schedule, run by torch.optim.lr_scheduler.
 
 The training step reads its learning rate from a one-element device tensor that the loop fills
-in place before each step (``fusedres.train.step``: no host read, the same kernels under a CUDA
+in place before each step (``fusedres.apps.train.step``: no host read, the same kernels under a CUDA
 graph). A torch scheduler, though, writes a Python float into its optimizer's ``param_groups``.
 So the schedule here is torch's own scheduler driving a *shadow* optimizer (one placeholder
 parameter, never stepped): :attr:`LRSchedule.lr` is its group's ``lr`` for the current

@@ -141,7 +141,7 @@ class TrainStep:
         if self.mark_step:
             torch.compiler.cudagraph_mark_step_begin()
         # The previous step's gradients go before the forward, not after: they would otherwise
-        # be alive beside every saved activation (fusedres.accounting simulates this order).
+        # be alive beside every saved activation (fusedres.memory.accounting simulates this order).
         # Under capture this records nothing: the backward then writes gradients the graph owns.
         self.optimizer.zero_grad(set_to_none=True)
         k = self.accum_steps

@@ -1,5 +1,5 @@
 // The ThreadSanitizer driver: runs the registered cases (cases.h) through the host copy of the
-// CUDA kernels with one OS thread per CUDA thread. Built and run by `python -m fusedres.cuda_tsan`
+// CUDA kernels with one OS thread per CUDA thread. Built and run by `python -m tools.cuda_tsan`
 // (make tsan). Usage: driver [all | list | <case>...]; exit status 1 when a case fails (and
 // ThreadSanitizer's exit code, 66, when it reported anything).
 #include <ATen/Parallel.h>
