@@ -30,7 +30,7 @@ _C_SUFFIXES = {".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"}
 
 def _python_files() -> list[Path]:
     files = [ROOT / "setup.py"]
-    for folder in ("fusedres", "kernels", "benchmarks"):
+    for folder in ("fusedres", "kernels", "tools", "benchmarks"):
         files += sorted((ROOT / folder).rglob("*.py"))
     return files
 
