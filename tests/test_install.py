@@ -96,7 +96,7 @@ spec.loader.exec_module(opdefs)
 opdefs.SCHEMAS["bn_relu_conv2d"] = opdefs.SCHEMAS["bn_relu_conv2d"].replace(
     ", bool batch_stats", "")
 import torch
-from fusedres import _extension
+from fusedres.ops import _extension
 print("LOADED", _extension.LOADED)
 print("LOAD_ERROR", _extension.LOAD_ERROR)
 print("CUDA_HOST", _extension.load_cuda_host())

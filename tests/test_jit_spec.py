@@ -22,7 +22,7 @@ import torch
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
-from fusedres.kernels import jit_spec
+from tools import jit_spec
 from fusedres.models.unit_shapes import ConvUnit
 
 out = {}

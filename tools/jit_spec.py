@@ -302,7 +302,7 @@ class _RecordingKernel:
 
 
 def _kernel_modules() -> list:
-    prefix = __package__ + "."
+    prefix = _common.__package__ + "."  # fusedres.kernels
     return [m for name, m in list(sys.modules.items()) if name.startswith(prefix) and m]
 
 

@@ -520,7 +520,7 @@ path = os.environ.get("FUSEDRES_ASAN_EXTENSION")
 if path:
     spec = importlib.util.spec_from_file_location("fusedres._C", path)
     sys.modules["fusedres._C"] = importlib.util.module_from_spec(spec)
-from fusedres import opfuzz
+from tools import opfuzz
 opfuzz._child(json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
 """
 
