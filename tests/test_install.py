@@ -107,7 +107,7 @@ def test_kernel_that_does_not_match_its_schema_is_a_load_error():
     """A C++ function whose signature differs from fusedres/ops/opdefs.py's schema (an extension
     built from other sources) is reported, not an abort: fusedres._C (registered first, then the
     schema defined) as LOAD_ERROR, the test extension (registered after) as an ImportError."""
-    code = _MISMATCH.format(opdefs=str(ROOT / "fusedres" / "opdefs.py"))
+    code = _MISMATCH.format(opdefs=str(ROOT / "fusedres" / "ops" / "opdefs.py"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
