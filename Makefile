@@ -8,9 +8,9 @@ INSTALL := $(VENV)/.install-stamp
 # The product extension fusedres._C: csrc/cpu, and csrc/cuda by nvcc (FUSEDRES_BUILD_CUDA).
 EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh)
 EXT     := $(VENV)/.ext-stamp
-# The test extension fusedres._C_cuda_host: csrc/cuda by the host compiler through the CPU
-# execution layer (csrc/cuda/host), the cuda backend's CPU test vehicle; `make test` builds it.
-TEST_EXT_SRC := $(wildcard csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/host/*.cpp csrc/cuda/host/*.h csrc/cuda/host/tests/*.cu)
+# The test extension fusedres._C_cuda_on_cpu: csrc/cuda by the host compiler through the CPU
+# execution layer (csrc/cuda/on_cpu), the cuda backend's CPU test vehicle; `make test` builds it.
+TEST_EXT_SRC := $(wildcard csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/on_cpu/*.cpp csrc/cuda/on_cpu/*.h csrc/cuda/on_cpu/tests/*.cu)
 TEST_EXT     := $(VENV)/.test-ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1
@@ -59,11 +59,11 @@ test-ext: $(TEST_EXT)
 # The main job: train and evaluate a pre-activation ResNet-20 on scikit-learn's digits (shipped
 # with the package, no download). A second run reprints the finished run's summary.
 demo: install
-	$(PY) -m fusedres.train --config digits --out runs/digits --resume auto
+	$(PY) -m fusedres.apps.train --config digits --out runs/digits --resume auto
 
 # The fused unit against plain PyTorch: agreement and saved bytes on every backend here.
 compare: install
-	$(PY) -m fusedres.demo
+	$(PY) -m fusedres.apps.demo
 
 # With the test extension: the cuda backend's kernels run on CPU tensors (tests/conftest.py).
 # The quick suite: the tests marked slow (tests/conftest.py's SLOW table: compiles, sanitizer
@@ -77,24 +77,24 @@ test-all: install $(TEST_EXT)
 
 # On a GPU: the kernels against the reference, with a table (on CPU: interpreter, small shapes).
 selftest: install
-	$(PY) -m fusedres.selftest
+	$(PY) -m fusedres.apps.selftest
 
 # The CUDA kernels on CPU under ThreadSanitizer (one OS thread per CUDA thread): zero reports.
 # The test extension's sources built into a standalone driver (build/tsan), not the extension.
 tsan: install
-	$(PY) -m fusedres.cuda_tsan
+	$(PY) -m tools.cuda_tsan
 
 # The same kernel matrix under AddressSanitizer + UndefinedBehaviorSanitizer (build/asan): an
 # out-of-bounds access (global, or past a static __shared__ array) or undefined behaviour fails.
-# Then the fusedres_cpu ops' malformed-argument cases (fusedres.opfuzz, tests/test_op_contracts.py)
+# Then the fusedres_cpu ops' malformed-argument cases (tools.opfuzz, tests/test_op_contracts.py)
 # against fusedres._C built with AddressSanitizer (build/asan-ext, the ASan runtime preloaded).
 asan: install
-	$(PY) -m fusedres.cuda_tsan --asan
-	$(PY) -m fusedres.opfuzz --asan
+	$(PY) -m tools.cuda_tsan --asan
+	$(PY) -m tools.opfuzz --asan
 
 # nvcc compiles csrc/cuda for sm_80 and sm_90; registers, spills, shared memory, occupancy.
 cuda-table: install
-	$(PY) -m fusedres.cuda_aot --out csrc/cuda/COMPILE.md
+	$(PY) -m tools.cuda_aot --out csrc/cuda/COMPILE.md
 
 bench: install
 	$(PY) -m pytest benchmarks --benchmark-only $(PYTEST_ARGS)
@@ -105,7 +105,7 @@ bench: install
 GPU_REPORT_DIR ?= gpu-report
 GPU_REPORT_ARGS ?=
 gpu-report: install
-	$(PY) -m fusedres.bench gpu-report --out $(GPU_REPORT_DIR) $(GPU_REPORT_ARGS)
+	$(PY) -m fusedres.apps.bench gpu-report --out $(GPU_REPORT_DIR) $(GPU_REPORT_ARGS)
 
 # On a bare GPU machine (its own python3, no pip index: no venv, nothing installed): fusedres._C
 # built in place for the visible GPU with every core, then gpu-report, all within one time limit
@@ -132,14 +132,14 @@ compat: $(DEPS)
 # published GEMM figures, and the CUDA C++ kernels' SASS (nvcc); every figure MODELED
 # (benchmarks/GPU_MODEL.md; ~10 min on 2 cores).
 gpu-model: install
-	TRITON_INTERPRET=0 $(PY) -m fusedres.perfmodel --cuda --out benchmarks/GPU_MODEL.md
+	TRITON_INTERPRET=0 $(PY) -m tools.perfmodel --cuda --out benchmarks/GPU_MODEL.md
 
 # Only GPU_MODEL.md's CUDA C++ section (nvcc + the plain sequence's model; no Triton compile).
 gpu-model-cuda: install
-	TRITON_INTERPRET=0 $(PY) -m fusedres.perfmodel --cuda-only --out benchmarks/GPU_MODEL.md
+	TRITON_INTERPRET=0 $(PY) -m tools.perfmodel --cuda-only --out benchmarks/GPU_MODEL.md
 
 lint: $(DEPS)
-	$(VENV)/bin/ruff check fusedres kernels tests benchmarks setup.py
+	$(VENV)/bin/ruff check fusedres kernels tools tests benchmarks setup.py
 
 format: $(DEPS)
 	$(VENV)/bin/ruff format fusedres kernels tests benchmarks setup.py

@@ -1,5 +1,5 @@
 """Build of fusedres, its optional product extension ``fusedres._C`` and the test extension
-``fusedres._C_cuda_host``.
+``fusedres._C_cuda_on_cpu``.
 
 Switches: FUSEDRES_BUILD_EXT, FUSEDRES_BUILD_CUDA, FUSEDRES_BUILD_TEST_EXT and
 FUSEDRES_CPU_NATIVE, declared (values, defaults, meaning) in fusedres/settings.py, which this
@@ -242,11 +242,11 @@ def extensions():
     # Self-contained: it links against libtorch, not fusedres._C.
     test_switch = _setting("FUSEDRES_BUILD_TEST_EXT")
     if test_switch == "1" or (test_switch == "auto" and _in_place()):
-        exts.append(CppExtension("fusedres._C_cuda_host",
-                                 sorted(glob.glob("csrc/cuda/host/*.cpp")),
+        exts.append(CppExtension("fusedres._C_cuda_on_cpu",
+                                 sorted(glob.glob("csrc/cuda/on_cpu/*.cpp")),
                                  extra_compile_args={"cxx": list(cxx)},
                                  extra_link_args=["-fopenmp"]))
-        built.append("fusedres._C_cuda_host (test extension)")
+        built.append("fusedres._C_cuda_on_cpu (test extension)")
     print(f"fusedres: building {', '.join(built)}")
 
     class OptionalBuildExt(BuildExtension):
@@ -273,17 +273,18 @@ if __name__ == "__main__":  # pip, build and `python setup.py` run it so; tests 
         description="Fused BatchNorm-ReLU-Conv2d kernels and drop-in modules for deep "
         "pre-activation ResNets",
         python_requires=">=3.9",
+        # tools/ (the developer tools) is not installed: run from a checkout (tools/__init__.py).
         packages=find_packages(include=["fusedres", "fusedres.*"])
         + ["fusedres.kernels"] + [f"fusedres.kernels.{p}" for p in find_packages("kernels")],
         package_dir={"fusedres": "fusedres", "fusedres.kernels": "kernels"},
-        package_data={"fusedres": ["configs/*.yaml", "py.typed"]},
+        package_data={"fusedres": ["apps/configs/*.yaml", "py.typed"]},
         install_requires=["torch>=2.11", "numpy", "tqdm", "pyyaml"],  # fusedres/_versions.py
         extras_require={
             "test": ["pytest", "pytest-benchmark", "pytest-timeout", "hypothesis", "ruff"],
             "train": ["torchvision", "pillow", "matplotlib", "scikit-learn"],
             "triton": ["triton>=3.6"],
         },
-        entry_points={"console_scripts": ["fusedres = fusedres.cli:main"]},
+        entry_points={"console_scripts": ["fusedres = fusedres.apps.cli:main"]},
         ext_modules=ext_modules,
         cmdclass=cmdclass,
     )

@@ -1,8 +1,8 @@
 """Helpers the benchmark files share (imported by name; pytest puts benchmarks/ on sys.path).
 
-The shapes and the measuring code are ``fusedres.bench``'s (one copy for these files, the
-``fusedres bench`` CLI and the self-test): ``fusedres.unit_shapes`` holds the tables,
-``fusedres.bench.units.make_case``/``make_step`` build the timed step of each candidate.
+The shapes and the measuring code are ``fusedres.apps.bench``'s (one copy for these files, the
+``fusedres bench`` CLI and the self-test): ``fusedres.models.unit_shapes`` holds the tables,
+``fusedres.apps.bench.units.make_case``/``make_step`` build the timed step of each candidate.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 
 from fusedres import settings
-from fusedres.bench.measure import time_interleaved
-from fusedres.bench.report import cpu_model, machine, machine_line
+from fusedres.apps.bench.measure import time_interleaved
+from fusedres.apps.bench.report import cpu_model, machine, machine_line
 
 __all__ = ["QUICK", "ab_row", "cpu_model", "machine_info"]
 
@@ -42,10 +42,10 @@ def ab_row(name: str, steps: dict[str, Callable[[], object]], rounds: int, width
 
 
 def with_route(backend: str, fn: Callable[[], object], **fields) -> Callable[[], object]:
-    """``fn`` run with backend ``backend``'s eager route (fusedres.route.EAGER) given ``fields``
+    """``fn`` run with backend ``backend``'s eager route (fusedres.ops.route.EAGER) given ``fields``
     (e.g. ``module_unit=None``: the checked Python route instead of the one call); ``public=
     True`` for the public ops throughout."""
-    from fusedres import route
+    from fusedres.ops import route
 
     def run():
         saved = route.EAGER.get(backend)

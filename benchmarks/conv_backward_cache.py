@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from fusedres import allocator
+from fusedres.memory import allocator
 
 
 def main(argv=None) -> None:

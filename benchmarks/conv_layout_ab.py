@@ -3,7 +3,7 @@ training step with the tiles convolved as the rule picks them (``conv_layout`` i
 csrc/cpu/bn_relu_conv2d.cpp), forced to x's layout (``FUSEDRES_CPU_CONV_NHWC=0``: oneDNN's NCHW
 convolution, its reorders inside) and forced to NHWC (``=1``: the tiles transposed around
 oneDNN's NHWC convolution), each over plain PyTorch's NCHW step, all four interleaved in one
-run (``fusedres.bench.measure.time_interleaved``, samples of at least 50 ms), glibc keeping
+run (``fusedres.apps.bench.measure.time_interleaved``, samples of at least 50 ms), glibc keeping
 freed memory, as ``fusedres bench`` runs. The variable is read at every call, so one process
 times all three. Run on a quiet machine.
 
@@ -20,10 +20,10 @@ import argparse
 import torch
 
 from benchutil import ab_row
-from fusedres import allocator
-from fusedres.bench.measure import with_env
-from fusedres.bench.units import make_case, make_step
-from fusedres.unit_shapes import select
+from fusedres.apps.bench.measure import with_env
+from fusedres.apps.bench.units import make_case, make_step
+from fusedres.memory import allocator
+from fusedres.models.unit_shapes import select
 
 VAR = "FUSEDRES_CPU_CONV_NHWC"
 

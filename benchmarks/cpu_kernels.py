@@ -80,8 +80,8 @@ def main(argv=None) -> None:
     p.add_argument("--layout", choices=("channels_last", "nchw"), default="channels_last")
     p.add_argument("--shapes", default=SHAPES, help="comma-separated NxCxHxW")
     args = p.parse_args(argv)
-    if not fusedres._extension.LOADED:
-        raise SystemExit(f"fusedres._C is not built: {fusedres._extension.LOAD_ERROR}")
+    if not fusedres.ops._extension.LOADED:
+        raise SystemExit(f"fusedres._C is not built: {fusedres.ops._extension.LOAD_ERROR}")
     torch.set_num_threads(args.threads)
     kb = _extension()
     fmt = torch.channels_last if args.layout == "channels_last" else torch.contiguous_format

@@ -1,6 +1,6 @@
 """One side of the -march=native question (setup.py's FUSEDRES_CPU_NATIVE): the fusedres._C
 loaded now, timed on the CPU backend's elementwise kernels (benchmarks/cpu_kernels.py's columns,
-two shapes) and on whole fused training steps of two CIFAR units (fusedres.bench.units, cpu
+two shapes) and on whole fused training steps of two CIFAR units (fusedres.apps.bench.units, cpu
 backend, channels_last). Prints one JSON line; benchmarks/cpu_native_ab.sh runs it against a
 portable and a native build, alternating, and writes the table.
 
@@ -19,8 +19,8 @@ import torch
 from cpu_kernels import _extension, _row
 
 import fusedres
-from fusedres.bench.units import make_case, make_step
-from fusedres.unit_shapes import select
+from fusedres.apps.bench.units import make_case, make_step
+from fusedres.models.unit_shapes import select
 
 KERNEL_SHAPES = ("64x16x32x32", "64x64x8x8")
 KERNEL_COLS = ("statistics", "BN-ReLU", "pass 1", "pass 1 + dz", "pass 2")
@@ -69,8 +69,8 @@ def main(argv=None) -> None:
         return
     if not args.label:
         p.error("--label is required unless --table is given")
-    if not fusedres._extension.LOADED:
-        raise SystemExit(f"fusedres._C is not built: {fusedres._extension.LOAD_ERROR}")
+    if not fusedres.ops._extension.LOADED:
+        raise SystemExit(f"fusedres._C is not built: {fusedres.ops._extension.LOAD_ERROR}")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     kb = _extension()

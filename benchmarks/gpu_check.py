@@ -11,8 +11,8 @@ library, then, within one time limit (``--time-limit``, default 530 s: done in <
    ``FUSEDRES_BUILD_EXT=1 FUSEDRES_BUILD_CUDA=1 FUSEDRES_BUILD_TEST_EXT=0 python3 setup.py -q
    build_ext --inplace``); ninja's ``[n/N]`` shown as it goes. A failed build is reported and
    the report still runs (without the cuda backend);
-3. report: ``python3 -m fusedres.bench gpu-report`` (self-test, units, steps of every kind in
-   fusedres.bench.runner.STEP_KINDS, fit) with the time that is left less a margin as its own
+3. report: ``python3 -m fusedres.apps.bench gpu-report`` (self-test, units, steps of every kind in
+   fusedres.apps.bench.runner.STEP_KINDS, fit) with the time that is left less a margin as its own
    limit (its parts stop starting new work at their shares of it), and killed, with its
    process group, at the check's deadline if it overruns: it rewrites report.md and
    results.json after each part, so what finished is kept, and its progress lines (each
@@ -254,7 +254,7 @@ def step_build(check: Check, python: str, device: str, info: dict) -> bool:
 def step_report(check: Check, python: str, device: str, quick: bool, extra: list[str]) -> dict:
     hard = check.left() - FINISH_S
     soft = max(30.0, hard - REPORT_MARGIN_S)
-    cmd = [python, "-m", "fusedres.bench", "gpu-report", "--out", str(check.out),
+    cmd = [python, "-m", "fusedres.apps.bench", "gpu-report", "--out", str(check.out),
            "--time-limit", f"{soft:.0f}", "--no-progress", "--device", device,
            *(["--quick"] if quick else []), *extra]
     facts = check.facts["steps"]["report"] = {"command": " ".join(cmd[1:]),

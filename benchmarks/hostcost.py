@@ -25,7 +25,7 @@ Every count is a count of the host's own work, the same on any machine with thes
   kernels run, so its figure includes its kernels' time: a ceiling of its host work).
 
 The routes run on CPU tensors: triton under ``TRITON_INTERPRET=1``, cuda through the test
-extension ``fusedres._C_cuda_host`` (``FUSEDRES_CUDA_ON_CPU=1``): the script sets both before
+extension ``fusedres._C_cuda_on_cpu`` (``FUSEDRES_CUDA_ON_CPU=1``): the script sets both before
 fusedres is imported; a process that imports this module sets them itself (tests/conftest.py
 does; :func:`available` says why a route cannot run). tests/test_host_cost.py asserts the
 counts; benchmarks/test_bench_host.py times the routes with pytest-benchmark.
@@ -132,7 +132,7 @@ class _Launches:
 
 
 def _cuda_layer():
-    from fusedres import _extension
+    from fusedres.ops import _extension
 
     if _extension.load_cuda_host() is not None:
         return None

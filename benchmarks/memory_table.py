@@ -12,7 +12,7 @@ Every figure is a count (``fusedres.memory``'s rule: distinct storages saved for
 on the meta device, so ResNet-1001 at batch 128 (about 18 GiB of real tensors) costs nothing to
 count; tests/test_planner.py checks that the meta count equals the real count. For the planned
 rows the planner's prediction is checked against a measured meta training step
-(``fusedres.planner.measure_step``): the saved bytes after forward must match exactly.
+(``fusedres.memory.planner.measure_step``): the saved bytes after forward must match exactly.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import fusedres
 from fusedres import models
 from fusedres.memory import LiveTensorTracker, saved_bytes
-from fusedres.planner import PlanError, measure_step, plan, profile_units
+from fusedres.memory.planner import PlanError, measure_step, plan, profile_units
 
 GiB = 2 ** 30
 # Budgets per depth: a few that need checkpointing at these batch sizes.

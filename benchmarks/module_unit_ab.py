@@ -17,9 +17,10 @@ import argparse
 import torch
 
 from benchutil import ab_row, with_route
-from fusedres import allocator, route
-from fusedres.bench.units import make_case, make_step
-from fusedres.unit_shapes import select
+from fusedres.apps.bench.units import make_case, make_step
+from fusedres.memory import allocator
+from fusedres.models.unit_shapes import select
+from fusedres.ops import route
 
 SIXTEEN = "basic C=16 s1,basic C=16 s1 +res,basic C=16 s2,basic C=16 s2 +res"
 

@@ -17,9 +17,9 @@ import time
 import torch
 
 from benchutil import with_route
-from fusedres import allocator
-from fusedres.bench.units import build_module
-from fusedres.unit_shapes import ConvUnit
+from fusedres.apps.bench.units import build_module
+from fusedres.memory import allocator
+from fusedres.models.unit_shapes import ConvUnit
 
 
 def _measure(shape: ConvUnit, fmt: torch.memory_format) -> dict[str, float]:

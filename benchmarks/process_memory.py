@@ -5,7 +5,7 @@ a fresh process and reads its summary.json: the plan's predicted step peak (tens
 backend's workspace, what the data load added), the live-tensor tracker's measured peak, and
 the process's peak resident set above its baseline (torch and fusedres imported, before the
 data and the model). The slack is the last minus the first. Each row shows it
-beside what ``fusedres.allocator.allocator_slack_bytes`` predicts for the run (a constant, a
+beside what ``fusedres.memory.allocator.allocator_slack_bytes`` predicts for the run (a constant, a
 share per residual unit, a share of the step: the bound fitted on these runs); *margin* is the
 model's figure minus the measured one (negative: the model was short). Resident-set figures
 do not depend on the machine's load; no timing is taken.
@@ -36,7 +36,7 @@ def run_one(depth: int, batch: int, budget: str, threads: int, release: bool,
     env["FUSEDRES_RELEASE_FREED_MEMORY"] = "1" if release else "0"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "fusedres.train", "--dataset", "synthetic", "--model",
+        cmd = [sys.executable, "-m", "fusedres.apps.train", "--dataset", "synthetic", "--model",
                "preact_resnet", "--depth", str(depth), "--batch-size", str(batch),
                "--memory-budget", budget, "--max-iters", str(iters), "--threads", str(threads),
                "--no-progress", "--log-every", "1", "--out", str(Path(tmp) / "run")]
@@ -47,7 +47,7 @@ def run_one(depth: int, batch: int, budget: str, threads: int, release: bool,
     step = s["predicted_peak_bytes"]
     rss = s["peak_rss_above_baseline_bytes"]
     units = int(s["memory_plan"].split(" units in ")[0].split(" of ")[-1])
-    from fusedres.allocator import allocator_slack_bytes
+    from fusedres.memory.allocator import allocator_slack_bytes
 
     return {"units": units, "model_slack": allocator_slack_bytes(step, units, release),
             "depth": depth, "batch": batch, "budget": budget, "release": release,

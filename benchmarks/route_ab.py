@@ -4,7 +4,7 @@ off, beside plain PyTorch in the same layout, interleaved in one process, median
 Usage: ``python benchmarks/route_ab.py ROUTE [--threads T] [--shapes "name;name"] [--reps R]``
 where ROUTE is a boolean property of :class:`fusedres.modules.ResidualBlock` that picks a route
 (``shortcut_from_conv1``, ``stacked_shortcut``, ``paired_shortcut``); "off" forces it False
-for that candidate's calls only. Shapes: names from ``fusedres.unit_shapes`` (default: the
+for that candidate's calls only. Shapes: names from ``fusedres.models.unit_shapes`` (default: the
 CIFAR and ResNet-50 units where the route is taken). Prints one row per shape and layout:
 ms on, off, plain, and the ratios. Run on a quiet machine (glibc keeps freed memory, as
 ``fusedres bench`` does).
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-import fusedres.allocator
-from fusedres import unit_shapes
-from fusedres.bench.units import build_module, make_case, make_step
+import fusedres.memory.allocator
+from fusedres.apps.bench.units import build_module, make_case, make_step
+from fusedres.models import unit_shapes
 from fusedres.modules import ResidualBlock
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     if not isinstance(getattr(ResidualBlock, a.route, None), property):
         p.error(f"route: expected a property of ResidualBlock, got {a.route!r}")
     torch.set_num_threads(a.threads)
-    fusedres.allocator.keep_freed_memory()
+    fusedres.memory.allocator.keep_freed_memory()
     blocks = (unit_shapes.CIFAR_BOTTLENECKS + unit_shapes.R50_BOTTLENECKS
               + unit_shapes.CIFAR_BASIC_BLOCKS)
     named = {s.name: s for s in blocks}

@@ -4,7 +4,7 @@ steps (``ONEDNN_VERBOSE``'s per-call time, via ``torch.backends.mkldnn.verbose``
 convolution forward, its data and weight gradients, the weight reorders; the same primitives on
 the same shapes in both), and the rest of the step (everything outside oneDNN: BatchNorm and
 ReLU work, plain's or the fused unit's kernels, and the host: Python, dispatch, autograd).
-Both in the same layout, interleaved samples (``fusedres.bench.measure.time_interleaved``),
+Both in the same layout, interleaved samples (``fusedres.apps.bench.measure.time_interleaved``),
 glibc keeping freed memory, as ``fusedres bench`` runs; run on a quiet machine.
 
     python benchmarks/step_breakdown.py [--set "basic C=16 s1,basic C=96 s2"] [--threads 2]
@@ -23,10 +23,10 @@ import tempfile
 
 import torch
 
-from fusedres import allocator
-from fusedres.bench.measure import time_interleaved
-from fusedres.bench.units import make_case, make_step
-from fusedres.unit_shapes import select
+from fusedres.apps.bench.measure import time_interleaved
+from fusedres.apps.bench.units import make_case, make_step
+from fusedres.memory import allocator
+from fusedres.models.unit_shapes import select
 
 COLUMNS = ("conv forward", "conv dgrad", "conv wgrad", "reorders")
 _KIND = {"forward_training": "conv forward", "backward_data": "conv dgrad",

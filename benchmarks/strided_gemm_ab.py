@@ -2,7 +2,7 @@
 fused training step with the cpu backend's rule (``FUSEDRES_CPU_GEMM_STRIDED`` unset: the
 strided GEMM route of csrc/cpu/bn_relu_conv2d.cpp where it applies) and with the route off
 (``=0``: oneDNN's strided convolution), each over plain PyTorch's step in the same layout,
-interleaved in one process (``fusedres.bench.measure.time_interleaved``, samples of at least
+interleaved in one process (``fusedres.apps.bench.measure.time_interleaved``, samples of at least
 50 ms, glibc keeping freed memory, as ``fusedres bench`` runs).
 
     python benchmarks/strided_gemm_ab.py [--set cifar,resnet50] [--rounds 9] [--threads 2]
@@ -28,11 +28,11 @@ import time
 import torch
 
 from benchutil import ab_row
-from fusedres import allocator
-from fusedres.bench.measure import with_env
-from fusedres.bench.step import build_variant, model_name
-from fusedres.bench.units import make_case, make_step
-from fusedres.unit_shapes import select
+from fusedres.apps.bench.measure import with_env
+from fusedres.apps.bench.step import build_variant, model_name
+from fusedres.apps.bench.units import make_case, make_step
+from fusedres.memory import allocator
+from fusedres.models.unit_shapes import select
 
 VAR = "FUSEDRES_CPU_GEMM_STRIDED"
 AFFECTED = ("r50 s2-first 256-128-512 /2 @56,r50 s3-first 512-256-1024 /2 @28,"

@@ -33,8 +33,8 @@ from torch.utils.checkpoint import checkpoint
 import fusedres
 from benchutil import QUICK
 from fusedres import settings
-from fusedres import unit_shapes as shapes
 from fusedres.memory import saved_bytes
+from fusedres.models import unit_shapes as shapes
 
 THREADS = settings.get("FUSEDRES_BENCH_THREADS")
 if THREADS is not None:
@@ -49,10 +49,10 @@ COMPILE = settings.get("FUSEDRES_BENCH_COMPILE")
 IMPLS = ["reference", "cpu", "checkpoint"] + (["compile"] if COMPILE else [])
 ROUNDS = 2 if QUICK else 7
 
-# The shapes are fusedres.unit_shapes' (the `fusedres bench units` CLI measures the same ones):
-# CIFAR ResNet-164/1001 bottlenecks (stride on the first 1x1) at N=128 and ResNet-50 ones (stride
-# on the 3x3) at N=32, the BN-ReLU-conv units inside the CIFAR bottlenecks, and issue 10's sweep
-# of basic 3x3 units (C 16..256, stride 1/2, +-residual, N=64 @16).
+# The shapes are fusedres.models.unit_shapes' (the `fusedres bench units` CLI measures the same
+# ones): CIFAR ResNet-164/1001 bottlenecks (stride on the first 1x1) at N=128 and ResNet-50 ones
+# (stride on the 3x3) at N=32, the BN-ReLU-conv units inside the CIFAR bottlenecks, and issue 10's
+# sweep of basic 3x3 units (C 16..256, stride 1/2, +-residual, N=64 @16).
 UNITS = shapes.CIFAR_BOTTLENECKS + shapes.R50_BOTTLENECKS
 CONVS = shapes.CIFAR_CONVS
 BASIC_SWEEP = shapes.BASIC_SWEEP

@@ -1,8 +1,8 @@
 """Forward+backward of one pre-activation bottleneck unit at CIFAR shapes (N=128): the portable
 backend against the plain-PyTorch unit, with saved-activation bytes beside the times.
 
-Shapes: ``fusedres.unit_shapes.CIFAR_BOTTLENECKS``; the timed step:
-``fusedres.bench.units.make_step`` (what ``fusedres bench units --backends portable`` times).
+Shapes: ``fusedres.models.unit_shapes.CIFAR_BOTTLENECKS``; the timed step:
+``fusedres.apps.bench.units.make_step`` (what ``fusedres bench units --backends portable`` times).
 
 Run: ``make bench`` (or ``pytest benchmarks/test_bench_portable.py --benchmark-only``).
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from benchutil import QUICK
-from fusedres.bench.units import make_case, make_step, saved_bytes_of
-from fusedres.unit_shapes import CIFAR_BOTTLENECKS, QUICK_BLOCKS
+from fusedres.apps.bench.units import make_case, make_step, saved_bytes_of
+from fusedres.models.unit_shapes import CIFAR_BOTTLENECKS, QUICK_BLOCKS
 
 SHAPES = QUICK_BLOCKS if QUICK else CIFAR_BOTTLENECKS
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from benchutil import QUICK
-from fusedres.bench.units import make_case, make_step, saved_bytes_of
-from fusedres.unit_shapes import GPU_CONVS, QUICK_CONVS
+from fusedres.apps.bench.units import make_case, make_step, saved_bytes_of
+from fusedres.models.unit_shapes import GPU_CONVS, QUICK_CONVS
 
 traffic = pytest.importorskip("fusedres.kernels.traffic")
 
@@ -36,7 +36,7 @@ def test_traffic_model_report(benchmark, report):
                 "cores). 16-bit activations; the fused GEMMs are counted on their padded tiles."
                 " `bytes` and `time` are fused/unfused. The roofline sections run every kernel "
                 "at 100% of the roofline; the last applies the calibrated GPU model's global "
-                "efficiencies (DRAM and sustained tensor fraction, fusedres/perfmodel/model.py) "
+                "efficiencies (DRAM and sustained tensor fraction, tools/perfmodel/model.py) "
                 "to both sides. Neither sees what the fused kernels' compiled code reaches: the "
                 "SASS-level model kernel by kernel (issue, shared-memory and tensor bounds, "
                 "waves, host ops) is benchmarks/GPU_MODEL.md (`make gpu-model`), whose unit "
@@ -57,7 +57,7 @@ SHAPES = QUICK_CONVS[:1] if QUICK else GPU_CONVS
 @pytest.mark.parametrize("amp", [torch.bfloat16, None], ids=["bf16", "fp32"])
 def test_unit_forward_backward_gpu(benchmark, report, shape, impl, amp):
     """One BN-ReLU-conv3x3 + residual, channels_last, float32 or under bf16 autocast: the
-    step ``fusedres bench units --set gpu-convs`` times (fusedres.bench.units.make_step)."""
+    step ``fusedres bench units --set gpu-convs`` times (fusedres.apps.bench.units.make_step)."""
     dev = torch.device("cuda")
     case = make_case(shape, impl, dev, amp=amp)
     step = make_step(case)

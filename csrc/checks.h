@@ -1,5 +1,5 @@
 // The ops' argument contract, one checker for every C++ copy of the ops (csrc/cpu, csrc/cuda
-// compiled by nvcc and by the host compiler): the C++ side of fusedres/checks.py's op checks
+// compiled by nvcc and by the host compiler): the C++ side of fusedres/ops/checks.py's op checks
 // (check_op_args), which the Python namespaces (fusedres::, fusedres_triton::) run. Every op
 // calls one entry point below first, before it reads or writes anything:
 //   check_unit_args      bn_relu_conv2d, _genstats, eager_unit (and eager_unit_with_shortcut)
@@ -39,7 +39,7 @@ namespace fusedres {
 // An optional tensor argument that was given (not None, not an undefined tensor).
 inline bool present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
-// float16, bfloat16, float32, float64: the dtypes the ops take (fusedres.checks._FLOAT).
+// float16, bfloat16, float32, float64: the dtypes the ops take (fusedres.ops.checks._FLOAT).
 inline bool is_float_dtype(at::ScalarType t) {
   return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
 }
@@ -318,7 +318,7 @@ inline void check_writable(const char* op, const char* name, const at::Tensor& t
 }
 
 // Whether a and b may share memory: one storage and an overlap ATen cannot rule out (exact for
-// dense tensors; fusedres.checks._share_memory). Meta tensors have none.
+// dense tensors; fusedres.ops.checks._share_memory). Meta tensors have none.
 inline bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 || b.numel() == 0 || a.is_meta() || b.is_meta()) return false;
   if (!a.has_storage() || !b.has_storage() || !a.storage().is_alias_of(b.storage())) {
@@ -379,7 +379,7 @@ inline void check_running_stats(const char* op, const at::Tensor& x, const OptTe
               x.sizes());
 }
 
-// Every check of prepare_batch_norm's arguments (fusedres/opdefs.py NAMESPACE_SCHEMAS), each
+// Every check of prepare_batch_norm's arguments (fusedres/ops/opdefs.py NAMESPACE_SCHEMAS), each
 // error naming its argument as fusedres.functional.prepare_batch_norm words it. An empty batch
 // stays in Python (fusedres.functional.prepare_batch_norm).
 inline void check_prepare_args(const char* op, c10::DeviceType device_type, const at::Tensor& x,

@@ -1,5 +1,5 @@
 // Rules shared by every C++ copy of the fused unit (csrc/cpu, csrc/cuda compiled by nvcc and by
-// the host compiler): the C++ side of fusedres/opdefs.py's conv_out_size and out_memory_format.
+// the host compiler): the C++ side of fusedres/ops/opdefs.py's conv_out_size and out_memory_format.
 // Host-only code, plain C++ (nvcc compiles it as host code of the .cu files).
 #pragma once
 

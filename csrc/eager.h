@@ -15,7 +15,7 @@
 //   kDevice, kNamespace      the device type the kernels run on, the ops' namespace (errors)
 //   on_device(t)             t is on the device the kernels run on
 //   takes_dtype(dt)          module_unit takes x of dtype dt
-//   prepare                  prepare_batch_norm's schema (fusedres/opdefs.py NAMESPACE_SCHEMAS)
+//   prepare                  prepare_batch_norm's schema (fusedres/ops/opdefs.py NAMESPACE_SCHEMAS)
 //   forward, genstats        bn_relu_conv2d's and bn_relu_conv2d_genstats's schemas
 //   backward                 bn_relu_conv2d_backward's schema
 //   backward_add             (ShortcutNode only) bn_relu_conv2d_backward_add's schema
@@ -56,7 +56,7 @@ using Grads7 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// bn_relu_conv2d_backward's C++ signature (SCHEMAS in fusedres/opdefs.py).
+// bn_relu_conv2d_backward's C++ signature (SCHEMAS in fusedres/ops/opdefs.py).
 using BackwardFn = Grads5(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                           const OptTensor& bn_weight, const OptTensor& bn_bias,
                           const Tensor& mean, const Tensor& invstd, SymInts stride,
@@ -94,7 +94,7 @@ inline bool bare_gradient(const Tensor& grad) {
   return !at::GradMode::is_enabled() && !grad.key_set().has_any(layered);
 }
 
-// The public op fusedres::bn_relu_conv2d_backward (fusedres/ops.py), through the dispatcher.
+// The public op fusedres::bn_relu_conv2d_backward (fusedres/ops/__init__.py), through the dispatcher.
 inline Grads5 public_backward(const Tensor& grad_out, const Tensor& x, const Tensor& weight,
                               const OptTensor& bn_weight, const OptTensor& bn_bias,
                               const Tensor& mean, const Tensor& invstd, SymInts stride,

@@ -1,11 +1,11 @@
 // fusedres._C, the product extension: the CPU kernels (csrc/cpu) and, when built with nvcc
 // (FUSEDRES_BUILD_CUDA), the CUDA kernels (csrc/cuda). Importing it runs their static
 // TORCH_LIBRARY_IMPL registrations for fusedres_cpu (CPU) and fusedres_cuda (CUDA). The ops'
-// schemas are not defined here: fusedres/_extension.py defines the namespaces from
-// fusedres/opdefs.py (SCHEMAS) after this module is imported, and the dispatcher then checks
+// schemas are not defined here: fusedres/ops/_extension.py defines the namespaces from
+// fusedres/ops/opdefs.py (SCHEMAS) after this module is imported, and the dispatcher then checks
 // every C++ function registered here against its schema.
 //
-// Its one Python function, cpu_tile_samples, gives Python (fusedres/accounting.py) the CPU
+// Its one Python function, cpu_tile_samples, gives Python (fusedres/memory/accounting.py) the CPU
 // kernels' tile rule instead of a copy of it.
 #include <Python.h>
 

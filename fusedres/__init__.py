@@ -12,19 +12,32 @@ from . import _versions
 _versions.check_torch()  # an older torch: ImportError, one sentence naming the supported versions
 
 from . import (
-    _extension,  # loads fusedres._C (its load error is reported, not raised)  # noqa: F401
-    _source_checkout,  # fusedres.kernels in a checkout used in place, not installed  # noqa: F401
-    activation_checkpoint,
     distributed,
     functional,
     memory,
     models,
-    opdefs,
     ops,  # registers the torch.library ops
     settings,
-    unit_shapes,
 )
-from ._backend import (
+from ._version import __version__  # noqa: F401 - re-exported
+from .convert import fuse
+from .memory import activation_checkpoint
+from .models import timm_registry as _timm_registry
+from .models import unit_shapes
+from .modules import (
+    BasicBlock,
+    BNReLUConv2d,
+    Bottleneck,
+    PreActBasicBlock,
+    PreActBottleneck,
+    ResidualBlock,
+)
+from .ops import (
+    _extension,  # loads fusedres._C (its load error is reported, not raised)  # noqa: F401
+    _source_checkout,  # fusedres.kernels in a checkout used in place, not installed  # noqa: F401
+    opdefs,
+)
+from .ops._backend import (
     BACKENDS,
     BackendUnavailableError,
     available_backends,
@@ -33,17 +46,6 @@ from ._backend import (
     set_backend,
     unavailable_reason,
     use_backend,
-)
-from ._version import __version__  # noqa: F401 - re-exported
-from .convert import fuse
-from .models import timm_registry as _timm_registry
-from .modules import (
-    BasicBlock,
-    BNReLUConv2d,
-    Bottleneck,
-    PreActBasicBlock,
-    PreActBottleneck,
-    ResidualBlock,
 )
 
 # The zoo in timm's registry when timm is installed (timm.create_model("fusedres_" + name)),

@@ -1,7 +1,7 @@
-"""``python -m fusedres``: the ``fusedres`` command (fusedres/cli.py), for environments where the
-console script is not on PATH."""
+"""``python -m fusedres``: the ``fusedres`` command (fusedres/apps/cli.py), for environments where
+the console script is not on PATH."""
 
-from fusedres.cli import main
+from fusedres.apps.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -25,8 +25,6 @@ the fused modules call instead of the local statistics pass.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -309,9 +307,3 @@ def _convert(module: nn.Module, process_group) -> nn.Module:
             setattr(module, name, converted)
     return module
 
-
-def install_prepare_hook() -> None:
-    """Deprecated, does nothing: ``fusedres.modules.prepare`` routes synchronised BatchNorms
-    (and a BatchNorm's own ``fused_prepare``) itself. Kept so that scripts calling it run on."""
-    warnings.warn("fusedres.distributed.install_prepare_hook is no longer needed and does "
-                  "nothing; remove the call", DeprecationWarning, stacklevel=2)

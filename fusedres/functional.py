@@ -15,16 +15,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _backend, reference
-from .checks import (
+from .ops import _backend, reference
+from .ops.checks import (
     autocast_dtype,
     check_batch_norm_args,
     check_branch_scale,
     check_conv_args,
     check_x,
 )
-from .opdefs import ConvGeometry, UnitArgs, stats_dtype
-from .route import route
+from .ops.opdefs import ConvGeometry, UnitArgs, stats_dtype
+from .ops.route import route
 
 __all__ = [
     "BatchNormState",

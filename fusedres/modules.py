@@ -30,8 +30,8 @@ from torch import Tensor
 from . import functional as FR
 from . import unit_variants as V
 from .distributed import prepare_batch_norm_sync
-from .opdefs import UnitArgs, suggests_channels_last
-from .route import route
+from .ops.opdefs import UnitArgs, suggests_channels_last
+from .ops.route import route
 from .unit_variants import scaled
 
 __all__ = ["BNReLUConv2d", "BasicBlock", "Bottleneck", "BNReLUConvLayer", "DROP_PATH_MODES",
@@ -306,7 +306,7 @@ class BNReLUConv2d(nn.Module):
             cp, bp, bb = c._parameters, bn._parameters, bn._buffers
             module_unit = route(x, cp["weight"]).module_unit
             if module_unit is not None:
-                # One call (fusedres.route); [] leaves these arguments to the checked route.
+                # One call (fusedres.ops.route); [] leaves these arguments to the checked route.
                 out = module_unit(x, cp["weight"], cp["bias"], bp["weight"], bp["bias"],
                                   bb["running_mean"], bb["running_var"],
                                   bb["num_batches_tracked"], bn.training, bn.momentum, bn.eps,

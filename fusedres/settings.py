@@ -56,8 +56,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("FUSEDRES_CUDA_ON_CPU", "bool", "0",
             "when fusedres.backends.cuda is imported (with fusedres)",
             "Run the cuda backend on CPU tensors: the CUDA kernels compiled by the host "
-            "compiler through the CPU execution layer (csrc/cuda/host) into the test extension "
-            "`fusedres._C_cuda_host` (a test vehicle, never picked by auto; `make test` builds "
+            "compiler through the CPU execution layer (csrc/cuda/on_cpu) into the test extension "
+            "`fusedres._C_cuda_on_cpu` (a test vehicle, never picked by auto; `make test` builds "
             "it)."),
     Setting("FUSEDRES_TRITON_BACKWARD", "choice", "auto", "at every triton backward call",
             "The Triton backward's plan: `sums` (the weight-gradient pass also reduces the "
@@ -130,7 +130,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("FUSEDRES_CUDA_WGRAD_SPLIT", "int", "", "at every cuda backward call (csrc/cuda)",
             "Force the weight gradient's split-K count; unset: sized to the SMs."),
     Setting("FUSEDRES_HOST_STACK_KB", "int", "256",
-            "once, at the first launch of the CUDA-on-CPU layer (csrc/cuda/host)",
+            "once, at the first launch of the CUDA-on-CPU layer (csrc/cuda/on_cpu)",
             "Stack size of each emulated CUDA thread (a fibre), in KiB."),
     # ---- build (setup.py)
     Setting("FUSEDRES_BUILD_EXT", "choice", "auto", "by setup.py",
@@ -143,7 +143,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "torch has CUDA. The Makefile sets `auto` where `nvidia-smi -L` sees a GPU, else `0`.",
             ("auto", "0", "1")),
     Setting("FUSEDRES_BUILD_TEST_EXT", "choice", "0", "by setup.py",
-            "Build the test extension `fusedres._C_cuda_host` (csrc/cuda compiled by the host "
+            "Build the test extension `fusedres._C_cuda_on_cpu` (csrc/cuda compiled by the host "
             "compiler through the execution layer, and the layer's own test ops): `auto` for "
             "in-place builds; `make test` and CI build it, `pip install .` does not.",
             ("auto", "0", "1")),
@@ -158,7 +158,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "torch's thread count for the benchmark run; unset: torch's default."),
     Setting("FUSEDRES_BENCH_COMPILE", "bool", "1", "when benchmarks/ is collected",
             "Include the torch.compile rows."),
-    # ---- the op fuzzer's child processes (fusedres.opfuzz), set by its parent
+    # ---- the op fuzzer's child processes (tools.opfuzz), set by its parent
     Setting("FUSEDRES_OPFUZZ_PLANT", "bool", "0", "when an opfuzz child process starts",
             "Register the planted-fault namespace the fuzzer's own test calls."),
     Setting("FUSEDRES_ASAN_EXTENSION", "str", "", "when an opfuzz child process starts",

@@ -5,7 +5,7 @@ or, with ``FUSEDRES_TRITON_AUTOTUNE=1``, by timing every config of the kernel on
 (``autotuned``; cached for the process). Not ``triton.autotune``: the kernels write per-tile
 partial results whose row count depends on the tile size, so a config is timed through the
 whole host launcher. The rule is what runs on fake tensors (torch.compile tracing) and under the
-interpreter. Every config of every kernel is compiled ahead of time (kernels/aot.py).
+interpreter. Every config of every kernel is compiled ahead of time (tools/triton_aot.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def interpreting() -> bool:
 class KernelConfig:
     """Meta-parameters of one kernel launch: block sizes (constexprs), warps and stages.
     ``name``: the key of the kernel's config table that holds it (:func:`named`), for people
-    and tests; not part of equality, hashing or ``str`` (kernels/aot.py keys on ``str``)."""
+    and tests; not part of equality, hashing or ``str`` (tools/triton_aot.py keys on ``str``)."""
 
     blocks: tuple[tuple[str, int], ...]
     num_warps: int = 4
@@ -65,7 +65,7 @@ class KernelConfig:
 
 def named(configs: dict[str, KernelConfig]) -> dict[str, KernelConfig]:
     """A kernel's config table: name -> config, each config given its name. The order is the
-    order ``configs_for`` lists them in (the autotuner's and kernels/aot.py's); a host rule
+    order ``configs_for`` lists them in (the autotuner's and tools/triton_aot.py's); a host rule
     picks by name."""
     return {name: dataclasses.replace(cfg, name=name) for name, cfg in configs.items()}
 

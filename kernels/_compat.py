@@ -14,7 +14,7 @@ Imported by ``kernels/__init__.py``, so before any kernel is defined or launched
   the installed Triton's own rule says (``min_dot_size``): triton 3.6 asks K >= 16 whatever
   the dtype, triton 3.8 K >= 8 for float32 and K >= 4 for float64. ``_tl.mma`` pads a narrower
   tile with zeros, so every config compiles on both (the fp32-ieee forward's K = 8 tile and the
-  float64 data gradient's failed to compile with triton 3.6, kernels/aot.py).
+  float64 data gradient's failed to compile with triton 3.6, tools/triton_aot.py).
 """
 
 from __future__ import annotations

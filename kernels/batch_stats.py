@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..opdefs import stats_dtype as _stats_dtype
+from ..ops.opdefs import stats_dtype as _stats_dtype
 from ._common import (
     KernelConfig,
     Launch,

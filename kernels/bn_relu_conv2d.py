@@ -12,7 +12,7 @@ sample, y = residual + s[n] * (conv + bias)) is applied where the config's ``BSC
 load, which computes them in registers anyway (s[n] * conv(a) = conv(s[n] * a) for a row of one
 sample), and the bias in the epilogue; 2, the epilogue with the factors loaded as a broadcast
 tile in the accumulator's layout. The kernel is at the register limit in most configs and
-ptxas spills one form or another depending on config and arch (kernels/aot.py checks every
+ptxas spills one form or another depending on config and arch (tools/triton_aot.py checks every
 config with the scale on): 1 for the fp16/bf16 64x64 w=8 tile (0 spills 8 bytes on sm_80),
 2 for float64 (0 spills on sm_80, 1 on sm_90), 0 elsewhere (1 spills fp32 128x32 on sm_90).
 
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..opdefs import ConvGeometry, out_memory_format, stats_dtype
+from ..ops.opdefs import ConvGeometry, out_memory_format, stats_dtype
 from ._common import (
     KernelConfig,
     Launch,
@@ -55,12 +55,12 @@ from .reductions import STATS_COMBINE_CONFIG, chan_merge, stats_combine_launch
 
 # Configs by name: each entry's comment is the rule the host picks it by (``pick_config``) and
 # why the tile is shaped so. The dict order is the order ``configs_for`` gives the autotuner and
-# kernels/aot.py. The SASS and model figures behind each tile: kernels/TUNING.md, "Forward".
+# tools/triton_aot.py. The SASS and model figures behind each tile: kernels/TUNING.md, "Forward".
 # Tensor-core tiles (fp16, bf16) are wgmma-sized (m64 a warpgroup). The BatchNorm-ReLU of the A
 # tile costs the same per K-step whatever BLOCK_N, so wide tiles are what make the loop
 # tensor-bound. ``ALIGNED`` tiles run only on aligned operands (vector loads; scalar gathers at
 # these sizes spill); the others are the fallback. Wider tiles (128x256x64, 128x128x64, 64x128x64
-# on 4 warps) spill in the unspecialised compile kernels/aot.py checks.
+# on 4 warps) spill in the unspecialised compile tools/triton_aot.py checks.
 CONFIGS = named({
     # Co > 128, C >= 64 with a full wave: the A-tile BatchNorm-ReLU amortised over 256 columns.
     "big_n256": KernelConfig.of(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3,
@@ -209,7 +209,7 @@ def bn_relu_conv2d_fwd_kernel(
     # only when ``is_aligned``): unit channel strides, and the channel runs of the tiles told
     # to the compiler as 16-byte aligned (tl.multiple_of / max_contiguous): what the JIT infers
     # by itself from its divisibility-16 specialisation, stated so that an unspecialised
-    # compile (kernels/aot.py) builds the same vector loads. ONE_CB (C <= BLOCK_K, host-set):
+    # compile (tools/triton_aot.py) builds the same vector loads. ONE_CB (C <= BLOCK_K, host-set):
     # one channel block, so the scale and shift vectors are loaded once, before the loop (in
     # the loop they are staged through shared memory every K-step, and every thread reads
     # its channels' back: most of the shared traffic of a 16-channel unit's K-step).
@@ -531,7 +531,7 @@ def forward_plan(x, weight, bias, scale, shift, residual, stride, padding, dilat
                  memory_format=None, genstats: bool = False, branch_scale=None,
                  merge: bool | None = None) -> ForwardPlan:
     """The cached :class:`ForwardPlan` for these arguments (fake tensors, under a trace: a new
-    one, never cached). ``memory_format`` None: y's layout by fusedres.opdefs'
+    one, never cached). ``memory_format`` None: y's layout by fusedres.ops.opdefs'
     ``out_memory_format`` (what the key's strides decide). ``merge``: as ForwardPlan's."""
     if type(x) is not torch.Tensor or x.device.type == "meta":
         return ForwardPlan(x, weight, bias, scale, shift, residual, stride, padding, dilation,

@@ -53,7 +53,7 @@ from .reductions import ReducePlan
 
 # Configs by name: each entry's comment is the rule the host picks it by (``pick_config``) and
 # why the tile is shaped so; the dict order is the order ``configs_for`` gives the autotuner and
-# kernels/aot.py. The SASS and model figures behind each tile: kernels/TUNING.md, "Data
+# tools/triton_aot.py. The SASS and model figures behind each tile: kernels/TUNING.md, "Data
 # gradient". No 128x128 tile: the WRITE_DX epilogue (x tile, ReLU mask, xhat, sums, dx) on top
 # of its accumulator spills. ``ALIGNED`` tiles run only on aligned operands, as the forward's.
 CONFIGS = named({

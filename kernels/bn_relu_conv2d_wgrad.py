@@ -65,12 +65,12 @@ from .reductions import ReducePlan
 # "tiny"), then the taps form's "taps" and "taps_wide" (``use_taps``: unit stride, no bias,
 # <= 32 channels each side). Each entry's comment is the rule the host picks it by
 # (``pick_config``) and why the tile is shaped so; the dict order is the order ``configs_for``
-# gives the autotuner and kernels/aot.py. The SASS and model figures behind each tile:
+# gives the autotuner and tools/triton_aot.py. The SASS and model figures behind each tile:
 # kernels/TUNING.md, "Weight gradient". M is Co, N is C, K the output pixels. Each K-step
 # splits its pixel indices into (n, oh, ow) for both operand tiles: the loop is issue-bound, so
 # the big tiles take a long K (that index work paid once for more MMAs). 16-bit tiles are
 # wgmma-sized (M 64 a warpgroup); wider ones (64x128 on 4 warps, K 64) spill in the
-# unspecialised compile (kernels/aot.py).
+# unspecialised compile (tools/triton_aot.py).
 CONFIGS = named({
     # The fallback: more than 32 channels each side, not both wide.
     "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
@@ -615,7 +615,7 @@ def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms
     The partials' traffic is capped at half the operand bytes, which keeps a step's DRAM bytes
     under half the plain sequence's (tests/test_traffic_model.py); it costs time where the
     grid is small: CIFAR's 64-channel 8x8 unit, batch 128, split 3, 27 programs (H100, fp16,
-    fusedres.perfmodel: 9 us of wgrad with split 29 instead of 21, but 0.80x the plain bytes)."""
+    tools.perfmodel: 9 us of wgrad with split 29 instead of 21, but 0.80x the plain bytes)."""
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
     bt = taps_of(cfg)
     tiles = cdiv(co, bm) * cdiv(c, bn) * cdiv(kh * kw, bt)
@@ -628,7 +628,7 @@ def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms
         # more than the SMs is cut finer (C = Co = 512 at 7x7: 144 tiles on 132 SMs, the
         # second wave 12 programs: split 1 -> 4, H100 wgrad + reduce 205 -> 150 us, MODELED);
         # the partials' read-back is priced as the launch after this one, not overlapped
-        # (by fusedres.perfmodel's SASS model split 4 beats 11 there, whose reduce is 38 us).
+        # (by tools.perfmodel's SASS model split 4 beats 11 there, whose reduce is 38 us).
         cap = min(max(1, k_iters // 4), max(2 * cdiv(sms, tiles), WAVE_SPLITS))
     else:
         cap = min(2 * cdiv(sms, tiles), max(1, k_iters // 4),

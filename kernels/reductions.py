@@ -233,7 +233,7 @@ def scale_shift_kernel(
     HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """scale = gamma * invstd, shift = beta - mean * scale (per channel; the operations and
-    their order as fusedres.opdefs.scale_shift)."""
+    their order as fusedres.ops.opdefs.scale_shift)."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < C
     invstd = tl.load(invstd_ptr + c, mask=ok, other=0.0)
@@ -246,7 +246,7 @@ def scale_shift_kernel(
 def _affine(gamma_ptr, beta_ptr, mean, invstd, scale_ptr, shift_ptr, c, ok,
             HAS_GAMMA: tl.constexpr, HAS_BETA: tl.constexpr):
     """scale = gamma * invstd, shift = beta - mean * scale for channels ``c`` (the operations
-    and their order as fusedres.opdefs.scale_shift)."""
+    and their order as fusedres.ops.opdefs.scale_shift)."""
     if HAS_GAMMA:
         scale = tl.load(gamma_ptr + c, mask=ok, other=0.0) * invstd
     else:
@@ -260,7 +260,7 @@ def _affine(gamma_ptr, beta_ptr, mean, invstd, scale_ptr, shift_ptr, c, ok,
 
 
 def scale_shift(bn) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fusedres.opdefs.scale_shift` in one launch: (scale, shift) (C,) contiguous, in the
+    """:func:`fusedres.ops.opdefs.scale_shift` in one launch: (scale, shift) (C,) contiguous, in the
     dtype PyTorch's promotion gives the same expression. ``bn`` has ``bn_weight``, ``bn_bias``
     (C,) or None, ``mean`` and ``invstd`` (C,)."""
     gamma, beta, mean, invstd = bn.bn_weight, bn.bn_bias, bn.mean, bn.invstd

@@ -17,7 +17,7 @@ Rules, the same for both sides:
   e_tensor)), summed (H100 SXM: 3.35 TB/s; 989 TFLOP/s 16-bit, 494 TF32, 67 float64). The
   efficiencies are an :class:`Efficiency`: ``ROOFLINE`` (1.0, 1.0: every kernel at 100% of the
   roofline) or :func:`modeled_efficiency`: the DRAM efficiency and sustained tensor fraction of
-  the calibrated GPU model (fusedres/perfmodel), with per-kernel tensor fractions where the SASS
+  the calibrated GPU model (tools/perfmodel), with per-kernel tensor fractions where the SASS
   model gives them (benchmarks/GPU_MODEL.md has the kernel-by-kernel model).
 
 The fused step: batch statistics (dropped when the producer's epilogue ``genstats`` made them),
@@ -100,10 +100,10 @@ ROOFLINE = Efficiency()
 
 
 def modeled_efficiency(per_kernel: dict[str, float] | None = None) -> Efficiency:
-    """The calibrated GPU model's H100 efficiencies (fusedres/perfmodel/model.py): DRAM at
+    """The calibrated GPU model's H100 efficiencies (tools/perfmodel/model.py): DRAM at
     ``DRAM_EFFICIENCY`` of the spec bandwidth, GEMMs at the sustained tensor fraction fitted on
     published cuBLAS figures, or at ``per_kernel`` fractions (from the SASS model)."""
-    from ..perfmodel import model
+    from tools.perfmodel import model
 
     return Efficiency(model.DRAM_EFFICIENCY, model.TENSOR_SUSTAINED[90],
                       tuple(sorted((per_kernel or {}).items())))

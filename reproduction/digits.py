@@ -11,7 +11,7 @@ resumable as ``run``) and compares each paper's runs with ``fusedres compare`` (
 median over the seeds and the spread); ``--smoke`` runs the same commands on digits for a few
 iterations (what CI checks), and trainer options after ``--`` are added to every run.
 ``run`` trains every missing run (a run with a summary.json is done; an interrupted one resumes
-from its checkpoint) as ``python -m fusedres.train --config digits --out reproduction/runs/NAME
+from its checkpoint) as ``python -m fusedres.apps.train --config digits --out reproduction/runs/NAME
 --seed S --threads 1 ...``, then the lesion studies and loss landscapes; ``report`` reads the run
 directories and writes reproduction/results.json, RESULTS.md and the PNGs. Run directories are
 not committed (reproduction/runs is ignored); results.json keeps every figure the tables use.
@@ -175,7 +175,7 @@ def _python() -> str:
 
 
 def train_command(name: str, flags: list[str], seed: int) -> list[str]:
-    return [_python(), "-m", "fusedres.train", "--config", "digits", "--model", "preact_resnet",
+    return [_python(), "-m", "fusedres.apps.train", "--config", "digits", "--model", "preact_resnet",
             *flags, "--seed", str(seed), "--threads", "1", "--no-progress",
             "--out", str(RUNS / f"{name}-s{seed}")]
 
@@ -235,7 +235,7 @@ def run(only: list[str], jobs: int, match: str = "*") -> int:
                                                    "compare.json", "trajectory_contour.png")):
             continue
         options = [] if kind == "compare" else ["--threads", "2", "--no-progress"]
-        cmd = [_python(), "-m", "fusedres.cli", kind, *[str(RUNS / r) for r in runs], *flags,
+        cmd = [_python(), "-m", "fusedres.apps.cli", kind, *[str(RUNS / r) for r in runs], *flags,
                *options, "--out", str(target)]
         codes.append(_run(cmd, target / f"{kind}.log"))
     return 1 if any(codes) else 0
@@ -332,7 +332,7 @@ def _plot_depth(data, path: Path) -> None:
     """Final training loss and test error against depth: the median over the seeds with the
     interquartile range as error bars, a run whose loss is not finite counted as +inf and
     marked x at the top; chance error dashed."""
-    from fusedres.experiments import figures
+    from fusedres.apps.experiments import figures
 
     plt = figures.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
@@ -383,7 +383,7 @@ def _plot_depth(data, path: Path) -> None:
 
 def _depth_label(run: str) -> str:
     """'depth-plain-bn-56-s0' -> the variant label of that network."""
-    from fusedres.train.naming import variant_label
+    from fusedres.apps.train.naming import variant_label
 
     _, short, norm, depth, _ = run.split("-")
     return variant_label({"model": "preact_resnet", "depth": int(depth),
@@ -394,7 +394,7 @@ def _depth_label(run: str) -> str:
 def _plot_landscapes(runs: list[str], path: Path) -> bool:
     """The runs' 2-D loss surfaces side by side on one scale: the same log-spaced contour
     levels, one colour bar, the same axes."""
-    from fusedres.experiments import figures
+    from fusedres.apps.experiments import figures
 
     files = [RUNS / f"landscape-{r}" / "landscape_2d.npz" for r in runs]
     if not all(f.exists() for f in files):
@@ -532,7 +532,7 @@ def report() -> None:
         shutil.copy(lesion / "lesion.png", HERE / "lesion.png")
         (HERE / "lesion.json").write_text(_relative((lesion / "lesion.json").read_text()))
         doc = json.loads((lesion / "lesion.json").read_text())
-        from fusedres.experiments import figures
+        from fusedres.apps.experiments import figures
 
         L += ["", "## Lesion study (Veit et al. 2016), depth 20, seed 0", "",
               "![lesion](lesion.png)", "",
@@ -574,7 +574,7 @@ def report() -> None:
     L += ["", f"Runs read with fusedres (`results.json` records each experiment's commit) {where};"
           f" 2-core Xeon (no GPU), torch {_torch_version()}."]
     L += ["", "## The same experiments on CIFAR-10 (a GPU)", "",
-          "Each paper's recipe is a shipped config (fusedres/configs; its comments give the "
+          "Each paper's recipe is a shipped config (fusedres/apps/configs; its comments give the "
           "recipe and the paper's figures); the option picks the variant. Test error (%) the "
           "papers report beside each command; run each over seeds, as the papers' medians "
           "are (He et al. 2016: 5 runs):", "",

@@ -64,7 +64,7 @@ TINY_RUN = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "14", 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    from fusedres.train import main
+    from fusedres.apps.train import main
 
     out = tmp_path_factory.mktemp("tiny_run") / "run"
     assert main([*TINY_RUN, "--out", str(out)]) == 0

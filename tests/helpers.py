@@ -195,9 +195,9 @@ class Sm80:  # the target Inductor's mutation analysis lowers the kernels for (n
 triton.runtime.driver.set_active(Sm80())
 # What a GPU's tensors select, for CPU tensors: traced "cpu" units go through the triton_ops,
 # triton counts as runnable (nothing runs), and auto prefers it.
-fusedres.route._TRACED_DEVICE_TYPE = "cpu"
+fusedres.ops.route._TRACED_DEVICE_TYPE = "cpu"
 triton_backend.unavailable_reason = lambda device: None
-fusedres._backend.AUTO_ORDER["cpu"] = ("triton", "cpu", "portable")
+fusedres.ops._backend.AUTO_ORDER["cpu"] = ("triton", "cpu", "portable")
 fconfig.force_non_lazy_backward_lowering = True  # trace the backward graph now
 graphs = {"fw": [], "bw": []}
 

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fusedres
-from fusedres.accounting import cpu_op_workspace_bytes
+from fusedres.memory.accounting import cpu_op_workspace_bytes
 
 
 def resident():

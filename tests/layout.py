@@ -4,17 +4,20 @@ as a script for the figures (``python tests/layout.py``).
 
 Rules (issue "the house"):
 
-* the library never imports its apps (``APPS``);
+* the library never imports its apps: everything under ``fusedres/apps/`` (``APPS``);
+* nothing under ``fusedres/`` imports the developer tools (``tools/``, not installed), except
+  the pairs in ``TOOL_IMPORTS``, each inside a function and each with its reason;
 * no import cycles between the package's modules, counting imports inside functions too (a
   function-level import hides a cycle, it does not remove it);
 * apps use only public names of the library: no ``_name`` imported from, or read as an
   attribute of, a library module;
 * library modules import no private function, class or variable (``_name`` defined in another
-  module); the library's private modules (``fusedres._backend``...) may be imported inside it;
-* apps do not import each other, except the dispatcher ``fusedres.cli`` (which starts them and
+  module); the library's private modules (``fusedres.ops._backend``...) may be imported inside it;
+* apps do not import each other, except the dispatcher ``fusedres.apps.cli`` (which starts them and
   holds the command-line conventions they share), and the experiments on trained runs
-  (``fusedres.experiments``) the trainer (``fusedres.train``): a run is what the trainer wrote
-  (its config, checkpoint format, data and model builder), read through its own code, not a copy.
+  (``fusedres.apps.experiments``) the trainer (``fusedres.apps.train``): a run is what the trainer
+  wrote (its config, checkpoint format, data and model builder), read through its own code, not a
+  copy.
 """
 
 from __future__ import annotations
@@ -28,14 +31,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Package directories and the dotted name they install as (setup.py's package_dir).
 PACKAGE_DIRS = {"fusedres": ROOT / "fusedres", "fusedres.kernels": ROOT / "kernels"}
-# Applications built on the library: they use its public API, as a user's code would.
-# fusedres.__main__ is `python -m fusedres`: the dispatcher's entry point, an app like it.
-APPS = ("fusedres.train", "fusedres.bench", "fusedres.selftest", "fusedres.demo",
-        "fusedres.experiments", "fusedres.cli", "fusedres.__main__")
+# Applications built on the library, all in one package: they use its public API, as a user's
+# code would. fusedres.__main__ is `python -m fusedres`: the dispatcher's entry point, an app
+# like it. Each entry of fusedres/apps/ (a module or a package) is one app.
+APPS_PACKAGE = "fusedres.apps"
+APPS = (APPS_PACKAGE, "fusedres.__main__")
+# The developer tools: a top-level package of the repository, run from a checkout, not installed.
+TOOLS = "tools"
+TOOLS_DIR = ROOT / "tools"
 
 
 def is_app(module: str) -> bool:
     return any(module == a or module.startswith(a + ".") for a in APPS)
+
+
+def is_tool(module: str) -> bool:
+    return module == TOOLS or module.startswith(TOOLS + ".")
 
 
 @dataclass
@@ -104,11 +115,11 @@ def analyse(modules: dict[str, Module] | None = None) -> dict[str, Module]:
                 continue
             if isinstance(node, ast.Import):
                 for alias in node.names:
-                    if alias.name.startswith("fusedres"):
+                    if alias.name.startswith("fusedres") or is_tool(alias.name):
                         mod.imports.append((alias.name, None, node.lineno, top))
             elif isinstance(node, ast.ImportFrom):
                 base = _resolve(mod, node.level, node.module)
-                if not base.startswith("fusedres"):
+                if not (base.startswith("fusedres") or is_tool(base)):
                     continue
                 for alias in node.names:
                     sub = f"{base}.{alias.name}"
@@ -250,30 +261,86 @@ def library_imports_apps(modules: dict[str, Module]) -> list[str]:
                   for t, _, line, _ in m.imports if is_app(t))
 
 
+# (importer, imported tool module): the installed package's only imports of tools/, each inside a
+# function whose callers handle its absence (an installed package has no tools/).
+TOOL_IMPORTS = {
+    # `fusedres bench` on a GPU puts the performance model's MODELED time beside each measured
+    # one when run from a checkout; elsewhere the column is left out with a warning.
+    ("fusedres.apps.bench.units", "tools.perfmodel.units"),
+    # traffic.modeled_efficiency: the traffic report's table at the calibrated model's
+    # efficiencies (the report is a developer's table; auto_strategy, the library's use of
+    # the traffic model, runs at the roofline and needs no tool).
+    ("fusedres.kernels.traffic", "tools.perfmodel.model"),
+}
+
+
+def tool_imports(modules: dict[str, Module]) -> list[str]:
+    """Imports of tools/ from the installed package other than ``TOOL_IMPORTS``, and those
+    pairs' imports at module level (which would break the import of an installed package)."""
+    def module(target: str, name: str | None) -> str:
+        # `from tools.perfmodel import model`: the module tools.perfmodel.model
+        sub = f"{target}.{name}" if name else target
+        path = ROOT.joinpath(*sub.split("."))
+        return sub if path.with_suffix(".py").is_file() or path.is_dir() else target
+    return sorted(f"{m.name}:{line}: {module(t, n)}" for m in modules.values()
+                  for t, n, line, top in m.imports if is_tool(t)
+                  and (top or (m.name, module(t, n)) not in TOOL_IMPORTS))
+
+
 def function_level_imports(modules: dict[str, Module]) -> int:
     return sum(1 for m in modules.values() for *_, top in m.imports if not top)
 
 
 # The dispatcher: it starts the apps (by name, importlib) and holds the command-line conventions
 # they share (UsageError, parse_bytes); an app may import it, and it the apps.
-DISPATCHER = "fusedres.cli"
+DISPATCHER = "fusedres.apps.cli"
 # (importer, imported) app pairs allowed beside the dispatcher: the experiments read the
 # trainer's runs with the trainer's own config, checkpoint, data and build_model; the step
-# benchmark times the trainer's own graphed step (fusedres.train.step), not a copy of it.
-ALLOWED_APP_IMPORTS = {("fusedres.experiments", "fusedres.train"),
-                       ("fusedres.bench", "fusedres.train")}
+# benchmark times the trainer's own graphed step (fusedres.apps.train.step), not a copy of it.
+ALLOWED_APP_IMPORTS = {("fusedres.apps.experiments", "fusedres.apps.train"),
+                       ("fusedres.apps.bench", "fusedres.apps.train")}
 
 
 def app_cross_imports(modules: dict[str, Module]) -> list[str]:
     """Imports from one app into another (e.g. bench reading the trainer's config), other than
     to or from the dispatcher."""
     def app_of(name: str) -> str | None:
-        return next((a for a in APPS if name == a or name.startswith(a + ".")), None)
+        if name.startswith(APPS_PACKAGE + "."):
+            return ".".join(name.split(".")[:3])  # fusedres.apps.<app>
+        return name if name in APPS else None
     return sorted(f"{m.name}:{line}: {t}" for m in modules.values() if app_of(m.name)
                   for t, _, line, _ in m.imports
                   if app_of(t) and app_of(t) != app_of(m.name)
                   and DISPATCHER not in (app_of(m.name), app_of(t))
                   and (app_of(m.name), app_of(t)) not in ALLOWED_APP_IMPORTS)
+
+
+# --------------------------------------------------------------------------- the folders
+
+# Build outputs that land in fusedres/ (`setup.py build_ext --inplace`), not sources.
+_BUILD_OUTPUT = re.compile(r"^(_C.*\.(so|pyd|dll)|__pycache__)$")
+MAX_TOP_LEVEL = 15
+
+
+def top_level_entries() -> list[str]:
+    """The source entries of fusedres/ (files and folders), build outputs left out."""
+    return sorted(p.name for p in (ROOT / "fusedres").iterdir() if not _BUILD_OUTPUT.match(p.name))
+
+
+def setup_packages() -> list[str]:
+    """The packages setup.py installs, from its ``find_packages(include=[...])`` call and the
+    ``fusedres.kernels`` mapping, computed here the same way (setup.py is not run)."""
+    from setuptools import find_packages
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    include = None
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "find_packages"
+                and any(k.arg == "include" for k in node.keywords)):
+            include = ast.literal_eval(next(k.value for k in node.keywords if k.arg == "include"))
+    if include is None:
+        raise AssertionError("setup.py: no find_packages(include=[...]) call found")
+    return sorted(find_packages(str(ROOT), include=include))
 
 
 # --------------------------------------------------------------------------- the op's arguments
@@ -314,6 +381,11 @@ def main() -> None:
     print(f"imports between apps: {len(cross)}")
     for p in cross:
         print("   ", p)
+    tools = tool_imports(modules)
+    print(f"imports of tools/ beyond TOOL_IMPORTS: {len(tools)}")
+    for p in tools:
+        print("   ", p)
+    print(f"top-level entries of fusedres/: {len(top_level_entries())}")
     print(f"function-level imports of fusedres modules: {function_level_imports(modules)}")
     spelled = spelled_argument_lists()
     print(f"places spelling the op's argument list: {len(spelled)}")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from fusedres.allocator import _glibc_version
+from fusedres.memory.allocator import _glibc_version
 
 GLIBC = (_glibc_version() or "").startswith("glibc")
 
@@ -80,7 +80,7 @@ def test_bench_records_the_allocator(tmp_path):
     default leaves glibc's thresholds."""
     for flag, want in (([], "M_MMAP_MAX 0"), (["--malloc", "default"], None)):
         out = tmp_path / (flag[-1] if flag else "keep")
-        subprocess.run([sys.executable, "-m", "fusedres.bench", "units", "--quick",
+        subprocess.run([sys.executable, "-m", "fusedres.apps.bench", "units", "--quick",
                         "--device", "cpu", "--backends", "cpu", "--baselines", "plain",
                         "--no-progress", "--out", str(out), *flag],
                        check=True, capture_output=True, timeout=600)

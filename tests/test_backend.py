@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import fusedres
-from fusedres import _backend
 from fusedres.backends import cuda as backend_cuda
+from fusedres.ops import _backend
 from helpers import CASES, make_inputs, run
 
 
@@ -87,10 +87,10 @@ def test_import_does_not_initialise_cuda():
 @pytest.mark.parametrize("name", ["triton", "cuda"])
 def test_eager_unit_takes_the_backend_route(name, monkeypatch):
     """A module's unit in eager mode runs the backend's own kernels through its eager route
-    (fusedres.route: triton's autograd.Function ``EagerTritonUnit``, cuda's C++ node), with no
+    (fusedres.ops.route: triton's autograd.Function ``EagerTritonUnit``, cuda's C++ node), with no
     public-op layer: the same kernels as the public op, so the same outputs and gradients to
     the bit."""
-    from fusedres import route
+    from fusedres.ops import route
 
     why = fusedres.unavailable_reason(name, "cpu")
     if why is not None:
@@ -187,7 +187,7 @@ def test_eager_route_wants_a_plain_weight(name):
     _eager_backend_or_skip(name)
     from torch.testing._internal.two_tensor import TwoTensor
 
-    from fusedres.route import route
+    from fusedres.ops.route import route
 
     x = torch.randn(2, 4, 5, 5)
     w = torch.randn(3, 4, 3, 3)
@@ -203,7 +203,7 @@ def test_eager_triton_backward_plans_per_gradient_layout(monkeypatch):
     gives the public op's gradients to the bit, and a step like an earlier one reuses its
     plan."""
     _eager_backend_or_skip("triton")
-    from fusedres import route
+    from fusedres.ops import route
 
     torch.manual_seed(0)
     m = fusedres.BNReLUConv2d(6, 5, 3, padding=1)

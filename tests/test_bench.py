@@ -15,20 +15,20 @@ import time
 import pytest
 import torch
 
-from fusedres import unit_shapes as S
-from fusedres.bench import main
-from fusedres.bench import step as step_mod
-from fusedres.bench import units as units_mod
-from fusedres.bench.fit import search
-from fusedres.bench.measure import summarize, time_interleaved, with_env
-from fusedres.bench.runner import QUICK_FIT, Report
+from fusedres.apps.bench import main
+from fusedres.apps.bench import step as step_mod
+from fusedres.apps.bench import units as units_mod
+from fusedres.apps.bench.fit import search
+from fusedres.apps.bench.measure import summarize, time_interleaved, with_env
+from fusedres.apps.bench.runner import QUICK_FIT, Report
+from fusedres.models import unit_shapes as S
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _cli(*argv, timeout=600):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "fusedres.bench", *argv], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "fusedres.apps.bench", *argv], capture_output=True,
                           text=True, timeout=timeout, env=env)
     return proc
 
@@ -477,8 +477,8 @@ def test_gpu_report_quick_end_to_end_on_cpu(tmp_path):
 
 
 def test_python_m_fusedres_bench_and_fusedres_bench_are_one_command():
-    from fusedres.cli import COMMANDS
-    assert COMMANDS["bench"][0] == "fusedres.bench"
+    from fusedres.apps.cli import COMMANDS
+    assert COMMANDS["bench"][0] == "fusedres.apps.bench"
     proc = _cli("--help")
     assert proc.returncode == 0 and "units" in proc.stdout and "gpu-report" in proc.stdout
 
@@ -486,7 +486,7 @@ def test_python_m_fusedres_bench_and_fusedres_bench_are_one_command():
 def test_bandwidth_columns_leave_rows_without_them_blank():
     """On a GPU the convs table has bandwidth columns that only triton rows fill (a plain row
     beside them broke the H100 report with a KeyError): the other rows show "-"."""
-    from fusedres.bench import report as R
+    from fusedres.apps.bench import report as R
     base = dict(shape="s", median_s=1e-3, iqr_s=1e-4, ratio=1.0)
     rows = [dict(base, impl="plain"),
             dict(base, impl="triton", modeled_bytes=5e6, achieved_Bps=5e9,
@@ -542,7 +542,7 @@ def test_replay_seconds_warms_up_captures_once_and_times_the_replays():
 
 
 def _modeled_table(rows):
-    from fusedres.bench import report as R
+    from fusedres.apps.bench import report as R
     return R.markdown_table(rows, units_mod.columns() + units_mod.modeled_cols())
 
 
@@ -550,7 +550,7 @@ def test_graphed_trainer_steps_from_its_capture(monkeypatch):
     """The bench's graphed step (the trainer's GraphedStep) on CPU, its capture a stand-in that
     runs the captured function itself: warm-up and capture at build, then each step trains
     (the loss on the fixed batch falls), with the fused SGD's state as the trainer keeps it."""
-    from fusedres.train import step as train_step
+    from fusedres.apps.train import step as train_step
 
     monkeypatch.setattr(train_step, "cuda_graph_capture", lambda fn: fn)
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from torchvision.ops import stochastic_depth
 
 import fusedres
 from fusedres import functional as FR
-from fusedres import reference
+from fusedres.ops import reference
 from helpers import Case, assert_autocast_close, assert_within_twice_torch, make_inputs
 
 TOL = {torch.float32: (2e-4, 2e-4), torch.float64: (1e-9, 1e-9)}
@@ -286,7 +286,7 @@ def test_checkpointed_recompute_redraws_the_same_scale(name):
     RNG state is preserved), so the gradients are those of the uncheckpointed unit."""
     if name not in fusedres.available_backends("cpu"):
         pytest.skip(f"{name} does not run here")
-    from fusedres.activation_checkpoint import checkpoint
+    from fusedres.memory.activation_checkpoint import checkpoint
 
     case = CASES[0]
     base = make_inputs(case)
@@ -336,7 +336,7 @@ def test_compile_fullgraph_with_branch_scale(name):
                          ids=["f16", "f32", "f64"])
 def test_triton_forward_every_config_placement(dtype):
     """The Triton forward applies the branch scale where each config says (BSCALE_AT: epilogue,
-    operand load, broadcast tile; chosen per config so that none spills, kernels/aot.py): every
+    operand load, broadcast tile; chosen per config so that none spills, tools/triton_aot.py): every
     config of the dtype, run under the interpreter, against the portable op."""
     if "triton" not in fusedres.available_backends("cpu"):
         pytest.skip("triton does not run here")

@@ -14,8 +14,8 @@ import math
 import pytest
 import yaml
 
-from fusedres import cli
-from fusedres.experiments import compare, figures
+from fusedres.apps import cli
+from fusedres.apps.experiments import compare, figures
 
 RES = {"model": "preact_resnet", "depth": 20, "variant": "cifar", "dataset": "digits",
        "batch_size": 128}

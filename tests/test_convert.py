@@ -370,11 +370,11 @@ def test_fx_fallback_in_place_copies_and_pickles():
     assert fused is model and type(model) is KuangliuNet and model.note == "kept"
     block = model.layers[1]
     assert isinstance(block, KuangliuPreActBlock) and type(block) is not KuangliuPreActBlock
-    assert fusedres.rewriters.is_fused(block)
+    assert fusedres.convert.rewriters.is_fused(block)
     want, want_bytes = model(x), saved_bytes(model, x)
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert type(clone) is KuangliuNet and clone.note == "kept"
-        assert fusedres.rewriters.is_fused(clone.layers[1])
+        assert fusedres.convert.rewriters.is_fused(clone.layers[1])
         torch.testing.assert_close(clone(x), want, rtol=0, atol=0)
         assert saved_bytes(clone, x) == want_bytes
     # Fusing again finds the three blocks fused and changes nothing.

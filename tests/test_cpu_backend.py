@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import fusedres
-from fusedres import _backend, _extension, opdefs
 from fusedres.backends import portable
+from fusedres.ops import _backend, _extension, opdefs
 
 pytestmark = pytest.mark.skipif(
-    fusedres._backend.unavailable_reason("cpu") is not None,
-    reason=f"cpu backend unavailable: {fusedres._backend.unavailable_reason('cpu')}",
+    fusedres.ops._backend.unavailable_reason("cpu") is not None,
+    reason=f"cpu backend unavailable: {fusedres.ops._backend.unavailable_reason('cpu')}",
 )
 
 OPS = torch.ops.fusedres_cpu
@@ -680,7 +680,7 @@ def test_module_forward_in_one_call_is_the_python_route(monkeypatch, case, mode)
     running statistics and the batch count, over two steps; in training and eval (forward and
     backward), no_grad and inference mode. bfloat16 is left to the Python route (the op
     returns [])."""
-    from fusedres import route as routes
+    from fusedres.ops import route as routes
 
     unit_kw, bn_kw, dtype, cl, residual = MODULE_CASES[case]
     fmt = torch.channels_last if cl else torch.contiguous_format
@@ -861,7 +861,7 @@ def test_prepare_batch_norm_in_one_call_is_the_python_rule(monkeypatch, momentum
     updates float running statistics); the given mean kept, never running_mean; the running
     statistics' version counters bumped as by in-place ops."""
     from fusedres import functional as FR
-    from fusedres import route as routes
+    from fusedres.ops import route as routes
 
     cpu_route = routes.eager_route("cpu")
     assert cpu_route.prepare_batch_norm is not None

@@ -9,7 +9,7 @@ otherwise pick the meta kernel). Cost: under 2 s."""
 import pytest
 import torch
 
-from fusedres import _extension, opdefs
+from fusedres.ops import _extension, opdefs
 
 _WHY_NOT = _extension.load_cuda_host()
 pytestmark = pytest.mark.skipif(

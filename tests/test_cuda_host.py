@@ -1,4 +1,4 @@
-"""The CUDA kernels' CPU execution layer (csrc/cuda/host): batch_stats.cu run on CPU tensors
+"""The CUDA kernels' CPU execution layer (csrc/cuda/on_cpu): batch_stats.cu run on CPU tensors
 through it, the constructs it emulates, the mistakes it must catch (a missing barrier under
 ThreadSanitizer, a wrong lane mask), the nvcc compile table, and the cuda backend's switch."""
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import fusedres
-from fusedres import _backend, _extension, cuda_aot, cuda_tsan
 from fusedres.backends import cuda
+from fusedres.ops import _backend, _extension
+from tools import cuda_aot, cuda_tsan
 
 # The CPU copy of the kernels and the layer's test ops are the test extension's.
 _WHY_NOT = _extension.load_cuda_host()
@@ -208,7 +209,7 @@ def test_nvcc_compiles_every_kernel_for_sm80_and_sm90(tmp_path):
     """The CI compile of csrc/cuda: every kernel for both architectures, none of them spilling,
     and the committed table (csrc/cuda/COMPILE.md) lists every kernel the compile reports."""
     out = tmp_path / "COMPILE.md"
-    res = subprocess.run([sys.executable, "-m", "fusedres.cuda_aot", "--out", str(out)],
+    res = subprocess.run([sys.executable, "-m", "tools.cuda_aot", "--out", str(out)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-4000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| csrc/")]
@@ -263,12 +264,13 @@ def test_switch_is_read_at_import():
 
 
 def test_missing_test_extension_is_named():
-    """Without fusedres._C_cuda_host (a `pip install .`), the backend on CPU says how to get it."""
-    code = ("import sys; sys.modules['fusedres._C_cuda_host'] = None\n"
+    """Without fusedres._C_cuda_on_cpu (a `pip install .`), the backend on CPU says how to get
+    it."""
+    code = ("import sys; sys.modules['fusedres._C_cuda_on_cpu'] = None\n"
             "import torch; from fusedres.backends import cuda\n"
             "print(cuda.unavailable_reason(torch.device('cpu')))")
     env = dict(os.environ, FUSEDRES_CUDA_ON_CPU="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
-    assert ("the test extension fusedres._C_cuda_host is not built (make test builds it; "
+    assert ("the test extension fusedres._C_cuda_on_cpu is not built (make test builds it; "
             "FUSEDRES_BUILD_TEST_EXT=1)") in out.stdout, out.stdout

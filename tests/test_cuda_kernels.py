@@ -14,12 +14,12 @@ import itertools
 import pytest
 import torch
 
-from fusedres import _extension, opdefs
 from fusedres.backends import portable
+from fusedres.ops import _extension, opdefs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _KEY = "CUDA" if DEVICE.type == "cuda" else "CPU"
-# On CPU the kernels are the test extension's (fusedres._C_cuda_host), on a GPU fusedres._C's.
+# On CPU the kernels are the test extension's (fusedres._C_cuda_on_cpu), on a GPU fusedres._C's.
 _WHY_NOT = _extension.load_cuda_host() if DEVICE.type == "cpu" else _extension.LOAD_ERROR
 pytestmark = pytest.mark.skipif(
     not _extension.has_kernels("fusedres_cuda", _KEY, *opdefs.SCHEMAS),
@@ -631,11 +631,12 @@ def test_index_helpers_use_int64():
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU `make selftest` runs it for real")
 def test_selftest_runs_the_cuda_backend(monkeypatch, capsys):
-    """`python -m fusedres.selftest --backends cuda` on CPU tensors through the CPU layer (the
+    """`python -m fusedres.apps.selftest --backends cuda` on CPU tensors through the CPU layer (the
     backend made available as FUSEDRES_CUDA_ON_CPU=1 at import would): every case passes and
     every row of the table is the cuda backend's."""
-    from fusedres import _backend, selftest
+    from fusedres.apps import selftest
     from fusedres.backends import cuda as cuda_backend
+    from fusedres.ops import _backend
 
     monkeypatch.setattr(cuda_backend, "ON_CPU", True)
     _backend._unavailable_reason.cache_clear()
@@ -654,8 +655,8 @@ def test_selftest_runs_the_cuda_backend(monkeypatch, capsys):
 def test_cuda_backend_reports_a_gpu_older_than_sm80_unavailable(monkeypatch, capability, ok):
     # A machine with the kernels built and a visible GPU: the capability decides, before any
     # launch (a Turing card has no sm_80 image to run).
-    from fusedres import _extension
     from fusedres.backends import cuda as cuda_backend
+    from fusedres.ops import _extension
 
     monkeypatch.setattr(_extension, "LOADED", True)
     monkeypatch.setattr(cuda_backend, "missing_ops", lambda key: [])

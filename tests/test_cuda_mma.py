@@ -15,7 +15,8 @@ import subprocess
 import pytest
 import torch
 
-from fusedres import _extension, cuda_aot, cuda_tsan
+from fusedres.ops import _extension
+from tools import cuda_aot, cuda_tsan
 
 _WHY_NOT = _extension.load_cuda_host()
 pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no test extension: {_WHY_NOT}")
@@ -163,7 +164,7 @@ def test_warp_collectives_need_the_whole_warp(mode, message):
 def test_nvcc_compiles_the_primitives(arch, tmp_path):
     """mma.cuh's PTX through ptxas: the test kernels alone (no torch headers), to a cubin."""
     nvcc = cuda_aot.find_nvcc()
-    src = os.path.join(cuda_aot.ROOT, "csrc", "cuda", "host", "tests", "mma_kernels.cu")
+    src = os.path.join(cuda_aot.ROOT, "csrc", "cuda", "on_cpu", "tests", "mma_kernels.cu")
     out = tmp_path / f"mma_sm{arch}.cubin"
     res = subprocess.run([nvcc, "-std=c++20", "-cubin", f"-arch=sm_{arch}", "-o", str(out), src,
                           "-Xptxas", "-v"], capture_output=True, text=True)

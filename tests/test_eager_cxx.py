@@ -18,7 +18,7 @@ import fusedres
 from fusedres import functional as FR
 from fusedres.backends import cpu as cpu_backend
 from fusedres.backends import cuda as cuda_backend
-from fusedres.opdefs import UnitArgs
+from fusedres.ops.opdefs import UnitArgs
 
 BACKENDS = {"cpu": cpu_backend, "cuda": cuda_backend}
 NODE = {"cpu": "EagerCpu", "cuda": "EagerCuda"}
@@ -45,7 +45,7 @@ def name(request):
 def python_prepare(monkeypatch):
     """fusedres.functional.prepare_batch_norm's Python rule on every backend (the C++ backends'
     preparation switched off in their routes): batch_stats, ~10 ATen ops, torch.rsqrt."""
-    from fusedres import route
+    from fusedres.ops import route
 
     for name in ("cpu", "cuda"):
         monkeypatch.setitem(route.EAGER, name,

@@ -1,5 +1,5 @@
-"""The figure rules of fusedres.experiments.figures: ``unlabelled`` reads a figure's artists back
-and finds each kind of fault; ``save`` refuses such a figure; quantiles rank a diverged (non
+"""The figure rules of fusedres.apps.experiments.figures: ``unlabelled`` reads a figure's artists
+back and finds each kind of fault; ``save`` refuses such a figure; quantiles rank a diverged (non
 finite) run above every finite one. The experiments' own figures are checked in their tests
 (test_compare, test_lesion, test_landscape) and the trainer's curves here."""
 
@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from fusedres.experiments import figures
+from fusedres.apps.experiments import figures
 
 plt = pytest.importorskip("matplotlib.pyplot")
 
@@ -123,7 +123,7 @@ def test_the_trainers_curves_are_labelled(tiny_run, monkeypatch):
     """The curves.png of the trainer, rebuilt from the tiny run's log, read back."""
     from matplotlib.figure import Figure
 
-    from fusedres.train import metrics
+    from fusedres.apps.train import metrics
 
     seen = []
     monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: seen.append(

@@ -1,5 +1,5 @@
-"""fusedres.fuse through the rewriters registered per block class (fusedres/rewriters.py): timm's
-ResNetV2, torchvision's ResNet blocks and DenseNet, fusedres's own zoo.
+"""fusedres.fuse through the rewriters registered per block class (fusedres/convert/rewriters.py):
+timm's ResNetV2, torchvision's ResNet blocks and DenseNet, fusedres's own zoo.
 
 Each model: fused in place (the same object and class; fused blocks are subclasses of their
 class with every method), the same training step as the plain model in float64 (outputs,
@@ -18,8 +18,8 @@ import torch.nn as nn
 
 import fusedres
 from fusedres import models
+from fusedres.convert.rewriters import Chain, Rewriter, is_fused, register_rewriter
 from fusedres.memory import saved_bytes, simulate_step
-from fusedres.rewriters import Chain, Rewriter, is_fused, register_rewriter
 
 timm = pytest.importorskip("timm")  # in requirements-dev.txt; the library never needs it
 torchvision = pytest.importorskip("torchvision")
@@ -332,7 +332,7 @@ def test_register_rewriter_for_a_user_class():
         assert report.fused_residual_adds == 2 and fused[0].scale() == 2
         _assert_same_step(fused, ref, torch.randn(2, 4, 5, 5, dtype=torch.float64))
     finally:
-        fusedres.rewriters._REGISTRY.pop(f"{Unit.__module__}.{Unit.__qualname__}")
+        fusedres.convert.rewriters._REGISTRY.pop(f"{Unit.__module__}.{Unit.__qualname__}")
     with pytest.raises(TypeError, match="rewriter: expected"):
         register_rewriter(Unit, object())
     with pytest.raises(ValueError, match="exactly one of swap= and apply="):

@@ -42,7 +42,7 @@ elif argv[0] == "setup.py":  # the build
     print("[1/2] nvcc a.cu", flush=True)
     print("[2/2] c++ -shared", flush=True)
     sys.exit(3 if mode == "buildfail" else 0)
-else:  # python -m fusedres.bench gpu-report --out DIR ...
+else:  # python -m fusedres.apps.bench gpu-report --out DIR ...
     (state / "report.json").write_text(json.dumps(argv))
     out = Path(argv[argv.index("--out") + 1])
     (out / "report.md").write_text("# fusedres GPU report\n\nCommand: `x`\n\n## Self-test\n")
@@ -99,7 +99,7 @@ def test_builds_for_the_visible_gpu_and_packs_the_report(fake, tmp_path, capsys)
                      "FUSEDRES_BUILD_EXT": "1", "FUSEDRES_BUILD_CUDA": "1",
                      "FUSEDRES_BUILD_TEST_EXT": "0"}
     report_argv = json.loads((state / "report.json").read_text())
-    assert report_argv[:5] == ["-m", "fusedres.bench", "gpu-report", "--out", str(out)]
+    assert report_argv[:5] == ["-m", "fusedres.apps.bench", "gpu-report", "--out", str(out)]
     assert report_argv[report_argv.index("--device") + 1] == "cuda"
     assert "--no-progress" in report_argv and "--quick" not in report_argv
     # The report's own limit: what was left, less the margin.
@@ -275,13 +275,13 @@ def test_make_target_runs_the_script_with_python3_and_no_venv():
 
 
 def test_gpu_report_runs_every_step_kind_in_its_slice(tmp_path, monkeypatch):
-    """The hook for more kinds of training step (fusedres.bench.runner.STEP_KINDS): each
+    """The hook for more kinds of training step (fusedres.apps.bench.runner.STEP_KINDS): each
     registered kind runs after the eager one, in an equal slice of the step share of the time
     limit, and ``--step-kinds`` selects among them. The parts are stand-ins here (the whole
     report runs on CPU in tests/test_bench.py)."""
     import torch
 
-    from fusedres.bench import runner
+    from fusedres.apps.bench import runner
 
     calls = []
 

@@ -107,7 +107,7 @@ def test_a_planted_python_layer_fails_the_count(route_name, plain, monkeypatch):
     """One more Python function between the module and the C++ call: the route's exact own
     count fails."""
     _runs(route_name)
-    from fusedres import route
+    from fusedres.ops import route
 
     base = route.eager_route(route_name)
     inner = base.module_unit
@@ -124,7 +124,7 @@ def test_a_planted_python_layer_fails_the_count(route_name, plain, monkeypatch):
 def test_a_planted_launch_fails_the_count(route_name, plain, monkeypatch):
     """One more kernel a step (a second batch-statistics pass): the exact launch count fails."""
     _runs(route_name)
-    from fusedres import route
+    from fusedres.ops import route
 
     base = route.eager_route(route_name)
     field = "module_unit" if base.module_unit is not None else "unit"

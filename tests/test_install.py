@@ -35,7 +35,7 @@ def test_fresh_venv_non_editable_install(tmp_path):
         "print(fusedres.kernels.__file__)\n"
         "m = fusedres.BNReLUConv2d(3, 4, 3, padding=1)\n"
         "m(torch.randn(2, 3, 5, 5)).sum().backward()\n"
-        "print(fusedres._extension.LOADED, sorted(fusedres.available_backends('cpu')))\n"
+        "print(fusedres.ops._extension.LOADED, sorted(fusedres.available_backends('cpu')))\n"
         "from importlib import metadata\n"
         "dist = metadata.distribution('fusedres')\n"
         "files = {str(f).replace(os.sep, '/') for f in dist.files}\n"
@@ -58,11 +58,11 @@ def test_fresh_venv_non_editable_install(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="on a GPU the self-test runs the kernels for real")
 def test_selftest_module_runs_without_triton_interpret_set():
-    """`python -m fusedres.selftest` (what `make selftest` runs) on a machine without a GPU
+    """`python -m fusedres.apps.selftest` (what `make selftest` runs) on a machine without a GPU
     and without TRITON_INTERPRET in the environment: it must turn the interpreter on itself
     (the package defines its Triton kernels at import, before the module's own code runs)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "fusedres.selftest", "--backends", "triton"],
+    out = subprocess.run([sys.executable, "-m", "fusedres.apps.selftest", "--backends", "triton"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "6/6 passed" in out.stdout
@@ -71,7 +71,7 @@ def test_selftest_module_runs_without_triton_interpret_set():
 @pytest.mark.parametrize("switch", ["0", "1", "auto"])
 def test_test_extension_is_built_only_when_asked(switch):
     """`pip install .` (FUSEDRES_BUILD_TEST_EXT unset: 0) builds the product extension only;
-    the test extension fusedres._C_cuda_host when asked, or with auto for an in-place build."""
+    the test extension fusedres._C_cuda_on_cpu when asked, or with auto for an in-place build."""
     env = dict(os.environ, FUSEDRES_BUILD_EXT="1", FUSEDRES_BUILD_TEST_EXT=switch)
     plans = {}
     for args in (["--name"], ["build_ext", "--inplace", "--help"]):
@@ -82,20 +82,21 @@ def test_test_extension_is_built_only_when_asked(switch):
     for command, plan in plans.items():
         assert "fusedres._C (" in plan, plan
         want = switch == "1" or (switch == "auto" and command == "build_ext")
-        assert ("fusedres._C_cuda_host" in plan) == want, (command, plan)
+        assert ("fusedres._C_cuda_on_cpu" in plan) == want, (command, plan)
 
 
 _MISMATCH = """
 import importlib.util, sys
-# fusedres/opdefs.py loaded first, with one schema changed: the C++ functions no longer match it.
-spec = importlib.util.spec_from_file_location("fusedres.opdefs", {opdefs!r})
+# fusedres/ops/opdefs.py loaded first, with one schema changed: the C++ functions no longer
+# match it.
+spec = importlib.util.spec_from_file_location("fusedres.ops.opdefs", {opdefs!r})
 opdefs = importlib.util.module_from_spec(spec)
-sys.modules["fusedres.opdefs"] = opdefs
+sys.modules["fusedres.ops.opdefs"] = opdefs
 spec.loader.exec_module(opdefs)
 opdefs.SCHEMAS["bn_relu_conv2d"] = opdefs.SCHEMAS["bn_relu_conv2d"].replace(
     ", bool batch_stats", "")
 import torch
-from fusedres import _extension
+from fusedres.ops import _extension
 print("LOADED", _extension.LOADED)
 print("LOAD_ERROR", _extension.LOAD_ERROR)
 print("CUDA_HOST", _extension.load_cuda_host())
@@ -103,10 +104,10 @@ print("CUDA_HOST", _extension.load_cuda_host())
 
 
 def test_kernel_that_does_not_match_its_schema_is_a_load_error():
-    """A C++ function whose signature differs from fusedres/opdefs.py's schema (an extension
+    """A C++ function whose signature differs from fusedres/ops/opdefs.py's schema (an extension
     built from other sources) is reported, not an abort: fusedres._C (registered first, then the
     schema defined) as LOAD_ERROR, the test extension (registered after) as an ImportError."""
-    code = _MISMATCH.format(opdefs=str(ROOT / "fusedres" / "opdefs.py"))
+    code = _MISMATCH.format(opdefs=str(ROOT / "fusedres" / "ops" / "opdefs.py"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -145,7 +146,7 @@ def test_source_checkout_used_in_place_imports_the_kernels():
 def test_source_checkout_finder_only_where_needed(tmp_path, monkeypatch):
     """The finder maps one name, and only a checkout without an installed fusedres/kernels
     needs it."""
-    from fusedres import _source_checkout as sc
+    from fusedres.ops import _source_checkout as sc
     assert sc.KernelsFinder().find_spec("fusedres.other") is None
     spec = sc.KernelsFinder().find_spec("fusedres.kernels")
     assert spec.submodule_search_locations == [str(ROOT / "kernels")]

@@ -1,4 +1,4 @@
-"""kernels/jit_spec.py: the Triton kernels' launches captured on meta tensors and specialised as
+"""tools/jit_spec.py: the Triton kernels' launches captured on meta tensors and specialised as
 Triton's JIT specialises them (divisibility by 16, ints equal to 1 as constexprs, dtypes).
 
 Everything runs in one subprocess with TRITON_INTERPRET=0 (under the interpreter ``triton.jit``
@@ -22,8 +22,8 @@ import torch
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
-from fusedres.kernels import jit_spec
-from fusedres.unit_shapes import ConvUnit
+from tools import jit_spec
+from fusedres.models.unit_shapes import ConvUnit
 
 out = {}
 
@@ -110,8 +110,8 @@ with contextlib.redirect_stdout(buf):
 out["cli"] = buf.getvalue()
 out["from_values"] = {k: repr(v) for k, v in jit_spec.unit_launches(cifar, "fp16")[1]
                       .constexprs_from_values.items()}
-# The PyTorch ops the host runs between the kernels (fusedres.perfmodel's count), both plans.
-from fusedres.perfmodel.launches import unit_step
+# The PyTorch ops the host runs between the kernels (tools.perfmodel's count), both plans.
+from tools.perfmodel.launches import unit_step
 out["host_ops"] = {b: [h.name for h in unit_step(cifar, "fp16", arch=90, sms=132, backward=b)[1]]
                    for b in ("sums", "store")}
 print("JSON" + json.dumps(out))
@@ -219,7 +219,7 @@ def test_fp32_ieee_variant_compiles(probe):
 
 
 def test_command_lists_the_launches(probe):
-    """``python -m fusedres.kernels.jit_spec SHAPE``: one block per launch, with the constexprs
+    """``python -m tools.jit_spec SHAPE``: one block per launch, with the constexprs
     the JIT made of runtime values (here the unit strides and the 3x3's stride, padding and
     dilation of 1) and the divisible arguments."""
     heads = [line for line in probe["cli"].splitlines() if not line.startswith(" ")]

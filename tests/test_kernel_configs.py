@@ -49,7 +49,7 @@ def test_the_check_finds_a_positional_pick(tmp_path):
 def test_every_config_a_picker_chooses_among_has_a_name():
     """Roles with one config a variant (the reductions, scale_shift) have nothing to pick."""
     pytest.importorskip("triton")
-    from fusedres.kernels import aot
+    from tools import triton_aot as aot
 
     tables = 0
     for role, configs_for in aot.role_configs().items():

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from fusedres import cli
-from fusedres.experiments import figures, landscape, runs
-from fusedres.train import checkpoint as ckpt
+from fusedres.apps import cli
+from fusedres.apps.experiments import figures, landscape, runs
+from fusedres.apps.train import checkpoint as ckpt
 
 BATCH = ["--batches", "1", "--batch-size", "48"]  # 48 training images: a few ms a point
 FAST = ["--threads", "1", "--no-progress", *BATCH]
@@ -303,7 +303,7 @@ def test_torchrun_two_processes_give_the_one_process_surface(surface_2d, tiny_ru
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-         "-m", "fusedres.experiments.landscape", str(tiny_run), "--out", str(out), *FAST,
+         "-m", "fusedres.apps.experiments.landscape", str(tiny_run), "--out", str(out), *FAST,
          "--grid", "5", "--seed", "3"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert sorted(p.name for p in out.glob("*.npz")) == ["landscape_2d.npz"]  # parts merged

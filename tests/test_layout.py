@@ -1,22 +1,22 @@
 """The house rules, read from the source (nothing is run): every ``FUSEDRES_*`` variable is
 declared in ``fusedres/settings.py`` and read through it, docs/settings.md's table is the
-declared one, and the import graph has no cycles, no private cross-module imports, no
-library-to-app and no app-to-app imports (tests/layout.py reads the graph; ``python
-tests/layout.py`` prints it)."""
+declared one, the import graph has no cycles, no private cross-module imports, no
+library-to-app and no app-to-app imports, and the folders show the layers: the apps in
+fusedres/apps, the developer tools in tools/ (not installed, not imported by the package),
+at most 15 entries in fusedres/ (tests/layout.py reads the graph and the tree; ``python
+tests/layout.py`` prints them)."""
 
 from __future__ import annotations
 
 import ast
 import functools
-import importlib
 import re
-import sys
 from pathlib import Path
 
 import layout
 import pytest
 
-from fusedres import activation_checkpoint, settings
+from fusedres import settings
 
 ROOT = layout.ROOT
 _NAME = re.compile(r"FUSEDRES_[A-Z0-9_]+")
@@ -30,7 +30,7 @@ _C_SUFFIXES = {".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"}
 
 def _python_files() -> list[Path]:
     files = [ROOT / "setup.py"]
-    for folder in ("fusedres", "kernels", "benchmarks"):
+    for folder in ("fusedres", "kernels", "tools", "benchmarks"):
         files += sorted((ROOT / folder).rglob("*.py"))
     return files
 
@@ -135,13 +135,6 @@ def test_get_parses_and_names_the_variable():
         settings.get("FUSEDRES_BENCH_THREADS", {"FUSEDRES_BENCH_THREADS": "two"})
 
 
-def test_old_checkpoint_module_warns_and_forwards():
-    sys.modules.pop("fusedres.checkpoint", None)
-    with pytest.warns(DeprecationWarning, match="fusedres.activation_checkpoint"):
-        old = importlib.import_module("fusedres.checkpoint")
-    assert old.checkpoint is activation_checkpoint.checkpoint
-
-
 # --------------------------------------------------------------------------- the import graph
 
 @functools.cache
@@ -169,10 +162,57 @@ def test_apps_import_each_other_only_through_the_cli():
     assert layout.app_cross_imports(_graph()) == []
 
 
-def test_nothing_imports_the_deprecated_checkpoint_module():
-    users = sorted(f"{m.name}:{line}" for m in _graph().values()
-                   for target, _, line, _ in m.imports if target == "fusedres.checkpoint")
-    assert users == [], "import fusedres.activation_checkpoint"
+def test_package_imports_tools_only_where_listed():
+    assert layout.tool_imports(_graph()) == []
+
+
+def test_tool_import_detector():
+    # The detector itself: a tool imported by a module not listed, or at module level, is
+    # flagged; a listed pair imported inside a function is not.
+    code = "from tools import cuda_aot\n\ndef f():\n    from tools.perfmodel import units\n"
+    mods = {name: layout.Module(name, ROOT / "x.py", False, ast.parse(code))
+            for name in ("fusedres.x", "fusedres.apps.bench.units")}
+    assert layout.tool_imports(layout.analyse(mods)) == [
+        "fusedres.apps.bench.units:1: tools.cuda_aot",
+        "fusedres.x:1: tools.cuda_aot",
+        "fusedres.x:4: tools.perfmodel.units"]
+
+
+# --------------------------------------------------------------------------- the folders
+
+def test_fusedres_has_at_most_15_top_level_entries():
+    # Build outputs (fusedres/_C*.so, __pycache__) are not counted.
+    entries = layout.top_level_entries()
+    assert len(entries) <= layout.MAX_TOP_LEVEL, entries
+    assert not any(e.endswith(".so") for e in entries)
+
+
+def test_every_app_lives_in_fusedres_apps():
+    # The dispatcher's commands (read from its source) are apps, and apps live in one package.
+    tree = ast.parse((ROOT / "fusedres" / "apps" / "cli.py").read_text())
+    commands = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                    and getattr(n.targets[0], "id", None) == "COMMANDS")
+    outside = {name: module for name, (module, _) in commands.items()
+               if not module.startswith(layout.APPS_PACKAGE + ".")}
+    # `fusedres settings` prints the library's own settings table (fusedres.settings.main).
+    assert outside == {"settings": "fusedres.settings"}
+
+
+def test_tools_are_not_installed():
+    packages = layout.setup_packages()
+    assert "fusedres" in packages and "fusedres.apps" in packages  # the call was read
+    assert [p for p in packages if layout.is_tool(p)] == []
+    assert (layout.TOOLS_DIR / "__init__.py").is_file()
+    # and every package folder under fusedres/ is installed
+    folders = {".".join(p.parent.relative_to(ROOT).parts)
+               for p in (ROOT / "fusedres").rglob("__init__.py")}
+    assert folders - set(packages) == set()
+
+
+def test_the_deprecated_shims_are_gone():
+    assert not (ROOT / "fusedres" / "checkpoint.py").exists()
+    from fusedres import distributed
+    assert not hasattr(distributed, "install_prepare_hook")
 
 
 # ------------------------------------------------------------------ function sizes
@@ -181,7 +221,7 @@ def test_nothing_imports_the_deprecated_checkpoint_module():
 # library, the kernels and the C++/CUDA sources (lizard's counts; issue 39). A long one is
 # split along its phases (check, plan, tile loop, finish), not into arbitrary chunks.
 MAX_LENGTH, MAX_CCN = 150, 40
-_SIZE_FOLDERS = ("fusedres", "kernels", "csrc")
+_SIZE_FOLDERS = ("fusedres", "kernels", "csrc", "tools")
 _SIZE_SUFFIXES = {".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"}
 # Still over, to be split (issue 39): the CUDA kernels' main loops and the backward op's host
 # code. The list only shrinks: a function split below the bounds must leave it.

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fusedres import cli
-from fusedres.experiments import figures, lesion, runs
+from fusedres.apps import cli
+from fusedres.apps.experiments import figures, lesion, runs
 
 FAST = ["--threads", "1", "--no-progress"]
 

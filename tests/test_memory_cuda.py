@@ -11,8 +11,8 @@ import torch
 
 import fusedres
 from fusedres import models
-from fusedres.cuda_memory import CachingAllocatorModel, predict
-from fusedres.train.loop import Run
+from fusedres.apps.train.loop import Run
+from fusedres.memory.cuda_memory import CachingAllocatorModel, predict
 
 MiB = 2 ** 20
 

@@ -1,6 +1,6 @@
 """Every registered op of every fused namespace refuses a malformed argument before it reads or
 writes anything: called directly with one malformed argument at a time (the table
-fusedres.opfuzz generates from the ops' schemas), each case raises an exception naming the
+tools.opfuzz generates from the ops' schemas), each case raises an exception naming the
 argument, changes no tensor argument (running statistics, num_batches_tracked) and never ends
 the process (cases run in subprocesses, ~400 a process; when one dies, the case it was running
 runs alone). Each tensor argument strided (not contiguous) gives the valid call's answer bit for
@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusedres import _extension, opfuzz
 from fusedres import functional as FR
+from fusedres.ops import _extension
+from tools import opfuzz
 
 pytestmark = pytest.mark.skipif(not _extension.LOADED, reason=f"no fusedres._C: "
                                 f"{_extension.LOAD_ERROR}")

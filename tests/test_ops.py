@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import fusedres
 from conftest import FUSED_BACKENDS
-from fusedres import opdefs
+from fusedres.ops import opdefs
 from helpers import CASES, make_inputs
 
 

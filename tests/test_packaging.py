@@ -54,7 +54,7 @@ def test_python_m_fusedres_runs_the_cli(capsys):
     # The module is cli.main itself: its exit status and errors are the command's.
     import runpy
 
-    from fusedres import cli
+    from fusedres.apps import cli
 
     assert runpy.run_module("fusedres.__main__", run_name="not_main")["main"] is cli.main
     assert cli.main(["nonsense"]) == 2

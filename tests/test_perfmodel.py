@@ -1,4 +1,4 @@
-"""The GPU performance model (fusedres/perfmodel): the SASS parse of a committed snippet, loop
+"""The GPU performance model (tools/perfmodel): the SASS parse of a committed snippet, loop
 detection, the bound arithmetic on hand-computable cases, and (compiling, in a subprocess with
 TRITON_INTERPRET=0) the counts of a real compile and a recomputed part of
 benchmarks/GPU_MODEL.md and of fusedres bench's MODELED column. About 14 s on two cores with
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fusedres.perfmodel import model, sass
-from fusedres.perfmodel.devices import A100, H100
+from tools.perfmodel import model, sass
+from tools.perfmodel.devices import A100, H100
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).with_name("fixtures") / "sm90_matmul_mainloop.sass"
@@ -131,8 +131,8 @@ def test_missing_tool_is_named(monkeypatch):
 _COMPILED = r"""
 import json, sys
 from fusedres.kernels import traffic
-from fusedres.perfmodel import calibrate, published, units
-from fusedres.perfmodel.devices import H100
+from tools.perfmodel import calibrate, published, units
+from tools.perfmodel.devices import H100
 out = {}
 for arch_dev in ("h100", "a100"):
     c = published.Measured(arch_dev, 2048, 2048, 2048, 1, 1, "", "")
@@ -145,8 +145,8 @@ out["unit"] = [[k.role, k.comp.registers, k.sass.per_iter.total,
 out["unit_s"] = [um.fused_s, um.plain_s]
 # fusedres bench's MODELED column on an "sm_90 GPU with 132 SMs" (the properties faked).
 import types, torch
-from fusedres.bench import units as bench_units
-from fusedres.unit_shapes import ConvUnit
+from fusedres.apps.bench import units as bench_units
+from fusedres.models.unit_shapes import ConvUnit
 torch.cuda.get_device_properties = lambda d: types.SimpleNamespace(
     major=9, minor=0, multi_processor_count=132)
 shape = ConvUnit("imagenet 64@56", 256, 64, 64, 56, residual=True)
@@ -192,7 +192,7 @@ def test_compiled_counts_and_committed_table():
 
 
 def test_device_for_a_gpu():
-    from fusedres.perfmodel.units import device_for
+    from tools.perfmodel.units import device_for
 
     d = device_for((9, 0), 114)  # an H100 PCIe: H100 per-SM rates, its own SM count
     assert (d.arch, d.sms) == (90, 114) and d.clock_hz == H100.clock_hz
@@ -202,7 +202,7 @@ def test_device_for_a_gpu():
 
 
 def test_cuda_row_ceiling_by_hand():
-    from fusedres.perfmodel.cuda_sass import _TILE, CudaKernelRow
+    from tools.perfmodel.cuda_sass import _TILE, CudaKernelRow
 
     m = _TILE.search("_ZN8fusedres4cuda4TileILi64ELi64ELi32ELi128ELb1EEE")
     assert [m.group(i) for i in range(1, 6)] == ["64", "64", "32", "128", "1"]
@@ -223,9 +223,9 @@ def test_fixed_cuda_tiles_match_the_source():
     import os
     import re
 
-    from fusedres import cuda_aot
-    from fusedres.perfmodel import cuda_sass
-    from fusedres.perfmodel.cuda_sass import _FIXED_TILES
+    from tools import cuda_aot
+    from tools.perfmodel import cuda_sass
+    from tools.perfmodel.cuda_sass import _FIXED_TILES
 
     text = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "bn_relu_conv2d_backward.cu")).read()
     m = re.search(r"struct MmaWgrad \{\s*static constexpr int BM = (\d+), BN = (\d+), "
@@ -259,7 +259,7 @@ def test_cuda_unit_range_from_rows():
     """The CUDA backend's per-unit range: the right instantiations picked, low <= high, and a
     wider issue estimate (high) never faster; an unknown dtype or instantiation is named."""
     from fusedres.kernels import traffic
-    from fusedres.perfmodel import cuda_sass
+    from tools.perfmodel import cuda_sass
 
     def row(name):
         return cuda_sass.CudaKernelRow("f.cu", name, 90, 64, 64, 32, 128, 96, 0, 30000,
@@ -303,7 +303,7 @@ def test_cuda_unit_prices_the_forward_that_runs():
     import functools
 
     from fusedres.kernels import traffic
-    from fusedres.perfmodel import cuda_sass, model
+    from tools.perfmodel import cuda_sass, model
 
     def row(name, own, nested, body, bm=64):
         return cuda_sass.CudaKernelRow("f.cu", name, 90, bm, 64, 32, 128, 96, 0, 30000,
@@ -367,7 +367,7 @@ def test_cuda_unit_prices_the_weight_gradient_that_runs():
 
     from fusedres.kernels import traffic
     from fusedres.kernels._common import cdiv
-    from fusedres.perfmodel import cuda_sass, model
+    from tools.perfmodel import cuda_sass, model
 
     def row(name, bk, own, nested, body):
         return cuda_sass.CudaKernelRow("f.cu", name, 90, 64, 64, bk, 128, 96, 0, 30000,
@@ -431,7 +431,7 @@ def test_cuda_unit_prices_the_data_gradient_that_runs():
     import dataclasses
 
     from fusedres.kernels import traffic
-    from fusedres.perfmodel import cuda_sass, model
+    from tools.perfmodel import cuda_sass, model
 
     def row(name, own, nested, body):
         return cuda_sass.CudaKernelRow("f.cu", name, 90, 64, 64, 32, 128, 96, 0, 30000,
@@ -481,7 +481,8 @@ def test_backward_kernel_rules_match_the_dispatch():
     import os
     import re
 
-    from fusedres import cuda_aot, settings
+    from fusedres import settings
+    from tools import cuda_aot
 
     text = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda",
                              "bn_relu_conv2d_backward.cu")).read()
@@ -507,9 +508,10 @@ def test_forward_kernel_rule_matches_the_dispatch():
     import os
     import re
 
-    from fusedres import cuda_aot, settings
+    from fusedres import settings
     from fusedres.kernels import traffic
-    from fusedres.perfmodel import cuda_sass
+    from tools import cuda_aot
+    from tools.perfmodel import cuda_sass
 
     text = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "bn_relu_conv2d.cu")).read()
     body = re.search(r"inline bool use_mma_forward\(.*?\n\}", text, re.S).group(0)
@@ -552,7 +554,7 @@ def test_auto_on_a_gpu_is_the_faster_backend_by_the_committed_model():
     other units (every 3x3 one), so it stays first. A CUDA rewrite that the
     model puts ahead, or leaves undecided, on another unit fails here until ``AUTO_ORDER``
     follows (or this set, with the reason)."""
-    from fusedres._backend import AUTO_ORDER
+    from fusedres.ops._backend import AUTO_ORDER
 
     table = (ROOT / "benchmarks" / "GPU_MODEL.md").read_text()
     # Columns: unit, dtype, then per GPU (8 each) the default's fused us, plain us, ratio, its
@@ -584,7 +586,7 @@ def test_committed_cuda_unit_range_recomputes_from_its_kernel_table():
     channels-last units: the mma.sync kernels. The WMMA forward's, and the WMMA weight
     gradient's, figures differ on every row."""
     from fusedres.kernels import traffic
-    from fusedres.perfmodel import cuda_sass
+    from tools.perfmodel import cuda_sass
 
     table = (ROOT / "benchmarks" / "GPU_MODEL.md").read_text()
     devs = {"A100": A100, "H100": H100}
@@ -633,7 +635,7 @@ def test_auto_backward_plan_agrees_with_the_committed_model():
     operands in registers, an issue cost the roofline does not see), on the A100's within 1.2x
     of it; and the table's default columns are that plan's (its name, its ratio)."""
     from fusedres.kernels import traffic
-    from fusedres.perfmodel.units import traffic_unit
+    from tools.perfmodel.units import traffic_unit
 
     table = (ROOT / "benchmarks" / "GPU_MODEL.md").read_text()
     rows = _table_rows(table, "## Fused unit forward + backward")

@@ -1,5 +1,5 @@
-"""BatchNorm-safe checkpointing and the memory planner (fusedres.activation_checkpoint,
-fusedres.planner)."""
+"""BatchNorm-safe checkpointing and the memory planner (fusedres.memory.activation_checkpoint,
+fusedres.memory.planner)."""
 
 import copy
 
@@ -10,9 +10,9 @@ import torch.utils.checkpoint
 
 import fusedres
 from fusedres import models
-from fusedres.activation_checkpoint import checkpoint, even_segments
 from fusedres.memory import saved_bytes
-from fusedres.planner import PlanError, measure_step, plan, profile_units
+from fusedres.memory.activation_checkpoint import checkpoint, even_segments
+from fusedres.memory.planner import PlanError, measure_step, plan, profile_units
 
 GiB = 2 ** 30
 

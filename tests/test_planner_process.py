@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 import fusedres
-from fusedres import allocator, models
-from fusedres.memory import PlanError, allocator_slack_bytes, plan
+from fusedres import models
+from fusedres.memory import PlanError, allocator, allocator_slack_bytes, plan
 
 MiB, GiB = 2 ** 20, 2 ** 30
 SHAPE = (128, 3, 32, 32)

@@ -29,7 +29,7 @@ def test_every_relative_link_points_at_a_file(page):
 
 @pytest.mark.slow
 def test_the_demo_reaches_the_accuracy_the_readme_states(tmp_path):
-    from fusedres.train import main
+    from fusedres.apps.train import main
 
     stated = re.search(r"reaches\s+([0-9.]+)% final test accuracy",
                        (ROOT / "README.md").read_text())

@@ -1,5 +1,6 @@
-"""The shipped configs (fusedres/configs): each resolves as the trainer reads it, and each paper's
-recipe trains on digits as a smoke run (slow: CI's own step), its network and schedule kept."""
+"""The shipped configs (fusedres/apps/configs): each resolves as the trainer reads it, and each
+paper's recipe trains on digits as a smoke run (slow: CI's own step), its network and schedule
+kept."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import json
 
 import pytest
 
-from fusedres.train import main
-from fusedres.train.config import PACKAGE_CONFIGS, resolve
+from fusedres.apps.train import main
+from fusedres.apps.train.config import PACKAGE_CONFIGS, resolve
 
 CONFIGS = sorted(p.stem for p in PACKAGE_CONFIGS.glob("*.yaml"))
 PAPERS = [c for c in CONFIGS if c.startswith(("he2016", "huang2016", "li2018", "cifar100"))]

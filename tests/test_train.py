@@ -16,12 +16,12 @@ import torch
 import torch.nn as nn
 import yaml
 
-from fusedres.train import checkpoint as ckpt
-from fusedres.train import main
-from fusedres.train.config import DEFAULTS, UsageError, parse_bytes, resolve
-from fusedres.train.data import Batches, Data, augment
-from fusedres.train.loop import _param_groups, milestones
-from fusedres.train.schedule import lr_sequence
+from fusedres.apps.train import checkpoint as ckpt
+from fusedres.apps.train import main
+from fusedres.apps.train.config import DEFAULTS, UsageError, parse_bytes, resolve
+from fusedres.apps.train.data import Batches, Data, augment
+from fusedres.apps.train.loop import _param_groups, milestones
+from fusedres.apps.train.schedule import lr_sequence
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
@@ -415,8 +415,8 @@ def test_bad_input_is_one_line_exit_2_and_the_run_is_untouched(finished_run, cap
     if "cuda" in argv:  # conftest runs the cuda backend on CPU (FUSEDRES_CUDA_ON_CPU=1): undo
         import functools
 
-        from fusedres import _backend
         from fusedres.backends import cuda as backend_cuda
+        from fusedres.ops import _backend
         monkeypatch.setattr(backend_cuda, "ON_CPU", False)
         monkeypatch.setattr(_backend, "_unavailable_reason",
                             functools.cache(_backend._unavailable_reason.__wrapped__))
@@ -465,7 +465,7 @@ def test_compile_and_cuda_graphs_from_a_config_file(tmp_path):
 def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch, capsys, flags, mode):
     """``--compile MODE``: the model compiled in that mode (torch.compile stood in for: a real
     compile is the full matrix's run below), said in the banner and the summary."""
-    from fusedres.train import loop
+    from fusedres.apps.train import loop
 
     calls = []
 
@@ -552,7 +552,7 @@ def test_digits_demo_reaches_its_accuracy(tmp_path):
     95.9% here (2026-11-27; the full --config digits run: 98.35%)."""
     out = tmp_path / "digits"
     proc = subprocess.run(
-        [sys.executable, "-m", "fusedres.train", "--config", "digits",
+        [sys.executable, "-m", "fusedres.apps.train", "--config", "digits",
          "--epochs", "15", "--out", str(out), "--no-progress"],
         capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONWARNINGS="ignore"))
@@ -595,8 +595,8 @@ def test_model_variants_train_and_are_saved(tmp_path, flags):
         assert cfg[key] == want and summary["variant"][key] == want, key
     # The saved config rebuilds the same network (what fusedres lesion/landscape do).
     state = ckpt.load(ckpt.latest(out))["model"]
-    from fusedres.train.config import merge_saved
-    from fusedres.train.loop import build_model
+    from fusedres.apps.train.config import merge_saved
+    from fusedres.apps.train.loop import build_model
     model = build_model(merge_saved(*resolve([]), cfg), 1, 10)
     model.load_state_dict(state)
 

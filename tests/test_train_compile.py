@@ -21,8 +21,8 @@ import torch
 
 import fusedres
 from fusedres import models
-from fusedres.train.loop import _param_groups
-from fusedres.train.step import TrainStep, lr_tensor, sgd
+from fusedres.apps.train.loop import _param_groups
+from fusedres.apps.train.step import TrainStep, lr_tensor, sgd
 from helpers import TRITON_TRACE_PRELUDE
 
 BACKENDS = [b for b in ("cpu", "portable") if b in fusedres.available_backends("cpu")]

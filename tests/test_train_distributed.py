@@ -205,10 +205,10 @@ def _train(out, *extra, nproc=1):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                  "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
                 if nproc > 1 else [sys.executable])
-    proc = subprocess.run([*launcher, "-m", "fusedres.train", *DDP_ARGS, "--out", str(out),
+    proc = subprocess.run([*launcher, "-m", "fusedres.apps.train", *DDP_ARGS, "--out", str(out),
                            *extra], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    from fusedres.train import checkpoint as ckpt
+    from fusedres.apps.train import checkpoint as ckpt
     return ckpt.load(ckpt.latest(out))
 
 

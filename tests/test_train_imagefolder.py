@@ -24,10 +24,10 @@ import yaml
 from PIL import Image
 
 from fusedres import models
-from fusedres.train import checkpoint as ckpt
-from fusedres.train import main
-from fusedres.train.config import UsageError, resolve
-from fusedres.train.imagefolder import (
+from fusedres.apps.train import checkpoint as ckpt
+from fusedres.apps.train import main
+from fusedres.apps.train.config import UsageError, resolve
+from fusedres.apps.train.imagefolder import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     EpochSampler,
@@ -35,7 +35,7 @@ from fusedres.train.imagefolder import (
     default_workers,
     load_imagefolder,
 )
-from fusedres.train.loop import crop_average
+from fusedres.apps.train.loop import crop_average
 
 CLASSES = ("ant", "bee", "cat")
 N_TRAIN, N_VAL = 6, 3          # per class: 18 training images, 9 validation images
@@ -138,7 +138,7 @@ def test_sigterm_to_the_process_group_with_workers_checkpoints_and_resumes(tree,
     uninterrupted one."""
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "fusedres.train",
+    cmd = [sys.executable, "-m", "fusedres.apps.train",
            *_args(tree, out, "--max-iters", str(N_ITERS), "--workers", "2",
                   "--checkpoint-every", "1")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -311,7 +311,7 @@ def test_imagefolder_defaults_are_the_papers_and_only_for_imagefolder():
         "preact_resnet200", "imagefolder", 256, 0.1, 0.9, 1e-4, 0, 90)
     assert cfg["lr_decay"] == 0.1
     # /10 at epochs 30 and 60 of 90: fractions of the run.
-    from fusedres.train.loop import milestones
+    from fusedres.apps.train.loop import milestones
     ipe = 1281167 // 256  # ImageNet-1k's training set
     assert milestones(cfg, 90 * ipe) == [30 * ipe, 60 * ipe]
     with pytest.raises(UsageError, match="--crop-size: only with --dataset imagefolder"):

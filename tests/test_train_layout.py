@@ -11,10 +11,10 @@ import pytest
 import torch
 import yaml
 
-from fusedres.train import checkpoint as ckpt
-from fusedres.train import main
-from fusedres.train.config import UsageError, resolve, resolve_channels_last
-from fusedres.train.loop import Run
+from fusedres.apps.train import checkpoint as ckpt
+from fusedres.apps.train import main
+from fusedres.apps.train.config import UsageError, resolve, resolve_channels_last
+from fusedres.apps.train.loop import Run
 
 TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
         "--pad", "1", "--no-flip", "--warmup-iters", "2", "--no-progress", "--log-every", "1",
@@ -100,7 +100,7 @@ def _layout_line(err: str) -> str:
 @pytest.fixture
 def scope():
     """The scope a Run's backend choice (fusedres.use_backend) ends with, as in
-    fusedres.train.main: closed after the test. (Left open, the choice was popped whenever the
+    fusedres.apps.train.main: closed after the test. (Left open, the choice was popped whenever the
     garbage collector reached it, from whatever backend stack was in force then.)"""
     with contextlib.ExitStack() as stack:
         yield stack

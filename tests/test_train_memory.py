@@ -15,9 +15,9 @@ import torch
 
 import fusedres
 from fusedres import models
-from fusedres.train import main
-from fusedres.train.config import UsageError, parse_bytes, resolve
-from fusedres.train.loop import Run
+from fusedres.apps.train import main
+from fusedres.apps.train.config import UsageError, parse_bytes, resolve
+from fusedres.apps.train.loop import Run
 
 TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
         "--pad", "1", "--no-flip", "--warmup-iters", "2", "--no-progress", "--log-every", "2",
@@ -69,7 +69,7 @@ def _train_fresh(args: list[str], **env_extra) -> tuple[subprocess.CompletedProc
     env = {k: v for k, v in os.environ.items()
            if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
     out = args[args.index("--out") + 1]
-    proc = subprocess.run([sys.executable, "-m", "fusedres.train", *args], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "fusedres.apps.train", *args], capture_output=True,
                           text=True, env=dict(env, PYTHONWARNINGS="ignore", **env_extra),
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -144,7 +144,7 @@ def test_process_within_a_budget_that_needs_checkpointing(tmp_path, layout):
 
 def test_release_freed_memory_keeps_the_users_malloc_settings(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    monkeypatch.setattr(fusedres.allocator, "_applied", False)
+    monkeypatch.setattr(fusedres.memory.allocator, "_applied", False)
     applied, why = fusedres.memory.release_freed_memory()
     assert not applied and "MALLOC_MMAP_THRESHOLD_" in why
 

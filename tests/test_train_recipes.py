@@ -16,11 +16,11 @@ import torch.nn.functional as F
 import yaml
 
 from fusedres import models
-from fusedres.train import checkpoint as ckpt
-from fusedres.train import main
-from fusedres.train.config import resolve
-from fusedres.train.loop import Run, _optimizer, _param_groups
-from fusedres.train.step import TrainStep, lr_tensor
+from fusedres.apps.train import checkpoint as ckpt
+from fusedres.apps.train import main
+from fusedres.apps.train.config import resolve
+from fusedres.apps.train.loop import Run, _optimizer, _param_groups
+from fusedres.apps.train.step import TrainStep, lr_tensor
 
 TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
         "--pad", "1", "--no-flip", "--warmup-iters", "2", "--milestones", "0.5",
@@ -257,8 +257,8 @@ def _by_hand(model_state: dict, cfg: dict) -> tuple[float, float, float]:
     """The oracle: the run's network built anew, the weights loaded, the digits test set
     normalised with the training set's per-channel mean and std, plain cross-entropy and
     top-1/top-5 hits summed over it in one batch."""
-    from fusedres.train.data import load
-    from fusedres.train.loop import build_model
+    from fusedres.apps.train.data import load
+    from fusedres.apps.train.loop import build_model
 
     data = load("digits", "data", False, False)
     model = build_model(cfg, data.image_shape[0], data.num_classes)
@@ -280,7 +280,7 @@ def _by_hand(model_state: dict, cfg: dict) -> tuple[float, float, float]:
 
 
 def test_evaluate_gives_the_runs_last_evaluation_and_the_oracles(tmp_path, capsys):
-    from fusedres.cli import main as cli
+    from fusedres.apps.cli import main as cli
 
     out = tmp_path / "run"
     assert main([*TINY, *RECIPE, "--max-iters", "6", "--out", str(out)]) == 0
@@ -308,7 +308,7 @@ def test_evaluate_gives_the_runs_last_evaluation_and_the_oracles(tmp_path, capsy
 
 
 def test_evaluate_bad_requests_exit_2(tmp_path, capsys):
-    from fusedres.cli import main as cli
+    from fusedres.apps.cli import main as cli
 
     out = tmp_path / "run"
     assert main([*TINY, "--max-iters", "2", "--out", str(out)]) == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from fusedres.train import checkpoint as ckpt
+from fusedres.apps.train import checkpoint as ckpt
 
 # A small network on the embedded digits; enough iterations that the run is still going when
 # the first checkpoints appear. Checkpoints every 4 iterations, evaluations every 7 and at each
@@ -30,12 +30,12 @@ def _env():
 
 
 def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fusedres.train", *ARGS, "--out", str(out),
+    return subprocess.run([sys.executable, "-m", "fusedres.apps.train", *ARGS, "--out", str(out),
                            *extra], capture_output=True, text=True, env=_env(), timeout=300)
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fusedres.train", *ARGS, "--out", str(out),
+    return subprocess.Popen([sys.executable, "-m", "fusedres.apps.train", *ARGS, "--out", str(out),
                              *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=_env())
 

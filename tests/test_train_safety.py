@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from fusedres.train import checkpoint as ckpt
-from fusedres.train import main, runlock
-from fusedres.train.loop import Run
-from fusedres.train.runlock import LOCK_NAME, RunLock, RunLocked
+from fusedres.apps.train import checkpoint as ckpt
+from fusedres.apps.train import main, runlock
+from fusedres.apps.train.loop import Run
+from fusedres.apps.train.runlock import LOCK_NAME, RunLock, RunLocked
 
 TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
         "--pad", "1", "--no-flip", "--warmup-iters", "2", "--milestones", "0.5",

@@ -1,4 +1,4 @@
-"""The trainer's training step (fusedres.train.step): what keeps it capturable in a CUDA graph,
+"""The trainer's training step (fusedres.apps.train.step): what keeps it capturable in a CUDA graph,
 checked on CPU on every backend here, and its graphed replay.
 
 * No device-to-host sync: one step of every model and variant under torch.profiler shows none
@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedres
 from fusedres import models
-from fusedres.train.loop import _optimizer, _param_groups
-from fusedres.train.step import GraphedStep, TrainStep, lr_tensor, sgd
+from fusedres.apps.train.loop import _optimizer, _param_groups
+from fusedres.apps.train.step import GraphedStep, TrainStep, lr_tensor, sgd
 
 # The ops through which a value reaches the host: Tensor.item() and bool(t) (is_nonzero goes
 # through item, item through _local_scalar_dense), and nonzero (its output's shape is data).
@@ -56,7 +56,8 @@ def _one_thread():
 def _trainer_step(model: nn.Module, amp: torch.dtype | None = None, lr: float = 0.1,
                   nesterov: bool = False, optimizer: str = "sgd", label_smoothing: float = 0.0,
                   accum_steps: int = 1) -> tuple[TrainStep, torch.Tensor]:
-    """The trainer's step for ``model`` (fusedres.train.loop builds it so) and its lr tensor."""
+    """The trainer's step for ``model`` (fusedres.apps.train.loop builds it so) and its lr
+    tensor."""
     lr_t = lr_tensor(lr, torch.device("cpu"))
     cfg = dict(_CFG, optimizer=optimizer, momentum=0.9, nesterov=nesterov, betas=[0.9, 0.999])
     opt = _optimizer(_param_groups(model, _CFG), lr_t, cfg)
@@ -327,9 +328,9 @@ def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path
     schedule filled in place through warm-up, the outputs accumulated across replays,
     evaluations in between, checkpoints; the final checkpoints are equal to the bit, the loss
     records too. The checkpoint keeps the learning rate as a plain float."""
-    from fusedres.train import checkpoint as ckpt
-    from fusedres.train.config import resolve
-    from fusedres.train.loop import Run
+    from fusedres.apps.train import checkpoint as ckpt
+    from fusedres.apps.train.config import resolve
+    from fusedres.apps.train.loop import Run
 
     argv = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
             "--pad", "1", "--warmup-iters", "3", "--milestones", "0.5", "--no-progress",
@@ -341,7 +342,7 @@ def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path
         out = tmp_path / ("graphed" if graphed else "eager")
         cfg, explicit = resolve([*argv, "--out", str(out)])
         # The scope ends the run's backend choice (fusedres.use_backend) with the run, as
-        # fusedres.train.main does: left open, it would pop whenever collected.
+        # fusedres.apps.train.main does: left open, it would pop whenever collected.
         with contextlib.ExitStack() as scope:
             run = Run(cfg, explicit, scope)
             if graphed:

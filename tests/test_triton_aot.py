@@ -1,15 +1,15 @@
 """Every config of every Triton kernel compiles ahead of time for sm_80 and sm_90 (no GPU
-needed) as the JIT specialises it (kernels/jit_spec.py), fits the architecture's shared memory
+needed) as the JIT specialises it (tools/jit_spec.py), fits the architecture's shared memory
 and spills no registers.
 
 Run in a subprocess with TRITON_INTERPRET=0: under the interpreter ``triton.jit`` gives
 interpreter objects that cannot be compiled. CI compiles the ``ci`` shape set (a CIFAR 3x3 unit
 and an ImageNet 1x1 unit with a residual, both backward plans; every config that their
 launches do not pick swapped into one of them) for fp16, fp32 with and without TF32, and fp64,
-then the witness shapes of kernels/aot.py's KNOWN_SPILLS (the spills allowed, with why): a
+then the witness shapes of tools/triton_aot.py's KNOWN_SPILLS (the spills allowed, with why): a
 spill beyond them fails.
 bfloat16 shares the float16 code path; it and the full benchmark shape set are left to
-the command line (``python -m fusedres.kernels.aot``, ~1260 compiles).
+the command line (``python -m tools.triton_aot``, ~1260 compiles).
 """
 
 import os
@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from fusedres.kernels import aot  # noqa: E402
+from tools import triton_aot as aot  # noqa: E402
 
 DTYPES = ["fp16", "fp32", "fp32-ieee", "fp64"]
 
@@ -29,7 +29,7 @@ DTYPES = ["fp16", "fp32", "fp32-ieee", "fp64"]
 def table():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run(
-        [sys.executable, "-m", "fusedres.kernels.aot", "--arch", "80", "90", "--set", "ci",
+        [sys.executable, "-m", "tools.triton_aot", "--arch", "80", "90", "--set", "ci",
          "--dtype", *DTYPES],
         capture_output=True, text=True, env=env, timeout=900)
     return proc, proc.stdout + proc.stderr, aot.parse_table(proc.stdout)
@@ -74,7 +74,7 @@ def test_every_config_compiles_spill_free_within_shared_memory(table):
         if configs[k](d)}, out  # bn_prepare: no float64 variant
     assert not configs["bn_prepare"]("fp64") and configs["bn_prepare"]("fp32")
     assert all(r["status"] in ("ok", "allowed") for r in rows), out
-    # Spills only where kernels/aot.py's KNOWN_SPILLS allows them, and each sm_80 entry's
+    # Spills only where tools/triton_aot.py's KNOWN_SPILLS allows them, and each sm_80 entry's
     # witness shape (the ci set) compiles it: a spill that grows fails.
     allowed = {(r["kernel"], r["config"], int(r["arch"][3:])) for r in rows
                if r["status"] == "allowed"}

@@ -509,7 +509,7 @@ def test_kernel_config_str():
 # --------------------------------------------------------------------------- selftest
 
 def test_selftest_runs_and_passes(capsys):
-    from fusedres import selftest
+    from fusedres.apps import selftest
 
     assert selftest.main([]) == 0
     out = capsys.readouterr().out
@@ -783,7 +783,7 @@ def _prepare(x, route, running_dtype, training, momentum, tracked, given, counte
     (``route``) or without it (the PyTorch ops): (mean, invstd, running mean, running var,
     num_batches_tracked, the kernels launched)."""
     from fusedres import functional as FR
-    from fusedres import route as routes
+    from fusedres.ops import route as routes
 
     c = x.shape[1]
     g = torch.Generator().manual_seed(1)
@@ -937,10 +937,10 @@ def test_bn_prepare_bumps_versions_and_leaves_what_it_cannot_take():
 
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, True), (False, False)])
 def test_scale_shift_kernel_equals_the_host_expression(affine):
-    """Bit for bit fusedres.opdefs.scale_shift (the same operations in the same dtype)."""
+    """Bit for bit fusedres.ops.opdefs.scale_shift (the same operations in the same dtype)."""
     from fusedres.kernels.reductions import scale_shift
-    from fusedres.opdefs import UnitArgs
-    from fusedres.opdefs import scale_shift as host_scale_shift
+    from fusedres.ops.opdefs import UnitArgs
+    from fusedres.ops.opdefs import scale_shift as host_scale_shift
 
     g = torch.Generator().manual_seed(4)
     c = 300  # two blocks of 256, the second partial

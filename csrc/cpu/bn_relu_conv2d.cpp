@@ -45,7 +45,7 @@ namespace fusedres::cpu {
 namespace {
 
 // Bytes of (activation + conv output) per tile, set by measurement (RESULTS.md), with the C
-// allocator keeping freed memory (fusedres.allocator.keep_freed_memory: the trainer's and the
+// allocator keeping freed memory (fusedres.memory.allocator.keep_freed_memory: the trainer's and the
 // benchmarks' default on CPU). Larger tiles mean fewer oneDNN calls (each builds its primitive:
 // tens of microseconds), fewer per-tile weight gradients to sum and, when several tiles, fewer
 // output copies into y; smaller ones keep a tile in cache.

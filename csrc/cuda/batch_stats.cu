@@ -1,6 +1,6 @@
 // Per-channel batch mean and biased variance over (N, H, W): fusedres_cuda::batch_stats.
 //
-// The same contract as the CPU backend (csrc/cpu/batch_stats.cpp, fusedres/ops.py): x (N, C,
+// The same contract as the CPU backend (csrc/cpu/batch_stats.cpp, fusedres/ops/__init__.py): x (N, C,
 // H, W) in float32, float16, bfloat16 or float64, NCHW or channels_last; returns (mean, var),
 // shape (C,), float32 (float64 for float64 input). Two kernels:
 //   1. partials: each block reduces one split of one channel (NCHW) or of 32 channels (NHWC)
@@ -311,7 +311,7 @@ __device__ __forceinline__ void update_running(const RunningUpdate<R>& u, int64_
 // invstd = torch.rsqrt(var + eps) as ATen computes it on this device: the sum rounded to A, then
 // rsqrt. ATen's CUDA kernel calls ::rsqrt (rsqrtf for float: an approximation, which the same
 // call reproduces bit for bit); its CPU kernel computes 1 / sqrt, which the host layer's rsqrt
-// does (host/runtime.h), so the host copy matches ATen on its CPU tensors.
+// does (on_cpu/runtime.h), so the host copy matches ATen on its CPU tensors.
 template <typename A>
 __device__ __forceinline__ A invstd_of(A var, double eps) {
   return rsqrt(add_rn(var, static_cast<A>(eps)));

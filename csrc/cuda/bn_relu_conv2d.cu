@@ -459,7 +459,7 @@ inline at::Tensor pack_weight(const at::Tensor& weight) {
 // when its tiles fill every SM at least once (cdiv(M, 128) * cdiv(Co, 64) >= the SM count), else
 // 64 (MmaFwdSmall: twice the blocks for small grids). FUSEDRES_CUDA_FORWARD_TILE=64 or 128
 // (read at every call) forces one (tests, comparison); anything else but empty is an error.
-// fusedres/perfmodel/cuda_sass.py (forward_mma_rows) prices the same rule.
+// tools/perfmodel/cuda_sass.py (forward_mma_rows) prices the same rule.
 inline int64_t forward_mma_rows(int64_t M, int64_t Co) {
   const char* env = std::getenv("FUSEDRES_CUDA_FORWARD_TILE");
   if (env != nullptr && *env != 0) {

@@ -1252,7 +1252,7 @@ bool dgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, const at::Tensor&
 // C input channels and `phases` phases: 128 (MmaDgradTall) when its tiles fill every SM at least
 // once (cdiv(rows, 128) * cdiv(C, 64) * phases >= the SM count), else 64 (MmaDgradSmall).
 // FUSEDRES_CUDA_DGRAD_TILE=64 or 128 (read at every call) forces one; anything else but empty is
-// an error. fusedres/perfmodel/cuda_sass.py (dgrad_mma_rows) prices the same rule.
+// an error. tools/perfmodel/cuda_sass.py (dgrad_mma_rows) prices the same rule.
 int64_t dgrad_mma_rows(int64_t rows, int64_t C, int64_t phases) {
   const char* env = std::getenv("FUSEDRES_CUDA_DGRAD_TILE");
   if (env != nullptr && *env != 0) {

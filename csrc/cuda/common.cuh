@@ -1,12 +1,12 @@
 // The one header every kernel in csrc/cuda includes.
 //
 // Under nvcc it brings the CUDA runtime, fp16/bf16 and WMMA headers; compiled by the host C++
-// compiler it brings the CPU execution layer (host/runtime.h) that provides the same names, so
+// compiler it brings the CPU execution layer (on_cpu/runtime.h) that provides the same names, so
 // a kernel body is the same text in both builds (no #ifdef in kernels). The two builds live in
 // different namespaces (FUSEDRES_CUDA_NS: fusedres::cuda, fusedres::cuda_host), register their
 // ops for different dispatch keys (CUDA, CPU) of the fusedres_cuda library, and link into
-// different extensions: fusedres._C (the product) and fusedres._C_cuda_host (the test
-// extension, host/module.cpp).
+// different extensions: fusedres._C (the product) and fusedres._C_cuda_on_cpu (the test
+// extension, on_cpu/module.cpp).
 //
 // A kernel file looks like:
 //   #include "common.cuh"
@@ -51,10 +51,10 @@
 #include <mma.h>
 #else
 // Last: its keyword and built-in macros (threadIdx, __shared__, ...) stay out of ATen's headers.
-#include "host/runtime.h"
+#include "on_cpu/runtime.h"
 #endif
 
-// mma.sync, ldmatrix, cp.async (fusedres::ptx): inline PTX under nvcc, emulated by host/.
+// mma.sync, ldmatrix, cp.async (fusedres::ptx): inline PTX under nvcc, emulated by on_cpu/.
 #include "mma.cuh"
 
 #if defined(__CUDACC__)
@@ -67,7 +67,7 @@
 // After every launch: a launch error becomes a c10::Error here, not at the next sync.
 #define FUSEDRES_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
 // FUSEDRES_LAUNCH_BOUNDS (mma.cuh under nvcc: nothing, the GPU's launch enforces
-// __launch_bounds__; host/runtime.h on the CPU: the layer's check).
+// __launch_bounds__; on_cpu/runtime.h on the CPU: the layer's check).
 
 // The block's dynamic shared memory (the launch's `smem` bytes), 128-byte aligned. One extern
 // array for every kernel and type, as nvcc requires.
@@ -86,11 +86,11 @@ __device__ __forceinline__ T* fusedres_dynamic_shared() {
 
 #endif
 
-// The kernel file's registrations for fusedres_cuda (schemas: fusedres/opdefs.py), for CUDA or
+// The kernel file's registrations for fusedres_cuda (schemas: fusedres/ops/opdefs.py), for CUDA or
 // CPU; one per kernel file and key. nvcc's copy registers as fusedres._C loads
-// (TORCH_LIBRARY_IMPL), and fusedres._extension defines the schemas after that import. The host
-// copy, in the test extension fusedres._C_cuda_host that is imported after the schemas exist,
-// registers from its PyInit inside a try block (host/module.cpp): a C++ signature that differs
+// (TORCH_LIBRARY_IMPL), and fusedres.ops._extension defines the schemas after that import. The host
+// copy, in the test extension fusedres._C_cuda_on_cpu that is imported after the schemas exist,
+// registers from its PyInit inside a try block (on_cpu/module.cpp): a C++ signature that differs
 // from its schema becomes an ImportError there, where a static registration would abort the
 // process inside the loader.
 // FUSEDRES_CUDA_LIBRARY_IMPL_AT(KEY, m) registers for another key: FUSEDRES_CUDA_AUTOGRAD_KEY,
@@ -103,7 +103,7 @@ __device__ __forceinline__ T* fusedres_dynamic_shared() {
 #define FUSEDRES_CUDA_LIBRARY_IMPL_AT(KEY, m) TORCH_LIBRARY_IMPL(fusedres_cuda, KEY, m)
 #else
 #define FUSEDRES_CUDA_AUTOGRAD_KEY AutogradCPU
-#include "host/registrations.h"
+#include "on_cpu/registrations.h"
 #define FUSEDRES_CUDA_LIBRARY_IMPL_AT(KEY, m)                                          \
   static void C10_CONCATENATE(fusedres_register_, __LINE__)(torch::Library&);          \
   [[maybe_unused]] static const bool C10_CONCATENATE(fusedres_registered_, __LINE__) = \

@@ -8,7 +8,7 @@
 // "cp.async.commit_group", "cp.async.wait_group"; ptxas turns them into HMMA.16816.F32[.BF16],
 // LDSM.16.M88[T].{1,2,4}, LDGSTS[.BYPASS][.ZFILL], LDGDEPBAR and DEPBAR on sm_80 and sm_90,
 // which tests/test_cuda_mma.py checks in the SASS). Compiled by the host compiler the calls go to the CPU execution layer
-// (host/mma.cpp), which emulates them per lane with the fragment layouts the ISA documents, so
+// (on_cpu/mma.cpp), which emulates them per lane with the fragment layouts the ISA documents, so
 // a kernel that assumes another layout computes a wrong answer on the CPU as it would on a GPU:
 //
 //   mma.m16n8k16 (groupID g = lane / 4, threadID_in_group t = lane % 4):
@@ -38,13 +38,13 @@
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-// The host layer checks __launch_bounds__ at this statement (host/runtime.h); a GPU's launch
+// The host layer checks __launch_bounds__ at this statement (on_cpu/runtime.h); a GPU's launch
 // enforces the attribute itself.
 #ifndef FUSEDRES_LAUNCH_BOUNDS
 #define FUSEDRES_LAUNCH_BOUNDS(...) ((void)0)
 #endif
 #else
-#include "host/runtime.h"
+#include "on_cpu/runtime.h"
 #endif
 
 namespace fusedres::ptx {

@@ -29,8 +29,8 @@ std::tuple<at::Tensor, at::Tensor> prepare_batch_norm(
 // branch sees branch_scale[n] * grad_out[n]; genstats also returns
 // y's per-channel (mean, biased var) in the statistics dtype. batch_stats (whether mean and
 // invstd are this batch's) is in the schema for the backward's sake; the forward ignores it.
-// Every signature here is the schema of fusedres/opdefs.py (SCHEMAS): the dispatcher rejects a
-// registration that differs (fusedres._extension reports it).
+// Every signature here is the schema of fusedres/ops/opdefs.py (SCHEMAS): the dispatcher rejects a
+// registration that differs (fusedres.ops._extension reports it).
 at::Tensor bn_relu_conv2d(const at::Tensor& x, const at::Tensor& weight,
                           const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& bn_weight,

@@ -1,7 +1,7 @@
 """The C++ CPU backend: ``torch.ops.fusedres_cpu.*``, kernels from ``fusedres._C`` (csrc/cpu/).
 
 The op handles are named as the ops and take exactly the arguments of
-:data:`fusedres.opdefs.SCHEMAS` (``bn_relu_conv2d``, ``bn_relu_conv2d_genstats``,
+:data:`fusedres.ops.opdefs.SCHEMAS` (``bn_relu_conv2d``, ``bn_relu_conv2d_genstats``,
 ``bn_relu_conv2d_backward``, ``batch_stats``); statistics come back in the statistics dtype.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _extension, opdefs
+from ..ops import _extension, opdefs
 
 NAMESPACE = "fusedres_cpu"
 OPS = tuple(opdefs.SCHEMAS)
@@ -33,7 +33,7 @@ def _handle(op: str, dispatch_key: str = "CPU"):
     return getattr(getattr(torch.ops, NAMESPACE), op).default
 
 
-# The eager routes' ops (csrc/eager.h, schemas: fusedres.opdefs.NAMESPACE_SCHEMAS), bound as op
+# The eager routes' ops (csrc/eager.h, schemas: fusedres.ops.opdefs.NAMESPACE_SCHEMAS), bound as op
 # handles: a call is the dispatcher's, no Python frame of ours. None where fusedres._C lacks them.
 # module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
 #   num_batches_tracked, training, momentum, eps, residual, stride, padding, dilation) -> [y], or
@@ -57,5 +57,5 @@ __getattr__ = _extension.op_handles(__name__, globals(), NAMESPACE)
 
 
 def batch_stats_tuple(x):
-    """``(mean, var)`` of x from the C++ kernel, as a tuple (fusedres.route's batch_stats)."""
+    """``(mean, var)`` of x from the C++ kernel, as a tuple (fusedres.ops.route's batch_stats)."""
     return tuple(torch.ops.fusedres_cpu.batch_stats.default(x))

@@ -2,27 +2,28 @@
 
 The kernels in csrc/cuda are compiled twice: by nvcc (sm_80 and newer) into the product extension
 ``fusedres._C`` (when built with ``FUSEDRES_BUILD_CUDA``), registered for the CUDA dispatch key;
-and by the host C++ compiler through the CPU execution layer (csrc/cuda/host) into the test
-extension ``fusedres._C_cuda_host`` (built with ``FUSEDRES_BUILD_TEST_EXT=1``: ``make test``,
+and by the host C++ compiler through the CPU execution layer (csrc/cuda/on_cpu) into the test
+extension ``fusedres._C_cuda_on_cpu`` (built with ``FUSEDRES_BUILD_TEST_EXT=1``: ``make test``,
 CI), registered for the CPU key. The CPU copy is a test vehicle, not a product: with
 ``FUSEDRES_CUDA_ON_CPU=1`` in the environment when this module is imported, this backend loads
 it and runs CPU tensors through it (``auto`` never picks it for CPU tensors).
 
 The op handles are named as the ops and take exactly the arguments of
-:data:`fusedres.opdefs.SCHEMAS`; statistics come back in the statistics dtype.
+:data:`fusedres.ops.opdefs.SCHEMAS`; statistics come back in the statistics dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import _extension, opdefs, settings
-from ..opdefs import UnitArgs
+from .. import settings
+from ..ops import _extension, opdefs
+from ..ops.opdefs import UnitArgs
 
 NAMESPACE = "fusedres_cuda"
 OPS = tuple(opdefs.SCHEMAS)
 
-# Read once, at import: availability is cached per device type (fusedres._backend).
+# Read once, at import: availability is cached per device type (fusedres.ops._backend).
 ON_CPU: bool = settings.get("FUSEDRES_CUDA_ON_CPU")
 
 # csrc/cuda is built for sm_80 and newer (bf16 mma.sync, cp.async, ldmatrix); an older GPU has
@@ -85,7 +86,7 @@ def eager_unit(args: UnitArgs, genstats: bool, affine=None):
 
 
 # The eager routes' ops (csrc/eager.h via csrc/cuda/eager.cu; schemas:
-# fusedres.opdefs.NAMESPACE_SCHEMAS), as op handles ``torch.ops.fusedres_cuda.<op>.default``: a
+# fusedres.ops.opdefs.NAMESPACE_SCHEMAS), as op handles ``torch.ops.fusedres_cuda.<op>.default``: a
 # call is the dispatcher's, no Python frame of ours. None where no extension has their kernels
 # (fusedres._C built with CUDA; with FUSEDRES_CUDA_ON_CPU=1 the test extension). Each is looked up
 # on first use (the test extension loads then), then kept in the module.

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..opdefs import (
+from ..ops.opdefs import (
     BackwardArgs,
     UnitArgs,
     backward_outputs,

@@ -4,7 +4,7 @@ The backend's entry points (what the public ops route to) go through ops of the
 ``fusedres_triton`` namespace defined with ``torch.library.triton_op``: in a graph that
 torch.compile traces on a GPU, their bodies' launches are recorded through ``wrap_triton``
 (``kernels._common.launcher`` wraps only while tracing) and Inductor sees the Triton kernels
-themselves. Eager code (fusedres.route) takes a shorter route to the same launches:
+themselves. Eager code (fusedres.ops.route) takes a shorter route to the same launches:
 :class:`EagerTritonUnit` (an ``autograd.Function`` over them), :func:`prepare_affine` and
 :func:`module_unit`; every launch through its plan (kernels/: config, grid and arguments fixed
 per shapes, strides, dtypes and alignments; on a GPU, straight to the compiled launcher after
@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 
 from .. import settings
-from .._backend import is_eager
-from ..checks import check_op_args
-from ..opdefs import (
+from ..ops import direct_unit
+from ..ops._backend import is_eager
+from ..ops.checks import check_op_args
+from ..ops.opdefs import (
     SCHEMAS,
     BackwardArgs,
     UnitArgs,
@@ -31,7 +32,6 @@ from ..opdefs import (
     out_shape,
     python_signature,
 )
-from ..ops import direct_unit
 from . import portable
 
 _KERNELS_ERROR: Optional[str] = None
@@ -78,7 +78,7 @@ def _branch_scale(branch_scale: Optional[Tensor], weight: Tensor) -> Optional[Te
 
 
 # --------------------------------------------------------------------------- triton ops
-# The schemas of fusedres.opdefs; the bodies launch the kernels through kernels._common.launcher
+# The schemas of fusedres.ops.opdefs; the bodies launch the kernels through kernels._common.launcher
 # (wrap_triton while a graph is traced, the kernel itself in eager code).
 
 # The devices the triton ops take x on. kernels/jit_spec.capturing adds "meta" while it records
@@ -91,7 +91,7 @@ def _triton_op(op: str):
     function also carries that schema as its Python signature: torch 2.11 infers the schema
     from the signature whatever ``schema=`` says (and ``*inputs`` cannot be inferred)."""
     def register(fn):
-        def checked(*args):  # every argument first: the ops' contract (fusedres.checks)
+        def checked(*args):  # every argument first: the ops' contract (fusedres.ops.checks)
             check_op_args(op, args, f"fusedres_triton::{op}", DEVICE_TYPES)
             return fn(*args)
 
@@ -341,7 +341,7 @@ _AUTO_STRATEGY: dict[tuple, str] = {}  # the model's pick per shape (a pure func
 
 
 # --------------------------------------------------------------------------- backend interface
-# The ops of fusedres.opdefs under their names; cases the kernels leave to the portable code
+# The ops of fusedres.ops.opdefs under their names; cases the kernels leave to the portable code
 # (empty tensors, offsets past int32, the kernels' index type) go there.
 
 def _portable_case(*tensors) -> bool:
@@ -385,7 +385,7 @@ def prepare_batch_norm(x: Tensor, running_mean: Optional[Tensor], running_var: O
                        var: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """fusedres.functional.prepare_batch_norm's statistics, running-statistics update and
     ``invstd`` in one or two launches (kernels/batch_stats.py's ``prepare_batch_norm``) instead
-    of its ~10 PyTorch ops: (mean, invstd). Eager tensors only (fusedres.route);
+    of its ~10 PyTorch ops: (mean, invstd). Eager tensors only (fusedres.ops.route);
     :func:`prepares` says which."""
     return _prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training,
                                momentum, eps, mean, var)
@@ -438,7 +438,7 @@ def compiled_batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # --------------------------------------------------------------------------- the eager route
-# fusedres.route's "triton, eager": the kernels launched from an autograd.Function through their
+# fusedres.ops.route's "triton, eager": the kernels launched from an autograd.Function through their
 # plans (kernels/: config, grid and integer arguments cached per shapes, strides, dtypes and
 # alignments), with no custom-op layer between; the BatchNorm's affine (scale, shift) made by the
 # preparation's launch and kept for the backward. What the host does per step is counted
@@ -571,7 +571,7 @@ _UNIT_PLANS: dict[tuple, object] = _plan_cache() if _KERNELS_ERROR is None else 
 
 def eager_launches(args: UnitArgs, genstats: bool, affine, backward: BackwardArgs):
     """The launches of :class:`EagerTritonUnit`'s forward and backward for ``args`` and ``backward``
-    given the preparation's ``affine``, without autograd (kernels/jit_spec.py records them on
+    given the preparation's ``affine``, without autograd (tools/jit_spec.py records them on
     meta tensors)."""
     _launch_forward(args, genstats, *affine)
     return _backward_with(backward, *affine)
@@ -606,7 +606,7 @@ def _module_case(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
     preparation and the kernels take: statistics of 16- or 32-bit x, the BatchNorm's affine in
     the statistics dtype, a residual in the weight's dtype, autocast off, offsets the kernels
     index."""
-    from ..checks import check_batch_norm_args, check_conv_args
+    from ..ops.checks import check_batch_norm_args, check_conv_args
 
     check_conv_args(x, weight, bias, residual, stride, padding, dilation)
     check_batch_norm_args(x, bn_weight, bn_bias, running_mean, running_var,
@@ -632,7 +632,7 @@ def _module_case(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
 def module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
                 num_batches_tracked, training, momentum, eps, residual, stride, padding,
                 dilation) -> list[Tensor]:
-    """A ``BNReLUConv2d``'s forward on the triton backend (fusedres.route's module_unit): the
+    """A ``BNReLUConv2d``'s forward on the triton backend (fusedres.ops.route's module_unit): the
     BatchNorm's preparation with its affine (one launch), then :class:`EagerTritonUnit`:
     ``[y]``, or ``[]`` with nothing touched for arguments it leaves to the checked route. The
     checks and the plans are made once per arguments' types, shapes, strides, dtypes,

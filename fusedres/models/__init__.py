@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+from . import unit_shapes  # the zoo's unit shapes, which the benchmarks and self-test measure
 from .preact_resnet import PreActResNet, preact_resnet, valid_depths
 
-__all__ = ["MODELS", "PreActResNet", "preact_resnet", "valid_depths"]
+__all__ = ["MODELS", "PreActResNet", "preact_resnet", "unit_shapes", "valid_depths"]
 
 
 def _named(depth: int, variant: str) -> Callable[..., PreActResNet]:

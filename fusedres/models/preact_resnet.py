@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..activation_checkpoint import checkpoint_segments, even_segments
+from ..memory.activation_checkpoint import checkpoint_segments, even_segments
 from ..modules import (
     DROP_PATH_MODES,
     NORMS,

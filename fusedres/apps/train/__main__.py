@@ -1,0 +1,5 @@
+"""``python -m fusedres.apps.train``."""
+
+from . import main
+
+raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""Loads the compiled extension ``fusedres._C`` if it was built; never raises.
+
+The C++ kernels' op namespaces (``fusedres_cpu``, ``fusedres_cuda``) are defined here from
+:data:`fusedres.ops.opdefs.SCHEMAS` whether or not the extension is built; the extension registers
+implementations only. It is loaded first, then the schemas defined: the dispatcher checks each
+registered C++ function against its schema then, and a mismatch (an extension built from other
+sources) becomes ``LOAD_ERROR`` instead of an abort inside the library's loader.
+
+``LOAD_ERROR`` says why the extension is missing (used in backend error messages).
+
+The test extension ``fusedres._C_cuda_on_cpu`` (csrc/cuda executed on CPU: the ``fusedres_cuda``
+ops' CPU kernels, and the layer's test ops) is loaded on demand by :func:`load_cuda_host`, after
+the schemas exist; it registers from its module initialiser, so a mismatch there is an
+ImportError too.
+
+:func:`cpu_tile_samples` is the CPU kernels' batch tiling rule, from the extension itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from . import opdefs
+
+LOADED = False
+LOAD_ERROR: str | None = None
+NAMESPACES = ("fusedres_cpu", "fusedres_cuda")
+
+try:
+    importlib.import_module("fusedres._C")  # registers its kernels with the dispatcher
+    LOADED = True
+except ImportError as exc:  # not built (Python-only install) or built for another torch
+    LOAD_ERROR = f"the compiled extension fusedres._C is not available ({exc})"
+
+
+def _schema_error(exc: Exception) -> str:
+    # The dispatcher's message: a headline, then "operator:", the two schemas and "reason:".
+    lines = [line.strip() for line in str(exc).splitlines()]
+    keep = [line for line in lines[1:] if line.startswith(("operator:", "reason:"))]
+    return " ".join(lines[:1] + keep)
+
+
+_LIBRARIES = []
+for _namespace in NAMESPACES:
+    try:
+        _LIBRARIES.append(opdefs.define_namespace(_namespace))
+    except RuntimeError as exc:  # a kernel of fusedres._C does not match its schema
+        LOADED = False
+        LOAD_ERROR = (f"fusedres._C does not match the op schemas of fusedres/ops/opdefs.py "
+                      f"(rebuild it): {_schema_error(exc)}")
+
+
+def op_handles(module_name: str, module_globals: dict, namespace: str):
+    """A module ``__getattr__`` giving, under the names of :data:`fusedres.ops.opdefs.SCHEMAS`, the
+    op handles ``torch.ops.<namespace>.<op>``, each looked up on first use and then kept in the
+    module: a namespace whose definition failed (``LOAD_ERROR``) must not break importing the
+    backend module."""
+
+    def __getattr__(name: str):
+        if name in opdefs.SCHEMAS:
+            op = getattr(getattr(torch.ops, namespace), name)
+            module_globals[name] = op  # later lookups find it directly
+            return op
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+def has_kernels(namespace: str, dispatch_key: str, *names: str) -> bool:
+    """Whether every op ``<namespace>::<name>`` has a kernel for ``dispatch_key``."""
+    return all(
+        torch._C._dispatch_has_kernel_for_dispatch_key(f"{namespace}::{name}", dispatch_key)
+        for name in names
+    )
+
+
+def cpu_tile_samples(n: int, bytes_per_sample: int, weight_bytes: int,
+                     channels_last: bool = False) -> int | None:
+    """Samples per batch tile of the cpu backend's fused unit, for a batch of ``n`` samples of
+    ``bytes_per_sample`` bytes each (activation + output, in the weight's dtype), a weight of
+    ``weight_bytes`` and an input in channels_last (``channels_last``) or NCHW: the rule
+    csrc/cpu/bn_relu_conv2d.cpp runs, evaluated now (it reads FUSEDRES_CPU_TILE_BYTES,
+    FUSEDRES_CPU_TILE_WEIGHT_X and torch's thread count). None when ``fusedres._C`` is not
+    loaded."""
+    if not LOADED:
+        return None
+    return importlib.import_module("fusedres._C").cpu_tile_samples(
+        int(n), int(bytes_per_sample), int(weight_bytes), bool(channels_last))
+
+
+CUDA_HOST_MODULE = "fusedres._C_cuda_on_cpu"
+_cuda_host_error: list[str | None] = []  # filled by the first load_cuda_host()
+
+
+def load_cuda_host() -> str | None:
+    """Import the test extension ``fusedres._C_cuda_on_cpu`` once; None when it is loaded, else
+    why not. It registers the ``fusedres_cuda`` CPU kernels against the schemas defined above."""
+    if not _cuda_host_error:
+        try:
+            importlib.import_module(CUDA_HOST_MODULE)
+            error = None
+        except ModuleNotFoundError as exc:
+            if exc.name != CUDA_HOST_MODULE:
+                raise
+            error = (f"the test extension {CUDA_HOST_MODULE} is not built (make test builds it; "
+                     "FUSEDRES_BUILD_TEST_EXT=1)")
+        except ImportError as exc:  # built for another torch, or from other sources
+            error = f"the test extension {CUDA_HOST_MODULE} cannot be loaded ({exc})"
+        _cuda_host_error.append(error)
+    return _cuda_host_error[0]

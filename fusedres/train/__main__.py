@@ -1,5 +1,0 @@
-"""``python -m fusedres.train``."""
-
-from . import main
-
-raise SystemExit(main())

@@ -1,0 +1,433 @@
+"""The CUDA C++ kernels (csrc/cuda) through the same SASS reading: nvcc compiles each .cu for
+sm_80 and sm_90 with the extension's flags (tools/cuda_aot.py), cuobjdump disassembles the
+object, and each 16-bit tensor-core (WMMA or mma.sync) kernel's main loop is read: the loop
+carrying the HMMA instructions with no such loop inside it.
+
+The WMMA kernels stage their operands through loops nested in the main loop (``for (e = tid;
+e < BM * BK; e += THREADS)``), which nvcc leaves rolled: their trip counts are not in the SASS.
+(The mma.sync kernels copy with unrolled 16-byte cp.async: no nested loop, both ends equal.)
+The table gives both ends: the main loop's own instructions plus each nested loop's body once
+(a lower bound on one K chunk's issue), and plus each nested body times T = BM*BK/THREADS, the
+tile elements a thread stages (an estimate: every nested loop a staging loop that runs). Per
+K chunk and SM, issue cycles = ceil(warps/4) x instructions and tensor cycles = the chunk's
+multiply-adds / the per-SM rate (devices.py); the ceiling on the fraction of tensor peak is
+tensor / max(issue, tensor). No per-shape time: the launches of csrc/cuda are not captured.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+from . import sass
+from .devices import A100, H100
+
+_TILE = re.compile(r"TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])E")
+# The mma.sync kernels whose tile is a template argument MmaFwd<BM, BN, WARPS_M, WARPS_N>
+# (csrc/cuda/bn_relu_conv2d.cu) or MmaDgrad<...> (bn_relu_conv2d_backward.cu); BK = 32,
+# 32 * WARPS_M * WARPS_N threads; demangled.
+_MMA_TILE = re.compile(r"Mma(?:Fwd|Dgrad)<(\d+), (\d+), (\d+), (\d+)\s*>")
+_MMA_TILE_BK = 32
+# Kernels whose tile is fixed in their source rather than a Tile<> argument: name ->
+# (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d_backward.cu,
+# struct MmaWgrad).
+_FIXED_TILES = {"wgrad_mma_kernel": (64, 64, 16, 128)}
+
+
+# The weight gradient's split unit (pixels; pick_split and launch_wgrad's K-step, both kernels):
+# a split runs cdiv(cdiv(M, 32), split) of them, in chunks of the kernel's BK.
+WGRAD_KSTEP = 32
+
+
+@dataclass
+class CudaKernelRow:
+    file: str
+    name: str            # demangled, shortened
+    arch: int
+    bm: int
+    bn: int
+    bk: int
+    threads: int
+    registers: int
+    spill: int
+    smem: int
+    own: int             # main-loop instructions outside nested loops
+    nested: int          # nested loops inside the main loop
+    nested_body: int     # their bodies' instructions, summed
+    mma: dict            # SASS tensor instruction shape -> count per warp per K chunk
+    fma_cta: int         # multiply-adds per CTA per K chunk
+
+    @property
+    def stage_trips(self) -> int:
+        return max(1, self.bm * self.bk // self.threads)
+
+    def issue_cycles(self, upper: bool) -> float:
+        per_warp = self.own + self.nested_body * (self.stage_trips if upper else 1)
+        return math.ceil(self.threads / 32 / 4) * per_warp
+
+    def tensor_cycles(self) -> float:
+        dev = A100 if self.arch == 80 else H100
+        return self.fma_cta / dev.tensor_fma_clk_sm["fp16"]
+
+    def ceiling(self, upper: bool) -> float:
+        t = self.tensor_cycles()
+        return t / max(t, self.issue_cycles(upper)) if t else 0.0
+
+
+def _split_by_arch(text: str) -> dict[int, str]:
+    out: dict[int, list[str]] = {}
+    arch = None
+    for line in text.splitlines():
+        m = re.search(r"code for sm_(\d+)|arch = sm_(\d+)", line)
+        if m:
+            arch = int(m.group(1) or m.group(2))
+            out.setdefault(arch, [])
+            continue
+        if arch is not None:
+            out[arch].append(line)
+    return {a: "\n".join(v) for a, v in out.items()}
+
+
+def _short(demangled: str) -> str:
+    s = re.sub(r"fusedres::cuda::\(anonymous namespace\)::", "", demangled)
+    s = s.replace("c10::", "").replace("fusedres::cuda::", "")
+    return s.split("(")[0]
+
+
+def compile_object(src: str, archs=(80, 90)) -> bytes:
+    """nvcc's object for ``src`` (csrc/cuda/*.cu), sm_80 and sm_90 code; raises
+    FileNotFoundError when nvcc is missing, RuntimeError when it fails."""
+    from .. import cuda_aot
+
+    nvcc = cuda_aot.find_nvcc()
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found on PATH or under CUDA_HOME")
+    with tempfile.TemporaryDirectory(prefix="fusedres_perfmodel_") as tmp:
+        obj = os.path.join(tmp, "k.o")
+        res = subprocess.run(cuda_aot.nvcc_command(nvcc, src, obj, tmp, archs),
+                             capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {src}: {res.stderr[-2000:]}")
+        with open(obj, "rb") as f:
+            return f.read()
+
+
+def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
+    """One row per 16-bit tensor-core kernel instantiation (WMMA: X == W == Half or BFloat16;
+    the mma.sync kernels: Half, BFloat16) and arch."""
+    from .. import cuda_aot
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.o")
+        with open(path, "wb") as f:
+            f.write(obj)
+        dump = subprocess.run([sass.tool("cuobjdump"), "-sass", path], capture_output=True,
+                              text=True, check=False).stdout
+        usage = subprocess.run([sass.tool("cuobjdump"), "-res-usage", path],
+                               capture_output=True, text=True, check=False).stdout
+    res_by_arch: dict[int, dict[str, dict[str, int]]] = {}
+    for arch, text in _split_by_arch(usage).items():
+        cur = None
+        for line in text.splitlines():
+            m = re.match(r"\s*Function\s+(\S+):", line)
+            if m:
+                cur = m.group(1)
+            elif cur and "REG:" in line:
+                res_by_arch.setdefault(arch, {})[cur] = {
+                    k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+    rows = []
+    for arch, text in sorted(_split_by_arch(dump).items()):
+        funcs = sass.parse(text)
+        names = cuda_aot.demangle(sorted(funcs))
+        for mangled, code in funcs.items():
+            tile = _TILE.search(mangled)
+            dem = names.get(mangled, mangled)
+            fixed = next((t for n, t in _FIXED_TILES.items() if f"{n}<" in dem), None)
+            mt = _MMA_TILE.search(dem)
+            if mt is not None:
+                wm, wn = int(mt.group(3)), int(mt.group(4))
+                fixed = (int(mt.group(1)), int(mt.group(2)), _MMA_TILE_BK, 32 * wm * wn)
+            if fixed is not None:
+                if not re.search(r"<(Half|BFloat16)[,>]", dem.replace("c10::", "")):
+                    continue
+                bm, bn, bk, threads = fixed
+            elif tile is None or tile.group(5) != "1":
+                continue  # FMA tiles (float32 / float64): no tensor-core loop
+            elif not re.search(r"<(Half|BFloat16), \1,", dem.replace("c10::", "")):
+                continue
+            else:
+                bm, bn, bk, threads = (int(tile.group(i)) for i in range(1, 5))
+            k = sass.analyse(mangled, code)
+            if k.main is None or not k.per_iter.mma_shapes:
+                continue
+            nested = [lp for lp in k.loops if lp.parent is k.main]
+            own = sass.count(code, k.main.head, k.main.tail, nested)
+            warps = threads // 32
+            fma_cta = sum(v * warps for v in k.per_iter.mma_warp.values())
+            u = res_by_arch.get(arch, {}).get(mangled, {})
+            rows.append(CudaKernelRow(
+                file, _short(dem), arch, bm, bn, bk, threads, u.get("REG", 0),
+                u.get("LOCAL", 0), u.get("SHARED", 0), own.total, len(nested),
+                sum(sass.count(code, lp.head, lp.tail).total for lp in nested),
+                dict(k.per_iter.mma_shapes), fma_cta))
+    return rows
+
+
+def cuda_rows(root: str) -> list[CudaKernelRow]:
+    from .. import cuda_aot
+
+    rows = []
+    for src in cuda_aot.sources(root):
+        rel = os.path.relpath(src, root)
+        rows += analyse_object(compile_object(src), rel)
+    return rows
+
+
+def table(rows: list[CudaKernelRow]) -> list[str]:
+    lines = ["| file | kernel | GPU | tile BMxBNxBK / threads | regs | spill B | static smem B "
+             "| main loop own instrs | nested loops (body instrs) | MMA/warp/K chunk | issue "
+             "cycles/K chunk (low - est.) | tensor cycles/K chunk | MODELED tensor-peak ceiling "
+             "(est. - high) |",
+             "|---|---|---|---|---:|---:|---:|---:|---|---|---|---:|---|"]
+    for r in rows:
+        mma = ", ".join(f"{s}x{n}" for s, n in sorted(r.mma.items()))
+        lines.append(
+            f"| {r.file} | {r.name} | {'A100' if r.arch == 80 else 'H100'} | {r.bm}x{r.bn}x"
+            f"{r.bk} / {r.threads} | {r.registers} | {r.spill} | {r.smem} | {r.own} | "
+            f"{r.nested} ({r.nested_body}) | {mma} | {r.issue_cycles(False):.0f} - "
+            f"{r.issue_cycles(True):.0f} | {r.tensor_cycles():.0f} | "
+            f"{100 * r.ceiling(True):.0f}% - {100 * r.ceiling(False):.0f}% |")
+    return lines
+
+
+# ----------------------------------------------------------------------------- per unit
+
+
+@dataclass
+class CudaUnitModel:
+    """The CUDA C++ backend's fused step (16-bit) on one device: (kernel, low s, high s,
+    bound at high) per launch, a RANGE (see :func:`model_cuda_unit`)."""
+
+    unit: object
+    dtype: str
+    arch: int
+    kernels: list
+
+    @property
+    def low_s(self) -> float:
+        return sum(k[1] for k in self.kernels)
+
+    @property
+    def high_s(self) -> float:
+        return sum(k[2] for k in self.kernels)
+
+
+def _row(rows: list[CudaKernelRow], arch: int, kernel: str, dtype: str,
+         sums: bool | None = None, bm: int | None = None) -> CudaKernelRow:
+    t = "Half" if dtype == "fp16" else "BFloat16"
+    for r in rows:
+        # <X, W, Tile...> instantiations, the fixed-tile kernels' <W> and <W, SUMS>
+        # (_FIXED_TILES), or <W, MmaFwd<...> > (_MMA_TILE) with ``bm`` rows.
+        if r.arch == arch and (r.name.startswith((f"{kernel}<{t}, {t},", f"{kernel}<{t}, Mma"))
+                               or r.name in (f"{kernel}<{t}>", f"{kernel}<{t}, true>",
+                                             f"{kernel}<{t}, false>")) and (
+                sums is None or r.name.rstrip(" >").endswith("true" if sums else "false")) and (
+                bm is None or r.bm == bm):
+            return r
+    raise ValueError(f"no {kernel} <{t}> instantiation (bm {bm}) for sm_{arch} in the CUDA rows")
+
+
+def _launch(r: CudaKernelRow, label: str, ctas: int, chunks: float, dram: float,
+            upper: bool):
+    """A model.Launch whose main loop issues, a K chunk, the row's own instructions plus each
+    nested body once (``upper`` False) or T times (True), and its MMA work; prologue and
+    epilogue not counted."""
+    from . import model
+
+    per_iter = sass.Counts()
+    per_iter.instrs["other"] = r.own + (r.stage_trips if upper else 1) * r.nested_body
+    per_iter.mma_warp["fp16"] = r.fma_cta // (r.threads // 32)
+    k = sass.KernelSass(label, [], [], sass.Loop(0, 0), per_iter, sass.Counts(), sass.Counts())
+    return model.Launch(label, k, model.Resources(r.registers, r.smem, r.threads // 32), ctas,
+                        model.Trips(chunks), dram)
+
+
+def forward_kernel(u, forward: str = "mma", channels_last: bool = True) -> str:
+    """The forward kernel csrc/cuda runs for 16-bit unit ``u`` (use_mma_forward in
+    csrc/cuda/bn_relu_conv2d.cu): the mma.sync one for channels-last x with C % 8 == 0 unless
+    ``forward`` (FUSEDRES_CUDA_FORWARD) is "wmma", else the WMMA one."""
+    if forward not in ("mma", "wmma"):
+        raise ValueError(f"forward: 'mma' or 'wmma' (FUSEDRES_CUDA_FORWARD), not {forward!r}")
+    if forward == "mma" and channels_last and u.c % 8 == 0:
+        return "bn_relu_conv2d_fwd_mma_kernel"
+    return "bn_relu_conv2d_fwd_kernel"
+
+
+def forward_mma_rows(m: int, co: int, sms: int) -> int:
+    """The mma.sync forward's tile rows for m output pixels and co output channels on a GPU of
+    ``sms`` SMs (forward_mma_rows in csrc/cuda/bn_relu_conv2d.cu): 128 (MmaFwd<128, 64, 4, 1>)
+    when cdiv(m, 128) * cdiv(co, 64) >= sms, else 64 (MmaFwd<64, 64, 2, 2>)."""
+    return 128 if -(-m // 128) * -(-co // 64) >= sms else 64
+
+
+def dgrad_mma_rows(rows: int, c: int, phases: int, sms: int) -> int:
+    """The mma.sync data gradient's tile rows for ``rows`` pixels of the largest stride phase,
+    c input channels and ``phases`` phases on a GPU of ``sms`` SMs (dgrad_mma_rows in
+    csrc/cuda/bn_relu_conv2d_backward.cu): 128 (MmaDgrad<128, 64, 4, 1>) when
+    cdiv(rows, 128) * cdiv(c, 64) * phases >= sms, else 64 (MmaDgrad<64, 64, 2, 2>)."""
+    return 128 if -(-rows // 128) * -(-c // 64) * phases >= sms else 64
+
+
+def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
+    """The weight-gradient kernel csrc/cuda runs for 16-bit unit ``u`` (wgrad_uses_mma in
+    csrc/cuda/bn_relu_conv2d_backward.cu): the mma.sync one for channels-last x and grad_out
+    with C and Co multiples of 8 unless ``wgrad`` (FUSEDRES_CUDA_WGRAD) is "wmma", else the WMMA
+    one."""
+    from fusedres.kernels import traffic
+
+    if wgrad not in ("mma", "wmma"):
+        raise ValueError(f"wgrad: 'mma' or 'wmma' (FUSEDRES_CUDA_WGRAD), not {wgrad!r}")
+    if wgrad == "mma" and channels_last and traffic.cuda_mma_operands(u):
+        return "wgrad_mma_kernel"
+    return "wgrad_kernel"
+
+
+def dgrad_kernel(u, dgrad: str = "mma", channels_last: bool = True) -> str:
+    """The data-gradient kernel csrc/cuda runs for 16-bit unit ``u`` (dgrad_uses_mma in
+    csrc/cuda/bn_relu_conv2d_backward.cu): the mma.sync one for channels-last x and grad_out
+    with C and Co multiples of 8 and at most 64 taps unless ``dgrad`` (FUSEDRES_CUDA_DGRAD) is
+    "wmma", else the WMMA one."""
+    from fusedres.kernels import traffic
+
+    if dgrad not in ("mma", "wmma"):
+        raise ValueError(f"dgrad: 'mma' or 'wmma' (FUSEDRES_CUDA_DGRAD), not {dgrad!r}")
+    if dgrad == "mma" and channels_last and traffic.cuda_mma_operands(u) and u.k * u.k <= 64:
+        return "dgrad_mma_kernel"
+    return "dgrad_kernel"
+
+
+def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str = "mma",
+                    channels_last: bool = True, wgrad: str = "mma",
+                    dgrad: str = "mma") -> CudaUnitModel:
+    """The CUDA C++ backend's training step of unit ``u`` (kernels/traffic.Unit, 16-bit) on
+    ``dev``, as csrc/cuda launches it ("sums" backward; 128 threads and 64x64 tiles for every
+    16-bit kernel here but the mma.sync forward's and data gradient's per-shape tiles):
+
+    * fwd: the kernel that runs (:func:`forward_kernel`): for channels-last x with C % 8 == 0,
+      the benchmark units, the mma.sync kernel bn_relu_conv2d_fwd_mma_kernel (struct MmaFwd:
+      128x64x32 tiles where they fill the SMs, else 64x64x32, :func:`forward_mma_rows`), after a
+      DRAM-bound launch packing the weight to (kh*kw*C, Co8); ``forward="wmma"``
+      (FUSEDRES_CUDA_FORWARD=wmma) or NCHW x prices the WMMA kernel bn_relu_conv2d_fwd_kernel
+      instead. Grid cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, BK);
+    * wgrad (SUMS): the kernel that runs (:func:`wgrad_kernel`): for channels-last x and
+      grad_out with C and Co multiples of 8, the benchmark units, the mma.sync kernel
+      wgrad_mma_kernel (struct MmaWgrad); ``wgrad="wmma"`` (FUSEDRES_CUDA_WGRAD=wmma) or NCHW
+      prices the WMMA kernel wgrad_kernel. Grid cdiv(Co, BM) x cdiv(taps*C, BN) (mma.sync: the
+      columns run on across taps) or cdiv(C, BN)*taps (WMMA) x split (pick_split with the
+      device's SMs); K chunks: cdiv(cdiv(M, 32), split) K-steps of 32
+      pixels, each 32 / BK chunks (BK = 16 for the mma.sync kernel, 32 for the WMMA one);
+    * dgrad writing dx: the kernel that runs (:func:`dgrad_kernel`): for the same units the
+      mma.sync kernel dgrad_mma_kernel (struct MmaDgrad: 128x64x32 tiles where they fill the
+      SMs, else 64x64x32, :func:`dgrad_mma_rows`), after a DRAM-bound launch packing the
+      weight to (kh*kw*Co, C); ``dgrad="wmma"`` (FUSEDRES_CUDA_DGRAD=wmma) or NCHW the WMMA
+      kernel dgrad_kernel. Grid per stride phase cdiv(rows, BM) x cdiv(C, BN); K chunks: the
+      phase's taps x cdiv(Co, BK);
+    * batch statistics, the partials' reductions: DRAM-bound launches.
+
+    DRAM bytes: kernels/traffic.cuda_fused_step. A RANGE: issue per K chunk counts each nested
+    staging loop once (low) or T = BM*BK/THREADS times (high), no prologue or epilogue (the
+    mma.sync kernels have no nested loop: their cp.async copies are unrolled, low = high)."""
+    from fusedres.kernels import traffic
+    from fusedres.kernels._common import cdiv
+
+    from . import model
+
+    if dtype not in ("fp16", "bf16"):
+        raise ValueError(f"dtype: the CUDA estimate covers fp16 and bf16, not {dtype!r}")
+    tu = traffic.Unit(u.name, u.n, u.c, u.h, u.co, u.k, u.stride, u.residual, 2)
+    dram = {k.name: k.bytes for k in traffic.cuda_fused_step(tu).kernels}
+    taps = u.k * u.k
+    m_out = u.n * u.ho * u.ho
+    out = []
+    fwd_name = forward_kernel(u, forward, channels_last)
+    fwd = _row(rows, dev.arch, fwd_name, dtype, bm=forward_mma_rows(m_out, u.co, dev.sms)
+               if fwd_name == "bn_relu_conv2d_fwd_mma_kernel" else None)
+    out.append(("fwd", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
+                taps * cdiv(u.c, fwd.bk), dram["fwd"]))
+    wg_name = wgrad_kernel(u, wgrad, channels_last)
+    wg_mma = wg_name == "wgrad_mma_kernel"
+    wg = _row(rows, dev.arch, wg_name, dtype, sums=True)
+    split = traffic.cuda_wgrad_split(tu, dev.sms, mma=wg_mma)
+    out.append(("wgrad+sums", wg, traffic.cuda_wgrad_tiles(tu, mma=wg_mma) * split,
+                cdiv(cdiv(m_out, WGRAD_KSTEP), split) * WGRAD_KSTEP // wg.bk,
+                dram["wgrad+sums"]))
+    dg_name = dgrad_kernel(u, dgrad, channels_last)
+    p, s = u.padding, u.stride
+    dg = _row(rows, dev.arch, dg_name, dtype, bm=dgrad_mma_rows(
+        u.n * cdiv(u.h, s) * cdiv(u.h, s), u.c, min(s, u.h) ** 2, dev.sms)
+        if dg_name == "dgrad_mma_kernel" else None)
+    ctas, work = 0, 0.0
+    for pa in range(min(s, u.h)):
+        for pb in range(min(s, u.h)):
+            ph_taps = (sum((pa + p - i) % s == 0 for i in range(u.k))
+                       * sum((pb + p - j) % s == 0 for j in range(u.k)))
+            tiles = cdiv(u.n * cdiv(u.h - pa, s) * cdiv(u.h - pb, s), dg.bm) * cdiv(u.c, dg.bn)
+            ctas += tiles
+            work += tiles * ph_taps * cdiv(u.co, dg.bk)
+    out.append(("dgrad+dx", dg, ctas, work / ctas, dram["dgrad+dx"]))
+    kernels = []
+    for name, r, n, chunks, nbytes in out:
+        low = model.predict(_launch(r, name, n, chunks, nbytes, False), dev)
+        high = model.predict(_launch(r, name, n, chunks, nbytes, True), dev)
+        kernels.append((name, low.time_s, high.time_s, high.bound))
+    def dram_launch(name: str, nbytes: float):
+        t = nbytes / (dev.dram_bytes_s * model.DRAM_EFFICIENCY) + model.LAUNCH_S
+        kernels.append((name, t, t, "dram"))
+
+    if fwd_name == "bn_relu_conv2d_fwd_mma_kernel":
+        # pack_weight: the permuted copy (kh*kw*C, Co), then zero columns up to Co8 if needed.
+        w, w8 = tu.weight(), tu.weight() // u.co * (cdiv(u.co, 8) * 8)
+        dram_launch("weight pack", 2 * w)
+        if w8 != w:
+            dram_launch("weight pad", w + w8)
+    if dg_name == "dgrad_mma_kernel":
+        dram_launch("weight pack (dgrad)", 2 * tu.weight())  # the permuted copy
+    for k in traffic.cuda_fused_step(tu).kernels:
+        if k.name not in ("fwd", "wgrad+sums", "dgrad+dx"):
+            dram_launch(k.name, k.bytes)
+    return CudaUnitModel(u, dtype, dev.arch, kernels)
+
+
+def slowest(m: CudaUnitModel) -> str:
+    """The launch that bounds ``m`` (its high end): name, time, share of the step, bound."""
+    name, _, high, bound = max(m.kernels, key=lambda k: k[2])
+    return f"{name} {high * 1e6:.0f} us ({100 * high / m.high_s:.0f}%): {bound}"
+
+
+def unit_table(models: list[CudaUnitModel], plain: dict) -> list[str]:
+    """``plain``: (unit name, dtype, arch) -> the plain sequence's modeled seconds. The last
+    two columns: each GPU's slowest launch (:func:`slowest`)."""
+    lines = ["| unit | dtype | A100 CUDA fused us (low - high) | A100 plain us | A100 fused/plain "
+             "| H100 CUDA fused us (low - high) | H100 plain us | H100 fused/plain "
+             "| A100 slowest launch | H100 slowest launch |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    by_key: dict[tuple, dict] = {}
+    for m in models:
+        by_key.setdefault((m.unit.name, m.dtype), {})[m.arch] = m
+    for (name, dtype), d in by_key.items():
+        cells, bounds = [], []
+        for arch in (80, 90):
+            m, p = d.get(arch), plain.get((name, dtype, arch))
+            bounds.append("-" if m is None else slowest(m))
+            if m is None or p is None:
+                cells += ["-"] * 3
+                continue
+            cells += [f"{m.low_s * 1e6:.0f} - {m.high_s * 1e6:.0f}", f"{p * 1e6:.1f}",
+                      f"{m.low_s / p:.1f} - {m.high_s / p:.1f}"]
+        cells += bounds
+        lines.append(f"| {name} | {dtype} | " + " | ".join(cells) + " |")
+    return lines
