@@ -99,7 +99,7 @@ LANDSCAPES = [("landscape", [run], ["--grid", "15", "--batches", "2"], f"landsca
               for run in ("depth-res-bn-56-s0", "depth-plain-bn-56-s0")]
 
 
-# The papers' CIFAR recipes (fusedres/configs), by paper: run name -> (config, variant flags).
+# The papers' CIFAR recipes (fusedres/apps/configs), by paper: run name -> (config, variant flags).
 # The seed loop of `recipes` trains each over --seeds; `fusedres compare` then groups each
 # paper's runs by variant (median over the seeds, min-max, interquartile range).
 RECIPES = {
@@ -125,7 +125,7 @@ SMOKE = ["--dataset", "digits", "--max-iters", "2", "--batch-size", "16", "--eva
 
 def recipe_command(config: str, flags: list[str], seed: int, out: Path,
                    extra: list[str]) -> list[str]:
-    return [_python(), "-m", "fusedres.train", "--config", config, *flags, "--seed", str(seed),
+    return [_python(), "-m", "fusedres.apps.train", "--config", config, *flags, "--seed", str(seed),
             "--no-progress", *extra, "--out", str(out)]
 
 
@@ -147,7 +147,7 @@ def recipes(only: list[str], seeds: list[int], runs_dir: Path, jobs: int,
                         cmd.append("--resume")
                     todo.append((cmd, out / "train.log"))
         target = runs_dir / f"compare-{paper}"
-        compares.append(([_python(), "-m", "fusedres.cli", "compare", *map(str, dirs),
+        compares.append(([_python(), "-m", "fusedres.apps.cli", "compare", *map(str, dirs),
                           "--out", str(target)], target / "compare.log"))
     if dry_run:
         for cmd, _ in todo + compares:

@@ -1,5 +1,5 @@
 """fusedres train --log-grad-norms and its figure in fusedres compare: per residual unit, the
-gradient norms against depth, plain against residual (fusedres.train.gradnorms).
+gradient norms against depth, plain against residual (fusedres.apps.train.gradnorms).
 
 The trained pair: digits, 20 layers (9 units), without BatchNorm (where a plain 20-layer network
 stops training here: docs/experiments.md), 10 iterations, norms every 5. About 20 s on 2 cores
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from fusedres.experiments import compare, figures
-from fusedres.train import main
+from fusedres.apps.experiments import compare, figures
+from fusedres.apps.train import main
 
 ARGS = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "20", "--norm", "none",
         "--threads", "1", "--pad", "1", "--no-flip", "--warmup-iters", "2", "--milestones",

@@ -371,7 +371,7 @@ def test_pca_directions_are_the_paths_principal_components():
 def trajectory_run(tmp_path_factory):
     """conftest's tiny run with a checkpoint at every iteration, all kept (6)."""
     from conftest import TINY_RUN
-    from fusedres.train import main
+    from fusedres.apps.train import main
 
     out = tmp_path_factory.mktemp("trajectory") / "run"
     argv = [*TINY_RUN, "--out", str(out)]

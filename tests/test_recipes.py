@@ -58,8 +58,8 @@ def test_the_recipe_seed_loop_lists_one_run_per_variant_and_seed(tmp_path, capsy
     assert digits.main(["recipes", "--seeds", "2,0", "--only", "li,table2", "--runs",
                         str(tmp_path), "--dry-run", "--smoke", "--", "--threads", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    train = [ln for ln in lines if ln.startswith("fusedres.train")]
-    compares = [ln for ln in lines if ln.startswith("fusedres.cli compare")]
+    train = [ln for ln in lines if ln.startswith("fusedres.apps.train")]
+    compares = [ln for ln in lines if ln.startswith("fusedres.apps.cli compare")]
     assert len(train) == (2 + 10) * 2 and len(compares) == 2
     outs = [ln.split("--out ")[1] for ln in train]
     assert len(set(outs)) == len(outs)

@@ -413,7 +413,7 @@ def test_grad_norm_probe_reads_nothing_back_and_measures_the_gradients(amp, accu
     gradient norm, loss scale divided out (fp16), input gradients summed in squares over
     micro-batches (--accum-steps), checked against torch.autograd.grad on a copy of the model.
     A disarmed step dispatches what a step without a probe does."""
-    from fusedres.train.gradnorms import GradNormProbe, residual_units
+    from fusedres.apps.train.gradnorms import GradNormProbe, residual_units
 
     torch.manual_seed(0)
     model = models.preact_resnet(8, num_classes=3, in_chans=3, shortcut="none")

@@ -27,12 +27,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import functional as FR
-from . import unit_variants as V
-from .distributed import prepare_batch_norm_sync
-from .ops.opdefs import UnitArgs, suggests_channels_last
-from .ops.route import route
-from .unit_variants import scaled
+from .. import functional as FR
+from ..distributed import prepare_batch_norm_sync
+from ..ops.opdefs import UnitArgs, suggests_channels_last
+from ..ops.route import route
+from . import variants as V
+from .variants import scaled
 
 __all__ = ["BNReLUConv2d", "BasicBlock", "Bottleneck", "BNReLUConvLayer", "DROP_PATH_MODES",
            "FUSED", "FusedBNReLUConv", "NORMS", "PLAIN", "PlainBNReLUConv",
