@@ -175,8 +175,8 @@ def _python() -> str:
 
 
 def train_command(name: str, flags: list[str], seed: int) -> list[str]:
-    return [_python(), "-m", "fusedres.apps.train", "--config", "digits", "--model", "preact_resnet",
-            *flags, "--seed", str(seed), "--threads", "1", "--no-progress",
+    return [_python(), "-m", "fusedres.apps.train", "--config", "digits", "--model",
+            "preact_resnet", *flags, "--seed", str(seed), "--threads", "1", "--no-progress",
             "--out", str(RUNS / f"{name}-s{seed}")]
 
 
