@@ -71,6 +71,57 @@ def test_checkpoint_write_error_is_an_oserror_with_the_cause(tmp_path, monkeypat
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
+def _fsync_fails_for(monkeypatch, name: str) -> None:
+    """The disk fills as ``name`` (config.yaml, summary.json: written to a temporary file with
+    its suffix, then renamed) is flushed to disk; every other file is written."""
+    real = os.fsync
+    suffix = os.path.splitext(name)[1]
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(suffix):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def _metrics_fill_disk(monkeypatch) -> None:
+    """The disk fills as the metrics log appends its first record after the run started."""
+    from fusedres.train import metrics
+
+    real = metrics.MetricsLog._write
+
+    def write(self, f, record):
+        if f is self._file:
+            f.write('{"kind": "train", "iter')  # half a line, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, f, record)
+
+    monkeypatch.setattr(metrics.MetricsLog, "_write", write)
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "config.yaml", "summary.json"])
+def test_full_disk_on_a_run_file_is_one_line_naming_it(tmp_path, monkeypatch, capfd, name):
+    """Not only checkpoints: the metrics log, config.yaml and the summary end the run with one
+    line naming the file and exit code 1, no traceback, no temporary file left, the lock let go."""
+    out = tmp_path / "run"
+    if name == "metrics.jsonl":
+        _metrics_fill_disk(monkeypatch)
+    else:
+        _fsync_fails_for(monkeypatch, name)
+    code = main([*TINY, "--max-iters", "3", "--out", str(out)])
+    err = capfd.readouterr().err.strip()
+    assert code == 1, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.splitlines()[-1] == (f"fusedres train: error: cannot write {str(out / name)!r}: "
+                                    f"{os.strerror(errno.ENOSPC)}"), err
+    assert not [p for p in out.iterdir() if p.name.startswith(".tmp-") or p.suffix == ".tmp"]
+    monkeypatch.undo()
+    RunLock(out).release()  # the failed run let go of --out
+    if name == "summary.json":  # the run's last checkpoint was written before the summary
+        assert ckpt.load(out / "checkpoints" / "iter_00000003.pt")["iteration"] == 3
+
+
 # --------------------------------------------------------------------------- the --out lock
 
 def test_a_second_trainer_on_a_locked_out_exits_2_naming_it_and_the_holder(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """The memory-efficient algorithm written with PyTorch ops. Runs on any device.
 
-Forward and backward build the activation ``a = relu(scale * x + shift)`` as a temporary that dies
-inside the call; only ``x`` and per-channel vectors live between forward and backward.
+Forward and backward build the activation ``a = relu((x - mean) * scale + beta)`` as a temporary
+that dies inside the call; only ``x`` and per-channel vectors live between forward and backward.
 """
 
 from __future__ import annotations
@@ -29,13 +29,29 @@ def unavailable_reason(device: torch.device) -> str | None:
 def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     xs = x.to(stats_dtype(x.dtype))
     # The mean as a (pairwise) sum, as BatchNorm does: an inf input gives an inf mean, not the
-    # NaN a Welford update would produce. The variance is Welford's (stable for large means).
-    return xs.mean(dim=_REDUCE), torch.var(xs, dim=_REDUCE, correction=0)
+    # NaN a Welford update would produce. That sum rounds at |mean|'s scale, an error a few
+    # times float32's epsilon times |mean| / std in units of the spread (4x the rounding of
+    # an exact mean, where BatchNorm's and the CPU kernels' double sums round once): corrected
+    # by the mean of the centred x, whose terms are the spread's size. The variance of the
+    # centred x (Welford's) is the variance of x.
+    m0 = xs.mean(dim=_REDUCE)
+    var, dm = torch.var_mean(xs - m0.view(1, -1, 1, 1), dim=_REDUCE, correction=0)
+    return torch.where(m0.isfinite(), m0 + dm, m0), var
 
 
-def _preactivation(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+def _preactivation(x: Tensor, bn, scale: Tensor) -> Tensor:
+    """``(x - mean) * scale + beta``, centred first as nn.BatchNorm2d is: the folded form
+    ``scale * x + shift`` rounds ``scale * x`` and ``shift`` (each as large as ``mean * scale``)
+    before they cancel, an error of float32's epsilon times ``|mean| / std`` in units of the
+    output, which a channel whose mean is large against its spread (an ImageNet network's last
+    stages at small input) turns into gradients several times further from float64 than
+    plain PyTorch's (tests/test_bn_relu_conv.py, the last stages' regime). The CPU and CUDA
+    kernels fold with a fused multiply-add, one rounding; ATen's addcmul is not one."""
     c = x.shape[1]
-    return torch.addcmul(shift.view(1, c, 1, 1), x.to(scale.dtype), scale.view(1, c, 1, 1))
+    z = x.to(scale.dtype) - bn.mean.view(1, c, 1, 1)
+    if bn.bn_bias is None:
+        return z.mul_(scale.view(1, c, 1, 1))
+    return torch.addcmul(bn.bn_bias.view(1, c, 1, 1), z, scale.view(1, c, 1, 1))
 
 
 def _per_sample(branch_scale: Tensor) -> Tensor:
@@ -45,8 +61,8 @@ def _per_sample(branch_scale: Tensor) -> Tensor:
 
 def bn_relu_conv2d(*inputs) -> Tensor:
     u = UnitArgs(*inputs)
-    scale, shift = scale_shift(u)
-    a = _preactivation(u.x, scale, shift).relu_().to(u.weight.dtype)
+    scale, _ = scale_shift(u)
+    a = _preactivation(u.x, u, scale).relu_().to(u.weight.dtype)
     y = F.conv2d(a, u.weight, u.bias, list(u.stride), list(u.padding), list(u.dilation))
     del a
     y = y.contiguous(memory_format=out_memory_format(u.x, u.weight))
@@ -68,10 +84,10 @@ def bn_relu_conv2d_backward(*inputs) -> tuple[Tensor, ...]:
     stride, padding, dilation = b.stride, b.padding, b.dilation
     want_x, want_w, want_b, want_g, want_beta = b.output_mask
     outs = list(backward_outputs(x, weight, mean, b.output_mask))
-    scale, shift = scale_shift(b)
+    scale, _ = scale_shift(b)
     if b.branch_scale is not None:  # the conv branch's gradient: branch_scale[n] * grad_out[n]
         grad_out = grad_out * _per_sample(b.branch_scale)
-    z = _preactivation(x, scale, shift)
+    z = _preactivation(x, b, scale)
     a = z.relu().to(weight.dtype)
     need_da = want_x or want_g or want_beta
     grad_a, grad_w, grad_b = torch.ops.aten.convolution_backward(

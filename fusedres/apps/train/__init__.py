@@ -7,9 +7,10 @@ fused BN-ReLU-conv blocks, on one device or many (torchrun), never losing a run.
         --data-dir /data/imagenet --sync-bn ...   # ImageFolder trees streamed from disk
 
 :func:`main` returns the exit code: 0 done, 2 a bad request (one line on stderr, nothing of an
-existing run touched), 1 a checkpoint that could not be written (a full disk: one line naming
-the file, the previous checkpoint intact), 128 + signal number when stopped by SIGTERM/SIGINT
-after checkpointing. The run directory is locked (``<out>/.lock``) while a run uses it.
+existing run touched), 1 a file of the run that could not be written (a checkpoint, the
+metrics log, config.yaml, the summary; a full disk: one line naming the file, the previous
+checkpoint intact), 128 + signal number when stopped by SIGTERM/SIGINT after checkpointing.
+The run directory is locked (``<out>/.lock``) while a run uses it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from fusedres import BackendUnavailableError
 
-from .checkpoint import CheckpointWriteError
+from .checkpoint import RunWriteError
 from .config import UsageError, resolve
 from .loop import Run
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, BackendUnavailableError) as e:
         print(f"fusedres train: error: {e}", file=sys.stderr)
         return 2
-    except CheckpointWriteError as e:  # a full disk: one line, the previous checkpoint kept
+    except RunWriteError as e:  # a full disk: one line naming the file, checkpoints kept
         print(f"fusedres train: error: {e}", file=sys.stderr)
         return 1
     finally:

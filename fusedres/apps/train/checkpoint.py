@@ -8,6 +8,7 @@ leaves either the old set or the new one. The newest ``keep`` are kept. Loading 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -18,8 +19,9 @@ from typing import Any, BinaryIO, Callable
 import numpy as np
 import torch
 
-__all__ = ["CheckpointError", "CheckpointWriteError", "FORMAT", "latest", "list_checkpoints",
-           "load", "rng_state", "save", "set_rng_state", "write_atomically"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "FORMAT", "RunWriteError", "latest",
+           "list_checkpoints", "load", "rng_state", "save", "set_rng_state", "write_atomically",
+           "writing"]
 
 FORMAT = "fusedres-train-checkpoint"
 VERSION = 1
@@ -30,9 +32,29 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names the file and why."""
 
 
-class CheckpointWriteError(OSError):
-    """A checkpoint that could not be written (a full disk, a quota, a read-only mount): the
-    message names the file, the cause and the previous checkpoint, which is left intact."""
+class RunWriteError(OSError):
+    """A file of the run (checkpoint, metrics log, config.yaml, summary) that could not be
+    written (a full disk, a quota, a read-only mount): the message names the file and the
+    cause. The trainer reports it as one line and exits 1."""
+
+
+class CheckpointWriteError(RunWriteError):
+    """A checkpoint that could not be written: the message names the file, the cause and the
+    previous checkpoint, which is left intact."""
+
+
+@contextlib.contextmanager
+def writing(path: str | Path):
+    """Turns an OSError raised inside the block into a :class:`RunWriteError` naming ``path``
+    (one that already names its file passes through)."""
+    try:
+        yield
+    except RunWriteError:
+        raise
+    except OSError as e:
+        err = RunWriteError(f"cannot write {str(path)!r}: {e.strerror or e}")
+        err.errno = e.errno
+        raise err from None
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:

@@ -761,11 +761,11 @@ class Run:
         resolved["out"] = str(self.out)
         resolved["resume"] = None
         given = f"# --config {self.cfg['config']}\n" if self.cfg.get("config") else ""
-        tmp = self.out / "config.yaml.tmp"
-        tmp.write_text("# fusedres train: the resolved configuration of this run\n"
-                       f"# {self.layout_line()}\n" + given
-                       + yaml.safe_dump(resolved, sort_keys=True))
-        os.replace(tmp, self.out / "config.yaml")
+        text = ("# fusedres train: the resolved configuration of this run\n"
+                f"# {self.layout_line()}\n" + given + yaml.safe_dump(resolved, sort_keys=True))
+        path = self.out / "config.yaml"
+        with ckpt.writing(path):
+            ckpt.write_atomically(path, lambda f: f.write(text.encode()))
 
     # ------------------------------------------------------------------ checkpoints
     def _state(self) -> dict[str, Any]:
@@ -1160,8 +1160,10 @@ class Run:
         if s.get("peak_memory_bytes") is None:
             s["peak_memory_bytes"] = M.peak_memory_bytes(self.device)
         table = M.summary_table(s)
-        (self.out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
-        (self.out / "summary.md").write_text(table + "\n")
+        for name, text in (("summary.json", json.dumps(s, indent=2) + "\n"),
+                           ("summary.md", table + "\n")):
+            with ckpt.writing(self.out / name):
+                ckpt.write_atomically(self.out / name, lambda f, t=text: f.write(t.encode()))
         png = M.plot(self.history, self.out / "curves.png",
                      f"{extra['label']} on {self.cfg['dataset']}")
         print(table)

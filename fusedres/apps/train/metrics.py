@@ -8,6 +8,7 @@ record after the checkpoint's iteration is kept twice.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .checkpoint import writing
 
 __all__ = ["MetricsLog", "format_bytes", "peak_memory_bytes", "plot", "summary"]
 
@@ -49,12 +52,17 @@ class MetricsLog:
         self.records = list(history)
         # Rewrite from the checkpoint's history (atomic), then append.
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        with open(tmp, "w", newline="") as f:
-            self._write_header(f)
-            for r in self.records:
-                self._write(f, r)
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a", newline="")
+        with writing(self.path):
+            try:
+                with open(tmp, "w", newline="") as f:
+                    self._write_header(f)
+                    for r in self.records:
+                        self._write(f, r)
+                os.replace(tmp, self.path)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                raise
+            self._file = open(self.path, "a", newline="")
         self.tb = None
         self.tb_note = None
         if tensorboard:
@@ -77,15 +85,25 @@ class MetricsLog:
 
     def add(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        self._write(self._file, record)
-        self._file.flush()
+        with writing(self.path):
+            try:
+                self._write(self._file, record)
+                self._file.flush()
+            except OSError:
+                # Closed now, the unwritten rest dropped, so that the file's finaliser does not
+                # report the same error again at exit.
+                with contextlib.suppress(OSError):
+                    self._file.close()
+                raise
         if self.tb is not None:
             for k, v in record.items():
                 if k not in ("kind", "iteration", "epoch") and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"{record['kind']}/{k}", v, record["iteration"])
 
     def close(self) -> None:
-        self._file.close()
+        if not self._file.closed:
+            with writing(self.path):
+                self._file.close()
         if self.tb is not None:
             self.tb.close()
 
@@ -121,8 +139,11 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> Path | None:
         axes[0].set_yscale("log")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with writing(path):
+            fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
     return path
 
 
