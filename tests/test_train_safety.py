@@ -87,7 +87,7 @@ def _fsync_fails_for(monkeypatch, name: str) -> None:
 
 def _metrics_fill_disk(monkeypatch) -> None:
     """The disk fills as the metrics log appends its first record after the run started."""
-    from fusedres.train import metrics
+    from fusedres.apps.train import metrics
 
     real = metrics.MetricsLog._write
 

@@ -20,7 +20,7 @@ medians (:func:`fusedres.apps.experiments.figures.quantile`) and is marked where
 Runs trained with ``--log-grad-norms`` also give ``grad_norms.png``: each unit's gradient norms
 (at its input, of its parameters) against its depth, log-scale, per variant the median over its
 seeds and logged iterations with the interquartile band, and each run's first record dotted
-(:func:`grad_norm_figure`; what the norms are: :mod:`fusedres.train.gradnorms`).
+(:func:`grad_norm_figure`; what the norms are: :mod:`fusedres.apps.train.gradnorms`).
 
 Writes ``compare.md``, ``compare.json`` and ``compare.png`` to --out (default: ``compare`` in the
 runs' common parent directory).
@@ -57,7 +57,7 @@ IGNORED = frozenset({
     "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "log_format",
     "tensorboard", "progress", "workers", "config", "log_grad_norms"})
 
-# The two norms of a grad_norms record (fusedres.train.gradnorms), with their axis labels.
+# The two norms of a grad_norms record (fusedres.apps.train.gradnorms), with their axis labels.
 GRAD_NORMS = {"input_grad_norm": "||dL/dx||, gradient at the unit's input (L2, whole batch)",
               "param_grad_norm": "||dL/dθ||, gradient of the unit's parameters (L2)"}
 

@@ -157,7 +157,7 @@ def trajectory(run, ignore_biasbn: bool = True) -> tuple[dict[str, Any], list[di
     Returns the path (``{"checkpoints", "iterations", "x", "y", "explained_variance"}``, the
     final weights at the origin and last in the lists) and the two directions as
     ``{name: tensor}`` dicts in each parameter's shape (CPU float32), for :class:`_Weights`."""
-    from fusedres.train import checkpoint as ckpt
+    from fusedres.apps.train import checkpoint as ckpt
 
     names = [n for n, p in perturbable_parameters(run.model)
              if not (ignore_biasbn and p.dim() <= 1)]

@@ -98,7 +98,7 @@ DEFAULTS: dict[str, Any] = {
     "eval_every": None,
     "log_every": 50,
     # --log-grad-norms [N]: per-unit gradient norms every N iterations (a multiple of
-    # --log-every; the flag alone: every --log-every); None: off. fusedres.train.gradnorms.
+    # --log-every; the flag alone: every --log-every); None: off. fusedres.apps.train.gradnorms.
     "log_grad_norms": None,
     "log_format": "jsonl",
     "tensorboard": True,

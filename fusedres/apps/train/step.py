@@ -127,7 +127,7 @@ class TrainStep:
         # --label-smoothing: torch's own loss (its smoothing is a device computation).
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.amp_dtype, self.device_type, self.mark_step = amp_dtype, device_type, mark_step
-        # --log-grad-norms: a fusedres.train.gradnorms.GradNormProbe; when armed, it measures
+        # --log-grad-norms: a fusedres.apps.train.gradnorms.GradNormProbe; when armed, it measures
         # the gradients between the backward and the optimizer step (on the device).
         self.probe = probe
 
