@@ -239,6 +239,27 @@ def _x_operands(x_ptr, row_off, row_ok, c, c_ok, C, sxc, scale_ptr, shift_ptr, b
 
 
 @triton.jit
+def _wgrad_store(dw_ptr, off, out_mask, w_ptr, w_off, s1_ptr, s2_ptr, row, gamma_ptr, beta_ptr,
+                 c, c_ok, C, acc1, acc2, acc_t, SUMS: tl.constexpr, INTERP_BF16: tl.constexpr):
+    """The finish of a weight-gradient program: its tile into ``dw_ptr + off`` (float32
+    partials per split, or the weight gradient itself when SPLIT is 1). With SUMS, dW = gamma *
+    G2 + beta * G1, and the BN sums' partials, W * G1 and W * G2 summed over the program's
+    output channels (and taps), into row ``row`` of s1 and s2: everything is linear in G1, G2,
+    so they are reduced here, per split, instead of stored."""
+    out_t = dw_ptr.dtype.element_ty
+    if SUMS:
+        wt = tl.load(w_ptr + w_off, mask=out_mask, other=0.0).to(acc_t)
+        tl.store(s1_ptr + row * C + c, tl.sum(wt * acc1, axis=0), mask=c_ok)
+        tl.store(s2_ptr + row * C + c, tl.sum(wt * acc2, axis=0), mask=c_ok)
+        gam = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(acc_t)
+        bet = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(acc_t)
+        tl.store(dw_ptr + off, cast(gam[None, :] * acc2 + bet[None, :] * acc1, out_t,
+                                    INTERP_BF16), mask=out_mask)
+    else:
+        tl.store(dw_ptr + off, cast(acc1, out_t, INTERP_BF16), mask=out_mask)
+
+
+@triton.jit
 def _wgrad_taps(
     dy_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr, w_ptr, gamma_ptr, beta_ptr,
     dw_ptr, s1_ptr, s2_ptr, bscale_ptr,
@@ -345,23 +366,15 @@ def _wgrad_taps(
             ih = tl.where(carry, ih - H, ih)
             n += qn + carry.to(tl.int32)
     off = split * sgs + co[:, None] * sgo + c[None, :] * sgc + (i * sgh + j * sgw)[:, None]
-    out_t = dw_ptr.dtype.element_ty
     out_mask = r_ok[:, None] & c_ok[None, :]
     if SUMS:
         if X16:
             acc2 = (acc2 - mu.to(acc_t)[None, :] * acc1) * inv.to(acc_t)[None, :]
-        # The BN sums' partials, summed over the program's output channels and taps.
-        wt = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + (i * swh + j * sww)[:, None],
-                     mask=out_mask, other=0.0).to(acc_t)
-        row = (split * tl.num_programs(0) + pid_m) * groups + tg
-        tl.store(s1_ptr + row * C + c, tl.sum(wt * acc1, axis=0), mask=c_ok)
-        tl.store(s2_ptr + row * C + c, tl.sum(wt * acc2, axis=0), mask=c_ok)
-        gam = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(acc_t)
-        bet = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(acc_t)
-        tl.store(dw_ptr + off, cast(gam[None, :] * acc2 + bet[None, :] * acc1, out_t,
-                                    INTERP_BF16), mask=out_mask)
-    else:
-        tl.store(dw_ptr + off, cast(acc1, out_t, INTERP_BF16), mask=out_mask)
+    # The BN sums' partials, summed over the program's output channels and taps.
+    w_off = co[:, None] * swo + c[None, :] * swc + (i * swh + j * sww)[:, None]
+    row = (split * tl.num_programs(0) + pid_m) * groups + tg
+    _wgrad_store(dw_ptr, off, out_mask, w_ptr, w_off, s1_ptr, s2_ptr, row, gamma_ptr, beta_ptr,
+                 c, c_ok, C, acc1, acc2, acc_t, SUMS, INTERP_BF16)
 
 
 @triton.jit
@@ -504,21 +517,11 @@ def wgrad_kernel(
         # dW: float32 partials (split, Co, C, KH, KW), or the weight gradient itself when SPLIT
         # is 1.
         off = split * sgs + co[:, None] * sgo + c[None, :] * sgc + i * sgh + j * sgw
-        out_t = dw_ptr.dtype.element_ty
         out_mask = co_ok[:, None] & c_ok[None, :]
-        if SUMS:
-            # Everything is linear in G1, G2: reduce them here, per split, instead of storing both.
-            wt = tl.load(w_ptr + co[:, None] * swo + c[None, :] * swc + i * swh + j * sww,
-                         mask=out_mask, other=0.0).to(acc_t)
-            row = (split * tl.num_programs(0) + pid_m) * taps + t
-            tl.store(s1_ptr + row * C + c, tl.sum(wt * acc1, axis=0), mask=c_ok)
-            tl.store(s2_ptr + row * C + c, tl.sum(wt * acc2, axis=0), mask=c_ok)
-            gam = tl.load(gamma_ptr + c, mask=c_ok, other=0.0).to(acc_t)
-            bet = tl.load(beta_ptr + c, mask=c_ok, other=0.0).to(acc_t)
-            tl.store(dw_ptr + off, cast(gam[None, :] * acc2 + bet[None, :] * acc1, out_t,
-                                        INTERP_BF16), mask=out_mask)
-        else:
-            tl.store(dw_ptr + off, cast(acc1, out_t, INTERP_BF16), mask=out_mask)
+        w_off = co[:, None] * swo + c[None, :] * swc + i * swh + j * sww
+        row = (split * tl.num_programs(0) + pid_m) * taps + t
+        _wgrad_store(dw_ptr, off, out_mask, w_ptr, w_off, s1_ptr, s2_ptr, row, gamma_ptr,
+                     beta_ptr, c, c_ok, C, acc1, acc2, acc_t, SUMS, INTERP_BF16)
         if HAS_DB:
             if pid_nt == 0:
                 tl.store(db_ptr + split * Co + co, db, mask=co_ok)

@@ -226,10 +226,6 @@ _SIZE_SUFFIXES = {".py", ".c", ".cc", ".cpp", ".h", ".hpp", ".cu", ".cuh"}
 # Still over, to be split (issue 39): the CUDA kernels' main loops and the backward op's host
 # code. The list only shrinks: a function split below the bounds must leave it.
 KNOWN_OVER = {
-    # Split once (its dW store and BN-sum partials in a @triton.jit helper), the compiled sm_90
-    # wgrad_sums loop gained an instruction (320 against GPU_MODEL.md's 319): kept whole until
-    # the table is regenerated with it (make gpu-model).
-    "kernels/bn_relu_conv2d_wgrad.py wgrad_kernel",
     "csrc/cuda/bn_relu_conv2d.cu fusedres::FUSEDRES_CUDA_NS::bn_relu_conv2d_fwd_mma_kernel",
     "csrc/cuda/bn_relu_conv2d_backward.cu fusedres::FUSEDRES_CUDA_NS::dgrad_mma_kernel",
     "csrc/cuda/bn_relu_conv2d_backward.cu fusedres::FUSEDRES_CUDA_NS::wgrad_mma_kernel",
