@@ -16,15 +16,14 @@ import torch
 from benchutil import QUICK
 from fusedres.apps.bench.units import make_case, make_step, saved_bytes_of
 from fusedres.models.unit_shapes import GPU_CONVS, QUICK_CONVS
-
-traffic = pytest.importorskip("fusedres.kernels.traffic")
+from tools.perfmodel.traffic import full_report
 
 TABLE = os.path.join(os.path.dirname(__file__), "TRAFFIC.md")
 
 
 def test_traffic_model_report(benchmark, report):
     """Times building the model (trivial); the point is the table it prints and writes."""
-    text = benchmark(traffic.full_report)
+    text = benchmark(full_report)
     print("\n" + text)
     with open(TABLE, "w") as f:
         f.write("# Modeled traffic of one training step (a model, not a measurement)\n\n"

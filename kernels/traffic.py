@@ -16,9 +16,9 @@ Rules, the same for both sides:
 * Modeled time: each kernel max(bytes / (bandwidth x e_dram), FLOPs / (tensor-core rate x
   e_tensor)), summed (H100 SXM: 3.35 TB/s; 989 TFLOP/s 16-bit, 494 TF32, 67 float64). The
   efficiencies are an :class:`Efficiency`: ``ROOFLINE`` (1.0, 1.0: every kernel at 100% of the
-  roofline) or :func:`modeled_efficiency`: the DRAM efficiency and sustained tensor fraction of
-  the calibrated GPU model (tools/perfmodel), with per-kernel tensor fractions where the SASS
-  model gives them (benchmarks/GPU_MODEL.md has the kernel-by-kernel model).
+  roofline) or the calibrated GPU model's DRAM efficiency and sustained tensor fraction
+  (tools/perfmodel/traffic.py, a developer tool), with per-kernel tensor fractions where the
+  SASS model gives them (benchmarks/GPU_MODEL.md has the kernel-by-kernel model).
 
 The fused step: batch statistics (dropped when the producer's epilogue ``genstats`` made them),
 forward, the weight-gradient pass (which also yields the BatchNorm backward sums: two GEMMs),
@@ -97,16 +97,6 @@ class Efficiency:
 
 
 ROOFLINE = Efficiency()
-
-
-def modeled_efficiency(per_kernel: dict[str, float] | None = None) -> Efficiency:
-    """The calibrated GPU model's H100 efficiencies (tools/perfmodel/model.py): DRAM at
-    ``DRAM_EFFICIENCY`` of the spec bandwidth, GEMMs at the sustained tensor fraction fitted on
-    published cuBLAS figures, or at ``per_kernel`` fractions (from the SASS model)."""
-    from tools.perfmodel import model
-
-    return Efficiency(model.DRAM_EFFICIENCY, model.TENSOR_SUSTAINED[90],
-                      tuple(sorted((per_kernel or {}).items())))
 
 
 @dataclass
@@ -459,12 +449,3 @@ def report(units=None, genstats: bool = False, strategy: str = "sums",
                      f"{ta * 1e6:>11.1f}{tb * 1e6:>10.1f}{tb / ta:>7.2f}")
     return "\n".join(lines)
 
-
-def full_report() -> str:
-    return "\n\n".join((report(), report(genstats=True), report(strategy="store"),
-                        report(kernels="cuda"), report(genstats=True, kernels="cuda"),
-                        report(eff=modeled_efficiency())))
-
-
-if __name__ == "__main__":
-    print(full_report())

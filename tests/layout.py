@@ -267,10 +267,6 @@ TOOL_IMPORTS = {
     # `fusedres bench` on a GPU puts the performance model's MODELED time beside each measured
     # one when run from a checkout; elsewhere the column is left out with a warning.
     ("fusedres.apps.bench.units", "tools.perfmodel.units"),
-    # traffic.modeled_efficiency: the traffic report's table at the calibrated model's
-    # efficiencies (the report is a developer's table; auto_strategy, the library's use of
-    # the traffic model, runs at the roofline and needs no tool).
-    ("fusedres.kernels.traffic", "tools.perfmodel.model"),
 }
 
 

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("triton")
 
 from fusedres.kernels import traffic as T  # noqa: E402
+from tools.perfmodel import traffic as traffic_report  # noqa: E402
 
 
 @pytest.mark.parametrize("unit", T.CIFAR_UNITS + T.IMAGENET_UNITS, ids=lambda u: u.name)
@@ -59,7 +60,7 @@ def test_store_strategy_accounting():
     partials = next(k.read for k in store.kernels if k.name == "wgrad reduce")
     assert store.bytes - 2 * partials == pytest.approx(12 * u.act_in(), rel=0.05)
     assert store.flops < sums.flops
-    assert "backward strategy store" in T.full_report()
+    assert "backward strategy store" in traffic_report.full_report()
 
 
 def test_flops_count_padded_tiles():
@@ -132,22 +133,22 @@ def test_cuda_split_rule_splits_long_reductions():
     assert T.cuda_wgrad_split(T.Unit("256@14", 256, 256, 14, 256)) > 1
     assert T.cuda_wgrad_split(T.Unit("64@8", 128, 64, 8, 64)) == 3
     assert T.cuda_wgrad_split(T.Unit("tiny", 2, 16, 8, 16)) == 1
-    assert "CUDA C++ kernels" in T.full_report()
+    assert "CUDA C++ kernels" in traffic_report.full_report()
 
 
 def test_modeled_efficiency_slows_every_kernel():
     """The calibrated model's efficiencies (DRAM and sustained tensor fractions < 1) lengthen
     every kernel's time against the roofline; per-kernel fractions override the default."""
-    eff = T.modeled_efficiency()
+    eff = traffic_report.modeled_efficiency()
     assert 0 < eff.dram < 1 and 0 < eff.tensor < 1 and not eff.is_roofline
     mem = T.Kernel("k", read=3_350_000_000_000, write=0)
     assert mem.seconds(2, eff) == pytest.approx(1.0 / eff.dram)
     gemm = T.Kernel("fwd", read=0, write=0, flops=int(989e12))
     assert gemm.seconds(2, eff) == pytest.approx(1.0 / eff.tensor)
-    assert gemm.seconds(2, T.modeled_efficiency({"fwd": 0.25})) == pytest.approx(4.0)
+    assert gemm.seconds(2, traffic_report.modeled_efficiency({"fwd": 0.25})) == pytest.approx(4.0)
     u = T.CIFAR_UNITS[0]
     assert T.fused_step(u).seconds(2, eff) > T.fused_step(u).seconds(2)
-    assert "modeled efficiency" in T.full_report()
+    assert "modeled efficiency" in traffic_report.full_report()
 
 
 def test_fp32_modelled_with_tf32_tiles(monkeypatch):
