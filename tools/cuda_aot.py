@@ -8,12 +8,18 @@ from the PTX), and the resident blocks per SM and occupancy that follow from the
 
 A kernel that uses dynamic shared memory declares its largest launch for the table with a comment
 in its .cu file: ``// cuda_aot: <kernel name> dynamic_smem=<bytes>``.
+
+nvcc's outputs are kept in build/nvcc-cache (:func:`compile_cached`): the performance model
+(tools/perfmodel/cuda_sass.py) reads the SASS of the same objects, and CI's slow step runs both.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import glob
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -73,8 +79,9 @@ def nvcc_command(nvcc: str, src: str, obj: str, keep_dir: str, archs=ARCHS) -> l
     if os.path.isdir(cu13):
         includes.append(os.path.abspath(cu13))
     includes.append(sysconfig.get_paths()["include"])
+    # --threads 0: the architectures' device compiles run in parallel (one process per arch).
     cmd = [nvcc, "-c", src, "-o", obj, "-std=c++20", "-O3", "-Xptxas", "-v", "--keep",
-           "--keep-dir", keep_dir, "-Xcompiler", "-fPIC",
+           "--keep-dir", keep_dir, "--threads", "0", "-Xcompiler", "-fPIC",
            "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C"]
     cmd += list(cpp_extension.COMMON_NVCC_FLAGS)
     for arch in archs:
@@ -195,26 +202,101 @@ def _short(name: str) -> str:
     return re.sub(r"^void ", "", name)
 
 
-def compile_file(nvcc: str, src: str, archs=ARCHS) -> tuple[list[Kernel], float]:
-    with tempfile.TemporaryDirectory(prefix="fusedres_cuda_aot_") as tmp:
-        obj = os.path.join(tmp, "out.o")
+@dataclass
+class Compiled:
+    """nvcc's object for one source (every architecture's code), ptxas's ``-v`` report, the
+    threads per block each entry declares (from the PTX) and the compile's seconds."""
+
+    obj: bytes
+    log: str
+    threads: dict[str, int]
+    seconds: float
+
+
+CACHE_DIR = os.path.join(ROOT, "build", "nvcc-cache")
+
+
+def _cache_key(nvcc: str, src: str, archs) -> str:
+    """What the output depends on: the command (paths of the output left out), nvcc itself, the
+    torch headers' version and every source under the csrc/ folder ``src`` is in (a header change
+    recompiles every file)."""
+    import torch
+
+    h = hashlib.sha256()
+    h.update("\0".join(nvcc_command(nvcc, src, "OUT", "KEEP", archs)).encode())
+    real = os.path.realpath(nvcc)
+    st = os.stat(real)
+    h.update(f"{real}:{st.st_size}:{st.st_mtime_ns}:{torch.__version__}".encode())
+    csrc = os.path.dirname(os.path.dirname(os.path.abspath(src)))
+    for path in sorted(glob.glob(os.path.join(csrc, "**", "*"), recursive=True)):
+        if path.endswith((".cu", ".cuh", ".h", ".hpp", ".cpp")):
+            h.update(os.path.relpath(path, csrc).encode() + b"\0")
+            with open(path, "rb") as f:
+                h.update(f.read())
+    base = os.path.splitext(os.path.basename(src))[0]
+    return f"{base}-sm{'-'.join(map(str, archs))}-{h.hexdigest()[:20]}"
+
+
+def _compile_into(nvcc: str, src: str, archs, entry: str) -> None:
+    """Compile ``src`` into a fresh folder, then rename it to ``entry``: an entry is whole or
+    absent. Other entries of the same file and architectures (older sources) are removed."""
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=CACHE_DIR)
+    try:
+        keep = os.path.join(tmp, "keep")
+        os.mkdir(keep)
         start = time.perf_counter()
-        res = subprocess.run(nvcc_command(nvcc, src, obj, tmp, archs), capture_output=True,
-                             text=True)
+        res = subprocess.run(nvcc_command(nvcc, src, os.path.join(tmp, "out.o"), keep, archs),
+                             capture_output=True, text=True)
         seconds = time.perf_counter() - start
         if res.returncode != 0:
             raise RuntimeError(f"nvcc failed on {src}:\n{res.stdout}{res.stderr}")
-        kernels = parse_ptxas(res.stdout + res.stderr, os.path.relpath(src, ROOT))
-        threads = ptx_threads(tmp)
+        meta = {"threads": ptx_threads(keep), "seconds": seconds}
+        shutil.rmtree(keep)  # the intermediates: PTX, cubins, preprocessed sources
+        with open(os.path.join(tmp, "ptxas.log"), "w") as f:
+            f.write(res.stdout + res.stderr)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f)
+        prefix = os.path.basename(entry).rsplit("-", 1)[0] + "-"
+        for old in glob.glob(os.path.join(CACHE_DIR, glob.escape(prefix) + "*")):
+            if not old.endswith(".lock"):
+                shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, entry)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def compile_cached(nvcc: str, src: str, archs=ARCHS) -> Compiled:
+    """nvcc's outputs for ``src``, from build/nvcc-cache when its inputs are unchanged. A lock
+    per entry: processes asking for the same one at once (pytest-xdist workers) compile once."""
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    key = _cache_key(nvcc, src, archs)
+    entry = os.path.join(CACHE_DIR, key)
+    with open(os.path.join(CACHE_DIR, key.rsplit("-", 1)[0] + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(entry, "meta.json")):
+            _compile_into(nvcc, src, archs, entry)
+        with open(os.path.join(entry, "out.o"), "rb") as f:
+            obj = f.read()
+        with open(os.path.join(entry, "ptxas.log")) as f:
+            log = f.read()
+        with open(os.path.join(entry, "meta.json")) as f:
+            meta = json.load(f)
+    return Compiled(obj, log, meta["threads"], meta["seconds"])
+
+
+def compile_file(nvcc: str, src: str, archs=ARCHS) -> tuple[list[Kernel], float]:
+    """The table's rows for ``src`` and its compile's seconds (the first compile's, when cached)."""
+    compiled = compile_cached(nvcc, src, archs)
+    kernels = parse_ptxas(compiled.log, os.path.relpath(src, ROOT))
     text = open(src).read()
     dynamic = {m.group(1): int(m.group(2)) for m in _DYN.finditer(text)}
     names = demangle(sorted({k.mangled for k in kernels}))
     for k in kernels:
         k.name = names[k.mangled]
-        k.threads = threads.get(k.mangled)
+        k.threads = compiled.threads.get(k.mangled)
         base = k.name.split("<")[0]
         k.dynamic_smem = dynamic.get(base, 0)
-    return kernels, seconds
+    return kernels, compiled.seconds
 
 
 def table(kernels: list[Kernel]) -> str:

@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import sass
@@ -99,21 +100,15 @@ def _short(demangled: str) -> str:
 
 
 def compile_object(src: str, archs=(80, 90)) -> bytes:
-    """nvcc's object for ``src`` (csrc/cuda/*.cu), sm_80 and sm_90 code; raises
-    FileNotFoundError when nvcc is missing, RuntimeError when it fails."""
+    """nvcc's object for ``src`` (csrc/cuda/*.cu), sm_80 and sm_90 code, the one
+    tools/cuda_aot.py's table reads (cached in build/nvcc-cache); raises FileNotFoundError when
+    nvcc is missing, RuntimeError when it fails."""
     from .. import cuda_aot
 
     nvcc = cuda_aot.find_nvcc()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found on PATH or under CUDA_HOME")
-    with tempfile.TemporaryDirectory(prefix="fusedres_perfmodel_") as tmp:
-        obj = os.path.join(tmp, "k.o")
-        res = subprocess.run(cuda_aot.nvcc_command(nvcc, src, obj, tmp, archs),
-                             capture_output=True, text=True, check=False)
-        if res.returncode != 0:
-            raise RuntimeError(f"nvcc failed on {src}: {res.stderr[-2000:]}")
-        with open(obj, "rb") as f:
-            return f.read()
+    return cuda_aot.compile_cached(nvcc, src, tuple(archs)).obj
 
 
 def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
@@ -180,11 +175,11 @@ def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
 def cuda_rows(root: str) -> list[CudaKernelRow]:
     from .. import cuda_aot
 
-    rows = []
-    for src in cuda_aot.sources(root):
-        rel = os.path.relpath(src, root)
-        rows += analyse_object(compile_object(src), rel)
-    return rows
+    srcs = cuda_aot.sources(root)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # nvcc runs in its own processes
+        objs = list(pool.map(compile_object, srcs))
+    return [row for src, obj in zip(srcs, objs)
+            for row in analyse_object(obj, os.path.relpath(src, root))]
 
 
 def table(rows: list[CudaKernelRow]) -> list[str]:
