@@ -164,9 +164,8 @@ def pick_config(x: torch.Tensor) -> KernelConfig:
 def pick_split(tiles: int, c_blocks: int, sms: int) -> int:
     """Programs a channel block: enough for ~4 waves on ``sms`` SMs, but no fewer than 2 tiles
     a program and no more than 128 partial rows a channel (stats_combine merges them one block
-    of rows at a time): CIFAR's 64-channel 8x8 unit, batch 128, 8 -> 32 programs a channel
-    block, H100 6.2 -> 3.6 us modeled (the program's float64 merge amortised over fewer
-    tiles). kernels/traffic.py counts the partials with it."""
+    of rows at a time), so a program's float64 merge is amortised over fewer tiles
+    (kernels/TUNING.md has the figure). kernels/traffic.py counts the partials with it."""
     return max(1, min(cdiv(4 * sms, c_blocks), cdiv(tiles, 2), 128))
 
 

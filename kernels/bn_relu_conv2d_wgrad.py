@@ -609,13 +609,10 @@ def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms
     16-bit dy and x the pass reads plus the float32 partials (a (Co, C, kh, kw) tile per
     split, written and read). Splits up to twice the smallest that gives ``sms`` programs,
     >= 4 K-steps a program; the smaller on ties. So the grid fills the SMs where the pass is
-    compute-bound: C = Co = 256 at 14x14, batch 256 on 132 SMs, SUMS 128x64 tiles: 72 tiles ->
-    split 3, 216 programs (the old rule, ~2 waves capped at partials <= 1/8 of the operand
-    bytes, gave split 1: 72 programs of 64x128); plain 128x128: 36 tiles -> split 7, 252.
-    The partials' traffic is capped at half the operand bytes, which keeps a step's DRAM bytes
-    under half the plain sequence's (tests/test_traffic_model.py); it costs time where the
-    grid is small: CIFAR's 64-channel 8x8 unit, batch 128, split 3, 27 programs (H100, fp16,
-    tools.perfmodel: 9 us of wgrad with split 29 instead of 21, but 0.80x the plain bytes)."""
+    compute-bound. The partials' traffic is capped at half the operand bytes, which keeps a
+    step's DRAM bytes under half the plain sequence's (tests/test_traffic_model.py), at some
+    time where the grid is small. Worked examples: kernels/TUNING.md, "Splits and their
+    reduce"."""
     bm, bn, bk = cfg.meta["BLOCK_M"], cfg.meta["BLOCK_N"], cfg.meta["BLOCK_K"]
     bt = taps_of(cfg)
     tiles = cdiv(co, bm) * cdiv(c, bn) * cdiv(kh * kw, bt)
@@ -625,10 +622,8 @@ def pick_split(co: int, c: int, kh: int, kw: int, m: int, cfg: KernelConfig, sms
     if gemms == 1:
         # The "store" plan's weight gradient: no cap on the partials' bytes (that plan trades
         # bytes for a GEMM anyway) and splits up to WAVE_SPLITS, so that a grid of a little
-        # more than the SMs is cut finer (C = Co = 512 at 7x7: 144 tiles on 132 SMs, the
-        # second wave 12 programs: split 1 -> 4, H100 wgrad + reduce 205 -> 150 us, MODELED);
-        # the partials' read-back is priced as the launch after this one, not overlapped
-        # (by tools.perfmodel's SASS model split 4 beats 11 there, whose reduce is 38 us).
+        # more than the SMs is cut finer (kernels/TUNING.md); the partials' read-back is priced
+        # as the launch after this one, not overlapped.
         cap = min(max(1, k_iters // 4), max(2 * cdiv(sms, tiles), WAVE_SPLITS))
     else:
         cap = min(2 * cdiv(sms, tiles), max(1, k_iters // 4),

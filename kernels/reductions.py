@@ -373,10 +373,9 @@ class ReducePlan:
             split, co = db_shape
         # A small weight gradient (fewer than 16 column blocks: 16- and 32-channel 3x3s)
         # split many ways (the taps form's 36-44 splits) sums up to 16 splits a step, over
-        # BLOCK_K / 16 columns: more, shorter programs (CIFAR 16@32, H100: 37 programs of 3
-        # steps, 5.1 -> 3.4 us modeled, instead of 4 of 44). Larger ones keep BLOCK_K columns
-        # a split a step: the (16, 64) tile's sum over its rows runs through shared memory
-        # (ImageNet 64@56: 4.4 -> 8.8 us).
+        # BLOCK_K / 16 columns: more, shorter programs. Larger ones keep BLOCK_K columns a
+        # split a step: the (16, 64) tile's sum over its rows would run through shared
+        # memory. Figures: kernels/TUNING.md, "Splits and their reduce".
         split_r = min(16, triton.next_power_of_2(split)) \
             if cdiv(max(k, co), cfg.meta["BLOCK_K"]) < 16 else 1
         bk = cfg.meta["BLOCK_K"] // split_r

@@ -226,11 +226,10 @@ def keep_freed_memory() -> tuple[bool, str]:
 
     Why: with glibc's defaults a training step's large blocks are mmapped or trimmed and then
     faulted in again on the next step, depending on the history of the process (its dynamic
-    thresholds). Measured here (2-core Xeon, 1 thread, one 48-channel 3x3 stride-2 unit on
-    channels_last tensors): the plain unit took 2,240 page faults and 3.1 ms of system time a
-    9.0 ms step, 6.6 ms without them; in another order of the same candidates, none. Memory freed
-    stays with the process (its RSS holds the peak), so use it where speed, not the resident set,
-    is bounded: benchmarks, or training without a memory budget.
+    thresholds), so the same step is timed with or without page faults (docs/results-cpu.md
+    has a measured case). Memory freed stays with the process (its RSS holds the peak), so use
+    it where speed, not the resident set, is bounded: benchmarks, or training without a memory
+    budget.
 
     Process-wide, idempotent, affects blocks allocated from now on. Returns ``(True, what was
     set)``, or ``(False, why not)`` without glibc, when ``mallopt`` refuses, when
