@@ -22,6 +22,10 @@ export FUSEDRES_CPU_NATIVE ?= 1
 # for sm_80/sm_90). Where a GPU is visible (nvidia-smi -L) the nvcc copy is built too (auto).
 export FUSEDRES_BUILD_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo auto || echo 0)
 PYTEST_ARGS ?=
+# pytest-xdist spreads the test files over the machine's cores (a file's tests stay together, with
+# their module-scoped fixtures); PYTEST_JOBS=0 runs everything in one process (for -x, --pdb).
+PYTEST_JOBS ?= auto
+PYTEST_XDIST = -n $(PYTEST_JOBS) --dist loadfile
 # No second copy of what pip downloads in its cache: the venv is ~5.8 GB (torch's CUDA build), and
 # a CI run once ran out of disk while installing it.
 export PIP_NO_CACHE_DIR ?= 1
@@ -69,11 +73,11 @@ compare: install
 # The quick suite: the tests marked slow (tests/conftest.py's SLOW table: compiles, sanitizer
 # drivers, whole trainings, installs) and the full matrices are left to test-all and CI.
 test: install $(TEST_EXT)
-	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # Everything pytest runs in CI: the quick suite, the slow tests and the full matrices.
 test-all: install $(TEST_EXT)
-	$(PY) -m pytest tests --full-matrix $(PYTEST_ARGS)
+	$(PY) -m pytest tests --full-matrix $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # On a GPU: the kernels against the reference, with a table (on CPU: interpreter, small shapes).
 selftest: install
@@ -82,7 +86,7 @@ selftest: install
 # The CUDA kernels on CPU under ThreadSanitizer (one OS thread per CUDA thread): zero reports.
 # The test extension's sources built into a standalone driver (build/tsan), not the extension.
 tsan: install
-	$(PY) -m tools.cuda_tsan
+	$(PY) -m tools.cuda_tsan $(TSAN_ARGS)
 
 # The same kernel matrix under AddressSanitizer + UndefinedBehaviorSanitizer (build/asan): an
 # out-of-bounds access (global, or past a static __shared__ array) or undefined behaviour fails.
