@@ -18,7 +18,7 @@ import torch
 from fusedres.ops import _extension
 from tools import cuda_aot, cuda_tsan
 
-_WHY_NOT = _extension.load_cuda_host()
+_WHY_NOT = _extension.load_cuda_on_cpu()
 pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no test extension: {_WHY_NOT}")
 LT = torch.ops.fusedres_cuda_layer_test if _WHY_NOT is None else None
 HALF = [torch.float16, torch.bfloat16]

@@ -17,7 +17,7 @@ from fusedres.ops import _backend, _extension
 from tools import cuda_aot, cuda_tsan
 
 # The CPU copy of the kernels and the layer's test ops are the test extension's.
-_WHY_NOT = _extension.load_cuda_host()
+_WHY_NOT = _extension.load_cuda_on_cpu()
 pytestmark = pytest.mark.skipif(
     _WHY_NOT is not None or not _extension.has_kernels("fusedres_cuda", "CPU", "batch_stats"),
     reason=f"no CPU copy of the CUDA kernels: {_WHY_NOT}")
