@@ -2,6 +2,7 @@
 through it, the constructs it emulates, the mistakes it must catch (a missing barrier under
 ThreadSanitizer, a wrong lane mask), the nvcc compile table, and the cuda backend's switch."""
 
+import glob
 import os
 import re
 import shutil
@@ -196,8 +197,11 @@ def test_tsan_build_reports_the_wrong_mask(tsan_driver):
 
 
 def _kernel_names() -> set[str]:
+    """The kernels of every translation unit cuda_aot compiles (csrc/cuda/*.cu) and of the
+    headers they include (csrc/cuda/*.cuh: bn_relu_conv2d_backward.cu's kernel families)."""
     names = set()
-    for src in cuda_aot.sources():
+    headers = glob.glob(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "*.cuh"))
+    for src in cuda_aot.sources() + sorted(headers):
         names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)",
                                 open(src).read()))
     return names
