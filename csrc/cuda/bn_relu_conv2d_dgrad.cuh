@@ -13,6 +13,7 @@
 #include "bn_relu_conv2d_wgrad.cuh"  // wgrad_mma_operands: the operands both mma.sync kernels take
 #include "conv_tiles.cuh"
 #include "mma.cuh"
+#include "mma_tiles.cuh"
 #include "ops.h"
 
 namespace fusedres::FUSEDRES_CUDA_NS {
@@ -95,6 +96,27 @@ __device__ __forceinline__ void dgrad_store(
 template <typename T>
 constexpr int kDgradMinBlocks = T::THREADS >= 256 ? 2 : 4;
 
+// The block's rows: the phase (pa, pb)'s input pixels m0 + r on its HP x WP grid (Mp in all):
+// row_n[r] the sample (-1 past Mp), row_ih[r], row_iw[r] the input pixel (0 past Mp). The caller
+// synchronises before reading them.
+template <int BM, int THREADS>
+__device__ __forceinline__ void fill_phase_rows(int64_t* row_n, int32_t* row_ih, int32_t* row_iw,
+                                                int64_t m0, int64_t Mp, int64_t HP, int64_t WP,
+                                                int pa, int pb, const ConvGeom& g, int tid) {
+  for (int r = tid; r < BM; r += THREADS) {
+    const int64_t m = m0 + r;
+    if (m < Mp) {
+      const Pixel p = pixel_of(m, HP, WP);
+      row_n[r] = p.n;
+      row_ih[r] = pa + g.sh * p.h;
+      row_iw[r] = pb + g.sw * p.w;
+    } else {
+      row_n[r] = -1;
+      row_ih[r] = row_iw[r] = 0;
+    }
+  }
+}
+
 template <typename X, typename W, typename T>
 __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
     dgrad_kernel(const W* __restrict__ dy, const W* __restrict__ w, const X* __restrict__ x,
@@ -128,18 +150,7 @@ __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
   const int tid = threadIdx.x;
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * BN;
   const int64_t Cin = xd.c, Co = dyd.c;
-  for (int r = tid; r < BM; r += THREADS) {
-    const int64_t m = m0 + r;
-    if (m < Mp) {
-      const Pixel p = pixel_of(m, HP, WP);
-      row_n[r] = p.n;
-      row_ih[r] = pa + g.sh * p.h;
-      row_iw[r] = pb + g.sw * p.w;
-    } else {
-      row_n[r] = -1;
-      row_ih[r] = row_iw[r] = 0;
-    }
-  }
+  fill_phase_rows<BM, THREADS>(row_n, row_ih, row_iw, m0, Mp, HP, WP, pa, pb, g, tid);
   Accum<W, T> acc;
   acc.zero();
   const bool dy_channels_fast = dyd.sc == 1;
@@ -239,6 +250,25 @@ struct MmaDgrad {
 using MmaDgradSmall = MmaDgrad<64, 64, 2, 2>;
 using MmaDgradTall = MmaDgrad<128, 64, 4, 1>;
 
+// The taps that feed phase (pa, pb), by one thread: (ih + ph - i dh) a multiple of sh for every
+// row, with the shift (di, dj) from a row's phase-grid pixel to its output pixel at that tap
+// (exact). The caller synchronises before reading them.
+__device__ __forceinline__ void build_tap_list(int32_t* tap_list, int32_t* tap_di,
+                                               int32_t* tap_dj, int32_t& tap_count, int pa,
+                                               int pb, const ConvGeom& g) {
+  int n = 0;
+  for (int t = 0; t < g.kh * g.kw; ++t) {
+    const int ti = t / g.kw, tj = t % g.kw;
+    if (mod_pos(pa + g.ph - ti * g.dh, g.sh) == 0 && mod_pos(pb + g.pw - tj * g.dw, g.sw) == 0) {
+      tap_list[n] = t;
+      tap_di[n] = (pa + g.ph - ti * g.dh) / g.sh;
+      tap_dj[n] = (pb + g.pw - tj * g.dw) / g.sw;
+      ++n;
+    }
+  }
+  tap_count = n;
+}
+
 template <typename W, typename T>
 __global__ void __launch_bounds__(T::THREADS)
     dgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ wp, const W* __restrict__ x,
@@ -274,33 +304,8 @@ __global__ void __launch_bounds__(T::THREADS)
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int64_t c0 = static_cast<int64_t>(blockIdx.y) * BN;
   const int64_t Cin = xd.c, Co = dyd.c;
-  for (int r = tid; r < BM; r += THREADS) {
-    const int64_t m = m0 + r;
-    if (m < Mp) {
-      const Pixel p = pixel_of(m, HP, WP);
-      row_n[r] = p.n;
-      row_ih[r] = pa + g.sh * p.h;
-      row_iw[r] = pb + g.sw * p.w;
-    } else {
-      row_n[r] = -1;
-      row_ih[r] = row_iw[r] = 0;
-    }
-  }
-  if (tid == 0) {
-    // The taps that feed this phase: (ih + ph - i dh) a multiple of sh for every row, with the
-    // shift (di, dj) from a row's phase-grid pixel to its output pixel at that tap (exact).
-    int n = 0;
-    for (int t = 0; t < g.kh * g.kw; ++t) {
-      const int ti = t / g.kw, tj = t % g.kw;
-      if (mod_pos(pa + g.ph - ti * g.dh, g.sh) == 0 && mod_pos(pb + g.pw - tj * g.dw, g.sw) == 0) {
-        tap_list[n] = t;
-        tap_di[n] = (pa + g.ph - ti * g.dh) / g.sh;
-        tap_dj[n] = (pb + g.pw - tj * g.dw) / g.sw;
-        ++n;
-      }
-    }
-    tap_count = n;
-  }
+  fill_phase_rows<BM, THREADS>(row_n, row_ih, row_iw, m0, Mp, HP, WP, pa, pb, g, tid);
+  if (tid == 0) build_tap_list(tap_list, tap_di, tap_dj, tap_count, pa, pb, g);
   // A copied row's source: the element offset of dy[n, 0, h, w] at its phase-grid pixel (n, h,
   // w) and (h, w); a tap (di, dj) moves it to the output pixel (h + di, w + dj), the same shift
   // for every row. A row past the phase's pixels has h = kOutside, outside dy at every tap.
@@ -363,12 +368,7 @@ __global__ void __launch_bounds__(T::THREADS)
   };
 
   float acc[T::FM][T::FN][4];
-#pragma unroll
-  for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-    for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+  zero_acc(acc);
 
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
@@ -392,22 +392,8 @@ __global__ void __launch_bounds__(T::THREADS)
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       uint32_t fa[T::FM][4], fb[T::FN / 2][4];
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i) ptx::ldmatrix<4>(fa[i], &As[st][wm + 16 * i + lr][kk + lc]);
-#pragma unroll
-      for (int j = 0; j < T::FN / 2; ++j) {
-        ptx::ldmatrix<4, true>(fb[j], &Bs[st][kk + lr][wn + 16 * j + lc]);
-      }
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-        for (int j = 0; j < T::FN; ++j) {
-          const uint32_t b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
-          float d[4];
-          ptx::mma_m16n8k16<E>(d, fa[i], b, acc[i][j]);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[i][j][r] = d[r];
-        }
+      load_frags(fa, fb, As[st], Bs[st], wm, wn, kk, lr, lc);
+      mma_tiles<E>(acc, fa, fb);
     }
     st = st + 1 == STAGES ? 0 : st + 1;
     next_st = next_st + 1 == STAGES ? 0 : next_st + 1;
@@ -419,18 +405,7 @@ __global__ void __launch_bounds__(T::THREADS)
   for (int pass = 0; pass < T::PASSES; ++pass) {
     // Every warp is done with the pipeline (pass 0) or the previous pass's Cs and Ds.
     __syncthreads();
-    if (wm / T::EM == pass) {
-      const int wr = wm - pass * T::EM;
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-        for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            Cs[wr + 16 * i + lane / 4 + 8 * (r / 2)][wn + 8 * j + 2 * (lane % 4) + r % 2] =
-                acc[i][j][r];
-          }
-    }
+    if (wm / T::EM == pass) store_acc(Cs, acc, wm - pass * T::EM, wn, lane);
     __syncthreads();
     const int o = pass * T::EM;
     dgrad_store<W, T::EM, BN, T::CLD, THREADS>(Cs, Ds, row_n + o, row_ih + o, row_iw + o, x,

@@ -13,6 +13,7 @@
 
 #include "conv_tiles.cuh"
 #include "mma.cuh"
+#include "mma_tiles.cuh"
 #include "ops.h"
 
 namespace fusedres::FUSEDRES_CUDA_NS {
@@ -318,6 +319,139 @@ struct alignas(16) Piece16 {
   uint32_t u[4];
 };
 
+// The block's columns' channel parameters (scale, shift; with SUMS mean, invstd), 0 past the
+// last tap: read from shared memory at each use rather than held in registers across the loop.
+// Column n is channel (f0 + n) % Cin. The caller synchronises before reading them.
+template <bool SUMS>
+__device__ __forceinline__ void wgrad_mma_channels(float (*Cp)[MmaWgrad::BN], int64_t f0,
+                                                   int64_t f_end, int64_t Cin,
+                                                   const float* __restrict__ scale,
+                                                   const float* __restrict__ shift,
+                                                   const BnSums<float>& bs, int tid) {
+  for (int n = tid; n < MmaWgrad::BN; n += MmaWgrad::THREADS) {
+    const bool ok = f0 + n < f_end;
+    const int64_t c = (f0 + n) % Cin;
+    Cp[0][n] = ok ? scale[c] : 0.0f;
+    Cp[1][n] = ok ? shift[c] : 0.0f;
+    if constexpr (SUMS) {
+      Cp[2][n] = ok ? bs.mean[c] : 0.0f;
+      Cp[3][n] = ok ? bs.invstd[c] : 0.0f;
+    }
+  }
+}
+
+// This thread's dy pieces of a landed stage (16 bytes: 8 output channels of one pixel row, at
+// column col): multiplied by the pixel's branch scale (ps, rounded to W: s[n] * dy as the
+// unfused sequence rounds it) in place when `scaled`, once for every warp that reads them, and
+// added to its bias sums db (s[n] * dy summed over the pixels, float32). Before the barrier that
+// publishes the stage.
+template <typename W>
+__device__ __forceinline__ void wgrad_mma_scale_dy(uint16_t (*ds)[MmaWgrad::DST],
+                                                   const float* ps, float (&db)[8], bool scaled,
+                                                   int tid, int col) {
+  using T = MmaWgrad;
+#pragma unroll
+  for (int q = 0; q < T::PASSES; ++q) {
+    const int r = tid / (T::BM / 8) + T::ROWS_PER_PASS * q;
+    // 16-byte aligned (a cp.async destination): one 128-bit access each way.
+    Piece16* piece = reinterpret_cast<Piece16*>(&ds[r][col]);
+    W v[8];
+    memcpy(v, piece, 16);
+    const float sp = scaled ? ps[r] : 1.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if (scaled) v[e] = static_cast<W>(static_cast<float>(v[e]) * sp);
+      db[e] += static_cast<float>(v[e]);
+    }
+    if (scaled) memcpy(piece, v, 16);
+  }
+}
+
+// One 16-deep K step of a warp on a landed stage (ds: dy, xs: x, vs: the pieces' tap flags) at
+// pixel offset kk: A fragments (dy, m = Co, k = pixels) by 4 ldmatrix.x4.trans, B fragments
+// (x, k = pixels, n = C: the warp's columns wn ...) by one, through the BatchNorm-ReLU (plain:
+// act2) or into the mask m and m * xhat (SUMS: mask2) with the channel parameters Cp, then
+// acc += dy * a (plain) or acc += dy * m, acc2 += dy * m * xhat (SUMS). The lane's rows and
+// columns in the x4 loads: lr, lc (B, x), ar, ac (A, dy); t2 = 2 (lane % 4).
+template <typename W, bool SUMS>
+__device__ __forceinline__ void wgrad_mma_step(
+    float (&acc)[MmaWgrad::FM][MmaWgrad::FN][4],
+    float (&acc2)[SUMS ? MmaWgrad::FM : 1][SUMS ? MmaWgrad::FN : 1][4],
+    const uint16_t (*ds)[MmaWgrad::DST], const uint16_t (*xs)[MmaWgrad::XST],
+    const uint8_t (*vs)[MmaWgrad::PIECES], const float (*Cp)[MmaWgrad::BN], int kk, int wn,
+    int lane, int lr, int lc, int ar, int ac, int t2) {
+  using T = MmaWgrad;
+  using E = native_t<W>;
+  // a[i][r]: output channels 16 i + lane / 4 + 8 (r % 2), pixels kk + 8 (r / 2) + t2, + 1;
+  // fb[r]: pixels kk + 8 (r % 2) + t2, + 1, channel wn + 8 (r / 2) + lane / 4.
+  uint32_t fa[T::FM][4], fb[4];
+#pragma unroll
+  for (int i = 0; i < T::FM; ++i) {
+    ptx::ldmatrix<4, true>(fa[i], &ds[kk + ar][16 * i + ac]);
+  }
+  ptx::ldmatrix<4, true>(fb, &xs[kk + lr][wn + lc]);
+  // The tap-inside flags of the lane's pixels in its two pieces (columns wn + 8 jj ...).
+  bool on[2][2][2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      on[h][jj][0] = vs[kk + 8 * h + t2][wn / 8 + jj] != 0;
+      on[h][jj][1] = vs[kk + 8 * h + t2 + 1][wn / 8 + jj] != 0;
+    }
+  uint32_t b1[4], b2[SUMS ? 4 : 1];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int n = wn + 8 * (r / 2) + lane / 4, h = r % 2;
+    const bool on0 = on[h][r / 2][0], on1 = on[h][r / 2][1];
+    if constexpr (SUMS) {
+      mask2<W>(fb[r], Cp[0][n], Cp[1][n], Cp[2][n], Cp[3][n], on0, on1, b1[r], b2[r]);
+    } else {
+      b1[r] = act2<W>(fb[r], Cp[0][n], Cp[1][n], on0, on1);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < T::FM; ++i)
+#pragma unroll
+    for (int j = 0; j < T::FN; ++j) {
+      const uint32_t b[2] = {b1[2 * j], b1[2 * j + 1]};
+      float d[4];
+      ptx::mma_m16n8k16<E>(d, fa[i], b, acc[i][j]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = d[r];
+      if constexpr (SUMS) {
+        const uint32_t bx[2] = {b2[2 * j], b2[2 * j + 1]};
+        ptx::mma_m16n8k16<E>(d, fa[i], bx, acc2[i][j]);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc2[i][j][r] = d[r];
+      }
+    }
+}
+
+// The bias gradient's partials of the block's output channels co0 + m (split blockIdx.z): lanes
+// l, l + 8, l + 16, l + 24 of a warp hold the same channels' sums db over different pixels;
+// then the four warps' through shared memory (Bsum, apart from the aliased stages). Every thread
+// of the block calls it (shuffles and a barrier).
+__device__ __forceinline__ void wgrad_mma_bias(float (*Bsum)[MmaWgrad::BM], const float (&db)[8],
+                                               float* __restrict__ part_db, int64_t co0,
+                                               int64_t Co, int col, int tid) {
+  using T = MmaWgrad;
+  const int lane = tid % 32, warp = tid / 32;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    float v = db[e];
+    v += __shfl_xor_sync(0xffffffffu, v, 8);
+    v += __shfl_xor_sync(0xffffffffu, v, 16);
+    if (lane < 8) Bsum[warp][col + e] = v;
+  }
+  __syncthreads();
+  for (int m = tid; m < T::BM; m += T::THREADS) {
+    float v = 0.0f;
+    for (int w = 0; w < T::THREADS / 32; ++w) v += Bsum[w][m];
+    if (co0 + m < Co) part_db[blockIdx.z * Co + co0 + m] = v;
+  }
+}
+
 // 4 resident blocks promised to ptxas without SUMS (up to 128 registers: without it ptxas gave
 // the float16 kernel 96 and an 8-byte spill on sm_90), 2 with SUMS (up to 255: 229 on sm_80).
 template <typename W, bool SUMS>
@@ -330,7 +464,6 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
                      Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
   FUSEDRES_LAUNCH_BOUNDS(MmaWgrad::THREADS, SUMS ? 2 : 4);
   using T = MmaWgrad;
-  using E = native_t<W>;
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
   __shared__ __align__(128) unsigned char smem[T::SMEM];
   auto* Ds = reinterpret_cast<uint16_t(*)[BK][T::DST]>(smem);
@@ -418,39 +551,16 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
     }
   };
 
-  // The columns' channel parameters (0 past the last tap); the main loop's first barrier
-  // publishes them.
-  for (int n = tid; n < BN; n += THREADS) {
-    const bool ok = f0 + n < f_end;
-    const int64_t c = (f0 + n) % Cin;
-    Cp[0][n] = ok ? scale[c] : 0.0f;
-    Cp[1][n] = ok ? shift[c] : 0.0f;
-    if constexpr (SUMS) {
-      Cp[2][n] = ok ? bs.mean[c] : 0.0f;
-      Cp[3][n] = ok ? bs.invstd[c] : 0.0f;
-    }
-  }
+  // The columns' channel parameters; the main loop's first barrier publishes them.
+  wgrad_mma_channels<SUMS>(Cp, f0, f_end, Cin, scale, shift, bs, tid);
   // This lane's B-fragment columns: wn + 8 jj + lane / 4 (jj = 0, 1) of the block's.
   const int wn = warp * T::WN;
 
   float acc[T::FM][T::FN][4];
   float acc2[SUMS ? T::FM : 1][SUMS ? T::FN : 1][4];
-#pragma unroll
-  for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-    for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
-  if constexpr (SUMS) {
-#pragma unroll
-    for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-      for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc2[i][j][r] = 0.0f;
-  }
+  zero_acc(acc);
+  if constexpr (SUMS) zero_acc(acc2);
   float db[8] = {};  // bias sums of output channels co0 + col + e over this thread's pixels
-  const bool sum_bias = bias_block;
   const bool scaled = branch_scale != nullptr;
 
 #pragma unroll
@@ -465,117 +575,28 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
   __syncthreads();
   for (int kc = 0; kc < chunks; ++kc) {
     const int st = kc % STAGES;
-    // This thread's copies of chunk kc have landed. Its dy pieces (16 bytes: 8 output channels
-    // of one pixel) are multiplied by the pixel's branch scale (rounded to W: s[n] * dy as the
-    // unfused sequence rounds it) in place, once for every warp that reads them, and added to
-    // its bias sums (s[n] * dy summed over the pixels, float32) before the barrier publishes
-    // them. Ps[st] was written STAGES - 1 chunks ago, a barrier since.
+    // This thread's copies of chunk kc have landed: its dy pieces scaled and summed for the bias
+    // before the barrier publishes them (Ps[st]: written STAGES - 1 chunks ago, a barrier since).
     ptx::cp_async_wait<STAGES - 2>();
-    if (scaled || sum_bias) {
-#pragma unroll
-      for (int q = 0; q < T::PASSES; ++q) {
-        const int r = tid / (BM / 8) + T::ROWS_PER_PASS * q;
-        // 16-byte aligned (a cp.async destination): one 128-bit access each way.
-        Piece16* piece = reinterpret_cast<Piece16*>(&Ds[st][r][col]);
-        W v[8];
-        memcpy(v, piece, 16);
-        const float sp = scaled ? Ps[st][r] : 1.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          if (scaled) v[e] = static_cast<W>(static_cast<float>(v[e]) * sp);
-          db[e] += static_cast<float>(v[e]);
-        }
-        if (scaled) memcpy(piece, v, 16);
-      }
-    }
+    if (scaled || bias_block) wgrad_mma_scale_dy<W>(Ds[st], Ps[st], db, scaled, tid, col);
     // Chunk kc is in place for every warp, and every warp is done with chunk kc - 1, whose stage
     // the copies of chunk kc + STAGES - 1 now overwrite.
     __syncthreads();
     if (kc + STAGES - 1 < chunks) load((kc + STAGES - 1) % STAGES);
     ptx::cp_async_commit();
-
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
-      // a[i][r]: output channels 16 i + lane / 4 + 8 (r % 2), pixels kk + 8 (r / 2) + t2, + 1;
-      // fb[r]: pixels kk + 8 (r % 2) + t2, + 1, channel wn + 8 (r / 2) + lane / 4.
-      uint32_t fa[T::FM][4], fb[4];
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i) {
-        ptx::ldmatrix<4, true>(fa[i], &Ds[st][kk + ar][16 * i + ac]);
-      }
-      ptx::ldmatrix<4, true>(fb, &Xs[st][kk + lr][wn + lc]);
-      // The tap-inside flags of the lane's pixels in its two pieces (columns wn + 8 jj ...).
-      bool on[2][2][2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          on[h][jj][0] = Vs[st][kk + 8 * h + t2][wn / 8 + jj] != 0;
-          on[h][jj][1] = Vs[st][kk + 8 * h + t2 + 1][wn / 8 + jj] != 0;
-        }
-      uint32_t b1[4], b2[SUMS ? 4 : 1];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int n = wn + 8 * (r / 2) + lane / 4, h = r % 2;
-        const bool on0 = on[h][r / 2][0], on1 = on[h][r / 2][1];
-        if constexpr (SUMS) {
-          mask2<W>(fb[r], Cp[0][n], Cp[1][n], Cp[2][n], Cp[3][n], on0, on1, b1[r], b2[r]);
-        } else {
-          b1[r] = act2<W>(fb[r], Cp[0][n], Cp[1][n], on0, on1);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-        for (int j = 0; j < T::FN; ++j) {
-          const uint32_t b[2] = {b1[2 * j], b1[2 * j + 1]};
-          float d[4];
-          ptx::mma_m16n8k16<E>(d, fa[i], b, acc[i][j]);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[i][j][r] = d[r];
-          if constexpr (SUMS) {
-            const uint32_t bx[2] = {b2[2 * j], b2[2 * j + 1]};
-            ptx::mma_m16n8k16<E>(d, fa[i], bx, acc2[i][j]);
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc2[i][j][r] = d[r];
-          }
-        }
+      wgrad_mma_step<W, SUMS>(acc, acc2, Ds[st], Xs[st], Vs[st], Cp, kk, wn, lane, lr, lc, ar,
+                              ac, t2);
     }
   }
   // Drain the (empty) trailing groups; every warp is done with the stages before Cs reuses them.
   ptx::cp_async_wait<0>();
   __syncthreads();
-  if (sum_bias) {
-    // Lanes l, l + 8, l + 16, l + 24 of a warp hold the same channels' sums over different
-    // pixels; then the four warps' through shared memory (Bsum, apart from the aliased stages).
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      float v = db[e];
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
-      if (lane < 8) Bsum[warp][col + e] = v;
-    }
-    __syncthreads();
-    for (int m = tid; m < BM; m += THREADS) {
-      float v = 0.0f;
-      for (int w = 0; w < THREADS / 32; ++w) v += Bsum[w][m];
-      if (co0 + m < Co) part_db[blockIdx.z * Co + co0 + m] = v;
-    }
-  }
-  // c[r] is row lane / 4 + 8 (r / 2), column 2 (lane % 4) + (r % 2) of the m16n8 tile. Both
-  // accumulator sets go to shared memory at once (no registers held through the epilogue).
-  const auto store = [&](float (*dst)[T::CLD], const float (&a)[T::FM][T::FN][4]) {
-#pragma unroll
-    for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-      for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          dst[16 * i + lane / 4 + 8 * (r / 2)][wn + 8 * j + t2 + r % 2] = a[i][j][r];
-        }
-  };
-  store(Cs, acc);
-  if constexpr (SUMS) store(C2s, acc2);
+  if (bias_block) wgrad_mma_bias(Bsum, db, part_db, co0, Co, col, tid);
+  // Both accumulator sets go to shared memory at once (no registers held through the epilogue).
+  store_acc(Cs, acc, 0, wn, lane);
+  if constexpr (SUMS) store_acc(C2s, acc2, 0, wn, lane);
   __syncthreads();
   wgrad_store<W, BM, BN, T::CLD, THREADS, SUMS>(
       Cs,
