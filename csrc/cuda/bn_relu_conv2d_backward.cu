@@ -31,6 +31,8 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "bn_relu_conv2d_dgrad.cuh"
 #include "bn_relu_conv2d_wgrad.cuh"
@@ -73,6 +75,143 @@ int64_t tile_rows(at::ScalarType wt) {
   }
 }
 
+// The five gradients (grad_x, grad_weight, grad_bias, grad_bn_weight, grad_bn_bias) with the
+// metadata of ops.backward_empty_outputs: an empty tensor where output_mask leaves one out.
+struct Grads {
+  at::Tensor gx, gw, gb, gg, gbeta;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuple() const {
+    return {gx, gw, gb, gg, gbeta};
+  }
+};
+
+// What one call computes: output_mask, and what it needs (da: the data gradient's GEMM, for
+// grad_x or the BatchNorm sums; sums: the BatchNorm sums, for the BatchNorm parameters' gradients
+// or grad_x with batch statistics).
+struct Wants {
+  bool x, w, b, g, beta, da, sums;
+};
+
+// One call's operands and its two GEMM passes. The data gradient's kernel and tiles are decided
+// where it first runs (dgrad_uses_mma reads FUSEDRES_CUDA_DGRAD, dgrad_mma_rows
+// FUSEDRES_CUDA_DGRAD_TILE).
+struct BackwardPasses {
+  const char* op;
+  const at::Tensor& go;
+  const at::Tensor& x;
+  const at::Tensor& weight;
+  const at::Tensor& mean;
+  const at::Tensor& invstd;
+  const Affine& bn;
+  const ConvGeom& g;
+  const at::Tensor* bsp;  // the branch scale in the accumulator dtype, or none
+  int64_t phases;         // the stride phases (one per blockIdx.z of the data gradient)
+  int64_t phase_rows;     // the input pixels of the largest phase
+  std::optional<DgradTiles> tiles{};
+
+  const DgradTiles& dgrad_tiles() {
+    if (!tiles.has_value()) {
+      DgradTiles d{dgrad_uses_mma(go, x, weight), 0, 0, 1};
+      d.rows = d.mma ? dgrad_mma_rows(phase_rows, x.size(1), phases)
+                     : tile_rows(weight.scalar_type());
+      d.row_tiles = ceil_div(phase_rows, d.rows);
+      if (d.mma) d.parts_per_tile = d.rows / MmaDgradSmall::EM;
+      tiles = d;
+    }
+    return *tiles;
+  }
+
+  void dgrad(at::Tensor* gx, at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
+             const at::Tensor* m1, const at::Tensor* m2, int write) {
+    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
+      launch_dgrad<decltype(xt), decltype(wt)>(go, x, weight, bn, mean, invstd, gx, dz, part_dz,
+                                               part_dzx, m1, m2, bsp, write, g, phases,
+                                               dgrad_tiles());
+    });
+  }
+
+  void wgrad(at::Tensor& gw, at::Tensor* gb, SumsArgs* sums) {
+    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
+      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, gb, sums, bsp, g);
+    });
+  }
+};
+
+// mean dz and mean dz * xhat (float64 sums times 1 / M) in the statistics dtype: dx's terms.
+std::pair<at::Tensor, at::Tensor> dx_terms(const at::Tensor& sum_dz, const at::Tensor& sum_dzx,
+                                           double inv_m, at::ScalarType dtype) {
+  return {(sum_dz * inv_m).to(dtype), (sum_dzx * inv_m).to(dtype)};
+}
+
+// "sums": the weight-gradient pass also yields the BatchNorm sums; dx in one more pass (the
+// data gradient's epilogue: training with the sums' terms, eval dx = scale * dz).
+void backward_sums(BackwardPasses& p, Grads& out, const Wants& want,
+                   const std::optional<at::Tensor>& bn_weight,
+                   const std::optional<at::Tensor>& bn_bias, bool batch_stats, double inv_m) {
+  SumsArgs sums{bn_weight.has_value() ? bn_weight->contiguous() : at::ones_like(p.mean),
+                bn_bias.has_value() ? bn_bias->contiguous() : at::zeros_like(p.mean), p.mean,
+                p.invstd, p.weight, {}, {}};
+  p.wgrad(out.gw, want.b ? &out.gb : nullptr, &sums);
+  if (want.g) out.gg.copy_(sums.sum_dzx);
+  if (want.beta) out.gbeta.copy_(sums.sum_dz);
+  if (!want.x) return;
+  const auto [m1, m2] = dx_terms(sums.sum_dz, sums.sum_dzx, inv_m, p.mean.scalar_type());
+  const bool train = batch_stats;
+  p.dgrad(&out.gx, nullptr, nullptr, nullptr, train ? &m1 : nullptr, train ? &m2 : nullptr,
+          kWriteDx);
+}
+
+// The bias gradient alone (no weight gradient pass): sum dy, or sum over n of s[n] * (dy[n]
+// summed over the pixels) with a branch scale.
+void bias_only(const BackwardPasses& p, at::Tensor& gb) {
+  const auto acc = p.weight.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  if (p.bsp != nullptr) {
+    gb.copy_((p.go.sum({2, 3}, false, acc) * p.bsp->view({-1, 1})).sum(0));
+  } else {
+    gb.copy_(p.go.sum({0, 2, 3}, false, acc));
+  }
+}
+
+// "store": one GEMM each; the data-gradient epilogue reduces the sums and stores dz
+// (training), then the dx pass; in eval it writes dx = scale * dz directly.
+void backward_store(BackwardPasses& p, Grads& out, const Wants& want, bool batch_stats,
+                    double inv_m) {
+  if (want.w) {
+    p.wgrad(out.gw, want.b ? &out.gb : nullptr, nullptr);
+  } else if (want.b) {
+    bias_only(p, out.gb);
+  }
+  if (!want.da) return;
+  at::Tensor part_dz, part_dzx;
+  if (want.sums) {
+    const DgradTiles& t = p.dgrad_tiles();
+    part_dz = at::zeros({p.phases * t.row_tiles * t.parts_per_tile, p.x.size(1)},
+                        p.mean.options());
+    part_dzx = at::zeros_like(part_dz);
+  }
+  at::Tensor dz;
+  int write = kWriteNothing;
+  if (want.x && batch_stats) {
+    write = kWriteDz;
+    dz = out.gx.scalar_type() == p.mean.scalar_type() ? out.gx
+                                                      : at::empty_like(out.gx, p.mean.options());
+  } else if (want.x) {
+    write = kWriteDx;
+  }
+  p.dgrad(want.x ? &out.gx : nullptr, dz.defined() ? &dz : nullptr,
+          want.sums ? &part_dz : nullptr, want.sums ? &part_dzx : nullptr, nullptr, nullptr,
+          write);
+  if (!want.sums) return;
+  const at::Tensor sum_dz = part_dz.sum(0, false, at::kDouble);
+  const at::Tensor sum_dzx = part_dzx.sum(0, false, at::kDouble);
+  if (want.g) out.gg.copy_(sum_dzx);
+  if (want.beta) out.gbeta.copy_(sum_dz);
+  if (!(want.x && batch_stats)) return;
+  const auto [m1, m2] = dx_terms(sum_dz, sum_dzx, inv_m, p.mean.scalar_type());
+  FUSEDRES_DISPATCH_FLOATING(p.x.scalar_type(), "fusedres_cuda_dx", [&] {
+    launch_dx<scalar_t>(dz, out.gx, p.x, p.bn, p.mean, p.invstd, m1, m2);
+  });
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
@@ -86,123 +225,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
                                                      bn_weight, bn_bias, mean_in, invstd_in,
                                                      stride_, padding_, dilation_, branch_scale);
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
+  const Wants want{want_x, want_w, want_b, want_g, want_beta, want_x || want_g || want_beta,
+                   want_g || want_beta || (want_x && batch_stats)};
   const auto &stride = c.stride, &padding = c.padding, &dilation = c.dilation;
   const int64_t N = x.size(0), Cin = x.size(1), H = x.size(2), W = x.size(3);
   const int64_t Co = weight.size(0);
   const DeviceGuard guard(x.device());
   const at::Tensor bscale = branch_scale_acc(branch_scale, weight);
-  const at::Tensor* bsp = bscale.defined() ? &bscale : nullptr;
-  // Outputs with the metadata of ops.backward_empty_outputs.
-  at::Tensor gx = want_x ? at::empty_like(x) : x.new_empty({0});
-  at::Tensor gw = want_w ? at::empty_like(weight) : weight.new_empty({0});
-  at::Tensor gb = weight.new_empty({want_b ? Co : 0});
-  at::Tensor gg = mean_in.new_empty({want_g ? Cin : 0});
-  at::Tensor gbeta = mean_in.new_empty({want_beta ? Cin : 0});
-  const bool need_da = want_x || want_g || want_beta;
-  if (!(need_da || want_w || want_b)) return {gx, gw, gb, gg, gbeta};
+  Grads out{want_x ? at::empty_like(x) : x.new_empty({0}),
+            want_w ? at::empty_like(weight) : weight.new_empty({0}),
+            weight.new_empty({want_b ? Co : 0}), mean_in.new_empty({want_g ? Cin : 0}),
+            mean_in.new_empty({want_beta ? Cin : 0})};
+  if (!(want.da || want_w || want_b)) return out.tuple();
   if (x.numel() == 0 || Co == 0) {
-    if (want_x) gx.zero_();
-    if (want_w) gw.zero_();
-    if (want_b) gb.zero_();
-    if (want_g) gg.zero_();
-    if (want_beta) gbeta.zero_();
-    return {gx, gw, gb, gg, gbeta};
+    for (at::Tensor* t : {&out.gx, &out.gw, &out.gb, &out.gg, &out.gbeta}) t->zero_();
+    return out.tuple();
   }
   const at::Tensor go = grad_out.to(weight.scalar_type());
   const at::Tensor mean = mean_in.contiguous(), invstd = invstd_in.contiguous();
   const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd);
   const ConvGeom g = geom_of(weight, stride, padding, dilation);
-
-  const bool need_sums = want_g || want_beta || (want_x && batch_stats);
+  BackwardPasses passes{op, go, x, weight, mean, invstd, bn, g,
+                        bscale.defined() ? &bscale : nullptr,
+                        std::min(stride[0], H) * std::min(stride[1], W),
+                        N * ceil_div(H, stride[0]) * ceil_div(W, stride[1])};
   const double inv_m = 1.0 / static_cast<double>(N * H * W);
-  const int64_t phases = std::min(stride[0], H) * std::min(stride[1], W);
-  // The data gradient's kernel and tiles, decided where it first runs (dgrad_uses_mma reads
-  // FUSEDRES_CUDA_DGRAD, dgrad_mma_rows FUSEDRES_CUDA_DGRAD_TILE).
-  const int64_t phase_rows = N * ceil_div(H, stride[0]) * ceil_div(W, stride[1]);
-  std::optional<DgradTiles> dgrad_tiles;
-  const auto plan = [&]() -> const DgradTiles& {
-    if (!dgrad_tiles.has_value()) {
-      DgradTiles d{dgrad_uses_mma(go, x, weight), 0, 0, 1};
-      d.rows = d.mma ? dgrad_mma_rows(phase_rows, Cin, phases) : tile_rows(weight.scalar_type());
-      d.row_tiles = ceil_div(phase_rows, d.rows);
-      if (d.mma) d.parts_per_tile = d.rows / MmaDgradSmall::EM;
-      dgrad_tiles = d;
-    }
-    return *dgrad_tiles;
-  };
-  auto dgrad = [&](at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
-                   const at::Tensor* m1, const at::Tensor* m2, int write) {
-    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
-      launch_dgrad<decltype(xt), decltype(wt)>(go, x, weight, bn, mean, invstd,
-                                               want_x ? &gx : nullptr, dz, part_dz, part_dzx,
-                                               m1, m2, bsp, write, g, phases, plan());
-    });
-  };
-
-  if (want_w && need_sums && backward_strategy() == Strategy::kSums) {
-    // "sums": the weight-gradient pass also yields the BatchNorm sums; dx in one more pass.
-    SumsArgs sums{bn_weight.has_value() ? bn_weight->contiguous() : at::ones_like(mean),
-                  bn_bias.has_value() ? bn_bias->contiguous() : at::zeros_like(mean), mean,
-                  invstd, weight, {}, {}};
-    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
-      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, &sums, bsp,
-                                               g);
-    });
-    if (want_g) gg.copy_(sums.sum_dzx);
-    if (want_beta) gbeta.copy_(sums.sum_dz);
-    if (want_x) {
-      const at::Tensor m1 = (sums.sum_dz * inv_m).to(mean.scalar_type());
-      const at::Tensor m2 = (sums.sum_dzx * inv_m).to(mean.scalar_type());
-      const bool train = batch_stats;
-      dgrad(nullptr, nullptr, nullptr, train ? &m1 : nullptr, train ? &m2 : nullptr, kWriteDx);
-    }
-    return {gx, gw, gb, gg, gbeta};
+  if (want_w && want.sums && backward_strategy() == Strategy::kSums) {
+    backward_sums(passes, out, want, bn_weight, bn_bias, batch_stats, inv_m);
+  } else {
+    backward_store(passes, out, want, batch_stats, inv_m);
   }
-
-  // "store": one GEMM each; the data-gradient epilogue reduces the sums and stores dz
-  // (training), then the dx pass; in eval it writes dx = scale * dz directly.
-  if (want_w) {
-    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
-      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, nullptr,
-                                               bsp, g);
-    });
-  } else if (want_b) {
-    const auto acc = weight.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    if (bsp != nullptr) {  // sum over n of s[n] * (dy[n] summed over the pixels)
-      gb.copy_((go.sum({2, 3}, false, acc) * bscale.view({-1, 1})).sum(0));
-    } else {
-      gb.copy_(go.sum({0, 2, 3}, false, acc));
-    }
-  }
-  if (!need_da) return {gx, gw, gb, gg, gbeta};
-  at::Tensor part_dz, part_dzx;
-  if (need_sums) {
-    part_dz = at::zeros({phases * plan().row_tiles * plan().parts_per_tile, Cin}, mean.options());
-    part_dzx = at::zeros_like(part_dz);
-  }
-  at::Tensor dz;
-  int write = kWriteNothing;
-  if (want_x && batch_stats) {
-    write = kWriteDz;
-    dz = gx.scalar_type() == mean.scalar_type() ? gx : at::empty_like(gx, mean.options());
-  } else if (want_x) {
-    write = kWriteDx;
-  }
-  dgrad(dz.defined() ? &dz : nullptr, need_sums ? &part_dz : nullptr,
-        need_sums ? &part_dzx : nullptr, nullptr, nullptr, write);
-  if (!need_sums) return {gx, gw, gb, gg, gbeta};
-  const at::Tensor sum_dz = part_dz.sum(0, false, at::kDouble);
-  const at::Tensor sum_dzx = part_dzx.sum(0, false, at::kDouble);
-  if (want_g) gg.copy_(sum_dzx);
-  if (want_beta) gbeta.copy_(sum_dz);
-  if (want_x && batch_stats) {
-    const at::Tensor m1 = (sum_dz * inv_m).to(mean.scalar_type());
-    const at::Tensor m2 = (sum_dzx * inv_m).to(mean.scalar_type());
-    FUSEDRES_DISPATCH_FLOATING(x.scalar_type(), "fusedres_cuda_dx", [&] {
-      launch_dx<scalar_t>(dz, gx, x, bn, mean, invstd, m1, m2);
-    });
-  }
-  return {gx, gw, gb, gg, gbeta};
+  return out.tuple();
 }
 
 namespace {
