@@ -18,7 +18,7 @@ export FUSEDRES_BUILD_EXT ?= 1
 # default is portable, for wheels; benchmarks/NATIVE.md measures the difference).
 export FUSEDRES_CPU_NATIVE ?= 1
 # The nvcc copy of csrc/cuda only runs on a GPU: off without one (the test extension runs the
-# same kernels on CPU; `make cuda-table` and tests/test_cuda_host.py compile csrc/cuda with nvcc
+# same kernels on CPU; `make cuda-table` and tests/test_cuda_on_cpu.py compile csrc/cuda with nvcc
 # for sm_80/sm_90). Where a GPU is visible (nvidia-smi -L) the nvcc copy is built too (auto).
 export FUSEDRES_BUILD_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo auto || echo 0)
 PYTEST_ARGS ?=

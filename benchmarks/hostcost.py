@@ -134,7 +134,7 @@ class _Launches:
 def _cuda_layer():
     from fusedres.ops import _extension
 
-    if _extension.load_cuda_host() is not None:
+    if _extension.load_cuda_on_cpu() is not None:
         return None
     layer = torch.ops.fusedres_cuda_layer_test
     return layer if hasattr(layer, "launches") else None

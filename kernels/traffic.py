@@ -264,7 +264,7 @@ def _store_backward(s: Step, u: Unit, dt, vec: int, m_in: int, m_out: int) -> St
 CUDA_TILES = {2: (64, 64, 32), 4: (64, 64, 16), 8: (32, 32, 16)}
 
 
-# pick_split's resident blocks an SM (csrc/cuda/bn_relu_conv2d_backward.cu, kResident).
+# pick_split's resident blocks an SM (csrc/cuda/bn_relu_conv2d_wgrad.cuh, kResident).
 CUDA_WGRAD_RESIDENT = 2
 
 
@@ -299,7 +299,7 @@ def cuda_wgrad_split(u: Unit, sms: int = H100_SMS, mma: bool | None = None) -> i
 
 def cuda_pick_split(tiles: int, co: int, c: int, taps: int, m: int, bk: int, sms: int,
                     operand_bytes: int, acc_bytes: int) -> int:
-    """pick_split of csrc/cuda/bn_relu_conv2d_backward.cu, the same integers: the split of the
+    """pick_split of csrc/cuda/bn_relu_conv2d_wgrad.cuh, the same integers: the split of the
     reduction over ``tiles`` blocks with the least estimated time in K-steps of one block.
     Waves of CUDA_WGRAD_RESIDENT blocks an SM, each as long as its blocks' K-steps (+ 2 a block
     for the prologue and epilogue); once split, + the partials (``acc_bytes``: a K-step per MiB,

@@ -91,8 +91,8 @@ def pytest_configure(config):
 # everything. A pattern matches a test's node id (fnmatch).
 SLOW = (
     "tests/test_cuda_mma.py::test_asan_*",                 # builds and runs the ASan driver
-    "tests/test_cuda_host.py::test_nvcc_*",                # nvcc for sm_80 and sm_90
-    "tests/test_cuda_host.py::test_tsan_*",                # the TSan driver
+    "tests/test_cuda_on_cpu.py::test_nvcc_*",              # nvcc for sm_80 and sm_90
+    "tests/test_cuda_on_cpu.py::test_tsan_*",              # the TSan driver
     "tests/test_triton_aot.py::*",                         # every config compiled for a GPU
     "tests/test_perfmodel.py::test_compiled_counts_and_committed_table",
     "tests/test_install.py::*",                            # fresh venvs and installs

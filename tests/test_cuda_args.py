@@ -11,7 +11,7 @@ import torch
 
 from fusedres.ops import _extension, opdefs
 
-_WHY_NOT = _extension.load_cuda_host()
+_WHY_NOT = _extension.load_cuda_on_cpu()
 pytestmark = pytest.mark.skipif(
     _WHY_NOT is not None or not _extension.has_kernels("fusedres_cuda", "CPU", *opdefs.SCHEMAS),
     reason=f"no CPU copy of the CUDA kernels: {_WHY_NOT}")

@@ -20,7 +20,7 @@ from fusedres.ops import _extension, opdefs
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _KEY = "CUDA" if DEVICE.type == "cuda" else "CPU"
 # On CPU the kernels are the test extension's (fusedres._C_cuda_on_cpu), on a GPU fusedres._C's.
-_WHY_NOT = _extension.load_cuda_host() if DEVICE.type == "cpu" else _extension.LOAD_ERROR
+_WHY_NOT = _extension.load_cuda_on_cpu() if DEVICE.type == "cpu" else _extension.LOAD_ERROR
 pytestmark = pytest.mark.skipif(
     not _extension.has_kernels("fusedres_cuda", _KEY, *opdefs.SCHEMAS),
     reason=f"no {_KEY} kernels of the fusedres_cuda ops ({_WHY_NOT or 'not built'})")

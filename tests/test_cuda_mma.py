@@ -18,7 +18,7 @@ import torch
 from fusedres.ops import _extension
 from tools import cuda_aot, cuda_tsan
 
-_WHY_NOT = _extension.load_cuda_host()
+_WHY_NOT = _extension.load_cuda_on_cpu()
 pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no test extension: {_WHY_NOT}")
 LT = torch.ops.fusedres_cuda_layer_test if _WHY_NOT is None else None
 HALF = [torch.float16, torch.bfloat16]
@@ -141,13 +141,15 @@ def test_every_bounded_kernel_states_its_bound_to_the_layer():
 
     base = os.path.join(cuda_aot.ROOT, "csrc", "cuda")
     kernels = 0
-    for path in glob.glob(f"{base}/*.cu") + glob.glob(f"{base}/host/tests/*.cu"):
+    paths = [*glob.glob(f"{base}/*.cu"), *glob.glob(f"{base}/*.cuh"),
+             *glob.glob(f"{base}/on_cpu/tests/*.cu")]
+    for path in paths:
         text = open(path).read()
         for m in re.finditer(r"__launch_bounds__\(((?:[^()]|\([^()]*\))*)\)[^{;]*\{\s*(\S[^;]*;)",
                              text):
             kernels += 1
             assert m.group(2) == f"FUSEDRES_LAUNCH_BOUNDS({m.group(1)});", (path, m.group(0)[:200])
-    assert kernels >= 12  # 7 in the ops, 5 test kernels
+    assert kernels >= 18  # 13 in the ops (.cu and .cuh), 5 test kernels (on_cpu/tests)
 
 
 @pytest.mark.parametrize("mode,message", [

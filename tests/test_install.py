@@ -99,7 +99,7 @@ import torch
 from fusedres.ops import _extension
 print("LOADED", _extension.LOADED)
 print("LOAD_ERROR", _extension.LOAD_ERROR)
-print("CUDA_HOST", _extension.load_cuda_host())
+print("CUDA_ON_CPU", _extension.load_cuda_on_cpu())
 """
 
 
@@ -117,8 +117,8 @@ def test_kernel_that_does_not_match_its_schema_is_a_load_error():
     assert lines["LOADED"] == "False"
     assert "does not match the op schemas" in lines["LOAD_ERROR"]
     assert "operator: fusedres_cpu::bn_relu_conv2d" in lines["LOAD_ERROR"]
-    if "not built" not in lines["CUDA_HOST"]:
-        assert "registering the fusedres_cuda kernels failed" in lines["CUDA_HOST"]
+    if "not built" not in lines["CUDA_ON_CPU"]:
+        assert "registering the fusedres_cuda kernels failed" in lines["CUDA_ON_CPU"]
 
 
 def test_source_checkout_used_in_place_imports_the_kernels():

@@ -40,7 +40,7 @@ def test_the_table_covers_every_op_and_every_argument(table):
     ops = opfuzz.op_names()
     namespaces = {op.split("::")[0] for op in ops}
     expected = {"fusedres", "fusedres_cpu"}
-    if _extension.load_cuda_host() is None:
+    if _extension.load_cuda_on_cpu() is None:
         expected.add("fusedres_cuda")
     try:
         import fusedres.backends.triton  # noqa: F401

@@ -227,14 +227,16 @@ def test_fixed_cuda_tiles_match_the_source():
     from tools.perfmodel import cuda_sass
     from tools.perfmodel.cuda_sass import _FIXED_TILES
 
-    text = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "bn_relu_conv2d_backward.cu")).read()
+    cuda_dir = os.path.join(cuda_aot.ROOT, "csrc", "cuda")
+    text = open(os.path.join(cuda_dir, "bn_relu_conv2d_wgrad.cuh")).read()
     m = re.search(r"struct MmaWgrad \{\s*static constexpr int BM = (\d+), BN = (\d+), "
                   r"BK = (\d+), STAGES = \d+, THREADS = (\d+);", text)
     assert m is not None
     assert _FIXED_TILES["wgrad_mma_kernel"] == tuple(int(g) for g in m.groups())
     assert set(_FIXED_TILES) == {"wgrad_mma_kernel"}
     fwd = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "bn_relu_conv2d.cu")).read()
-    for src, struct in ((fwd, "MmaFwd"), (text, "MmaDgrad")):
+    dgrad = open(os.path.join(cuda_dir, "bn_relu_conv2d_dgrad.cuh")).read()
+    for src, struct in ((fwd, "MmaFwd"), (dgrad, "MmaDgrad")):
         m = re.search(rf"struct {struct} \{{\s*static constexpr int BM = BM_, BN = BN_, "
                       r"BK = (\d+), STAGES = \d+;", src)
         assert m is not None and int(m.group(1)) == cuda_sass._MMA_TILE_BK, struct
@@ -247,7 +249,7 @@ def test_fixed_cuda_tiles_match_the_source():
     # the SMs.
     assert "ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, MmaFwdTall::BN) >= sm_count()" in fwd
     assert ("ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, MmaDgradTall::BN) * phases >= "
-            "sm_count()") in text
+            "sm_count()") in dgrad
     assert cuda_sass.forward_mma_rows(128 * 132, 64, 132) == 128
     assert cuda_sass.forward_mma_rows(128 * 132 - 128, 64, 132) == 64
     assert cuda_sass.forward_mma_rows(128 * 66, 65, 132) == 128
@@ -476,16 +478,18 @@ def test_cuda_unit_prices_the_data_gradient_that_runs():
 
 def test_backward_kernel_rules_match_the_dispatch():
     """cuda_sass.wgrad_kernel and dgrad_kernel follow wgrad_uses_mma and dgrad_uses_mma
-    (csrc/cuda/bn_relu_conv2d_backward.cu): the settings' two values, x and grad_out channels
-    contiguous, C and Co multiples of 8 (wgrad_mma_operands), the data gradient's tap limit."""
+    (csrc/cuda/bn_relu_conv2d_{wgrad,dgrad}.cuh): the settings' two values, x and grad_out
+    channels contiguous, C and Co multiples of 8 (wgrad_mma_operands), the data gradient's tap
+    limit."""
     import os
     import re
 
     from fusedres import settings
     from tools import cuda_aot
 
-    text = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda",
-                             "bn_relu_conv2d_backward.cu")).read()
+    cuda_dir = os.path.join(cuda_aot.ROOT, "csrc", "cuda")
+    text = "".join(open(os.path.join(cuda_dir, f"bn_relu_conv2d_{family}.cuh")).read()
+                   for family in ("wgrad", "dgrad"))
 
     def body(name):
         return re.search(rf"bool {name}\(.*?\n\}}", text, re.S).group(0)

@@ -22,11 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build", "tsan")
-BINARY = os.path.join(BUILD, "cuda_host_tsan")
+BINARY = os.path.join(BUILD, "cuda_on_cpu_tsan")
 TSAN_EXIT = 66  # TSAN_OPTIONS exitcode: the run had reports
 REPORT = "WARNING: ThreadSanitizer:"
 ASAN_BUILD = os.path.join(ROOT, "build", "asan")
-ASAN_BINARY = os.path.join(ASAN_BUILD, "cuda_host_asan")
+ASAN_BINARY = os.path.join(ASAN_BUILD, "cuda_on_cpu_asan")
 ASAN_EXIT = 67  # ASAN_OPTIONS / UBSAN_OPTIONS exitcode
 # AddressSanitizer's and UndefinedBehaviorSanitizer's report lines.
 ASAN_REPORTS = ("ERROR: AddressSanitizer:", "runtime error:")

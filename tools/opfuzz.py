@@ -59,7 +59,7 @@ def _setup(namespaces=None) -> None:
     from fusedres.ops import _extension
 
     if namespaces is None or "fusedres_cuda" in namespaces:
-        _extension.load_cuda_host()
+        _extension.load_cuda_on_cpu()
     if namespaces is None or "fusedres_triton" in namespaces:
         try:
             import fusedres.backends.triton  # noqa: F401

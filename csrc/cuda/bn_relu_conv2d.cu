@@ -20,6 +20,7 @@
 
 #include "conv_tiles.cuh"
 #include "mma.cuh"
+#include "mma_tiles.cuh"
 #include "ops.h"
 
 namespace fusedres::FUSEDRES_CUDA_NS {
@@ -235,6 +236,25 @@ __device__ __forceinline__ uint32_t bn_relu2(uint32_t v, float s0, float b0, flo
   return ptx::pack2(al, ah);
 }
 
+// The BatchNorm-ReLU on a warp's A fragments of K offset kk: fa[i][r] holds rows g + 8 (r % 2)
+// of tile i, channels kk + 8 (r / 2) + t2, + 1 (g = lane / 4, t2 = 2 (lane % 4)); ss: the
+// stage's scale (ss[0]) and shift (ss[1]) per channel; a row whose tap flag (valid) is clear
+// becomes 0 (padding of a, never of x).
+template <typename W, int FM, int BK>
+__device__ __forceinline__ void bn_relu_frags(uint32_t (&fa)[FM][4], const float (*ss)[BK],
+                                              const bool (&valid)[FM][2], int kk, int t2) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int k = kk + 8 * (r / 2) + t2;
+    const float s0 = ss[0][k], s1 = ss[0][k + 1];
+    const float b0 = ss[1][k], b1 = ss[1][k + 1];
+#pragma unroll
+    for (int i = 0; i < FM; ++i) {
+      fa[i][r] = valid[i][r % 2] ? bn_relu2<W>(fa[i][r], s0, b0, s1, b1) : 0u;
+    }
+  }
+}
+
 template <typename W, typename T>
 __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
     bn_relu_conv2d_fwd_mma_kernel(const W* __restrict__ x, const W* __restrict__ wp,
@@ -338,12 +358,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
   };
 
   float acc[T::FM][T::FN][4];
-#pragma unroll
-  for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-    for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
+  zero_acc(acc);
 
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
@@ -377,33 +392,9 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       uint32_t fa[T::FM][4], fb[T::FN / 2][4];
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i) ptx::ldmatrix<4>(fa[i], &As[st][wm + 16 * i + lr][kk + lc]);
-#pragma unroll
-      for (int j = 0; j < T::FN / 2; ++j) {
-        ptx::ldmatrix<4, true>(fb[j], &Bs[st][kk + lr][wn + 16 * j + lc]);
-      }
-      // a[r] holds rows g + 8 (r % 2), channels kk + 8 (r / 2) + 2t, + 1.
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int k = kk + 8 * (r / 2) + t2;
-        const float s0 = Ss[st][0][k], s1 = Ss[st][0][k + 1];
-        const float b0 = Ss[st][1][k], b1 = Ss[st][1][k + 1];
-#pragma unroll
-        for (int i = 0; i < T::FM; ++i) {
-          fa[i][r] = valid[i][r % 2] ? bn_relu2<W>(fa[i][r], s0, b0, s1, b1) : 0u;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-        for (int j = 0; j < T::FN; ++j) {
-          const uint32_t b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
-          float d[4];
-          ptx::mma_m16n8k16<E>(d, fa[i], b, acc[i][j]);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[i][j][r] = d[r];
-        }
+      load_frags(fa, fb, As[st], Bs[st], wm, wn, kk, lr, lc);
+      bn_relu_frags<W>(fa, Ss[st], valid, kk, t2);
+      mma_tiles<E>(acc, fa, fb);
     }
     st = st + 1 == STAGES ? 0 : st + 1;
     next_st = next_st + 1 == STAGES ? 0 : next_st + 1;
@@ -411,16 +402,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
   // Drain the (empty) trailing groups; every warp is done with the stages before Cs reuses them.
   ptx::cp_async_wait<0>();
   __syncthreads();
-  // c[r] is row g + 8 (r / 2), column 2t + (r % 2) of the m16n8 tile.
-#pragma unroll
-  for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-    for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        Cs[wm + 16 * i + lane / 4 + 8 * (r / 2)][wn + 8 * j + 2 * (lane % 4) + r % 2] =
-            acc[i][j][r];
-      }
+  store_acc(Cs, acc, wm, wn, lane);
   __syncthreads();
   store_tile<W, BM, BN, T::CLD, THREADS>(Cs, row_n, row_oh, row_ow, bias, res, branch_scale, y,
                                          part_mean, part_m2, yd, rd, M, m0, co0, tid);

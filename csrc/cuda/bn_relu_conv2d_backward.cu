@@ -17,6 +17,10 @@
 //   the first column block of the first tap also sums dy for the bias gradient.
 // * dx: elementwise, in place over dz: dx = scale * (dz - sum_dz / M - xhat * sum_dzxhat / M).
 //
+// One kernel family a file, as the Triton files are: bn_relu_conv2d_dgrad.cuh (dgrad and dx,
+// launch_dgrad, launch_dx), bn_relu_conv2d_wgrad.cuh (wgrad, pick_split, launch_wgrad); this file
+// holds the op (its plan, the two strategies, the finish) and is their one translation unit.
+//
 // Branch scale (stochastic depth, y = residual + s[n] * conv): the conv branch's gradient is
 // s[n] * dy. dgrad's rows are input pixels of one sample, so it scales its accumulator row in
 // the epilogue (s[n] * conv_transpose(dy) = conv_transpose(s[n] * dy)); wgrad reduces over the
@@ -27,1032 +31,17 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 
+#include "bn_relu_conv2d_dgrad.cuh"
+#include "bn_relu_conv2d_wgrad.cuh"
 #include "conv_tiles.cuh"
 #include "mma.cuh"
 #include "ops.h"
 
 namespace fusedres::FUSEDRES_CUDA_NS {
 namespace {
-
-// What the data-gradient epilogue writes: dz (then the dx pass), dx, or nothing (sums only).
-enum DgradWrite : int { kWriteNothing = 0, kWriteDz = 1, kWriteDx = 2 };
-
-// The data gradient's epilogue, shared by the WMMA and the mma.sync kernel, on the block's
-// BM x BN tile of da (Cs; rows: the phase's input pixels row_n / row_ih / row_iw, -1 past its
-// pixels; columns c0 + n): loads x, recomputes the ReLU mask, writes dz or dx (or nothing), and
-// reduces per channel sum dz and sum dz * xhat over the tile into its partials' row `row` (Ds holds
-// dz * xhat). The caller synchronises after filling Cs.
-template <typename X, int BM, int BN, int LD, int THREADS>
-__device__ __forceinline__ void dgrad_store(
-    acc_t<X> (*Cs)[LD], acc_t<X> (*Ds)[LD], const int64_t* row_n, const int32_t* row_ih,
-    const int32_t* row_iw, const X* __restrict__ x, const acc_t<X>* __restrict__ scale,
-    const acc_t<X>* __restrict__ shift, const acc_t<X>* __restrict__ mean,
-    const acc_t<X>* __restrict__ invstd, X* __restrict__ gx, acc_t<X>* __restrict__ dz_out,
-    acc_t<X>* __restrict__ part_dz, acc_t<X>* __restrict__ part_dzx,
-    const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
-    const acc_t<X>* __restrict__ branch_scale, const Dims4& xd, const Dims4& gd, int64_t c0,
-    int write, int64_t row, int tid) {
-  using A = acc_t<X>;
-  const int64_t Cin = xd.c;
-  const bool stats = part_dz != nullptr;
-  const bool x_channels_fast = xd.sc == 1;
-  for (int e = tid; e < BM * BN; e += THREADS) {
-    const int m = x_channels_fast ? e / BN : e % BM;
-    const int n = x_channels_fast ? e % BN : e / BM;
-    const int64_t c = c0 + n;
-    A dz = A(0), dzx = A(0);
-    if (row_n[m] >= 0 && c < Cin) {
-      const A xv = static_cast<A>(x[xd.offset(row_n[m], c, row_ih[m], row_iw[m])]);
-      // da of the row's sample: s[n] * conv_transpose(dy) with a branch scale.
-      const A da = branch_scale != nullptr ? Cs[m][n] * branch_scale[row_n[m]] : Cs[m][n];
-      // The gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
-      dz = xv * scale[c] + shift[c] <= A(0) ? A(0) : da;
-      const A xhat = (xv - mean[c]) * invstd[c];
-      dzx = dz * xhat;
-      const int64_t go = gd.offset(row_n[m], c, row_ih[m], row_iw[m]);
-      if (write == kWriteDz) dz_out[go] = dz;
-      // dx: training (the sums known before this pass: m1 = mean dz, m2 = mean dz xhat) or eval.
-      if (write == kWriteDx) {
-        gx[go] = static_cast<X>(m1 != nullptr ? scale[c] * (dz - m1[c] - xhat * m2[c])
-                                              : scale[c] * dz);
-      }
-    }
-    if (stats) {
-      Cs[m][n] = dz;
-      Ds[m][n] = dzx;
-    }
-  }
-  if (!stats) return;
-  __syncthreads();
-  for (int q = tid; q < 2 * BN; q += THREADS) {
-    const int n = q % BN;
-    const int64_t c = c0 + n;
-    if (c >= Cin) continue;
-    A s = A(0);
-    if (q < BN) {
-      for (int m = 0; m < BM; ++m) s += Cs[m][n];
-      part_dz[row * Cin + c] = s;
-    } else {
-      for (int m = 0; m < BM; ++m) s += Ds[m][n];
-      part_dzx[row * Cin + c] = s;
-    }
-  }
-}
-
-// Resident blocks per SM promised to ptxas (__launch_bounds__' second argument) by the WMMA /
-// FMA kernels below. With the thread count alone ptxas capped them low and spilled (sm_90: the
-// 16-bit data gradient at 96 registers, 8-12 bytes; the float32 one at 80, 4 bytes; sm_80: the
-// float16 weight gradient at 128, 4 bytes). The data gradient fits 128 registers (4 blocks of
-// 128 threads, 2 of 256); the weight gradient takes up to 168 without the BatchNorm sums (3
-// blocks of 128 threads) and up to 254 with them (1: no cap), where a 128 cap spilled 0.5 KiB.
-// No spills now (csrc/cuda/COMPILE.md), for one resident block fewer: the 16-bit data gradient
-// 4 blocks on sm_90 (5 before), the float32 one 2 (3, also on sm_80, where it had not spilled),
-// the float16 weight gradient 3 (4). These kernels run where the mma.sync ones do not
-// (float32, float64, 16-bit tensors that are not channels_last or not 8-channel aligned,
-// kernels of more than 64 taps).
-template <typename T>
-constexpr int kDgradMinBlocks = T::THREADS >= 256 ? 2 : 4;
-template <typename T, bool SUMS>
-constexpr int kWgradMinBlocks = SUMS ? 1 : (T::THREADS >= 256 ? 2 : 3);
-
-template <typename X, typename W, typename T>
-__global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
-    dgrad_kernel(const W* __restrict__ dy, const W* __restrict__ w, const X* __restrict__ x,
-                 const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
-                 const acc_t<X>* __restrict__ mean, const acc_t<X>* __restrict__ invstd,
-                 X* __restrict__ gx, acc_t<X>* __restrict__ dz_out,
-                 acc_t<X>* __restrict__ part_dz, acc_t<X>* __restrict__ part_dzx,
-                 const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
-                 const acc_t<X>* __restrict__ branch_scale, Dims4 dyd, Dims4 wd, Dims4 xd,
-                 Dims4 gd, ConvGeom g, int write) {
-  FUSEDRES_LAUNCH_BOUNDS(T::THREADS, kDgradMinBlocks<T>);
-  using A = acc_t<X>;
-  static_assert(std::is_same_v<A, acc_t<W>>, "x and weight must share an accumulator type");
-  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
-  __shared__ __align__(32) W As[BK][BM + T::APAD];  // dy: (Co slice) x (pixels)
-  __shared__ __align__(32) W Bs[BK][BN + T::BPAD];  // W: (Co slice) x (C slice)
-  __shared__ __align__(32) A Cs[BM][BN + T::CPAD];  // da, then dz
-  __shared__ __align__(32) A Ds[BM][BN + T::CPAD];  // dz * xhat
-  __shared__ int64_t row_n[BM];  // sample of the row, -1 past the phase's pixels
-  __shared__ int32_t row_ih[BM];
-  __shared__ int32_t row_iw[BM];
-  __shared__ int64_t tap_off[BM];  // offset of dy[n, 0, oh, ow] feeding the row, -1 if none
-
-  // The stride phase of this block and its pixel grid (HP x WP pixels per sample).
-  const int phases_w = static_cast<int>(xd.w < g.sw ? xd.w : g.sw);
-  const int pa = blockIdx.z / phases_w, pb = blockIdx.z % phases_w;
-  const int64_t HP = (xd.h - pa + g.sh - 1) / g.sh, WP = (xd.w - pb + g.sw - 1) / g.sw;
-  const int64_t Mp = xd.n * HP * WP;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
-  if (m0 >= Mp) return;  // the phase has fewer pixels than the largest one (partials stay 0)
-  const int tid = threadIdx.x;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * BN;
-  const int64_t Cin = xd.c, Co = dyd.c;
-  for (int r = tid; r < BM; r += THREADS) {
-    const int64_t m = m0 + r;
-    if (m < Mp) {
-      const Pixel p = pixel_of(m, HP, WP);
-      row_n[r] = p.n;
-      row_ih[r] = pa + g.sh * p.h;
-      row_iw[r] = pb + g.sw * p.w;
-    } else {
-      row_n[r] = -1;
-      row_ih[r] = row_iw[r] = 0;
-    }
-  }
-  Accum<W, T> acc;
-  acc.zero();
-  const bool dy_channels_fast = dyd.sc == 1;
-  for (int t = 0; t < g.kh * g.kw; ++t) {
-    const int i = t / g.kw, j = t % g.kw;
-    // (ih + ph - i*dh) must be a multiple of the stride: the same for every row of the phase.
-    if (mod_pos(pa + g.ph - i * g.dh, g.sh) != 0 || mod_pos(pb + g.pw - j * g.dw, g.sw) != 0) {
-      continue;
-    }
-    __syncthreads();
-    for (int r = tid; r < BM; r += THREADS) {
-      int64_t off = -1;
-      if (row_n[r] >= 0) {
-        const int64_t oh_s = int64_t(row_ih[r]) + g.ph - int64_t(i) * g.dh;
-        const int64_t ow_s = int64_t(row_iw[r]) + g.pw - int64_t(j) * g.dw;
-        if (oh_s >= 0 && ow_s >= 0) {
-          const int64_t oh = oh_s / g.sh, ow = ow_s / g.sw;
-          if (oh < dyd.h && ow < dyd.w) off = dyd.offset(row_n[r], 0, oh, ow);
-        }
-      }
-      tap_off[r] = off;
-    }
-    __syncthreads();
-    for (int64_t k0 = 0; k0 < Co; k0 += BK) {
-      for (int e = tid; e < BM * BK; e += THREADS) {
-        const int m = dy_channels_fast ? e / BK : e % BM;
-        const int k = dy_channels_fast ? e % BK : e / BM;
-        const int64_t co = k0 + k;
-        const int64_t off = tap_off[m];
-        As[k][m] = (off >= 0 && co < Co) ? dy[off + co * dyd.sc] : static_cast<W>(0.0f);
-      }
-      for (int e = tid; e < BN * BK; e += THREADS) {
-        const int n = e % BN, k = e / BN;
-        const int64_t co = k0 + k, c = c0 + n;
-        Bs[k][n] = (co < Co && c < Cin) ? w[wd.offset(co, c, i, j)] : static_cast<W>(0.0f);
-      }
-      __syncthreads();
-      acc.mma(As, Bs, tid);
-      __syncthreads();
-    }
-  }
-  acc.store(Cs, tid);
-  __syncthreads();
-  dgrad_store<X, BM, BN, BN + T::CPAD, THREADS>(Cs, Ds, row_n, row_ih, row_iw, x, scale, shift,
-                                                mean, invstd, gx, dz_out, part_dz, part_dzx, m1,
-                                                m2, branch_scale, xd, gd, c0, write,
-                                                static_cast<int64_t>(blockIdx.z) * gridDim.x +
-                                                    blockIdx.x,
-                                                tid);
-}
-
-// ----------------------------------------------------------------------------- tensor-core dgrad
-
-// The data gradient of 16-bit x, grad_out and weight of one dtype, x and grad_out channels-last
-// with C and Co multiples of 8: the WMMA kernel's grid (one stride phase per blockIdx.z, 64
-// input pixels x 64 input channels a block) and epilogue (dgrad_store), its main loop mma.sync
-// m16n8k16 on operands that cp.async stages, 16 bytes a copy, through a STAGES-deep pipeline
-// with one barrier per K chunk (BK output channels of one tap). The K chunks run over the taps
-// that feed the phase (tap_list with each tap's shift, built once per block) and the output
-// channels; the next chunk's tap, channel offset and address shift are stepped one chunk at a
-// time (no division in the main loop), and a row's base offset is computed once. A (dy rows,
-// pixels x Co): a row's output pixel at tap (i, j) is (h + di, w + dj) on the phase grid
-// (di = (pa + ph - i dh) / sh, exact for a tap of the phase), a row outside dy zero-filled,
-// as are rows past the phase's pixels. B: the weight pre-packed (host) as row-major
-// (taps*Co, C), row tap*Co + co, so a chunk is BK rows of 16-byte pieces. No transform on the
-// fragments: the ReLU mask and the branch scale are applied in the epilogue. 4 warps of 32 x 32
-// (2 x 4 m16n8 accumulators); shared rows padded by 8 halves as in the forward.
-template <int BM_, int BN_, int WARPS_M_, int WARPS_N_>
-struct MmaDgrad {
-  static constexpr int BM = BM_, BN = BN_, BK = 32, STAGES = 3;
-  static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, THREADS = 32 * WARPS_M * WARPS_N;
-  static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
-  static constexpr int FM = WM / 16, FN = WN / 8;
-  static constexpr int AST = BK + 8, BST = BN + 8, CLD = BN + 4;
-  static constexpr int A_COPIES = BM * BK / 8 / THREADS;
-  static constexpr int B_COPIES = BK * BN / 8 / THREADS;
-  static constexpr int MAX_TAPS = 64;  // kh * kw of the kernels it takes
-  // The epilogue runs on EM rows at a time (BM / EM passes, each with its own partials' row),
-  // so the 128-row tile's da / dz and dz * xhat fit in the static 48 KiB beside the pipeline.
-  static constexpr int EM = 64, PASSES = BM / EM;
-  static constexpr int A_BYTES = STAGES * BM * AST * 2;
-  static constexpr int B_BYTES = STAGES * BK * BST * 2;
-  static constexpr int PIPE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int C_BYTES = 2 * EM * CLD * 4;  // da / dz and dz * xhat
-  static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
-  static_assert(A_COPIES * THREADS * 8 == BM * BK && B_COPIES * THREADS * 8 == BK * BN,
-                "the 16-byte copies do not divide among the threads");
-  static_assert(WM * WARPS_M == BM && WN * WARPS_N == BN && FM * 16 == WM && FN % 2 == 0,
-                "warp grid");
-  static_assert(PASSES * EM == BM && EM % WM == 0, "a warp's rows in one epilogue pass");
-  static_assert(A_BYTES % 128 == 0 && B_BYTES % 128 == 0, "stage buffers 128-byte aligned");
-  static_assert(SMEM + BM * 16 + 3 * MAX_TAPS * 4 + 4 <= 48 * 1024, "static shared memory");
-};
-// The two tile configurations (dgrad_mma_rows picks one per shape): 64 x 64 of 2 x 2 warps of
-// 32 x 32, and 128 x 64 of 4 x 1 warps of 32 x 64 (each ldmatrix feeds twice the mma's, twice
-// the multiply-adds per barrier).
-using MmaDgradSmall = MmaDgrad<64, 64, 2, 2>;
-using MmaDgradTall = MmaDgrad<128, 64, 4, 1>;
-
-template <typename W, typename T>
-__global__ void __launch_bounds__(T::THREADS)
-    dgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ wp, const W* __restrict__ x,
-                     const float* __restrict__ scale, const float* __restrict__ shift,
-                     const float* __restrict__ mean, const float* __restrict__ invstd,
-                     W* __restrict__ gx, float* __restrict__ dz_out,
-                     float* __restrict__ part_dz, float* __restrict__ part_dzx,
-                     const float* __restrict__ m1, const float* __restrict__ m2,
-                     const float* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gd,
-                     ConvGeom g, int write) {
-  FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
-  using E = native_t<W>;
-  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
-  __shared__ __align__(128) unsigned char smem[T::SMEM];
-  __shared__ int64_t row_n[BM];
-  __shared__ int32_t row_ih[BM];
-  __shared__ int32_t row_iw[BM];
-  __shared__ int32_t tap_list[T::MAX_TAPS];
-  __shared__ int32_t tap_di[T::MAX_TAPS];  // the tap's output-pixel shift on the phase grid
-  __shared__ int32_t tap_dj[T::MAX_TAPS];
-  __shared__ int32_t tap_count;
-  auto* As = reinterpret_cast<uint16_t(*)[BM][T::AST]>(smem);
-  auto* Bs = reinterpret_cast<uint16_t(*)[BK][T::BST]>(smem + T::A_BYTES);
-  auto* Cs = reinterpret_cast<float(*)[T::CLD]>(smem);
-  auto* Ds = reinterpret_cast<float(*)[T::CLD]>(smem + T::EM * T::CLD * 4);
-
-  const int phases_w = static_cast<int>(xd.w < g.sw ? xd.w : g.sw);
-  const int pa = blockIdx.z / phases_w, pb = blockIdx.z % phases_w;
-  const int64_t HP = (xd.h - pa + g.sh - 1) / g.sh, WP = (xd.w - pb + g.sw - 1) / g.sw;
-  const int64_t Mp = xd.n * HP * WP;
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
-  if (m0 >= Mp) return;  // the phase has fewer pixels than the largest one (partials stay 0)
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * BN;
-  const int64_t Cin = xd.c, Co = dyd.c;
-  for (int r = tid; r < BM; r += THREADS) {
-    const int64_t m = m0 + r;
-    if (m < Mp) {
-      const Pixel p = pixel_of(m, HP, WP);
-      row_n[r] = p.n;
-      row_ih[r] = pa + g.sh * p.h;
-      row_iw[r] = pb + g.sw * p.w;
-    } else {
-      row_n[r] = -1;
-      row_ih[r] = row_iw[r] = 0;
-    }
-  }
-  if (tid == 0) {
-    // The taps that feed this phase: (ih + ph - i dh) a multiple of sh for every row, with the
-    // shift (di, dj) from a row's phase-grid pixel to its output pixel at that tap (exact).
-    int n = 0;
-    for (int t = 0; t < g.kh * g.kw; ++t) {
-      const int ti = t / g.kw, tj = t % g.kw;
-      if (mod_pos(pa + g.ph - ti * g.dh, g.sh) == 0 && mod_pos(pb + g.pw - tj * g.dw, g.sw) == 0) {
-        tap_list[n] = t;
-        tap_di[n] = (pa + g.ph - ti * g.dh) / g.sh;
-        tap_dj[n] = (pb + g.pw - tj * g.dw) / g.sw;
-        ++n;
-      }
-    }
-    tap_count = n;
-  }
-  // A copied row's source: the element offset of dy[n, 0, h, w] at its phase-grid pixel (n, h,
-  // w) and (h, w); a tap (di, dj) moves it to the output pixel (h + di, w + dj), the same shift
-  // for every row. A row past the phase's pixels has h = kOutside, outside dy at every tap.
-  struct Src {
-    int64_t off;
-    int32_t h, w;
-  };
-  constexpr int32_t kOutside = -(1 << 30);
-  Src a_src[T::A_COPIES];
-#pragma unroll
-  for (int q = 0; q < T::A_COPIES; ++q) {
-    const int64_t m = m0 + (tid + q * THREADS) / (BK / 8);
-    if (m < Mp) {
-      const Pixel p = pixel_of(m, HP, WP);
-      a_src[q] = Src{p.n * dyd.sn + int64_t(p.h) * dyd.sh + int64_t(p.w) * dyd.sw, p.h, p.w};
-    } else {
-      a_src[q] = Src{0, kOutside, 0};
-    }
-  }
-  __syncthreads();  // tap_list, tap_di, tap_dj, tap_count
-  const int32_t Co32 = static_cast<int32_t>(Co), Cin32 = static_cast<int32_t>(Cin);
-  const int chunks = tap_count * static_cast<int>((Co + BK - 1) / BK);
-  const uint32_t Ho = static_cast<uint32_t>(dyd.h), Wo = static_cast<uint32_t>(dyd.w);
-  // The next chunk to copy, stepped one chunk at a time (no division in the loop): its output
-  // channel offset k0 in the tap, the tap's place in tap_list, its shift (di, dj) and dy element
-  // offset toff, and the packed weight's first row for the tap (tap * Co).
-  struct Next {
-    int32_t k0, tl, di, dj;
-    int64_t toff, krow;
-  } nx{0, 0, 0, 0, 0, 0};
-  const auto set_tap = [&] {
-    nx.di = tap_di[nx.tl];
-    nx.dj = tap_dj[nx.tl];
-    nx.toff = int64_t(nx.di) * dyd.sh + int64_t(nx.dj) * dyd.sw;
-    nx.krow = int64_t(tap_list[nx.tl]) * Co;
-  };
-  if (chunks > 0) set_tap();
-  const auto step = [&] {
-    nx.k0 += BK;
-    if (nx.k0 < Co32) return;
-    nx.k0 = 0;
-    if (++nx.tl < tap_count) set_tap();
-  };
-  const auto load = [&](int st) {
-#pragma unroll
-    for (int q = 0; q < T::A_COPIES; ++q) {
-      const int e = tid + q * THREADS, r = e / (BK / 8), k = (e % (BK / 8)) * 8;
-      const bool ok = static_cast<uint32_t>(a_src[q].h + nx.di) < Ho &&
-                      static_cast<uint32_t>(a_src[q].w + nx.dj) < Wo && nx.k0 + k < Co32;
-      ptx::cp_async_cg16(&As[st][r][k], ok ? dy + (a_src[q].off + nx.toff + nx.k0 + k) : dy,
-                         ok ? 16 : 0);
-    }
-#pragma unroll
-    for (int q = 0; q < T::B_COPIES; ++q) {
-      const int e = tid + q * THREADS, r = e / (BN / 8), n = (e % (BN / 8)) * 8;
-      const bool ok = nx.k0 + r < Co32 && c0 + n < Cin32;
-      const W* src = ok ? wp + (nx.krow + nx.k0 + r) * Cin + c0 + n : wp;
-      ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
-    }
-  };
-
-  float acc[T::FM][T::FN][4];
-#pragma unroll
-  for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-    for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
-
-#pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < chunks) {
-      load(st);
-      step();
-    }
-    ptx::cp_async_commit();
-  }
-  const int wm = (warp / T::WARPS_N) * T::WM, wn = (warp % T::WARPS_N) * T::WN;
-  const int lr = (lane % 8) + 8 * ((lane / 8) % 2), lc = 8 * (lane / 16);
-  int st = 0, next_st = STAGES - 1;  // the stages of chunk kc and of chunk kc + STAGES - 1
-  for (int kc = 0; kc < chunks; ++kc) {
-    ptx::cp_async_wait<STAGES - 2>();
-    __syncthreads();
-    if (kc + STAGES - 1 < chunks) {
-      load(next_st);
-      step();
-    }
-    ptx::cp_async_commit();
-#pragma unroll
-    for (int kk = 0; kk < BK; kk += 16) {
-      uint32_t fa[T::FM][4], fb[T::FN / 2][4];
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i) ptx::ldmatrix<4>(fa[i], &As[st][wm + 16 * i + lr][kk + lc]);
-#pragma unroll
-      for (int j = 0; j < T::FN / 2; ++j) {
-        ptx::ldmatrix<4, true>(fb[j], &Bs[st][kk + lr][wn + 16 * j + lc]);
-      }
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-        for (int j = 0; j < T::FN; ++j) {
-          const uint32_t b[2] = {fb[j / 2][2 * (j % 2)], fb[j / 2][2 * (j % 2) + 1]};
-          float d[4];
-          ptx::mma_m16n8k16<E>(d, fa[i], b, acc[i][j]);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[i][j][r] = d[r];
-        }
-    }
-    st = st + 1 == STAGES ? 0 : st + 1;
-    next_st = next_st + 1 == STAGES ? 0 : next_st + 1;
-  }
-  ptx::cp_async_wait<0>();
-  // The epilogue, EM rows a pass (the partials' row of pass p: PASSES rows per block).
-  const int64_t prow = (static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x) * T::PASSES;
-#pragma unroll
-  for (int pass = 0; pass < T::PASSES; ++pass) {
-    // Every warp is done with the pipeline (pass 0) or the previous pass's Cs and Ds.
-    __syncthreads();
-    if (wm / T::EM == pass) {
-      const int wr = wm - pass * T::EM;
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-        for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            Cs[wr + 16 * i + lane / 4 + 8 * (r / 2)][wn + 8 * j + 2 * (lane % 4) + r % 2] =
-                acc[i][j][r];
-          }
-    }
-    __syncthreads();
-    const int o = pass * T::EM;
-    dgrad_store<W, T::EM, BN, T::CLD, THREADS>(Cs, Ds, row_n + o, row_ih + o, row_iw + o, x,
-                                               scale, shift, mean, invstd, gx, dz_out, part_dz,
-                                               part_dzx, m1, m2, branch_scale, xd, gd, c0, write,
-                                               prow + pass, tid);
-  }
-}
-
-// Per-channel BatchNorm quantities the SUMS variant of the weight gradient reads.
-template <typename A>
-struct BnSums {
-  const A* mean;
-  const A* invstd;
-  const A* gamma;  // the BatchNorm weight (1 without one)
-  const A* beta;   // the BatchNorm bias (0 without one)
-  const void* weight;  // the conv weight (W), contracted with G1 and G2
-  A* part_dz;      // (split * Co blocks * taps, C) partials of sum dz
-  A* part_dzx;     // and of sum dz * xhat
-};
-
-// The weight gradient's epilogue, shared by the WMMA and the mma.sync kernel, on the block's
-// BM x BN tile in shared memory: rows co0 + m; column n is the flat (tap, input channel) index
-// f = f0 + n, tap f / Cin and channel f % Cin, while f < f_end (the WMMA kernel's columns are
-// channels c0 + n of one tap t: f0 = t * Cin + c0, f_end = (t + 1) * Cin; the mma.sync
-// kernel's run on across taps: f0 = blockIdx.y * BN, f_end = taps * Cin). Cs holds sum dy * a
-// (plain) or G1 = sum dy * m (SUMS), and store_g2() overwrites it with G2 = sum dy * m * xhat
-// (SUMS; called between barriers). Writes the split's partial (part_dw) or the weight gradient
-// itself, and with SUMS the (co block, tap, split) rows of the sums' partials. The caller
-// synchronises after filling Cs.
-template <typename W, int BM, int BN, int LD, int THREADS, bool SUMS, typename StoreG2>
-__device__ __forceinline__ void wgrad_store(acc_t<W> (*Cs)[LD], StoreG2&& store_g2,
-                                            W* __restrict__ gw, acc_t<W>* __restrict__ part_dw,
-                                            const BnSums<acc_t<W>>& bs, const Dims4& gwd,
-                                            const Dims4& wd, const ConvGeom& g, int64_t co0,
-                                            int64_t f0, int64_t f_end, int64_t Co,
-                                            int64_t Cin, int tid) {
-  using C = acc_t<W>;
-  const int taps = g.kh * g.kw;
-  // Column n's tap t and channel c; false past f_end.
-  const auto column = [&](int n, int& t, int64_t& c) {
-    const int64_t f = f0 + n;
-    t = static_cast<int>(f / Cin);
-    c = f - t * Cin;
-    return f < f_end;
-  };
-  // Consecutive threads along C: the contiguous dimension of a channels_last weight, and the
-  // partials' row.
-  constexpr int kPerThread = (BM * BN + THREADS - 1) / THREADS;
-  C dw_part[SUMS ? kPerThread : 1];
-  if constexpr (SUMS) {
-    // dW = gamma * G2 + beta * G1; sum dz = sum over (co, tap) of W * G1, sum dz xhat of W * G2.
-    // G1 first: its beta * G1 share kept in registers, its contraction with W per column.
-    const W* wt = static_cast<const W*>(bs.weight);
-    const int64_t row0 = (static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x) * taps;
-#pragma unroll
-    for (int r = 0; r < kPerThread; ++r) {
-      const int e = tid + r * THREADS;
-      const int n = e % BN, m = e / BN;
-      int t;
-      int64_t c;
-      dw_part[r] = (e < BM * BN && column(n, t, c)) ? bs.beta[c] * Cs[m][n] : C(0);
-    }
-    // Column n's contraction with W over the block's output channels, into `part`'s row of
-    // its tap.
-    const auto contract = [&](C* part) {
-      for (int n = tid; n < BN; n += THREADS) {
-        int t;
-        int64_t c;
-        if (!column(n, t, c)) continue;
-        const int i = t / g.kw, j = t % g.kw;
-        C s = C(0);
-        for (int m = 0; m < BM && co0 + m < Co; ++m) {
-          s += static_cast<C>(wt[wd.offset(co0 + m, c, i, j)]) * Cs[m][n];
-        }
-        part[(row0 + t) * Cin + c] = s;
-      }
-    };
-    contract(bs.part_dz);
-    __syncthreads();
-    store_g2();
-    __syncthreads();
-    contract(bs.part_dzx);
-  }
-#pragma unroll
-  for (int r = 0; r < kPerThread; ++r) {
-    const int e = tid + r * THREADS;
-    const int n = e % BN, m = e / BN;
-    const int64_t co = co0 + m;
-    int t;
-    int64_t c;
-    if (e >= BM * BN || co >= Co || !column(n, t, c)) continue;
-    C v = Cs[m][n];
-    if constexpr (SUMS) v = bs.gamma[c] * v + dw_part[r];
-    if (part_dw != nullptr) {
-      part_dw[((blockIdx.z * Co + co) * taps + t) * Cin + c] = v;
-    } else {
-      gw[gwd.offset(co, c, t / g.kw, t % g.kw)] = static_cast<W>(v);
-    }
-  }
-}
-
-template <typename X, typename W, typename T, bool SUMS>
-__global__ void __launch_bounds__(T::THREADS, kWgradMinBlocks<T, SUMS>)
-    wgrad_kernel(const W* __restrict__ dy, const X* __restrict__ x,
-                 const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
-                 W* __restrict__ gw, acc_t<W>* __restrict__ part_dw,
-                 acc_t<W>* __restrict__ part_db, BnSums<acc_t<X>> bs,
-                 const acc_t<W>* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gwd,
-                 Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
-  FUSEDRES_LAUNCH_BOUNDS(T::THREADS, kWgradMinBlocks<T, SUMS>);
-  using A = acc_t<X>;
-  using C = acc_t<W>;
-  static_assert(std::is_same_v<A, C>, "x and weight must share an accumulator type");
-  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
-  __shared__ __align__(32) W As[BK][BM + T::APAD];  // dy: (pixels) x (Co slice)
-  // a (plain), or the ReLU mask m (SUMS): (pixels) x (C slice)
-  __shared__ __align__(32) W Bs[BK][BN + T::BPAD];
-  __shared__ __align__(32) W B2s[SUMS ? BK : 1][BN + T::BPAD];  // SUMS: m * xhat
-  __shared__ __align__(32) C Cs[BM][BN + T::CPAD];
-  __shared__ int64_t pix_dy[BK];  // offset of dy[n, 0, oh, ow], -1 past the pixels
-  __shared__ int64_t pix_x[BK];   // offset of x[n, 0, ih, iw] at this tap, -1 outside the image
-  __shared__ C pix_s[BK];         // the pixel's branch scale (with one)
-
-  const int tid = threadIdx.x;
-  const int taps = g.kh * g.kw;
-  const int t = blockIdx.y % taps;
-  const int i = t / g.kw, j = t % g.kw;
-  const int64_t co0 = static_cast<int64_t>(blockIdx.x) * BM;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.y / taps) * BN;
-  const int64_t Co = dyd.c, Cin = xd.c;
-  const int64_t M = dyd.n * dyd.h * dyd.w;
-  const bool bias_block = part_db != nullptr && blockIdx.y == 0;
-  C db = C(0);
-  Accum<W, T> acc;   // plain: sum dy * a; SUMS: G1 = sum dy * m
-  Accum<W, T> acc2;  // SUMS: G2 = sum dy * m * xhat
-  acc.zero();
-  if constexpr (SUMS) acc2.zero();
-  const bool dy_channels_fast = dyd.sc == 1, x_channels_fast = xd.sc == 1;
-  const int64_t k_begin = static_cast<int64_t>(blockIdx.z) * k_steps_per_split * BK;
-  const int64_t k_end = k_begin + k_steps_per_split * BK < M ? k_begin + k_steps_per_split * BK : M;
-  for (int64_t k0 = k_begin; k0 < k_end; k0 += BK) {
-    for (int k = tid; k < BK; k += THREADS) {
-      int64_t ody = -1, ox = -1;
-      C sn = C(0);
-      if (k0 + k < k_end) {
-        const Pixel p = pixel_of(k0 + k, dyd.h, dyd.w);
-        ody = dyd.offset(p.n, 0, p.h, p.w);
-        if (branch_scale != nullptr) sn = branch_scale[p.n];
-        const int64_t ih = int64_t(p.h) * g.sh - g.ph + int64_t(i) * g.dh;
-        const int64_t iw = int64_t(p.w) * g.sw - g.pw + int64_t(j) * g.dw;
-        if (ih >= 0 && ih < xd.h && iw >= 0 && iw < xd.w) ox = xd.offset(p.n, 0, ih, iw);
-      }
-      pix_dy[k] = ody;
-      pix_x[k] = ox;
-      pix_s[k] = sn;
-    }
-    __syncthreads();
-    for (int e = tid; e < BM * BK; e += THREADS) {
-      const int m = dy_channels_fast ? e % BM : e / BK;
-      const int k = dy_channels_fast ? e / BM : e % BK;
-      const int64_t co = co0 + m;
-      W v = (pix_dy[k] >= 0 && co < Co) ? dy[pix_dy[k] + co * dyd.sc] : static_cast<W>(0.0f);
-      // The conv branch's gradient s[n] * dy, rounded to W as the unfused product would be.
-      if (branch_scale != nullptr) v = static_cast<W>(static_cast<C>(v) * pix_s[k]);
-      As[k][m] = v;
-    }
-    for (int e = tid; e < BN * BK; e += THREADS) {
-      const int n = x_channels_fast ? e % BN : e / BK;
-      const int k = x_channels_fast ? e / BN : e % BK;
-      const int64_t c = c0 + n;
-      if constexpr (SUMS) {
-        A on = A(0), xhat = A(0);
-        if (pix_x[k] >= 0 && c < Cin) {
-          const A xv = static_cast<A>(x[pix_x[k] + c * xd.sc]);
-          // The gradient passes unless z <= 0 (NaN passes, as torch's ReLU backward).
-          on = xv * scale[c] + shift[c] <= A(0) ? A(0) : A(1);
-          xhat = on * ((xv - bs.mean[c]) * bs.invstd[c]);
-        }
-        Bs[k][n] = static_cast<W>(on);
-        B2s[k][n] = static_cast<W>(xhat);
-      } else {
-        A a = A(0);
-        if (pix_x[k] >= 0 && c < Cin) a = bn_relu(static_cast<A>(x[pix_x[k] + c * xd.sc]), scale[c], shift[c]);
-        Bs[k][n] = static_cast<W>(a);
-      }
-    }
-    __syncthreads();
-    if (bias_block) {
-      for (int m = tid; m < BM; m += THREADS)
-        for (int k = 0; k < BK; ++k) db += static_cast<C>(As[k][m]);
-    }
-    acc.mma(As, Bs, tid);
-    if constexpr (SUMS) acc2.mma(As, B2s, tid);
-    __syncthreads();
-  }
-  if (bias_block) {
-    for (int m = tid; m < BM; m += THREADS) {
-      if (co0 + m < Co) part_db[blockIdx.z * Co + co0 + m] = db;
-    }
-  }
-  acc.store(Cs, tid);
-  __syncthreads();
-  wgrad_store<W, BM, BN, BN + T::CPAD, THREADS, SUMS>(
-      Cs, [&] { acc2.store(Cs, tid); }, gw, part_dw, bs, gwd, wd, g, co0, t * Cin + c0,
-      (t + 1) * Cin, Co, Cin, tid);
-}
-
-// ----------------------------------------------------------------------------- tensor-core path
-
-// The weight gradient (and with SUMS the BatchNorm sums' G1, G2) of 16-bit x, grad_out and
-// weight of one dtype, x and grad_out channels-last with C and Co multiples of 8: mma.sync
-// m16n8k16 on operands that cp.async stages, 16 bytes a copy, through a STAGES-deep pipeline
-// with one barrier per K chunk of BK = 16 output pixels. The tile is the WMMA kernel's size,
-// BM = 64 output channels x BN = 64 columns, split-K over blockIdx.z in its K-steps of
-// KSTEP = 32 pixels, so the partials and the host code around them are shared; but its columns
-// are the flat (tap, input channel) indices blockIdx.y * BN + n of kh * kw * C, channels
-// fastest, so that with C = 16 a block covers 4 taps (3 column blocks for a 3 x 3 conv where
-// one a tap gave 9, each 3/4 zero columns), with C = 32 two. A 16-byte x piece (8 channels,
-// C % 8 == 0) is one tap's: each thread's tap is fixed for the loop. Per chunk a thread copies
-// one pixel row piece of dy (BK x BM, rows = pixels, 16 bytes = 8 output channels) and of x at
-// its tap (BK x BN); the pixel indices are carried
-// from chunk to chunk (no 64-bit division in the loop). (BK = 16: one m16n8k16 step a chunk
-// keeps one set of fragments live; with BK = 32 the SUMS variant spilled on sm_80.) A pixel
-// past the split's end zero-fills both rows; a tap outside the image zero-fills the x piece and
-// clears its flag (Vs: a flag per 16-byte piece of a pixel row, whose pieces can be different
-// taps'): the activation there is 0 (padding of
-// a = relu(bn(x)), never of x), which the B fragments get by a select after the BatchNorm-ReLU,
-// applied in float32 and rounded to W as the unfused sequence does. The 4 warps split the
-// columns (warp tile 64 x 16: every x element is transformed by one warp only): per chunk
-// a warp loads its A fragments (dy, m = Co, k = pixels) with 4 ldmatrix.x4.trans and its
-// B fragments (x, k = pixels, n = C) with one, and issues 8 mma.sync (SUMS: 16, the mask m and
-// m * xhat as two B operands). With a branch scale each thread scales the dy piece it copied,
-// in shared memory between its cp.async wait and the chunk's barrier (s[n] * dy rounded to W,
-// as the WMMA kernel stages them; Ps holds the pixel's factor): once per element, not once per
-// warp, and outside the m16n8k16 steps. The bias gradient (the first column block): each
-// thread sums the (scaled) dy pieces it copied in float32 there too, reduced after the loop.
-// The pixel stepping divides by Ho and Wo by multiply-high (FastDiv).
-// Shared rows are padded by 8 halves (144 bytes): the 8 rows of an ldmatrix phase fall in 8
-// different 4-bank groups. Both accumulator sets go through shared memory (aliasing the drained
-// pipeline) to the epilogue of both kernels (wgrad_store).
-struct MmaWgrad {
-  static constexpr int BM = 64, BN = 64, BK = 16, STAGES = 4, THREADS = 128;
-  static constexpr int KSTEP = 32;  // the host's K-step (pixels), the unit of the split
-  static constexpr int WN = 16;                        // warp tile 64 x 16, warps along N
-  static constexpr int FM = BM / 16, FN = WN / 8;      // m16 tiles, n8 tiles per warp
-  static constexpr int DST = BM + 8, XST = BN + 8;     // shared row lengths (halves)
-  static constexpr int CLD = BN + 4;                   // the epilogue's rows (floats)
-  static constexpr int ROWS_PER_PASS = THREADS / (BM / 8);  // pixel rows per copy pass
-  static constexpr int PASSES = BK / ROWS_PER_PASS;         // copy passes (rows) per thread
-  static constexpr int D_BYTES = STAGES * BK * DST * 2;
-  static constexpr int X_BYTES = STAGES * BK * XST * 2;
-  static constexpr int P_BYTES = STAGES * BK * 4;      // the pixels' branch scale
-  static constexpr int PIECES = BN / 8;                // 16-byte x pieces a pixel row
-  static constexpr int V_BYTES = STAGES * BK * PIECES; // the pieces' tap-inside flags
-  static constexpr int PIPE_BYTES = D_BYTES + X_BYTES + P_BYTES + V_BYTES;
-  static constexpr int C_BYTES = 2 * BM * CLD * 4;  // G1 (or sum dy * a) and G2
-  static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
-  static_assert(BM == BN, "one copy pattern for both operands: 8 threads per pixel row");
-  static_assert(PASSES * ROWS_PER_PASS == BK && (BN / WN) * 32 == THREADS, "warp grid");
-  static_assert(KSTEP % BK == 0 && BK % 16 == 0, "whole m16n8k16 steps, whole chunks a split");
-  static_assert(D_BYTES % 128 == 0 && X_BYTES % 128 == 0, "stage buffers 128-byte aligned");
-};
-
-// Two 16-bit elements of one register (two pixels of one channel in a B fragment) through
-// relu(scale * x + shift), rounded to W; an element whose tap flag is clear becomes 0.
-template <typename W>
-__device__ __forceinline__ uint32_t act2(uint32_t v, float s, float b, bool on0, bool on1) {
-  uint16_t lo = static_cast<uint16_t>(v & 0xffffu), hi = static_cast<uint16_t>(v >> 16);
-  W x0, x1;
-  memcpy(&x0, &lo, 2);
-  memcpy(&x1, &hi, 2);
-  const W zero = static_cast<W>(0.0f);
-  const W a0 = on0 ? static_cast<W>(bn_relu(static_cast<float>(x0), s, b)) : zero;
-  const W a1 = on1 ? static_cast<W>(bn_relu(static_cast<float>(x1), s, b)) : zero;
-  return ptx::pack2(a0, a1);
-}
-
-// SUMS: the ReLU mask m (1 where the gradient passes: z > 0 or NaN, as torch's ReLU backward)
-// and m * xhat, xhat = (x - mean) * invstd rounded to W, for two pixels of one channel.
-template <typename W>
-__device__ __forceinline__ void mask2(uint32_t v, float s, float b, float mu, float is, bool on0,
-                                      bool on1, uint32_t& m, uint32_t& mx) {
-  uint16_t lo = static_cast<uint16_t>(v & 0xffffu), hi = static_cast<uint16_t>(v >> 16);
-  W x0, x1;
-  memcpy(&x0, &lo, 2);
-  memcpy(&x1, &hi, 2);
-  const float f0 = static_cast<float>(x0), f1 = static_cast<float>(x1);
-  const bool p0 = on0 && !(f0 * s + b <= 0.0f), p1 = on1 && !(f1 * s + b <= 0.0f);
-  const W zero = static_cast<W>(0.0f), one = static_cast<W>(1.0f);
-  m = ptx::pack2(p0 ? one : zero, p1 ? one : zero);
-  mx = ptx::pack2(p0 ? static_cast<W>((f0 - mu) * is) : zero,
-                  p1 ? static_cast<W>((f1 - mu) * is) : zero);
-}
-
-// 16 bytes of shared memory (a thread's dy piece of a stage), for memcpy's alignment.
-struct alignas(16) Piece16 {
-  uint32_t u[4];
-};
-
-// 4 resident blocks promised to ptxas without SUMS (up to 128 registers: without it ptxas gave
-// the float16 kernel 96 and an 8-byte spill on sm_90), 2 with SUMS (up to 255: 229 on sm_80).
-template <typename W, bool SUMS>
-__global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
-    wgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ x,
-                     const float* __restrict__ scale, const float* __restrict__ shift,
-                     W* __restrict__ gw, float* __restrict__ part_dw,
-                     float* __restrict__ part_db, BnSums<float> bs,
-                     const float* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gwd,
-                     Dims4 wd, ConvGeom g, int64_t k_steps_per_split) {
-  FUSEDRES_LAUNCH_BOUNDS(MmaWgrad::THREADS, SUMS ? 2 : 4);
-  using T = MmaWgrad;
-  using E = native_t<W>;
-  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
-  __shared__ __align__(128) unsigned char smem[T::SMEM];
-  auto* Ds = reinterpret_cast<uint16_t(*)[BK][T::DST]>(smem);
-  auto* Xs = reinterpret_cast<uint16_t(*)[BK][T::XST]>(smem + T::D_BYTES);
-  auto* Ps = reinterpret_cast<float(*)[BK]>(smem + T::D_BYTES + T::X_BYTES);
-  auto* Vs = reinterpret_cast<uint8_t(*)[BK][T::PIECES]>(smem + T::D_BYTES + T::X_BYTES +
-                                                         T::P_BYTES);
-  auto* Cs = reinterpret_cast<float(*)[T::CLD]>(smem);
-  auto* C2s = reinterpret_cast<float(*)[T::CLD]>(smem + BM * T::CLD * 4);  // SUMS: G2
-  // The block's channels' scale, shift (and with SUMS mean, invstd): read from shared memory at
-  // each use rather than held in registers across the loop.
-  __shared__ float Cp[SUMS ? 4 : 2][BN];
-  __shared__ float Bsum[T::THREADS / 32][BM];  // the bias sums' per-warp partials
-
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int taps = g.kh * g.kw;
-  const int64_t co0 = static_cast<int64_t>(blockIdx.x) * BM;
-  const int64_t Co = dyd.c, Cin = xd.c;
-  // The block's columns: the flat (tap, input channel) indices f0 + n of taps * Cin, channels
-  // fastest; a tile runs on across taps where C is not a multiple of BN.
-  const int64_t f0 = static_cast<int64_t>(blockIdx.y) * BN, f_end = taps * Cin;
-  const int64_t M = dyd.n * dyd.h * dyd.w;
-  const int64_t k_begin = static_cast<int64_t>(blockIdx.z) * k_steps_per_split * T::KSTEP;
-  const int64_t k_end = k_begin + k_steps_per_split * T::KSTEP < M
-                            ? k_begin + k_steps_per_split * T::KSTEP
-                            : M;
-  const int chunks = static_cast<int>((k_end - k_begin + BK - 1) / BK);
-  const bool bias_block = part_db != nullptr && blockIdx.y == 0;
-
-  // The copies: thread tid moves the 16 bytes at column (tid % 8) * 8 of pixel rows
-  // tid / 8 + ROWS_PER_PASS * q, for dy and for x; the pixel (n, oh, ow) of each is carried.
-  // Its x piece (8 channels: C % 8 == 0, so one tap's) is channels xc ... of tap (ti, tj).
-  const int col = (tid % (BM / 8)) * 8;
-  const bool x_col = f0 + col < f_end;
-  const int xt = static_cast<int>((f0 + col) / Cin);
-  const int64_t xc = f0 + col - xt * Cin;
-  const int ti = xt / g.kw, tj = xt % g.kw;
-  int64_t pix[T::PASSES];  // the row's pixel index
-  int64_t pn[T::PASSES];
-  int32_t poh[T::PASSES], pow_[T::PASSES];
-#pragma unroll
-  for (int q = 0; q < T::PASSES; ++q) {
-    pix[q] = k_begin + tid / (BM / 8) + T::ROWS_PER_PASS * q;
-    const Pixel p = pixel_of(pix[q] < M ? pix[q] : 0, dyd.h, dyd.w);
-    pn[q] = p.n;
-    poh[q] = p.h;
-    pow_[q] = p.w;
-  }
-  const int32_t Ho = static_cast<int32_t>(dyd.h), Wo = static_cast<int32_t>(dyd.w);
-  const FastDiv div_ho(Ho), div_wo(Wo);
-  // Issue the copies of the next chunk into stage st (the caller commits), then step the
-  // pixels by BK.
-  const auto load = [&](int st) {
-#pragma unroll
-    for (int q = 0; q < T::PASSES; ++q) {
-      const int r = tid / (BM / 8) + T::ROWS_PER_PASS * q;
-      const bool live = pix[q] < k_end;
-      const int64_t ih = int64_t(poh[q]) * g.sh - g.ph + int64_t(ti) * g.dh;
-      const int64_t iw = int64_t(pow_[q]) * g.sw - g.pw + int64_t(tj) * g.dw;
-      const bool inside = live && ih >= 0 && ih < xd.h && iw >= 0 && iw < xd.w;
-      const bool dy_ok = live && co0 + col < Co;
-      ptx::cp_async_cg16(&Ds[st][r][col],
-                         dy_ok ? dy + dyd.offset(pn[q], co0 + col, poh[q], pow_[q]) : dy,
-                         dy_ok ? 16 : 0);
-      const bool x_ok = inside && x_col;
-      ptx::cp_async_cg16(&Xs[st][r][col], x_ok ? x + xd.offset(pn[q], xc, ih, iw) : x,
-                         x_ok ? 16 : 0);
-      Vs[st][r][col / 8] = inside ? 1 : 0;
-      if (col == 0) Ps[st][r] = live && branch_scale != nullptr ? branch_scale[pn[q]] : 0.0f;
-      // Next chunk: the pixel BK further on (divisions by multiply-high, FastDiv).
-      pix[q] += BK;
-      int32_t w = pow_[q] + BK;
-      if (w >= Wo) {
-        const int32_t dh = div_wo.div(w);
-        int32_t h = poh[q] + dh;
-        w -= dh * Wo;
-        if (h >= Ho) {
-          const int32_t dn = div_ho.div(h);
-          pn[q] += dn;
-          h -= dn * Ho;
-        }
-        poh[q] = h;
-      }
-      pow_[q] = w;
-    }
-  };
-
-  // The columns' channel parameters (0 past the last tap); the main loop's first barrier
-  // publishes them.
-  for (int n = tid; n < BN; n += THREADS) {
-    const bool ok = f0 + n < f_end;
-    const int64_t c = (f0 + n) % Cin;
-    Cp[0][n] = ok ? scale[c] : 0.0f;
-    Cp[1][n] = ok ? shift[c] : 0.0f;
-    if constexpr (SUMS) {
-      Cp[2][n] = ok ? bs.mean[c] : 0.0f;
-      Cp[3][n] = ok ? bs.invstd[c] : 0.0f;
-    }
-  }
-  // This lane's B-fragment columns: wn + 8 jj + lane / 4 (jj = 0, 1) of the block's.
-  const int wn = warp * T::WN;
-
-  float acc[T::FM][T::FN][4];
-  float acc2[SUMS ? T::FM : 1][SUMS ? T::FN : 1][4];
-#pragma unroll
-  for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-    for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.0f;
-  if constexpr (SUMS) {
-#pragma unroll
-    for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-      for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) acc2[i][j][r] = 0.0f;
-  }
-  float db[8] = {};  // bias sums of output channels co0 + col + e over this thread's pixels
-  const bool sum_bias = bias_block;
-  const bool scaled = branch_scale != nullptr;
-
-#pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < chunks) load(st);
-    ptx::cp_async_commit();
-  }
-  const int lr = (lane % 8) + 8 * ((lane / 8) % 2), lc = 8 * (lane / 16);  // B (x) rows
-  const int ar = (lane % 8) + 8 * (lane / 16), ac = 8 * ((lane / 8) % 2);  // A (dy) rows
-  const int t2 = 2 * (lane % 4);
-  // The prologue's pixel factors (Ps) are read by other threads before the loop's first barrier.
-  __syncthreads();
-  for (int kc = 0; kc < chunks; ++kc) {
-    const int st = kc % STAGES;
-    // This thread's copies of chunk kc have landed. Its dy pieces (16 bytes: 8 output channels
-    // of one pixel) are multiplied by the pixel's branch scale (rounded to W: s[n] * dy as the
-    // unfused sequence rounds it) in place, once for every warp that reads them, and added to
-    // its bias sums (s[n] * dy summed over the pixels, float32) before the barrier publishes
-    // them. Ps[st] was written STAGES - 1 chunks ago, a barrier since.
-    ptx::cp_async_wait<STAGES - 2>();
-    if (scaled || sum_bias) {
-#pragma unroll
-      for (int q = 0; q < T::PASSES; ++q) {
-        const int r = tid / (BM / 8) + T::ROWS_PER_PASS * q;
-        // 16-byte aligned (a cp.async destination): one 128-bit access each way.
-        Piece16* piece = reinterpret_cast<Piece16*>(&Ds[st][r][col]);
-        W v[8];
-        memcpy(v, piece, 16);
-        const float sp = scaled ? Ps[st][r] : 1.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          if (scaled) v[e] = static_cast<W>(static_cast<float>(v[e]) * sp);
-          db[e] += static_cast<float>(v[e]);
-        }
-        if (scaled) memcpy(piece, v, 16);
-      }
-    }
-    // Chunk kc is in place for every warp, and every warp is done with chunk kc - 1, whose stage
-    // the copies of chunk kc + STAGES - 1 now overwrite.
-    __syncthreads();
-    if (kc + STAGES - 1 < chunks) load((kc + STAGES - 1) % STAGES);
-    ptx::cp_async_commit();
-
-#pragma unroll
-    for (int kk = 0; kk < BK; kk += 16) {
-      // a[i][r]: output channels 16 i + lane / 4 + 8 (r % 2), pixels kk + 8 (r / 2) + t2, + 1;
-      // fb[r]: pixels kk + 8 (r % 2) + t2, + 1, channel wn + 8 (r / 2) + lane / 4.
-      uint32_t fa[T::FM][4], fb[4];
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i) {
-        ptx::ldmatrix<4, true>(fa[i], &Ds[st][kk + ar][16 * i + ac]);
-      }
-      ptx::ldmatrix<4, true>(fb, &Xs[st][kk + lr][wn + lc]);
-      // The tap-inside flags of the lane's pixels in its two pieces (columns wn + 8 jj ...).
-      bool on[2][2][2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          on[h][jj][0] = Vs[st][kk + 8 * h + t2][wn / 8 + jj] != 0;
-          on[h][jj][1] = Vs[st][kk + 8 * h + t2 + 1][wn / 8 + jj] != 0;
-        }
-      uint32_t b1[4], b2[SUMS ? 4 : 1];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int n = wn + 8 * (r / 2) + lane / 4, h = r % 2;
-        const bool on0 = on[h][r / 2][0], on1 = on[h][r / 2][1];
-        if constexpr (SUMS) {
-          mask2<W>(fb[r], Cp[0][n], Cp[1][n], Cp[2][n], Cp[3][n], on0, on1, b1[r], b2[r]);
-        } else {
-          b1[r] = act2<W>(fb[r], Cp[0][n], Cp[1][n], on0, on1);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-        for (int j = 0; j < T::FN; ++j) {
-          const uint32_t b[2] = {b1[2 * j], b1[2 * j + 1]};
-          float d[4];
-          ptx::mma_m16n8k16<E>(d, fa[i], b, acc[i][j]);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) acc[i][j][r] = d[r];
-          if constexpr (SUMS) {
-            const uint32_t bx[2] = {b2[2 * j], b2[2 * j + 1]};
-            ptx::mma_m16n8k16<E>(d, fa[i], bx, acc2[i][j]);
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc2[i][j][r] = d[r];
-          }
-        }
-    }
-  }
-  // Drain the (empty) trailing groups; every warp is done with the stages before Cs reuses them.
-  ptx::cp_async_wait<0>();
-  __syncthreads();
-  if (sum_bias) {
-    // Lanes l, l + 8, l + 16, l + 24 of a warp hold the same channels' sums over different
-    // pixels; then the four warps' through shared memory (Bsum, apart from the aliased stages).
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      float v = db[e];
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
-      if (lane < 8) Bsum[warp][col + e] = v;
-    }
-    __syncthreads();
-    for (int m = tid; m < BM; m += THREADS) {
-      float v = 0.0f;
-      for (int w = 0; w < THREADS / 32; ++w) v += Bsum[w][m];
-      if (co0 + m < Co) part_db[blockIdx.z * Co + co0 + m] = v;
-    }
-  }
-  // c[r] is row lane / 4 + 8 (r / 2), column 2 (lane % 4) + (r % 2) of the m16n8 tile. Both
-  // accumulator sets go to shared memory at once (no registers held through the epilogue).
-  const auto store = [&](float (*dst)[T::CLD], const float (&a)[T::FM][T::FN][4]) {
-#pragma unroll
-    for (int i = 0; i < T::FM; ++i)
-#pragma unroll
-      for (int j = 0; j < T::FN; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          dst[16 * i + lane / 4 + 8 * (r / 2)][wn + 8 * j + t2 + r % 2] = a[i][j][r];
-        }
-  };
-  store(Cs, acc);
-  if constexpr (SUMS) store(C2s, acc2);
-  __syncthreads();
-  wgrad_store<W, BM, BN, T::CLD, THREADS, SUMS>(
-      Cs,
-      [&] {
-        for (int e = tid; e < BM * BN; e += THREADS) Cs[e / BN][e % BN] = C2s[e / BN][e % BN];
-      },
-      gw, part_dw, bs, gwd, wd, g, co0, f0, f_end, Co, Cin, tid);
-}
-
-// In place over the data gradient: dx = scale * (dz - m1 - xhat * m2), m1 = sum dz / M,
-// m2 = sum dz xhat / M (per channel). dz (acc dtype) and gx share their strides; they are the
-// same memory when x has the acc dtype.
-template <typename X>
-__global__ void __launch_bounds__(256)
-    dx_kernel(const acc_t<X>* dz, X* gx, const X* __restrict__ x,
-              const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ mean,
-              const acc_t<X>* __restrict__ invstd, const acc_t<X>* __restrict__ m1,
-              const acc_t<X>* __restrict__ m2, Dims4 xd, Dims4 gd) {
-  FUSEDRES_LAUNCH_BOUNDS(256);
-  using A = acc_t<X>;
-  const int64_t total = xd.n * xd.c * xd.h * xd.w;
-  const bool channels_fast = gd.sc == 1;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
-       e += step) {
-    int64_t n, c, h, w;
-    if (channels_fast) {
-      c = e % xd.c;
-      const int64_t p = e / xd.c;
-      w = p % xd.w;
-      h = (p / xd.w) % xd.h;
-      n = p / (xd.w * xd.h);
-    } else {
-      w = e % xd.w;
-      h = (e / xd.w) % xd.h;
-      c = (e / (xd.w * xd.h)) % xd.c;
-      n = e / (xd.w * xd.h * xd.c);
-    }
-    const int64_t go = gd.offset(n, c, h, w);
-    const A xhat = (static_cast<A>(x[xd.offset(n, c, h, w)]) - mean[c]) * invstd[c];
-    gx[go] = static_cast<X>(scale[c] * (dz[go] - m1[c] - xhat * m2[c]));
-  }
-}
 
 // ----------------------------------------------------------------------------- host
 
@@ -1061,301 +50,6 @@ ConvGeom geom_of(const at::Tensor& weight, const std::array<int64_t, 2>& s,
   return {static_cast<int32_t>(weight.size(2)), static_cast<int32_t>(weight.size(3)),
           static_cast<int32_t>(s[0]), static_cast<int32_t>(s[1]), static_cast<int32_t>(p[0]),
           static_cast<int32_t>(p[1]), static_cast<int32_t>(d[0]), static_cast<int32_t>(d[1])};
-}
-
-// Split of the weight gradient's reduction over the pixels: the count with the least estimated
-// time, in K-steps of one block (integers, so that kernels/traffic.cuda_pick_split, the
-// performance model's copy, computes the same split):
-//   waves of kResident blocks an SM (ceil(blocks / (sms * kResident))), each as long as
-//   kResident blocks' K-steps (the SM's issue is shared by its resident blocks), a block's
-//   K-steps being its share of the split plus 2 (prologue and epilogue);
-//   split, + the partials: a Co * C * kh * kw tile of `acc_bytes` a split, written and read,
-//   at a K-step per MiB (a K-step of a 64 x 64 block is ~0.4 us on an A100 or H100, the time
-//   the GPU moves ~1 MiB), and the reduction's launch (8 K-steps).
-// Splits up to 8 an SM are tried; ties go to the smaller. The partials' bytes (written and
-// read) are capped at half the operands' (`operand_bytes`, the dy and x the pass reads), the
-// Triton rule's cap (kernels/bn_relu_conv2d_wgrad.pick_split), which keeps a step's DRAM bytes
-// under half the plain sequence's (tests/test_traffic_model.py); it costs time where the grid
-// is small.
-// The rule it replaces (two waves for one resident block an SM, >= 4 K-steps a split,
-// partials <= 1/8 of the operands) left a nearly empty last wave (ImageNet 64@56 on an H100:
-// 270 blocks for 264 slots) or a grid just past the SMs (ImageNet 256@14: 144 blocks, unsplit,
-// on 132: 12 SMs with two, the rest idle half the pass).
-// FUSEDRES_CUDA_WGRAD_SPLIT forces a split count (read at every call, for tests and
-// measurements).
-// `tiles`: the blocks of one split (the WMMA kernel's cdiv(Co, 64) * cdiv(C, 64) * taps, the
-// mma.sync kernel's cdiv(Co, 64) * cdiv(taps * C, 64)).
-constexpr int64_t kResident = 2;
-int64_t pick_split(int64_t tiles, int64_t co, int64_t c, int64_t taps, int64_t m, int64_t bk,
-                   int64_t sms, int64_t operand_bytes, int64_t acc_bytes) {
-  const int64_t k_steps = ceil_div(m, bk);
-  const int64_t limit = std::min<int64_t>(k_steps, 65535);  // grid.z limit
-  int64_t split = 1;
-  if (const char* env = std::getenv("FUSEDRES_CUDA_WGRAD_SPLIT")) {
-    split = std::atoll(env);
-  } else {
-    constexpr int64_t kMiB = int64_t(1) << 20;
-    const int64_t partial = 2 * co * c * taps * acc_bytes;  // bytes a split, written and read
-    const int64_t cap = std::max<int64_t>(1, operand_bytes / (2 * partial));
-    int64_t best = -1;
-    for (int64_t s = 1; s <= std::min({limit, 8 * sms, cap}); ++s) {
-      const int64_t steps = ceil_div(k_steps, s);
-      if (ceil_div(k_steps, steps) != s) continue;  // the same blocks as a smaller split
-      const int64_t waves = ceil_div(tiles * s, sms * kResident);
-      int64_t cost = waves * kResident * (steps + 2) * kMiB;
-      if (s > 1) cost += s * partial + 8 * kMiB;
-      if (best < 0 || cost < best) {
-        best = cost;
-        split = s;
-      }
-    }
-  }
-  split = std::clamp<int64_t>(split, 1, limit);
-  return ceil_div(k_steps, ceil_div(k_steps, split));  // no empty split
-}
-
-// The BatchNorm backward sums from the weight-gradient pass (its SUMS variant).
-struct SumsArgs {
-  at::Tensor gamma, beta, mean, invstd, weight;  // (C,) in the statistics dtype; the conv weight
-  at::Tensor sum_dz, sum_dzx;                    // out: (C,) float64
-};
-
-// The operands both mma.sync backward kernels take: x and grad_out of the weight's 16-bit
-// dtype, both with channels contiguous, C and Co multiples of 8 and every pixel at a multiple
-// of 8 elements (16-byte cp.async sources), their data 16-byte aligned.
-bool wgrad_mma_operands(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt) {
-  if (!(wt == at::kHalf || wt == at::kBFloat16) || x.scalar_type() != wt ||
-      go.scalar_type() != wt) {
-    return false;
-  }
-  const auto fits = [](const at::Tensor& t) {
-    return t.stride(1) == 1 && t.size(1) % 8 == 0 && t.stride(0) % 8 == 0 &&
-           t.stride(2) % 8 == 0 && t.stride(3) % 8 == 0 &&
-           reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-  };
-  return fits(x) && fits(go);
-}
-
-// The mma.sync weight gradient (wgrad_mma_kernel) for those operands. FUSEDRES_CUDA_WGRAD=wmma
-// (read at every call) keeps the WMMA kernel (comparison, benchmarks); every other input takes
-// it anyway.
-bool wgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt) {
-  if (!wgrad_mma_operands(go, x, wt)) return false;
-  const char* env = std::getenv("FUSEDRES_CUDA_WGRAD");
-  if (env != nullptr && std::string(env) == "wmma") return false;
-  TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
-              "FUSEDRES_CUDA_WGRAD must be 'mma' or 'wmma', got '", env, "'");
-  return true;
-}
-
-template <typename X, typename W>
-void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, at::Tensor& gw,
-                  at::Tensor* gb, SumsArgs* sums, const at::Tensor* bscale, const ConvGeom& g) {
-  using T = typename TilesFor<W>::Fwd;
-  using A = acc_t<X>;
-  using C = acc_t<W>;
-  const int64_t Co = gw.size(0), Cin = x.size(1), taps = int64_t(g.kh) * g.kw;
-  const int64_t M = go.size(0) * go.size(2) * go.size(3);
-  // The mma.sync kernel's columns run on across taps (cdiv(taps * C, 64) column blocks), the
-  // WMMA kernel's are one tap's (cdiv(C, 64) * taps): the same partials either way.
-  bool mma = false;
-  if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
-    mma = wgrad_uses_mma(go, x, gw.scalar_type());
-  }
-  const int64_t co_blocks = ceil_div(Co, T::BM);
-  const int64_t col_blocks = mma ? ceil_div(taps * Cin, T::BN) : ceil_div(Cin, T::BN) * taps;
-  const int64_t split =
-      pick_split(co_blocks * col_blocks, Co, Cin, taps, M, T::BK, sm_count(),
-                 M * (Cin * int64_t(sizeof(X)) + Co * int64_t(sizeof(W))), sizeof(C));
-  const int64_t steps = ceil_div(ceil_div(M, T::BK), split);
-  constexpr at::ScalarType acc_type = c10::CppTypeToScalarType<C>::value;
-  const auto acc_opts = gw.options().dtype(acc_type);
-  at::Tensor part_dw;  // unsplit: the blocks write the weight gradient itself
-  if (split > 1) {
-    part_dw = at::empty({split, Co, taps, Cin}, acc_opts);
-  }
-  at::Tensor part_db = gb != nullptr ? at::empty({split, Co}, acc_opts) : at::Tensor();
-  const dim3 grid(static_cast<unsigned>(co_blocks), static_cast<unsigned>(col_blocks),
-                  static_cast<unsigned>(split));
-  BnSums<A> bs{};
-  at::Tensor part_dz, part_dzx;
-  if (sums != nullptr) {
-    part_dz = at::empty({split * co_blocks * taps, Cin}, acc_opts);
-    part_dzx = at::empty_like(part_dz);
-    bs = {sums->mean.const_data_ptr<A>(), sums->invstd.const_data_ptr<A>(),
-          sums->gamma.const_data_ptr<A>(), sums->beta.const_data_ptr<A>(),
-          sums->weight.const_data_ptr<W>(), part_dz.data_ptr<A>(), part_dzx.data_ptr<A>()};
-  }
-  const W* gop = go.const_data_ptr<W>();
-  const X* xp = x.const_data_ptr<X>();
-  const A* sc = bn.scale.const_data_ptr<A>();
-  const A* sh = bn.shift.const_data_ptr<A>();
-  C* pdw = part_dw.defined() ? part_dw.data_ptr<C>() : nullptr;
-  C* pdb = gb != nullptr ? part_db.data_ptr<C>() : nullptr;
-  const Dims4 wd = sums != nullptr ? dims_of(sums->weight) : Dims4{};
-  const C* bsp = bscale != nullptr ? bscale->const_data_ptr<C>() : nullptr;
-  bool launched = false;
-  if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
-    // One set of partials for both kernels (the grids differ in their column blocks).
-    static_assert(MmaWgrad::BM == T::BM && MmaWgrad::BN == T::BN && MmaWgrad::KSTEP == T::BK,
-                  "the mma.sync weight gradient shares the WMMA kernel's tile and K-step");
-    if (mma) {
-      if (sums != nullptr) {
-        FUSEDRES_LAUNCH(grid, dim3(MmaWgrad::THREADS), 0, current_stream(),
-                        wgrad_mma_kernel<W, true>)(gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb,
-                                                   bs, bsp, dims_of(go), dims_of(x),
-                                                   dims_of(gw), wd, g, steps);
-      } else {
-        FUSEDRES_LAUNCH(grid, dim3(MmaWgrad::THREADS), 0, current_stream(),
-                        wgrad_mma_kernel<W, false>)(gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb,
-                                                    bs, bsp, dims_of(go), dims_of(x),
-                                                    dims_of(gw), wd, g, steps);
-      }
-      launched = true;
-    }
-  }
-  if (!launched && sums != nullptr) {
-    FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), wgrad_kernel<X, W, T, true>)(
-        gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, bsp, dims_of(go), dims_of(x),
-        dims_of(gw), wd, g, steps);
-  } else if (!launched) {
-    FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), wgrad_kernel<X, W, T, false>)(
-        gop, xp, sc, sh, gw.data_ptr<W>(), pdw, pdb, bs, bsp, dims_of(go), dims_of(x),
-        dims_of(gw), wd, g, steps);
-  }
-  FUSEDRES_CHECK_LAUNCH();
-  if (part_dw.defined()) {
-    // (split, Co, taps, C) -> (Co, C, kh, kw)
-    gw.copy_(part_dw.sum(0).view({Co, g.kh, g.kw, Cin}).permute({0, 3, 1, 2}));
-  }
-  if (gb != nullptr) gb->copy_(part_db.sum(0));
-  if (sums != nullptr) {
-    sums->sum_dz = part_dz.sum(0, false, at::kDouble);
-    sums->sum_dzx = part_dzx.sum(0, false, at::kDouble);
-  }
-}
-
-// The mma.sync data gradient's requirements (dgrad_mma_kernel): those of the weight gradient's
-// (wgrad_mma_operands: 16-bit x, grad_out and weight of one dtype, channels-last with C and Co
-// multiples of 8, 16-byte aligned) and at most MmaDgrad::MAX_TAPS taps. FUSEDRES_CUDA_DGRAD=wmma
-// (read at every call) keeps the WMMA kernel.
-bool dgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight) {
-  if (!wgrad_mma_operands(go, x, weight.scalar_type())) return false;
-  const char* env = std::getenv("FUSEDRES_CUDA_DGRAD");
-  if (env != nullptr && std::string(env) == "wmma") return false;
-  TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
-              "FUSEDRES_CUDA_DGRAD must be 'mma' or 'wmma', got '", env, "'");
-  return weight.size(2) * weight.size(3) <= MmaDgradSmall::MAX_TAPS;
-}
-
-// The mma.sync data gradient's tile rows for `rows` input pixels of the largest stride phase,
-// C input channels and `phases` phases: 128 (MmaDgradTall) when its tiles fill every SM at least
-// once (cdiv(rows, 128) * cdiv(C, 64) * phases >= the SM count), else 64 (MmaDgradSmall).
-// FUSEDRES_CUDA_DGRAD_TILE=64 or 128 (read at every call) forces one; anything else but empty is
-// an error. tools/perfmodel/cuda_sass.py (dgrad_mma_rows) prices the same rule.
-int64_t dgrad_mma_rows(int64_t rows, int64_t C, int64_t phases) {
-  const char* env = std::getenv("FUSEDRES_CUDA_DGRAD_TILE");
-  if (env != nullptr && *env != 0) {
-    const std::string v(env);
-    TORCH_CHECK(v == "64" || v == "128", "FUSEDRES_CUDA_DGRAD_TILE must be '64' or '128', got '",
-                v, "'");
-    return v == "64" ? MmaDgradSmall::BM : MmaDgradTall::BM;
-  }
-  return ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, MmaDgradTall::BN) * phases >= sm_count()
-             ? MmaDgradTall::BM
-             : MmaDgradSmall::BM;
-}
-
-// The data gradient's tiling for one call: which kernel (mma: dgrad_mma_kernel), its tile rows,
-// the row tiles of the largest stride phase (the grid's x), and the partials' rows per tile.
-struct DgradTiles {
-  bool mma;
-  int64_t rows, row_tiles, parts_per_tile;
-};
-
-// The weight packed for the mma.sync data gradient: (Co, C, kh, kw) -> row-major (kh*kw*Co, C),
-// row (i*kw + j)*Co + co, on a 16-byte boundary.
-inline at::Tensor pack_weight_dgrad(const at::Tensor& weight) {
-  const int64_t Co = weight.size(0), C = weight.size(1);
-  at::Tensor wp = weight.permute({2, 3, 0, 1}).reshape({weight.size(2) * weight.size(3) * Co, C});
-  wp = wp.contiguous();
-  // A contiguous permuted view comes back as itself, possibly off the 16-byte boundary.
-  if (reinterpret_cast<uintptr_t>(wp.const_data_ptr()) % 16 != 0) wp = wp.clone();
-  return wp;
-}
-
-template <typename X, typename W>
-void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight,
-                  const Affine& bn, const at::Tensor& mean, const at::Tensor& invstd,
-                  at::Tensor* gx, at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
-                  const at::Tensor* m1, const at::Tensor* m2, const at::Tensor* bscale,
-                  int write, const ConvGeom& g, int64_t phases, const DgradTiles& dt) {
-  using T = typename TilesFor<W>::Fwd;
-  using A = acc_t<X>;
-  const dim3 grid(static_cast<unsigned>(dt.row_tiles),
-                  static_cast<unsigned>(ceil_div(x.size(1), T::BN)), static_cast<unsigned>(phases));
-  const at::Tensor& out = gx != nullptr ? *gx : (dz != nullptr ? *dz : x);
-  if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
-    // One grid (but the tile rows) and one layout of partials for both kernels.
-    static_assert(MmaDgradSmall::BN == T::BN && MmaDgradTall::BN == T::BN,
-                  "the mma.sync data gradient shares the WMMA kernel's tile columns");
-    if (dt.mma) {
-      const at::Tensor wp = pack_weight_dgrad(weight);
-      const auto launch = [&](auto tile) {
-        using TM = decltype(tile);
-        TORCH_CHECK(dt.rows == TM::BM && dt.parts_per_tile == TM::PASSES,
-                    "launch_dgrad: the tile plan does not match the kernel");
-        FUSEDRES_LAUNCH(grid, dim3(TM::THREADS), 0, current_stream(), dgrad_mma_kernel<W, TM>)(
-          go.const_data_ptr<W>(), wp.const_data_ptr<W>(), x.const_data_ptr<X>(),
-          bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
-          invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
-          dz != nullptr ? dz->data_ptr<A>() : nullptr,
-          part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
-          part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
-          m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
-          m2 != nullptr ? m2->const_data_ptr<A>() : nullptr,
-          bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(x),
-          dims_of(out), g, write);
-        FUSEDRES_CHECK_LAUNCH();
-      };
-      if (dt.rows == MmaDgradTall::BM) {
-        launch(MmaDgradTall{});
-      } else {
-        launch(MmaDgradSmall{});
-      }
-      return;
-    }
-  }
-  TORCH_CHECK(dt.rows == T::BM && dt.parts_per_tile == 1,
-              "launch_dgrad: the tile plan does not match the WMMA / FMA kernel");
-  FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), dgrad_kernel<X, W, T>)(
-      go.const_data_ptr<W>(), weight.const_data_ptr<W>(), x.const_data_ptr<X>(),
-      bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
-      invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
-      dz != nullptr ? dz->data_ptr<A>() : nullptr,
-      part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
-      part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
-      m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
-      m2 != nullptr ? m2->const_data_ptr<A>() : nullptr,
-      bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(weight),
-      dims_of(x), dims_of(out), g, write);
-  FUSEDRES_CHECK_LAUNCH();
-}
-
-template <typename X>
-void launch_dx(const at::Tensor& dz, at::Tensor& gx, const at::Tensor& x, const Affine& bn,
-               const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& m1,
-               const at::Tensor& m2) {
-  using A = acc_t<X>;
-  constexpr int threads = 256;
-  const int64_t blocks = std::max<int64_t>(
-      1, std::min<int64_t>(ceil_div(x.numel(), threads), 8 * sm_count()));
-  FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, current_stream(),
-                  dx_kernel<X>)(
-      dz.const_data_ptr<A>(), gx.data_ptr<X>(), x.const_data_ptr<X>(),
-      bn.scale.const_data_ptr<A>(), mean.const_data_ptr<A>(), invstd.const_data_ptr<A>(),
-      m1.const_data_ptr<A>(), m2.const_data_ptr<A>(), dims_of(x), dims_of(gx));
-  FUSEDRES_CHECK_LAUNCH();
 }
 
 // FUSEDRES_CUDA_BACKWARD (read at every call): "sums" (default: the weight-gradient pass also
@@ -1381,6 +75,143 @@ int64_t tile_rows(at::ScalarType wt) {
   }
 }
 
+// The five gradients (grad_x, grad_weight, grad_bias, grad_bn_weight, grad_bn_bias) with the
+// metadata of ops.backward_empty_outputs: an empty tensor where output_mask leaves one out.
+struct Grads {
+  at::Tensor gx, gw, gb, gg, gbeta;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuple() const {
+    return {gx, gw, gb, gg, gbeta};
+  }
+};
+
+// What one call computes: output_mask, and what it needs (da: the data gradient's GEMM, for
+// grad_x or the BatchNorm sums; sums: the BatchNorm sums, for the BatchNorm parameters' gradients
+// or grad_x with batch statistics).
+struct Wants {
+  bool x, w, b, g, beta, da, sums;
+};
+
+// One call's operands and its two GEMM passes. The data gradient's kernel and tiles are decided
+// where it first runs (dgrad_uses_mma reads FUSEDRES_CUDA_DGRAD, dgrad_mma_rows
+// FUSEDRES_CUDA_DGRAD_TILE).
+struct BackwardPasses {
+  const char* op;
+  const at::Tensor& go;
+  const at::Tensor& x;
+  const at::Tensor& weight;
+  const at::Tensor& mean;
+  const at::Tensor& invstd;
+  const Affine& bn;
+  const ConvGeom& g;
+  const at::Tensor* bsp;  // the branch scale in the accumulator dtype, or none
+  int64_t phases;         // the stride phases (one per blockIdx.z of the data gradient)
+  int64_t phase_rows;     // the input pixels of the largest phase
+  std::optional<DgradTiles> tiles{};
+
+  const DgradTiles& dgrad_tiles() {
+    if (!tiles.has_value()) {
+      DgradTiles d{dgrad_uses_mma(go, x, weight), 0, 0, 1};
+      d.rows = d.mma ? dgrad_mma_rows(phase_rows, x.size(1), phases)
+                     : tile_rows(weight.scalar_type());
+      d.row_tiles = ceil_div(phase_rows, d.rows);
+      if (d.mma) d.parts_per_tile = d.rows / MmaDgradSmall::EM;
+      tiles = d;
+    }
+    return *tiles;
+  }
+
+  void dgrad(at::Tensor* gx, at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
+             const at::Tensor* m1, const at::Tensor* m2, int write) {
+    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
+      launch_dgrad<decltype(xt), decltype(wt)>(go, x, weight, bn, mean, invstd, gx, dz, part_dz,
+                                               part_dzx, m1, m2, bsp, write, g, phases,
+                                               dgrad_tiles());
+    });
+  }
+
+  void wgrad(at::Tensor& gw, at::Tensor* gb, SumsArgs* sums) {
+    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
+      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, gb, sums, bsp, g);
+    });
+  }
+};
+
+// mean dz and mean dz * xhat (float64 sums times 1 / M) in the statistics dtype: dx's terms.
+std::pair<at::Tensor, at::Tensor> dx_terms(const at::Tensor& sum_dz, const at::Tensor& sum_dzx,
+                                           double inv_m, at::ScalarType dtype) {
+  return {(sum_dz * inv_m).to(dtype), (sum_dzx * inv_m).to(dtype)};
+}
+
+// "sums": the weight-gradient pass also yields the BatchNorm sums; dx in one more pass (the
+// data gradient's epilogue: training with the sums' terms, eval dx = scale * dz).
+void backward_sums(BackwardPasses& p, Grads& out, const Wants& want,
+                   const std::optional<at::Tensor>& bn_weight,
+                   const std::optional<at::Tensor>& bn_bias, bool batch_stats, double inv_m) {
+  SumsArgs sums{bn_weight.has_value() ? bn_weight->contiguous() : at::ones_like(p.mean),
+                bn_bias.has_value() ? bn_bias->contiguous() : at::zeros_like(p.mean), p.mean,
+                p.invstd, p.weight, {}, {}};
+  p.wgrad(out.gw, want.b ? &out.gb : nullptr, &sums);
+  if (want.g) out.gg.copy_(sums.sum_dzx);
+  if (want.beta) out.gbeta.copy_(sums.sum_dz);
+  if (!want.x) return;
+  const auto [m1, m2] = dx_terms(sums.sum_dz, sums.sum_dzx, inv_m, p.mean.scalar_type());
+  const bool train = batch_stats;
+  p.dgrad(&out.gx, nullptr, nullptr, nullptr, train ? &m1 : nullptr, train ? &m2 : nullptr,
+          kWriteDx);
+}
+
+// The bias gradient alone (no weight gradient pass): sum dy, or sum over n of s[n] * (dy[n]
+// summed over the pixels) with a branch scale.
+void bias_only(const BackwardPasses& p, at::Tensor& gb) {
+  const auto acc = p.weight.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  if (p.bsp != nullptr) {
+    gb.copy_((p.go.sum({2, 3}, false, acc) * p.bsp->view({-1, 1})).sum(0));
+  } else {
+    gb.copy_(p.go.sum({0, 2, 3}, false, acc));
+  }
+}
+
+// "store": one GEMM each; the data-gradient epilogue reduces the sums and stores dz
+// (training), then the dx pass; in eval it writes dx = scale * dz directly.
+void backward_store(BackwardPasses& p, Grads& out, const Wants& want, bool batch_stats,
+                    double inv_m) {
+  if (want.w) {
+    p.wgrad(out.gw, want.b ? &out.gb : nullptr, nullptr);
+  } else if (want.b) {
+    bias_only(p, out.gb);
+  }
+  if (!want.da) return;
+  at::Tensor part_dz, part_dzx;
+  if (want.sums) {
+    const DgradTiles& t = p.dgrad_tiles();
+    part_dz = at::zeros({p.phases * t.row_tiles * t.parts_per_tile, p.x.size(1)},
+                        p.mean.options());
+    part_dzx = at::zeros_like(part_dz);
+  }
+  at::Tensor dz;
+  int write = kWriteNothing;
+  if (want.x && batch_stats) {
+    write = kWriteDz;
+    dz = out.gx.scalar_type() == p.mean.scalar_type() ? out.gx
+                                                      : at::empty_like(out.gx, p.mean.options());
+  } else if (want.x) {
+    write = kWriteDx;
+  }
+  p.dgrad(want.x ? &out.gx : nullptr, dz.defined() ? &dz : nullptr,
+          want.sums ? &part_dz : nullptr, want.sums ? &part_dzx : nullptr, nullptr, nullptr,
+          write);
+  if (!want.sums) return;
+  const at::Tensor sum_dz = part_dz.sum(0, false, at::kDouble);
+  const at::Tensor sum_dzx = part_dzx.sum(0, false, at::kDouble);
+  if (want.g) out.gg.copy_(sum_dzx);
+  if (want.beta) out.gbeta.copy_(sum_dz);
+  if (!(want.x && batch_stats)) return;
+  const auto [m1, m2] = dx_terms(sum_dz, sum_dzx, inv_m, p.mean.scalar_type());
+  FUSEDRES_DISPATCH_FLOATING(p.x.scalar_type(), "fusedres_cuda_dx", [&] {
+    launch_dx<scalar_t>(dz, out.gx, p.x, p.bn, p.mean, p.invstd, m1, m2);
+  });
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
@@ -1394,123 +225,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
                                                      bn_weight, bn_bias, mean_in, invstd_in,
                                                      stride_, padding_, dilation_, branch_scale);
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
+  const Wants want{want_x, want_w, want_b, want_g, want_beta, want_x || want_g || want_beta,
+                   want_g || want_beta || (want_x && batch_stats)};
   const auto &stride = c.stride, &padding = c.padding, &dilation = c.dilation;
   const int64_t N = x.size(0), Cin = x.size(1), H = x.size(2), W = x.size(3);
   const int64_t Co = weight.size(0);
   const DeviceGuard guard(x.device());
   const at::Tensor bscale = branch_scale_acc(branch_scale, weight);
-  const at::Tensor* bsp = bscale.defined() ? &bscale : nullptr;
-  // Outputs with the metadata of ops.backward_empty_outputs.
-  at::Tensor gx = want_x ? at::empty_like(x) : x.new_empty({0});
-  at::Tensor gw = want_w ? at::empty_like(weight) : weight.new_empty({0});
-  at::Tensor gb = weight.new_empty({want_b ? Co : 0});
-  at::Tensor gg = mean_in.new_empty({want_g ? Cin : 0});
-  at::Tensor gbeta = mean_in.new_empty({want_beta ? Cin : 0});
-  const bool need_da = want_x || want_g || want_beta;
-  if (!(need_da || want_w || want_b)) return {gx, gw, gb, gg, gbeta};
+  Grads out{want_x ? at::empty_like(x) : x.new_empty({0}),
+            want_w ? at::empty_like(weight) : weight.new_empty({0}),
+            weight.new_empty({want_b ? Co : 0}), mean_in.new_empty({want_g ? Cin : 0}),
+            mean_in.new_empty({want_beta ? Cin : 0})};
+  if (!(want.da || want_w || want_b)) return out.tuple();
   if (x.numel() == 0 || Co == 0) {
-    if (want_x) gx.zero_();
-    if (want_w) gw.zero_();
-    if (want_b) gb.zero_();
-    if (want_g) gg.zero_();
-    if (want_beta) gbeta.zero_();
-    return {gx, gw, gb, gg, gbeta};
+    for (at::Tensor* t : {&out.gx, &out.gw, &out.gb, &out.gg, &out.gbeta}) t->zero_();
+    return out.tuple();
   }
   const at::Tensor go = grad_out.to(weight.scalar_type());
   const at::Tensor mean = mean_in.contiguous(), invstd = invstd_in.contiguous();
   const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd);
   const ConvGeom g = geom_of(weight, stride, padding, dilation);
-
-  const bool need_sums = want_g || want_beta || (want_x && batch_stats);
+  BackwardPasses passes{op, go, x, weight, mean, invstd, bn, g,
+                        bscale.defined() ? &bscale : nullptr,
+                        std::min(stride[0], H) * std::min(stride[1], W),
+                        N * ceil_div(H, stride[0]) * ceil_div(W, stride[1])};
   const double inv_m = 1.0 / static_cast<double>(N * H * W);
-  const int64_t phases = std::min(stride[0], H) * std::min(stride[1], W);
-  // The data gradient's kernel and tiles, decided where it first runs (dgrad_uses_mma reads
-  // FUSEDRES_CUDA_DGRAD, dgrad_mma_rows FUSEDRES_CUDA_DGRAD_TILE).
-  const int64_t phase_rows = N * ceil_div(H, stride[0]) * ceil_div(W, stride[1]);
-  std::optional<DgradTiles> dgrad_tiles;
-  const auto plan = [&]() -> const DgradTiles& {
-    if (!dgrad_tiles.has_value()) {
-      DgradTiles d{dgrad_uses_mma(go, x, weight), 0, 0, 1};
-      d.rows = d.mma ? dgrad_mma_rows(phase_rows, Cin, phases) : tile_rows(weight.scalar_type());
-      d.row_tiles = ceil_div(phase_rows, d.rows);
-      if (d.mma) d.parts_per_tile = d.rows / MmaDgradSmall::EM;
-      dgrad_tiles = d;
-    }
-    return *dgrad_tiles;
-  };
-  auto dgrad = [&](at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
-                   const at::Tensor* m1, const at::Tensor* m2, int write) {
-    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
-      launch_dgrad<decltype(xt), decltype(wt)>(go, x, weight, bn, mean, invstd,
-                                               want_x ? &gx : nullptr, dz, part_dz, part_dzx,
-                                               m1, m2, bsp, write, g, phases, plan());
-    });
-  };
-
-  if (want_w && need_sums && backward_strategy() == Strategy::kSums) {
-    // "sums": the weight-gradient pass also yields the BatchNorm sums; dx in one more pass.
-    SumsArgs sums{bn_weight.has_value() ? bn_weight->contiguous() : at::ones_like(mean),
-                  bn_bias.has_value() ? bn_bias->contiguous() : at::zeros_like(mean), mean,
-                  invstd, weight, {}, {}};
-    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
-      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, &sums, bsp,
-                                               g);
-    });
-    if (want_g) gg.copy_(sums.sum_dzx);
-    if (want_beta) gbeta.copy_(sums.sum_dz);
-    if (want_x) {
-      const at::Tensor m1 = (sums.sum_dz * inv_m).to(mean.scalar_type());
-      const at::Tensor m2 = (sums.sum_dzx * inv_m).to(mean.scalar_type());
-      const bool train = batch_stats;
-      dgrad(nullptr, nullptr, nullptr, train ? &m1 : nullptr, train ? &m2 : nullptr, kWriteDx);
-    }
-    return {gx, gw, gb, gg, gbeta};
+  if (want_w && want.sums && backward_strategy() == Strategy::kSums) {
+    backward_sums(passes, out, want, bn_weight, bn_bias, batch_stats, inv_m);
+  } else {
+    backward_store(passes, out, want, batch_stats, inv_m);
   }
-
-  // "store": one GEMM each; the data-gradient epilogue reduces the sums and stores dz
-  // (training), then the dx pass; in eval it writes dx = scale * dz directly.
-  if (want_w) {
-    dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
-      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, want_b ? &gb : nullptr, nullptr,
-                                               bsp, g);
-    });
-  } else if (want_b) {
-    const auto acc = weight.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    if (bsp != nullptr) {  // sum over n of s[n] * (dy[n] summed over the pixels)
-      gb.copy_((go.sum({2, 3}, false, acc) * bscale.view({-1, 1})).sum(0));
-    } else {
-      gb.copy_(go.sum({0, 2, 3}, false, acc));
-    }
-  }
-  if (!need_da) return {gx, gw, gb, gg, gbeta};
-  at::Tensor part_dz, part_dzx;
-  if (need_sums) {
-    part_dz = at::zeros({phases * plan().row_tiles * plan().parts_per_tile, Cin}, mean.options());
-    part_dzx = at::zeros_like(part_dz);
-  }
-  at::Tensor dz;
-  int write = kWriteNothing;
-  if (want_x && batch_stats) {
-    write = kWriteDz;
-    dz = gx.scalar_type() == mean.scalar_type() ? gx : at::empty_like(gx, mean.options());
-  } else if (want_x) {
-    write = kWriteDx;
-  }
-  dgrad(dz.defined() ? &dz : nullptr, need_sums ? &part_dz : nullptr,
-        need_sums ? &part_dzx : nullptr, nullptr, nullptr, write);
-  if (!need_sums) return {gx, gw, gb, gg, gbeta};
-  const at::Tensor sum_dz = part_dz.sum(0, false, at::kDouble);
-  const at::Tensor sum_dzx = part_dzx.sum(0, false, at::kDouble);
-  if (want_g) gg.copy_(sum_dzx);
-  if (want_beta) gbeta.copy_(sum_dz);
-  if (want_x && batch_stats) {
-    const at::Tensor m1 = (sum_dz * inv_m).to(mean.scalar_type());
-    const at::Tensor m2 = (sum_dzx * inv_m).to(mean.scalar_type());
-    FUSEDRES_DISPATCH_FLOATING(x.scalar_type(), "fusedres_cuda_dx", [&] {
-      launch_dx<scalar_t>(dz, gx, x, bn, mean, invstd, m1, m2);
-    });
-  }
-  return {gx, gw, gb, gg, gbeta};
+  return out.tuple();
 }
 
 namespace {

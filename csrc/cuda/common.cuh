@@ -3,7 +3,7 @@
 // Under nvcc it brings the CUDA runtime, fp16/bf16 and WMMA headers; compiled by the host C++
 // compiler it brings the CPU execution layer (on_cpu/runtime.h) that provides the same names, so
 // a kernel body is the same text in both builds (no #ifdef in kernels). The two builds live in
-// different namespaces (FUSEDRES_CUDA_NS: fusedres::cuda, fusedres::cuda_host), register their
+// different namespaces (FUSEDRES_CUDA_NS: fusedres::cuda, fusedres::cuda_on_cpu), register their
 // ops for different dispatch keys (CUDA, CPU) of the fusedres_cuda library, and link into
 // different extensions: fusedres._C (the product) and fusedres._C_cuda_on_cpu (the test
 // extension, on_cpu/module.cpp).
@@ -79,7 +79,7 @@ __device__ __forceinline__ T* fusedres_dynamic_shared() {
 
 #else
 
-#define FUSEDRES_CUDA_NS cuda_host
+#define FUSEDRES_CUDA_NS cuda_on_cpu
 #define FUSEDRES_CUDA_KEY CPU
 // The host layer throws c10::Error from the launch itself.
 #define FUSEDRES_CHECK_LAUNCH() ((void)0)
@@ -107,7 +107,7 @@ __device__ __forceinline__ T* fusedres_dynamic_shared() {
 #define FUSEDRES_CUDA_LIBRARY_IMPL_AT(KEY, m)                                          \
   static void C10_CONCATENATE(fusedres_register_, __LINE__)(torch::Library&);          \
   [[maybe_unused]] static const bool C10_CONCATENATE(fusedres_registered_, __LINE__) = \
-      fusedres_host::add_registration(c10::DispatchKey::KEY,                          \
+      fusedres_on_cpu::add_registration(c10::DispatchKey::KEY,                          \
                                       &C10_CONCATENATE(fusedres_register_, __LINE__)); \
   static void C10_CONCATENATE(fusedres_register_, __LINE__)(torch::Library & m)
 #endif

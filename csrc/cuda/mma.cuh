@@ -151,31 +151,31 @@ inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (
                          const float (&c)[4]) {
   static_assert(std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>,
                 "mma_m16n8k16: float16 or bfloat16 operands");
-  fusedres_host::mma_m16n8k16(std::is_same_v<T, __nv_bfloat16>, d, a, b, c);
+  fusedres_on_cpu::mma_m16n8k16(std::is_same_v<T, __nv_bfloat16>, d, a, b, c);
 }
 
 template <int NUM, bool TRANS = false>
 inline void ldmatrix(uint32_t (&r)[NUM], const void* row) {
   static_assert(NUM == 1 || NUM == 2 || NUM == 4, "ldmatrix loads 1, 2 or 4 matrices");
-  fusedres_host::ldmatrix(NUM, TRANS, r, row);
+  fusedres_on_cpu::ldmatrix(NUM, TRANS, r, row);
 }
 
 inline void cp_async_cg16(void* smem, const void* gmem, int src_bytes = 16) {
-  fusedres_host::cp_async("cp.async.cg", smem, gmem, 16, src_bytes);
+  fusedres_on_cpu::cp_async("cp.async.cg", smem, gmem, 16, src_bytes);
 }
 
 template <int BYTES>
 inline void cp_async_ca(void* smem, const void* gmem, int src_bytes = BYTES) {
   static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async.ca copies 4, 8 or 16 bytes");
-  fusedres_host::cp_async("cp.async.ca", smem, gmem, BYTES, src_bytes);
+  fusedres_on_cpu::cp_async("cp.async.ca", smem, gmem, BYTES, src_bytes);
 }
 
-inline void cp_async_commit() { fusedres_host::cp_async_commit(); }
+inline void cp_async_commit() { fusedres_on_cpu::cp_async_commit(); }
 
 template <int N>
 inline void cp_async_wait() {
   static_assert(N >= 0, "cp.async.wait_group N >= 0");
-  fusedres_host::cp_async_wait(N);
+  fusedres_on_cpu::cp_async_wait(N);
 }
 
 #endif

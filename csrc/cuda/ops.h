@@ -1,5 +1,5 @@
 // The op functions of the kernel files in csrc/cuda, for C++ callers of one copy (the
-// ThreadSanitizer driver calls the host copy, fusedres::cuda_host). Include after common.cuh.
+// ThreadSanitizer driver calls the host copy, fusedres::cuda_on_cpu). Include after common.cuh.
 // Each kernel file adds its op here; the ops are registered in that file.
 #pragma once
 

@@ -43,12 +43,12 @@ def unavailable_reason(device: torch.device) -> str | None:
         if not ON_CPU:
             return ("it runs on CUDA tensors; on CPU tensors only with FUSEDRES_CUDA_ON_CPU=1 "
                     "(the CUDA kernels executed by the CPU layer, a test vehicle)")
-        error = _extension.load_cuda_host()
+        error = _extension.load_cuda_on_cpu()
         if error is not None:
             return error
         missing = missing_ops("CPU")
         if missing:
-            return (f"{_extension.CUDA_HOST_MODULE} has no CPU kernel for "
+            return (f"{_extension.CUDA_ON_CPU_MODULE} has no CPU kernel for "
                     f"{NAMESPACE}::{', '.join(missing)}")
         return None
     if not _extension.LOADED:
@@ -106,7 +106,7 @@ _EAGER_HANDLES = {"module_unit": "module_unit", "prepare_batch_norm": "prepare_b
 def _eager_handle(op: str):
     if _extension.LOADED and _extension.has_kernels(NAMESPACE, "CUDA", op):
         return getattr(getattr(torch.ops, NAMESPACE), op).default
-    if ON_CPU and _extension.load_cuda_host() is None and _extension.has_kernels(
+    if ON_CPU and _extension.load_cuda_on_cpu() is None and _extension.has_kernels(
             NAMESPACE, "CPU", op):
         return getattr(getattr(torch.ops, NAMESPACE), op).default
     return None

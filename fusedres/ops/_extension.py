@@ -9,7 +9,7 @@ sources) becomes ``LOAD_ERROR`` instead of an abort inside the library's loader.
 ``LOAD_ERROR`` says why the extension is missing (used in backend error messages).
 
 The test extension ``fusedres._C_cuda_on_cpu`` (csrc/cuda executed on CPU: the ``fusedres_cuda``
-ops' CPU kernels, and the layer's test ops) is loaded on demand by :func:`load_cuda_host`, after
+ops' CPU kernels, and the layer's test ops) is loaded on demand by :func:`load_cuda_on_cpu`, after
 the schemas exist; it registers from its module initialiser, so a mismatch there is an
 ImportError too.
 
@@ -90,23 +90,23 @@ def cpu_tile_samples(n: int, bytes_per_sample: int, weight_bytes: int,
         int(n), int(bytes_per_sample), int(weight_bytes), bool(channels_last))
 
 
-CUDA_HOST_MODULE = "fusedres._C_cuda_on_cpu"
-_cuda_host_error: list[str | None] = []  # filled by the first load_cuda_host()
+CUDA_ON_CPU_MODULE = "fusedres._C_cuda_on_cpu"
+_cuda_on_cpu_error: list[str | None] = []  # filled by the first load_cuda_on_cpu()
 
 
-def load_cuda_host() -> str | None:
+def load_cuda_on_cpu() -> str | None:
     """Import the test extension ``fusedres._C_cuda_on_cpu`` once; None when it is loaded, else
     why not. It registers the ``fusedres_cuda`` CPU kernels against the schemas defined above."""
-    if not _cuda_host_error:
+    if not _cuda_on_cpu_error:
         try:
-            importlib.import_module(CUDA_HOST_MODULE)
+            importlib.import_module(CUDA_ON_CPU_MODULE)
             error = None
         except ModuleNotFoundError as exc:
-            if exc.name != CUDA_HOST_MODULE:
+            if exc.name != CUDA_ON_CPU_MODULE:
                 raise
-            error = (f"the test extension {CUDA_HOST_MODULE} is not built (make test builds it; "
+            error = (f"the test extension {CUDA_ON_CPU_MODULE} is not built (make test builds it; "
                      "FUSEDRES_BUILD_TEST_EXT=1)")
         except ImportError as exc:  # built for another torch, or from other sources
-            error = f"the test extension {CUDA_HOST_MODULE} cannot be loaded ({exc})"
-        _cuda_host_error.append(error)
-    return _cuda_host_error[0]
+            error = f"the test extension {CUDA_ON_CPU_MODULE} cannot be loaded ({exc})"
+        _cuda_on_cpu_error.append(error)
+    return _cuda_on_cpu_error[0]

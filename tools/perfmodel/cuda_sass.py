@@ -29,12 +29,12 @@ from .devices import A100, H100
 
 _TILE = re.compile(r"TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])E")
 # The mma.sync kernels whose tile is a template argument MmaFwd<BM, BN, WARPS_M, WARPS_N>
-# (csrc/cuda/bn_relu_conv2d.cu) or MmaDgrad<...> (bn_relu_conv2d_backward.cu); BK = 32,
+# (csrc/cuda/bn_relu_conv2d.cu) or MmaDgrad<...> (bn_relu_conv2d_dgrad.cuh); BK = 32,
 # 32 * WARPS_M * WARPS_N threads; demangled.
 _MMA_TILE = re.compile(r"Mma(?:Fwd|Dgrad)<(\d+), (\d+), (\d+), (\d+)\s*>")
 _MMA_TILE_BK = 32
 # Kernels whose tile is fixed in their source rather than a Tile<> argument: name ->
-# (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d_backward.cu,
+# (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d_wgrad.cuh,
 # struct MmaWgrad).
 _FIXED_TILES = {"wgrad_mma_kernel": (64, 64, 16, 128)}
 
@@ -272,14 +272,14 @@ def forward_mma_rows(m: int, co: int, sms: int) -> int:
 def dgrad_mma_rows(rows: int, c: int, phases: int, sms: int) -> int:
     """The mma.sync data gradient's tile rows for ``rows`` pixels of the largest stride phase,
     c input channels and ``phases`` phases on a GPU of ``sms`` SMs (dgrad_mma_rows in
-    csrc/cuda/bn_relu_conv2d_backward.cu): 128 (MmaDgrad<128, 64, 4, 1>) when
+    csrc/cuda/bn_relu_conv2d_dgrad.cuh): 128 (MmaDgrad<128, 64, 4, 1>) when
     cdiv(rows, 128) * cdiv(c, 64) * phases >= sms, else 64 (MmaDgrad<64, 64, 2, 2>)."""
     return 128 if -(-rows // 128) * -(-c // 64) * phases >= sms else 64
 
 
 def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
     """The weight-gradient kernel csrc/cuda runs for 16-bit unit ``u`` (wgrad_uses_mma in
-    csrc/cuda/bn_relu_conv2d_backward.cu): the mma.sync one for channels-last x and grad_out
+    csrc/cuda/bn_relu_conv2d_wgrad.cuh): the mma.sync one for channels-last x and grad_out
     with C and Co multiples of 8 unless ``wgrad`` (FUSEDRES_CUDA_WGRAD) is "wmma", else the WMMA
     one."""
     from fusedres.kernels import traffic
@@ -293,7 +293,7 @@ def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
 
 def dgrad_kernel(u, dgrad: str = "mma", channels_last: bool = True) -> str:
     """The data-gradient kernel csrc/cuda runs for 16-bit unit ``u`` (dgrad_uses_mma in
-    csrc/cuda/bn_relu_conv2d_backward.cu): the mma.sync one for channels-last x and grad_out
+    csrc/cuda/bn_relu_conv2d_dgrad.cuh): the mma.sync one for channels-last x and grad_out
     with C and Co multiples of 8 and at most 64 taps unless ``dgrad`` (FUSEDRES_CUDA_DGRAD) is
     "wmma", else the WMMA one."""
     from fusedres.kernels import traffic

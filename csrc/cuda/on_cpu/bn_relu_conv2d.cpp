@@ -4,7 +4,7 @@
 // Test hook, host copy only (tests/test_cuda_kernels.py): the index helpers every fused kernel
 // uses (conv_tiles.cuh: a GEMM row -> (n, h, w) -> element offset), on int64 rows, so that
 // offsets past 2^31 are checked without a tensor of that size.
-namespace fusedres::cuda_host {
+namespace fusedres::cuda_on_cpu {
 namespace {
 
 at::Tensor pixel_offsets(const at::Tensor& rows, int64_t height, int64_t width,
@@ -27,12 +27,12 @@ at::Tensor pixel_offsets(const at::Tensor& rows, int64_t height, int64_t width,
 }
 
 }  // namespace
-}  // namespace fusedres::cuda_host
+}  // namespace fusedres::cuda_on_cpu
 
 TORCH_LIBRARY(fusedres_cuda_testing, m) {
   m.def("pixel_offsets(Tensor rows, int height, int width, int[] sizes, int[] strides, "
         "int channel) -> Tensor");
-  m.impl("pixel_offsets", c10::DispatchKey::CPU, &fusedres::cuda_host::pixel_offsets);
+  m.impl("pixel_offsets", c10::DispatchKey::CPU, &fusedres::cuda_on_cpu::pixel_offsets);
 }
 
 // Which mma.sync forward tile (its rows: 64 MmaFwdSmall, 128 MmaFwdTall) the forward launches for
@@ -41,5 +41,5 @@ TORCH_LIBRARY(fusedres_cuda_testing, m) {
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("forward_mma_rows(int M, int Co) -> int");
   m.impl("forward_mma_rows",
-         [](int64_t M, int64_t Co) { return fusedres::cuda_host::forward_mma_rows(M, Co); });
+         [](int64_t M, int64_t Co) { return fusedres::cuda_on_cpu::forward_mma_rows(M, Co); });
 }

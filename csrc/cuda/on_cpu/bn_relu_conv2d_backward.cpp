@@ -4,7 +4,7 @@
 // Test hook, host copy only (tests/test_cuda_kernels.py): which weight-gradient kernel the
 // backward launches for these operands ("mma": wgrad_mma_kernel, "wmma": wgrad_kernel), by the
 // rule launch_wgrad applies (wgrad_uses_mma, FUSEDRES_CUDA_WGRAD included).
-namespace fusedres::cuda_host {
+namespace fusedres::cuda_on_cpu {
 namespace {
 
 std::string wgrad_kernel_for(const at::Tensor& grad_out, const at::Tensor& x,
@@ -14,13 +14,13 @@ std::string wgrad_kernel_for(const at::Tensor& grad_out, const at::Tensor& x,
 }
 
 }  // namespace
-}  // namespace fusedres::cuda_host
+}  // namespace fusedres::cuda_on_cpu
 
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("wgrad_kernel_for(Tensor grad_out, Tensor x, Tensor weight) -> str");
   m.impl("wgrad_kernel_for", c10::DispatchKey::CPU,
          [](const at::Tensor& go, const at::Tensor& x, const at::Tensor& w) {
-           return fusedres::cuda_host::wgrad_kernel_for(go, x, w);
+           return fusedres::cuda_on_cpu::wgrad_kernel_for(go, x, w);
          });
 }
 
@@ -31,7 +31,7 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.impl("dgrad_kernel_for", c10::DispatchKey::CPU,
          [](const at::Tensor& go, const at::Tensor& x, const at::Tensor& w) -> std::string {
            const at::Tensor g = go.to(w.scalar_type());
-           return fusedres::cuda_host::dgrad_uses_mma(g, x, w) ? "mma" : "wmma";
+           return fusedres::cuda_on_cpu::dgrad_uses_mma(g, x, w) ? "mma" : "wmma";
          });
 }
 
@@ -41,7 +41,7 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("dgrad_mma_rows(int rows, int C, int phases) -> int");
   m.impl("dgrad_mma_rows", [](int64_t rows, int64_t C, int64_t phases) {
-    return fusedres::cuda_host::dgrad_mma_rows(rows, C, phases);
+    return fusedres::cuda_on_cpu::dgrad_mma_rows(rows, C, phases);
   });
 }
 
@@ -52,7 +52,7 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
         "int operand_bytes, int acc_bytes) -> int");
   m.impl("wgrad_split", [](int64_t tiles, int64_t co, int64_t c, int64_t taps, int64_t m,
                            int64_t bk, int64_t sms, int64_t operand_bytes, int64_t acc_bytes) {
-    return fusedres::cuda_host::pick_split(tiles, co, c, taps, m, bk, sms, operand_bytes,
+    return fusedres::cuda_on_cpu::pick_split(tiles, co, c, taps, m, bk, sms, operand_bytes,
                                            acc_bytes);
   });
 }

@@ -1,11 +1,11 @@
 // fusedres_cuda_layer_test: the layer-test kernels (tests/layer_kernels.cu) as CPU ops, for
-// tests/test_cuda_host.py and the ThreadSanitizer driver (tsan/driver.cpp).
+// tests/test_cuda_on_cpu.py and the ThreadSanitizer driver (tsan/driver.cpp).
 #include "layer_tests.h"
 
 #include "tests/layer_kernels.cu"
 #include "tests/mma_kernels.cu"
 
-namespace fusedres::cuda_host::layer_test {
+namespace fusedres::cuda_on_cpu::layer_test {
 
 namespace {
 void check(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const char* what) {
@@ -102,9 +102,9 @@ at::Tensor wmma_matmul(const at::Tensor& a, const at::Tensor& b, bool tf32) {
   return c;
 }
 
-}  // namespace fusedres::cuda_host::layer_test
+}  // namespace fusedres::cuda_on_cpu::layer_test
 
-namespace fusedres::cuda_host::mma_test {
+namespace fusedres::cuda_on_cpu::mma_test {
 
 at::Tensor gemm_tile(const at::Tensor& a, const at::Tensor& b, int64_t variant) {
   TORCH_CHECK(a.sizes() == at::IntArrayRef({16, 32}) && b.sizes() == at::IntArrayRef({32, 16}) &&
@@ -211,17 +211,17 @@ at::Tensor divergent_collective(int64_t mode) {
   return out;
 }
 
-}  // namespace fusedres::cuda_host::mma_test
+}  // namespace fusedres::cuda_on_cpu::mma_test
 
 TORCH_LIBRARY(fusedres_cuda_layer_test, m) {
-  namespace t = fusedres::cuda_host::layer_test;
+  namespace t = fusedres::cuda_on_cpu::layer_test;
   m.def("block_sum(Tensor x, bool barrier) -> Tensor", &t::block_sum);
   m.def("warp_sum(Tensor x, int mask, int lanes, int first_offset) -> Tensor", &t::warp_sum);
   m.def("warp_ops() -> Tensor", &t::warp_ops);
   m.def("atomics(Tensor x, int threads) -> (Tensor, Tensor)", &t::atomics);
   m.def("reverse_blocks(Tensor x, int threads) -> Tensor", &t::reverse_blocks);
   m.def("wmma_matmul(Tensor a, Tensor b, bool tf32) -> Tensor", &t::wmma_matmul);
-  namespace mt = fusedres::cuda_host::mma_test;
+  namespace mt = fusedres::cuda_on_cpu::mma_test;
   m.def("mma_gemm(Tensor a, Tensor b, int variant) -> Tensor", &mt::gemm_tile);
   m.def("ldmatrix_probe(Tensor table, int num, bool trans, int offset, bool from_global) -> Tensor",
         &mt::ldmatrix_probe);
@@ -235,7 +235,7 @@ TORCH_LIBRARY(fusedres_cuda_layer_test, m) {
   // (the host cost of a route, its kernels as no-ops: benchmarks/hostcost.py). Returns the
   // previous setting.
   m.def("launches() -> int",
-        [] { return static_cast<int64_t>(fusedres_host::launch_count().load()); });
+        [] { return static_cast<int64_t>(fusedres_on_cpu::launch_count().load()); });
   m.def("stub_launches(bool on) -> bool",
-        [](bool on) { return fusedres_host::launch_stub().exchange(on); });
+        [](bool on) { return fusedres_on_cpu::launch_stub().exchange(on); });
 }

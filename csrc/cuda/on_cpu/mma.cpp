@@ -5,7 +5,7 @@
 #include <cstring>
 #include <sstream>
 
-namespace fusedres_host {
+namespace fusedres_on_cpu {
 
 namespace {
 
@@ -162,4 +162,4 @@ void cp_async_wait(unsigned n) {
   t.async.resize(kept);
 }
 
-}  // namespace fusedres_host
+}  // namespace fusedres_on_cpu

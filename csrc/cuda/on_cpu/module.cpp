@@ -29,7 +29,7 @@ PyMODINIT_FUNC PyInit__C_cuda_on_cpu(void) {
     try {
       std::vector<std::unique_ptr<torch::Library>> libs;
       std::vector<c10::DispatchKey> keys;
-      for (const auto& reg : fusedres_host::registrations()) {
+      for (const auto& reg : fusedres_on_cpu::registrations()) {
         size_t i = 0;
         while (i < keys.size() && keys[i] != reg.key) ++i;
         if (i == keys.size()) {

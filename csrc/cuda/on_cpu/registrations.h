@@ -12,7 +12,7 @@ namespace torch {
 class Library;
 }
 
-namespace fusedres_host {
+namespace fusedres_on_cpu {
 
 struct Registration {
   c10::DispatchKey key;
@@ -27,4 +27,4 @@ inline bool add_registration(c10::DispatchKey key, void (*fn)(torch::Library&)) 
   return true;
 }
 
-}  // namespace fusedres_host
+}  // namespace fusedres_on_cpu

@@ -28,7 +28,7 @@
 
 #include "registrations.h"
 
-namespace fusedres_host {
+namespace fusedres_on_cpu {
 
 thread_local Thread* tls_thread = nullptr;
 
@@ -69,7 +69,7 @@ struct Group {
 // ----------------------------------------------------------------------------- static shared
 
 // The static __shared__ variables of the kernels: every function-local static of namespace
-// fusedres::cuda_host (mangled _ZZN8fusedres9cuda_host...) in this module's symbol table,
+// fusedres::cuda_on_cpu (mangled _ZZN8fusedres11cuda_on_cpu...) in this module's symbol table,
 // thread-local (STT_TLS) in the fibre build, plain statics (STT_OBJECT, writable) in the
 // OS-thread build. GCC ignores section attributes on template instantiations' statics, so the
 // symbol table is the one place that lists them all. Offsets are relative to a known symbol of
@@ -112,12 +112,12 @@ SharedTable read_shared_table() {
   const auto* sh = reinterpret_cast<const Elf64_Shdr*>(bytes.data() + eh->e_shoff);
 #if defined(FUSEDRES_HOST_THREADS)
   const unsigned char want_type = STT_OBJECT;
-  const char* anchor = "_ZN13fusedres_host11smem_anchorE";
+  const char* anchor = "_ZN15fusedres_on_cpu11smem_anchorE";
 #else
   const unsigned char want_type = STT_TLS;
-  const char* anchor = "_ZN13fusedres_host10tls_threadE";
+  const char* anchor = "_ZN15fusedres_on_cpu10tls_threadE";
 #endif
-  const char* prefix = "_ZZN8fusedres9cuda_host";
+  const char* prefix = "_ZZN8fusedres11cuda_on_cpu";
   bool have_anchor = false;
   Elf64_Addr anchor_value = 0;
   std::vector<std::pair<Elf64_Addr, size_t>> found;
@@ -285,13 +285,13 @@ size_t stack_bytes() {
 // the callee-saved registers (ucontext's swapcontext makes a sigprocmask system call per switch,
 // ~10x slower); elsewhere ucontext.
 #if defined(__x86_64__)
-extern "C" void fusedres_host_switch(void** save_sp, void* load_sp);
+extern "C" void fusedres_on_cpu_switch(void** save_sp, void* load_sp);
 asm(R"(
     .text
-    .globl fusedres_host_switch
-    .hidden fusedres_host_switch
-    .type fusedres_host_switch, @function
-fusedres_host_switch:
+    .globl fusedres_on_cpu_switch
+    .hidden fusedres_on_cpu_switch
+    .type fusedres_on_cpu_switch, @function
+fusedres_on_cpu_switch:
     pushq %rbp
     pushq %rbx
     pushq %r12
@@ -313,7 +313,7 @@ fusedres_host_switch:
     popq %rbx
     popq %rbp
     ret
-    .size fusedres_host_switch, .-fusedres_host_switch
+    .size fusedres_on_cpu_switch, .-fusedres_on_cpu_switch
 )");
 
 struct Context {
@@ -332,7 +332,7 @@ struct Context {
     sp = &slot[-9];
   }
 };
-inline void switch_context(Context& from, Context& to) { fusedres_host_switch(&from.sp, to.sp); }
+inline void switch_context(Context& from, Context& to) { fusedres_on_cpu_switch(&from.sp, to.sp); }
 #else
 struct Context {
   ucontext_t uc;
@@ -777,4 +777,4 @@ void run_grid(const char* kernel, const void* fn, dim3 grid, dim3 block, size_t 
   }
 }
 
-}  // namespace fusedres_host
+}  // namespace fusedres_on_cpu

@@ -9,7 +9,7 @@
 // `__shared__` is per-block storage: `static thread_local` with fibres (every fibre of a block
 // is on one OS thread, and that OS thread runs one block at a time), `static` with OS threads
 // (blocks are serial). The layer finds every such variable in the module's symbol table (the
-// function-local statics of namespace fusedres::cuda_host: template instantiations included) and
+// function-local statics of namespace fusedres::cuda_on_cpu: template instantiations included) and
 // fills them with 0xff bytes before every block, as it does the dynamic shared memory (a
 // per-block buffer, fusedres_dynamic_shared): a kernel that reads shared memory it did not write
 // in this block reads NaN / -1, never the previous block's values. `__launch_bounds__` is checked by
@@ -75,12 +75,12 @@ struct dim3 {
 };
 
 // Streams do not exist on the host: every launch is synchronous.
-struct fusedres_host_stream;
-using cudaStream_t = fusedres_host_stream*;
+struct fusedres_on_cpu_stream;
+using cudaStream_t = fusedres_on_cpu_stream*;
 
 constexpr int warpSize = 32;
 
-namespace fusedres_host {
+namespace fusedres_on_cpu {
 
 struct Block;
 
@@ -199,34 +199,34 @@ Launch<P...> launch(void (*fn)(P...), const char* name, dim3 grid, dim3 block, s
   return Launch<P...>{fn, name, grid, block, smem};
 }
 
-}  // namespace fusedres_host
+}  // namespace fusedres_on_cpu
 
 // kernel<<<grid, block, smem, stream>>>(args...) on a GPU; the grid on the CPU here. The kernel
 // comes last so that template arguments with commas need no parentheses.
 #define FUSEDRES_LAUNCH(grid, block, smem, stream, ...) \
-  ::fusedres_host::launch(__VA_ARGS__, #__VA_ARGS__, grid, block, smem, stream)
+  ::fusedres_on_cpu::launch(__VA_ARGS__, #__VA_ARGS__, grid, block, smem, stream)
 
 // ----------------------------------------------------------------------------- built-ins
 
-#define threadIdx (::fusedres_host::self().idx)
-#define blockIdx (::fusedres_host::block_info(::fusedres_host::self()).idx)
-#define blockDim (::fusedres_host::block_info(::fusedres_host::self()).dim)
-#define gridDim (::fusedres_host::block_info(::fusedres_host::self()).grid)
+#define threadIdx (::fusedres_on_cpu::self().idx)
+#define blockIdx (::fusedres_on_cpu::block_info(::fusedres_on_cpu::self()).idx)
+#define blockDim (::fusedres_on_cpu::block_info(::fusedres_on_cpu::self()).dim)
+#define gridDim (::fusedres_on_cpu::block_info(::fusedres_on_cpu::self()).grid)
 
-inline void __syncthreads() { fusedres_host::syncthreads(); }
-inline int __syncthreads_count(int p) { return fusedres_host::syncthreads_count(p); }
-inline int __syncthreads_or(int p) { return fusedres_host::syncthreads_or(p); }
-inline int __syncthreads_and(int p) { return fusedres_host::syncthreads_and(p); }
+inline void __syncthreads() { fusedres_on_cpu::syncthreads(); }
+inline int __syncthreads_count(int p) { return fusedres_on_cpu::syncthreads_count(p); }
+inline int __syncthreads_or(int p) { return fusedres_on_cpu::syncthreads_or(p); }
+inline int __syncthreads_and(int p) { return fusedres_on_cpu::syncthreads_and(p); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
-  fusedres_host::warp_exchange("__syncwarp", mask, nullptr, 0, -1, nullptr, false, nullptr);
+  fusedres_on_cpu::warp_exchange("__syncwarp", mask, nullptr, 0, -1, nullptr, false, nullptr);
 }
-inline unsigned __activemask() { return fusedres_host::active_mask(); }
+inline unsigned __activemask() { return fusedres_on_cpu::active_mask(); }
 // __launch_bounds__(N) on the host: the first statement of a bounded kernel,
 //   __global__ void __launch_bounds__(256) k(...) { FUSEDRES_LAUNCH_BOUNDS(256); ... }
 // (nothing under nvcc, whose launch enforces the attribute itself).
 #define FUSEDRES_LAUNCH_BOUNDS(...) \
-  ::fusedres_host::check_launch_bounds(__func__, fusedres_host_first_arg(__VA_ARGS__))
-constexpr long fusedres_host_first_arg(long bound, long = 0, long = 0) { return bound; }
+  ::fusedres_on_cpu::check_launch_bounds(__func__, fusedres_on_cpu_first_arg(__VA_ARGS__))
+constexpr long fusedres_on_cpu_first_arg(long bound, long = 0, long = 0) { return bound; }
 
 // cudaFuncSetAttribute: the one attribute the layer models (the dynamic shared-memory opt-in).
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
@@ -237,7 +237,7 @@ enum cudaFuncAttribute {
 template <typename F>
 cudaError_t cudaFuncSetAttribute(F* fn, cudaFuncAttribute attr, int value) {
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;
-  return fusedres_host::set_max_dynamic_smem(reinterpret_cast<const void*>(fn), value)
+  return fusedres_on_cpu::set_max_dynamic_smem(reinterpret_cast<const void*>(fn), value)
              ? cudaSuccess
              : cudaErrorInvalidValue;
 }
@@ -247,9 +247,9 @@ inline const char* cudaGetErrorString(cudaError_t e) {
 
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-[[noreturn]] inline void __trap() { fusedres_host::device_error("__trap() called"); }
+[[noreturn]] inline void __trap() { fusedres_on_cpu::device_error("__trap() called"); }
 
-namespace fusedres_host {
+namespace fusedres_on_cpu {
 template <typename T>
 T shfl(const char* op, unsigned mask, T var, int src) {
   static_assert(sizeof(T) <= 16 && std::is_trivially_copyable_v<T>,
@@ -261,47 +261,47 @@ T shfl(const char* op, unsigned mask, T var, int src) {
 // Source lane of a shuffle within segments of `width` lanes (CUDA's rules: shfl_up/down that
 // leave the segment return the lane's own value).
 inline int segment_base(int width) { return static_cast<int>(self().lane) & ~(width - 1); }
-}  // namespace fusedres_host
+}  // namespace fusedres_on_cpu
 
 template <typename T>
 T __shfl_sync(unsigned mask, T var, int src, int width = warpSize) {
-  const int base = fusedres_host::segment_base(width);
-  return fusedres_host::shfl("__shfl_sync", mask, var, base + (src & (width - 1)));
+  const int base = fusedres_on_cpu::segment_base(width);
+  return fusedres_on_cpu::shfl("__shfl_sync", mask, var, base + (src & (width - 1)));
 }
 template <typename T>
 T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = warpSize) {
-  const int lane = static_cast<int>(fusedres_host::self().lane);
-  const int base = fusedres_host::segment_base(width);
+  const int lane = static_cast<int>(fusedres_on_cpu::self().lane);
+  const int base = fusedres_on_cpu::segment_base(width);
   const int src = lane + static_cast<int>(delta);
-  return fusedres_host::shfl("__shfl_down_sync", mask, var, src < base + width ? src : lane);
+  return fusedres_on_cpu::shfl("__shfl_down_sync", mask, var, src < base + width ? src : lane);
 }
 template <typename T>
 T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = warpSize) {
-  const int lane = static_cast<int>(fusedres_host::self().lane);
-  const int base = fusedres_host::segment_base(width);
+  const int lane = static_cast<int>(fusedres_on_cpu::self().lane);
+  const int base = fusedres_on_cpu::segment_base(width);
   const int src = lane - static_cast<int>(delta);
-  return fusedres_host::shfl("__shfl_up_sync", mask, var, src >= base ? src : lane);
+  return fusedres_on_cpu::shfl("__shfl_up_sync", mask, var, src >= base ? src : lane);
 }
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize) {
-  const int lane = static_cast<int>(fusedres_host::self().lane);
-  const int base = fusedres_host::segment_base(width);
+  const int lane = static_cast<int>(fusedres_on_cpu::self().lane);
+  const int base = fusedres_on_cpu::segment_base(width);
   const int src = lane ^ lane_mask;
-  return fusedres_host::shfl("__shfl_xor_sync", mask, var, src < base + width ? src : lane);
+  return fusedres_on_cpu::shfl("__shfl_xor_sync", mask, var, src < base + width ? src : lane);
 }
 inline unsigned __ballot_sync(unsigned mask, int pred) {
   unsigned out = 0;
-  fusedres_host::warp_exchange("__ballot_sync", mask, nullptr, 0, -1, nullptr, pred != 0, &out);
+  fusedres_on_cpu::warp_exchange("__ballot_sync", mask, nullptr, 0, -1, nullptr, pred != 0, &out);
   return out;
 }
 inline int __any_sync(unsigned mask, int pred) {
   unsigned out = 0;
-  fusedres_host::warp_exchange("__any_sync", mask, nullptr, 0, -1, nullptr, pred != 0, &out);
+  fusedres_on_cpu::warp_exchange("__any_sync", mask, nullptr, 0, -1, nullptr, pred != 0, &out);
   return out != 0;
 }
 inline int __all_sync(unsigned mask, int pred) {
   unsigned out = 0;
-  fusedres_host::warp_exchange("__all_sync", mask, nullptr, 0, -1, nullptr, pred != 0, &out);
+  fusedres_on_cpu::warp_exchange("__all_sync", mask, nullptr, 0, -1, nullptr, pred != 0, &out);
   return out == mask;
 }
 
@@ -410,7 +410,7 @@ inline float __bfloat162float(__nv_bfloat16 h) { return static_cast<float>(h); }
 // The block's dynamic shared memory (the launch's `smem` bytes, 128-byte aligned).
 template <typename T>
 inline T* fusedres_dynamic_shared() {
-  return static_cast<T*>(fusedres_host::block_info(fusedres_host::self()).dynamic_smem);
+  return static_cast<T*>(fusedres_on_cpu::block_info(fusedres_on_cpu::self()).dynamic_smem);
 }
 
 #include "wmma.h"

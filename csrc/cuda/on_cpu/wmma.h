@@ -58,10 +58,10 @@ constexpr bool is_row_major() {
 template <typename T>
 void check_pointer(const char* op, const void* p, unsigned ldm) {
   if (reinterpret_cast<std::uintptr_t>(p) % 32 != 0) {
-    fusedres_host::device_error(std::string(op) + ": the pointer must be 256-bit aligned");
+    fusedres_on_cpu::device_error(std::string(op) + ": the pointer must be 256-bit aligned");
   }
   if ((ldm * sizeof(T)) % 16 != 0) {
-    fusedres_host::device_error(std::string(op) + ": ldm = " + std::to_string(ldm) +
+    fusedres_on_cpu::device_error(std::string(op) + ": ldm = " + std::to_string(ldm) +
                                 " is not a multiple of 16 bytes");
   }
 }
@@ -123,7 +123,7 @@ template <int M, int N, int K, typename T, typename P>
 inline void store_matrix_sync(P* p, const fragment<accumulator, M, N, K, T>& f, unsigned ldm,
                               layout_t layout) {
   detail::check_pointer<P>("store_matrix_sync", p, ldm);
-  const int lane = static_cast<int>(fusedres_host::self().lane);
+  const int lane = static_cast<int>(fusedres_on_cpu::self().lane);
   for (int i = lane; i < M * N; i += 32) {
     const int r = i / N, c = i % N;
     p[layout == mem_row_major ? r * ldm + c : r + c * ldm] = static_cast<P>(f.x[i]);

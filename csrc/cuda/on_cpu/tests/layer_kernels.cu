@@ -1,4 +1,4 @@
-// Kernels that test the CPU execution layer itself (tests/test_cuda_host.py, the TSan driver):
+// Kernels that test the CPU execution layer itself (tests/test_cuda_on_cpu.py, the TSan driver):
 // the constructs it emulates, and the mistakes it must catch (a missing barrier, a wrong lane
 // mask). Written like any kernel in csrc/cuda (they also compile with nvcc), but registered for
 // the host copy only, as the fusedres_cuda_layer_test ops (csrc/cuda/on_cpu/layer_tests.cpp).

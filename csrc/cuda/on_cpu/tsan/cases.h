@@ -6,7 +6,7 @@
 //   #include "cases.h"
 //   FUSEDRES_TSAN_CASE(my_kernel_small) {
 //     at::Tensor x = at::randn({2, 3, 5, 7});
-//     auto y = fusedres::cuda_host::my_op(x);            // declared in csrc/cuda/ops.h
+//     auto y = fusedres::cuda_on_cpu::my_op(x);            // declared in csrc/cuda/ops.h
 //     fusedres_tsan::expect_close(y, reference(x), 1e-5, 1e-5, "my_op");
 //   }
 //

@@ -5,12 +5,12 @@
 namespace {
 
 using fusedres_tsan::expect_close;
-namespace lt = fusedres::cuda_host::layer_test;
+namespace lt = fusedres::cuda_on_cpu::layer_test;
 
 void check_batch_stats(at::IntArrayRef shape, at::ScalarType dtype, bool channels_last) {
   at::Tensor x = (at::randn(shape, at::kDouble) * 3 + 2).to(dtype);
   if (channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
-  auto [mean, var] = fusedres::cuda_host::batch_stats(x);
+  auto [mean, var] = fusedres::cuda_on_cpu::batch_stats(x);
   auto [var64, mean64] = at::var_mean(x.to(at::kDouble), {0, 2, 3}, 0, false);
   const double tol = dtype == at::kDouble ? 1e-12 : 1e-5;
   expect_close(mean, mean64, tol, tol, "batch_stats mean");
@@ -78,7 +78,7 @@ FUSEDRES_TSAN_DEMO(wrong_mask) {
 
 // mma.cuh: the GEMM tile (cp.async, ldmatrix, mma.sync) exact on small integers, and the probes.
 FUSEDRES_TSAN_CASE(layer_mma_gemm) {
-  namespace mt = fusedres::cuda_host::mma_test;
+  namespace mt = fusedres::cuda_on_cpu::mma_test;
   for (auto t : {at::kHalf, at::kBFloat16}) {
     at::Tensor a = at::randint(-4, 5, {16, 32}).to(t), b = at::randint(-4, 5, {32, 16}).to(t);
     expect_close(mt::gemm_tile(a, b, 0), at::matmul(a.to(at::kDouble), b.to(at::kDouble)), 0, 0,
@@ -99,5 +99,5 @@ FUSEDRES_TSAN_CASE(layer_mma_gemm) {
 // tensor reads 8 bytes past its end.
 FUSEDRES_TSAN_DEMO(oob_read) {
   at::Tensor src = at::arange(8, at::kByte);
-  fusedres::cuda_host::mma_test::cp_async_probe(src, 16, true, 0, 0, 16, true);
+  fusedres::cuda_on_cpu::mma_test::cp_async_probe(src, 16, true, 0, 0, 16, true);
 }

@@ -7,7 +7,7 @@
 namespace {
 
 using fusedres_tsan::expect_close;
-namespace k = fusedres::cuda_host;
+namespace k = fusedres::cuda_on_cpu;
 
 // rm <- rm (1 - f) + mean f, rv <- rv (1 - f) + var M / (M - 1) f, in float64.
 void expect_update(const at::Tensor& rm, const at::Tensor& rv, const at::Tensor& rm0,

@@ -9,7 +9,7 @@
 namespace {
 
 using fusedres_tsan::expect_close;
-namespace k = fusedres::cuda_host;
+namespace k = fusedres::cuda_on_cpu;
 
 struct Unit {
   at::Tensor x, w, bias, gamma, beta, mean, invstd, res;

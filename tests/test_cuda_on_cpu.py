@@ -2,6 +2,7 @@
 through it, the constructs it emulates, the mistakes it must catch (a missing barrier under
 ThreadSanitizer, a wrong lane mask), the nvcc compile table, and the cuda backend's switch."""
 
+import glob
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ from fusedres.ops import _backend, _extension
 from tools import cuda_aot, cuda_tsan
 
 # The CPU copy of the kernels and the layer's test ops are the test extension's.
-_WHY_NOT = _extension.load_cuda_host()
+_WHY_NOT = _extension.load_cuda_on_cpu()
 pytestmark = pytest.mark.skipif(
     _WHY_NOT is not None or not _extension.has_kernels("fusedres_cuda", "CPU", "batch_stats"),
     reason=f"no CPU copy of the CUDA kernels: {_WHY_NOT}")
@@ -196,10 +197,14 @@ def test_tsan_build_reports_the_wrong_mask(tsan_driver):
 
 
 def _kernel_names() -> set[str]:
+    """The kernels of every translation unit cuda_aot compiles (csrc/cuda/*.cu) and of the
+    headers they include (csrc/cuda/*.cuh: bn_relu_conv2d_backward.cu's kernel families)."""
     names = set()
-    for src in cuda_aot.sources():
+    headers = glob.glob(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "*.cuh"))
+    for src in cuda_aot.sources() + sorted(headers):
+        code = re.sub(r"//[^\n]*", "", open(src).read())  # not the examples in comments
         names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)",
-                                open(src).read()))
+                                code))
     return names
 
 

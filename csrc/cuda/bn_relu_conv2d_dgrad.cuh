@@ -1,0 +1,579 @@
+// The data gradient of the fused unit's backward (bn_relu_conv2d_backward.cu, the algorithm of
+// kernels/bn_relu_conv2d_dgrad.py): da = conv_transpose(dy, W), recomputing the ReLU mask from x
+// in the epilogue, with the BatchNorm sums' partials; and the dx pass that finishes it in the
+// "store" strategy. Kernels: dgrad_kernel (WMMA / FMA), dgrad_mma_kernel (mma.sync), dx_kernel;
+// their launchers: launch_dgrad, launch_dx. Included by bn_relu_conv2d_backward.cu only (one
+// translation unit: the kernels keep its anonymous namespace, so their names and the tables
+// keyed on that file, csrc/cuda/COMPILE.md and benchmarks/GPU_MODEL.md, are unchanged).
+#pragma once
+
+#include <cstdlib>
+#include <string>
+
+#include "bn_relu_conv2d_wgrad.cuh"  // wgrad_mma_operands: the operands both mma.sync kernels take
+#include "conv_tiles.cuh"
+#include "mma.cuh"
+#include "mma_tiles.cuh"
+#include "ops.h"
+
+namespace fusedres::FUSEDRES_CUDA_NS {
+namespace {
+
+// What the data-gradient epilogue writes: dz (then the dx pass), dx, or nothing (sums only).
+enum DgradWrite : int { kWriteNothing = 0, kWriteDz = 1, kWriteDx = 2 };
+
+// The data gradient's epilogue, shared by the WMMA and the mma.sync kernel, on the block's
+// BM x BN tile of da (Cs; rows: the phase's input pixels row_n / row_ih / row_iw, -1 past its
+// pixels; columns c0 + n): loads x, recomputes the ReLU mask, writes dz or dx (or nothing), and
+// reduces per channel sum dz and sum dz * xhat over the tile into its partials' row `row` (Ds holds
+// dz * xhat). The caller synchronises after filling Cs.
+template <typename X, int BM, int BN, int LD, int THREADS>
+__device__ __forceinline__ void dgrad_store(
+    acc_t<X> (*Cs)[LD], acc_t<X> (*Ds)[LD], const int64_t* row_n, const int32_t* row_ih,
+    const int32_t* row_iw, const X* __restrict__ x, const acc_t<X>* __restrict__ scale,
+    const acc_t<X>* __restrict__ shift, const acc_t<X>* __restrict__ mean,
+    const acc_t<X>* __restrict__ invstd, X* __restrict__ gx, acc_t<X>* __restrict__ dz_out,
+    acc_t<X>* __restrict__ part_dz, acc_t<X>* __restrict__ part_dzx,
+    const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
+    const acc_t<X>* __restrict__ branch_scale, const Dims4& xd, const Dims4& gd, int64_t c0,
+    int write, int64_t row, int tid) {
+  using A = acc_t<X>;
+  const int64_t Cin = xd.c;
+  const bool stats = part_dz != nullptr;
+  const bool x_channels_fast = xd.sc == 1;
+  for (int e = tid; e < BM * BN; e += THREADS) {
+    const int m = x_channels_fast ? e / BN : e % BM;
+    const int n = x_channels_fast ? e % BN : e / BM;
+    const int64_t c = c0 + n;
+    A dz = A(0), dzx = A(0);
+    if (row_n[m] >= 0 && c < Cin) {
+      const A xv = static_cast<A>(x[xd.offset(row_n[m], c, row_ih[m], row_iw[m])]);
+      // da of the row's sample: s[n] * conv_transpose(dy) with a branch scale.
+      const A da = branch_scale != nullptr ? Cs[m][n] * branch_scale[row_n[m]] : Cs[m][n];
+      // The gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
+      dz = xv * scale[c] + shift[c] <= A(0) ? A(0) : da;
+      const A xhat = (xv - mean[c]) * invstd[c];
+      dzx = dz * xhat;
+      const int64_t go = gd.offset(row_n[m], c, row_ih[m], row_iw[m]);
+      if (write == kWriteDz) dz_out[go] = dz;
+      // dx: training (the sums known before this pass: m1 = mean dz, m2 = mean dz xhat) or eval.
+      if (write == kWriteDx) {
+        gx[go] = static_cast<X>(m1 != nullptr ? scale[c] * (dz - m1[c] - xhat * m2[c])
+                                              : scale[c] * dz);
+      }
+    }
+    if (stats) {
+      Cs[m][n] = dz;
+      Ds[m][n] = dzx;
+    }
+  }
+  if (!stats) return;
+  __syncthreads();
+  for (int q = tid; q < 2 * BN; q += THREADS) {
+    const int n = q % BN;
+    const int64_t c = c0 + n;
+    if (c >= Cin) continue;
+    A s = A(0);
+    if (q < BN) {
+      for (int m = 0; m < BM; ++m) s += Cs[m][n];
+      part_dz[row * Cin + c] = s;
+    } else {
+      for (int m = 0; m < BM; ++m) s += Ds[m][n];
+      part_dzx[row * Cin + c] = s;
+    }
+  }
+}
+
+// Resident blocks per SM promised to ptxas (__launch_bounds__' second argument) by the WMMA /
+// FMA kernels (this one and wgrad_kernel, bn_relu_conv2d_wgrad.cuh). With the thread count alone
+// ptxas capped them low and spilled (sm_90: the 16-bit data gradient at 96 registers, 8-12 bytes;
+// the float32 one at 80, 4 bytes). The data gradient fits 128 registers (4 blocks of 128
+// threads, 2 of 256). No spills now (csrc/cuda/COMPILE.md), for one resident block fewer: the
+// 16-bit data gradient 4 blocks on sm_90 (5 before), the float32 one 2 (3, also on sm_80, where
+// it had not spilled). These kernels run where the mma.sync ones do not (float32, float64,
+// 16-bit tensors that are not channels_last or not 8-channel aligned, kernels of more than 64
+// taps).
+template <typename T>
+constexpr int kDgradMinBlocks = T::THREADS >= 256 ? 2 : 4;
+
+// The block's rows: the phase (pa, pb)'s input pixels m0 + r on its HP x WP grid (Mp in all):
+// row_n[r] the sample (-1 past Mp), row_ih[r], row_iw[r] the input pixel (0 past Mp). The caller
+// synchronises before reading them.
+template <int BM, int THREADS>
+__device__ __forceinline__ void fill_phase_rows(int64_t* row_n, int32_t* row_ih, int32_t* row_iw,
+                                                int64_t m0, int64_t Mp, int64_t HP, int64_t WP,
+                                                int pa, int pb, const ConvGeom& g, int tid) {
+  for (int r = tid; r < BM; r += THREADS) {
+    const int64_t m = m0 + r;
+    if (m < Mp) {
+      const Pixel p = pixel_of(m, HP, WP);
+      row_n[r] = p.n;
+      row_ih[r] = pa + g.sh * p.h;
+      row_iw[r] = pb + g.sw * p.w;
+    } else {
+      row_n[r] = -1;
+      row_ih[r] = row_iw[r] = 0;
+    }
+  }
+}
+
+template <typename X, typename W, typename T>
+__global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
+    dgrad_kernel(const W* __restrict__ dy, const W* __restrict__ w, const X* __restrict__ x,
+                 const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
+                 const acc_t<X>* __restrict__ mean, const acc_t<X>* __restrict__ invstd,
+                 X* __restrict__ gx, acc_t<X>* __restrict__ dz_out,
+                 acc_t<X>* __restrict__ part_dz, acc_t<X>* __restrict__ part_dzx,
+                 const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
+                 const acc_t<X>* __restrict__ branch_scale, Dims4 dyd, Dims4 wd, Dims4 xd,
+                 Dims4 gd, ConvGeom g, int write) {
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS, kDgradMinBlocks<T>);
+  using A = acc_t<X>;
+  static_assert(std::is_same_v<A, acc_t<W>>, "x and weight must share an accumulator type");
+  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, THREADS = T::THREADS;
+  __shared__ __align__(32) W As[BK][BM + T::APAD];  // dy: (Co slice) x (pixels)
+  __shared__ __align__(32) W Bs[BK][BN + T::BPAD];  // W: (Co slice) x (C slice)
+  __shared__ __align__(32) A Cs[BM][BN + T::CPAD];  // da, then dz
+  __shared__ __align__(32) A Ds[BM][BN + T::CPAD];  // dz * xhat
+  __shared__ int64_t row_n[BM];  // sample of the row, -1 past the phase's pixels
+  __shared__ int32_t row_ih[BM];
+  __shared__ int32_t row_iw[BM];
+  __shared__ int64_t tap_off[BM];  // offset of dy[n, 0, oh, ow] feeding the row, -1 if none
+
+  // The stride phase of this block and its pixel grid (HP x WP pixels per sample).
+  const int phases_w = static_cast<int>(xd.w < g.sw ? xd.w : g.sw);
+  const int pa = blockIdx.z / phases_w, pb = blockIdx.z % phases_w;
+  const int64_t HP = (xd.h - pa + g.sh - 1) / g.sh, WP = (xd.w - pb + g.sw - 1) / g.sw;
+  const int64_t Mp = xd.n * HP * WP;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
+  if (m0 >= Mp) return;  // the phase has fewer pixels than the largest one (partials stay 0)
+  const int tid = threadIdx.x;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * BN;
+  const int64_t Cin = xd.c, Co = dyd.c;
+  fill_phase_rows<BM, THREADS>(row_n, row_ih, row_iw, m0, Mp, HP, WP, pa, pb, g, tid);
+  Accum<W, T> acc;
+  acc.zero();
+  const bool dy_channels_fast = dyd.sc == 1;
+  for (int t = 0; t < g.kh * g.kw; ++t) {
+    const int i = t / g.kw, j = t % g.kw;
+    // (ih + ph - i*dh) must be a multiple of the stride: the same for every row of the phase.
+    if (mod_pos(pa + g.ph - i * g.dh, g.sh) != 0 || mod_pos(pb + g.pw - j * g.dw, g.sw) != 0) {
+      continue;
+    }
+    __syncthreads();
+    for (int r = tid; r < BM; r += THREADS) {
+      int64_t off = -1;
+      if (row_n[r] >= 0) {
+        const int64_t oh_s = int64_t(row_ih[r]) + g.ph - int64_t(i) * g.dh;
+        const int64_t ow_s = int64_t(row_iw[r]) + g.pw - int64_t(j) * g.dw;
+        if (oh_s >= 0 && ow_s >= 0) {
+          const int64_t oh = oh_s / g.sh, ow = ow_s / g.sw;
+          if (oh < dyd.h && ow < dyd.w) off = dyd.offset(row_n[r], 0, oh, ow);
+        }
+      }
+      tap_off[r] = off;
+    }
+    __syncthreads();
+    for (int64_t k0 = 0; k0 < Co; k0 += BK) {
+      for (int e = tid; e < BM * BK; e += THREADS) {
+        const int m = dy_channels_fast ? e / BK : e % BM;
+        const int k = dy_channels_fast ? e % BK : e / BM;
+        const int64_t co = k0 + k;
+        const int64_t off = tap_off[m];
+        As[k][m] = (off >= 0 && co < Co) ? dy[off + co * dyd.sc] : static_cast<W>(0.0f);
+      }
+      for (int e = tid; e < BN * BK; e += THREADS) {
+        const int n = e % BN, k = e / BN;
+        const int64_t co = k0 + k, c = c0 + n;
+        Bs[k][n] = (co < Co && c < Cin) ? w[wd.offset(co, c, i, j)] : static_cast<W>(0.0f);
+      }
+      __syncthreads();
+      acc.mma(As, Bs, tid);
+      __syncthreads();
+    }
+  }
+  acc.store(Cs, tid);
+  __syncthreads();
+  dgrad_store<X, BM, BN, BN + T::CPAD, THREADS>(Cs, Ds, row_n, row_ih, row_iw, x, scale, shift,
+                                                mean, invstd, gx, dz_out, part_dz, part_dzx, m1,
+                                                m2, branch_scale, xd, gd, c0, write,
+                                                static_cast<int64_t>(blockIdx.z) * gridDim.x +
+                                                    blockIdx.x,
+                                                tid);
+}
+
+// ----------------------------------------------------------------------------- tensor-core dgrad
+
+// The data gradient of 16-bit x, grad_out and weight of one dtype, x and grad_out channels-last
+// with C and Co multiples of 8: the WMMA kernel's grid (one stride phase per blockIdx.z, 64
+// input pixels x 64 input channels a block) and epilogue (dgrad_store), its main loop mma.sync
+// m16n8k16 on operands that cp.async stages, 16 bytes a copy, through a STAGES-deep pipeline
+// with one barrier per K chunk (BK output channels of one tap). The K chunks run over the taps
+// that feed the phase (tap_list with each tap's shift, built once per block) and the output
+// channels; the next chunk's tap, channel offset and address shift are stepped one chunk at a
+// time (no division in the main loop), and a row's base offset is computed once. A (dy rows,
+// pixels x Co): a row's output pixel at tap (i, j) is (h + di, w + dj) on the phase grid
+// (di = (pa + ph - i dh) / sh, exact for a tap of the phase), a row outside dy zero-filled,
+// as are rows past the phase's pixels. B: the weight pre-packed (host) as row-major
+// (taps*Co, C), row tap*Co + co, so a chunk is BK rows of 16-byte pieces. No transform on the
+// fragments: the ReLU mask and the branch scale are applied in the epilogue. 4 warps of 32 x 32
+// (2 x 4 m16n8 accumulators); shared rows padded by 8 halves as in the forward.
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_>
+struct MmaDgrad {
+  static constexpr int BM = BM_, BN = BN_, BK = 32, STAGES = 3;
+  static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, THREADS = 32 * WARPS_M * WARPS_N;
+  static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
+  static constexpr int FM = WM / 16, FN = WN / 8;
+  static constexpr int AST = BK + 8, BST = BN + 8, CLD = BN + 4;
+  static constexpr int A_COPIES = BM * BK / 8 / THREADS;
+  static constexpr int B_COPIES = BK * BN / 8 / THREADS;
+  static constexpr int MAX_TAPS = 64;  // kh * kw of the kernels it takes
+  // The epilogue runs on EM rows at a time (BM / EM passes, each with its own partials' row),
+  // so the 128-row tile's da / dz and dz * xhat fit in the static 48 KiB beside the pipeline.
+  static constexpr int EM = 64, PASSES = BM / EM;
+  static constexpr int A_BYTES = STAGES * BM * AST * 2;
+  static constexpr int B_BYTES = STAGES * BK * BST * 2;
+  static constexpr int PIPE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int C_BYTES = 2 * EM * CLD * 4;  // da / dz and dz * xhat
+  static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
+  static_assert(A_COPIES * THREADS * 8 == BM * BK && B_COPIES * THREADS * 8 == BK * BN,
+                "the 16-byte copies do not divide among the threads");
+  static_assert(WM * WARPS_M == BM && WN * WARPS_N == BN && FM * 16 == WM && FN % 2 == 0,
+                "warp grid");
+  static_assert(PASSES * EM == BM && EM % WM == 0, "a warp's rows in one epilogue pass");
+  static_assert(A_BYTES % 128 == 0 && B_BYTES % 128 == 0, "stage buffers 128-byte aligned");
+  static_assert(SMEM + BM * 16 + 3 * MAX_TAPS * 4 + 4 <= 48 * 1024, "static shared memory");
+};
+// The two tile configurations (dgrad_mma_rows picks one per shape): 64 x 64 of 2 x 2 warps of
+// 32 x 32, and 128 x 64 of 4 x 1 warps of 32 x 64 (each ldmatrix feeds twice the mma's, twice
+// the multiply-adds per barrier).
+using MmaDgradSmall = MmaDgrad<64, 64, 2, 2>;
+using MmaDgradTall = MmaDgrad<128, 64, 4, 1>;
+
+// The taps that feed phase (pa, pb), by one thread: (ih + ph - i dh) a multiple of sh for every
+// row, with the shift (di, dj) from a row's phase-grid pixel to its output pixel at that tap
+// (exact). The caller synchronises before reading them.
+__device__ __forceinline__ void build_tap_list(int32_t* tap_list, int32_t* tap_di,
+                                               int32_t* tap_dj, int32_t& tap_count, int pa,
+                                               int pb, const ConvGeom& g) {
+  int n = 0;
+  for (int t = 0; t < g.kh * g.kw; ++t) {
+    const int ti = t / g.kw, tj = t % g.kw;
+    if (mod_pos(pa + g.ph - ti * g.dh, g.sh) == 0 && mod_pos(pb + g.pw - tj * g.dw, g.sw) == 0) {
+      tap_list[n] = t;
+      tap_di[n] = (pa + g.ph - ti * g.dh) / g.sh;
+      tap_dj[n] = (pb + g.pw - tj * g.dw) / g.sw;
+      ++n;
+    }
+  }
+  tap_count = n;
+}
+
+template <typename W, typename T>
+__global__ void __launch_bounds__(T::THREADS)
+    dgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ wp, const W* __restrict__ x,
+                     const float* __restrict__ scale, const float* __restrict__ shift,
+                     const float* __restrict__ mean, const float* __restrict__ invstd,
+                     W* __restrict__ gx, float* __restrict__ dz_out,
+                     float* __restrict__ part_dz, float* __restrict__ part_dzx,
+                     const float* __restrict__ m1, const float* __restrict__ m2,
+                     const float* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gd,
+                     ConvGeom g, int write) {
+  FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
+  using E = native_t<W>;
+  constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
+  __shared__ __align__(128) unsigned char smem[T::SMEM];
+  __shared__ int64_t row_n[BM];
+  __shared__ int32_t row_ih[BM];
+  __shared__ int32_t row_iw[BM];
+  __shared__ int32_t tap_list[T::MAX_TAPS];
+  __shared__ int32_t tap_di[T::MAX_TAPS];  // the tap's output-pixel shift on the phase grid
+  __shared__ int32_t tap_dj[T::MAX_TAPS];
+  __shared__ int32_t tap_count;
+  auto* As = reinterpret_cast<uint16_t(*)[BM][T::AST]>(smem);
+  auto* Bs = reinterpret_cast<uint16_t(*)[BK][T::BST]>(smem + T::A_BYTES);
+  auto* Cs = reinterpret_cast<float(*)[T::CLD]>(smem);
+  auto* Ds = reinterpret_cast<float(*)[T::CLD]>(smem + T::EM * T::CLD * 4);
+
+  const int phases_w = static_cast<int>(xd.w < g.sw ? xd.w : g.sw);
+  const int pa = blockIdx.z / phases_w, pb = blockIdx.z % phases_w;
+  const int64_t HP = (xd.h - pa + g.sh - 1) / g.sh, WP = (xd.w - pb + g.sw - 1) / g.sw;
+  const int64_t Mp = xd.n * HP * WP;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
+  if (m0 >= Mp) return;  // the phase has fewer pixels than the largest one (partials stay 0)
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * BN;
+  const int64_t Cin = xd.c, Co = dyd.c;
+  fill_phase_rows<BM, THREADS>(row_n, row_ih, row_iw, m0, Mp, HP, WP, pa, pb, g, tid);
+  if (tid == 0) build_tap_list(tap_list, tap_di, tap_dj, tap_count, pa, pb, g);
+  // A copied row's source: the element offset of dy[n, 0, h, w] at its phase-grid pixel (n, h,
+  // w) and (h, w); a tap (di, dj) moves it to the output pixel (h + di, w + dj), the same shift
+  // for every row. A row past the phase's pixels has h = kOutside, outside dy at every tap.
+  struct Src {
+    int64_t off;
+    int32_t h, w;
+  };
+  constexpr int32_t kOutside = -(1 << 30);
+  Src a_src[T::A_COPIES];
+#pragma unroll
+  for (int q = 0; q < T::A_COPIES; ++q) {
+    const int64_t m = m0 + (tid + q * THREADS) / (BK / 8);
+    if (m < Mp) {
+      const Pixel p = pixel_of(m, HP, WP);
+      a_src[q] = Src{p.n * dyd.sn + int64_t(p.h) * dyd.sh + int64_t(p.w) * dyd.sw, p.h, p.w};
+    } else {
+      a_src[q] = Src{0, kOutside, 0};
+    }
+  }
+  __syncthreads();  // tap_list, tap_di, tap_dj, tap_count
+  const int32_t Co32 = static_cast<int32_t>(Co), Cin32 = static_cast<int32_t>(Cin);
+  const int chunks = tap_count * static_cast<int>((Co + BK - 1) / BK);
+  const uint32_t Ho = static_cast<uint32_t>(dyd.h), Wo = static_cast<uint32_t>(dyd.w);
+  // The next chunk to copy, stepped one chunk at a time (no division in the loop): its output
+  // channel offset k0 in the tap, the tap's place in tap_list, its shift (di, dj) and dy element
+  // offset toff, and the packed weight's first row for the tap (tap * Co).
+  struct Next {
+    int32_t k0, tl, di, dj;
+    int64_t toff, krow;
+  } nx{0, 0, 0, 0, 0, 0};
+  const auto set_tap = [&] {
+    nx.di = tap_di[nx.tl];
+    nx.dj = tap_dj[nx.tl];
+    nx.toff = int64_t(nx.di) * dyd.sh + int64_t(nx.dj) * dyd.sw;
+    nx.krow = int64_t(tap_list[nx.tl]) * Co;
+  };
+  if (chunks > 0) set_tap();
+  const auto step = [&] {
+    nx.k0 += BK;
+    if (nx.k0 < Co32) return;
+    nx.k0 = 0;
+    if (++nx.tl < tap_count) set_tap();
+  };
+  const auto load = [&](int st) {
+#pragma unroll
+    for (int q = 0; q < T::A_COPIES; ++q) {
+      const int e = tid + q * THREADS, r = e / (BK / 8), k = (e % (BK / 8)) * 8;
+      const bool ok = static_cast<uint32_t>(a_src[q].h + nx.di) < Ho &&
+                      static_cast<uint32_t>(a_src[q].w + nx.dj) < Wo && nx.k0 + k < Co32;
+      ptx::cp_async_cg16(&As[st][r][k], ok ? dy + (a_src[q].off + nx.toff + nx.k0 + k) : dy,
+                         ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int q = 0; q < T::B_COPIES; ++q) {
+      const int e = tid + q * THREADS, r = e / (BN / 8), n = (e % (BN / 8)) * 8;
+      const bool ok = nx.k0 + r < Co32 && c0 + n < Cin32;
+      const W* src = ok ? wp + (nx.krow + nx.k0 + r) * Cin + c0 + n : wp;
+      ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
+    }
+  };
+
+  float acc[T::FM][T::FN][4];
+  zero_acc(acc);
+
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < chunks) {
+      load(st);
+      step();
+    }
+    ptx::cp_async_commit();
+  }
+  const int wm = (warp / T::WARPS_N) * T::WM, wn = (warp % T::WARPS_N) * T::WN;
+  const int lr = (lane % 8) + 8 * ((lane / 8) % 2), lc = 8 * (lane / 16);
+  int st = 0, next_st = STAGES - 1;  // the stages of chunk kc and of chunk kc + STAGES - 1
+  for (int kc = 0; kc < chunks; ++kc) {
+    ptx::cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (kc + STAGES - 1 < chunks) {
+      load(next_st);
+      step();
+    }
+    ptx::cp_async_commit();
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      uint32_t fa[T::FM][4], fb[T::FN / 2][4];
+      load_frags(fa, fb, As[st], Bs[st], wm, wn, kk, lr, lc);
+      mma_tiles<E>(acc, fa, fb);
+    }
+    st = st + 1 == STAGES ? 0 : st + 1;
+    next_st = next_st + 1 == STAGES ? 0 : next_st + 1;
+  }
+  ptx::cp_async_wait<0>();
+  // The epilogue, EM rows a pass (the partials' row of pass p: PASSES rows per block).
+  const int64_t prow = (static_cast<int64_t>(blockIdx.z) * gridDim.x + blockIdx.x) * T::PASSES;
+#pragma unroll
+  for (int pass = 0; pass < T::PASSES; ++pass) {
+    // Every warp is done with the pipeline (pass 0) or the previous pass's Cs and Ds.
+    __syncthreads();
+    if (wm / T::EM == pass) store_acc(Cs, acc, wm - pass * T::EM, wn, lane);
+    __syncthreads();
+    const int o = pass * T::EM;
+    dgrad_store<W, T::EM, BN, T::CLD, THREADS>(Cs, Ds, row_n + o, row_ih + o, row_iw + o, x,
+                                               scale, shift, mean, invstd, gx, dz_out, part_dz,
+                                               part_dzx, m1, m2, branch_scale, xd, gd, c0, write,
+                                               prow + pass, tid);
+  }
+}
+
+// In place over the data gradient: dx = scale * (dz - m1 - xhat * m2), m1 = sum dz / M,
+// m2 = sum dz xhat / M (per channel). dz (acc dtype) and gx share their strides; they are the
+// same memory when x has the acc dtype.
+template <typename X>
+__global__ void __launch_bounds__(256)
+    dx_kernel(const acc_t<X>* dz, X* gx, const X* __restrict__ x,
+              const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ mean,
+              const acc_t<X>* __restrict__ invstd, const acc_t<X>* __restrict__ m1,
+              const acc_t<X>* __restrict__ m2, Dims4 xd, Dims4 gd) {
+  FUSEDRES_LAUNCH_BOUNDS(256);
+  using A = acc_t<X>;
+  const int64_t total = xd.n * xd.c * xd.h * xd.w;
+  const bool channels_fast = gd.sc == 1;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += step) {
+    int64_t n, c, h, w;
+    if (channels_fast) {
+      c = e % xd.c;
+      const int64_t p = e / xd.c;
+      w = p % xd.w;
+      h = (p / xd.w) % xd.h;
+      n = p / (xd.w * xd.h);
+    } else {
+      w = e % xd.w;
+      h = (e / xd.w) % xd.h;
+      c = (e / (xd.w * xd.h)) % xd.c;
+      n = e / (xd.w * xd.h * xd.c);
+    }
+    const int64_t go = gd.offset(n, c, h, w);
+    const A xhat = (static_cast<A>(x[xd.offset(n, c, h, w)]) - mean[c]) * invstd[c];
+    gx[go] = static_cast<X>(scale[c] * (dz[go] - m1[c] - xhat * m2[c]));
+  }
+}
+
+// ----------------------------------------------------------------------------- host
+
+// The mma.sync data gradient's requirements (dgrad_mma_kernel): those of the weight gradient's
+// (wgrad_mma_operands: 16-bit x, grad_out and weight of one dtype, channels-last with C and Co
+// multiples of 8, 16-byte aligned) and at most MmaDgrad::MAX_TAPS taps. FUSEDRES_CUDA_DGRAD=wmma
+// (read at every call) keeps the WMMA kernel.
+bool dgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight) {
+  if (!wgrad_mma_operands(go, x, weight.scalar_type())) return false;
+  const char* env = std::getenv("FUSEDRES_CUDA_DGRAD");
+  if (env != nullptr && std::string(env) == "wmma") return false;
+  TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
+              "FUSEDRES_CUDA_DGRAD must be 'mma' or 'wmma', got '", env, "'");
+  return weight.size(2) * weight.size(3) <= MmaDgradSmall::MAX_TAPS;
+}
+
+// The mma.sync data gradient's tile rows for `rows` input pixels of the largest stride phase,
+// C input channels and `phases` phases: 128 (MmaDgradTall) when its tiles fill every SM at least
+// once (cdiv(rows, 128) * cdiv(C, 64) * phases >= the SM count), else 64 (MmaDgradSmall).
+// FUSEDRES_CUDA_DGRAD_TILE=64 or 128 (read at every call) forces one; anything else but empty is
+// an error. tools/perfmodel/cuda_sass.py (dgrad_mma_rows) prices the same rule.
+int64_t dgrad_mma_rows(int64_t rows, int64_t C, int64_t phases) {
+  const char* env = std::getenv("FUSEDRES_CUDA_DGRAD_TILE");
+  if (env != nullptr && *env != 0) {
+    const std::string v(env);
+    TORCH_CHECK(v == "64" || v == "128", "FUSEDRES_CUDA_DGRAD_TILE must be '64' or '128', got '",
+                v, "'");
+    return v == "64" ? MmaDgradSmall::BM : MmaDgradTall::BM;
+  }
+  return ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, MmaDgradTall::BN) * phases >= sm_count()
+             ? MmaDgradTall::BM
+             : MmaDgradSmall::BM;
+}
+
+// The data gradient's tiling for one call: which kernel (mma: dgrad_mma_kernel), its tile rows,
+// the row tiles of the largest stride phase (the grid's x), and the partials' rows per tile.
+struct DgradTiles {
+  bool mma;
+  int64_t rows, row_tiles, parts_per_tile;
+};
+
+// The weight packed for the mma.sync data gradient: (Co, C, kh, kw) -> row-major (kh*kw*Co, C),
+// row (i*kw + j)*Co + co, on a 16-byte boundary.
+inline at::Tensor pack_weight_dgrad(const at::Tensor& weight) {
+  const int64_t Co = weight.size(0), C = weight.size(1);
+  at::Tensor wp = weight.permute({2, 3, 0, 1}).reshape({weight.size(2) * weight.size(3) * Co, C});
+  wp = wp.contiguous();
+  // A contiguous permuted view comes back as itself, possibly off the 16-byte boundary.
+  if (reinterpret_cast<uintptr_t>(wp.const_data_ptr()) % 16 != 0) wp = wp.clone();
+  return wp;
+}
+
+template <typename X, typename W>
+void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight,
+                  const Affine& bn, const at::Tensor& mean, const at::Tensor& invstd,
+                  at::Tensor* gx, at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
+                  const at::Tensor* m1, const at::Tensor* m2, const at::Tensor* bscale,
+                  int write, const ConvGeom& g, int64_t phases, const DgradTiles& dt) {
+  using T = typename TilesFor<W>::Fwd;
+  using A = acc_t<X>;
+  const dim3 grid(static_cast<unsigned>(dt.row_tiles),
+                  static_cast<unsigned>(ceil_div(x.size(1), T::BN)), static_cast<unsigned>(phases));
+  const at::Tensor& out = gx != nullptr ? *gx : (dz != nullptr ? *dz : x);
+  if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
+    // One grid (but the tile rows) and one layout of partials for both kernels.
+    static_assert(MmaDgradSmall::BN == T::BN && MmaDgradTall::BN == T::BN,
+                  "the mma.sync data gradient shares the WMMA kernel's tile columns");
+    if (dt.mma) {
+      const at::Tensor wp = pack_weight_dgrad(weight);
+      const auto launch = [&](auto tile) {
+        using TM = decltype(tile);
+        TORCH_CHECK(dt.rows == TM::BM && dt.parts_per_tile == TM::PASSES,
+                    "launch_dgrad: the tile plan does not match the kernel");
+        FUSEDRES_LAUNCH(grid, dim3(TM::THREADS), 0, current_stream(), dgrad_mma_kernel<W, TM>)(
+          go.const_data_ptr<W>(), wp.const_data_ptr<W>(), x.const_data_ptr<X>(),
+          bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
+          invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
+          dz != nullptr ? dz->data_ptr<A>() : nullptr,
+          part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
+          part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
+          m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
+          m2 != nullptr ? m2->const_data_ptr<A>() : nullptr,
+          bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(x),
+          dims_of(out), g, write);
+        FUSEDRES_CHECK_LAUNCH();
+      };
+      if (dt.rows == MmaDgradTall::BM) {
+        launch(MmaDgradTall{});
+      } else {
+        launch(MmaDgradSmall{});
+      }
+      return;
+    }
+  }
+  TORCH_CHECK(dt.rows == T::BM && dt.parts_per_tile == 1,
+              "launch_dgrad: the tile plan does not match the WMMA / FMA kernel");
+  FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), dgrad_kernel<X, W, T>)(
+      go.const_data_ptr<W>(), weight.const_data_ptr<W>(), x.const_data_ptr<X>(),
+      bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
+      invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
+      dz != nullptr ? dz->data_ptr<A>() : nullptr,
+      part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
+      part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
+      m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
+      m2 != nullptr ? m2->const_data_ptr<A>() : nullptr,
+      bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(weight),
+      dims_of(x), dims_of(out), g, write);
+  FUSEDRES_CHECK_LAUNCH();
+}
+
+template <typename X>
+void launch_dx(const at::Tensor& dz, at::Tensor& gx, const at::Tensor& x, const Affine& bn,
+               const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& m1,
+               const at::Tensor& m2) {
+  using A = acc_t<X>;
+  constexpr int threads = 256;
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>(ceil_div(x.numel(), threads), 8 * sm_count()));
+  FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, current_stream(),
+                  dx_kernel<X>)(
+      dz.const_data_ptr<A>(), gx.data_ptr<X>(), x.const_data_ptr<X>(),
+      bn.scale.const_data_ptr<A>(), mean.const_data_ptr<A>(), invstd.const_data_ptr<A>(),
+      m1.const_data_ptr<A>(), m2.const_data_ptr<A>(), dims_of(x), dims_of(gx));
+  FUSEDRES_CHECK_LAUNCH();
+}
+
+}  // namespace
+}  // namespace fusedres::FUSEDRES_CUDA_NS
