@@ -87,3 +87,14 @@ def test_a_failed_compile_leaves_no_entry(setup):
     with pytest.raises(RuntimeError, match="nvcc failed"):
         cuda_aot.compile_cached(nvcc, src)
     assert [e for e in os.listdir(tmp / "cache") if not e.endswith(".lock")] == []
+
+
+def test_table_reads_a_dynamic_shared_memory_note_in_a_header(setup):
+    """A kernel family's .cuh (included by the .cu nvcc compiles) may carry the kernel's
+    ``// cuda_aot: <name> dynamic_smem=<bytes>`` note: the table reads it there too."""
+    nvcc, src, _, tmp = setup
+    with open(nvcc, "a") as f:
+        f.write("echo \"ptxas info    : Compiling entry function '_Z1kv' for 'sm_90'\" >&2\n")
+    (tmp / "csrc" / "cuda" / "family.cuh").write_text("// cuda_aot: k dynamic_smem=4096\n")
+    kernels, _ = cuda_aot.compile_file(nvcc, src, archs=(90,))
+    assert [(k.name, k.arch, k.dynamic_smem) for k in kernels] == [("k", 90, 4096)]

@@ -7,7 +7,8 @@ bytes (goal 0), static shared memory, threads per block (the kernel's ``__launch
 from the PTX), and the resident blocks per SM and occupancy that follow from the per-SM limits.
 
 A kernel that uses dynamic shared memory declares its largest launch for the table with a comment
-in its .cu file: ``// cuda_aot: <kernel name> dynamic_smem=<bytes>``.
+in its .cu file, or in a .cuh header beside it (a kernel family's file, included by the .cu):
+``// cuda_aot: <kernel name> dynamic_smem=<bytes>``.
 
 nvcc's outputs are kept in build/nvcc-cache (:func:`compile_cached`): the performance model
 (tools/perfmodel/cuda_sass.py) reads the SASS of the same objects, and CI's slow step runs both.
@@ -288,8 +289,10 @@ def compile_file(nvcc: str, src: str, archs=ARCHS) -> tuple[list[Kernel], float]
     """The table's rows for ``src`` and its compile's seconds (the first compile's, when cached)."""
     compiled = compile_cached(nvcc, src, archs)
     kernels = parse_ptxas(compiled.log, os.path.relpath(src, ROOT))
-    text = open(src).read()
-    dynamic = {m.group(1): int(m.group(2)) for m in _DYN.finditer(text)}
+    # The .cu and the headers beside it: its kernels may live in a family's .cuh it includes.
+    folder = os.path.dirname(os.path.abspath(src))
+    texts = [open(p).read() for p in [src, *sorted(glob.glob(os.path.join(folder, "*.cuh")))]]
+    dynamic = {m.group(1): int(m.group(2)) for t in texts for m in _DYN.finditer(t)}
     names = demangle(sorted({k.mangled for k in kernels}))
     for k in kernels:
         k.name = names[k.mangled]
