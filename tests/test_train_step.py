@@ -59,7 +59,8 @@ def _trainer_step(model: nn.Module, amp: torch.dtype | None = None, lr: float = 
     """The trainer's step for ``model`` (fusedres.apps.train.loop builds it so) and its lr
     tensor."""
     lr_t = lr_tensor(lr, torch.device("cpu"))
-    cfg = dict(_CFG, optimizer=optimizer, momentum=0.9, nesterov=nesterov, betas=[0.9, 0.999])
+    cfg = dict(_CFG, optimizer=optimizer, momentum=0.9, nesterov=nesterov, betas=[0.9, 0.999],
+               cuda_graphs=False)
     opt = _optimizer(_param_groups(model, _CFG), lr_t, cfg)
     scaler = torch.amp.GradScaler("cpu", enabled=amp == torch.float16)
     return TrainStep(model, opt, scaler, amp, "cpu", label_smoothing=label_smoothing,
@@ -362,6 +363,31 @@ def test_the_trainer_loop_with_the_graphed_driver_matches_the_eager_run(tmp_path
         assert torch.equal(v, states[1]["ema"][k]), k
     assert ("ema" in states[0]) == bool(recipe)
     assert all(type(g["lr"]) is float for g in states[1]["optimizer"]["param_groups"])
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_adamw_under_cuda_graphs_passes_the_capture_check(monkeypatch, cuda_graphs):
+    """torch's Adam family refuses ``step()`` under CUDA graph capture unless every group is
+    capturable (``Optimizer._cuda_graph_capture_health_check``, called first thing in its
+    step). CPU stand-in: the check is run as it would be inside a capture on a GPU. The trainer's
+    AdamW for ``--cuda-graphs`` passes it; the eager one is not capturable (torch supports
+    capturable on CUDA parameters only) and is refused, as it would be on a GPU."""
+    cfg = {**_CFG, "optimizer": "adamw", "betas": (0.9, 0.999), "cuda_graphs": cuda_graphs}
+    model = _tiny()
+    opt = _optimizer(_param_groups(model, cfg), lr_tensor(0.1, torch.device("cpu")), cfg)
+    assert all(g["capturable"] for g in opt.param_groups) == cuda_graphs
+    # torch's check as a capture on a GPU would run it: a CUDA accelerator, its stream capturing.
+    import types
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda check_available=False: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_stream",
+                        lambda device=None: types.SimpleNamespace(is_capturing=lambda: True))
+    if cuda_graphs:
+        opt._accelerator_graph_capture_health_check()
+    else:
+        with pytest.raises(RuntimeError, match="capturable is False"):
+            opt._accelerator_graph_capture_health_check()
 
 
 def test_graphed_driver_needs_a_warm_up_step():

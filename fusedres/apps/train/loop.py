@@ -211,7 +211,7 @@ def _optimizer(param_groups: list[dict[str, Any]], lr: torch.Tensor, cfg
                ) -> torch.optim.Optimizer:
     """--optimizer: torch's SGD or AdamW, fused, reading the device learning rate ``lr``."""
     if cfg["optimizer"] == "adamw":
-        return adamw(param_groups, lr, cfg["betas"])
+        return adamw(param_groups, lr, cfg["betas"], capturable=cfg["cuda_graphs"])
     return sgd(param_groups, lr, cfg["momentum"], cfg["nesterov"])
 
 

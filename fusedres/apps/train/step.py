@@ -63,13 +63,19 @@ def sgd(param_groups: list[dict], lr: Tensor, momentum: float, nesterov: bool
     return opt
 
 
-def adamw(param_groups: list[dict], lr: Tensor, betas: tuple[float, float]
-          ) -> torch.optim.AdamW:
+def adamw(param_groups: list[dict], lr: Tensor, betas: tuple[float, float],
+          capturable: bool = False) -> torch.optim.AdamW:
     """torch.optim.AdamW's fused implementation with a tensor learning rate (the rules of
     :func:`sgd`). Its step count is a device tensor in the fused implementation, so the bias
     corrections need no host read either; its state appears at the first step, which a CUDA
-    graph's eager warm-up steps run before the capture."""
-    return torch.optim.AdamW(param_groups, lr=lr, betas=tuple(betas), fused=True)
+    graph's eager warm-up steps run before the capture.
+
+    ``capturable``: the optimizer will be captured in a CUDA graph (``--cuda-graphs``).
+    torch's Adam family refuses a ``step()`` under capture unless every group says so
+    (``Optimizer._cuda_graph_capture_health_check``); SGD has no such flag. torch allows it for
+    CUDA parameters only, so it is off for an eager step."""
+    return torch.optim.AdamW(param_groups, lr=lr, betas=tuple(betas), fused=True,
+                             capturable=capturable)
 
 
 def start_momentum(optimizer: torch.optim.Optimizer) -> None:
@@ -191,10 +197,12 @@ def _hits(out: Tensor, y: Tensor) -> Tensor:
     return (out.detach().argmax(1) == label).sum()
 
 
-def cuda_graph_capture(fn: Callable[[], None]) -> Callable[[], None]:
-    """Capture ``fn`` into a CUDA graph (nothing runs yet); returns the graph's replay."""
+def cuda_graph_capture(fn: Callable[[], None], stream: torch.cuda.Stream | None = None
+                       ) -> Callable[[], None]:
+    """Capture ``fn`` into a CUDA graph (nothing runs yet) on ``stream`` (default: torch's own
+    capture stream); returns the graph's replay."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         fn()
     return graph.replay
 
@@ -211,7 +219,8 @@ class GraphedStep:
     epochs drop the last partial batch). Returns (loss, correct): after the capture, the same two
     tensors every call, overwritten by the next replay (read or accumulate them before it).
 
-    ``capture``: how ``fn`` becomes a replay, :func:`cuda_graph_capture` (the default) on a GPU.
+    ``capture``: how ``fn`` becomes a replay; default :func:`cuda_graph_capture` on the warm-up
+    steps' side stream (one stream for all of them).
     Whatever captures it, the function captured is ``step`` itself on the static buffers; tests
     pass ``capture=lambda fn: fn`` to run that very function eagerly on CPU.
     """
@@ -222,9 +231,13 @@ class GraphedStep:
             raise ValueError(f"warmup: expected at least 1 eager step before the capture, "
                              f"got {warmup}")
         self.step, self.warmup = step, warmup
-        self.capture = cuda_graph_capture if capture is None else capture
+        self.capture = capture
         self.warmed = 0
         self.replay: Callable[[], None] | None = None
+        # One side stream for every warm-up step and the capture: the caching allocator keeps
+        # freed blocks per stream, so a new stream per step would reserve the step's
+        # activations once more for each (3 warm-up steps: ~3x).
+        self.side_stream: torch.cuda.Stream | None = None
 
     @property
     def captured(self) -> bool:
@@ -246,11 +259,16 @@ class GraphedStep:
         self.replay()
         return self.loss, self.correct
 
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(device)
+        return self.side_stream
+
     def _eager(self, x, y, forward_context):
         if not x.is_cuda:
             out = self.step(x, y, forward_context)
         else:
-            side = torch.cuda.Stream(x.device)
+            side = self._stream(x.device)
             side.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(side):
                 out = self.step(x, y, forward_context)
@@ -272,4 +290,12 @@ class GraphedStep:
             self.loss.copy_(loss)
             self.correct.copy_(correct)
 
-        self.replay = self.capture(captured)
+        if self.capture is not None:
+            self.replay = self.capture(captured)
+            return
+        # On the warm-up's stream (torch.cuda.graph would make one more). The capture allocates
+        # from the graph's private pool; the blocks the warm-up steps freed stay cached for the
+        # side stream, which nothing runs on any more: handed back to the device at once, so
+        # that the replays hold the pool and not the pool plus the warm-up's step.
+        self.replay = cuda_graph_capture(captured, self._stream(x.device))
+        torch.cuda.empty_cache()
