@@ -69,6 +69,34 @@ def test_checkpoint_restores_when_recomputation_stops_early():
     assert int(unit.bn3.num_batches_tracked) == 1 and int(unit.bn1.num_batches_tracked) == 1
 
 
+@pytest.mark.parametrize("capturing", [False, True])
+def test_a_captured_segment_keeps_rng_state_only_when_it_draws(monkeypatch, capturing):
+    """Under CUDA graph capture, reading a CUDA generator's state is an error (torch's
+    checkpoint reads it to preserve the RNG), so a checkpointed segment that draws no random
+    numbers keeps none there; one with stochastic depth still does (and capture then refuses
+    it, as torch would); outside a capture nothing changes. CPU stand-in for the capture."""
+    import fusedres.memory.activation_checkpoint as ac
+
+    seen = []
+    real = torch.utils.checkpoint.checkpoint
+
+    def record(fn, *args, preserve_rng_state=True, **kwargs):
+        seen.append(preserve_rng_state)
+        return real(fn, *args, preserve_rng_state=preserve_rng_state, **kwargs)
+
+    monkeypatch.setattr(ac._torch_checkpoint, "checkpoint", record)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    model = models.preact_resnet(11, num_classes=3, fused=False)
+    units = list(model.units())
+    units[2].drop_path = 0.2
+    model.set_grad_checkpointing([(0, 1), (1, 3)])
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert seen == ([False, True] if capturing else [True, True])
+    assert not ac.draws_random(units[:2]) and ac.draws_random(units[2:3])
+    assert ac.draws_random([nn.Dropout(0.1)]) and not ac.draws_random([nn.Dropout(0.0)])
+
+
 def test_even_segments():
     assert even_segments(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert even_segments(2, 5) == [(0, 1), (1, 2)]

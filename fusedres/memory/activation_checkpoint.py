@@ -25,7 +25,8 @@ import torch.nn as nn
 import torch.utils.checkpoint as _torch_checkpoint
 from torch import Tensor
 
-__all__ = ["RestoreBuffers", "checkpoint", "checkpoint_segments", "even_segments"]
+__all__ = ["RestoreBuffers", "checkpoint", "checkpoint_segments", "draws_random",
+           "even_segments"]
 
 
 class RestoreBuffers:
@@ -91,6 +92,20 @@ def _run(units: Sequence[nn.Module]) -> Callable[[Tensor], Tensor]:
     return run
 
 
+def draws_random(modules: Iterable[nn.Module]) -> bool:
+    """Whether running ``modules`` in training can draw random numbers: torch's dropout layers
+    with ``p > 0``, units with ``drop_path`` or a ``"dropout"`` shortcut."""
+    for m in modules:
+        for sub in m.modules():
+            if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+                return True
+            if getattr(sub, "drop_path", 0) > 0 or (
+                    getattr(sub, "shortcut_kind", None) == "dropout"
+                    and getattr(sub, "shortcut_dropout", 0) > 0):
+                return True
+    return False
+
+
 def checkpoint_segments(units: Sequence[nn.Module], x: Tensor,
                         segments: Sequence[tuple[int, int]]) -> Tensor:
     """Run ``units`` in order on ``x``; each ``(start, stop)`` range in ``segments`` (sorted,
@@ -98,13 +113,20 @@ def checkpoint_segments(units: Sequence[nn.Module], x: Tensor,
 
     Saved for backward: the input of each segment, and everything the other units save.
     During backward one segment at a time is recomputed.
+
+    Under CUDA graph capture a segment that draws no random numbers (:func:`draws_random`)
+    keeps no RNG state: reading a CUDA generator's state is an error during a capture, and a
+    recomputation that draws nothing needs none. Outside a capture, or when it draws, the state
+    is kept as ``torch.utils.checkpoint`` keeps it.
     """
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     i = 0
     for start, stop in segments:
         for u in units[i:start]:
             x = u(x)
         seg = list(units[start:stop])
-        x = checkpoint(_run(seg), x, modules=seg)
+        x = checkpoint(_run(seg), x, modules=seg,
+                       preserve_rng_state=not capturing or draws_random(seg))
         i = stop
     for u in units[i:]:
         x = u(x)
