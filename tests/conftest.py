@@ -99,6 +99,7 @@ SLOW = (
     "tests/test_memory.py::test_predicted_step_peak_matches_measured[r1001-*",
     "tests/test_planner.py::test_resnet1001_goals",
     "tests/test_bench.py::test_gpu_report_quick_end_to_end_on_cpu",
+    "tests/test_bench.py::test_decisive_run_on_cpu_measures_every_row",  # 12 rows built
     "tests/test_bench.py::test_fit_quick_*",
     "tests/test_allocator_keep.py::test_bench_records_the_allocator",
     "tests/test_ops.py::test_compile_fullgraph_matches_eager[triton-*",

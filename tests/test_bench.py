@@ -57,7 +57,11 @@ def _cli(*argv, timeout=600):
     (["fit", "--budget", "0GiB"], "--budget"),
     (["fit", "--depth", "21"], "--depth"),
     (["gpu-report", "--time-limit", "-5"], "--time-limit"),
-    (["gpu-report", "--step-kinds", "warp"], "--step-kinds: unknown 'warp'; expected some of"),
+    (["gpu-report", "--parts", "warp"], "--parts: unknown 'warp'; expected some of decisive,"),
+    (["gpu-report", "--parts", ","], "--parts: none given"),
+    (["gpu-report", "--slots", "decisive=soon"], "--slots: expected PART=SECONDS"),
+    (["gpu-report", "--slots", "units=-1"], "--slots: expected PART=SECONDS"),
+    (["gpu-report", "--slots", "warp=10"], "--slots: expected PART=SECONDS"),
 ])
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(argv, flag, capsys):
     assert main(argv) == 2
@@ -136,32 +140,57 @@ def test_time_interleaved_warms_up_then_alternates_the_order():
     assert all(t >= 0 for v in times.values() for t in v)
 
 
+class FakeClock:
+    """A clock that each step advances by its own cost: times without a wall clock."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def step(self, name, cost, calls):
+        def run():
+            calls.append(name)
+            self.t += cost
+        return run
+
+
 def test_time_interleaved_samples_several_calls_in_a_row():
-    calls = []
-
-    def slow(name):
-        calls.append(name)
-        time.sleep(0.002)
-
-    steps = {"A": lambda: slow("A"), "B": lambda: slow("B")}
-    times = time_interleaved(steps, torch.device("cpu"), warmup=1, reps=3, min_sample_s=0.01)
-    # 1 warm-up call each, then samples of ceil(0.01 / ~0.002) <= 5 calls in a row
-    timed = len(calls) - 2  # 3 rounds of k_A + k_B calls, 2 <= k <= 5
-    assert timed % 3 == 0 and 3 * 4 <= timed <= 3 * 10, timed
-    assert {k: len(v) for k, v in times.items()} == {"A": 3, "B": 3}
-    assert all(0.0019 < t < 0.05 for v in times.values() for t in v)  # seconds per call
+    calls, clock = [], FakeClock()
+    unit = 2.0 ** -9  # binary fractions: the clock's sums are exact
+    steps = {"A": clock.step("A", unit, calls), "B": clock.step("B", 3 * unit, calls)}
+    times = time_interleaved(steps, torch.device("cpu"), warmup=1, reps=3,
+                             min_sample_s=5 * unit, clock=clock)
+    # 1 warm-up call each, then samples of ceil(min_sample_s / cost) calls in a row: 5 of A,
+    # 2 of B; rounds in the orders AB, BA, BA.
+    assert calls[:2] == ["A", "B"]
+    assert calls[2:] == ["A"] * 5 + ["B"] * 2 + ["B"] * 2 + ["A"] * 5 + ["B"] * 2 + ["A"] * 5
+    assert times == {"A": [unit] * 3, "B": [3 * unit] * 3}
 
 
 def test_time_interleaved_reads_the_clock_it_is_given():
-    # A sleep costs wall time, not this thread's CPU time; a fake clock is read as given.
-    steps = {"sleep": lambda: time.sleep(0.01)}
-    cpu = torch.device("cpu")
-    wall = time_interleaved(steps, cpu, warmup=0, reps=2)
-    own = time_interleaved(steps, cpu, warmup=0, reps=2, clock=time.thread_time)
-    assert min(wall["sleep"]) > 0.009 and max(own["sleep"]) < 0.005, (wall, own)
+    import inspect
+
+    steps = {"sleep": lambda: None}
     ticks = iter(range(100))
-    fake = time_interleaved(steps, cpu, warmup=0, reps=3, clock=lambda: 10.0 * next(ticks))
+    fake = time_interleaved(steps, torch.device("cpu"), warmup=0, reps=3,
+                            clock=lambda: 10.0 * next(ticks))
     assert fake["sleep"] == [10.0, 10.0, 10.0]
+    # The wall clock unless told otherwise (a thread's own CPU time is an option).
+    assert inspect.signature(time_interleaved).parameters["clock"].default is time.perf_counter
+
+
+def test_time_interleaved_stops_at_the_deadline_with_its_minimum():
+    calls, clock = [], FakeClock()
+    steps = {"A": clock.step("A", 1.0, calls), "B": clock.step("B", 1.0, calls)}
+    times = time_interleaved(steps, torch.device("cpu"), warmup=0, reps=10, clock=clock,
+                             deadline=2.5, min_reps=3, now=clock)
+    # Past the deadline after the second round; the third is the minimum, then no more.
+    assert {k: len(v) for k, v in times.items()} == {"A": 3, "B": 3}
+    times = time_interleaved(steps, torch.device("cpu"), warmup=0, reps=4, clock=clock,
+                             deadline=None, min_reps=3, now=clock)
+    assert {k: len(v) for k, v in times.items()} == {"A": 4, "B": 4}
 
 
 def test_with_env_sets_then_restores(monkeypatch):
@@ -426,8 +455,8 @@ def _check_fit(fit, budget):
 
 
 def test_gpu_report_quick_end_to_end_on_cpu(tmp_path):
-    """``make gpu-report``'s command on CPU: the parts in order, one directory with one
-    Markdown file, <= 6 PNGs and a JSON."""
+    """``make gpu-report``'s command on CPU: the parts in order (the answer first), one
+    directory with one Markdown file, the PNGs and a JSON."""
     out = tmp_path / "report"
     proc = _cli("gpu-report", "--quick", "--device", "cpu", "--no-progress", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -438,41 +467,31 @@ def test_gpu_report_quick_end_to_end_on_cpu(tmp_path):
     for p in pngs:
         assert (out / p).read_bytes()[:8] == PNG_MAGIC
     doc = json.loads((out / "results.json").read_text())
-    assert list(doc["parts"]) == ["selftest", "units", "convs", "compile", "step",
-                                  "step-graphed", "fit"]
+    assert list(doc["parts"]) == ["decisive", "replay", "selftest", "cuda", "units", "fit",
+                                  "compile"]
     # Printed as each part finished, in order.
     text = proc.stdout
-    marks = ["[self-test:", "[units:", "[convs:", "[compile:", "[step:", "[step-graphed:",
-             "[fit:", "gpu-report finished"]
+    marks = ["[decisive:", "[replay:", "[selftest:", "[cuda:", "[units:", "[fit:",
+             "[compile:", "gpu-report finished"]
     assert all(m in text for m in marks), text[-2000:]
     assert [text.index(m) for m in marks] == sorted(text.index(m) for m in marks)
     md = (out / "report.md").read_text()
-    for section in ("## Self-test", "## Units", "## Whole training steps", "## What fits in"):
+    assert md.startswith("# fusedres GPU report\n\n## The answer: the fused training step")
+    for section in ("## Training steps, every row", "## Self-test", "## Units",
+                    "## What fits in"):
         assert section in md
     st = doc["parts"]["selftest"]
     if "skipped" not in st:
         assert st["failed"] == 0 and st["passed"] > 0
     units_rows = _check_units_rows(doc["parts"]["units"]["rows"])
     assert {"channels_last", "checkpoint"} <= {r["impl"] for r in units_rows}
-    _check_units_rows(doc["parts"]["convs"]["rows"])
     compiled = [r for r in doc["parts"]["compile"]["rows"] if r.get("impl") == "compile"]
     assert compiled and compiled[0]["ratio"] > 0
-    # On CPU every variant in both layouts (the NCHW rows checked here).
-    step_rows = doc["parts"]["step"]["rows"]
-    assert {(r["variant"], r["layout"]) for r in step_rows} == {
-        (v, lay) for v in step_mod.VARIANTS for lay in ("nchw", "channels_last")}
-    steps = {r["variant"]: r for r in step_rows if r["layout"] == "nchw"}
-    assert all(r["images_per_s"] > 0 for r in steps.values())
-    assert steps["fused"]["saved_bytes"] < steps["plain"]["saved_bytes"]
-    assert steps["fused+plan"]["saved_bytes"] <= steps["fused"]["saved_bytes"]
-    assert steps["fused+plan"]["units_checkpointed"] > 0  # default budget: half of fused
-    assert steps["plain+ckpt"]["saved_bytes"] < steps["plain"]["saved_bytes"]
-    assert steps["fused"]["peak_bytes"] < steps["plain"]["peak_bytes"]
-    # The graphed kind: plain and fused eager timed, the CUDA-graph rows skipped off a GPU.
-    graphed = {r["variant"]: r for r in doc["parts"]["step-graphed"]["rows"]}
-    assert set(graphed) == {"plain", "plain+graph", "fused", "fused+graph"}
-    assert graphed["fused"]["images_per_s"] > 0
-    assert graphed["fused+graph"]["skipped"] == "needs a CUDA device"
+    decisive = doc["parts"]["decisive"]
+    assert decisive["final"] and all("median_s" in r for r in decisive["rows"])
+    summary = {(s["amp"], s["mode"]): s for s in decisive["summary"]}
+    assert set(summary) == {(a, m) for a in ("fp32", "bf16") for m in ("eager", "graphed")}
+    assert all(s["peak_x_best_plain"] < 1 for s in summary.values())
     _check_fit(doc["parts"]["fit"], QUICK_FIT["budget"])
 
 
@@ -496,19 +515,31 @@ def test_bandwidth_columns_leave_rows_without_them_blank():
 
 
 def test_profiled_seconds_sums_self_times_per_step():
-    """kernel_columns' sum (GPU: self device time of every op and kernel, per step), checked on
-    CPU with the CPU times: positive, and at most the wall time of the profiled steps."""
+    """kernel_columns' sum (GPU: self device time of every op and kernel, per step): the
+    profile's self times (microseconds) summed and divided by the steps, from a stand-in
+    profile whose events are known."""
+    import types
+
+    calls = []
+
+    class FakeProfile:
+        def __init__(self, activities):
+            self.activities = activities
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return [types.SimpleNamespace(self_cpu_time_total=t) for t in (300.0, 500.0)]
+
     from torch.profiler import ProfilerActivity
-    a = torch.randn(256, 256)
 
-    def step():
-        (a @ a).relu_().sum()
-
-    t0 = time.perf_counter()
-    per_step = units_mod.profiled_seconds(step, 4, [ProfilerActivity.CPU],
-                                          "self_cpu_time_total")
-    wall = time.perf_counter() - t0
-    assert 0 < per_step * 4 <= wall
+    per_step = units_mod.profiled_seconds(lambda: calls.append(1), 4, [ProfilerActivity.CPU],
+                                          "self_cpu_time_total", profile=FakeProfile)
+    assert calls == [1, 1, 1, 1] and per_step == pytest.approx(800e-6 / 4)
 
 
 def test_kernel_columns_only_on_a_gpu_row_with_a_model():
@@ -546,24 +577,187 @@ def _modeled_table(rows):
     return R.markdown_table(rows, units_mod.columns() + units_mod.modeled_cols())
 
 
-def test_graphed_trainer_steps_from_its_capture(monkeypatch):
-    """The bench's graphed step (the trainer's GraphedStep) on CPU, its capture a stand-in that
-    runs the captured function itself: warm-up and capture at build, then each step trains
-    (the loss on the fixed batch falls), with the fused SGD's state as the trainer keeps it."""
+def test_eager_and_graphed_trainers_run_the_same_step():
+    """Like for like: the eager row and the graphed row run fusedres.apps.train's own step with
+    the same optimizer (fused SGD, tensor lr) and loss; with the capture a stand-in that runs
+    the captured function itself (CPU), the same steps give the same weights to the bit. The
+    graphed trainer's warm-up and capture happen in ``prepare`` (one entry per call, the last
+    the capture's)."""
     from fusedres.apps.train import step as train_step
 
-    monkeypatch.setattr(train_step, "cuda_graph_capture", lambda fn: fn)
-    torch.manual_seed(0)
-    from fusedres import models
-
-    model = models.preact_resnet20(fused=True)
-    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
-    tr = step_mod.GraphedTrainer(model, x, y, "cpu", {})
-    assert tr.graphed.captured
-    losses = []
-    for _ in range(4):
-        tr.step()
-        losses.append(float(tr.graphed.loss))
-    assert losses[-1] < losses[0]
+    device = torch.device("cpu")
+    eager = step_mod.make_trainer("preact_resnet20", 4, device, fused=True, image_size=16)
+    graphed = step_mod.make_trainer("preact_resnet20", 4, device, fused=True, image_size=16,
+                                    graphed=True, capture=lambda fn: fn)
+    for tr in (eager, graphed):
+        assert isinstance(tr.opt, torch.optim.SGD) and tr.opt.defaults["fused"]
+        assert torch.is_tensor(tr.opt.param_groups[0]["lr"])
+        assert isinstance(tr.train_step, train_step.TrainStep)
+    assert len(eager.prepare(device)) == 1
+    calls = graphed.prepare(device)
+    assert len(calls) == train_step.WARMUP_STEPS + 1 and graphed.graphed.captured
+    for _ in range(train_step.WARMUP_STEPS + 1 - 1):
+        eager.step()
+    for _ in range(2):
+        eager.step()
+        graphed.step()
+    for a, b in zip(eager.model.parameters(), graphed.model.parameters()):
+        assert torch.equal(a, b)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         step_mod.build_variant("preact_resnet20", "fused+graph", 2, torch.device("cpu"))
+
+
+def test_step_plans_only_for_the_fused_plan_variant(monkeypatch):
+    """The planner's pass (minutes on ResNet-1001) runs only where a row uses its budget."""
+    def refuse(*a, **k):
+        raise AssertionError("planned without a fused+plan row")
+
+    monkeypatch.setattr(step_mod, "default_plan_budget", refuse)
+    rows = step_mod.run_steps(["preact_resnet20"], 2, torch.device("cpu"),
+                              variants=("plain", "fused"), reps=1, image_size=8)
+    assert [r["variant"] for r in rows] == ["plain", "fused"]
+    assert all(r["peak_bytes"] > 0 and r["peak_reserved_bytes"] is None for r in rows)
+
+
+def test_memory_window_counts_what_is_built_inside_it():
+    from fusedres.apps.bench.measure import MemoryWindow
+
+    keep = torch.zeros(1000)  # made before: not the window's
+    with MemoryWindow(torch.device("cpu")) as mem:
+        a = torch.zeros(256)  # 1 KiB, alive at the end
+        b = torch.zeros(1024)  # 4 KiB, freed inside
+        del b
+    assert mem.peak_allocated == 5 * 1024 and mem.allocated == 1024
+    assert mem.peak_reserved is None and keep.numel() == a.numel() * 1000 // 256
+
+
+# --------------------------------------------------------------------------- the answer
+
+def _drow(model, amp, mode, variant, median_s, peak):
+    return {"model": model, "amp": amp, "mode": mode, "variant": variant, "median_s": median_s,
+            "peak_bytes": peak}
+
+
+def test_decisive_summary_from_known_rows():
+    from fusedres.apps.bench import decisive
+
+    rows = [_drow("preact_resnet164", "fp32", "eager", "plain", 0.10, 1000),
+            _drow("preact_resnet164", "fp32", "eager", "plain-cl", 0.08, 1100),
+            _drow("preact_resnet164", "fp32", "eager", "fused", 0.09, 500),
+            _drow("preact_resnet164", "fp32", "eager", "ckpt-mem", 0.18, 520),
+            _drow("preact_resnet164", "fp32", "graphed", "plain", 0.05, 1000),
+            {"model": "preact_resnet164", "amp": "fp32", "mode": "graphed", "variant": "fused",
+             "skipped": "the time slot ended"}]
+    eager, graphed = decisive.summary_rows(rows)
+    assert eager["best_plain"] == "plain-cl" and eager["best_plain_s"] == 0.08
+    assert eager["time_x_best_plain"] == pytest.approx(0.09 / 0.08)
+    assert eager["peak_x_best_plain"] == pytest.approx(500 / 1100)
+    assert eager["ckpt_mem_x_fused"] == pytest.approx(2.0)
+    assert eager["peak_x_ckpt_mem"] == pytest.approx(500 / 520)
+    assert graphed["fused_s"] is None and "time_x_best_plain" not in graphed
+    md = _md(decisive.summary_rows(rows), decisive.summary_columns())
+    assert md[2].startswith("| ResNet-164 | fp32 | eager | 90.0 | 80.0 | plain-cl | 1.12 |")
+
+
+def _md(rows, cols):
+    from fusedres.apps.bench import report as R
+    return R.markdown_table(rows, cols).splitlines()
+
+
+def test_decisive_schedule_puts_the_important_rows_first():
+    from fusedres.apps.bench import decisive
+
+    groups = decisive.schedule(["preact_resnet164", "preact_resnet1001"])
+    head = [(g.model[13:], g.amp, g.mode, g.variants) for g in groups[:6]]
+    main, ckpt = decisive.MAIN, decisive.CHECKPOINTED
+    assert head == [("164", "fp32", "eager", main), ("164", "fp32", "graphed", main),
+                    ("1001", "fp32", "eager", main), ("1001", "fp32", "graphed", main),
+                    ("164", "fp32", "eager", ckpt), ("164", "fp32", "graphed", ckpt)]
+    assert [g.amp for g in groups] == ["fp32"] * 8 + ["bf16"] * 8
+    assert "fused" in main and {"plain", "plain-cl"} <= set(main)
+
+
+def test_matched_checkpointing_counts_deep_models_on_their_twin():
+    """ResNet-164's units counted on the 2-units-a-stage twin give the same per-unit bytes as
+    counting ResNet-164 itself; the matched count brings plain's saved activations to at most
+    the fused model's, and one unit fewer would not."""
+    from fusedres.apps.bench import decisive
+    from fusedres.memory.planner import profile_units
+
+    shape = (2, 3, 32, 32)
+    for fused in (False, True):
+        saved, inputs, base = decisive.unit_saved("preact_resnet164", shape, torch.float32,
+                                                  False, fused)
+        with torch.device("meta"):
+            model = decisive.models.MODELS["preact_resnet164"](fused=fused)
+        with decisive.fusedres.use_backend("portable" if fused else "reference"):
+            direct = profile_units(model, shape, flops=False)
+        assert saved == direct.saved and inputs == direct.input_bytes
+        assert base == direct.stem_bytes + direct.head_bytes
+    ranges, info = decisive.matched_checkpointing("preact_resnet164", 2, 32, "fp32")
+    assert info["units"] == 54 and len(ranges) == info["ckpt_units"]
+    assert info["ckpt_saved"] <= info["fused_saved"] < info["plain_saved"]
+    saved, inputs, base = decisive.unit_saved("preact_resnet164", shape, torch.float32, False,
+                                              False)
+    fewer = decisive._spread(54, info["ckpt_units"] - 1)
+    assert base + sum(inputs[i] if c else saved[i] for i, c in enumerate(fewer)) \
+        > info["fused_saved"]
+
+
+def test_decisive_run_on_cpu_measures_every_row():
+    """The whole table on CPU at a tiny size, graphed rows through the stand-in capture: every
+    row measured, in the schedule's order, the memory counts consistent."""
+    from fusedres.apps.bench import decisive
+
+    rows = decisive.run(["preact_resnet20"], 2, torch.device("cpu"), amps=("fp32",),
+                        image_size=8, reps=1, capture=lambda fn: fn)
+    assert [(r["mode"], r["variant"]) for r in rows] == [
+        (m, v) for vs in (decisive.MAIN, decisive.CHECKPOINTED) for m in ("eager", "graphed")
+        for v in vs]
+    assert all("median_s" in r and r["peak_bytes"] > 0 for r in rows)
+    eager = {r["variant"]: r for r in rows if r["mode"] == "eager"}
+    assert eager["fused"]["saved_bytes"] < eager["plain"]["saved_bytes"]
+    assert eager["ckpt-mem"]["saved_bytes"] <= eager["fused"]["saved_bytes"] \
+        < eager["ckpt-mem"]["plain_saved"]
+    assert eager["ckpt-all"]["saved_bytes"] < eager["ckpt-mem"]["saved_bytes"]
+    assert all("capture_s" in r for r in rows if r["mode"] == "graphed")
+
+
+def test_decisive_run_stops_at_its_deadline_and_keeps_what_finished():
+    """A stand-in clock whose deadline passes in the first group: that group keeps its minimum
+    of samples, the groups after it are listed as not run."""
+    from fusedres.apps.bench import decisive
+
+    clock = [0.0]
+
+    def now():
+        clock[0] += 1.0
+        return clock[0]
+
+    # Read before the first group (1), at its start (2), after its third round (3: past the
+    # deadline, so no fourth), at its end (4), before the second group (5: past it).
+    rows = decisive.run(["preact_resnet20"], 2, torch.device("cpu"), amps=("fp32",),
+                        image_size=8, reps=5, capture=lambda fn: fn, deadline=2.5, now=now)
+    measured = [r for r in rows if "median_s" in r]
+    assert [(r["mode"], r["variant"]) for r in measured] == [("eager", v)
+                                                            for v in decisive.MAIN]
+    assert all(r["reps"] == decisive.MIN_REPS for r in measured)
+    assert len(rows) == 3 + 3 + 2 + 2 and all(r["skipped"] == "the time slot ended"
+                                          for r in rows if r not in measured)
+
+
+def test_report_appends_to_an_earlier_run_and_puts_the_answer_first(tmp_path):
+    first = Report(str(tmp_path), "t", torch.device("cpu"), ["gpu-report", "--parts", "a"])
+    first.lead("## The answer\n\n| x |")
+    first.add("a", {"a": 1}, None, "## A")
+    second = Report(str(tmp_path), "t", torch.device("cpu"), ["gpu-report", "--parts", "b"],
+                    append=True)
+    second.add("b", {"b": 2}, "b", "## B")
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert list(doc["parts"]) == ["a", "b"] and len(doc["commands"]) == 2
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("# t\n\n## The answer\n\n| x |\n\nCommands: ")
+    assert md.index("## A") < md.index("## B")
+    fresh = Report(str(tmp_path), "t", torch.device("cpu"), ["x"])
+    fresh.add("c", {}, None, "## C")
+    assert list(json.loads((tmp_path / "results.json").read_text())["parts"]) == ["c"]

@@ -207,10 +207,11 @@ def unavailable(device) -> str | None:
                      for b in GPU_BACKENDS)
 
 
-def run(device, reps: int, backends: list[str] | None = None) -> list[dict]:
+def run(device, reps: int, backends: list[str] | None = None, on_row=None) -> list[dict]:
     """Every case on ``device`` for each GPU backend that runs there (or those of
     ``backends``): on a GPU all dtypes and both layouts; on CPU (the interpreter, the cuda
-    backend's CPU layer) the tiny cases, float32 in both layouts and bfloat16 channels_last."""
+    backend's CPU layer) the tiny cases, float32 in both layouts and bfloat16 channels_last.
+    ``on_row(rows)`` after each case, with the rows so far."""
     device = torch.device(device)
     gpu = device.type == "cuda"
     cases = GPU_CASES if gpu else CPU_CASES
@@ -232,7 +233,18 @@ def run(device, reps: int, backends: list[str] | None = None) -> list[dict]:
                                          err=float("nan"), err_torch=float("nan"),
                                          saved_ratio=float("nan"),
                                          error=f"{type(e).__name__}: {str(e)[:200]}"))
+                    if on_row is not None:
+                        on_row(rows)
     return rows
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    """The rows so far as a JSON list, replaced atomically: a run stopped by a time limit (the
+    GPU report's) leaves every case it finished."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -260,11 +272,9 @@ def main(argv=None) -> int:
             ap.error(f"--backends: expected names from {', '.join(running) or '(none)'} "
                      f"(the GPU backends that run on {device}), got {args.backends!r}")
     reps = args.reps if args.reps is not None else (10 if device.type == "cuda" else 0)
-    rows = run(device, reps, backends)
+    rows = run(device, reps, backends,
+               on_row=(lambda rows: write_rows(args.json, rows)) if args.json else None)
     print(format_rows(rows, device))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     failed = sum(not r["ok"] for r in rows)
     print(f"{len(rows) - failed}/{len(rows)} passed")
     return 1 if failed else 0

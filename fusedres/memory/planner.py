@@ -244,7 +244,8 @@ def _cast_weight_bytes(module: nn.Module, dtype: torch.dtype) -> int:
 
 
 def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "meta", autocast: bool = False) -> UnitProfile:
+                  device: str | torch.device = "meta", autocast: bool = False,
+                  flops: bool = True) -> UnitProfile:
     """Measure every unit's saved bytes, input bytes and forward FLOPs for one training step on
     an input of ``input_shape`` in ``dtype`` (parameters cast to ``dtype`` too), on
     ``device`` (``"meta"``: no memory is allocated; the counts are exact storage sizes).
@@ -254,7 +255,8 @@ def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dty
     parameters (autocast does not run on the meta device, so it is imitated): the conv and
     linear weights and the input are measured in ``dtype``, BatchNorm in float32, and
     autocast's ``dtype`` copies of the weights, which autograd saves, are added to each unit's
-    count."""
+    count. ``flops=False`` leaves the FLOPs at 0 (they take a forward and backward under
+    torch's FLOP counter, most of the time on a deep model)."""
     device = torch.device(device)
     units = _units_of(model)
     index = {id(u): i for i, u in enumerate(units)}
@@ -314,11 +316,14 @@ def profile_units(model: nn.Module, input_shape: Sequence[int], dtype: torch.dty
         del out
         kept.clear()
         # Pass 2: FLOPs of the plain computation (the fused op does the same convolutions).
-        state = _meta_state(model, device, dtype, autocast)
-        with _backend.use_backend("reference"), counter:
-            out = torch.func.functional_call(model, state, (_input(input_shape, device, dtype),))
-            out.float().sum().backward()
-        step_flops = counter.get_total_flops()
+        step_flops = 0
+        if flops:
+            state = _meta_state(model, device, dtype, autocast)
+            with _backend.use_backend("reference"), counter:
+                out = torch.func.functional_call(model, state,
+                                                 (_input(input_shape, device, dtype),))
+                out.float().sum().backward()
+            step_flops = counter.get_total_flops()
     finally:
         for h in handles:
             h.remove()

@@ -14,7 +14,7 @@ from fusedres.apps.cli import UsageError, parse_bytes
 from fusedres.models import unit_shapes as S
 
 from .measure import resolve_device
-from .runner import run, step_kind_names
+from .runner import GPU_PARTS, run
 from .step import ALL_VARIANTS, LAYOUTS, default_layouts, model_name
 from .units import BASELINES, fused_backends
 
@@ -148,14 +148,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap of the batch search (default 4096; --quick 8)")
     f.add_argument("--max-depth", type=_positive_int("--max-depth"), default=None,
                    help="cap of the depth search (default 1001; --quick 29)")
-    g = sub.add_parser("gpu-report", help="self-test, units, step, fit: one report directory "
-                                          "(make gpu-report)")
+    g = sub.add_parser("gpu-report", help="the training-step answer, kernel times, self-test, "
+                                          "units, fit: one report directory (make gpu-report)")
     _common(g, reps=7, warmup=2)
     g.add_argument("--budget", type=_size, default=None,
                    help="budget of the fit part (default 8GiB; --quick 12MiB)")
-    g.add_argument("--step-kinds", default=None,
-                   help="kinds of training step to time, comma-separated, each a part of "
-                        f"the report (default: all of {', '.join(step_kind_names())})")
+    g.add_argument("--parts", default=None,
+                   help="the parts to run, comma-separated, in the report's order (default: "
+                        f"all of {', '.join(GPU_PARTS)})")
+    g.add_argument("--slots", default=None, metavar="PART=SECONDS,...",
+                   help="when each part must end, in seconds from the start (default: "
+                        "--time-limit for every part)")
+    g.add_argument("--append", action="store_true",
+                   help="keep the parts an earlier run wrote to --out (the GPU check runs the "
+                        "report in several processes)")
     return p
 
 
@@ -178,19 +184,36 @@ def parse(argv: list[str]) -> argparse.Namespace:
         _check_units(args)
     elif args.command == "step":
         _check_step(args)
-    elif args.command == "gpu-report" and args.step_kinds is not None:
-        kinds = _split(args.step_kinds)
-        bad = [k for k in kinds if k not in step_kind_names()]
-        if bad or not kinds:
-            raise UsageError(f"--step-kinds: {'unknown ' + repr(bad[0]) if bad else 'none given'}"
-                             f"; expected some of {', '.join(step_kind_names())} "
-                             "(comma-separated)")
-        args.step_kinds = kinds
+    elif args.command == "gpu-report":
+        _check_gpu_report(args)
     elif args.command == "fit":
         if args.depth is not None and (args.depth < 11 or (args.depth - 2) % 9):
             raise UsageError(f"--depth: expected a CIFAR bottleneck depth 9n+2 >= 11 (29, 164, "
                              f"1001, ...), got {args.depth}")
     return args
+
+
+def _check_gpu_report(args) -> None:
+    if args.parts is not None:
+        parts = _split(args.parts)
+        bad = [k for k in parts if k not in GPU_PARTS]
+        if bad or not parts:
+            raise UsageError(f"--parts: {'unknown ' + repr(bad[0]) if bad else 'none given'}; "
+                             f"expected some of {', '.join(GPU_PARTS)} (comma-separated)")
+        args.parts = [k for k in GPU_PARTS if k in parts]  # the report's order
+    slots = {}
+    for item in _split(args.slots or ""):
+        name, _, value = item.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = float("nan")
+        if name not in GPU_PARTS or not seconds > 0 or seconds == float("inf"):
+            raise UsageError(f"--slots: expected PART=SECONDS with PART one of "
+                             f"{', '.join(GPU_PARTS)} and SECONDS a positive number, got "
+                             f"{item!r}")
+        slots[name] = seconds
+    args.slots = slots
 
 
 def _split(text: str) -> list[str]:

@@ -21,7 +21,8 @@ import torch
 
 from fusedres.memory import LiveTensorTracker
 
-__all__ = ["peak_bytes", "resolve_device", "summarize", "sync", "time_interleaved", "with_env"]
+__all__ = ["MemoryWindow", "graph_pool_bytes", "peak_bytes", "process_start", "resolve_device",
+           "summarize", "sync", "time_interleaved", "with_env"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -89,7 +90,9 @@ def _repeated(fn: Callable[[], object], k: int) -> Callable[[], object]:
 def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.device, *,
                      warmup: int, reps: int, on_round: Callable[[], None] | None = None,
                      min_sample_s: float = 0.0,
-                     clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+                     clock: Callable[[], float] = time.perf_counter,
+                     deadline: float | None = None, min_reps: int = 1,
+                     now: Callable[[], float] = time.monotonic) -> dict[str, list[float]]:
     """Time each of ``steps`` ``reps`` times, after ``warmup`` untimed calls each.
 
     Rounds interleave the candidates (A B C, then C B A, then B C A ...): a slow phase of a
@@ -103,6 +106,10 @@ def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.devic
     round (progress). ``clock`` (CPU): ``time.thread_time`` times one thread's own CPU time,
     which other processes on a busy machine disturb less than the wall clock (single-threaded
     steps only: work on other threads is not counted).
+
+    ``deadline`` (a value of ``now()``, ``time.monotonic`` by default): no round starts after it
+    once every candidate has ``min_reps`` samples, so a time slot bounds the timing without
+    leaving a candidate with fewer samples than its median needs.
     """
     names = list(steps)
     calls = {}
@@ -118,6 +125,8 @@ def time_interleaved(steps: dict[str, Callable[[], object]], device: torch.devic
         sync(device)
     out: dict[str, list[float]] = {name: [] for name in names}
     for r in range(reps):
+        if deadline is not None and r >= min_reps and now() > deadline:
+            break
         shift = (r // 2) % len(names)
         order = names[shift:] + names[:shift]
         if r % 2:
@@ -172,3 +181,79 @@ def peak_bytes(step: Callable[[], object], device: torch.device, *held) -> int:
         live.count(*held)
         step()
     return live.peak_bytes
+
+
+class MemoryWindow:
+    """The memory of what runs inside the block, as a row's own: build a model, its optimizer
+    and batch inside it, run its warm-up (and a CUDA graph's capture), and read
+    ``peak_allocated`` / ``peak_reserved`` (bytes) after it.
+
+    CUDA: the caching allocator's peak allocated and peak reserved bytes above what was
+    allocated and reserved on entry. The cache is emptied on entry, so what other rows keep
+    alive is in the entry figures and this block's blocks are new: the reserved figure is this
+    block's own segments (a CUDA graph's private pool included), which a step after a warm-up
+    on the same allocator would not show (a replay allocates nothing: its peak read after the
+    capture would leave the pool out). ``allocated`` / ``reserved``: what the block still holds
+    at its end. CPU: the peak of the live CPU tensor storages created inside
+    (:class:`~fusedres.memory.LiveTensorTracker`; ``peak_reserved`` is None: no caching
+    allocator to read)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak_allocated = self.peak_reserved = self.allocated = self.reserved = None
+
+    def __enter__(self) -> MemoryWindow:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._alloc0 = torch.cuda.memory_allocated(self.device)
+            self._reserved0 = torch.cuda.memory_reserved(self.device)
+        else:
+            self._live = LiveTensorTracker(device_type=self.device.type).__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            d = self.device
+            self.peak_allocated = torch.cuda.max_memory_allocated(d) - self._alloc0
+            self.peak_reserved = torch.cuda.max_memory_reserved(d) - self._reserved0
+            self.allocated = torch.cuda.memory_allocated(d) - self._alloc0
+            self.reserved = torch.cuda.memory_reserved(d) - self._reserved0
+        else:
+            self._live.__exit__(*exc)
+            self.peak_allocated = self._live.peak_bytes
+            self.allocated = self._live.current_bytes
+        return False
+
+
+def graph_pool_bytes(replay) -> int | None:
+    """Bytes the CUDA caching allocator reserved for the private memory pool of the graph whose
+    ``replay`` (a ``torch.cuda.CUDAGraph.replay`` bound method) is given: the segments of the
+    allocator's snapshot that belong to ``graph.pool()``. None when it cannot be read (not a
+    CUDA graph: a CPU stand-in capture)."""
+    graph = getattr(replay, "__self__", None)
+    if not isinstance(graph, torch.cuda.CUDAGraph):
+        return None
+    pool = tuple(graph.pool())
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", ())) == pool)
+
+
+def process_start(clock: Callable[[], float] = time.monotonic) -> float:
+    """When this process started, on ``clock`` (``time.monotonic``, which Linux counts from
+    boot as /proc does): the GPU check gives a report process its time slots in seconds from
+    its start, and importing torch takes seconds of them. ``clock()`` where /proc cannot be
+    read."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return clock()
+    return clock() - max(0.0, age)

@@ -5,6 +5,7 @@ each part so a cut-off run still leaves what it did."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -14,12 +15,15 @@ from typing import Any, Callable
 
 import torch
 
+import fusedres
 from fusedres.models import unit_shapes as S
 
+from . import decisive
 from . import fit as fit_mod
 from . import report as R
 from . import step as step_mod
 from . import units as units_mod
+from .measure import process_start
 
 __all__ = ["Report", "run"]
 
@@ -32,23 +36,50 @@ QUICK_FIT = {"budget": 12 * MIB, "depth": 29, "batch": 4, "max_batch": 8, "max_d
 class Report:
     """The output of one run: parts in order, each with its data (JSON), Markdown and plots."""
 
-    def __init__(self, out: str | None, title: str, device: torch.device, argv: list[str]):
+    def __init__(self, out: str | None, title: str, device: torch.device, argv: list[str],
+                 append: bool = False):
         self.out = Path(out) if out is not None else None
         self.title = title
-        self.doc: dict[str, Any] = {"title": title, "command": "fusedres bench " + shlex.join(argv),
-                                    "machine": R.machine(device), "parts": {}}
-        self.markdown: dict[str, str] = {}
+        command = "fusedres bench " + shlex.join(argv)
+        self.doc: dict[str, Any] = {"title": title, "command": command,
+                                    "machine": R.machine(device), "parts": {},
+                                    "markdown": {}, "lead": None}
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
+            if append:
+                self._load_earlier(command)
+        self.markdown: dict[str, str] = self.doc["markdown"]
+
+    def _load_earlier(self, command: str) -> None:
+        """``append``: an earlier run's parts in the same folder stay (the GPU check runs the
+        report in several processes, around the build), in their order, before this run's."""
+        try:
+            doc = json.loads((self.out / "results.json").read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(doc, dict) or not isinstance(doc.get("parts"), dict):
+            return
+        doc.setdefault("markdown", {})
+        doc.setdefault("lead", None)
+        doc["commands"] = [*doc.get("commands", [doc.get("command")]), command]
+        doc["command"] = command
+        self.doc = doc
+
+    def lead(self, markdown: str) -> None:
+        """The lines that answer the report's question, printed first in report.md, right
+        under the title (the GPU report's: the fused step against plain, decisive.py)."""
+        self.doc["lead"] = markdown
 
     def png(self, name: str) -> Path | None:
         return self.out / name if self.out is not None else None
 
-    def add(self, part: str, data: Any, text: str, markdown: str) -> None:
-        """Record a finished part: print its table, rewrite the JSON and the Markdown."""
+    def add(self, part: str, data: Any, text: str | None, markdown: str) -> None:
+        """Record a finished part: print its table (``text``; None: a part's rows so far,
+        written, not printed), rewrite the JSON and the Markdown."""
         self.doc["parts"][part] = data
         self.markdown[part] = markdown
-        print(text, flush=True)
+        if text is not None:
+            print(text, flush=True)
         self.flush()
 
     def flush(self) -> None:
@@ -61,8 +92,12 @@ class Report:
             pass
         R.write_json(self.out / "results.json", self.doc)
         m = self.doc["machine"]
-        head = [f"# {self.title}", "",
-                f"Command: `{self.doc['command']}`", "",
+        commands = self.doc.get("commands") or [self.doc["command"]]
+        head = [f"# {self.title}", ""]
+        if self.doc.get("lead"):
+            head += [self.doc["lead"], ""]
+        head += [("Commands: " if len(commands) > 1 else "Command: ")
+                 + ", ".join(f"`{c}`" for c in commands), "",
                 f"Machine: {R.machine_line(m)}; Python {m['python']}, triton {m['triton']}; "
                 f"{m['time_utc']} to {m['time_utc_end']} UTC"
                 + (f"; 1-minute load average {m['load_average_1m']:.1f} at the start, "
@@ -202,12 +237,15 @@ def part_step(rep: Report, args, models, batch, *, variants, layouts=("nchw",),
                       f"{R.short_machine(rep.doc['machine'])}")
         plots.append(path.name)
     md = ["## Whole training steps", "",
-          f"Forward, cross-entropy, backward and an SGD step at batch {batch}; {warmup} warm-up "
+          f"The trainer's step (forward, float32 cross-entropy, backward, fused SGD) at batch "
+          f"{batch}; {warmup} warm-up "
           f"and {reps} timed steps per variant and layout ({', '.join(layouts)}: model and "
           "batch `.to(memory_format=...)`), all of a model interleaved. images/s is batch / "
-          "median step time (min-max over the steps), `ms` the median; `peak` is the step's "
-          "peak memory (parameters, gradients, optimizer state, batch and everything the step "
-          "allocates); `saved` the activations autograd keeps. `time x best plain` and `peak x "
+          "median step time (min-max over the steps), `ms` the median; `peak` (and on a GPU "
+          "`reserved`) is the most memory the row held while it was built and warmed up "
+          "(parameters, gradients, optimizer state, batch and everything the step allocates; "
+          "a graphed row's capture and graph pool included); `saved` the activations autograd "
+          "keeps. `time x best plain` and `peak x "
           "best plain`: over the model's best plain row, the faster of its plain rows"
           + (" (plain NCHW and plain channels_last)" if len(layouts) > 1 else "")
           + ". `plain+ckpt`: the plain model with every unit checkpointed; `fused+plan`: "
@@ -286,7 +324,8 @@ def part_selftest(rep: Report, args, timeout: float = 300.0) -> int:
                                   timeout=timeout)
             out, code = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
-            out, code = f"{e.stdout or ''}\ntimed out after {timeout:.0f} s", None
+            out, code = f"{_text(e.stdout)}\ntimed out after {timeout:.0f} s", None
+        # Written after every case: a timed-out run keeps the cases it finished.
         rows = json.loads(path.read_text()) if path.exists() else []
     table = "\n".join(line for line in out.splitlines() if "Warning" not in line).strip()
     if code == 2 and not rows:  # the triton backend cannot run here: say why, go on
@@ -296,6 +335,9 @@ def part_selftest(rep: Report, args, timeout: float = 300.0) -> int:
     failed = sum(not r["ok"] for r in rows) if rows else 1
     summary = (f"{len(rows) - failed}/{len(rows)} passed" if rows
                else f"the self-test did not finish (exit status {code})")
+    if code is None and rows:
+        summary += (f" before its time ({timeout:.0f} s) ran out; the cases after them did not "
+                    "run")
     rep.add("selftest", {"rows": rows, "passed": len(rows) - failed if rows else 0,
                          "failed": failed, "exit_status": code, "output": out[-4000:]},
             table + ("" if rows else "\n" + summary),
@@ -305,6 +347,10 @@ def part_selftest(rep: Report, args, timeout: float = 300.0) -> int:
             "(and PyTorch's own error at that dtype), per dtype and layout.\n\n```\n"
             + table[-6000:] + "\n```\n\n" + summary)
     return failed
+
+
+def _text(out) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
 
 
 def _bar(total, desc, args):
@@ -317,11 +363,13 @@ def _bar(total, desc, args):
 
 def run(args) -> int:
     argv = list(getattr(args, "argv", sys.argv[1:]))
-    start = time.monotonic()
+    # --time-limit and --slots count from the process's start (the GPU check's slots are its
+    # own, and the imports before this line take seconds of them).
+    start = process_start()
     deadline = _deadline(args, start)
     title = {"units": "fusedres bench units", "step": "fusedres bench step",
              "fit": "fusedres bench fit", "gpu-report": "fusedres GPU report"}[args.command]
-    rep = Report(args.out, title, args.device, argv)
+    rep = Report(args.out, title, args.device, argv, append=getattr(args, "append", False))
     rep.doc["machine"]["allocator"] = getattr(args, "allocator", None)
     print(R.machine_line(rep.doc["machine"]), flush=True)
     if args.command == "units":
@@ -346,85 +394,161 @@ def run(args) -> int:
     return 0
 
 
-def eager_steps(rep: Report, args, models, batch, *, image_size, deadline) -> list[dict]:
-    """The ``eager`` step kind: every variant of ``bench step`` (plain, fused, fused+plan,
-    plain+ckpt) in the device's default layouts, as the part named ``step``."""
-    return part_step(rep, args, models, batch, variants=step_mod.VARIANTS,
-                     layouts=step_mod.default_layouts(args.device), image_size=image_size,
-                     deadline=deadline)
+def part_decisive(rep: Report, args, deadline: float | None) -> int:
+    """The answer first (:mod:`.decisive`): ResNet-164 and ResNet-1001 training steps at batch
+    128, fused against plain, plain channels_last and plain with checkpointing, eager and
+    graphed, float32 and bf16 autocast; the table is written after every group of rows. On
+    CPU (the dry run) the graphed rows run the captured function eagerly (no CUDA graph)."""
+    quick = args.quick
+    names = ["preact_resnet20"] if quick else ["preact_resnet164", "preact_resnet1001"]
+    batch = 4 if quick else 128
+    cpu = args.device.type != "cuda"
+    reps = args.reps if args.reps is not None else (2 if quick else 10)
+    done: list[dict] = []
+
+    def write(group_rows):
+        done.extend(group_rows)
+        print(R.text_table([r for r in group_rows if "median_s" in r],
+                           decisive.row_columns()), flush=True)
+        _decisive_part(rep, done, batch, cpu, final=False)
+
+    rows = decisive.run(names, batch, args.device, image_size=16 if quick else None, reps=reps,
+                        deadline=deadline, capture=(lambda fn: fn) if cpu else None,
+                        on_group=write)
+    _decisive_part(rep, rows, batch, cpu, final=True)
+    return 0
 
 
-# The kinds of whole training step the GPU report times, in this order, each a part of the
-# report (its own table and plot) with an equal slice of the step share of the time limit:
-# (name, runner). A runner is called as runner(rep, args, models, batch, image_size=...,
-# deadline=...) (``deadline``: start no new model after it), adds its part to ``rep`` (eager's
-# is named ``step``; another kind's should be ``step-<name>``, as its progress lines are) and
-# returns its rows. CUDA-graphed steps slot in here as ("graphed", their runner);
-# ``gpu-report --step-kinds`` picks among these names.
-def graphed_steps(rep: Report, args, models, batch, *, image_size, deadline) -> list[dict]:
-    """The ``graphed`` step kind: plain and fused, eager and replayed from a CUDA graph, NCHW,
-    as the part ``step-graphed`` (the graphed rows are skipped, saying why, off a GPU)."""
-    return part_step(rep, args, models, batch,
-                     variants=("plain", "plain+graph", "fused", "fused+graph"),
-                     image_size=image_size, deadline=deadline, name="step-graphed")
+def _decisive_part(rep: Report, rows: list[dict], batch: int, cpu: bool, final: bool) -> None:
+    measured = [r for r in rows if "median_s" in r]
+    skipped = [r for r in rows if "skipped" in r]
+    summary = decisive.summary_rows(rows)
+    note = ("CPU dry run: the graphed rows run the captured function eagerly (no CUDA graph); "
+            "peak memory is the peak of live CPU tensors, no reserved figure. "
+            if cpu else "")
+    lead = ["## The answer: the fused training step against plain PyTorch", "",
+            f"Training step (forward, float32 cross-entropy, backward, fused SGD) at batch "
+            f"{batch}, eager and replayed from a CUDA graph. `fused time x best plain`: the "
+            "fused step's median time over the faster of plain NCHW and plain channels_last; "
+            "`ckpt at fused memory`: plain NCHW with the fewest units checkpointed that bring "
+            "its saved activations to the fused model's; `its time x fused` above 1 means "
+            f"fused is that much faster at the same memory. {note}"
+            + ("" if final else "(Partial: the groups below finished so far.)"), "",
+            R.markdown_table(summary, decisive.summary_columns())]
+    rep.lead("\n".join(lead))
+    md = ["## Training steps, every row", "",
+          "Rows of a group (model, dtype, eager or graphed) built one after the other, each in "
+          "its own memory window (`peak alloc`, `peak reserved`: the caching allocator's peaks "
+          "over the row's build, warm-up and capture, above what other rows held; a graphed "
+          "row's `graph pool` is its private pool), then timed interleaved; `n` samples, "
+          "median `ms` (min-max).", "",
+          R.markdown_table(measured, decisive.row_columns()), "",
+          "One-time costs (not in the step times): an eager row's first step over its median "
+          "(the Triton JIT, cuDNN's and the allocator's first-time work), a graphed row's "
+          "capture with its first replay, the count behind `ckpt-mem`.", "",
+          R.markdown_table(measured, decisive.once_columns()), ""]
+    if skipped:
+        md += ["Not run: " + "; ".join(
+            f"{r['model'].replace('preact_resnet', 'ResNet-')} {r['amp']} {r['mode']} "
+            f"{r['variant']} ({r['skipped']})" for r in skipped) + ".", ""]
+    text = "\nThe answer\n" + R.text_table(summary, decisive.summary_columns())
+    rep.add("decisive", {"rows": rows, "summary": summary, "final": final},
+            text if final else None, "\n".join(md))
 
 
-STEP_KINDS: list[tuple[str, Callable[..., list]]] = [("eager", eager_steps),
-                                                     ("graphed", graphed_steps)]
+def part_replay(rep: Report, args, deadline: float | None) -> int:
+    """Per-unit kernel time: the single BN-ReLU-convs on the Triton backend and plain PyTorch,
+    each step replayed from a CUDA graph beside tools.perfmodel's MODELED time (on CPU, the
+    dry run, the quick shape without either column)."""
+    convs = S.QUICK_CONVS[:1] if args.quick else S.CIFAR_CONVS + S.GPU_CONVS
+    args.backends = [b for b in ("triton",) if b in units_mod.fused_backends(args.device)] \
+        or None
+    part_units(rep, args, convs, baselines=("plain", "channels_last"), name="replay",
+               deadline=deadline, title="Per-unit kernel time against the MODELED figure")
+    return 0
 
 
-def step_kind_names() -> list[str]:
-    return [name for name, _ in STEP_KINDS]
+def part_cuda(rep: Report, args, deadline: float | None) -> int:
+    """The units on every fused backend that runs, the cuda backend's C++ kernels among them
+    once fusedres._C is built for the GPU (the GPU check builds it before this part)."""
+    reason = fusedres.unavailable_reason("cuda", args.device)
+    if reason is not None:
+        rep.add("cuda", {"skipped": reason}, f"cuda backend: skipped ({reason})",
+                f"## Units on the cuda backend\n\nNot run: {reason}.")
+        return 0
+    blocks = S.QUICK_BLOCKS[:1] if args.quick else S.R50_BOTTLENECKS + S.CIFAR_BOTTLENECKS
+    args.backends = None
+    part_units(rep, args, blocks, baselines=("plain", "channels_last"), name="cuda",
+               deadline=deadline, title="Units on every GPU backend")
+    return 0
+
+
+def part_blocks(rep: Report, args, deadline: float | None) -> int:
+    blocks = S.QUICK_BLOCKS[:1] if args.quick else S.CIFAR_BOTTLENECKS + S.CIFAR_BASIC_BLOCKS
+    args.backends = None
+    part_units(rep, args, blocks, baselines=("plain", "channels_last", "checkpoint"),
+               deadline=deadline, title="Units, forward+backward")
+    return 0
+
+
+def part_compile(rep: Report, args, deadline: float | None) -> int:
+    """torch.compile of the plain unit on a few shapes (inductor compiles each for tens of
+    seconds): the last part, it takes what time is left."""
+    compiled = S.QUICK_CONVS[:1] if args.quick else [
+        S.CIFAR_BOTTLENECKS[0], S.CIFAR_BOTTLENECKS[3], S.R50_BOTTLENECKS[1],
+        S.R50_BOTTLENECKS[6], S.CIFAR_BASIC_BLOCKS[0]]
+    args.backends = None
+    part_units(rep, args, compiled, baselines=("plain", "compile"), name="compile",
+               deadline=deadline, title="Against torch.compile of the plain unit")
+    return 0
+
+
+def part_gpu_fit(rep: Report, args, deadline: float | None) -> int:
+    q = QUICK_FIT if args.quick else {"budget": 8 * GIB, "depth": 164, "batch": 128,
+                                      "max_batch": 4096, "max_depth": 1001}
+    part_fit(rep, args, args.budget or q["budget"], q["depth"], q["batch"], q["max_batch"],
+             q["max_depth"], deadline=deadline)
+    return 0
+
+
+def part_gpu_selftest(rep: Report, args, deadline: float | None) -> int:
+    left = 300.0 if deadline is None else max(5.0, deadline - time.monotonic())
+    return part_selftest(rep, args, timeout=left)
+
+
+# The GPU report's parts in the order they run, the order of importance: the answer, the
+# kernels' time against the model, the self-test, then what needs fusedres._C built for the
+# GPU (the GPU check builds it between the self-test and the cuda part), units, fit, compile.
+# Each is called as runner(rep, args, deadline) (``deadline``: a time.monotonic() value by
+# which it stops starting work; None: no limit) and returns its failed cases.
+GPU_PARTS: dict[str, Callable[..., int]] = {
+    "decisive": part_decisive, "replay": part_replay, "selftest": part_gpu_selftest,
+    "cuda": part_cuda, "units": part_blocks, "fit": part_gpu_fit, "compile": part_compile}
 
 
 def gpu_report(rep: Report, args, start: float) -> int:
-    """Self-test, then units (CIFAR and ResNet-50 shapes; single convs; torch.compile on a
-    few), steps (ResNet-164 and -1001 at batch 128, each kind of :data:`STEP_KINDS`), fit
-    (8 GiB): each part printed and written as it finishes. The time limit (default
-    8.5 minutes) is shared out so that every part starts: a part stops starting new shapes,
-    models or probes at its share's end, and the self-test is stopped at 30% of it."""
-    total = args.time_limit or 510.0
-    shares = _shares(start, total)
-    args.backends = None  # every fused backend that runs on the device
-    quick = args.quick
-    failed = _timed("self-test", lambda: part_selftest(
-        rep, args, timeout=min(300.0, max(60.0, 0.3 * total))), start)
-    # Units without torch.compile first (seconds per shape): whole blocks, then the single
-    # BN-ReLU-convs whose modeled bytes give the achieved bandwidth; then torch.compile on a
-    # few shapes (inductor compiles each for tens of seconds) until its share runs out.
-    quick_unit = S.QUICK_CONVS[:1]
-    blocks = S.QUICK_BLOCKS[:1] if quick else (S.CIFAR_BOTTLENECKS + S.CIFAR_BASIC_BLOCKS
-                                               + S.R50_BOTTLENECKS)
-    convs = quick_unit if quick else S.CIFAR_CONVS + S.GPU_CONVS
-    compiled = quick_unit if quick else [S.CIFAR_BOTTLENECKS[0], S.CIFAR_BOTTLENECKS[3],
-                                         S.R50_BOTTLENECKS[1], S.R50_BOTTLENECKS[6],
-                                         S.CIFAR_BASIC_BLOCKS[0]]
-    eager = ("plain", "channels_last", "checkpoint")
-    _timed("units", lambda: part_units(rep, args, blocks, baselines=eager,
-                                       deadline=shares["units"], title="Units, forward+backward"),
-           start)
-    _timed("convs", lambda: part_units(rep, args, convs, baselines=eager, name="convs",
-                                       deadline=shares["convs"], title="Single BN-ReLU-convs"),
-           start)
-    _timed("compile", lambda: part_units(rep, args, compiled, baselines=("plain", "compile"),
-                                         name="compile", deadline=shares["compile"],
-                                         title="Against torch.compile of the plain unit"), start)
-    models = ["preact_resnet20"] if quick else ["preact_resnet164", "preact_resnet1001"]
-    batch = 4 if quick else 128
-    kinds = [(n, fn) for n, fn in STEP_KINDS
-             if getattr(args, "step_kinds", None) is None or n in args.step_kinds]
-    window = shares["step"] - shares["compile"]
-    for i, (kind, runner) in enumerate(kinds):
-        deadline = shares["compile"] + window * (i + 1) / len(kinds)
-        _timed("step" if kind == "eager" else f"step-{kind}",
-               lambda runner=runner, deadline=deadline: runner(
-                   rep, args, models, batch, image_size=16 if quick else None,
-                   deadline=deadline), start)
-    q = QUICK_FIT if quick else {"budget": 8 * GIB, "depth": 164, "batch": 128,
-                                 "max_batch": 4096, "max_depth": 1001}
-    _timed("fit", lambda: part_fit(rep, args, args.budget or q["budget"], q["depth"],
-                                   q["batch"], q["max_batch"], q["max_depth"],
-                                   deadline=shares["fit"]), start)
+    """The parts of ``args.parts`` (default: every one of :data:`GPU_PARTS`, in its order),
+    each printed and written as it finishes. ``args.slots`` (part -> seconds after ``start``):
+    the time by which each part ends; a part without one runs until ``--time-limit``. A part
+    stops starting work a margin before its end (5% of what it has, at least 3 s), so that
+    writing what it measured fits; one that would start after its end is listed as not run."""
+    total = args.time_limit
+    slots = getattr(args, "slots", None) or {}
+    failed = 0
+    for name in getattr(args, "parts", None) or list(GPU_PARTS):
+        end = slots.get(name, total)
+        deadline = None
+        if end is not None:
+            now = time.monotonic()
+            end_at = start + end
+            if now >= end_at:
+                rep.add(name, {"skipped": "its time slot ended before it could start"},
+                        f"{name}: not run (its time slot ended before it could start)",
+                        f"## {name}\n\nNot run: its time slot ended before it could start.")
+                continue
+            deadline = end_at - max(3.0, 0.05 * (end_at - now))
+        failed += _timed(name, lambda name=name, deadline=deadline:
+                         GPU_PARTS[name](rep, args, deadline), start) or 0
     elapsed = time.monotonic() - start
     print(f"\ngpu-report finished in {elapsed:.0f} s"
           + (f"; written to {args.out}/ (report.md, results.json, PNGs)" if args.out else ""),
@@ -432,15 +556,6 @@ def gpu_report(rep: Report, args, start: float) -> int:
     rep.doc["elapsed_s"] = elapsed
     rep.flush()
     return 1 if failed else 0
-
-
-def _shares(start: float, total: float) -> dict[str, float]:
-    """Deadlines of the parts (the self-test runs to completion): units may start shapes until
-    35% of the time, convs until 45%, compile until 58%, step models until 70%, fit probes
-    until 97%."""
-    return {"units": start + 0.35 * total, "convs": start + 0.45 * total,
-            "compile": start + 0.58 * total, "step": start + 0.70 * total,
-            "fit": start + 0.97 * total}
 
 
 def _timed(what: str, fn: Callable[[], Any], start: float | None = None) -> Any:

@@ -1,9 +1,10 @@
-"""``fusedres bench step``: whole training steps (forward, cross-entropy, backward, SGD step) of
-the zoo's models for plain / fused / fused + planner / plain + checkpointing, and on a GPU
-plain and fused replayed from a CUDA graph (the trainer's ``--cuda-graphs`` step), each in every
-memory layout asked for (NCHW, channels_last): images/s, peak memory of the step, saved
-activations, and time and peak over the best plain row of the model (the faster of plain NCHW
-and plain channels_last)."""
+"""``fusedres bench step``: whole training steps (the trainer's own: forward, float32
+cross-entropy, backward, fused SGD) of the zoo's models for plain / fused / fused + planner /
+plain + checkpointing, and on a GPU plain and fused replayed from a CUDA graph (the trainer's
+``--cuda-graphs`` step), each in every memory layout asked for (NCHW, channels_last):
+images/s, peak memory, saved activations, and time and peak over the best plain row of the
+model (the faster of plain NCHW and plain channels_last). The GPU check's training-step table
+(``decisive.py``) builds its rows here too."""
 
 from __future__ import annotations
 
@@ -12,17 +13,16 @@ import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fusedres
 from fusedres import models
 from fusedres.memory import saved_bytes
 
-from .measure import peak_bytes, summarize, sync, time_interleaved
+from .measure import MemoryWindow, peak_bytes, summarize, sync, time_interleaved
 from .report import Column, fmt_bytes, mem_unit, pyplot
 
-__all__ = ["ALL_VARIANTS", "GRAPHED_VARIANTS", "LAYOUTS", "VARIANTS", "build_variant",
-           "default_layouts", "model_input", "run_steps"]
+__all__ = ["ALL_VARIANTS", "GRAPHED_VARIANTS", "LAYOUTS", "VARIANTS", "Trainer", "build_variant",
+           "default_layouts", "make_trainer", "model_input", "run_steps"]
 
 VARIANTS = ("plain", "fused", "fused+plan", "plain+ckpt")
 # The step replayed from a CUDA graph (fusedres.apps.train.step.GraphedStep: the host launches
@@ -66,41 +66,47 @@ def model_input(name: str, image_size: int | None = None) -> tuple[int, int]:
 
 
 class Trainer:
-    """One variant of one model, with its optimizer and a fixed batch."""
+    """One row's training step on a fixed batch: ``fusedres.apps.train``'s own step
+    (:class:`~fusedres.apps.train.step.TrainStep`: the trainer's fused SGD reading a device
+    learning rate, cross-entropy in float32, autocast to ``amp_dtype`` when given), run eagerly
+    or, ``graphed``, replayed from a CUDA graph (:class:`~fusedres.apps.train.step.GraphedStep`,
+    the trainer's ``--cuda-graphs``): the same step and optimizer both ways, so an eager and a
+    graphed row differ in the host's work only.
+
+    :meth:`prepare` runs what comes before the timed steps (a graphed step's warm-up and
+    capture); ``capture`` replaces the CUDA graph capture (tests on CPU: ``lambda fn: fn``)."""
 
     def __init__(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor,
-                 backend: str, info: dict):
-        self.model, self.x, self.target, self.backend, self.info = model, x, target, backend, info
-        self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def step(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        with fusedres.use_backend(self.backend):
-            F.cross_entropy(self.model(self.x), self.target).backward()
-        self.opt.step()
-
-
-class GraphedTrainer(Trainer):
-    """:class:`Trainer` whose step is the trainer's, captured in a CUDA graph after its warm-up
-    steps (made here, so that timing starts at the replays): fused SGD reading a device
-    learning rate, cross-entropy in float32 (fusedres.apps.train.step)."""
-
-    def __init__(self, model: nn.Module, x: torch.Tensor, target: torch.Tensor,
-                 backend: str, info: dict):
+                 backend: str, info: dict, *, amp_dtype: torch.dtype | None = None,
+                 graphed: bool = False, capture=None):
         from ..train import step as train_step
 
         self.model, self.x, self.target, self.backend, self.info = model, x, target, backend, info
         lr = train_step.lr_tensor(0.01, x.device)
         self.opt = train_step.sgd([{"params": list(model.parameters())}], lr, 0.9, False)
-        scaler = torch.amp.GradScaler(x.device.type, enabled=False)
-        self.graphed = train_step.GraphedStep(train_step.TrainStep(model, self.opt, scaler, None,
-                                                                   x.device.type))
-        for _ in range(self.graphed.warmup + 1):  # the warm-up, then the capture's first replay
-            self.step()
+        scaler = torch.amp.GradScaler(x.device.type, enabled=False)  # no fp16 rows
+        self.train_step = train_step.TrainStep(model, self.opt, scaler, amp_dtype, x.device.type)
+        self.graphed = (train_step.GraphedStep(self.train_step, capture=capture) if graphed
+                        else None)
 
     def step(self) -> None:
         with fusedres.use_backend(self.backend):
-            self.graphed(self.x, self.target)
+            (self.graphed or self.train_step)(self.x, self.target)
+
+    def prepare(self, device: torch.device) -> list[float]:
+        """The untimed calls before the first timed one, each timed (seconds): one eager step
+        (the first call pays the JIT, cuDNN's and the allocator's first-time work), or the
+        graphed step's warm-up steps and then its capture (with its first replay). The last
+        entry of a graphed row is the capture's."""
+        calls = 1 if self.graphed is None else self.graphed.warmup + 1
+        out = []
+        for _ in range(calls):
+            sync(device)
+            t0 = time.perf_counter()
+            self.step()
+            sync(device)
+            out.append(time.perf_counter() - t0)
+        return out
 
 
 def fused_backend(device: torch.device) -> str:
@@ -108,22 +114,18 @@ def fused_backend(device: torch.device) -> str:
     return fusedres.resolve_backend(device)
 
 
-def build_variant(name: str, variant: str, batch: int, device: torch.device, *,
-                  plan_budget: int | None = None, image_size: int | None = None,
-                  depth: int | None = None, layout: str = "nchw") -> Trainer:
-    """A :class:`Trainer` for ``variant`` of zoo model ``name`` (or of the CIFAR ResNet of
-    ``depth`` bottleneck layers when ``depth`` is given), model and batch in ``layout``
-    (``nchw`` or ``channels_last``: ``.to(memory_format=torch.channels_last)``). ``fused+plan``
-    calls ``fusedres.memory.plan(model, input_shape, budget_bytes=plan_budget)``, which raises
-    ``fusedres.memory.planner.PlanError`` when the budget cannot be met."""
-    if variant not in ALL_VARIANTS:
-        raise ValueError(f"variant: expected one of {', '.join(ALL_VARIANTS)}, got {variant!r}")
-    graphed = variant in GRAPHED_VARIANTS
-    if graphed and device.type != "cuda":
-        raise ValueError(f"variant: {variant} replays a CUDA graph and needs a CUDA device, "
-                         f"got {device.type}")
+def make_trainer(name: str, batch: int, device: torch.device, *, fused: bool,
+                 layout: str = "nchw", amp_dtype: torch.dtype | None = None,
+                 graphed: bool = False, checkpoint=None, image_size: int | None = None,
+                 depth: int | None = None, info: dict | None = None, capture=None) -> Trainer:
+    """A :class:`Trainer` of zoo model ``name`` (or of the CIFAR ResNet of ``depth``
+    bottleneck layers when ``depth`` is given), plain or ``fused`` (the backend ``auto`` picks
+    for ``device``), model and batch in ``layout`` (``nchw`` or ``channels_last``:
+    ``.to(memory_format=torch.channels_last)``), its forward under autocast to ``amp_dtype``;
+    ``checkpoint``: what ``model.set_grad_checkpointing`` is given (True: every unit; a list
+    of unit ranges); ``graphed``: the step replayed from a CUDA graph (``capture``: see
+    :class:`Trainer`). The same seed for every row: the same weights and batch."""
     fmt = memory_format(layout)
-    fused = variant.startswith("fused")
     torch.manual_seed(0)
     if depth is not None:
         model = models.preact_resnet(depth, fused=fused, block="bottleneck")
@@ -132,23 +134,42 @@ def build_variant(name: str, variant: str, batch: int, device: torch.device, *,
         model = models.MODELS[name](fused=fused)
         size, classes = model_input(name, image_size)
     model = model.to(device).to(memory_format=fmt)
-    info: dict = {"variant": variant, "layout": layout}
-    shape = (batch, 3, size, size)
+    if checkpoint:
+        model.set_grad_checkpointing(checkpoint)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((batch, 3, size, size), generator=g).to(device).contiguous(memory_format=fmt)
+    target = torch.randint(0, classes, (batch,), generator=g).to(device)
+    backend = fused_backend(device) if fused else "reference"
+    info = {**(info or {}), "layout": layout, "backend": backend}
+    return Trainer(model, x, target, backend, info, amp_dtype=amp_dtype, graphed=graphed,
+                   capture=capture)
+
+
+def build_variant(name: str, variant: str, batch: int, device: torch.device, *,
+                  plan_budget: int | None = None, image_size: int | None = None,
+                  depth: int | None = None, layout: str = "nchw") -> Trainer:
+    """A :class:`Trainer` for ``variant`` of ``bench step`` (see :func:`make_trainer` for the
+    rest). ``fused+plan`` calls ``fusedres.memory.plan(model, input_shape,
+    budget_bytes=plan_budget)``, which raises ``fusedres.memory.planner.PlanError`` when the
+    budget cannot be met; ``plain+ckpt`` checkpoints every unit (timm's default)."""
+    if variant not in ALL_VARIANTS:
+        raise ValueError(f"variant: expected one of {', '.join(ALL_VARIANTS)}, got {variant!r}")
+    graphed = variant in GRAPHED_VARIANTS
+    if graphed and device.type != "cuda":
+        raise ValueError(f"variant: {variant} replays a CUDA graph and needs a CUDA device, "
+                         f"got {device.type}")
+    tr = make_trainer(name, batch, device, fused=variant.startswith("fused"), layout=layout,
+                      graphed=graphed, checkpoint=variant == "plain+ckpt" or None,
+                      image_size=image_size, depth=depth, info={"variant": variant})
     if variant == "fused+plan":
         if plan_budget is None:
             raise ValueError("plan_budget: needed for the fused+plan variant")
-        plan = fusedres.memory.plan(model, shape, budget_bytes=plan_budget,
+        plan = fusedres.memory.plan(tr.model, tuple(tr.x.shape), budget_bytes=plan_budget,
                                     channels_last=layout == "channels_last")
-        info.update(plan_budget_bytes=int(plan_budget), units_checkpointed=plan.n_checkpointed,
-                    segments=len(plan.segments), recompute_fraction=plan.recompute_fraction)
-    elif variant == "plain+ckpt":
-        model.set_grad_checkpointing(True)  # every unit its own segment (timm's default)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=g).to(device).contiguous(memory_format=fmt)
-    target = torch.randint(0, classes, (batch,), generator=g).to(device)
-    backend = fused_backend(device) if fused else "reference"
-    info["backend"] = backend
-    return (GraphedTrainer if graphed else Trainer)(model, x, target, backend, info)
+        tr.info.update(plan_budget_bytes=int(plan_budget),
+                       units_checkpointed=plan.n_checkpointed, segments=len(plan.segments),
+                       recompute_fraction=plan.recompute_fraction)
+    return tr
 
 
 def step_peak(tr: Trainer, device: torch.device) -> int:
@@ -180,16 +201,21 @@ def run_steps(names, batch: int, device: torch.device, *, variants=VARIANTS,
               progress=None, on_model=None) -> list[dict]:
     """One row per (model, variant, layout), all of a model timed interleaved:
     ``images_per_s`` (batch / median step time) with the spread of the step times,
-    ``peak_bytes``, ``saved_bytes``; the planner's choices for ``fused+plan`` (budget:
-    ``plan_budget``, or half the fused model's saved bytes); the ratios of
-    :func:`best_plain_ratios`."""
+    ``peak_bytes`` / ``peak_reserved_bytes`` (:class:`~.measure.MemoryWindow` over the row's
+    build, warm-up and, graphed, capture), ``saved_bytes``; the planner's choices for
+    ``fused+plan`` (budget: ``plan_budget``, or :func:`default_plan_budget`: planned only when
+    that variant is asked for); the ratios of :func:`best_plain_ratios`. ``warmup``: eager
+    steps before the timed ones (a graphed row's warm-up and capture are its own).
+    ``deadline``: no model starts, and no timing round of a started one, after it."""
     rows: list[dict] = []
     for name in names:
         if deadline is not None and time.monotonic() > deadline:
             rows.append({"model": name, "batch": batch, "variant": None,
                          "skipped": "time limit reached"})
             continue
-        budget = plan_budget or default_plan_budget(name, batch, image_size)
+        budget = None
+        if "fused+plan" in variants:
+            budget = plan_budget or default_plan_budget(name, batch, image_size)
         trainers, model_rows = {}, []
         for v in variants:
             for layout in layouts:
@@ -198,16 +224,20 @@ def run_steps(names, batch: int, device: torch.device, *, variants=VARIANTS,
                                        "layout": layout, "skipped": "needs a CUDA device"})
                     continue
                 try:
-                    trainers[v, layout] = build_variant(name, v, batch, device,
-                                                        plan_budget=budget,
-                                                        image_size=image_size, layout=layout)
+                    with MemoryWindow(device) as mem:
+                        tr = build_variant(name, v, batch, device, plan_budget=budget,
+                                           image_size=image_size, layout=layout)
+                        tr.first_calls = tr.prepare(device)
                 except fusedres.memory.planner.PlanError as e:
                     model_rows.append({"model": name, "batch": batch, "variant": v,
                                        "layout": layout,
                                        "skipped": f"planner: {str(e).splitlines()[0]}"})
+                    continue
+                tr.memory = mem
+                trainers[v, layout] = tr
         try:
             times = time_interleaved({k: t.step for k, t in trainers.items()}, device,
-                                     warmup=warmup, reps=reps,
+                                     warmup=max(0, warmup - 1), reps=reps, deadline=deadline,
                                      on_round=progress.update if progress else None)
         except torch.cuda.OutOfMemoryError as e:
             trainers.clear()
@@ -220,10 +250,11 @@ def run_steps(names, batch: int, device: torch.device, *, variants=VARIANTS,
             row = {"model": name, "batch": batch, **tr.info, **stats,
                    "images_per_s": batch / stats["median_s"],
                    "images_per_s_min": batch / stats["max_s"],
-                   "images_per_s_max": batch / stats["min_s"]}
+                   "images_per_s_max": batch / stats["min_s"],
+                   "peak_bytes": tr.memory.peak_allocated,
+                   "peak_reserved_bytes": tr.memory.peak_reserved}
             with fusedres.use_backend(tr.backend):
                 row["saved_bytes"] = saved_bytes(tr.model, tr.x)
-            row["peak_bytes"] = step_peak(tr, device)
             model_rows.append(row)
         best_plain_ratios(model_rows)
         rows += model_rows
@@ -280,6 +311,7 @@ def columns():
             Column("time x best plain", "time_ratio", "{:.2f}"),
             Column("x plain graphed", "graphed_time_ratio", "{:.2f}"),
             Column("peak", "peak_bytes", fmt_bytes),
+            Column("reserved", "peak_reserved_bytes", fmt_bytes),
             Column("peak x best plain", "peak_ratio", "{:.2f}"),
             Column("saved", "saved_bytes", fmt_bytes),
             Column("plan", lambda r: (r["units_checkpointed"], r["plan_budget_bytes"],

@@ -224,11 +224,13 @@ def modeled_columns(row: dict, shape, dtype: torch.dtype, device: torch.device) 
         row["modeled_s"] = plain_s if row["impl"] == "plain" else fused_s
 
 
-def profiled_seconds(step, reps: int, activities, attr: str) -> float:
+def profiled_seconds(step, reps: int, activities, attr: str, profile=None) -> float:
     """Seconds per step of ``attr`` (a FunctionEventAvg total: ``self_device_time_total``,
     ``self_cpu_time_total``) summed over every op and kernel torch.profiler records in
-    ``reps`` calls of ``step``. Self times add up without counting a nested op twice."""
-    from torch.profiler import profile
+    ``reps`` calls of ``step``. Self times add up without counting a nested op twice.
+    ``profile``: torch.profiler.profile, or a stand-in with its interface (tests)."""
+    if profile is None:
+        from torch.profiler import profile
 
     with profile(activities=activities) as prof:
         for _ in range(reps):
