@@ -1,31 +1,39 @@
 """The GPU check: one command for a bare GPU machine (``make gpu-check OUT=dir``).
 
-Such a machine has its own python3 (torch, triton, nvcc; no pip index, no network), so nothing
-is installed and no venv is made: this script runs with that python3 and uses only the standard
-library, then, within one time limit (``--time-limit``, default 530 s: done in <= 9 minutes):
+Such a machine has its own python3 (torch, triton, nvcc; no pip index, no network) and starts
+bare (no build, no Triton cache), so nothing is installed and no venv is made: this script runs
+with that python3, uses only the standard library, and spends its time limit (``--time-limit``,
+default 530 s: done in <= 9 minutes) in the order of what matters most (:data:`PLAN`):
 
 1. probe: versions (torch, triton, numpy, CUDA), the GPU and its compute capability, in a short
-   child process (the CUDA context it opens is gone before the build and the report start);
-2. build: ``fusedres._C`` in place for the visible GPU only, with every core
+   child process; a prepared fusedres._C (``make gpu-prepare`` on a CPU machine: built against
+   the device's torch for its GPU, carried in) is put in place and loaded in a second child;
+2. decisive: ``python3 -m fusedres.apps.bench gpu-report --parts decisive``: the training step
+   of ResNet-164 and ResNet-1001 at batch 128, fused against plain PyTorch, eager and
+   CUDA-graphed, float32 and bf16 (fusedres/apps/bench/decisive.py). It runs on the Triton
+   backend, which needs no build, and is written to report.md and results.json as each group
+   of rows finishes; its slot ends by 285 s (the table in <= 5 minutes);
+3. replay, selftest: the per-unit kernel times beside the MODELED ones, the kernels against the
+   reference (the report's next parts, ``--append``);
+4. build: ``fusedres._C`` in place for the visible GPU only, with every core
    (``TORCH_CUDA_ARCH_LIST`` from the capability, ``MAX_JOBS`` = cores,
    ``FUSEDRES_BUILD_EXT=1 FUSEDRES_BUILD_CUDA=1 FUSEDRES_BUILD_TEST_EXT=0 python3 setup.py -q
-   build_ext --inplace``); ninja's ``[n/N]`` shown as it goes. A failed build is reported and
-   the report still runs (without the cuda backend);
-3. report: ``python3 -m fusedres.apps.bench gpu-report`` (self-test, units, steps of every kind in
-   fusedres.apps.bench.runner.STEP_KINDS, fit) with the time that is left less a margin as its own
-   limit (its parts stop starting new work at their shares of it), and killed, with its
-   process group, at the check's deadline if it overruns: it rewrites report.md and
-   results.json after each part, so what finished is kept, and its progress lines (each
-   shape's and model's row as it finishes) are in the log;
-4. pack: the device machine returns at most 8 files of at most 16 MiB, two folders deep, so the
+   build_ext --inplace``); skipped when the prepared one loaded; a failed build is reported
+   and the rest still runs (without the cuda backend);
+5. cuda, units, fit, compile: the report's last parts, the cuda backend's among them;
+6. pack: the device machine returns at most 8 files of at most 16 MiB, two folders deep, so the
    folder holds at most four: report.md, results.json (with a ``gpu_check`` entry: versions,
-   build, times, what was cut off), gpu-check.log (this script's progress, the build's output,
-   the report's output) and plots.zip (the PNGs report.md shows; unzip it beside report.md).
+   the plan, each phase's time, what was cut off), gpu-check.log (this script's progress, the
+   build's output, the report's output) and plots.zip (the PNGs report.md shows).
 
-``--device cpu --quick`` is the dry run CI makes (.ci/run): the same steps on CPU (the build
-without CUDA: ninja finds it done after ``make install``; the report's quick shapes under the
-Triton interpreter). Exit status: 0 when every step passed, 1 when one failed or was cut off,
-2 for bad usage (an argument, or ``--device cuda`` without a GPU).
+Every phase ends by its planned end (the sum of the slots up to it, scaled to the time limit):
+a report process is stopped there, with its process group, and what it wrote before is kept;
+a phase that finishes early leaves its time to the ones after it. The plan is printed first.
+
+``--device cpu --quick`` is the dry run CI makes (.ci/run): the same phases on CPU (the build
+without CUDA: ninja finds it done after ``make install``; the report's quick shapes). Exit
+status: 0 when every phase passed, 1 when one failed or was cut off, 2 for bad usage (an
+argument, or ``--device cuda`` without a GPU).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,12 +57,20 @@ MAX_FILES = 8  # what the device machine returns from its output folder
 MAX_FILE_BYTES = 16 * 2 ** 20
 OURS = ("report.md", "results.json", "gpu-check.log", "plots.zip")
 LOG_KEEP_BYTES = 4 * 2 ** 20  # the log's size cap (head and tail kept)
-DEFAULT_TIME_LIMIT = 530.0  # seconds, everything included: <= 9 minutes
-REPORT_MIN_S = 120.0  # the build stops in time to leave the report at least this
-REPORT_MARGIN_S = 45.0  # the report's own limit ends this long before the hard stop
-FINISH_S = 8.0  # packing and writing after the report, before the deadline
-BUILD_CAP_S = 300.0
+# The phases in the order they run, which is the order of importance, with the seconds each
+# may take (scaled to --time-limit). A phase ends by the sum of the slots up to it. The report's
+# parts (fusedres.apps.bench.runner.GPU_PARTS) run in three processes: "decisive" alone, then
+# "replay" and "selftest", then, after the build, the rest.
+PLAN = (("probe", 20.0), ("decisive", 265.0), ("replay", 50.0), ("selftest", 45.0),
+        ("build", 95.0), ("cuda", 20.0), ("units", 10.0), ("fit", 10.0), ("compile", 5.0),
+        ("pack", 10.0))
+REPORT_PROCESSES = (("decisive",), ("replay", "selftest"), ("cuda", "units", "fit", "compile"))
+DEFAULT_TIME_LIMIT = sum(s for _, s in PLAN)  # 530 s, everything included: <= 9 minutes
+DECISIVE_BY_S = 300.0  # the issue's bound on the decisive table, at the default limit
+MIN_TIME_LIMIT = 5.0
 QUIET_S = 30.0  # a progress line when a step has printed nothing for this long
+BUILD_MIN_S = 10.0  # a build with less left of its slot is not started
+PREPARED = ROOT / "build" / "gpu-prepare"  # make gpu-prepare's folder, carried to the device
 
 PROBE = r"""
 import json, os, sys
@@ -116,24 +133,48 @@ def build_env(base: dict, device: str, capability=None, cores: int | None = None
     return env
 
 
-class Check:
-    """One run: the clock, the log, the progress lines."""
+def plan_ends(time_limit: float) -> dict[str, float]:
+    """Each phase's planned end, in seconds from the start: the running sum of :data:`PLAN`'s
+    slots, scaled so that the last ends at ``time_limit``."""
+    scale = time_limit / DEFAULT_TIME_LIMIT
+    ends, t = {}, 0.0
+    for name, seconds in PLAN:
+        t += seconds * scale
+        ends[name] = t
+    return ends
 
-    def __init__(self, out: Path, time_limit: float):
+
+def plan_lines(time_limit: float) -> list[str]:
+    """The plan as printed first: each phase's slot and its end."""
+    ends, before = plan_ends(time_limit), 0.0
+    out = []
+    for name, _ in PLAN:
+        out.append(f"  {name:<9} {ends[name] - before:5.0f} s, ends by {ends[name]:4.0f} s")
+        before = ends[name]
+    return out
+
+
+class Check:
+    """One run: the clock, the log, the progress lines, the plan's deadlines."""
+
+    def __init__(self, out: Path, time_limit: float, clock=time.monotonic):
         self.out = out
-        self.start = time.monotonic()
-        self.deadline = self.start + time_limit
+        self.clock = clock
+        self.start = clock()
         self.time_limit = time_limit
+        self.ends = plan_ends(time_limit)
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "gpu-check.log"
         self.log = open(self.log_path, "w", buffering=1)
-        self.facts: dict = {"time_limit_s": time_limit, "steps": {}}
+        self.facts: dict = {"time_limit_s": time_limit, "steps": {},
+                            "plan": {k: round(v, 1) for k, v in self.ends.items()}}
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.start
+        return self.clock() - self.start
 
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
+    def until(self, phase: str) -> float:
+        """Seconds left until ``phase``'s planned end."""
+        return self.start + self.ends[phase] - self.clock()
 
     def say(self, text: str) -> None:
         """A progress line, on stdout and in the log."""
@@ -202,7 +243,7 @@ def run_child(check: Check, cmd: list[str], env: dict, limit: float, *, echo: bo
 def probe(check: Check, python: str) -> dict:
     try:
         proc = subprocess.run([python, "-c", PROBE], capture_output=True, text=True,
-                              timeout=min(90.0, max(5.0, check.left() - REPORT_MIN_S)), cwd=ROOT)
+                              timeout=max(5.0, check.until("probe")), cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"probe_error": "the probe timed out"}
     if proc.stderr.strip():
@@ -213,55 +254,122 @@ def probe(check: Check, python: str) -> dict:
         return {"probe_error": (proc.stdout + proc.stderr)[-500:]}
 
 
+LOAD_CHECK = r"""
+import json
+import fusedres
+from fusedres.ops import _extension
+print(json.dumps({"loaded": _extension.LOADED, "error": _extension.LOAD_ERROR,
+                  "cuda": fusedres.unavailable_reason("cuda", "cuda")}))
+"""
+
+
+def prepared_problem(manifest: dict, info: dict) -> str | None:
+    """Why ``make gpu-prepare``'s library cannot serve this machine (None: it can): it was
+    built against another torch, or for another GPU architecture."""
+    if manifest.get("torch") != info.get("torch"):
+        return (f"built against torch {manifest.get('torch')}, this machine has torch "
+                f"{info.get('torch')}")
+    arch = arch_list(info["capability"]) if info.get("capability") else None
+    if arch not in manifest.get("arch_list", []):
+        return (f"built for compute capability {', '.join(manifest.get('arch_list', []))}, "
+                f"this GPU is {arch}")
+    return None
+
+
+def step_prepared(check: Check, python: str, info: dict, folder: Path) -> bool:
+    """Put ``make gpu-prepare``'s fusedres._C (a stable-ABI library: any Python 3) in place
+    and load it in a child; True when it loaded with the cuda backend, else it is removed and
+    the build will make one."""
+    facts = check.facts["steps"]["prepared"] = {"folder": str(folder)}
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        facts["status"] = f"none ({type(e).__name__})"
+        check.say(f"prepared: no prepared library in {folder}; the build makes one")
+        return False
+    problem = prepared_problem(manifest, info)
+    if problem is not None:
+        facts["status"] = f"not used: {problem}"
+        check.say(f"prepared: not used ({problem}); the build makes one")
+        return False
+    target = ROOT / "fusedres" / manifest["file"]
+    shutil.copy2(folder / manifest["file"], target)
+    try:
+        proc = subprocess.run([python, "-c", LOAD_CHECK], capture_output=True, text=True,
+                              timeout=max(5.0, check.until("probe")), cwd=ROOT)
+        loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        loaded = {"loaded": False, "error": f"{type(e).__name__}"}
+    ok = bool(loaded.get("loaded")) and loaded.get("cuda") is None
+    facts.update(manifest=manifest, load=loaded, status="loaded" if ok else "failed to load")
+    if not ok:
+        target.unlink()
+        why = loaded.get("error") or loaded.get("cuda")
+        check.say(f"prepared: {manifest['file']} did not load ({why}); the build makes one")
+    else:
+        check.say(f"prepared: {manifest['file']} loaded (torch {manifest['torch']}, "
+                  f"{', '.join(manifest['arch_list'])}); no build needed")
+    return ok
+
+
 def step_build(check: Check, python: str, device: str, info: dict) -> bool:
     env = build_env(os.environ, device, info.get("capability"), info.get("cores"))
-    limit = min(BUILD_CAP_S, check.left() - REPORT_MIN_S - FINISH_S)
+    limit = check.until("build")
     what = (f"TORCH_CUDA_ARCH_LIST={env['TORCH_CUDA_ARCH_LIST']} " if device == "cuda" else "") \
         + f"MAX_JOBS={env['MAX_JOBS']} FUSEDRES_BUILD_CUDA={env['FUSEDRES_BUILD_CUDA']}"
     facts = check.facts["steps"]["build"] = {"env": what, "limit_s": round(limit)}
-    if limit < 10:
-        check.say(f"build: skipped, {check.left():.0f} s left is too little")
+    if limit < BUILD_MIN_S:
+        check.say(f"build: skipped, {limit:.0f} s left of its slot is too little")
         facts["status"] = "skipped"
         return False
     check.say(f"build: fusedres._C in place ({what}), at most {limit:.0f} s")
-    t0 = time.monotonic()
+    t0 = check.clock()
     seen = {"step": "", "said": t0}
 
     def on_line(line: str) -> None:
         m = re.match(r"\[(\d+)/(\d+)\]", line)
         if m:
             seen["step"] = f"{m.group(1)}/{m.group(2)}"
-        if time.monotonic() - seen["said"] >= 20:
-            seen["said"] = time.monotonic()
-            check.say(f"build: ninja step {seen['step'] or '-'}, {time.monotonic() - t0:.0f} s")
+        if check.clock() - seen["said"] >= 20:
+            seen["said"] = check.clock()
+            check.say(f"build: ninja step {seen['step'] or '-'}, {check.clock() - t0:.0f} s")
 
     def on_quiet(seconds: float) -> None:
-        seen["said"] = time.monotonic()
-        check.say(f"build: ninja step {seen['step'] or '-'}, {time.monotonic() - t0:.0f} s")
+        seen["said"] = check.clock()
+        check.say(f"build: ninja step {seen['step'] or '-'}, {check.clock() - t0:.0f} s")
 
     code, timed_out = run_child(check, [python, "setup.py", "-q", "build_ext", "--inplace"],
                                 env, limit, echo=False, on_line=on_line, on_quiet=on_quiet,
                                 quiet_s=20.0)
-    seconds = time.monotonic() - t0
+    seconds = check.clock() - t0
     ok = code == 0
     facts.update(seconds=round(seconds, 1), exit_status=code, timed_out=timed_out,
                  status="ok" if ok else ("timed out" if timed_out else "failed"))
     check.say(f"build: {facts['status']} in {seconds:.0f} s"
-              + ("" if ok else " (the report runs without it; the output is in gpu-check.log)"))
+              + ("" if ok else " (the rest runs without it; the output is in gpu-check.log)"))
     return ok
 
 
-def step_report(check: Check, python: str, device: str, quick: bool, extra: list[str]) -> dict:
-    hard = check.left() - FINISH_S
-    soft = max(30.0, hard - REPORT_MARGIN_S)
+def step_report(check: Check, python: str, device: str, quick: bool, parts: tuple[str, ...],
+                append: bool) -> dict:
+    """One report process for ``parts``, each given its planned end (``--slots``, seconds from
+    the process's start), stopped with its process group at the last one's."""
+    now = check.elapsed()
+    slots = {p: check.ends[p] - now for p in parts if check.ends[p] - now > 1.0}
+    name = "report:" + ",".join(parts)
+    if not slots:
+        check.facts["steps"][name] = {"status": "skipped: its time slot ended"}
+        check.say(f"report {','.join(parts)}: skipped, its time slot ended")
+        return check.facts["steps"][name]
+    hard = check.until(parts[-1])
     cmd = [python, "-m", "fusedres.apps.bench", "gpu-report", "--out", str(check.out),
-           "--time-limit", f"{soft:.0f}", "--no-progress", "--device", device,
-           *(["--quick"] if quick else []), *extra]
-    facts = check.facts["steps"]["report"] = {"command": " ".join(cmd[1:]),
-                                             "time_limit_s": round(soft),
-                                             "hard_limit_s": round(hard)}
-    check.say(f"report: fusedres bench gpu-report, its limit {soft:.0f} s, stopped at "
-              f"{hard:.0f} s")
+           "--parts", ",".join(slots), "--no-progress", "--device", device,
+           "--slots", ",".join(f"{p}={v:.0f}" for p, v in slots.items()),
+           *(["--append"] if append else []), *(["--quick"] if quick else [])]
+    facts = check.facts["steps"][name] = {"command": " ".join(cmd[1:]),
+                                          "hard_limit_s": round(hard)}
+    check.say(f"report {','.join(slots)}: " + ", ".join(f"{p} until {check.ends[p]:.0f} s"
+                                                        for p in slots))
     started: list[str] = []
 
     def on_line(line: str) -> None:
@@ -269,22 +377,22 @@ def step_report(check: Check, python: str, device: str, quick: bool, extra: list
         if m:
             started.append(m.group(1))
 
-    t0 = time.monotonic()
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")
     def on_quiet(seconds: float) -> None:
         check.say(f"report: in part {started[-1] if started else '-'}, nothing printed for "
                   f"{seconds:.0f} s")
 
+    t0 = check.clock()
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
     code, timed_out = run_child(check, cmd, env, hard, echo=True, on_line=on_line,
                                 on_quiet=on_quiet)
-    seconds = time.monotonic() - t0
+    seconds = check.clock() - t0
     facts.update(seconds=round(seconds, 1), exit_status=code, timed_out=timed_out,
                  parts_started=started)
     if timed_out:
         facts["cut_off_in"] = started[-1] if started else None
-        check.say(f"report: stopped at the time limit after {seconds:.0f} s, in part "
-                  f"{facts['cut_off_in']}: the parts before it are in report.md and "
+        check.say(f"report: stopped at the end of its slot after {seconds:.0f} s, in part "
+                  f"{facts['cut_off_in']}: what it wrote before is in report.md and "
                   "results.json, its rows so far in gpu-check.log")
     else:
         check.say(f"report: exit status {code} after {seconds:.0f} s")
@@ -331,8 +439,9 @@ def cap_log(path: Path, keep: int = LOG_KEEP_BYTES) -> None:
 
 
 def annotate(out: Path, facts: dict) -> None:
-    """The check's facts into results.json (key ``gpu_check``) and a short section at the top
-    of report.md (written by the report; absent if it never got that far)."""
+    """The check's facts into results.json (key ``gpu_check``) and a section at the end of
+    report.md (written by the report; absent if it never got that far): the versions, the
+    plan, what each phase did."""
     results = out / "results.json"
     if results.exists():
         try:
@@ -347,31 +456,32 @@ def annotate(out: Path, facts: dict) -> None:
     report = out / "report.md"
     if not report.exists():
         return
-    build = facts["steps"].get("build", {})
-    rep = facts["steps"].get("report", {})
+    probe = facts["probe"]
     lines = ["## GPU check", "",
              f"`make gpu-check` (benchmarks/gpu_check.py), {facts['elapsed_s']:.0f} s of its "
-             f"{facts['time_limit_s']:.0f} s limit; python {facts['probe'].get('python')}, "
-             f"torch {facts['probe'].get('torch')}, triton {facts['probe'].get('triton')}, "
-             f"numpy {facts['probe'].get('numpy')}"
-             + (f", {facts['probe']['gpu']} (compute capability "
-                f"{arch_list(facts['probe']['capability'])})" if facts['probe'].get('gpu')
-                else "") + ".", "",
-             f"- build of fusedres._C: {build.get('status', 'not run')}"
-             + (f" in {build['seconds']:.0f} s ({build['env']})" if "seconds" in build else ""),
-             "- report: " + ("cut off at the time limit in part "
-                              f"`{rep.get('cut_off_in')}`: the parts below finished; the rows "
-                              "of the cut part so far are in gpu-check.log"
-                              if rep.get("timed_out") else
-                              f"exit status {rep.get('exit_status')} in "
-                              f"{rep.get('seconds', 0):.0f} s"),
-             "- plots: in plots.zip (the device returns at most 8 files): unzip it here and "
-             "the images below show.", ""]
-    if facts.get("version_problems"):
-        lines[4:4] = [f"- unsupported: {p}" for p in facts["version_problems"]]
-    text = report.read_text()
-    head, sep, rest = text.partition("\n\n")  # after the title line
-    report.write_text(head + sep + "\n".join(lines) + "\n" + rest)
+             f"{facts['time_limit_s']:.0f} s limit; python {probe.get('python')}, "
+             f"torch {probe.get('torch')}, triton {probe.get('triton')}, "
+             f"numpy {probe.get('numpy')}"
+             + (f", {probe['gpu']} (compute capability {arch_list(probe['capability'])})"
+                if probe.get("gpu") else "") + ".", ""]
+    lines += [f"- unsupported: {p}" for p in facts.get("version_problems", [])]
+    lines.append("- plan (each phase ends by): " + ", ".join(
+        f"{k} {v:.0f} s" for k, v in facts["plan"].items()))
+    for name, step in facts["steps"].items():
+        lines.append(f"- {name}: {_step_line(step)}")
+    lines += ["- plots: in plots.zip (the device returns at most 8 files): unzip it here and "
+              "the images above show.", ""]
+    report.write_text(report.read_text().rstrip("\n") + "\n\n" + "\n".join(lines))
+
+
+def _step_line(step: dict) -> str:
+    if step.get("timed_out"):
+        return (f"stopped at the end of its slot in part `{step.get('cut_off_in')}` after "
+                f"{step.get('seconds', 0):.0f} s: what finished before is above")
+    if "exit_status" in step:
+        return (f"{step.get('status') or 'exit status ' + str(step['exit_status'])} in "
+                f"{step.get('seconds', 0):.0f} s" + (f" ({step['env']})" if "env" in step else ""))
+    return str(step.get("status", "not run"))
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -379,20 +489,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", required=True, help="folder for the report (made if missing)")
     ap.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT,
                     help=f"seconds for everything, the build included (default "
-                         f"{DEFAULT_TIME_LIMIT:.0f})")
+                         f"{DEFAULT_TIME_LIMIT:.0f}); the plan's slots are scaled to it")
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                     help="auto: cuda when a GPU is visible")
     ap.add_argument("--quick", action="store_true",
                     help="the report's quick shapes (the CPU dry run)")
     ap.add_argument("--no-build", dest="build", action="store_false",
                     help="use fusedres._C as it is")
-    ap.add_argument("--step-kinds", default=None,
-                    help="passed to gpu-report (default: every kind of training step)")
+    ap.add_argument("--prepared", default=str(PREPARED),
+                    help="make gpu-prepare's folder (default build/gpu-prepare): its "
+                         "fusedres._C is used when it loads, and the build is skipped")
     ap.add_argument("--python", default=sys.executable,
                     help="the Python that builds and runs the report (default: this one)")
     args = ap.parse_args(argv)
-    if args.time_limit < REPORT_MIN_S:
-        raise UsageError(f"--time-limit: expected at least {REPORT_MIN_S:.0f} seconds, got "
+    if not args.time_limit >= MIN_TIME_LIMIT:
+        raise UsageError(f"--time-limit: expected at least {MIN_TIME_LIMIT:.0f} seconds, got "
                          f"{args.time_limit:g}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -431,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         cap_log(check.log_path)
 
 
-def _run(check: Check, args, python: str) -> int:
+def _probe_phase(check: Check, args, python: str) -> tuple[dict, str] | int:
+    """The probe; (what it found, the device) or an exit status."""
     check.say(f"probe: {python}")
     info = probe(check, python)
     check.facts["probe"] = info
@@ -456,13 +568,31 @@ def _run(check: Check, args, python: str) -> int:
                  ", no GPU: the CPU dry run"))
     for p in problems:
         check.say(f"probe: unsupported: {p}")
-    build_ok = True
-    if args.build:
-        build_ok = step_build(check, python, device, info)
-    else:
-        check.facts["steps"]["build"] = {"status": "not asked (--no-build)"}
-    extra = ["--step-kinds", args.step_kinds] if args.step_kinds else []
-    rep = step_report(check, python, device, args.quick, extra)
+    return info, device
+
+
+def _run(check: Check, args, python: str) -> int:
+    check.say(f"plan ({check.time_limit:.0f} s in all; the decisive table by "
+              f"{check.ends['decisive']:.0f} s):")
+    for line in plan_lines(check.time_limit):
+        check.say(line)
+    found = _probe_phase(check, args, python)
+    if isinstance(found, int):
+        return found
+    info, device = found
+    prepared = device == "cuda" and args.build and step_prepared(check, python, info,
+                                                                  Path(args.prepared))
+    reports = []
+    for i, parts in enumerate(REPORT_PROCESSES):
+        if "cuda" in parts:  # the build comes before the parts that use fusedres._C
+            build_ok = True
+            if prepared:
+                check.facts["steps"]["build"] = {"status": "not needed (the prepared library)"}
+            elif args.build:
+                build_ok = step_build(check, python, device, info)
+            else:
+                check.facts["steps"]["build"] = {"status": "not asked (--no-build)"}
+        reports.append(step_report(check, python, device, args.quick, parts, append=i > 0))
     check.facts["elapsed_s"] = check.elapsed()
     annotate(check.out, check.facts)
     pngs = sorted(p.name for p in check.out.iterdir() if p.suffix == ".png")
@@ -472,7 +602,7 @@ def _run(check: Check, args, python: str) -> int:
     for p in problems:
         check.say(f"pack: over the device's budget: {p}")
     files = sorted(p.name for p in check.out.iterdir())
-    ok = build_ok and rep.get("exit_status") == 0 and not problems
+    ok = build_ok and all(r.get("exit_status") == 0 for r in reports) and not problems
     check.say(f"{'done' if ok else 'finished with a failure'} in {check.elapsed():.0f} s "
               f"(limit {check.time_limit:.0f} s): {len(files)} files in {check.out}: "
               + ", ".join(files))

@@ -28,13 +28,21 @@ from pathlib import Path
 state = Path(os.environ["FAKE_STATE"])
 mode = os.environ.get("FAKE_MODE", "ok")
 argv = sys.argv[1:]
-if argv[0] == "-c":  # the probe
+if argv[0] == "-c" and "_extension" in argv[1]:  # the prepared library's load check
+    with open(state / "calls.txt", "a") as f:
+        f.write("load\n")
+    ok = os.environ.get("FAKE_LOAD", "ok") == "ok"
+    print(json.dumps({{"loaded": ok, "error": None if ok else "undefined symbol: x",
+                      "cuda": None}}))
+elif argv[0] == "-c":  # the probe
     print(json.dumps({{"python": "3.12.3", "cores": 16, "torch": os.environ.get("FAKE_TORCH",
                       "2.11.0+cu130"), "cuda_runtime": "13.0",
-                      "cuda_available": mode != "nogpu", "gpu": "NVIDIA H100 80GB HBM3",
-                      "capability": [9, 0], "gpu_memory_bytes": 80 * 2 ** 30, "gpu_count": 1,
+                      "cuda_available": mode != "nogpu", "gpu": "NVIDIA H200",
+                      "capability": [9, 0], "gpu_memory_bytes": 139 * 2 ** 30, "gpu_count": 1,
                       "triton": "3.6.0", "numpy": "2.4.6"}}))
 elif argv[0] == "setup.py":  # the build
+    with open(state / "calls.txt", "a") as f:
+        f.write("build\n")
     keys = ("TORCH_CUDA_ARCH_LIST", "MAX_JOBS", "FUSEDRES_BUILD_EXT", "FUSEDRES_BUILD_CUDA",
             "FUSEDRES_BUILD_TEST_EXT")
     (state / "build.json").write_text(json.dumps({{"argv": argv, **{{k: os.environ.get(k)
@@ -42,39 +50,53 @@ elif argv[0] == "setup.py":  # the build
     print("[1/2] nvcc a.cu", flush=True)
     print("[2/2] c++ -shared", flush=True)
     sys.exit(3 if mode == "buildfail" else 0)
-else:  # python -m fusedres.apps.bench gpu-report --out DIR ...
-    (state / "report.json").write_text(json.dumps(argv))
+else:  # python -m fusedres.apps.bench gpu-report --out DIR --parts A,B ...
+    parts = argv[argv.index("--parts") + 1].split(",")
+    with open(state / "calls.txt", "a") as f:
+        f.write("report " + ",".join(parts) + "\n")
+    with open(state / "reports.jsonl", "a") as f:
+        f.write(json.dumps(argv) + "\n")
     out = Path(argv[argv.index("--out") + 1])
-    (out / "report.md").write_text("# fusedres GPU report\n\nCommand: `x`\n\n## Self-test\n")
-    (out / "results.json").write_text(json.dumps({{"parts": {{"selftest": {{"failed": 0}}}}}}))
-    for name in ("units-ratio.png", "step.png"):
-        (out / name).write_bytes(b"\x89PNG\r\n\x1a\n" + name.encode())
+    results = out / "results.json"
+    earlier = "--append" in argv and results.exists()
+    doc = json.loads(results.read_text()) if earlier else {{"parts": {{}}}}
+    md = (out / "report.md").read_text() if earlier else "# fusedres GPU report\n"
+    for part in parts:
+        print(f"[{{part}}: started at 0 s]", flush=True)
+        print(f"{{part}} row  plain  1.00", flush=True)
+        if mode == "hang" and part == "decisive":  # after writing its first rows
+            doc["parts"][part] = {{"final": False}}
+            results.write_text(json.dumps(doc))
+            (out / "report.md").write_text(md + "\n## decisive (partial)\n")
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+            (state / "grandchild").write_text(str(child.pid))
+            time.sleep(120)
+        doc["parts"][part] = {{"failed": 0}}
+        md += f"\n## {{part}}\n"
+        (out / f"{{part}}.png").write_bytes(b"\x89PNG\r\n\x1a\n" + part.encode())
+        results.write_text(json.dumps(doc))
+        (out / "report.md").write_text(md)
+        print(f"[{{part}}: 0 s]", flush=True)
     (out / "results.json.tmp").write_text("{{")  # cut off mid-write
-    print("[self-test: started at 0 s]", flush=True)
-    print("[self-test: 0 s]", flush=True)
-    print("[units: started at 0 s]", flush=True)
-    print("quick 16ch  plain  1.00", flush=True)
-    if mode == "hang":
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        (state / "grandchild").write_text(str(child.pid))
-        time.sleep(120)
 '''
 
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    """(path of the stand-in python, its state folder); the check's margins shrunk so that a
-    time limit of seconds works."""
+    """(path of the stand-in python, its state folder); no prepared library unless a test
+    makes one."""
     state = tmp_path / "state"
     state.mkdir()
     py = tmp_path / "python3"
     py.write_text(FAKE.format(python=sys.executable))
     py.chmod(0o755)
     monkeypatch.setenv("FAKE_STATE", str(state))
-    monkeypatch.setattr(gc, "REPORT_MIN_S", 2.0)
-    monkeypatch.setattr(gc, "REPORT_MARGIN_S", 1.0)
-    monkeypatch.setattr(gc, "FINISH_S", 1.0)
+    monkeypatch.setattr(gc, "PREPARED", tmp_path / "no-prepared")
     return str(py), state
+
+
+def _calls(state) -> list[str]:
+    return (state / "calls.txt").read_text().splitlines()
 
 
 def _alive(pid: int) -> bool:
@@ -89,102 +111,185 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _check(py, out, *args):
+    return gc.main(["--out", str(out), "--python", py, "--prepared", str(out.parent / "none"),
+                    *args])
+
+
+def test_the_plan_puts_the_decisive_table_first_and_adds_up():
+    """The order of importance (issue: the decisive table, then the per-unit replay, the
+    self-test, the cuda backend after its build, units, fit, compile), the decisive table
+    written by 300 s and everything within 9 minutes at the default limit; every report part
+    in exactly one report process, in the report's own order."""
+    from fusedres.apps.bench.runner import GPU_PARTS
+
+    names = [name for name, _ in gc.PLAN]
+    assert names == ["probe", "decisive", "replay", "selftest", "build", "cuda", "units",
+                     "fit", "compile", "pack"]
+    ends = gc.plan_ends(gc.DEFAULT_TIME_LIMIT)
+    assert ends["decisive"] <= gc.DECISIVE_BY_S <= 300
+    assert ends["pack"] == gc.DEFAULT_TIME_LIMIT <= 540
+    assert all(seconds > 0 for _, seconds in gc.PLAN)
+    flat = [p for group in gc.REPORT_PROCESSES for p in group]
+    assert flat == list(GPU_PARTS) == [n for n in names if n in GPU_PARTS]
+    # Scaled to another limit, the same proportions.
+    half = gc.plan_ends(gc.DEFAULT_TIME_LIMIT / 2)
+    assert all(abs(half[k] - ends[k] / 2) < 1e-9 for k in ends)
+    lines = gc.plan_lines(gc.DEFAULT_TIME_LIMIT)
+    assert lines[1].split() == ["decisive", "265", "s,", "ends", "by", "285", "s"]
+
+
 def test_builds_for_the_visible_gpu_and_packs_the_report(fake, tmp_path, capsys):
     py, state = fake
     out = tmp_path / "out"
-    assert gc.main(["--out", str(out), "--python", py, "--time-limit", "60"]) == 0
+    assert _check(py, out, "--time-limit", "60") == 0
+    # The decisive table before anything else, the build between the self-test and the cuda
+    # part (the parts that can use fusedres._C built for the GPU).
+    assert _calls(state) == ["report decisive", "report replay,selftest", "build",
+                             "report cuda,units,fit,compile"]
     build = json.loads((state / "build.json").read_text())
     assert build == {"argv": ["setup.py", "-q", "build_ext", "--inplace"],
                      "TORCH_CUDA_ARCH_LIST": "9.0", "MAX_JOBS": "16",
                      "FUSEDRES_BUILD_EXT": "1", "FUSEDRES_BUILD_CUDA": "1",
                      "FUSEDRES_BUILD_TEST_EXT": "0"}
-    report_argv = json.loads((state / "report.json").read_text())
-    assert report_argv[:5] == ["-m", "fusedres.apps.bench", "gpu-report", "--out", str(out)]
-    assert report_argv[report_argv.index("--device") + 1] == "cuda"
-    assert "--no-progress" in report_argv and "--quick" not in report_argv
-    # The report's own limit: what was left, less the margin.
-    assert 50 <= float(report_argv[report_argv.index("--time-limit") + 1]) <= 60
+    reports = [json.loads(line) for line in (state / "reports.jsonl").read_text().splitlines()]
+    first = reports[0]
+    assert first[:5] == ["-m", "fusedres.apps.bench", "gpu-report", "--out", str(out)]
+    assert first[first.index("--device") + 1] == "cuda"
+    assert "--no-progress" in first and "--quick" not in first and "--append" not in first
+    assert all("--append" in r for r in reports[1:])
+    # Each part's end: the plan scaled to 60 s, counted from the report's launch.
+    ends = gc.plan_ends(60.0)
+    slots = dict(kv.split("=") for kv in first[first.index("--slots") + 1].split(","))
+    assert list(slots) == ["decisive"] and 0 < float(slots["decisive"]) <= ends["decisive"]
+    last = dict(kv.split("=") for kv in reports[2][reports[2].index("--slots") + 1].split(","))
+    assert list(last) == ["cuda", "units", "fit", "compile"]
+    assert [float(v) for v in last.values()] == sorted(float(v) for v in last.values())
     assert sorted(p.name for p in out.iterdir()) == [
         "gpu-check.log", "plots.zip", "report.md", "results.json"]
     with zipfile.ZipFile(out / "plots.zip") as z:
-        assert sorted(z.namelist()) == ["step.png", "units-ratio.png"]
-        assert z.read("step.png").endswith(b"step.png")
+        assert sorted(z.namelist()) == sorted(f"{p}.png" for p in gc.REPORT_PROCESSES[0]
+                                              + gc.REPORT_PROCESSES[1] + gc.REPORT_PROCESSES[2])
     doc = json.loads((out / "results.json").read_text())
-    assert doc["parts"] == {"selftest": {"failed": 0}}
+    assert list(doc["parts"]) == ["decisive", "replay", "selftest", "cuda", "units", "fit",
+                                  "compile"]
     facts = doc["gpu_check"]
     assert facts["steps"]["build"]["status"] == "ok"
-    assert facts["steps"]["report"]["exit_status"] == 0
-    assert facts["steps"]["report"]["parts_started"] == ["self-test", "units"]
-    assert facts["probe"]["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert facts["steps"]["report:decisive"]["exit_status"] == 0
+    assert facts["steps"]["report:decisive"]["parts_started"] == ["decisive"]
+    assert facts["probe"]["gpu"] == "NVIDIA H200"
+    assert facts["plan"]["decisive"] == round(ends["decisive"], 1)
     md = (out / "report.md").read_text()
-    assert md.startswith("# fusedres GPU report\n\n## GPU check\n")
+    assert md.startswith("# fusedres GPU report\n\n## decisive\n")  # the answer first
+    assert md.index("## decisive") < md.index("## compile") < md.index("## GPU check")
     assert "torch 2.11.0+cu130, triton 3.6.0" in md and "compute capability 9.0" in md
-    assert md.index("## GPU check") < md.index("Command:") < md.index("## Self-test")
     log = (out / "gpu-check.log").read_text()
-    assert "[1/2] nvcc a.cu" in log and "quick 16ch  plain  1.00" in log  # build, report
+    assert "[1/2] nvcc a.cu" in log and "decisive row  plain  1.00" in log  # build, report
+    assert "ends by" in log.splitlines()[2]  # the plan, printed first
     printed = capsys.readouterr().out
     steps = [line.split("] ", 1)[1].split()[0].rstrip(":") for line in printed.splitlines()
-             if line.startswith("gpu-check [")]
-    assert steps == ["probe", "probe", "build", "build", "report", "report", "pack", "done"]
-    assert "quick 16ch  plain  1.00" in printed  # the report's lines stream through
+             if line.startswith("gpu-check [") and " ends by " not in line]
+    assert steps == ["plan", "probe", "probe", "prepared", "report", "report", "report",
+                     "report", "build", "build", "report", "report", "pack", "done"]
+    assert "decisive row  plain  1.00" in printed  # the report's lines stream through
 
 
-def test_time_limit_stops_the_report_and_keeps_what_it_wrote(fake, tmp_path, monkeypatch):
+def test_a_slot_stops_its_report_and_the_next_phases_run(fake, tmp_path, monkeypatch):
+    """A report process that overruns its slot is stopped there with its process group (its
+    own child too), what it wrote is kept, and the phases after it still run in theirs."""
     py, state = fake
     monkeypatch.setenv("FAKE_MODE", "hang")
-    monkeypatch.setattr(gc, "QUIET_S", 1.5)
+    monkeypatch.setattr(gc, "QUIET_S", 1.0)
+    monkeypatch.setattr(gc, "BUILD_MIN_S", 0.5)
     out = tmp_path / "out"
-    t0 = time.monotonic()
-    assert gc.main(["--out", str(out), "--python", py, "--time-limit", "6"]) == 1
-    took = time.monotonic() - t0
-    assert took < 6 + 1, took  # ended by the limit, with its 1 s of finishing left
+    assert _check(py, out, "--time-limit", "12") == 1
     grandchild = int((state / "grandchild").read_text())
     for _ in range(50):
         if not _alive(grandchild):
             break
         time.sleep(0.1)
-    assert not _alive(grandchild), "the report's own child outlived the limit"
+    assert not _alive(grandchild), "the report's own child outlived its slot"
+    assert _calls(state)[0] == "report decisive" and "build" in _calls(state)
     assert sorted(p.name for p in out.iterdir()) == [
         "gpu-check.log", "plots.zip", "report.md", "results.json"]  # no .tmp left
     facts = json.loads((out / "results.json").read_text())["gpu_check"]
-    report = facts["steps"]["report"]
-    assert report["timed_out"] and report["exit_status"] is None
-    assert report["cut_off_in"] == "units"
+    decisive = facts["steps"]["report:decisive"]
+    assert decisive["timed_out"] and decisive["exit_status"] is None
+    assert decisive["cut_off_in"] == "decisive"
+    assert decisive["hard_limit_s"] <= round(gc.plan_ends(12.0)["decisive"])
     md = (out / "report.md").read_text()
-    assert "cut off at the time limit in part `units`" in md
+    assert "stopped at the end of its slot in part `decisive`" in md
     log = (out / "gpu-check.log").read_text()
-    assert "quick 16ch  plain  1.00" in log
-    assert "report: in part units, nothing printed for 2 s" in log  # the heartbeat
+    assert "decisive row  plain  1.00" in log
+    assert "report: in part decisive, nothing printed for 1 s" in log  # the heartbeat
+
+
+def _prepared(tmp_path, torch="2.11.0+cu130", arch=("9.0",)):
+    folder = tmp_path / "prep"
+    folder.mkdir()
+    (folder / "_C.fake-prepared.so").write_bytes(b"\x7fELF")
+    (folder / "manifest.json").write_text(json.dumps(
+        {"file": "_C.fake-prepared.so", "torch": torch, "arch_list": list(arch)}))
+    return folder
+
+
+@pytest.mark.parametrize("case", ["loads", "other-torch", "fails-to-load"])
+def test_a_prepared_library_replaces_the_build_when_it_loads(fake, tmp_path, monkeypatch, case):
+    py, state = fake
+    folder = _prepared(tmp_path, torch="2.12.0" if case == "other-torch" else "2.11.0+cu130")
+    if case == "fails-to-load":
+        monkeypatch.setenv("FAKE_LOAD", "fail")
+    target = gc.ROOT / "fusedres" / "_C.fake-prepared.so"
+    out = tmp_path / "out"
+    try:
+        assert gc.main(["--out", str(out), "--python", py, "--prepared", str(folder),
+                        "--time-limit", "60"]) == 0
+        facts = json.loads((out / "results.json").read_text())["gpu_check"]["steps"]
+        if case == "loads":
+            assert _calls(state) == ["load", "report decisive", "report replay,selftest",
+                                     "report cuda,units,fit,compile"]  # no build
+            assert facts["prepared"]["status"] == "loaded" and target.exists()
+            assert facts["build"]["status"] == "not needed (the prepared library)"
+        else:
+            assert "build" in _calls(state) and not target.exists()
+            assert _calls(state)[0] == ("load" if case == "fails-to-load" else "report decisive")
+            status = facts["prepared"]["status"]
+            assert status == ("failed to load" if case == "fails-to-load" else
+                              "not used: built against torch 2.12.0, this machine has torch "
+                              "2.11.0+cu130")
+    finally:
+        target.unlink(missing_ok=True)
 
 
 def test_a_failed_build_is_reported_and_the_report_still_runs(fake, tmp_path, monkeypatch):
     py, state = fake
     monkeypatch.setenv("FAKE_MODE", "buildfail")
     out = tmp_path / "out"
-    assert gc.main(["--out", str(out), "--python", py, "--time-limit", "60"]) == 1
+    assert _check(py, out, "--time-limit", "60") == 1
     facts = json.loads((out / "results.json").read_text())["gpu_check"]
     assert facts["steps"]["build"]["status"] == "failed"
     assert facts["steps"]["build"]["exit_status"] == 3
-    assert facts["steps"]["report"]["exit_status"] == 0
-    assert "- build of fusedres._C: failed" in (out / "report.md").read_text()
+    assert facts["steps"]["report:cuda,units,fit,compile"]["exit_status"] == 0
+    assert "- build: failed in " in (out / "report.md").read_text()
 
 
 def test_cpu_dry_run_builds_without_cuda(fake, tmp_path):
     py, state = fake
     out = tmp_path / "out"
-    assert gc.main(["--out", str(out), "--python", py, "--time-limit", "60", "--device", "cpu",
-                    "--quick"]) == 0
+    assert _check(py, out, "--time-limit", "60", "--device", "cpu", "--quick") == 0
     build = json.loads((state / "build.json").read_text())
     assert build["FUSEDRES_BUILD_CUDA"] == "0" and build["TORCH_CUDA_ARCH_LIST"] is None
-    argv = json.loads((state / "report.json").read_text())
-    assert argv[argv.index("--device") + 1] == "cpu" and "--quick" in argv
+    for line in (state / "reports.jsonl").read_text().splitlines():
+        argv = json.loads(line)
+        assert argv[argv.index("--device") + 1] == "cpu" and "--quick" in argv
+    assert "load" not in _calls(state)  # no prepared library on CPU
 
 
 def test_an_unsupported_torch_is_named(fake, tmp_path, monkeypatch):
     py, _ = fake
     monkeypatch.setenv("FAKE_TORCH", "2.10.0")
     out = tmp_path / "out"
-    gc.main(["--out", str(out), "--python", py, "--time-limit", "60"])
+    _check(py, out, "--time-limit", "60")
     md = (out / "report.md").read_text()
     assert "- unsupported: fusedres supports torch >= 2.11" in md
     assert "this is torch 2.10.0." in (out / "gpu-check.log").read_text()
@@ -200,7 +305,8 @@ def test_cuda_asked_for_without_a_gpu_exits_2(fake, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--time-limit", "50"], "--time-limit: expected at least 120 seconds, got 50"),
+    (["--time-limit", "2"], "--time-limit: expected at least 5 seconds, got 2"),
+    (["--time-limit", "nan"], "--time-limit: expected at least 5 seconds, got nan"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
 ])
 def test_bad_arguments_exit_2_naming_the_argument(tmp_path, capsys, argv, message):
@@ -274,38 +380,44 @@ def test_make_target_runs_the_script_with_python3_and_no_venv():
     assert "make gpu-check" in ci and "--device cpu --quick" in ci
 
 
-def test_gpu_report_runs_every_step_kind_in_its_slice(tmp_path, monkeypatch):
-    """The hook for more kinds of training step (fusedres.apps.bench.runner.STEP_KINDS): each
-    registered kind runs after the eager one, in an equal slice of the step share of the time
-    limit, and ``--step-kinds`` selects among them. The parts are stand-ins here (the whole
-    report runs on CPU in tests/test_bench.py)."""
+def test_gpu_report_runs_its_parts_in_order_each_by_its_slot(tmp_path, monkeypatch):
+    """fusedres bench gpu-report's side of the plan: the parts asked for, in the report's
+    order, each with a deadline a margin before the end its slot gives (5% of what it has, at
+    least 3 s); a part whose slot ended before it could start is listed as not run. Stand-in
+    parts and a stand-in clock here (the whole report runs on CPU in tests/test_bench.py)."""
     import torch
 
     from fusedres.apps.bench import runner
 
     calls = []
+    now = [1000.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: now[0])
 
-    def part(name):
-        def run(rep, args, *a, deadline=None, **kw):
+    def part(name, takes):
+        def run(rep, args, deadline):
             calls.append((name, None if deadline is None else round(deadline - 1000.0, 3)))
-            return 0 if name == "self-test" else []
+            now[0] += takes
+            return 0
         return run
 
-    monkeypatch.setattr(runner, "part_selftest", part("self-test"))
-    monkeypatch.setattr(runner, "part_units", lambda rep, args, units, name="units", **kw:
-                        part(name)(rep, args, deadline=kw["deadline"]))
-    monkeypatch.setattr(runner, "part_fit", part("fit"))
-    monkeypatch.setattr(runner, "STEP_KINDS", [("eager", part("step")),
-                                               ("graphed", part("step-graphed"))])
-    args = types_args(time_limit=100.0, quick=True, step_kinds=None, budget=None)
+    monkeypatch.setattr(runner, "GPU_PARTS", {"decisive": part("decisive", 50.0),
+                                              "replay": part("replay", 10.0),
+                                              "selftest": part("selftest", 200.0),
+                                              "fit": part("fit", 1.0)})
+    args = types_args(time_limit=None, quick=True, budget=None, parts=None,
+                      slots={"decisive": 100.0, "replay": 140.0, "selftest": 200.0,
+                             "fit": 210.0})
     rep = runner.Report(None, "t", torch.device("cpu"), [])
     assert runner.gpu_report(rep, args, 1000.0) == 0
-    assert calls == [("self-test", None), ("units", 35.0), ("convs", 45.0), ("compile", 58.0),
-                     ("step", 64.0), ("step-graphed", 70.0), ("fit", 97.0)]
+    # decisive: 100 s left, ends 5 s early; replay (starts at 50): 90 s left, 4.5 s early;
+    # selftest at 60: 140 s, 7 s early; fit would start at 260 s, after its end (210 s).
+    assert calls == [("decisive", 95.0), ("replay", 135.5), ("selftest", 193.0)]
+    assert rep.doc["parts"]["fit"] == {"skipped": "its time slot ended before it could start"}
     calls.clear()
-    args.step_kinds = ["graphed"]
+    now[0] = 1000.0
+    args.parts, args.slots, args.time_limit = ["replay"], {}, None
     runner.gpu_report(rep, args, 1000.0)
-    assert [c for c in calls if c[0].startswith("step")] == [("step-graphed", 70.0)]
+    assert calls == [("replay", None)]  # no slot, no limit
 
 
 def types_args(**kw):
