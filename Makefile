@@ -29,7 +29,7 @@ PYTEST_XDIST = -n $(PYTEST_JOBS) --dist loadfile
 # No second copy of what pip downloads in its cache: the venv is ~5.8 GB (torch's CUDA build), and
 # a CI run once ran out of disk while installing it.
 export PIP_NO_CACHE_DIR ?= 1
-.PHONY: test-all install test-ext demo compare test selftest bench gpu-report gpu-check gpu-model gpu-model-cuda lint format clean tsan asan cuda-table compat
+.PHONY: test-all install test-ext demo compare test selftest bench gpu-report gpu-check gpu-prepare gpu-model gpu-model-cuda lint format clean tsan asan cuda-table compat
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -103,24 +103,36 @@ cuda-table: install
 bench: install
 	$(PY) -m pytest benchmarks --benchmark-only $(PYTEST_ARGS)
 
-# On a GPU, one command (about 8 minutes on an H100 once built): the self-test, bench units
-# (CIFAR and ResNet-50 shapes), bench step (ResNet-164 and -1001 at batch 128) and bench fit
-# (8 GiB), written as each finishes to $(GPU_REPORT_DIR)/: report.md, results.json, PNGs.
+# On a GPU, one command: the training-step answer (ResNet-164 and -1001 at batch 128, fused vs
+# plain, eager and CUDA-graphed, fp32 and bf16), the kernels' times beside the MODELED ones, the
+# self-test, units, fit (8 GiB) and torch.compile, written as each part finishes to
+# $(GPU_REPORT_DIR)/: report.md, results.json, PNGs.
 GPU_REPORT_DIR ?= gpu-report
 GPU_REPORT_ARGS ?=
 gpu-report: install
 	$(PY) -m fusedres.apps.bench gpu-report --out $(GPU_REPORT_DIR) $(GPU_REPORT_ARGS)
 
-# On a bare GPU machine (its own python3, no pip index: no venv, nothing installed): fusedres._C
-# built in place for the visible GPU with every core, then gpu-report, all within one time limit
-# (<= 9 minutes), into $(OUT) (at most 4 files: report.md, results.json, gpu-check.log,
-# plots.zip). OUT may come from the environment (the device machine's $OUT). CI dry-runs it on
-# CPU: GPU_PYTHON=.venv/bin/python GPU_CHECK_ARGS="--device cpu --quick".
+# On a bare GPU machine (its own python3, no pip index: no venv, nothing installed): the
+# training-step answer first (Triton, no build), then the kernels' times and the self-test,
+# fusedres._C built in place for the visible GPU with every core (or make gpu-prepare's, carried
+# in), the rest of gpu-report, each phase in its time slot, all within <= 9 minutes, into $(OUT)
+# (at most 4 files: report.md, results.json, gpu-check.log, plots.zip). OUT may come from the
+# environment (the device machine's $OUT). CI dry-runs it on CPU:
+# GPU_PYTHON=.venv/bin/python GPU_CHECK_ARGS="--device cpu --quick".
 GPU_PYTHON     ?= python3
 OUT            ?= gpu-check
 GPU_CHECK_ARGS ?=
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)
+
+# Before a GPU session, on this machine: fusedres._C built against the GPU machines' torch
+# (.venv-compat, make compat's venv) for sm_90 (GPU_PREPARE_ARCH), portable CPU code, into
+# build/gpu-prepare/ (<= 60 MiB): the GPU run carries that folder and make gpu-check loads the
+# library instead of building one (tools/gpu_prepare.py: what it prepares and what not).
+GPU_PREPARE_ARCH ?= 9.0
+gpu-prepare: $(DEPS)
+	COMPAT_TORCH=$(COMPAT_TORCH) COMPAT_TRITON=$(COMPAT_TRITON) COMPAT_VENV_ONLY=1 bash .ci/compat
+	$(PY) -m tools.gpu_prepare --python .venv-compat/bin/python --arch $(GPU_PREPARE_ARCH)
 
 # The oldest supported versions (fusedres/_versions.py), the GPU machines' own: torch 2.11.0 and
 # triton 3.6.0 in a second venv (.venv-compat; torch and triton only, the rest from .venv),

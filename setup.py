@@ -91,11 +91,26 @@ def cuda_include_dirs(cuda_home: str | None, torch_dir: str) -> list[str]:
         candidates += sorted(glob.glob(os.path.join(cuda_home, "targets", "*", "include")))
     candidates += sorted(glob.glob(os.path.join(os.path.dirname(torch_dir), "nvidia", "*",
                                                 "include")))
+    # Where this Python imports them from, when that is elsewhere (.venv-compat's torch loads
+    # .venv's CUDA wheels through a .pth file: .ci/compat).
+    for folder in _nvidia_package_dirs():
+        candidates += sorted(glob.glob(os.path.join(folder, "*", "include")))
     found = []
     for path in map(os.path.abspath, candidates):
         if os.path.isdir(path) and path not in found:
             found.append(path)
     return found
+
+
+def _nvidia_package_dirs() -> list[str]:
+    """The folders of the ``nvidia`` namespace package (NVIDIA's CUDA wheels) on sys.path."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return []
+    return list(spec.submodule_search_locations or []) if spec else []
 
 
 def _target_paths() -> list[str]:
@@ -176,6 +191,33 @@ def _max_jobs() -> None:
     os.environ["MAX_JOBS"] = str(jobs)
 
 
+def limited_api_tag() -> str:
+    """``cpXY`` of torch's ``min_supported_cpython`` (the Py_LIMITED_API value its build uses
+    for a ``py_limited_api`` extension), ``cp310`` when torch does not say."""
+    try:
+        from torch.utils.cpp_extension import min_supported_cpython
+        version = int(min_supported_cpython, 16)
+    except (ImportError, ValueError, TypeError):
+        return "cp310"
+    return f"cp{version >> 24}{(version >> 16) & 0xFF}"
+
+
+def remove_shadowing_builds(outputs) -> list[str]:
+    """Removes, beside each extension just built in place, its copies built under another
+    suffix (``_C.cpython-311-x86_64-linux-gnu.so`` beside ``_C.abi3.so``): Python imports the
+    version-specific one first, so an older build would shadow the new one. Returns what it
+    removed."""
+    removed = []
+    for out in outputs:
+        folder, name = os.path.split(out)
+        stem = name.split(".", 1)[0]
+        for other in glob.glob(os.path.join(folder or ".", f"{stem}.*")):
+            if os.path.basename(other) != name and other.endswith((".so", ".pyd")):
+                os.remove(other)
+                removed.append(other)
+    return removed
+
+
 def _in_place() -> bool:
     return any(a in ("--inplace", "-i", "develop") for a in sys.argv[1:])
 
@@ -220,7 +262,11 @@ def extensions():
     cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas"]
     if _setting("FUSEDRES_CPU_NATIVE"):
         cxx.append("-march=native")
-    kwargs = {"extra_compile_args": {"cxx": list(cxx)}, "extra_link_args": ["-fopenmp"]}
+    # Python's stable ABI (csrc/module.cpp uses only the limited C API): one build serves every
+    # Python from 3.9 on, so a library built here for another machine's torch (make
+    # gpu-prepare: the GPU machines run Python 3.12) loads there, and a wheel is cp39-abi3.
+    kwargs = {"extra_compile_args": {"cxx": list(cxx)}, "extra_link_args": ["-fopenmp"],
+              "py_limited_api": True}
     if use_cuda:
         try:
             archs = cuda_arch_list(os.environ, torch.cuda.is_available())
@@ -258,6 +304,9 @@ def extensions():
                     raise
                 print(f"fusedres: building the extensions failed ({exc}); installing "
                       "Python-only. Set FUSEDRES_BUILD_EXT=1 to make this an error.")
+                return
+            if self.inplace:  # the in-place paths (get_outputs gives build/'s)
+                remove_shadowing_builds([self.get_ext_fullpath(e.name) for e in self.extensions])
 
     return exts, {"build_ext": OptionalBuildExt.with_options(use_ninja=True)}
 
@@ -287,4 +336,7 @@ if __name__ == "__main__":  # pip, build and `python setup.py` run it so; tests 
         entry_points={"console_scripts": ["fusedres = fusedres.apps.cli:main"]},
         ext_modules=ext_modules,
         cmdclass=cmdclass,
+        # The wheel's tag says what fusedres._C is built for: the stable ABI of the oldest
+        # CPython torch's build defines Py_LIMITED_API for (3.10 for torch 2.11 to 2.14).
+        options={"bdist_wheel": {"py_limited_api": limited_api_tag()}} if ext_modules else {},
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,7 @@ def test_cuda_arch_list_default_and_environment(setup_py):
         f({"TORCH_CUDA_ARCH_LIST": "8.0;sm_90"}, gpu_visible=False)
 
 
-def test_cuda_include_dirs_are_found_not_named(setup_py, tmp_path):
+def test_cuda_include_dirs_are_found_not_named(setup_py, tmp_path, monkeypatch):
     home = tmp_path / "cuda"
     site = tmp_path / "site-packages"
     made = [home / "include", home / "targets" / "x86_64-linux" / "include",
@@ -89,9 +90,17 @@ def test_cuda_include_dirs_are_found_not_named(setup_py, tmp_path):
         path.mkdir(parents=True)
     (site / "nvidia" / "nccl").mkdir()  # no include folder: left out
     (site / "torch").mkdir()
+    monkeypatch.setattr(setup_py, "_nvidia_package_dirs", lambda: [])
     found = setup_py.cuda_include_dirs(str(home), str(site / "torch"))
     assert found == [str(made[0]), str(made[1]), str(made[2]), str(made[3])]
     assert setup_py.cuda_include_dirs(None, str(tmp_path / "nowhere" / "torch")) == []
+    # Wheels that Python imports from elsewhere (.venv-compat's torch loads .venv's through a
+    # .pth file) come after those beside torch.
+    other = tmp_path / "other" / "nvidia"
+    (other / "cu13" / "include").mkdir(parents=True)
+    monkeypatch.setattr(setup_py, "_nvidia_package_dirs", lambda: [str(other)])
+    assert setup_py.cuda_include_dirs(None, str(tmp_path / "nowhere" / "torch")) == [
+        str(other / "cu13" / "include")]
 
 
 def test_build_against_another_torch_is_refused(setup_py):
@@ -157,3 +166,44 @@ def test_imported_torch_version_is_its_distribution_version(setup_py):
 
     installed = setup_py._installed_torch_versions(setup_py._target_paths())
     assert setup_py._imported_torch_version(torch) in installed
+
+
+def test_the_extension_uses_only_the_stable_abi(setup_py):
+    """fusedres._C is built with Py_LIMITED_API (setup.py: py_limited_api), so one build loads
+    in any Python 3 from the one torch's build names: make gpu-prepare's library, built by this
+    Python 3.11, serves the GPU machines' 3.12; a wheel is tagged cpXY-abi3 accordingly."""
+    from fusedres.ops import _extension
+
+    if not _extension.LOADED:
+        pytest.skip(f"fusedres._C is not built here: {_extension.LOAD_ERROR}")
+    import fusedres._C
+
+    assert fusedres._C.__file__.endswith(".abi3.so"), fusedres._C.__file__
+    from torch.utils.cpp_extension import min_supported_cpython
+
+    version = int(min_supported_cpython, 16)
+    assert setup_py.limited_api_tag() == f"cp{version >> 24}{(version >> 16) & 0xFF}"
+    if shutil.which("nm") is None:
+        return
+    # What it needs of Python: five functions of the stable ABI, and no libtorch_python.
+    symbols = subprocess.run(["nm", "-D", "--undefined-only", fusedres._C.__file__],
+                             capture_output=True, text=True, check=True).stdout.split()
+    python = {s for s in symbols if s.startswith(("Py", "_Py"))}
+    assert python <= {"PyArg_ParseTuple", "PyErr_SetString", "PyExc_RuntimeError",
+                      "PyLong_FromLongLong", "PyModule_Create2"}, python
+    assert not any("torch_python" in s for s in symbols)
+
+
+def test_an_in_place_build_removes_the_copies_it_would_be_shadowed_by(setup_py, tmp_path):
+    """Python imports ``_C.cpython-311-x86_64-linux-gnu.so`` before ``_C.abi3.so``: an older
+    build under the version-specific name would shadow the new one."""
+    pkg = tmp_path / "fusedres"
+    pkg.mkdir()
+    for name in ("_C.abi3.so", "_C.cpython-311-x86_64-linux-gnu.so", "_C_cuda_on_cpu.so",
+                 "_C.py", "_C_cuda_on_cpu.cpython-311-x86_64-linux-gnu.so"):
+        (pkg / name).write_bytes(b"x")
+    removed = setup_py.remove_shadowing_builds([str(pkg / "_C.abi3.so")])
+    assert [os.path.basename(p) for p in removed] == ["_C.cpython-311-x86_64-linux-gnu.so"]
+    assert sorted(p.name for p in pkg.iterdir()) == [
+        "_C.abi3.so", "_C.py", "_C_cuda_on_cpu.cpython-311-x86_64-linux-gnu.so",
+        "_C_cuda_on_cpu.so"]
