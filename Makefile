@@ -5,8 +5,10 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 DEPS    := $(VENV)/.deps-stamp
 INSTALL := $(VENV)/.install-stamp
-# The product extension fusedres._C: csrc/cpu, and csrc/cuda by nvcc (FUSEDRES_BUILD_CUDA).
-EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh)
+# The product extension fusedres._C: csrc/cpu (csrc/cpu/vec/ compiled once per CPU capability, the
+# best the CPU supports chosen at load: the same code as a wheel's), and csrc/cuda by nvcc
+# (FUSEDRES_BUILD_CUDA).
+EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cpu/vec/*.cpp csrc/cpu/vec/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh)
 EXT     := $(VENV)/.ext-stamp
 # The test extension fusedres._C_cuda_on_cpu: csrc/cuda by the host compiler through the CPU
 # execution layer (csrc/cuda/on_cpu), the cuda backend's CPU test vehicle; `make test` builds it.
@@ -14,9 +16,6 @@ TEST_EXT_SRC := $(wildcard csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh
 TEST_EXT     := $(VENV)/.test-ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1
-# The in-place build runs on this machine only: its CPU kernels with -march=native (setup.py's
-# default is portable, for wheels; benchmarks/NATIVE.md measures the difference).
-export FUSEDRES_CPU_NATIVE ?= 1
 # The nvcc copy of csrc/cuda only runs on a GPU: off without one (the test extension runs the
 # same kernels on CPU; `make cuda-table` and tests/test_cuda_on_cpu.py compile csrc/cuda with nvcc
 # for sm_80/sm_90). Where a GPU is visible (nvidia-smi -L) the nvcc copy is built too (auto).
