@@ -58,7 +58,8 @@ def test_built_capabilities_are_setup_pys(ext, setup_py):
     defines, builds = setup_py.cpu_capability_builds()
     for (name, features), (bname, sources, flags) in zip(ext.cpu_capabilities(), builds):
         assert bname == name
-        assert flags == [f"-m{f}" for f in features] + [f"-DFUSEDRES_VEC_{name.upper()}"]
+        assert flags[:len(features)] == [f"-m{f}" for f in features]
+        assert f"-DFUSEDRES_VEC_{name.upper()}" in flags[len(features):]
         assert sources and all(s.startswith(os.path.join("csrc", "cpu", "vec")) for s in sources)
     assert defines == [f"-DFUSEDRES_CPU_HAS_{n.upper()}" for n, _ in ext.cpu_capabilities()[1:]]
 
