@@ -28,7 +28,7 @@ PYTEST_XDIST = -n $(PYTEST_JOBS) --dist loadfile
 # No second copy of what pip downloads in its cache: the venv is ~5.8 GB (torch's CUDA build), and
 # a CI run once ran out of disk while installing it.
 export PIP_NO_CACHE_DIR ?= 1
-.PHONY: test-all install test-ext demo compare test selftest bench gpu-report gpu-check gpu-model gpu-model-cuda lint format clean tsan asan cuda-table compat
+.PHONY: wheel-check test-all install test-ext demo compare test selftest bench gpu-report gpu-check gpu-model gpu-model-cuda lint format clean tsan asan cuda-table compat
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -120,6 +120,14 @@ OUT            ?= gpu-check
 GPU_CHECK_ARGS ?=
 gpu-check:
 	$(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)
+
+# What `pip install` gives a user (.ci/wheel-check): a wheel built by `pip wheel .` in build
+# isolation (torch pinned as pyproject.toml's build requirement), installed into a fresh venv and
+# run from outside the checkout: the same CPU capability as the in-place build, `python -m
+# fusedres selftest`, the demo's first epoch. Needs ~9 GiB of disk while it runs (the build
+# environment's and the venv's torch), freed at the end; the wheel stays in build/wheel-check.
+wheel-check: install
+	bash .ci/wheel-check
 
 # The oldest supported versions (fusedres/_versions.py), the GPU machines' own: torch 2.11.0 and
 # triton 3.6.0 in a second venv (.venv-compat; torch and triton only, the rest from .venv),
