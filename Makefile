@@ -5,8 +5,10 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 DEPS    := $(VENV)/.deps-stamp
 INSTALL := $(VENV)/.install-stamp
-# The product extension fusedres._C: csrc/cpu, and csrc/cuda by nvcc (FUSEDRES_BUILD_CUDA).
-EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh)
+# The product extension fusedres._C: csrc/cpu (csrc/cpu/vec/ compiled once per CPU capability, the
+# best the CPU supports chosen at load: the same code as a wheel's), and csrc/cuda by nvcc
+# (FUSEDRES_BUILD_CUDA).
+EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cpu/vec/*.cpp csrc/cpu/vec/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh)
 EXT     := $(VENV)/.ext-stamp
 # The test extension fusedres._C_cuda_on_cpu: csrc/cuda by the host compiler through the CPU
 # execution layer (csrc/cuda/on_cpu), the cuda backend's CPU test vehicle; `make test` builds it.
@@ -14,9 +16,6 @@ TEST_EXT_SRC := $(wildcard csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh
 TEST_EXT     := $(VENV)/.test-ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1
-# The in-place build runs on this machine only: its CPU kernels with -march=native (setup.py's
-# default is portable, for wheels; benchmarks/NATIVE.md measures the difference).
-export FUSEDRES_CPU_NATIVE ?= 1
 # The nvcc copy of csrc/cuda only runs on a GPU: off without one (the test extension runs the
 # same kernels on CPU; `make cuda-table` and tests/test_cuda_on_cpu.py compile csrc/cuda with nvcc
 # for sm_80/sm_90). Where a GPU is visible (nvidia-smi -L) the nvcc copy is built too (auto).
@@ -29,7 +28,7 @@ PYTEST_XDIST = -n $(PYTEST_JOBS) --dist loadfile
 # No second copy of what pip downloads in its cache: the venv is ~5.8 GB (torch's CUDA build), and
 # a CI run once ran out of disk while installing it.
 export PIP_NO_CACHE_DIR ?= 1
-.PHONY: test-all install test-ext demo compare test selftest bench gpu-report gpu-check gpu-prepare gpu-model gpu-model-cuda lint format clean tsan asan cuda-table compat
+.PHONY: wheel-check test-all install test-ext demo compare test selftest bench gpu-report gpu-check gpu-prepare gpu-model gpu-model-cuda lint format clean tsan asan cuda-table compat
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -133,6 +132,14 @@ GPU_PREPARE_ARCH ?= 9.0
 gpu-prepare: $(DEPS)
 	COMPAT_TORCH=$(COMPAT_TORCH) COMPAT_TRITON=$(COMPAT_TRITON) COMPAT_VENV_ONLY=1 bash .ci/compat
 	$(PY) -m tools.gpu_prepare --python .venv-compat/bin/python --arch $(GPU_PREPARE_ARCH)
+
+# What `pip install` gives a user (.ci/wheel-check): a wheel built by `pip wheel .` in build
+# isolation (torch pinned as pyproject.toml's build requirement), installed into a fresh venv and
+# run from outside the checkout: the same CPU capability as the in-place build, `python -m
+# fusedres selftest`, the demo's first epoch. Needs ~9 GiB of disk while it runs (the build
+# environment's and the venv's torch), freed at the end; the wheel stays in build/wheel-check.
+wheel-check: install
+	bash .ci/wheel-check
 
 # The oldest supported versions (fusedres/_versions.py), the GPU machines' own: torch 2.11.0 and
 # triton 3.6.0 in a second venv (.venv-compat; torch and triton only, the rest from .venv),

@@ -1,14 +1,19 @@
 """Build of fusedres, its optional product extension ``fusedres._C`` and the test extension
 ``fusedres._C_cuda_on_cpu``.
 
-Switches: FUSEDRES_BUILD_EXT, FUSEDRES_BUILD_CUDA, FUSEDRES_BUILD_TEST_EXT and
-FUSEDRES_CPU_NATIVE, declared (values, defaults, meaning) in fusedres/settings.py, which this
-script loads by path; `fusedres settings` and README's Settings table list them. Also read:
+Switches: FUSEDRES_BUILD_EXT, FUSEDRES_BUILD_CUDA and FUSEDRES_BUILD_TEST_EXT, declared
+(values, defaults, meaning) in fusedres/settings.py, which this script loads by path;
+`fusedres settings` and README's Settings table list them. Also read:
   TORCH_CUDA_ARCH_LIST    honoured as given (architectures below 8.0 refused: csrc/cuda uses
                           sm_80 instructions); unset with no GPU visible: DEFAULT_CUDA_ARCHS;
                           unset with a GPU visible: torch's default, the visible cards'
   CUDA_HOME               where nvcc is not on PATH
-  MAX_JOBS                default: the number of cores, capped by free memory (2 GiB a job)
+  MAX_JOBS                default: the number of cores, capped by available memory (2 GiB a job)
+
+The CPU kernels of csrc/cpu/vec/ are compiled once per CPU capability (cpu_capabilities()), the
+rest once for the compiler's default target; fusedres._C runs the best copy the CPU supports
+(csrc/cpu/capability.h). No -march=native: a wheel and an in-place build run the same code on
+the same CPU.
 
 The extension is built against the torch this script imports. A build in an isolated
 environment (`pip install .`) may import another torch than the one that will load the
@@ -21,6 +26,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import platform
 import re
 import shutil
 import sys
@@ -57,6 +63,51 @@ def _version() -> str:
 # cp.async): 7.5 (T4, RTX 20xx) cannot be built.
 DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0+PTX"
 MIN_CUDA_ARCH = (8, 0)
+
+
+# The CPU kernels compiled once per capability (csrc/cpu/capability.h states the rules), lowest
+# first: the features each needs, by __builtin_cpu_supports's names, compiled with -m<feature>
+# for each. csrc/cpu/dispatch.cpp checks the same lists at load (tests/test_cpu_capability.py
+# compares them). Baseline is x86-64-v2, the level current Linux distributions require; AVX-512
+# is at::vec's set (F, BW, DQ, VL).
+CPU_KERNEL_SOURCES = "csrc/cpu/vec/*.cpp"
+_X86_BASELINE = ("sse3", "ssse3", "sse4.1", "sse4.2", "popcnt")
+_X86_AVX2 = _X86_BASELINE + ("avx", "avx2", "fma", "f16c", "bmi", "bmi2")
+_X86_AVX512 = _X86_AVX2 + ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+
+
+def cpu_capabilities(machine: str | None = None) -> list[tuple[str, tuple[str, ...]]]:
+    """``(name, features)`` of each capability the CPU kernels are compiled for on ``machine``
+    (default: this one, ``platform.machine()``), lowest first: baseline, avx2 and avx512 on
+    x86-64; elsewhere (aarch64) baseline only, with no feature required."""
+    machine = (machine or platform.machine()).lower()
+    if machine in ("x86_64", "amd64"):
+        return [("baseline", _X86_BASELINE), ("avx2", _X86_AVX2), ("avx512", _X86_AVX512)]
+    return [("baseline", ())]
+
+
+def cpu_capability_builds(machine: str | None = None,
+                          only: str | None = None) -> tuple[list[str], list[tuple]]:
+    """How fusedres._C's CPU kernels are compiled: ``(defines, builds)``. ``defines``: the
+    flags every translation unit gets (FUSEDRES_CPU_HAS_<NAME> for each capability above the
+    baseline, which csrc/cpu/dispatch.cpp reads); ``builds``: one ``(name, sources, flags)`` a
+    capability, lowest first, its sources (csrc/cpu/vec/) compiled with ``flags`` into objects
+    of their own. ``only``: the baseline (which dispatch.cpp always needs) and that capability
+    alone (the AddressSanitizer build: tools/opfuzz.py).
+    The objects are linked in that order, after the rest: the linker keeps the first copy of an
+    inline function that several objects define, so a copy any code may call is never one
+    compiled for a higher capability (csrc/cpu/vec/vec.h)."""
+    caps = [c for c in cpu_capabilities(machine)
+            if only is None or c[0] in ("baseline", only)]
+    sources = sorted(glob.glob(os.path.join(ROOT, CPU_KERNEL_SOURCES)))
+    sources = [os.path.relpath(p, ROOT) for p in sources]
+    defines = [f"-DFUSEDRES_CPU_HAS_{name.upper()}" for name, _ in caps[1:]]
+    # -g0: no debug information for the copies (the rest keeps Python's -g): three copies of it
+    # doubled the extension (23 -> 44 MB) and took a quarter of the copies' compile time.
+    builds = [(name, sources,
+               [f"-m{f}" for f in features] + [f"-DFUSEDRES_VEC_{name.upper()}", "-g0"])
+              for name, features in caps]
+    return defines, builds
 
 
 def cuda_arch_list(env: dict, gpu_visible: bool) -> str | None:
@@ -179,13 +230,26 @@ def _cuda_home() -> str | None:
     return os.path.dirname(os.path.dirname(real))
 
 
+def _available_gib() -> float:
+    # MemAvailable (what can be allocated without swapping: free memory plus the page cache the
+    # kernel can drop), where Linux reports it; free memory alone counted a machine whose RAM
+    # sat in the page cache as full, and built one object at a time.
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 def _max_jobs() -> None:
     if "MAX_JOBS" in os.environ:
         return
     jobs = os.cpu_count() or 1
     try:
-        free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-        jobs = max(1, min(jobs, int(free_gib // 2)))
+        jobs = max(1, min(jobs, int(_available_gib() // 2)))
     except (ValueError, OSError):
         pass
     os.environ["MAX_JOBS"] = str(jobs)
@@ -245,8 +309,10 @@ def extensions():
             sys.exit(problem)
 
     _max_jobs()
-    # The product: the CPU kernels, and the nvcc copy of csrc/cuda when CUDA is built.
+    # The product: the CPU kernels (csrc/cpu/vec/ once per capability: CapabilityBuildExt), and
+    # the nvcc copy of csrc/cuda when CUDA is built.
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cpu_defines, cpu_builds = cpu_capability_builds()
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     cuda_switch = _setting("FUSEDRES_BUILD_CUDA")
     cuda_home = _cuda_home()
@@ -260,12 +326,11 @@ def extensions():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas"]
-    if _setting("FUSEDRES_CPU_NATIVE"):
-        cxx.append("-march=native")
     # Python's stable ABI (csrc/module.cpp uses only the limited C API): one build serves every
-    # Python from 3.9 on, so a library built here for another machine's torch (make
-    # gpu-prepare: the GPU machines run Python 3.12) loads there, and a wheel is cp39-abi3.
-    kwargs = {"extra_compile_args": {"cxx": list(cxx)}, "extra_link_args": ["-fopenmp"],
+    # Python from 3.10 on, so a library built here for another machine's torch (make
+    # gpu-prepare: the GPU machines run Python 3.12) loads there, and a wheel is cp310-abi3.
+    kwargs = {"extra_compile_args": {"cxx": cxx + cpu_defines}, "extra_link_args": ["-fopenmp"],
+              "depends": sorted(glob.glob("csrc/**/*.h", recursive=True)),
               "py_limited_api": True}
     if use_cuda:
         try:
@@ -281,7 +346,9 @@ def extensions():
         exts = [CUDAExtension("fusedres._C", sources + cuda_sources, **kwargs)]
     else:
         exts = [CppExtension("fusedres._C", sources, **kwargs)]
-    built = [f"fusedres._C ({'CPU+CUDA' if use_cuda else 'CPU'})"]
+    exts[0].cpu_builds = cpu_builds  # read by CapabilityBuildExt
+    caps = "/".join(name for name, _, _ in cpu_builds)
+    built = [f"fusedres._C ({'CPU+CUDA' if use_cuda else 'CPU'}; CPU kernels {caps})"]
 
     # The test extension: csrc/cuda compiled by the host compiler through the CPU execution layer
     # (the cuda backend's CPU test vehicle, fusedres_cuda on the CPU key) and the layer's tests.
@@ -295,7 +362,37 @@ def extensions():
         built.append("fusedres._C_cuda_on_cpu (test extension)")
     print(f"fusedres: building {', '.join(built)}")
 
-    class OptionalBuildExt(BuildExtension):
+    class CapabilityBuildExt(BuildExtension):
+        """BuildExtension that also compiles an extension's ``cpu_builds`` (name, sources,
+        flags), each into build_temp/cpu-<name>/ with its own flags, and links their objects
+        after the extension's own, lowest capability first (cpu_capability_builds)."""
+
+        def build_extension(self, ext):
+            builds = getattr(ext, "cpu_builds", None)
+            if not builds:
+                return super().build_extension(ext)
+            compile_sources = self.compiler.compile
+
+            def compile_with_capabilities(sources, output_dir=None, extra_postargs=None,
+                                          **kw):
+                objects = compile_sources(sources, output_dir=output_dir,
+                                          extra_postargs=extra_postargs, **kw)
+                for name, cap_sources, flags in builds:
+                    post = ({k: list(v) + (flags if k == "cxx" else []) for k, v in
+                             extra_postargs.items()} if isinstance(extra_postargs, dict)
+                            else list(extra_postargs or []) + flags)
+                    objects += compile_sources(
+                        cap_sources, output_dir=os.path.join(output_dir, f"cpu-{name}"),
+                        extra_postargs=post, **kw)
+                return objects
+
+            self.compiler.compile = compile_with_capabilities
+            try:
+                return super().build_extension(ext)
+            finally:
+                self.compiler.compile = compile_sources
+
+    class OptionalBuildExt(CapabilityBuildExt):
         def run(self):
             try:
                 super().run()

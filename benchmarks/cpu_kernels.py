@@ -18,6 +18,7 @@ import argparse
 import os
 import statistics
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -28,10 +29,11 @@ import fusedres
 SHAPES = "64x16x16x16,64x32x16x16,64x16x32x32,64x64x8x8,64x24x16x16,64x48x8x8,64x256x8x8"
 
 _CSRC_CPU = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
-# The kernels' declarations are csrc/cpu/common.h's own (the source checkout's).
+# The kernels' declarations are csrc/cpu/kernels.h's own (the source checkout's): the functions
+# that forward to the CPU capability fusedres._C chose at load (csrc/cpu/dispatch.cpp).
 _SOURCE = r"""
 #include <torch/extension.h>
-#include "common.h"
+#include "kernels.h"
 using fusedres::cpu::Layout;
 static Layout layout(const at::Tensor& x) {
   return x.is_contiguous() ? Layout::NCHW : Layout::NHWC;
@@ -56,7 +58,9 @@ void apply(at::Tensor dz, at::Tensor x, at::Tensor m, at::Tensor k1, at::Tensor 
 
 def _extension():
     so = fusedres._C.__file__
-    return load_inline("fusedres_cpu_kernels_bench", [_SOURCE],
+    # One name per fusedres._C file: torch's cache rebuilds a name whose flags changed.
+    tag = zlib.crc32(os.path.realpath(so).encode())
+    return load_inline(f"fusedres_cpu_kernels_bench_{tag}", [_SOURCE],
                        functions=["stats", "bn_relu", "reduce", "apply"],
                        extra_ldflags=[so, f"-Wl,-rpath,{os.path.dirname(so)}"],
                        extra_include_paths=[str(_CSRC_CPU)], extra_cflags=["-O2"])
@@ -97,18 +101,24 @@ def main(argv=None) -> None:
               + " ".join(f"{v:11.1f}" for v in row), flush=True)
 
 
-def _row(kb, x: torch.Tensor) -> list[float]:
-    """The six timings of one tensor (cols of main), us."""
+def kernel_calls(kb, x: torch.Tensor) -> dict:
+    """One call of each kernel on tensor x (and ATen's clamp_min, the memory floor), by the
+    column names of main's table."""
     c = x.shape[1]
     da, a, dz, gx = (torch.randn_like(x) for _ in range(4))
     s, t, m, o, k = (torch.randn(c) for _ in range(5))
     sums = torch.zeros(torch.get_num_threads(), 2, c, dtype=torch.float64)
-    return [_median_us(lambda: kb.stats(x)),
-            _median_us(lambda: kb.bn_relu(x, s, t, a)),
-            _median_us(lambda: kb.reduce(da, x, s, t, m, o, sums, None)),
-            _median_us(lambda: kb.reduce(da, x, s, t, m, o, sums, dz)),
-            _median_us(lambda: kb.apply(dz, x, m, k, s, t, gx)),
-            _median_us(lambda: torch.clamp_min(x, 0, out=a))]
+    return {"statistics": lambda: kb.stats(x),
+            "BN-ReLU": lambda: kb.bn_relu(x, s, t, a),
+            "pass 1": lambda: kb.reduce(da, x, s, t, m, o, sums, None),
+            "pass 1 + dz": lambda: kb.reduce(da, x, s, t, m, o, sums, dz),
+            "pass 2": lambda: kb.apply(dz, x, m, k, s, t, gx),
+            "clamp_min": lambda: torch.clamp_min(x, 0, out=a)}
+
+
+def _row(kb, x: torch.Tensor) -> list[float]:
+    """The six timings of one tensor (cols of main), us."""
+    return [_median_us(fn) for fn in kernel_calls(kb, x).values()]
 
 if __name__ == "__main__":
     main()

@@ -47,6 +47,7 @@ from .ops._backend import (
     unavailable_reason,
     use_backend,
 )
+from .ops._extension import cpu_capability
 
 # The zoo in timm's registry when timm is installed (timm.create_model("fusedres_" + name)),
 # without importing timm here (fusedres/models/timm_registry.py).
@@ -69,6 +70,7 @@ __all__ = [
     "ResidualBlock",
     "activation_checkpoint",
     "available_backends",
+    "cpu_capability",
     "distributed",
     "functional",
     "fuse",

@@ -75,6 +75,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "(`fusedres.memory.release_freed_memory`), so that the budget bounds the process's "
             "resident set; 0: leave the allocator as it is."),
     # ---- kernel tuning, read by the C++ kernels (csrc/)
+    Setting("FUSEDRES_CPU_CAPABILITY", "choice", "auto",
+            "once, when `fusedres._C` is loaded (importing fusedres)",
+            "The instruction set of the cpu backend's kernels (compiled once per capability "
+            "into `fusedres._C`): `auto`, the best this CPU supports; `baseline` (x86-64-v2), "
+            "`avx2` (AVX2 + FMA) or `avx512` (AVX-512 F/BW/DQ/VL) pins one. A pinned "
+            "capability this CPU or build lacks makes the cpu backend unavailable, with the "
+            "reason (no silent fallback: a pin says which code a run means to test). "
+            "`fusedres settings` and `fusedres.cpu_capability()` say which is in use.",
+            ("auto", "baseline", "avx2", "avx512")),
     Setting("FUSEDRES_CPU_TILE_BYTES", "int", "",
             "at every cpu-backend call (csrc/cpu), and by the memory accounting through "
             "`fusedres._C`'s `cpu_tile_samples`",
@@ -147,10 +156,6 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "compiler through the execution layer, and the layer's own test ops): `auto` for "
             "in-place builds; `make test` and CI build it, `pip install .` does not.",
             ("auto", "0", "1")),
-    Setting("FUSEDRES_CPU_NATIVE", "bool", "0", "by setup.py",
-            "Compile the CPU kernels with `-march=native`: faster on the build machine, but "
-            "the binary then runs only on CPUs with its instruction set (0: portable x86-64; "
-            "benchmarks/NATIVE.md)."),
     # ---- benchmarks (benchmarks/)
     Setting("FUSEDRES_BENCH_QUICK", "bool", "0", "when benchmarks/ is collected",
             "Tiny shapes and few rounds, so CI can smoke-run every benchmark file."),
@@ -225,9 +230,19 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
+def _cpu_capability_line() -> str:
+    # Imports fusedres (and torch) here only: the module itself imports neither.
+    try:
+        from fusedres.ops import _extension
+    except Exception as exc:  # noqa: BLE001 - the table is printed whatever the library's state
+        return f"cpu capability: unknown (importing fusedres failed: {exc})"
+    return f"cpu capability: {_extension.describe_cpu_capability()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``fusedres settings``: the table, then the variables set in this environment and the
-    value each is read as (exit 2 when one is malformed)."""
+    value each is read as (exit 2 when one is malformed), then the CPU capability the cpu
+    backend's kernels run with here (FUSEDRES_CPU_CAPABILITY's effect)."""
     print(markdown_table())
     status = 0
     for name in SETTINGS:
@@ -237,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 print(f"error: {exc}")
                 status = 2
+    print(_cpu_capability_line())
     return status
 
 

@@ -57,12 +57,17 @@ def test_fresh_venv_non_editable_install(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="on a GPU the self-test runs the kernels for real")
-def test_selftest_module_runs_without_triton_interpret_set():
-    """`python -m fusedres.apps.selftest` (what `make selftest` runs) on a machine without a GPU
-    and without TRITON_INTERPRET in the environment: it must turn the interpreter on itself
-    (the package defines its Triton kernels at import, before the module's own code runs)."""
+@pytest.mark.parametrize("command", [["fusedres.apps.selftest"], ["fusedres", "selftest"]],
+                         ids=["module", "cli"])
+def test_selftest_runs_without_triton_interpret_set(command):
+    """`python -m fusedres.apps.selftest` (what `make selftest` runs) and `python -m fusedres
+    selftest` (the CLI; what make wheel-check runs from the installed wheel) on a machine without
+    a GPU and without TRITON_INTERPRET in the environment: each must turn the interpreter on
+    itself (the package defines its Triton kernels at import, before the command's code runs;
+    through the CLI every kernel once raised "Cannot call @triton.jit'd outside of the scope of
+    a kernel")."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "fusedres.apps.selftest", "--backends", "triton"],
+    out = subprocess.run([sys.executable, "-m", *command, "--backends", "triton"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "6/6 passed" in out.stdout

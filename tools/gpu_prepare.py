@@ -8,7 +8,7 @@ loads in the machine's Python 3.12. This writes ``build/gpu-prepare/`` (carried 
 run; benchmarks/gpu_check.py puts the library in place and loads it, and builds only when that
 fails):
 
-* ``_C.abi3.so``: fusedres._C, the CPU kernels (portable: no ``-march=native``, the device's CPU
+* ``_C.abi3.so``: fusedres._C, the CPU kernels (each CPU capability's copy, the best chosen at load
   is another) and csrc/cuda by nvcc for ``--arch`` (default 9.0, the H200/H100);
 * ``manifest.json``: the torch and triton it was built against, the architectures, the commit
   and whether the tree was dirty, the file's size and sha256.
@@ -80,7 +80,7 @@ def versions(python: Path) -> dict:
 
 def build(python: Path, src: Path, arch: str, jobs: int) -> Path:
     env = dict(os.environ, FUSEDRES_BUILD_EXT="1", FUSEDRES_BUILD_CUDA="1",
-               FUSEDRES_BUILD_TEST_EXT="0", FUSEDRES_CPU_NATIVE="0",
+               FUSEDRES_BUILD_TEST_EXT="0",
                TORCH_CUDA_ARCH_LIST=arch, MAX_JOBS=str(jobs),
                PATH=f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
     subprocess.run([str(python), "setup.py", "-q", "build_ext", "--inplace"], cwd=src,

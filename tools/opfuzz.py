@@ -668,44 +668,63 @@ def asan_catches_a_planted_read() -> str | None:
     return f"exit status {res.returncode}, no report: {_tail(out)}"
 
 
+def _setup_module():
+    # setup.py by path (it runs setup() only as __main__): its CPU capability builds.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_fusedres_setup", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build_asan_extension(jobs: int | None = None, verbose: bool = True) -> str:
     """fusedres._C (csrc/module.cpp, csrc/cpu) compiled with -fsanitize=address into
-    build/asan-ext/_C.so; objects rebuilt when a source or header under csrc/ changed."""
+    build/asan-ext/_C.so; objects rebuilt when a source or header under csrc/ changed. The CPU
+    kernels (csrc/cpu/vec/) for the baseline and for the capability the regular build runs here
+    (the one the fuzzed calls take; setup.py compiles every capability), as setup.py compiles
+    them."""
     import glob
     import sysconfig
 
     import torch
     from torch.utils import cpp_extension
 
-    from fusedres import settings
+    from fusedres.ops import _extension
 
     os.makedirs(ASAN_BUILD, exist_ok=True)
     cxx = os.environ.get("CXX", "g++")
+    defines, builds = _setup_module().cpu_capability_builds(only=_extension.cpu_capability())
     sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cpp"))
                      + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
-    headers = glob.glob(os.path.join(ROOT, "csrc", "*.h")) + glob.glob(
-        os.path.join(ROOT, "csrc", "cpu", "*.h"))
+    groups = [("", sources, [])] + [
+        (f"{name}_", [os.path.join(ROOT, p) for p in srcs], flags) for name, srcs, flags in builds]
+    headers = glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True)
     newest = max(os.path.getmtime(p) for p in headers)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     cflags = ["-std=c++20", "-O1", "-g", "-fPIC", "-fsanitize=address", "-fno-omit-frame-pointer",
               "-fopenmp", "-Wno-unknown-pragmas", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
               "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
-              f"-I{sysconfig.get_paths()['include']}"]
-    if settings.get("FUSEDRES_CPU_NATIVE"):  # the vector code paths setup.py builds
-        cflags.append("-march=native")
+              f"-I{sysconfig.get_paths()['include']}", *defines]
     cflags += [f"-I{p}" for p in cpp_extension.include_paths()]
-    objects, stale = [], []
-    for src in sources:
-        obj = os.path.join(ASAN_BUILD, os.path.relpath(src, os.path.join(ROOT, "csrc"))
-                           .replace(os.sep, "_").replace(".cpp", ".o"))
-        objects.append(obj)
-        if not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src), newest):
-            stale.append((src, obj))
 
     from tools.cuda_tsan import compile_objects
 
-    compile_objects(cxx, cflags, stale, jobs, verbose, "asan-ext")
-    if stale or not os.path.exists(ASAN_EXTENSION):
+    # Linked in this order, the capabilities after the rest, lowest first (setup.py's rule:
+    # cpu_capability_builds).
+    objects, any_stale = [], False
+    for prefix, group, flags in groups:
+        stale = []
+        for src in group:
+            obj = os.path.join(ASAN_BUILD, prefix + os.path.relpath(src, os.path.join(ROOT, "csrc"))
+                               .replace(os.sep, "_").replace(".cpp", ".o"))
+            objects.append(obj)
+            if not os.path.exists(obj) or os.path.getmtime(obj) < max(os.path.getmtime(src),
+                                                                      newest):
+                stale.append((src, obj))
+        compile_objects(cxx, cflags + flags, stale, jobs, verbose, "asan-ext")
+        any_stale = any_stale or bool(stale)
+    if any_stale or not os.path.exists(ASAN_EXTENSION):
         libs = cpp_extension.library_paths()
         res = subprocess.run([cxx, "-shared", *objects, "-o", ASAN_EXTENSION,
                               "-fsanitize=address", "-fopenmp",

@@ -28,6 +28,8 @@
 // (into the tile buffer the layout change uses), so the data gradient, the weight and bias
 // gradients and the BatchNorm sums all see s[n] * dy. No pass over a whole tensor, nothing
 // saved beyond the (N,) vector.
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -35,10 +37,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <tuple>
+#include <vector>
 
+#include "../common.h"
 #include "../eager.h"
 #include "../prepare.h"
-#include "common.h"
+#include "kernels.h"
+#include "tile.h"
 
 namespace fusedres::cpu {
 

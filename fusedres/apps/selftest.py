@@ -248,6 +248,12 @@ def write_rows(path: str, rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
+    if _NEEDS_INTERPRETER:
+        # The kernels were defined (by `import fusedres`) without the interpreter this machine
+        # needs: the command starts again with it set. Here, not only under __main__: `fusedres
+        # selftest` and `python -m fusedres selftest` reach this function through the CLI.
+        args = sys.argv[1:] if argv is None else list(argv)
+        os.execv(sys.executable, [sys.executable, "-m", "fusedres.apps.selftest", *args])
     ap = argparse.ArgumentParser(description="GPU kernels vs the reference, with a table.")
     ap.add_argument("--reps", type=int, default=None,
                     help="timed repetitions per case (default: 10 on a GPU, 0 on CPU)")
@@ -281,6 +287,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if _NEEDS_INTERPRETER:  # the kernels were defined without the interpreter: run again
-        os.execv(sys.executable, [sys.executable, "-m", "fusedres.apps.selftest", *sys.argv[1:]])
     sys.exit(main())

@@ -20,6 +20,8 @@ def unavailable_reason(device: torch.device) -> str | None:
         return f"it runs on CPU tensors only, not {device.type}"
     if not _extension.LOADED:
         return _extension.LOAD_ERROR
+    if _extension.CPU_CAPABILITY_ERROR is not None:
+        return _extension.CPU_CAPABILITY_ERROR
     missing = [op for op in OPS if not _extension.has_kernels(NAMESPACE, "CPU", op)]
     if missing:
         return f"fusedres._C has no CPU kernel for {NAMESPACE}::{', '.join(missing)}"

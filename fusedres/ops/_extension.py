@@ -13,7 +13,10 @@ ops' CPU kernels, and the layer's test ops) is loaded on demand by :func:`load_c
 the schemas exist; it registers from its module initialiser, so a mismatch there is an
 ImportError too.
 
-:func:`cpu_tile_samples` is the CPU kernels' batch tiling rule, from the extension itself.
+:func:`cpu_tile_samples` is the CPU kernels' batch tiling rule, from the extension itself;
+:func:`cpu_capability` the CPU capability its kernels run with (csrc/cpu/capability.h), chosen
+when it was loaded; ``CPU_CAPABILITY_ERROR`` why there is none (FUSEDRES_CPU_CAPABILITY names
+one this CPU or build lacks), which makes the cpu backend unavailable.
 """
 
 from __future__ import annotations
@@ -33,6 +36,17 @@ try:
     LOADED = True
 except ImportError as exc:  # not built (Python-only install) or built for another torch
     LOAD_ERROR = f"the compiled extension fusedres._C is not available ({exc})"
+
+
+CPU_CAPABILITY_ERROR: str | None = None
+if LOADED:
+    try:
+        importlib.import_module("fusedres._C").cpu_capability()
+    except AttributeError:  # built from older sources
+        LOADED = False
+        LOAD_ERROR = "fusedres._C is older than these sources (no cpu_capability): rebuild it"
+    except RuntimeError as exc:
+        CPU_CAPABILITY_ERROR = str(exc)
 
 
 def _schema_error(exc: Exception) -> str:
@@ -88,6 +102,31 @@ def cpu_tile_samples(n: int, bytes_per_sample: int, weight_bytes: int,
         return None
     return importlib.import_module("fusedres._C").cpu_tile_samples(
         int(n), int(bytes_per_sample), int(weight_bytes), bool(channels_last))
+
+
+def cpu_capability() -> str | None:
+    """The CPU capability the cpu backend's kernels run with: ``"baseline"`` (x86-64-v2, or
+    any other architecture), ``"avx2"`` or ``"avx512"``; ``FUSEDRES_CPU_CAPABILITY``'s when it
+    is set, else the best this CPU supports. None when ``fusedres._C`` is not loaded; raises
+    RuntimeError (why) when the variable names a capability this CPU or build lacks."""
+    if not LOADED:
+        return None
+    return importlib.import_module("fusedres._C").cpu_capability()
+
+
+def describe_cpu_capability() -> str:
+    """One line for people (``fusedres settings``): the capability in use, those built into
+    ``fusedres._C`` and those this CPU runs; or why there is none."""
+    if not LOADED:
+        return f"none ({LOAD_ERROR})"
+    ext = importlib.import_module("fusedres._C")
+    features = set(ext.cpu_features())
+    built = [name for name, _ in ext.cpu_capabilities()]
+    runs = [name for name, need in ext.cpu_capabilities() if set(need) <= features]
+    where = f"built: {', '.join(built)}; this CPU runs: {', '.join(runs) or '(none)'}"
+    if CPU_CAPABILITY_ERROR is not None:
+        return f"none ({CPU_CAPABILITY_ERROR}; {where})"
+    return f"{ext.cpu_capability()} ({where})"
 
 
 CUDA_ON_CPU_MODULE = "fusedres._C_cuda_on_cpu"

@@ -1,44 +1,60 @@
-// Shared pieces of the CPU kernels: at::vec set-up, typed vector load/store, layout helpers and
-// the declarations of the elementwise kernels (bn_relu.cpp, batch_stats.cpp).
+// at::vec set-up for one CPU capability, and the helpers the kernels of this folder share. Each
+// .cpp here is compiled once per capability by setup.py (cpu_capability_builds), with that
+// capability's -m flags and FUSEDRES_VEC_<NAME> defined; everything it defines goes into the
+// namespace fusedres::cpu::fusedres_<name> (CPU_CAPABILITY), and csrc/cpu/dispatch.cpp calls
+// the copy the CPU runs through its KernelTable (kernels.h).
+//
+// at::vec picks its implementation from the CPU_CAPABILITY_* macros that ATen's own build
+// defines per translation unit; an extension defines them itself. CPU_CAPABILITY also names
+// at::vec's inline namespace: ours, so that these inline functions never collide with
+// libtorch's copies. Functions that the copies share by name (ATen's and the standard
+// library's inline functions, instantiated in every copy) are kept from the first object the
+// linker sees, which setup.py makes the baseline's; tests/test_cpu_capability.py checks that no
+// code outside a capability's own namespace uses AVX registers.
 #pragma once
 
-// at::vec picks its implementation from CPU_CAPABILITY_* macros that ATen's own build defines per
-// translation unit; an extension has to define them itself. setup.py compiles with -march=native
-// (FUSEDRES_CPU_NATIVE=1), so the compiler's target macros say what the instructions allow. The
-// namespace is ours so that these inline functions never collide with libtorch's own copies.
-#if !defined(CPU_CAPABILITY)
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__)
+#if defined(FUSEDRES_VEC_AVX512)
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+      defined(__AVX512DQ__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#error "FUSEDRES_VEC_AVX512 needs -mavx512f -mavx512bw -mavx512dq -mavx512vl and AVX2's flags"
+#endif
 #define CPU_CAPABILITY_AVX512
 #define CPU_CAPABILITY fusedres_avx512
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(FUSEDRES_VEC_AVX2)
+#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#error "FUSEDRES_VEC_AVX2 needs -mavx2 -mfma -mf16c"
+#endif
 #define CPU_CAPABILITY_AVX2
 #define CPU_CAPABILITY fusedres_avx2
+#elif defined(FUSEDRES_VEC_BASELINE)
+#define CPU_CAPABILITY fusedres_baseline
 #else
-#define CPU_CAPABILITY fusedres_default
-#endif
+#error "csrc/cpu/vec/ is compiled once per CPU capability by setup.py, with FUSEDRES_VEC_<NAME>"
 #endif
 
 // GCC 12 reports false -Wmaybe-uninitialized in its own AVX-512 intrinsics headers.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wunknown-pragmas"
 
-#include <ATen/ATen.h>
+// ATen's parts these kernels use, not <ATen/ATen.h>: each file here is compiled three times, and
+// ATen.h's every-op headers took half the parse time.
+#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <cstdint>
 #include <numeric>
 #include <type_traits>
 #include <vector>
 
-// conv_out_size, suggests_channels_last, out_memory_format: the rules csrc/cuda shares.
-#include "../common.h"
-#include "tile.h"
+#include "../kernels.h"
 
-namespace fusedres::cpu {
+namespace fusedres::cpu::CPU_CAPABILITY {
 
 using at::vec::Vectorized;
 
@@ -94,15 +110,6 @@ struct VecIO<at::Half> {
   }
 };
 
-// Memory layout the kernels walk: NCHW planes or NHWC rows. Any other strides are made
-// contiguous by the caller first.
-enum class Layout { NCHW, NHWC };
-
-inline at::MemoryFormat memory_format(Layout layout) {
-  return layout == Layout::NHWC ? at::MemoryFormat::ChannelsLast
-                                : at::MemoryFormat::Contiguous;
-}
-
 // An NHWC walk puts channels in the vector lanes, one row (C values) at a time; when C is not a
 // multiple of the lane count L each row ends in a scalar tail, and a ReLU mask there is a
 // branch that mispredicts half the time (24 channels: the first backward pass ran at 2.4 ns a
@@ -152,65 +159,24 @@ bool with_vector_count(int64_t nv, F&& f) {
 
 // ----------------------------------------------------------------------------- kernels
 
-// Per-channel mean and biased variance over (N, H, W), returned in the stats dtype. Chunks are
-// reduced two-pass (mean, then squared deviations from the chunk mean) while they sit in cache
-// and merged with Chan's formula in double: accurate for large offsets and millions of values.
+// This capability's copies of the kernels of kernels.h (their rules are stated there), declared
+// here so that a kernel's recursive calls stay in its own copy.
 std::tuple<at::Tensor, at::Tensor> batch_stats_kernel(const at::Tensor& x, Layout layout);
-
-// The same statistics gathered piece by piece: add() merges the moments of a dense (R, C) block
-// of rows (pixels of an NHWC tensor) into thread tid's accumulator, serially (called by the
-// thread that owns tid inside a parallel region); finish() gives (mean, biased var) in the
-// stats dtype of `dtype`, as batch_stats_kernel does for the whole tensor.
-class RowStats {
- public:
-  RowStats(int64_t C, int64_t threads, at::ScalarType dtype);
-  ~RowStats();
-  RowStats(const RowStats&) = delete;
-  RowStats& operator=(const RowStats&) = delete;
-  void add(const at::Tensor& rows, int64_t tid);
-  std::tuple<at::Tensor, at::Tensor> finish(const at::TensorOptions& opts) const;
-
- private:
-  struct Impl;
-  Impl* impl_;
-};
-
-// a = relu(scale * x + shift) cast to a.dtype; x, a: the same shape, dense in x_layout and
-// a_layout (the same, or NCHW x to NHWC a). scale, shift: (C,) contiguous in acc dtype of x.
+RowStats::Impl* make_row_stats(int64_t C, int64_t threads, at::ScalarType dtype);
 void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
                     at::Tensor& a, Layout x_layout, Layout a_layout);
-
-// Backward, first pass over one batch tile (x and dz_out dense in `layout`, da in da_layout:
-// the same, or NHWC da with NCHW x when both are float32, read through in-cache transposes):
-//   dz = da * [scale * x + shift > 0]
-//   sum_dz[c] += sum(dz), sum_dz_xm[c] += sum(dz * (x - mean))   (per-thread double rows)
-//   when dz_out is defined: dz_out = out_scale[c] * dz (acc dtype of x)
-// sums: (num_threads, 2, C) double, accumulated into.
-// stream_dz: write dz with streaming stores where its rows allow (whole aligned vectors): for a
-// dz too large to stay in cache until the second pass reads it.
 void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
                                     const at::Tensor& scale, const at::Tensor& shift,
                                     const at::Tensor& mean, const at::Tensor& out_scale,
                                     at::Tensor& sums, at::Tensor* dz_out, Layout layout,
-                                    Layout da_layout, bool stream_dz = false);
-
-// Backward, second pass: gx = k1[c] * dz + k2[c] * (x - mean[c]) + k3[c] [+ add]; dz in acc
-// dtype of x, gx in x.dtype (may alias dz when they share a dtype). `add` (x's shape, dtype and
-// layout, dense): another gradient of x summed in the same pass (a residual unit's identity
-// shortcut), instead of autograd's separate pass over both.
+                                    Layout da_layout, bool stream_dz);
 void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const at::Tensor& mean,
                               const at::Tensor& k1, const at::Tensor& k2, const at::Tensor& k3,
-                              at::Tensor& gx, Layout layout, const at::Tensor* add = nullptr);
-
-// dst = src in the other layout (NCHW <-> NHWC), same shape and dtype, both dense; blocked
-// 16 x 16 register transposes (at::vec::transpose_mxn). With `add` (dst's shape, dtype and
-// layout, dense): dst = transposed src + add, added block by block while dst is in L1.
+                              at::Tensor& gx, Layout layout, const at::Tensor* add);
 void transpose_layout_kernel(const at::Tensor& src, at::Tensor& dst, Layout src_layout,
-                             const at::Tensor* add = nullptr);
+                             const at::Tensor* add);
 
-// True when t is dense in `layout` (size-1 dimensions make both layouts hold).
-inline bool dense_in(const at::Tensor& t, Layout layout) {
-  return t.is_contiguous(memory_format(layout));
-}
+// The table csrc/cpu/dispatch.cpp reads (defined in bn_relu.cpp).
+extern const KernelTable kernel_table;
 
-}  // namespace fusedres::cpu
+}  // namespace fusedres::cpu::CPU_CAPABILITY

@@ -8,9 +8,9 @@
 #include <cmath>
 #include <limits>
 
-#include "common.h"
+#include "vec.h"
 
-namespace fusedres::cpu {
+namespace fusedres::cpu::CPU_CAPABILITY {
 namespace {
 
 constexpr int64_t kChunk = 8192;  // elements per chunk: 32 KiB of float, an L1-sized run
@@ -350,43 +350,48 @@ std::tuple<at::Tensor, at::Tensor> batch_stats_kernel(const at::Tensor& x, Layou
   return finish(acc, threads, C, x.scalar_type(), x.options());
 }
 
-struct RowStats::Impl {
-  int64_t C = 0, threads = 0;
-  at::ScalarType dtype;
-  std::vector<Moments> acc;
+namespace {
+
+class RowStatsImpl final : public RowStats::Impl {
+ public:
+  RowStatsImpl(int64_t C, int64_t threads, at::ScalarType dtype)
+      : C_(C), threads_(threads), dtype_(dtype), acc_(static_cast<size_t>(threads * C)) {}
+
+  void add(const at::Tensor& rows, int64_t tid) override {
+    const int64_t R = rows.size(0);
+    TORCH_INTERNAL_ASSERT(rows.dim() == 2 && rows.size(1) == C_ && rows.is_contiguous() &&
+                          tid >= 0 && tid < threads_);
+    Moments* mine = acc_.data() + tid * C_;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "row_stats",
+                                    [&] {
+      using A = acc_t<scalar_t>;
+      const scalar_t* p = rows.const_data_ptr<scalar_t>();
+      const int64_t block = nhwc_block_rows<scalar_t>(C_);
+      std::vector<A> mean, sd, sq;
+      for (int64_t r0 = 0; r0 < R; r0 += block) {
+        if (nhwc_block_vectors(p, r0, std::min(R, r0 + block), C_, mine)) continue;
+        mean.resize(C_);
+        sd.resize(C_);
+        sq.resize(C_);
+        nhwc_block(p, r0, std::min(R, r0 + block), C_, mine, mean, sd, sq);
+      }
+    });
+  }
+
+  std::tuple<at::Tensor, at::Tensor> finish(const at::TensorOptions& opts) const override {
+    return CPU_CAPABILITY::finish(acc_, threads_, C_, dtype_, opts);
+  }
+
+ private:
+  int64_t C_, threads_;
+  at::ScalarType dtype_;
+  std::vector<Moments> acc_;
 };
 
-RowStats::RowStats(int64_t C, int64_t threads, at::ScalarType dtype) : impl_(new Impl) {
-  impl_->C = C;
-  impl_->threads = threads;
-  impl_->dtype = dtype;
-  impl_->acc.resize(static_cast<size_t>(threads * C));
+}  // namespace
+
+RowStats::Impl* make_row_stats(int64_t C, int64_t threads, at::ScalarType dtype) {
+  return new RowStatsImpl(C, threads, dtype);
 }
 
-RowStats::~RowStats() { delete impl_; }
-
-void RowStats::add(const at::Tensor& rows, int64_t tid) {
-  const int64_t C = impl_->C, R = rows.size(0);
-  TORCH_INTERNAL_ASSERT(rows.dim() == 2 && rows.size(1) == C && rows.is_contiguous() &&
-                        tid >= 0 && tid < impl_->threads);
-  Moments* mine = impl_->acc.data() + tid * C;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "row_stats", [&] {
-    using A = acc_t<scalar_t>;
-    const scalar_t* p = rows.const_data_ptr<scalar_t>();
-    const int64_t block = nhwc_block_rows<scalar_t>(C);
-    std::vector<A> mean, sd, sq;
-    for (int64_t r0 = 0; r0 < R; r0 += block) {
-      if (nhwc_block_vectors(p, r0, std::min(R, r0 + block), C, mine)) continue;
-      mean.resize(C);
-      sd.resize(C);
-      sq.resize(C);
-      nhwc_block(p, r0, std::min(R, r0 + block), C, mine, mean, sd, sq);
-    }
-  });
-}
-
-std::tuple<at::Tensor, at::Tensor> RowStats::finish(const at::TensorOptions& opts) const {
-  return cpu::finish(impl_->acc, impl_->threads, impl_->C, impl_->dtype, opts);
-}
-
-}  // namespace fusedres::cpu
+}  // namespace fusedres::cpu::CPU_CAPABILITY

@@ -4,9 +4,9 @@
 // by row with the channels in the vector lanes; both use at::vec and at::parallel_for.
 #include <ATen/record_function.h>
 
-#include "common.h"
+#include "vec.h"
 
-namespace fusedres::cpu {
+namespace fusedres::cpu::CPU_CAPABILITY {
 namespace {
 
 constexpr int64_t kGrainElems = 16384;  // elements per parallel task, at least
@@ -617,6 +617,8 @@ void transpose_layout_kernel(const at::Tensor& src, at::Tensor& dst, Layout src_
   });
 }
 
+// The kernels' calls of themselves name this copy (CPU_CAPABILITY::): unqualified, argument-
+// dependent lookup (Layout) would also find the dispatching functions of kernels.h.
 void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
                     at::Tensor& a, Layout x_layout, Layout a_layout) {
   RECORD_FUNCTION("fusedres_cpu::bn_relu (kernel)", c10::ArrayRef<c10::IValue>{});
@@ -626,12 +628,12 @@ void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tens
     if (pr.P) {
       const int64_t C = x.size(1), head = pr.rows * pr.P;
       at::Tensor a_rows = rows_view(a, 0, pr.rows, pr.P);
-      bn_relu_kernel(rows_view(x, 0, pr.rows, pr.P), repeated(scale, pr.P),
-                     repeated(shift, pr.P), a_rows, Layout::NHWC, Layout::NHWC);
+      CPU_CAPABILITY::bn_relu_kernel(rows_view(x, 0, pr.rows, pr.P), repeated(scale, pr.P),
+                                     repeated(shift, pr.P), a_rows, Layout::NHWC, Layout::NHWC);
       if (pr.rest) {
         at::Tensor a_rest = rows_view(a, head, pr.rest, C);
-        bn_relu_kernel(rows_view(x, head, pr.rest, C), scale, shift, a_rest, Layout::NHWC,
-                       Layout::NHWC);
+        CPU_CAPABILITY::bn_relu_kernel(rows_view(x, head, pr.rest, C), scale, shift, a_rest,
+                                       Layout::NHWC, Layout::NHWC);
       }
       return;
     }
@@ -649,7 +651,7 @@ void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tens
   });
   if (!done) {  // e.g. float64 x with a bfloat16 weight: compute in x's dtype, then cast
     at::Tensor tmp = at::empty(x.sizes(), x.options().memory_format(memory_format(x_layout)));
-    bn_relu_kernel(x, scale, shift, tmp, x_layout, x_layout);
+    CPU_CAPABILITY::bn_relu_kernel(x, scale, shift, tmp, x_layout, x_layout);
     a.copy_(tmp);
   }
 }
@@ -672,7 +674,7 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
       const int64_t C = x.size(1), head = pr.rows * pr.P, threads = sums.size(0);
       at::Tensor sums_p = at::zeros({threads, 2, pr.P}, sums.options());
       at::Tensor dz_rows = dz_out ? rows_view(*dz_out, 0, pr.rows, pr.P) : at::Tensor();
-      bn_relu_backward_reduce_kernel(
+      CPU_CAPABILITY::bn_relu_backward_reduce_kernel(
           rows_view(da, 0, pr.rows, pr.P), rows_view(x, 0, pr.rows, pr.P),
           repeated(scale, pr.P), repeated(shift, pr.P), repeated(mean, pr.P),
           repeated(out_scale, pr.P), sums_p, dz_out ? &dz_rows : nullptr, layout, layout,
@@ -680,10 +682,9 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
       sums.add_(sums_p.view({threads, 2, pr.P / C, C}).sum(2));
       if (pr.rest) {
         at::Tensor dz_rest = dz_out ? rows_view(*dz_out, head, pr.rest, C) : at::Tensor();
-        bn_relu_backward_reduce_kernel(rows_view(da, head, pr.rest, C),
-                                       rows_view(x, head, pr.rest, C), scale, shift, mean,
-                                       out_scale, sums, dz_out ? &dz_rest : nullptr, layout,
-                                       layout, stream_dz);
+        CPU_CAPABILITY::bn_relu_backward_reduce_kernel(
+            rows_view(da, head, pr.rest, C), rows_view(x, head, pr.rest, C), scale, shift, mean,
+            out_scale, sums, dz_out ? &dz_rest : nullptr, layout, layout, stream_dz);
       }
       return;
     }
@@ -697,8 +698,9 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
     }
   });
   if (!done) {
-    bn_relu_backward_reduce_kernel(da.to(x.scalar_type()), x, scale, shift, mean, out_scale,
-                                   sums, dz_out, layout, layout, stream_dz);
+    CPU_CAPABILITY::bn_relu_backward_reduce_kernel(da.to(x.scalar_type()), x, scale, shift, mean,
+                                                   out_scale, sums, dz_out, layout, layout,
+                                                   stream_dz);
   }
 }
 
@@ -714,14 +716,16 @@ void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const a
       const int64_t C = x.size(1), head = pr.rows * pr.P;
       at::Tensor gx_rows = rows_view(gx, 0, pr.rows, pr.P);
       const at::Tensor add_rows = add ? rows_view(*add, 0, pr.rows, pr.P) : at::Tensor();
-      bn_backward_apply_kernel(rows_view(dz, 0, pr.rows, pr.P), rows_view(x, 0, pr.rows, pr.P),
-                               repeated(mean, pr.P), repeated(k1, pr.P), repeated(k2, pr.P),
-                               repeated(k3, pr.P), gx_rows, layout, add ? &add_rows : nullptr);
+      CPU_CAPABILITY::bn_backward_apply_kernel(
+          rows_view(dz, 0, pr.rows, pr.P), rows_view(x, 0, pr.rows, pr.P), repeated(mean, pr.P),
+          repeated(k1, pr.P), repeated(k2, pr.P), repeated(k3, pr.P), gx_rows, layout,
+          add ? &add_rows : nullptr);
       if (pr.rest) {
         at::Tensor gx_rest = rows_view(gx, head, pr.rest, C);
         const at::Tensor add_rest = add ? rows_view(*add, head, pr.rest, C) : at::Tensor();
-        bn_backward_apply_kernel(rows_view(dz, head, pr.rest, C), rows_view(x, head, pr.rest, C),
-                                 mean, k1, k2, k3, gx_rest, layout, add ? &add_rest : nullptr);
+        CPU_CAPABILITY::bn_backward_apply_kernel(rows_view(dz, head, pr.rest, C),
+                                                 rows_view(x, head, pr.rest, C), mean, k1, k2, k3,
+                                                 gx_rest, layout, add ? &add_rest : nullptr);
       }
       return;
     }
@@ -731,4 +735,10 @@ void bn_backward_apply_kernel(const at::Tensor& dz, const at::Tensor& x, const a
   });
 }
 
-}  // namespace fusedres::cpu
+// constexpr: initialised by the loader's relocations, no code of this capability run at load.
+constexpr KernelTable kernel_table = {
+    &batch_stats_kernel,          &make_row_stats,           &bn_relu_kernel,
+    &bn_relu_backward_reduce_kernel, &bn_backward_apply_kernel, &transpose_layout_kernel,
+};
+
+}  // namespace fusedres::cpu::CPU_CAPABILITY
