@@ -146,6 +146,47 @@ def test_mismatched_devices_named():
                           args["running_mean"].to("meta"), args["running_var"], training=True)
 
 
+def _op_args(op: str) -> dict:
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    args = dict(x=r(2, C, 7, 7), weight=r(CO, C, 3, 3), bias=r(CO), bn_weight=r(C).abs(),
+                bn_bias=r(C), mean=r(C), invstd=r(C).abs() + 0.5, residual=r(2, CO, 7, 7),
+                stride=[1, 1], padding=[1, 1], dilation=[1, 1], batch_stats=True,
+                branch_scale=torch.tensor([1.0, 0.5]))
+    if op == "bn_relu_conv2d_backward":
+        args = {"grad_out": args.pop("residual"), **args, "output_mask": [True] * 5}
+        args["branch_scale"] = args.pop("branch_scale")
+        del args["bias"]
+    return args
+
+
+@pytest.mark.parametrize("op, arg", [
+    ("bn_relu_conv2d", "weight"), ("bn_relu_conv2d", "mean"), ("bn_relu_conv2d", "residual"),
+    ("bn_relu_conv2d", "branch_scale"), ("bn_relu_conv2d_genstats", "bias"),
+    ("bn_relu_conv2d_backward", "grad_out"), ("bn_relu_conv2d_backward", "invstd")])
+def test_a_meta_argument_of_a_public_op_is_refused_by_name(backend, op, arg):
+    """One argument on meta, the others on CPU: the dispatcher picks the op's fake kernel,
+    which refused nothing and returned an uninitialised CPU tensor (issue 48); it runs the
+    op's checks first now."""
+    args = _op_args(op)
+    args[arg] = args[arg].to("meta")
+    with pytest.raises(ValueError, match=rf"fusedres::{op}: {arg}: expected device cpu \(the "
+                                         r"device of x\), got meta"):
+        getattr(torch.ops.fusedres, op)(*args.values())
+
+
+def test_the_fake_kernels_check_every_argument():
+    """All on meta (the planner's simulated step): a stride of 0 is refused by name, as on
+    CPU, where it divided by zero."""
+    args = {k: v.to("meta") if isinstance(v, torch.Tensor) else v
+            for k, v in _op_args("bn_relu_conv2d").items()}
+    args["stride"] = [0, 0]
+    with pytest.raises(ValueError, match=r"stride: expected values in \[1, 2\^31\)"):
+        torch.ops.fusedres.bn_relu_conv2d(*args.values())
+    args["stride"] = [1, 1]
+    assert torch.ops.fusedres.bn_relu_conv2d(*args.values()).shape == (2, CO, 7, 7)
+
+
 def test_module_wrong_channels_named():
     m = fusedres.BNReLUConv2d(3, 4, 3)
     with pytest.raises(ValueError, match=r"to match the 5 channels of x"):

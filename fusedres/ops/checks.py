@@ -23,7 +23,7 @@ from torch import Tensor
 from .opdefs import ConvGeometry, arg_names, out_shape, stats_dtype
 
 __all__ = ["autocast_dtype", "check_batch_norm_args", "check_branch_scale", "check_conv_args",
-           "check_op_args", "check_x"]
+           "check_devices", "check_op_args", "check_x"]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
@@ -435,6 +435,27 @@ def _op_output_mask(where: str, mask) -> None:
             or not all(isinstance(m, bool) for m in mask)):
         raise ValueError(f"{where}output_mask: expected a list of 5 bools (x, weight, bias, "
                          f"bn_weight, bn_bias), got {mask!r}")
+
+
+def check_devices(where: str, names, args, kwargs=None) -> None:
+    """Refuse a call of a C++ namespace's op that the dispatcher sent to the ``Meta`` key (a
+    meta tensor among its arguments; :func:`fusedres.ops._extension.refuse_meta`), before any
+    kernel could read memory that is not there: an ``x`` on meta is not one the kernels run
+    on; else the first tensor argument (``names``: the op's argument names, ``args`` and
+    ``kwargs`` as called) on another device than x's, in the ops' words."""
+    bound = dict(zip(names, args))
+    bound.update(kwargs or {})
+    x = bound.get("x")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{where}: x: expected a Tensor, got {type(x).__name__}")
+    if x.device.type == "meta":
+        raise ValueError(f"{where}: x: expected a tensor on a device the op's kernels run on, "
+                         f"got device {x.device}")
+    for name, t in bound.items():
+        if isinstance(t, Tensor) and t.device != x.device:
+            raise ValueError(f"{where}: {name}: expected device {x.device} (the device of x), "
+                             f"got {t.device}")
+    raise ValueError(f"{where}: expected every tensor on the device of x ({x.device})")
 
 
 def check_op_args(op: str, args, where: str | None = None,
