@@ -28,6 +28,7 @@ from ..ops.opdefs import (
     SCHEMAS,
     BackwardArgs,
     UnitArgs,
+    arg_names,
     backward_outputs,
     out_shape,
     python_signature,
@@ -90,9 +91,13 @@ def _triton_op(op: str):
     """``torch.library.triton_op("fusedres_triton::<op>")`` with the schema of SCHEMAS. The
     function also carries that schema as its Python signature: torch 2.11 infers the schema
     from the signature whatever ``schema=`` says (and ``*inputs`` cannot be inferred)."""
+    x_at = arg_names(op).index("x")
+
     def register(fn):
         def checked(*args):  # every argument first: the ops' contract (fusedres.ops.checks)
             check_op_args(op, args, f"fusedres_triton::{op}", DEVICE_TYPES)
+            if args[x_at].numel() == 0:  # an empty batch: nothing to launch (docs/api.md)
+                return getattr(portable, op)(*args)
             return fn(*args)
 
         checked.__name__ = fn.__name__

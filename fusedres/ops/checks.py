@@ -283,6 +283,9 @@ def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> tuple[i
                             f"got {bias.dtype}")
     if kh < 1 or kw < 1:
         raise ValueError(f"weight: expected a kernel of at least 1x1, got {tuple(weight.shape)}")
+    if co < 1:
+        raise ValueError(f"weight: expected at least one output channel (as conv2d), got "
+                         f"{tuple(weight.shape)}")
     _check_extents(x, (kh, kw), padding, dilation)
     shape = out_shape(x, weight, stride, padding, dilation)
     if shape[2] <= 0 or shape[3] <= 0:
@@ -388,6 +391,9 @@ def _op_conv(where: str, x: Tensor, weight, stride, padding, dilation,
     if kh < 1 or kw < 1:
         raise ValueError(f"{where}{w_name}: expected a kernel of at least 1x1, got "
                          f"{tuple(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"{where}{w_name}: expected at least one output channel (as conv2d), "
+                         f"got {tuple(weight.shape)}")
     geometry = ConvGeometry(_op_pair(where, s_name, stride, 1),
                             _op_pair(where, p_name, padding, 0),
                             _op_pair(where, d_name, dilation, 1))
