@@ -10,6 +10,12 @@ from fusedres import functional as FR
 C, CO = 4, 6
 
 
+def _inference(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an inference tensor (made in inference mode, used outside it)."""
+    with torch.inference_mode():
+        return t.clone()
+
+
 def _good():
     return dict(
         x=torch.randn(2, C, 7, 7), weight=torch.randn(CO, C, 3, 3), bias=torch.randn(CO),
@@ -78,12 +84,23 @@ BAD = [
      "num_batches_tracked: expected an integer tensor"),
     ("count_two", dict(num_batches_tracked=torch.tensor([0, 0])), ValueError,
      "num_batches_tracked: expected one element"),
+    # Refused by the C++ routes first; the portable route updated the buffers before them
+    # (num_batches_tracked, running_mean), then raised (issue 48).
+    ("running_mean_inference", dict(running_mean=_inference(torch.zeros(C))), RuntimeError,
+     "running_mean: an inference tensor cannot be updated in place outside InferenceMode"),
+    ("running_var_inference", dict(running_var=_inference(torch.ones(C))), RuntimeError,
+     "running_var: an inference tensor cannot be updated in place outside InferenceMode"),
+    ("count_inference", dict(num_batches_tracked=_inference(torch.tensor(0))), RuntimeError,
+     "num_batches_tracked: an inference tensor cannot be updated in place"),
+    ("weight_no_output_channel", dict(weight=torch.randn(0, C, 3, 3), bias=None, residual=None),
+     ValueError, r"weight: expected at least one output channel \(as conv2d\)"),
 ]
 
 # The cases issue 38 found refused late or not at all; every backend runs them (below).
 LATE = ["padding_2^31", "padding_2^30", "dilation_2^30", "running_var_expanded",
         "running_var_is_running_mean", "running_mean_requires_grad", "running_var_requires_grad",
-        "eps_zero", "eps_negative_eval", "eps_nan", "count_float", "count_two"]
+        "eps_zero", "eps_negative_eval", "eps_nan", "count_float", "count_two",
+        "running_mean_inference", "running_var_inference", "count_inference"]
 
 
 def _bad_args(change: dict) -> dict:

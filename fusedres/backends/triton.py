@@ -658,19 +658,23 @@ def module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
            None if running_mean is None else (type(running_mean), running_mean.shape,
                                               running_mean.stride(), running_mean.dtype,
                                               running_mean.device, running_mean.data_ptr() % 16,
-                                              running_mean.requires_grad),
+                                              running_mean.requires_grad,
+                                              running_mean.is_inference()),
            None if running_var is None else (type(running_var), running_var.shape,
                                              running_var.stride(), running_var.dtype,
                                              running_var.device, running_var.data_ptr() % 16,
-                                             running_var.requires_grad),
+                                             running_var.requires_grad,
+                                             running_var.is_inference()),
            None if num_batches_tracked is None else (type(num_batches_tracked),
                                                      num_batches_tracked.dtype,
-                                                     num_batches_tracked.data_ptr() % 16),
+                                                     num_batches_tracked.data_ptr() % 16,
+                                                     num_batches_tracked.is_inference()),
            None if residual is None else (type(residual), residual.shape, residual.stride(),
                                           residual.dtype, residual.device,
                                           residual.data_ptr() % 16),
            training, momentum, eps, stride, padding, dilation,
-           torch.is_autocast_enabled(x.device.type), _tf32_allowed())
+           torch.is_autocast_enabled(x.device.type), _tf32_allowed(),
+           torch.is_inference_mode_enabled())
     case = _MODULE_CASES.get(key)
     if case is None:
         case = _MODULE_CASES[key] = _module_case(

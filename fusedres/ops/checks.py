@@ -158,12 +158,25 @@ def _share_memory(a: Tensor, b: Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _check_writable(t: Tensor, name: str, where: str) -> None:
+    """A buffer the update writes in place: not an inference tensor outside inference mode
+    (csrc/checks.h's check_writable). The in-place op would refuse it itself, but only once the
+    buffers updated before it were written. Not while torch.compile traces: a traced graph
+    holds no inference tensor (torch.compile refuses them as inputs)."""
+    if torch.compiler.is_compiling():
+        return
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{where}{name}: an inference tensor cannot be updated in place "
+                           "outside InferenceMode")
+
+
 def check_running_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
                         num_batches_tracked: Tensor | None, *, training: bool,
                         momentum: float | None, eps: float, where: str = "") -> None:
     """The running statistics and hyperparameters of a BatchNorm of ``x`` (csrc/checks.h's
     check_running_stats): a one-element integer ``num_batches_tracked`` on x's device, buffers
-    the update writes writable and apart, and nn.BatchNorm2d's refusals: ``eps`` > 0 in
+    the update writes writable (no inference tensor outside inference mode) and apart, and
+    nn.BatchNorm2d's refusals: ``eps`` > 0 in
     training (>= 0 in eval), no running statistic that requires grad while grad mode is on.
     The vectors' shapes, dtypes and devices are the caller's to check first."""
     tracked = running_mean is not None
@@ -193,12 +206,15 @@ def check_running_stats(x: Tensor, running_mean: Tensor | None, running_var: Ten
             raise ValueError(f"{where}num_batches_tracked: required when momentum is None "
                              "(cumulative moving average)")
         for t, name in ((running_mean, "running_mean"), (running_var, "running_var")):
+            _check_writable(t, name, where)
             if _overlaps_itself(t):
                 raise ValueError(f"{where}{name}: expected a tensor whose elements do not share "
                                  f"memory (it is updated in place), got strides {t.stride()}")
         if _share_memory(running_mean, running_var):
             raise ValueError(f"{where}running_var: expected memory of its own, got a tensor "
                              "that overlaps running_mean")
+    if training and num_batches_tracked is not None:  # counted in training, tracked or not
+        _check_writable(num_batches_tracked, "num_batches_tracked", where)
     if momentum is not None and not isinstance(momentum, (int, float)):
         raise TypeError(f"{where}momentum: expected a float or None, got "
                         f"{type(momentum).__name__}")
