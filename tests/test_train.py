@@ -525,12 +525,17 @@ def test_corrupt_latest_checkpoint_names_the_previous_good_one(tmp_path, capsys)
     first, last = ckpt.list_checkpoints(out)
     last.write_bytes(last.read_bytes()[:1000])  # a disk error after the fact
     before = _snapshot(out)
-    assert main([*TINY, "--max-iters", "9", "--out", str(out), "--resume"]) == 2
+    # Named: refused, with the intact one named.
+    assert main([*TINY, "--max-iters", "9", "--out", str(out), "--resume", str(last)]) == 2
     err = capsys.readouterr().err
     assert "truncated or corrupt" in err and f"--resume {first}" in err
     assert _snapshot(out) == before
-    # Following the advice works.
-    assert main([*TINY, "--max-iters", "9", "--out", str(out), "--resume", str(first)]) == 0
+    # --resume (the latest): the newest intact one, said on one warning line.
+    assert main([*TINY, "--max-iters", "9", "--out", str(out), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert (f"fusedres train: warning: checkpoint {str(last)!r} cannot be loaded: it is "
+            "truncated or corrupt") in err
+    assert f"resuming from the newest intact checkpoint, {str(first)!r}" in err
     assert ckpt.load(ckpt.latest(out))["iteration"] == 9
 
 

@@ -27,6 +27,7 @@ from fusedres.memory import LiveTensorTracker, PlanError, SavedTensorCounter
 from . import checkpoint as ckpt
 from . import data as data_mod
 from . import metrics as M
+from . import resume_checks
 from .config import UsageError, merge_saved, parse_bytes, resolve_channels_last
 from .gradnorms import GradNormProbe
 from .naming import variant_label
@@ -308,25 +309,57 @@ class Run:
     def _resume_state(self, cfg, explicit):
         out = Path(cfg["out"] or f"runs/{cfg['dataset']}-{cfg['model']}")
         resume, state = cfg["resume"], None
+        self.resume_path = None
         if resume is None:
             if ckpt.list_checkpoints(out):
                 raise UsageError(f"--out: {str(out)!r} already holds a run (checkpoints); "
                                  "continue it with --resume, or choose another --out")
             return cfg, out, None
         if resume in ("latest", "auto"):
-            path = ckpt.latest(out)
-            if path is None:
+            found = ckpt.list_checkpoints(out)
+            if not found:
                 if resume == "auto":
                     return cfg, out, None
                 raise UsageError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
+            path, state = self._newest_intact(found)
         else:
             path = Path(resume)
-            if path.is_dir():
-                path = ckpt.latest(path) or path / "checkpoints"
             if "out" not in explicit:
-                out = path.parent.parent
+                out = path.parent.parent if not path.is_dir() else path
+            if path.is_dir() and ckpt.list_checkpoints(path):
+                path, state = self._newest_intact(ckpt.list_checkpoints(path))
+            else:
+                path = path / "checkpoints" if path.is_dir() else path
+                state = self._load_named(path)
+        self.resume_path = path
+        cfg = merge_saved(cfg, explicit, state["config"])
+        return cfg, out, state
+
+    def _newest_intact(self, found: list[Path]) -> tuple[Path, dict[str, Any]]:
+        """The newest of the checkpoints ``found`` that loads (its digest and fields checked:
+        ckpt.load). Each newer one refused is said on one warning line naming it and why;
+        none intact is a UsageError naming the newest's fault."""
+        refused = []
+        for path in reversed(found):
+            try:
+                state = ckpt.load(path)
+            except ckpt.CheckpointError as e:
+                refused.append(str(e))
+                continue
+            if self.rank == 0:
+                for why in refused:
+                    print(f"fusedres train: warning: {why}; resuming from the newest intact "
+                          f"checkpoint, {str(path)!r}", file=sys.stderr)
+            return path, state
+        more = f" ({len(found) - 1} older refused too)" if len(found) > 1 else ""
+        raise UsageError(f"--resume: no intact checkpoint: {refused[0]}{more}")
+
+    @staticmethod
+    def _load_named(path: Path) -> dict[str, Any]:
+        """``--resume FILE``: that checkpoint, or a UsageError naming the newest intact one
+        beside it."""
         try:
-            state = ckpt.load(path)
+            return ckpt.load(path)
         except ckpt.CheckpointError as e:
             msg = str(e)
             good = [p for p in ckpt.list_checkpoints(path.parent.parent) if p != path]
@@ -338,16 +371,16 @@ class Run:
                 msg += f"; the previous checkpoint {str(prev)!r} is intact: --resume {prev}"
                 break
             raise UsageError(msg) from None
-        cfg = merge_saved(cfg, explicit, state["config"])
-        return cfg, out, state
 
     def _setup(self, cfg, explicit):
         cfg, out, state = self._resolve_resume(cfg, explicit)
         self.cfg, self.out, self.resume_state = cfg, out, state
         self._setup_process(cfg, explicit)
         self._open_data(cfg, explicit)
-        model = self._build_model(cfg, state)
-        model = self._build_optimizer(model, cfg, state)
+        model = self._build_model(cfg)
+        model = self._build_optimizer(model, cfg)
+        if state is not None:
+            self._restore(state)
         self._build_step(model, cfg)
         self._open_run(cfg, state)
 
@@ -405,8 +438,8 @@ class Run:
         self.schedule = LRSchedule(cfg, self.max_iters, self.milestones)
         self.mix = _mixer(cfg, self.data.num_classes)
 
-    def _build_model(self, cfg, state) -> nn.Module:
-        """The seeded model, its memory plan, and the checkpoint's weights on --resume."""
+    def _build_model(self, cfg) -> nn.Module:
+        """The seeded model and its memory plan (the checkpoint's weights: :meth:`_restore`)."""
         torch.manual_seed(cfg["seed"])
         seed_python_and_numpy(cfg["seed"])
         in_chans = self.data.image_shape[0]
@@ -422,19 +455,13 @@ class Run:
             if self.device.type == "cuda":
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 self.device_warning = self._device_fit(total)
-        if state is not None:
-            try:
-                model.load_state_dict(state["model"])
-            except RuntimeError as e:
-                raise UsageError(f"--resume: the checkpoint does not fit --model {cfg['model']} "
-                                 f"({_first_line(e)})") from None
         self.model = model  # unwrapped: what checkpoints hold
         self.parameters = sum(p.numel() for p in model.parameters())
         return model
 
-    def _build_optimizer(self, model: nn.Module, cfg, state) -> nn.Module:
-        """--sync-bn, the optimizer, EMA and scaler (restored on --resume); returns the model
-        the step trains (SyncBatchNorm converted)."""
+    def _build_optimizer(self, model: nn.Module, cfg) -> nn.Module:
+        """--sync-bn, the optimizer, EMA and scaler (restored on --resume by
+        :meth:`_restore`); returns the model the step trains (SyncBatchNorm converted)."""
         if self.world > 1 and cfg["sync_bn"]:
             # On GPUs torch's own SyncBatchNorm serves the plain BatchNorms (the fused ones are
             # routed to fusedres.distributed either way); it does not run on CPU tensors.
@@ -451,28 +478,71 @@ class Run:
                     else None)
         self.amp_dtype = _AMP[cfg["amp"]]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg["amp"] == "fp16")
-        if state is not None:
-            try:
-                self.optimizer.load_state_dict(state["optimizer"])
-                use_lr(self.optimizer, self.lr)
-                start_momentum(self.optimizer)  # a parameter that had no gradient yet
-                _state_like_params(self.optimizer)
-                if state.get("scaler"):
-                    self.scaler.load_state_dict(state["scaler"])
-                if self.ema is not None:
-                    if "ema" not in state:
-                        raise KeyError("ema: the checkpoint holds no EMA weights (its run had "
-                                       "no --ema-decay)")
-                    self.ema.load_state_dict(state["ema"])
-                if "lr_scheduler" in state:
-                    self.schedule.load_state_dict(state["lr_scheduler"])
-                else:  # a checkpoint of an older fusedres: run the schedule up to it
-                    for _ in range(state["iteration"]):
-                        self.schedule.step()
-            except (ValueError, KeyError, RuntimeError) as e:
-                raise UsageError(f"--resume: the optimiser state does not fit this model "
-                                 f"({_first_line(e)})") from None
         return model
+
+    def _restore(self, state) -> None:
+        """--resume: the checkpoint's fields checked against what the run built (each tensor
+        against the model's, the optimizer state against its parameters, the scheduler's and
+        the scaler's against theirs, the iteration within the run: resume_checks), then loaded.
+        Nothing is loaded unless all of it fits; a misfit is one UsageError naming the file and
+        the field."""
+        try:
+            self._check_restorable(state)
+        except resume_checks.FieldError as e:
+            diverged = (state.get("accum") or {}).get("diverged_at")
+            hint = (f" (the run diverged at iteration {diverged})"
+                    if diverged is not None and "not finite" in str(e) else "")
+            raise UsageError(f"--resume: checkpoint {str(self.resume_path)!r} does not fit this "
+                             f"run (--model {self.cfg['model']}): {e}{hint}") from None
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            use_lr(self.optimizer, self.lr)
+            start_momentum(self.optimizer)  # a parameter that had no gradient yet
+            _state_like_params(self.optimizer)
+            if state.get("scaler") and self.scaler.is_enabled():
+                self.scaler.load_state_dict(state["scaler"])
+            if self.ema is not None:
+                self.ema.load_state_dict(state["ema"])
+            if "lr_scheduler" in state:
+                self.schedule.load_state_dict(state["lr_scheduler"])
+            else:  # a checkpoint of an older fusedres: run the schedule up to it
+                for _ in range(state["iteration"]):
+                    self.schedule.step()
+        except (ValueError, KeyError, RuntimeError, TypeError) as e:  # what the checks missed
+            raise UsageError(f"--resume: checkpoint {str(self.resume_path)!r} does not fit this "
+                             f"run (--model {self.cfg['model']}): {_first_line(e)}") from None
+
+    def _check_restorable(self, state) -> None:
+        rc = resume_checks
+        for key in ("metrics", "rng"):
+            if key not in state:
+                raise rc.FieldError(f"{key}: expected in a checkpoint of fusedres train, found "
+                                    "none")
+        rc.check_iteration(state["iteration"], self.max_iters)
+        rc.check_tensors(state["model"], self.model.state_dict(), "model")
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        rc.check_optimizer(state["optimizer"], self.optimizer, names)
+        if self.ema is not None:
+            if "ema" not in state:
+                raise rc.FieldError("ema: the checkpoint holds no EMA weights (its run had no "
+                                    "--ema-decay)")
+            rc.check_tensors(state["ema"], self.ema.state_dict(), "ema")
+        if state.get("scaler") and self.scaler.is_enabled():
+            live = self.scaler.state_dict()
+            missing = [k for k in live if k not in state["scaler"]]
+            if missing:
+                raise rc.FieldError(f"scaler: expected {', '.join(missing)}, found none")
+            rc.check_like(state["scaler"], live, "scaler")
+        if "lr_scheduler" in state:
+            saved = state["lr_scheduler"]["scheduler"]
+            rc.check_like(saved, self.schedule.scheduler.state_dict(),
+                          "lr_scheduler['scheduler']")
+            # The scheduler steps once an iteration: its count is the checkpoint's iteration.
+            if saved.get("last_epoch", state["iteration"]) != state["iteration"]:
+                raise rc.FieldError(f"lr_scheduler['scheduler']['last_epoch']: expected "
+                                    f"{state['iteration']} (the checkpoint's iteration), got "
+                                    f"{saved['last_epoch']}")
 
     def _build_step(self, model: nn.Module, cfg) -> None:
         """The training step: DDP, torch.compile and CUDA graphs around ``model``."""

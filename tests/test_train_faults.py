@@ -1,0 +1,185 @@
+"""fusedres train under injected faults: damaged and malformed checkpoints. Each ends in a clean
+refusal (one line, exit 2) or a correct result, never in a signal, a traceback or a run that
+trains on bad state (issue 48)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusedres.apps.train import checkpoint as ckpt
+from fusedres.apps.train import main
+
+TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
+        "--pad", "1", "--no-flip", "--warmup-iters", "2", "--milestones", "0.5",
+        "--no-progress", "--log-every", "2", "--checkpoint-every", "3", "--seed", "7",
+        "--no-tensorboard"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished run of 6 iterations: checkpoints at 3 and 6. Tests work on copies."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert main([*TINY, "--max-iters", "6", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def run(finished, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    return out
+
+
+def _snapshot(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def _last(out: Path) -> Path:
+    return out / "checkpoints" / "iter_00000006.pt"
+
+
+def _rewrite(path: Path, edit) -> None:
+    """``edit`` the checkpoint's payload and save it with a matching digest: a malformed file
+    that is not damaged (written so, or edited by hand)."""
+    payload = torch.load(path, weights_only=True)
+    edit(payload)
+    payload.pop(ckpt.DIGEST, None)
+    payload[ckpt.DIGEST] = ckpt.content_digest(payload)
+    torch.save(payload, path)
+
+
+def _key(state: dict, suffix: str) -> str:
+    return next(k for k in state["model"] if k.endswith(suffix))
+
+
+# --------------------------------------------------------------------------- damaged files
+
+def test_a_flipped_byte_is_refused_and_resume_falls_back_to_the_intact_one(run, capsys):
+    """One byte flipped inside a weight of the newest checkpoint (a disk error after the fact):
+    its digest no longer matches. --resume says so on one line naming it, resumes from the
+    checkpoint before it and ends with the very weights the damaged file held before the flip;
+    --resume naming the file refuses it (exit 2) and names the intact one."""
+    last, prev = _last(run), run / "checkpoints" / "iter_00000003.pt"
+    good = ckpt.load(last)
+    weight = good["model"][_key(good, "conv1.weight")]
+    data = bytearray(last.read_bytes())
+    at = data.find(weight.numpy().tobytes()) + weight.numel() * 2  # mid-tensor
+    assert at > weight.numel() * 2
+    data[at] ^= 0x10
+    last.write_bytes(bytes(data))
+    damaged = (f"checkpoint {str(last)!r} is damaged: its content does not match the digest "
+               "written with it")
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load(last)
+    assert str(e.value) == damaged
+
+    before = _snapshot(run)
+    assert main([*TINY, "--out", str(run), "--resume", str(last)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"fusedres train: error: {damaged}; the previous checkpoint {str(prev)!r} "
+                   f"is intact: --resume {prev}")
+    assert _snapshot(run) == before
+
+    assert main([*TINY, "--out", str(run), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert (f"fusedres train: warning: {damaged}; resuming from the newest intact checkpoint, "
+            f"{str(prev)!r}\n") in err
+    assert "resumed at iteration 3" in err
+    again = ckpt.load(last)
+    for k, v in good["model"].items():
+        assert torch.equal(again["model"][k], v), k
+
+
+def test_no_intact_checkpoint_is_one_line(run, capsys):
+    for p in ckpt.list_checkpoints(run):
+        p.write_bytes(p.read_bytes()[:300])
+    before = _snapshot(run)
+    assert main([*TINY, "--out", str(run), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fusedres train: error: --resume: no intact checkpoint: checkpoint "
+                          f"{str(_last(run))!r} cannot be loaded: it is truncated or corrupt")
+    assert err.endswith("(1 older refused too)") and len(err.splitlines()) == 1, err
+    assert _snapshot(run) == before
+
+
+def _momentum_of_wrong_shape(s):  # SIGSEGV in fused SGD's step before the checks
+    s["optimizer"]["state"][0]["momentum_buffer"] = torch.zeros(2)
+
+
+def _negative_running_var(s):  # NaN test loss, written into metrics.jsonl as a bare NaN
+    s["model"][_key(s, "running_var")].fill_(-1.0)
+
+
+def _nan_weight(s):  # trained on with one divergence warning
+    s["model"][_key(s, "conv1.weight")].view(-1)[0] = float("nan")
+
+
+def _set(*path, value):
+    def edit(s):
+        for k in path[:-1]:
+            s = s[k]
+        s[path[-1]] = value
+    return edit
+
+
+MALFORMED = [
+    ("momentum_shape", _momentum_of_wrong_shape,
+     "optimizer['state'][0] (parameter 'conv1.weight')['momentum_buffer']: expected shape "
+     "(16, 1, 3, 3) (its parameter's), got (2,)"),
+    ("momentum_dtype", lambda s: s["optimizer"]["state"][0].update(
+        momentum_buffer=s["optimizer"]["state"][0]["momentum_buffer"].double()),
+     "['momentum_buffer']: expected dtype torch.float32 (its parameter's), got torch.float64"),
+    ("iteration_past_the_run", _set("iteration", value=10**6),
+     "iteration: 1000000 is beyond this run's 9 iterations"),
+    ("iteration_text", _set("iteration", value="ten"),
+     "iteration: expected an integer, got str 'ten'"),
+    ("negative_running_var", _negative_running_var,
+     "running_var']: expected values >= 0 (a variance), got -1.0"),
+    ("nan_weight", _nan_weight, "conv1.weight']: expected finite values, got 1 of 144 not finite"),
+    ("weight_dtype", lambda s: s["model"].update({_key(s, "fc.weight"):
+                                                  s["model"][_key(s, "fc.weight")].double()}),
+     "model['fc.weight']: expected dtype torch.float32, got torch.float64"),
+    ("accum_text", _set("accum", value="zzz"), "accum: expected a mapping, got str 'zzz'"),
+    ("rng_size", _set("rng", "torch", value=torch.zeros(2, dtype=torch.uint8)),
+     "rng['torch']: Expected a CPUGeneratorImplState of size 5056 but found the input RNG "
+     "state size to be 2"),
+    ("metrics_number", _set("metrics", value=5), "metrics: expected a list, got int 5"),
+    ("record_without_loss", lambda s: s["metrics"][0].pop("loss"),
+     "metrics[0]['loss']: expected a number, got NoneType None"),
+    ("momentum_hyperparameter", _set("optimizer", "param_groups", 0, "momentum",
+                                     value=float("nan")),
+     "optimizer['param_groups'][0]['momentum']: expected a finite number, got nan"),
+    ("scheduler_count", _set("lr_scheduler", "scheduler", "last_epoch", value=2),
+     "lr_scheduler['scheduler']['last_epoch']: expected 6 (the checkpoint's iteration), got 2"),
+    ("scheduler_milestone", lambda s: s["lr_scheduler"]["scheduler"]["_schedulers"][1][
+        "milestones"].__setitem__(3, "x"),
+     "lr_scheduler['scheduler']['_schedulers'][1]['milestones'][3]: expected a number"),
+    ("config_number", _set("config", value=5), "config: expected a mapping, got int 5"),
+]
+
+
+@pytest.mark.parametrize("edit, message", [m[1:] for m in MALFORMED],
+                         ids=[m[0] for m in MALFORMED])
+def test_a_malformed_field_is_one_line_exit_2_and_nothing_is_touched(run, capsys, edit,
+                                                                     message):
+    """Each field a resume reads, wrong in type, shape or range in a checkpoint whose digest
+    matches: refused before anything of it is applied (exit 2, one line naming the file and the
+    field), the run directory unchanged, though the run has iterations left to train. A momentum
+    buffer of the wrong shape ended the process with SIGSEGV (torch.optim's load_state_dict
+    checks no shapes; the fused step wrote past the buffer)."""
+    last = _last(run)
+    _rewrite(last, edit)
+    before = _snapshot(run)
+    assert main([*TINY, "--out", str(run), "--resume", str(last), "--max-iters", "9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("fusedres train: error: ") and str(last) in err, err
+    assert message in err, err
+    assert _snapshot(run) == before
