@@ -1,10 +1,13 @@
-"""fusedres train under injected faults: damaged and malformed checkpoints. Each ends in a clean
-refusal (one line, exit 2) or a correct result, never in a signal, a traceback or a run that
-trains on bad state (issue 48)."""
+"""fusedres train under injected faults: damaged and malformed checkpoints, a full disk inside
+torch.save, files a killed run left. Each ends in a clean refusal (one line, exit 2; a write
+failure: exit 1) or a correct result, never in a signal, a traceback or a run that trains on
+bad state (issue 48)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -183,3 +186,60 @@ def test_a_malformed_field_is_one_line_exit_2_and_nothing_is_touched(run, capsys
     assert err.startswith("fusedres train: error: ") and str(last) in err, err
     assert message in err, err
     assert _snapshot(run) == before
+
+
+# --------------------------------------------------------------------------- writes
+
+def test_torch_saves_runtime_error_on_a_full_disk_is_one_line(tmp_path, monkeypatch, capsys):
+    """torch.save reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc]
+    ... unexpected pos`` (its zip writer's, raised from the file's OSError): one line naming the
+    file and the cause, exit 1, the previous checkpoint intact; no traceback."""
+    out = tmp_path / "run"
+    real_save, calls = torch.save, []
+
+    class FullDisk:  # a file whose disk fills after 4 KiB
+        def __init__(self, f):
+            self.f, self.left = f, 4096
+
+        def write(self, b):
+            if len(b) > self.left:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.left -= len(b)
+            return self.f.write(b)
+
+        def flush(self):
+            self.f.flush()
+
+    def save(obj, f):
+        calls.append(f)
+        return real_save(obj, f if len(calls) == 1 else FullDisk(f))
+
+    monkeypatch.setattr(torch, "save", save)
+    code = main([*TINY, "--max-iters", "6", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    prev = out / "checkpoints" / "iter_00000003.pt"
+    assert code == 1, err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"fusedres train: error: cannot write checkpoint {str(_last(out))!r}: "
+        f"{os.strerror(errno.ENOSPC)}; the previous checkpoint {str(prev)!r} is intact")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [prev.name]
+
+
+def test_stale_temporary_files_are_removed_at_start_and_resume(tmp_path, capsys):
+    """A kill between a temporary file's creation and its rename leaves it: the next start (no
+    checkpoint yet) and the next resume remove them; nothing else of the directory."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    stale = [out / "checkpoints" / ".tmp-a1b2.pt", out / ".tmp-c3d4.yaml",
+             out / "metrics.jsonl.tmp"]
+    for p in stale:
+        p.write_bytes(b"")
+    (out / "notes.txt").write_text("mine")
+    assert main([*TINY, "--max-iters", "3", "--out", str(out)]) == 0
+    assert "removed 3 temporary file(s)" in capsys.readouterr().err
+    assert not any(p.exists() for p in stale)
+    assert (out / "notes.txt").read_text() == "mine"
+    stale[0].write_bytes(b"PK\x03\x04")
+    assert main(["--out", str(out), "--resume", "--max-iters", "4", "--no-progress"]) == 0
+    assert not stale[0].exists()

@@ -33,13 +33,16 @@ import torch
 from . import resume_checks
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "FORMAT", "RunWriteError", "content_digest",
-           "latest", "list_checkpoints", "load", "rng_state", "save", "set_rng_state",
-           "write_atomically", "writing"]
+           "latest", "list_checkpoints", "load", "remove_stale_temporaries", "rng_state", "save",
+           "set_rng_state", "write_atomically", "writing"]
 
 FORMAT = "fusedres-train-checkpoint"
 VERSION = 1
 DIGEST = "digest"
 _NAME = re.compile(r"iter_(\d+)\.pt")
+# The temporary files of write_atomically (a ".tmp-" prefix) and of the metrics log's rewrite
+# (a ".tmp" suffix): what a killed run leaves behind.
+_TEMPORARY = re.compile(r"\.tmp-.*|metrics\.(jsonl|csv)\.tmp")
 
 
 class CheckpointError(Exception):
@@ -57,17 +60,37 @@ class CheckpointWriteError(RunWriteError):
     previous checkpoint, which is left intact."""
 
 
+def os_error_of(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: ``e`` itself, or the one torch.save's RuntimeError
+    was raised from. torch.save writes through its C++ zip writer, which turns the file
+    object's OSError (a full disk) into ``RuntimeError: [enforce fail at inline_container.cc]
+    ... unexpected pos``, the OSError kept as its context. None for any other error."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError):
+            return e
+        if not isinstance(e, RuntimeError):
+            return None
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
 @contextlib.contextmanager
 def writing(path: str | Path):
-    """Turns an OSError raised inside the block into a :class:`RunWriteError` naming ``path``
-    (one that already names its file passes through)."""
+    """Turns an OSError raised inside the block (or torch.save's RuntimeError raised from one:
+    :func:`os_error_of`) into a :class:`RunWriteError` naming ``path`` (one that already
+    names its file passes through)."""
     try:
         yield
     except RunWriteError:
         raise
-    except OSError as e:
-        err = RunWriteError(f"cannot write {str(path)!r}: {e.strerror or e}")
-        err.errno = e.errno
+    except (OSError, RuntimeError) as e:
+        cause = os_error_of(e)
+        if cause is None:
+            raise
+        err = RunWriteError(f"cannot write {str(path)!r}: {cause.strerror or cause}")
+        err.errno = cause.errno
         raise err from None
 
 
@@ -168,19 +191,41 @@ def save(run_dir: str | Path, state: dict[str, Any], iteration: int, keep: int) 
     try:
         folder.mkdir(parents=True, exist_ok=True)
         write_atomically(final, lambda f: torch.save(payload, f))
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
+        cause = os_error_of(e)
+        if cause is None:
+            raise
         # write_atomically removed its temporary file and never touched the older ones (pruning
         # comes after a successful write): say so, with the newest one a resume would use.
         prev = latest(run_dir)
         kept = (f"the previous checkpoint {str(prev)!r} is intact" if prev is not None
                 else "no earlier checkpoint exists")
         err = CheckpointWriteError(f"cannot write checkpoint {str(final)!r}: "
-                                   f"{e.strerror or e}; {kept}")
-        err.errno = e.errno
+                                   f"{cause.strerror or cause}; {kept}")
+        err.errno = cause.errno
         raise err from None
     for old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a checkpoint kept too many ends no run
+            old.unlink(missing_ok=True)
     return final
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Delete the temporary files a killed run left in ``run_dir`` and its checkpoints folder
+    (write_atomically's ``.tmp-*``, the metrics log's ``metrics.*.tmp``): a kill between a
+    temporary file's creation and its rename leaves it, and nothing else ever reads it. Only
+    for a run directory whose lock this process holds: another trainer's are in use. Returns
+    the files removed."""
+    removed = []
+    for folder in (Path(run_dir), checkpoint_dir(run_dir)):
+        if not folder.is_dir():
+            continue
+        for p in folder.iterdir():
+            if _TEMPORARY.fullmatch(p.name) and p.is_file():
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                    removed.append(p)
+    return removed
 
 
 # How every file torch.save writes begins: a zip archive's first local header.

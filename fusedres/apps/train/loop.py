@@ -580,6 +580,11 @@ class Run:
         if self.world > 1:
             dist.barrier()
         self._lock_out()
+        if self.rank == 0:
+            stale = ckpt.remove_stale_temporaries(self.out)
+            if stale:
+                print(f"fusedres train: removed {len(stale)} temporary file(s) a stopped run "
+                      f"left in {str(self.out)!r}", file=sys.stderr)
         self.iteration = state["iteration"] if state is not None else 0
         self.history = list(state["metrics"]) if state is not None else []
         self.accum = dict(state.get("accum", {})) if state is not None else {}
