@@ -1,14 +1,19 @@
 """fusedres train under injected faults: damaged and malformed checkpoints, a full disk inside
-torch.save, files a killed run left. Each ends in a clean refusal (one line, exit 2; a write
-failure: exit 1) or a correct result, never in a signal, a traceback or a run that trains on
-bad state (issue 48)."""
+torch.save, files a killed run left, signals at any moment, numbers out of range. Each ends in
+a clean refusal (one line, exit 2; a write failure: exit 1) or a correct result, never in a
+signal, a traceback or a run that trains on bad state (issue 48). In-process but for the
+signal tests, which need a process of their own to receive them."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +21,7 @@ import torch
 
 from fusedres.apps.train import checkpoint as ckpt
 from fusedres.apps.train import main
+from fusedres.apps.train.loop import Run
 
 TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
         "--pad", "1", "--no-flip", "--warmup-iters", "2", "--milestones", "0.5",
@@ -243,3 +249,85 @@ def test_stale_temporary_files_are_removed_at_start_and_resume(tmp_path, capsys)
     stale[0].write_bytes(b"PK\x03\x04")
     assert main(["--out", str(out), "--resume", "--max-iters", "4", "--no-progress"]) == 0
     assert not stale[0].exists()
+
+
+# --------------------------------------------------------------------------- signals
+
+def _records(out: Path) -> list[dict]:
+    keep = ("kind", "iteration", "epoch", "lr", "loss", "error", "test_loss", "test_error")
+    return [{k: r[k] for k in keep if k in r}
+            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_a_stop_between_records_writes_no_record_of_its_own(tmp_path, monkeypatch, capsys):
+    """SIGTERM at iteration 5 (no record is due: records every 2 and 3): the run checkpoints and
+    exits 143 with no record for iteration 5; resumed, its log holds exactly the uninterrupted
+    run's records (the window's sums travel in the checkpoint)."""
+    ref = tmp_path / "ref"
+    assert main([*TINY, "--max-iters", "9", "--out", str(ref)]) == 0
+    step = Run._train_step
+
+    def step_then_sigterm(self, x, y, lr):
+        out = step(self, x, y, lr)
+        if self.iteration == 4:  # the step that ends at iteration 5
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(Run, "_train_step", step_then_sigterm)
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "9", "--out", str(out)]) == 128 + signal.SIGTERM
+    assert "SIGTERM received: checkpoint saved at iteration 5" in capsys.readouterr().err
+    assert [r["iteration"] for r in _records(out)] == [2, 3, 4]
+    monkeypatch.undo()
+    assert main(["--out", str(out), "--resume", "--no-progress"]) == 0
+    assert _records(out) == _records(ref)
+
+
+# A run in a process of its own that sends itself signals: $1 the signal, $2 when ("twice": at
+# iteration 2, then again as the run closes its log; "setup": while the data loads), $3 --out.
+_DRIVER = """
+import os, signal, sys
+from fusedres.apps.train import data, main, metrics
+from fusedres.apps.train.loop import Run
+sig, when, out = getattr(signal, sys.argv[1]), sys.argv[2], sys.argv[3]
+kill = lambda: os.kill(os.getpid(), sig)
+if when == "twice":
+    step, close = Run._train_step, metrics.MetricsLog.close
+    def step_then_kill(self, *a):
+        if self.iteration == 2:
+            kill()
+        return step(self, *a)
+    def kill_then_close(self):
+        kill()
+        close(self)
+    Run._train_step, metrics.MetricsLog.close = step_then_kill, kill_then_close
+else:
+    open_data = data.open_data
+    def kill_then_open(*a):
+        kill()
+        return open_data(*a)
+    data.open_data = kill_then_open
+sys.exit(main(TINY + ["--max-iters", "6", "--out", out]))
+"""
+
+
+@pytest.mark.parametrize("sig, when", [("SIGTERM", "twice"), ("SIGINT", "twice"),
+                                       ("SIGTERM", "setup")])
+def test_the_exit_code_is_128_plus_the_signal_however_many_come(tmp_path, sig, when):
+    """A second SIGTERM or SIGINT while the stopped run closes its files, or one before the
+    first step: exit code 128 + the signal's number (a double SIGTERM gave -15: the default
+    handler was back before the run ended), one line saying so, no traceback."""
+    out = tmp_path / "run"
+    code = f"TINY = {TINY!r}\n" + _DRIVER
+    proc = subprocess.run([sys.executable, "-c", code, sig, when, str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    number = int(getattr(signal, sig))
+    assert proc.returncode == 128 + number, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"fusedres train: {sig} received: stopped"
+    if when == "twice":
+        assert f"{sig} received: checkpoint saved at iteration 3" in proc.stderr
+        assert ckpt.load(ckpt.latest(out))["iteration"] == 3
+    else:
+        assert not out.exists()

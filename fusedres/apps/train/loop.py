@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,11 @@ from .step import (
 )
 
 _AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Stopped(SystemExit):
+    """The run ended at once by a signal (:meth:`Run._on_signal`): ``code`` is 128 + its
+    number. A SystemExit, so that no ``except Exception`` on the way out takes it."""
 
 
 def _first_line(e: BaseException) -> str:
@@ -293,7 +299,9 @@ class Run:
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.stop_signal: int | None = None
+        self._graceful = False  # see _on_signal
         self.scope = scope if scope is not None else contextlib.ExitStack()
+        self._catch_signals()
         self._setup(cfg, explicit)
 
     # ------------------------------------------------------------------ set-up
@@ -918,10 +926,32 @@ class Run:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     # ------------------------------------------------------------------ signals
+    def _catch_signals(self) -> None:
+        """SIGTERM and SIGINT go to :meth:`_on_signal` from the start of the set-up until the
+        run's scope closes (fusedres train's main: after the last file is written), so that
+        the exit code is 128 + the signal's number whenever one comes, however many. Python
+        sets handlers in the main thread only (elsewhere a signal keeps its handler)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def restore():
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+        self.scope.callback(restore)
+
     def _on_signal(self, signum, frame):
-        if self.stop_signal is not None:  # a second signal: stop now
-            raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
-        self.stop_signal = signum
+        """The first signal while the run trains (:meth:`train`) asks the loop to stop: it
+        checkpoints at the end of the iteration and the run returns 128 + signal. Any other one
+        (a second, or one during the set-up, before a step can be saved) ends the run at once:
+        :class:`Stopped`, whose temporary files are removed on the way out (write_atomically)
+        or by the next start."""
+        first = self.stop_signal is None
+        if first:
+            self.stop_signal = signum
+        if not (first and self._graceful):
+            raise Stopped(128 + signum)
 
     def _stop_requested(self) -> bool:
         flag = 0 if self.stop_signal is None else int(self.stop_signal)
@@ -955,8 +985,10 @@ class Run:
             self.rss_pre_step = fusedres.memory.rss_bytes()
 
     def train(self) -> int:
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        """Train to the end (0) or to a stop (128 + the signal's number: also when the signal
+        came after the last iteration, as the finish was written)."""
         self._rss_pre_step()
+        self._graceful = True
         try:
             with self._memory_tracker():
                 if self.live is not None:
@@ -964,13 +996,11 @@ class Run:
                 code = self._loop()
         finally:
             self.batches.close()
-            for s, h in handlers.items():
-                signal.signal(s, h)
         if code == 0:
             self._finish()
         if self.log is not None:
             self.log.close()
-        return code
+        return 128 + int(self.stop_signal) if self.stop_signal is not None else code
 
     def mixed(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch through MixUp/CutMix, in the batch's memory layout (their roll makes a
@@ -1002,8 +1032,14 @@ class Run:
         ep_loss = torch.tensor(a.get("ep_loss", 0.0), dtype=torch.float64, device=dev)
         ep_correct = torch.tensor(a.get("ep_correct", 0), dtype=torch.int64, device=dev)
         ep_seen, ep_time = a.get("ep_seen", 0), a.get("ep_time", 0.0)
-        win = [torch.zeros((), dtype=torch.float64, device=dev),
-               torch.zeros((), dtype=torch.int64, device=dev), 0]
+        # The window of the next record: its sums, and the time of the part a stop cut short
+        # (restored from the checkpoint: :meth:`_stop_between_records`; its sums are over every
+        # process, so rank 0 alone takes them back).
+        mine = a if self.rank == 0 else {}
+        win = [torch.tensor(mine.get("win_loss", 0.0), dtype=torch.float64, device=dev),
+               torch.tensor(mine.get("win_correct", 0), dtype=torch.int64, device=dev),
+               mine.get("win_seen", 0)]
+        win_time = a.get("win_time", 0.0)
         local = self.batches.local
 
         while self.iteration < self.max_iters:
@@ -1043,15 +1079,20 @@ class Run:
                 stop = self._stop_requested()
                 if not (boundary or stop):
                     continue
+                if not boundary:
+                    self._stop_between_records(win, win_time, t0)
+                    return self._stopped(bar)
                 # Close the timing window (the .item() calls synchronise the device).
                 l_sum, c_sum, n = self._all_sum([win[0].item(), float(win[1].item()),
                                                  float(win[2])])
-                dt = time.perf_counter() - t0
+                now = time.perf_counter()
+                dt = now - t0 + win_time
                 ep_loss += win[0]
                 ep_correct += win[1]
                 ep_seen += win[2]
                 ep_time += dt
-                self.elapsed += dt
+                self.elapsed += now - t0
+                win_time = 0.0
                 win = [torch.zeros_like(win[0]), torch.zeros_like(win[1]), 0]
                 rate = n / dt if dt > 0 else float("nan")
                 mem = M.peak_memory_bytes(dev)
@@ -1103,18 +1144,33 @@ class Run:
                         or self.iteration == self.max_iters):
                     self.save_checkpoint()
                 if stop:
-                    if bar is not None:
-                        bar.close()
-                    if self.rank == 0:
-                        name = signal.Signals(self.stop_signal).name
-                        print(f"fusedres train: {name} received: checkpoint saved at iteration "
-                              f"{self.iteration} in {self.out}; continue with --resume",
-                              file=sys.stderr)
-                    return 128 + int(self.stop_signal)
+                    return self._stopped(bar)
                 t0 = time.perf_counter()
             if bar is not None:
                 bar.close()
         return 0
+
+    def _stop_between_records(self, win: list, win_time: float, t0: float) -> None:
+        """A stop at an iteration that writes no record: the window so far (its sums over every
+        process and its time) goes into the checkpoint (accum's ``win_*``) instead of a record
+        of its own, so that the resumed run writes exactly the records an uninterrupted one
+        does."""
+        dt = time.perf_counter() - t0
+        self.elapsed += dt
+        l_sum, c_sum, n = self._all_sum([win[0].item(), float(win[1].item()), float(win[2])])
+        self.accum = {**self.accum, "win_loss": l_sum, "win_correct": int(c_sum),
+                      "win_seen": int(n), "win_time": win_time + dt}
+        self.save_checkpoint()
+
+    def _stopped(self, bar) -> int:
+        """The checkpointed stop's end: the message, and 128 + the signal's number."""
+        if bar is not None:
+            bar.close()
+        if self.rank == 0:
+            name = signal.Signals(self.stop_signal).name
+            print(f"fusedres train: {name} received: checkpoint saved at iteration "
+                  f"{self.iteration} in {self.out}; continue with --resume", file=sys.stderr)
+        return 128 + int(self.stop_signal)
 
     # ------------------------------------------------------------------ report
     def _memory_report(self) -> dict[str, Any]:
