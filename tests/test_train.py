@@ -409,6 +409,16 @@ def test_finished_run_has_its_outputs(finished_run):
     (["--cuda-graphs", "--activation-budget", "1GiB"],
      "--activation-budget: not with --cuda-graphs"),
     (["--compile", "fast"], "argument --compile: invalid choice: 'fast'"),
+    # Numbers argparse takes that no range check refused (issue 48): --lr nan trained.
+    (["--lr", "nan"], "--lr: expected a finite number, got nan"),
+    (["--momentum", "inf"], "--momentum: expected a finite number, got inf"),
+    (["--weight-decay=-inf"], "--weight-decay: expected a finite number, got -inf"),
+    (["--betas", "0.9", "nan"], "--betas: expected a finite number, got nan"),
+    (["--ema-decay", "nan"], "--ema-decay: expected a finite number, got nan"),
+    (["--seed", str(2**70)], "--seed: expected a value whose magnitude is below 2^64, got "
+                             f"{2**70}"),
+    (["--threads", str(2**63)], "--threads: expected a value whose magnitude is below 2^63"),
+    (["--max-iters", str(2**63)], "--max-iters: expected a value whose magnitude is below"),
 ])
 def test_bad_input_is_one_line_exit_2_and_the_run_is_untouched(finished_run, capsys, argv,
                                                                match, monkeypatch):
