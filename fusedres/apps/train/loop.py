@@ -300,6 +300,7 @@ class Run:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.stop_signal: int | None = None
         self._graceful = False  # see _on_signal
+        self._pid = os.getpid()
         self.scope = scope if scope is not None else contextlib.ExitStack()
         self._catch_signals()
         self._setup(cfg, explicit)
@@ -947,6 +948,10 @@ class Run:
         (a second, or one during the set-up, before a step can be saved) ends the run at once:
         :class:`Stopped`, whose temporary files are removed on the way out (write_atomically)
         or by the next start."""
+        if os.getpid() != self._pid:
+            # A process forked from the run (a DataLoader worker) inherits the handler: it goes on
+            # and ends with the run, which stops its workers itself.
+            return
         first = self.stop_signal is None
         if first:
             self.stop_signal = signum
