@@ -65,14 +65,16 @@ def _int(v: Any, field: str, minimum: int = 0, maximum: int | None = None) -> in
     return v
 
 
-def _number(v: Any, field: str, *, finite: bool = True, minimum: float | None = None) -> float:
+def _number(v: Any, field: str, *, finite: bool = True,
+            minimum: float | None = None) -> int | float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise FieldError(f"{field}: expected a number, got {_kind(v)} {v!r:.60}")
-    if finite and not math.isfinite(v):
-        raise FieldError(f"{field}: expected a finite number, got {v}")
+    # A finite float, or an int a float holds (torch converts hyperparameters to float).
+    if finite and not (abs(v) < 2**63 if isinstance(v, int) else math.isfinite(v)):
+        raise FieldError(f"{field}: expected a finite number, got {v!r:.40}")
     if minimum is not None and v < minimum:
         raise FieldError(f"{field}: expected a number >= {minimum}, got {v}")
-    return float(v)
+    return v
 
 
 def _mapping(v: Any, field: str) -> Mapping:
