@@ -177,6 +177,8 @@ inline Conv check_conv(const char* op, const at::Tensor& x, const at::Tensor& we
               " channels of x, got ", weight.sizes());
   TORCH_CHECK_VALUE(weight.size(2) >= 1 && weight.size(3) >= 1, op, ": ", w_name,
               ": expected a kernel of at least 1x1, got ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.size(0) >= 1, op, ": ", w_name,
+              ": expected at least one output channel (as conv2d), got ", weight.sizes());
   Conv c;
   c.stride = check_pair(op, s_name, stride, 1);
   c.padding = check_pair(op, p_name, padding, 0);

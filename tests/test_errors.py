@@ -10,6 +10,12 @@ from fusedres import functional as FR
 C, CO = 4, 6
 
 
+def _inference(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an inference tensor (made in inference mode, used outside it)."""
+    with torch.inference_mode():
+        return t.clone()
+
+
 def _good():
     return dict(
         x=torch.randn(2, C, 7, 7), weight=torch.randn(CO, C, 3, 3), bias=torch.randn(CO),
@@ -78,12 +84,23 @@ BAD = [
      "num_batches_tracked: expected an integer tensor"),
     ("count_two", dict(num_batches_tracked=torch.tensor([0, 0])), ValueError,
      "num_batches_tracked: expected one element"),
+    # Refused by the C++ routes first; the portable route updated the buffers before them
+    # (num_batches_tracked, running_mean), then raised (issue 48).
+    ("running_mean_inference", dict(running_mean=_inference(torch.zeros(C))), RuntimeError,
+     "running_mean: an inference tensor cannot be updated in place outside InferenceMode"),
+    ("running_var_inference", dict(running_var=_inference(torch.ones(C))), RuntimeError,
+     "running_var: an inference tensor cannot be updated in place outside InferenceMode"),
+    ("count_inference", dict(num_batches_tracked=_inference(torch.tensor(0))), RuntimeError,
+     "num_batches_tracked: an inference tensor cannot be updated in place"),
+    ("weight_no_output_channel", dict(weight=torch.randn(0, C, 3, 3), bias=None, residual=None),
+     ValueError, r"weight: expected at least one output channel \(as conv2d\)"),
 ]
 
 # The cases issue 38 found refused late or not at all; every backend runs them (below).
 LATE = ["padding_2^31", "padding_2^30", "dilation_2^30", "running_var_expanded",
         "running_var_is_running_mean", "running_mean_requires_grad", "running_var_requires_grad",
-        "eps_zero", "eps_negative_eval", "eps_nan", "count_float", "count_two"]
+        "eps_zero", "eps_negative_eval", "eps_nan", "count_float", "count_two",
+        "running_mean_inference", "running_var_inference", "count_inference"]
 
 
 def _bad_args(change: dict) -> dict:
@@ -144,6 +161,47 @@ def test_mismatched_devices_named():
     with pytest.raises(ValueError, match="running_mean: expected device"):
         FR.bn_relu_conv2d(args["x"], args["weight"], None, None, None,
                           args["running_mean"].to("meta"), args["running_var"], training=True)
+
+
+def _op_args(op: str) -> dict:
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    args = dict(x=r(2, C, 7, 7), weight=r(CO, C, 3, 3), bias=r(CO), bn_weight=r(C).abs(),
+                bn_bias=r(C), mean=r(C), invstd=r(C).abs() + 0.5, residual=r(2, CO, 7, 7),
+                stride=[1, 1], padding=[1, 1], dilation=[1, 1], batch_stats=True,
+                branch_scale=torch.tensor([1.0, 0.5]))
+    if op == "bn_relu_conv2d_backward":
+        args = {"grad_out": args.pop("residual"), **args, "output_mask": [True] * 5}
+        args["branch_scale"] = args.pop("branch_scale")
+        del args["bias"]
+    return args
+
+
+@pytest.mark.parametrize("op, arg", [
+    ("bn_relu_conv2d", "weight"), ("bn_relu_conv2d", "mean"), ("bn_relu_conv2d", "residual"),
+    ("bn_relu_conv2d", "branch_scale"), ("bn_relu_conv2d_genstats", "bias"),
+    ("bn_relu_conv2d_backward", "grad_out"), ("bn_relu_conv2d_backward", "invstd")])
+def test_a_meta_argument_of_a_public_op_is_refused_by_name(backend, op, arg):
+    """One argument on meta, the others on CPU: the dispatcher picks the op's fake kernel,
+    which refused nothing and returned an uninitialised CPU tensor (issue 48); it runs the
+    op's checks first now."""
+    args = _op_args(op)
+    args[arg] = args[arg].to("meta")
+    with pytest.raises(ValueError, match=rf"fusedres::{op}: {arg}: expected device cpu \(the "
+                                         r"device of x\), got meta"):
+        getattr(torch.ops.fusedres, op)(*args.values())
+
+
+def test_the_fake_kernels_check_every_argument():
+    """All on meta (the planner's simulated step): a stride of 0 is refused by name, as on
+    CPU, where it divided by zero."""
+    args = {k: v.to("meta") if isinstance(v, torch.Tensor) else v
+            for k, v in _op_args("bn_relu_conv2d").items()}
+    args["stride"] = [0, 0]
+    with pytest.raises(ValueError, match=r"stride: expected values in \[1, 2\^31\)"):
+        torch.ops.fusedres.bn_relu_conv2d(*args.values())
+    args["stride"] = [1, 1]
+    assert torch.ops.fusedres.bn_relu_conv2d(*args.values()).shape == (2, CO, 7, 7)
 
 
 def test_module_wrong_channels_named():

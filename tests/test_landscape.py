@@ -188,6 +188,7 @@ def _low_variance_checkpoint(tiny_run, path):
     for k, v in payload["model"].items():
         if k.endswith("running_var"):
             payload["model"][k] = v / 20
+    payload[ckpt.DIGEST] = ckpt.content_digest(payload)  # an edited checkpoint, not a damaged one
     torch.save(payload, path)
     return path
 
@@ -254,15 +255,19 @@ def test_a_checkpoint_of_another_model_or_cut_short_exits_2(tiny_run, tmp_path, 
     r14 = set(payload["model"])
     payload["model"] = models.preact_resnet(20, num_classes=10, in_chans=1).state_dict()
     extra = len(set(payload["model"]) - r14)  # units layer1.2, layer2.2, layer3.2
+    payload[ckpt.DIGEST] = ckpt.content_digest(payload)
     torch.save(payload, tmp_path / "r20.pt")
     data = (tiny_run / "checkpoints" / "iter_00000006.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(data[:100])
+    (tmp_path / "text.pt").write_bytes(b"x")  # a 1-byte text file: not pickled objects
     for name, match in (("r20.pt", "does not fit the run's model ResNet-14: full pre-activation "
                                    "unit, identity shortcut, BatchNorm, no drop-path "
                                    f"({extra} unexpected key(s), first layer1.2.bn1.bias)"),
                         ("cut.pt", "cannot be loaded: it is truncated or corrupt (PytorchStream"
                                    "Reader failed reading zip archive: failed finding central "
-                                   "directory)")):
+                                   "directory)"),
+                        ("text.pt", "cannot be loaded: it is not a file torch.save writes (it "
+                                    "does not begin as a zip archive)")):
         out = tmp_path / f"out-{name}"
         assert _run(tiny_run, out, "--checkpoint", str(tmp_path / name)) == 2
         err = capsys.readouterr().err.strip()

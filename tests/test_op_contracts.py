@@ -123,3 +123,34 @@ def test_strided_arguments_give_the_contiguous_answer_on_every_backend(backend):
     torch.testing.assert_close(call(got), y, rtol=1e-5, atol=1e-5)
     for k in ("running_mean", "running_var"):
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("ns", ["fusedres", "fusedres_cpu", "fusedres_cuda", "fusedres_triton"])
+def test_an_empty_batch_has_one_answer_in_every_namespace(ns):
+    """docs/api.md's rule for an empty batch (N = 0), the same from every op of every
+    namespace: statistics NaN (the mean and variance of no values: fusedres_cpu's batch_stats
+    gave a mean of 0), an empty output, an empty x gradient and zero gradients for the rest
+    (fusedres_cpu's backward raised IndexError; fusedres_triton's divided by zero). A weight
+    with no output channel is refused by name everywhere (the portable code refused it, the
+    cpu kernels returned an empty output)."""
+    opfuzz._setup([ns])
+    if f"{ns}::batch_stats" not in opfuzz.op_names():
+        pytest.skip(f"no {ns} ops here")
+    ops = getattr(torch.ops, ns)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(0, 3, 5, 5, generator=g), torch.randn(4, 3, 3, 3, generator=g)
+    mean, invstd = torch.zeros(3), torch.ones(3)
+    geometry = ([1, 1], [1, 1], [1, 1])
+    m, v = ops.batch_stats(x)
+    assert m.shape == v.shape == (3,) and m.isnan().all() and v.isnan().all()
+    y = ops.bn_relu_conv2d(x, w, torch.ones(4), None, None, mean, invstd, None, *geometry, True)
+    assert y.shape == (0, 4, 5, 5)
+    grads = ops.bn_relu_conv2d_backward(torch.zeros(0, 4, 5, 5), x, w, torch.ones(3),
+                                        torch.zeros(3), mean, invstd, *geometry, True, [True] * 5)
+    assert grads[0].shape == x.shape
+    for grad, like in zip(grads[1:], (w, torch.ones(4), mean, mean)):
+        assert torch.equal(grad, torch.zeros_like(like))
+    with pytest.raises(ValueError, match=rf"{ns}(::|\.)bn_relu_conv2d: weight: expected at "
+                                         r"least one output channel \(as conv2d\)"):
+        ops.bn_relu_conv2d(torch.randn(2, 3, 5, 5), torch.randn(0, 3, 3, 3), None, None, None,
+                           mean, invstd, None, *geometry, True)

@@ -409,6 +409,16 @@ def test_finished_run_has_its_outputs(finished_run):
     (["--cuda-graphs", "--activation-budget", "1GiB"],
      "--activation-budget: not with --cuda-graphs"),
     (["--compile", "fast"], "argument --compile: invalid choice: 'fast'"),
+    # Numbers argparse takes that no range check refused (issue 48): --lr nan trained.
+    (["--lr", "nan"], "--lr: expected a finite number, got nan"),
+    (["--momentum", "inf"], "--momentum: expected a finite number, got inf"),
+    (["--weight-decay=-inf"], "--weight-decay: expected a finite number, got -inf"),
+    (["--betas", "0.9", "nan"], "--betas: expected a finite number, got nan"),
+    (["--ema-decay", "nan"], "--ema-decay: expected a finite number, got nan"),
+    (["--seed", str(2**70)], "--seed: expected a value whose magnitude is below 2^64, got "
+                             f"{2**70}"),
+    (["--threads", str(2**63)], "--threads: expected a value whose magnitude is below 2^63"),
+    (["--max-iters", str(2**63)], "--max-iters: expected a value whose magnitude is below"),
 ])
 def test_bad_input_is_one_line_exit_2_and_the_run_is_untouched(finished_run, capsys, argv,
                                                                match, monkeypatch):
@@ -525,12 +535,17 @@ def test_corrupt_latest_checkpoint_names_the_previous_good_one(tmp_path, capsys)
     first, last = ckpt.list_checkpoints(out)
     last.write_bytes(last.read_bytes()[:1000])  # a disk error after the fact
     before = _snapshot(out)
-    assert main([*TINY, "--max-iters", "9", "--out", str(out), "--resume"]) == 2
+    # Named: refused, with the intact one named.
+    assert main([*TINY, "--max-iters", "9", "--out", str(out), "--resume", str(last)]) == 2
     err = capsys.readouterr().err
     assert "truncated or corrupt" in err and f"--resume {first}" in err
     assert _snapshot(out) == before
-    # Following the advice works.
-    assert main([*TINY, "--max-iters", "9", "--out", str(out), "--resume", str(first)]) == 0
+    # --resume (the latest): the newest intact one, said on one warning line.
+    assert main([*TINY, "--max-iters", "9", "--out", str(out), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert (f"fusedres train: warning: checkpoint {str(last)!r} cannot be loaded: it is "
+            "truncated or corrupt") in err
+    assert f"resuming from the newest intact checkpoint, {str(first)!r}" in err
     assert ckpt.load(ckpt.latest(out))["iteration"] == 9
 
 

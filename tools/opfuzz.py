@@ -5,8 +5,10 @@ The table is generated from the ops' schemas as the dispatcher holds them (every
 namespace ``fusedres*``, less :data:`EXCLUDED`): for each op a valid call of one small problem
 (:data:`VALID` gives each argument name its value; an op with a name it lacks fails the table,
 so a new op is covered or refused at once), then for each argument the malformed values its
-kind has (:func:`_variants`: wrong shape, dtype, device, overlapping or grad-requiring buffers,
-geometry lists of the wrong length or out of range, a bad eps, None for a required tensor).
+kind has (:func:`_variants`: wrong shape, dtype, device (meta, by the op's own kernel and
+through the dispatcher; cuda where a GPU is), overlapping, grad-requiring or inference-mode
+buffers, geometry lists of the wrong length or out of range, a bad eps, None for a required
+tensor).
 Each case must raise an exception whose message names the argument, leave every tensor
 argument unchanged (running statistics, num_batches_tracked) and never end the process. And per
 tensor argument a well-formed case: its values strided (:data:`STRIDED`), which must give the
@@ -263,9 +265,9 @@ def _variants(op: str, arg, valid: dict[str, Any]) -> list[tuple[str, Callable, 
         return []
     if t == "Tensor":
         out.append(("none", lambda: None, "call"))
-    # On another device (meta). The public ops' x decides their device: a meta x is valid there.
-    if not (arg.name == "x" and ns == "fusedres"):
-        out.append(("meta", lambda: v.to("meta"), "redispatch"))
+    out += _device_variants(ns, arg.name, v)
+    if kind in ("buffer", "count"):  # updated in place: made in inference mode, used outside it
+        out.append(("inference", lambda: _inference(v), "call"))
     if kind == "count":
         out += [("float", lambda: torch.tensor(3.0), "call"),
                 ("two", lambda: torch.tensor([3, 3]), "call")]
@@ -290,6 +292,36 @@ def _variants(op: str, arg, valid: dict[str, Any]) -> list[tuple[str, Callable, 
         if arg.name == "running_var":
             out.append(("is_running_mean", lambda: valid["running_mean"], "call"))
     return out
+
+
+def _device_variants(ns: str, name: str, v) -> list[tuple[str, Callable, str]]:
+    """The argument on another device than the others: meta, by the kernel of the op's own
+    device key ("meta": its own checks) and through the dispatcher ("meta_dispatched": which
+    picks the Meta key, the fake kernel for the Python ops); on a GPU, cuda. The public ops'
+    x decides their device: a meta or cuda x is valid there."""
+    import torch
+
+    if name == "x" and ns == "fusedres":
+        return []
+    out = [("meta", lambda: v.to("meta"), "redispatch"),
+           ("meta_dispatched", lambda: v.to("meta"), "call")]
+    if torch.cuda.is_available():
+        out.append(("cuda", lambda: v.to("cuda"), "call"))
+    return out
+
+
+def _inference(v):
+    """A copy of ``v`` made in inference mode: an inference tensor, which no in-place update
+    outside inference mode may write."""
+    import torch
+
+    with torch.inference_mode():
+        return v.clone()
+
+
+# Device-mixing labels whose refusal may name x instead of the argument: the dispatcher sends a
+# call with a cuda tensor to the CUDA kernel, whose first check is that x is a cuda tensor.
+X_MAY_ANSWER = ("cuda",)
 
 
 # The label of a well-formed case: the argument's values in a tensor of other strides (every
@@ -453,7 +485,10 @@ def failure(case_id: str, result: dict[str, Any] | None) -> str | None:
             and NO_TENSOR_ARGUMENTS in result.get("message", "")
             and _only_tensor(_op_of(case_id), arg)):
         return None  # the dispatcher's refusal: no kernel ran (NO_TENSOR_ARGUMENTS)
-    if not names_argument(result.get("message", ""), arg):
+    message = result.get("message", "")
+    named = names_argument(message, arg) or (
+        case_id.rsplit(":", 1)[1] in X_MAY_ANSWER and names_argument(message, "x"))
+    if not named:
         return f"the message does not name {arg!r}: {result.get('type')}: {result.get('message')}"
     if result.get("changed"):
         return f"changed {', '.join(result['changed'])}"

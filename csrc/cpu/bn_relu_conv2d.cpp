@@ -1262,6 +1262,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_convs(
     need_conv = need_conv || c.want_w || c.want_b;
   }
   if (!need_conv) return {gx, gg, gbeta};
+  if (x_in.numel() == 0) {
+    // An empty batch: x's gradient is as empty as x, every sum over the batch is 0 (the public
+    // op's and the portable backend's answer; the passes below would index its first sample).
+    gg.zero_();
+    gbeta.zero_();
+    for (ConvGrad& c : convs) {
+      c.gw.zero_();
+      c.gb.zero_();
+    }
+    return {gx, gg, gbeta};
+  }
 
   BwdPass P;
   P.need_da = want_x || want_g || want_beta;

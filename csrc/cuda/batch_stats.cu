@@ -233,8 +233,8 @@ std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
   at::Tensor mean = at::empty({p.C}, p.x.options().dtype(acc_type));
   at::Tensor var = at::empty({p.C}, p.x.options().dtype(acc_type));
   if (p.C == 0) return {mean, var};
-  if (p.values == 0) {  // as the CPU kernel: no values, mean 0 and variance nan
-    mean.zero_();
+  if (p.values == 0) {  // as the CPU kernel: no values, NaN mean and variance (docs/api.md)
+    mean.fill_(std::numeric_limits<double>::quiet_NaN());
     var.fill_(std::numeric_limits<double>::quiet_NaN());
     return {mean, var};
   }

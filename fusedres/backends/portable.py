@@ -28,6 +28,9 @@ def unavailable_reason(device: torch.device) -> str | None:
 
 def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     xs = x.to(stats_dtype(x.dtype))
+    if xs.numel() == 0:  # no values: NaN mean and variance, as torch.mean and torch.var give
+        nan = xs.new_full((x.shape[1],), float("nan"))
+        return nan, nan.clone()
     # The mean as a (pairwise) sum, as BatchNorm does: an inf input gives an inf mean, not the
     # NaN a Welford update would produce. That sum rounds at |mean|'s scale, an error a few
     # times float32's epsilon times |mean| / std in units of the spread (4x the rounding of

@@ -28,6 +28,7 @@ from ..ops.opdefs import (
     SCHEMAS,
     BackwardArgs,
     UnitArgs,
+    arg_names,
     backward_outputs,
     out_shape,
     python_signature,
@@ -90,9 +91,13 @@ def _triton_op(op: str):
     """``torch.library.triton_op("fusedres_triton::<op>")`` with the schema of SCHEMAS. The
     function also carries that schema as its Python signature: torch 2.11 infers the schema
     from the signature whatever ``schema=`` says (and ``*inputs`` cannot be inferred)."""
+    x_at = arg_names(op).index("x")
+
     def register(fn):
         def checked(*args):  # every argument first: the ops' contract (fusedres.ops.checks)
             check_op_args(op, args, f"fusedres_triton::{op}", DEVICE_TYPES)
+            if args[x_at].numel() == 0:  # an empty batch: nothing to launch (docs/api.md)
+                return getattr(portable, op)(*args)
             return fn(*args)
 
         checked.__name__ = fn.__name__
@@ -653,19 +658,23 @@ def module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
            None if running_mean is None else (type(running_mean), running_mean.shape,
                                               running_mean.stride(), running_mean.dtype,
                                               running_mean.device, running_mean.data_ptr() % 16,
-                                              running_mean.requires_grad),
+                                              running_mean.requires_grad,
+                                              running_mean.is_inference()),
            None if running_var is None else (type(running_var), running_var.shape,
                                              running_var.stride(), running_var.dtype,
                                              running_var.device, running_var.data_ptr() % 16,
-                                             running_var.requires_grad),
+                                             running_var.requires_grad,
+                                             running_var.is_inference()),
            None if num_batches_tracked is None else (type(num_batches_tracked),
                                                      num_batches_tracked.dtype,
-                                                     num_batches_tracked.data_ptr() % 16),
+                                                     num_batches_tracked.data_ptr() % 16,
+                                                     num_batches_tracked.is_inference()),
            None if residual is None else (type(residual), residual.shape, residual.stride(),
                                           residual.dtype, residual.device,
                                           residual.data_ptr() % 16),
            training, momentum, eps, stride, padding, dilation,
-           torch.is_autocast_enabled(x.device.type), _tf32_allowed())
+           torch.is_autocast_enabled(x.device.type), _tf32_allowed(),
+           torch.is_inference_mode_enabled())
     case = _MODULE_CASES.get(key)
     if case is None:
         case = _MODULE_CASES[key] = _module_case(

@@ -674,7 +674,8 @@ def _lean_key(r, names, mods, x: Tensor, stats, return_stats: bool):
     where a BatchNorm or convolution is not one the lean route runs."""
     sdt = torch.float64 if x.dtype == torch.float64 else torch.float32  # opdefs.stats_dtype
     key = [r.name, x.shape, x.stride(), x.dtype, x.device, return_stats,
-           None if stats is None else (len(stats), *map(_META, stats))]
+           None if stats is None else (len(stats), *map(_META, stats)),
+           torch.is_inference_mode_enabled()]  # with is_inference(): buffers it may write
     chain = []
     for bn_name, conv_name in names:
         bn, c = mods.get(bn_name), mods[conv_name]  # no bn under norm='none'
@@ -689,9 +690,11 @@ def _lean_key(r, names, mods, x: Tensor, stats, return_stats: bool):
         key += (bn.training, bn.momentum, bn.eps, c.stride, c.padding, c.dilation, c.groups,
                 c.padding_mode, _META(w), None if cb is None else _META(cb),
                 None if g is None else _META(g), None if b is None else _META(b),
-                None if rm is None else (_META(rm), rm.stride(), rm.requires_grad),
-                None if rv is None else (_META(rv), rv.stride(), rv.requires_grad),
-                None if nbt is None else _META(nbt))
+                None if rm is None else (_META(rm), rm.stride(), rm.requires_grad,
+                                         rm.is_inference()),
+                None if rv is None else (_META(rv), rv.stride(), rv.requires_grad,
+                                         rv.is_inference()),
+                None if nbt is None else (_META(nbt), nbt.is_inference()))
         chain.append((bn.training, bn.momentum, bn.eps, g, b, rm, rv, nbt, w, cb, c.stride,
                       c.padding, c.dilation))
     return tuple(key), chain

@@ -82,22 +82,21 @@ bn_relu_conv2d_backward = _define("bn_relu_conv2d_backward", "x")
 
 
 # --------------------------------------------------------------------------- fake kernels
+# Each checks every argument first, as the op does (check_op_args, in the op's words). A fake
+# kernel runs for tracing and for meta tensors, and the dispatcher also picks it for a call
+# whose arguments mix devices when one of them is on meta: without the checks such a call
+# returned an uninitialised tensor on x's device (and a stride of 0 divided by zero).
 
 @batch_stats.register_fake
 def _(x):
-    torch._check(x.dim() == 4, lambda: f"batch_stats: x must be 4-D, got {x.dim()}-D")
+    check_op_args("batch_stats", (x,))
     dt = stats_dtype(x.dtype)
     return x.new_empty((x.shape[1],), dtype=dt), x.new_empty((x.shape[1],), dtype=dt)
 
 
-def _forward_fake(*inputs) -> Tensor:
+def _forward_fake(*inputs, op: str = "bn_relu_conv2d") -> Tensor:
+    check_op_args(op, inputs)
     a = UnitArgs(*inputs)
-    torch._check(a.x.dim() == 4 and a.weight.dim() == 4, lambda: "x and weight must be 4-D")
-    torch._check(a.weight.shape[1] == a.x.shape[1],
-                 lambda: "weight.shape[1] must equal x.shape[1]")
-    if a.branch_scale is not None:
-        torch._check(a.branch_scale.dim() == 1 and a.branch_scale.shape[0] == a.x.shape[0],
-                     lambda: "branch_scale must be (N,), one factor per sample of x")
     y = a.x.new_empty(out_shape(a.x, a.weight, a.stride, a.padding, a.dilation),
                       dtype=a.weight.dtype)
     return y.contiguous(memory_format=out_memory_format(a.x, a.weight))
@@ -108,13 +107,14 @@ bn_relu_conv2d.register_fake(_forward_fake)
 
 @bn_relu_conv2d_genstats.register_fake
 def _(*inputs):
-    y = _forward_fake(*inputs)
+    y = _forward_fake(*inputs, op="bn_relu_conv2d_genstats")
     dt = stats_dtype(y.dtype)
     return y, y.new_empty((y.shape[1],), dtype=dt), y.new_empty((y.shape[1],), dtype=dt)
 
 
 @bn_relu_conv2d_backward.register_fake
 def _(*inputs):
+    check_op_args("bn_relu_conv2d_backward", inputs)
     a = BackwardArgs(*inputs)
     return backward_outputs(a.x, a.weight, a.mean, a.output_mask)
 

@@ -4,7 +4,8 @@ The C++ kernels' op namespaces (``fusedres_cpu``, ``fusedres_cuda``) are defined
 :data:`fusedres.ops.opdefs.SCHEMAS` whether or not the extension is built; the extension registers
 implementations only. It is loaded first, then the schemas defined: the dispatcher checks each
 registered C++ function against its schema then, and a mismatch (an extension built from other
-sources) becomes ``LOAD_ERROR`` instead of an abort inside the library's loader.
+sources) becomes ``LOAD_ERROR`` instead of an abort inside the library's loader. Each op also
+gets a ``Meta`` kernel here that refuses the call by name (:func:`refuse_meta`).
 
 ``LOAD_ERROR`` says why the extension is missing (used in backend error messages).
 
@@ -26,6 +27,7 @@ import importlib
 import torch
 
 from . import opdefs
+from .checks import check_devices
 
 LOADED = False
 LOAD_ERROR: str | None = None
@@ -56,10 +58,30 @@ def _schema_error(exc: Exception) -> str:
     return " ".join(lines[:1] + keep)
 
 
+def refuse_meta(lib: torch.library.Library, namespace: str) -> None:
+    """Give each op of ``namespace`` (defined in ``lib``) a ``Meta`` kernel: the refusal
+    :func:`fusedres.ops.checks.check_devices`. The dispatcher picks that key for a call with a
+    meta tensor among its arguments, and the C++ kernels never take one (they read memory):
+    without it such a call ended in the dispatcher's "no fake impl or Meta kernel", naming no
+    argument. An op the extension implements as a composite keeps that (its C++ function runs
+    for every key and checks every device first)."""
+    for name, schema in {**opdefs.SCHEMAS, **opdefs.NAMESPACE_SCHEMAS.get(namespace, {})}.items():
+        qualified = f"{namespace}::{name}"
+        if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"):
+            continue
+        names = [a.name for a in torch._C.parse_schema(qualified + schema).arguments]
+
+        def refuse(*args, _where=f"{namespace}.{name}", _names=names, **kwargs):
+            check_devices(_where, _names, args, kwargs)
+
+        lib.impl(name, refuse, "Meta")
+
+
 _LIBRARIES = []
 for _namespace in NAMESPACES:
     try:
         _LIBRARIES.append(opdefs.define_namespace(_namespace))
+        refuse_meta(_LIBRARIES[-1], _namespace)
     except RuntimeError as exc:  # a kernel of fusedres._C does not match its schema
         LOADED = False
         LOAD_ERROR = (f"fusedres._C does not match the op schemas of fusedres/ops/opdefs.py "

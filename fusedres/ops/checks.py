@@ -23,7 +23,7 @@ from torch import Tensor
 from .opdefs import ConvGeometry, arg_names, out_shape, stats_dtype
 
 __all__ = ["autocast_dtype", "check_batch_norm_args", "check_branch_scale", "check_conv_args",
-           "check_op_args", "check_x"]
+           "check_devices", "check_op_args", "check_x"]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
@@ -158,12 +158,25 @@ def _share_memory(a: Tensor, b: Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _check_writable(t: Tensor, name: str, where: str) -> None:
+    """A buffer the update writes in place: not an inference tensor outside inference mode
+    (csrc/checks.h's check_writable). The in-place op would refuse it itself, but only once the
+    buffers updated before it were written. Not while torch.compile traces: a traced graph
+    holds no inference tensor (torch.compile refuses them as inputs)."""
+    if torch.compiler.is_compiling():
+        return
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{where}{name}: an inference tensor cannot be updated in place "
+                           "outside InferenceMode")
+
+
 def check_running_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
                         num_batches_tracked: Tensor | None, *, training: bool,
                         momentum: float | None, eps: float, where: str = "") -> None:
     """The running statistics and hyperparameters of a BatchNorm of ``x`` (csrc/checks.h's
     check_running_stats): a one-element integer ``num_batches_tracked`` on x's device, buffers
-    the update writes writable and apart, and nn.BatchNorm2d's refusals: ``eps`` > 0 in
+    the update writes writable (no inference tensor outside inference mode) and apart, and
+    nn.BatchNorm2d's refusals: ``eps`` > 0 in
     training (>= 0 in eval), no running statistic that requires grad while grad mode is on.
     The vectors' shapes, dtypes and devices are the caller's to check first."""
     tracked = running_mean is not None
@@ -193,12 +206,15 @@ def check_running_stats(x: Tensor, running_mean: Tensor | None, running_var: Ten
             raise ValueError(f"{where}num_batches_tracked: required when momentum is None "
                              "(cumulative moving average)")
         for t, name in ((running_mean, "running_mean"), (running_var, "running_var")):
+            _check_writable(t, name, where)
             if _overlaps_itself(t):
                 raise ValueError(f"{where}{name}: expected a tensor whose elements do not share "
                                  f"memory (it is updated in place), got strides {t.stride()}")
         if _share_memory(running_mean, running_var):
             raise ValueError(f"{where}running_var: expected memory of its own, got a tensor "
                              "that overlaps running_mean")
+    if training and num_batches_tracked is not None:  # counted in training, tracked or not
+        _check_writable(num_batches_tracked, "num_batches_tracked", where)
     if momentum is not None and not isinstance(momentum, (int, float)):
         raise TypeError(f"{where}momentum: expected a float or None, got "
                         f"{type(momentum).__name__}")
@@ -283,6 +299,9 @@ def _check_conv(x, weight, bias, residual, stride, padding, dilation) -> tuple[i
                             f"got {bias.dtype}")
     if kh < 1 or kw < 1:
         raise ValueError(f"weight: expected a kernel of at least 1x1, got {tuple(weight.shape)}")
+    if co < 1:
+        raise ValueError(f"weight: expected at least one output channel (as conv2d), got "
+                         f"{tuple(weight.shape)}")
     _check_extents(x, (kh, kw), padding, dilation)
     shape = out_shape(x, weight, stride, padding, dilation)
     if shape[2] <= 0 or shape[3] <= 0:
@@ -388,6 +407,9 @@ def _op_conv(where: str, x: Tensor, weight, stride, padding, dilation,
     if kh < 1 or kw < 1:
         raise ValueError(f"{where}{w_name}: expected a kernel of at least 1x1, got "
                          f"{tuple(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise ValueError(f"{where}{w_name}: expected at least one output channel (as conv2d), "
+                         f"got {tuple(weight.shape)}")
     geometry = ConvGeometry(_op_pair(where, s_name, stride, 1),
                             _op_pair(where, p_name, padding, 0),
                             _op_pair(where, d_name, dilation, 1))
@@ -435,6 +457,27 @@ def _op_output_mask(where: str, mask) -> None:
             or not all(isinstance(m, bool) for m in mask)):
         raise ValueError(f"{where}output_mask: expected a list of 5 bools (x, weight, bias, "
                          f"bn_weight, bn_bias), got {mask!r}")
+
+
+def check_devices(where: str, names, args, kwargs=None) -> None:
+    """Refuse a call of a C++ namespace's op that the dispatcher sent to the ``Meta`` key (a
+    meta tensor among its arguments; :func:`fusedres.ops._extension.refuse_meta`), before any
+    kernel could read memory that is not there: an ``x`` on meta is not one the kernels run
+    on; else the first tensor argument (``names``: the op's argument names, ``args`` and
+    ``kwargs`` as called) on another device than x's, in the ops' words."""
+    bound = dict(zip(names, args))
+    bound.update(kwargs or {})
+    x = bound.get("x")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{where}: x: expected a Tensor, got {type(x).__name__}")
+    if x.device.type == "meta":
+        raise ValueError(f"{where}: x: expected a tensor on a device the op's kernels run on, "
+                         f"got device {x.device}")
+    for name, t in bound.items():
+        if isinstance(t, Tensor) and t.device != x.device:
+            raise ValueError(f"{where}: {name}: expected device {x.device} (the device of x), "
+                             f"got {t.device}")
+    raise ValueError(f"{where}: expected every tensor on the device of x ({x.device})")
 
 
 def check_op_args(op: str, args, where: str | None = None,

@@ -311,9 +311,11 @@ std::tuple<at::Tensor, at::Tensor> finish(const std::vector<Moments>& acc, int64
         const Moments& m = acc[static_cast<size_t>(t) * C + c];
         total.merge(m.n, m.mean, m.m2);
       }
-      mp[c] = static_cast<scalar_t>(total.mean);
-      vp[c] = static_cast<scalar_t>(
-          total.n > 0 ? total.m2 / total.n : std::numeric_limits<double>::quiet_NaN());
+      // An empty batch has neither: NaN for both, as the mean and variance of no values are
+      // in PyTorch (and in the portable backend's batch_stats).
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      mp[c] = static_cast<scalar_t>(total.n > 0 ? total.mean : nan);
+      vp[c] = static_cast<scalar_t>(total.n > 0 ? total.m2 / total.n : nan);
     }
   });
   return {mean, var};

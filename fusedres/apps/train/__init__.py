@@ -9,13 +9,16 @@ fused BN-ReLU-conv blocks, on one device or many (torchrun), never losing a run.
 :func:`main` returns the exit code: 0 done, 2 a bad request (one line on stderr, nothing of an
 existing run touched), 1 a file of the run that could not be written (a checkpoint, the
 metrics log, config.yaml, the summary; a full disk: one line naming the file, the previous
-checkpoint intact), 128 + signal number when stopped by SIGTERM/SIGINT after checkpointing.
+checkpoint intact), 128 + signal number when stopped by SIGTERM/SIGINT (the first one during
+training checkpoints the current iteration; a second one, or one before training starts, ends
+the run at once).
 The run directory is locked (``<out>/.lock``) while a run uses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 
 import torch.distributed as dist
@@ -24,7 +27,7 @@ from fusedres import BackendUnavailableError
 
 from .checkpoint import RunWriteError
 from .config import UsageError, resolve
-from .loop import Run
+from .loop import Run, Stopped
 
 __all__ = ["main"]
 
@@ -40,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
             code = run.train()
         finished = True  # every process got here: done, or stopped together by a signal
         return code
+    except Stopped as e:  # a second signal, or one before the first step: no checkpoint now
+        print(f"fusedres train: {signal.Signals(e.code - 128).name} received: stopped",
+              file=sys.stderr)
+        return e.code
     except (UsageError, BackendUnavailableError) as e:
         print(f"fusedres train: error: {e}", file=sys.stderr)
         return 2

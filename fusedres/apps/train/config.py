@@ -18,6 +18,7 @@ the bare ``--compile`` say, is ``"default"``.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -513,6 +514,32 @@ def compile_setting(value: Any) -> str | bool:
                      f"got {value!r}")
 
 
+# Integers travel as C++ int64 (torch.set_num_threads, tensor shapes, padding) and the seed as
+# torch's uint64: beyond these they overflow inside torch (a traceback, not an error naming the
+# flag). Every number option is finite: argparse's float() takes "nan" and "inf", which no
+# comparison below refuses (nan <= 0 is False) and training then spreads.
+INT_LIMIT, SEED_LIMIT = 2**63, 2**64
+
+
+def _check_range(name: str, value: Any) -> None:
+    """An option's value, when a number (or each number of a list, as --betas): finite, and an
+    integer within the bounds torch takes (:data:`INT_LIMIT`, :data:`SEED_LIMIT` for --seed).
+    Other values pass: the type checks name them."""
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _check_range(name, v)
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return  # not a number: the type checks name it
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UsageError(f"{_flag(name)}: expected a finite number, got {value}")
+    limit = SEED_LIMIT if name == "seed" else INT_LIMIT
+    if isinstance(value, int) and not -limit < value < limit:
+        bound = "2^64" if name == "seed" else "2^63"
+        raise UsageError(f"{_flag(name)}: expected a value whose magnitude is below {bound}, "
+                         f"got {value}")
+
+
 def _check_types(cfg: dict[str, Any]) -> None:
     cfg["channels_last"] = channels_last_setting(cfg["channels_last"])  # "auto", True, False
     cfg["compile"] = compile_setting(cfg["compile"])
@@ -529,6 +556,7 @@ def _check_types(cfg: dict[str, Any]) -> None:
         if isinstance(default, float) and (isinstance(value, bool)
                                            or not isinstance(value, (int, float))):
             raise UsageError(f"{flag}: expected a number, got {value!r}")
+        _check_range(name, value)
         if name in CHOICES and value not in CHOICES[name]:
             allowed = ", ".join(str(c) for c in CHOICES[name] if c is not None)
             raise UsageError(f"{flag}: expected one of {allowed}, got {value!r}")

@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from fusedres.memory import LiveTensorTracker, PlanError, SavedTensorCounter
 from . import checkpoint as ckpt
 from . import data as data_mod
 from . import metrics as M
+from . import resume_checks
 from .config import UsageError, merge_saved, parse_bytes, resolve_channels_last
 from .gradnorms import GradNormProbe
 from .naming import variant_label
@@ -46,6 +48,11 @@ from .step import (
 )
 
 _AMP = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Stopped(SystemExit):
+    """The run ended at once by a signal (:meth:`Run._on_signal`): ``code`` is 128 + its
+    number. A SystemExit, so that no ``except Exception`` on the way out takes it."""
 
 
 def _first_line(e: BaseException) -> str:
@@ -292,7 +299,10 @@ class Run:
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.stop_signal: int | None = None
+        self._graceful = False  # see _on_signal
+        self._pid = os.getpid()
         self.scope = scope if scope is not None else contextlib.ExitStack()
+        self._catch_signals()
         self._setup(cfg, explicit)
 
     # ------------------------------------------------------------------ set-up
@@ -308,25 +318,57 @@ class Run:
     def _resume_state(self, cfg, explicit):
         out = Path(cfg["out"] or f"runs/{cfg['dataset']}-{cfg['model']}")
         resume, state = cfg["resume"], None
+        self.resume_path = None
         if resume is None:
             if ckpt.list_checkpoints(out):
                 raise UsageError(f"--out: {str(out)!r} already holds a run (checkpoints); "
                                  "continue it with --resume, or choose another --out")
             return cfg, out, None
         if resume in ("latest", "auto"):
-            path = ckpt.latest(out)
-            if path is None:
+            found = ckpt.list_checkpoints(out)
+            if not found:
                 if resume == "auto":
                     return cfg, out, None
                 raise UsageError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
+            path, state = self._newest_intact(found)
         else:
             path = Path(resume)
-            if path.is_dir():
-                path = ckpt.latest(path) or path / "checkpoints"
             if "out" not in explicit:
-                out = path.parent.parent
+                out = path.parent.parent if not path.is_dir() else path
+            if path.is_dir() and ckpt.list_checkpoints(path):
+                path, state = self._newest_intact(ckpt.list_checkpoints(path))
+            else:
+                path = path / "checkpoints" if path.is_dir() else path
+                state = self._load_named(path)
+        self.resume_path = path
+        cfg = merge_saved(cfg, explicit, state["config"])
+        return cfg, out, state
+
+    def _newest_intact(self, found: list[Path]) -> tuple[Path, dict[str, Any]]:
+        """The newest of the checkpoints ``found`` that loads (its digest and fields checked:
+        ckpt.load). Each newer one refused is said on one warning line naming it and why;
+        none intact is a UsageError naming the newest's fault."""
+        refused = []
+        for path in reversed(found):
+            try:
+                state = ckpt.load(path)
+            except ckpt.CheckpointError as e:
+                refused.append(str(e))
+                continue
+            if self.rank == 0:
+                for why in refused:
+                    print(f"fusedres train: warning: {why}; resuming from the newest intact "
+                          f"checkpoint, {str(path)!r}", file=sys.stderr)
+            return path, state
+        more = f" ({len(found) - 1} older refused too)" if len(found) > 1 else ""
+        raise UsageError(f"--resume: no intact checkpoint: {refused[0]}{more}")
+
+    @staticmethod
+    def _load_named(path: Path) -> dict[str, Any]:
+        """``--resume FILE``: that checkpoint, or a UsageError naming the newest intact one
+        beside it."""
         try:
-            state = ckpt.load(path)
+            return ckpt.load(path)
         except ckpt.CheckpointError as e:
             msg = str(e)
             good = [p for p in ckpt.list_checkpoints(path.parent.parent) if p != path]
@@ -338,16 +380,16 @@ class Run:
                 msg += f"; the previous checkpoint {str(prev)!r} is intact: --resume {prev}"
                 break
             raise UsageError(msg) from None
-        cfg = merge_saved(cfg, explicit, state["config"])
-        return cfg, out, state
 
     def _setup(self, cfg, explicit):
         cfg, out, state = self._resolve_resume(cfg, explicit)
         self.cfg, self.out, self.resume_state = cfg, out, state
         self._setup_process(cfg, explicit)
         self._open_data(cfg, explicit)
-        model = self._build_model(cfg, state)
-        model = self._build_optimizer(model, cfg, state)
+        model = self._build_model(cfg)
+        model = self._build_optimizer(model, cfg)
+        if state is not None:
+            self._restore(state)
         self._build_step(model, cfg)
         self._open_run(cfg, state)
 
@@ -405,8 +447,8 @@ class Run:
         self.schedule = LRSchedule(cfg, self.max_iters, self.milestones)
         self.mix = _mixer(cfg, self.data.num_classes)
 
-    def _build_model(self, cfg, state) -> nn.Module:
-        """The seeded model, its memory plan, and the checkpoint's weights on --resume."""
+    def _build_model(self, cfg) -> nn.Module:
+        """The seeded model and its memory plan (the checkpoint's weights: :meth:`_restore`)."""
         torch.manual_seed(cfg["seed"])
         seed_python_and_numpy(cfg["seed"])
         in_chans = self.data.image_shape[0]
@@ -422,19 +464,13 @@ class Run:
             if self.device.type == "cuda":
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 self.device_warning = self._device_fit(total)
-        if state is not None:
-            try:
-                model.load_state_dict(state["model"])
-            except RuntimeError as e:
-                raise UsageError(f"--resume: the checkpoint does not fit --model {cfg['model']} "
-                                 f"({_first_line(e)})") from None
         self.model = model  # unwrapped: what checkpoints hold
         self.parameters = sum(p.numel() for p in model.parameters())
         return model
 
-    def _build_optimizer(self, model: nn.Module, cfg, state) -> nn.Module:
-        """--sync-bn, the optimizer, EMA and scaler (restored on --resume); returns the model
-        the step trains (SyncBatchNorm converted)."""
+    def _build_optimizer(self, model: nn.Module, cfg) -> nn.Module:
+        """--sync-bn, the optimizer, EMA and scaler (restored on --resume by
+        :meth:`_restore`); returns the model the step trains (SyncBatchNorm converted)."""
         if self.world > 1 and cfg["sync_bn"]:
             # On GPUs torch's own SyncBatchNorm serves the plain BatchNorms (the fused ones are
             # routed to fusedres.distributed either way); it does not run on CPU tensors.
@@ -451,28 +487,71 @@ class Run:
                     else None)
         self.amp_dtype = _AMP[cfg["amp"]]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg["amp"] == "fp16")
-        if state is not None:
-            try:
-                self.optimizer.load_state_dict(state["optimizer"])
-                use_lr(self.optimizer, self.lr)
-                start_momentum(self.optimizer)  # a parameter that had no gradient yet
-                _state_like_params(self.optimizer)
-                if state.get("scaler"):
-                    self.scaler.load_state_dict(state["scaler"])
-                if self.ema is not None:
-                    if "ema" not in state:
-                        raise KeyError("ema: the checkpoint holds no EMA weights (its run had "
-                                       "no --ema-decay)")
-                    self.ema.load_state_dict(state["ema"])
-                if "lr_scheduler" in state:
-                    self.schedule.load_state_dict(state["lr_scheduler"])
-                else:  # a checkpoint of an older fusedres: run the schedule up to it
-                    for _ in range(state["iteration"]):
-                        self.schedule.step()
-            except (ValueError, KeyError, RuntimeError) as e:
-                raise UsageError(f"--resume: the optimiser state does not fit this model "
-                                 f"({_first_line(e)})") from None
         return model
+
+    def _restore(self, state) -> None:
+        """--resume: the checkpoint's fields checked against what the run built (each tensor
+        against the model's, the optimizer state against its parameters, the scheduler's and
+        the scaler's against theirs, the iteration within the run: resume_checks), then loaded.
+        Nothing is loaded unless all of it fits; a misfit is one UsageError naming the file and
+        the field."""
+        try:
+            self._check_restorable(state)
+        except resume_checks.FieldError as e:
+            diverged = (state.get("accum") or {}).get("diverged_at")
+            hint = (f" (the run diverged at iteration {diverged})"
+                    if diverged is not None and "not finite" in str(e) else "")
+            raise UsageError(f"--resume: checkpoint {str(self.resume_path)!r} does not fit this "
+                             f"run (--model {self.cfg['model']}): {e}{hint}") from None
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            use_lr(self.optimizer, self.lr)
+            start_momentum(self.optimizer)  # a parameter that had no gradient yet
+            _state_like_params(self.optimizer)
+            if state.get("scaler") and self.scaler.is_enabled():
+                self.scaler.load_state_dict(state["scaler"])
+            if self.ema is not None:
+                self.ema.load_state_dict(state["ema"])
+            if "lr_scheduler" in state:
+                self.schedule.load_state_dict(state["lr_scheduler"])
+            else:  # a checkpoint of an older fusedres: run the schedule up to it
+                for _ in range(state["iteration"]):
+                    self.schedule.step()
+        except (ValueError, KeyError, RuntimeError, TypeError) as e:  # what the checks missed
+            raise UsageError(f"--resume: checkpoint {str(self.resume_path)!r} does not fit this "
+                             f"run (--model {self.cfg['model']}): {_first_line(e)}") from None
+
+    def _check_restorable(self, state) -> None:
+        rc = resume_checks
+        for key in ("metrics", "rng"):
+            if key not in state:
+                raise rc.FieldError(f"{key}: expected in a checkpoint of fusedres train, found "
+                                    "none")
+        rc.check_iteration(state["iteration"], self.max_iters)
+        rc.check_tensors(state["model"], self.model.state_dict(), "model")
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        rc.check_optimizer(state["optimizer"], self.optimizer, names)
+        if self.ema is not None:
+            if "ema" not in state:
+                raise rc.FieldError("ema: the checkpoint holds no EMA weights (its run had no "
+                                    "--ema-decay)")
+            rc.check_tensors(state["ema"], self.ema.state_dict(), "ema")
+        if state.get("scaler") and self.scaler.is_enabled():
+            live = self.scaler.state_dict()
+            missing = [k for k in live if k not in state["scaler"]]
+            if missing:
+                raise rc.FieldError(f"scaler: expected {', '.join(missing)}, found none")
+            rc.check_like(state["scaler"], live, "scaler")
+        if "lr_scheduler" in state:
+            saved = state["lr_scheduler"]["scheduler"]
+            rc.check_like(saved, self.schedule.scheduler.state_dict(),
+                          "lr_scheduler['scheduler']")
+            # The scheduler steps once an iteration: its count is the checkpoint's iteration.
+            if saved.get("last_epoch", state["iteration"]) != state["iteration"]:
+                raise rc.FieldError(f"lr_scheduler['scheduler']['last_epoch']: expected "
+                                    f"{state['iteration']} (the checkpoint's iteration), got "
+                                    f"{saved['last_epoch']}")
 
     def _build_step(self, model: nn.Module, cfg) -> None:
         """The training step: DDP, torch.compile and CUDA graphs around ``model``."""
@@ -510,6 +589,11 @@ class Run:
         if self.world > 1:
             dist.barrier()
         self._lock_out()
+        if self.rank == 0:
+            stale = ckpt.remove_stale_temporaries(self.out)
+            if stale:
+                print(f"fusedres train: removed {len(stale)} temporary file(s) a stopped run "
+                      f"left in {str(self.out)!r}", file=sys.stderr)
         self.iteration = state["iteration"] if state is not None else 0
         self.history = list(state["metrics"]) if state is not None else []
         self.accum = dict(state.get("accum", {})) if state is not None else {}
@@ -843,10 +927,36 @@ class Run:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     # ------------------------------------------------------------------ signals
+    def _catch_signals(self) -> None:
+        """SIGTERM and SIGINT go to :meth:`_on_signal` from the start of the set-up until the
+        run's scope closes (fusedres train's main: after the last file is written), so that
+        the exit code is 128 + the signal's number whenever one comes, however many. Python
+        sets handlers in the main thread only (elsewhere a signal keeps its handler)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def restore():
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+        self.scope.callback(restore)
+
     def _on_signal(self, signum, frame):
-        if self.stop_signal is not None:  # a second signal: stop now
-            raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
-        self.stop_signal = signum
+        """The first signal while the run trains (:meth:`train`) asks the loop to stop: it
+        checkpoints at the end of the iteration and the run returns 128 + signal. Any other one
+        (a second, or one during the set-up, before a step can be saved) ends the run at once:
+        :class:`Stopped`, whose temporary files are removed on the way out (write_atomically)
+        or by the next start."""
+        if os.getpid() != self._pid:
+            # A process forked from the run (a DataLoader worker) inherits the handler: it goes on
+            # and ends with the run, which stops its workers itself.
+            return
+        first = self.stop_signal is None
+        if first:
+            self.stop_signal = signum
+        if not (first and self._graceful):
+            raise Stopped(128 + signum)
 
     def _stop_requested(self) -> bool:
         flag = 0 if self.stop_signal is None else int(self.stop_signal)
@@ -880,8 +990,10 @@ class Run:
             self.rss_pre_step = fusedres.memory.rss_bytes()
 
     def train(self) -> int:
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        """Train to the end (0) or to a stop (128 + the signal's number: also when the signal
+        came after the last iteration, as the finish was written)."""
         self._rss_pre_step()
+        self._graceful = True
         try:
             with self._memory_tracker():
                 if self.live is not None:
@@ -889,13 +1001,11 @@ class Run:
                 code = self._loop()
         finally:
             self.batches.close()
-            for s, h in handlers.items():
-                signal.signal(s, h)
         if code == 0:
             self._finish()
         if self.log is not None:
             self.log.close()
-        return code
+        return 128 + int(self.stop_signal) if self.stop_signal is not None else code
 
     def mixed(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch through MixUp/CutMix, in the batch's memory layout (their roll makes a
@@ -927,8 +1037,14 @@ class Run:
         ep_loss = torch.tensor(a.get("ep_loss", 0.0), dtype=torch.float64, device=dev)
         ep_correct = torch.tensor(a.get("ep_correct", 0), dtype=torch.int64, device=dev)
         ep_seen, ep_time = a.get("ep_seen", 0), a.get("ep_time", 0.0)
-        win = [torch.zeros((), dtype=torch.float64, device=dev),
-               torch.zeros((), dtype=torch.int64, device=dev), 0]
+        # The window of the next record: its sums, and the time of the part a stop cut short
+        # (restored from the checkpoint: :meth:`_stop_between_records`; its sums are over every
+        # process, so rank 0 alone takes them back).
+        mine = a if self.rank == 0 else {}
+        win = [torch.tensor(mine.get("win_loss", 0.0), dtype=torch.float64, device=dev),
+               torch.tensor(mine.get("win_correct", 0), dtype=torch.int64, device=dev),
+               mine.get("win_seen", 0)]
+        win_time = a.get("win_time", 0.0)
         local = self.batches.local
 
         while self.iteration < self.max_iters:
@@ -968,15 +1084,20 @@ class Run:
                 stop = self._stop_requested()
                 if not (boundary or stop):
                     continue
+                if not boundary:
+                    self._stop_between_records(win, win_time, t0)
+                    return self._stopped(bar)
                 # Close the timing window (the .item() calls synchronise the device).
                 l_sum, c_sum, n = self._all_sum([win[0].item(), float(win[1].item()),
                                                  float(win[2])])
-                dt = time.perf_counter() - t0
+                now = time.perf_counter()
+                dt = now - t0 + win_time
                 ep_loss += win[0]
                 ep_correct += win[1]
                 ep_seen += win[2]
                 ep_time += dt
-                self.elapsed += dt
+                self.elapsed += now - t0
+                win_time = 0.0
                 win = [torch.zeros_like(win[0]), torch.zeros_like(win[1]), 0]
                 rate = n / dt if dt > 0 else float("nan")
                 mem = M.peak_memory_bytes(dev)
@@ -1028,18 +1149,33 @@ class Run:
                         or self.iteration == self.max_iters):
                     self.save_checkpoint()
                 if stop:
-                    if bar is not None:
-                        bar.close()
-                    if self.rank == 0:
-                        name = signal.Signals(self.stop_signal).name
-                        print(f"fusedres train: {name} received: checkpoint saved at iteration "
-                              f"{self.iteration} in {self.out}; continue with --resume",
-                              file=sys.stderr)
-                    return 128 + int(self.stop_signal)
+                    return self._stopped(bar)
                 t0 = time.perf_counter()
             if bar is not None:
                 bar.close()
         return 0
+
+    def _stop_between_records(self, win: list, win_time: float, t0: float) -> None:
+        """A stop at an iteration that writes no record: the window so far (its sums over every
+        process and its time) goes into the checkpoint (accum's ``win_*``) instead of a record
+        of its own, so that the resumed run writes exactly the records an uninterrupted one
+        does."""
+        dt = time.perf_counter() - t0
+        self.elapsed += dt
+        l_sum, c_sum, n = self._all_sum([win[0].item(), float(win[1].item()), float(win[2])])
+        self.accum = {**self.accum, "win_loss": l_sum, "win_correct": int(c_sum),
+                      "win_seen": int(n), "win_time": win_time + dt}
+        self.save_checkpoint()
+
+    def _stopped(self, bar) -> int:
+        """The checkpointed stop's end: the message, and 128 + the signal's number."""
+        if bar is not None:
+            bar.close()
+        if self.rank == 0:
+            name = signal.Signals(self.stop_signal).name
+            print(f"fusedres train: {name} received: checkpoint saved at iteration "
+                  f"{self.iteration} in {self.out}; continue with --resume", file=sys.stderr)
+        return 128 + int(self.stop_signal)
 
     # ------------------------------------------------------------------ report
     def _memory_report(self) -> dict[str, Any]:
