@@ -95,9 +95,11 @@ PyObject* choose_cpu_capability(PyObject* /*self*/, PyObject* args) {
   if (n < 0) return nullptr;
   std::vector<std::string> features;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* item = PySequence_GetItem(seq, i);  // a new reference
-    const char* f = item ? PyUnicode_AsUTF8(item) : nullptr;
+    PyObject* item = PySequence_GetItem(seq, i);  // new references, both
+    PyObject* utf8 = item ? PyUnicode_AsUTF8String(item) : nullptr;  // (AsUTF8: 3.13's API)
+    const char* f = utf8 ? PyBytes_AsString(utf8) : nullptr;
     if (f != nullptr) features.emplace_back(f);
+    Py_XDECREF(utf8);
     Py_XDECREF(item);
     if (f == nullptr) return nullptr;
   }
