@@ -60,7 +60,8 @@ def test_step_matches_a_plain_pytorch_loop(optimizer, accum):
     model = models.preact_resnet(8, num_classes=3, fused=False)
     oracle = copy.deepcopy(model)
     cfg = {"weight_decay": 0.05, "bn_weight_decay": False, "bias_weight_decay": False,
-           "optimizer": optimizer, "momentum": 0.9, "nesterov": False, "betas": [0.8, 0.99]}
+           "optimizer": optimizer, "momentum": 0.9, "nesterov": False, "betas": [0.8, 0.99],
+           "cuda_graphs": False}
     lr = lr_tensor(0.1, torch.device("cpu"))
     step = TrainStep(model, _optimizer(_param_groups(model, cfg), lr, cfg),
                      torch.amp.GradScaler("cpu", enabled=False), None, "cpu",
