@@ -42,9 +42,10 @@ def _one_thread():
 
 def _smoothed_ce(logits: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor:
     """Label smoothing written out (Szegedy et al. 2016): the target is 1 - eps on the label
-    plus eps spread evenly over all K classes."""
-    log_p = logits.float().log_softmax(1)
-    return ((1 - eps) * -log_p.gather(1, y[:, None])[:, 0] - eps * log_p.mean(1)).mean()
+    plus eps spread evenly over all K classes. In float64, rounded to float32, as the trainer's
+    step takes it (TrainStep.loss)."""
+    log_p = logits.double().log_softmax(1)
+    return ((1 - eps) * -log_p.gather(1, y[:, None])[:, 0] - eps * log_p.mean(1)).mean().float()
 
 
 @pytest.mark.parametrize("optimizer,accum", [("sgd", 1), ("adamw", 1), ("sgd", 2),
