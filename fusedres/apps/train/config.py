@@ -356,9 +356,10 @@ def _add_memory_group(p: argparse.ArgumentParser) -> None:
                    help="peak device memory of a whole training step, e.g. 4GiB: parameters, "
                         "gradients, optimizer state, activations, the recomputation and other "
                         "transients, the evaluation forward and the dataset on the device; the "
-                        "planner checkpoints to fit it. On CPU it bounds the process: its peak "
-                        "resident set above the one with torch imported (the allocator's slack "
-                        "included). auto: the free GPU memory (CPU: the available memory) minus "
+                        "planner checkpoints to fit it. On CPU it bounds the process: the peak of "
+                        "the memory it allocates above what it held with torch imported (the "
+                        "allocator's slack included; the libraries' mapped files are not "
+                        "counted). auto: the free GPU memory (CPU: the available memory) minus "
                         "a margin of 5%% of the total + 256 MiB")
     g.add_argument("--activation-budget",
                    help="bound only the saved activations alive at once, e.g. 4GiB (the "
