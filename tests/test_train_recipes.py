@@ -102,9 +102,9 @@ def test_step_matches_a_plain_pytorch_loop(optimizer, accum):
 
 def test_ema_is_averaged_model_run_by_hand_and_is_what_is_evaluated(tmp_path):
     """--ema-decay 0.8: the checkpoint's EMA after each iteration equals the average written
-    out from the model's weights and buffers at each iteration (the first copied, then
-    lerped by 0.2, as torch's get_ema_multi_avg_fn defines it); the evaluation is of those
-    weights, not the model's."""
+    out from the model's weights and buffers at each iteration (the first copied, then at
+    iteration i lerped by 1 - d_i with the warm-up's d_i = min(0.8, 1 - i ** (-2/3)): 0.37,
+    0.52, 0.60, 0.66); the evaluation is of those weights, not the model's."""
     out = tmp_path / "run"
     n = 5
     assert main([*TINY, *RECIPE, "--max-iters", str(n), "--checkpoint-every", "1",
@@ -117,9 +117,10 @@ def test_ema_is_averaged_model_run_by_hand_and_is_what_is_evaluated(tmp_path):
         if ema is None:
             ema = {k: v.clone() for k, v in current.items()}
         else:
+            d = min(0.8, 1 - s["iteration"] ** (-2 / 3))
             for k, v in current.items():
-                ema[k] = (ema[k].lerp(v, 0.2) if v.is_floating_point()
-                          else (ema[k] * 0.8 + v * 0.2).to(v.dtype))
+                ema[k] = (ema[k].lerp(v, 1 - d) if v.is_floating_point()
+                          else (ema[k] * d + v * (1 - d)).to(v.dtype))
         saved = s["ema"]
         assert int(saved["n_averaged"]) == s["iteration"]
         for k, v in ema.items():

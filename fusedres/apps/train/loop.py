@@ -232,14 +232,41 @@ def _mixer(cfg, num_classes: int):
     return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
 
 
+# --ema-decay's warm-up: the decay at an update after t earlier ones is
+# min(decay, 1 - (1 + t) ** -EMA_WARMUP_POWER), the rule timm's ModelEmaV3 and diffusers' EMA
+# use (2/3, their default). A fixed decay of 0.999 averages over ~1000 steps from the first
+# weights on: in a short run the EMA is mostly the untrained network, and evaluating it reports
+# that network. With the warm-up the average spans about (1 + t) ** (2/3) recent steps until
+# that reaches 1 / (1 - decay).
+EMA_WARMUP_POWER = 2 / 3
+
+
+def ema_decay_at(decay: float, updates: int) -> float:
+    """--ema-decay ``decay``'s value at the update that follows ``updates`` earlier ones."""
+    return min(decay, 1.0 - (1.0 + updates) ** -EMA_WARMUP_POWER)
+
+
 def _ema(model: nn.Module, decay: float) -> torch.optim.swa_utils.AveragedModel:
     """--ema-decay: torch's AveragedModel of ``model`` with the exponential moving average
     (weights and buffers: BatchNorm's running statistics are averaged too, as timm's EMA
     does). Its first ``update_parameters`` copies the model; each later one moves the
-    average by (1 - decay) towards it."""
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    average by 1 - :func:`ema_decay_at` towards it (floating tensors by lerp, others rounded
+    toward zero), the warm-up's count being AveragedModel's ``n_averaged``, which checkpoints
+    carry."""
+    from torch.optim.swa_utils import AveragedModel
 
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    def update(averaged: list[torch.Tensor], current: list[torch.Tensor],
+               n_averaged: torch.Tensor) -> None:
+        # AveragedModel calls this per device and dtype; the count is read on the host (the
+        # update already reads it there once a step).
+        d = ema_decay_at(decay, int(n_averaged))
+        if averaged[0].is_floating_point() or averaged[0].is_complex():
+            torch._foreach_lerp_(averaged, current, 1.0 - d)
+            return
+        for a, c in zip(averaged, current):
+            a.copy_(a * d + c * (1.0 - d))
+
+    return AveragedModel(model, multi_avg_fn=update, use_buffers=True)
 
 
 def crop_average(model: nn.Module, x: torch.Tensor,
