@@ -114,6 +114,8 @@ SLOW = (
     "tests/test_bn_relu_conv.py::test_gradients_within_twice_*[triton-long-*",
     "tests/test_bn_relu_conv.py::test_gradients_within_twice_*[cuda-long-*",
     "tests/test_recipes.py::test_the_recipe_seed_loop_trains_*",  # four trainings, compared
+    "tests/test_docs.py::test_python_blocks_run[heavy]",   # plans ResNet-1001 at batch 128
+    "tests/test_docs.py::test_shell_blocks_run[*",         # the docs' trainings, at CI's scale
 )
 
 

@@ -36,6 +36,11 @@ __all__ = ["UsageError", "build_parser", "channels_last_setting", "parse_bytes",
 PACKAGE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
+def shipped_configs() -> list[str]:
+    """The names ``--config`` takes for the configs in :data:`PACKAGE_CONFIGS`, sorted."""
+    return sorted(p.stem for p in PACKAGE_CONFIGS.glob("*.yaml"))
+
+
 # He et al. (2016), "Identity Mappings in Deep Residual Networks", CIFAR recipe.
 DEFAULTS: dict[str, Any] = {
     "model": "preact_resnet110",
@@ -220,8 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = p.add_argument
     add("--config", help="YAML file of defaults (keys are flag names, - or _), or the name of "
-                         "one shipped in fusedres/apps/configs (digits, cifar10_resnet164, "
-                         "cifar10_resnet1001, imagenet_resnet200)")
+                         "one shipped in fusedres/apps/configs: " + ", ".join(shipped_configs()))
     _add_model_group(p)
     _add_data_group(p)
     _add_imagefolder_group(p)
