@@ -54,6 +54,7 @@ def test_the_demo_reaches_the_accuracy_the_readme_states(tmp_path):
                           timeout=900, env=dict(os.environ, PYTHONWARNINGS="ignore", **pins))
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "preact_resnet20" and summary["iterations"] == 40 * 11
     printed = f"{100 * (1 - summary['final_test_error']):.2f}"
     assert f"| {printed} %" in proc.stdout  # the summary table's row
     assert printed == stated.group(1), f"the demo prints {printed}%, README says {stated.group(1)}%"
