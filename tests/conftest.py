@@ -110,11 +110,12 @@ SLOW = (
     "tests/test_landscape.py::test_torchrun_*",
     "tests/test_train_resume.py::test_killed_and_resumed_run_is_bit_exact",
     "tests/test_train_imagefolder.py::test_sigterm_*",
-    "tests/test_train.py::test_digits_demo_reaches_its_accuracy",
     # the 30k-pixel reduction under the Triton interpreter and the CUDA-on-CPU layer (~1 min each)
     "tests/test_bn_relu_conv.py::test_gradients_within_twice_*[triton-long-*",
     "tests/test_bn_relu_conv.py::test_gradients_within_twice_*[cuda-long-*",
     "tests/test_recipes.py::test_the_recipe_seed_loop_trains_*",  # four trainings, compared
+    "tests/test_docs.py::test_python_blocks_run[heavy]",   # plans ResNet-1001 at batch 128
+    "tests/test_docs.py::test_shell_blocks_run[*",         # the docs' trainings, at CI's scale
 )
 
 

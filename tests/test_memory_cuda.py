@@ -160,7 +160,8 @@ def test_trainer_reports_reserved_beside_the_prediction(resnet164_plan, monkeypa
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 1100 * MiB)
     run = types.SimpleNamespace(plan_summary=resnet164_plan, device=torch.device("cuda", 0),
                                 live=None, memory_budget=2 ** 30, cfg={"memory_budget": "1GiB"},
-                                rss_baseline=None, rss_pre_step=None, rss_setup_peak=None,
+                                rss_baseline=None, rss_peaks=None, rss_pre_step=None,
+                                rss_setup_peak=None,
                                 rss_peak_since_pre_step=False, allocator=None,
                                 device_warning=None)
     report = Run._memory_report(run)

@@ -1,6 +1,7 @@
 """BatchNorm-safe checkpointing and the memory planner (fusedres.memory.activation_checkpoint,
 fusedres.memory.planner)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -42,6 +43,41 @@ def test_checkpointing_counts_each_batch_once(fused, momentum):
     assert int(ck.layer1[0].bn1.num_batches_tracked) == 3
     for (name, a), b in zip(ref.named_parameters(), ck.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: n + m)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last],
+                         ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("route", ["eager", "public"])
+def test_checkpointed_step_is_the_unplanned_step_to_the_bit(layout, route):
+    """A recomputed unit runs the kernels of its first forward on the same tensors, so in
+    float32 a checkpointed step equals the unplanned one bit for bit on any CPU (no tolerance:
+    a recomputation that took another kernel, layout or summation order would show), and so
+    does each recomputed unit's output. Per route: the eager one (the cpu backend's C++
+    autograd nodes) and the public ops, which any dispatch mode selects (the trainer's
+    LiveTensorTracker under a plan); the two routes sum a projection's and an identity
+    shortcut's gradients in another order, so each is compared with itself."""
+    if "cpu" not in fusedres.available_backends(torch.device("cpu")):
+        pytest.skip("the cpu backend is not built: " + str(fusedres.unavailable_reason("cpu")))
+    ref = models.preact_resnet(20, num_classes=10, in_chans=1).to(memory_format=layout)
+    ck = copy.deepcopy(ref)
+    ck.set_grad_checkpointing([(0, 2), (2, 5)])
+    x = torch.randn(64, 1, 8, 8).to(memory_format=layout)
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for i, unit in enumerate(ck.units()[:5]):
+        unit.register_forward_hook(
+            lambda m, a, y, i=i: outputs.setdefault(i, []).append(y.detach().clone()))
+    mode = fusedres.memory.LiveTensorTracker() if route == "public" else contextlib.nullcontext()
+    # Recomputation runs to the segment's end (by default it stops once it has the tensors
+    # backward needs, inside the segment's last unit).
+    with fusedres.use_backend("cpu"), mode:
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            for m in (ref, ck):
+                m(x).square().mean().backward()
+    assert sorted(outputs) == [0, 1, 2, 3, 4]
+    for i, ys in outputs.items():
+        assert len(ys) == 2 and torch.equal(ys[0], ys[1]), i
+    for (name, a), b in zip(ref.named_parameters(), ck.parameters()):
+        assert torch.equal(a.grad, b.grad), name
 
 
 def test_torch_checkpoint_would_count_twice():

@@ -44,7 +44,7 @@ def test_process_plan_fits_step_plus_slack(no_release):
     assert proc.baseline == fusedres.memory.IMPORT_BASELINE_BYTES
     assert proc.total == proc.baseline + proc.above_baseline
     text = str(p)
-    assert "resident set above its baseline" in text
+    assert "process allocates above its baseline" in text
     for item in ("baseline (torch and fusedres imported)", "the step's peak",
                  "allocator slack (predicted)"):
         assert item in text

@@ -60,6 +60,11 @@ def test_torch_hub_load_local():
     assert not plain.fused
     with pytest.raises(ValueError, match="pretrained: fusedres publishes no weights"):
         torch.hub.load(str(REPO), "preact_resnet20", source="local", pretrained=True)
+    for name, build in models.MODELS.items():  # the zoo itself, as timm's and hub's
+        with pytest.raises(ValueError, match=f"pretrained: fusedres publishes no weights for "
+                                             f"{name};"):
+            build(pretrained=True)
+    assert models.preact_resnet20(pretrained=False).depth == 20
     # Every zoo model is an entry point, and nothing else is.
     spec = importlib.util.spec_from_file_location("fusedres_hubconf", REPO / "hubconf.py")
     hub = importlib.util.module_from_spec(spec)

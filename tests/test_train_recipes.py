@@ -42,9 +42,10 @@ def _one_thread():
 
 def _smoothed_ce(logits: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor:
     """Label smoothing written out (Szegedy et al. 2016): the target is 1 - eps on the label
-    plus eps spread evenly over all K classes."""
-    log_p = logits.float().log_softmax(1)
-    return ((1 - eps) * -log_p.gather(1, y[:, None])[:, 0] - eps * log_p.mean(1)).mean()
+    plus eps spread evenly over all K classes. In float64, rounded to float32, as the trainer's
+    step takes it (TrainStep.loss)."""
+    log_p = logits.double().log_softmax(1)
+    return ((1 - eps) * -log_p.gather(1, y[:, None])[:, 0] - eps * log_p.mean(1)).mean().float()
 
 
 @pytest.mark.parametrize("optimizer,accum", [("sgd", 1), ("adamw", 1), ("sgd", 2),
@@ -102,9 +103,9 @@ def test_step_matches_a_plain_pytorch_loop(optimizer, accum):
 
 def test_ema_is_averaged_model_run_by_hand_and_is_what_is_evaluated(tmp_path):
     """--ema-decay 0.8: the checkpoint's EMA after each iteration equals the average written
-    out from the model's weights and buffers at each iteration (the first copied, then
-    lerped by 0.2, as torch's get_ema_multi_avg_fn defines it); the evaluation is of those
-    weights, not the model's."""
+    out from the model's weights and buffers at each iteration (the first copied, then at
+    iteration i lerped by 1 - d_i with the warm-up's d_i = min(0.8, 1 - i ** (-2/3)): 0.37,
+    0.52, 0.60, 0.66); the evaluation is of those weights, not the model's."""
     out = tmp_path / "run"
     n = 5
     assert main([*TINY, *RECIPE, "--max-iters", str(n), "--checkpoint-every", "1",
@@ -117,9 +118,10 @@ def test_ema_is_averaged_model_run_by_hand_and_is_what_is_evaluated(tmp_path):
         if ema is None:
             ema = {k: v.clone() for k, v in current.items()}
         else:
+            d = min(0.8, 1 - s["iteration"] ** (-2 / 3))
             for k, v in current.items():
-                ema[k] = (ema[k].lerp(v, 0.2) if v.is_floating_point()
-                          else (ema[k] * 0.8 + v * 0.2).to(v.dtype))
+                ema[k] = (ema[k].lerp(v, 1 - d) if v.is_floating_point()
+                          else (ema[k] * d + v * (1 - d)).to(v.dtype))
         saved = s["ema"]
         assert int(saved["n_averaged"]) == s["iteration"]
         for k, v in ema.items():

@@ -28,6 +28,7 @@ from .accounting import (
 from .allocator import (
     IMPORT_BASELINE_BYTES,
     ProcessMemory,
+    ResidentPeaks,
     allocator_slack_bytes,
     keep_freed_memory,
     peak_rss_bytes,
@@ -35,6 +36,7 @@ from .allocator import (
     released,
     reset_peak_rss,
     rss_bytes,
+    rss_parts,
 )
 from .cuda_memory import (
     CUDA_CONTEXT_BYTES,
@@ -49,8 +51,9 @@ from .planner import MemoryPlan, PlanError, plan
 
 __all__ = ["CUDA_BLOCK_BYTES", "CUDA_CONTEXT_BYTES", "CUDNN_WORKSPACE_BYTES",
            "CachingAllocatorModel", "CudaMemory", "IMPORT_BASELINE_BYTES", "LiveTensorTracker",
-           "MemoryPlan", "PlanError", "ProcessMemory", "SavedTensor", "SavedTensorCounter",
-           "StepMemory", "allocator_slack_bytes", "cpu_op_workspace_bytes",
+           "MemoryPlan", "PlanError", "ProcessMemory", "ResidentPeaks", "SavedTensor",
+           "SavedTensorCounter", "StepMemory", "allocator_slack_bytes", "cpu_op_workspace_bytes",
            "cublas_workspace_bytes", "device_fit_warning", "expandable_segments_enabled",
            "keep_freed_memory", "peak_rss_bytes", "plan", "release_freed_memory", "released",
-           "reset_peak_rss", "rss_bytes", "saved_bytes", "saved_tensors", "simulate_step"]
+           "reset_peak_rss", "rss_bytes", "rss_parts", "saved_bytes", "saved_tensors",
+           "simulate_step"]

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 __all__ = ["IMPORT_BASELINE_BYTES", "MMAP_THRESHOLD_BYTES", "SLACK_BYTES",
            "SLACK_BYTES_PER_UNIT", "SLACK_FRACTION", "SLACK_FRACTION_UNRELEASED",
-           "TRIM_THRESHOLD_BYTES", "ProcessMemory", "allocator_slack_bytes", "keep_freed_memory",
-           "peak_rss_bytes", "release_freed_memory", "released", "reset_peak_rss", "rss_bytes"]
+           "TRIM_THRESHOLD_BYTES", "ProcessMemory", "ResidentPeaks", "allocator_slack_bytes",
+           "keep_freed_memory", "peak_rss_bytes", "release_freed_memory", "released",
+           "reset_peak_rss", "rss_bytes", "rss_parts"]
 
 MiB = 2 ** 20
 
@@ -90,8 +91,9 @@ class ProcessMemory:
     and fusedres); ``tensors``: the training step's predicted peak (tensors, the cpu backend's
     workspace, the data kept resident: :attr:`fusedres.memory.MemoryPlan.peak_bytes`);
     ``slack``: the allocator's (:func:`allocator_slack_bytes`). ``above_baseline`` (tensors +
-    slack) is the figure a budget bounds and the trainer measures (peak resident set above the
-    baseline); ``total`` adds the baseline. ``released``/``allocator``: whether glibc was told
+    slack) is the figure a budget bounds and the trainer measures (the peak of the memory the
+    process allocates above the baseline's: :class:`ResidentPeaks`); ``total`` adds the
+    baseline. ``released``/``allocator``: whether glibc was told
     to return freed memory, and what :func:`release_freed_memory` said."""
 
     baseline: int
@@ -185,6 +187,84 @@ def rss_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def rss_parts() -> tuple[int, int] | None:
+    """The process's resident set now, in bytes, as (allocated, file-backed): ``RssAnon`` +
+    ``RssShmem`` (heap, tensors, stacks, shared memory: what the process allocated) and
+    ``RssFile`` (pages of mapped files: the libraries' code and data) of ``/proc/self/status``;
+    None where there is no such file (Linux before 4.5, no /proc)."""
+    parts = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssFile", "RssShmem"):
+                    parts[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if len(parts) != 3:
+        return None
+    return parts["RssAnon"] + parts["RssShmem"], parts["RssFile"]
+
+
+class ResidentPeaks:
+    """The peak of the memory this process allocates above a baseline (taken at construction),
+    measured over consecutive windows; ``mark()`` ends one and starts the next.
+
+    Why not the peak resident set: it also counts the pages of mapped files (the libraries'
+    code), which the process did not allocate, shares with every process that maps them and the
+    kernel drops under pressure, and whose count depends on what else runs (on a fault the
+    kernel also maps the neighbouring pages that other processes have read into the page
+    cache) and on the CPU (which code paths of MKL and oneDNN run). A budget bounds the
+    allocated part; the file-backed part is reported beside it.
+
+    Linux keeps one high-water mark, of the sum (``VmHWM``). In a window the allocated peak
+    is that mark minus the file-backed pages mapped when it was reached: at most the pages at
+    the window's end, at least those at its start (mapped pages are not unmapped during a
+    run). ``allocated_peak`` takes the end's, exact for a window that mapped no file page
+    and otherwise short by the pages mapped after its peak: mark each training step, since the
+    first step maps the step's code and every later one repeats its allocations exactly.
+    Where the mark cannot be reset (``reset_peak_rss``) a window spans the process's life and
+    the figure is a lower bound."""
+
+    def __init__(self):
+        parts = rss_parts()
+        if parts is None:
+            raise OSError("/proc/self/status gives no RssAnon/RssFile: no allocated/file split")
+        self.base_allocated, self.base_file = parts
+        self.peak_total = self.base_allocated + self.base_file
+        self.allocated_peak = self.base_allocated
+        self.file = self.base_file
+        self.window_peaks: list[int] = []  # each window's peak resident set, in order
+        self.resettable = reset_peak_rss()
+
+    def allocated_now(self) -> int:
+        """The allocated bytes now above the baseline's."""
+        parts = rss_parts()
+        return (self.base_allocated if parts is None else parts[0]) - self.base_allocated
+
+    def mark(self) -> None:
+        """End the window: fold its peak into the figures; start the next."""
+        hwm = peak_rss_bytes()
+        parts = rss_parts()
+        if parts is None:
+            return
+        allocated, self.file = parts
+        self.window_peaks.append(hwm)
+        self.peak_total = max(self.peak_total, hwm)
+        self.allocated_peak = max(self.allocated_peak, hwm - self.file, allocated)
+        self.resettable = reset_peak_rss() and self.resettable
+
+    @property
+    def allocated_above_baseline(self) -> int:
+        """The peak allocated bytes above the baseline's (what a CPU budget bounds)."""
+        return self.allocated_peak - self.base_allocated
+
+    @property
+    def file_above_baseline(self) -> int:
+        """The file-backed pages mapped since the baseline, as of the last mark."""
+        return self.file - self.base_file
 
 
 def peak_rss_bytes() -> int:

@@ -7,8 +7,9 @@ temporaries, the evaluation forward at its batch size), plus the cpu backend's k
 workspace and whatever the caller keeps resident (:mod:`fusedres.memory.accounting` itemises and
 simulates it). ``activation_budget`` keeps the older, narrower meaning: saved activations only,
 as described below. ``process=True`` (training on CPU) makes ``budget_bytes`` bound the
-process instead: its peak resident set above a baseline, the step's peak plus the allocator's
-slack (:mod:`fusedres.memory.allocator`: glibc told to return freed memory, the slack measured).
+process instead: the peak of the memory it allocates above a baseline, the step's peak plus the
+allocator's slack (:mod:`fusedres.memory.allocator`: glibc told to return freed memory, the
+slack measured; the pages of mapped files, which the resident set also holds, are not bounded).
 With ``predict_cuda`` the plan also replays the step through the CUDA caching allocator's
 rules (:mod:`fusedres.memory.cuda_memory`): reserved memory with and without expandable segments,
 and what the GPU holds beside it.
@@ -154,8 +155,8 @@ class MemoryPlan:
     def __str__(self) -> str:
         longest = max((b - a for a, b in self.segments), default=0)
         if self.budget_bytes is not None and self.process is not None:
-            head = (f"memory plan for a budget of {_size(self.budget_bytes)} (the process's "
-                    f"resident set above its baseline):")
+            head = (f"memory plan for a budget of {_size(self.budget_bytes)} (the memory the "
+                    f"process allocates above its baseline):")
         elif self.budget_bytes is not None:
             head = f"memory plan for a budget of {_size(self.budget_bytes)} (whole step):"
         else:
@@ -583,8 +584,9 @@ def plan(model: nn.Module, input_shape: Sequence[int], budget_bytes: int | None 
     ``max_memory_reserved`` with and without ``expandable_segments``, cuBLAS's workspace for a
     GPU of compute capability ``cuda_capability``, cuDNN's allowance and the CUDA context).
 
-    ``process=True`` (training on CPU): ``budget_bytes`` bounds the process instead, its peak
-    resident set above ``baseline_bytes``: the step's peak as above (the tensors, the kernel
+    ``process=True`` (training on CPU): ``budget_bytes`` bounds the process instead, the peak
+    of the memory it allocates above ``baseline_bytes`` (:class:`fusedres.memory.ResidentPeaks`
+    measures it): the step's peak as above (the tensors, the kernel
     workspace, ``resident_bytes``) plus the allocator's slack
     (:func:`fusedres.memory.allocator_slack_bytes`, measured). The plan first calls
     :func:`fusedres.memory.release_freed_memory` (glibc returns freed blocks; without it the

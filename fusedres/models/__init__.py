@@ -1,7 +1,8 @@
 """Model zoo: pre-activation ResNets, fused (default) or plain PyTorch (``fused=False``).
 
 ``MODELS`` maps a name to its constructor; every constructor takes ``num_classes``,
-``fused``, ``in_chans`` and the keyword arguments of :func:`preact_resnet`.
+``fused``, ``in_chans``, ``pretrained`` (no weights are published: True raises ValueError)
+and the keyword arguments of :func:`preact_resnet`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ __all__ = ["MODELS", "PreActResNet", "preact_resnet", "unit_shapes", "valid_dept
 
 def _named(depth: int, variant: str) -> Callable[..., PreActResNet]:
     def build(num_classes: int = 10 if variant == "cifar" else 1000, fused: bool = True,
-              in_chans: int = 3, **kwargs) -> PreActResNet:
+              in_chans: int = 3, pretrained: bool = False, **kwargs) -> PreActResNet:
+        # timm's and torch.hub's convention: the flag exists, and a zoo without weights
+        # refuses it by name (hubconf.py and fusedres.models.timm_registry do the same).
+        if pretrained:
+            raise ValueError(f"pretrained: fusedres publishes no weights for "
+                             f"preact_resnet{depth}; expected False (load a state_dict into "
+                             f"the model instead)")
         return preact_resnet(depth, num_classes=num_classes, variant=variant, fused=fused,
                              in_chans=in_chans, **kwargs)
 

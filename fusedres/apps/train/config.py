@@ -37,6 +37,11 @@ __all__ = ["UsageError", "build_parser", "channels_last_setting", "parse_bytes",
 PACKAGE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
+def shipped_configs() -> list[str]:
+    """The names ``--config`` takes for the configs in :data:`PACKAGE_CONFIGS`, sorted."""
+    return sorted(p.stem for p in PACKAGE_CONFIGS.glob("*.yaml"))
+
+
 # He et al. (2016), "Identity Mappings in Deep Residual Networks", CIFAR recipe.
 DEFAULTS: dict[str, Any] = {
     "model": "preact_resnet110",
@@ -221,8 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = p.add_argument
     add("--config", help="YAML file of defaults (keys are flag names, - or _), or the name of "
-                         "one shipped in fusedres/apps/configs (digits, cifar10_resnet164, "
-                         "cifar10_resnet1001, imagenet_resnet200)")
+                         "one shipped in fusedres/apps/configs: " + ", ".join(shipped_configs()))
     _add_model_group(p)
     _add_data_group(p)
     _add_imagefolder_group(p)
@@ -357,9 +361,10 @@ def _add_memory_group(p: argparse.ArgumentParser) -> None:
                    help="peak device memory of a whole training step, e.g. 4GiB: parameters, "
                         "gradients, optimizer state, activations, the recomputation and other "
                         "transients, the evaluation forward and the dataset on the device; the "
-                        "planner checkpoints to fit it. On CPU it bounds the process: its peak "
-                        "resident set above the one with torch imported (the allocator's slack "
-                        "included). auto: the free GPU memory (CPU: the available memory) minus "
+                        "planner checkpoints to fit it. On CPU it bounds the process: the peak of "
+                        "the memory it allocates above what it held with torch imported (the "
+                        "allocator's slack included; the libraries' mapped files are not "
+                        "counted). auto: the free GPU memory (CPU: the available memory) minus "
                         "a margin of 5%% of the total + 256 MiB")
     g.add_argument("--activation-budget",
                    help="bound only the saved activations alive at once, e.g. 4GiB (the "

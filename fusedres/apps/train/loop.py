@@ -239,14 +239,41 @@ def _mixer(cfg, num_classes: int):
     return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
 
 
+# --ema-decay's warm-up: the decay at an update after t earlier ones is
+# min(decay, 1 - (1 + t) ** -EMA_WARMUP_POWER), the rule timm's ModelEmaV3 and diffusers' EMA
+# use (2/3, their default). A fixed decay of 0.999 averages over ~1000 steps from the first
+# weights on: in a short run the EMA is mostly the untrained network, and evaluating it reports
+# that network. With the warm-up the average spans about (1 + t) ** (2/3) recent steps until
+# that reaches 1 / (1 - decay).
+EMA_WARMUP_POWER = 2 / 3
+
+
+def ema_decay_at(decay: float, updates: int) -> float:
+    """--ema-decay ``decay``'s value at the update that follows ``updates`` earlier ones."""
+    return min(decay, 1.0 - (1.0 + updates) ** -EMA_WARMUP_POWER)
+
+
 def _ema(model: nn.Module, decay: float) -> torch.optim.swa_utils.AveragedModel:
     """--ema-decay: torch's AveragedModel of ``model`` with the exponential moving average
     (weights and buffers: BatchNorm's running statistics are averaged too, as timm's EMA
     does). Its first ``update_parameters`` copies the model; each later one moves the
-    average by (1 - decay) towards it."""
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    average by 1 - :func:`ema_decay_at` towards it (floating tensors by lerp, others rounded
+    toward zero), the warm-up's count being AveragedModel's ``n_averaged``, which checkpoints
+    carry."""
+    from torch.optim.swa_utils import AveragedModel
 
-    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    def update(averaged: list[torch.Tensor], current: list[torch.Tensor],
+               n_averaged: torch.Tensor) -> None:
+        # AveragedModel calls this per device and dtype; the count is read on the host (the
+        # update already reads it there once a step).
+        d = ema_decay_at(decay, int(n_averaged))
+        if averaged[0].is_floating_point() or averaged[0].is_complex():
+            torch._foreach_lerp_(averaged, current, 1.0 - d)
+            return
+        for a, c in zip(averaged, current):
+            a.copy_(a * d + c * (1.0 - d))
+
+    return AveragedModel(model, multi_avg_fn=update, use_buffers=True)
 
 
 def crop_average(model: nn.Module, x: torch.Tensor,
@@ -291,6 +318,27 @@ def auto_budget(device: torch.device) -> int:
 
 
 # --------------------------------------------------------------------------- the run
+
+def _rss_figures(run) -> tuple[int | None, int | None, int | None, int | None]:
+    """Of ``run`` (a :class:`Run`) on CPU under a budget: (the peak resident set above the
+    baseline, its rise over the pre-step resident set, the figure the budget bounds: the peak
+    allocated memory above the baseline's, or the resident set's where Linux does not tell the
+    two apart, the mapped files' pages added since the baseline or None); all None
+    elsewhere."""
+    if run.device.type != "cpu" or run.rss_baseline is None:
+        return None, None, None, None
+    peaks = run.rss_peaks
+    if peaks is None:
+        peak = fusedres.memory.peak_rss_bytes()
+        rss = max(peak, run.rss_setup_peak or 0) - run.rss_baseline
+        steps = None if run.rss_pre_step is None else peak - run.rss_pre_step
+        return rss, steps, rss, None
+    peaks.mark()
+    rss = peaks.peak_total - run.rss_baseline
+    steps = (None if run.rss_pre_step is None
+             else max(peaks.window_peaks[1:], default=run.rss_pre_step) - run.rss_pre_step)
+    return rss, steps, peaks.allocated_above_baseline, peaks.file_above_baseline
+
 
 class Run:
     def __init__(self, cfg: dict[str, Any], explicit: set[str],
@@ -406,17 +454,21 @@ class Run:
         # thresholds before the data, the model and the optimizer allocate.
         self.allocator = None
         self.rss_baseline = None
+        self.rss_peaks = None
         if self.device.type == "cpu" and cfg["memory_budget"] is not None:
             if settings.get("FUSEDRES_RELEASE_FREED_MEMORY"):
                 applied, self.allocator = fusedres.memory.release_freed_memory()
                 if not applied:
                     print(f"fusedres train: note: freed memory is not returned to the system: "
                           f"{self.allocator}", file=sys.stderr)
-            # What the budget counts from: the resident set with torch and fusedres imported,
-            # before the data and the model exist (the plan adds to it every tensor, the
-            # kernel workspace and the allocator's slack). The peak is reset to it where Linux
-            # allows, so that the report's peak is this run's, not the imports'.
-            fusedres.memory.reset_peak_rss()
+            # What the budget counts from: the memory the process has allocated with torch and
+            # fusedres imported, before the data and the model exist (the plan adds to it every
+            # tensor, the kernel workspace and the allocator's slack). The peak is reset to it
+            # where Linux allows, so that the report's peak is this run's, not the imports'.
+            try:
+                self.rss_peaks = fusedres.memory.ResidentPeaks()
+            except OSError:  # no RssAnon/RssFile: the whole resident set is measured
+                fusedres.memory.reset_peak_rss()
             self.rss_baseline = fusedres.memory.rss_bytes()
         elif self.device.type == "cpu":
             # No budget: glibc keeps freed blocks for the next step instead of unmapping them
@@ -433,8 +485,10 @@ class Run:
         self.data, self.batches = data_mod.open_data(cfg, "data_dir" in explicit, self.device,
                                                      self.rank, self.world)
         # What loading the data added to the process: its tensors, and what the loader left
-        # (scikit-learn's modules for digits); the plan counts the larger as resident.
+        # (scikit-learn's modules for digits); the plan counts the larger as resident. The
+        # memory allocated, where Linux tells it apart from the pages of mapped files.
         self.data_rss = (None if self.rss_baseline is None
+                         else self.rss_peaks.allocated_now() if self.rss_peaks is not None
                          else fusedres.memory.rss_bytes() - self.rss_baseline)
         ipe = self.batches.iters_per_epoch
         if self.batches.local % cfg["accum_steps"]:
@@ -901,6 +955,8 @@ class Run:
     def evaluate(self) -> tuple[float, float]:
         """Test loss and error of the model, or of its EMA with --ema-decay."""
         model = self.model if self.ema is None else self.ema.module
+        if self.rss_peaks is not None:  # the evaluation in a window of its own
+            self.rss_peaks.mark()
         was_training = model.training
         model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -918,6 +974,8 @@ class Run:
                 correct += (out.argmax(1) == y).sum()
             n += len(y)
         model.train(was_training)
+        if self.rss_peaks is not None:
+            self.rss_peaks.mark()
         loss_sum, correct, n = self._all_sum([loss_sum.item(), float(correct.item()), float(n)])
         return loss_sum / n, 1.0 - correct / n
 
@@ -985,8 +1043,13 @@ class Run:
         (else the peak is the process's lifetime one and that figure an upper bound)."""
         self.rss_pre_step, self.rss_setup_peak, self.rss_peak_since_pre_step = None, None, False
         if self.device.type == "cpu" and self.rss_baseline is not None:
-            self.rss_setup_peak = fusedres.memory.peak_rss_bytes()
-            self.rss_peak_since_pre_step = fusedres.memory.reset_peak_rss()
+            if self.rss_peaks is not None:  # the set-up's window; each step then has its own
+                self.rss_peaks.mark()
+                self.rss_setup_peak = self.rss_peaks.peak_total
+                self.rss_peak_since_pre_step = self.rss_peaks.resettable
+            else:
+                self.rss_setup_peak = fusedres.memory.peak_rss_bytes()
+                self.rss_peak_since_pre_step = fusedres.memory.reset_peak_rss()
             self.rss_pre_step = fusedres.memory.rss_bytes()
 
     def train(self) -> int:
@@ -1016,6 +1079,8 @@ class Run:
 
     def _train_step(self, x, y, lr: float):
         """One step at learning rate ``lr``: (loss, correct) as device tensors."""
+        if self.rss_peaks is not None:  # a window a step: fusedres.memory.ResidentPeaks
+            self.rss_peaks.mark()
         self.lr.fill_(lr)  # in place: a kernel on the device's stream, no host read
         measure = self.saved_bytes is None and not self.cfg["compile"]
         counter = SavedTensorCounter(exclude=self.model) if measure else None
@@ -1208,40 +1273,41 @@ class Run:
                        + M.format_bytes(p.cuda.reserved_expandable))
             lines.append(f"memory: max_memory_reserved predicted {M.format_bytes(p.cuda.reserved)}"
                          f" ({setting}); measured {M.format_bytes(reserved)}")
-        # On CPU the process: its peak resident set above the baseline the budget counts from
-        # (torch and fusedres imported, before the data and the model: Run._setup), beside the
-        # plan's prediction of it (the step's peak + the allocator's slack). The peak is the
-        # larger of the set-up's and the steps'.
-        rss = rss_steps = None
-        if not cuda and self.rss_baseline is not None:
-            peak = fusedres.memory.peak_rss_bytes()
-            if self.rss_pre_step is not None:
-                rss_steps = peak - self.rss_pre_step
-            rss = max(peak, self.rss_setup_peak or 0) - self.rss_baseline
+        # On CPU the process: its peak above the baseline the budget counts from (torch and
+        # fusedres imported, before the data and the model: Run._setup), beside the plan's
+        # prediction of it (the step's peak + the allocator's slack). The budget bounds the
+        # memory allocated; the resident set also holds pages of mapped files, reported beside
+        # it (fusedres.memory.ResidentPeaks says why they are told apart).
+        rss, rss_steps, bounded, files = _rss_figures(self)
         proc = p.process
         if rss is not None:
-            text = "process peak RSS above its baseline: "
+            text = "process memory above its baseline: "
             if proc is not None:
                 text += (f"predicted {M.format_bytes(proc.above_baseline)} (the step "
                          f"{M.format_bytes(proc.tensors)} + allocator slack "
                          f"{M.format_bytes(proc.slack)}); ")
-            text += (f"measured {M.format_bytes(rss)} (baseline "
-                     f"{M.format_bytes(self.rss_baseline)}: torch and fusedres imported, "
-                     f"before the data and the model")
+            text += (f"measured {M.format_bytes(bounded)} "
+                     + ("allocated" if files is not None else "of resident set")
+                     + f" (baseline {M.format_bytes(self.rss_baseline)} resident: torch and "
+                       f"fusedres imported, before the data and the model)")
+            if files is not None:
+                text += (f"; peak RSS {M.format_bytes(rss)} above the baseline, with "
+                         f"{M.format_bytes(files)} more of mapped files' pages (the libraries' "
+                         f"code; not bounded)")
             if rss_steps is not None:
                 text += (f"; the steps added {M.format_bytes(rss_steps)} to the resident set "
                          f"before the first"
                          + ("" if self.rss_peak_since_pre_step else " (an upper bound)"))
-            lines.append(text + ")")
+            lines.append(text)
         budget = self.memory_budget
         if budget is not None and measured is not None and measured > budget:
             lines.append(f"warning: the measured peak {M.format_bytes(measured)} exceeds "
                          f"--memory-budget {self.cfg['memory_budget']} "
                          f"({M.format_bytes(budget)})")
-        if budget is not None and rss is not None and rss > budget:
+        if budget is not None and bounded is not None and bounded > budget:
             released = proc.released if proc is not None else fusedres.memory.released()
-            lines.append(f"warning: the process's peak RSS above its baseline, "
-                         f"{M.format_bytes(rss)}, exceeds --memory-budget "
+            lines.append(f"warning: the process's peak above its baseline, "
+                         f"{M.format_bytes(bounded)}, exceeds --memory-budget "
                          f"{self.cfg['memory_budget']} ({M.format_bytes(budget)})"
                          + ("" if released else
                             "; freed blocks stay resident (FUSEDRES_RELEASE_FREED_MEMORY=0, or "
@@ -1259,6 +1325,8 @@ class Run:
                 "predicted_slack_bytes": None if proc is None else proc.slack,
                 "rss_baseline_bytes": None if cuda else self.rss_baseline,
                 "peak_rss_above_baseline_bytes": rss,
+                "peak_allocated_above_baseline_bytes": bounded if files is not None else None,
+                "mapped_files_above_baseline_bytes": files,
                 "rss_pre_step_bytes": None if cuda else self.rss_pre_step,
                 "peak_rss_above_pre_step_bytes": rss_steps, "allocator": self.allocator}
 
