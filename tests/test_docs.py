@@ -6,7 +6,7 @@
 * every ```bash run block is run, the blocks of a page in order in one temporary directory, each
   command with CI's scale appended (:data:`SCALE`: flags that shrink the run; the last flag
   given wins); the other shell blocks (GPUs, downloads, whole trainings) are not;
-* what the docs say of the code is the code's: the default CUDA architectures, the step kinds,
+* what the docs say of the code is the code's: the default CUDA architectures, the GPU check's plan,
   the shipped configs, the `fusedres` commands.
 """
 
@@ -138,11 +138,21 @@ def test_cuda_arch_default_is_setup_pys():
         assert f"`{default}`" in text, f"{page} does not state setup.py's default {default}"
 
 
-def test_gpu_md_names_the_step_kinds():
-    from fusedres.apps.bench.runner import step_kind_names
+def test_gpu_md_states_the_checks_plan():
+    """docs/gpu.md's phase table is benchmarks/gpu_check.py's PLAN: every phase, in order,
+    its slot in seconds (phases sharing a row share the row's slot), the total as default."""
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
     text = (ROOT / "docs" / "gpu.md").read_text()
-    assert all(f"`{kind}`" in text for kind in step_kind_names()), step_kind_names()
+    rows = re.findall(r"^\| ([a-z, ]+) \| (\d+) s \|", text, re.M)
+    documented = [(name.strip(), int(slot)) for names, slot in rows for name in names.split(",")]
+    assert [n for n, _ in documented] == [n for n, _ in gpu_check.PLAN]
+    for names, slot in rows:
+        assert sum(dict(gpu_check.PLAN)[n.strip()] for n in names.split(",")) == int(slot), names
+    assert f"default {gpu_check.DEFAULT_TIME_LIMIT:g} s" in " ".join(text.split())
 
 
 def test_train_help_names_every_shipped_config(capsys):
