@@ -156,9 +156,9 @@ def _check_backend(cfg, device: torch.device) -> None:
 
 # The training recipe's options, recorded together in summary.json.
 RECIPE_KEYS = ("optimizer", "lr", "momentum", "nesterov", "betas", "weight_decay",
-               "bn_weight_decay", "bias_weight_decay", "schedule", "warmup_iters", "milestones",
-               "lr_decay", "min_lr", "poly_power", "label_smoothing", "ema_decay", "accum_steps",
-               "mixup_alpha", "cutmix_alpha")
+               "bn_weight_decay", "bias_weight_decay", "schedule", "warmup_iters", "warmup_lr",
+               "milestones", "lr_decay", "min_lr", "poly_power", "label_smoothing", "ema_decay",
+               "accum_steps", "mixup_alpha", "cutmix_alpha")
 
 # The layers whose parameters are a normalisation's scale and shift.
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm,
@@ -644,8 +644,10 @@ class Run:
         sched = {"step": f"step x{cfg['lr_decay']:g} at {self.milestones}",
                  "cosine": f"cosine to {cfg['min_lr']:g}",
                  "poly": f"poly power {cfg['poly_power']:g}"}[cfg["schedule"]]
-        line = (f"recipe: {opt}, lr {cfg['lr']:g}, {cfg['warmup_iters']} warm-up iterations "
-                f"then {sched}; weight decay {cfg['weight_decay']:g}"
+        warm = ("" if cfg["warmup_lr"] is None or not cfg["warmup_iters"]
+                else f" at {cfg['warmup_lr']:g}")
+        line = (f"recipe: {opt}, lr {cfg['lr']:g}, {cfg['warmup_iters']} warm-up iterations"
+                f"{warm} then {sched}; weight decay {cfg['weight_decay']:g}"
                 + (f" (not on {' and '.join(skip)})" if skip else ""))
         if cfg["label_smoothing"]:
             line += f"; label smoothing {cfg['label_smoothing']:g}"
