@@ -8,6 +8,7 @@ import contextlib
 import copy
 import json
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -447,7 +448,7 @@ def test_checkpoint_without_scheduler_state_replays_the_schedule(tmp_path, monke
         assert torch.equal(v, b["model"][k]), k
 
 
-# --------------------------------------------------------------------------- warm-up, weight decay
+# --------------------------------------------------------------------------- warm-up, provenance
 
 def test_constant_warmup_is_he_et_als_then_the_step_schedule():
     """--warmup-lr 0.01 over 400 iterations, then 0.1 until the first milestone (He et al.
@@ -476,3 +477,31 @@ def test_paper_recipes_decay_every_parameter(tmp_path):
         groups = _param_groups(model, cfg)
         assert len(groups) == 1 and groups[0]["weight_decay"] == cfg["weight_decay"], name
         assert len(groups[0]["params"]) == len(list(model.parameters()))
+
+
+def test_a_run_records_its_commit_versions_and_device(tmp_path):
+    """config.yaml and summary.json hold the provenance list: the commit of this checkout,
+    whether its code had changes, the versions, the device; --config reads the file back
+    (the record is not an option) and a resumed run appends its own entry."""
+    import subprocess
+
+    from fusedres.apps.train import provenance
+
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "2", "--checkpoint-every", "2", "--out", str(out)]) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    (entry,) = saved["provenance"]
+    assert summary["provenance"] == saved["provenance"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(provenance.__file__).parent)
+    assert entry["commit"] == head.stdout.strip() and isinstance(entry["dirty"], bool)
+    assert entry["versions"]["torch"] == torch.__version__
+    assert entry["device"].startswith("cpu: ") and entry["from_iteration"] == 0
+    assert provenance.read(out) == saved["provenance"]
+    cfg, _ = resolve(["--config", str(out / "config.yaml"), "--out", str(tmp_path / "again")])
+    assert "provenance" not in cfg
+    assert main([*TINY, "--max-iters", "4", "--out", str(out), "--resume"]) == 0
+    entries = yaml.safe_load((out / "config.yaml").read_text())["provenance"]
+    assert [e["from_iteration"] for e in entries] == [0, 2]
+    assert json.loads((out / "summary.json").read_text())["provenance"] == entries

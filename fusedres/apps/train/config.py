@@ -496,6 +496,8 @@ def load_yaml(path: str | Path, what: str) -> dict[str, Any]:
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name == "provenance":  # a run's record of its commit and machine, not an option
+            continue
         if name == "config":
             raise UsageError(f"{what}: {path} sets 'config': a config file cannot include "
                              "another (a config.yaml saved by an older fusedres records its "

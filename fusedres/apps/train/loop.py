@@ -27,6 +27,7 @@ from fusedres.memory import LiveTensorTracker, PlanError, SavedTensorCounter
 from . import checkpoint as ckpt
 from . import data as data_mod
 from . import metrics as M
+from . import provenance
 from .config import UsageError, merge_saved, parse_bytes, resolve_channels_last
 from .gradnorms import GradNormProbe
 from .naming import variant_label
@@ -764,7 +765,10 @@ class Run:
         resolved["resume"] = None
         given = f"# --config {self.cfg['config']}\n" if self.cfg.get("config") else ""
         text = ("# fusedres train: the resolved configuration of this run\n"
-                f"# {self.layout_line()}\n" + given + yaml.safe_dump(resolved, sort_keys=True))
+                f"# {self.layout_line()}\n" + given + yaml.safe_dump(resolved, sort_keys=True)
+                + "# what trained it (fusedres.apps.train.provenance; not an option)\n"
+                + yaml.safe_dump({provenance.KEY: provenance.entries(
+                    self.out, self.device, self.iteration)}, sort_keys=False))
         path = self.out / "config.yaml"
         with ckpt.writing(path):
             ckpt.write_atomically(path, lambda f: f.write(text.encode()))
@@ -1156,6 +1160,7 @@ class Run:
             "recipe": {k: self.cfg[k] for k in RECIPE_KEYS},
             "diverged_at_iteration": self.diverged_at,
             "memory_plan": None if self.plan_summary is None else str(self.plan_summary),
+            provenance.KEY: provenance.from_config(self.out),
         }
         extra.update(self._memory_report())
         s = M.summary(self.history, extra)
