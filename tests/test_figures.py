@@ -220,3 +220,53 @@ def test_log_ticks_are_levels_and_wrap_fits_the_column():
     fig.canvas.draw()
     assert t.get_window_extent().width <= fig.bbox.width
     plt.close(fig)
+
+
+def _digits_module():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "reproduction"
+    mods = []
+    for name in ("digits", "digits_report"):
+        spec = importlib.util.spec_from_file_location(f"reproduction_{name}", root / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        mods.append(module)
+    return mods
+
+
+def test_reproductions_figures_fit_a_column(tmp_path, monkeypatch):
+    """reproduction/'s own figures (depth.png, landscapes.png) built from made-up runs: labelled,
+    one column wide, nothing colliding, every seed drawn."""
+    digits, report = _digits_module()
+    rng = np.random.default_rng(0)
+    data = {}
+    for depth in (*digits.DEPTHS, 1001):
+        for kind in ("res-bn", "plain-bn", "res-nobn", "plain-nobn"):
+            data[f"depth-{kind}-{depth}"] = {"runs": [
+                {"seed": s, "test_error": float(rng.uniform(0.005, 0.9)),
+                 "train_loss": float("nan") if (depth, kind, s) == (110, "res-nobn", 1)
+                 else float(rng.uniform(0.003, 2.3))} for s in range(5)]}
+    report.plot_depth(digits, data, tmp_path / "depth.png")  # save() would warn on a collision
+    monkeypatch.setattr(digits, "RUNS", tmp_path)
+    x = np.linspace(-1, 1, 13)
+    for _, (run,), _, _ in digits.LANDSCAPES:
+        out = tmp_path / f"landscape-{run}"
+        out.mkdir()
+        loss = 0.01 + np.add.outer(x ** 2, x ** 2) * (1e4 if "plain" in run else 3)
+        np.savez(out / "landscape_2d.npz", loss=loss, x=x, y=x)
+        h = x[::3]
+        np.savez(out / "hessian_2d.npz", lam_min=-np.abs(np.add.outer(h, h)),
+                 lam_max=np.full((5, 5), 2.0), x=h, y=h)
+    seen = []
+    real_save = figures.save
+
+    def check_then_save(fig, path, **kw):
+        seen.append((figures.unlabelled(fig), figures.overlaps(fig), fig.get_figwidth()))
+        return real_save(fig, path, **kw)
+
+    monkeypatch.setattr(figures, "save", check_then_save)
+    report.plot_depth(digits, data, tmp_path / "depth.png")
+    assert report.plot_landscapes(digits, tmp_path / "landscapes.png")
+    assert seen == [([], [], figures.COLUMN_WIDTH)] * 2
