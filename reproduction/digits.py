@@ -290,7 +290,14 @@ def run(only: list[str], jobs: int, match: str = "*") -> int:
                     if (out / "checkpoints").is_dir():
                         cmd.append("--resume")
                     todo.append((cmd, out / "train.log"))
-    after = []
+    code = _train_then(todo, [], jobs, "digits")
+    for cmd, log in _analysis_jobs(only):  # planned once the runs they read are trained
+        code |= _run(cmd, log)
+    return code
+
+
+def _analysis_jobs(only: list[str]) -> list[tuple[list[str], Path]]:
+    out = []
     for kind, names, flags, folder in analyses(only):
         if not all(_done(RUNS / r) for r in names):
             print(f"skipping {kind} {folder}: runs not finished", flush=True)
@@ -301,9 +308,9 @@ def run(only: list[str], jobs: int, match: str = "*") -> int:
         if kind == "landscape" and (target / "hessian_2d.json").exists():
             continue
         options = [] if kind == "compare" else ["--threads", "1", "--no-progress"]
-        after.append(([_python(), "-m", "fusedres.apps.cli", kind, *[str(RUNS / r) for r in names],
-                       *flags, *options, "--out", str(target)], target / f"{kind}.log"))
-    return _train_then(todo, after, jobs, "digits")
+        out.append(([_python(), "-m", "fusedres.apps.cli", kind, *[str(RUNS / r) for r in names],
+                     *flags, *options, "--out", str(target)], target / f"{kind}.log"))
+    return out
 
 
 def report() -> None:
