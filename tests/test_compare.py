@@ -94,17 +94,28 @@ def test_medians_spread_and_the_diverged_run(runs):
 def test_the_figure_is_labelled_and_marks_divergence(runs):
     _, res, plain = runs
     groups = compare.group_runs([compare.load_run(p) for p in [*res, *plain]])
-    fig = compare.figure(groups, compare.summarise(groups))
-    assert figures.unlabelled(fig) == []
+    summary = compare.summarise(groups)
+    fig = compare.figure(groups, summary)
+    assert figures.unlabelled(fig) == [] and figures.overlaps(fig) == []
+    assert fig.get_figwidth() == figures.COLUMN_WIDTH
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert legend[0] == ("ResNet-20: full pre-activation unit, identity shortcut, BatchNorm, "
-                         "no drop-path (median of 3 seeds, interquartile band)")
-    assert legend[1].startswith("ResNet-20: full pre-activation unit, no shortcut (plain)")
-    assert legend[-1] == "a run diverged here (training loss not finite)"
+    # The legend names what differs; what the variants share is said once, in the title.
+    assert legend[0] == "identity shortcut (3 runs, seeds 0, 1, 2)"
+    assert legend[1] == "no shortcut (plain) (2 runs, seeds 0, 1)"
+    assert legend[-1] == "a run diverged here (loss not finite)"
+    assert "ResNet-20: full pre-activation unit, BatchNorm, no drop-path" in \
+        fig.get_suptitle().replace("\n", " ")
     # One x per panel at iteration 30, in the plain group's colour (C1).
     marks = [(ln.get_xdata()[0], ln.get_color()) for ax in fig.axes for ln in ax.lines
              if ln.get_marker() == "x"]
     assert marks == [(30, "C1")] * 3
+    # Every run's own test-error curve, then the median; the band is min-max.
+    test_ax = fig.axes[2]
+    own = [list(ln.get_ydata()) for ln in test_ax.lines if ln.get_color() == "C0"]
+    assert own[:3] == [[5.0, 10.0], [10.0, 20.0], [20.0, 40.0]]
+    assert own[3] == pytest.approx([10.0, 20.0])
+    assert summary[0]["curves"]["test_error"]["min"] == [0.05, 0.1]
+    assert summary[0]["curves"]["test_error"]["max"] == [0.2, 0.4]
     # No NaN or inf plotted as a value: the median lines break instead.
     loss_lines = [ln for ln in fig.axes[0].lines if ln.get_marker() != "x"]
     assert all(not math.isinf(v) for ln in loss_lines for v in ln.get_ydata())
@@ -114,6 +125,8 @@ def test_the_figure_is_labelled_and_marks_divergence(runs):
 def test_the_command_writes_md_json_png(runs, capsys):
     base, res, plain = runs
     assert cli.main(["compare", *map(str, res + plain)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("Retraining noise (same configuration, other seeds)")
     out = base / "compare"
     assert {p.name for p in out.iterdir()} == {"compare.md", "compare.json", "compare.png"}
     doc = json.loads((out / "compare.json").read_text())  # strict JSON: no NaN
@@ -122,7 +135,9 @@ def test_the_command_writes_md_json_png(runs, capsys):
     assert "identity shortcut" in md and "no shortcut (plain)" in md
     assert f"{plain[1]} diverged at iteration 30." in md
     assert "![training curves](compare.png)" in md
-    assert "| variant | seeds |" in capsys.readouterr().out
+    assert "| variant | seeds |" in printed and "| A | B | seeds |" in printed
+    # Hand-written runs record no provenance: said, and warned about.
+    assert "warning: 5 run(s) record no commit" in md
 
 
 def test_the_tiny_run_as_the_trainer_wrote_it(tiny_run, tmp_path):
@@ -175,3 +190,65 @@ def test_logging_gradient_norms_is_not_a_variant(runs):
     summary = compare.summarise(groups)
     assert summary[0]["grad_norms"] is None
     assert compare.grad_norm_figure(groups, summary) is None
+
+
+def test_a_seed_given_twice_is_refused_unless_allowed(runs, tmp_path, capsys):
+    """A second run of one configuration and seed is a retraining, not another seed: counting
+    it would narrow the spread by a copy."""
+    base, res, _ = runs
+    again = _write_run(base / "res-s0-again", {**RES, "seed": 0}, 0.15)
+    argv = ["compare", str(res[0]), str(res[1]), str(again), "--out", str(tmp_path / "c")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "are the same configuration and seed 0" in err and "--allow-duplicates" in err
+    assert not (tmp_path / "c").exists()
+    assert cli.main([*argv, "--allow-duplicates"]) == 0
+    doc = json.loads((tmp_path / "c" / "compare.json").read_text())
+    assert [r["seed"] for r in doc["groups"][0]["runs"]] == [0, 1, 0]
+    md = (tmp_path / "c" / "compare.md").read_text()
+    assert "a seed appears more than once (--allow-duplicates)" in md
+
+
+def test_pairs_are_paired_by_seed_with_an_interval_and_a_verdict(tmp_path):
+    """B - A per seed: B 5 points worse on every seed is separated (the interval is [5, 5]);
+    C, worse on two seeds and better on one, is not; the noise line is the seeds' spread."""
+    base = tmp_path / "runs"
+    a = [_write_run(base / f"a-s{s}", {**RES, "seed": s}, e)
+         for s, e in ((0, 0.10), (1, 0.20), (2, 0.30))]
+    b = [_write_run(base / f"b-s{s}", {**RES, "seed": s, "lr": 0.05}, e)
+         for s, e in ((0, 0.15), (1, 0.25), (2, 0.35))]
+    c = [_write_run(base / f"c-s{s}", {**RES, "seed": s, "lr": 0.2}, e)
+         for s, e in ((0, 0.20), (1, 0.10), (2, 0.40))]
+    groups = compare.group_runs([compare.load_run(p) for p in [*a, *b, *c]])
+    summary = compare.summarise(groups)
+    ab, ac, bc = compare.pairs(summary)
+    assert ab["seeds"] == [0, 1, 2] and ab["differences"] == pytest.approx([5.0] * 3)
+    assert ab["mean"] == pytest.approx(5.0) and ab["verdict"] == "separated"
+    assert ab["low"] == pytest.approx(5.0) and ab["high"] == pytest.approx(5.0)
+    assert ac["differences"] == pytest.approx([10.0, -10.0, 10.0])
+    assert ac["low"] < 0 < ac["high"] and ac["verdict"] == "not separated"
+    noise = compare.noise(summary)
+    assert noise["spreads"] == pytest.approx([20.0, 20.0, 30.0]) and noise["median"] == 20.0
+    assert "lie 20.00 points apart" in compare.noise_line(noise)
+    table = compare.pairs_table([ab, ac, bc])
+    assert "| +5.00 | +5.00 to +5.00 | separated |" in table
+
+
+def test_provenance_is_printed_and_differences_warned(runs, tmp_path):
+    """Runs that record different commits (or uncommitted changes) are compared with a
+    warning: a difference between variants may be the code's."""
+    base, res, plain = runs
+    for path, commit, dirty in ((res[0], "a" * 40, False), (res[1], "a" * 40, False),
+                                (res[2], "b" * 40, True)):
+        cfg = yaml.safe_load((path / "config.yaml").read_text())
+        cfg["provenance"] = [{"from_iteration": 0, "commit": commit, "dirty": dirty,
+                              "versions": {"torch": "2.14.1"}, "device": "cpu: x"}]
+        (path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    loaded = [compare.load_run(p) for p in res]
+    lines, warnings = compare.provenance_report(loaded)
+    assert lines[0].startswith("- commit aaaaaaaaaa; torch 2.14.1; on cpu: x: 2 run(s)")
+    assert lines[1].startswith("- commit bbbbbbbbbb (uncommitted changes)")
+    assert any("2 different commits" in w for w in warnings)
+    assert any("uncommitted changes" in w for w in warnings)
+    same, none = compare.provenance_report(loaded[:2])
+    assert none == [] and len(same) == 1

@@ -135,3 +135,138 @@ def test_the_trainers_curves_are_labelled(tiny_run, monkeypatch):
     assert "| network " in (tiny_run / "summary.md").read_text()
     metrics.plot(records, tiny_run / "unused.png", f"{summary['label']} on digits")
     assert seen == [[]]
+
+
+# --------------------------------------------------------------------------- layout
+
+def _column_figure():
+    with figures.column():
+        fig, (a, b) = plt.subplots(2, 1, figsize=(figures.COLUMN_WIDTH, 4),
+                                   layout="constrained")
+        for ax in (a, b):
+            _labelled(ax)
+            ax.plot([0, 1], [1, 2], label="one")
+    return fig, a, b
+
+
+def test_overlaps_passes_a_laid_out_figure_and_a_legend_inside_its_panel():
+    fig, a, _ = _column_figure()
+    a.legend(loc="upper left")
+    assert figures.overlaps(fig) == []
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("texts", "text 'here' overlaps text 'here too'"),
+    ("off", "runs off the figure"),
+    ("colour_bar", "overlaps colour bar"),
+    ("tick_labels", "x tick label"),
+    ("legend_on_other_panel", "legend overlaps"),
+])
+def test_overlaps_finds_each_collision(fault, expected):
+    fig, a, b = _column_figure()
+    if fault == "texts":
+        a.text(0.5, 0.5, "here", transform=a.transAxes)
+        a.text(0.5, 0.5, "here too", transform=a.transAxes)
+    if fault == "off":
+        a.set_title("a title far too long for one column of a paper, " * 3)
+    if fault == "colour_bar":
+        cs = b.contourf(np.arange(9.0).reshape(3, 3))
+        bar = fig.colorbar(cs, ax=b, label="loss (nats)")
+        fig.canvas.draw()
+        # The colour bar dragged onto the panel's labels.
+        bar.ax.set_position(b.get_position())
+        fig.set_layout_engine("none")
+    if fault == "tick_labels":
+        a.set_xticks(np.linspace(0, 1, 40))
+    if fault == "legend_on_other_panel":
+        fig.canvas.draw()
+        fig.set_layout_engine("none")  # placed by hand onto the panel below
+        a.legend(loc="center", bbox_to_anchor=(0.5, -0.9), bbox_transform=a.transAxes)
+    problems = figures.overlaps(fig)
+    assert any(expected in p for p in problems), problems
+    plt.close(fig)
+
+
+def test_save_warns_of_collisions(tmp_path):
+    fig, a, _ = _column_figure()
+    a.text(0.5, 0.5, "here", transform=a.transAxes)
+    a.text(0.5, 0.5, "there", transform=a.transAxes)
+    with pytest.warns(UserWarning, match="x.png: text 'here' overlaps text 'there'"):
+        figures.save(fig, tmp_path / "x.png")
+    assert (tmp_path / "x.png").exists()
+
+
+def test_legends_name_what_differs_and_titles_what_is_shared():
+    common, short = figures.common_and_short([
+        "ResNet-20: full pre-activation unit, identity shortcut, BatchNorm, no drop-path",
+        "ResNet-56: full pre-activation unit, no shortcut (plain), BatchNorm, no drop-path; "
+        "lr 0.05"])
+    assert common == "full pre-activation unit, BatchNorm, no drop-path"
+    assert short == ["ResNet-20, identity shortcut", "ResNet-56, no shortcut (plain), lr 0.05"]
+    common, short = figures.common_and_short(["ResNet-20: a, b", "ResNet-20: a, c"])
+    assert (common, short) == ("ResNet-20: a", ["b", "c"])
+    assert figures.common_and_short(["ResNet-8: a"]) == ("ResNet-8: a", [""])
+
+
+def test_log_ticks_are_levels_and_wrap_fits_the_column():
+    levels = np.geomspace(0.004, 10, 21)
+    ticks, labels = figures.log_ticks(levels)
+    assert ticks[0] == levels[0] and ticks[-1] == levels[-1] and len(ticks) == 5
+    assert labels[0] == "0.004" and "0" not in labels
+    text = figures.wrap("word " * 60, fontsize=7.5)
+    fig = plt.figure(figsize=(figures.COLUMN_WIDTH, 2))
+    t = fig.suptitle(text, fontsize=7.5)
+    fig.canvas.draw()
+    assert t.get_window_extent().width <= fig.bbox.width
+    plt.close(fig)
+
+
+def _digits_module():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "reproduction"
+    mods = []
+    for name in ("digits", "digits_report"):
+        spec = importlib.util.spec_from_file_location(f"reproduction_{name}", root / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        mods.append(module)
+    return mods
+
+
+def test_reproductions_figures_fit_a_column(tmp_path, monkeypatch):
+    """reproduction/'s own figures (depth.png, landscapes.png) built from made-up runs: labelled,
+    one column wide, nothing colliding, every seed drawn."""
+    digits, report = _digits_module()
+    rng = np.random.default_rng(0)
+    data = {}
+    for depth in (*digits.DEPTHS, 1001):
+        for kind in ("res-bn", "plain-bn", "res-nobn", "plain-nobn"):
+            data[f"depth-{kind}-{depth}"] = {"runs": [
+                {"seed": s, "test_error": float(rng.uniform(0.005, 0.9)),
+                 "train_loss": float("nan") if (depth, kind, s) == (110, "res-nobn", 1)
+                 else float(rng.uniform(0.003, 2.3))} for s in range(5)]}
+    report.plot_depth(digits, data, tmp_path / "depth.png")  # save() would warn on a collision
+    monkeypatch.setattr(digits, "RUNS", tmp_path)
+    x = np.linspace(-1, 1, 13)
+    for _, (run,), _, _ in digits.LANDSCAPES:
+        out = tmp_path / f"landscape-{run}"
+        out.mkdir()
+        loss = 0.01 + np.add.outer(x ** 2, x ** 2) * (1e4 if "plain" in run else 3)
+        np.savez(out / "landscape_2d.npz", loss=loss, x=x, y=x)
+        h = x[::3]
+        np.savez(out / "hessian_2d.npz", lam_min=-np.abs(np.add.outer(h, h)),
+                 lam_max=np.full((5, 5), 2.0), x=h, y=h)
+    seen = []
+    real_save = figures.save
+
+    def check_then_save(fig, path, **kw):
+        seen.append((figures.unlabelled(fig), figures.overlaps(fig), fig.get_figwidth()))
+        return real_save(fig, path, **kw)
+
+    monkeypatch.setattr(figures, "save", check_then_save)
+    report.plot_depth(digits, data, tmp_path / "depth.png")
+    assert report.plot_landscapes(digits, tmp_path / "landscapes.png")
+    assert seen == [([], [], figures.COLUMN_WIDTH)] * 2

@@ -59,27 +59,38 @@ def test_compare_plots_them_against_depth_with_labels(pair, tmp_path):
     groups = compare.group_runs(loaded)
     summary = compare.summarise(groups)
     fig = compare.grad_norm_figure(groups, summary)
-    assert figures.unlabelled(fig) == []
-    left, right = fig.axes[:2]
-    assert left.get_yscale() == right.get_yscale() == "log"
-    assert left.get_ylabel().startswith("||dL/dx||") and right.get_ylabel().startswith("||dL/dθ||")
-    assert left.get_xlabel().startswith("residual unit")
+    assert figures.unlabelled(fig) == [] and figures.overlaps(fig) == []
+    top, bottom = fig.axes[:2]  # one above the other, one paper column wide
+    assert fig.get_figwidth() == figures.COLUMN_WIDTH
+    assert top.get_yscale() == bottom.get_yscale() == "log"
+    assert top.get_ylabel().startswith("||dL/dx||") and bottom.get_ylabel().startswith("||dL/dθ||")
+    assert bottom.get_xlabel().startswith("residual unit")
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert any("identity shortcut" in t for t in legend)
-    assert any("no shortcut (plain)" in t for t in legend)
-    # The median curve of each variant is its two records' median, unit by unit.
+    assert any(t.startswith("identity shortcut") for t in legend)
+    assert any(t.startswith("no shortcut (plain)") for t in legend)
+    # The median curve of each variant is its two records' median, unit by unit (one run: the
+    # median over the runs of each run's median is that run's).
     plain_recs = _records(pair / "plain")
     want = [sorted(r["input_grad_norm"][u] for r in plain_recs) for u in range(9)]
     medians = [(a + b) / 2 for a, b in want]
-    drawn = left.lines[2].get_ydata()  # res: median, first; plain: median, first
+    drawn = top.lines[2].get_ydata()  # res: median, first; plain: median, first
     assert list(drawn) == pytest.approx(medians)
+    figures.pyplot().close(fig)
+    # Per iteration: one row per variant, one curve per logged iteration, coloured by it.
+    fig = compare.grad_norm_figure(groups, summary, "per-iteration")
+    assert figures.unlabelled(fig) == [] and figures.overlaps(fig) == []
+    rows = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    assert len(rows) == 4 and [len(ax.lines) for ax in rows] == [2, 2, 2, 2]
+    assert list(rows[2].lines[1].get_ydata()) == pytest.approx(
+        plain_recs[1]["input_grad_norm"])
     figures.pyplot().close(fig)
     out = tmp_path / "c"
     assert compare.main([str(pair / "res"), str(pair / "plain"), "--out", str(out)]) == 0
     doc = json.loads((out / "compare.json").read_text())
     assert doc["files"]["grad_norms"] == "grad_norms.png" and (out / "grad_norms.png").is_file()
-    assert doc["groups"][1]["grad_norms"]["input_grad_norm"]["all"]["median"] == \
-        pytest.approx(medians)
+    profile = doc["groups"][1]["grad_norms"]["input_grad_norm"]
+    assert profile["median"] == pytest.approx(medians) == profile["per_run"][0]
+    assert profile["by_iteration"] == [pytest.approx(r["input_grad_norm"]) for r in plain_recs]
     assert "![gradient norms](grad_norms.png)" in (out / "compare.md").read_text()
 
 

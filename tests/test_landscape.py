@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fusedres.apps import cli
-from fusedres.apps.experiments import figures, landscape, runs
+from fusedres.apps.experiments import figures, hessian, landscape, runs
 from fusedres.apps.train import checkpoint as ckpt
 
 BATCH = ["--batches", "1", "--batch-size", "48"]  # 48 training images: a few ms a point
@@ -66,12 +66,22 @@ def test_plots_and_files_are_written(surface_2d):
     built = landscape.figures_of(_surface(surface_2d), "a run")
     assert set(built) == {"_contour", "_surface"}
     for fig in built.values():
-        assert figures.unlabelled(fig) == []
+        assert figures.unlabelled(fig) == [] and figures.overlaps(fig) == []
+        assert fig.get_figwidth() == figures.COLUMN_WIDTH
     contour = built["_contour"]
-    assert [a.get_xlabel() for a in contour.axes[:2]] == [
-        "α: step along direction 1 (filter-normalised)"] * 2
-    legend = [t.get_text() for t in contour.axes[0].get_legend().get_texts()]
+    assert contour.axes[1].get_xlabel() == "α (filter-normalised direction 1)"
+    legend = [t.get_text() for t in contour.legends[0].get_texts()]
     assert legend == ["trained weights (α = β = 0)"]
+    # The loss colour bar: contour levels as ticks (no 0 on a log scale), clipped at 10 x the
+    # minimum or 10 nats and saying so when the grid goes higher.
+    bar = next(a for a in contour.axes if a.get_label() == "<colorbar>")
+    ticks = [t.get_text() for t in bar.get_yticklabels()]
+    assert ticks and "0" not in ticks and all(float(t) > 0 for t in ticks)
+    s = _surface(surface_2d)
+    top = float(ticks[-1])
+    assert top == pytest.approx(min(s.loss.max(), max(10.0, 10 * s.loss.min())), rel=1e-2)
+    if s.loss.max() > top * 1.01:
+        assert "clipped at" in bar.get_ylabel()
     for fig in built.values():
         figures.pyplot().close(fig)
 
@@ -208,7 +218,8 @@ def test_interpolation_recomputes_batch_norm_and_reports_what_is_not_finite(tiny
         "t": -0.5}
     assert "running variance is below zero" in doc["non_finite"]["why"]
     fig = landscape.figures_of(kept, "a run")[""]
-    assert figures.unlabelled(fig) == []
+    assert figures.unlabelled(fig) == [] and figures.overlaps(fig) == []
+    assert fig.legends and fig.axes[0].get_legend() is None  # below the plot, not on it
     loss_line, acc_line = fig.axes[0].lines[0], fig.axes[1].lines[0]
     assert np.isnan(loss_line.get_ydata()[bad]).all() and np.isnan(acc_line.get_ydata()[bad]).all()
     marks = [ln for ln in fig.axes[0].lines if ln.get_label() == "loss not finite here (not drawn)"]
@@ -423,10 +434,10 @@ def test_trajectory_projects_the_checkpoints_on_their_pca_plane(trajectory_run, 
     built = landscape.figures_of(s, "a run")
     contour = built["_contour"]
     for fig in built.values():
-        assert figures.unlabelled(fig) == []
+        assert figures.unlabelled(fig) == [] and figures.overlaps(fig) == []
     pct = [f"{100 * r:.1f} % of the variance" for r in path["explained_variance"]]
     ax = contour.axes[0]
-    assert ax.get_xlabel().startswith(f"PC1 ({pct[0]})")
+    assert contour.axes[1].get_xlabel().startswith(f"PC1 ({pct[0]})")
     assert ax.get_ylabel().startswith(f"PC2 ({pct[1]})")
     drawn = next(ln for ln in ax.lines if ln.get_label().startswith("training path"))
     assert list(drawn.get_xdata()) == path["x"] and list(drawn.get_ydata()) == path["y"]
@@ -447,3 +458,119 @@ def test_trajectory_needs_three_earlier_checkpoints(tiny_run, tmp_path, capsys):
                         (["--interpolate", "a", "b"], "--trajectory: not with --interpolate")):
         assert _run(tiny_run, out, "--trajectory", *argv) == 2
         assert match in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- --hessian
+
+def _tiny_net():
+    """A network small enough for its explicit Hessian (232 parameters): conv, BatchNorm in
+    evaluation mode with statistics of its own, ReLU, a linear classifier."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3, padding=1), torch.nn.BatchNorm2d(3),
+                              torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(48, 4))
+    net = net.double()
+    with torch.no_grad():
+        net.train()
+        net(torch.randn(32, 1, 4, 4, dtype=torch.float64))
+    batches = [(torch.randn(n, 1, 4, 4, dtype=torch.float64), torch.randint(0, 4, (n,)))
+               for n in (10, 6)]
+    return net.eval(), batches
+
+
+def _explicit_hessian(net, batches):
+    from torch.func import functional_call
+
+    names = [n for n, _ in net.named_parameters()]
+    shapes = [p.shape for _, p in net.named_parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    buffers = dict(net.named_buffers())
+    total = sum(len(y) for _, y in batches)
+
+    def loss(v):
+        parts = torch.split(v, [s.numel() for s in shapes])
+        params = {n: t.view(s) for n, t, s in zip(names, parts, shapes)}
+        return sum(len(y) / total * torch.nn.functional.cross_entropy(
+            functional_call(net, {**params, **buffers}, (x,)), y) for x, y in batches)
+
+    return torch.autograd.functional.hessian(loss, flat)
+
+
+def test_hessian_products_and_extremes_match_the_explicit_hessian():
+    """torch.func's products are H v for the explicit Hessian of the same loss (BatchNorm with
+    its running statistics), and Lanczos from a random start finds its extreme eigenvalues;
+    with too few steps the Ritz values lie inside the spectrum and say they did not converge."""
+    net, batches = _tiny_net()
+    H = _explicit_hessian(net, batches)
+    hvp, n = hessian.hessian_vector_product(net, batches)
+    assert n == H.shape[0] == 232
+    v = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    assert hvp(v) == pytest.approx(H @ v, abs=1e-10)
+    eig = torch.linalg.eigvalsh(H)
+    assert eig[0] < 0 < eig[-1]  # a saddle: both ends matter
+    start = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    found = hessian.lanczos_extremes(hvp, n, 200, 1e-8, start)
+    assert found["converged"]
+    assert found["min"] == pytest.approx(float(eig[0]), rel=1e-6)
+    assert found["max"] == pytest.approx(float(eig[-1]), rel=1e-6)
+    early = hessian.lanczos_extremes(hvp, n, 3, 1e-8, start)
+    assert not early["converged"] and early["iterations"] == 3
+    assert float(eig[0]) <= early["min"] and early["max"] <= float(eig[-1])
+
+
+def test_hessian_map_over_the_surface_grid(tiny_run, tmp_path):
+    """--hessian: lambda_min and lambda_max at every second point of the surface's grid, the
+    centre computed on the plain twin of the trained network (the same loss as the surface's
+    centre, running statistics), the files and a figure that fits a column."""
+    out = tmp_path / "h"
+    assert _run(tiny_run, out, "--grid", "5", "--hessian", "--hessian-every", "2",
+                "--hessian-iters", "6") == 0
+    with np.load(out / "hessian_2d.npz") as z:
+        assert list(z["x"]) == [-1.0, 0.0, 1.0] and list(z["y"]) == [-1.0, 0.0, 1.0]
+        lam_min, lam_max = z["lam_min"], z["lam_max"]
+        assert z["done"].all() and (lam_min <= lam_max).all()
+    doc = json.loads((out / "hessian_2d.json").read_text())
+    surface = _surface(out)
+    run = runs.open_run(tiny_run)
+    twin = hessian.plain_twin(run)
+    twin.load_state_dict(run.model.state_dict())
+    data = run.train_batches(48, 1)
+    assert runs.evaluate(twin, data).loss == pytest.approx(float(surface.loss[2, 2]), rel=1e-5)
+    hvp, n = hessian.hessian_vector_product(twin, data)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):  # Rayleigh quotients lie between the extremes
+        v = torch.randn(n, dtype=torch.float64, generator=g)
+        q = float(v @ hvp(v) / (v @ v))
+        assert doc["centre"]["lam_min"] - 1e-6 <= q <= doc["centre"]["lam_max"] + 1e-6
+    assert doc["centre"]["ratio"] == pytest.approx(
+        abs(doc["centre"]["lam_min"] / doc["centre"]["lam_max"]))
+    assert {"hessian_2d.npz", "hessian_2d.json", "hessian_2d.png"} <= {
+        p.name for p in out.iterdir()}
+    # A rerun with the same settings has nothing left to compute; other settings are refused.
+    assert _run(tiny_run, out, "--grid", "5", "--hessian", "--hessian-every", "2",
+                "--hessian-iters", "6") == 0
+    assert _run(tiny_run, out, "--grid", "5", "--hessian", "--hessian-every", "2",
+                "--hessian-iters", "7") == 2
+
+
+def test_hessian_figure_fits_a_column():
+    from fusedres.apps.experiments import landscape_plots
+
+    x = y = np.linspace(-1, 1, 5)
+    ratio = np.abs(np.add.outer(y, x)) / 2
+    lam = np.exp(np.add.outer(y ** 2, x ** 2))
+    fig = landscape_plots.hessian_figure(x, y, ratio, lam, (0.0, 0.0),
+                                         landscape_plots.DIRECTION_LABELS, "a run, seed 0")
+    assert figures.unlabelled(fig) == [] and figures.overlaps(fig) == []
+    assert fig.get_figwidth() == figures.COLUMN_WIDTH
+    figures.pyplot().close(fig)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--hessian", "--dims", "1"], "--hessian: maps the 2-D grid"),
+    (["--hessian-every", "0"], "--hessian-every: expected K >= 1"),
+    (["--hessian-tol", "0"], "--hessian-tol: expected a tolerance > 0"),
+])
+def test_bad_hessian_options_exit_2(tiny_run, tmp_path, capsys, argv, match):
+    out = tmp_path / "x"
+    assert _run(tiny_run, out, *argv) == 2
+    assert match in capsys.readouterr().err and not out.exists()

@@ -47,31 +47,42 @@ def test_outputs_are_written(study):
     assert (out / "lesion.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert doc["command"].startswith("fusedres lesion ")
     (record,) = doc["runs"]
-    # k = 1..3 of the 4 deletable units: every single unit, then 2 draws each.
-    assert [(r["k"], r["draws"]) for r in record["by_k"]] == [(0, 1), (1, 4), (2, 2), (3, 2)]
-    singles = [u["error"] for u in record["units"] if u["deletable"]]
+    # k = 1..3 of the 3 deletable units left once the first is kept (--keep-first-unit, the
+    # default): every single unit, then every subset (no more than the 2 draws asked for).
+    assert [(r["k"], r["draws"]) for r in record["by_k"]] == [(0, 1), (1, 3), (2, 2), (3, 1)]
+    singles = [u["error"] for u in record["units"] if u["deletable"] and not u["excluded"]]
     assert record["by_k"][1]["errors"] == singles
+    # The first unit is still measured alone, and flagged.
+    assert record["excluded"] == ["layer1.0"] and record["units"][0]["error"] is not None
     for row in record["by_k"][1:]:
         assert all(len(s) == row["k"] for s in row["subsets"])
         assert len({tuple(s) for s in row["subsets"]}) == row["draws"]  # distinct subsets
         assert row["min"] <= row["mean"] <= row["max"]
     text = (out / "lesion.md").read_text()
     assert "| units deleted |" in text and "layer2.0 | 16x8x8 -> 32x4x4 | kept" in text
+    assert "| layer1.0 (left out of the subsets) |" in text
 
 
 def test_the_figure_names_the_variant_and_marks_chance(study):
     _, doc = study
     fig = lesion.figure(doc["runs"])
     assert figures.unlabelled(fig) == []
+    assert figures.overlaps(fig) == []
+    assert fig.get_figwidth() == figures.COLUMN_WIDTH
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert legend[0].startswith("ResNet-14: full pre-activation unit, identity shortcut, "
-                                "BatchNorm, no drop-path; seed 0")
-    assert "chance error (1 - 1/10 classes)" in legend
+    # One run: the variant is said once, in the title; the legend names the seed.
+    assert "ResNet-14: full pre-activation unit, identity shortcut, BatchNorm" in \
+        fig.get_suptitle().replace("\n", " ")
+    assert legend[0] == "seed 0"
+    assert "chance error (1 - 1/classes)" in legend
     for ax in fig.axes[:2]:  # the chance line at 90 % on both panels
         assert any(list(ln.get_ydata()) == [90.0, 90.0] for ln in ax.lines)
-    # Median over the draws with the interquartile band, not a min-max smear.
+    # Every draw a dot at its k, the median a line through them, the min-max band.
     k2 = doc["runs"][0]["by_k"][2]
-    line = fig.axes[0].lines[0]
+    dots = [ln for ln in fig.axes[0].lines if ln.get_marker() == "."]
+    assert sorted(dots[2].get_ydata()) == pytest.approx(sorted(100 * e for e in k2["errors"]))
+    line = next(ln for ln in fig.axes[0].lines if ln.get_linestyle() == "-"
+                and ln.get_marker() in ("None", "", None))
     assert line.get_ydata()[2] == pytest.approx(100 * figures.quantile(k2["errors"], 0.5))
     figures.pyplot().close(fig)
     assert doc["runs"][0]["num_classes"] == 10 and doc["runs"][0]["plain"] is False
@@ -90,7 +101,16 @@ def test_only_shape_preserving_units_are_deletable(study):
     assert units["layer2.0"]["output_shape"] == [32, 4, 4]
     assert units["layer2.0"]["error"] is None and units["layer2.1"]["error"] is not None
     subsets = [name for row in record["by_k"] for s in row["subsets"] for name in s]
-    assert not {"layer2.0", "layer3.0"} & set(subsets)
+    assert not {"layer2.0", "layer3.0", "layer1.0"} & set(subsets)
+
+
+def test_no_keep_first_unit_deletes_it_too(tiny_run, tmp_path):
+    out = tmp_path / "all"
+    assert lesion.main([str(tiny_run), "--max-deleted", "1", "--no-keep-first-unit", "--out",
+                        str(out), *FAST]) == 0
+    (record,) = json.loads((out / "lesion.json").read_text())["runs"]
+    assert record["excluded"] == [] and record["deletable"] == 4
+    assert ["layer1.0"] in record["by_k"][1]["subsets"]
 
 
 def test_deleting_a_unit_changes_the_outputs_and_is_undone(tiny_run):

@@ -8,6 +8,7 @@ import contextlib
 import copy
 import json
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,6 +220,8 @@ def test_interrupted_run_with_every_recipe_option_resumes_bit_exact(tmp_path):
     (["--accum-steps", "3"], "--accum-steps"),  # 32 does not split in 3
     (["--mixup-alpha", "-1"], "--mixup-alpha"),
     (["--cutmix-alpha", "-0.5"], "--cutmix-alpha"),
+    (["--warmup-lr", "0.5"], "--warmup-lr"),  # above --lr 0.1
+    (["--warmup-lr", "0"], "--warmup-lr"),
 ])
 def test_bad_recipe_values_exit_2_naming_the_flag(tmp_path, capsys, flags, flag):
     out = tmp_path / "run"
@@ -446,3 +449,62 @@ def test_checkpoint_without_scheduler_state_replays_the_schedule(tmp_path, monke
         r["lr"] for r in b["metrics"] if r["kind"] == "train"]
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k
+
+
+# --------------------------------------------------------------------------- warm-up, provenance
+
+def test_constant_warmup_is_he_et_als_then_the_step_schedule():
+    """--warmup-lr 0.01 over 400 iterations, then 0.1 until the first milestone (He et al.
+    2015/2016's ResNet-110 and 1001 warm-up); without it, the linear ramp that starts at
+    lr / warmup."""
+    from fusedres.apps.train.schedule import lr_sequence
+
+    cfg, _ = resolve(["--config", "he2016_cifar10_resnet110"])
+    assert cfg["warmup_lr"] == 0.01 and cfg["warmup_iters"] == 400
+    lrs = lr_sequence(cfg, 64000, [32000, 48000], 32001)
+    assert set(lrs[:400]) == {0.01}
+    assert lrs[400] == lrs[31999] == pytest.approx(0.1)
+    assert lrs[32000] == pytest.approx(0.01)
+    linear = lr_sequence({**cfg, "warmup_lr": None}, 64000, [32000, 48000], 401)
+    assert linear[0] == pytest.approx(0.1 / 400) and linear[399] == pytest.approx(0.1)
+
+
+def test_paper_recipes_decay_every_parameter(tmp_path):
+    """He et al., Huang et al. and Li et al. decay all parameters (their optimisers take the
+    whole parameter list): the configs put BatchNorm's and the biases in the decayed group."""
+    model = models.preact_resnet(8, num_classes=3, fused=False, unit="original")
+    for name in ("he2016_cifar10_resnet110", "he2016_cifar10_shortcuts", "cifar10_resnet164",
+                 "cifar10_resnet1001", "cifar100_resnet164", "huang2016_cifar10_resnet110_sd",
+                 "li2018_cifar10_resnet56"):
+        cfg, _ = resolve(["--config", name])
+        groups = _param_groups(model, cfg)
+        assert len(groups) == 1 and groups[0]["weight_decay"] == cfg["weight_decay"], name
+        assert len(groups[0]["params"]) == len(list(model.parameters()))
+
+
+def test_a_run_records_its_commit_versions_and_device(tmp_path):
+    """config.yaml and summary.json hold the provenance list: the commit of this checkout,
+    whether its code had changes, the versions, the device; --config reads the file back
+    (the record is not an option) and a resumed run appends its own entry."""
+    import subprocess
+
+    from fusedres.apps.train import provenance
+
+    out = tmp_path / "run"
+    assert main([*TINY, "--max-iters", "2", "--checkpoint-every", "2", "--out", str(out)]) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    (entry,) = saved["provenance"]
+    assert summary["provenance"] == saved["provenance"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(provenance.__file__).parent)
+    assert entry["commit"] == head.stdout.strip() and isinstance(entry["dirty"], bool)
+    assert entry["versions"]["torch"] == torch.__version__
+    assert entry["device"].startswith("cpu: ") and entry["from_iteration"] == 0
+    assert provenance.read(out) == saved["provenance"]
+    cfg, _ = resolve(["--config", str(out / "config.yaml"), "--out", str(tmp_path / "again")])
+    assert "provenance" not in cfg
+    assert main([*TINY, "--max-iters", "4", "--out", str(out), "--resume"]) == 0
+    entries = yaml.safe_load((out / "config.yaml").read_text())["provenance"]
+    assert [e["from_iteration"] for e in entries] == [0, 2]
+    assert json.loads((out / "summary.json").read_text())["provenance"] == entries

@@ -1,15 +1,25 @@
 """``fusedres compare RUN [RUN ...]``: runs of ``fusedres train`` side by side.
 
 He et al. (2015), Fig. 1 and 6 (plain against residual networks of several depths): training
-loss, training error and test error against iterations, one curve per variant, the median over
-its seeds with the interquartile band; and a table of the final and best test error per variant,
-median and spread (min-max, and the interquartile range in the JSON) over seeds.
+loss, training error and test error against iterations, one curve per variant with every run
+drawn, the median over its runs and the min-max band (:mod:`.compare_plots`); and a table of the
+final and best test error per variant, median (min-max) over seeds.
+
+What a reader needs to trust a difference comes first: a retraining-noise line (within each
+variant, how far its seeds' final test errors lie apart: what training the same configuration
+again does), then, for every pair of variants, their paired-by-seed difference with a bootstrap
+95 % interval and the verdict "separated" or "not separated" (:mod:`.stats`), then where the runs
+came from (commit, uncommitted changes, package versions, device: :mod:`fusedres.apps.train.
+provenance`), with a warning when the runs differ in any of these.
 
 Runs are grouped by what was trained: two runs are one variant when their saved configurations
 agree on everything but the seed and the options that do not change the training (where the run
 is written, threads, device, backend, logging, checkpoints, memory budgets, layout; ``IGNORED``).
 Each group is named by :func:`fusedres.apps.train.naming.variant_label` (depth, unit, shortcut,
 normalisation, drop-path) and, when the groups differ in anything else, by that too ("lr 0.05").
+Two runs of one variant with the same seed are one experiment run twice: they are refused
+(``--allow-duplicates`` takes them, each counted as a run, and says so), since counting them as
+two seeds would narrow every spread and interval by a copy.
 
 A run is read from its directory only (config.yaml, metrics.jsonl or metrics.csv, summary.json
 when finished; the latest checkpoint's classifier for the number of classes, the chance line):
@@ -18,9 +28,9 @@ loss stops being finite is diverged from that iteration: it counts as infinitely
 medians (:func:`fusedres.apps.experiments.figures.quantile`) and is marked where it diverged.
 
 Runs trained with ``--log-grad-norms`` also give ``grad_norms.png``: each unit's gradient norms
-(at its input, of its parameters) against its depth, log-scale, per variant the median over its
-seeds and logged iterations with the interquartile band, and each run's first record dotted
-(:func:`grad_norm_figure`; what the norms are: :mod:`fusedres.apps.train.gradnorms`).
+(at its input, of its parameters) against its depth, pooled over the records of each run or
+(``--grad-norm-profile per-iteration``) one curve per logged iteration (what the norms are:
+:mod:`fusedres.apps.train.gradnorms`).
 
 Writes ``compare.md``, ``compare.json`` and ``compare.png`` to --out (default: ``compare`` in the
 runs' common parent directory).
@@ -38,16 +48,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fusedres.apps.cli import UsageError
 from fusedres.apps.train import checkpoint as ckpt
+from fusedres.apps.train import provenance as prov
 from fusedres.apps.train.naming import VARIANT_KEYS, variant_label
 
-from . import figures, runs
+from . import figures, runs, stats
+from .compare_plots import GRAD_NORMS, PROFILES, grad_norm_figure
+from .compare_plots import curves_figure as figure
 
-__all__ = ["Group", "RunCurves", "build_parser", "grad_norm_figure", "grad_norm_profile",
-           "group_runs", "load_run", "main", "plot", "summarise"]
+__all__ = ["Group", "RunCurves", "build_parser", "figure", "grad_norm_figure",
+           "grad_norm_profile", "group_runs", "load_run", "main", "pairs", "plot",
+           "provenance_report", "summarise"]
 
 # Options that do not change what is trained: runs differing only in these (and the seed) are
 # seeds of one variant.
@@ -57,9 +72,6 @@ IGNORED = frozenset({
     "checkpoint_every", "keep_checkpoints", "eval_every", "log_every", "log_format",
     "tensorboard", "progress", "workers", "config", "log_grad_norms"})
 
-# The two norms of a grad_norms record (fusedres.apps.train.gradnorms), with their axis labels.
-GRAD_NORMS = {"input_grad_norm": "||dL/dx||, gradient at the unit's input (L2, whole batch)",
-              "param_grad_norm": "||dL/dθ||, gradient of the unit's parameters (L2)"}
 
 
 @dataclass
@@ -75,6 +87,8 @@ class RunCurves:
     num_classes: int | None
     # --log-grad-norms records: iteration, units, input_grad_norm, param_grad_norm (lists).
     grad_norms: list[dict[str, Any]] = field(default_factory=list)
+    # fusedres.apps.train.provenance's list (None: a run from before it was recorded).
+    provenance: list[dict[str, Any]] | None = None
 
     @property
     def seed(self) -> int:
@@ -175,7 +189,7 @@ def load_run(path: str | Path) -> RunCurves:
                    **{k: [_float(v) for v in r[k]] for k in GRAD_NORMS}}
                   for r in records if r.get("kind") == "grad_norms"]
     return RunCurves(run_dir, cfg, train, evals, summary.is_file(), target,
-                     _num_classes(run_dir), grad_norms)
+                     _num_classes(run_dir), grad_norms, prov.read(run_dir))
 
 
 def _float(v) -> float:
@@ -194,14 +208,24 @@ def _describe(key: str, value: Any) -> str:
         key.replace("_", " ") if value else f"no {key.replace('_', ' ')}")
 
 
-def group_runs(loaded: list[RunCurves]) -> list[Group]:
+def group_runs(loaded: list[RunCurves], allow_duplicates: bool = False) -> list[Group]:
     """The runs by variant, in the order their first run was given. Labels: the variant label,
-    the dataset when the groups' datasets differ, and any other option the groups differ in."""
+    the dataset when the groups' datasets differ, and any other option the groups differ in.
+    Two runs of one variant with the same seed are a UsageError unless ``allow_duplicates``."""
     groups: dict[tuple, Group] = {}
     for run in loaded:
         key = _key(run.cfg)
         groups.setdefault(key, Group(key, "")).runs.append(run)
     out = list(groups.values())
+    for g in out:
+        first: dict[int, RunCurves] = {}
+        for r in g.runs:
+            if r.seed in first and not allow_duplicates:
+                raise UsageError(
+                    f"RUN: {str(first[r.seed].directory)!r} and {str(r.directory)!r} are the "
+                    f"same configuration and seed {r.seed} (one experiment run twice, not two "
+                    "seeds); give one of them, or --allow-duplicates to count both")
+            first.setdefault(r.seed, r)
     cfgs = [dict(g.runs[0].cfg) for g in out]
     differing = sorted({k for k in cfgs[0] if k not in IGNORED and k not in VARIANT_KEYS
                         and len({json.dumps(c.get(k), sort_keys=True) for c in cfgs}) > 1})
@@ -227,14 +251,14 @@ def _stats(values: list[float | None]) -> dict[str, Any]:
 
 
 def _curve(rows_by_run: list[list[dict[str, float]]], key: str) -> dict[str, list]:
-    """Median and quartiles over the runs at every iteration any of them logged."""
+    """Median, minimum and maximum over the runs at every iteration any of them logged."""
     at: dict[int, list[float]] = {}
     for rows in rows_by_run:
         for r in rows:
             at.setdefault(int(r["iteration"]), []).append(r[key])
     its = sorted(at)
-    med, q1, q3 = figures.band([at[i] for i in its])
-    return {"iteration": its, "median": med.tolist(), "q1": q1.tolist(), "q3": q3.tolist(),
+    med, lo, hi = figures.spread([at[i] for i in its])
+    return {"iteration": its, "median": med.tolist(), "min": lo.tolist(), "max": hi.tolist(),
             "runs": [len(at[i]) for i in its]}
 
 
@@ -265,27 +289,120 @@ def summarise(groups: list[Group]) -> list[dict[str, Any]]:
 
 
 def grad_norm_profile(g: Group) -> dict[str, Any] | None:
-    """Per unit (forward order), each norm's median and quartiles over every grad_norms record
-    of the group's runs (seeds x logged iterations), and over the first record of each run (the
-    start of training, where a plain network's gradients are already off); None when no run
-    logged any."""
+    """Per unit (forward order), each norm over the group's runs: every run's median over its
+    grad_norms records (``per_run``), their median, minimum and maximum; the same over each run's
+    first record (``first``: the start of training, where a plain network's gradients are
+    already off); and per logged iteration the median over the runs (``by_iteration``, one list
+    per entry of ``iterations``). None when no run logged any."""
     logged = [r for r in g.runs if r.grad_norms]
     if not logged:
         return None
     units = logged[0].grad_norms[0]["units"]
+    n = len(units)
+    its = sorted({rec["iteration"] for r in logged for rec in r.grad_norms})
     out: dict[str, Any] = {"units": units, "records": sum(len(r.grad_norms) for r in logged),
-                           "runs": len(logged),
-                           "iterations": sorted({rec["iteration"] for r in logged
-                                                 for rec in r.grad_norms})}
+                           "runs": len(logged), "iterations": its}
     for key in GRAD_NORMS:
-        for name, recs in (("all", [rec for r in logged for rec in r.grad_norms]),
-                           ("first", [r.grad_norms[0] for r in logged])):
-            cols = [[rec[key][u] for rec in recs if len(rec[key]) == len(units)]
-                    for u in range(len(units))]
-            med, q1, q3 = figures.band(cols)
-            out.setdefault(key, {})[name] = {"median": med.tolist(), "q1": q1.tolist(),
-                                             "q3": q3.tolist()}
+        per_run = [figures.spread([[rec[key][u] for rec in r.grad_norms if len(rec[key]) == n]
+                                   for u in range(n)])[0].tolist() for r in logged]
+        med, lo, hi = figures.spread([[row[u] for row in per_run] for u in range(n)])
+        first = [r.grad_norms[0][key] for r in logged if len(r.grad_norms[0][key]) == n]
+        fmed, flo, fhi = figures.spread([[row[u] for row in first] for u in range(n)])
+        by_it = []
+        for it in its:
+            recs = [rec[key] for r in logged for rec in r.grad_norms
+                    if rec["iteration"] == it and len(rec[key]) == n]
+            by_it.append(figures.spread([[v[u] for v in recs] for u in range(n)])[0].tolist())
+        out[key] = {"per_run": per_run, "median": med.tolist(), "min": lo.tolist(),
+                    "max": hi.tolist(), "by_iteration": by_it,
+                    "first": {"median": fmed.tolist(), "min": flo.tolist(), "max": fhi.tolist()}}
     return out
+
+
+def pairs(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For every two variants (in the order given, A before B): B's final test error minus A's,
+    in points, paired by seed, with its bootstrap interval and verdict
+    (:func:`.stats.paired_difference`). A seed run more than once counts as the mean of its
+    runs."""
+    def by_seed(g):
+        values: dict[int, list[float]] = {}
+        for r in g["runs"]:
+            if r["final_test_error"] is not None:
+                values.setdefault(r["seed"], []).append(100 * r["final_test_error"])
+        return {s: sum(v) / len(v) for s, v in values.items()}
+
+    out = []
+    for i, a in enumerate(summary):
+        for b in summary[i + 1:]:
+            out.append({"a": a["label"], "b": b["label"],
+                        **stats.paired_difference(by_seed(a), by_seed(b))})
+    return out
+
+
+def noise(summary: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The retraining noise of :func:`.stats.retraining_noise` over the final test errors (in
+    points), with the variant where the spread is largest."""
+    values = [[100 * r["final_test_error"] for r in g["runs"]
+               if r["final_test_error"] is not None] for g in summary]
+    found = stats.retraining_noise(values)
+    if found is None:
+        return None
+    spreads = [max(v) - min(v) if len(v) >= 2 else -1.0 for v in values]
+    found["widest"] = summary[int(np.argmax(spreads))]["label"]
+    return found
+
+
+def noise_line(found: dict[str, Any] | None) -> str:
+    if found is None:
+        return ("Retraining noise: not measured (no variant has two seeds); no difference "
+                "below can be told from retraining alone.")
+    return (f"Retraining noise (same configuration, other seeds): the final test errors of one "
+            f"variant's seeds lie {found['median']:.2f} points apart (median over "
+            f"{found['variants']} variants with 2+ seeds; widest {found['max']:.2f}, "
+            f"{found['widest']}). A difference between variants is claimed only where the "
+            "seeds agree on it: the paired intervals below.")
+
+
+def _provenance_key(entry: dict[str, Any]) -> str:
+    return json.dumps({k: entry.get(k) for k in ("commit", "dirty", "versions", "device")},
+                      sort_keys=True)
+
+
+def provenance_report(loaded: list[RunCurves]) -> tuple[list[str], list[str]]:
+    """(lines, warnings): each distinct provenance (commit, uncommitted changes, versions,
+    device) with the runs that have it; warnings when the runs do not all share one, when a run
+    has none recorded, or when one run was trained across several."""
+    where: dict[str, list[str]] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    warnings: list[str] = []
+    missing = []
+    for r in loaded:
+        name = r.directory.name
+        if not r.provenance:
+            missing.append(name)
+            continue
+        keys = {_provenance_key(e) for e in r.provenance}
+        if len(keys) > 1:
+            warnings.append(f"{name} was trained in {len(r.provenance)} parts that differ in "
+                            "commit, versions or device (it was resumed elsewhere)")
+        for e in r.provenance:
+            k = _provenance_key(e)
+            entries.setdefault(k, e)
+            if name not in where.setdefault(k, []):
+                where[k].append(name)
+    lines = [f"- {prov.describe(entries[k])}: {len(names)} run(s) ({', '.join(names)})"
+             for k, names in where.items()]
+    if missing:
+        lines.append(f"- not recorded (trained before fusedres recorded it): {', '.join(missing)}")
+        warnings.append(f"{len(missing)} run(s) record no commit: {', '.join(missing)}")
+    if len(where) > 1:
+        warnings.append(f"the runs come from {len(where)} different commits, versions or "
+                        "devices: a difference between variants may be theirs")
+    dirty = [n for k, names in where.items() if entries[k].get("dirty") for n in names]
+    if dirty:
+        warnings.append(f"{len(dirty)} run(s) were trained from code with uncommitted changes: "
+                        "their commit does not say what ran")
+    return lines, warnings
 
 
 def _jsonable(obj: Any) -> Any:
@@ -334,157 +451,29 @@ def table(summary: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- the figure
+def _signed(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:+.2f}"
 
-def _finite(values) -> list[float]:
-    return [v if math.isfinite(v) else math.nan for v in values]
+
+def pairs_table(found: list[dict[str, Any]]) -> str:
+    """One row per pair: B - A in final test error (points), paired by seed."""
+    lines = ["| A | B | seeds | B - A, mean (points) | 95 % interval | verdict |",
+             "|---|---|---|---:|---:|---|"]
+    for p in found:
+        interval = ("n/a" if p["low"] is None
+                    else f"{_signed(p['low'])} to {_signed(p['high'])}")
+        seeds = ", ".join(str(s) for s in p["seeds"]) or "none in common"
+        lines.append(f"| {p['a']} | {p['b']} | {seeds} | {_signed(p['mean'])} | {interval} | "
+                     f"{p['verdict']} |")
+    return "\n".join(lines)
 
 
 def plot(groups: list[Group], summary: list[dict[str, Any]], path: Path) -> Path | None:
-    """Training loss, training error and test error against iterations: per variant the median
-    over its seeds (line) and the interquartile band; a diverged run marked (x at the top of
-    each panel) at the iteration its training loss stopped being finite; chance error dashed."""
+    """Write :func:`figure` to ``path``; None without matplotlib."""
     fig = figure(groups, summary)
     if fig is None:
         return None
     return figures.save(fig, path, layout=False)
-
-
-def _draw_curves(panels, groups: list[Group], summary: list[dict[str, Any]]) -> list:
-    """Each variant's median curves, interquartile bands and divergence marks: the legend's
-    handles, one a variant."""
-    from matplotlib.lines import Line2D
-
-    handles = []
-    for i, (g, s) in enumerate(zip(groups, summary)):
-        colour = f"C{i % 10}"
-        n = len(g.runs)
-        for name, ax, _, pct in panels:
-            c = s["curves"][name]
-            scale = 100.0 if pct else 1.0
-            x = c["iteration"]
-            med = [scale * v for v in _finite(c["median"])]
-            ax.plot(x, med, "-" if name != "test_error" else ".-", color=colour, lw=1.5)
-            if n > 1:
-                q1 = [scale * v for v in _finite(c["q1"])]
-                q3 = [scale * v for v in _finite(c["q3"])]
-                ax.fill_between(x, q1, q3, color=colour, alpha=0.2, lw=0)
-            for r in g.runs:
-                if r.diverged_at is not None:
-                    ax.plot([r.diverged_at], [0.97], marker="x", ms=9, mew=2, color=colour,
-                            transform=ax.get_xaxis_transform(), clip_on=False)
-        what = f"median of {n} seeds, interquartile band" if n > 1 else "1 seed"
-        handles.append(Line2D([], [], color=colour, lw=1.5, label=f"{g.label} ({what})"))
-    return handles
-
-
-def _draw_chance(panels, summary: list[dict[str, Any]], classes: list[int]) -> bool:
-    """Chance error on the error panels, dashed where it fits the scale, else named in a
-    note: whether a dashed line was drawn."""
-    drawn = False
-    for name, ax, _, _ in panels[1:]:
-        top = max([100 * v for s in summary for key in ("median", "q3")
-                   for v in s["curves"][name][key] if math.isfinite(v)], default=0.0)
-        for c in classes:
-            chance = 100 * (1 - 1 / c)
-            if chance <= 1.5 * top:
-                ax.axhline(chance, color="0.4", ls="--", lw=1)
-                drawn = True
-            else:  # the curves would be squashed against zero: say where chance is
-                ax.set_ylim(0, 1.1 * top if top > 0 else 1)
-                ax.text(0.99, 0.98, f"chance error {chance:.0f} % (above the scale)",
-                        transform=ax.transAxes, ha="right", va="top", fontsize=8, color="0.4")
-    return drawn
-
-
-def figure(groups: list[Group], summary: list[dict[str, Any]]):
-    plt = figures.pyplot()
-    if plt is None:
-        return None
-    from matplotlib.lines import Line2D
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6 + 0.17 * (len(groups) + 2)))
-    panels = [("train_loss", axes[0], "training loss (cross-entropy, nats)", False),
-              ("train_error", axes[1], "training error (%)", True),
-              ("test_error", axes[2], "test error (%)", True)]
-    handles = _draw_curves(panels, groups, summary)
-    classes = sorted({r.num_classes for g in groups for r in g.runs if r.num_classes})
-    drawn = _draw_chance(panels, summary, classes)
-    if drawn:
-        handles.append(Line2D([], [], color="0.4", ls="--", lw=1,
-                              label="chance error (1 - 1/classes: "
-                                    + ", ".join(f"{c} classes" for c in classes) + ")"))
-    if any(r.diverged_at is not None for g in groups for r in g.runs):
-        handles.append(Line2D([], [], color="k", marker="x", ls="none", ms=8, mew=2,
-                              label="a run diverged here (training loss not finite)"))
-    batch = sorted({int(g.runs[0].cfg["batch_size"]) for g in groups})
-    xlabel = "iteration (SGD steps" + (f" of {batch[0]} images)" if len(batch) == 1 else ")")
-    loss_values = [v for s in summary for v in s["curves"]["train_loss"]["median"]
-                   if math.isfinite(v)]
-    for _, ax, ylabel, pct in panels:
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if pct and ax.get_ylim()[0] != 0:
-            ax.set_ylim(bottom=0)
-    if loss_values and min(loss_values) > 0:
-        axes[0].set_yscale("log")
-    axes[0].set_title("training loss (mean of each logging window)")
-    axes[1].set_title("training error (augmented batches)")
-    axes[2].set_title("test error")
-    datasets = sorted({g.runs[0].cfg["dataset"] for g in groups})
-    fig.suptitle(f"{len(groups)} variant(s), {sum(len(g.runs) for g in groups)} run(s) on "
-                 f"{', '.join(datasets)}")
-    fig.legend(handles=handles, loc="lower center", ncol=1, fontsize=8, frameon=False)
-    figures.leave_room_for_legend(fig, len(handles))
-    return fig
-
-
-def grad_norm_figure(groups: list[Group], summary: list[dict[str, Any]]):
-    """Gradient norm against unit depth (--log-grad-norms runs), log-scale y: one panel per
-    norm, one curve per variant (the median over its seeds and logged iterations, interquartile
-    band; dotted: the median of each run's first record). None without matplotlib or when no
-    run logged gradient norms."""
-    plt = figures.pyplot()
-    drawn = [(g, s) for g, s in zip(groups, summary) if s.get("grad_norms")]
-    if plt is None or not drawn:
-        return None
-    from matplotlib.lines import Line2D
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8 + 0.17 * (2 * len(drawn) + 1)))
-    handles = []
-    for i, (g, s) in enumerate(zip(groups, summary)):
-        prof = s.get("grad_norms")
-        if not prof:
-            continue
-        colour = f"C{i % 10}"
-        depth = list(range(1, len(prof["units"]) + 1))
-        for ax, key in zip(axes, GRAD_NORMS):
-            allr, first = prof[key]["all"], prof[key]["first"]
-            ax.plot(depth, _finite(allr["median"]), ".-", color=colour, lw=1.5)
-            if prof["records"] > 1:
-                ax.fill_between(depth, _finite(allr["q1"]), _finite(allr["q3"]),
-                                color=colour, alpha=0.2, lw=0)
-            ax.plot(depth, _finite(first["median"]), ":", color=colour, lw=1.2)
-        its = prof["iterations"]
-        handles.append(Line2D([], [], color=colour, lw=1.5, marker=".",
-                              label=f"{g.label}: median of {prof['records']} records "
-                                    f"({prof['runs']} run(s), iterations {its[0]}-{its[-1]}), "
-                                    "interquartile band"))
-        handles.append(Line2D([], [], color=colour, lw=1.2, ls=":",
-                              label=f"{g.label}: first record (iteration {its[0]})"))
-    for ax, ylabel in zip(axes, GRAD_NORMS.values()):
-        ax.set_yscale("log")
-        ax.set_xlabel("residual unit, in forward order (1 = nearest the input)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3, which="both")
-        ax.xaxis.get_major_locator().set_params(integer=True)
-    axes[0].set_title("gradient reaching each unit's input")
-    axes[1].set_title("gradient of each unit's parameters")
-    fig.suptitle("gradient norms against depth (fusedres train --log-grad-norms)")
-    fig.legend(handles=handles, loc="lower center", ncol=1, fontsize=8, frameon=False)
-    figures.leave_room_for_legend(fig, len(handles))
-    return fig
 
 
 # --------------------------------------------------------------------------- command line
@@ -492,13 +481,21 @@ def grad_norm_figure(groups: list[Group], summary: list[dict[str, Any]]):
 def build_parser() -> runs.Parser:
     p = runs.Parser(prog="fusedres compare",
                     description="Runs of fusedres train side by side: training and test curves "
-                                "per variant (median over seeds, interquartile band) and a "
-                                "table of final and best test error (He et al. 2015, Fig. 6).")
+                                "per variant (every run, the median and the min-max band), a "
+                                "table of final and best test error, and for every pair of "
+                                "variants the paired-by-seed difference with a bootstrap 95%% "
+                                "interval (He et al. 2015, Fig. 6).")
     p.add_argument("runs", nargs="+", metavar="RUN",
                    help="run directories of fusedres train; runs of one variant (differing "
                         "only in --seed) are grouped")
     p.add_argument("--out", help="output directory (default: compare/ in the runs' common "
                                  "parent directory)")
+    p.add_argument("--allow-duplicates", action="store_true",
+                   help="accept two runs of one variant with the same seed (a retraining), "
+                        "each counted as a run; refused by default")
+    p.add_argument("--grad-norm-profile", choices=PROFILES, default="pooled",
+                   help="grad_norms.png: pooled (default: per run the median over its records, "
+                        "then over the runs) or per-iteration (one curve per logged iteration)")
     return p
 
 
@@ -510,6 +507,21 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"fusedres compare: error: {e}", file=sys.stderr)
         return 2
+
+
+def _notes(summary: list[dict[str, Any]]) -> list[str]:
+    notes = []
+    for g in summary:
+        for r in g["runs"]:
+            if r["diverged_at"] is not None:
+                notes.append(f"{r['run']} diverged at iteration {r['diverged_at']}.")
+            if not r["finished"]:
+                notes.append(f"{r['run']} is unfinished (iteration {r['iterations']}).")
+        seeds = [r["seed"] for r in g["runs"]]
+        if len(set(seeds)) < len(seeds):
+            notes.append(f"{g['label']}: a seed appears more than once (--allow-duplicates); "
+                         "each run counts, so its spread is not over independent seeds.")
+    return notes
 
 
 def _run(args, argv: list[str]) -> int:
@@ -524,38 +536,45 @@ def _run(args, argv: list[str]) -> int:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out: {str(out)!r} exists and is not a directory")
     loaded = [load_run(r) for r in args.runs]  # everything read and checked before writing
-    groups = group_runs(loaded)
+    groups = group_runs(loaded, args.allow_duplicates)
     summary = summarise(groups)
+    found_noise, found_pairs = noise(summary), pairs(summary)
+    origin, origin_warnings = provenance_report(loaded)
     out.mkdir(parents=True, exist_ok=True)
     png = plot(groups, summary, out / "compare.png")
-    grad_fig = grad_norm_figure(groups, summary)
+    grad_fig = grad_norm_figure(groups, summary, args.grad_norm_profile)
     grad_png = (figures.save(grad_fig, out / "grad_norms.png", layout=False)
                 if grad_fig is not None else None)
     doc = {"command": "fusedres compare " + shlex.join(argv), "groups": _jsonable(summary),
+           "retraining_noise": found_noise, "pairs": _jsonable(found_pairs),
+           "provenance": {"runs": {str(r.directory): r.provenance for r in loaded},
+                          "warnings": origin_warnings},
            "null": "a value that is not finite (a median or quartile a diverged run reaches)",
            "files": {"figure": png.name if png else None,
                      "grad_norms": grad_png.name if grad_png else None}}
     (out / "compare.json").write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-    lines = ["# Runs compared", "", f"`{doc['command']}`", "",
+    notes = _notes(summary)
+    head = [noise_line(found_noise)] + [f"warning: {w}" for w in origin_warnings]
+    lines = ["# Runs compared", "", f"`{doc['command']}`", "", *head, "",
              "Per variant (runs differing only in the seed): test error in % as the median over "
              "the seeds with (min-max); a diverged run (training loss not finite) counts as "
-             "infinitely bad; `compare.json` holds every run's figures, the interquartile "
-             "ranges and the median curves.", "", table(summary), ""]
-    notes = []
-    for g in summary:
-        for r in g["runs"]:
-            if r["diverged_at"] is not None:
-                notes.append(f"{r['run']} diverged at iteration {r['diverged_at']}.")
-            if not r["finished"]:
-                notes.append(f"{r['run']} is unfinished (iteration {r['iterations']}).")
+             "infinitely bad; `compare.json` holds every run's figures and the median curves.",
+             "", table(summary), "", f"Every pair of variants, paired by seed (B's final test "
+             f"error minus A's; bootstrap {100 * stats.LEVEL:.0f} % interval of the mean over "
+             f"{stats.RESAMPLES} resamples of the seeds; separated: the interval excludes 0):",
+             "", pairs_table(found_pairs), ""]
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
+    lines += ["Where the runs come from:", "", *origin, ""]
     if png is not None:
         lines += ["![training curves](compare.png)", ""]
     if grad_png is not None:
         lines += ["Gradient norms against depth (`--log-grad-norms` runs; `compare.json`'s "
                   "`grad_norms` per variant):", "", "![gradient norms](grad_norms.png)", ""]
     (out / "compare.md").write_text("\n".join(lines))
-    print(table(summary))
+    print("\n".join(head) + "\n")
+    print(table(summary) + "\n")
+    print(pairs_table(found_pairs) + "\n")
+    print("Where the runs come from:\n" + "\n".join(origin))
     for n in notes:
         print(f"note: {n}")
     print(f"\nwritten: {out / 'compare.md'}, {out / 'compare.json'}"

@@ -70,7 +70,8 @@ from fusedres.apps.cli import UsageError
 from fusedres.apps.train.checkpoint import write_atomically
 from fusedres.apps.train.seeds import derived_seed
 
-from . import figures, runs
+from . import figures, hessian, landscape_plots, runs
+from .landscape_plots import figures_of, plot
 
 __all__ = ["SurfaceFile", "batch_norms", "build_parser", "directions", "figures_of", "grid_rows",
            "main", "perturbable_parameters", "plot", "recompute_batch_norm", "split_rows"]
@@ -78,7 +79,6 @@ __all__ = ["SurfaceFile", "batch_norms", "build_parser", "directions", "figures_
 FORMAT = "fusedres-landscape"
 VERSION = 1
 DEFAULT_GRID = {1: 51, 2: 51, "interpolate": 41}  # 41 over [-0.5, 1.5]: t = 0 and 1 on the grid
-SURFACE_CLIP = 10.0  # the 3-D plot's loss axis stops here
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 DEFAULT_RANGE = {"directions": (-1.0, 1.0), "interpolate": (-0.5, 1.5)}
 
@@ -351,6 +351,18 @@ def build_parser() -> runs.Parser:
                         "(default along random directions: the trained ones) or recompute them "
                         "on the loss's training batches (default with --interpolate, where "
                         "extrapolated variances can go below zero)")
+    p.add_argument("--hessian", action="store_true",
+                   help="also map |lambda_min / lambda_max| of the loss Hessian over the 2-D "
+                        "grid (Li et al. 2018, section 6): hessian_2d.npz, .json, .png")
+    p.add_argument("--hessian-every", type=int, default=1, metavar="K",
+                   help="--hessian: every K-th point of each axis of the grid (1); K dividing "
+                        "(grid - 1) / 2 keeps the centre")
+    p.add_argument("--hessian-iters", type=int, default=hessian.DEFAULT_ITERS, metavar="N",
+                   help=f"--hessian: at most N Lanczos steps (Hessian-vector products) a point "
+                        f"({hessian.DEFAULT_ITERS})")
+    p.add_argument("--hessian-tol", type=float, default=hessian.DEFAULT_TOL,
+                   help=f"--hessian: stop once both extreme eigenvalues' residuals are within "
+                        f"this fraction of the larger one ({hessian.DEFAULT_TOL:g})")
     p.add_argument("--out", help="output directory (default RUN/landscape)")
     p.add_argument("--overwrite", action="store_true",
                    help="start again when --out holds a surface computed with other settings")
@@ -406,6 +418,15 @@ def _check(args) -> dict[str, Any]:
     if mode == "interpolate":
         for path in args.interpolate:
             runs.check_checkpoint(path, "--interpolate")
+    if args.hessian:
+        if dims != 2:
+            raise UsageError("--hessian: maps the 2-D grid; not with --dims 1 or --interpolate")
+        if runs.rank_and_world()[1] > 1:
+            raise UsageError("--hessian: one process only (the map's rows are not split)")
+    runs.at_least(args.hessian_every, 1, "--hessian-every", "K >= 1")
+    runs.at_least(args.hessian_iters, 1, "--hessian-iters", "at least 1 step")
+    if not args.hessian_tol > 0:
+        raise UsageError(f"--hessian-tol: expected a tolerance > 0, got {args.hessian_tol:g}")
     bn_stats = args.bn_stats or ("keep" if mode == "directions" else "recompute")
     return {"mode": mode, "dims": dims, "grid": grid, "range": [lo, hi], "bn_stats": bn_stats}
 
@@ -597,8 +618,25 @@ def _run(args, asked: dict[str, Any], argv: list[str]) -> int:
         finally:
             weights.set((0.0,) * dims)
 
-    return _report(args, argv, run, surface, centre, out, name, world, resumed,
+    code = _report(args, argv, run, surface, centre, out, name, world, resumed,
                    negative_variances)
+    if args.hessian:
+        with run.use_backend():
+            _hessian(args, argv, run, data, weights, coords, surface.settings, out)
+    return code
+
+
+def _hessian(args, argv, run, data, weights, coords, settings, out: Path) -> None:
+    """The curvature map over the surface's grid (:mod:`.hessian`)."""
+    recompute = None
+    if settings["bn_stats"] == "recompute":
+        def recompute():
+            recompute_batch_norm(run.model, data, run.amp_dtype)
+    path = settings.get("trajectory")
+    labels = (landscape_plots.trajectory_labels(path) if path
+              else landscape_plots.DIRECTION_LABELS)
+    hessian.map_over(run, data, weights, coords, settings, out, args, recompute, argv, labels,
+                     args.progress)
 
 
 def _evaluate_at(run, data, weights: _Weights, point: tuple[float, ...], recompute: bool
@@ -735,134 +773,6 @@ def _report(args, argv, run, surface: SurfaceFile, centre, out: Path, name: str,
                     else " (no plots: matplotlib is not installed)"))
     print("\n".join(lines))
     return 0
-
-
-# --------------------------------------------------------------------------- plots
-
-_DIRECTION_LABELS = ("α: step along direction 1 (filter-normalised)",
-                     "β: step along direction 2 (filter-normalised)")
-LOSS_LABEL = "training loss (cross-entropy, nats)"
-
-
-def trajectory_labels(path: dict[str, Any]) -> tuple[str, str]:
-    """The axis labels of a trajectory plot: each PCA direction with the share of the path's
-    variance it explains."""
-    return tuple(f"PC{k + 1} ({100 * r:.1f} % of the variance): distance along PCA "
-                 f"direction {k + 1} of the checkpoints"
-                 for k, r in enumerate(path["explained_variance"]))
-
-
-def figures_of(surface: SurfaceFile, title: str) -> dict[str, Any]:
-    """The surface's figures by file suffix ('' for 1-D; '_contour', '_surface' for 2-D), not
-    yet saved; empty without matplotlib. A point whose loss is not finite is left out (a gap)
-    and marked x; it is never drawn as a value."""
-    plt = figures.pyplot()
-    if plt is None:
-        return {}
-
-    s = surface.settings
-    ok = np.isfinite(surface.loss)
-    loss = np.where(ok, surface.loss, np.nan)
-    acc = np.where(ok, 100 * surface.accuracy, np.nan)
-    bn = ("BatchNorm statistics recomputed at each point" if s.get("bn_stats") == "recompute"
-          else "BatchNorm running statistics of the state")
-    bad_label = "loss not finite here (not drawn)"
-    if s["dims"] == 1:
-        x = surface.coords[0]
-        fig, ax = plt.subplots(figsize=(7.5, 5))
-        ax.plot(x, loss, "b-", marker=".", label="training loss (left)")
-        finite = loss[ok]
-        if finite.size and finite.min() > 0 and finite.max() > 10 * finite.min():
-            ax.set_yscale("log")
-        ax.set_ylabel(LOSS_LABEL, color="b")
-        ax2 = ax.twinx()
-        ax2.plot(x, acc, "r--", marker=".", label="training accuracy (right)")
-        ax2.set_ylabel("training accuracy (%)", color="r")
-        ax2.set_ylim(0, 100)
-        if not ok.all():
-            ax.plot(x[~ok], np.zeros((~ok).sum()), "x", color="k", ms=9, mew=2,
-                    transform=ax.get_xaxis_transform(), clip_on=False, label=bad_label)
-        if s["mode"] == "interpolate":
-            a, b = (Path(p).name for p in s.get("interpolate", ["A", "B"]))
-            ax.set_xlabel(f"t: weights (1 - t) A + t B   (A = {a}, B = {b})")
-            for t, what in ((0, "A"), (1, "B")):
-                ax.axvline(t, color="gray", lw=0.8, ls=":")
-                ax.text(t, 0.02, f" {what}", transform=ax.get_xaxis_transform(), ha="left",
-                        color="gray")
-        else:
-            ax.set_xlabel(_DIRECTION_LABELS[0])
-            ax.axvline(0, color="gray", lw=0.8, ls=":", label="trained weights (α = 0)")
-        ax.grid(alpha=0.3)
-        h1, l1 = ax.get_legend_handles_labels()
-        h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper center")
-        ax.set_title(f"{title}\n{bn}, {s['samples']} training images", fontsize=9)
-        return {"": fig}
-    x, y = surface.coords
-    X, Y = np.meshgrid(x, y)
-    out = {}
-    path = s.get("trajectory") if s["mode"] == "trajectory" else None
-    labels = trajectory_labels(path) if path else _DIRECTION_LABELS
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 6), sharex=True, sharey=True,
-                                  layout="constrained")
-    finite = loss[ok]
-    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-    levels = np.geomspace(max(lo, 1e-6), hi, 25) if hi > lo > 0 else 25
-    cs = ax.contour(X, Y, np.ma.masked_invalid(loss), levels=levels, cmap="viridis",
-                    linewidths=1)
-    fig.colorbar(cs, ax=ax, label=LOSS_LABEL + ", log-spaced contours")
-    cs2 = ax2.contourf(X, Y, np.ma.masked_invalid(acc), levels=np.linspace(0, 100, 21),
-                       cmap="viridis")
-    fig.colorbar(cs2, ax=ax2, label="training accuracy (%)")
-    for a, what in ((ax, "training loss"), (ax2, "training accuracy")):
-        if path:
-            its = path["iterations"]
-            a.plot(path["x"], path["y"], "-o", color="tab:red", ms=3, lw=1.2,
-                   label=f"training path: {len(its)} checkpoints, iterations {its[0]}-{its[-1]}")
-            a.plot(path["x"][:1], path["y"][:1], "s", color="tab:red", ms=7,
-                   label=f"first checkpoint (iteration {its[0]})")
-            a.plot([0], [0], "r*", ms=12, label=f"final weights (iteration {its[-1]})")
-        else:
-            a.plot([0], [0], "r*", ms=12, label="trained weights (α = β = 0)")
-        if not ok.all():
-            a.plot(X[~ok], Y[~ok], "kx", ms=6, label=bad_label)
-        a.set_xlabel(labels[0])
-        a.set_ylabel(labels[1])
-        a.set_title(what)
-        # PCA coordinates: the second direction's extent is often a fraction of the first's.
-        a.set_aspect("auto" if path else "equal")
-        a.legend(fontsize=8, loc="upper right")
-    fig.suptitle(f"{title}\n{bn}, {s['samples']} training images", fontsize=10)
-    out["_contour"] = fig
-    fig = plt.figure(figsize=(8, 6.5), layout="constrained")
-    ax = fig.add_subplot(projection="3d")
-    # Far from the minimum the loss explodes and would flatten the bowl: clipped at Li et al.'s
-    # plotting limit (vmax 10) when it goes above.
-    clipped = bool(finite.size) and finite.max() > SURFACE_CLIP
-    z = np.minimum(loss, SURFACE_CLIP) if clipped else loss
-    surf = ax.plot_surface(X, Y, np.ma.masked_invalid(z), cmap="viridis", linewidth=0,
-                           antialiased=True, vmin=np.nanmin(z) if finite.size else 0,
-                           vmax=np.nanmax(z) if finite.size else 1)
-    clip_text = f" (clipped at {SURFACE_CLIP:g})" if clipped else ""
-    fig.colorbar(surf, ax=ax, shrink=0.6, pad=0.1, label=LOSS_LABEL + clip_text)
-    short = ([f"PC{k + 1} ({100 * r:.1f} % of the variance)"
-              for k, r in enumerate(path["explained_variance"])] if path
-             else ["α (direction 1)", "β (direction 2)"])
-    ax.set_xlabel(short[0])
-    ax.set_ylabel(short[1])
-    ax.set_zlabel("training loss" + clip_text)
-    ax.set_title(f"{title}\n{bn}" + ("" if ok.all() else
-                                     f"; {(~ok).sum()} points not finite, left out"),
-                 fontsize=9)
-    out["_surface"] = fig
-    return out
-
-
-def plot(surface: SurfaceFile, out: Path, name: str, title: str) -> list[Path]:
-    """1-D: loss and accuracy against the coordinate; 2-D: contours of loss and accuracy, and
-    a 3-D surface of the loss. Returns the files written (none without matplotlib)."""
-    return [figures.save(fig, out / f"{name}{suffix}.png")
-            for suffix, fig in figures_of(surface, title).items()]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,13 @@ delete the identity-shortcut units); units that change the width or the resoluti
 listed. A plain network (no shortcuts) given beside a residual one is the contrast: deleting any
 of its layer pairs should destroy it.
 
+The first unit is left out of the deletions by default (``--keep-first-unit``; its error deleted
+alone is still measured and shown, flagged): in a pre-activation network it holds the only
+normalisation of the stem's output (its BN-ReLU plays the part of the BN-ReLU after the first
+conv in He et al.'s code), so deleting it removes more than a unit, and every random subset that
+draws it looks like a failure of the ensemble. ``--no-keep-first-unit`` deletes it like the
+others, as Veit et al. count every unit.
+
 Deletion touches no model code: the unit's entry in its stage ``nn.Sequential`` is swapped for an
 ``nn.Identity`` and put back afterwards (:func:`deleted_units`). The model only has to list its
 residual units (``model.units()``, in forward order) and its stages (``model.stage_names``).
@@ -21,6 +28,7 @@ RUN's when several).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import json
@@ -159,6 +167,7 @@ class Study:
     test: list[tuple[Tensor, Tensor]]
     units: list[Unit]
     pool: list[int]
+    excluded: list[int]         # deletable units left out of the subsets (--keep-first-unit)
     plan: dict[int, list[tuple[int, ...]]]
     todo: list[tuple[int, ...]]
     draws: int
@@ -166,18 +175,20 @@ class Study:
 
 
 def plan(run: runs.LoadedRun, max_deleted: int | None, draws: int, seed: int,
-         batch_size: int) -> Study:
+         batch_size: int, keep_first: bool = True) -> Study:
     test = run.test_batches(batch_size)
     with run.use_backend():
         units = units_of(run.model, test[0][0][:2])
-    pool = [u.index for u in units if u.deletable]
+    excluded = [units[0].index] if keep_first and units and units[0].deletable else []
+    pool = [u.index for u in units if u.deletable and u.index not in excluded]
     k_max = min(DEFAULT_MAX_DELETED if max_deleted is None else max_deleted, len(pool))
     # k = 1: every single unit (evaluated anyway for the single-unit errors).
     subsets = {k: [(i,) for i in pool] if k == 1 else draw_subsets(pool, k, draws, seed)
                for k in range(1, k_max + 1)}
-    wanted = [()] + [(i,) for i in pool] + [s for k in subsets for s in subsets[k]]
+    wanted = ([()] + [(u.index,) for u in units if u.deletable]
+              + [s for k in subsets for s in subsets[k]])
     todo = list(dict.fromkeys(wanted))  # each distinct subset evaluated once
-    return Study(run, test, units, pool, subsets, todo, draws, seed)
+    return Study(run, test, units, pool, excluded, subsets, todo, draws, seed)
 
 
 def lesion(study: Study, bar=None) -> dict[str, Any]:
@@ -213,10 +224,12 @@ def lesion(study: Study, bar=None) -> dict[str, Any]:
         "test_images": base.n, "baseline": {"error": base.error, "loss": base.loss},
         "units": [{"index": u.index, "name": u.name, "input_shape": list(u.input_shape),
                    "output_shape": list(u.output_shape), "deletable": u.deletable,
+                   "excluded": u.index in study.excluded,
                    "error": results[(u.index,)].error if u.deletable else None,
                    "loss": results[(u.index,)].loss if u.deletable else None}
                   for u in units],
         "deletable": len(pool), "kept": [u.name for u in units if not u.deletable],
+        "excluded": [by_index[i].name for i in study.excluded],
         "max_deleted": len(study.plan), "draws": study.draws, "seed": study.seed,
         "by_k": by_k,
         "notes": list(run.notes),
@@ -234,14 +247,18 @@ def table(record: dict[str, Any]) -> str:
     units = record["units"]
     kept = [u for u in units if not u["deletable"]]
     what = "units (layer pairs, no shortcut)" if record.get("plain") else "residual units"
+    excluded = record.get("excluded") or []
     lines = [f"## {record['label']}", "",
              f"{record['run']}, checkpoint {Path(record['checkpoint']).name} (iteration "
              f"{record['iteration']}); {record['dataset']} test set, {record['test_images']} "
              f"images; baseline error {_pct(record['baseline']['error'])} %.",
-             f"{len(units)} {what}, {record['deletable']} deletable (output shape = input "
-             "shape)" + ("; kept, as they change the shape: "
-                         + ", ".join(f"{u['name']} ({_shape(u)})" for u in kept)
-                         if kept else "") + ".", "",
+             f"{len(units)} {what}, {record['deletable']} deleted in the subsets (output shape "
+             "= input shape)" + ("; kept, as they change the shape: "
+                                 + ", ".join(f"{u['name']} ({_shape(u)})" for u in kept)
+                                 if kept else "")
+             + (f"; left out of the subsets: {', '.join(excluded)} (--keep-first-unit: the "
+                "first unit's BatchNorm also normalises the stem)" if excluded else "") + ".",
+             "",
              "| units deleted | subsets | mean error (%) | std | min | max |",
              "|---:|---:|---:|---:|---:|---:|"]
     for row in record["by_k"]:
@@ -253,7 +270,8 @@ def table(record: dict[str, Any]) -> str:
     base = record["baseline"]["error"]
     for u in units:
         if u["deletable"]:
-            lines.append(f"| {u['name']} | {_shape(u)} | {_pct(u['error'])} | "
+            flag = " (left out of the subsets)" if u.get("excluded") else ""
+            lines.append(f"| {u['name']}{flag} | {_shape(u)} | {_pct(u['error'])} | "
                          f"{100 * (u['error'] - base):+.2f} |")
         else:
             lines.append(f"| {u['name']} | {_shape(u)} | kept (changes the shape) | |")
@@ -267,57 +285,70 @@ def _shape(u: dict[str, Any]) -> str:
 
 
 def figure(records: list[dict[str, Any]]):
-    """The lesion figure (None without matplotlib): left, test error against the number of
-    units deleted together (median over the draws, interquartile band; k = 1 is every unit
-    alone); right, the error with each unit deleted alone, against its position. One colour a
-    run, named by its variant; chance error dashed."""
+    """The lesion figure, one column wide (None without matplotlib). Top: test error against
+    the number of units deleted together, every draw a dot, the median over the draws a line and
+    the min-max band (k = 1: every unit alone). Bottom: the error with each unit deleted alone,
+    against its position; a unit left out of the subsets (--keep-first-unit) an open marker.
+    One colour a run, named by what differs between the runs; chance error dashed."""
     plt = figures.pyplot()
     if plt is None:
         return None
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.6 + 0.17 * (len(records) + 3)))
-    handles = []
-    for i, r in enumerate(records):
-        color = f"C{i % 10}"
-        ks = [row["k"] for row in r["by_k"]]
-        med, q1, q3 = figures.band([row["errors"] for row in r["by_k"]])
-        ax.plot(ks, 100 * med, "o-", color=color, ms=4)
-        ax.fill_between(ks, 100 * q1, 100 * q3, color=color, alpha=0.2, lw=0)
-        # Kept units break the line (NaN).
-        ax2.plot([u["index"] for u in r["units"]],
-                 [100 * u["error"] if u["deletable"] else float("nan") for u in r["units"]],
-                 "o-", color=color, ms=4)
-        ax2.axhline(100 * r["baseline"]["error"], color=color, ls=":", lw=1.2)
-        for u in r["units"]:
-            if not u["deletable"]:
-                ax2.axvline(u["index"], color=color, ls="-", lw=0.6, alpha=0.4)
-        handles.append(Line2D([], [], color=color, marker="o", ms=4, label=r["label"]))
-    classes = sorted({r["num_classes"] for r in records if r.get("num_classes")})
-    for a in (ax, ax2):
-        for c in classes:
-            a.axhline(100 * (1 - 1 / c), color="0.4", ls="--", lw=1)
-    if classes:
-        handles.append(Line2D([], [], color="0.4", ls="--", lw=1, label="chance error (1 - 1/"
-                              + ", ".join(str(c) for c in classes) + " classes)"))
-    handles.append(Line2D([], [], color="0.3", ls=":", lw=1.2,
-                          label="right: the run's error with nothing deleted"))
-    handles.append(Line2D([], [], color="0.3", lw=0.6, alpha=0.4,
-                          label="right: units that change the shape (kept, never deleted)"))
-    ax.set_xlabel("units deleted together, k (each replaced by the identity)")
-    ax.set_ylabel("test error (%)")
-    ax.set_title("k random units deleted (median over the draws, interquartile band)")
-    ax2.set_xlabel("the unit deleted alone (position in forward order)")
-    ax2.set_ylabel("test error (%)")
-    ax2.set_title("one unit deleted")
-    for a in (ax, ax2):
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
-        a.grid(alpha=0.3)
-        a.set_ylim(0, 100)
-    fig.suptitle("Lesion study (Veit et al. 2016): test error with units deleted at test time")
-    fig.legend(handles=handles, loc="lower center", ncol=1, fontsize=8, frameon=False)
-    figures.leave_room_for_legend(fig, len(handles))
+    common, shorts = figures.common_and_short([r["model"] for r in records])
+    with figures.column():
+        fig, (ax, ax2) = plt.subplots(2, 1, layout="constrained",
+                                      figsize=(figures.COLUMN_WIDTH,
+                                               3.3 + 0.13 * (len(records) + 4)))
+        handles = []
+        for i, (r, short) in enumerate(zip(records, shorts)):
+            color = f"C{i % 10}"
+            ks = [row["k"] for row in r["by_k"]]
+            med, lo, hi = figures.spread([row["errors"] for row in r["by_k"]])
+            for row in r["by_k"]:
+                ax.plot([row["k"]] * len(row["errors"]), [100 * e for e in row["errors"]], ".",
+                        color=color, ms=2.5, alpha=0.6)
+            ax.plot(ks, 100 * med, "-", color=color)
+            ax.fill_between(ks, 100 * lo, 100 * hi, color=color, alpha=0.15, lw=0)
+            # Kept units break the line (NaN); a unit left out of the subsets: open marker.
+            ax2.plot([u["index"] + 1 for u in r["units"]],
+                     [100 * u["error"] if u["deletable"] else float("nan") for u in r["units"]],
+                     "o-", color=color, ms=3)
+            out = [u for u in r["units"] if u.get("excluded")]
+            ax2.plot([u["index"] + 1 for u in out], [100 * u["error"] for u in out], "o",
+                     mfc="white", color=color, ms=5)
+            ax2.axhline(100 * r["baseline"]["error"], color=color, ls=":", lw=1.0)
+            seed = r["label"].split("; ")[-1].split(" (")[0]
+            handles.append(Line2D([], [], color=color, marker="o", ms=3,
+                                  label=f"{short or 'the run'}: {seed}" if short else seed))
+        classes = sorted({r["num_classes"] for r in records if r.get("num_classes")})
+        for a in (ax, ax2):
+            for c in classes:
+                a.axhline(100 * (1 - 1 / c), color="0.4", ls="--", lw=0.8)
+        if classes:
+            handles.append(Line2D([], [], color="0.4", ls="--", lw=0.8,
+                                  label="chance error (1 - 1/classes)"))
+        handles.append(Line2D([], [], color="0.3", marker=".", ls="-", ms=2.5,
+                              label="top: dots each draw, line median, band min-max"))
+        handles.append(Line2D([], [], color="0.3", ls=":", lw=1.0,
+                              label="bottom: error with nothing deleted"))
+        if any(u.get("excluded") for r in records for u in r["units"]):
+            handles.append(Line2D([], [], color="0.3", marker="o", mfc="white", ls="none",
+                                  ms=5, label="bottom: unit left out of the subsets "
+                                              "(--keep-first-unit)"))
+        ax.set_xlabel("units deleted together, k (each replaced by the identity)")
+        ax.set_ylabel("test error (%)")
+        ax2.set_xlabel("the unit deleted alone (1: nearest the input)")
+        ax2.set_ylabel("test error (%)")
+        for a in (ax, ax2):
+            a.xaxis.set_major_locator(MaxNLocator(integer=True))
+            a.grid(alpha=0.3)
+            a.set_ylim(0, 100)
+        fig.suptitle(figures.wrap(f"Lesion study (Veit et al. 2016), {common}: test error "
+                                  "with units deleted at test time"))
+        figures.column_legend(fig, handles)
+        figures.small_ticks(fig)
     return fig
 
 
@@ -344,6 +375,10 @@ def build_parser() -> runs.Parser:
                    help="random subsets per number of deleted units k >= 2 (5; every subset "
                         "when there are no more; k = 1 is every unit alone)")
     p.add_argument("--seed", type=int, default=0, help="seed of the subsets (0)")
+    p.add_argument("--keep-first-unit", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave the first unit out of the deletions (default on: in a "
+                        "pre-activation network its BatchNorm is the stem's only "
+                        "normalisation); its error deleted alone is still measured, flagged")
     p.add_argument("--out", help="output directory (default: RUN/lesion of the first RUN)")
     runs.add_run_options(p)
     return p
@@ -389,7 +424,8 @@ def _run(args, argv: list[str]) -> int:
     from tqdm import tqdm
 
     studies = [plan(run, args.max_deleted, args.draws, args.seed,
-                    args.batch_size or run.cfg["eval_batch_size"]) for run in loaded]
+                    args.batch_size or run.cfg["eval_batch_size"], args.keep_first_unit)
+               for run in loaded]
     with tqdm(total=sum(len(s.todo) for s in studies), file=sys.stderr,
               disable=not args.progress, dynamic_ncols=True, unit="eval") as bar:
         records = [lesion(s, bar) for s in studies]

@@ -81,6 +81,9 @@ DEFAULTS: dict[str, Any] = {
     "mixup_alpha": 0.0,
     "cutmix_alpha": 0.0,
     "warmup_iters": 400,
+    # --warmup-lr: None ramps linearly to --lr over the warm-up; a rate holds it constant there
+    # (He et al. 2015/2016's 0.01 for 400 iterations, then 0.1). fusedres.apps.train.schedule.
+    "warmup_lr": None,
     "milestones": [32000, 48000],
     "lr_decay": 0.1,
     "max_iters": 64000,
@@ -340,7 +343,10 @@ def _add_optimisation_group(p: argparse.ArgumentParser) -> None:
                         "(CosineAnnealingLR to --min-lr), poly (PolynomialLR, --poly-power)")
     g.add_argument("--min-lr", type=float, help="--schedule cosine: the final rate (0)")
     g.add_argument("--poly-power", type=float, help="--schedule poly: the power (1)")
-    g.add_argument("--warmup-iters", type=int, help="linear warm-up iterations (400)")
+    g.add_argument("--warmup-iters", type=int, help="warm-up iterations (400)")
+    g.add_argument("--warmup-lr", type=float,
+                   help="a constant learning rate for the warm-up iterations, at most --lr "
+                        "(He et al.: 0.01, then 0.1); default: a linear ramp to --lr")
     g.add_argument("--milestones", type=_int_list,
                    help="iterations where the lr is multiplied by --lr-decay (32000,48000); "
                         "values below 1 are fractions of the run")
@@ -496,6 +502,8 @@ def load_yaml(path: str | Path, what: str) -> dict[str, Any]:
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name == "provenance":  # a run's record of its commit and machine, not an option
+            continue
         if name == "config":
             raise UsageError(f"{what}: {path} sets 'config': a config file cannot include "
                              "another (a config.yaml saved by an older fusedres records its "
@@ -599,6 +607,11 @@ def _check_values(cfg: dict[str, Any]) -> None:
         raise UsageError(f"--scale-branch: expected true or false, got {cfg['scale_branch']!r}")
     if cfg["poly_power"] <= 0:
         raise UsageError(f"--poly-power: expected a positive value, got {cfg['poly_power']}")
+    warm = cfg["warmup_lr"]
+    if warm is not None and (isinstance(warm, bool) or not isinstance(warm, (int, float))
+                             or not 0 < warm <= cfg["lr"]):
+        raise UsageError(f"--warmup-lr: expected a rate in (0, --lr = {cfg['lr']:g}], got "
+                         f"{warm!r}")
     if cfg["min_lr"] > cfg["lr"]:
         raise UsageError(f"--min-lr: expected a value <= --lr ({cfg['lr']}), got "
                          f"{cfg['min_lr']}")

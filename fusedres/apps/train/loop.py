@@ -28,7 +28,7 @@ from fusedres.memory import LiveTensorTracker, PlanError, SavedTensorCounter
 from . import checkpoint as ckpt
 from . import data as data_mod
 from . import metrics as M
-from . import resume_checks
+from . import provenance, resume_checks
 from .config import UsageError, merge_saved, parse_bytes, resolve_channels_last
 from .gradnorms import GradNormProbe
 from .naming import variant_label
@@ -163,9 +163,9 @@ def _check_backend(cfg, device: torch.device) -> None:
 
 # The training recipe's options, recorded together in summary.json.
 RECIPE_KEYS = ("optimizer", "lr", "momentum", "nesterov", "betas", "weight_decay",
-               "bn_weight_decay", "bias_weight_decay", "schedule", "warmup_iters", "milestones",
-               "lr_decay", "min_lr", "poly_power", "label_smoothing", "ema_decay", "accum_steps",
-               "mixup_alpha", "cutmix_alpha")
+               "bn_weight_decay", "bias_weight_decay", "schedule", "warmup_iters", "warmup_lr",
+               "milestones", "lr_decay", "min_lr", "poly_power", "label_smoothing", "ema_decay",
+               "accum_steps", "mixup_alpha", "cutmix_alpha")
 
 # The layers whose parameters are a normalisation's scale and shift.
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm,
@@ -782,8 +782,10 @@ class Run:
         sched = {"step": f"step x{cfg['lr_decay']:g} at {self.milestones}",
                  "cosine": f"cosine to {cfg['min_lr']:g}",
                  "poly": f"poly power {cfg['poly_power']:g}"}[cfg["schedule"]]
-        line = (f"recipe: {opt}, lr {cfg['lr']:g}, {cfg['warmup_iters']} warm-up iterations "
-                f"then {sched}; weight decay {cfg['weight_decay']:g}"
+        warm = ("" if cfg["warmup_lr"] is None or not cfg["warmup_iters"]
+                else f" at {cfg['warmup_lr']:g}")
+        line = (f"recipe: {opt}, lr {cfg['lr']:g}, {cfg['warmup_iters']} warm-up iterations"
+                f"{warm} then {sched}; weight decay {cfg['weight_decay']:g}"
                 + (f" (not on {' and '.join(skip)})" if skip else ""))
         if cfg["label_smoothing"]:
             line += f"; label smoothing {cfg['label_smoothing']:g}"
@@ -900,7 +902,10 @@ class Run:
         resolved["resume"] = None
         given = f"# --config {self.cfg['config']}\n" if self.cfg.get("config") else ""
         text = ("# fusedres train: the resolved configuration of this run\n"
-                f"# {self.layout_line()}\n" + given + yaml.safe_dump(resolved, sort_keys=True))
+                f"# {self.layout_line()}\n" + given + yaml.safe_dump(resolved, sort_keys=True)
+                + "# what trained it (fusedres.apps.train.provenance; not an option)\n"
+                + yaml.safe_dump({provenance.KEY: provenance.entries(
+                    self.out, self.device, self.iteration)}, sort_keys=False))
         path = self.out / "config.yaml"
         with ckpt.writing(path):
             ckpt.write_atomically(path, lambda f: f.write(text.encode()))
@@ -1358,6 +1363,7 @@ class Run:
             "recipe": {k: self.cfg[k] for k in RECIPE_KEYS},
             "diverged_at_iteration": self.diverged_at,
             "memory_plan": None if self.plan_summary is None else str(self.plan_summary),
+            provenance.KEY: provenance.from_config(self.out),
         }
         extra.update(self._memory_report())
         s = M.summary(self.history, extra)

@@ -8,8 +8,10 @@ parameter, never stepped): :attr:`LRSchedule.lr` is its group's ``lr`` for the c
 iteration, the loop copies it into the device tensor, and :meth:`LRSchedule.step` advances it,
 exactly as ``scheduler.step()`` follows ``optimizer.step()`` in a plain PyTorch loop.
 
-The schedules (``--schedule``), each after ``--warmup-iters`` of linear warm-up
-(``LinearLR`` from 1/warmup of the peak, reaching the peak at the last warm-up iteration):
+The schedules (``--schedule``), each after ``--warmup-iters`` of warm-up: linear by default
+(``LinearLR`` from 1/warmup of the peak, reaching the peak at the last warm-up iteration), or
+constant at ``--warmup-lr`` (``ConstantLR``; the peak from the first iteration after it), as
+He et al. (2015, 2016) train their deepest CIFAR networks: 0.01 for 400 iterations, then 0.1:
 
 * ``step``: ``MultiStepLR``, the rate times ``--lr-decay`` at each of ``--milestones``
   (iterations of the whole run, as He et al.'s recipe counts them);
@@ -55,8 +57,13 @@ class LRSchedule:
         else:  # the configuration refuses it first (config._check_values)
             raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {kind!r}")
         if warmup > 0:
-            warm = S.LinearLR(self.shadow, start_factor=1.0 / warmup, end_factor=1.0,
-                              total_iters=max(warmup - 1, 1))
+            if cfg.get("warmup_lr") is not None:
+                warm: S.LRScheduler = S.ConstantLR(
+                    self.shadow, factor=float(cfg["warmup_lr"]) / float(cfg["lr"]),
+                    total_iters=warmup)
+            else:
+                warm = S.LinearLR(self.shadow, start_factor=1.0 / warmup, end_factor=1.0,
+                                  total_iters=max(warmup - 1, 1))
             with warnings.catch_warnings():
                 # SequentialLR hands over with scheduler.step(0), which warns about the
                 # deprecated epoch argument; it is torch's own call.
