@@ -39,6 +39,7 @@ argument, or ``--device cuda`` without a GPU).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -263,9 +264,26 @@ print(json.dumps({"loaded": _extension.LOADED, "error": _extension.LOAD_ERROR,
 """
 
 
-def prepared_problem(manifest: dict, info: dict) -> str | None:
+# What fusedres._C is compiled from: a prepared library built from other sources is stale.
+SOURCE_SUFFIXES = (".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp")
+
+
+def sources_digest(root: Path = ROOT) -> str:
+    """sha256 over the extension's sources (csrc/, setup.py), path and content of each."""
+    h = hashlib.sha256()
+    files = [p for p in (root / "csrc").rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES]
+    for path in sorted(files) + [root / "setup.py"]:
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def prepared_problem(manifest: dict, info: dict, sources: str | None = None) -> str | None:
     """Why ``make gpu-prepare``'s library cannot serve this machine (None: it can): it was
-    built against another torch, or for another GPU architecture."""
+    built from other sources than this tree's (``sources``: :func:`sources_digest`), against
+    another torch, or for another GPU architecture."""
+    if sources is not None and manifest.get("sources") != sources:
+        return (f"built from other sources (commit {str(manifest.get('commit'))[:12]}): "
+                "csrc/ or setup.py changed since; make gpu-prepare again")
     if manifest.get("torch") != info.get("torch"):
         return (f"built against torch {manifest.get('torch')}, this machine has torch "
                 f"{info.get('torch')}")
@@ -287,7 +305,7 @@ def step_prepared(check: Check, python: str, info: dict, folder: Path) -> bool:
         facts["status"] = f"none ({type(e).__name__})"
         check.say(f"prepared: no prepared library in {folder}; the build makes one")
         return False
-    problem = prepared_problem(manifest, info)
+    problem = prepared_problem(manifest, info, sources_digest())
     if problem is not None:
         facts["status"] = f"not used: {problem}"
         check.say(f"prepared: not used ({problem}); the build makes one")

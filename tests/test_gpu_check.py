@@ -224,19 +224,21 @@ def test_a_slot_stops_its_report_and_the_next_phases_run(fake, tmp_path, monkeyp
     assert "report: in part decisive, nothing printed for 1 s" in log  # the heartbeat
 
 
-def _prepared(tmp_path, torch="2.11.0+cu130", arch=("9.0",)):
+def _prepared(tmp_path, torch="2.11.0+cu130", arch=("9.0",), sources=None):
     folder = tmp_path / "prep"
     folder.mkdir()
     (folder / "_C.fake-prepared.so").write_bytes(b"\x7fELF")
     (folder / "manifest.json").write_text(json.dumps(
-        {"file": "_C.fake-prepared.so", "torch": torch, "arch_list": list(arch)}))
+        {"file": "_C.fake-prepared.so", "torch": torch, "arch_list": list(arch),
+         "sources": gc.sources_digest() if sources is None else sources, "commit": "0" * 40}))
     return folder
 
 
-@pytest.mark.parametrize("case", ["loads", "other-torch", "fails-to-load"])
+@pytest.mark.parametrize("case", ["loads", "other-torch", "other-sources", "fails-to-load"])
 def test_a_prepared_library_replaces_the_build_when_it_loads(fake, tmp_path, monkeypatch, case):
     py, state = fake
-    folder = _prepared(tmp_path, torch="2.12.0" if case == "other-torch" else "2.11.0+cu130")
+    folder = _prepared(tmp_path, torch="2.12.0" if case == "other-torch" else "2.11.0+cu130",
+                       sources="stale" if case == "other-sources" else None)
     if case == "fails-to-load":
         monkeypatch.setenv("FAKE_LOAD", "fail")
     target = gc.ROOT / "fusedres" / "_C.fake-prepared.so"
@@ -254,9 +256,13 @@ def test_a_prepared_library_replaces_the_build_when_it_loads(fake, tmp_path, mon
             assert "build" in _calls(state) and not target.exists()
             assert _calls(state)[0] == ("load" if case == "fails-to-load" else "report decisive")
             status = facts["prepared"]["status"]
-            assert status == ("failed to load" if case == "fails-to-load" else
-                              "not used: built against torch 2.12.0, this machine has torch "
-                              "2.11.0+cu130")
+            assert status == {
+                "fails-to-load": "failed to load",
+                "other-torch": "not used: built against torch 2.12.0, this machine has torch "
+                               "2.11.0+cu130",
+                "other-sources": "not used: built from other sources (commit 000000000000): "
+                                 "csrc/ or setup.py changed since; make gpu-prepare again",
+            }[case]
     finally:
         target.unlink(missing_ok=True)
 
@@ -427,3 +433,20 @@ def types_args(**kw):
 
     return types.SimpleNamespace(device=torch.device("cpu"), out=None, progress=False,
                                  reps=None, warmup=None, **kw)
+
+
+def test_the_sources_digest_changes_with_any_extension_source(tmp_path):
+    """A prepared library is stale when a csrc/ source or setup.py changed: the digest sees
+    a one-byte edit to each, and ignores files the build does not compile."""
+    for name, text in (("csrc/a.cpp", "int a;"), ("csrc/cuda/k.cuh", "//"), ("setup.py", "#")):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    base = gc.sources_digest(tmp_path)
+    (tmp_path / "csrc" / "README.md").write_text("notes")
+    assert gc.sources_digest(tmp_path) == base
+    for name in ("csrc/a.cpp", "csrc/cuda/k.cuh", "setup.py"):
+        before = (tmp_path / name).read_text()
+        (tmp_path / name).write_text(before + " ")
+        assert gc.sources_digest(tmp_path) != base, name
+        (tmp_path / name).write_text(before)
+    assert gc.sources_digest(tmp_path) == base

@@ -58,6 +58,17 @@ def copy_tree(src: Path) -> None:
             shutil.copy2(path, target)
 
 
+def _gpu_check():
+    """benchmarks/gpu_check.py (standard library only), whose digest of the sources the GPU
+    check compares with the manifest's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def commit() -> tuple[str | None, bool]:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True,
@@ -123,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     head, dirty = commit()
     manifest = {"file": library.name, **have, "arch_list": args.arch.replace(",", ";").split(";"),
                 "bytes": size, "sha256": hashlib.sha256(library.read_bytes()).hexdigest(),
-                "commit": head, "dirty": dirty,
+                "sources": _gpu_check().sources_digest(), "commit": head, "dirty": dirty,
                 "built_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                 "build_seconds": round(time.monotonic() - t0, 1)}
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
