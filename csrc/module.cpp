@@ -116,7 +116,7 @@ PyMethodDef methods[] = {
      "cpu_tile_samples(n, bytes_per_sample, weight_bytes, channels_last=False) -> int\n\n"
      "Samples per batch tile of the cpu backend's fused unit (csrc/cpu/bn_relu_conv2d.cpp) for\n"
      "a batch of n samples of bytes_per_sample bytes (activation + output) each and a weight of\n"
-     "weight_bytes; channels_last: the unit's input is channels_last. Reads FUSEDRES_CPU_TILE_BYTES, FUSEDRES_CPU_TILE_WEIGHT_X and torch's\n"
+     "weight_bytes; channels_last: the unit's input is channels_last. Reads FUSEDRES_CPU_TILE_BYTES and torch's\n"
      "thread count now."},
     {"cpu_capability", cpu_capability, METH_NOARGS,
      "cpu_capability() -> str\n\n"

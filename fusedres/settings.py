@@ -90,57 +90,6 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "Bytes of activation + output per tile of the cpu backend; unset: 4 MiB per thread "
             "(16 MiB per thread and 32 MiB at least for channels_last inputs); 0 or less: the "
             "whole batch in one tile."),
-    Setting("FUSEDRES_CPU_TILE_WEIGHT_X", "int", "4", "at every cpu-backend call (csrc/cpu)",
-            "A tile's budget is at least this many times the weight's bytes."),
-    Setting("FUSEDRES_CPU_CONV_NHWC", "choice", "", "at every cpu-backend call (csrc/cpu)",
-            "`0`: convolve tiles in x's layout; `1`: always NHWC; unset: NHWC for spatial "
-            "kernels on maps of at least 8x8 at stride 2 or under 48 input channels.", ("0", "1")),
-    Setting("FUSEDRES_CPU_GEMM_1X1", "bool", "1", "at every cpu-backend call (csrc/cpu)",
-            "Run stride-1 unpadded 1x1 convolutions as GEMMs (NCHW tiles: batched, one per "
-            "sample; channels_last tiles: one per tile)."),
-    Setting("FUSEDRES_CPU_GEMM_STRIDED", "bool", "1", "at every cpu-backend call (csrc/cpu)",
-            "Run a strided unpadded 1x1 convolution that shares its BatchNorm-ReLU with another "
-            "convolution (a projection shortcut beside conv1) as GEMMs on the pixels it reads, "
-            "on channels_last tiles (pixel rows) and NCHW ones (channel-major, one GEMM a "
-            "tile); 0: oneDNN's convolution (FUSEDRES_CPU_GEMM_1X1=0 turns both GEMM routes "
-            "off)."),
-    Setting("FUSEDRES_CPU_CHUNK_BYTES", "int", "262144", "at every cpu-backend call (csrc/cpu)",
-            "Bytes of activation + output rows per pixel chunk of a channels_last 1x1 unit "
-            "(the GEMM route: one convolution, or a pair's two) whose weights are no larger: "
-            "each thread computes its chunks' activation and runs their GEMMs in its own "
-            "cache; 0 or less: batch tiles (FUSEDRES_CPU_TILE_BYTES) instead."),
-    Setting("FUSEDRES_CPU_GW_T", "choice", "", "at every cpu-backend call (csrc/cpu)",
-            "The channels_last GEMM route's weight gradient accumulated as `0`: gw += go^T @ a; "
-            "`1`: gw^T += a^T @ go; unset: gw^T for widening 1x1 convolutions (fewer input "
-            "than output channels), gw otherwise.", ("0", "1")),
-    Setting("FUSEDRES_CUDA_BACKWARD", "choice", "sums", "at every cuda backward call (csrc/cuda)",
-            "The CUDA backward's plan: `sums` or `store` (as FUSEDRES_TRITON_BACKWARD).",
-            ("sums", "store")),
-    Setting("FUSEDRES_CUDA_FORWARD", "choice", "mma", "at every cuda forward call (csrc/cuda)",
-            "The CUDA forward's kernel for 16-bit channels-last inputs: `mma` (mma.sync + "
-            "ldmatrix + cp.async) or `wmma` (the older WMMA kernel, which every other input "
-            "uses).", ("mma", "wmma")),
-    Setting("FUSEDRES_CUDA_FORWARD_TILE", "choice", "", "at every cuda forward call (csrc/cuda)",
-            "The mma.sync forward's tile: `64` (64 x 64, 2 x 2 warps of 32 x 32) or `128` "
-            "(128 x 64, 4 x 1 warps of 32 x 64); unset: 128 where its tiles fill every SM at "
-            "least once, else 64.", ("64", "128")),
-    Setting("FUSEDRES_CUDA_DGRAD", "choice", "mma", "at every cuda backward call (csrc/cuda)",
-            "The CUDA data gradient's kernel for 16-bit channels-last x and grad_out with C and "
-            "Co multiples of 8 and at most 64 taps: `mma` (mma.sync + ldmatrix + cp.async) or "
-            "`wmma` (the older WMMA kernel, which every other input uses).", ("mma", "wmma")),
-    Setting("FUSEDRES_CUDA_DGRAD_TILE", "choice", "", "at every cuda backward call (csrc/cuda)",
-            "The mma.sync data gradient's tile: `64` (64 x 64, 2 x 2 warps of 32 x 32) or `128` "
-            "(128 x 64, 4 x 1 warps of 32 x 64); unset: 128 where its tiles over every stride "
-            "phase fill every SM at least once, else 64.", ("64", "128")),
-    Setting("FUSEDRES_CUDA_WGRAD", "choice", "mma", "at every cuda backward call (csrc/cuda)",
-            "The CUDA weight gradient's kernel for 16-bit channels-last x and grad_out with C "
-            "and Co multiples of 8: `mma` (mma.sync + ldmatrix + cp.async) or `wmma` (the older "
-            "WMMA kernel, which every other input uses).", ("mma", "wmma")),
-    Setting("FUSEDRES_CUDA_WGRAD_SPLIT", "int", "", "at every cuda backward call (csrc/cuda)",
-            "Force the weight gradient's split-K count; unset: sized to the SMs."),
-    Setting("FUSEDRES_HOST_STACK_KB", "int", "256",
-            "once, at the first launch of the CUDA-on-CPU layer (csrc/cuda/on_cpu)",
-            "Stack size of each emulated CUDA thread (a fibre), in KiB."),
     # ---- build (setup.py)
     Setting("FUSEDRES_BUILD_EXT", "choice", "auto", "by setup.py",
             "`auto`: build `fusedres._C` when a C++ compiler is found (a failed build warns and "

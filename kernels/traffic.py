@@ -289,8 +289,7 @@ def cuda_wgrad_tiles(u: Unit, mma: bool | None = None) -> int:
 def cuda_wgrad_split(u: Unit, sms: int = H100_SMS, mma: bool | None = None) -> int:
     """The weight gradient's split-K count for unit ``u`` on a GPU of ``sms`` SMs:
     :func:`cuda_pick_split` with the kernel's blocks (:func:`cuda_wgrad_tiles`) and the unit's
-    16-bit (or float32, float64) dy and x. FUSEDRES_CUDA_WGRAD_SPLIT is not read here: the
-    model prices the default."""
+    16-bit (or float32, float64) dy and x: the rule csrc/cuda runs."""
     _, _, bk = CUDA_TILES[u.elem]
     m = u.n * u.ho * u.ho
     return cuda_pick_split(cuda_wgrad_tiles(u, mma), u.co, u.c, u.k * u.k, m, bk, sms,

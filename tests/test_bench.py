@@ -19,7 +19,7 @@ from fusedres.apps.bench import main
 from fusedres.apps.bench import step as step_mod
 from fusedres.apps.bench import units as units_mod
 from fusedres.apps.bench.fit import search
-from fusedres.apps.bench.measure import summarize, time_interleaved, with_env
+from fusedres.apps.bench.measure import summarize, time_interleaved
 from fusedres.apps.bench.runner import QUICK_FIT, Report
 from fusedres.models import unit_shapes as S
 
@@ -191,27 +191,6 @@ def test_time_interleaved_stops_at_the_deadline_with_its_minimum():
     times = time_interleaved(steps, torch.device("cpu"), warmup=0, reps=4, clock=clock,
                              deadline=None, min_reps=3, now=clock)
     assert {k: len(v) for k, v in times.items()} == {"A": 4, "B": 4}
-
-
-def test_with_env_sets_then_restores(monkeypatch):
-    seen = []
-
-    def read():
-        seen.append(os.environ.get("FUSEDRES_TEST_AB"))
-        return "ok"
-
-    monkeypatch.setenv("FUSEDRES_TEST_AB", "before")
-    assert with_env(read, "FUSEDRES_TEST_AB", "1")() == "ok"
-    with_env(read, "FUSEDRES_TEST_AB", None)()
-    assert seen == ["1", None] and os.environ["FUSEDRES_TEST_AB"] == "before"
-    monkeypatch.delenv("FUSEDRES_TEST_AB")
-
-    def fail():
-        raise RuntimeError("inside")
-
-    with pytest.raises(RuntimeError, match="inside"):
-        with_env(fail, "FUSEDRES_TEST_AB", "1")()
-    assert "FUSEDRES_TEST_AB" not in os.environ
 
 
 def test_summarize():

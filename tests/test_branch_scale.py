@@ -166,19 +166,26 @@ def test_unit_scale_is_the_plain_op(backend):
     torch.testing.assert_close(grads, grads2, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("name,env", [
-    ("cpu", {"FUSEDRES_CPU_TILE_BYTES": "1"}),  # one sample a tile: every tile's offset
-    ("cuda", {"FUSEDRES_CUDA_BACKWARD": "store"}),
-    ("cuda", {"FUSEDRES_CUDA_WGRAD_SPLIT": "3"}),
-    ("triton", {"FUSEDRES_TRITON_BACKWARD": "store"}),
-], ids=["cpu-tiles", "cuda-store", "cuda-split", "triton-store"])
+@pytest.mark.parametrize("name,env,split", [
+    ("cpu", {"FUSEDRES_CPU_TILE_BYTES": "1"}, None),  # one sample a tile: every tile's offset
+    ("cuda", {}, 3),  # the host copy's weight gradient split in three
+    ("triton", {"FUSEDRES_TRITON_BACKWARD": "store"}, None),
+], ids=["cpu-tiles", "cuda-split", "triton-store"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_other_plans(monkeypatch, name, env, channels_last):
-    """The backends' other tilings and backward plans, against the oracle."""
+def test_other_plans(monkeypatch, request, name, env, split, channels_last):
+    """The backends' other tilings and backward plans, against the oracle. (The cuda backend's
+    store plan, which runs where the weight gradient is not asked for, with a branch scale:
+    tests/test_cuda_kernels.py.)"""
     if name not in fusedres.available_backends("cpu"):
         pytest.skip(f"{name} does not run here")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    if split is not None:
+        testing = torch.ops.fusedres_cuda_testing
+        if not hasattr(testing, "set_wgrad_split"):
+            pytest.skip("the split hook is built with the host copy")
+        old = testing.set_wgrad_split(split)
+        request.addfinalizer(lambda: testing.set_wgrad_split(old))
     for case in (CASES[0], CASES[2], CASES[3]):
         p = 0.4
         seed = mixed_seed(case.n, p)

@@ -134,16 +134,18 @@ def test_genstats_is_the_forward_and_its_statistics(dtype, channels_last):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("chunk_bytes", ["3000", "262144", "0"],
+@pytest.mark.parametrize("shape", [(5, 19, 44, 45, 24), (5, 19, 9, 10, 24), (2, 260, 3, 5, 256)],
                          ids=["many-chunks", "one-chunk", "batch-tiles"])
-def test_genstats_of_pixel_chunks(monkeypatch, dtype, residual, chunk_bytes):
+def test_genstats_of_pixel_chunks(dtype, residual, shape):
     """A channels_last 1x1 unit on the pixel-chunk route reduces y's statistics chunk by chunk
     (no pass over y afterwards): the same y as the forward, and y's mean and biased variance
     as float64 computes them over the whole of y, with a mean far from zero (1000 + noise
-    through the residual: no E[y^2] - E[y]^2 cancellation)."""
-    monkeypatch.setenv("FUSEDRES_CPU_CHUNK_BYTES", chunk_bytes)
+    through the residual: no E[y^2] - E[y]^2 cancellation). Chunks of 256 KiB of rows: 9900
+    pixels of 43 channels are several, the last one short; a weight over 256 KiB runs in batch
+    tiles instead."""
+    n, c, h, w, co = shape
     cl = torch.channels_last
-    args = _inputs(n=5, c=19, h=9, w=10, co=24, k=(1, 1), padding=(0, 0), dtype=dtype,
+    args = _inputs(n=n, c=c, h=h, w=w, co=co, k=(1, 1), padding=(0, 0), dtype=dtype,
                    x_format=cl, w_format=cl, residual=residual)
     if residual:
         args[7] = (args[7] + 1000).contiguous(memory_format=cl)
@@ -187,8 +189,7 @@ def test_tile_rule_is_exported_from_the_extension(monkeypatch):
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "0")
     assert _extension.cpu_tile_samples(7, 100_000, 0) == 7
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", "1000")
-    monkeypatch.setenv("FUSEDRES_CPU_TILE_WEIGHT_X", "2")
-    assert _extension.cpu_tile_samples(10, 1000, 2500) == _tile_rule(10, 1000, 2500, 1000, 2)
+    assert _extension.cpu_tile_samples(10, 1000, 2500) == _tile_rule(10, 1000, 2500, 1000)
 
 
 # --------------------------------------------------------------------------- batch statistics
@@ -316,18 +317,18 @@ def test_non_dense_input_and_grad():
         _assert_same(g, g_ref, torch.float32, "grad")
 
 
-@pytest.mark.parametrize("conv_nhwc", ["0", "1"], ids=["conv-in-x-layout", "conv-nhwc"])
+@pytest.mark.parametrize("c", [17, 48], ids=["c17", "c48"])
 @pytest.mark.parametrize("tile_bytes", ["1", "300000", "0"], ids=["one-sample", "some", "one"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_batch_tiling_is_invisible(monkeypatch, k, tile_bytes, channels_last, conv_nhwc):
+def test_batch_tiling_is_invisible(monkeypatch, k, tile_bytes, channels_last, c):
     """Any tile size (one sample per tile, a few, the whole batch) and either layout of the
-    convolution's tiles gives the same results; the last tile is shorter (N = 7)."""
+    convolution's tiles gives the same results; the last tile is shorter (N = 7). NCHW 3x3
+    units convolve on NHWC tiles under 48 channels (c17) and on NCHW ones from 48 (c48)."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    args = _inputs(n=7, c=17, h=15, w=16, co=24, k=(k, k), padding=(k // 2, k // 2),
+    args = _inputs(n=7, c=c, h=15, w=16, co=24, k=(k, k), padding=(k // 2, k // 2),
                    x_format=fmt)
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
-    monkeypatch.setenv("FUSEDRES_CPU_CONV_NHWC", conv_nhwc)
     _compare_with_portable(args, torch.float32)
     if k == 3:  # bfloat16 through the same paths (transposes of 2-byte tiles)
         bf = [a.bfloat16() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 and
@@ -336,31 +337,26 @@ def test_batch_tiling_is_invisible(monkeypatch, k, tile_bytes, channels_last, co
         _compare_with_portable(bf, torch.bfloat16)
 
 
-@pytest.mark.parametrize("gemm", ["1", "0"], ids=["gemm", "onednn"])
 @pytest.mark.parametrize("residual", ["nhwc", "nchw", "none"])
 @pytest.mark.parametrize("tile_bytes", ["300000", "0"], ids=["tiles", "one"])
-@pytest.mark.parametrize("co,gw_t", [(24, None), (24, "0"), (12, None), (12, "1")],
-                         ids=["widening", "widening-gw", "narrowing", "narrowing-gwT"])
-@pytest.mark.parametrize("chunk_bytes", ["0", "3000"], ids=["batch-tiles", "pixel-chunks"])
-def test_channels_last_1x1_as_one_gemm(monkeypatch, gemm, residual, tile_bytes, co, gw_t,
-                                       chunk_bytes):
-    """A channels_last 1x1 unit runs as one GEMM per batch tile, or per pixel chunk of each
-    thread (3000 bytes: chunks of 16-17 rows, the last one short), the residual added by the
-    GEMM when it is channels_last too, afterwards when not; the weight gradient accumulated as
-    gw or as gw^T (FUSEDRES_CPU_GW_T's rule or forced the other way); and gives what oneDNN's
-    convolution gives."""
+@pytest.mark.parametrize("shape", [(7, 19, 9, 10, 24), (7, 19, 9, 10, 12), (3, 19, 40, 41, 24),
+                                   (3, 19, 40, 41, 12), (2, 250, 3, 5, 270), (2, 270, 3, 5, 250)],
+                         ids=["widening", "narrowing", "widening-chunks", "narrowing-chunks",
+                              "widening-batch-tiles", "narrowing-batch-tiles"])
+def test_channels_last_1x1_as_one_gemm(monkeypatch, residual, tile_bytes, shape):
+    """A channels_last 1x1 unit runs as one GEMM per pixel chunk of each thread (256 KiB of
+    rows: 4920 pixels of 31-43 channels are several chunks, the last one short), the residual
+    added by the GEMM when it is channels_last too, afterwards when not; the weight gradient
+    accumulated as gw^T for a widening convolution, as gw for a narrowing one; a weight over
+    256 KiB as one GEMM per batch tile instead; and gives what the portable backend (oneDNN's
+    convolution) gives."""
+    n, c, h, w, co = shape
     cl = torch.channels_last
-    args = _inputs(n=7, c=19, h=9, w=10, co=co, k=(1, 1), padding=(0, 0), x_format=cl,
+    args = _inputs(n=n, c=c, h=h, w=w, co=co, k=(1, 1), padding=(0, 0), x_format=cl,
                    w_format=cl, residual=residual != "none")
     if residual == "nhwc":
         args[7] = args[7].contiguous(memory_format=cl)
-    monkeypatch.setenv("FUSEDRES_CPU_GEMM_1X1", gemm)
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
-    monkeypatch.setenv("FUSEDRES_CPU_CHUNK_BYTES", chunk_bytes)
-    if gw_t is None:
-        monkeypatch.delenv("FUSEDRES_CPU_GW_T", raising=False)
-    else:
-        monkeypatch.setenv("FUSEDRES_CPU_GW_T", gw_t)
     _compare_with_portable(args, torch.float32)
     _compare_with_portable(args, torch.float32, mask=[True, True, True, False, False])
     f64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
@@ -384,11 +380,10 @@ def test_pair_is_two_units(monkeypatch, pair, channels_last, dtype, tile_bytes):
     """bn_relu_conv2d_pair_backward (the projection shortcut and conv1 of one BN-ReLU, one
     pass over x) gives each convolution's weight and bias gradients as its own backward does,
     and the sums of the two x and BatchNorm gradients; training and eval statistics, every
-    output mask, tiles of a few samples or one (with tiles, channels_last GEMM pairs run by
-    pixel chunks of 16 rows, the last one short; else by one chunk).
+    output mask, tiles of a few samples or one (channels_last GEMM pairs run by one pixel
+    chunk; test_channels_last_1x1_as_one_gemm runs several).
     bn_relu_conv2d_pair gives both forwards."""
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
-    monkeypatch.setenv("FUSEDRES_CPU_CHUNK_BYTES", "3000" if tile_bytes != "0" else "1000000")
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     (k1, s1, p1), (k2, s2, p2) = PAIRS[pair]
     args = _inputs(n=7, c=17, h=10, w=9, co=12, k=(k1, k1), dtype=dtype, x_format=fmt,
@@ -466,12 +461,12 @@ def _aten_calls(fn) -> dict[str, int]:
 @pytest.mark.parametrize("layout", ["nhwc", "nchw"])
 def test_strided_1x1_beside_another_is_a_gemm(monkeypatch, layout, pair, dtype, tile_bytes):
     """A pair's strided 1x1 shortcut runs as GEMMs on the pixels it reads, its data gradient
-    added into the other convolution's (no oneDNN convolution for it, forward or backward;
-    FUSEDRES_CPU_GEMM_STRIDED=0: oneDNN's), and gives what oneDNN gives, every output of forward
-    and backward, in tiles of a few samples or one, on channels_last tiles (pixel rows) and
-    NCHW ones (channel-major columns: the NCHW 1x1 + 1x1 pair, and float64's 3x3 pair; float32
-    NCHW tensors beside a 3x3 run on NHWC tiles, and keep oneDNN's there). A
-    strided 1x1 unit alone keeps oneDNN's convolution (strided_beside_dense)."""
+    added into the other convolution's (no oneDNN convolution for it, forward or backward), and
+    gives what the two convolutions' own ops give (a strided 1x1 alone is oneDNN's), every
+    output of forward and backward, in tiles of a few samples or one, on channels_last tiles
+    (pixel rows) and NCHW ones (channel-major columns: the NCHW 1x1 + 1x1 pair, and float64's
+    3x3 pair; float32 NCHW tensors beside a 3x3 run on NHWC tiles, and keep oneDNN's there).
+    A strided 1x1 unit alone keeps oneDNN's convolution (strided_beside_dense)."""
     monkeypatch.setenv("FUSEDRES_CPU_TILE_BYTES", tile_bytes)
     cl = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     (k1, s1, p1), (k2, s2, p2) = PAIRS[pair]
@@ -483,36 +478,46 @@ def test_strided_1x1_beside_another_is_a_gemm(monkeypatch, layout, pair, dtype, 
     geo1, geo2 = ([s1, s1], [p1, p1], [1, 1]), ([s2, s2], [p2, p2], [1, 1])
     g1 = torch.randn(opdefs.out_shape(x, w1, *geo1)).to(dtype).contiguous(memory_format=cl)
     g2 = torch.randn(opdefs.out_shape(x, w2, *geo2)).to(dtype).contiguous(memory_format=cl)
-    out, convs = {}, {}
-    for strided in ("1", "0"):
-        monkeypatch.setenv("FUSEDRES_CPU_GEMM_STRIDED", strided)
+    out = {}
 
-        def run(strided=strided):
-            fwd = OPS.bn_relu_conv2d_pair(x, w1, b1, w2, None, gamma, beta, mean, invstd,
-                                          *geo1, *geo2, True)
-            bwd = OPS.bn_relu_conv2d_pair_backward(g1, g2, x, w1, w2, gamma, beta, mean,
-                                                   invstd, *geo1, *geo2, True, [True] * 5)
-            out[strided] = (*fwd, *bwd)
+    def run():
+        fwd = OPS.bn_relu_conv2d_pair(x, w1, b1, w2, None, gamma, beta, mean, invstd, *geo1,
+                                      *geo2, True)
+        bwd = OPS.bn_relu_conv2d_pair_backward(g1, g2, x, w1, w2, gamma, beta, mean, invstd,
+                                               *geo1, *geo2, True, [True] * 5)
+        out["pair"] = (*fwd, *bwd)
 
-        calls = _aten_calls(run)
-        convs[strided] = [calls.get(f"aten::{op}", 0) for op in ("convolution",
-                                                                  "convolution_backward")]
+    calls = _aten_calls(run)
+    convs = [calls.get(f"aten::{op}", 0) for op in ("convolution", "convolution_backward")]
     # Per tile, one convolution forward and one backward by oneDNN for each convolution that
     # is not a GEMM: none for 1x1 + 1x1 with the strided route, the 3x3's alone beside it;
-    # float32 NCHW tensors beside a 3x3 (NHWC tiles) keep oneDNN's.
+    # float32 NCHW tensors beside a 3x3 (NHWC tiles) keep oneDNN's for both.
     route = not (layout == "nchw" and k2 == 3 and dtype == torch.float32)
-    for fwd_or_bwd in (0, 1):
-        with_gemm, without = convs["1"][fwd_or_bwd], convs["0"][fwd_or_bwd]
-        want = without if not route else 0 if k2 == 1 else without // 2
-        assert without > 0 and with_gemm == want, convs
+    for count in convs:
+        if route and k2 == 1:
+            assert count == 0, convs
+        elif tile_bytes == "0":  # one tile
+            assert count == (1 if route else 2), convs
+        else:
+            assert count > 0, convs
+    y1 = OPS.bn_relu_conv2d(x, w1, b1, gamma, beta, mean, invstd, None, *geo1, True)
+    y2, mean2, var2 = OPS.bn_relu_conv2d_genstats(x, w2, None, gamma, beta, mean, invstd, None,
+                                                  *geo2, True)
+    one = OPS.bn_relu_conv2d_backward(g1, x, w1, gamma, beta, mean, invstd, *geo1, True,
+                                      [True] * 5)
+    two = OPS.bn_relu_conv2d_backward(g2, x, w2, gamma, beta, mean, invstd, *geo2, True,
+                                      [True] * 5)
+    want = (y1, y2, mean2, var2, one[0] + two[0], one[1], one[2], two[1], two[2],
+            one[3] + two[3], one[4] + two[4])
     names = ["y1", "y2", "mean2", "var2", "gx", "gw1", "gb1", "gw2", "gb2", "gg", "gbeta"]
-    for name, got, want in zip(names, out["1"], out["0"]):
-        assert got.shape == want.shape and got.stride() == want.stride(), name
-        scale = max(1.0, want.abs().max().item())
-        torch.testing.assert_close(got, want, atol=_tol(dtype) * scale, rtol=_tol(dtype),
-                                   msg=name)
-    # Alone, the strided 1x1 is oneDNN's convolution whatever the setting.
-    monkeypatch.setenv("FUSEDRES_CPU_GEMM_STRIDED", "1")
+    for name, got, w in zip(names, out["pair"], want):
+        assert got.shape == w.shape, name
+        if name in ("y1", "y2", "gx"):
+            assert got.stride() == w.stride(), name
+        scale = max(1.0, w.abs().max().item()) if w.numel() else 1.0
+        torch.testing.assert_close(got, w.to(got.dtype), atol=2 * _tol(dtype) * scale,
+                                   rtol=2 * _tol(dtype), msg=name)
+    # Alone, the strided 1x1 is oneDNN's convolution.
     calls = _aten_calls(lambda: OPS.bn_relu_conv2d_backward(
         g1, x, w1, gamma, beta, mean, invstd, *geo1, True, [True] * 5))
     assert calls.get("aten::convolution_backward", 0) >= 1, calls

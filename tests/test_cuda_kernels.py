@@ -9,6 +9,7 @@ genstats epilogue, and the int64 index helpers."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -27,6 +28,30 @@ pytestmark = pytest.mark.skipif(
 
 OPS = torch.ops.fusedres_cuda
 HALF = (torch.float16, torch.bfloat16)
+# The host copy's knobs (csrc/cuda/common.cuh): the SM count its tile and split rules size for,
+# and a forced split of the weight gradient's reduction; not in the nvcc copy.
+HAS_HOST_KNOBS = DEVICE.type == "cpu" and hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
+    torch.ops.fusedres_cuda_testing, "set_sm_count")
+
+
+@contextlib.contextmanager
+def host_knobs(sms: int | None = None, split: int | None = None):
+    """The host copy run as on a GPU of ``sms`` SMs (1: every mma.sync tile the 128-row one;
+    10**6: the 64-row one) and with the weight gradient's reduction split ``split`` ways
+    (clamped to its K-steps; 0: the rule), restored afterwards."""
+    testing = torch.ops.fusedres_cuda_testing
+    old_sms = testing.set_sm_count(sms) if sms is not None else None
+    old_split = testing.set_wgrad_split(split) if split is not None else None
+    try:
+        yield
+    finally:
+        if old_sms is not None:
+            testing.set_sm_count(old_sms)
+        if old_split is not None:
+            testing.set_wgrad_split(old_split)
+
+
+TILE_SMS = {"64": 10**6, "128": 1}  # the SM counts that make either mma.sync tile the rule's
 # Relative error bounds (max |err| / max |ref|) against float64 for the full-precision dtypes,
 # from measured errors (float32 ~3e-7 with no TF32, float64 ~1e-15).
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -156,17 +181,16 @@ MMA_CASES = [
 
 @pytest.mark.parametrize("case", MMA_CASES, ids=["c16", "c40-co70", "c8-dil"])
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
-def test_forward_mma_path(monkeypatch, dtype, case):
+def test_forward_mma_path(dtype, case):
     """The mma.sync path (the default for these inputs) within twice PyTorch's own error, its
-    genstats statistics those of its y, and the WMMA path (FUSEDRES_CUDA_FORWARD=wmma) on the
-    same inputs within the same bound. About 1 s on CPU for the six."""
+    genstats statistics those of its y, and the WMMA path (which an NCHW x takes) on the same
+    values within the same bound. About 1 s on CPU for the six."""
     args = list(make(case, dtype, channels_last=True))
     n = args[0].shape[0]
     bscale = torch.tensor([1.25, 0.0][:n], dtype=torch.float32, device=DEVICE)
     y, mean, var = OPS.bn_relu_conv2d_genstats(*args, branch_scale=bscale)
-    monkeypatch.setenv("FUSEDRES_CUDA_FORWARD", "wmma")
-    y_wmma = OPS.bn_relu_conv2d_genstats(*args, branch_scale=bscale)[0]
-    monkeypatch.delenv("FUSEDRES_CUDA_FORWARD")
+    y_wmma = OPS.bn_relu_conv2d_genstats(args[0].contiguous(), *args[1:],
+                                         branch_scale=bscale)[0]
     exact = ref_forward(*as64(args), bscale.double())
     own = ref_forward(*args, bscale)
     res = args[7]
@@ -179,13 +203,11 @@ def test_forward_mma_path(monkeypatch, dtype, case):
     assert rel_err(mean, mean64) <= 1e-5 and rel_err(var, var64) <= 1e-5
 
 
-# The mma.sync forward's two tiles (FUSEDRES_CUDA_FORWARD_TILE forces one): 64 x 64 (2 x 2
+# The mma.sync forward's two tiles (the host copy's SM count picks one): 64 x 64 (2 x 2
 # warps) and 128 x 64 (4 x 1 warps, each warp's A rows its own). Shapes: M = 2 * 12 * 11 = 264
 # rows (three 128-row tiles, the last partial; five 64-row ones), C = 40 (a partial second K
 # chunk per tap), Co = 70 (two column tiles, the packed weight padded to 72); 3 x 3 with
 # padding at stride 1 and 2, 1 x 1 at stride 2, a dilated 2 x 3 kernel.
-HAS_TILE_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
-    torch.ops.fusedres_cuda_testing, "forward_mma_rows")
 TILE_CASES = [
     (2, 40, 12, 11, 70, (3, 3), (1, 1), (1, 1), (1, 1), True, True),
     (3, 16, 15, 13, 24, (3, 3), (2, 2), (1, 1), (1, 1), False, True),
@@ -194,10 +216,10 @@ TILE_CASES = [
 ]
 
 
-@pytest.mark.skipif(not HAS_TILE_HOOK, reason="the tile-choice hook is built with the host copy")
+@pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the tile hooks are built with the host copy")
 @pytest.mark.parametrize("case", TILE_CASES, ids=["c40-co70", "s2", "1x1-s2", "dil"])
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
-def test_forward_mma_tiles(monkeypatch, dtype, case):
+def test_forward_mma_tiles(dtype, case):
     """Both mma.sync forward tiles (the hook says which runs) within twice PyTorch's own error
     against float64, genstats from the y each stores, and equal to each other bit for bit: every
     output element runs the same m16n8k16 steps in the same order in either tile."""
@@ -210,9 +232,9 @@ def test_forward_mma_tiles(monkeypatch, dtype, case):
     m_rows = exact.shape[0] * exact.shape[2] * exact.shape[3]
     out = {}
     for tile in ("64", "128"):
-        monkeypatch.setenv("FUSEDRES_CUDA_FORWARD_TILE", tile)
-        assert torch.ops.fusedres_cuda_testing.forward_mma_rows(m_rows, case[4]) == int(tile)
-        y, mean, var = OPS.bn_relu_conv2d_genstats(*args, branch_scale=bscale)
+        with host_knobs(sms=TILE_SMS[tile]):
+            assert torch.ops.fusedres_cuda_testing.forward_mma_rows(m_rows, case[4]) == int(tile)
+            y, mean, var = OPS.bn_relu_conv2d_genstats(*args, branch_scale=bscale)
         assert abs_err(y, exact) <= 2 * abs_err(own, exact) + floor, tile
         var64, mean64 = torch.var_mean(y.double(), dim=(0, 2, 3), correction=0)
         assert rel_err(mean, mean64) <= 1e-5 and rel_err(var, var64) <= 1e-5, tile
@@ -220,21 +242,19 @@ def test_forward_mma_tiles(monkeypatch, dtype, case):
     assert torch.equal(out["64"], out["128"])
 
 
-@pytest.mark.skipif(not HAS_TILE_HOOK, reason="the tile-choice hook is built with the host copy")
-def test_forward_mma_tile_choice(monkeypatch):
+@pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the tile hooks are built with the host copy")
+def test_forward_mma_tile_choice():
     """forward_mma_rows: the 128-row tile where its tiles fill every SM once (the host copy
-    counts 132 SMs), else the 64-row one; FUSEDRES_CUDA_FORWARD_TILE overrides, and any other
-    value is an error naming the variable."""
+    counts 132 SMs unless a test sets another count), else the 64-row one."""
     rows = torch.ops.fusedres_cuda_testing.forward_mma_rows
-    monkeypatch.delenv("FUSEDRES_CUDA_FORWARD_TILE", raising=False)
     assert rows(128 * 132, 64) == 128 and rows(128 * 132 - 128, 64) == 64
     assert rows(128 * 66, 65) == 128 and rows(128 * 66, 64) == 64
     assert rows(100, 8) == 64
-    monkeypatch.setenv("FUSEDRES_CUDA_FORWARD_TILE", "128")
-    assert rows(100, 8) == 128
-    monkeypatch.setenv("FUSEDRES_CUDA_FORWARD_TILE", "256")
-    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_FORWARD_TILE must be '64' or '128'"):
-        rows(100, 8)
+    with host_knobs(sms=1):
+        assert rows(100, 8) == 128
+    assert rows(100, 8) == 64
+    with pytest.raises(RuntimeError, match="set_sm_count: expected a positive count"):
+        torch.ops.fusedres_cuda_testing.set_sm_count(0)
 
 
 def test_forward_mma_weight_view_off_16_bytes():
@@ -253,25 +273,16 @@ def test_forward_mma_weight_view_off_16_bytes():
     assert torch.equal(y, OPS.bn_relu_conv2d(*args))
 
 
-def test_forward_path_switch_is_checked(monkeypatch):
-    monkeypatch.setenv("FUSEDRES_CUDA_FORWARD", "fast")
-    args = make(MMA_CASES[0], torch.float16, channels_last=True)
-    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_FORWARD must be 'mma' or 'wmma'"):
-        OPS.bn_relu_conv2d(*args)
-
-
 # --------------------------------------------------------------------------- backward
 
 MASKS = list(itertools.product([False, True], repeat=5))
 
 
-@pytest.mark.parametrize("strategy", ["sums", "store"])
 @pytest.mark.parametrize("batch_stats", [True, False], ids=["train", "eval"])
-def test_backward_every_output_mask(monkeypatch, batch_stats, strategy):
-    """All 32 output_mask combinations, with either backward strategy (FUSEDRES_CUDA_BACKWARD):
-    the metadata of opdefs.backward_outputs, and every requested gradient equal to the
-    float64 reference."""
-    monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
+def test_backward_every_output_mask(batch_stats):
+    """All 32 output_mask combinations (both backward strategies: "sums" where the weight
+    gradient runs and the BatchNorm sums are wanted, "store" otherwise): the metadata of
+    opdefs.backward_outputs, and every requested gradient equal to the float64 reference."""
     args = make(CASES[1], torch.float64, channels_last=False)
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
     gy = torch.randn_like(ref_forward(*args))
@@ -306,38 +317,42 @@ def test_backward_full_precision(case, dtype, channels_last):
         assert got[0].stride() == x.stride() and got[1].stride() == weight.stride()
 
 
-@pytest.mark.parametrize("strategy", ["sums", "store"])
+@pytest.mark.parametrize("mask", [[True] * 5, [True, False, False, True, True]],
+                         ids=["sums", "store"])
 @pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=["c0", "c4"])
 @pytest.mark.parametrize("pair", HALF_PAIRS, ids=HALF_IDS)
-def test_backward_half_within_twice_torch_error(monkeypatch, pair, case, strategy):
-    monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
+def test_backward_half_within_twice_torch_error(pair, case, mask):
+    """Either strategy (the mask without the weight gradient runs "store")."""
     xdt, wdt = pair
     args = make(case, xdt, wdt, channels_last=True)
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
     gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, wdt)
-    bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, True, [True] * 5)
+    bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, True, mask)
     got = OPS.bn_relu_conv2d_backward(*bargs)
     own = ref_backward(*bargs)
-    exact = ref_backward(*as64(bargs[:7]), s, p, d, True, [True] * 5)
+    exact = ref_backward(*as64(bargs[:7]), s, p, d, True, mask)
     for i, (g, o, e) in enumerate(zip(got, own, exact)):
+        if not mask[i]:
+            continue
         assert g.dtype == o.dtype
         floor = 1e-3 * e.abs().max().item()
         assert abs_err(g, e) <= 2 * abs_err(o, e) + floor, i
 
 
-@pytest.mark.parametrize("split", ["1", "3", "1000"])
+@pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the split hook is built with the host copy")
+@pytest.mark.parametrize("split", [1, 3, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_weight_gradient_split_k(monkeypatch, split, dtype):
+def test_weight_gradient_split_k(split, dtype):
     """The weight-gradient reduction split over blockIdx.z (partials summed after) gives the
     same gradients for any split count (more than the K-steps is clamped)."""
-    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", split)
     case = (2, 6, 12, 10, 9, (3, 3), (1, 1), (1, 1), (1, 1), True, False)
     args = make(case, dtype, channels_last=False)
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
     gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
     mask = [False, True, True, False, False]
-    got = OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d, True,
-                                      mask)
+    with host_knobs(split=split):
+        got = OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d,
+                                          True, mask)
     exact = ref_backward(*as64((gy, x, weight, gamma, beta, mean, invstd)), s, p, d, True,
                          mask)
     tol = TOL[dtype] if dtype in TOL else 1e-2
@@ -349,17 +364,16 @@ HAS_SPLIT_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
 
 
 @pytest.mark.skipif(not HAS_SPLIT_HOOK, reason="the split hook is built with the host copy")
-def test_weight_gradient_split_rule(monkeypatch):
+def test_weight_gradient_split_rule():
     """pick_split (csrc/cuda, through the host copy's hook) and kernels/traffic.cuda_pick_split
     (the performance model's copy) choose the same split for every tile size the kernels use,
     over a grid of shapes on an A100's 108 and an H100's 132 SMs. The split keeps the partials
     within half the operands' bytes, fills the SMs within two resident blocks an SM where that
-    cap allows, never leaves an empty split, and leaves a reduction of 4 K-steps whole;
-    FUSEDRES_CUDA_WGRAD_SPLIT overrides it (clamped to the K-steps)."""
+    cap allows, never leaves an empty split, and leaves a reduction of 4 K-steps whole; the
+    host copy's forced split overrides it (clamped to the K-steps)."""
     from fusedres.kernels import traffic
 
     split = torch.ops.fusedres_cuda_testing.wgrad_split
-    monkeypatch.delenv("FUSEDRES_CUDA_WGRAD_SPLIT", raising=False)
     seen = set()
     for (bm, bn, bk), elem, acc in (((64, 64, 32), 2, 4), ((64, 64, 16), 4, 4),
                                     ((32, 32, 16), 8, 8)):
@@ -385,10 +399,13 @@ def test_weight_gradient_split_rule(monkeypatch):
     assert 132 < 9 * got <= 2 * 132
     assert split(144, 256, 256, 9, 50176, 32, 132, 50176 * 512 * 2, 4) > 1
     assert split(3, 16, 16, 9, 128, 32, 132, 128 * 32 * 2, 4) == 1
-    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", "7")
-    assert split(9, 64, 64, 9, 8192, 32, 132, 8192 * 128 * 2, 4) == 7
-    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", "100000")
-    assert split(9, 64, 64, 9, 8192, 32, 132, 8192 * 128 * 2, 4) == 256
+    if HAS_HOST_KNOBS:
+        with host_knobs(split=7):
+            assert split(9, 64, 64, 9, 8192, 32, 132, 8192 * 128 * 2, 4) == 7
+        with host_knobs(split=100000):
+            assert split(9, 64, 64, 9, 8192, 32, 132, 8192 * 128 * 2, 4) == 256
+        with pytest.raises(RuntimeError, match="set_wgrad_split: expected 0 or more"):
+            torch.ops.fusedres_cuda_testing.set_wgrad_split(-1)
 
 
 # (case, grad_out channels-last): inputs the mma.sync weight gradient takes (16-bit, x and
@@ -412,40 +429,41 @@ def _dgrad_kernel_for(gy, x, weight):
     return torch.ops.fusedres_cuda_testing.dgrad_kernel_for(gy, x, weight)
 
 
-@pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")
-@pytest.mark.parametrize("split", ["1", "3"])
+@pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the hooks are built with the host copy")
+@pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("case", WGRAD_MMA_CASES, ids=["c16", "c40-co72-s2", "c8-1x1", "c72-dil"])
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
-def test_backward_mma_path(monkeypatch, dtype, case, split):
+def test_backward_mma_path(dtype, case, split):
     """The mma.sync weight and data gradients (the default for these inputs: the hooks say
-    which kernels run) in both strategies and both BatchNorm modes, with a branch scale (one
-    sample dropped) and without, split-K on and off: every gradient within twice PyTorch's own
-    error against float64, and equal to the WMMA kernels' (FUSEDRES_CUDA_WGRAD=wmma,
-    FUSEDRES_CUDA_DGRAD=wmma) up to float32 summation order (and the roundings that follow)."""
-    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD_SPLIT", split)
+    which kernels run) in both strategies (store: no weight gradient asked for) and both
+    BatchNorm modes, with a branch scale (one sample dropped) and without, split-K on and off:
+    every gradient within twice PyTorch's own error against float64, and equal to the WMMA
+    kernels' (which an NCHW grad_out takes) up to float32 summation order (and the roundings
+    that follow)."""
     args = make(case, dtype, channels_last=True)
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
     gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
     gy = gy.contiguous(memory_format=torch.channels_last)
+    gy_nchw = gy.contiguous()
     assert _wgrad_kernel_for(gy, x, weight) == "mma"
     assert _dgrad_kernel_for(gy, x, weight) == "mma"
+    assert _wgrad_kernel_for(gy_nchw, x, weight) == _dgrad_kernel_for(gy_nchw, x, weight) == "wmma"
     n = x.shape[0]
+    store = [True, False, False, True, True]
     for bscale in (None, torch.tensor([1.25, 0.0][:n], dtype=torch.float32, device=DEVICE)):
-        for strategy, batch_stats in (("sums", True), ("sums", False), ("store", True)):
-            monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
-            bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, batch_stats, [True] * 5)
-            got = OPS.bn_relu_conv2d_backward(*bargs, branch_scale=bscale)
-            monkeypatch.setenv("FUSEDRES_CUDA_WGRAD", "wmma")
-            monkeypatch.setenv("FUSEDRES_CUDA_DGRAD", "wmma")
-            assert _wgrad_kernel_for(gy, x, weight) == _dgrad_kernel_for(gy, x, weight) == "wmma"
-            wmma = OPS.bn_relu_conv2d_backward(*bargs, branch_scale=bscale)
-            monkeypatch.delenv("FUSEDRES_CUDA_WGRAD")
-            monkeypatch.delenv("FUSEDRES_CUDA_DGRAD")
+        for strategy, batch_stats, mask in (("sums", True, [True] * 5),
+                                            ("sums", False, [True] * 5), ("store", True, store)):
+            bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, batch_stats, mask)
+            with host_knobs(split=split):
+                got = OPS.bn_relu_conv2d_backward(*bargs, branch_scale=bscale)
+                wmma = OPS.bn_relu_conv2d_backward(gy_nchw, *bargs[1:], branch_scale=bscale)
             own = ref_backward(*bargs, bscale)
-            exact = ref_backward(*as64(bargs[:7]), s, p, d, batch_stats, [True] * 5,
+            exact = ref_backward(*as64(bargs[:7]), s, p, d, batch_stats, mask,
                                  None if bscale is None else bscale.double())
             what = (strategy, batch_stats, bscale is not None)
             for i, (g, w, o, e) in enumerate(zip(got, wmma, own, exact)):
+                if not mask[i]:
+                    continue
                 assert g.dtype == o.dtype and g.stride() == w.stride(), (what, i)
                 floor = 1e-3 * e.abs().max().item()
                 assert abs_err(g, e) <= 2 * abs_err(o, e) + floor, (what, i)
@@ -453,7 +471,7 @@ def test_backward_mma_path(monkeypatch, dtype, case, split):
                 assert rel_err(g, w) <= (1e-2 if i < 2 else 1e-5), (what, i)
 
 
-# The mma.sync data gradient's two tiles (FUSEDRES_CUDA_DGRAD_TILE forces one): 64 x 64 (2 x 2
+# The mma.sync data gradient's two tiles (the host copy's SM count picks one): 64 x 64 (2 x 2
 # warps) and 128 x 64 (4 x 1 warps, its epilogue in two 64-row passes, each its own partials'
 # row). Largest stride phase: 2 * 11 * 12 = 264 rows (stride 1; three 128-row tiles, the last
 # partial), 3 * 8 * 7 = 168 (stride 2, 3 x 3: phases fed by 4, 2 and 1 taps), 2 * 11 * 9 = 198
@@ -467,16 +485,16 @@ DGRAD_TILE_CASES = [
 ]
 
 
-@pytest.mark.skipif(not HAS_TILE_HOOK, reason="the tile-choice hook is built with the host copy")
+@pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the tile hooks are built with the host copy")
 @pytest.mark.parametrize("case", DGRAD_TILE_CASES, ids=["c72-co40", "s2", "1x1-s2", "dil"])
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
-def test_backward_mma_dgrad_tiles(monkeypatch, dtype, case):
+def test_backward_mma_dgrad_tiles(dtype, case):
     """Both mma.sync data-gradient tiles (the hook says which runs), in both strategies (sums:
-    grad_x from the weight gradient's sums; store: dz and the sums from the data gradient's
-    partials), with a branch scale: every gradient within twice PyTorch's own error against
-    float64, and grad_x of the two tiles equal bit for bit in the sums strategy (the same
-    m16n8k16 steps in the same order per element), to float32 summation order in the store
-    strategy (the partials' rows differ)."""
+    grad_x from the weight gradient's sums; store, no weight gradient asked for: dz and the
+    sums from the data gradient's partials), with a branch scale: every gradient within twice
+    PyTorch's own error against float64, and grad_x of the two tiles equal bit for bit in the
+    sums strategy (the same m16n8k16 steps in the same order per element), to float32
+    summation order in the store strategy (the partials' rows differ)."""
     args = make(case, dtype, channels_last=True)
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
     gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
@@ -486,51 +504,48 @@ def test_backward_mma_dgrad_tiles(monkeypatch, dtype, case):
     phases = min(s[0], x.shape[2]) * min(s[1], x.shape[3])
     rows = n * -(-x.shape[2] // s[0]) * -(-x.shape[3] // s[1])
     bscale = torch.tensor([1.25, 0.0, 0.5][:n], dtype=torch.float32, device=DEVICE)
-    for strategy in ("sums", "store"):
-        monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", strategy)
-        bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, True, [True] * 5)
+    for strategy, mask in (("sums", [True] * 5), ("store", [True, False, False, True, True])):
+        bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, True, mask)
         own = ref_backward(*bargs, bscale)
-        exact = ref_backward(*as64(bargs[:7]), s, p, d, True, [True] * 5, bscale.double())
+        exact = ref_backward(*as64(bargs[:7]), s, p, d, True, mask, bscale.double())
         got = {}
         for tile in ("64", "128"):
-            monkeypatch.setenv("FUSEDRES_CUDA_DGRAD_TILE", tile)
-            assert torch.ops.fusedres_cuda_testing.dgrad_mma_rows(rows, case[1], phases) == int(
-                tile)
-            got[tile] = OPS.bn_relu_conv2d_backward(*bargs, branch_scale=bscale)
+            with host_knobs(sms=TILE_SMS[tile]):
+                assert torch.ops.fusedres_cuda_testing.dgrad_mma_rows(
+                    rows, case[1], phases) == int(tile)
+                got[tile] = OPS.bn_relu_conv2d_backward(*bargs, branch_scale=bscale)
             for i, (g, o, e) in enumerate(zip(got[tile], own, exact)):
+                if not mask[i]:
+                    continue
                 floor = 1e-3 * e.abs().max().item()
                 assert abs_err(g, e) <= 2 * abs_err(o, e) + floor, (strategy, tile, i)
         if strategy == "sums":
             assert torch.equal(got["64"][0], got["128"][0])
         else:
             for i, (a, b) in enumerate(zip(got["64"], got["128"])):
-                assert rel_err(a, b) <= (1e-2 if i < 2 else 1e-5), i
+                if mask[i]:
+                    assert rel_err(a, b) <= (1e-2 if i < 2 else 1e-5), i
 
 
-@pytest.mark.skipif(not HAS_TILE_HOOK, reason="the tile-choice hook is built with the host copy")
-def test_backward_mma_dgrad_tile_choice(monkeypatch):
+@pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the tile hooks are built with the host copy")
+def test_backward_mma_dgrad_tile_choice():
     """dgrad_mma_rows: the 128-row tile where its tiles (over every stride phase) fill the 132
-    SMs the host copy counts once, else the 64-row one; FUSEDRES_CUDA_DGRAD_TILE overrides, and
-    any other value is an error naming the variable."""
+    SMs the host copy counts (unless a test sets another count) once, else the 64-row one."""
     rows = torch.ops.fusedres_cuda_testing.dgrad_mma_rows
-    monkeypatch.delenv("FUSEDRES_CUDA_DGRAD_TILE", raising=False)
     assert rows(128 * 132, 64, 1) == 128 and rows(128 * 131, 64, 1) == 64
     assert rows(128 * 33, 64, 4) == 128 and rows(128 * 32, 64, 4) == 64
     assert rows(128 * 16, 128, 4) == 64 and rows(128 * 17, 128, 4) == 128
-    monkeypatch.setenv("FUSEDRES_CUDA_DGRAD_TILE", "128")
-    assert rows(100, 8, 1) == 128
-    monkeypatch.setenv("FUSEDRES_CUDA_DGRAD_TILE", "96")
-    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_DGRAD_TILE must be '64' or '128'"):
-        rows(100, 8, 1)
+    with host_knobs(sms=1):
+        assert rows(100, 8, 1) == 128
+    assert rows(100, 8, 1) == 64
 
 
 @pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")
-def test_backward_kernel_choice(monkeypatch):
+def test_backward_kernel_choice():
     """Which inputs the mma.sync weight and data gradients take (wgrad_uses_mma,
     dgrad_uses_mma): 16-bit x, grad_out and weight of one dtype, x and grad_out channels-last,
     C and Co multiples of 8, 16-byte aligned data (the data gradient: at most 64 taps too);
-    every other input the WMMA kernels, whose results they must then give. A bad
-    FUSEDRES_CUDA_WGRAD / FUSEDRES_CUDA_DGRAD is an error naming the variable."""
+    every other input the WMMA kernels, whose results they must then give."""
     case = (2, 16, 5, 6, 16, (3, 3), (1, 1), (1, 1), (1, 1), False, False)
     x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = make(case, torch.float16,
                                                                   channels_last=True)
@@ -570,27 +585,6 @@ def test_backward_kernel_choice(monkeypatch):
     want = OPS.bn_relu_conv2d_backward(cl, x, weight, gamma, beta, mean, invstd, s, p, d, True,
                                        mask)
     assert rel_err(got[1], want[1]) <= 1e-2 and rel_err(got[2], want[2]) <= 1e-5
-    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD", "wmma")
-    assert _wgrad_kernel_for(cl, x, weight) == "wmma"
-    monkeypatch.setenv("FUSEDRES_CUDA_WGRAD", "fast")
-    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_WGRAD must be 'mma' or 'wmma'"):
-        OPS.bn_relu_conv2d_backward(cl, x, weight, gamma, beta, mean, invstd, s, p, d, True,
-                                    mask)
-    monkeypatch.delenv("FUSEDRES_CUDA_WGRAD")
-    monkeypatch.setenv("FUSEDRES_CUDA_DGRAD", "fast")
-    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_DGRAD must be 'mma' or 'wmma'"):
-        OPS.bn_relu_conv2d_backward(cl, x, weight, gamma, beta, mean, invstd, s, p, d, True,
-                                    [True, False, False, False, False])
-
-
-def test_bad_strategy_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv("FUSEDRES_CUDA_BACKWARD", "fast")
-    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = make(CASES[0], torch.float64)
-    gy = torch.randn_like(ref_forward(x, weight, None, gamma, beta, mean, invstd, None, s, p, d,
-                                      True))
-    with pytest.raises(RuntimeError, match="FUSEDRES_CUDA_BACKWARD: expected sums or store"):
-        OPS.bn_relu_conv2d_backward(gy, x, weight, gamma, beta, mean, invstd, s, p, d, True,
-                                    [True] * 5)
 
 
 def test_unsupported_dtype_pair_is_a_clear_error():

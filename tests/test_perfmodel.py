@@ -297,7 +297,7 @@ def test_cuda_unit_range_from_rows():
 def test_cuda_unit_prices_the_forward_that_runs():
     """16-bit channels-last x with C % 8 == 0 (every benchmark unit) runs the mma.sync forward
     (csrc/cuda use_mma_forward): its row prices "fwd", plus the weight-packing copy; the WMMA
-    row stays available with forward="wmma" (FUSEDRES_CUDA_FORWARD), and for NCHW x or C not a
+    row stays available with forward="wmma" (the WMMA kernel priced), and for NCHW x or C not a
     multiple of 8, which the mma.sync kernel does not take. (The backward fixed to the WMMA
     kernels here: test_cuda_unit_prices_the_weight_gradient_that_runs and
     test_cuda_unit_prices_the_data_gradient_that_runs.)"""
@@ -355,7 +355,7 @@ def test_cuda_unit_prices_the_forward_that_runs():
     # Co not a multiple of 8: the packed weight's zero columns cost a second copy.
     odd = unit_model(dataclasses.replace(u, co=u.co + 4), "fp16", H100, rows)
     assert [k[0] for k in odd.kernels].count("weight pad") == 1
-    with pytest.raises(ValueError, match="FUSEDRES_CUDA_FORWARD"):
+    with pytest.raises(ValueError, match="forward: 'mma' or 'wmma'"):
         unit_model(u, "fp16", H100, rows, forward="tf32")
 
 
@@ -363,7 +363,7 @@ def test_cuda_unit_prices_the_weight_gradient_that_runs():
     """16-bit channels-last x and grad_out with C and Co multiples of 8 (every benchmark unit)
     run the mma.sync weight gradient (csrc/cuda wgrad_uses_mma): its row prices "wgrad+sums",
     its K chunks of 16 pixels twice as many as the WMMA kernel's 32; wgrad="wmma"
-    (FUSEDRES_CUDA_WGRAD), NCHW, C or Co not a multiple of 8 the WMMA row. The other launches
+    , NCHW, C or Co not a multiple of 8 the WMMA row. The other launches
     are the same either way."""
     import dataclasses
 
@@ -421,14 +421,14 @@ def test_cuda_unit_prices_the_weight_gradient_that_runs():
         assert m.kernels[1][1] < m.kernels[1][2]
     assert cuda_sass.wgrad_kernel(u, channels_last=False) == "wgrad_kernel"
     assert cuda_sass.wgrad_kernel(u, "wmma") == "wgrad_kernel"
-    with pytest.raises(ValueError, match="FUSEDRES_CUDA_WGRAD"):
+    with pytest.raises(ValueError, match="wgrad: 'mma' or 'wmma'"):
         cuda_sass.model_cuda_unit(u, "fp16", H100, rows, wgrad="tf32")
 
 
 def test_cuda_unit_prices_the_data_gradient_that_runs():
     """The same units run the mma.sync data gradient (csrc/cuda dgrad_uses_mma: the weight
     gradient's operand rule and at most 64 taps): its row prices "dgrad+dx", plus the copy
-    packing the weight to (kh*kw*Co, C); dgrad="wmma" (FUSEDRES_CUDA_DGRAD), NCHW, C or Co not
+    packing the weight to (kh*kw*Co, C); dgrad="wmma" , NCHW, C or Co not
     a multiple of 8, more than 64 taps the WMMA row and no copy."""
     import dataclasses
 
@@ -472,19 +472,17 @@ def test_cuda_unit_prices_the_data_gradient_that_runs():
         assert cuda_sass.dgrad_kernel(other) == "dgrad_kernel"
     assert cuda_sass.dgrad_kernel(u, channels_last=False) == "dgrad_kernel"
     assert cuda_sass.dgrad_kernel(u, "wmma") == "dgrad_kernel"
-    with pytest.raises(ValueError, match="FUSEDRES_CUDA_DGRAD"):
+    with pytest.raises(ValueError, match="dgrad: 'mma' or 'wmma'"):
         cuda_sass.model_cuda_unit(u, "fp16", H100, rows, dgrad="tf32")
 
 
 def test_backward_kernel_rules_match_the_dispatch():
     """cuda_sass.wgrad_kernel and dgrad_kernel follow wgrad_uses_mma and dgrad_uses_mma
-    (csrc/cuda/bn_relu_conv2d_{wgrad,dgrad}.cuh): the settings' two values, x and grad_out
-    channels contiguous, C and Co multiples of 8 (wgrad_mma_operands), the data gradient's tap
-    limit."""
+    (csrc/cuda/bn_relu_conv2d_{wgrad,dgrad}.cuh): x and grad_out channels contiguous, C and Co
+    multiples of 8 (wgrad_mma_operands), the data gradient's tap limit."""
     import os
     import re
 
-    from fusedres import settings
     from tools import cuda_aot
 
     cuda_dir = os.path.join(cuda_aot.ROOT, "csrc", "cuda")
@@ -499,30 +497,24 @@ def test_backward_kernel_rules_match_the_dispatch():
     assert "fits(x) && fits(go)" in operands
     for name in ("wgrad", "dgrad"):
         rule = body(f"{name}_uses_mma")
-        assert "wgrad_mma_operands(" in rule and '"wmma") return false' in rule
-        declared = settings.SETTINGS[f"FUSEDRES_CUDA_{name.upper()}"]
-        assert set(declared.choices) == {"mma", "wmma"} and declared.default == "mma"
+        assert "wgrad_mma_operands(" in rule and "getenv" not in rule
     assert "MmaDgradSmall::MAX_TAPS" in body("dgrad_uses_mma")
     assert re.search(r"MAX_TAPS = 64;", text)
 
 
 def test_forward_kernel_rule_matches_the_dispatch():
     """cuda_sass.forward_kernel follows use_mma_forward (csrc/cuda/bn_relu_conv2d.cu): the
-    setting's two values, channels contiguous, C a multiple of 8."""
+    channels contiguous, C a multiple of 8 (the model's "wmma": that kernel priced instead)."""
     import os
     import re
 
-    from fusedres import settings
     from fusedres.kernels import traffic
     from tools import cuda_aot
     from tools.perfmodel import cuda_sass
 
     text = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "bn_relu_conv2d.cu")).read()
     body = re.search(r"inline bool use_mma_forward\(.*?\n\}", text, re.S).group(0)
-    assert '"wmma") return false' in body
     assert "x.stride(1) == 1" in body and "x.size(1) % 8 == 0" in body
-    declared = settings.SETTINGS["FUSEDRES_CUDA_FORWARD"]
-    assert set(declared.choices) == {"mma", "wmma"} and declared.default == "mma"
     u = next(u for u in traffic.IMAGENET_UNITS if u.c % 8 == 0)
     assert cuda_sass.forward_kernel(u) == "bn_relu_conv2d_fwd_mma_kernel"
     assert cuda_sass.forward_kernel(u, "wmma") == "bn_relu_conv2d_fwd_kernel"

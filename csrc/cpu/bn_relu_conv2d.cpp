@@ -78,14 +78,12 @@ int64_t tile_bytes(bool channels_last) {
 // Samples per tile: as many as fit the budget (at least one), balanced across tiles. Every
 // tile re-reads the weights and, in backward, adds a full weight gradient, so the budget grows
 // to 4x the weight bytes: weight-heavy layers (ResNet-50's last stages) run in few tiles.
-// FUSEDRES_CPU_TILE_WEIGHT_X overrides the 4 (8 and 16 measured no better, RESULTS.md).
+// (8 and 16 measured no better, RESULTS.md).
 int64_t tile_samples(int64_t n, int64_t bytes_per_sample, int64_t weight_bytes,
                      bool channels_last) {
   int64_t budget = tile_bytes(channels_last);
   if (budget <= 0 || n <= 0) return std::max<int64_t>(n, 1);
-  const char* wx = std::getenv("FUSEDRES_CPU_TILE_WEIGHT_X");
-  const int64_t times = wx ? std::atoll(wx) : 4;
-  budget = std::max<int64_t>(budget, times * weight_bytes);
+  budget = std::max<int64_t>(budget, 4 * weight_bytes);
   const int64_t nb = std::clamp<int64_t>(budget / std::max<int64_t>(bytes_per_sample, 1), 1, n);
   const int64_t tiles = (n + nb - 1) / nb;
   return (n + tiles - 1) / tiles;
@@ -113,12 +111,8 @@ Layout layout_of(const at::Tensor& x) {
 // C=64 s1 0.967 -> 0.942, C=256 s1 1.036 -> 1.001; RESULTS.md). 1x1 convolutions on
 // cache-sized NCHW tiles are as fast, and there the transposes are pure cost. float64 runs ATen's
 // native kernels in x's layout.
-// FUSEDRES_CPU_CONV_NHWC=0 / =1 forces x's layout / NHWC (for measurements).
 Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial, bool strided) {
   if (weight.scalar_type() == at::kDouble) return x_layout;
-  const char* env = std::getenv("FUSEDRES_CPU_CONV_NHWC");
-  if (env && env[0] == '0') return x_layout;
-  if (env && env[0] == '1') return Layout::NHWC;
   // Spatial kernels on maps of at least 8x8; at 7x7 (ResNet-50's last stage) the NCHW kernels
   // are as fast and the transposes of a whole batch are not.
   if (weight.size(2) * weight.size(3) == 1 || spatial < 64) return x_layout;
@@ -126,8 +120,7 @@ Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial, b
 }
 
 // A 1x1, stride-1, unpadded convolution is a GEMM, run by ATen's BLAS instead of oneDNN's
-// convolution (FUSEDRES_CPU_GEMM_1X1=0 turns both routes off; float32 and float64 only: the
-// weight gradient accumulates in one dtype):
+// convolution (float32 and float64 only: the weight gradient accumulates in one dtype):
 // - NCHW tiles: one GEMM per sample, y[n] (Co x HW) = W (Co x C) @ a[n] (C x HW), batched
 //   GEMMs straight into y's slice (no output tile to copy) and the weight gradient added into
 //   one float32 accumulator (addbmm). On maps of at least 8x8 that is 1.1-2x faster than
@@ -148,7 +141,7 @@ Layout conv_layout(const at::Tensor& weight, Layout x_layout, int64_t spatial, b
 //   unit's strided 1x1, the stacked shortcut and conv1 of a bottleneck strided on conv1) the
 //   data gradient would be a tile of zeros and the scattered rows, and oneDNN measured as fast
 //   or faster (CIFAR ResNet-164's strided units 0.624 / 0.566 of plain by oneDNN, 0.637 / 0.589
-//   by GEMM). FUSEDRES_CPU_GEMM_STRIDED=0 turns this route alone off.
+//   by GEMM).
 // - NCHW tiles, stride > 1 (StridedCols), under the same rule: the same GEMMs channel-major,
 //   the read pixels copied out as a (C, len*Ho*Wo) matrix (strided_cols), one GEMM for the
 //   tile (not one per sample: ResNet-50's last stage has 49 output pixels a sample), its
@@ -179,17 +172,12 @@ void strided_beside_dense(std::vector<Gemm1x1>& gemms) {
 
 Gemm1x1 gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
                  const std::vector<int64_t>& padding, Layout a_layout, int64_t spatial) {
-  const char* env = std::getenv("FUSEDRES_CPU_GEMM_1X1");
-  if (env && env[0] == '0') return Gemm1x1::None;
   const auto dt = weight.scalar_type();
   if (!(weight.size(2) == 1 && weight.size(3) == 1 && padding[0] == 0 && padding[1] == 0 &&
         (dt == at::kFloat || dt == at::kDouble))) {
     return Gemm1x1::None;
   }
-  if (stride[0] > 1 || stride[1] > 1) {
-    const char* strided = std::getenv("FUSEDRES_CPU_GEMM_STRIDED");
-    return strided && strided[0] == '0' ? Gemm1x1::None : Gemm1x1::Strided;
-  }
+  if (stride[0] > 1 || stride[1] > 1) return Gemm1x1::Strided;
   if (a_layout == Layout::NHWC) return Gemm1x1::Whole;
   return spatial >= 64 ? Gemm1x1::PerSample : Gemm1x1::None;
 }
@@ -199,12 +187,9 @@ Gemm1x1 gemm_1x1(const at::Tensor& weight, const std::vector<int64_t>& stride,
 // and BLAS runs it faster with the narrower side as the output's rows (measured, 2 threads,
 // N=128, the tiles' GEMMs, ms, gw / gw^T: 16 -> 64 @32 2.48 / 1.90, 32 -> 128 @16 1.57 / 1.29,
 // 64 -> 256 @8 1.19 / 1.00; narrowing convolutions the other way round: 64 -> 16 @32 1.84 /
-// 2.48, 256 -> 64 @8 0.98 / 1.18). FUSEDRES_CPU_GW_T=0 / 1 forces either (unset or anything
-// else: this rule).
+// 2.48, 256 -> 64 @8 0.98 / 1.18).
 bool gw_t_for(Gemm1x1 gemm, const at::Tensor& weight) {
   if (gemm != Gemm1x1::Whole && !is_strided(gemm)) return false;
-  const char* env = std::getenv("FUSEDRES_CPU_GW_T");
-  if (env && (env[0] == '0' || env[0] == '1')) return env[0] == '1';
   return weight.size(1) < weight.size(0);
 }
 
@@ -278,16 +263,13 @@ void scale_tile(at::Tensor& ys, const at::Tensor& s, const at::Tensor& rs) {
 // Backward the same per chunk: the activation recomputed, the weight gradient added into the
 // thread's accumulator, the chunk's data gradient computed into a second buffer and consumed there
 // by the ReLU-mask + sums pass. No parallel region per tile and kernel, no activation or
-// data-gradient tile through memory. FUSEDRES_CPU_CHUNK_BYTES: bytes of (activation + output) rows
-// per chunk; 0 or less: off (the batch tiles above). Measured (2 threads, N=128, fused op fwd / bwd
+// data-gradient tile through memory. chunk_bytes: bytes of (activation + output) rows per chunk.
+// Measured (2 threads, N=128, fused op fwd / bwd
 // ms, batch tiles -> 256 KiB chunks, RESULTS.md): 64 -> 16 @32 5.32 / 10.71 -> 4.40 / 8.56, 16 ->
 // 64 @32 with residual 6.30 / 7.82 -> 5.58 / 5.85, 128 -> 32 @16 2.86 / 6.63 -> 2.74 / 4.68; 128
 // KiB to 512 KiB within a few percent of each other, 1 MiB and up slower; ResNet-164's training
 // step 0.92x (0.90x with the statistics of y reduced in the chunks too: RowStats).
-int64_t chunk_bytes() {
-  if (const char* env = std::getenv("FUSEDRES_CPU_CHUNK_BYTES")) return std::atoll(env);
-  return int64_t(256) << 10;
-}
+constexpr int64_t chunk_bytes() { return int64_t(256) << 10; }
 
 // Calls into oneDNN from inside the chunks' parallel region are not safe (its weight-gradient
 // convolution, tried so, spins forever in a barrier of threads that never come): the chunks
@@ -310,7 +292,7 @@ bool fp32_gemm_is_blas() {
 // 256 KiB: 25 rows a GEMM; its unit ran 1.29x plain PyTorch so, 0.95x by batch tiles).
 int64_t chunk_rows(int64_t pixels, int64_t row_bytes, int64_t weight_bytes) {
   const int64_t budget = chunk_bytes();
-  if (budget <= 0 || pixels <= 0 || weight_bytes > budget || !fp32_gemm_is_blas()) return 0;
+  if (pixels <= 0 || weight_bytes > budget || !fp32_gemm_is_blas()) return 0;
   return std::clamp<int64_t>(budget / std::max<int64_t>(row_bytes, 1), 16, pixels);
 }
 

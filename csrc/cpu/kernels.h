@@ -1,5 +1,4 @@
-// The CPU backend's elementwise kernels as the rest of csrc/cpu calls them (bn_relu_conv2d.cpp;
-// benchmarks/cpu_kernels.py links against them too). Their code lives in csrc/cpu/vec/, which
+// The CPU backend's elementwise kernels as the rest of csrc/cpu calls them (bn_relu_conv2d.cpp). Their code lives in csrc/cpu/vec/, which
 // setup.py compiles once per CPU capability (baseline x86-64-v2, AVX2, AVX-512: cpu_capabilities()
 // there), each copy in its own namespace fusedres::cpu::fusedres_<capability>; the functions
 // declared here (csrc/cpu/dispatch.cpp) forward every call to the copy chosen when fusedres._C

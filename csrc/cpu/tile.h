@@ -8,8 +8,8 @@ namespace fusedres::cpu {
 
 // Samples per batch tile of the fused unit for a batch of n samples whose activation + output
 // take bytes_per_sample each, with a weight of weight_bytes; channels_last: the unit's input is
-// channels_last (larger tiles: no layout transposes to keep in cache). Reads FUSEDRES_CPU_TILE_BYTES,
-// FUSEDRES_CPU_TILE_WEIGHT_X and at::get_num_threads() at every call. Exported to Python as
+// channels_last (larger tiles: no layout transposes to keep in cache). Reads FUSEDRES_CPU_TILE_BYTES
+// and at::get_num_threads() at every call. Exported to Python as
 // fusedres._C.cpu_tile_samples (csrc/module.cpp) for the memory accounting.
 int64_t tile_samples(int64_t n, int64_t bytes_per_sample, int64_t weight_bytes,
                      bool channels_last);

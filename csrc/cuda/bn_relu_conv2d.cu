@@ -410,13 +410,8 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 
 // The tensor-core path's requirements on x (beyond 16-bit x and weight of one dtype): channels
 // contiguous, C a multiple of 8 and every pixel at a multiple of 8 elements (16-byte cp.async
-// sources), the data and the BatchNorm affine 16-byte aligned. FUSEDRES_CUDA_FORWARD=wmma keeps
-// the WMMA path (comparison, benchmarks).
+// sources), the data and the BatchNorm affine 16-byte aligned.
 inline bool use_mma_forward(const at::Tensor& x, const Affine& bn) {
-  const char* env = std::getenv("FUSEDRES_CUDA_FORWARD");
-  if (env != nullptr && std::string(env) == "wmma") return false;
-  TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
-              "FUSEDRES_CUDA_FORWARD must be 'mma' or 'wmma', got '", env, "'");
   const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   return x.stride(1) == 1 && x.size(1) % 8 == 0 && x.stride(0) % 8 == 0 &&
          x.stride(2) % 8 == 0 && x.stride(3) % 8 == 0 && aligned(x.const_data_ptr()) &&
@@ -439,17 +434,9 @@ inline at::Tensor pack_weight(const at::Tensor& weight) {
 
 // The mma.sync forward's tile rows for M output pixels and Co output channels: 128 (MmaFwdTall)
 // when its tiles fill every SM at least once (cdiv(M, 128) * cdiv(Co, 64) >= the SM count), else
-// 64 (MmaFwdSmall: twice the blocks for small grids). FUSEDRES_CUDA_FORWARD_TILE=64 or 128
-// (read at every call) forces one (tests, comparison); anything else but empty is an error.
-// tools/perfmodel/cuda_sass.py (forward_mma_rows) prices the same rule.
+// 64 (MmaFwdSmall: twice the blocks for small grids). tools/perfmodel/cuda_sass.py
+// (forward_mma_rows) prices the same rule.
 inline int64_t forward_mma_rows(int64_t M, int64_t Co) {
-  const char* env = std::getenv("FUSEDRES_CUDA_FORWARD_TILE");
-  if (env != nullptr && *env != 0) {
-    const std::string v(env);
-    TORCH_CHECK(v == "64" || v == "128", "FUSEDRES_CUDA_FORWARD_TILE must be '64' or '128', got '",
-                v, "'");
-    return v == "64" ? MmaFwdSmall::BM : MmaFwdTall::BM;
-  }
   return ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, MmaFwdTall::BN) >= sm_count()
              ? MmaFwdTall::BM
              : MmaFwdSmall::BM;

@@ -52,20 +52,6 @@ ConvGeom geom_of(const at::Tensor& weight, const std::array<int64_t, 2>& s,
           static_cast<int32_t>(p[1]), static_cast<int32_t>(d[0]), static_cast<int32_t>(d[1])};
 }
 
-// FUSEDRES_CUDA_BACKWARD (read at every call): "sums" (default: the weight-gradient pass also
-// yields the BatchNorm sums, then one pass writes dx; two GEMMs in the first pass) or "store"
-// (one GEMM each; the data-gradient pass stores dz with the sums, an elementwise pass writes
-// dx: three more activation passes). The same strategies as the Triton backend's.
-enum class Strategy { kSums, kStore };
-
-Strategy backward_strategy() {
-  const char* env = std::getenv("FUSEDRES_CUDA_BACKWARD");
-  if (env == nullptr || std::string(env) == "sums") return Strategy::kSums;
-  TORCH_CHECK(std::string(env) == "store", "FUSEDRES_CUDA_BACKWARD: expected sums or store, got '",
-              env, "'");
-  return Strategy::kStore;
-}
-
 int64_t tile_rows(at::ScalarType wt) {
   switch (wt) {
     case at::kDouble: return TilesFor<double>::Fwd::BM;
@@ -92,8 +78,7 @@ struct Wants {
 };
 
 // One call's operands and its two GEMM passes. The data gradient's kernel and tiles are decided
-// where it first runs (dgrad_uses_mma reads FUSEDRES_CUDA_DGRAD, dgrad_mma_rows
-// FUSEDRES_CUDA_DGRAD_TILE).
+// where it first runs (dgrad_uses_mma, dgrad_mma_rows).
 struct BackwardPasses {
   const char* op;
   const at::Tensor& go;
@@ -250,7 +235,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
                         std::min(stride[0], H) * std::min(stride[1], W),
                         N * ceil_div(H, stride[0]) * ceil_div(W, stride[1])};
   const double inv_m = 1.0 / static_cast<double>(N * H * W);
-  if (want_w && want.sums && backward_strategy() == Strategy::kSums) {
+  // The weight gradient's pass yields the BatchNorm sums where it runs ("sums"); else the data
+  // gradient's epilogue does ("store").
+  if (want_w && want.sums) {
     backward_sums(passes, out, want, bn_weight, bn_bias, batch_stats, inv_m);
   } else {
     backward_store(passes, out, want, batch_stats, inv_m);

@@ -454,30 +454,17 @@ __global__ void __launch_bounds__(256)
 
 // The mma.sync data gradient's requirements (dgrad_mma_kernel): those of the weight gradient's
 // (wgrad_mma_operands: 16-bit x, grad_out and weight of one dtype, channels-last with C and Co
-// multiples of 8, 16-byte aligned) and at most MmaDgrad::MAX_TAPS taps. FUSEDRES_CUDA_DGRAD=wmma
-// (read at every call) keeps the WMMA kernel.
+// multiples of 8, 16-byte aligned) and at most MmaDgrad::MAX_TAPS taps.
 bool dgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight) {
   if (!wgrad_mma_operands(go, x, weight.scalar_type())) return false;
-  const char* env = std::getenv("FUSEDRES_CUDA_DGRAD");
-  if (env != nullptr && std::string(env) == "wmma") return false;
-  TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
-              "FUSEDRES_CUDA_DGRAD must be 'mma' or 'wmma', got '", env, "'");
   return weight.size(2) * weight.size(3) <= MmaDgradSmall::MAX_TAPS;
 }
 
 // The mma.sync data gradient's tile rows for `rows` input pixels of the largest stride phase,
 // C input channels and `phases` phases: 128 (MmaDgradTall) when its tiles fill every SM at least
 // once (cdiv(rows, 128) * cdiv(C, 64) * phases >= the SM count), else 64 (MmaDgradSmall).
-// FUSEDRES_CUDA_DGRAD_TILE=64 or 128 (read at every call) forces one; anything else but empty is
-// an error. tools/perfmodel/cuda_sass.py (dgrad_mma_rows) prices the same rule.
+// tools/perfmodel/cuda_sass.py (dgrad_mma_rows) prices the same rule.
 int64_t dgrad_mma_rows(int64_t rows, int64_t C, int64_t phases) {
-  const char* env = std::getenv("FUSEDRES_CUDA_DGRAD_TILE");
-  if (env != nullptr && *env != 0) {
-    const std::string v(env);
-    TORCH_CHECK(v == "64" || v == "128", "FUSEDRES_CUDA_DGRAD_TILE must be '64' or '128', got '",
-                v, "'");
-    return v == "64" ? MmaDgradSmall::BM : MmaDgradTall::BM;
-  }
   return ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, MmaDgradTall::BN) * phases >= sm_count()
              ? MmaDgradTall::BM
              : MmaDgradSmall::BM;

@@ -626,8 +626,6 @@ __global__ void __launch_bounds__(MmaWgrad::THREADS, SUMS ? 2 : 4)
 // partials <= 1/8 of the operands) left a nearly empty last wave (ImageNet 64@56 on an H100:
 // 270 blocks for 264 slots) or a grid just past the SMs (ImageNet 256@14: 144 blocks, unsplit,
 // on 132: 12 SMs with two, the rest idle half the pass).
-// FUSEDRES_CUDA_WGRAD_SPLIT forces a split count (read at every call, for tests and
-// measurements).
 // `tiles`: the blocks of one split (the WMMA kernel's cdiv(Co, 64) * cdiv(C, 64) * taps, the
 // mma.sync kernel's cdiv(Co, 64) * cdiv(taps * C, 64)).
 constexpr int64_t kResident = 2;
@@ -636,23 +634,25 @@ int64_t pick_split(int64_t tiles, int64_t co, int64_t c, int64_t taps, int64_t m
   const int64_t k_steps = ceil_div(m, bk);
   const int64_t limit = std::min<int64_t>(k_steps, 65535);  // grid.z limit
   int64_t split = 1;
-  if (const char* env = std::getenv("FUSEDRES_CUDA_WGRAD_SPLIT")) {
-    split = std::atoll(env);
-  } else {
-    constexpr int64_t kMiB = int64_t(1) << 20;
-    const int64_t partial = 2 * co * c * taps * acc_bytes;  // bytes a split, written and read
-    const int64_t cap = std::max<int64_t>(1, operand_bytes / (2 * partial));
-    int64_t best = -1;
-    for (int64_t s = 1; s <= std::min({limit, 8 * sms, cap}); ++s) {
-      const int64_t steps = ceil_div(k_steps, s);
-      if (ceil_div(k_steps, steps) != s) continue;  // the same blocks as a smaller split
-      const int64_t waves = ceil_div(tiles * s, sms * kResident);
-      int64_t cost = waves * kResident * (steps + 2) * kMiB;
-      if (s > 1) cost += s * partial + 8 * kMiB;
-      if (best < 0 || cost < best) {
-        best = cost;
-        split = s;
-      }
+  constexpr int64_t kMiB = int64_t(1) << 20;
+  const int64_t partial = 2 * co * c * taps * acc_bytes;  // bytes a split, written and read
+  const int64_t cap = std::max<int64_t>(1, operand_bytes / (2 * partial));
+  int64_t best = -1;
+#if defined(__CUDACC__)
+  constexpr bool forced = false;
+#else
+  const bool forced = host_wgrad_split() > 0;
+  if (forced) split = host_wgrad_split();
+#endif
+  for (int64_t s = 1; !forced && s <= std::min({limit, 8 * sms, cap}); ++s) {
+    const int64_t steps = ceil_div(k_steps, s);
+    if (ceil_div(k_steps, steps) != s) continue;  // the same blocks as a smaller split
+    const int64_t waves = ceil_div(tiles * s, sms * kResident);
+    int64_t cost = waves * kResident * (steps + 2) * kMiB;
+    if (s > 1) cost += s * partial + 8 * kMiB;
+    if (best < 0 || cost < best) {
+      best = cost;
+      split = s;
     }
   }
   split = std::clamp<int64_t>(split, 1, limit);
@@ -681,16 +681,10 @@ bool wgrad_mma_operands(const at::Tensor& go, const at::Tensor& x, at::ScalarTyp
   return fits(x) && fits(go);
 }
 
-// The mma.sync weight gradient (wgrad_mma_kernel) for those operands. FUSEDRES_CUDA_WGRAD=wmma
-// (read at every call) keeps the WMMA kernel (comparison, benchmarks); every other input takes
-// it anyway.
+// The mma.sync weight gradient (wgrad_mma_kernel) for those operands; every other input takes
+// the WMMA kernel.
 bool wgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt) {
-  if (!wgrad_mma_operands(go, x, wt)) return false;
-  const char* env = std::getenv("FUSEDRES_CUDA_WGRAD");
-  if (env != nullptr && std::string(env) == "wmma") return false;
-  TORCH_CHECK(env == nullptr || *env == 0 || std::string(env) == "mma",
-              "FUSEDRES_CUDA_WGRAD must be 'mma' or 'wmma', got '", env, "'");
-  return true;
+  return wgrad_mma_operands(go, x, wt);
 }
 
 template <typename X, typename W>

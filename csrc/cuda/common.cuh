@@ -119,6 +119,21 @@ __device__ __forceinline__ T* fusedres_dynamic_shared() {
 
 namespace fusedres::FUSEDRES_CUDA_NS {
 
+#if !defined(__CUDACC__)
+// The host copy's test knobs, one instance across its files (set by tests/test_cuda_kernels.py
+// through fusedres_cuda_testing.set_sm_count / set_wgrad_split, and by the sanitizer drivers):
+// the SM count the tile and split rules size for (an H100's 132, so that the host copy runs the
+// GPU's decomposition), and a forced split of the weight gradient's reduction (0: the rule).
+inline int64_t& host_sm_count() {
+  static int64_t sms = 132;
+  return sms;
+}
+inline int64_t& host_wgrad_split() {
+  static int64_t split = 0;
+  return split;
+}
+#endif
+
 // The device type this copy of the kernels runs on.
 #if defined(__CUDACC__)
 constexpr c10::DeviceType kDeviceType = c10::DeviceType::CUDA;

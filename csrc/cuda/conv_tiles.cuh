@@ -246,13 +246,13 @@ inline std::vector<int64_t> ints(c10::SymIntArrayRef v) {
   return C10_AS_INTARRAYREF_SLOW(v).vec();
 }
 
-// Streaming multiprocessors of the current device (split-K sizing); the host copy sizes its
-// grids as for an H100's 132, so it runs the same decomposition as the GPU.
+// Streaming multiprocessors of the current device (tile choice, split-K sizing); the host copy
+// sizes its grids as for a GPU of host_sm_count() SMs, so it runs the same decomposition.
 inline int64_t sm_count() {
 #if defined(__CUDACC__)
   return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 #else
-  return 132;
+  return host_sm_count();
 #endif
 }
 

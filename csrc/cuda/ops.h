@@ -47,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_genstats(
     bool batch_stats, const std::optional<at::Tensor>& branch_scale);
 
 // bn_relu_conv2d_backward.cu: (grad_x, grad_weight, grad_bias, grad_bn_weight, grad_bn_bias);
-// an output whose output_mask entry is false is empty. FUSEDRES_CUDA_BACKWARD: sums | store.
+// an output whose output_mask entry is false is empty.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_conv2d_backward(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,

@@ -47,7 +47,7 @@ _kept = False  # keep_freed_memory() applied
 IMPORT_BASELINE_BYTES = 658 * MiB
 # The slack under a budget, with the thresholds above set: the peak resident set above the
 # baseline minus the step's predicted peak (tensors, the cpu backend's workspace, the data),
-# over trainer runs of several sizes (benchmarks/process_memory.py), bounded by three terms:
+# over trainer runs of several sizes (tools/tables/process_memory.py), bounded by three terms:
 # a constant (code paged in at the first step, oneDNN's and OpenMP's per-thread state), a
 # share per residual unit (the model's Python objects, the autograd graph, what planning it
 # leaves in Python's arenas: ResNet-1001's 333 units hold ~70 MiB of them before the first

@@ -117,8 +117,8 @@ def cpu_tile_samples(n: int, bytes_per_sample: int, weight_bytes: int,
     """Samples per batch tile of the cpu backend's fused unit, for a batch of ``n`` samples of
     ``bytes_per_sample`` bytes each (activation + output, in the weight's dtype), a weight of
     ``weight_bytes`` and an input in channels_last (``channels_last``) or NCHW: the rule
-    csrc/cpu/bn_relu_conv2d.cpp runs, evaluated now (it reads FUSEDRES_CPU_TILE_BYTES,
-    FUSEDRES_CPU_TILE_WEIGHT_X and torch's thread count). None when ``fusedres._C`` is not
+    csrc/cpu/bn_relu_conv2d.cpp runs, evaluated now (it reads FUSEDRES_CPU_TILE_BYTES
+    and torch's thread count). None when ``fusedres._C`` is not
     loaded."""
     if not LOADED:
         return None

@@ -254,9 +254,9 @@ def _launch(r: CudaKernelRow, label: str, ctas: int, chunks: float, dram: float,
 def forward_kernel(u, forward: str = "mma", channels_last: bool = True) -> str:
     """The forward kernel csrc/cuda runs for 16-bit unit ``u`` (use_mma_forward in
     csrc/cuda/bn_relu_conv2d.cu): the mma.sync one for channels-last x with C % 8 == 0 unless
-    ``forward`` (FUSEDRES_CUDA_FORWARD) is "wmma", else the WMMA one."""
+    ``forward`` is "wmma" (the WMMA kernel priced for the same unit), else the WMMA one."""
     if forward not in ("mma", "wmma"):
-        raise ValueError(f"forward: 'mma' or 'wmma' (FUSEDRES_CUDA_FORWARD), not {forward!r}")
+        raise ValueError(f"forward: 'mma' or 'wmma', not {forward!r}")
     if forward == "mma" and channels_last and u.c % 8 == 0:
         return "bn_relu_conv2d_fwd_mma_kernel"
     return "bn_relu_conv2d_fwd_kernel"
@@ -280,12 +280,11 @@ def dgrad_mma_rows(rows: int, c: int, phases: int, sms: int) -> int:
 def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
     """The weight-gradient kernel csrc/cuda runs for 16-bit unit ``u`` (wgrad_uses_mma in
     csrc/cuda/bn_relu_conv2d_wgrad.cuh): the mma.sync one for channels-last x and grad_out
-    with C and Co multiples of 8 unless ``wgrad`` (FUSEDRES_CUDA_WGRAD) is "wmma", else the WMMA
-    one."""
+    with C and Co multiples of 8 unless ``wgrad`` is "wmma", else the WMMA one."""
     from fusedres.kernels import traffic
 
     if wgrad not in ("mma", "wmma"):
-        raise ValueError(f"wgrad: 'mma' or 'wmma' (FUSEDRES_CUDA_WGRAD), not {wgrad!r}")
+        raise ValueError(f"wgrad: 'mma' or 'wmma', not {wgrad!r}")
     if wgrad == "mma" and channels_last and traffic.cuda_mma_operands(u):
         return "wgrad_mma_kernel"
     return "wgrad_kernel"
@@ -294,12 +293,12 @@ def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
 def dgrad_kernel(u, dgrad: str = "mma", channels_last: bool = True) -> str:
     """The data-gradient kernel csrc/cuda runs for 16-bit unit ``u`` (dgrad_uses_mma in
     csrc/cuda/bn_relu_conv2d_dgrad.cuh): the mma.sync one for channels-last x and grad_out
-    with C and Co multiples of 8 and at most 64 taps unless ``dgrad`` (FUSEDRES_CUDA_DGRAD) is
-    "wmma", else the WMMA one."""
+    with C and Co multiples of 8 and at most 64 taps unless ``dgrad`` is "wmma", else
+    the WMMA one."""
     from fusedres.kernels import traffic
 
     if dgrad not in ("mma", "wmma"):
-        raise ValueError(f"dgrad: 'mma' or 'wmma' (FUSEDRES_CUDA_DGRAD), not {dgrad!r}")
+        raise ValueError(f"dgrad: 'mma' or 'wmma', not {dgrad!r}")
     if dgrad == "mma" and channels_last and traffic.cuda_mma_operands(u) and u.k * u.k <= 64:
         return "dgrad_mma_kernel"
     return "dgrad_kernel"
@@ -316,11 +315,11 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
       the benchmark units, the mma.sync kernel bn_relu_conv2d_fwd_mma_kernel (struct MmaFwd:
       128x64x32 tiles where they fill the SMs, else 64x64x32, :func:`forward_mma_rows`), after a
       DRAM-bound launch packing the weight to (kh*kw*C, Co8); ``forward="wmma"``
-      (FUSEDRES_CUDA_FORWARD=wmma) or NCHW x prices the WMMA kernel bn_relu_conv2d_fwd_kernel
+      or NCHW x prices the WMMA kernel bn_relu_conv2d_fwd_kernel
       instead. Grid cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, BK);
     * wgrad (SUMS): the kernel that runs (:func:`wgrad_kernel`): for channels-last x and
       grad_out with C and Co multiples of 8, the benchmark units, the mma.sync kernel
-      wgrad_mma_kernel (struct MmaWgrad); ``wgrad="wmma"`` (FUSEDRES_CUDA_WGRAD=wmma) or NCHW
+      wgrad_mma_kernel (struct MmaWgrad); ``wgrad="wmma"`` or NCHW
       prices the WMMA kernel wgrad_kernel. Grid cdiv(Co, BM) x cdiv(taps*C, BN) (mma.sync: the
       columns run on across taps) or cdiv(C, BN)*taps (WMMA) x split (pick_split with the
       device's SMs); K chunks: cdiv(cdiv(M, 32), split) K-steps of 32
@@ -328,7 +327,7 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     * dgrad writing dx: the kernel that runs (:func:`dgrad_kernel`): for the same units the
       mma.sync kernel dgrad_mma_kernel (struct MmaDgrad: 128x64x32 tiles where they fill the
       SMs, else 64x64x32, :func:`dgrad_mma_rows`), after a DRAM-bound launch packing the
-      weight to (kh*kw*Co, C); ``dgrad="wmma"`` (FUSEDRES_CUDA_DGRAD=wmma) or NCHW the WMMA
+      weight to (kh*kw*Co, C); ``dgrad="wmma"`` or NCHW the WMMA
       kernel dgrad_kernel. Grid per stride phase cdiv(rows, BM) x cdiv(C, BN); K chunks: the
       phase's taps x cdiv(Co, BK);
     * batch statistics, the partials' reductions: DRAM-bound launches.

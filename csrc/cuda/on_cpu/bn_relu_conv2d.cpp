@@ -1,4 +1,6 @@
 // The CPU-executed copy of csrc/cuda/bn_relu_conv2d.cu (see ../common.cuh).
+#include <utility>
+
 #include "../bn_relu_conv2d.cu"
 
 // Test hook, host copy only (tests/test_cuda_kernels.py): the index helpers every fused kernel
@@ -36,10 +38,16 @@ TORCH_LIBRARY(fusedres_cuda_testing, m) {
 }
 
 // Which mma.sync forward tile (its rows: 64 MmaFwdSmall, 128 MmaFwdTall) the forward launches for
-// M output pixels and Co output channels, by forward_mma_rows (FUSEDRES_CUDA_FORWARD_TILE
-// included), for inputs that take the mma.sync path.
+// M output pixels and Co output channels, by forward_mma_rows, for inputs that take the mma.sync
+// path. set_sm_count: the SM count the host copy's tile and split rules size for (132 until
+// set; returns the previous count), so that a test runs either tile or a split on small shapes.
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("forward_mma_rows(int M, int Co) -> int");
   m.impl("forward_mma_rows",
          [](int64_t M, int64_t Co) { return fusedres::cuda_on_cpu::forward_mma_rows(M, Co); });
+  m.def("set_sm_count(int sms) -> int");
+  m.impl("set_sm_count", [](int64_t sms) {
+    TORCH_CHECK(sms > 0, "set_sm_count: expected a positive count, got ", sms);
+    return std::exchange(fusedres::cuda_on_cpu::host_sm_count(), sms);
+  });
 }

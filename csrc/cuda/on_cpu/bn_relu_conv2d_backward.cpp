@@ -1,9 +1,11 @@
 // The CPU-executed copy of csrc/cuda/bn_relu_conv2d_backward.cu (see ../common.cuh).
+#include <utility>
+
 #include "../bn_relu_conv2d_backward.cu"
 
 // Test hook, host copy only (tests/test_cuda_kernels.py): which weight-gradient kernel the
 // backward launches for these operands ("mma": wgrad_mma_kernel, "wmma": wgrad_kernel), by the
-// rule launch_wgrad applies (wgrad_uses_mma, FUSEDRES_CUDA_WGRAD included).
+// rule launch_wgrad applies (wgrad_uses_mma).
 namespace fusedres::cuda_on_cpu {
 namespace {
 
@@ -25,7 +27,7 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
 }
 
 // Likewise the data gradient's kernel ("mma": dgrad_mma_kernel, "wmma": dgrad_kernel), by
-// dgrad_uses_mma (FUSEDRES_CUDA_DGRAD included).
+// dgrad_uses_mma.
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("dgrad_kernel_for(Tensor grad_out, Tensor x, Tensor weight) -> str");
   m.impl("dgrad_kernel_for", c10::DispatchKey::CPU,
@@ -37,7 +39,7 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
 
 // Likewise the mma.sync data gradient's tile rows (64: MmaDgradSmall, 128: MmaDgradTall) for
 // `rows` pixels of the largest stride phase, C input channels and `phases` phases, by
-// dgrad_mma_rows (FUSEDRES_CUDA_DGRAD_TILE included).
+// dgrad_mma_rows.
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("dgrad_mma_rows(int rows, int C, int phases) -> int");
   m.impl("dgrad_mma_rows", [](int64_t rows, int64_t C, int64_t phases) {
@@ -46,7 +48,7 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
 }
 
 // Likewise the weight gradient's split of its reduction, by pick_split on `sms` SMs
-// (FUSEDRES_CUDA_WGRAD_SPLIT included): kernels/traffic.cuda_wgrad_split must agree.
+// (kernels/traffic.cuda_wgrad_split must agree).
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("wgrad_split(int tiles, int Co, int C, int taps, int M, int bk, int sms, "
         "int operand_bytes, int acc_bytes) -> int");
@@ -54,5 +56,12 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
                            int64_t bk, int64_t sms, int64_t operand_bytes, int64_t acc_bytes) {
     return fusedres::cuda_on_cpu::pick_split(tiles, co, c, taps, m, bk, sms, operand_bytes,
                                            acc_bytes);
+  });
+  // The split every weight gradient then runs (clamped to its K-steps; 0: the rule); returns
+  // the previous one.
+  m.def("set_wgrad_split(int split) -> int");
+  m.impl("set_wgrad_split", [](int64_t split) {
+    TORCH_CHECK(split >= 0, "set_wgrad_split: expected 0 or more, got ", split);
+    return std::exchange(fusedres::cuda_on_cpu::host_wgrad_split(), split);
   });
 }

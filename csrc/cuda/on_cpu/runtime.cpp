@@ -273,13 +273,7 @@ void notify(Block& b) { b.events++; }
 
 constexpr size_t kDefaultStack = 256 << 10;
 
-size_t stack_bytes() {
-  static const size_t bytes = [] {
-    const char* kb = std::getenv("FUSEDRES_HOST_STACK_KB");
-    return kb ? static_cast<size_t>(std::atol(kb)) << 10 : kDefaultStack;
-  }();
-  return bytes;
-}
+size_t stack_bytes() { return kDefaultStack; }
 
 // A saved execution context and the switch between two. On x86-64 a 20-instruction switch of
 // the callee-saved registers (ucontext's swapcontext makes a sigprocmask system call per switch,

@@ -22,7 +22,7 @@ import torch
 from fusedres.memory import LiveTensorTracker
 
 __all__ = ["MemoryWindow", "graph_pool_bytes", "peak_bytes", "process_start", "resolve_device",
-           "summarize", "sync", "time_interleaved", "with_env"]
+           "summarize", "sync", "time_interleaved"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,23 +57,6 @@ def _time_once(fn: Callable[[], object], device: torch.device,
     t0 = clock()
     fn()
     return clock() - t0
-
-
-def with_env(fn: Callable[[], object], var: str, value: str | None) -> Callable[[], object]:
-    """``fn`` called with the environment variable ``var`` set to ``value`` (None: unset) and
-    restored afterwards: A/B timings of a setting read at every call (the cpu backend's
-    ``FUSEDRES_CPU_*``), all candidates in one process."""
-    def run():
-        saved = os.environ.pop(var, None)
-        if value is not None:
-            os.environ[var] = value
-        try:
-            return fn()
-        finally:
-            os.environ.pop(var, None)
-            if saved is not None:
-                os.environ[var] = saved
-    return run
 
 
 def _repeated(fn: Callable[[], object], k: int) -> Callable[[], object]:

@@ -78,11 +78,12 @@ void check_forward(at::ScalarType dt, bool channels_last, double tol, int64_t c 
 // kernel's float32 z and the reference's may still round an activation the other way
 // (fused multiply-add or not). Without the operands rounded, a bfloat16 grad_weight moves by
 // ~0.2 on these shapes; the data are new random numbers at every run of the driver.
-void check_backward(at::ScalarType dt, bool channels_last, const char* strategy,
-                    const char* split, double tol, int64_t c = 17, int64_t co = 6,
-                    double wgrad_tol = 0) {
-  setenv("FUSEDRES_CUDA_BACKWARD", strategy, 1);
-  setenv("FUSEDRES_CUDA_WGRAD_SPLIT", split, 1);
+// strategy "store": grad_weight and grad_bias left out, so that the data gradient's epilogue
+// reduces the BatchNorm sums; split: the weight gradient's forced split (0: the rule).
+void check_backward(at::ScalarType dt, bool channels_last, const char* strategy, int64_t split,
+                    double tol, int64_t c = 17, int64_t co = 6, double wgrad_tol = 0) {
+  const bool store = std::string(strategy) == "store";
+  k::host_wgrad_split() = split;
   const Unit u = make_unit(dt, channels_last, {2, 1}, c, co);
   const at::Tensor z = z64(u), a = z.relu();
   const at::Tensor w64 = u.w.to(at::kDouble);
@@ -94,9 +95,8 @@ void check_backward(at::ScalarType dt, bool channels_last, const char* strategy,
                                                       : at::MemoryFormat::Contiguous);
   auto [gx, gw, gb, gg, gbeta] = k::bn_relu_conv2d_backward(
       gy, u.x, u.w, u.gamma, u.beta, u.mean, u.invstd, sym(u.s), sym(u.p), sym(u.d), true,
-      {true, true, true, true, true}, branch_scale());
-  unsetenv("FUSEDRES_CUDA_BACKWARD");
-  unsetenv("FUSEDRES_CUDA_WGRAD_SPLIT");
+      {true, !store, !store, true, true}, branch_scale());
+  k::host_wgrad_split() = 0;
   const at::Tensor gy_branch = gy.to(at::kDouble) * branch_scale().view({-1, 1, 1, 1});
   auto [da, dw, db] = at::convolution_backward(gy_branch, a, w64, {{co}}, u.s, u.p,
                                                u.d, false, {0, 0}, 1, {true, true, true});
@@ -108,7 +108,9 @@ void check_backward(at::ScalarType dt, bool channels_last, const char* strategy,
   const at::Tensor dx = v(u.gamma) * v(u.invstd) *
                         (dz - v(sum_dz) / m - xhat * v(sum_dzx) / m);
   expect_close(gx, dx, tol, tol, "grad_x");
-  if (wgrad_tol > 0) {
+  if (store) {
+    // no weight gradient
+  } else if (wgrad_tol > 0) {
     const auto v32 = [](const at::Tensor& t) { return t.to(at::kFloat).view({1, -1, 1, 1}); };
     const at::Tensor scale32 = v32(u.gamma) * v32(u.invstd);
     const at::Tensor shift32 = v32(u.beta) - v32(u.mean) * scale32;
@@ -123,7 +125,7 @@ void check_backward(at::ScalarType dt, bool channels_last, const char* strategy,
   } else {
     expect_close(gw, dw, tol, tol, "grad_weight");
   }
-  expect_close(gb, db, tol, tol, "grad_bias");
+  if (!store) expect_close(gb, db, tol, tol, "grad_bias");
   expect_close(gg, sum_dzx, tol, tol, "grad_bn_weight");
   expect_close(gbeta, sum_dz, tol, tol, "grad_bn_bias");
 }
@@ -139,21 +141,21 @@ FUSEDRES_TSAN_CASE(unit_forward_wmma) { check_forward(at::kBFloat16, true, 3e-2)
 
 FUSEDRES_TSAN_CASE(unit_forward_mma) { check_forward(at::kHalf, true, 2e-2, 40); }
 
-// The mma.sync forward's 128-row tile (MmaFwdTall, forced: these shapes pick the 64-row one):
-// 4 warps of 32 x 64, the 84 output rows one partial tile.
+// The mma.sync forward's 128-row tile (MmaFwdTall, chosen on one SM: these shapes pick the
+// 64-row one on 132): 4 warps of 32 x 64, the 84 output rows one partial tile.
 FUSEDRES_TSAN_CASE(unit_forward_mma_tall) {
-  setenv("FUSEDRES_CUDA_FORWARD_TILE", "128", 1);
+  k::host_sm_count() = 1;
   check_forward(at::kBFloat16, true, 3e-2, 40);
-  unsetenv("FUSEDRES_CUDA_FORWARD_TILE");
+  k::host_sm_count() = 132;
 }
 
-FUSEDRES_TSAN_CASE(unit_backward_sums) { check_backward(at::kFloat, false, "sums", "1", 1e-5); }
+FUSEDRES_TSAN_CASE(unit_backward_sums) { check_backward(at::kFloat, false, "sums", 1, 1e-5); }
 
-FUSEDRES_TSAN_CASE(unit_backward_store_split) {
-  check_backward(at::kFloat, true, "store", "2", 1e-5);
-}
+FUSEDRES_TSAN_CASE(unit_backward_store) { check_backward(at::kFloat, true, "store", 0, 1e-5); }
 
-FUSEDRES_TSAN_CASE(unit_backward_wmma) { check_backward(at::kHalf, true, "sums", "2", 2e-2); }
+FUSEDRES_TSAN_CASE(unit_backward_split) { check_backward(at::kFloat, true, "sums", 2, 1e-5); }
+
+FUSEDRES_TSAN_CASE(unit_backward_wmma) { check_backward(at::kHalf, true, "sums", 2, 2e-2); }
 
 // The mma.sync weight and data gradients (16-bit, channels-last x and grad_out, C = 40,
 // Co = 16; the data gradient's two stride phases, its K chunks over the taps that feed each),
@@ -162,14 +164,15 @@ FUSEDRES_TSAN_CASE(unit_backward_wmma) { check_backward(at::kHalf, true, "sums",
 // 8e-3, about two of the output's roundings). The other outputs to 1e-1 for bfloat16: its
 // rounding of the activation alone moves them by up to ~0.2 here.
 FUSEDRES_TSAN_CASE(unit_backward_wgrad_mma) {
-  check_backward(at::kHalf, true, "sums", "1", 2e-2, 40, 16, 1e-3);
-  check_backward(at::kBFloat16, true, "store", "2", 1e-1, 40, 16, 8e-3);
+  check_backward(at::kHalf, true, "sums", 1, 2e-2, 40, 16, 1e-3);
+  check_backward(at::kBFloat16, true, "sums", 2, 1e-1, 40, 16, 8e-3);
+  check_backward(at::kBFloat16, true, "store", 0, 1e-1, 40, 16);
 }
 
-// The mma.sync data gradient's 128-row tile (MmaDgradTall, forced), its epilogue in two 64-row
-// passes: the store strategy takes the BatchNorm sums from its partials.
+// The mma.sync data gradient's 128-row tile (MmaDgradTall, chosen on one SM), its epilogue in
+// two 64-row passes: the store strategy takes the BatchNorm sums from its partials.
 FUSEDRES_TSAN_CASE(unit_backward_dgrad_mma_tall) {
-  setenv("FUSEDRES_CUDA_DGRAD_TILE", "128", 1);
-  check_backward(at::kHalf, true, "store", "1", 2e-2, 40, 16, 1e-3);
-  unsetenv("FUSEDRES_CUDA_DGRAD_TILE");
+  k::host_sm_count() = 1;
+  check_backward(at::kHalf, true, "store", 0, 2e-2, 40, 16);
+  k::host_sm_count() = 132;
 }

@@ -1,7 +1,7 @@
 """Saved activations of He et al.'s unit orderings and shortcut variants, fused vs plain.
 
-    python benchmarks/variant_memory.py            # rewrites its section of benchmarks/MEMORY.md
-    python benchmarks/variant_memory.py --print    # prints only
+    python -m tools.tables.variant_memory            # rewrites its section of benchmarks/MEMORY.md
+    python -m tools.tables.variant_memory --print    # prints only
 
 A count, not a timing (``fusedres.memory.saved_bytes``: distinct storages saved for backward),
 taken on the meta device: CIFAR ResNet-110 (basic units) and ResNet-164 (bottlenecks), batch 128,
@@ -24,7 +24,7 @@ from fusedres.memory import saved_bytes
 from fusedres.modules import UNITS
 
 MiB = 2 ** 20
-MEMORY_MD = Path(__file__).resolve().parent / "MEMORY.md"
+MEMORY_MD = Path(__file__).resolve().parents[2] / "benchmarks" / "MEMORY.md"
 BEGIN, END = "<!-- variant-memory:begin -->", "<!-- variant-memory:end -->"
 
 VARIANTS = ([(u, "identity", {}) for u in UNITS]
@@ -43,7 +43,7 @@ def _saved(depth: int, fused: bool, batch: int, **kw) -> int:
 
 def table(batch: int = 128) -> str:
     lines = [f"Batch {batch}, CIFAR 32x32, float32, saved bytes after one training forward "
-             f"(`python benchmarks/variant_memory.py`).", "",
+             f"(`python -m tools.tables.variant_memory`).", "",
              "| depth | unit | shortcut | norm | drop path | plain MiB | fused MiB "
              "| fused / plain |",
              "|---|---|---|---|---|---|---|---|"]

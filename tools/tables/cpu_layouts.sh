@@ -2,7 +2,7 @@
 # The CPU figures of both memory layouts (benchmarks/RESULTS.md, its current section): the 40-shape
 # BASIC_SWEEP and the bottleneck set on 2 threads and 1, and whole training steps. Run on a
 # quiet machine (nothing else running); ~40 minutes on 2 cores. Usage: bash
-# benchmarks/cpu_layouts.sh [OUT_DIR] (default benchmarks/report-cpu-layouts).
+# tools/tables/cpu_layouts.sh [OUT_DIR] (default benchmarks/report-cpu-layouts).
 set -euo pipefail
 out=${1:-benchmarks/report-cpu-layouts}
 common=(--device cpu --baselines plain,channels_last --backends cpu --no-progress)

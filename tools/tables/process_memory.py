@@ -10,8 +10,8 @@ share per residual unit, a share of the step: the bound fitted on these runs); *
 model's figure minus the measured one (negative: the model was short). Resident-set figures
 do not depend on the machine's load; no timing is taken.
 
-    python benchmarks/process_memory.py --runs 20:64:4GiB,56:128:4GiB,164:128:1GiB
-    python benchmarks/process_memory.py --runs 164:128:1GiB --no-release   # glibc left alone
+    python -m tools.tables.process_memory --runs 20:64:4GiB,56:128:4GiB,164:128:1GiB
+    python -m tools.tables.process_memory --runs 164:128:1GiB --no-release   # glibc left alone
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 MiB = 2 ** 20
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
