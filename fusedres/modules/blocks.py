@@ -1,11 +1,12 @@
-"""Drop-in modules. Parameters, buffers and state_dict keys are those of the plain PyTorch blocks
+"""The residual blocks: :class:`ResidualBlock`, :class:`BasicBlock` and :class:`Bottleneck`.
+Their parameters, buffers and state_dict keys are those of the plain PyTorch blocks
 (``nn.BatchNorm2d`` and ``nn.Conv2d`` submodules), so checkpoints move both ways.
 
 Blocks are built from swappable layers, as timm's take ``norm_layer``: a residual block runs its
-BatchNorm -> ReLU -> conv chains through the *layer* it is given, :data:`FUSED` (one fused op per
-chain, nothing but the chain's input kept for backward) or :data:`PLAIN` (``nn.BatchNorm2d``,
-``F.relu`` and ``nn.Conv2d`` as PyTorch runs them). Fused and plain are one block class with one
-forward; ``fused=True/False`` picks the layer.
+BatchNorm -> ReLU -> conv chains through the *layer* it is given (:mod:`fusedres.modules.unit`),
+:data:`FUSED` (one fused op per chain, nothing but the chain's input kept for backward) or
+:data:`PLAIN` (``nn.BatchNorm2d``, ``F.relu`` and ``nn.Conv2d`` as PyTorch runs them). Fused and
+plain are one block class with one forward; ``fused=True/False`` picks the layer.
 
 The blocks implement He et al.'s unit orderings (``unit=``, "Identity Mappings in Deep Residual
 Networks", 2016, Fig. 4) and shortcut variants (``shortcut=``, Table 1 / Fig. 2), plain units
@@ -19,24 +20,26 @@ ReLU, a gate) is plain PyTorch: :attr:`ResidualBlock.plain_parts` lists it.
 
 from __future__ import annotations
 
-import operator
-
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
-from .. import functional as FR
-from ..distributed import prepare_batch_norm_sync
-from ..ops.opdefs import UnitArgs, suggests_channels_last
-from ..ops.route import route
+from . import lean
 from . import variants as V
-from .variants import scaled
+from .unit import (
+    FUSED,
+    PLAIN,
+    BNReLUConvLayer,
+    FusedBNReLUConv,
+    check_convs,
+    concatenable,
+    paired_conv_into,
+    shared_conv_into,
+    shortcut_conv_into,
+)
 
-__all__ = ["BNReLUConv2d", "BasicBlock", "Bottleneck", "BNReLUConvLayer", "DROP_PATH_MODES",
-           "FUSED", "FusedBNReLUConv", "NORMS", "PLAIN", "PlainBNReLUConv",
-           "PreActBasicBlock", "PreActBottleneck", "ResidualBlock", "SHORTCUTS", "UNITS"]
+__all__ = ["BasicBlock", "Bottleneck", "DROP_PATH_MODES", "NORMS", "PreActBasicBlock",
+           "PreActBottleneck", "ResidualBlock", "SHORTCUTS", "UNITS"]
 
 # He et al. 2016, Fig. 4: (a) original, (b) BN after addition, (c) ReLU before addition,
 # (d) ReLU-only pre-activation, (e) full pre-activation.
@@ -51,275 +54,11 @@ DROP_PATH_MODES = ("batch", "row", "batch_skip")
 NORMS = ("batch", "none")
 
 
-def _synchronised(bn: nn.BatchNorm2d) -> bool:
-    return isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized()
-
-
-def wants_stats(bn: nn.BatchNorm2d | None) -> bool:
-    """Whether ``prepare(bn, x, stats)`` would use the local batch statistics of ``x`` (a
-    training-mode BatchNorm that is not synchronised): then the producer of ``x`` should return
-    them (``conv(..., return_stats=True)``)."""
-    return (bn is not None and (bn.training or bn.running_mean is None)
-            and getattr(bn, "fused_prepare", None) is None and not _synchronised(bn))
-
-
-def prepare(bn: nn.BatchNorm2d, x: Tensor, stats=None) -> FR.BatchNormState:
-    """Statistics and running-stats update of ``bn`` for input ``x`` (one pass, once).
-
-    ``stats``: the batch (mean, biased variance) of ``x`` when its producer computed them
-    (:func:`conv` with ``return_stats=True``); then no statistics pass runs.
-    A BatchNorm with a ``fused_prepare(x)`` method (``fusedres.distributed.SyncBatchNorm2d``)
-    prepares itself; an ``nn.SyncBatchNorm`` in a running process group synchronises its
-    statistics across processes (``fusedres.distributed.prepare_batch_norm_sync``); both ignore
-    ``stats``.
-    """
-    custom = getattr(bn, "fused_prepare", None)
-    if custom is not None:
-        return custom(x)
-    if _synchronised(bn):
-        return prepare_batch_norm_sync(x, bn, bn.process_group)
-    return FR.prepare_batch_norm(
-        x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked,
-        training=bn.training, momentum=bn.momentum, eps=bn.eps, stats=stats,
-    )
-
-
-def check_convs(*convs: nn.Conv2d | None) -> None:
-    """Refuse convolutions the fused op cannot run, before any BatchNorm state changes."""
-    for c in convs:
-        if c is None:
-            continue
-        if c.groups != 1:
-            raise ValueError(f"conv.groups: fusedres supports groups=1, got {c.groups}")
-        if c.padding_mode != "zeros":
-            raise ValueError(
-                f"conv.padding_mode: fusedres supports 'zeros', got {c.padding_mode!r}")
-
-
-def check_inputs(x: Tensor, *convs: nn.Conv2d | None) -> None:
-    """Everything that could make ``conv(prepare(bn, x), c)`` fail for the convs ``x`` feeds,
-    checked before ``prepare`` touches the running statistics."""
-    check_convs(*convs)
-    for c in convs:
-        if c is not None:
-            FR.check_conv_args(x, c.weight, c.bias, None, c.stride, c.padding, c.dilation)
-
-
-def conv(state: FR.BatchNormState, conv: nn.Conv2d, residual: Tensor | None = None,
-         return_stats: bool = False, branch_scale: Tensor | None = None):
-    """``branch_scale[n] * conv(relu(bn(x))) + residual`` through the fused op (the per-sample
-    scale applied in its residual epilogue and its backward), for a prepared BatchNorm; with
-    ``return_stats`` also the batch statistics of the output (see
-    :func:`fusedres.functional.conv2d_from_prepared`)."""
-    check_convs(conv)
-    return FR.conv2d_from_prepared(state, conv.weight, conv.bias, stride=conv.stride,
-                                   padding=conv.padding, dilation=conv.dilation,
-                                   residual=residual, return_stats=return_stats,
-                                   branch_scale=branch_scale)
-
-
-def conv_into(state: FR.BatchNormState, c: nn.Conv2d, bn: nn.BatchNorm2d) -> FR.BatchNormState:
-    """``prepare(bn, conv(state, c))``: the output's statistics come from the convolution
-    (its epilogue on the Triton backend) whenever ``bn`` uses local batch statistics."""
-    if wants_stats(bn):
-        out, stats = conv(state, c, return_stats=True)
-        return prepare(bn, out, stats)
-    return prepare(bn, conv(state, c))
-
-
-def _concatenable(a: nn.Conv2d, b: nn.Conv2d) -> bool:
-    """Whether two convolutions of one input can run as one, on their weights stacked along the
-    output channels: the same kernel, stride, padding and dilation, both with or both without
-    a bias, one dtype and device."""
-    return (a.kernel_size == b.kernel_size and a.stride == b.stride and a.padding == b.padding
-            and a.dilation == b.dilation and (a.bias is None) == (b.bias is None)
-            and a.weight.dtype == b.weight.dtype and a.weight.device == b.weight.device)
-
-
-def shared_conv_into(state: FR.BatchNormState, short: nn.Conv2d, first: nn.Conv2d,
-                     bn: nn.BatchNorm2d) -> tuple[Tensor, FR.BatchNormState]:
-    """``(short(a), prepare(bn, first(a)))`` for ``a = relu(bn_in(x))`` prepared in ``state``, as
-    ONE fused convolution on the two weights stacked (:func:`_concatenable` convolutions: the
-    strided projection shortcut and first 1x1 of a bottleneck with the stride on conv1, He et
-    al.'s CIFAR units). One BN-ReLU of ``x``, one backward over ``x`` (recompute,
-    ReLU mask and BatchNorm sums, data gradient) instead of two and their sum; the gradients of
-    both weights come back through ``torch.cat``. ``first``'s output is copied out of the
-    stacked one (it is what the next fused op saves, and a view would keep the shortcut's
-    channels alive with it); the shortcut's stays a view, read once as the last convolution's
-    residual. ``bn``'s statistics come from the stacked convolution, as in :func:`conv_into`."""
-    w = torch.cat([short.weight, first.weight])
-    bias = None if short.bias is None else torch.cat([short.bias, first.bias])
-    stats = wants_stats(bn)
-    y = FR.conv2d_from_prepared(state, w, bias, stride=first.stride, padding=first.padding,
-                                dilation=first.dilation, return_stats=stats)
-    if stats:
-        y, stats = y
-    cs = short.out_channels
-    h, f = torch.split(y, [cs, first.out_channels], dim=1)
-    fmt = torch.channels_last if suggests_channels_last(y) else torch.contiguous_format
-    f = f.contiguous(memory_format=fmt)
-    return h, prepare(bn, f, None if not stats else (stats[0][cs:], stats[1][cs:]))
-
-
-def paired_conv_into(state: FR.BatchNormState, short: nn.Conv2d, first: nn.Conv2d,
-                     bn: nn.BatchNorm2d) -> tuple[Tensor, FR.BatchNormState]:
-    """``(short(a), prepare(bn, first(a)))`` for ``a = relu(bn_in(x))`` prepared in ``state``,
-    through :func:`fusedres.functional.conv2d_pair_from_prepared`: on the cpu backend one
-    autograd node whose backward passes over ``x`` once (for the convolutions that cannot be
-    stacked: a 1x1 projection beside a 3x3, or beside an unstrided 1x1 when the shortcut
-    strides); elsewhere the two fused convolutions."""
-    x = state.x
-    geometry = [FR.check_conv_args(x, c.weight, c.bias, None, c.stride, c.padding, c.dilation)
-                for c in (short, first)]
-    stats = wants_stats(bn)
-    h, f = FR.conv2d_pair_from_prepared(state, short.weight, short.bias, geometry[0],
-                                        first.weight, first.bias, geometry[1],
-                                        return_stats=stats)
-    return h, (prepare(bn, *f) if stats else prepare(bn, f))
-
-
-def shortcut_conv_into(state: FR.BatchNormState, first: nn.Conv2d,
-                       bn: nn.BatchNorm2d) -> tuple[Tensor, FR.BatchNormState]:
-    """``(x, prepare(bn, first(a)))`` for ``a = relu(bn_in(x))`` prepared in ``state``: a
-    pre-activation unit's identity shortcut and first convolution, through
-    :func:`fusedres.functional.conv2d_with_shortcut_from_prepared` (on the cpu backend the
-    shortcut's gradient is summed into x's in the convolution's data-gradient pass)."""
-    geometry = FR.check_conv_args(state.x, first.weight, first.bias, None, first.stride,
-                                  first.padding, first.dilation)
-    stats = wants_stats(bn)
-    short, f = FR.conv2d_with_shortcut_from_prepared(state, first.weight, first.bias, geometry,
-                                                     return_stats=stats)
-    return short, (prepare(bn, *f) if stats else prepare(bn, f))
-
-
 def _has_no_data(x: Tensor) -> bool:
     """A meta or fake tensor (the planner's simulated step): no value to branch on."""
     from torch._subclasses.fake_tensor import is_fake
 
     return x.is_meta or is_fake(x)
-
-
-# --------------------------------------------------------------------------- the layers
-
-class BNReLUConvLayer:
-    """How a block runs a BatchNorm -> ReLU -> conv chain (``bn`` None: ReLU -> conv).
-
-    ``act(bn, x, stats)`` prepares ``relu(bn(x))`` (the BatchNorm's statistics pass and running
-    statistics update, once, however many convolutions read it); ``conv(a, conv, residual,
-    branch_scale, return_stats)`` is ``branch_scale[n] * conv(a) + residual``; ``conv_into(a,
-    conv, bn)`` is ``act(bn, conv(a))``; ``check(x, *convs)`` raises before ``act`` changes any
-    state if the convolutions cannot run on ``x``. ``fused`` says which kind it is.
-    """
-
-    fused: bool = False
-
-    def act(self, bn: nn.Module | None, x: Tensor, stats=None):
-        raise NotImplementedError
-
-    def conv(self, a, conv: nn.Conv2d, residual: Tensor | None = None,
-             branch_scale: Tensor | None = None, return_stats: bool = False):
-        raise NotImplementedError
-
-    def conv_into(self, a, conv: nn.Conv2d, bn: nn.Module | None):
-        return self.act(bn, self.conv(a, conv))
-
-    def check(self, x: Tensor, *convs: nn.Conv2d | None) -> None:
-        pass
-
-    def __repr__(self) -> str:
-        return type(self).__name__ + "()"
-
-
-class PlainBNReLUConv(BNReLUConvLayer):
-    """``conv(relu(bn(x)))`` as PyTorch runs it: every intermediate is kept for backward."""
-
-    fused = False
-
-    def act(self, bn, x, stats=None):
-        return F.relu(bn(x) if bn is not None else x)
-
-    def conv(self, a, conv, residual=None, branch_scale=None, return_stats=False):
-        y = scaled(conv(a), branch_scale)
-        y = y if residual is None else residual + y
-        return (y, None) if return_stats else y
-
-
-class FusedBNReLUConv(BNReLUConvLayer):
-    """The fused op: ``relu(bn(x))`` is never stored; backward recomputes it from ``x``.
-
-    A ReLU -> conv chain without BatchNorm (``bn`` None: ``norm="none"``, the first ReLU of a
-    ReLU-only pre-activation unit) runs as PyTorch runs it: PyTorch's ReLU keeps only its
-    output, which the convolution keeps anyway, so fusing it would save nothing (measured:
-    benchmarks/MEMORY.md, the variants' table) and cost the recomputation."""
-
-    fused = True
-
-    def act(self, bn, x, stats=None):
-        return prepare(bn, x, stats) if bn is not None else F.relu(x)
-
-    def conv(self, a, c, residual=None, branch_scale=None, return_stats=False):
-        if isinstance(a, Tensor):  # a ReLU without BatchNorm: plain
-            return PLAIN.conv(a, c, residual, branch_scale, return_stats)
-        return conv(a, c, residual=residual, return_stats=return_stats, branch_scale=branch_scale)
-
-    def conv_into(self, a, c, bn):
-        if bn is None:
-            return F.relu(self.conv(a, c))
-        if isinstance(a, Tensor):
-            return prepare(bn, c(a))
-        return conv_into(a, c, bn)
-
-    def check(self, x, *convs):
-        check_inputs(x, *convs)
-
-
-FUSED = FusedBNReLUConv()
-PLAIN = PlainBNReLUConv()
-
-
-# --------------------------------------------------------------------------- BNReLUConv2d
-
-class BNReLUConv2d(nn.Module):
-    """``conv(relu(bn(x))) + residual`` in one fused op.
-
-    Submodules ``bn`` (``nn.BatchNorm2d(in_channels)``) and ``conv`` (``nn.Conv2d``), with the
-    usual meanings of every argument. ``forward(x, residual=None)``: x (N, C, H, W), residual
-    (N, out_channels, Ho, Wo).
-    """
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
-                 dilation=1, bias: bool = False, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True, device=None, dtype=None):
-        super().__init__()
-        kw = {"device": device, "dtype": dtype}
-        self.bn = nn.BatchNorm2d(in_channels, eps, momentum, affine, track_running_stats, **kw)
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation,
-                              bias=bias, **kw)
-
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        c, bn = self._modules["conv"], self._modules["bn"]
-        if (type(bn) is nn.BatchNorm2d and type(c) is nn.Conv2d and c.groups == 1
-                and c.padding_mode == "zeros" and type(c.padding) is tuple
-                and (bn.momentum is None or type(bn.momentum) is float)):
-            # Plain modules: their tensors read from their dicts, as Module.__getattr__ finds
-            # them (a Python call each that way, ten a step).
-            cp, bp, bb = c._parameters, bn._parameters, bn._buffers
-            module_unit = route(x, cp["weight"]).module_unit
-            if module_unit is not None:
-                # One call (fusedres.ops.route); [] leaves these arguments to the checked route.
-                out = module_unit(x, cp["weight"], cp["bias"], bp["weight"], bp["bias"],
-                                  bb["running_mean"], bb["running_var"],
-                                  bb["num_batches_tracked"], bn.training, bn.momentum, bn.eps,
-                                  residual, c.stride, c.padding, c.dilation)
-                if out:
-                    return out[0]
-        check_convs(c)
-        geometry = FR.check_conv_args(x, c.weight, c.bias, residual, c.stride, c.padding,
-                                      c.dilation)
-        # The convolution's arguments are checked (before prepare touches the running stats):
-        # given their geometry, conv2d_from_prepared does not check them again.
-        return FR.conv2d_from_prepared(prepare(self.bn, x), c.weight, c.bias, residual=residual,
-                                       geometry=geometry)
 
 
 # --------------------------------------------------------------------------- residual blocks
@@ -467,12 +206,12 @@ class ResidualBlock(nn.Module):
     def stacked_shortcut(self) -> bool:
         """Whether this unit runs its projection shortcut and conv1 as one fused op on their
         stacked weights (:func:`shared_conv_into`): a :data:`FUSED` pre-activation unit whose
-        shortcut and conv1 are :func:`_concatenable`, both after a BatchNorm, and strided. (At
+        shortcut and conv1 are :func:`concatenable`, both after a BatchNorm, and strided. (At
         stride 1 the stacked output, as large as x or larger, costs more in the gradients'
         concatenation than the second pass over x saves; strided, the stack beats the cpu
         backend's paired route too, and peaks lower: benchmarks/RESULTS-history.md.)"""
         return (self._fused_projection_reads_bn1 and self.shortcut.stride != (1, 1)
-                and _concatenable(self.shortcut, self.convs[0]))
+                and concatenable(self.shortcut, self.convs[0]))
 
     @property
     def paired_shortcut(self) -> bool:
@@ -575,7 +314,7 @@ class ResidualBlock(nn.Module):
         (stats None when this unit cannot produce them: the next unit computes its own).
         """
         if self.unit == "preact":
-            out = _lean_preact(self, x, stats, return_stats)
+            out = lean.preact(self, x, stats, return_stats)
             y, out_stats = out if out is not None else self._forward_preact(x, stats,
                                                                             return_stats)
         else:
@@ -621,132 +360,6 @@ class ResidualBlock(nn.Module):
         check_convs(*self.convs[1:])
         dropped, drawn = self._draw(x)
         return V.forward_post(self, x, dropped, drawn)
-
-
-# --------------------------------------------------------------------------- the lean route
-# A fused pre-activation unit with the identity shortcut (most of a deep pre-activation ResNet)
-# runs _forward_preact's calls with its checks and its layers' Python between them: ~120
-# Python calls a chain on the C++ routes, where plain PyTorch's block makes ~45. Once the
-# checked route has run a key's arguments, later calls with the same key skip the checks and
-# call the route's fields in the same order on the same tensors (the same kernels, the same
-# results to the bit).
-
-# Arguments the checked route ran without error, by what its checks read: the block's
-# structure, x's and the statistics' metadata, and every BatchNorm's and convolution's
-# settings and tensors' shape, dtype and device (tensors are read afresh at every call).
-_LEAN_KEYS: set = set()
-_LEAN_NAMES = {k: tuple((f"bn{i}", f"conv{i}") for i in range(1, k + 1)) for k in (2, 3)}
-_META = operator.attrgetter("shape", "dtype", "device")
-
-
-def _lean_preact(block: ResidualBlock, x: Tensor, stats, return_stats: bool):
-    """``(y, stats of y or None)`` of ``block._forward_preact(x, stats, return_stats)`` through
-    the route's fields without the checks, for arguments whose key the checked route has run;
-    None where this route does not apply (then the caller runs the checked one): a
-    :data:`FUSED` pre-activation unit with the identity shortcut, two or three chains of plain
-    ``nn.BatchNorm2d`` and ``nn.Conv2d`` (explicit padding), no drop-path draw this step, no
-    autocast, a backend with a one-call BatchNorm preparation (cpu, cuda, triton), BatchNorm
-    parameters in the statistics dtype."""
-    names = _LEAN_NAMES.get(block.num_convs)
-    if (names is None or type(block.layer) is not FusedBNReLUConv or block.path != "identity"
-            or block.gate is not None or (block.training and block._drop_path > 0)):
-        return None
-    mods = block._modules
-    conv1 = mods["conv1"]
-    if type(conv1) is not nn.Conv2d:
-        return None
-    r = route(x, conv1._parameters["weight"])
-    if r.prepare_batch_norm is None or torch.is_autocast_enabled(x.device.type):
-        return None
-    keyed = _lean_key(r, names, mods, x, stats, return_stats)
-    if keyed is None:
-        return None
-    key, chain = keyed
-    if key not in _LEAN_KEYS:
-        out = block._forward_preact(x, stats, return_stats)  # checks every argument
-        _LEAN_KEYS.add(key)
-        return out
-    return _lean_run(r, chain, x, stats, return_stats)
-
-
-def _lean_key(r, names, mods, x: Tensor, stats, return_stats: bool):
-    """(the key of these arguments, each chain's fields) for :func:`_lean_preact`, or None
-    where a BatchNorm or convolution is not one the lean route runs."""
-    sdt = torch.float64 if x.dtype == torch.float64 else torch.float32  # opdefs.stats_dtype
-    key = [r.name, x.shape, x.stride(), x.dtype, x.device, return_stats,
-           None if stats is None else (len(stats), *map(_META, stats)),
-           torch.is_inference_mode_enabled()]  # with is_inference(): buffers it may write
-    chain = []
-    for bn_name, conv_name in names:
-        bn, c = mods.get(bn_name), mods[conv_name]  # no bn under norm='none'
-        if (type(bn) is not nn.BatchNorm2d or type(c) is not nn.Conv2d
-                or type(c.padding) is not tuple or "fused_prepare" in bn.__dict__):
-            return None
-        bp, bb, cp = bn._parameters, bn._buffers, c._parameters
-        g, b, rm, rv = bp["weight"], bp["bias"], bb["running_mean"], bb["running_var"]
-        nbt, w, cb = bb["num_batches_tracked"], cp["weight"], cp["bias"]
-        if (g is not None and g.dtype != sdt) or (b is not None and b.dtype != sdt):
-            return None  # the checked route casts them
-        key += (bn.training, bn.momentum, bn.eps, c.stride, c.padding, c.dilation, c.groups,
-                c.padding_mode, _META(w), None if cb is None else _META(cb),
-                None if g is None else _META(g), None if b is None else _META(b),
-                None if rm is None else (_META(rm), rm.stride(), rm.requires_grad,
-                                         rm.is_inference()),
-                None if rv is None else (_META(rv), rv.stride(), rv.requires_grad,
-                                         rv.is_inference()),
-                None if nbt is None else (_META(nbt), nbt.is_inference()))
-        chain.append((bn.training, bn.momentum, bn.eps, g, b, rm, rv, nbt, w, cb, c.stride,
-                      c.padding, c.dilation))
-    return tuple(key), chain
-
-
-def _lean_run(r, chain, x: Tensor, stats, return_stats: bool):
-    """The lean route's run of ``chain`` (:func:`_lean_key`'s) on ``x``: ``(y, stats of y
-    or None)``."""
-    prepare_affine, prepare_bn, prepares = r.prepare_affine, r.prepare_batch_norm, r.prepares
-    # What _forward_preact runs for these arguments: each BatchNorm prepared as
-    # functional.prepare_batch_norm's route branch does (with the statistics its producer
-    # handed over when it uses batch statistics), each unit as functional.conv2d_from_prepared
-    # runs it, conv1 handing the shortcut on where the route has that form.
-    a = short = x
-    last = len(chain) - 1
-    for i, (training, momentum, eps, g, b, rm, rv, nbt, w, cb, stride, padding,
-            dilation) in enumerate(chain):
-        use_batch = training or rm is None
-        given = stats if stats is not None and use_batch else (None, None)
-        affine = None
-        if prepares is not None and not prepares(a, rm, rv, training):
-            state = FR.prepare_batch_norm(a, g, b, rm, rv, nbt, training=training,
-                                          momentum=momentum, eps=eps,
-                                          stats=stats if use_batch else None)
-            mean, invstd = state.mean, state.invstd
-        else:
-            if prepare_affine is not None:
-                mean, invstd, *affine = prepare_affine(a, g, b, rm, rv, nbt, training,
-                                                       momentum, eps, *given)
-            else:
-                mean, invstd = prepare_bn(a, rm, rv, nbt, training, momentum, eps, *given)
-            if given[0] is not None:
-                mean = given[0]
-        args = UnitArgs(a, w, cb, g, b, mean, invstd, short if i == last else None, stride,
-                        padding, dilation, use_batch)
-        if i == last:
-            if return_stats:
-                y, m, v = r.unit(args, True, affine)
-                return y, (m, v)
-            return r.unit(args, False, affine), None
-        # The next BatchNorm takes this unit's statistics when it uses batch statistics.
-        nxt = chain[i + 1]
-        want = nxt[0] or nxt[5] is None
-        if i == 0 and r.unit_with_shortcut is not None:
-            a, short, *stats = r.unit_with_shortcut(*args, want)
-        elif want:
-            a, *stats = r.unit(args, True, affine)
-        else:
-            a = r.unit(args, False, affine)
-        if not want:
-            stats = None
-    return None  # unreachable: the last chain returns
 
 
 class BasicBlock(ResidualBlock):
