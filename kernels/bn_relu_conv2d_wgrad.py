@@ -61,127 +61,112 @@ from ._tl import cast, mma, relu_window
 from .bn_relu_conv2d import bn_relu_tile
 from .reductions import ReducePlan
 
-# Configs by name, in every list: the per-tap tiles "mid", "big", "small" (and the SUMS lists'
-# "tiny"), then the taps form's "taps" and "taps_wide" (``use_taps``: unit stride, no bias,
-# <= 32 channels each side). Each entry's comment is the rule the host picks it by
-# (``pick_config``) and why the tile is shaped so; the dict order is the order ``configs_for``
-# gives the autotuner and tools/triton_aot.py. The SASS and model figures behind each tile:
-# kernels/TUNING.md, "Weight gradient". M is Co, N is C, K the output pixels. Each K-step
-# splits its pixel indices into (n, oh, ow) for both operand tiles: the loop is issue-bound, so
-# the big tiles take a long K (that index work paid once for more MMAs). 16-bit tiles are
-# wgmma-sized (M 64 a warpgroup); wider ones (64x128 on 4 warps, K 64) spill in the
-# unspecialised compile (tools/triton_aot.py).
-CONFIGS = named({
-    # The fallback: more than 32 channels each side, not both wide.
-    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
-    # Co >= 128 and C >= 64: K 64 in 2 stages, the index work amortised over twice the MMAs.
-    "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2),
-    # <= 32 channels on either side: no padded rows or columns past 32.
-    "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2),
-    # Taps form, <= 16 channels each side: GEMM rows (tap, co), 4 taps x 16 = a wgmma m64.
-    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
-                            num_stages=2),
-    # Taps form, up to 32 output channels: 4 taps x 32 rows.
-    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
-                                 num_stages=2),
-})
-# float32 with TF32 products: the same rules.
-FP32_CONFIGS = named({
-    # The fallback.
-    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
-    # Co >= 128 and C >= 64: 128x128 for the same reason as 16-bit's big, K 32 in 2 stages.
-    "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=2),
-    # <= 32 channels on either side.
-    "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-    # Taps form, <= 16 channels each side.
-    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
-                            num_stages=2),
-    # Taps form, up to 32 output channels.
-    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_T=4, num_warps=4,
-                                 num_stages=2),
-})
-# float32 without TF32 (``ieee`` products: FMA, no tensor cores), the same rules. An FMA tile
-# keeps BLOCK_M*BLOCK_N / threads accumulators and, per K-step, the broadcast operand rows of
-# its fragment in registers: the TF32 tiles spill here. K 16 and 2 stages: none spill.
-IEEE_CONFIGS = named({
-    # The fallback: 16 accumulators a thread.
-    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
-    # Co >= 128 and C >= 64: 32 accumulators a thread.
-    "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
-    # <= 32 channels on either side: 8 accumulators a thread.
-    "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
-    # Taps form, <= 16 channels each side.
-    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
-                            num_stages=2),
-    # Taps form, up to 32 output channels.
-    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
-                                 num_stages=2),
-})
-# float64: one per-tap tile for every shape.
-FP64_CONFIGS = named({
-    # Every per-tap launch.
-    "mid": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
-    # Taps form, <= 16 channels each side.
-    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
-                            num_stages=2),
-    # Taps form, up to 32 output channels.
-    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
-                                 num_stages=2),
-})
-# The SUMS variant carries two accumulators: 8 warps (two warpgroups) for the wide ones. Each x
-# element it loads is recomputed (mask, m * x) once and used by BLOCK_M output channels: the
-# wide tile is tall (128 output channels x 64 input), not wide.
-SUMS_CONFIGS = named({
-    # The fallback, on 4 warps: with 8, sm_80's mma.sync layout repeats each product on two.
-    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
-    # Co >= 128 and C >= 64: tall, 128 output channels x 64 input.
-    "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
-    # <= 32 channels on either side.
-    "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
-    # <= 16 channels each side: 16x16, no padded rows or columns in either GEMM.
-    "tiny": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
-    # Taps form, <= 16 channels each side.
-    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
-                            num_stages=2),
-    # Taps form, up to 32 output channels.
-    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
-                                 num_stages=2),
-})
-# float32 (TF32), tall for the same reason.
-SUMS_FP32_CONFIGS = named({
-    # The fallback, on 4 warps as 16-bit's.
-    "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=2),
-    # Co >= 128 and C >= 64: tall (64x128 is issue-bound, 128x64 tensor-bound).
-    "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
-    # <= 32 channels on either side.
-    "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
-    # <= 16 channels each side: no padded rows or columns.
-    "tiny": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),
-    # Taps form, <= 16 channels each side.
-    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, BLOCK_T=4, num_warps=4,
-                            num_stages=2),
-    # Taps form, up to 32 output channels.
-    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, BLOCK_T=4, num_warps=4,
-                                 num_stages=2),
-})
-# float32 without TF32: the TF32 per-tap tiles are spill-free with ieee products too; the taps
-# form's K 64 is not (255 registers + spills): the ieee lists' K 16 taps tiles.
-SUMS_IEEE_CONFIGS = named({
-    **{name: SUMS_FP32_CONFIGS[name] for name in ("mid", "big", "small", "tiny")},
-    "taps": IEEE_CONFIGS["taps"],  # Taps form, <= 16 channels each side, K 16.
-    "taps_wide": IEEE_CONFIGS["taps_wide"],  # Taps form, up to 32 output channels, K 16.
-})
-# float64: one per-tap tile for every shape.
-SUMS_FP64_CONFIGS = named({
-    # Every per-tap launch.
-    "mid": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
-    # Taps form, <= 16 channels each side.
-    "taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
-                            num_stages=2),
-    # Taps form, up to 32 output channels.
-    "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, BLOCK_T=4, num_warps=4,
-                                 num_stages=2),
-})
+# The configs, one table keyed by (dtype, variant): the dtype as ``config_variant`` names it
+# (float16 and bfloat16 share theirs; "fp32" with TF32 products, "fp32-ieee" without) and the
+# kernel variant, "plain" or "sums" (the BatchNorm sums beside dW). Each list names its configs:
+# the per-tap tiles "mid", "big", "small" (and the sums lists' "tiny", but float64's), then
+# the taps form's "taps" and "taps_wide" (``use_taps``: unit stride, no bias, <= 32 channels
+# each side). Each entry's comment is the rule the host picks it by (``pick_config``) and why
+# the tile is shaped so; the order is the order ``configs_for`` gives the autotuner and
+# tools/triton_aot.py. The SASS and model figures behind each tile: kernels/TUNING.md, "Weight
+# gradient". M is Co, N is C, K the output pixels. Each K-step splits its pixel indices into
+# (n, oh, ow) for both operand tiles: the loop is issue-bound, so the big tiles take a long K
+# (that index work paid once for more MMAs). 16-bit tiles are wgmma-sized (M 64 a warpgroup);
+# wider ones (64x128 on 4 warps, K 64) spill in the unspecialised compile
+# (tools/triton_aot.py).
+_PER_TAP = {
+    ("16bit", "plain"): {
+        # The fallback: more than 32 channels each side, not both wide.
+        "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+        # Co >= 128 and C >= 64: K 64 in 2 stages, the index work amortised over twice the
+        # MMAs.
+        "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=2),
+        # <= 32 channels on either side: no padded rows or columns past 32.
+        "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2),
+    },
+    # float32 with TF32 products: the same rules.
+    ("fp32", "plain"): {
+        # The fallback.
+        "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
+        # Co >= 128 and C >= 64: 128x128 for the same reason as 16-bit's big, K 32 in 2 stages.
+        "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=2),
+        # <= 32 channels on either side.
+        "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+    },
+    # float32 without TF32 (``ieee`` products: FMA, no tensor cores), the same rules. An FMA
+    # tile keeps BLOCK_M*BLOCK_N / threads accumulators and, per K-step, the broadcast operand
+    # rows of its fragment in registers: the TF32 tiles spill here. K 16 and 2 stages: none
+    # spill.
+    ("fp32-ieee", "plain"): {
+        # The fallback: 16 accumulators a thread.
+        "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+        # Co >= 128 and C >= 64: 32 accumulators a thread.
+        "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+        # <= 32 channels on either side: 8 accumulators a thread.
+        "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    },
+    # float64: one per-tap tile for every shape (every per-tap launch).
+    ("fp64", "plain"): {
+        "mid": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3),
+    },
+    # The sums variant carries two accumulators: 8 warps (two warpgroups) for the wide ones.
+    # Each x element it loads is recomputed (mask, m * x) once and used by BLOCK_M output
+    # channels: the wide tile is tall (128 output channels x 64 input), not wide.
+    ("16bit", "sums"): {
+        # The fallback, on 4 warps: with 8, sm_80's mma.sync layout repeats each product on two.
+        "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=4),
+        # Co >= 128 and C >= 64: tall, 128 output channels x 64 input.
+        "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=3),
+        # <= 32 channels on either side.
+        "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3),
+        # <= 16 channels each side: 16x16, no padded rows or columns in either GEMM.
+        "tiny": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3),
+    },
+    # float32 (TF32), tall for the same reason.
+    ("fp32", "sums"): {
+        # The fallback, on 4 warps as 16-bit's.
+        "mid": KernelConfig.of(BLOCK_M=64, BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=2),
+        # Co >= 128 and C >= 64: tall (64x128 is issue-bound, 128x64 tensor-bound).
+        "big": KernelConfig.of(BLOCK_M=128, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2),
+        # <= 32 channels on either side.
+        "small": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2),
+        # <= 16 channels each side: no padded rows or columns.
+        "tiny": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2),
+    },
+    # float64: one per-tap tile for every shape (every per-tap launch).
+    ("fp64", "sums"): {
+        "mid": KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
+    },
+}
+# float32 without TF32, sums: the TF32 per-tap tiles are spill-free with ieee products too.
+_PER_TAP["fp32-ieee", "sums"] = _PER_TAP["fp32", "sums"]
+
+# The taps form's tiles, the same in both variants: "taps" (<= 16 channels each side; GEMM
+# rows (tap, co), 4 taps x 16 = a wgmma m64) and "taps_wide" (up to 32 output channels: 4 taps
+# x 32 rows), 4 warps, 2 stages. Only K differs, by dtype: 64 on 16-bit; TF32's wide tile
+# K 32; without tensor cores (ieee, float64) K 16 (ieee's K 64 takes 255 registers and spills).
+_TAPS_K = {"16bit": (64, 64), "fp32": (64, 32), "fp32-ieee": (16, 16), "fp64": (16, 16)}
+
+
+def _taps_form(dtype: str) -> dict[str, KernelConfig]:
+    k, k_wide = _TAPS_K[dtype]
+    return {"taps": KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=k, BLOCK_T=4, num_warps=4,
+                                    num_stages=2),
+            "taps_wide": KernelConfig.of(BLOCK_M=32, BLOCK_N=16, BLOCK_K=k_wide, BLOCK_T=4,
+                                         num_warps=4, num_stages=2)}
+
+
+def _table() -> dict[tuple[str, str], dict[str, KernelConfig]]:
+    out = {}
+    for (dtype, variant), per_tap in _PER_TAP.items():
+        configs = named({**per_tap, **_taps_form(dtype)})
+        for name in (("fp16", "bf16") if dtype == "16bit" else (dtype,)):
+            out[name, variant] = configs
+    return out
+
+
+# (config_variant's dtype name, "plain" | "sums") -> the configs by name.
+CONFIGS = _table()
 INTERPRET_CONFIG = KernelConfig.of(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1)
 INTERPRET_TAPS_CONFIG = KernelConfig.of(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, BLOCK_T=16,
                                         num_warps=4, num_stages=1)
@@ -537,12 +522,7 @@ def configs_for(dtype, sums: bool = False, interpret: bool | None = None) -> lis
 def named_configs(dtype, sums: bool = False,
                   interpret: bool | None = None) -> dict[str, KernelConfig]:
     """:func:`configs_for`'s configs by name (the rules ``pick_config`` picks them by)."""
-    name = config_variant(dtype, interpret)
-    if sums:
-        return {"fp64": SUMS_FP64_CONFIGS, "fp32": SUMS_FP32_CONFIGS,
-                "fp32-ieee": SUMS_IEEE_CONFIGS}.get(name, SUMS_CONFIGS)
-    return {"fp64": FP64_CONFIGS, "fp32": FP32_CONFIGS,
-            "fp32-ieee": IEEE_CONFIGS}.get(name, CONFIGS)
+    return CONFIGS[config_variant(dtype, interpret), "sums" if sums else "plain"]
 
 
 def sums_configs_for(dtype, interpret: bool | None = None) -> list[KernelConfig]:

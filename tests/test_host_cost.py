@@ -42,7 +42,7 @@ def check(route: str, counts: dict, plain: dict) -> None:
 
 # A pre-activation basic block (two chains, the identity shortcut): (launches a step, total
 # Python calls at most this times the plain block's). What a deep pre-activation ResNet repeats:
-# its checks made once per arguments' key (fusedres.modules._lean_preact).
+# its checks made once per arguments' key (fusedres.modules.lean.preact).
 BLOCK_EXPECTED = {
     "cpu": (0, 0.5),
     "cuda": (9, 0.5),
@@ -76,7 +76,7 @@ def test_a_block_without_its_lean_route_fails_the_count(plain_block, monkeypatch
     _runs("cuda")
     from fusedres import modules
 
-    monkeypatch.setattr(modules, "_lean_preact", lambda *a: None)
+    monkeypatch.setattr(modules.lean, "preact", lambda *a: None)
     c = hostcost.counts("cuda", unit="block")
     assert c["python_calls"] > BLOCK_EXPECTED["cuda"][1] * plain_block["python_calls"]
 

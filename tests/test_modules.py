@@ -347,7 +347,7 @@ def _lean_runs(block, x, stats, return_stats):
 def test_lean_preact_route_is_the_checked_route(backend, name, make, given, channels_last,
                                                  monkeypatch):
     """A fused pre-activation unit with the identity shortcut skips its checks once the checked
-    route has run its arguments' key (fusedres.modules._lean_preact): the same route calls on
+    route has run its arguments' key (fusedres.modules.lean.preact): the same route calls on
     the same tensors, so the same outputs, statistics handed on, gradients and running
     statistics to the bit, in training and eval, with and without the producer's statistics;
     and the checked route itself is still what a new key runs (an error there touches
@@ -361,14 +361,14 @@ def test_lean_preact_route_is_the_checked_route(backend, name, make, given, chan
         x = x.contiguous(memory_format=torch.channels_last)
     stats = (x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)) if given else None
     twin = copy.deepcopy(block)
-    modules._LEAN_KEYS.clear()
+    modules.lean.KEYS.clear()
     calls = []
     checked = modules.ResidualBlock._forward_preact
     monkeypatch.setattr(modules.ResidualBlock, "_forward_preact",
                         lambda *a: calls.append(1) or checked(*a))
     lean = _lean_runs(block, x, stats, True)
     lean_calls = len(calls)
-    monkeypatch.setattr(modules, "_lean_preact", lambda *a: None)
+    monkeypatch.setattr(modules.lean, "preact", lambda *a: None)
     plain = _lean_runs(twin, x, stats, True)
     assert len(lean) == len(plain)
     for a, b in zip(lean, plain):

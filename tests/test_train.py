@@ -16,9 +16,9 @@ import yaml
 
 from fusedres.apps.train import checkpoint as ckpt
 from fusedres.apps.train import main
+from fusedres.apps.train.build import _param_groups, milestones
 from fusedres.apps.train.config import DEFAULTS, UsageError, parse_bytes, resolve
 from fusedres.apps.train.data import Batches, Data, augment
-from fusedres.apps.train.loop import _param_groups, milestones
 from fusedres.apps.train.schedule import lr_sequence
 
 REPO = Path(__file__).resolve().parents[1]
@@ -475,7 +475,7 @@ def test_compile_and_cuda_graphs_from_a_config_file(tmp_path):
 def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch, capsys, flags, mode):
     """``--compile MODE``: the model compiled in that mode (torch.compile stood in for: a real
     compile is the full matrix's run below), said in the banner and the summary."""
-    from fusedres.apps.train import loop
+    from fusedres.apps.train import run_setup
 
     calls = []
 
@@ -483,7 +483,7 @@ def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch, capsys, flags
         calls.append(kwargs)
         return model
 
-    monkeypatch.setattr(loop.torch, "compile", fake_compile)
+    monkeypatch.setattr(run_setup.torch, "compile", fake_compile)
     out = tmp_path / "run"
     assert main([*TINY, "--max-iters", "1", "--out", str(out), *flags]) == 0
     assert calls == [{"mode": mode}]
@@ -594,8 +594,8 @@ def test_model_variants_train_and_are_saved(tmp_path, flags):
         assert cfg[key] == want and summary["variant"][key] == want, key
     # The saved config rebuilds the same network (what fusedres lesion/landscape do).
     state = ckpt.load(ckpt.latest(out))["model"]
+    from fusedres.apps.train.build import build_model
     from fusedres.apps.train.config import merge_saved
-    from fusedres.apps.train.loop import build_model
     model = build_model(merge_saved(*resolve([]), cfg), 1, 10)
     model.load_state_dict(state)
 

@@ -21,7 +21,7 @@ import torch
 
 import fusedres
 from fusedres import models
-from fusedres.apps.train.loop import _param_groups
+from fusedres.apps.train.build import _param_groups
 from fusedres.apps.train.step import TrainStep, lr_tensor, sgd
 from helpers import TRITON_TRACE_PRELUDE
 

@@ -311,7 +311,7 @@ def test_imagefolder_defaults_are_the_papers_and_only_for_imagefolder():
         "preact_resnet200", "imagefolder", 256, 0.1, 0.9, 1e-4, 0, 90)
     assert cfg["lr_decay"] == 0.1
     # /10 at epochs 30 and 60 of 90: fractions of the run.
-    from fusedres.apps.train.loop import milestones
+    from fusedres.apps.train.build import milestones
     ipe = 1281167 // 256  # ImageNet-1k's training set
     assert milestones(cfg, 90 * ipe) == [30 * ipe, 60 * ipe]
     with pytest.raises(UsageError, match="--crop-size: only with --dataset imagefolder"):

@@ -19,8 +19,9 @@ import yaml
 from fusedres import models
 from fusedres.apps.train import checkpoint as ckpt
 from fusedres.apps.train import main
+from fusedres.apps.train.build import _optimizer, _param_groups
 from fusedres.apps.train.config import resolve
-from fusedres.apps.train.loop import Run, _optimizer, _param_groups
+from fusedres.apps.train.loop import Run
 from fusedres.apps.train.step import TrainStep, lr_tensor
 
 TINY = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "8", "--threads", "1",
@@ -263,8 +264,8 @@ def _by_hand(model_state: dict, cfg: dict) -> tuple[float, float, float]:
     """The oracle: the run's network built anew, the weights loaded, the digits test set
     normalised with the training set's per-channel mean and std, plain cross-entropy and
     top-1/top-5 hits summed over it in one batch."""
+    from fusedres.apps.train.build import build_model
     from fusedres.apps.train.data import load
-    from fusedres.apps.train.loop import build_model
 
     data = load("digits", "data", False, False)
     model = build_model(cfg, data.image_shape[0], data.num_classes)

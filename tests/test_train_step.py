@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedres
 from fusedres import models
-from fusedres.apps.train.loop import _optimizer, _param_groups
+from fusedres.apps.train.build import _optimizer, _param_groups
 from fusedres.apps.train.step import GraphedStep, TrainStep, lr_tensor, sgd
 
 # The ops through which a value reaches the host: Tensor.item() and bool(t) (is_nonzero goes
@@ -56,7 +56,7 @@ def _one_thread():
 def _trainer_step(model: nn.Module, amp: torch.dtype | None = None, lr: float = 0.1,
                   nesterov: bool = False, optimizer: str = "sgd", label_smoothing: float = 0.0,
                   accum_steps: int = 1) -> tuple[TrainStep, torch.Tensor]:
-    """The trainer's step for ``model`` (fusedres.apps.train.loop builds it so) and its lr
+    """The trainer's step for ``model`` (fusedres.apps.train.run_setup builds it so) and its lr
     tensor."""
     lr_t = lr_tensor(lr, torch.device("cpu"))
     cfg = dict(_CFG, optimizer=optimizer, momentum=0.9, nesterov=nesterov, betas=[0.9, 0.999],

@@ -216,14 +216,14 @@ def test_fp32_configs_follow_tf32(monkeypatch):
     with pytest.raises(ValueError, match="dtype"):
         config_variant("fp8")
     roles = {"mid": (64, 64), "big": (256, 256), "small": (32, 256)}
-    tiles = wg.FP32_CONFIGS
+    tiles = wg.CONFIGS["fp32", "plain"]
     assert {name: wg.pick_config(co, c, torch.float32, interpret=False)
             for name, (co, c) in roles.items()} == {name: tiles[name] for name in roles}
     assert [wg.pick_config(co, c, torch.float32, interpret=False, taps=True)
             for co, c in [(16, 16), (32, 16)]] == [tiles["taps"], tiles["taps_wide"]]
     assert wg.configs_for(torch.float32, interpret=False) == list(tiles.values())
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    ieee = wg.IEEE_CONFIGS
+    ieee = wg.CONFIGS["fp32-ieee", "plain"]
     assert {name: wg.pick_config(co, c, torch.float32, interpret=False)
             for name, (co, c) in roles.items()} == {name: ieee[name] for name in roles}
     assert wg.configs_for(torch.float32, interpret=False) == list(ieee.values())

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fusedres.apps.cli import UsageError
+from fusedres.apps.train.build import build_model
 from fusedres.apps.train.checkpoint import write_atomically
-from fusedres.apps.train.loop import build_model
 from fusedres.apps.train.seeds import derived_seed
 
 from . import figures

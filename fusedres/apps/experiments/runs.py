@@ -28,8 +28,8 @@ import fusedres
 from fusedres.apps.cli import UsageError
 from fusedres.apps.train import checkpoint as ckpt
 from fusedres.apps.train import data as data_mod
+from fusedres.apps.train.build import build_model
 from fusedres.apps.train.config import DEFAULTS, load_yaml, merge_saved
-from fusedres.apps.train.loop import build_model
 from fusedres.apps.train.naming import variant_label
 
 __all__ = ["Evaluation", "LoadedRun", "Parser", "add_run_options", "at_least", "check_checkpoint",
