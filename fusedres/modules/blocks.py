@@ -209,7 +209,7 @@ class ResidualBlock(nn.Module):
         shortcut and conv1 are :func:`concatenable`, both after a BatchNorm, and strided. (At
         stride 1 the stacked output, as large as x or larger, costs more in the gradients'
         concatenation than the second pass over x saves; strided, the stack beats the cpu
-        backend's paired route too, and peaks lower: benchmarks/RESULTS-history.md.)"""
+        backend's paired route too, and peaks lower: benchmarks/RESULTS-history.md at 2e8027e.)"""
         return (self._fused_projection_reads_bn1 and self.shortcut.stride != (1, 1)
                 and concatenable(self.shortcut, self.convs[0]))
 
@@ -228,7 +228,8 @@ class ResidualBlock(nn.Module):
         summed in conv1's data-gradient pass on the cpu backend: a :data:`FUSED`
         pre-activation unit with the identity shortcut and BatchNorms before conv1 and conv2.
         (Autograd's own sum reads both gradients and writes a third tensor of x's size; the
-        measurement: benchmarks/RESULTS-history.md, "The identity shortcut's gradient".)"""
+        measurement: benchmarks/RESULTS-history.md at 2e8027e, "The identity shortcut's
+        gradient".)"""
         return self._fused_conv1_between_bns and self.path == "identity"
 
     @property
