@@ -405,16 +405,6 @@ def provenance_report(loaded: list[RunCurves]) -> tuple[list[str], list[str]]:
     return lines, warnings
 
 
-def _jsonable(obj: Any) -> Any:
-    """``obj`` with every non-finite float as None (strict JSON has no NaN or Infinity)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
-
 
 def _pct_cell(s: dict[str, Any]) -> str:
     if not s.get("n"):
@@ -545,8 +535,8 @@ def _run(args, argv: list[str]) -> int:
     grad_fig = grad_norm_figure(groups, summary, args.grad_norm_profile)
     grad_png = (figures.save(grad_fig, out / "grad_norms.png", layout=False)
                 if grad_fig is not None else None)
-    doc = {"command": "fusedres compare " + shlex.join(argv), "groups": _jsonable(summary),
-           "retraining_noise": found_noise, "pairs": _jsonable(found_pairs),
+    doc = {"command": "fusedres compare " + shlex.join(argv), "groups": stats.jsonable(summary),
+           "retraining_noise": found_noise, "pairs": stats.jsonable(found_pairs),
            "provenance": {"runs": {str(r.directory): r.provenance for r in loaded},
                           "warnings": origin_warnings},
            "null": "a value that is not finite (a median or quartile a diverged run reaches)",

@@ -34,7 +34,6 @@ settings; rewritten after every row, so an interrupted map continues), ``hessian
 from __future__ import annotations
 
 import json
-import math
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -52,7 +51,7 @@ from fusedres.apps.train.build import build_model
 from fusedres.apps.train.checkpoint import write_atomically
 from fusedres.apps.train.seeds import derived_seed
 
-from . import figures
+from . import figures, stats
 from .landscape_plots import hessian_figure
 
 __all__ = ["DEFAULT_ITERS", "DEFAULT_TOL", "HessianMap", "hessian_vector_product",
@@ -291,7 +290,7 @@ def _report(hmap: HessianMap, run, out: Path, argv, labels, resumed: int) -> dic
                          (float(hmap.x[cx]), float(hmap.y[cy])), labels, title)
     if fig is not None:
         doc["files"]["plot"] = figures.save(fig, out / "hessian_2d.png", layout=False).name
-    (out / "hessian_2d.json").write_text(json.dumps(_jsonable(doc), indent=2) + "\n")
+    (out / "hessian_2d.json").write_text(json.dumps(stats.jsonable(doc), indent=2) + "\n")
     c = doc["centre"]
     print(f"hessian_2d: {len(hmap.y)} x {len(hmap.x)} points; at the centre lambda_min "
           f"{_g(c['lam_min'])}, lambda_max {_g(c['lam_max'])}, |ratio| {_g(c['ratio'])}; "
@@ -304,13 +303,3 @@ def _report(hmap: HessianMap, run, out: Path, argv, labels, resumed: int) -> dic
 
 def _g(v) -> str:
     return "n/a" if v is None else f"{v:.4g}"
-
-
-def _jsonable(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj

@@ -77,3 +77,16 @@ def retraining_noise(values_by_variant: Sequence[Sequence[float]]) -> dict[str, 
         return None
     return {"variants": len(spreads), "median": float(np.median(spreads)),
             "max": float(max(spreads)), "spreads": spreads}
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` (figures in dicts, lists and tuples) with every non-finite float as None: strict
+    JSON has no NaN or Infinity, and compare.json and hessian_2d.json are read by other tools."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
+
