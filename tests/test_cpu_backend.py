@@ -914,3 +914,61 @@ def test_prepare_batch_norm_in_one_call_is_the_python_rule(monkeypatch, momentum
         assert int(nbt) == 6 + (mode != "eval")
         moved = mode != "eval"
         assert (rm._version > versions[0]) == moved and (rv._version > versions[1]) == moved
+
+
+# The NHWC period walk (csrc/cpu/vec/vec.h, nhwc_periods) of a channels_last 1x1 unit that runs
+# as one pixel chunk (csrc/cpu/bn_relu_conv2d.cpp, backward_by_chunks): there the chunk's
+# kernels open their own parallel region, and the first backward pass, handed one thread's row
+# of sums, sized its period sums by it while its threads wrote a row each: heap corruption
+# (glibc's abort) for C % L == L / 2 under avx512 (C=24, 40) and avx2 (C=20, 28). A child per
+# capability, so that an abort fails the test: every C of 1..40 that is not whole vectors of
+# 8 or 16 lanes, over 257 period rows and one pixel more (two blocks of 256 rows, so two
+# threads, and a rest row), float32 and float64, with and without a residual.
+_PERIOD_CHUNK = """
+import math, sys
+sys.path.insert(0, {tests!r})
+import torch
+import fusedres
+from test_cpu_backend import _compare_with_portable, _inputs
+torch.set_num_threads(2)
+torch.manual_seed(0)
+print("in use:", fusedres.cpu_capability(), flush=True)
+lanes = 16 if fusedres.cpu_capability() == "avx512" else 8  # float lanes; double: half
+for dtype in (torch.float32, torch.float64):
+    L = lanes if dtype == torch.float32 else lanes // 2
+    for c in [c for c in range(1, 41) if c % 16]:
+        per = L // math.gcd(c, L)  # pixels per period row
+        for residual in (False, True):
+            args = _inputs(n=1, c=c, h=1, w=257 * per + 1, co=4, k=(1, 1), padding=(0, 0),
+                           dtype=dtype, x_format=torch.channels_last,
+                           w_format=torch.channels_last, residual=residual)
+            _compare_with_portable(args, dtype)
+print("agree")
+"""
+
+
+def _cpu_runs() -> list[str]:
+    """The capabilities fusedres._C has copies of and this CPU runs."""
+    import importlib
+
+    ext = importlib.import_module("fusedres._C")
+    have = set(ext.cpu_features())
+    return [name for name, need in ext.cpu_capabilities() if set(need) <= have]
+
+
+@pytest.mark.parametrize("pin", ["baseline", "avx2", "avx512"])
+def test_nhwc_period_walk_in_one_pixel_chunk(pin):
+    if pin not in _cpu_runs():
+        pytest.skip(f"this CPU or build does not run {pin} (it runs: {', '.join(_cpu_runs())})")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    out = subprocess.run([sys.executable, "-c", _PERIOD_CHUNK.format(tests=str(tests))],
+                         capture_output=True, text=True, cwd=tests.parent, timeout=600,
+                         env=dict(os.environ, FUSEDRES_CPU_CAPABILITY=pin))
+    assert out.returncode == 0, f"exit status {out.returncode}\n" + out.stdout[-2000:] + \
+        out.stderr[-4000:]
+    assert out.stdout == f"in use: {pin}\nagree\n", out.stdout

@@ -950,9 +950,11 @@ void backward_by_chunks(const BwdPass& P, const std::vector<ConvGrad>& convs,
   at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
     const at::ThreadLocalStateGuard tls_guard(tls);
     const int64_t tid = at::get_thread_num();
-    // The kernels below run serially here and index their sums by thread 0: give them this
-    // thread's row.
-    at::Tensor sums_t = P.sums.narrow(0, tid, 1);
+    // Inside a parallel region the kernels below run serially and index their sums by thread
+    // 0: give them this thread's row. A single chunk runs outside one (parallel_for calls the
+    // body directly), and there the kernels open their own region over every thread: they
+    // need all the rows (given one, the NHWC period walk's sums, sized by it, overflowed).
+    at::Tensor sums_t = at::in_parallel_region() ? P.sums.narrow(0, tid, 1) : P.sums;
     for (int64_t j = b; j < e; ++j) {
       const int64_t r0 = j * rc, len = std::min(rc, R - r0);
       const at::Tensor xc = pixel_rows(x, r0, len);

@@ -1,6 +1,7 @@
 // Run-time dispatch of the CPU kernels (the rules: capability.h): the capability tables, the
 // choice, and the functions of kernels.h, each forwarding to the chosen copy. Compiled once,
 // for the compiler's default target, like the rest of csrc/ outside csrc/cpu/vec/.
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -224,6 +225,11 @@ void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
                                     const at::Tensor& mean, const at::Tensor& out_scale,
                                     at::Tensor& sums, at::Tensor* dz_out, Layout layout,
                                     Layout da_layout, bool stream_dz) {
+  // The kernel indexes sums by at::get_thread_num() in its parallel_for: a row for every thread,
+  // or one where the caller is already in a parallel region (the kernel then runs as thread 0).
+  const int64_t rows = at::in_parallel_region() ? 1 : at::get_num_threads();
+  TORCH_INTERNAL_ASSERT(sums.dim() == 3 && sums.size(0) >= rows, "backward_reduce: sums has ",
+                        sums.size(0), " thread rows, the kernel may run on ", rows);
   kernels().backward_reduce(da, x, scale, shift, mean, out_scale, sums, dz_out, layout, da_layout,
                             stream_dz);
 }

@@ -69,7 +69,9 @@ void bn_relu_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tens
 //   dz = da * [scale * x + shift > 0]
 //   sum_dz[c] += sum(dz), sum_dz_xm[c] += sum(dz * (x - mean))   (per-thread double rows)
 //   when dz_out is defined: dz_out = out_scale[c] * dz (acc dtype of x)
-// sums: (num_threads, 2, C) double, accumulated into.
+// sums: (num_threads, 2, C) double, accumulated into, row t by thread t of the kernel's
+// parallel_for: called inside a parallel region (it then runs serially, as thread 0), one row
+// is enough; outside one, at::get_num_threads() rows are needed (checked).
 // stream_dz: write dz with streaming stores where its rows allow (whole aligned vectors): for a
 // dz too large to stay in cache until the second pass reads it.
 void bn_relu_backward_reduce_kernel(const at::Tensor& da, const at::Tensor& x,
