@@ -174,19 +174,25 @@ def bind(fn, args, kwargs, arch: int):
     return options, signature, constexprs, attrs, dict(bound)
 
 
+def _configs_in(value, depth: int = 2) -> list[KernelConfig]:
+    """The KernelConfigs a module-level value holds: itself, or those of a list, a named table
+    (name -> config) or a table of tables (wgrad's ``CONFIGS[dtype, variant]``)."""
+    if isinstance(value, KernelConfig):
+        return [value]
+    if depth == 0 or not isinstance(value, (dict, list, tuple)):
+        return []
+    items = value.values() if isinstance(value, dict) else value
+    return [cfg for item in items for cfg in _configs_in(item, depth - 1)]
+
+
 def _config_of(fn, params: dict, options) -> KernelConfig:
     """The :class:`KernelConfig` the launch came from: the one of ``fn``'s module whose block
     sizes, warps and stages the launch carries (the most specific when several do)."""
     module = sys.modules.get(fn.__module__)
-    found = []
-    for value in vars(module).values() if module else ():
-        cands = (list(value.values()) if isinstance(value, dict)  # a named config table
-                 else value if isinstance(value, (list, tuple)) else [value])
-        for cfg in cands:
-            if (isinstance(cfg, KernelConfig) and cfg.num_warps == options.num_warps
-                    and cfg.num_stages == options.num_stages
-                    and all(params.get(k) == v for k, v in cfg.blocks)):
-                found.append(cfg)
+    found = [cfg for value in (vars(module).values() if module else ())
+             for cfg in _configs_in(value)
+             if cfg.num_warps == options.num_warps and cfg.num_stages == options.num_stages
+             and all(params.get(k) == v for k, v in cfg.blocks)]
     if found:
         return max(found, key=lambda c: len(c.blocks))
     blocks = {k: v for k, v in params.items() if k.startswith("BLOCK_")}
