@@ -7,7 +7,9 @@ environment keeps them off, e.g. on a GPU machine).
 """
 
 import fnmatch
+import importlib.util
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # The cuda backend's kernels (csrc/cuda) run on CPU tensors through their CPU execution layer, so
@@ -60,6 +62,16 @@ TINY_RUN = ["--dataset", "digits", "--model", "preact_resnet", "--depth", "14", 
             "1", "--pad", "1", "--no-flip", "--warmup-iters", "2", "--milestones", "0.5",
             "--no-progress", "--no-tensorboard", "--log-every", "3", "--checkpoint-every", "3",
             "--max-iters", "6"]
+
+
+@pytest.fixture(scope="session")
+def setup_py():
+    """The repository's setup.py as a module (its build rules, without running setup())."""
+    path = Path(__file__).resolve().parents[1] / "setup.py"
+    spec = importlib.util.spec_from_file_location("_fusedres_setup", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -36,14 +36,6 @@ def ext():
     return importlib.import_module("fusedres._C")
 
 
-@pytest.fixture(scope="module")
-def setup_py():
-    spec = importlib.util.spec_from_file_location("_fusedres_setup", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _runs(ext) -> list[str]:
     """The built capabilities this CPU supports, lowest first."""
     have = set(ext.cpu_features())

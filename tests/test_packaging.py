@@ -4,7 +4,6 @@ than the installed one). setup.py is imported as a module: it runs setup() only 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -17,14 +16,6 @@ import pytest
 import fusedres
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def setup_py():
-    spec = importlib.util.spec_from_file_location("_fusedres_setup", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_version_is_spelled_once(setup_py):
