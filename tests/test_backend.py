@@ -246,8 +246,8 @@ def test_eager_triton_backward_checks_the_gradient_offsets(monkeypatch):
     x = torch.randn(2, 4, 5, 5, requires_grad=True)
     g = torch.randn(2, 3, 5, 5)
     calls = []
-    fits = triton_backend._fits_int32
-    monkeypatch.setattr(triton_backend, "_fits_int32",
+    fits = triton_backend.eager._fits_int32
+    monkeypatch.setattr(triton_backend.eager, "_fits_int32",
                         lambda *ts: fits(*ts) and not any(t is g for t in ts))
     portable_backward = portable.bn_relu_conv2d_backward
     monkeypatch.setattr(portable, "bn_relu_conv2d_backward",
