@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .ops import _backend, reference
+from .ops._backend import route
 from .ops.checks import (
     autocast_dtype,
     check_batch_norm_args,
@@ -24,7 +25,6 @@ from .ops.checks import (
     check_x,
 )
 from .ops.opdefs import ConvGeometry, UnitArgs, stats_dtype
-from .ops.route import route
 
 __all__ = [
     "BatchNormState",

@@ -45,7 +45,7 @@ def test_set_backend_and_bad_names():
 
 
 def test_auto_picks_the_first_that_runs():
-    expected = next(b for b in _backend.AUTO_ORDER["cpu"]
+    expected = next(b for b in _backend.auto_order("cpu")
                     if _backend.unavailable_reason(b, "cpu") is None)
     with fusedres.use_backend("auto"):
         assert _backend.resolve_backend(torch.device("cpu")) == expected
@@ -87,10 +87,10 @@ def test_import_does_not_initialise_cuda():
 @pytest.mark.parametrize("name", ["triton", "cuda"])
 def test_eager_unit_takes_the_backend_route(name, monkeypatch):
     """A module's unit in eager mode runs the backend's own kernels through its eager route
-    (fusedres.ops.route: triton's autograd.Function ``EagerTritonUnit``, cuda's C++ node), with no
-    public-op layer: the same kernels as the public op, so the same outputs and gradients to
-    the bit."""
-    from fusedres.ops import route
+    (fusedres.ops._backend: triton's autograd.Function ``EagerTritonUnit``, cuda's C++ node),
+    with no public-op layer: the same kernels as the public op, so the same outputs and
+    gradients to the bit."""
+    from fusedres.ops import _backend
 
     why = fusedres.unavailable_reason(name, "cpu")
     if why is not None:
@@ -109,7 +109,7 @@ def test_eager_unit_takes_the_backend_route(name, monkeypatch):
 
     with fusedres.use_backend(name):
         y, grads, node = run()
-        monkeypatch.setitem(route.EAGER, name, route.PUBLIC)
+        monkeypatch.setitem(_backend.TABLE, name, _backend.load(name).without_fast_path())
         y_pub, grads_pub, node_pub = run()
     assert f"Eager{name.capitalize()}Unit" in node  # triton's Python node, cuda's C++ one
     assert "Eager" not in node_pub
@@ -187,7 +187,7 @@ def test_eager_route_wants_a_plain_weight(name):
     _eager_backend_or_skip(name)
     from torch.testing._internal.two_tensor import TwoTensor
 
-    from fusedres.ops.route import route
+    from fusedres.ops._backend import route
 
     x = torch.randn(2, 4, 5, 5)
     w = torch.randn(3, 4, 3, 3)
@@ -203,7 +203,7 @@ def test_eager_triton_backward_plans_per_gradient_layout(monkeypatch):
     gives the public op's gradients to the bit, and a step like an earlier one reuses its
     plan."""
     _eager_backend_or_skip("triton")
-    from fusedres.ops import route
+    from fusedres.ops import _backend
 
     torch.manual_seed(0)
     m = fusedres.BNReLUConv2d(6, 5, 3, padding=1)
@@ -227,7 +227,7 @@ def test_eager_triton_backward_plans_per_gradient_layout(monkeypatch):
             node, grads = run(grad, need_x)
             assert len(node.plan.backwards) == plans, (strategy, need_x)
             with monkeypatch.context() as mp:
-                mp.setitem(route.EAGER, "triton", route.PUBLIC)
+                mp.setitem(_backend.TABLE, "triton", _backend.load("triton").without_fast_path())
                 _, grads_pub = run(grad, need_x)
             for a, b in zip(grads, grads_pub):
                 assert (a is None and b is None) or torch.equal(a, b), (strategy, need_x)

@@ -437,7 +437,7 @@ def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
     on the eager route the next unit's BatchNorm preparation from them (bn_prepare, where
     the next unit would run the statistics kernel) closes the step. ``during``: a context
     manager factory entered around the step's calls (its inputs made).
-    ``route``: "eager" (fusedres.ops.route's triton route) or "public" (the public ops' bodies).
+    ``route``: "eager" (fusedres.ops._backend's triton record) or "public" (the public ops' bodies).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -57,7 +57,19 @@ eager_unit_with_shortcut = _handle("eager_unit_with_shortcut")
 __getattr__ = _extension.op_handles(__name__, globals(), NAMESPACE)
 
 
-
 def batch_stats_tuple(x):
-    """``(mean, var)`` of x from the C++ kernel, as a tuple (fusedres.ops.route's batch_stats)."""
+    """``(mean, var)`` of x from the C++ kernel, as a tuple (the eager path's batch_stats)."""
     return tuple(torch.ops.fusedres_cpu.batch_stats.default(x))
+
+
+def fast_path() -> dict:
+    """The fields of this backend's record (fusedres.ops._backend.Backend) for eager calls: the
+    C++ layer's calls and autograd nodes (csrc/eager.h). None of them where fusedres._C is not
+    loaded (the namespace may then lack the ops; the backend does not run)."""
+    if not _extension.LOADED:
+        return {}
+    from ..ops import eager_unit_of
+
+    return {"unit": eager_unit_of(eager_unit_op), "batch_stats": batch_stats_tuple,
+            "module_unit": module_unit, "prepare_batch_norm": prepare_batch_norm,
+            "pair": eager_pair, "unit_with_shortcut": eager_unit_with_shortcut}

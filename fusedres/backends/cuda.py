@@ -14,6 +14,8 @@ The op handles are named as the ops and take exactly the arguments of
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .. import settings
@@ -113,6 +115,19 @@ def _eager_handle(op: str):
 
 
 _op_handle = _extension.op_handles(__name__, globals(), NAMESPACE)
+
+
+def fast_path() -> dict:
+    """The fields of this backend's record (fusedres.ops._backend.Backend) for eager calls: the
+    C++ layer's calls and autograd node (csrc/eager.h), or :func:`eager_unit` where the
+    extension lacks the node."""
+    from ..ops import eager_unit_of
+
+    this = sys.modules[__name__]  # its op handles are looked up on first use (__getattr__)
+    node = this.eager_unit_op
+    return {"unit": eager_unit if node is None else eager_unit_of(node),
+            "module_unit": this.module_unit, "prepare_batch_norm": this.prepare_batch_norm,
+            "pair": this.eager_pair}
 
 
 def __getattr__(name: str):

@@ -19,8 +19,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from .. import functional as FR
+from ..ops._backend import route
 from ..ops.opdefs import UnitArgs
-from ..ops.route import route
 from .unit import FusedBNReLUConv
 
 # Arguments the checked route ran without error, by what its checks read: the block's

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from .. import functional as FR
 from ..distributed import prepare_batch_norm_sync
+from ..ops._backend import route
 from ..ops.opdefs import suggests_channels_last
-from ..ops.route import route
 from .variants import scaled
 
 
@@ -273,7 +273,7 @@ class BNReLUConv2d(nn.Module):
             cp, bp, bb = c._parameters, bn._parameters, bn._buffers
             module_unit = route(x, cp["weight"]).module_unit
             if module_unit is not None:
-                # One call (fusedres.ops.route); [] leaves these arguments to the checked route.
+                # One call (fusedres.ops._backend); [] leaves these arguments to the checked route.
                 out = module_unit(x, cp["weight"], cp["bias"], bp["weight"], bp["bias"],
                                   bb["running_mean"], bb["running_var"],
                                   bb["num_batches_tracked"], bn.training, bn.momentum, bn.eps,

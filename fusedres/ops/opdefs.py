@@ -65,7 +65,7 @@ SCHEMAS: dict[str, str] = {
 # prepare_batch_norm: nn.BatchNorm2d's statistics and running-stats update in one call, (mean,
 # invstd) (fusedres.functional.prepare_batch_norm).
 # module_unit: prepare_batch_norm then eager_unit, a BNReLUConv2d's forward in one call: [y], or
-# [] (nothing touched) for arguments it leaves to the Python checks (fusedres.ops.route).
+# [] (nothing touched) for arguments it leaves to the Python checks (fusedres.ops._backend).
 # eager_pair: two convolutions of one BN-ReLU (a pre-activation unit's projection shortcut and
 # first convolution) as one C++ autograd node saving x once: (y, y2, mean of y2, biased var of
 # y2), the statistics empty unless genstats; no residual, no branch scale.
@@ -112,7 +112,7 @@ NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
         # eager_unit with x handed on for a pre-activation unit's identity shortcut (the next
         # unit's residual): (y, x as a view, mean of y, biased var of y), no residual, no branch
         # scale; x's two gradients summed in bn_relu_conv2d_backward_add's pass
-        # (fusedres.ops.route: the cpu route's unit_with_shortcut).
+        # (fusedres.ops._backend: the cpu record's unit_with_shortcut).
         "eager_unit_with_shortcut": (
             f"({_UNIT.replace('Tensor x,', 'Tensor(a) x,', 1)}, bool genstats=False) "
             "-> (Tensor, Tensor(a), Tensor, Tensor)"),

@@ -43,7 +43,20 @@ __all__ = ["DEVICE_TYPES", "BackwardPlan", "CompiledUnit", "EagerTritonUnit", "b
            "batch_stats", "bn_relu_conv2d", "bn_relu_conv2d_backward", "bn_relu_conv2d_genstats",
            "compiled_batch_stats", "compiled_unit", "eager_launches", "eager_unit",
            "module_unit", "prepare_affine", "prepare_batch_norm", "prepares",
-           "unavailable_reason"]
+           "fast_path", "unavailable_reason"]
+
+
+def fast_path() -> dict:
+    """The fields of this backend's record (fusedres.ops._backend.Backend) beyond its ops: the
+    eager route's unit and one-call module forward, the preparation's launch (:mod:`.eager`),
+    and the record of a graph torch.compile traces (:data:`CompiledUnit` over the triton_ops)."""
+    from ...ops._backend import Backend
+
+    return {"unit": eager_unit, "module_unit": module_unit,
+            "prepare_batch_norm": prepare_batch_norm, "prepare_affine": prepare_affine,
+            "prepares": prepares,
+            "compiled": Backend("triton-compiled", unit=compiled_unit,
+                                batch_stats=compiled_batch_stats)}
 
 
 def unavailable_reason(device: torch.device) -> str | None:

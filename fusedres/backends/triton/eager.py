@@ -1,12 +1,12 @@
 """The Triton backend's eager route: the kernels launched from an ``autograd.Function``
 through their plans, with no custom-op layer between.
 
-fusedres.ops.route's "triton, eager": :class:`EagerTritonUnit` (the unit's autograd rule over
-the kernels), :func:`eager_unit` (the route's unit), :func:`prepare_affine` (the BatchNorm's
-preparation with the fused affine in its launch) and :func:`module_unit` (a ``BNReLUConv2d``'s
-forward: that preparation, then the unit); every launch through its plan (kernels/: config, grid
-and arguments fixed per shapes, strides, dtypes and alignments; on a GPU, straight to the
-compiled launcher after the JIT's first launch).
+The triton record's eager fields (fusedres.ops._backend): :class:`EagerTritonUnit` (the
+unit's autograd rule over the kernels), :func:`eager_unit` (the record's unit),
+:func:`prepare_affine` (the BatchNorm's preparation with the fused affine in its launch) and
+:func:`module_unit` (a ``BNReLUConv2d``'s forward: that preparation, then the unit); every
+launch through its plan (kernels/: config, grid and arguments fixed per shapes, strides, dtypes
+and alignments; on a GPU, straight to the compiled launcher after the JIT's first launch).
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def _module_case(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
 def module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
                 num_batches_tracked, training, momentum, eps, residual, stride, padding,
                 dilation) -> list[Tensor]:
-    """A ``BNReLUConv2d``'s forward on the triton backend (fusedres.ops.route's module_unit): the
+    """A ``BNReLUConv2d``'s forward on the triton backend (the triton record's module_unit): the
     BatchNorm's preparation with its affine (one launch), then :class:`EagerTritonUnit`:
     ``[y]``, or ``[]`` with nothing touched for arguments it leaves to the checked route. The
     checks and the plans are made once per arguments' types, shapes, strides, dtypes,

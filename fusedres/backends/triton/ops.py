@@ -93,7 +93,7 @@ def prepare_batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tens
                        var: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """fusedres.functional.prepare_batch_norm's statistics, running-statistics update and
     ``invstd`` in one or two launches (kernels/batch_stats.py's ``prepare_batch_norm``) instead
-    of its ~10 PyTorch ops: (mean, invstd). Eager tensors only (fusedres.ops.route);
+    of its ~10 PyTorch ops: (mean, invstd). Eager tensors only (fusedres.ops._backend.route);
     :func:`prepares` says which."""
     return _prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training,
                                momentum, eps, mean, var)
