@@ -37,13 +37,11 @@ def _handle(op: str, dispatch_key: str = "CPU"):
 
 # The eager routes' ops (csrc/eager.h, schemas: fusedres.ops.opdefs.NAMESPACE_SCHEMAS), bound as op
 # handles: a call is the dispatcher's, no Python frame of ours. None where fusedres._C lacks them.
-# module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-#   num_batches_tracked, training, momentum, eps, residual, stride, padding, dilation) -> [y], or
-#   [] with nothing touched: the arguments are left to the Python route (its checks word the
-#   error).
+# module_unit(x, weight, bias, *bn, residual, stride, padding, dilation) -> [y], or [] with
+#   nothing touched: the arguments are left to the Python route (its checks word the error);
+#   bn a fusedres.ops.opdefs.BatchNormArgs.
 module_unit = _handle("module_unit", "CompositeImplicitAutograd")
-# prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-#   mean=None, var=None) -> (mean, invstd)
+# prepare_batch_norm(x, *bn[2:], mean=None, var=None) -> (mean, invstd)
 prepare_batch_norm = _handle("prepare_batch_norm")
 # eager_unit_op(*UnitArgs, genstats) -> (y, mean of y, var of y): the unit's C++ autograd node.
 eager_unit_op = _handle("eager_unit")

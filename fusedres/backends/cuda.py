@@ -92,11 +92,9 @@ def eager_unit(args: UnitArgs, genstats: bool, affine=None):
 # call is the dispatcher's, no Python frame of ours. None where no extension has their kernels
 # (fusedres._C built with CUDA; with FUSEDRES_CUDA_ON_CPU=1 the test extension). Each is looked up
 # on first use (the test extension loads then), then kept in the module.
-#   module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-#     num_batches_tracked, training, momentum, eps, residual, stride, padding, dilation) -> [y],
-#     or [] with nothing touched: the arguments are left to the Python route.
-#   prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training, momentum,
-#     eps, mean=None, var=None) -> (mean, invstd)
+#   module_unit(x, weight, bias, *bn, residual, stride, padding, dilation) -> [y], or [] with
+#     nothing touched: the arguments are left to the Python route (bn a BatchNormArgs).
+#   prepare_batch_norm(x, *bn[2:], mean=None, var=None) -> (mean, invstd)
 #   eager_unit_op(*UnitArgs, genstats) -> (y, mean of y, var of y): the C++ autograd node.
 #   eager_pair(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, stride,
 #     padding, dilation, stride2, padding2, dilation2, batch_stats, genstats) -> (y, y2, mean2,

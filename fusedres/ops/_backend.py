@@ -98,15 +98,17 @@ class Backend(NamedTuple):
 
     The eager fast path; without one, the public ops:
 
-    - ``module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-      num_batches_tracked, training, momentum, eps, residual, stride, padding, dilation)``: a
+    ``bn`` below is a :class:`fusedres.ops.opdefs.BatchNormArgs`, unpacked into the call (the
+    ops' schemas keep the tensors loose):
+
+    - ``module_unit(x, weight, bias, *bn, residual, stride, padding, dilation)``: a
       ``BNReLUConv2d``'s forward in one call, ``[y]``, or ``[]`` with nothing touched for
       arguments it leaves to the checked route (whose errors name the argument).
-    - ``prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training,
-      momentum, eps, mean, var) -> (mean, invstd)``, for checked arguments; ``prepares(x,
-      running_mean, running_var, training)`` says whether it takes them (None: all of them).
-    - ``prepare_affine(x, bn_weight, bn_bias, running_mean, ..., var) -> (mean, invstd, scale,
-      shift)``: ``prepare_batch_norm`` that also makes the fused affine (the unit takes it).
+    - ``prepare_batch_norm(x, *bn[2:], mean, var) -> (mean, invstd)`` (from the running
+      statistics on), for checked arguments; ``prepares(x, bn.running_mean, bn.running_var,
+      bn.training)`` says whether it takes them (None: all of them).
+    - ``prepare_affine(x, *bn, mean, var) -> (mean, invstd, scale, shift)``:
+      ``prepare_batch_norm`` that also makes the fused affine (the unit takes it).
     - ``unit(args, genstats, affine)``: ``args`` a :class:`fusedres.ops.opdefs.UnitArgs`,
       ``affine`` a preparation's (scale, shift) or None; ``y``, or ``(y, mean, var)`` of y
       when ``genstats``.

@@ -23,7 +23,7 @@ from ...kernels.batch_stats import prepare_plan as _prepare_plan
 from ...kernels.bn_relu_conv2d import forward_plan as _fwd_plan
 from ...kernels.reductions import scale_shift as _scale_shift
 from ...ops._backend import is_eager
-from ...ops.opdefs import BackwardArgs, UnitArgs
+from ...ops.opdefs import BackwardArgs, BatchNormArgs, UnitArgs
 from .. import portable
 from .plans import (
     BackwardPlan,
@@ -172,10 +172,10 @@ def eager_launches(args: UnitArgs, genstats: bool, affine, backward: BackwardArg
     return backward_with(backward, *affine)
 
 
-# prepare_affine(x, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
-#                training, momentum, eps, mean=None, var=None) -> (mean, invstd, scale, shift):
-# prepare_batch_norm that also makes the fused BatchNorm's (scale, shift) from bn_weight, bn_bias
-# (in the statistics dtype, or None) in its launch (kernels/batch_stats.py's, with no layer here).
+# prepare_affine(x, *bn, mean=None, var=None) -> (mean, invstd, scale, shift), bn a
+# BatchNormArgs: prepare_batch_norm that also makes the fused BatchNorm's (scale, shift) from
+# bn.weight, bn.bias (in the statistics dtype, or None) in its launch (kernels/batch_stats.py's,
+# with no layer here).
 prepare_affine = _prepare_affine
 
 
@@ -192,9 +192,7 @@ class _ModuleCase:
 _MODULE_CASES: dict[tuple, object] = _plan_cache()
 
 
-def _module_case(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-                 num_batches_tracked, training, momentum, eps, residual, stride, padding,
-                 dilation):
+def _module_case(x, weight, bias, bn: BatchNormArgs, residual, stride, padding, dilation):
     """A :class:`_ModuleCase` for these arguments, or False for those :func:`module_unit`
     leaves to the checked route: after the checks of the Python route (fusedres.functional,
     whose errors name the argument: raised here, before anything is touched), what the
@@ -204,19 +202,17 @@ def _module_case(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
     from ...ops.checks import check_batch_norm_args, check_conv_args
 
     check_conv_args(x, weight, bias, residual, stride, padding, dilation)
-    check_batch_norm_args(x, bn_weight, bn_bias, running_mean, running_var,
-                          num_batches_tracked, training=training, momentum=momentum, eps=eps)
+    check_batch_norm_args(x, bn)
     sdt = torch.float32
     takes = (not torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64
-             and all(t is None or t.dtype == sdt for t in (bn_weight, bn_bias))
+             and all(t is None or t.dtype == sdt for t in (bn.weight, bn.bias))
              and (residual is None or residual.dtype == weight.dtype)
-             and prepares(x, running_mean, running_var, training)
-             and not forward_portable_case(UnitArgs(x, weight, bias, bn_weight, bn_bias, x, x,
+             and prepares(x, bn.running_mean, bn.running_var, bn.training)
+             and not forward_portable_case(UnitArgs(x, weight, bias, bn.weight, bn.bias, x, x,
                                                      residual, stride, padding, dilation, True)))
     if not takes:
         return False
-    prepare = _prepare_plan(x, running_mean, running_var, num_batches_tracked, training,
-                            momentum, eps, False, bn_weight, bn_bias, True)
+    prepare = _prepare_plan(x, *bn[2:], False, bn.weight, bn.bias, True)
     # The preparation's scale and shift are new (C,) tensors a step: allocator-aligned, as these.
     affine = torch.empty((2, x.shape[1]), device=x.device, dtype=sdt)
     forward = _fwd_plan(x, weight, bias, affine[0], affine[1], residual, stride, padding,
@@ -224,61 +220,37 @@ def _module_case(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
     return _ModuleCase(prepare, forward)
 
 
-def module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-                num_batches_tracked, training, momentum, eps, residual, stride, padding,
-                dilation) -> list[Tensor]:
-    """A ``BNReLUConv2d``'s forward on the triton backend (the triton record's module_unit): the
-    BatchNorm's preparation with its affine (one launch), then :class:`EagerTritonUnit`:
-    ``[y]``, or ``[]`` with nothing touched for arguments it leaves to the checked route. The
-    checks and the plans are made once per arguments' types, shapes, strides, dtypes,
-    alignments and flags (:func:`_module_case`)."""
+def module_unit(x, weight, bias, *args) -> list[Tensor]:
+    """A ``BNReLUConv2d``'s forward on the triton backend (the triton record's module_unit),
+    with the C++ backends' ``module_unit`` arguments (fusedres.ops.opdefs.NAMESPACE_SCHEMAS):
+    ``args`` the BatchNorm's :class:`BatchNormArgs` fields, then residual, stride, padding,
+    dilation. The BatchNorm's preparation with its affine (one launch), then
+    :class:`EagerTritonUnit`: ``[y]``, or ``[]`` with nothing touched for arguments it leaves
+    to the checked route. The checks and the plans are made once per arguments' types, shapes,
+    strides, dtypes, alignments and flags (:func:`_module_case`)."""
+    # The BatchNorm by position: a BatchNormArgs made here would be a Python call a step.
+    bn, (residual, stride, padding, dilation) = args[:8], args[8:]
+    bn_affine, running, training = bn[:2], bn[2:5], bn[5]  # running: mean, var, count
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()  # the kernels read bias[co] at unit stride; differentiable
-    # Every type, shape, stride, dtype, device and alignment the checks and the plans read,
-    # written out: a helper function a tensor would cost ~10 Python calls a step.
-    key = (type(x), x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16,
-           type(weight), weight.shape, weight.stride(), weight.dtype, weight.device,
-           weight.data_ptr() % 16,
-           None if bias is None else (type(bias), bias.shape, bias.dtype, bias.device,
-                                      bias.data_ptr() % 16),
-           None if bn_weight is None else (type(bn_weight), bn_weight.shape, bn_weight.dtype,
-                                           bn_weight.device, bn_weight.data_ptr() % 16),
-           None if bn_bias is None else (type(bn_bias), bn_bias.shape, bn_bias.dtype,
-                                         bn_bias.device, bn_bias.data_ptr() % 16),
-           None if running_mean is None else (type(running_mean), running_mean.shape,
-                                              running_mean.stride(), running_mean.dtype,
-                                              running_mean.device, running_mean.data_ptr() % 16,
-                                              running_mean.requires_grad,
-                                              running_mean.is_inference()),
-           None if running_var is None else (type(running_var), running_var.shape,
-                                             running_var.stride(), running_var.dtype,
-                                             running_var.device, running_var.data_ptr() % 16,
-                                             running_var.requires_grad,
-                                             running_var.is_inference()),
-           None if num_batches_tracked is None else (type(num_batches_tracked),
-                                                     num_batches_tracked.dtype,
-                                                     num_batches_tracked.data_ptr() % 16,
-                                                     num_batches_tracked.is_inference()),
-           None if residual is None else (type(residual), residual.shape, residual.stride(),
-                                          residual.dtype, residual.device,
-                                          residual.data_ptr() % 16),
-           training, momentum, eps, stride, padding, dilation,
-           torch.is_autocast_enabled(x.device.type), _tf32_allowed(),
-           torch.is_inference_mode_enabled())
+    # Every type, shape, stride, dtype, device, alignment and flag the checks and the plans
+    # read, in a loop (a helper function a tensor would be a Python call each a step).
+    key = [*bn[5:], stride, padding, dilation, torch.is_autocast_enabled(x.device.type),
+           _tf32_allowed(), torch.is_inference_mode_enabled()]
+    for t in (x, weight, bias, residual, *bn[:5]):
+        key.append(None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device,
+                                           t.data_ptr() % 16, t.requires_grad,
+                                           t.is_inference()))
+    key = tuple(key)
     case = _MODULE_CASES.get(key)
     if case is None:
-        case = _MODULE_CASES[key] = _module_case(
-            x, weight, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
-            training, momentum, eps, residual, stride, padding, dilation)
+        case = _MODULE_CASES[key] = _module_case(x, weight, bias, BatchNormArgs(*bn), residual,
+                                                 stride, padding, dilation)
     if case is False:
         return []
-    mean, invstd, scale, shift = case.prepare.run(x, running_mean, running_var,
-                                                  num_batches_tracked, None, None, bn_weight,
-                                                  bn_bias)
+    mean, invstd, scale, shift = case.prepare.run(x, *running, None, None, *bn_affine)
     plan = case.forward
     if not torch.is_grad_enabled():
         return [plan.run(x, weight, scale, shift, bias, residual, None)]
-    return [EagerTritonUnit.apply(plan, x, weight, bias, bn_weight, bn_bias, mean, invstd,
-                                  residual, None, scale, shift,
-                                  training or running_mean is None)]
-
+    return [EagerTritonUnit.apply(plan, x, weight, bias, *bn_affine, mean, invstd, residual, None,
+                                  scale, shift, training or running[0] is None)]

@@ -87,16 +87,11 @@ def batch_stats(x: Tensor) -> tuple[Tensor, Tensor]:
     return torch.ops.fusedres_triton.batch_stats(x)
 
 
-def prepare_batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
-                       num_batches_tracked: Tensor | None, training: bool,
-                       momentum: float | None, eps: float, mean: Tensor | None = None,
-                       var: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """fusedres.functional.prepare_batch_norm's statistics, running-statistics update and
-    ``invstd`` in one or two launches (kernels/batch_stats.py's ``prepare_batch_norm``) instead
-    of its ~10 PyTorch ops: (mean, invstd). Eager tensors only (fusedres.ops._backend.route);
-    :func:`prepares` says which."""
-    return _prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training,
-                               momentum, eps, mean, var)
+# prepare_batch_norm(x, *bn[2:], mean=None, var=None) -> (mean, invstd), bn a BatchNormArgs:
+# fusedres.functional.prepare's statistics, running-statistics update and invstd in one or two
+# launches (kernels/batch_stats.py's, with no layer here) instead of its ~10 PyTorch ops. Eager
+# tensors only (fusedres.ops._backend.route); plans.prepares says which.
+prepare_batch_norm = _prepare_batch_norm
 
 
 def bn_relu_conv2d(*inputs) -> Tensor:
