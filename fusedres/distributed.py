@@ -132,8 +132,13 @@ def prepare_batch_norm_sync(x: Tensor, bn: nn.Module, process_group=None) -> FR.
     ``all_reduce`` in forward and one in backward; feed the result to
     ``functional.conv2d_from_prepared`` as usual (any number of convolutions).
     """
-    if not sync_active(bn, process_group):
-        return FR.prepare(FR.batch_norm_args(bn), x)
+    if sync_active(bn, process_group):
+        return _prepare_synced(x, bn, process_group)
+    return FR.prepare(FR.batch_norm_args(bn), x)
+
+
+def _prepare_synced(x: Tensor, bn: nn.Module, process_group) -> FR.BatchNormState:
+    """:func:`prepare_batch_norm_sync` with more than one process and batch statistics."""
     FR.check_x(x)
     c = x.shape[1]
     if c != bn.num_features:

@@ -142,7 +142,7 @@ def prepare(bn: BatchNormArgs, x: Tensor,
                 mean = given[0]
             return BatchNormState(x, weight, bias, mean, invstd, use_batch, None, affine)
         if use_batch:
-            mean, var = stats if stats is not None else _batch_stats(x.detach())
+            mean, var = stats if stats is not None else r.batch_stats(x.detach())
             if bn.training and bn.running_mean is not None:
                 _update_running_stats(bn, mean, var, count)
         else:

@@ -284,5 +284,6 @@ class BNReLUConv2d(nn.Module):
         check_convs(c)
         geometry = FR.check_conv_args(x, c.weight, c.bias, residual, c.stride, c.padding,
                                       c.dilation)
-        return FR.conv2d_from_prepared(prepare(bn, x), c.weight, c.bias, residual=residual,
+        state = prepare(bn, x)
+        return FR.conv2d_from_prepared(state, c.weight, c.bias, residual=residual,
                                        geometry=geometry)
