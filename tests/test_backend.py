@@ -197,6 +197,57 @@ def test_eager_route_wants_a_plain_weight(name):
         assert route(x, TwoTensor(w, w.clone())).name == "public"
 
 
+# What each case asks a gradient of: (x, conv weight, conv bias, bn weight, bn bias, residual),
+# with BatchNorm in training (batch statistics) or eval, and a drop-path branch scale or none.
+TRITON_RULE_CASES = {
+    "all, bias and residual": ((True, True, True, True, True, True), True, False),
+    "frozen BatchNorm": ((True, True, False, False, False, False), True, False),
+    "no gradient of x": ((False, True, True, True, True, True), True, False),
+    "eval": ((True, True, True, True, True, True), False, False),
+    "branch scale": ((True, True, False, True, True, True), True, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRITON_RULE_CASES))
+def test_eager_triton_unit_follows_the_public_rule(case, monkeypatch):
+    """EagerTritonUnit states the unit's autograd rule in code of its own (a Python frame of
+    fusedres.ops.unit_backward would cost host time a step); unit_backward is the rule's
+    statement. Pinned to it: the output and the gradient of every input that asks for one, bit
+    for bit, and no gradient for those that do not, against the public ops' rule over the same
+    kernels."""
+    _eager_backend_or_skip("triton")
+    from fusedres import functional as FR
+
+    wants, training, scaled = TRITON_RULE_CASES[case]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 6, 6, generator=g)
+    w = torch.randn(5, 4, 3, 3, generator=g)
+    tensors = [x, w, torch.randn(5, generator=g), torch.rand(4, generator=g) + 0.5,
+               torch.randn(4, generator=g), torch.randn(3, 5, 6, 6, generator=g)]
+    grad_out = torch.randn(3, 5, 6, 6, generator=g)
+    scale = torch.tensor([2.0, 0.0, 2.0]) if scaled else None
+
+    def run_once():
+        leaves = [t.clone().requires_grad_(want) for t, want in zip(tensors, wants)]
+        xs, weight, bias, gamma, beta, residual = leaves
+        y = FR.bn_relu_conv2d(xs, weight, bias, gamma, beta, torch.zeros(4), torch.ones(4),
+                              torch.tensor(0), training=training, padding=1,
+                              residual=residual, branch_scale=scale)
+        asked = [t for t in leaves if t.requires_grad]
+        return y.detach(), y.grad_fn.name(), torch.autograd.grad(y, asked, grad_out)
+
+    with fusedres.use_backend("triton"):
+        y, node, grads = run_once()
+        monkeypatch.setitem(_backend.TABLE, "triton",
+                            _backend.load("triton").without_fast_path())
+        y_pub, node_pub, grads_pub = run_once()
+    assert node == "EagerTritonUnitBackward" and "Eager" not in node_pub
+    assert torch.equal(y, y_pub)
+    assert len(grads) == sum(wants)
+    for a, b in zip(grads, grads_pub):
+        assert torch.equal(a, b)
+
+
 def test_eager_triton_backward_plans_per_gradient_layout(monkeypatch):
     """The triton eager route's backward keeps one plan a gradient layout, set of outputs
     wanted and backward setting (``FUSEDRES_TRITON_BACKWARD``, read at every backward): each

@@ -137,7 +137,16 @@ _BACKWARD_SLOTS = tuple(_SLOT[n] for n in ("x", "weight", "bias", "bn_weight", "
 def unit_backward(ctx, grad_out, backward_op) -> tuple[Tensor | None, ...]:
     """The autograd rule of the fused unit for a ``ctx`` filled by :func:`unit_setup_context`:
     the gradients of its inputs (in :class:`UnitArgs` order), computed by ``backward_op`` (an
-    op with the schema of ``bn_relu_conv2d_backward``)."""
+    op with the schema of ``bn_relu_conv2d_backward``).
+
+    This and :func:`unit_setup_context` are the rule's one statement. The public ops and
+    :func:`direct_unit` run it; two eager routes state it again in their own code, where a
+    Python frame here would cost host time a step: the C++ backends' nodes (csrc/eager.h's
+    UnitNode, PairNode, ShortcutNode) and the triton backend's ``EagerTritonUnit``. Tests pin
+    each to it: tests/test_eager_cxx.py (the C++ unit node against the public op, bit for bit;
+    the pair and shortcut nodes against their kernels and the public units) and
+    tests/test_backend.py (EagerTritonUnit against the public ops, bit for bit, for each set of
+    inputs that ask for a gradient)."""
     x, weight, bn_weight, bn_bias, mean, invstd, branch_scale = ctx.saved_tensors[:7]
     need = ctx.needs_input_grad
     mask = [need[_SLOT["x"]], need[_SLOT["weight"]], need[_SLOT["bias"]] and ctx.has_bias,
