@@ -54,10 +54,6 @@ def sync_active(bn: nn.Module, process_group=None) -> bool:
     return use_batch and _group_size(process_group) > 1
 
 
-def _batch_norm_args(bn: nn.Module):
-    return bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked
-
-
 @torch.no_grad()
 def _global_stats(x: Tensor, process_group) -> tuple[Tensor, Tensor, int]:
     """Global per-channel (mean, biased var) in the statistics dtype, and the global count."""
@@ -136,10 +132,13 @@ def prepare_batch_norm_sync(x: Tensor, bn: nn.Module, process_group=None) -> FR.
     ``all_reduce`` in forward and one in backward; feed the result to
     ``functional.conv2d_from_prepared`` as usual (any number of convolutions).
     """
-    weight, bias, running_mean, running_var, tracked = _batch_norm_args(bn)
-    if not sync_active(bn, process_group):
-        return FR.prepare_batch_norm(x, weight, bias, running_mean, running_var, tracked,
-                                     training=bn.training, momentum=bn.momentum, eps=bn.eps)
+    if sync_active(bn, process_group):
+        return _prepare_synced(x, bn, process_group)
+    return FR.prepare(FR.batch_norm_args(bn), x)
+
+
+def _prepare_synced(x: Tensor, bn: nn.Module, process_group) -> FR.BatchNormState:
+    """:func:`prepare_batch_norm_sync` with more than one process and batch statistics."""
     FR.check_x(x)
     c = x.shape[1]
     if c != bn.num_features:
@@ -152,10 +151,10 @@ def prepare_batch_norm_sync(x: Tensor, bn: nn.Module, process_group=None) -> FR.
     invstd = torch.rsqrt(var + bn.eps)
     sdt = mean.dtype
     # Placeholders when affine=False: the op must still return the two sums the backward needs.
-    w = weight.to(sdt) if weight is not None else torch.ones(c, dtype=sdt, device=x.device,
-                                                              requires_grad=True)
-    b = bias.to(sdt) if bias is not None else torch.zeros(c, dtype=sdt, device=x.device,
-                                                           requires_grad=True)
+    w = bn.weight.to(sdt) if bn.weight is not None else torch.ones(
+        c, dtype=sdt, device=x.device, requires_grad=True)
+    b = bn.bias.to(sdt) if bn.bias is not None else torch.zeros(
+        c, dtype=sdt, device=x.device, requires_grad=True)
     if not w.requires_grad:  # frozen BN parameters: the sums are needed all the same
         w = w.detach().requires_grad_()
     if not b.requires_grad:

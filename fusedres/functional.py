@@ -4,18 +4,23 @@ branch scale (stochastic depth / drop-path): ``y = residual + branch_scale[n] * 
 ``bn_relu_conv2d`` is the one-call form. A BatchNorm-ReLU that feeds two convolutions (the
 projection shortcut of He et al.'s dimension-changing unit) uses the two-step form:
 ``prepare_batch_norm`` (one statistics pass, one running-stats update) and then
-``conv2d_from_prepared`` once per convolution; no activation is stored for either.
+``conv2d_from_prepared`` once per convolution; no activation is stored for either. Inside,
+a BatchNorm travels as one value, :class:`BatchNormArgs` (``prepare`` takes it;
+``batch_norm_args`` reads it from a module).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+import torch.nn as nn
 from torch import Tensor
 
 from .ops import _backend, reference
+from .ops._backend import route
 from .ops.checks import (
     autocast_dtype,
     check_batch_norm_args,
@@ -23,11 +28,14 @@ from .ops.checks import (
     check_conv_args,
     check_x,
 )
-from .ops.opdefs import ConvGeometry, UnitArgs, stats_dtype
-from .ops.route import route
+from .ops.opdefs import BatchNormArgs, ConvGeometry, UnitArgs, stats_dtype
 
 __all__ = [
+    "BatchNormArgs",
+    "BN_BUFFERS",
+    "BN_PARAMETERS",
     "BatchNormState",
+    "batch_norm_args",
     "ConvGeometry",
     "bn_relu_conv2d",
     "check_branch_scale",
@@ -35,6 +43,7 @@ __all__ = [
     "check_x",
     "conv2d_from_prepared",
     "conv2d_pair_from_prepared",
+    "prepare",
     "prepare_batch_norm",
 ]
 
@@ -71,56 +80,76 @@ def prepare_batch_norm(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | No
     ``conv2d_from_prepared(..., return_stats=True)`` gives them for its output (then no
     statistics pass runs; ignored when the BatchNorm uses its running statistics). All checks
     run before any state is touched. Returns a :class:`BatchNormState` for
-    :func:`conv2d_from_prepared`.
+    :func:`conv2d_from_prepared`. :func:`prepare` is the same for a :class:`BatchNormArgs`.
     """
-    check_batch_norm_args(x, bn_weight, bn_bias, running_mean, running_var,
-                          num_batches_tracked, training=training, momentum=momentum, eps=eps,
-                          stats=stats)
+    bn = BatchNormArgs(bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
+                       training, momentum, eps)
+    return prepare(bn, x, stats)
+
+
+# An nn.BatchNorm2d's tensors (a subclass's too: it registers all five, None where it has
+# none) as Module.__getattr__ finds them, read from its dicts without a Python call each: with
+# training, momentum and eps after them, BatchNormArgs's fields in order. The eager routes,
+# where each Python call counts a step, unpack these into the op call (fusedres.modules); they
+# run outside torch.compile's traces, which do not read through itemgetter.
+BN_PARAMETERS = operator.itemgetter("weight", "bias")
+BN_BUFFERS = operator.itemgetter("running_mean", "running_var", "num_batches_tracked")
+
+
+def batch_norm_args(bn: nn.Module) -> BatchNormArgs:
+    """The :class:`BatchNormArgs` of ``bn``, an ``nn.BatchNorm2d`` or any module with its
+    attributes (read as attributes: torch.compile traces them, and a subclass may define them
+    otherwise)."""
+    return BatchNormArgs(bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                         bn.num_batches_tracked, bn.training, bn.momentum, bn.eps)
+
+
+def prepare(bn: BatchNormArgs, x: Tensor,
+            stats: tuple[Tensor, Tensor] | None = None) -> BatchNormState:
+    """:func:`prepare_batch_norm` for the BatchNorm ``bn`` (:func:`batch_norm_args` of a
+    module): its statistics for ``x`` and its running-statistics update, once, every argument
+    checked before any state is touched."""
+    check_batch_norm_args(x, bn, stats)
     c = x.shape[1]
-    use_batch = training or running_mean is None
+    use_batch = bn.training or bn.running_mean is None
     count = x.numel() // c if c else 0
 
     if _backend.get_backend() == "reference":
-        a = reference.batch_norm_relu(x, bn_weight, bn_bias, running_mean, running_var,
-                                      num_batches_tracked, training=training,
-                                      momentum=momentum, eps=eps)
-        return BatchNormState(x, bn_weight, bn_bias, None, None, use_batch, a)
+        a = reference.batch_norm_relu(x, bn)
+        return BatchNormState(x, bn.weight, bn.bias, None, None, use_batch, a)
 
     sdt = stats_dtype(x.dtype)
     if use_batch and count == 0:
         # An empty batch, as nn.BatchNorm2d: counted, running statistics unchanged, empty output.
-        if training and num_batches_tracked is not None:
+        if bn.training and bn.num_batches_tracked is not None:
             with torch.no_grad():
-                num_batches_tracked.add_(1)
+                bn.num_batches_tracked.add_(1)
         mean, var = x.new_zeros((c,), dtype=sdt), x.new_ones((c,), dtype=sdt)
     else:
         r = route(x)
         if r.prepare_batch_norm is not None and (
-                r.prepares is None or r.prepares(x, running_mean, running_var, training)):
+                r.prepares is None
+                or r.prepares(x, bn.running_mean, bn.running_var, bn.training)):
             # The rule below in the backend's own call (C++, or two launches): ~10 ops fewer.
             given = stats if stats is not None and use_batch else (None, None)
-            bn_weight, bn_bias = _cast(bn_weight, sdt), _cast(bn_bias, sdt)
+            weight, bias = _cast(bn.weight, sdt), _cast(bn.bias, sdt)
             affine = None
             if r.prepare_affine is not None:  # and the affine, in the same launch
-                mean, invstd, *affine = r.prepare_affine(
-                    x, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
-                    training, momentum, eps, *given)
+                mean, invstd, *affine = r.prepare_affine(x, weight, bias, *bn[2:], *given)
             else:
-                mean, invstd = r.prepare_batch_norm(
-                    x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-                    *given)
+                mean, invstd = r.prepare_batch_norm(x, *bn[2:], *given)
             if given[0] is not None:  # the caller's tensor (an op returns a copy)
                 mean = given[0]
-            return BatchNormState(x, bn_weight, bn_bias, mean, invstd, use_batch, None, affine)
+            return BatchNormState(x, weight, bias, mean, invstd, use_batch, None, affine)
         if use_batch:
-            mean, var = stats if stats is not None else _batch_stats(x.detach())
-            if training and running_mean is not None:
-                _update_running_stats(running_mean, running_var, num_batches_tracked, mean, var,
-                                      momentum, count)
+            mean, var = stats if stats is not None else r.batch_stats(x.detach())
+            if bn.training and bn.running_mean is not None:
+                _update_running_stats(bn, mean, var, count)
         else:
-            mean, var = running_mean.detach().to(sdt), running_var.detach().to(sdt)
-    invstd = torch.rsqrt(var + eps)
-    return BatchNormState(x, _cast(bn_weight, sdt), _cast(bn_bias, sdt), mean, invstd, use_batch)
+            mean = bn.running_mean.detach().to(sdt)
+            var = bn.running_var.detach().to(sdt)
+    invstd = torch.rsqrt(var + bn.eps)
+    return BatchNormState(x, _cast(bn.weight, sdt), _cast(bn.bias, sdt), mean, invstd, use_batch)
 
 
 def _cast(p: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -128,17 +157,16 @@ def _cast(p: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 @torch.no_grad()
-def _update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, momentum,
-                          count):
-    if num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
-    if momentum is None:  # cumulative average; a tensor factor keeps torch.compile graphs whole
-        factor = 1.0 / num_batches_tracked.to(running_mean.dtype)
+def _update_running_stats(bn: BatchNormArgs, mean: Tensor, var: Tensor, count: int) -> None:
+    if bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+    if bn.momentum is None:  # cumulative average; a tensor factor keeps torch.compile graphs whole
+        factor = 1.0 / bn.num_batches_tracked.to(bn.running_mean.dtype)
     else:
-        factor = momentum
+        factor = bn.momentum
     unbiased = var * (count / (count - 1))
-    running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype) * factor)
-    running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype) * factor)
+    bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.dtype) * factor)
+    bn.running_var.mul_(1 - factor).add_(unbiased.to(bn.running_var.dtype) * factor)
 
 
 def conv2d_from_prepared(state: BatchNormState, weight: Tensor, bias: Tensor | None = None, *,
@@ -291,8 +319,7 @@ def bn_relu_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None, bn_weight: Te
     # Check the convolution's arguments first too: nothing may change if they are wrong.
     geometry = check_conv_args(x, weight, bias, residual, stride, padding, dilation,
                                branch_scale=branch_scale)
-    state = prepare_batch_norm(x, bn_weight, bn_bias, running_mean, running_var,
-                               num_batches_tracked, training=training, momentum=momentum,
-                               eps=eps)
-    return conv2d_from_prepared(state, weight, bias, residual=residual, geometry=geometry,
-                                branch_scale=branch_scale)
+    bn = BatchNormArgs(bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
+                       training, momentum, eps)
+    return conv2d_from_prepared(prepare(bn, x), weight, bias, residual=residual,
+                                geometry=geometry, branch_scale=branch_scale)

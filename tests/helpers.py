@@ -195,9 +195,10 @@ class Sm80:  # the target Inductor's mutation analysis lowers the kernels for (n
 triton.runtime.driver.set_active(Sm80())
 # What a GPU's tensors select, for CPU tensors: traced "cpu" units go through the triton_ops,
 # triton counts as runnable (nothing runs), and auto prefers it.
-fusedres.ops.route._TRACED_DEVICE_TYPE = "cpu"
+fusedres.ops._backend._TRACED_DEVICE_TYPE = "cpu"
 triton_backend.unavailable_reason = lambda device: None
-fusedres.ops._backend.AUTO_ORDER["cpu"] = ("triton", "cpu", "portable")
+_table = fusedres.ops._backend.TABLE  # triton is its first record
+_table["triton"] = _table["triton"]._replace(devices=("cuda", "cpu"))
 fconfig.force_non_lazy_backward_lowering = True  # trace the backward graph now
 graphs = {"fw": [], "bw": []}
 

@@ -45,7 +45,7 @@ def test_set_backend_and_bad_names():
 
 
 def test_auto_picks_the_first_that_runs():
-    expected = next(b for b in _backend.AUTO_ORDER["cpu"]
+    expected = next(b for b in _backend.auto_order("cpu")
                     if _backend.unavailable_reason(b, "cpu") is None)
     with fusedres.use_backend("auto"):
         assert _backend.resolve_backend(torch.device("cpu")) == expected
@@ -87,10 +87,10 @@ def test_import_does_not_initialise_cuda():
 @pytest.mark.parametrize("name", ["triton", "cuda"])
 def test_eager_unit_takes_the_backend_route(name, monkeypatch):
     """A module's unit in eager mode runs the backend's own kernels through its eager route
-    (fusedres.ops.route: triton's autograd.Function ``EagerTritonUnit``, cuda's C++ node), with no
-    public-op layer: the same kernels as the public op, so the same outputs and gradients to
-    the bit."""
-    from fusedres.ops import route
+    (fusedres.ops._backend: triton's autograd.Function ``EagerTritonUnit``, cuda's C++ node),
+    with no public-op layer: the same kernels as the public op, so the same outputs and
+    gradients to the bit."""
+    from fusedres.ops import _backend
 
     why = fusedres.unavailable_reason(name, "cpu")
     if why is not None:
@@ -109,7 +109,7 @@ def test_eager_unit_takes_the_backend_route(name, monkeypatch):
 
     with fusedres.use_backend(name):
         y, grads, node = run()
-        monkeypatch.setitem(route.EAGER, name, route.PUBLIC)
+        monkeypatch.setitem(_backend.TABLE, name, _backend.load(name).without_fast_path())
         y_pub, grads_pub, node_pub = run()
     assert f"Eager{name.capitalize()}Unit" in node  # triton's Python node, cuda's C++ one
     assert "Eager" not in node_pub
@@ -187,7 +187,7 @@ def test_eager_route_wants_a_plain_weight(name):
     _eager_backend_or_skip(name)
     from torch.testing._internal.two_tensor import TwoTensor
 
-    from fusedres.ops.route import route
+    from fusedres.ops._backend import route
 
     x = torch.randn(2, 4, 5, 5)
     w = torch.randn(3, 4, 3, 3)
@@ -197,13 +197,64 @@ def test_eager_route_wants_a_plain_weight(name):
         assert route(x, TwoTensor(w, w.clone())).name == "public"
 
 
+# What each case asks a gradient of: (x, conv weight, conv bias, bn weight, bn bias, residual),
+# with BatchNorm in training (batch statistics) or eval, and a drop-path branch scale or none.
+TRITON_RULE_CASES = {
+    "all, bias and residual": ((True, True, True, True, True, True), True, False),
+    "frozen BatchNorm": ((True, True, False, False, False, False), True, False),
+    "no gradient of x": ((False, True, True, True, True, True), True, False),
+    "eval": ((True, True, True, True, True, True), False, False),
+    "branch scale": ((True, True, False, True, True, True), True, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRITON_RULE_CASES))
+def test_eager_triton_unit_follows_the_public_rule(case, monkeypatch):
+    """EagerTritonUnit states the unit's autograd rule in code of its own (a Python frame of
+    fusedres.ops.unit_backward would cost host time a step); unit_backward is the rule's
+    statement. Pinned to it: the output and the gradient of every input that asks for one, bit
+    for bit, and no gradient for those that do not, against the public ops' rule over the same
+    kernels."""
+    _eager_backend_or_skip("triton")
+    from fusedres import functional as FR
+
+    wants, training, scaled = TRITON_RULE_CASES[case]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 6, 6, generator=g)
+    w = torch.randn(5, 4, 3, 3, generator=g)
+    tensors = [x, w, torch.randn(5, generator=g), torch.rand(4, generator=g) + 0.5,
+               torch.randn(4, generator=g), torch.randn(3, 5, 6, 6, generator=g)]
+    grad_out = torch.randn(3, 5, 6, 6, generator=g)
+    scale = torch.tensor([2.0, 0.0, 2.0]) if scaled else None
+
+    def run_once():
+        leaves = [t.clone().requires_grad_(want) for t, want in zip(tensors, wants)]
+        xs, weight, bias, gamma, beta, residual = leaves
+        y = FR.bn_relu_conv2d(xs, weight, bias, gamma, beta, torch.zeros(4), torch.ones(4),
+                              torch.tensor(0), training=training, padding=1,
+                              residual=residual, branch_scale=scale)
+        asked = [t for t in leaves if t.requires_grad]
+        return y.detach(), y.grad_fn.name(), torch.autograd.grad(y, asked, grad_out)
+
+    with fusedres.use_backend("triton"):
+        y, node, grads = run_once()
+        monkeypatch.setitem(_backend.TABLE, "triton",
+                            _backend.load("triton").without_fast_path())
+        y_pub, node_pub, grads_pub = run_once()
+    assert node == "EagerTritonUnitBackward" and "Eager" not in node_pub
+    assert torch.equal(y, y_pub)
+    assert len(grads) == sum(wants)
+    for a, b in zip(grads, grads_pub):
+        assert torch.equal(a, b)
+
+
 def test_eager_triton_backward_plans_per_gradient_layout(monkeypatch):
     """The triton eager route's backward keeps one plan a gradient layout, set of outputs
     wanted and backward setting (``FUSEDRES_TRITON_BACKWARD``, read at every backward): each
     gives the public op's gradients to the bit, and a step like an earlier one reuses its
     plan."""
     _eager_backend_or_skip("triton")
-    from fusedres.ops import route
+    from fusedres.ops import _backend
 
     torch.manual_seed(0)
     m = fusedres.BNReLUConv2d(6, 5, 3, padding=1)
@@ -227,7 +278,7 @@ def test_eager_triton_backward_plans_per_gradient_layout(monkeypatch):
             node, grads = run(grad, need_x)
             assert len(node.plan.backwards) == plans, (strategy, need_x)
             with monkeypatch.context() as mp:
-                mp.setitem(route.EAGER, "triton", route.PUBLIC)
+                mp.setitem(_backend.TABLE, "triton", _backend.load("triton").without_fast_path())
                 _, grads_pub = run(grad, need_x)
             for a, b in zip(grads, grads_pub):
                 assert (a is None and b is None) or torch.equal(a, b), (strategy, need_x)
@@ -246,8 +297,8 @@ def test_eager_triton_backward_checks_the_gradient_offsets(monkeypatch):
     x = torch.randn(2, 4, 5, 5, requires_grad=True)
     g = torch.randn(2, 3, 5, 5)
     calls = []
-    fits = triton_backend._fits_int32
-    monkeypatch.setattr(triton_backend, "_fits_int32",
+    fits = triton_backend.eager._fits_int32
+    monkeypatch.setattr(triton_backend.eager, "_fits_int32",
                         lambda *ts: fits(*ts) and not any(t is g for t in ts))
     portable_backward = portable.bn_relu_conv2d_backward
     monkeypatch.setattr(portable, "bn_relu_conv2d_backward",

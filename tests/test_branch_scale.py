@@ -77,9 +77,9 @@ def run_fused(case, inp, branch_scale, *, training=True, grad_out=None):
 def run_plain_stochastic_depth(case, inp, p, seed, grad_out, *, training=True):
     """The plain unit, torchvision's stochastic_depth on its branch (drawn after seeding with
     ``seed``), then the residual."""
-    branch = reference.bn_relu_conv2d(
-        inp.x, inp.weight, inp.bias, inp.bn_weight, inp.bn_bias, inp.running_mean,
-        inp.running_var, inp.num_batches_tracked, training=training, **_args(case))
+    bn = FR.BatchNormArgs(inp.bn_weight, inp.bn_bias, inp.running_mean, inp.running_var,
+                          inp.num_batches_tracked, training, 0.1, 1e-5)
+    branch = reference.bn_relu_conv2d(inp.x, inp.weight, inp.bias, bn, **_args(case))
     torch.manual_seed(seed)
     y = stochastic_depth(branch, p, mode="row", training=True)
     if inp.residual is not None:

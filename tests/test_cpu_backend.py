@@ -679,13 +679,13 @@ MODULE_CASES = {
 @pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "inference"])
 @pytest.mark.parametrize("case", MODULE_CASES)
 def test_module_forward_in_one_call_is_the_python_route(monkeypatch, case, mode):
-    """BNReLUConv2d's forward on the cpu backend is one C++ call (the cpu route's module_unit: the
+    """BNReLUConv2d's forward on the cpu backend is one C++ call (the cpu record's module_unit: the
     BatchNorm preparation, then the unit with its C++ autograd node) where it accepts the
     arguments, and gives what the Python route gives, to the bit: outputs, every gradient,
     running statistics and the batch count, over two steps; in training and eval (forward and
     backward), no_grad and inference mode. bfloat16 is left to the Python route (the op
     returns [])."""
-    from fusedres.ops import route as routes
+    from fusedres.ops import _backend as routes
 
     unit_kw, bn_kw, dtype, cl, residual = MODULE_CASES[case]
     fmt = torch.channels_last if cl else torch.contiguous_format
@@ -708,11 +708,11 @@ def test_module_forward_in_one_call_is_the_python_route(monkeypatch, case, mode)
         calls.append(len(out))
         return out
 
-    cpu_route = routes.eager_route("cpu")
+    cpu_route = routes.load("cpu")
     module_unit = cpu_route.module_unit
     results = {}
     for name, unit in (("python", ref), ("one call", fast)):
-        monkeypatch.setitem(routes.EAGER, "cpu", cpu_route._replace(
+        monkeypatch.setitem(routes.TABLE, "cpu", cpu_route._replace(
             module_unit=counted if name == "one call" else None))
         outs = []
         for x, r in zip(xs, rs):
@@ -823,8 +823,8 @@ def test_eager_node_gradients_line_up_with_its_inputs(affine, bias, residual, x_
 
 
 def test_eager_route_is_taken_and_agrees_with_the_public_op():
-    """Eager units on CPU tensors take ops.EagerCpuUnit (no custom-op layers, a C++ autograd
-    node: fusedres_cpu::eager_unit); under a dispatch
+    """Eager units on CPU tensors take the cpu record's unit, EagerCpuUnit (no custom-op
+    layers, a C++ autograd node: fusedres_cpu::eager_unit); under a dispatch
     mode (as under the memory tracker) they take the public op. Same kernels, same results."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -860,15 +860,15 @@ def test_eager_route_is_taken_and_agrees_with_the_public_op():
 @pytest.mark.parametrize("c", [6, 37])
 def test_prepare_batch_norm_in_one_call_is_the_python_rule(monkeypatch, momentum, mode, dtype,
                                                             stats_dtype, c):
-    """prepare_batch_norm on eager CPU tensors is one C++ call (the cpu route's prepare_batch_norm):
-    the same statistics, running statistics and count, bit for bit, as the Python sequence it
-    replaces (37 channels: ATen's vectorised kernels and their tails, against the C++ loop that
-    updates float running statistics); the given mean kept, never running_mean; the running
-    statistics' version counters bumped as by in-place ops."""
+    """prepare_batch_norm on eager CPU tensors is one C++ call (the cpu record's
+    prepare_batch_norm): the same statistics, running statistics and count, bit for bit, as
+    the Python sequence it replaces (37 channels: ATen's vectorised kernels and their tails,
+    against the C++ loop that updates float running statistics); the given mean kept, never
+    running_mean; the running statistics' version counters bumped as by in-place ops."""
     from fusedres import functional as FR
-    from fusedres.ops import route as routes
+    from fusedres.ops import _backend as routes
 
-    cpu_route = routes.eager_route("cpu")
+    cpu_route = routes.load("cpu")
     assert cpu_route.prepare_batch_norm is not None
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(5, c, 7, 9, generator=g) * 3 + 2).to(dtype).requires_grad_()
@@ -887,7 +887,7 @@ def test_prepare_batch_norm_in_one_call_is_the_python_rule(monkeypatch, momentum
             rm = rv = nbt = None
         calls = []
         op = cpu_route.prepare_batch_norm if route == "c++" else None
-        monkeypatch.setitem(routes.EAGER, "cpu", cpu_route._replace(
+        monkeypatch.setitem(routes.TABLE, "cpu", cpu_route._replace(
             prepare_batch_norm=None if op is None else (lambda *a: calls.append(a) or op(*a))))
         versions = None if rm is None else (rm._version, rv._version)
         with fusedres.use_backend("cpu"):

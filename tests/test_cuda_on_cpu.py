@@ -245,7 +245,7 @@ def test_cuda_backend_on_cpu_only_when_switched_on(monkeypatch):
     if missing:
         assert all(op in reason for op in missing)
     # A test vehicle: auto never takes it for CPU tensors.
-    assert "cuda" not in _backend.AUTO_ORDER["cpu"]
+    assert "cuda" not in _backend.auto_order("cpu")
 
 
 def test_cuda_backend_says_why_it_cannot_run_on_cuda_tensors():

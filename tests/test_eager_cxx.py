@@ -45,11 +45,11 @@ def name(request):
 def python_prepare(monkeypatch):
     """fusedres.functional.prepare_batch_norm's Python rule on every backend (the C++ backends'
     preparation switched off in their routes): batch_stats, ~10 ATen ops, torch.rsqrt."""
-    from fusedres.ops import route
+    from fusedres.ops import _backend
 
     for name in ("cpu", "cuda"):
-        monkeypatch.setitem(route.EAGER, name,
-                            route.eager_route(name)._replace(prepare_batch_norm=None))
+        monkeypatch.setitem(_backend.TABLE, name,
+                            _backend.load(name)._replace(prepare_batch_norm=None))
 
 
 def _sdt(dtype):

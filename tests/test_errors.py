@@ -132,8 +132,8 @@ def test_bad_input_names_argument_and_leaves_state(bad):
 @pytest.mark.parametrize("name", LATE)
 def test_late_refusals_come_first_on_every_backend_and_route(backend, name):
     """Issue 38's cases through the public API on every backend: the functional call and the
-    module (whose one-call route, fusedres.ops.route's module_unit, runs first where a backend has
-    one): the error names the argument, no running statistic or count changes."""
+    module (whose one-call route, fusedres.ops._backend's module_unit, runs first where a
+    backend has one): the error names the argument, no running statistic or count changes."""
     _, change, exc, pattern, *extra = next(b for b in BAD if b[0] == name)
     kwargs = extra[0] if extra else {}
     args = _bad_args(change)

@@ -107,15 +107,15 @@ def test_a_planted_python_layer_fails_the_count(route_name, plain, monkeypatch):
     """One more Python function between the module and the C++ call: the route's exact own
     count fails."""
     _runs(route_name)
-    from fusedres.ops import route
+    from fusedres.ops import _backend
 
-    base = route.eager_route(route_name)
+    base = _backend.load(route_name)
     inner = base.module_unit
 
     def layer(*args):
         return inner(*args)
 
-    monkeypatch.setitem(route.EAGER, route_name, base._replace(module_unit=layer))
+    monkeypatch.setitem(_backend.TABLE, route_name, base._replace(module_unit=layer))
     with pytest.raises(AssertionError):
         check(route_name, hostcost.counts(route_name), plain)
 
@@ -124,9 +124,9 @@ def test_a_planted_python_layer_fails_the_count(route_name, plain, monkeypatch):
 def test_a_planted_launch_fails_the_count(route_name, plain, monkeypatch):
     """One more kernel a step (a second batch-statistics pass): the exact launch count fails."""
     _runs(route_name)
-    from fusedres.ops import route
+    from fusedres.ops import _backend
 
-    base = route.eager_route(route_name)
+    base = _backend.load(route_name)
     field = "module_unit" if base.module_unit is not None else "unit"
     inner = getattr(base, field)
 
@@ -135,6 +135,6 @@ def test_a_planted_launch_fails_the_count(route_name, plain, monkeypatch):
         torch.ops.fusedres.batch_stats(x.detach())
         return inner(*args)
 
-    monkeypatch.setitem(route.EAGER, route_name, base._replace(**{field: planted}))
+    monkeypatch.setitem(_backend.TABLE, route_name, base._replace(**{field: planted}))
     with pytest.raises(AssertionError):
         check(route_name, hostcost.counts(route_name), plain)

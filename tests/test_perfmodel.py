@@ -548,9 +548,9 @@ def test_auto_on_a_gpu_is_the_faster_backend_by_the_committed_model():
     256->64 too, by 1-5% (fp16: A100 1459 us against Triton's 1475, H100 912 against 963,
     MODELED). ``auto`` picks one backend for every unit, and Triton is modeled faster on the 9
     other units (every 3x3 one), so it stays first. A CUDA rewrite that the
-    model puts ahead, or leaves undecided, on another unit fails here until ``AUTO_ORDER``
-    follows (or this set, with the reason)."""
-    from fusedres.ops._backend import AUTO_ORDER
+    model puts ahead, or leaves undecided, on another unit fails here until the order of
+    ``fusedres.ops._backend.TABLE`` follows (or this set, with the reason)."""
+    from fusedres.ops._backend import auto_order
 
     table = (ROOT / "benchmarks" / "GPU_MODEL.md").read_text()
     # Columns: unit, dtype, then per GPU (8 each) the default's fused us, plain us, ratio, its
@@ -571,7 +571,7 @@ def test_auto_on_a_gpu_is_the_faster_backend_by_the_committed_model():
     # Triton first: modeled faster on the most units (both GPUs, both dtypes).
     triton_faster = [k for k in both if all(t < lo for t, (lo, _) in zip(triton[k], cuda[k]))]
     assert len(triton_faster) == len(both) - 2 * len(pinned)
-    order = AUTO_ORDER["cuda"]
+    order = auto_order("cuda")
     assert order.index("triton") < order.index("cuda")
 
 

@@ -783,7 +783,7 @@ def _prepare(x, route, running_dtype, training, momentum, tracked, given, counte
     (``route``) or without it (the PyTorch ops): (mean, invstd, running mean, running var,
     num_batches_tracked, the kernels launched)."""
     from fusedres import functional as FR
-    from fusedres.ops import route as routes
+    from fusedres.ops import _backend as routes
 
     c = x.shape[1]
     g = torch.Generator().manual_seed(1)
@@ -795,7 +795,7 @@ def _prepare(x, route, running_dtype, training, momentum, tracked, given, counte
     launched = []
     from triton.runtime.interpreter import InterpretedFunction
 
-    real, eager = InterpretedFunction.run, routes.EAGER.get("triton")
+    real, eager = InterpretedFunction.run, routes.TABLE.get("triton")
 
     def recording(kernel, *args, **kwargs):
         launched.append(kernel.fn.__name__)
@@ -803,7 +803,7 @@ def _prepare(x, route, running_dtype, training, momentum, tracked, given, counte
 
     InterpretedFunction.run = recording  # every launch of the interpreter goes through it
     if not route:
-        routes.EAGER["triton"] = routes.eager_route("triton")._replace(prepare_batch_norm=None)
+        routes.TABLE["triton"] = routes.load("triton")._replace(prepare_batch_norm=None)
     try:
         with fusedres.use_backend("triton"):
             st = FR.prepare_batch_norm(x, None, None, rm, rv, nbt, training=training,
@@ -811,9 +811,9 @@ def _prepare(x, route, running_dtype, training, momentum, tracked, given, counte
     finally:
         InterpretedFunction.run = real
         if eager is None:
-            routes.EAGER.pop("triton", None)
+            routes.TABLE.pop("triton", None)
         else:
-            routes.EAGER["triton"] = eager
+            routes.TABLE["triton"] = eager
     return st.mean, st.invstd, rm, rv, nbt, launched
 
 

@@ -9,7 +9,7 @@ argument ``i32`` (the old kernels/aot.py) describes another kernel: for the forw
 run:
 
 * :func:`unit_launches` runs the host side of one training step of a fused unit (the Triton
-  backend's batch statistics, forward and backward entry points, ``fusedres/backends/triton.py``)
+  backend's batch statistics, forward and backward entry points, ``fusedres/backends/triton/``)
   on ``meta`` tensors, with every kernel module's ``launcher`` replaced by a recorder: each
   launch is kept as (jit function, grid, positional args, keyword args) instead of run, and the
   host code between launches runs on ``meta`` tensors. ``sm_count``
@@ -323,17 +323,17 @@ def capturing(sms: int, tf32: bool, backward: str):
                            "TRITON_INTERPRET=0 (the kernels compile for a GPU then)")
     # Every kernel module is imported before patching: one imported within would bind the
     # recorder for good (``from ._common import launcher``).
-    from fusedres.backends import triton as backend
+    from fusedres.backends.triton import ops, plans
 
     recorder = _Recorder()
     swaps = [(m, name, orig, new) for m in _kernel_modules()
              for name, orig, new in (("launcher", _common.launcher, recorder),
                                      ("sm_count", _common.sm_count, lambda device: sms))
              if getattr(m, name, None) is orig]
-    swaps.append((backend, "backward_strategy", backend.backward_strategy,
+    swaps.append((plans, "backward_strategy", plans.backward_strategy,
                   lambda *args, **kwargs: backward))
-    swaps.append((backend, "DEVICE_TYPES", backend.DEVICE_TYPES,
-                  (*backend.DEVICE_TYPES, "meta")))  # the step's tensors are meta tensors
+    swaps.append((ops, "DEVICE_TYPES", ops.DEVICE_TYPES,
+                  (*ops.DEVICE_TYPES, "meta")))  # the step's tensors are meta tensors
     old_tf32 = torch.backends.cudnn.allow_tf32
     for m, name, _, new in swaps:
         setattr(m, name, new)
@@ -437,7 +437,7 @@ def unit_launches(shape, dtype: str, *, arch: int = 90, tf32: bool = True,
     on the eager route the next unit's BatchNorm preparation from them (bn_prepare, where
     the next unit would run the statistics kernel) closes the step. ``during``: a context
     manager factory entered around the step's calls (its inputs made).
-    ``route``: "eager" (fusedres.ops.route's triton route) or "public" (the public ops' bodies).
+    ``route``: "eager" (fusedres.ops._backend's triton record) or "public" (the public ops' bodies).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -37,13 +37,11 @@ def _handle(op: str, dispatch_key: str = "CPU"):
 
 # The eager routes' ops (csrc/eager.h, schemas: fusedres.ops.opdefs.NAMESPACE_SCHEMAS), bound as op
 # handles: a call is the dispatcher's, no Python frame of ours. None where fusedres._C lacks them.
-# module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-#   num_batches_tracked, training, momentum, eps, residual, stride, padding, dilation) -> [y], or
-#   [] with nothing touched: the arguments are left to the Python route (its checks word the
-#   error).
+# module_unit(x, weight, bias, *bn, residual, stride, padding, dilation) -> [y], or [] with
+#   nothing touched: the arguments are left to the Python route (its checks word the error);
+#   bn a fusedres.ops.opdefs.BatchNormArgs.
 module_unit = _handle("module_unit", "CompositeImplicitAutograd")
-# prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training, momentum, eps,
-#   mean=None, var=None) -> (mean, invstd)
+# prepare_batch_norm(x, *bn[2:], mean=None, var=None) -> (mean, invstd)
 prepare_batch_norm = _handle("prepare_batch_norm")
 # eager_unit_op(*UnitArgs, genstats) -> (y, mean of y, var of y): the unit's C++ autograd node.
 eager_unit_op = _handle("eager_unit")
@@ -57,7 +55,19 @@ eager_unit_with_shortcut = _handle("eager_unit_with_shortcut")
 __getattr__ = _extension.op_handles(__name__, globals(), NAMESPACE)
 
 
-
 def batch_stats_tuple(x):
-    """``(mean, var)`` of x from the C++ kernel, as a tuple (fusedres.ops.route's batch_stats)."""
+    """``(mean, var)`` of x from the C++ kernel, as a tuple (the eager path's batch_stats)."""
     return tuple(torch.ops.fusedres_cpu.batch_stats.default(x))
+
+
+def fast_path() -> dict:
+    """The fields of this backend's record (fusedres.ops._backend.Backend) for eager calls: the
+    C++ layer's calls and autograd nodes (csrc/eager.h). None of them where fusedres._C is not
+    loaded (the namespace may then lack the ops; the backend does not run)."""
+    if not _extension.LOADED:
+        return {}
+    from ..ops import eager_unit_of
+
+    return {"unit": eager_unit_of(eager_unit_op), "batch_stats": batch_stats_tuple,
+            "module_unit": module_unit, "prepare_batch_norm": prepare_batch_norm,
+            "pair": eager_pair, "unit_with_shortcut": eager_unit_with_shortcut}

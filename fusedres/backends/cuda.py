@@ -14,6 +14,8 @@ The op handles are named as the ops and take exactly the arguments of
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .. import settings
@@ -90,11 +92,9 @@ def eager_unit(args: UnitArgs, genstats: bool, affine=None):
 # call is the dispatcher's, no Python frame of ours. None where no extension has their kernels
 # (fusedres._C built with CUDA; with FUSEDRES_CUDA_ON_CPU=1 the test extension). Each is looked up
 # on first use (the test extension loads then), then kept in the module.
-#   module_unit(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-#     num_batches_tracked, training, momentum, eps, residual, stride, padding, dilation) -> [y],
-#     or [] with nothing touched: the arguments are left to the Python route.
-#   prepare_batch_norm(x, running_mean, running_var, num_batches_tracked, training, momentum,
-#     eps, mean=None, var=None) -> (mean, invstd)
+#   module_unit(x, weight, bias, *bn, residual, stride, padding, dilation) -> [y], or [] with
+#     nothing touched: the arguments are left to the Python route (bn a BatchNormArgs).
+#   prepare_batch_norm(x, *bn[2:], mean=None, var=None) -> (mean, invstd)
 #   eager_unit_op(*UnitArgs, genstats) -> (y, mean of y, var of y): the C++ autograd node.
 #   eager_pair(x, weight, bias, weight2, bias2, bn_weight, bn_bias, mean, invstd, stride,
 #     padding, dilation, stride2, padding2, dilation2, batch_stats, genstats) -> (y, y2, mean2,
@@ -113,6 +113,19 @@ def _eager_handle(op: str):
 
 
 _op_handle = _extension.op_handles(__name__, globals(), NAMESPACE)
+
+
+def fast_path() -> dict:
+    """The fields of this backend's record (fusedres.ops._backend.Backend) for eager calls: the
+    C++ layer's calls and autograd node (csrc/eager.h), or :func:`eager_unit` where the
+    extension lacks the node."""
+    from ..ops import eager_unit_of
+
+    this = sys.modules[__name__]  # its op handles are looked up on first use (__getattr__)
+    node = this.eager_unit_op
+    return {"unit": eager_unit if node is None else eager_unit_of(node),
+            "module_unit": this.module_unit, "prepare_batch_norm": this.prepare_batch_norm,
+            "pair": this.eager_pair}
 
 
 def __getattr__(name: str):

@@ -19,8 +19,8 @@ import torch.nn as nn
 from torch import Tensor
 
 from .. import functional as FR
-from ..ops.opdefs import UnitArgs
-from ..ops.route import route
+from ..ops._backend import route
+from ..ops.opdefs import BatchNormArgs, UnitArgs
 from .unit import FusedBNReLUConv
 
 # Arguments the checked route ran without error, by what its checks read: the block's
@@ -74,21 +74,21 @@ def _key(r, names, mods, x: Tensor, stats, return_stats: bool):
         if (type(bn) is not nn.BatchNorm2d or type(c) is not nn.Conv2d
                 or type(c.padding) is not tuple or "fused_prepare" in bn.__dict__):
             return None
-        bp, bb, cp = bn._parameters, bn._buffers, c._parameters
-        g, b, rm, rv = bp["weight"], bp["bias"], bb["running_mean"], bb["running_var"]
-        nbt, w, cb = bb["num_batches_tracked"], cp["weight"], cp["bias"]
-        if (g is not None and g.dtype != sdt) or (b is not None and b.dtype != sdt):
-            return None  # the checked route casts them
-        key += (bn.training, bn.momentum, bn.eps, c.stride, c.padding, c.dilation, c.groups,
-                c.padding_mode, _META(w), None if cb is None else _META(cb),
-                None if g is None else _META(g), None if b is None else _META(b),
-                None if rm is None else (_META(rm), rm.stride(), rm.requires_grad,
-                                         rm.is_inference()),
-                None if rv is None else (_META(rv), rv.stride(), rv.requires_grad,
-                                         rv.is_inference()),
-                None if nbt is None else (_META(nbt), nbt.is_inference()))
-        chain.append((bn.training, bn.momentum, bn.eps, g, b, rm, rv, nbt, w, cb, c.stride,
-                      c.padding, c.dilation))
+        # batch_norm_args(bn), without its Python calls (the function's and the NamedTuple
+        # constructor's: two a chain a step); tuple.__new__ is what the constructor runs.
+        args = tuple.__new__(BatchNormArgs, (*FR.BN_PARAMETERS(bn._parameters),
+                                             *FR.BN_BUFFERS(bn._buffers), bn.training,
+                                             bn.momentum, bn.eps))
+        for p in args[:2]:  # the affine: the checked route casts it
+            if p is not None and p.dtype != sdt:
+                return None
+        w, cb = c._parameters["weight"], c._parameters["bias"]
+        key += (*args[5:], c.stride, c.padding, c.dilation, c.groups, c.padding_mode, _META(w),
+                None if cb is None else _META(cb))
+        for t in args[:5]:  # the BatchNorm's tensors: all that the checks and the update read
+            key.append(None if t is None else (_META(t), t.stride(), t.requires_grad,
+                                               t.is_inference()))
+        chain.append((args, w, cb, c.stride, c.padding, c.dilation))
     return tuple(key), chain
 
 
@@ -102,34 +102,31 @@ def _run(r, chain, x: Tensor, stats, return_stats: bool):
     # runs it, conv1 handing the shortcut on where the route has that form.
     a = short = x
     last = len(chain) - 1
-    for i, (training, momentum, eps, g, b, rm, rv, nbt, w, cb, stride, padding,
-            dilation) in enumerate(chain):
-        use_batch = training or rm is None
+    for i, (bn, w, cb, stride, padding, dilation) in enumerate(chain):
+        use_batch = bn.training or bn.running_mean is None
         given = stats if stats is not None and use_batch else (None, None)
         affine = None
-        if prepares is not None and not prepares(a, rm, rv, training):
-            state = FR.prepare_batch_norm(a, g, b, rm, rv, nbt, training=training,
-                                          momentum=momentum, eps=eps,
-                                          stats=stats if use_batch else None)
+        if prepares is not None and not prepares(a, bn.running_mean, bn.running_var,
+                                                 bn.training):
+            state = FR.prepare(bn, a, stats if use_batch else None)
             mean, invstd = state.mean, state.invstd
         else:
             if prepare_affine is not None:
-                mean, invstd, *affine = prepare_affine(a, g, b, rm, rv, nbt, training,
-                                                       momentum, eps, *given)
+                mean, invstd, *affine = prepare_affine(a, *bn, *given)
             else:
-                mean, invstd = prepare_bn(a, rm, rv, nbt, training, momentum, eps, *given)
+                mean, invstd = prepare_bn(a, *bn[2:], *given)
             if given[0] is not None:
                 mean = given[0]
-        args = UnitArgs(a, w, cb, g, b, mean, invstd, short if i == last else None, stride,
-                        padding, dilation, use_batch)
+        args = UnitArgs(a, w, cb, bn.weight, bn.bias, mean, invstd,
+                        short if i == last else None, stride, padding, dilation, use_batch)
         if i == last:
             if return_stats:
                 y, m, v = r.unit(args, True, affine)
                 return y, (m, v)
             return r.unit(args, False, affine), None
         # The next BatchNorm takes this unit's statistics when it uses batch statistics.
-        nxt = chain[i + 1]
-        want = nxt[0] or nxt[5] is None
+        nxt = chain[i + 1][0]
+        want = nxt.training or nxt.running_mean is None
         if i == 0 and r.unit_with_shortcut is not None:
             a, short, *stats = r.unit_with_shortcut(*args, want)
         elif want:

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from .. import functional as FR
 from ..distributed import prepare_batch_norm_sync
+from ..ops._backend import route
 from ..ops.opdefs import suggests_channels_last
-from ..ops.route import route
 from .variants import scaled
 
 
@@ -52,10 +52,7 @@ def prepare(bn: nn.BatchNorm2d, x: Tensor, stats=None) -> FR.BatchNormState:
         return custom(x)
     if _synchronised(bn):
         return prepare_batch_norm_sync(x, bn, bn.process_group)
-    return FR.prepare_batch_norm(
-        x, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked,
-        training=bn.training, momentum=bn.momentum, eps=bn.eps, stats=stats,
-    )
+    return FR.prepare(FR.batch_norm_args(bn), x, stats)
 
 
 def check_convs(*convs: nn.Conv2d | None) -> None:
@@ -264,26 +261,29 @@ class BNReLUConv2d(nn.Module):
                               bias=bias, **kw)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        c, bn = self._modules["conv"], self._modules["bn"]
+        bn, c = self._modules["bn"], self._modules["conv"]
         if (type(bn) is nn.BatchNorm2d and type(c) is nn.Conv2d and c.groups == 1
                 and c.padding_mode == "zeros" and type(c.padding) is tuple
                 and (bn.momentum is None or type(bn.momentum) is float)):
-            # Plain modules: their tensors read from their dicts, as Module.__getattr__ finds
-            # them (a Python call each that way, ten a step).
-            cp, bp, bb = c._parameters, bn._parameters, bn._buffers
-            module_unit = route(x, cp["weight"]).module_unit
+            # The backend's forward in one call, where it has one (fusedres.ops._backend), on
+            # the plain modules' tensors read from their dicts (Module.__getattr__ would be a
+            # Python call each, ten a step); bn's BatchNormArgs unpacked into it, as its schema
+            # takes them. It returns [y], or [] with nothing touched for arguments it leaves to
+            # the checked route below (whose errors name the argument).
+            w = c._parameters["weight"]
+            module_unit = route(x, w).module_unit
             if module_unit is not None:
-                # One call (fusedres.ops.route); [] leaves these arguments to the checked route.
-                out = module_unit(x, cp["weight"], cp["bias"], bp["weight"], bp["bias"],
-                                  bb["running_mean"], bb["running_var"],
-                                  bb["num_batches_tracked"], bn.training, bn.momentum, bn.eps,
+                out = module_unit(x, w, c._parameters["bias"], *FR.BN_PARAMETERS(bn._parameters),
+                                  *FR.BN_BUFFERS(bn._buffers), bn.training, bn.momentum, bn.eps,
                                   residual, c.stride, c.padding, c.dilation)
                 if out:
                     return out[0]
+        # The checked route: the convolution's arguments first, before prepare touches the
+        # running statistics (given their geometry, conv2d_from_prepared does not check them
+        # again).
         check_convs(c)
         geometry = FR.check_conv_args(x, c.weight, c.bias, residual, c.stride, c.padding,
                                       c.dilation)
-        # The convolution's arguments are checked (before prepare touches the running stats):
-        # given their geometry, conv2d_from_prepared does not check them again.
-        return FR.conv2d_from_prepared(prepare(self.bn, x), c.weight, c.bias, residual=residual,
+        state = prepare(bn, x)
+        return FR.conv2d_from_prepared(state, c.weight, c.bias, residual=residual,
                                        geometry=geometry)

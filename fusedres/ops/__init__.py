@@ -21,7 +21,7 @@ Every op routes at run time to the backend in force (:mod:`fusedres.ops._backend
 implements the op under the same name with the same arguments. The autograd rule
 (:func:`unit_setup_context`, :func:`unit_backward`) saves ``x``, the conv weight, the BN
 parameters, the per-channel statistics and the (N,) branch scale when there is one, never the
-normalised or activated tensor. The eager routes (:mod:`fusedres.ops.route` decides which runs)
+normalised or activated tensor. The eager routes (:mod:`fusedres.ops._backend` decides which runs)
 share that rule: the C++ backends' nodes (csrc/eager.h; :func:`eager_unit_of`), the triton
 backend's ``EagerTritonUnit``, and :func:`direct_unit` for a backend's own ops (the traced
 triton unit).
@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _backend, _extension
-from ._backend import is_eager
+from . import _backend, _extension  # noqa: F401 - fusedres._C loads before the ops are defined
+from ._backend import backend_for, is_eager
 from .checks import check_op_args
 from .opdefs import (
     SCHEMAS,
@@ -46,29 +46,23 @@ from .opdefs import (
     stats_dtype,
 )
 
-__all__ = ["EagerCpuUnit", "batch_stats", "bn_relu_conv2d", "bn_relu_conv2d_backward",
+__all__ = ["batch_stats", "bn_relu_conv2d", "bn_relu_conv2d_backward",
            "bn_relu_conv2d_genstats", "direct_unit", "eager_unit_of", "unit_backward",
            "unit_setup_context"]
-
-
-def _backend_for(x: Tensor):
-    name = _backend.resolve_backend(x.device)
-    # The reference backend never reaches the ops; called directly they run the portable code,
-    # as does an empty batch on every backend (nothing for a kernel to do).
-    if name == "reference" or x.numel() == 0:
-        name = "portable"
-    return _backend.backend_module(name)
 
 
 def _define(name: str, routing_arg: str):
     """The public op ``fusedres::<name>``: checks every argument (the ops' contract,
     :func:`fusedres.ops.checks.check_op_args`), then runs the op of the same name of the backend in
-    force for the device of the argument ``routing_arg``."""
+    force for the device of the argument ``routing_arg`` (:func:`fusedres.ops._backend.backend_for`;
+    the portable code for an empty batch: nothing for a kernel to do)."""
     index = arg_names(name).index(routing_arg)
 
     def impl(*args):
         check_op_args(name, args)
-        return getattr(_backend_for(args[index]), name)(*args)
+        x = args[index]
+        ops = backend_for(x.device).ops if x.numel() else _backend.load("portable").ops
+        return getattr(ops, name)(*args)
 
     impl.__name__ = name
     return torch.library.custom_op(f"fusedres::{name}", impl, mutates_args=(),
@@ -143,7 +137,16 @@ _BACKWARD_SLOTS = tuple(_SLOT[n] for n in ("x", "weight", "bias", "bn_weight", "
 def unit_backward(ctx, grad_out, backward_op) -> tuple[Tensor | None, ...]:
     """The autograd rule of the fused unit for a ``ctx`` filled by :func:`unit_setup_context`:
     the gradients of its inputs (in :class:`UnitArgs` order), computed by ``backward_op`` (an
-    op with the schema of ``bn_relu_conv2d_backward``)."""
+    op with the schema of ``bn_relu_conv2d_backward``).
+
+    This and :func:`unit_setup_context` are the rule's one statement. The public ops and
+    :func:`direct_unit` run it; two eager routes state it again in their own code, where a
+    Python frame here would cost host time a step: the C++ backends' nodes (csrc/eager.h's
+    UnitNode, PairNode, ShortcutNode) and the triton backend's ``EagerTritonUnit``. Tests pin
+    each to it: tests/test_eager_cxx.py (the C++ unit node against the public op, bit for bit;
+    the pair and shortcut nodes against their kernels and the public units) and
+    tests/test_backend.py (EagerTritonUnit against the public ops, bit for bit, for each set of
+    inputs that ask for a gradient)."""
     x, weight, bn_weight, bn_bias, mean, invstd, branch_scale = ctx.saved_tensors[:7]
     need = ctx.needs_input_grad
     mask = [need[_SLOT["x"]], need[_SLOT["weight"]], need[_SLOT["bias"]] and ctx.has_bias,
@@ -194,7 +197,7 @@ def direct_unit(name: str, forward, forward_genstats, backward, *,
     (``forward``, ``forward_genstats``, ``backward``: ops with the schemas of
     ``bn_relu_conv2d``, ``_genstats`` and ``_backward``) with the public ops' autograd rule.
     ``eager``: ``forward`` and ``backward`` run the kernels bare, for eager tensors (the caller
-    checks the inputs: fusedres.ops.route); the backward then calls ``backward`` only on a
+    checks the inputs: fusedres.ops._backend.route); the backward then calls ``backward`` only on a
     plain gradient with grad mode off, else the public backward op.
     ``apply(*UnitArgs, genstats)`` returns ``y``, or ``(y, mean, var)`` when ``genstats`` (last,
     so that ``ctx.needs_input_grad`` lines up with :class:`UnitArgs`)."""
@@ -232,12 +235,6 @@ def eager_unit_of(op):
         y, mean, var = op(*args, genstats)
         return (y, mean, var) if genstats else y
     return unit
-
-
-# The cpu backend's eager unit (fusedres_cpu::eager_unit), None without the extension.
-EagerCpuUnit = None
-if _extension.LOADED:  # else the cpu backend never runs (and its namespace may lack the ops)
-    EagerCpuUnit = eager_unit_of(torch.ops.fusedres_cpu.eager_unit.default)
 
 
 def bare_gradients(*grads: Tensor | None) -> bool:

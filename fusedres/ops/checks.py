@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .opdefs import ConvGeometry, arg_names, out_shape, stats_dtype
+from .opdefs import BatchNormArgs, ConvGeometry, arg_names, out_shape, stats_dtype
 
 __all__ = ["autocast_dtype", "check_batch_norm_args", "check_branch_scale", "check_conv_args",
            "check_devices", "check_op_args", "check_x"]
@@ -170,51 +170,50 @@ def _check_writable(t: Tensor, name: str, where: str) -> None:
                            "outside InferenceMode")
 
 
-def check_running_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
-                        num_batches_tracked: Tensor | None, *, training: bool,
-                        momentum: float | None, eps: float, where: str = "") -> None:
-    """The running statistics and hyperparameters of a BatchNorm of ``x`` (csrc/checks.h's
+def check_running_stats(x: Tensor, bn: BatchNormArgs, where: str = "") -> None:
+    """The running statistics and hyperparameters of ``bn``, a BatchNorm of ``x`` (csrc/checks.h's
     check_running_stats): a one-element integer ``num_batches_tracked`` on x's device, buffers
     the update writes writable (no inference tensor outside inference mode) and apart, and
     nn.BatchNorm2d's refusals: ``eps`` > 0 in
     training (>= 0 in eval), no running statistic that requires grad while grad mode is on.
     The vectors' shapes, dtypes and devices are the caller's to check first."""
-    tracked = running_mean is not None
-    if (running_mean is None) != (running_var is None):
+    nbt, training, momentum, eps = bn.num_batches_tracked, bn.training, bn.momentum, bn.eps
+    stats = (bn.running_mean, "running_mean"), (bn.running_var, "running_var")
+    tracked = bn.running_mean is not None
+    if (bn.running_mean is None) != (bn.running_var is None):
         raise ValueError(f"{where}running_mean, running_var: give both or neither")
     if tracked and torch.is_grad_enabled():
-        for t, name in ((running_mean, "running_mean"), (running_var, "running_var")):
+        for t, name in stats:
             if t.requires_grad:
                 raise ValueError(f"{where}{name}: expected a buffer that does not require grad "
                                  "(nn.BatchNorm2d refuses one that does while grad mode is on)")
-    if num_batches_tracked is not None:
-        if not isinstance(num_batches_tracked, Tensor):
+    if nbt is not None:
+        if not isinstance(nbt, Tensor):
             raise TypeError(f"{where}num_batches_tracked: expected a Tensor or None, got "
-                            f"{type(num_batches_tracked).__name__}")
-        if num_batches_tracked.device != x.device:
+                            f"{type(nbt).__name__}")
+        if nbt.device != x.device:
             raise ValueError(f"{where}num_batches_tracked: expected device {x.device} (the "
-                             f"device of x), got {num_batches_tracked.device}")
-        if num_batches_tracked.numel() != 1:
+                             f"device of x), got {nbt.device}")
+        if nbt.numel() != 1:
             raise ValueError(f"{where}num_batches_tracked: expected one element, got shape "
-                             f"{tuple(num_batches_tracked.shape)}")
-        if num_batches_tracked.dtype.is_floating_point or num_batches_tracked.dtype.is_complex \
-                or num_batches_tracked.dtype == torch.bool:
+                             f"{tuple(nbt.shape)}")
+        if nbt.dtype.is_floating_point or nbt.dtype.is_complex or nbt.dtype == torch.bool:
             raise TypeError(f"{where}num_batches_tracked: expected an integer tensor (a count), "
-                            f"got {num_batches_tracked.dtype}")
+                            f"got {nbt.dtype}")
     if training and tracked:
-        if momentum is None and num_batches_tracked is None:
+        if momentum is None and nbt is None:
             raise ValueError(f"{where}num_batches_tracked: required when momentum is None "
                              "(cumulative moving average)")
-        for t, name in ((running_mean, "running_mean"), (running_var, "running_var")):
+        for t, name in stats:
             _check_writable(t, name, where)
             if _overlaps_itself(t):
                 raise ValueError(f"{where}{name}: expected a tensor whose elements do not share "
                                  f"memory (it is updated in place), got strides {t.stride()}")
-        if _share_memory(running_mean, running_var):
+        if _share_memory(bn.running_mean, bn.running_var):
             raise ValueError(f"{where}running_var: expected memory of its own, got a tensor "
                              "that overlaps running_mean")
-    if training and num_batches_tracked is not None:  # counted in training, tracked or not
-        _check_writable(num_batches_tracked, "num_batches_tracked", where)
+    if training and nbt is not None:  # counted in training, tracked or not
+        _check_writable(nbt, "num_batches_tracked", where)
     if momentum is not None and not isinstance(momentum, (int, float)):
         raise TypeError(f"{where}momentum: expected a float or None, got "
                         f"{type(momentum).__name__}")
@@ -225,23 +224,20 @@ def check_running_stats(x: Tensor, running_mean: Tensor | None, running_var: Ten
                          f" (as nn.BatchNorm2d), got {eps}")
 
 
-def check_batch_norm_args(x: Tensor, bn_weight: Tensor | None, bn_bias: Tensor | None,
-                          running_mean: Tensor | None, running_var: Tensor | None,
-                          num_batches_tracked: Tensor | None = None, *, training: bool,
-                          momentum: float | None = 0.1, eps: float = 1e-5,
+def check_batch_norm_args(x: Tensor, bn: BatchNormArgs,
                           stats: tuple[Tensor, Tensor] | None = None) -> None:
-    """Raise the error :func:`prepare_batch_norm` raises for these arguments, touching
-    nothing."""
+    """Raise the error :func:`fusedres.functional.prepare_batch_norm` raises for ``x`` and the
+    BatchNorm ``bn`` (and the batch statistics ``stats`` given), touching nothing. The errors
+    name the functional API's arguments (``bn_weight``, ``running_mean``...)."""
     check_x(x)
     c = x.shape[1]
-    for t, name in ((bn_weight, "bn_weight"), (bn_bias, "bn_bias"),
-                    (running_mean, "running_mean"), (running_var, "running_var")):
+    for t, name in ((bn.weight, "bn_weight"), (bn.bias, "bn_bias"),
+                    (bn.running_mean, "running_mean"), (bn.running_var, "running_var")):
         _check_vector(t, name, c, x)
     if stats is not None:
         _check_stats(stats, x)
-    check_running_stats(x, running_mean, running_var, num_batches_tracked, training=training,
-                        momentum=momentum, eps=eps)
-    use_batch = training or running_mean is None
+    check_running_stats(x, bn)
+    use_batch = bn.training or bn.running_mean is None
     count = x.numel() // c if c else 0
     if use_batch and count == 1:
         raise ValueError("x: expected more than 1 value per channel when training, got input "

@@ -9,7 +9,8 @@ the Triton backend's ``fusedres_triton::`` triton_ops. A backend implements the 
 same names with the same arguments.
 
 Above the op layer the arguments travel as named tuples built from the same table
-(:class:`UnitArgs`, :class:`BackwardArgs`), so no caller reads them by position;
+(:class:`UnitArgs`, :class:`BackwardArgs`), so no caller reads them by position, and a
+BatchNorm travels as one value, :class:`BatchNormArgs`;
 :func:`bind` names the arguments of an op call seen by a dispatch mode.
 
 The shared rules: :func:`stats_dtype`, :func:`conv_out_size`, :func:`out_shape`,
@@ -26,7 +27,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["NAMESPACE_SCHEMAS", "SCHEMAS", "BackwardArgs", "ConvGeometry", "UnitArgs", "arg_names",
+__all__ = ["NAMESPACE_SCHEMAS", "SCHEMAS", "BackwardArgs", "BatchNormArgs", "ConvGeometry",
+           "UnitArgs", "arg_names",
            "backward_outputs", "bind", "conv_out_size", "define_namespace", "out_memory_format",
            "out_shape", "python_signature", "scale_shift", "stats_dtype",
            "suggests_channels_last"]
@@ -39,6 +41,27 @@ __all__ = ["NAMESPACE_SCHEMAS", "SCHEMAS", "BackwardArgs", "ConvGeometry", "Unit
 _UNIT = ("Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, "
          "Tensor mean, Tensor invstd, Tensor? residual, SymInt[2] stride, SymInt[2] padding, "
          "SymInt[2] dilation, bool batch_stats, Tensor? branch_scale=None")
+
+class BatchNormArgs(NamedTuple):
+    """A BatchNorm as the fused calls take it: ``nn.BatchNorm2d``'s parameters, running
+    statistics and settings, under its attribute names, in the order of the eager ops'
+    schemas (:data:`NAMESPACE_SCHEMAS`: ``module_unit(x, weight, bias, *bn, residual, stride,
+    padding, dilation)``, ``prepare_batch_norm(x, *bn[2:], mean, var)``; the triton
+    backend's ``prepare_affine(x, *bn, mean, var)``). The ops' schemas keep the tensors loose
+    (a schema takes no struct); Python passes this one value and unpacks it into the call.
+    ``weight``, ``bias``: (C,) or None (``affine=False``); ``running_mean``, ``running_var``:
+    (C,), both or neither; ``num_batches_tracked``: one integer element or None; ``momentum``
+    None: the cumulative average."""
+
+    weight: Tensor | None
+    bias: Tensor | None
+    running_mean: Tensor | None
+    running_var: Tensor | None
+    num_batches_tracked: Tensor | None
+    training: bool
+    momentum: float | None
+    eps: float
+
 
 SCHEMAS: dict[str, str] = {
     # Per-channel batch mean and biased variance over (N, H, W), in the statistics dtype.
@@ -65,7 +88,7 @@ SCHEMAS: dict[str, str] = {
 # prepare_batch_norm: nn.BatchNorm2d's statistics and running-stats update in one call, (mean,
 # invstd) (fusedres.functional.prepare_batch_norm).
 # module_unit: prepare_batch_norm then eager_unit, a BNReLUConv2d's forward in one call: [y], or
-# [] (nothing touched) for arguments it leaves to the Python checks (fusedres.ops.route).
+# [] (nothing touched) for arguments it leaves to the Python checks (fusedres.ops._backend).
 # eager_pair: two convolutions of one BN-ReLU (a pre-activation unit's projection shortcut and
 # first convolution) as one C++ autograd node saving x once: (y, y2, mean of y2, biased var of
 # y2), the statistics empty unless genstats; no residual, no branch scale.
@@ -112,7 +135,7 @@ NAMESPACE_SCHEMAS: dict[str, dict[str, str]] = {
         # eager_unit with x handed on for a pre-activation unit's identity shortcut (the next
         # unit's residual): (y, x as a view, mean of y, biased var of y), no residual, no branch
         # scale; x's two gradients summed in bn_relu_conv2d_backward_add's pass
-        # (fusedres.ops.route: the cpu route's unit_with_shortcut).
+        # (fusedres.ops._backend: the cpu record's unit_with_shortcut).
         "eager_unit_with_shortcut": (
             f"({_UNIT.replace('Tensor x,', 'Tensor(a) x,', 1)}, bool genstats=False) "
             "-> (Tensor, Tensor(a), Tensor, Tensor)"),

@@ -11,18 +11,18 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
+from .opdefs import BatchNormArgs
 
-def batch_norm_relu(x, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked, *,
-                    training, momentum, eps) -> Tensor:
+
+def batch_norm_relu(x, bn: BatchNormArgs) -> Tensor:
     """``relu(batch_norm(x))`` with ``nn.BatchNorm2d.forward``'s bookkeeping, line for line."""
-    factor = 0.0 if momentum is None else momentum
-    if training and num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
-        factor = 1.0 / float(num_batches_tracked) if momentum is None else momentum
-    use_batch = training or (running_mean is None and running_var is None)
-    return F.relu(
-        F.batch_norm(x, running_mean, running_var, bn_weight, bn_bias, use_batch, factor, eps)
-    )
+    factor = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    use_batch = bn.training or (bn.running_mean is None and bn.running_var is None)
+    return F.relu(F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+                               use_batch, factor, bn.eps))
 
 
 def scale_branch(branch: Tensor, branch_scale: Tensor | None) -> Tensor:
@@ -38,10 +38,8 @@ def conv2d(a, weight, bias, *, stride, padding, dilation, residual=None,
     return y if residual is None else y + residual
 
 
-def bn_relu_conv2d(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
-                   num_batches_tracked=None, *, training, momentum=0.1, eps=1e-5, stride=1,
-                   padding=0, dilation=1, residual=None, branch_scale=None) -> Tensor:
-    a = batch_norm_relu(x, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
-                        training=training, momentum=momentum, eps=eps)
+def bn_relu_conv2d(x, weight, bias, bn: BatchNormArgs, *, stride=1, padding=0, dilation=1,
+                   residual=None, branch_scale=None) -> Tensor:
+    a = batch_norm_relu(x, bn)
     return conv2d(a, weight, bias, stride=stride, padding=padding, dilation=dilation,
                   residual=residual, branch_scale=branch_scale)
