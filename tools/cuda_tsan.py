@@ -56,7 +56,7 @@ def _flags(asan: bool = False) -> tuple[list[str], list[str]]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cflags = ["-std=c++20", "-O1", "-g", *_sanitize(asan), "-fno-omit-frame-pointer",
+    cflags = ["-std=c++20", "-O1", "-g1", *_sanitize(asan), "-fno-omit-frame-pointer",
               "-DFUSEDRES_HOST_THREADS", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
               "-Wno-unknown-pragmas"]
     cflags += [f"-I{p}" for p in cpp_extension.include_paths()]

@@ -737,7 +737,7 @@ def build_asan_extension(jobs: int | None = None, verbose: bool = True) -> str:
     headers = glob.glob(os.path.join(ROOT, "csrc", "**", "*.h"), recursive=True)
     newest = max(os.path.getmtime(p) for p in headers)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cflags = ["-std=c++20", "-O1", "-g", "-fPIC", "-fsanitize=address", "-fno-omit-frame-pointer",
+    cflags = ["-std=c++20", "-O1", "-g1", "-fPIC", "-fsanitize=address", "-fno-omit-frame-pointer",
               "-fopenmp", "-Wno-unknown-pragmas", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
               "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C",
               f"-I{sysconfig.get_paths()['include']}", *defines]
