@@ -130,7 +130,38 @@ SLOW = (
     "tests/test_docs.py::test_python_blocks_run[heavy]",   # plans ResNet-1001 at batch 128
     "tests/test_docs.py::test_shell_blocks_run[*",         # the docs' trainings, at CI's scale
 )
+
+# CI's slow step runs with --dist loadgroup (pytest-xdist): every test stays with its file's group
+# (module fixtures built once, in one process), except these, the longest (in that step, 2 cores:
+# 2-9 min each), which go first, each alone, longest first, so that the two workers finish
+# together instead of one running a file of them after the other has finished.
+LONGEST_FIRST = (
+    "tests/test_cuda_on_cpu.py::test_nvcc_*",
+    "tests/test_bn_relu_conv.py::test_gradients_within_twice_*[cuda-long-f16]",
+    "tests/test_memory.py::test_predicted_step_peak_matches_measured[r1001-*",
+    "tests/test_bn_relu_conv.py::test_gradients_within_twice_*[triton-long-*",
+    "tests/test_docs.py::test_shell_blocks_run[*",
+    "tests/test_bench.py::test_gpu_report_quick_end_to_end_on_cpu",
+    "tests/test_bench.py::test_decisive_run_on_cpu_measures_every_row",
+    "tests/test_cpu_capability.py::test_cpu_backend_numerics_under_each_capability[*",
+)
 _SLOW_PATTERNS = {p: p.replace("[", "[[]") for p in SLOW}
+_FIRST_PATTERNS = [p.replace("[", "[[]") for p in LONGEST_FIRST]
+
+
+def _spread_longest_first(items) -> None:
+    """For --dist loadgroup: the file as each test's group, but LONGEST_FIRST's tests ungrouped
+    and moved to the front in that table's order (xdist keeps the order with
+    --no-loadscope-reorder)."""
+    def rank(item) -> int:
+        for i, pattern in enumerate(_FIRST_PATTERNS):
+            if fnmatch.fnmatchcase(item.nodeid, pattern):
+                return i
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        return len(_FIRST_PATTERNS)
+
+    ranks = {id(item): rank(item) for item in items}
+    items.sort(key=lambda item: ranks[id(item)])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -145,6 +176,8 @@ def pytest_collection_modifyitems(config, items):
     whole = [os.path.abspath(a) for a in config.args] == [os.path.dirname(__file__)]
     if unmatched and whole and not config.option.keyword:
         raise pytest.UsageError(f"tests/conftest.py SLOW: no test matches {sorted(unmatched)}")
+    if getattr(config.option, "dist", None) == "loadgroup":
+        _spread_longest_first(items)
     if config.getoption("--full-matrix"):
         return
     left = [item for item in items if item.get_closest_marker("full_matrix") is not None]
