@@ -132,8 +132,8 @@ SLOW = (
 )
 
 # CI's slow step runs with --dist loadgroup (pytest-xdist): every test stays with its file's group
-# (module fixtures built once, in one process), except these, the longest (in that step, 2 cores:
-# 2-9 min each), which go first, each alone, longest first, so that the two workers finish
+# (module fixtures built once, in one process), except these, the longest of that step (1-4 min
+# each on 2 quiet cores), which go first, each alone, longest first, so that the two workers finish
 # together instead of one running a file of them after the other has finished.
 LONGEST_FIRST = (
     "tests/test_cuda_on_cpu.py::test_nvcc_*",
