@@ -86,6 +86,15 @@ def cpu_capabilities(machine: str | None = None) -> list[tuple[str, tuple[str, .
     return [("baseline", ())]
 
 
+def _cpu_has(flag: str) -> bool:
+    """Whether this machine's CPU reports ``flag`` (Linux's /proc/cpuinfo; False elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def cpu_capability_builds(machine: str | None = None,
                           only: str | None = None) -> tuple[list[str], list[tuple]]:
     """How fusedres._C's CPU kernels are compiled: ``(defines, builds)``. ``defines``: the
@@ -359,9 +368,15 @@ def extensions():
     # Self-contained: it links against libtorch, not fusedres._C.
     test_switch = _setting("FUSEDRES_BUILD_TEST_EXT")
     if test_switch == "1" or (test_switch == "auto" and _in_place()):
+        # -mf16c where the building CPU has it (the test extension runs where it is built):
+        # c10::Half then converts with one instruction. Without it every float16 conversion of
+        # the emulated kernels is ~20 integer and float operations, and their float16 runs took
+        # 10x their bfloat16 twins' time (a bfloat16 conversion is a shift); the same rounding
+        # (to nearest even) either way.
+        f16c = ["-mf16c"] if _cpu_has("f16c") else []
         exts.append(CppExtension("fusedres._C_cuda_on_cpu",
                                  sorted(glob.glob("csrc/cuda/on_cpu/*.cpp")),
-                                 extra_compile_args={"cxx": list(cxx)},
+                                 extra_compile_args={"cxx": list(cxx) + f16c},
                                  extra_link_args=["-fopenmp"]))
         built.append("fusedres._C_cuda_on_cpu (test extension)")
     print(f"fusedres: building {', '.join(built)}")

@@ -137,7 +137,6 @@ SLOW = (
 # together instead of one running a file of them after the other has finished.
 LONGEST_FIRST = (
     "tests/test_cuda_on_cpu.py::test_nvcc_*",
-    "tests/test_bn_relu_conv.py::test_gradients_within_twice_*[cuda-long-f16]",
     "tests/test_memory.py::test_predicted_step_peak_matches_measured[r1001-*",
     "tests/test_bn_relu_conv.py::test_gradients_within_twice_*[triton-long-*",
     "tests/test_docs.py::test_shell_blocks_run[*",
