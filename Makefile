@@ -169,7 +169,7 @@ gpu-model-cuda: install
 	TRITON_INTERPRET=0 $(PY) -m tools.perfmodel --cuda-only --out benchmarks/GPU_MODEL.md
 
 lint: $(DEPS)
-	$(VENV)/bin/ruff check fusedres kernels tools tests benchmarks setup.py
+	$(VENV)/bin/ruff check fusedres kernels tools tests benchmarks setup.py build_backend.py
 
 format: $(DEPS)
 	$(VENV)/bin/ruff format fusedres kernels tests benchmarks setup.py

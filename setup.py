@@ -8,6 +8,10 @@ Switches: FUSEDRES_BUILD_EXT, FUSEDRES_BUILD_CUDA and FUSEDRES_BUILD_TEST_EXT, d
                           sm_80 instructions); unset with no GPU visible: DEFAULT_CUDA_ARCHS;
                           unset with a GPU visible: torch's default, the visible cards'
   CUDA_HOME               where nvcc is not on PATH
+  CUTLASS_PATH            a CUTLASS checkout whose include/ the cuda backend's CUTLASS kernels
+                          compile against; unset: the installed nvidia-cutlass package's headers
+                          (fusedres.settings.cutlass_include_dir); neither: the CUDA part is
+                          built without its CUTLASS kernels (a message says so)
   MAX_JOBS                default: the number of cores, capped by available memory (2 GiB a job)
 
 The CPU kernels of csrc/cpu/vec/ are compiled once per CPU capability (cpu_capabilities()), the
@@ -223,6 +227,11 @@ def _setting(name: str):
         sys.exit(str(exc))
 
 
+# nvcc flags of the CUTLASS kernels and of the files that call them (every .cu of the build):
+# the switch that compiles the calls, and the constexpr use CUTLASS's host-device code needs.
+CUTLASS_NVCC_FLAGS = ["-DFUSEDRES_WITH_CUTLASS", "--expt-relaxed-constexpr"]
+
+
 def _cuda_home() -> str | None:
     # nvcc on PATH may be a wrapper script: ask the real binary where it lives.
     nvcc = shutil.which("nvcc")
@@ -356,6 +365,20 @@ def extensions():
         kwargs["include_dirs"] = cuda_include_dirs(os.environ.get("CUDA_HOME"),
                                                    os.path.dirname(torch.__file__))
         kwargs["extra_compile_args"]["nvcc"] = ["-O3"]
+        # The CUTLASS kernels (csrc/cuda/cutlass_conv, FUSEDRES_CUDA_KERNELS=cutlass) where
+        # nvidia-cutlass's headers are found; without them the backend is built with its native
+        # kernels only, and asking for cutlass is an error at the call that names the reason.
+        cutlass_inc = _SETTINGS.cutlass_include_dir()
+        if cutlass_inc is None:
+            print("fusedres: CUTLASS headers not found (pip install nvidia-cutlass, or set "
+                  "CUTLASS_PATH to a CUTLASS checkout): building the cuda backend without its "
+                  "CUTLASS kernels")
+        else:
+            print(f"fusedres: CUTLASS kernels built against {cutlass_inc}")
+            cuda_sources += sorted(glob.glob("csrc/cuda/cutlass_conv/*.cu"))
+            kwargs["include_dirs"].append(cutlass_inc)
+            kwargs["extra_compile_args"]["nvcc"] += CUTLASS_NVCC_FLAGS
+            kwargs["extra_compile_args"]["cxx"].append("-DFUSEDRES_WITH_CUTLASS")  # module.cpp
         exts = [CUDAExtension("fusedres._C", sources + cuda_sources, **kwargs)]
     else:
         exts = [CppExtension("fusedres._C", sources, **kwargs)]

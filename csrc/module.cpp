@@ -111,6 +111,15 @@ PyObject* choose_cpu_capability(PyObject* /*self*/, PyObject* args) {
   }
 }
 
+// cuda_kernel_sets() -> list[str]
+PyObject* cuda_kernel_sets(PyObject* /*self*/, PyObject* /*args*/) {
+#if defined(FUSEDRES_WITH_CUTLASS)
+  return str_list({"native", "cutlass"});
+#else
+  return str_list({"native"});
+#endif
+}
+
 PyMethodDef methods[] = {
     {"cpu_tile_samples", cpu_tile_samples, METH_VARARGS,
      "cpu_tile_samples(n, bytes_per_sample, weight_bytes, channels_last=False) -> int\n\n"
@@ -134,6 +143,10 @@ PyMethodDef methods[] = {
      "choose_cpu_capability(pin, features) -> str\n\n"
      "The rule cpu_capability() applies, for a pin (FUSEDRES_CPU_CAPABILITY's value; '' or\n"
      "'auto': the best) and a CPU with the given features; ValueError saying why none."},
+    {"cuda_kernel_sets", cuda_kernel_sets, METH_NOARGS,
+     "cuda_kernel_sets() -> list[str]\n\n"
+     "The values of FUSEDRES_CUDA_KERNELS this build's cuda backend honours: 'native', and\n"
+     "'cutlass' where it was built with the CUTLASS kernels (csrc/cuda/cutlass_conv)."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

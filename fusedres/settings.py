@@ -84,6 +84,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "reason (no silent fallback: a pin says which code a run means to test). "
             "`fusedres settings` and `fusedres.cpu_capability()` say which is in use.",
             ("auto", "baseline", "avx2", "avx512")),
+    Setting("FUSEDRES_CUDA_KERNELS", "choice", "native", "at every cuda-backend op call",
+            "The cuda backend's convolution kernels: `native` (csrc/cuda's own) or `cutlass` "
+            "(csrc/cuda/cutlass_conv: CUTLASS implicit-GEMM forward and weight gradient with "
+            "the BatchNorm-ReLU in the main loop, for float16/bfloat16 channels-last operands "
+            "with C and Co multiples of 8; every other input keeps the native kernels). "
+            "Opt-in until a GPU self-test has passed them. `cutlass` where the build has no "
+            "CUTLASS kernels, or on the CPU execution layer, is an error naming this variable.",
+            ("native", "cutlass")),
     Setting("FUSEDRES_CPU_TILE_BYTES", "int", "",
             "at every cpu-backend call (csrc/cpu), and by the memory accounting through "
             "`fusedres._C`'s `cpu_tile_samples`",
@@ -161,6 +169,30 @@ def raw_lookup(*names: str) -> tuple:
     return _STORE.get, tuple(_ENCODE(n) for n in names)
 
 
+def cutlass_include_dir(environ=None) -> str | None:
+    """The CUTLASS headers the cuda backend's CUTLASS kernels compile against (the folder
+    holding ``cutlass/cutlass.h``): ``$CUTLASS_PATH/include`` (a CUTLASS checkout, the variable
+    CUTLASS's own tools read), else the installed ``nvidia-cutlass`` package's
+    ``cutlass_library/source/include``, found without importing it (its import needs
+    cuda-python); ``None`` when neither has them."""
+    import importlib.util
+
+    environ = os.environ if environ is None else environ
+    candidates = []
+    if environ.get("CUTLASS_PATH"):
+        candidates.append(os.path.join(environ["CUTLASS_PATH"], "include"))
+    try:
+        spec = importlib.util.find_spec("cutlass_library")
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidates.append(os.path.join(folder, "source", "include"))
+    for inc in candidates:
+        if os.path.isfile(os.path.join(inc, "cutlass", "cutlass.h")):
+            return os.path.abspath(inc)
+    return None
+
+
 def _parse(name: str, raw):
     setting = SETTINGS[name]
     if raw is None or raw == "":
@@ -185,13 +217,16 @@ def _cpu_capability_line() -> str:
         from fusedres.ops import _extension
     except Exception as exc:  # noqa: BLE001 - the table is printed whatever the library's state
         return f"cpu capability: unknown (importing fusedres failed: {exc})"
-    return f"cpu capability: {_extension.describe_cpu_capability()}"
+    sets = _extension.cuda_kernel_sets()
+    return (f"cpu capability: {_extension.describe_cpu_capability()}\n"
+            f"cuda kernel sets built (FUSEDRES_CUDA_KERNELS): {', '.join(sets) or 'none'}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``fusedres settings``: the table, then the variables set in this environment and the
     value each is read as (exit 2 when one is malformed), then the CPU capability the cpu
-    backend's kernels run with here (FUSEDRES_CPU_CAPABILITY's effect)."""
+    backend's kernels run with here (FUSEDRES_CPU_CAPABILITY's effect) and the cuda backend's
+    kernel sets this build has (FUSEDRES_CUDA_KERNELS's choices)."""
     print(markdown_table())
     status = 0
     for name in SETTINGS:

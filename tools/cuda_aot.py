@@ -8,7 +8,10 @@ from the PTX), and the resident blocks per SM and occupancy that follow from the
 
 A kernel that uses dynamic shared memory declares its largest launch for the table with a comment
 in its .cu file, or in a .cuh header beside it (a kernel family's file, included by the .cu):
-``// cuda_aot: <kernel name> dynamic_smem=<bytes>``.
+``// cuda_aot: <kernel name> dynamic_smem=<bytes>``. The CUTLASS kernels (csrc/cuda/cutlass_conv,
+compiled where nvidia-cutlass's headers are found: fusedres.settings.cutlass_include_dir) carry
+both figures in their name instead, ``Launch<threads, dynamic smem bytes>``, which their
+kernel file pins to CUTLASS's own with static_asserts.
 
 nvcc's outputs are kept in build/nvcc-cache (:func:`compile_cached`): the performance model
 (tools/perfmodel/cuda_sass.py) reads the SASS of the same objects, and CI's slow step runs both.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import glob
 import hashlib
 import json
@@ -62,8 +66,30 @@ def find_nvcc() -> str | None:
     return real
 
 
+@functools.lru_cache(maxsize=1)
+def cutlass_include() -> str | None:
+    """The CUTLASS headers the build would use (fusedres/settings.py's rule, loaded by path as
+    setup.py loads it: no torch, no fusedres import)."""
+    import importlib.util
+
+    name = "_fusedres_settings_aot"
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(ROOT, "fusedres", "settings.py"))
+    settings = importlib.util.module_from_spec(spec)
+    sys.modules[name] = settings  # its dataclasses look their module up
+    spec.loader.exec_module(settings)
+    return settings.cutlass_include_dir()
+
+
 def sources(root: str = ROOT) -> list[str]:
-    return sorted(glob.glob(os.path.join(root, "csrc", "cuda", "*.cu")))
+    """csrc/cuda's .cu files, and csrc/cuda/cutlass_conv's where CUTLASS's headers are found."""
+    found = glob.glob(os.path.join(root, "csrc", "cuda", "*.cu"))
+    if cutlass_include() is not None:
+        found += glob.glob(os.path.join(root, "csrc", "cuda", "cutlass_conv", "*.cu"))
+    else:
+        print("tools.cuda_aot: CUTLASS headers not found (pip install nvidia-cutlass): "
+              "csrc/cuda/cutlass_conv left out", file=sys.stderr)
+    return sorted(found)
 
 
 def nvcc_command(nvcc: str, src: str, obj: str, keep_dir: str, archs=ARCHS) -> list[str]:
@@ -88,6 +114,9 @@ def nvcc_command(nvcc: str, src: str, obj: str, keep_dir: str, archs=ARCHS) -> l
     for arch in archs:
         cmd += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
     cmd += [f"-I{p}" for p in includes]
+    cutlass = cutlass_include()
+    if cutlass is not None:  # as setup.py builds the CUDA part (CUTLASS_NVCC_FLAGS)
+        cmd += [f"-I{cutlass}", "-DFUSEDRES_WITH_CUTLASS", "--expt-relaxed-constexpr"]
     return cmd
 
 
@@ -139,6 +168,8 @@ _SMEM = re.compile(r"(\d+) bytes smem")
 _PTX_ENTRY = re.compile(r"\.entry\s+(\S+)\s*\(")
 _MAXNTID = re.compile(r"\.(?:maxntid|reqntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?")
 _DYN = re.compile(r"//\s*cuda_aot:\s*(\S+)\s+dynamic_smem=(\d+)")
+# A CUTLASS kernel's block size and dynamic shared memory, in its demangled name.
+_LAUNCH = re.compile(r"Launch<(\d+), (\d+)>")
 
 
 def parse_ptxas(log: str, file: str) -> list[Kernel]:
@@ -190,7 +221,8 @@ def demangle(names: list[str]) -> dict[str, str]:
 def _short(name: str) -> str:
     """fusedres::cuda::(anonymous namespace)::k<float>(const float*, ...) -> k<float>."""
     name = re.sub(r"\(anonymous namespace\)::", "", name)
-    name = name.replace("fusedres::cuda::", "").replace("c10::", "").replace("at::", "")
+    name = name.replace("fusedres::cuda::", "").replace("fusedres::cutlass_conv::", "")
+    name = name.replace("c10::", "").replace("at::", "")
     depth = 0
     for i, ch in enumerate(name):  # drop the parameter list
         if ch == "<":
@@ -299,6 +331,9 @@ def compile_file(nvcc: str, src: str, archs=ARCHS) -> tuple[list[Kernel], float]
         k.threads = compiled.threads.get(k.mangled)
         base = k.name.split("<")[0]
         k.dynamic_smem = dynamic.get(base, 0)
+        if launch := _LAUNCH.search(k.name):
+            k.threads = k.threads or int(launch.group(1))
+            k.dynamic_smem = int(launch.group(2))
     return kernels, compiled.seconds
 
 

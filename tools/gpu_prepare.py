@@ -89,11 +89,29 @@ def versions(python: Path) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def cutlass_path() -> str | None:
+    """CUTLASS_PATH for the build: the CUTLASS headers this machine has (fusedres/settings.py's
+    rule; .venv's nvidia-cutlass), whose folder above include/ is what CUTLASS_PATH names, so
+    that .venv-compat's build compiles the CUTLASS kernels too (the GPU machines have no
+    nvidia-cutlass: the library carries them)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_fusedres_settings_prep",
+                                                  ROOT / "fusedres" / "settings.py")
+    settings = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = settings  # its dataclasses look their module up
+    spec.loader.exec_module(settings)
+    inc = settings.cutlass_include_dir()
+    return os.path.dirname(inc) if inc else None
+
+
 def build(python: Path, src: Path, arch: str, jobs: int) -> Path:
     env = dict(os.environ, FUSEDRES_BUILD_EXT="1", FUSEDRES_BUILD_CUDA="1",
                FUSEDRES_BUILD_TEST_EXT="0",
                TORCH_CUDA_ARCH_LIST=arch, MAX_JOBS=str(jobs),
                PATH=f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    if "CUTLASS_PATH" not in env and (path := cutlass_path()) is not None:
+        env["CUTLASS_PATH"] = path
     subprocess.run([str(python), "setup.py", "-q", "build_ext", "--inplace"], cwd=src,
                    env=env, check=True)
     built = sorted((src / "fusedres").glob("_C.abi3.*"))
@@ -136,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
                 "bytes": size, "sha256": hashlib.sha256(library.read_bytes()).hexdigest(),
                 "sources": _gpu_check().sources_digest(), "commit": head, "dirty": dirty,
                 "built_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-                "build_seconds": round(time.monotonic() - t0, 1)}
+                "build_seconds": round(time.monotonic() - t0, 1),
+                # the CUTLASS kernels (FUSEDRES_CUDA_KERNELS=cutlass) compiled in, from these
+                # headers; None: built without them
+                "cutlass_path": os.environ.get("CUTLASS_PATH") or cutlass_path()}
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"gpu-prepare: {args.out}/{library.name} ({size / 2 ** 20:.1f} MiB) for torch "
           f"{have['torch']}, compute capability {args.arch}, in {manifest['build_seconds']:.0f} s;"

@@ -22,6 +22,7 @@
 #include <optional>
 
 #include "../prepare.h"  // before common.cuh: plain C++, outside the host layer's macros
+#include "cutlass_conv/cutlass_conv.h"  // FUSEDRES_CUDA_KERNELS, read by every op (plain C++)
 #include "common.cuh"
 #include "ops.h"
 
@@ -418,6 +419,9 @@ std::tuple<at::Tensor, at::Tensor> prepare_batch_norm(
   const char* op = "fusedres_cuda.prepare_batch_norm";
   checks::check_prepare_args(op, kDeviceType, x_in, running_mean, running_var,
                              num_batches_tracked, training, momentum, eps, mean_in, var_in);
+  // A FUSEDRES_CUDA_KERNELS this copy cannot honour fails here, before the running statistics
+  // are touched (module_unit prepares, then runs the unit).
+  cutlass_conv::kernel_set(op);
   DeviceGuard guard(x_in.device());
   const bool tracked = present(running_mean);
   const bool use_batch = training || !tracked, update = training && tracked;

@@ -18,6 +18,8 @@
 #include <cstdlib>
 #include <string>
 
+// FUSEDRES_CUDA_KERNELS and the CUTLASS forward (plain C++: before the host layer's macros).
+#include "cutlass_conv/cutlass_conv.h"
 #include "conv_tiles.cuh"
 #include "mma.cuh"
 #include "mma_tiles.cuh"
@@ -532,6 +534,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   const checks::Conv c =
       checks::check_unit_args(op, kDeviceType, x, weight, bias, bn_weight, bn_bias, mean, invstd,
                               residual, stride_, padding_, dilation_, branch_scale);
+  const auto kernels = cutlass_conv::kernel_set(op);
   const auto &stride = c.stride, &padding = c.padding, &dilation = c.dilation;
   const int64_t N = x.size(0), Co = weight.size(0), Ho = c.out[2], Wo = c.out[3];
   const DeviceGuard guard(x.device());
@@ -554,6 +557,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
                    static_cast<int32_t>(stride[0]),      static_cast<int32_t>(stride[1]),
                    static_cast<int32_t>(padding[0]),     static_cast<int32_t>(padding[1]),
                    static_cast<int32_t>(dilation[0]),    static_cast<int32_t>(dilation[1])};
+  // The CUTLASS forward (cutlass_conv/fprop.cu) for what it takes: no conv bias or branch scale
+  // (its epilogue adds only the residual); y's statistics then come from batch_stats, one more
+  // read of y.
+  const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
+  if (kernels == cutlass_conv::KernelSet::cutlass && !bias.has_value() && !bscale.defined()) {
+#if defined(FUSEDRES_WITH_CUTLASS)
+    if (y.is_contiguous(at::MemoryFormat::ChannelsLast) && cutlass_conv::can_run_fprop(x, weight, r)) {
+      cutlass_conv::fprop(x, weight, bn.scale, bn.shift, r, y, {stride, padding, dilation});
+      if (!genstats) return {y, at::Tensor(), at::Tensor()};
+      const auto [ymean, yvar] = batch_stats(y);
+      return {y, ymean.to(sdt), yvar.to(sdt)};
+    }
+#endif
+  }
   const int64_t M = N * Ho * Wo;
   const int64_t bm = forward_rows(x, weight, bn, M);
   const int64_t tiles = ceil_div(M, bm);
@@ -566,7 +583,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   // The kernel reads bias[co] with unit stride.
   const at::Tensor bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
   const at::Tensor* b = bias.has_value() ? &bias_c : nullptr;
-  const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
   dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
     using X = decltype(xt);
     using W = decltype(wt);

@@ -34,6 +34,9 @@
 #include <tuple>
 #include <utility>
 
+// FUSEDRES_CUDA_KERNELS and the CUTLASS weight gradient (plain C++: before the host layer's
+// macros).
+#include "cutlass_conv/cutlass_conv.h"
 #include "bn_relu_conv2d_dgrad.cuh"
 #include "bn_relu_conv2d_wgrad.cuh"
 #include "conv_tiles.cuh"
@@ -92,6 +95,9 @@ struct BackwardPasses {
   int64_t phases;         // the stride phases (one per blockIdx.z of the data gradient)
   int64_t phase_rows;     // the input pixels of the largest phase
   std::optional<DgradTiles> tiles{};
+  // The weight gradient on CUTLASS (cutlass_conv/wgrad.cu): "store" only, no branch scale.
+  bool cutlass_wgrad = false;
+  std::array<int64_t, 2> stride{}, padding{}, dilation{};
 
   const DgradTiles& dgrad_tiles() {
     if (!tiles.has_value()) {
@@ -115,6 +121,15 @@ struct BackwardPasses {
   }
 
   void wgrad(at::Tensor& gw, at::Tensor* gb, SumsArgs* sums) {
+#if defined(FUSEDRES_WITH_CUTLASS)
+    if (cutlass_wgrad) {
+      TORCH_CHECK(sums == nullptr && bsp == nullptr, op, ": the CUTLASS weight gradient runs the "
+                  "\"store\" plan without a branch scale");
+      cutlass_conv::wgrad(go, x, bn.scale, bn.shift, gw, {stride, padding, dilation});
+      if (gb != nullptr) gb->copy_(go.sum({0, 2, 3}, false, at::kFloat));
+      return;
+    }
+#endif
     dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
       launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, gb, sums, bsp, g);
     });
@@ -209,6 +224,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   const checks::Conv c = checks::check_backward_args(op, kDeviceType, grad_out, x, weight,
                                                      bn_weight, bn_bias, mean_in, invstd_in,
                                                      stride_, padding_, dilation_, branch_scale);
+  const auto kernels = cutlass_conv::kernel_set(op);
   const auto [want_x, want_w, want_b, want_g, want_beta] = output_mask;
   const Wants want{want_x, want_w, want_b, want_g, want_beta, want_x || want_g || want_beta,
                    want_g || want_beta || (want_x && batch_stats)};
@@ -235,9 +251,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
                         std::min(stride[0], H) * std::min(stride[1], W),
                         N * ceil_div(H, stride[0]) * ceil_div(W, stride[1])};
   const double inv_m = 1.0 / static_cast<double>(N * H * W);
+  // FUSEDRES_CUDA_KERNELS=cutlass: the weight gradient on CUTLASS where it takes the operands
+  // (16-bit channels-last, no branch scale), with the "store" plan (its GEMM has no BatchNorm
+  // sums; the native data gradient's epilogue reduces them).
+  if (kernels == cutlass_conv::KernelSet::cutlass && want_w && !bscale.defined()) {
+#if defined(FUSEDRES_WITH_CUTLASS)
+    passes.cutlass_wgrad = cutlass_conv::can_run_wgrad(go, x, weight);
+    passes.stride = stride, passes.padding = padding, passes.dilation = dilation;
+#endif
+  }
   // The weight gradient's pass yields the BatchNorm sums where it runs ("sums"); else the data
   // gradient's epilogue does ("store").
-  if (want_w && want.sums) {
+  if (want_w && want.sums && !passes.cutlass_wgrad) {
     backward_sums(passes, out, want, bn_weight, bn_bias, batch_stats, inv_m);
   } else {
     backward_store(passes, out, want, batch_stats, inv_m);

@@ -136,6 +136,16 @@ def cpu_capability() -> str | None:
     return importlib.import_module("fusedres._C").cpu_capability()
 
 
+def cuda_kernel_sets() -> tuple[str, ...]:
+    """The values of ``FUSEDRES_CUDA_KERNELS`` the loaded ``fusedres._C``'s cuda backend
+    honours: ``("native",)``, or ``("native", "cutlass")`` when it was built with the CUTLASS
+    kernels (csrc/cuda/cutlass_conv); ``()`` when the extension is not loaded."""
+    if not LOADED:
+        return ()
+    ext = importlib.import_module("fusedres._C")
+    return tuple(ext.cuda_kernel_sets()) if hasattr(ext, "cuda_kernel_sets") else ("native",)
+
+
 def describe_cpu_capability() -> str:
     """One line for people (``fusedres settings``): the capability in use, those built into
     ``fusedres._C`` and those this CPU runs; or why there is none."""

@@ -1,0 +1,82 @@
+// The cuda backend's CUTLASS kernels (FUSEDRES_CUDA_KERNELS=cutlass): the fused unit's forward
+// and weight gradient as CUTLASS implicit-GEMM convolutions with the BatchNorm-ReLU applied to
+// the activation operand in the main loop (csrc/cuda/cutlass_conv/README.md).
+//
+// Included by the op files of both copies of csrc/cuda: kernel_set() is compiled everywhere (a
+// request the copy cannot honour is an error naming the variable, raised before the op touches
+// anything); the launchers exist only in the nvcc product build with nvidia-cutlass's headers
+// (FUSEDRES_WITH_CUTLASS, set by setup.py), never in the CPU execution layer's copy, which
+// cannot run CUTLASS's PTX.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <cctype>
+#include <cstdlib>
+#include <string>
+
+namespace fusedres::cutlass_conv {
+
+enum class KernelSet { native, cutlass };
+
+// FUSEDRES_CUDA_KERNELS (fusedres/settings.py), read at every call of the cuda backend's ops:
+// native (unset: the default) or cutlass. With cutlass, the inputs the CUTLASS kernels take
+// (can_run_*) run on them and every other input on the native kernels.
+inline KernelSet kernel_set(const char* op) {
+  const char* raw = std::getenv("FUSEDRES_CUDA_KERNELS");
+  if (raw == nullptr) return KernelSet::native;
+  std::string v;
+  for (const char* p = raw; *p != '\0'; ++p) {
+    if (!std::isspace(static_cast<unsigned char>(*p))) {
+      v.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(*p))));
+    }
+  }
+  if (v.empty() || v == "native") return KernelSet::native;
+  TORCH_CHECK(v == "cutlass", op, ": FUSEDRES_CUDA_KERNELS: expected one of native, cutlass, got '",
+              raw, "'");
+#if defined(FUSEDRES_WITH_CUTLASS)
+  return KernelSet::cutlass;
+#elif defined(__CUDACC__)
+  TORCH_CHECK(false, op,
+              ": FUSEDRES_CUDA_KERNELS=cutlass, but fusedres._C was built without the CUTLASS "
+              "kernels (nvidia-cutlass's headers were not found when it was built: pip install "
+              "nvidia-cutlass, or set CUTLASS_PATH, then rebuild); unset it for the native "
+              "kernels");
+#else
+  TORCH_CHECK(false, op,
+              ": FUSEDRES_CUDA_KERNELS=cutlass: the CUTLASS kernels run only on a GPU; the CPU "
+              "execution layer (fusedres._C_cuda_on_cpu) runs the native kernels: unset it or "
+              "set native");
+#endif
+  return KernelSet::native;
+}
+
+#if defined(FUSEDRES_WITH_CUTLASS)
+
+// The convolution's geometry: stride, padding, dilation as the op checked them.
+struct ConvArgs {
+  std::array<int64_t, 2> stride, padding, dilation;
+};
+
+// Whether the CUTLASS forward takes these operands: float16 or bfloat16 x, weight, residual and
+// output of one dtype, x channels-last, C and Co multiples of 8, no conv bias, branch scale or
+// output statistics (the caller's part of the test), 16-byte aligned data.
+bool can_run_fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* residual);
+// y = conv2d(relu(scale * x + shift), weight) (+ residual), y preallocated channels-last in x's
+// dtype; scale and shift per channel in float32 (rounded to x's dtype for the main loop).
+void fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+           const at::Tensor& shift, const at::Tensor* residual, at::Tensor& y,
+           const ConvArgs& conv);
+
+// Whether the CUTLASS weight gradient takes these operands (as can_run_fprop, for grad_out too).
+bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight);
+// grad_weight = sum over pixels of grad_out * relu(scale * x + shift) at each tap, accumulated
+// in float32 (serial split-K over the pixels) and written into gw (Co, C, kh, kw).
+void wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& scale,
+           const at::Tensor& shift, at::Tensor& gw, const ConvArgs& conv);
+
+#endif
+
+}  // namespace fusedres::cutlass_conv
