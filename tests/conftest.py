@@ -105,6 +105,7 @@ def pytest_configure(config):
 SLOW = (
     "tests/test_cuda_mma.py::test_asan_*",                 # builds and runs the ASan driver
     "tests/test_cuda_on_cpu.py::test_nvcc_*",              # nvcc for sm_80 and sm_90
+    "tests/test_cutlass.py::test_nvcc_*",                  # the CUTLASS kernels' SASS
     "tests/test_cuda_on_cpu.py::test_tsan_*",              # the TSan driver
     "tests/test_triton_aot.py::*",                         # every config compiled for a GPU
     "tests/test_perfmodel.py::test_compiled_counts_and_committed_table",

@@ -197,10 +197,13 @@ def test_tsan_build_reports_the_wrong_mask(tsan_driver):
 
 
 def _kernel_names() -> set[str]:
-    """The kernels of every translation unit cuda_aot compiles (csrc/cuda/*.cu) and of the
-    headers they include (csrc/cuda/*.cuh: bn_relu_conv2d_backward.cu's kernel families)."""
+    """The kernels of every translation unit cuda_aot compiles (csrc/cuda/*.cu, and
+    csrc/cuda/cutlass_conv/*.cu) and of the headers they include (csrc/cuda/*.cuh:
+    bn_relu_conv2d_backward.cu's kernel families; cutlass_conv/common.cuh: the CUTLASS
+    kernels' one __global__)."""
     names = set()
     headers = glob.glob(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "*.cuh"))
+    headers += glob.glob(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "cutlass_conv", "*.cuh"))
     for src in cuda_aot.sources() + sorted(headers):
         code = re.sub(r"//[^\n]*", "", open(src).read())  # not the examples in comments
         names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)",
@@ -213,6 +216,8 @@ def _kernel_names() -> set[str]:
 def test_nvcc_compiles_every_kernel_for_sm80_and_sm90(tmp_path):
     """The CI compile of csrc/cuda: every kernel for both architectures, none of them spilling,
     and the committed table (csrc/cuda/COMPILE.md) lists every kernel the compile reports."""
+    # CI compiles the CUTLASS kernels too (requirements-dev.txt installs their headers).
+    assert cuda_aot.cutlass_include() is not None, "nvidia-cutlass is not installed"
     out = tmp_path / "COMPILE.md"
     res = subprocess.run([sys.executable, "-m", "tools.cuda_aot", "--out", str(out)],
                          capture_output=True, text=True)

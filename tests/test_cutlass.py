@@ -1,0 +1,207 @@
+"""The cuda backend's CUTLASS kernels (csrc/cuda/cutlass_conv, FUSEDRES_CUDA_KERNELS=cutlass): the
+switch at every layer, the build's header lookup and build requirement, and what nvcc makes of
+the kernels.
+
+No CUTLASS kernel runs here: the CPU execution layer cannot run CUTLASS's PTX, so on this machine
+the switch must refuse (before any state is touched), and the kernels are checked as compiled
+code (tests/test_cuda_on_cpu.py's table: every instantiation for sm_80 and sm_90, no spills; the
+SASS test below: the BatchNorm-ReLU in the main loop in each dtype's own instruction). On a GPU,
+`fusedres selftest` runs them against the reference (its ``cuda:cutlass`` rows)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import build_backend
+import fusedres
+from fusedres import settings
+from fusedres.ops import _extension
+from tools import cuda_aot
+
+ROOT = cuda_aot.ROOT
+_WHY_NOT = _extension.load_cuda_on_cpu()
+needs_layer = pytest.mark.skipif(
+    _WHY_NOT is not None or not _extension.has_kernels("fusedres_cuda", "CPU", "bn_relu_conv2d"),
+    reason=f"no CPU copy of the CUDA kernels: {_WHY_NOT}")
+OPS = torch.ops.fusedres_cuda
+
+
+def _unit():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, 5, 5, generator=g)
+    w = torch.randn(8, 8, 3, 3, generator=g) / 8
+    mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+    invstd = (var + 1e-5).rsqrt()
+    gamma, beta = 1 + 0.1 * torch.randn(8, generator=g), 0.1 * torch.randn(8, generator=g)
+    return x, w, gamma, beta, mean, invstd
+
+
+def _forward(x, w, gamma, beta, mean, invstd):
+    return OPS.bn_relu_conv2d(x, w, None, gamma, beta, mean, invstd, None, [1, 1], [1, 1],
+                              [1, 1], True, None)
+
+
+def _backward(x, w, gamma, beta, mean, invstd):
+    gy = torch.ones(2, 8, 5, 5)
+    return OPS.bn_relu_conv2d_backward(gy, x, w, gamma, beta, mean, invstd, [1, 1], [1, 1],
+                                       [1, 1], True, [True, True, False, True, True], None)
+
+
+@needs_layer
+@pytest.mark.parametrize("value", ["cutlass", " CUTLASS "])
+def test_cutlass_on_the_cpu_layer_is_refused_before_any_state(monkeypatch, value):
+    x, w, gamma, beta, mean, invstd = _unit()
+    rm, rv, nbt = torch.zeros(8), torch.ones(8), torch.zeros((), dtype=torch.long)
+    monkeypatch.setenv("FUSEDRES_CUDA_KERNELS", value)
+    why = r"FUSEDRES_CUDA_KERNELS=cutlass: the CUTLASS kernels run only on a GPU"
+    with pytest.raises(RuntimeError, match=why):
+        OPS.prepare_batch_norm(x, rm, rv, nbt, True, 0.1, 1e-5)
+    assert torch.equal(rm, torch.zeros(8)) and torch.equal(rv, torch.ones(8)) and nbt.item() == 0
+    with pytest.raises(RuntimeError, match=why):
+        _forward(x, w, gamma, beta, mean, invstd)
+    with pytest.raises(RuntimeError, match=why):
+        _backward(x, w, gamma, beta, mean, invstd)
+
+
+@needs_layer
+def test_module_route_refuses_before_the_running_statistics(monkeypatch):
+    """A BNReLUConv2d on the cuda backend (its module_unit: prepare, then the unit): the refusal
+    leaves the running statistics and the batch count as they were."""
+    m = fusedres.BNReLUConv2d(8, 8, 3, padding=1, bias=False).train()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    monkeypatch.setenv("FUSEDRES_CUDA_KERNELS", "cutlass")
+    with fusedres.use_backend("cuda"), pytest.raises(RuntimeError, match="FUSEDRES_CUDA_KERNELS"):
+        m(torch.randn(2, 8, 5, 5))
+    after = m.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@needs_layer
+def test_a_malformed_value_names_the_variable(monkeypatch):
+    x, w, gamma, beta, mean, invstd = _unit()
+    monkeypatch.setenv("FUSEDRES_CUDA_KERNELS", "cutlas")
+    with pytest.raises(RuntimeError, match=r"FUSEDRES_CUDA_KERNELS: expected one of native, "
+                                           r"cutlass, got 'cutlas'"):
+        _forward(x, w, gamma, beta, mean, invstd)
+    with pytest.raises(ValueError, match="FUSEDRES_CUDA_KERNELS"):
+        settings.get("FUSEDRES_CUDA_KERNELS")
+
+
+@needs_layer
+@pytest.mark.parametrize("value", ["native", " Native ", ""])
+def test_native_is_the_default_in_any_spelling(monkeypatch, value):
+    args = _unit()
+    monkeypatch.delenv("FUSEDRES_CUDA_KERNELS", raising=False)
+    y, grads = _forward(*args), _backward(*args)
+    monkeypatch.setenv("FUSEDRES_CUDA_KERNELS", value)
+    assert torch.equal(_forward(*args), y)
+    assert all(torch.equal(a, b) for a, b in zip(_backward(*args), grads))
+
+
+def test_the_build_says_which_kernel_sets_it_has():
+    sets = _extension.cuda_kernel_sets()
+    assert sets[0] == "native" and set(sets) <= {"native", "cutlass"}
+    # This machine builds fusedres._C without CUDA (no GPU): no CUTLASS kernels in it.
+    if not torch.cuda.is_available() and os.environ.get("FUSEDRES_BUILD_CUDA", "0") == "0":
+        assert sets == ("native",)
+    out = subprocess.run([sys.executable, "-m", "fusedres", "settings"], capture_output=True,
+                         text=True, check=True).stdout
+    assert f"cuda kernel sets built (FUSEDRES_CUDA_KERNELS): {', '.join(sets)}" in out
+
+
+# --------------------------------------------------------------------------- the build
+
+
+def test_cutlass_headers_from_cutlass_path_then_the_package(tmp_path):
+    inc = tmp_path / "include" / "cutlass"
+    inc.mkdir(parents=True)
+    # A CUTLASS_PATH without the headers is passed over.
+    assert settings.cutlass_include_dir({"CUTLASS_PATH": str(tmp_path)}) != str(
+        tmp_path / "include")
+    (inc / "cutlass.h").write_text("// a CUTLASS checkout's header\n")
+    assert settings.cutlass_include_dir({"CUTLASS_PATH": str(tmp_path)}) == str(
+        tmp_path / "include")
+    # Without CUTLASS_PATH: the installed nvidia-cutlass (requirements-dev.txt installs it).
+    found = settings.cutlass_include_dir({})
+    assert found is not None, "nvidia-cutlass is not installed (requirements-dev.txt)"
+    assert found.endswith(os.path.join("cutlass_library", "source", "include"))
+    assert os.path.isfile(os.path.join(found, "cutlass", "conv", "kernel",
+                                       "default_conv2d_fprop_fusion.h"))
+
+
+@pytest.mark.parametrize("env,builds", [
+    ({"FUSEDRES_BUILD_CUDA": "0"}, False),
+    ({"FUSEDRES_BUILD_CUDA": "1"}, True),
+    ({"FUSEDRES_BUILD_CUDA": "auto", "PATH": ""}, False),  # no nvcc to be found
+])
+def test_the_build_asks_for_cutlass_only_when_it_compiles_cuda(monkeypatch, env, builds):
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("CUTLASS_PATH", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert build_backend.builds_cuda() is builds
+    assert build_backend._cutlass() == ([build_backend.CUTLASS_REQUIREMENT] if builds else [])
+    monkeypatch.setenv("CUTLASS_PATH", tempfile.gettempdir())  # the headers given: none asked
+    assert build_backend._cutlass() == []
+
+
+def test_cutlass_pins_agree():
+    """The build requirement (build_backend.py) and the dev install (requirements-dev.txt) ask
+    for the same nvidia-cutlass, whose headers the compile table was made with."""
+    with open(os.path.join(ROOT, "requirements-dev.txt")) as f:
+        pins = [line.strip() for line in f if line.startswith("nvidia-cutlass")]
+    assert pins == [build_backend.CUTLASS_REQUIREMENT]
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        text = f.read()
+    assert 'build-backend = "build_backend"' in text and 'backend-path = ["."]' in text
+    with open(os.path.join(ROOT, "MANIFEST.in")) as f:
+        assert "build_backend.py" in f.read()  # an sdist builds with it too
+
+
+# --------------------------------------------------------------------------- nvcc
+
+
+def _functions(obj: bytes) -> dict[str, str]:
+    """SASS text per (demangled, shortened) kernel and arch of an nvcc object."""
+    from tools.perfmodel import sass
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.o")
+        with open(path, "wb") as f:
+            f.write(obj)
+        dump = subprocess.run([sass.tool("cuobjdump"), "-sass", path], capture_output=True,
+                              text=True, check=True).stdout
+    chunks = re.split(r"\n\s*(?=Function : )", dump)
+    mangled = [re.match(r"Function : (\S+)", c).group(1) for c in chunks[1:]]
+    names = cuda_aot.demangle(mangled)
+    out: dict[str, str] = {}
+    for m, chunk in zip(mangled, chunks[1:]):
+        out[names[m]] = out.get(names[m], "") + chunk
+    return out
+
+
+@pytest.mark.skipif(cuda_aot.find_nvcc() is None, reason="nvcc not found")
+@pytest.mark.parametrize("src", ["fprop.cu", "wgrad.cu"])
+def test_nvcc_cutlass_kernels_transform_in_their_dtype(src):
+    """Each CUTLASS kernel's main loop: HMMA of its dtype, and the BatchNorm-ReLU as packed
+    fused multiply-adds with ReLU of that dtype: HFMA2.RELU (CUTLASS's float16 transform) or
+    HFMA2.BF16_V2.RELU (this project's bfloat16 one, common.cuh); a bfloat16 kernel that took
+    the float16 transform would compute on the wrong format."""
+    assert cuda_aot.cutlass_include() is not None, "nvidia-cutlass is not installed"
+    path = os.path.join(ROOT, "csrc", "cuda", "cutlass_conv", src)
+    obj = cuda_aot.compile_cached(cuda_aot.find_nvcc(), path, cuda_aot.ARCHS).obj
+    kernels = {n: t for n, t in _functions(obj).items() if "cutlass_conv_kernel" in n}
+    assert len(kernels) == 6, sorted(kernels)  # {half, bfloat16} x three tiles
+    for name, text in kernels.items():
+        bf16 = "bfloat16_t" in name
+        assert re.search(r"HMMA\.16816\.F32\.BF16" if bf16 else r"HMMA\.16816\.F32 ", text), name
+        fp16_relu = re.findall(r"HFMA2\.RELU", text)
+        bf16_relu = re.findall(r"HFMA2\.BF16_V2\.RELU", text)
+        assert (bf16_relu and not fp16_relu) if bf16 else (fp16_relu and not bf16_relu), name
