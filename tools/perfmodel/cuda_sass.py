@@ -37,6 +37,11 @@ _MMA_TILE_BK = 32
 # (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d_wgrad.cuh,
 # struct MmaWgrad).
 _FIXED_TILES = {"wgrad_mma_kernel": (64, 64, 16, 128)}
+# The CUTLASS kernels (csrc/cuda/cutlass_conv): cutlass_conv_kernel<Fprop|Wgrad<element,
+# ConvTile<BM, BN, WM, WN, STAGES, Launch<THREADS, SMEM> > > >, BK = 32; demangled.
+_CUTLASS = re.compile(r"cutlass_conv_kernel<(Fprop|Wgrad)<cutlass::(half_t|bfloat16_t), "
+                      r"ConvTile<(\d+), (\d+), (\d+), (\d+), (\d+), Launch<(\d+), (\d+)>")
+CUTLASS_BK = 32
 
 
 # The weight gradient's split unit (pixels; pick_split and launch_wgrad's K-step, both kernels):
@@ -94,8 +99,9 @@ def _split_by_arch(text: str) -> dict[int, str]:
 
 
 def _short(demangled: str) -> str:
-    s = re.sub(r"fusedres::cuda::\(anonymous namespace\)::", "", demangled)
-    s = s.replace("c10::", "").replace("fusedres::cuda::", "")
+    s = re.sub(r"fusedres::(cuda|cutlass_conv)::\(anonymous namespace\)::", "", demangled)
+    s = s.replace("c10::", "").replace("fusedres::cuda::", "").replace(
+        "fusedres::cutlass_conv::", "")
     return s.split("(")[0]
 
 
@@ -143,10 +149,16 @@ def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
             dem = names.get(mangled, mangled)
             fixed = next((t for n, t in _FIXED_TILES.items() if f"{n}<" in dem), None)
             mt = _MMA_TILE.search(dem)
-            if mt is not None:
+            ct = _CUTLASS.search(_short(dem))
+            if ct is not None:  # both 16-bit types
+                fixed = (int(ct.group(3)), int(ct.group(4)), CUTLASS_BK, int(ct.group(8)))
+                bm, bn, bk, threads = fixed
+            elif mt is not None:
                 wm, wn = int(mt.group(3)), int(mt.group(4))
                 fixed = (int(mt.group(1)), int(mt.group(2)), _MMA_TILE_BK, 32 * wm * wn)
-            if fixed is not None:
+            if ct is not None:
+                pass
+            elif fixed is not None:
                 if not re.search(r"<(Half|BFloat16)[,>]", dem.replace("c10::", "")):
                     continue
                 bm, bn, bk, threads = fixed
@@ -166,7 +178,9 @@ def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
             u = res_by_arch.get(arch, {}).get(mangled, {})
             rows.append(CudaKernelRow(
                 file, _short(dem), arch, bm, bn, bk, threads, u.get("REG", 0),
-                u.get("LOCAL", 0), u.get("SHARED", 0), own.total, len(nested),
+                u.get("LOCAL", 0),
+                # a CUTLASS kernel's shared memory is dynamic: its Launch<> states it
+                int(ct.group(9)) if ct is not None else u.get("SHARED", 0), own.total, len(nested),
                 sum(sass.count(code, lp.head, lp.tail).total for lp in nested),
                 dict(k.per_iter.mma_shapes), fma_cta))
     return rows
@@ -393,6 +407,124 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     for k in traffic.cuda_fused_step(tu).kernels:
         if k.name not in ("fwd", "wgrad+sums", "dgrad+dx"):
             dram_launch(k.name, k.bytes)
+    return CudaUnitModel(u, dtype, dev.arch, kernels)
+
+
+def cutlass_fprop_tile(m: int, co: int, sms: int) -> tuple[int, int]:
+    """The CUTLASS forward's tile (BM, BN) (fprop_tile in csrc/cuda/cutlass_conv/fprop.cu, kept
+    equal): 128 x 128 (Co > 64) or 128 x 64 (Co <= 64) where cdiv(m, 128) x cdiv(co, BN) tiles
+    fill every SM once, else 64 x 64."""
+    bn = 64 if co <= 64 else 128
+    return (128, bn) if -(-m // 128) * -(-co // bn) >= sms else (64, 64)
+
+
+def cutlass_wgrad_plan(co: int, columns: int, pixels: int, sms: int) -> tuple[int, int, int]:
+    """The CUTLASS weight gradient's (BM, BN, split) (wgrad_plan in
+    csrc/cuda/cutlass_conv/wgrad.cu, kept equal): 64 x 64 for at most 64 columns or Co <= 32,
+    else 64 x 128 (Co <= 64) or 128 x 128; the pixels split to about two blocks an SM, each
+    slice >= 2048 pixels, <= 32 slices."""
+    bm, bn = ((64, 64) if columns <= 64 or co <= 32 else (64, 128) if co <= 64
+              else (128, 128))
+    tiles = -(-co // bm) * -(-columns // bn)
+    most = max(1, min(32, pixels // 2048))
+    return bm, bn, max(1, min(-(-2 * sms // tiles), most))
+
+
+def _cutlass_row(rows: list[CudaKernelRow], arch: int, kind: str, dtype: str,
+                 bm: int, bn: int) -> CudaKernelRow:
+    elem = "half_t" if dtype == "fp16" else "bfloat16_t"
+    for r in rows:
+        if r.arch == arch and (r.bm, r.bn) == (bm, bn) and r.name.startswith(
+                f"cutlass_conv_kernel<{kind}<cutlass::{elem},"):
+            return r
+    raise ValueError(f"no CUTLASS {kind} <{elem}> kernel of {bm}x{bn} tiles for sm_{arch}")
+
+
+def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUnitModel:
+    """The CUDA C++ backend's training step of 16-bit channels-last unit ``u`` with
+    FUSEDRES_CUDA_KERNELS=cutlass on ``dev`` (csrc/cuda/cutlass_conv/README.md), the "store"
+    backward:
+
+    * fwd: the CUTLASS forward (cutlass_conv_kernel<Fprop<...>>: 128x128x32 or, for Co <= 64,
+      128x64x32 tiles of 4 warps where they fill the SMs, else 64x64x32,
+      :func:`cutlass_fprop_tile`); grid
+      cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, 32); after DRAM-bound launches
+      copying the weight to KRSC and rounding scale and shift to 16 bits;
+    * wgrad: the CUTLASS weight gradient (cutlass_conv_kernel<Wgrad<...>>: 128x128x32 tiles of
+      8 warps, 64x128x32 (Co 33..64) or 64x64x32 (Co <= 32, <= 64 columns) of 4, serial split-K,
+      :func:`cutlass_wgrad_plan`); grid
+      cdiv(Co, BM) x cdiv(taps*C, BN) x split; K chunks: cdiv(cdiv(M, 32), split); DRAM: dy and
+      x once, the float32 dW read and written by every slice after the first; then launches
+      zeroing the semaphores (split > 1) and rounding dW to the weight's dtype and layout;
+    * dgrad writing dz: the native mma.sync data gradient (as :func:`model_cuda_unit` picks its
+      tile), its epilogue writing float32 dz and the BatchNorm sums' partials, then the sums'
+      reduction and the dx pass (read dz and x, write dx): DRAM-bound launches;
+    * batch statistics: as the native step.
+
+    Prologue and epilogue not counted (as for the native kernels); CUTLASS's main loop has no
+    nested staging loop (its cp.async copies are unrolled): low = high."""
+    from fusedres.kernels import traffic
+    from fusedres.kernels._common import cdiv
+
+    from . import model
+
+    if dtype not in ("fp16", "bf16"):
+        raise ValueError(f"dtype: the CUTLASS kernels are fp16 and bf16, not {dtype!r}")
+    tu = traffic.Unit(u.name, u.n, u.c, u.h, u.co, u.k, u.stride, u.residual, 2)
+    taps, m_out = u.k * u.k, u.n * u.ho * u.ho
+    vec16, vec32 = 2 * u.c, 4 * u.c
+    kernels = []
+
+    def launch(label, r, ctas, chunks, nbytes):
+        t = model.predict(_launch(r, label, ctas, chunks, nbytes, True), dev)
+        kernels.append((label, t.time_s, t.time_s, t.bound))
+
+    def dram_launch(name: str, nbytes: float):
+        t = nbytes / (dev.dram_bytes_s * model.DRAM_EFFICIENCY) + model.LAUNCH_S
+        kernels.append((name, t, t, "dram"))
+
+    for k in traffic.cuda_fused_step(tu).kernels:
+        if k.name == "batch_stats":
+            dram_launch(k.name, k.bytes)
+    # forward
+    dram_launch("weight to KRSC", 2 * tu.weight())
+    dram_launch("scale to 16 bits", vec32 + vec16)
+    dram_launch("shift to 16 bits", vec32 + vec16)
+    fwd = _cutlass_row(rows, dev.arch, "Fprop", dtype, *cutlass_fprop_tile(m_out, u.co, dev.sms))
+    launch("fwd (CUTLASS)", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
+           taps * cdiv(u.c, fwd.bk),
+           tu.act_in() + tu.weight() + 2 * vec16 + tu.act_out() * (2 if u.residual else 1))
+    # weight gradient
+    bm, bn, split = cutlass_wgrad_plan(u.co, taps * u.c, m_out, dev.sms)
+    wg = _cutlass_row(rows, dev.arch, "Wgrad", dtype, bm, bn)
+    dw32 = u.co * taps * u.c * 4
+    dram_launch("scale to 16 bits (wgrad)", vec32 + vec16)
+    dram_launch("shift to 16 bits (wgrad)", vec32 + vec16)
+    if split > 1:
+        dram_launch("semaphores", 4 * cdiv(u.co, wg.bm) * cdiv(taps * u.c, wg.bn))
+    launch("wgrad (CUTLASS)", wg, cdiv(u.co, wg.bm) * cdiv(taps * u.c, wg.bn) * split,
+           cdiv(cdiv(m_out, CUTLASS_BK), split),
+           tu.act_out() + tu.act_in() + 2 * vec16 + (2 * split - 1) * dw32)
+    dram_launch("dW to the weight's dtype", dw32 + tu.weight())
+    # data gradient ("store": float32 dz), the sums, dx
+    p, s = u.padding, u.stride
+    dg = _row(rows, dev.arch, "dgrad_mma_kernel", dtype, bm=dgrad_mma_rows(
+        u.n * cdiv(u.h, s) * cdiv(u.h, s), u.c, min(s, u.h) ** 2, dev.sms))
+    ctas, work = 0, 0.0
+    for pa in range(min(s, u.h)):
+        for pb in range(min(s, u.h)):
+            ph_taps = (sum((pa + p - i) % s == 0 for i in range(u.k))
+                       * sum((pb + p - j) % s == 0 for j in range(u.k)))
+            tiles = cdiv(u.n * cdiv(u.h - pa, s) * cdiv(u.h - pb, s), dg.bm) * cdiv(u.c, dg.bn)
+            ctas += tiles
+            work += tiles * ph_taps * cdiv(u.co, dg.bk)
+    parts = ctas * (dg.bm // 64) * vec32 * 2  # the sums' partials: two per row tile pass
+    dram_launch("weight pack (dgrad)", 2 * tu.weight())
+    launch("dgrad+dz", dg, ctas, work / ctas,
+           tu.act_out() + tu.weight() + tu.act_in() + 2 * vec32 + 2 * tu.act_in() + parts)
+    dram_launch("sums reduce", parts + 2 * vec32)
+    dram_launch("sums reduce (dzx)", parts + 2 * vec32)
+    dram_launch("dx", 2 * tu.act_in() + tu.act_in() + tu.act_in() + 6 * vec32)
     return CudaUnitModel(u, dtype, dev.arch, kernels)
 
 

@@ -275,4 +275,16 @@ def cuda_section(cuda, runs, plain: dict) -> list[str]:
         out += ["", "### CUDA C++ backend: fused unit forward + backward (MODELED range)", "",
                 " ".join(cuda_sass.model_cuda_unit.__doc__.split()), ""]
         out += cuda_sass.unit_table(cuda_models, plain)
+        cut = [cuda_sass.model_cutlass_unit(u, dtype, dev, cuda) for u, dtype, dev in runs]
+        ratios = [m.high_s / plain[(m.unit.name, m.dtype, m.arch)] for m in cut
+                  if (m.unit.name, m.dtype, m.arch) in plain]
+        out += ["", "### CUDA C++ backend on CUTLASS (FUSEDRES_CUDA_KERNELS=cutlass): fused "
+                "unit forward + backward (MODELED)", "",
+                " ".join(cuda_sass.model_cutlass_unit.__doc__.split()), ""]
+        out += cuda_sass.unit_table(cut, plain)
+        if ratios:
+            out += ["", f"CUTLASS path, fused/plain over the {len(ratios)} rows: "
+                    f"{min(ratios):.2f} - {max(ratios):.2f} (median "
+                    f"{sorted(ratios)[len(ratios) // 2]:.2f}); rows <= 1.0: "
+                    f"{sum(r <= 1.0 for r in ratios)} of {len(ratios)}. MODELED, never run."]
     return out
