@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -191,12 +192,25 @@ def format_rows(rows: list[dict], device) -> str:
 
 
 GPU_BACKENDS = ("triton", "cuda")
+# The cuda backend on its CUTLASS kernels (FUSEDRES_CUDA_KERNELS=cutlass), a row set of its own
+# on a GPU whose fusedres._C has them: how they pass the GPU self-test that the switch's default
+# waits for, and their times beside the native kernels'.
+CUTLASS = "cuda:cutlass"
 
 
 def gpu_backends(device) -> list[str]:
-    """The GPU backends that run on ``device`` (on CPU: triton under the interpreter)."""
-    return [b for b in GPU_BACKENDS
-            if fusedres.unavailable_reason(b, torch.device(device)) is None]
+    """The GPU backends that run on ``device`` (on CPU: triton under the interpreter), and
+    ``cuda:cutlass`` on a GPU whose build has the CUTLASS kernels."""
+    device = torch.device(device)
+    found = [b for b in GPU_BACKENDS if fusedres.unavailable_reason(b, device) is None]
+    if device.type == "cuda" and "cuda" in found and "cutlass" in fusedres.cuda_kernel_sets():
+        found.append(CUTLASS)
+    return found
+
+
+def _kernels_env(backend: str):
+    """(the backend run_case takes, FUSEDRES_CUDA_KERNELS for it)."""
+    return ("cuda", "cutlass") if backend == CUTLASS else (backend, None)
 
 
 def unavailable(device) -> str | None:
@@ -218,24 +232,33 @@ def run(device, reps: int, backends: list[str] | None = None, on_row=None) -> li
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if gpu else [torch.float32,
                                                                         torch.bfloat16]
     rows = []
-    for backend in backends or gpu_backends(device):
-        for case in cases:
-            for dtype in dtypes:
-                for cl in (True, False):
-                    if not gpu and dtype != torch.float32 and not cl:
-                        continue  # keep the CPU run short
-                    try:
-                        rows.append(run_case(case, dtype, device, cl, reps, backend))
-                    except Exception as e:  # a kernel that raises fails its case, not the run
-                        rows.append(dict(backend=backend, case=case.name,
-                                         dtype=str(dtype).replace("torch.", ""),
-                                         layout="nhwc" if cl else "nchw", ok=False,
-                                         err=float("nan"), err_torch=float("nan"),
-                                         saved_ratio=float("nan"),
-                                         error=f"{type(e).__name__}: {str(e)[:200]}"))
-                    if on_row is not None:
-                        on_row(rows)
+    for label in backends or gpu_backends(device):
+        backend, kernels = _kernels_env(label)
+        # The variable is read by every cuda op call; the environment is restored after.
+        with mock.patch.dict(os.environ, {"FUSEDRES_CUDA_KERNELS": kernels} if kernels else {}):
+            _run_backend(rows, label, backend, cases, dtypes, device, gpu, reps, on_row)
     return rows
+
+
+def _run_backend(rows, label, backend, cases, dtypes, device, gpu, reps, on_row) -> None:
+    """One backend's rows (``label`` in them; ``backend`` the one it runs), appended to rows."""
+    for case in cases:
+        for dtype in dtypes:
+            for cl in (True, False):
+                if not gpu and dtype != torch.float32 and not cl:
+                    continue  # keep the CPU run short
+                try:
+                    rows.append({**run_case(case, dtype, device, cl, reps, backend),
+                                 "backend": label})
+                except Exception as e:  # a kernel that raises fails its case, not the run
+                    rows.append(dict(backend=label, case=case.name,
+                                     dtype=str(dtype).replace("torch.", ""),
+                                     layout="nhwc" if cl else "nchw", ok=False,
+                                     err=float("nan"), err_torch=float("nan"),
+                                     saved_ratio=float("nan"),
+                                     error=f"{type(e).__name__}: {str(e)[:200]}"))
+                if on_row is not None:
+                    on_row(rows)
 
 
 def write_rows(path: str, rows: list[dict]) -> None:
@@ -259,8 +282,9 @@ def main(argv=None) -> int:
                     help="timed repetitions per case (default: 10 on a GPU, 0 on CPU)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     ap.add_argument("--backends", default=None, metavar="NAMES",
-                    help=f"comma-separated, from {', '.join(GPU_BACKENDS)} (default: those that "
-                    "run on the device)")
+                    help=f"comma-separated, from {', '.join(GPU_BACKENDS)} and {CUTLASS} (the "
+                    "cuda backend on its CUTLASS kernels, where built) (default: those that run "
+                    "on the device)")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="also write the rows to PATH (fusedres bench gpu-report reads them)")
     args = ap.parse_args(argv)
