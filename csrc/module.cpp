@@ -120,6 +120,21 @@ PyObject* cuda_kernel_sets(PyObject* /*self*/, PyObject* /*args*/) {
 #endif
 }
 
+#if defined(FUSEDRES_WITH_CUTLASS)
+namespace fusedres::cutlass_conv {
+int64_t launches();  // csrc/cuda/cutlass_conv/fprop.cu
+}
+#endif
+
+// cutlass_launches() -> int
+PyObject* cutlass_launches(PyObject* /*self*/, PyObject* /*args*/) {
+#if defined(FUSEDRES_WITH_CUTLASS)
+  return PyLong_FromLongLong(fusedres::cutlass_conv::launches());
+#else
+  return PyLong_FromLongLong(0);
+#endif
+}
+
 PyMethodDef methods[] = {
     {"cpu_tile_samples", cpu_tile_samples, METH_VARARGS,
      "cpu_tile_samples(n, bytes_per_sample, weight_bytes, channels_last=False) -> int\n\n"
@@ -147,6 +162,10 @@ PyMethodDef methods[] = {
      "cuda_kernel_sets() -> list[str]\n\n"
      "The values of FUSEDRES_CUDA_KERNELS this build's cuda backend honours: 'native', and\n"
      "'cutlass' where it was built with the CUTLASS kernels (csrc/cuda/cutlass_conv)."},
+    {"cutlass_launches", cutlass_launches, METH_NOARGS,
+     "cutlass_launches() -> int\n\n"
+     "The CUTLASS kernels (csrc/cuda/cutlass_conv) launched in this process so far: 0 in a build\n"
+     "without them. `fusedres selftest` reads it to show that a cuda:cutlass case ran one."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -47,7 +47,7 @@ from .ops._backend import (
     unavailable_reason,
     use_backend,
 )
-from .ops._extension import cpu_capability, cuda_kernel_sets
+from .ops._extension import cpu_capability, cuda_kernel_sets, cutlass_launches
 
 # The zoo in timm's registry when timm is installed (timm.create_model("fusedres_" + name)),
 # without importing timm here (fusedres/models/timm_registry.py).
@@ -72,6 +72,7 @@ __all__ = [
     "available_backends",
     "cpu_capability",
     "cuda_kernel_sets",
+    "cutlass_launches",
     "distributed",
     "functional",
     "fuse",

@@ -10,6 +10,8 @@ SASS test below: the BatchNorm-ReLU in the main loop in each dtype's own instruc
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import re
 import subprocess
@@ -205,3 +207,36 @@ def test_nvcc_cutlass_kernels_transform_in_their_dtype(src):
         fp16_relu = re.findall(r"HFMA2\.RELU", text)
         bf16_relu = re.findall(r"HFMA2\.BF16_V2\.RELU", text)
         assert (bf16_relu and not fp16_relu) if bf16 else (fp16_relu and not bf16_relu), name
+
+
+# --------------------------------------------------------------------------- the self-test
+
+
+def test_selftest_pins_the_kernel_sets():
+    from fusedres.apps import selftest
+
+    assert selftest._kernels_env("cuda") == ("cuda", "native")
+    assert selftest._kernels_env(selftest.CUTLASS) == ("cuda", "cutlass")
+    assert selftest._kernels_env("triton") == ("triton", None)
+
+
+def test_selftest_fails_a_cutlass_case_that_launched_nothing(monkeypatch):
+    """A cuda:cutlass case the CUTLASS kernels take passes only if it launched one of them; the
+    cases they do not take (float32, NCHW) pass on the native kernels."""
+    from fusedres.apps import selftest
+
+    case = next(c for c in selftest.GPU_CASES if c.cin % 8 == 0 and c.cout % 8 == 0)
+    monkeypatch.setattr(selftest, "run_case", lambda case, dtype, device, cl, reps, backend: dict(
+        backend=backend, case=case.name, dtype=str(dtype), layout="nhwc" if cl else "nchw",
+        ok=True))
+    for step, bf16_nhwc_ok in ((0, False), (1, True)):
+        # the counter as each case reads it: constant (nothing launched) or one more each read
+        reads = itertools.count(0, step) if step else itertools.repeat(0)
+        monkeypatch.setattr(fusedres, "cutlass_launches", functools.partial(next, reads))
+        rows: list[dict] = []
+        selftest._run_backend(rows, selftest.CUTLASS, "cuda", [case],
+                              [torch.bfloat16, torch.float32], torch.device("cuda"), True, 0, None)
+        got = {(r["dtype"], r["layout"]): r["ok"] for r in rows}
+        assert got == {("torch.bfloat16", "nhwc"): bf16_nhwc_ok, ("torch.bfloat16", "nchw"): True,
+                       ("torch.float32", "nhwc"): True, ("torch.float32", "nchw"): True}
+        assert all(r["backend"] == selftest.CUTLASS for r in rows)

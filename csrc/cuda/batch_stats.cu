@@ -228,6 +228,9 @@ constexpr int kFinalizeWarps = 8;
 
 std::tuple<at::Tensor, at::Tensor> batch_stats(const at::Tensor& x_in) {
   checks::check_stats_input("fusedres_cuda.batch_stats", x_in, kDeviceType);
+  // Every op reads FUSEDRES_CUDA_KERNELS (SyncBatchNorm's route takes these statistics, then
+  // updates the running ones, before the unit runs).
+  cutlass_conv::kernel_set("fusedres_cuda.batch_stats");
   DeviceGuard guard(x_in.device());
   const StatsPass p = stats_pass("fusedres_cuda.batch_stats", x_in);
   const auto acc_type = at::toOpMathType(p.x.scalar_type());

@@ -563,8 +563,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
   if (kernels == cutlass_conv::KernelSet::cutlass && !bias.has_value() && !bscale.defined()) {
 #if defined(FUSEDRES_WITH_CUTLASS)
-    if (y.is_contiguous(at::MemoryFormat::ChannelsLast) && cutlass_conv::can_run_fprop(x, weight, r)) {
-      cutlass_conv::fprop(x, weight, bn.scale, bn.shift, r, y, {stride, padding, dilation});
+    const cutlass_conv::ConvArgs conv{stride, padding, dilation};
+    if (cutlass_conv::can_run_fprop(x, weight, r, y, conv)) {
+      cutlass_conv::fprop(x, weight, bn.scale, bn.shift, r, y, conv);
       if (!genstats) return {y, at::Tensor(), at::Tensor()};
       const auto [ymean, yvar] = batch_stats(y);
       return {y, ymean.to(sdt), yvar.to(sdt)};

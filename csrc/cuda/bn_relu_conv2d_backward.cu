@@ -256,8 +256,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   // sums; the native data gradient's epilogue reduces them).
   if (kernels == cutlass_conv::KernelSet::cutlass && want_w && !bscale.defined()) {
 #if defined(FUSEDRES_WITH_CUTLASS)
-    passes.cutlass_wgrad = cutlass_conv::can_run_wgrad(go, x, weight);
     passes.stride = stride, passes.padding = padding, passes.dilation = dilation;
+    passes.cutlass_wgrad = cutlass_conv::can_run_wgrad(go, x, weight, {stride, padding, dilation});
 #endif
   }
   // The weight gradient's pass yields the BatchNorm sums where it runs ("sums"); else the data

@@ -209,8 +209,18 @@ def gpu_backends(device) -> list[str]:
 
 
 def _kernels_env(backend: str):
-    """(the backend run_case takes, FUSEDRES_CUDA_KERNELS for it)."""
-    return ("cuda", "cutlass") if backend == CUTLASS else (backend, None)
+    """(the backend run_case takes, FUSEDRES_CUDA_KERNELS for it): the cuda rows pinned to the
+    native kernels, whatever the caller's environment says."""
+    if backend == CUTLASS:
+        return "cuda", "cutlass"
+    return backend, "native" if backend == "cuda" else None
+
+
+def _cutlass_eligible(case: Case, dtype, channels_last: bool) -> bool:
+    """Whether the CUTLASS kernels take this case (csrc/cuda/cutlass_conv/README.md): 16-bit,
+    channels-last, C and Co multiples of 8 (the self-test's units have no conv bias)."""
+    return (dtype in (torch.float16, torch.bfloat16) and channels_last
+            and case.cin % 8 == 0 and case.cout % 8 == 0)
 
 
 def unavailable(device) -> str | None:
@@ -248,8 +258,15 @@ def _run_backend(rows, label, backend, cases, dtypes, device, gpu, reps, on_row)
                 if not gpu and dtype != torch.float32 and not cl:
                     continue  # keep the CPU run short
                 try:
-                    rows.append({**run_case(case, dtype, device, cl, reps, backend),
-                                 "backend": label})
+                    before = fusedres.cutlass_launches()
+                    row = {**run_case(case, dtype, device, cl, reps, backend), "backend": label}
+                    if label == CUTLASS:
+                        # A case the CUTLASS kernels take must have launched them: a silent
+                        # fall back to the native ones is not a CUTLASS pass.
+                        row["cutlass_launches"] = fusedres.cutlass_launches() - before
+                        if _cutlass_eligible(case, dtype, cl) and not row["cutlass_launches"]:
+                            row.update(ok=False, error="no CUTLASS kernel ran")
+                    rows.append(row)
                 except Exception as e:  # a kernel that raises fails its case, not the run
                     rows.append(dict(backend=label, case=case.name,
                                      dtype=str(dtype).replace("torch.", ""),

@@ -146,6 +146,16 @@ def cuda_kernel_sets() -> tuple[str, ...]:
     return tuple(ext.cuda_kernel_sets()) if hasattr(ext, "cuda_kernel_sets") else ("native",)
 
 
+def cutlass_launches() -> int:
+    """The cuda backend's CUTLASS kernels launched in this process so far (0 without the
+    extension or without those kernels): a cuda:cutlass self-test case checks it grew, so a
+    case that fell back to the native kernels is not taken for a CUTLASS result."""
+    if not LOADED:
+        return 0
+    ext = importlib.import_module("fusedres._C")
+    return int(ext.cutlass_launches()) if hasattr(ext, "cutlass_launches") else 0
+
+
 def describe_cpu_capability() -> str:
     """One line for people (``fusedres settings``): the capability in use, those built into
     ``fusedres._C`` and those this CPU runs; or why there is none."""

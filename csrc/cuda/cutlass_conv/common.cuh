@@ -9,7 +9,7 @@
 // transforms for float16 only (fma.rn.f16x2.relu); the bfloat16 ones below are this project's:
 // the same structure on fma.rn.relu.bf16x2 (sm_80 and newer), selected by partial
 // specialisation on the fragments' element type. The fill's pattern is a finite bfloat16
-// (about 3.4e38), so an x element of exactly that value reads as padding: a value no
+// (about 1.69e38), so an x element of exactly that value reads as padding: a value no
 // normalised activation takes.
 #pragma once
 
@@ -17,6 +17,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <atomic>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -208,6 +209,20 @@ __global__ void
   op(params, *reinterpret_cast<typename Config::Conv::SharedStorage*>(cutlass_conv_smem));
 }
 
+// Whether CUTLASS's kernel of ``Config`` takes ``p`` (its iterators' own limits: filter size up
+// to 32 x 32, the accesses' alignment, grid extents): asked before the launch, so that a problem
+// it refuses runs on the native kernels instead of failing.
+template <typename Config>
+bool implementable(const cutlass::conv::Conv2dProblemSize& p) {
+  typename Config::Op::Arguments args;
+  args.problem_size = p;
+  return Config::Op::can_implement(args) == cutlass::Status::kSuccess;
+}
+
+// CUTLASS launches in this process (fprop.cu holds it): fusedres._C.cutlass_launches(), read by
+// `fusedres selftest` to show that a cuda:cutlass row ran a CUTLASS kernel, not a fallback.
+std::atomic<int64_t>& launch_counter();
+
 // One launch on the current stream: CUTLASS's own checks of the problem (can_implement), the
 // serial split-K semaphores (zeroed), the parameters, the kernel.
 template <typename Config>
@@ -234,6 +249,7 @@ void launch(const typename Config::Op::Arguments& args, const at::Tensor& like) 
   cutlass_conv_kernel<Config><<<grid, Config::Tile::kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_counter().fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace fusedres::cutlass_conv

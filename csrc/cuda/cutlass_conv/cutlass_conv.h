@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <cstdlib>
@@ -27,12 +28,13 @@ enum class KernelSet { native, cutlass };
 inline KernelSet kernel_set(const char* op) {
   const char* raw = std::getenv("FUSEDRES_CUDA_KERNELS");
   if (raw == nullptr) return KernelSet::native;
-  std::string v;
-  for (const char* p = raw; *p != '\0'; ++p) {
-    if (!std::isspace(static_cast<unsigned char>(*p))) {
-      v.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(*p))));
-    }
-  }
+  // As fusedres.settings parses a choice: the ends' whitespace stripped, any case.
+  std::string v(raw);
+  const auto space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
+  while (!v.empty() && space(v.back())) v.pop_back();
+  v.erase(0, std::min(v.size(), static_cast<size_t>(std::find_if_not(v.begin(), v.end(), space) -
+                                                      v.begin())));
+  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (v.empty() || v == "native") return KernelSet::native;
   TORCH_CHECK(v == "cutlass", op, ": FUSEDRES_CUDA_KERNELS: expected one of native, cutlass, got '",
               raw, "'");
@@ -61,9 +63,11 @@ struct ConvArgs {
 };
 
 // Whether the CUTLASS forward takes these operands: float16 or bfloat16 x, weight, residual and
-// output of one dtype, x channels-last, C and Co multiples of 8, no conv bias, branch scale or
-// output statistics (the caller's part of the test), 16-byte aligned data.
-bool can_run_fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* residual);
+// output y of one dtype, x, residual and y channels-last and 16-byte aligned, C and Co multiples
+// of 8, sizes within CUTLASS's int extents, a problem CUTLASS's kernel implements (filter up to
+// 32 x 32); no conv bias or branch scale (the caller's part of the test).
+bool can_run_fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* residual,
+                   const at::Tensor& y, const ConvArgs& conv);
 // y = conv2d(relu(scale * x + shift), weight) (+ residual), y preallocated channels-last in x's
 // dtype; scale and shift per channel in float32 (rounded to x's dtype for the main loop).
 void fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -71,7 +75,11 @@ void fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scal
            const ConvArgs& conv);
 
 // Whether the CUTLASS weight gradient takes these operands (as can_run_fprop, for grad_out too).
-bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight);
+bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                   const ConvArgs& conv);
+
+// CUTLASS kernel launches in this process so far.
+int64_t launches();
 // grad_weight = sum over pixels of grad_out * relu(scale * x + shift) at each tap, accumulated
 // in float32 (serial split-K over the pixels) and written into gw (Co, C, kh, kw).
 void wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& scale,

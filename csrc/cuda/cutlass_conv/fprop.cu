@@ -4,6 +4,9 @@
 // adds the residual (beta = 1 with the residual as the source; beta = 0 reads no source).
 #include "common.cuh"
 
+#include <atomic>
+#include <limits>
+
 #include "cutlass/conv/device/implicit_gemm_convolution_fusion.h"
 #include "cutlass/conv/kernel/default_conv2d_fprop_fusion.h"
 #include "cutlass/epilogue/thread/linear_combination.h"
@@ -78,18 +81,45 @@ FpropPick fprop_tile(int64_t M, int64_t Co, int64_t sms) {
 
 }  // namespace
 
-bool can_run_fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* residual) {
-  return operands_ok(x, weight) &&
-         (residual == nullptr || (nhwc16(*residual, x.scalar_type()) &&
-                                  residual->numel() <= std::numeric_limits<int>::max()));
+std::atomic<int64_t>& launch_counter() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+
+int64_t launches() { return launch_counter().load(std::memory_order_relaxed); }
+
+bool can_run_fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* residual,
+                   const at::Tensor& y, const ConvArgs& conv) {
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  if (!(operands_ok(x, weight) && nhwc16(y, x.scalar_type()) && y.numel() <= kIntMax &&
+        (residual == nullptr ||
+         (nhwc16(*residual, x.scalar_type()) && residual->numel() <= kIntMax)))) {
+    return false;
+  }
+  const auto p = problem(x, weight, y.size(2), y.size(3), conv, 1);
+  const FpropPick pick = fprop_tile(y.size(0) * y.size(2) * y.size(3), weight.size(0),
+                                    sm_count());
+  bool ok = false;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fusedres_cuda_cutlass_fprop", [&] {
+    using E = typename Element<scalar_t>::type;
+    switch (pick) {
+      case FpropPick::large: ok = implementable<Fprop<E, FpropLarge>>(p); break;
+      case FpropPick::narrow: ok = implementable<Fprop<E, FpropNarrow>>(p); break;
+      case FpropPick::small: ok = implementable<Fprop<E, FpropSmall>>(p); break;
+    }
+  });
+  return ok;
 }
 
 void fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
            const at::Tensor& shift, const at::Tensor* residual, at::Tensor& y,
            const ConvArgs& conv) {
   TORCH_CHECK(nhwc16(y, x.scalar_type()), "fusedres_cuda (CUTLASS): y must be channels-last");
-  // The filter as KRSC: weight's channels-last layout ((Co, C, kh, kw) with C fastest).
-  const at::Tensor wk = weight.contiguous(at::MemoryFormat::ChannelsLast);
+  // The filter as KRSC: weight's channels-last layout ((Co, C, kh, kw) with C fastest), read by
+  // 16-byte accesses: contiguous() returns the weight itself where it is already channels-last
+  // (every 1x1 weight), which may be a view at any offset, so an unaligned one is copied.
+  at::Tensor wk = weight.contiguous(at::MemoryFormat::ChannelsLast);
+  if (!aligned16(wk.const_data_ptr())) wk = wk.clone(at::MemoryFormat::ChannelsLast);
   const auto [s, b] = scale_shift(scale, shift, x.scalar_type());
   const FpropPick pick =
       fprop_tile(y.size(0) * y.size(2) * y.size(3), weight.size(0), sm_count());

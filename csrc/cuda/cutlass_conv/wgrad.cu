@@ -101,9 +101,27 @@ void run(const at::Tensor& go, const at::Tensor& x, const at::Tensor& s, const a
 
 }  // namespace
 
-bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight) {
-  return operands_ok(x, weight) && nhwc16(grad_out, x.scalar_type()) &&
-         grad_out.numel() <= std::numeric_limits<int>::max();
+bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                   const ConvArgs& conv) {
+  if (!(operands_ok(x, weight) && nhwc16(grad_out, x.scalar_type()) &&
+        grad_out.numel() <= std::numeric_limits<int>::max())) {
+    return false;
+  }
+  const int64_t Co = weight.size(0), C = weight.size(1), kh = weight.size(2), kw = weight.size(3);
+  const WgradPlan plan = wgrad_plan(Co, kh * kw * C,
+                                    grad_out.size(0) * grad_out.size(2) * grad_out.size(3),
+                                    sm_count());
+  const auto p = problem(x, weight, grad_out.size(2), grad_out.size(3), conv, plan.split);
+  bool ok = false;
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fusedres_cuda_cutlass_wgrad", [&] {
+    using E = typename Element<scalar_t>::type;
+    switch (plan.tile) {
+      case WgradPick::large: ok = implementable<Wgrad<E, WgradLarge>>(p); break;
+      case WgradPick::narrow: ok = implementable<Wgrad<E, WgradNarrow>>(p); break;
+      case WgradPick::small: ok = implementable<Wgrad<E, WgradSmall>>(p); break;
+    }
+  });
+  return ok;
 }
 
 void wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& scale,
