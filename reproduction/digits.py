@@ -106,6 +106,13 @@ COMPARES = {
     "depth": [f"depth-{k}-bn-{d}" for d in (20, 56) for k in ("plain", "res")],
     "stochastic": ["depth-res-bn-110", "sd-batch-110"],
     "li": list(LI),
+    # Deeper and without BatchNorm: plain against residual at 110 layers; the residual network
+    # with and without BatchNorm, and the plain one without, at 20 layers (the depth where a
+    # network without BatchNorm still trains here); ResNet-1001 against ResNet-110 (1001's
+    # three seeds paired with 110's first three).
+    "depth-110": ["depth-plain-bn-110", "depth-res-bn-110"],
+    "no-bn": ["depth-res-bn-20", "depth-res-nobn-20", "depth-plain-nobn-20"],
+    "deepest": ["depth-res-bn-110", "depth-res-bn-1001"],
 }
 # Analyses on finished runs: (kind, runs, extra flags, out folder).
 # Depth 20: the deepest plain network with BatchNorm that trains here.

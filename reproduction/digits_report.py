@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -37,8 +38,10 @@ TEST_IMAGES = 364
 
 
 def _relative(d, text: str) -> str:
-    """Text as run from the repository's root (no absolute paths of this checkout)."""
-    return text.replace(str(d.HERE.parent) + "/", "")
+    """Text as run from the repository's root: no absolute paths of this checkout, nor of the
+    checkout (a worktree at the runs' commit) whose runs folder an analysis read."""
+    text = text.replace(str(d.HERE.parent) + "/", "")
+    return re.sub(r"(?<![\w.-])/\S*?/(reproduction/runs/)", r"\1", text)
 
 
 def _final_train_loss(run_dir: Path) -> float:
@@ -324,7 +327,14 @@ def _depth(d, data) -> list[str]:
         cells = [_cell(data.get(f"depth-{a}-{b}-{depth}"), "train_loss", pct=False)
                  for a, b in kinds]
         L.append(f"| {depth} | " + " | ".join(cells) + " |")
-    return L + pairs_section(_compare(d, "depth"))
+    L += ["", "Plain against residual, BatchNorm, 20 and 56 layers:"] + pairs_section(
+        _compare(d, "depth"))
+    L += ["", "Plain against residual, BatchNorm, 110 layers:"] + pairs_section(
+        _compare(d, "depth-110"))
+    L += ["", "Without BatchNorm, 20 layers (and the residual network with it):"] + pairs_section(
+        _compare(d, "no-bn"))
+    return L + ["", "ResNet-1001 against ResNet-110 (1001's three seeds, paired with 110's):"] + (
+        pairs_section(_compare(d, "deepest")))
 
 
 def _stochastic(d, data) -> list[str]:
