@@ -172,14 +172,10 @@ def test_cutlass_pins_agree():
 
 def _functions(obj: bytes) -> dict[str, str]:
     """SASS text per (demangled, shortened) kernel and arch of an nvcc object."""
-    from tools.perfmodel import sass
+    from tools.perfmodel import cuda_sass
 
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.o")
-        with open(path, "wb") as f:
-            f.write(obj)
-        dump = subprocess.run([sass.tool("cuobjdump"), "-sass", path], capture_output=True,
-                              text=True, check=True).stdout
+    (dump,) = cuda_sass.cuobjdump(obj, "-sass")
+    assert "Function : " in dump, "cuobjdump -sass printed no function"
     chunks = re.split(r"\n\s*(?=Function : )", dump)
     mangled = [re.match(r"Function : (\S+)", c).group(1) for c in chunks[1:]]
     names = cuda_aot.demangle(mangled)

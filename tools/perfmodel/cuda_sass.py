@@ -117,19 +117,22 @@ def compile_object(src: str, archs=(80, 90)) -> bytes:
     return cuda_aot.compile_cached(nvcc, src, tuple(archs)).obj
 
 
+def cuobjdump(obj: bytes, *flags: str) -> list[str]:
+    """cuobjdump's output for each of ``flags`` (one run each) on an nvcc object."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.o")
+        with open(path, "wb") as f:
+            f.write(obj)
+        return [subprocess.run([sass.tool("cuobjdump"), flag, path], capture_output=True,
+                               text=True, check=False).stdout for flag in flags]
+
+
 def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
     """One row per 16-bit tensor-core kernel instantiation (WMMA: X == W == Half or BFloat16;
     the mma.sync kernels: Half, BFloat16) and arch."""
     from .. import cuda_aot
 
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.o")
-        with open(path, "wb") as f:
-            f.write(obj)
-        dump = subprocess.run([sass.tool("cuobjdump"), "-sass", path], capture_output=True,
-                              text=True, check=False).stdout
-        usage = subprocess.run([sass.tool("cuobjdump"), "-res-usage", path],
-                               capture_output=True, text=True, check=False).stdout
+    dump, usage = cuobjdump(obj, "-sass", "-res-usage")
     res_by_arch: dict[int, dict[str, dict[str, int]]] = {}
     for arch, text in _split_by_arch(usage).items():
         cur = None
@@ -318,6 +321,28 @@ def dgrad_kernel(u, dgrad: str = "mma", channels_last: bool = True) -> str:
     return "dgrad_kernel"
 
 
+def _dgrad_grid(u, dtype: str, dev, rows: list[CudaKernelRow],
+                name: str) -> tuple[CudaKernelRow, int, float]:
+    """The data-gradient kernel ``name``'s row (the mma.sync one's tile by
+    :func:`dgrad_mma_rows`), its blocks over every stride phase (cdiv(rows, BM) x cdiv(C, BN)
+    each) and their mean K chunks (the phase's taps x cdiv(Co, BK))."""
+    from fusedres.kernels._common import cdiv
+
+    p, s = u.padding, u.stride
+    dg = _row(rows, dev.arch, name, dtype, bm=dgrad_mma_rows(
+        u.n * cdiv(u.h, s) * cdiv(u.h, s), u.c, min(s, u.h) ** 2, dev.sms)
+        if name == "dgrad_mma_kernel" else None)
+    ctas, work = 0, 0.0
+    for pa in range(min(s, u.h)):
+        for pb in range(min(s, u.h)):
+            ph_taps = (sum((pa + p - i) % s == 0 for i in range(u.k))
+                       * sum((pb + p - j) % s == 0 for j in range(u.k)))
+            tiles = cdiv(u.n * cdiv(u.h - pa, s) * cdiv(u.h - pb, s), dg.bm) * cdiv(u.c, dg.bn)
+            ctas += tiles
+            work += tiles * ph_taps * cdiv(u.co, dg.bk)
+    return dg, ctas, work / ctas
+
+
 def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str = "mma",
                     channels_last: bool = True, wgrad: str = "mma",
                     dgrad: str = "mma") -> CudaUnitModel:
@@ -374,19 +399,8 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
                 cdiv(cdiv(m_out, WGRAD_KSTEP), split) * WGRAD_KSTEP // wg.bk,
                 dram["wgrad+sums"]))
     dg_name = dgrad_kernel(u, dgrad, channels_last)
-    p, s = u.padding, u.stride
-    dg = _row(rows, dev.arch, dg_name, dtype, bm=dgrad_mma_rows(
-        u.n * cdiv(u.h, s) * cdiv(u.h, s), u.c, min(s, u.h) ** 2, dev.sms)
-        if dg_name == "dgrad_mma_kernel" else None)
-    ctas, work = 0, 0.0
-    for pa in range(min(s, u.h)):
-        for pb in range(min(s, u.h)):
-            ph_taps = (sum((pa + p - i) % s == 0 for i in range(u.k))
-                       * sum((pb + p - j) % s == 0 for j in range(u.k)))
-            tiles = cdiv(u.n * cdiv(u.h - pa, s) * cdiv(u.h - pb, s), dg.bm) * cdiv(u.c, dg.bn)
-            ctas += tiles
-            work += tiles * ph_taps * cdiv(u.co, dg.bk)
-    out.append(("dgrad+dx", dg, ctas, work / ctas, dram["dgrad+dx"]))
+    dg, ctas, chunks = _dgrad_grid(u, dtype, dev, rows, dg_name)
+    out.append(("dgrad+dx", dg, ctas, chunks, dram["dgrad+dx"]))
     kernels = []
     for name, r, n, chunks, nbytes in out:
         low = model.predict(_launch(r, name, n, chunks, nbytes, False), dev)
@@ -507,20 +521,10 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUni
            tu.act_out() + tu.act_in() + 2 * vec16 + (2 * split - 1) * dw32)
     dram_launch("dW to the weight's dtype", dw32 + tu.weight())
     # data gradient ("store": float32 dz), the sums, dx
-    p, s = u.padding, u.stride
-    dg = _row(rows, dev.arch, "dgrad_mma_kernel", dtype, bm=dgrad_mma_rows(
-        u.n * cdiv(u.h, s) * cdiv(u.h, s), u.c, min(s, u.h) ** 2, dev.sms))
-    ctas, work = 0, 0.0
-    for pa in range(min(s, u.h)):
-        for pb in range(min(s, u.h)):
-            ph_taps = (sum((pa + p - i) % s == 0 for i in range(u.k))
-                       * sum((pb + p - j) % s == 0 for j in range(u.k)))
-            tiles = cdiv(u.n * cdiv(u.h - pa, s) * cdiv(u.h - pb, s), dg.bm) * cdiv(u.c, dg.bn)
-            ctas += tiles
-            work += tiles * ph_taps * cdiv(u.co, dg.bk)
+    dg, ctas, chunks = _dgrad_grid(u, dtype, dev, rows, "dgrad_mma_kernel")
     parts = ctas * (dg.bm // 64) * vec32 * 2  # the sums' partials: two per row tile pass
     dram_launch("weight pack (dgrad)", 2 * tu.weight())
-    launch("dgrad+dz", dg, ctas, work / ctas,
+    launch("dgrad+dz", dg, ctas, chunks,
            tu.act_out() + tu.weight() + tu.act_in() + 2 * vec32 + 2 * tu.act_in() + parts)
     dram_launch("sums reduce", parts + 2 * vec32)
     dram_launch("sums reduce (dzx)", parts + 2 * vec32)
