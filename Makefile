@@ -12,7 +12,7 @@ EXT_SRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cpu/v
 EXT     := $(VENV)/.ext-stamp
 # The test extension fusedres._C_cuda_on_cpu: csrc/cuda by the host compiler through the CPU
 # execution layer (csrc/cuda/on_cpu), the cuda backend's CPU test vehicle; `make test` builds it.
-TEST_EXT_SRC := $(wildcard csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/on_cpu/*.cpp csrc/cuda/on_cpu/*.h csrc/cuda/on_cpu/tests/*.cu)
+TEST_EXT_SRC := $(wildcard csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/cuda/*.cuh csrc/cuda/cutlass_conv/*.h csrc/cuda/on_cpu/*.cpp csrc/cuda/on_cpu/*.h csrc/cuda/on_cpu/tests/*.cu)
 TEST_EXT     := $(VENV)/.test-ext-stamp
 # Build the C++ extension; a failure is an error here (setup.py alone would fall back).
 export FUSEDRES_BUILD_EXT ?= 1

@@ -167,6 +167,63 @@ def test_cutlass_pins_agree():
         assert "build_backend.py" in f.read()  # an sdist builds with it too
 
 
+# --------------------------------------------------------------------------- the host rules
+
+
+TESTING = torch.ops.fusedres_cuda_testing
+
+
+def _plan_cases():
+    """The model's units (traffic.CIFAR_UNITS, IMAGENET_UNITS) on A100 and H100 SM counts, and
+    a sweep of shapes past the units (narrow and wide Co, one tile to thousands, small and
+    large pixel counts, every resident count from 1 block a GPU to 4 an SM)."""
+    from fusedres.kernels import traffic
+
+    for u in traffic.CIFAR_UNITS + traffic.IMAGENET_UNITS:
+        for sms in (108, 132):
+            yield u.co, u.k * u.k * u.c, u.n * u.ho * u.ho, sms
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        co = 8 * int(torch.randint(1, 129, (), generator=g))
+        columns = 8 * int(torch.randint(1, 1153, (), generator=g))
+        pixels = int(torch.randint(1, 1 << 22, (), generator=g))
+        yield co, columns, pixels, int(torch.randint(1, 200, (), generator=g))
+
+
+@needs_layer
+def test_the_models_tile_and_split_rules_are_the_kernels():
+    """tools/perfmodel's copies of fprop_tile and the weight gradient's plan give what
+    csrc/cuda/cutlass_conv/plan.h (the header the GPU build compiles, run here through the test
+    extension) gives, on the model's units and a sweep past them."""
+    from tools.perfmodel import cuda_sass
+
+    tiles = [(128, 128), (64, 128), (64, 64)]
+    for co, columns, pixels, sms in _plan_cases():
+        m = pixels
+        assert tuple(TESTING.cutlass_fprop_tile(m, co, sms)) == cuda_sass.cutlass_fprop_tile(
+            m, co, sms), (m, co, sms)
+        resident = [sms * k for k in (1, 2, 4)]  # per tile: large, narrow, small
+        want = cuda_sass.cutlass_wgrad_plan(
+            co, columns, pixels, lambda bm, bn, r=resident: r[tiles.index((bm, bn))])
+        assert tuple(TESTING.cutlass_wgrad_plan(co, columns, pixels, resident)) == want, (
+            co, columns, pixels, sms)
+
+
+@needs_layer
+def test_the_weight_gradient_split_keeps_its_limits():
+    """Every split: at least 1,024 pixels a slice (or 1), at most 64 slices and 64 MiB of
+    float32 partials (or 1), and no other split within the limits has fewer waves per slice."""
+    for co, columns, pixels, sms in _plan_cases():
+        resident = [sms, 2 * sms, 4 * sms]
+        bm, bn, split = TESTING.cutlass_wgrad_plan(co, columns, pixels, resident)
+        most = max(1, min(64, pixels // 1024, (64 << 20) // (co * columns * 4)))
+        assert 1 <= split <= most, (co, columns, pixels, split)
+        slots = resident[[(128, 128), (64, 128), (64, 64)].index((bm, bn))]
+        tiles = -(-co // bm) * -(-columns // bn)
+        per = [-(-tiles * k // slots) / k for k in range(1, most + 1)]
+        assert per[split - 1] == min(per) and per.index(min(per)) == split - 1
+
+
 # --------------------------------------------------------------------------- nvcc
 
 
@@ -196,7 +253,8 @@ def test_nvcc_cutlass_kernels_transform_in_their_dtype(src):
     path = os.path.join(ROOT, "csrc", "cuda", "cutlass_conv", src)
     obj = cuda_aot.compile_cached(cuda_aot.find_nvcc(), path, cuda_aot.ARCHS).obj
     kernels = {n: t for n, t in _functions(obj).items() if "cutlass_conv_kernel" in n}
-    assert len(kernels) == 6, sorted(kernels)  # {half, bfloat16} x three tiles
+    tiles = 4 if src == "fprop.cu" else 3
+    assert len(kernels) == 2 * tiles, sorted(kernels)  # {half, bfloat16} x the tiles
     for name, text in kernels.items():
         bf16 = "bfloat16_t" in name
         assert re.search(r"HMMA\.16816\.F32\.BF16" if bf16 else r"HMMA\.16816\.F32 ", text), name

@@ -21,8 +21,10 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from fractions import Fraction
 
 from . import sass
 from .devices import A100, H100
@@ -425,23 +427,39 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
 
 
 def cutlass_fprop_tile(m: int, co: int, sms: int) -> tuple[int, int]:
-    """The CUTLASS forward's tile (BM, BN) (fprop_tile in csrc/cuda/cutlass_conv/fprop.cu, kept
-    equal): 128 x 128 (Co > 64) or 128 x 64 (Co <= 64) where cdiv(m, 128) x cdiv(co, BN) tiles
-    fill every SM once, else 64 x 64."""
-    bn = 64 if co <= 64 else 128
-    return (128, bn) if -(-m // 128) * -(-co // bn) >= sms else (64, 64)
+    """The CUTLASS forward's tile (BM, BN) (csrc/cuda/cutlass_conv/plan.h's fprop_tile;
+    tests/test_cutlass.py holds this copy to it): for Co <= 64, 256 x 64 where cdiv(m, 256) x
+    cdiv(co, 64) tiles fill every SM 4 times, else 128 x 64 where its tiles fill every SM once;
+    for Co > 64, 128 x 128 where its tiles do; else 64 x 64."""
+    def fills(bm: int, bn: int, times: int = 1) -> bool:
+        return -(-m // bm) * -(-co // bn) >= times * sms
+
+    if co <= 64:
+        return (256, 64) if fills(256, 64, 4) else (128, 64) if fills(128, 64) else (64, 64)
+    return (128, 128) if fills(128, 128) else (64, 64)
 
 
-def cutlass_wgrad_plan(co: int, columns: int, pixels: int, sms: int) -> tuple[int, int, int]:
-    """The CUTLASS weight gradient's (BM, BN, split) (wgrad_plan in
-    csrc/cuda/cutlass_conv/wgrad.cu, kept equal): 64 x 64 for at most 64 columns or Co <= 32,
-    else 64 x 128 (Co <= 64) or 128 x 128; the pixels split to about two blocks an SM, each
-    slice >= 2048 pixels, <= 32 slices."""
+CUTLASS_MIN_SLICE_PIXELS = 1024
+CUTLASS_MAX_SLICES = 64
+CUTLASS_MAX_PARTIAL_BYTES = 64 << 20
+
+
+def cutlass_wgrad_plan(co: int, columns: int, pixels: int,
+                       resident: Callable[[int, int], int]) -> tuple[int, int, int]:
+    """The CUTLASS weight gradient's (BM, BN, split) (csrc/cuda/cutlass_conv/plan.h's
+    wgrad_tile and wgrad_split; tests/test_cutlass.py holds this copy to them): 64 x 64 for at
+    most 64 columns or Co <= 32, else 64 x 128 (Co <= 64) or 128 x 128; ``resident(BM, BN)``:
+    the tile's blocks the GPU holds at once. The split: of 1 .. min(64, pixels // 1024,
+    64 MiB // the float32 partial's bytes), the fewest waves per slice,
+    cdiv(tiles * split, resident) / split, the smallest on ties."""
     bm, bn = ((64, 64) if columns <= 64 or co <= 32 else (64, 128) if co <= 64
               else (128, 128))
     tiles = -(-co // bm) * -(-columns // bn)
-    most = max(1, min(32, pixels // 2048))
-    return bm, bn, max(1, min(-(-2 * sms // tiles), most))
+    slots = max(1, resident(bm, bn))
+    most = max(1, min(CUTLASS_MAX_SLICES, pixels // CUTLASS_MIN_SLICE_PIXELS,
+                      CUTLASS_MAX_PARTIAL_BYTES // (co * columns * 4)))
+    split = min(range(1, most + 1), key=lambda k: (Fraction(-(-tiles * k // slots), k), k))
+    return bm, bn, split
 
 
 def _cutlass_row(rows: list[CudaKernelRow], arch: int, kind: str, dtype: str,
@@ -459,17 +477,18 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUni
     FUSEDRES_CUDA_KERNELS=cutlass on ``dev`` (csrc/cuda/cutlass_conv/README.md), the "store"
     backward:
 
-    * fwd: the CUTLASS forward (cutlass_conv_kernel<Fprop<...>>: 128x128x32 or, for Co <= 64,
-      128x64x32 tiles of 4 warps where they fill the SMs, else 64x64x32,
-      :func:`cutlass_fprop_tile`); grid
+    * fwd: the CUTLASS forward (cutlass_conv_kernel<Fprop<...>>: 128x128x32 tiles of 4 warps
+      or, for Co <= 64, 256x64x32 of 8 or 128x64x32 of 4, where they fill the SMs, else
+      64x64x32, :func:`cutlass_fprop_tile`); grid
       cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, 32); after DRAM-bound launches
       copying the weight to KRSC and rounding scale and shift to 16 bits;
     * wgrad: the CUTLASS weight gradient (cutlass_conv_kernel<Wgrad<...>>: 128x128x32 tiles of
-      8 warps, 64x128x32 (Co 33..64) or 64x64x32 (Co <= 32, <= 64 columns) of 4, serial split-K,
-      :func:`cutlass_wgrad_plan`); grid
-      cdiv(Co, BM) x cdiv(taps*C, BN) x split; K chunks: cdiv(cdiv(M, 32), split); DRAM: dy and
-      x once, the float32 dW read and written by every slice after the first; then launches
-      zeroing the semaphores (split > 1) and rounding dW to the weight's dtype and layout;
+      8 warps, 64x128x32 (Co 33..64) or 64x64x32 (Co <= 32, <= 64 columns) of 4, parallel
+      split-K, :func:`cutlass_wgrad_plan` with the tile's resident blocks by
+      :func:`model.blocks_per_sm`); grid cdiv(Co, BM) x cdiv(taps*C, BN) x split; K chunks:
+      cdiv(cdiv(M, 32), split); DRAM: dy and x once, each slice's float32 partial dW written
+      once; then launches summing the partials (split > 1) and rounding dW to the weight's
+      dtype and layout;
     * dgrad writing dz: the native mma.sync data gradient (as :func:`model_cuda_unit` picks its
       tile), its epilogue writing float32 dz and the BatchNorm sums' partials, then the sums'
       reduction and the dx pass (read dz and x, write dx): DRAM-bound launches;
@@ -509,16 +528,21 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUni
            taps * cdiv(u.c, fwd.bk),
            tu.act_in() + tu.weight() + 2 * vec16 + tu.act_out() * (2 if u.residual else 1))
     # weight gradient
-    bm, bn, split = cutlass_wgrad_plan(u.co, taps * u.c, m_out, dev.sms)
+    def resident(bm: int, bn: int) -> int:
+        r = _cutlass_row(rows, dev.arch, "Wgrad", dtype, bm, bn)
+        res = model.Resources(r.registers, r.smem, r.threads // 32)
+        return dev.sms * model.blocks_per_sm(res, dev)[0]
+
+    bm, bn, split = cutlass_wgrad_plan(u.co, taps * u.c, m_out, resident)
     wg = _cutlass_row(rows, dev.arch, "Wgrad", dtype, bm, bn)
     dw32 = u.co * taps * u.c * 4
     dram_launch("scale to 16 bits (wgrad)", vec32 + vec16)
     dram_launch("shift to 16 bits (wgrad)", vec32 + vec16)
-    if split > 1:
-        dram_launch("semaphores", 4 * cdiv(u.co, wg.bm) * cdiv(taps * u.c, wg.bn))
     launch("wgrad (CUTLASS)", wg, cdiv(u.co, wg.bm) * cdiv(taps * u.c, wg.bn) * split,
            cdiv(cdiv(m_out, CUTLASS_BK), split),
-           tu.act_out() + tu.act_in() + 2 * vec16 + (2 * split - 1) * dw32)
+           tu.act_out() + tu.act_in() + 2 * vec16 + split * dw32)
+    if split > 1:
+        dram_launch("split-K sum", split * dw32 + dw32)
     dram_launch("dW to the weight's dtype", dw32 + tu.weight())
     # data gradient ("store": float32 dz), the sums, dx
     dg, ctas, chunks = _dgrad_grid(u, dtype, dev, rows, "dgrad_mma_kernel")

@@ -16,7 +16,9 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 #include <type_traits>
@@ -30,6 +32,7 @@
 #include "cutlass/numeric_types.h"
 
 #include "cutlass_conv.h"
+#include "plan.h"
 
 namespace cutlass::conv::warp {
 
@@ -198,6 +201,12 @@ struct ConvTile {
   static_assert(kSmem <= kMaxSmemSm80, "shared memory within sm_80's per-block limit");
 };
 
+// Whether tile T is plan.h's shape `s` (the host rules size grids with plan.h's shapes).
+template <typename T>
+constexpr bool matches(plan::Shape s) {
+  return T::kRows == s.rows && T::kCols == s.cols;
+}
+
 // The kernel every configuration runs: CUTLASS's kernel object called as cutlass::Kernel<>
 // calls it, under this project's name for the configuration (the compile table, the
 // performance model, a profiler's trace).
@@ -219,6 +228,36 @@ bool implementable(const cutlass::conv::Conv2dProblemSize& p) {
   return Config::Op::can_implement(args) == cutlass::Status::kSuccess;
 }
 
+// Lets Config's kernel take its dynamic shared memory past the default 48 KiB (per device, as
+// CUDA keeps the attribute; cheap enough to ask at every launch and occupancy query).
+template <typename Config>
+void allow_smem() {
+  constexpr int smem = Config::Tile::kSmem;
+  if constexpr (smem >= 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cutlass_conv_kernel<Config>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+}
+
+// Blocks of Config's kernel the current GPU holds at once: CUDA's occupancy for its block size
+// and shared memory, times the SMs; asked once per device (plan::wgrad_split sizes its grid
+// with it).
+template <typename Config>
+int64_t resident_blocks() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> per_sm[kDevices];  // zero: not asked yet
+  const int device = c10::cuda::current_device();
+  int n = device < kDevices ? per_sm[device].load(std::memory_order_relaxed) : 0;
+  if (n == 0) {
+    allow_smem<Config>();
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, cutlass_conv_kernel<Config>, Config::Tile::kThreads, Config::Tile::kSmem));
+    n = std::max(n, 1);
+    if (device < kDevices) per_sm[device].store(n, std::memory_order_relaxed);
+  }
+  return static_cast<int64_t>(n) * sm_count();
+}
+
 // CUTLASS launches in this process (fprop.cu holds it): fusedres._C.cutlass_launches(), read by
 // `fusedres selftest` to show that a cuda:cutlass row ran a CUTLASS kernel, not a fallback.
 std::atomic<int64_t>& launch_counter();
@@ -234,7 +273,11 @@ void launch(const typename Config::Op::Arguments& args, const at::Tensor& like) 
   static_assert(Conv::kThreadCount == Config::Tile::kThreads,
                 "the tile's Launch states CUTLASS's block size");
   check(Op::can_implement(args), "can_implement");
-  const size_t bytes = Op::get_workspace_size(args);
+  // Serial split-K's workspace is its semaphores; parallel split-K's is the partials, which the
+  // caller's output already is (its D tensor, a slice apart), so nothing is allocated for it.
+  const size_t bytes = args.split_k_mode == cutlass::conv::SplitKMode::kSerial
+                           ? Op::get_workspace_size(args)
+                           : 0;
   const at::Tensor semaphores =
       bytes ? at::zeros({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte))
             : at::Tensor();
@@ -242,10 +285,7 @@ void launch(const typename Config::Op::Arguments& args, const at::Tensor& like) 
       args, bytes ? static_cast<int*>(semaphores.data_ptr()) : nullptr);
   const dim3 grid = typename Conv::ThreadblockSwizzle().get_grid_shape(params.grid_tiled_shape);
   constexpr int smem = Config::Tile::kSmem;
-  if constexpr (smem >= 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cutlass_conv_kernel<Config>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  }
+  allow_smem<Config>();
   cutlass_conv_kernel<Config><<<grid, Config::Tile::kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -81,7 +81,7 @@ bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Te
 // CUTLASS kernel launches in this process so far.
 int64_t launches();
 // grad_weight = sum over pixels of grad_out * relu(scale * x + shift) at each tap, accumulated
-// in float32 (serial split-K over the pixels) and written into gw (Co, C, kh, kw).
+// in float32 (parallel split-K over the pixels) and written into gw (Co, C, kh, kw).
 void wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& scale,
            const at::Tensor& shift, at::Tensor& gw, const ConvArgs& conv);
 

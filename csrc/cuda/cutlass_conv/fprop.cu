@@ -3,6 +3,7 @@
 // applies the BatchNorm-ReLU to the A operand (x) in registers (common.cuh), and whose epilogue
 // adds the residual (beta = 1 with the residual as the source; beta = 0 reads no source).
 #include "common.cuh"
+#include "plan.h"
 
 #include <atomic>
 #include <limits>
@@ -15,13 +16,20 @@
 namespace fusedres::cutlass_conv {
 namespace {
 
-// Three tiles of 4 warps, 16-byte accesses, cp.async multistage (the sm_80 kernels; sm_90 runs
-// them too), the table fprop_tile: 128 x 128 of 64 x 64 warps (Co > 64) or 128 x 64 of 64 x 32
-// warps (Co <= 64: no half-empty tile) where its tiles fill every SM once, else 64 x 64 of
-// 32 x 32 warps (more blocks for small grids).
+// Four tiles, 16-byte accesses, cp.async multistage (the sm_80 kernels; sm_90 runs them too),
+// picked by plan::fprop_tile: 128 x 128 of 4 warps of 64 x 64 (Co > 64); for Co <= 64 (no
+// half-empty tile) 256 x 64 of 8 warps of 32 x 64 (with 4 warps of 64 x 64 ptxas spilled 16 B
+// on sm_90) or 128 x 64 of 4 warps of 64 x 32, each where its tiles fill every SM once; else
+// 64 x 64 of 4 warps of 32 x 32 (more blocks for small grids).
 using FpropLarge = ConvTile<128, 128, 64, 64, 4, Launch<128, 66048>>;
+using FpropTall = ConvTile<256, 64, 32, 64, 4, Launch<256, 82432>>;
 using FpropNarrow = ConvTile<128, 64, 64, 32, 4, Launch<128, 49664>>;
 using FpropSmall = ConvTile<64, 64, 32, 32, 4, Launch<128, 33280>>;
+static_assert(matches<FpropLarge>(plan::shape(plan::FpropTile::large)) &&
+                  matches<FpropTall>(plan::shape(plan::FpropTile::tall)) &&
+                  matches<FpropNarrow>(plan::shape(plan::FpropTile::narrow)) &&
+                  matches<FpropSmall>(plan::shape(plan::FpropTile::small)),
+              "the tiles are plan.h's");
 
 // One forward configuration: the operands' element type and the tile.
 template <typename E, typename T>
@@ -67,16 +75,15 @@ void run(const at::Tensor& x, const at::Tensor& wk, const at::Tensor& s, const a
   launch<K>(args, x);
 }
 
-enum class FpropPick { large, narrow, small };
-
-// The table (tools/perfmodel/cuda_sass.cutlass_fprop_tile is its copy): the 128-row tile as
-// wide as Co needs where its tiles fill every SM at least once, else the small one.
-FpropPick fprop_tile(int64_t M, int64_t Co, int64_t sms) {
-  const bool narrow = Co <= FpropNarrow::kCols;
-  const int64_t cols = narrow ? FpropNarrow::kCols : FpropLarge::kCols;
-  const int64_t tiles = (M + 127) / 128 * ((Co + cols - 1) / cols);
-  if (tiles < sms) return FpropPick::small;
-  return narrow ? FpropPick::narrow : FpropPick::large;
+// Calls f with the tile (an empty object of its ConvTile type).
+template <typename F>
+void with_tile(plan::FpropTile tile, F&& f) {
+  switch (tile) {
+    case plan::FpropTile::large: return f(FpropLarge{});
+    case plan::FpropTile::tall: return f(FpropTall{});
+    case plan::FpropTile::narrow: return f(FpropNarrow{});
+    case plan::FpropTile::small: return f(FpropSmall{});
+  }
 }
 
 }  // namespace
@@ -97,16 +104,12 @@ bool can_run_fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tens
     return false;
   }
   const auto p = problem(x, weight, y.size(2), y.size(3), conv, 1);
-  const FpropPick pick = fprop_tile(y.size(0) * y.size(2) * y.size(3), weight.size(0),
-                                    sm_count());
+  const plan::FpropTile tile =
+      plan::fprop_tile(y.size(0) * y.size(2) * y.size(3), weight.size(0), sm_count());
   bool ok = false;
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fusedres_cuda_cutlass_fprop", [&] {
     using E = typename Element<scalar_t>::type;
-    switch (pick) {
-      case FpropPick::large: ok = implementable<Fprop<E, FpropLarge>>(p); break;
-      case FpropPick::narrow: ok = implementable<Fprop<E, FpropNarrow>>(p); break;
-      case FpropPick::small: ok = implementable<Fprop<E, FpropSmall>>(p); break;
-    }
+    with_tile(tile, [&](auto t) { ok = implementable<Fprop<E, decltype(t)>>(p); });
   });
   return ok;
 }
@@ -121,14 +124,10 @@ void fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scal
   at::Tensor wk = weight.contiguous(at::MemoryFormat::ChannelsLast);
   if (!aligned16(wk.const_data_ptr())) wk = wk.clone(at::MemoryFormat::ChannelsLast);
   const auto [s, b] = scale_shift(scale, shift, x.scalar_type());
-  const FpropPick pick =
-      fprop_tile(y.size(0) * y.size(2) * y.size(3), weight.size(0), sm_count());
+  const plan::FpropTile tile =
+      plan::fprop_tile(y.size(0) * y.size(2) * y.size(3), weight.size(0), sm_count());
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fusedres_cuda_cutlass_fprop", [&] {
-    switch (pick) {
-      case FpropPick::large: return run<scalar_t, FpropLarge>(x, wk, s, b, residual, y, conv);
-      case FpropPick::narrow: return run<scalar_t, FpropNarrow>(x, wk, s, b, residual, y, conv);
-      case FpropPick::small: return run<scalar_t, FpropSmall>(x, wk, s, b, residual, y, conv);
-    }
+    with_tile(tile, [&](auto t) { run<scalar_t, decltype(t)>(x, wk, s, b, residual, y, conv); });
   });
 }
 

@@ -1,0 +1,87 @@
+// The CUTLASS kernels' tile table and the weight gradient's split: plain C++ (no CUTLASS, no
+// CUDA), so the CPU test extension (csrc/cuda/on_cpu/cutlass_plan.cpp) runs the very rules the
+// GPU build runs and the tests hold tools/perfmodel/cuda_sass.py's copy to them.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace fusedres::cutlass_conv::plan {
+
+// A block's output tile of the implicit GEMM (rows x columns); fprop.cu and wgrad.cu
+// static_assert their ConvTiles against these.
+struct Shape {
+  int64_t rows;
+  int64_t cols;
+};
+
+// Which tile; the index into kFprop or kWgrad.
+enum class FpropTile : int64_t { large = 0, tall = 1, narrow = 2, small = 3 };
+enum class WgradTile : int64_t { large = 0, narrow = 1, small = 2 };
+
+inline constexpr Shape kFprop[4] = {{128, 128}, {256, 64}, {128, 64}, {64, 64}};
+inline constexpr Shape kWgrad[3] = {{128, 128}, {64, 128}, {64, 64}};
+
+inline constexpr Shape shape(FpropTile t) { return kFprop[static_cast<int64_t>(t)]; }
+inline constexpr Shape shape(WgradTile t) { return kWgrad[static_cast<int64_t>(t)]; }
+
+inline constexpr int64_t tiles(Shape s, int64_t rows, int64_t cols) {
+  return (rows + s.rows - 1) / s.rows * ((cols + s.cols - 1) / s.cols);
+}
+
+// The forward (GEMM M = N*P*Q pixels, N = Co): for Co <= 64 the 256-row tile where its tiles
+// fill every SM at least kTallWaves times, else the 128-row one where they fill every SM once;
+// for Co > 64 the 128 x 128 tile where they do; otherwise the small one (more blocks for small
+// grids). The 256 x 64 tile (8 warps of 32 x 64) is the model's pick for ImageNet's 64-channel
+// units on sm_90, where the 128 x 64 one's 4 warps issue more per MMA (on sm_80 the two model
+// alike); it holds one block an SM, so a grid of few waves loses more to its last one.
+inline constexpr int64_t kTallWaves = 4;
+
+inline FpropTile fprop_tile(int64_t M, int64_t Co, int64_t sms) {
+  if (Co <= kFprop[2].cols) {
+    if (tiles(shape(FpropTile::tall), M, Co) >= kTallWaves * sms) return FpropTile::tall;
+    if (tiles(shape(FpropTile::narrow), M, Co) >= sms) return FpropTile::narrow;
+    return FpropTile::small;
+  }
+  return tiles(shape(FpropTile::large), M, Co) >= sms ? FpropTile::large : FpropTile::small;
+}
+
+// The weight gradient (GEMM M = Co, N = kh*kw*C columns, K = N*P*Q pixels): 64 x 64 for at
+// most 64 columns or Co <= 32, 64 x 128 for Co <= 64 (no half-empty tile), else 128 x 128.
+inline WgradTile wgrad_tile(int64_t Co, int64_t columns) {
+  if (columns <= kWgrad[2].cols || Co <= 32) return WgradTile::small;
+  return Co <= kWgrad[1].rows ? WgradTile::narrow : WgradTile::large;
+}
+
+// The pixels are split into slices that run as separate blocks, each writing float32 partials
+// that one reduction then adds (parallel split-K: no semaphores, no chain of epilogues waiting
+// on each other, and a fixed order of addition). Each slice keeps at least kMinSlicePixels
+// pixels (32 K-steps, so the pipeline's fill stays a small part of it), at most kMaxSlices
+// slices, and the partials at most kMaxPartialBytes (a transient buffer of the backward).
+inline constexpr int64_t kMinSlicePixels = 1024;
+inline constexpr int64_t kMaxSlices = 64;
+inline constexpr int64_t kMaxPartialBytes = int64_t{64} << 20;
+
+// The split of `pixels` over `tiles` output tiles, `resident` blocks resident on the whole GPU
+// at once (occupancy x SMs), `slice_bytes` float32 partial bytes a slice: of the splits the
+// limits allow, the one with the fewest waves per slice, cdiv(tiles * split, resident) / split
+// (a slice's pixels shrink as 1 / split, the time as the waves), the smallest on ties. The
+// model chose these limits (benchmarks/GPU_MODEL.md: MODELED).
+inline int64_t wgrad_split(int64_t tiles, int64_t resident, int64_t pixels, int64_t slice_bytes) {
+  tiles = std::max<int64_t>(tiles, 1);
+  resident = std::max<int64_t>(resident, 1);
+  const int64_t most = std::max<int64_t>(
+      1, std::min({kMaxSlices, pixels / kMinSlicePixels,
+                   kMaxPartialBytes / std::max<int64_t>(slice_bytes, 1)}));
+  int64_t best = 1, best_waves = (tiles + resident - 1) / resident;
+  for (int64_t s = 2; s <= most; ++s) {
+    const int64_t waves = (tiles * s + resident - 1) / resident;
+    if (waves * best < best_waves * s) {  // waves / s < best_waves / best
+      best = s;
+      best_waves = waves;
+    }
+  }
+  return best;
+}
+
+}  // namespace fusedres::cutlass_conv::plan

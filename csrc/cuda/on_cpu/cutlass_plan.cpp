@@ -1,0 +1,34 @@
+// Test hooks: the CUTLASS kernels' host rules (../cutlass_conv/plan.h, the header the GPU build
+// compiles) run here, so tests/test_cutlass.py holds tools/perfmodel's copy of them to the
+// rules themselves (the kernels cannot run on this execution layer; their rules can).
+#include <torch/library.h>
+
+#include <vector>
+
+#include "../cutlass_conv/plan.h"
+
+namespace plan = fusedres::cutlass_conv::plan;
+
+TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
+  // The forward's tile as (rows, cols) for M output pixels, Co channels, sms SMs.
+  m.def("cutlass_fprop_tile(int M, int Co, int sms) -> int[]");
+  m.impl("cutlass_fprop_tile", [](int64_t M, int64_t Co, int64_t sms) {
+    const plan::Shape s = plan::shape(plan::fprop_tile(M, Co, sms));
+    return std::vector<int64_t>{s.rows, s.cols};
+  });
+  // The weight gradient's (rows, cols, split) for Co, columns = kh*kw*C, pixels = N*P*Q and
+  // resident = the blocks of each weight-gradient tile (large, narrow, small) the GPU holds at
+  // once.
+  m.def("cutlass_wgrad_plan(int Co, int columns, int pixels, int[] resident) -> int[]");
+  m.impl("cutlass_wgrad_plan", [](int64_t Co, int64_t columns, int64_t pixels,
+                                  std::vector<int64_t> resident) {
+    TORCH_CHECK(resident.size() == 3, "cutlass_wgrad_plan: resident: expected 3 counts "
+                "(large, narrow, small tiles), got ", resident.size());
+    const plan::WgradTile tile = plan::wgrad_tile(Co, columns);
+    const plan::Shape s = plan::shape(tile);
+    const int64_t split =
+        plan::wgrad_split(plan::tiles(s, Co, columns), resident[static_cast<int64_t>(tile)],
+                          pixels, Co * columns * 4);
+    return std::vector<int64_t>{s.rows, s.cols, split};
+  });
+}
