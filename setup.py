@@ -227,10 +227,6 @@ def _setting(name: str):
         sys.exit(str(exc))
 
 
-# nvcc flags of the CUTLASS kernels and of the files that call them (every .cu of the build):
-# the switch that compiles the calls, and the constexpr use CUTLASS's host-device code needs.
-CUTLASS_NVCC_FLAGS = ["-DFUSEDRES_WITH_CUTLASS", "--expt-relaxed-constexpr"]
-
 
 def _cuda_home() -> str | None:
     # nvcc on PATH may be a wrapper script: ask the real binary where it lives.
@@ -377,7 +373,7 @@ def extensions():
             print(f"fusedres: CUTLASS kernels built against {cutlass_inc}")
             cuda_sources += sorted(glob.glob("csrc/cuda/cutlass_conv/*.cu"))
             kwargs["include_dirs"].append(cutlass_inc)
-            kwargs["extra_compile_args"]["nvcc"] += CUTLASS_NVCC_FLAGS
+            kwargs["extra_compile_args"]["nvcc"] += list(_SETTINGS.CUTLASS_NVCC_FLAGS)
             kwargs["extra_compile_args"]["cxx"].append("-DFUSEDRES_WITH_CUTLASS")  # module.cpp
         exts = [CUDAExtension("fusedres._C", sources + cuda_sources, **kwargs)]
     else:

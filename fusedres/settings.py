@@ -169,6 +169,12 @@ def raw_lookup(*names: str) -> tuple:
     return _STORE.get, tuple(_ENCODE(n) for n in names)
 
 
+# nvcc flags of the CUTLASS kernels and of the files that call them (every .cu of a build that
+# has them): the switch that compiles the calls, and the constexpr use CUTLASS's host-device code
+# needs. setup.py builds with them and tools/cuda_aot compiles its table with them.
+CUTLASS_NVCC_FLAGS = ("-DFUSEDRES_WITH_CUTLASS", "--expt-relaxed-constexpr")
+
+
 def cutlass_include_dir(environ=None) -> str | None:
     """The CUTLASS headers the cuda backend's CUTLASS kernels compile against (the folder
     holding ``cutlass/cutlass.h``): ``$CUTLASS_PATH/include`` (a CUTLASS checkout, the variable

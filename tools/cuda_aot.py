@@ -67,18 +67,24 @@ def find_nvcc() -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def cutlass_include() -> str | None:
-    """The CUTLASS headers the build would use (fusedres/settings.py's rule, loaded by path as
-    setup.py loads it: no torch, no fusedres import)."""
+@functools.cache
+def settings():
+    """fusedres/settings.py loaded by path as setup.py loads it (no torch, no fusedres import):
+    the build's rules (the CUTLASS headers and flags) for the tools that mirror the build."""
     import importlib.util
 
-    name = "_fusedres_settings_aot"
+    name = "_fusedres_settings_tools"
     spec = importlib.util.spec_from_file_location(
         name, os.path.join(ROOT, "fusedres", "settings.py"))
-    settings = importlib.util.module_from_spec(spec)
-    sys.modules[name] = settings  # its dataclasses look their module up
-    spec.loader.exec_module(settings)
-    return settings.cutlass_include_dir()
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def cutlass_include() -> str | None:
+    """The CUTLASS headers the build would use (fusedres/settings.py's rule)."""
+    return settings().cutlass_include_dir()
 
 
 def sources(root: str = ROOT) -> list[str]:
@@ -115,8 +121,8 @@ def nvcc_command(nvcc: str, src: str, obj: str, keep_dir: str, archs=ARCHS) -> l
         cmd += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
     cmd += [f"-I{p}" for p in includes]
     cutlass = cutlass_include()
-    if cutlass is not None:  # as setup.py builds the CUDA part (CUTLASS_NVCC_FLAGS)
-        cmd += [f"-I{cutlass}", "-DFUSEDRES_WITH_CUTLASS", "--expt-relaxed-constexpr"]
+    if cutlass is not None:  # as setup.py builds the CUDA part
+        cmd += [f"-I{cutlass}", *settings().CUTLASS_NVCC_FLAGS]
     return cmd
 
 

@@ -94,14 +94,9 @@ def cutlass_path() -> str | None:
     rule; .venv's nvidia-cutlass), whose folder above include/ is what CUTLASS_PATH names, so
     that .venv-compat's build compiles the CUTLASS kernels too (the GPU machines have no
     nvidia-cutlass: the library carries them)."""
-    import importlib.util
+    from tools import cuda_aot
 
-    spec = importlib.util.spec_from_file_location("_fusedres_settings_prep",
-                                                  ROOT / "fusedres" / "settings.py")
-    settings = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = settings  # its dataclasses look their module up
-    spec.loader.exec_module(settings)
-    inc = settings.cutlass_include_dir()
+    inc = cuda_aot.cutlass_include()
     return os.path.dirname(inc) if inc else None
 
 
