@@ -176,7 +176,7 @@ TESTING = torch.ops.fusedres_cuda_testing
 def _plan_cases():
     """The model's units (traffic.CIFAR_UNITS, IMAGENET_UNITS) on A100 and H100 SM counts, and
     a sweep of shapes past the units (narrow and wide Co, one tile to thousands, small and
-    large pixel counts, every resident count from 1 block a GPU to 4 an SM)."""
+    large pixel counts, resident counts from 1 block a GPU to 6 an SM)."""
     from fusedres.kernels import traffic
 
     for u in traffic.CIFAR_UNITS + traffic.IMAGENET_UNITS:
@@ -197,12 +197,12 @@ def test_the_models_tile_and_split_rules_are_the_kernels():
     extension) gives, on the model's units and a sweep past them."""
     from tools.perfmodel import cuda_sass
 
-    tiles = [(128, 128), (64, 128), (64, 64)]
+    tiles = [(128, 128), (64, 128), (32, 64), (64, 64)]
     for co, columns, pixels, sms in _plan_cases():
         m = pixels
         assert tuple(TESTING.cutlass_fprop_tile(m, co, sms)) == cuda_sass.cutlass_fprop_tile(
             m, co, sms), (m, co, sms)
-        resident = [sms * k for k in (1, 2, 4)]  # per tile: large, narrow, small
+        resident = [sms * k for k in (1, 2, 6, 4)]  # per tile: large, narrow, thin, small
         want = cuda_sass.cutlass_wgrad_plan(
             co, columns, pixels, lambda bm, bn, r=resident: r[tiles.index((bm, bn))])
         assert tuple(TESTING.cutlass_wgrad_plan(co, columns, pixels, resident)) == want, (
@@ -214,14 +214,36 @@ def test_the_weight_gradient_split_keeps_its_limits():
     """Every split: at least 1,024 pixels a slice (or 1), at most 64 slices and 64 MiB of
     float32 partials (or 1), and no other split within the limits has fewer waves per slice."""
     for co, columns, pixels, sms in _plan_cases():
-        resident = [sms, 2 * sms, 4 * sms]
+        resident = [sms, 2 * sms, 6 * sms, 4 * sms]
         bm, bn, split = TESTING.cutlass_wgrad_plan(co, columns, pixels, resident)
         most = max(1, min(64, pixels // 1024, (64 << 20) // (co * columns * 4)))
         assert 1 <= split <= most, (co, columns, pixels, split)
-        slots = resident[[(128, 128), (64, 128), (64, 64)].index((bm, bn))]
+        slots = resident[[(128, 128), (64, 128), (32, 64), (64, 64)].index((bm, bn))]
         tiles = -(-co // bm) * -(-columns // bn)
         per = [-(-tiles * k // slots) / k for k in range(1, most + 1)]
         assert per[split - 1] == min(per) and per.index(min(per)) == split - 1
+
+
+def test_the_gpu_selftest_takes_every_tile():
+    """On an A100's 108 SMs and an H100's or H200's 132, the GPU self-test's cases (16-bit,
+    channels-last) take every forward and weight-gradient tile of the table, and split the
+    weight gradient's pixels: a GPU run of `fusedres selftest` runs every CUTLASS kernel the
+    build has."""
+    from fusedres.apps import selftest
+    from tools.perfmodel import cuda_sass
+
+    for sms in (108, 132):
+        fprop, wgrad, splits = set(), set(), set()
+        for c in selftest.GPU_CASES:
+            m = c.n * c.ho * c.ho
+            fprop.add(cuda_sass.cutlass_fprop_tile(m, c.cout, sms))
+            bm, bn, split = cuda_sass.cutlass_wgrad_plan(c.cout, c.k * c.k * c.cin, m,
+                                                         lambda bm, bn, s=sms: s)
+            wgrad.add((bm, bn))
+            splits.add(split > 1)
+        assert fprop == {(128, 128), (256, 64), (128, 64), (128, 32), (64, 64)}, (sms, fprop)
+        assert wgrad == {(128, 128), (64, 128), (32, 64), (64, 64)}, (sms, wgrad)
+        assert True in splits, sms
 
 
 # --------------------------------------------------------------------------- nvcc
@@ -253,7 +275,7 @@ def test_nvcc_cutlass_kernels_transform_in_their_dtype(src):
     path = os.path.join(ROOT, "csrc", "cuda", "cutlass_conv", src)
     obj = cuda_aot.compile_cached(cuda_aot.find_nvcc(), path, cuda_aot.ARCHS).obj
     kernels = {n: t for n, t in _functions(obj).items() if "cutlass_conv_kernel" in n}
-    tiles = 4 if src == "fprop.cu" else 3
+    tiles = 5 if src == "fprop.cu" else 4
     assert len(kernels) == 2 * tiles, sorted(kernels)  # {half, bfloat16} x the tiles
     for name, text in kernels.items():
         bf16 = "bfloat16_t" in name

@@ -163,14 +163,17 @@ GPU_CONVS = [
     ConvUnit("cifar 64@8 3x3 +res", 64, 64, 64, 8, residual=True),
     ConvUnit("imagenet 64@56 3x3 +res", 64, 64, 64, 56, residual=True),
 ]
-# The self-test's cases: on a GPU realistic shapes; on CPU (the Triton interpreter) tiny ones
-# with channel counts and sizes that are not multiples of the tile sizes.
+# The self-test's cases: on a GPU realistic shapes, which between them take every tile of the
+# CUTLASS kernels' table on 108- and 132-SM parts (csrc/cuda/cutlass_conv/plan.h;
+# tests/test_cutlass.py checks); on CPU (the Triton interpreter) tiny ones with channel counts
+# and sizes that are not multiples of the tile sizes.
 SELFTEST_GPU = [
     ConvUnit("cifar 16ch 32x32", 128, 16, 16, 32, residual=True),
+    ConvUnit("cifar 1x1 64->16", 128, 64, 16, 32, k=1),
     ConvUnit("cifar 64ch 8x8 s2", 128, 32, 64, 16, stride=2),
-    ConvUnit("imagenet 64ch 56x56", 32, 64, 64, 56, residual=True),
+    ConvUnit("imagenet 64ch 56x56 n64", 64, 64, 64, 56, residual=True),
     ConvUnit("imagenet 1x1 256->64", 32, 256, 64, 56, k=1),
-    ConvUnit("imagenet 256ch 14x14", 32, 256, 256, 14, residual=True),
+    ConvUnit("imagenet 256ch 14x14 n64", 64, 256, 256, 14, residual=True),
 ]
 SELFTEST_CPU = [
     ConvUnit("tiny 5ch 7x7", 2, 5, 6, 7, residual=True),

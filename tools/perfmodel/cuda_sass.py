@@ -428,12 +428,15 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
 
 def cutlass_fprop_tile(m: int, co: int, sms: int) -> tuple[int, int]:
     """The CUTLASS forward's tile (BM, BN) (csrc/cuda/cutlass_conv/plan.h's fprop_tile;
-    tests/test_cutlass.py holds this copy to it): for Co <= 64, 256 x 64 where cdiv(m, 256) x
-    cdiv(co, 64) tiles fill every SM 4 times, else 128 x 64 where its tiles fill every SM once;
-    for Co > 64, 128 x 128 where its tiles do; else 64 x 64."""
+    tests/test_cutlass.py holds this copy to it): for Co <= 32, 128 x 32 where its tiles fill
+    every SM once; for Co <= 64, 256 x 64 where cdiv(m, 256) x cdiv(co, 64) tiles fill every SM
+    4 times, else 128 x 64 where its tiles fill every SM once; for Co > 64, 128 x 128 where its
+    tiles do; else 64 x 64."""
     def fills(bm: int, bn: int, times: int = 1) -> bool:
         return -(-m // bm) * -(-co // bn) >= times * sms
 
+    if co <= 32:
+        return (128, 32) if fills(128, 32) else (64, 64)
     if co <= 64:
         return (256, 64) if fills(256, 64, 4) else (128, 64) if fills(128, 64) else (64, 64)
     return (128, 128) if fills(128, 128) else (64, 64)
@@ -448,11 +451,11 @@ def cutlass_wgrad_plan(co: int, columns: int, pixels: int,
                        resident: Callable[[int, int], int]) -> tuple[int, int, int]:
     """The CUTLASS weight gradient's (BM, BN, split) (csrc/cuda/cutlass_conv/plan.h's
     wgrad_tile and wgrad_split; tests/test_cutlass.py holds this copy to them): 64 x 64 for at
-    most 64 columns or Co <= 32, else 64 x 128 (Co <= 64) or 128 x 128; ``resident(BM, BN)``:
-    the tile's blocks the GPU holds at once. The split: of 1 .. min(64, pixels // 1024,
-    64 MiB // the float32 partial's bytes), the fewest waves per slice,
-    cdiv(tiles * split, resident) / split, the smallest on ties."""
-    bm, bn = ((64, 64) if columns <= 64 or co <= 32 else (64, 128) if co <= 64
+    most 64 columns, else 32 x 64 (Co <= 32), 64 x 128 (Co <= 64) or 128 x 128;
+    ``resident(BM, BN)``: the tile's blocks the GPU holds at once. The split: of
+    1 .. min(64, pixels // 1024, 64 MiB // the float32 partial's bytes), the fewest waves per
+    slice, cdiv(tiles * split, resident) / split, the smallest on ties."""
+    bm, bn = ((64, 64) if columns <= 64 else (32, 64) if co <= 32 else (64, 128) if co <= 64
               else (128, 128))
     tiles = -(-co // bm) * -(-columns // bn)
     slots = max(1, resident(bm, bn))
@@ -478,12 +481,13 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUni
     backward:
 
     * fwd: the CUTLASS forward (cutlass_conv_kernel<Fprop<...>>: 128x128x32 tiles of 4 warps
-      or, for Co <= 64, 256x64x32 of 8 or 128x64x32 of 4, where they fill the SMs, else
-      64x64x32, :func:`cutlass_fprop_tile`); grid
+      or, for Co <= 64, 256x64x32 of 8 or 128x64x32 of 4, for Co <= 32 128x32x32 of 4, where
+      they fill the SMs, else 64x64x32, :func:`cutlass_fprop_tile`); grid
       cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, 32); after DRAM-bound launches
       copying the weight to KRSC and rounding scale and shift to 16 bits;
     * wgrad: the CUTLASS weight gradient (cutlass_conv_kernel<Wgrad<...>>: 128x128x32 tiles of
-      8 warps, 64x128x32 (Co 33..64) or 64x64x32 (Co <= 32, <= 64 columns) of 4, parallel
+      8 warps, 64x128x32 (Co 33..64) or 64x64x32 (<= 64 columns) of 4, 32x64x32 (Co <= 32) of
+      2, parallel
       split-K, :func:`cutlass_wgrad_plan` with the tile's resident blocks by
       :func:`model.blocks_per_sm`); grid cdiv(Co, BM) x cdiv(taps*C, BN) x split; K chunks:
       cdiv(cdiv(M, 32), split); DRAM: dy and x once, each slice's float32 partial dW written

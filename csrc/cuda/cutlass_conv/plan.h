@@ -16,11 +16,11 @@ struct Shape {
 };
 
 // Which tile; the index into kFprop or kWgrad.
-enum class FpropTile : int64_t { large = 0, tall = 1, narrow = 2, small = 3 };
-enum class WgradTile : int64_t { large = 0, narrow = 1, small = 2 };
+enum class FpropTile : int64_t { large = 0, tall = 1, narrow = 2, thin = 3, small = 4 };
+enum class WgradTile : int64_t { large = 0, narrow = 1, thin = 2, small = 3 };
 
-inline constexpr Shape kFprop[4] = {{128, 128}, {256, 64}, {128, 64}, {64, 64}};
-inline constexpr Shape kWgrad[3] = {{128, 128}, {64, 128}, {64, 64}};
+inline constexpr Shape kFprop[5] = {{128, 128}, {256, 64}, {128, 64}, {128, 32}, {64, 64}};
+inline constexpr Shape kWgrad[4] = {{128, 128}, {64, 128}, {32, 64}, {64, 64}};
 
 inline constexpr Shape shape(FpropTile t) { return kFprop[static_cast<int64_t>(t)]; }
 inline constexpr Shape shape(WgradTile t) { return kWgrad[static_cast<int64_t>(t)]; }
@@ -29,16 +29,21 @@ inline constexpr int64_t tiles(Shape s, int64_t rows, int64_t cols) {
   return (rows + s.rows - 1) / s.rows * ((cols + s.cols - 1) / s.cols);
 }
 
-// The forward (GEMM M = N*P*Q pixels, N = Co): for Co <= 64 the 256-row tile where its tiles
-// fill every SM at least kTallWaves times, else the 128-row one where they fill every SM once;
-// for Co > 64 the 128 x 128 tile where they do; otherwise the small one (more blocks for small
-// grids). The 256 x 64 tile (8 warps of 32 x 64) is the model's pick for ImageNet's 64-channel
-// units on sm_90, where the 128 x 64 one's 4 warps issue more per MMA (on sm_80 the two model
-// alike); it holds one block an SM, so a grid of few waves loses more to its last one.
+// The forward (GEMM M = N*P*Q pixels, N = Co): for Co <= 32 the 128 x 32 tile where its tiles
+// fill every SM once; for Co <= 64 the 256-row tile where its tiles fill every SM at least
+// kTallWaves times, else the 128-row one where they fill every SM once; for Co > 64 the
+// 128 x 128 tile where they do; otherwise the small one (more blocks for small grids). The
+// tiles as narrow as Co keep the MMAs off columns past Co (CIFAR's 16- and 32-channel units).
+// The 256 x 64 tile (8 warps of 32 x 64) is the model's pick for ImageNet's 64-channel units on
+// sm_90, where the 128 x 64 one's 4 warps issue more per MMA (on sm_80 the two model alike); it
+// holds one block an SM, so a grid of few waves loses more to its last one.
 inline constexpr int64_t kTallWaves = 4;
 
 inline FpropTile fprop_tile(int64_t M, int64_t Co, int64_t sms) {
-  if (Co <= kFprop[2].cols) {
+  if (Co <= shape(FpropTile::thin).cols) {
+    return tiles(shape(FpropTile::thin), M, Co) >= sms ? FpropTile::thin : FpropTile::small;
+  }
+  if (Co <= shape(FpropTile::narrow).cols) {
     if (tiles(shape(FpropTile::tall), M, Co) >= kTallWaves * sms) return FpropTile::tall;
     if (tiles(shape(FpropTile::narrow), M, Co) >= sms) return FpropTile::narrow;
     return FpropTile::small;
@@ -47,10 +52,12 @@ inline FpropTile fprop_tile(int64_t M, int64_t Co, int64_t sms) {
 }
 
 // The weight gradient (GEMM M = Co, N = kh*kw*C columns, K = N*P*Q pixels): 64 x 64 for at
-// most 64 columns or Co <= 32, 64 x 128 for Co <= 64 (no half-empty tile), else 128 x 128.
+// most 64 columns, 32 x 64 (2 warps) for Co <= 32, 64 x 128 for Co <= 64 (no half-empty tile),
+// else 128 x 128.
 inline WgradTile wgrad_tile(int64_t Co, int64_t columns) {
-  if (columns <= kWgrad[2].cols || Co <= 32) return WgradTile::small;
-  return Co <= kWgrad[1].rows ? WgradTile::narrow : WgradTile::large;
+  if (columns <= shape(WgradTile::small).cols) return WgradTile::small;
+  if (Co <= shape(WgradTile::thin).rows) return WgradTile::thin;
+  return Co <= shape(WgradTile::narrow).rows ? WgradTile::narrow : WgradTile::large;
 }
 
 // The pixels are split into slices that run as separate blocks, each writing float32 partials

@@ -16,14 +16,17 @@
 namespace fusedres::cutlass_conv {
 namespace {
 
-// Three tiles, picked by plan::wgrad_tile: 128 x 128 of 8 warps of 64 x 32 (Co > 64; with 4
+// Four tiles, picked by plan::wgrad_tile: 128 x 128 of 8 warps of 64 x 32 (Co > 64; with 4
 // warps of 64 x 64 ptxas spilled on sm_90), 64 x 128 of 4 warps of 32 x 64 (Co 33..64: no
-// half-empty tile), 64 x 64 of 4 warps of 32 x 32 (Co <= 32, or kh * kw * C <= 64 columns).
+// half-empty tile), 32 x 64 of 2 warps of 32 x 32 (Co <= 32), 64 x 64 of 4 warps of 32 x 32
+// (kh * kw * C <= 64 columns).
 using WgradLarge = ConvTile<128, 128, 64, 32, 4, Launch<256, 65536>>;
 using WgradNarrow = ConvTile<64, 128, 32, 64, 4, Launch<128, 49152>>;
+using WgradThin = ConvTile<32, 64, 32, 32, 4, Launch<64, 24576>>;
 using WgradSmall = ConvTile<64, 64, 32, 32, 4, Launch<128, 32768>>;
 static_assert(matches<WgradLarge>(plan::shape(plan::WgradTile::large)) &&
                   matches<WgradNarrow>(plan::shape(plan::WgradTile::narrow)) &&
+                  matches<WgradThin>(plan::shape(plan::WgradTile::thin)) &&
                   matches<WgradSmall>(plan::shape(plan::WgradTile::small)),
               "the tiles are plan.h's");
 
@@ -53,6 +56,7 @@ void with_tile(plan::WgradTile tile, F&& f) {
   switch (tile) {
     case plan::WgradTile::large: return f(Wgrad<E, WgradLarge>{}, WgradLarge{});
     case plan::WgradTile::narrow: return f(Wgrad<E, WgradNarrow>{}, WgradNarrow{});
+    case plan::WgradTile::thin: return f(Wgrad<E, WgradThin>{}, WgradThin{});
     case plan::WgradTile::small: return f(Wgrad<E, WgradSmall>{}, WgradSmall{});
   }
 }

@@ -17,13 +17,13 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
     return std::vector<int64_t>{s.rows, s.cols};
   });
   // The weight gradient's (rows, cols, split) for Co, columns = kh*kw*C, pixels = N*P*Q and
-  // resident = the blocks of each weight-gradient tile (large, narrow, small) the GPU holds at
-  // once.
+  // resident = the blocks of each weight-gradient tile (large, narrow, thin, small) the GPU
+  // holds at once.
   m.def("cutlass_wgrad_plan(int Co, int columns, int pixels, int[] resident) -> int[]");
   m.impl("cutlass_wgrad_plan", [](int64_t Co, int64_t columns, int64_t pixels,
                                   std::vector<int64_t> resident) {
-    TORCH_CHECK(resident.size() == 3, "cutlass_wgrad_plan: resident: expected 3 counts "
-                "(large, narrow, small tiles), got ", resident.size());
+    TORCH_CHECK(resident.size() == 4, "cutlass_wgrad_plan: resident: expected 4 counts "
+                "(large, narrow, thin, small tiles), got ", resident.size());
     const plan::WgradTile tile = plan::wgrad_tile(Co, columns);
     const plan::Shape s = plan::shape(tile);
     const int64_t split =
