@@ -224,6 +224,17 @@ def test_the_weight_gradient_split_keeps_its_limits():
         assert per[split - 1] == min(per) and per.index(min(per)) == split - 1
 
 
+@needs_layer
+def test_which_units_take_the_cutlass_weight_gradient_is_plan_h():
+    """tools/perfmodel's copy of wgrad_on_cutlass gives plan.h's answer: filters larger than
+    1 x 1 take CUTLASS's weight gradient ("store"), 1 x 1 ones keep the native "sums" plan."""
+    from tools.perfmodel import cuda_sass
+
+    for kh, kw in itertools.product(range(1, 8), repeat=2):
+        assert TESTING.cutlass_wgrad_on(kh, kw) is cuda_sass.cutlass_wgrad_on(kh, kw), (kh, kw)
+    assert not cuda_sass.cutlass_wgrad_on(1, 1) and cuda_sass.cutlass_wgrad_on(3, 3)
+
+
 def test_the_gpu_selftest_takes_every_tile():
     """On an A100's 108 SMs and an H100's or H200's 132, the GPU self-test's cases (16-bit,
     channels-last) take every forward and weight-gradient tile of the table, and split the
@@ -232,18 +243,19 @@ def test_the_gpu_selftest_takes_every_tile():
     from fusedres.apps import selftest
     from tools.perfmodel import cuda_sass
 
-    for sms in (108, 132):
+    # resident blocks an SM: from 1 to 8 (the most any tile's registers allow: COMPILE.md)
+    for sms, per_sm in itertools.product((108, 132), (1, 8)):
         fprop, wgrad, splits = set(), set(), set()
         for c in selftest.GPU_CASES:
             m = c.n * c.ho * c.ho
             fprop.add(cuda_sass.cutlass_fprop_tile(m, c.cout, sms))
             bm, bn, split = cuda_sass.cutlass_wgrad_plan(c.cout, c.k * c.k * c.cin, m,
-                                                         lambda bm, bn, s=sms: s)
+                                                         lambda bm, bn, r=sms * per_sm: r)
             wgrad.add((bm, bn))
             splits.add(split > 1)
         assert fprop == {(128, 128), (256, 64), (128, 64), (128, 32), (64, 64)}, (sms, fprop)
         assert wgrad == {(128, 128), (64, 128), (32, 64), (64, 64)}, (sms, wgrad)
-        assert True in splits, sms
+        assert True in splits, (sms, per_sm)
 
 
 # --------------------------------------------------------------------------- nvcc
@@ -283,6 +295,25 @@ def test_nvcc_cutlass_kernels_transform_in_their_dtype(src):
         fp16_relu = re.findall(r"HFMA2\.RELU", text)
         bf16_relu = re.findall(r"HFMA2\.BF16_V2\.RELU", text)
         assert (bf16_relu and not fp16_relu) if bf16 else (fp16_relu and not bf16_relu), name
+
+
+@pytest.mark.skipif(cuda_aot.find_nvcc() is None, reason="nvcc not found")
+def test_the_model_prefers_the_backward_the_rule_picks():
+    """On every unit of the model (A100 and H100, both 16-bit dtypes), the backward
+    wgrad_on_cutlass picks for FUSEDRES_CUDA_KERNELS=cutlass ("store" with CUTLASS's weight
+    gradient, or the native "sums") is the one the model prices lower (MODELED: the rule's
+    reason, not a measurement)."""
+    from fusedres.kernels import traffic
+    from tools.perfmodel import cuda_sass
+    from tools.perfmodel.devices import A100, H100
+
+    rows = cuda_sass.cuda_rows(ROOT)
+    for u, dev, dtype in itertools.product(traffic.CIFAR_UNITS + traffic.IMAGENET_UNITS,
+                                           (A100, H100), ("fp16", "bf16")):
+        t = {b: cuda_sass.model_cutlass_unit(u, dtype, dev, rows, b).high_s
+             for b in ("store", "sums", "rule")}
+        picked = "store" if cuda_sass.cutlass_wgrad_on(u.k, u.k) else "sums"
+        assert t["rule"] == t[picked] == min(t["store"], t["sums"]), (u.name, dev.name, t)
 
 
 # --------------------------------------------------------------------------- the self-test

@@ -66,7 +66,6 @@ def find_nvcc() -> str | None:
     return real
 
 
-@functools.lru_cache(maxsize=1)
 @functools.cache
 def settings():
     """fusedres/settings.py loaded by path as setup.py loads it (no torch, no fusedres import):

@@ -37,6 +37,7 @@
 // FUSEDRES_CUDA_KERNELS and the CUTLASS weight gradient (plain C++: before the host layer's
 // macros).
 #include "cutlass_conv/cutlass_conv.h"
+#include "cutlass_conv/plan.h"
 #include "bn_relu_conv2d_dgrad.cuh"
 #include "bn_relu_conv2d_wgrad.cuh"
 #include "conv_tiles.cuh"
@@ -252,9 +253,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
                         N * ceil_div(H, stride[0]) * ceil_div(W, stride[1])};
   const double inv_m = 1.0 / static_cast<double>(N * H * W);
   // FUSEDRES_CUDA_KERNELS=cutlass: the weight gradient on CUTLASS where it takes the operands
-  // (16-bit channels-last, no branch scale), with the "store" plan (its GEMM has no BatchNorm
+  // (16-bit channels-last, no branch scale) and the unit's filter is larger than 1 x 1
+  // (cutlass_conv::plan::wgrad_on_cutlass), with the "store" plan (its GEMM has no BatchNorm
   // sums; the native data gradient's epilogue reduces them).
-  if (kernels == cutlass_conv::KernelSet::cutlass && want_w && !bscale.defined()) {
+  if (kernels == cutlass_conv::KernelSet::cutlass && want_w && !bscale.defined() &&
+      cutlass_conv::plan::wgrad_on_cutlass(weight.size(2), weight.size(3))) {
 #if defined(FUSEDRES_WITH_CUTLASS)
     passes.stride = stride, passes.padding = padding, passes.dilation = dilation;
     passes.cutlass_wgrad = cutlass_conv::can_run_wgrad(go, x, weight, {stride, padding, dilation});

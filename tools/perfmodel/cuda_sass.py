@@ -475,10 +475,19 @@ def _cutlass_row(rows: list[CudaKernelRow], arch: int, kind: str, dtype: str,
     raise ValueError(f"no CUTLASS {kind} <{elem}> kernel of {bm}x{bn} tiles for sm_{arch}")
 
 
-def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUnitModel:
+def cutlass_wgrad_on(kh: int, kw: int) -> bool:
+    """Whether FUSEDRES_CUDA_KERNELS=cutlass takes a kh x kw unit's weight gradient with the
+    "store" backward, else the native "sums" one (csrc/cuda/cutlass_conv/plan.h's
+    wgrad_on_cutlass; tests/test_cutlass.py holds this copy to it and the rule to the model):
+    filters larger than 1 x 1."""
+    return kh * kw > 1
+
+
+def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
+                       backward: str = "rule") -> CudaUnitModel:
     """The CUDA C++ backend's training step of 16-bit channels-last unit ``u`` with
-    FUSEDRES_CUDA_KERNELS=cutlass on ``dev`` (csrc/cuda/cutlass_conv/README.md), the "store"
-    backward:
+    FUSEDRES_CUDA_KERNELS=cutlass on ``dev`` (csrc/cuda/cutlass_conv/README.md), with the "store"
+    backward where the weight gradient is CUTLASS's:
 
     * fwd: the CUTLASS forward (cutlass_conv_kernel<Fprop<...>>: 128x128x32 tiles of 4 warps
       or, for Co <= 64, 256x64x32 of 8 or 128x64x32 of 4, for Co <= 32 128x32x32 of 4, where
@@ -497,6 +506,10 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUni
       tile), its epilogue writing float32 dz and the BatchNorm sums' partials, then the sums'
       reduction and the dx pass (read dz and x, write dx): DRAM-bound launches;
     * batch statistics: as the native step.
+
+    ``backward``: "rule" (:func:`cutlass_wgrad_on`: the above for filters larger than 1 x 1,
+    else the native "sums" backward of :func:`model_cuda_unit` after the CUTLASS forward),
+    "store" or "sums" (that backward whatever the filter).
 
     Prologue and epilogue not counted (as for the native kernels); CUTLASS's main loop has no
     nested staging loop (its cp.async copies are unrolled): low = high."""
@@ -531,6 +544,13 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow]) -> CudaUni
     launch("fwd (CUTLASS)", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
            taps * cdiv(u.c, fwd.bk),
            tu.act_in() + tu.weight() + 2 * vec16 + tu.act_out() * (2 if u.residual else 1))
+    if backward not in ("rule", "store", "sums"):
+        raise ValueError(f"backward: expected 'rule', 'store' or 'sums', got {backward!r}")
+    if backward == "sums" or (backward == "rule" and not cutlass_wgrad_on(u.k, u.k)):
+        native = model_cuda_unit(u, dtype, dev, rows)
+        kernels += [k for k in native.kernels
+                    if k[0] not in ("fwd", "weight pack", "weight pad", "batch_stats")]
+        return CudaUnitModel(u, dtype, dev.arch, kernels)
     # weight gradient
     def resident(bm: int, bn: int) -> int:
         r = _cutlass_row(rows, dev.arch, "Wgrad", dtype, bm, bn)

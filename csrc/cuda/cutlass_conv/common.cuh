@@ -1,5 +1,6 @@
 // What the CUTLASS kernel files share: the bfloat16 form of CUTLASS's scale-bias-ReLU operand
-// transforms, the problem description, the tile table and the launch.
+// transforms, the problem description, the tile type, the kernel, its occupancy and its launch
+// (the tile table and the split are plan.h's).
 //
 // CUTLASS's mainloop-fusion convolutions (conv/kernel/default_conv2d_{fprop,wgrad}_fusion.h)
 // transform the activation operand in registers, between the shared-memory load and the mma:
@@ -241,18 +242,27 @@ void allow_smem() {
 
 // Blocks of Config's kernel the current GPU holds at once: CUDA's occupancy for its block size
 // and shared memory, times the SMs; asked once per device (plan::wgrad_split sizes its grid
-// with it).
+// with it). 0 where CUDA cannot say or the kernel fits no SM: the caller then runs native.
 template <typename Config>
 int64_t resident_blocks() {
   constexpr int kDevices = 64;
-  static std::atomic<int> per_sm[kDevices];  // zero: not asked yet
+  static std::atomic<int> per_sm[kDevices];  // zero: not asked yet (or not resident)
   const int device = c10::cuda::current_device();
   int n = device < kDevices ? per_sm[device].load(std::memory_order_relaxed) : 0;
   if (n == 0) {
-    allow_smem<Config>();
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, cutlass_conv_kernel<Config>, Config::Tile::kThreads, Config::Tile::kSmem));
-    n = std::max(n, 1);
+    constexpr int smem = Config::Tile::kSmem;
+    cudaError_t e = smem >= 48 * 1024
+                        ? cudaFuncSetAttribute(cutlass_conv_kernel<Config>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem)
+                        : cudaSuccess;
+    if (e == cudaSuccess) {
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cutlass_conv_kernel<Config>,
+                                                        Config::Tile::kThreads, smem);
+    }
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();  // not sticky: clear it for the native kernels that run instead
+      return 0;
+    }
     if (device < kDevices) per_sm[device].store(n, std::memory_order_relaxed);
   }
   return static_cast<int64_t>(n) * sm_count();
@@ -263,9 +273,10 @@ int64_t resident_blocks() {
 std::atomic<int64_t>& launch_counter();
 
 // One launch on the current stream: CUTLASS's own checks of the problem (can_implement), the
-// serial split-K semaphores (zeroed), the parameters, the kernel.
+// parameters, the kernel. One slice, or parallel split-K (each slice writes its own partial
+// through the output's pointer, a slice apart): no workspace either way.
 template <typename Config>
-void launch(const typename Config::Op::Arguments& args, const at::Tensor& like) {
+void launch(const typename Config::Op::Arguments& args) {
   using Conv = typename Config::Conv;
   using Op = typename Config::Op;
   static_assert(sizeof(typename Conv::SharedStorage) == Config::Tile::kSmem,
@@ -273,16 +284,10 @@ void launch(const typename Config::Op::Arguments& args, const at::Tensor& like) 
   static_assert(Conv::kThreadCount == Config::Tile::kThreads,
                 "the tile's Launch states CUTLASS's block size");
   check(Op::can_implement(args), "can_implement");
-  // Serial split-K's workspace is its semaphores; parallel split-K's is the partials, which the
-  // caller's output already is (its D tensor, a slice apart), so nothing is allocated for it.
-  const size_t bytes = args.split_k_mode == cutlass::conv::SplitKMode::kSerial
-                           ? Op::get_workspace_size(args)
-                           : 0;
-  const at::Tensor semaphores =
-      bytes ? at::zeros({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte))
-            : at::Tensor();
-  const typename Conv::Params params(
-      args, bytes ? static_cast<int*>(semaphores.data_ptr()) : nullptr);
+  TORCH_CHECK(args.problem_size.split_k_slices == 1 ||
+                  args.split_k_mode == cutlass::conv::SplitKMode::kParallel,
+              "fusedres_cuda (CUTLASS): a split reduction runs as parallel split-K");
+  const typename Conv::Params params(args, /*semaphore=*/nullptr);
   const dim3 grid = typename Conv::ThreadblockSwizzle().get_grid_shape(params.grid_tiled_shape);
   constexpr int smem = Config::Tile::kSmem;
   allow_smem<Config>();

@@ -75,7 +75,7 @@ void run(const at::Tensor& x, const at::Tensor& wk, const at::Tensor& s, const a
   const at::Tensor& src = residual != nullptr ? *residual : y;
   typename K::Op::Arguments args(p, ref(x), ref(wk), vec(s), vec(b), ref(src), ref(y),
                                  {1.0f, residual != nullptr ? 1.0f : 0.0f});
-  launch<K>(args, x);
+  launch<K>(args);
 }
 
 // Calls f with the tile (an empty object of its ConvTile type).

@@ -60,6 +60,14 @@ inline WgradTile wgrad_tile(int64_t Co, int64_t columns) {
   return Co <= shape(WgradTile::narrow).rows ? WgradTile::narrow : WgradTile::large;
 }
 
+// Whether the cutlass kernel set takes a unit's weight gradient (with the "store" backward:
+// CUTLASS's GEMM has no BatchNorm sums, so the data gradient writes dz in float32 and one more
+// pass reads it for dx) or leaves the unit on the native "sums" backward (the native weight
+// gradient's epilogue yields the sums). For a 1 x 1 filter the step is bound by DRAM and the
+// store plan's extra float32 traffic costs more than CUTLASS's faster GEMM saves; for larger
+// filters the GEMMs dominate (the model prices both on every unit: benchmarks/GPU_MODEL.md).
+inline bool wgrad_on_cutlass(int64_t kh, int64_t kw) { return kh * kw > 1; }
+
 // The pixels are split into slices that run as separate blocks, each writing float32 partials
 // that one reduction then adds (parallel split-K: no semaphores, no chain of epilogues waiting
 // on each other, and a fixed order of addition). Each slice keeps at least kMinSlicePixels
@@ -72,8 +80,7 @@ inline constexpr int64_t kMaxPartialBytes = int64_t{64} << 20;
 // The split of `pixels` over `tiles` output tiles, `resident` blocks resident on the whole GPU
 // at once (occupancy x SMs), `slice_bytes` float32 partial bytes a slice: of the splits the
 // limits allow, the one with the fewest waves per slice, cdiv(tiles * split, resident) / split
-// (a slice's pixels shrink as 1 / split, the time as the waves), the smallest on ties. The
-// model chose these limits (benchmarks/GPU_MODEL.md: MODELED).
+// (a slice's pixels shrink as 1 / split, the time as the waves), the smallest on ties.
 inline int64_t wgrad_split(int64_t tiles, int64_t resident, int64_t pixels, int64_t slice_bytes) {
   tiles = std::max<int64_t>(tiles, 1);
   resident = std::max<int64_t>(resident, 1);

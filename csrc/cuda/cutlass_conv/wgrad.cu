@@ -63,7 +63,7 @@ void with_tile(plan::WgradTile tile, F&& f) {
 
 struct WgradPlan {
   plan::WgradTile tile;
-  int split;
+  int split;  // 0: the tile's kernel is not resident on this GPU (run native)
 };
 
 // The tile (plan::wgrad_tile) and the split of the pixels (plan::wgrad_split, with the tile's
@@ -72,8 +72,9 @@ struct WgradPlan {
 template <typename E>
 WgradPlan wgrad_plan(int64_t Co, int64_t columns, int64_t pixels) {
   const plan::WgradTile tile = plan::wgrad_tile(Co, columns);
-  int64_t resident = 1;
+  int64_t resident = 0;
   with_tile<E>(tile, [&](auto config, auto) { resident = resident_blocks<decltype(config)>(); });
+  if (resident == 0) return {tile, 0};
   const int64_t split = plan::wgrad_split(plan::tiles(plan::shape(tile), Co, columns), resident,
                                           pixels, Co * columns * static_cast<int64_t>(sizeof(float)));
   return {tile, static_cast<int>(split)};
@@ -111,7 +112,7 @@ at::Tensor run(const at::Tensor& go, const at::Tensor& x, const at::Tensor& s,
   typename K::Op::Arguments args(p, nhwc(go), nhwc(x), vec(s), vec(b), out, out, {1.0f, 0.0f},
                                  split > 1 ? cutlass::conv::SplitKMode::kParallel
                                            : cutlass::conv::SplitKMode::kSerial);
-  launch<K>(args, x);
+  launch<K>(args);
   return split > 1 ? parts.sum(0) : parts[0];
 }
 
@@ -129,6 +130,7 @@ bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Te
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fusedres_cuda_cutlass_wgrad", [&] {
     using E = typename Element<scalar_t>::type;
     const WgradPlan plan = wgrad_plan<E>(Co, kh * kw * C, pixels);
+    if (plan.split == 0) return;
     const auto p = problem(x, weight, grad_out.size(2), grad_out.size(3), conv, plan.split);
     with_tile<E>(plan.tile, [&](auto config, auto) { ok = implementable<decltype(config)>(p); });
   });
@@ -144,6 +146,8 @@ void wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& sc
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fusedres_cuda_cutlass_wgrad", [&] {
     using E = typename Element<scalar_t>::type;
     const WgradPlan plan = wgrad_plan<E>(Co, kh * kw * C, pixels);
+    TORCH_CHECK(plan.split > 0, "fusedres_cuda (CUTLASS): the weight gradient's kernel is not "
+                "resident on this GPU (can_run_wgrad says so first)");
     with_tile<E>(plan.tile, [&](auto, auto tile) {
       dw = run<scalar_t, decltype(tile)>(grad_out, x, s, b, Co, kh, kw, conv, plan.split);
     });

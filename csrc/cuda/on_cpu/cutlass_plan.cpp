@@ -16,6 +16,11 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
     const plan::Shape s = plan::shape(plan::fprop_tile(M, Co, sms));
     return std::vector<int64_t>{s.rows, s.cols};
   });
+  // Whether the cutlass kernel set takes a kh x kw unit's weight gradient (else the native
+  // "sums" backward).
+  m.def("cutlass_wgrad_on(int kh, int kw) -> bool");
+  m.impl("cutlass_wgrad_on",
+         [](int64_t kh, int64_t kw) { return plan::wgrad_on_cutlass(kh, kw); });
   // The weight gradient's (rows, cols, split) for Co, columns = kh*kw*C, pixels = N*P*Q and
   // resident = the blocks of each weight-gradient tile (large, narrow, thin, small) the GPU
   // holds at once.
