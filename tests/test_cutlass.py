@@ -298,7 +298,7 @@ def test_nvcc_cutlass_kernels_transform_in_their_dtype(src):
 
 
 @pytest.mark.skipif(cuda_aot.find_nvcc() is None, reason="nvcc not found")
-def test_the_model_prefers_the_backward_the_rule_picks():
+def test_nvcc_model_prefers_the_backward_the_rule_picks():
     """On every unit of the model (A100 and H100, both 16-bit dtypes), the backward
     wgrad_on_cutlass picks for FUSEDRES_CUDA_KERNELS=cutlass ("store" with CUTLASS's weight
     gradient, or the native "sums") is the one the model prices lower (MODELED: the rule's
