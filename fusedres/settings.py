@@ -88,7 +88,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "The cuda backend's convolution kernels: `native` (csrc/cuda's own) or `cutlass` "
             "(csrc/cuda/cutlass_conv: CUTLASS implicit-GEMM forward and weight gradient with "
             "the BatchNorm-ReLU in the main loop, for float16/bfloat16 channels-last operands "
-            "with C and Co multiples of 8; every other input keeps the native kernels). "
+            "with C and Co multiples of 8, the weight gradient for filters larger than 1x1; "
+            "every other input keeps the native kernels). "
             "Opt-in until a GPU self-test has passed them. `cutlass` where the build has no "
             "CUTLASS kernels, or on the CPU execution layer, is an error naming this variable.",
             ("native", "cutlass")),
