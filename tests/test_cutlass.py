@@ -171,6 +171,8 @@ def test_cutlass_pins_agree():
 
 
 TESTING = torch.ops.fusedres_cuda_testing
+# The weight gradient's tiles (BM, BN) in plan.h's WgradTile order: large, narrow, thin, small.
+WGRAD_TILES = [(128, 128), (64, 128), (32, 64), (64, 64)]
 
 
 def _plan_cases():
@@ -197,14 +199,13 @@ def test_the_models_tile_and_split_rules_are_the_kernels():
     extension) gives, on the model's units and a sweep past them."""
     from tools.perfmodel import cuda_sass
 
-    tiles = [(128, 128), (64, 128), (32, 64), (64, 64)]
     for co, columns, pixels, sms in _plan_cases():
         m = pixels
         assert tuple(TESTING.cutlass_fprop_tile(m, co, sms)) == cuda_sass.cutlass_fprop_tile(
             m, co, sms), (m, co, sms)
         resident = [sms * k for k in (1, 2, 6, 4)]  # per tile: large, narrow, thin, small
         want = cuda_sass.cutlass_wgrad_plan(
-            co, columns, pixels, lambda bm, bn, r=resident: r[tiles.index((bm, bn))])
+            co, columns, pixels, lambda bm, bn, r=resident: r[WGRAD_TILES.index((bm, bn))])
         assert tuple(TESTING.cutlass_wgrad_plan(co, columns, pixels, resident)) == want, (
             co, columns, pixels, sms)
 
@@ -218,7 +219,7 @@ def test_the_weight_gradient_split_keeps_its_limits():
         bm, bn, split = TESTING.cutlass_wgrad_plan(co, columns, pixels, resident)
         most = max(1, min(64, pixels // 1024, (64 << 20) // (co * columns * 4)))
         assert 1 <= split <= most, (co, columns, pixels, split)
-        slots = resident[[(128, 128), (64, 128), (32, 64), (64, 64)].index((bm, bn))]
+        slots = resident[WGRAD_TILES.index((bm, bn))]
         tiles = -(-co // bm) * -(-columns // bn)
         per = [-(-tiles * k // slots) / k for k in range(1, most + 1)]
         assert per[split - 1] == min(per) and per.index(min(per)) == split - 1
@@ -254,7 +255,7 @@ def test_the_gpu_selftest_takes_every_tile():
             wgrad.add((bm, bn))
             splits.add(split > 1)
         assert fprop == {(128, 128), (256, 64), (128, 64), (128, 32), (64, 64)}, (sms, fprop)
-        assert wgrad == {(128, 128), (64, 128), (32, 64), (64, 64)}, (sms, wgrad)
+        assert wgrad == set(WGRAD_TILES), (sms, wgrad)
         assert True in splits, (sms, per_sm)
 
 

@@ -232,12 +232,13 @@ bool implementable(const cutlass::conv::Conv2dProblemSize& p) {
 // Lets Config's kernel take its dynamic shared memory past the default 48 KiB (per device, as
 // CUDA keeps the attribute; cheap enough to ask at every launch and occupancy query).
 template <typename Config>
-void allow_smem() {
+cudaError_t allow_smem() {
   constexpr int smem = Config::Tile::kSmem;
   if constexpr (smem >= 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(cutlass_conv_kernel<Config>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return cudaFuncSetAttribute(cutlass_conv_kernel<Config>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   }
+  return cudaSuccess;
 }
 
 // Blocks of Config's kernel the current GPU holds at once: CUDA's occupancy for its block size
@@ -250,14 +251,11 @@ int64_t resident_blocks() {
   const int device = c10::cuda::current_device();
   int n = device < kDevices ? per_sm[device].load(std::memory_order_relaxed) : 0;
   if (n == 0) {
-    constexpr int smem = Config::Tile::kSmem;
-    cudaError_t e = smem >= 48 * 1024
-                        ? cudaFuncSetAttribute(cutlass_conv_kernel<Config>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem)
-                        : cudaSuccess;
+    cudaError_t e = allow_smem<Config>();
     if (e == cudaSuccess) {
       e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, cutlass_conv_kernel<Config>,
-                                                        Config::Tile::kThreads, smem);
+                                                        Config::Tile::kThreads,
+                                                        Config::Tile::kSmem);
     }
     if (e != cudaSuccess) {
       (void)cudaGetLastError();  // not sticky: clear it for the native kernels that run instead
@@ -290,7 +288,7 @@ void launch(const typename Config::Op::Arguments& args) {
   const typename Conv::Params params(args, /*semaphore=*/nullptr);
   const dim3 grid = typename Conv::ThreadblockSwizzle().get_grid_shape(params.grid_tiled_shape);
   constexpr int smem = Config::Tile::kSmem;
-  allow_smem<Config>();
+  C10_CUDA_CHECK(allow_smem<Config>());
   cutlass_conv_kernel<Config><<<grid, Config::Tile::kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -98,4 +98,13 @@ inline int64_t wgrad_split(int64_t tiles, int64_t resident, int64_t pixels, int6
   return best;
 }
 
+// The split of a Co x columns weight gradient's `pixels` on `tile`, `resident` of its blocks on
+// the GPU at once: the rule above with that tile's grid and float32 partials. What wgrad.cu runs
+// and what the test extension answers (one call, so the tests check what the GPU build does).
+inline int64_t wgrad_split(WgradTile tile, int64_t Co, int64_t columns, int64_t pixels,
+                           int64_t resident) {
+  return wgrad_split(tiles(shape(tile), Co, columns), resident, pixels,
+                     Co * columns * static_cast<int64_t>(sizeof(float)));
+}
+
 }  // namespace fusedres::cutlass_conv::plan

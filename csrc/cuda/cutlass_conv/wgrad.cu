@@ -75,9 +75,7 @@ WgradPlan wgrad_plan(int64_t Co, int64_t columns, int64_t pixels) {
   int64_t resident = 0;
   with_tile<E>(tile, [&](auto config, auto) { resident = resident_blocks<decltype(config)>(); });
   if (resident == 0) return {tile, 0};
-  const int64_t split = plan::wgrad_split(plan::tiles(plan::shape(tile), Co, columns), resident,
-                                          pixels, Co * columns * static_cast<int64_t>(sizeof(float)));
-  return {tile, static_cast<int>(split)};
+  return {tile, static_cast<int>(plan::wgrad_split(tile, Co, columns, pixels, resident))};
 }
 
 // dW as float32 (Co, kh, kw, C): with split > 1 each slice's partial goes to its own

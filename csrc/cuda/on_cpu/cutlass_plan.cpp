@@ -32,8 +32,7 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
     const plan::WgradTile tile = plan::wgrad_tile(Co, columns);
     const plan::Shape s = plan::shape(tile);
     const int64_t split =
-        plan::wgrad_split(plan::tiles(s, Co, columns), resident[static_cast<int64_t>(tile)],
-                          pixels, Co * columns * 4);
+        plan::wgrad_split(tile, Co, columns, pixels, resident[static_cast<int64_t>(tile)]);
     return std::vector<int64_t>{s.rows, s.cols, split};
   });
 }
