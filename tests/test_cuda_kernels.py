@@ -408,6 +408,94 @@ def test_weight_gradient_split_rule():
             torch.ops.fusedres_cuda_testing.set_wgrad_split(-1)
 
 
+HAS_AFFINE_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
+    torch.ops.fusedres_cuda_testing, "bn_affine")
+
+
+@pytest.mark.skipif(not HAS_AFFINE_HOOK, reason="the affine hook is built with the host copy")
+@pytest.mark.parametrize("sdt,half", [(torch.float32, None), (torch.float32, torch.float16),
+                                      (torch.float32, torch.bfloat16), (torch.float64, None)],
+                         ids=["f32", "f32-f16", "f32-bf16", "f64"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
+def test_bn_affine_is_the_aten_rule_bit_for_bit(sdt, half, affine):
+    """Both ops' one-launch BatchNorm affine (conv_tiles.cuh) computes what the three ATen ops
+    it replaced computed, bit for bit: scale = bn_weight * invstd, shift = bn_bias - mean * scale
+    (-mean * scale without bias), each rounded on its own (a contracted FMA differs in the last
+    place on a few of 4,099 random channels); with ``half`` also both rounded as Tensor.to;
+    vectors read at their strides."""
+    g = torch.Generator().manual_seed(3)
+    c = 4099  # more than one block, and past a grid-stride step
+
+    def vec(scale=1.0):
+        return (torch.randn(2 * c, generator=g, dtype=torch.float64) * scale).to(sdt)[::2]
+
+    mean, invstd = vec(40.0), vec().abs() + 0.1
+    w, b = (vec(), vec()) if affine else (None, None)
+    got = torch.ops.fusedres_cuda_testing.bn_affine(w, b, mean, invstd, half)
+    scale = w * invstd if affine else invstd
+    shift = b - mean * scale if affine else -mean * scale
+    want = [scale, shift] + ([scale.to(half), shift.to(half)] if half is not None else [])
+    assert len(got) == len(want)
+    for gv, wv in zip(got, want):
+        assert gv.dtype == wv.dtype and gv.is_contiguous() and torch.equal(gv, wv)
+
+
+@pytest.mark.skipif(not HAS_AFFINE_HOOK, reason="the affine hook is built with the host copy")
+def test_bn_affine_refuses_a_float64_affine_in_16_bits():
+    one = torch.ones(8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="16-bit copies of a Double affine"):
+        torch.ops.fusedres_cuda_testing.bn_affine(None, None, one, one, torch.float16)
+
+
+@pytest.mark.skipif(not HAS_AFFINE_HOOK, reason="the partials hook is built with the host copy")
+@pytest.mark.parametrize("split", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64],
+                         ids=["f16", "bf16", "f32", "f64"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_wgrad_partials_sum_adds_in_slice_order(split, dtype, channels_last):
+    """The launch both weight gradients end with (the native split reduction, CUTLASS's parallel
+    split-K): the (split, Co, kh, kw, C) partials added slice after slice, rounded once to the
+    weight's dtype and written in its layout (strides kept), bit for bit as that loop in ATen."""
+    g = torch.Generator().manual_seed(split)
+    co, c, kh, kw = 5, 6, 3, 2
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    parts = torch.randn(split, co, kh, kw, c, generator=g, dtype=acc) * 100
+    weight = torch.empty(co, c, kh, kw, dtype=dtype)
+    if channels_last:
+        weight = weight.to(memory_format=torch.channels_last)
+    got = torch.ops.fusedres_cuda_testing.wgrad_partials_sum(parts, weight)
+    total = parts[0].clone()
+    for k in range(1, split):
+        total += parts[k]
+    want = total.permute(0, 3, 1, 2).to(dtype)
+    assert got.stride() == weight.stride() and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="parts must be contiguous"):
+        torch.ops.fusedres_cuda_testing.wgrad_partials_sum(parts.transpose(2, 3), weight)
+
+
+@pytest.mark.skipif(not HAS_AFFINE_HOOK, reason="the sums hook is built with the host copy")
+@pytest.mark.parametrize("rows,c", [(1, 3), (2048, 70), (2049, 5), (40000, 64)])
+@pytest.mark.parametrize("pdt,sdt", [(torch.float32, torch.float32),
+                                     (torch.float64, torch.float64)], ids=["f32", "f64"])
+def test_bn_sums_reduce_the_partials_in_float64(rows, c, pdt, sdt):
+    """The BatchNorm sums' one-launch reduction (two past 2,048 rows: sliced over blockIdx.y,
+    the slices merged in order) gives dbeta, dgamma and dx's terms as float64 sums of the
+    partials rounded to the statistics dtype, the same bits on every call."""
+    g = torch.Generator().manual_seed(rows)
+    pdz = torch.randn(rows, c, generator=g, dtype=torch.float64).to(pdt)
+    pdzx = (torch.randn(rows, c, generator=g, dtype=torch.float64) * 1e3).to(pdt)
+    inv_m = 1.0 / 12345.0
+    got = torch.ops.fusedres_cuda_testing.bn_sums(pdz, pdzx, inv_m, sdt)
+    s_dz, s_dzx = pdz.double().sum(0), pdzx.double().sum(0)
+    want = [s_dz, s_dzx, s_dz * inv_m, s_dzx * inv_m]
+    tol = 1e-6 if sdt == torch.float32 else 1e-12
+    for gv, wv in zip(got, want):
+        assert gv.dtype == sdt
+        torch.testing.assert_close(gv, wv.to(sdt), rtol=tol, atol=tol * wv.abs().max().item())
+    again = torch.ops.fusedres_cuda_testing.bn_sums(pdz, pdzx, inv_m, sdt)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
 # (case, grad_out channels-last): inputs the mma.sync weight gradient takes (16-bit, x and
 # grad_out channels-last, C and Co multiples of 8): 3x3 padded (padding taps at every border),
 # strided, 1x1, a Co past one 64-row tile and a C past one 64-column tile (partial tiles).

@@ -552,26 +552,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     at::Tensor ys = y.to(sdt);
     return {y, ys.mean({0, 2, 3}), ys.var({0, 2, 3}, /*unbiased=*/false)};
   }
-  const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd);
+  // The CUTLASS forward (cutlass_conv/fprop.cu) for what it takes: no conv bias or branch scale
+  // (its epilogue adds only the residual); y's statistics then come from batch_stats, one more
+  // read of y. Decided first: the affine's launch then writes the 16-bit scale and shift its
+  // main loop reads.
+  const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
+  bool on_cutlass = false;
+  if (kernels == cutlass_conv::KernelSet::cutlass && !bias.has_value() && !bscale.defined()) {
+#if defined(FUSEDRES_WITH_CUTLASS)
+    on_cutlass = cutlass_conv::can_run_fprop(x, weight, r, y, {stride, padding, dilation});
+#endif
+  }
+  const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd,
+                              on_cutlass ? x.scalar_type() : at::ScalarType::Undefined);
+#if defined(FUSEDRES_WITH_CUTLASS)
+  if (on_cutlass) {
+    cutlass_conv::fprop(x, weight, bn.scale16, bn.shift16, r, y, {stride, padding, dilation});
+    if (!genstats) return {y, at::Tensor(), at::Tensor()};
+    const auto [ymean, yvar] = batch_stats(y);
+    return {y, ymean.to(sdt), yvar.to(sdt)};
+  }
+#endif
   const ConvGeom g{static_cast<int32_t>(weight.size(2)), static_cast<int32_t>(weight.size(3)),
                    static_cast<int32_t>(stride[0]),      static_cast<int32_t>(stride[1]),
                    static_cast<int32_t>(padding[0]),     static_cast<int32_t>(padding[1]),
                    static_cast<int32_t>(dilation[0]),    static_cast<int32_t>(dilation[1])};
-  // The CUTLASS forward (cutlass_conv/fprop.cu) for what it takes: no conv bias or branch scale
-  // (its epilogue adds only the residual); y's statistics then come from batch_stats, one more
-  // read of y.
-  const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
-  if (kernels == cutlass_conv::KernelSet::cutlass && !bias.has_value() && !bscale.defined()) {
-#if defined(FUSEDRES_WITH_CUTLASS)
-    const cutlass_conv::ConvArgs conv{stride, padding, dilation};
-    if (cutlass_conv::can_run_fprop(x, weight, r, y, conv)) {
-      cutlass_conv::fprop(x, weight, bn.scale, bn.shift, r, y, conv);
-      if (!genstats) return {y, at::Tensor(), at::Tensor()};
-      const auto [ymean, yvar] = batch_stats(y);
-      return {y, ymean.to(sdt), yvar.to(sdt)};
-    }
-#endif
-  }
   const int64_t M = N * Ho * Wo;
   const int64_t bm = forward_rows(x, weight, bn, M);
   const int64_t tiles = ceil_div(M, bm);

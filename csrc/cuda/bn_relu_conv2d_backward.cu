@@ -8,12 +8,13 @@
 // * dgrad: implicit-GEMM transposed convolution, one stride phase per blockIdx.z (the input
 //   pixels with ih % sh, iw % sw fixed), so a tap feeds all rows of a block or none and a strided
 //   convolution skips the taps that do not. Its epilogue loads x, recomputes the ReLU mask, and
-//   reduces per channel sum dz and sum dz * xhat over the tile (partials per tile, summed on the
-//   host in float64); it writes dz (training), dx = scale * dz (eval), or nothing (only the
+//   reduces per channel sum dz and sum dz * xhat over the tile (partials per tile, reduced in
+//   float64 by bn_sums); it writes dz (training), dx = scale * dz (eval), or nothing (only the
 //   BatchNorm parameter gradients wanted).
 // * wgrad: implicit GEMM per tap (rows Co, columns C, reduction over the output pixels), the
 //   activation recomputed while x is staged into shared memory, the reduction split over
-//   blockIdx.z (split-K, partials summed on the host) when it is long against the tile count;
+//   blockIdx.z (split-K, partials summed by wgrad_partials_sum) when it is long against the
+//   tile count;
 //   the first column block of the first tap also sums dy for the bias gradient.
 // * dx: elementwise, in place over dz: dx = scale * (dz - sum_dz / M - xhat * sum_dzxhat / M).
 //
@@ -126,7 +127,9 @@ struct BackwardPasses {
     if (cutlass_wgrad) {
       TORCH_CHECK(sums == nullptr && bsp == nullptr, op, ": the CUTLASS weight gradient runs the "
                   "\"store\" plan without a branch scale");
-      cutlass_conv::wgrad(go, x, bn.scale, bn.shift, gw, {stride, padding, dilation});
+      wgrad_partials_sum(
+          cutlass_conv::wgrad(go, x, bn.scale16, bn.shift16, weight, {stride, padding, dilation}),
+          gw);
       if (gb != nullptr) gb->copy_(go.sum({0, 2, 3}, false, at::kFloat));
       return;
     }
@@ -137,10 +140,133 @@ struct BackwardPasses {
   }
 };
 
-// mean dz and mean dz * xhat (float64 sums times 1 / M) in the statistics dtype: dx's terms.
-std::pair<at::Tensor, at::Tensor> dx_terms(const at::Tensor& sum_dz, const at::Tensor& sum_dzx,
-                                           double inv_m, at::ScalarType dtype) {
-  return {(sum_dz * inv_m).to(dtype), (sum_dzx * inv_m).to(dtype)};
+// The BatchNorm backward's per-channel sums, sum dz and sum dz * xhat, from the kernels' partials
+// ((rows, C) each, float32 or float64) reduced in float64, and what the op makes of them: dbeta,
+// dgamma, and dx's terms mean dz, mean dz * xhat (the sums times 1 / M) in the statistics dtype.
+// One launch where ATen's were twelve (a cast, a fill and a sum per partial, two copies, a
+// multiply and a cast per term), or two for long partials: blocks of 32 channels x 8 row lanes,
+// each lane adding its rows in order, the lanes then in order (no atomics: the same bits every
+// run). Up to kSumsOneBlockRows rows a block column reduces them all and writes the results; past
+// that, blockIdx.y slices the rows (a column of blocks would stream them from one SM), each
+// slice's float64 sums go to a workspace and a second launch adds the slices in order.
+constexpr int kSumsCols = 32, kSumsLanes = 8;
+constexpr int64_t kSumsOneBlockRows = 2048;
+
+template <typename A>
+struct SumsOut {
+  A* gbeta;  // sum dz, or none
+  A* gg;     // sum dz * xhat, or none
+  A* m1;     // mean dz and mean dz * xhat, or none
+  A* m2;
+  double inv_m;
+
+  __device__ void write(int64_t c, double dz, double dzx) const {
+    if (gbeta != nullptr) gbeta[c] = static_cast<A>(dz);
+    if (gg != nullptr) gg[c] = static_cast<A>(dzx);
+    if (m1 != nullptr) {
+      m1[c] = static_cast<A>(dz * inv_m);
+      m2[c] = static_cast<A>(dzx * inv_m);
+    }
+  }
+};
+
+template <typename P, typename A>
+__global__ void __launch_bounds__(kSumsCols * kSumsLanes)
+    bn_sums_kernel(const P* __restrict__ pdz, const P* __restrict__ pdzx, int64_t rows, int64_t C,
+                   int64_t per_slice, double* __restrict__ slices, SumsOut<A> out) {
+  FUSEDRES_LAUNCH_BOUNDS(kSumsCols * kSumsLanes);
+  __shared__ double s_dz[kSumsLanes][kSumsCols], s_dzx[kSumsLanes][kSumsCols];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kSumsCols + tx;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * per_slice;
+  const int64_t r1 = std::min(rows, r0 + per_slice);
+  double dz = 0.0, dzx = 0.0;
+  if (c < C) {
+    for (int64_t r = r0 + ty; r < r1; r += kSumsLanes) {
+      dz += static_cast<double>(pdz[r * C + c]);
+      dzx += static_cast<double>(pdzx[r * C + c]);
+    }
+  }
+  s_dz[ty][tx] = dz;
+  s_dzx[ty][tx] = dzx;
+  __syncthreads();
+  if (ty != 0 || c >= C) return;
+  dz = s_dz[0][tx];
+  dzx = s_dzx[0][tx];
+  for (int i = 1; i < kSumsLanes; ++i) {
+    dz += s_dz[i][tx];
+    dzx += s_dzx[i][tx];
+  }
+  if (slices == nullptr) {
+    out.write(c, dz, dzx);
+  } else {
+    slices[(2 * static_cast<int64_t>(blockIdx.y)) * C + c] = dz;
+    slices[(2 * static_cast<int64_t>(blockIdx.y) + 1) * C + c] = dzx;
+  }
+}
+
+template <typename A>
+__global__ void __launch_bounds__(256)
+    bn_sums_merge_kernel(const double* __restrict__ slices, int64_t n_slices, int64_t C,
+                         SumsOut<A> out) {
+  FUSEDRES_LAUNCH_BOUNDS(256);
+  for (int64_t c = global_thread_x(); c < C; c += grid_stride_x()) {
+    double dz = slices[c], dzx = slices[C + c];
+    for (int64_t k = 1; k < n_slices; ++k) {
+      dz += slices[2 * k * C + c];
+      dzx += slices[(2 * k + 1) * C + c];
+    }
+    out.write(c, dz, dzx);
+  }
+}
+
+// The blockIdx.y slices of `rows` partial rows for C channels: one below kSumsOneBlockRows,
+// else enough for two blocks an SM, at least 1,024 rows each.
+inline int64_t sums_slices(int64_t rows, int64_t C) {
+  if (rows <= kSumsOneBlockRows) return 1;
+  const int64_t want = ceil_div(2 * sm_count(), ceil_div(C, kSumsCols));
+  const int64_t per = ceil_div(rows, std::clamp<int64_t>(want, 1, ceil_div(rows, 1024)));
+  return ceil_div(rows, per);
+}
+
+// pdz, pdzx: contiguous (rows, C) partials of one dtype, float32 or float64. Writes gbeta and gg
+// where given ((C,) contiguous, the statistics dtype) and returns (mean dz, mean dz * xhat) in
+// that dtype if `terms`, else undefined tensors.
+std::pair<at::Tensor, at::Tensor> bn_sums(const at::Tensor& pdz, const at::Tensor& pdzx,
+                                          double inv_m, at::Tensor* gbeta, at::Tensor* gg,
+                                          bool terms, const at::TensorOptions& stats) {
+  const int64_t rows = pdz.size(0), C = pdz.size(1);
+  std::pair<at::Tensor, at::Tensor> m;
+  if (terms) m = {at::empty({C}, stats), at::empty({C}, stats)};
+  if (C == 0 || (gbeta == nullptr && gg == nullptr && !terms)) return m;
+  const int64_t n_slices = sums_slices(rows, C);
+  const int64_t per = ceil_div(std::max<int64_t>(rows, 1), n_slices);
+  const at::Tensor slices = n_slices > 1 ? at::empty({n_slices, 2, C}, stats.dtype(at::kDouble))
+                                         : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(pdz.scalar_type(), "fusedres_cuda_bn_sums", [&] {
+    using P = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES(c10::typeMetaToScalarType(stats.dtype()), "fusedres_cuda_bn_sums", [&] {
+      using A = scalar_t;
+      const SumsOut<A> out{gbeta != nullptr ? gbeta->data_ptr<A>() : nullptr,
+                           gg != nullptr ? gg->data_ptr<A>() : nullptr,
+                           terms ? m.first.data_ptr<A>() : nullptr,
+                           terms ? m.second.data_ptr<A>() : nullptr, inv_m};
+      const dim3 grid(static_cast<unsigned>(ceil_div(C, kSumsCols)),
+                      static_cast<unsigned>(n_slices));
+      FUSEDRES_LAUNCH(grid, dim3(kSumsCols, kSumsLanes), 0, current_stream(),
+                      bn_sums_kernel<P, A>)(
+          pdz.const_data_ptr<P>(), pdzx.const_data_ptr<P>(), rows, C, per,
+          slices.defined() ? slices.data_ptr<double>() : nullptr, out);
+      FUSEDRES_CHECK_LAUNCH();
+      if (slices.defined()) {
+        FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(ceil_div(C, 256))), dim3(256), 0,
+                        current_stream(), bn_sums_merge_kernel<A>)(
+            slices.const_data_ptr<double>(), n_slices, C, out);
+        FUSEDRES_CHECK_LAUNCH();
+      }
+    });
+  });
+  return m;
 }
 
 // "sums": the weight-gradient pass also yields the BatchNorm sums; dx in one more pass (the
@@ -152,11 +278,11 @@ void backward_sums(BackwardPasses& p, Grads& out, const Wants& want,
                 bn_bias.has_value() ? bn_bias->contiguous() : at::zeros_like(p.mean), p.mean,
                 p.invstd, p.weight, {}, {}};
   p.wgrad(out.gw, want.b ? &out.gb : nullptr, &sums);
-  if (want.g) out.gg.copy_(sums.sum_dzx);
-  if (want.beta) out.gbeta.copy_(sums.sum_dz);
-  if (!want.x) return;
-  const auto [m1, m2] = dx_terms(sums.sum_dz, sums.sum_dzx, inv_m, p.mean.scalar_type());
   const bool train = batch_stats;
+  const auto [m1, m2] = bn_sums(sums.part_dz, sums.part_dzx, inv_m,
+                                want.beta ? &out.gbeta : nullptr, want.g ? &out.gg : nullptr,
+                                want.x && train, p.mean.options());
+  if (!want.x) return;
   p.dgrad(&out.gx, nullptr, nullptr, nullptr, train ? &m1 : nullptr, train ? &m2 : nullptr,
           kWriteDx);
 }
@@ -202,12 +328,10 @@ void backward_store(BackwardPasses& p, Grads& out, const Wants& want, bool batch
           want.sums ? &part_dz : nullptr, want.sums ? &part_dzx : nullptr, nullptr, nullptr,
           write);
   if (!want.sums) return;
-  const at::Tensor sum_dz = part_dz.sum(0, false, at::kDouble);
-  const at::Tensor sum_dzx = part_dzx.sum(0, false, at::kDouble);
-  if (want.g) out.gg.copy_(sum_dzx);
-  if (want.beta) out.gbeta.copy_(sum_dz);
+  const auto [m1, m2] = bn_sums(part_dz, part_dzx, inv_m, want.beta ? &out.gbeta : nullptr,
+                                want.g ? &out.gg : nullptr, want.x && batch_stats,
+                                p.mean.options());
   if (!(want.x && batch_stats)) return;
-  const auto [m1, m2] = dx_terms(sum_dz, sum_dzx, inv_m, p.mean.scalar_type());
   FUSEDRES_DISPATCH_FLOATING(p.x.scalar_type(), "fusedres_cuda_dx", [&] {
     launch_dx<scalar_t>(dz, out.gx, p.x, p.bn, p.mean, p.invstd, m1, m2);
   });
@@ -245,24 +369,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   }
   const at::Tensor go = grad_out.to(weight.scalar_type());
   const at::Tensor mean = mean_in.contiguous(), invstd = invstd_in.contiguous();
-  const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd);
+  // FUSEDRES_CUDA_KERNELS=cutlass: the weight gradient on CUTLASS where it takes the operands
+  // (16-bit channels-last, no branch scale) and the unit's filter is larger than 1 x 1
+  // (cutlass_conv::plan::wgrad_on_cutlass), with the "store" plan (its GEMM has no BatchNorm
+  // sums; the native data gradient's epilogue reduces them). Decided first: the affine's launch
+  // then writes the 16-bit scale and shift CUTLASS's main loop reads.
+  bool cutlass_wgrad = false;
+  if (kernels == cutlass_conv::KernelSet::cutlass && want_w && !bscale.defined() &&
+      cutlass_conv::plan::wgrad_on_cutlass(weight.size(2), weight.size(3))) {
+#if defined(FUSEDRES_WITH_CUTLASS)
+    cutlass_wgrad = cutlass_conv::can_run_wgrad(go, x, weight, {stride, padding, dilation});
+#endif
+  }
+  const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd,
+                              cutlass_wgrad ? x.scalar_type() : at::ScalarType::Undefined);
   const ConvGeom g = geom_of(weight, stride, padding, dilation);
   BackwardPasses passes{op, go, x, weight, mean, invstd, bn, g,
                         bscale.defined() ? &bscale : nullptr,
                         std::min(stride[0], H) * std::min(stride[1], W),
                         N * ceil_div(H, stride[0]) * ceil_div(W, stride[1])};
+  passes.cutlass_wgrad = cutlass_wgrad;
+  passes.stride = stride, passes.padding = padding, passes.dilation = dilation;
   const double inv_m = 1.0 / static_cast<double>(N * H * W);
-  // FUSEDRES_CUDA_KERNELS=cutlass: the weight gradient on CUTLASS where it takes the operands
-  // (16-bit channels-last, no branch scale) and the unit's filter is larger than 1 x 1
-  // (cutlass_conv::plan::wgrad_on_cutlass), with the "store" plan (its GEMM has no BatchNorm
-  // sums; the native data gradient's epilogue reduces them).
-  if (kernels == cutlass_conv::KernelSet::cutlass && want_w && !bscale.defined() &&
-      cutlass_conv::plan::wgrad_on_cutlass(weight.size(2), weight.size(3))) {
-#if defined(FUSEDRES_WITH_CUTLASS)
-    passes.stride = stride, passes.padding = padding, passes.dilation = dilation;
-    passes.cutlass_wgrad = cutlass_conv::can_run_wgrad(go, x, weight, {stride, padding, dilation});
-#endif
-  }
   // The weight gradient's pass yields the BatchNorm sums where it runs ("sums"); else the data
   // gradient's epilogue does ("store").
   if (want_w && want.sums && !passes.cutlass_wgrad) {

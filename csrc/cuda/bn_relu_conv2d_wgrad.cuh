@@ -662,7 +662,7 @@ int64_t pick_split(int64_t tiles, int64_t co, int64_t c, int64_t taps, int64_t m
 // The BatchNorm backward sums from the weight-gradient pass (its SUMS variant).
 struct SumsArgs {
   at::Tensor gamma, beta, mean, invstd, weight;  // (C,) in the statistics dtype; the conv weight
-  at::Tensor sum_dz, sum_dzx;                    // out: (C,) float64
+  at::Tensor part_dz, part_dzx;  // out: the sums' partials, (rows, C) (bn_sums reduces them)
 };
 
 // The operands both mma.sync backward kernels take: x and grad_out of the weight's 16-bit
@@ -685,6 +685,49 @@ bool wgrad_mma_operands(const at::Tensor& go, const at::Tensor& x, at::ScalarTyp
 // the WMMA kernel.
 bool wgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt) {
   return wgrad_mma_operands(go, x, wt);
+}
+
+// The weight gradient from its partials, (split, Co, kh, kw, C) in the accumulator dtype P (the
+// native kernels' split reduction and the CUTLASS weight gradient's slices alike): the slices
+// added in slice order (fixed: the sum does not depend on the launch), rounded once to the
+// weight's dtype W and written at gw's strides ((Co, C, kh, kw) whatever its memory format).
+// One launch where ATen's were two (the sum over the slices, then the permuted copy) with the
+// summed float32 dW written and read back between them. Reads run along C; writes follow gw's
+// strides (scattered for an NCHW weight, a small tensor next to the partials).
+template <typename P, typename W>
+__global__ void __launch_bounds__(256)
+    wgrad_partials_sum_kernel(const P* __restrict__ parts, int64_t split, int64_t n, int64_t kh,
+                              int64_t kw, int64_t cin, W* __restrict__ gw, Dims4 gd) {
+  FUSEDRES_LAUNCH_BOUNDS(256);
+  for (int64_t i = global_thread_x(); i < n; i += grid_stride_x()) {
+    P acc = parts[i];
+    for (int64_t k = 1; k < split; ++k) acc += parts[k * n + i];
+    const int64_t c = i % cin, t = i / cin;
+    gw[gd.offset(t / (kh * kw), c, t / kw % kh, t % kw)] = static_cast<W>(acc);
+  }
+}
+
+// parts: contiguous (split, Co, kh, kw, C) of float32 (float64 for a float64 weight); gw: the
+// weight's gradient (Co, C, kh, kw), overwritten.
+inline void wgrad_partials_sum(const at::Tensor& parts, at::Tensor& gw) {
+  const int64_t Co = gw.size(0), cin = gw.size(1), kh = gw.size(2), kw = gw.size(3);
+  const int64_t n = Co * cin * kh * kw;
+  TORCH_CHECK(parts.dim() == 5 && parts.size(1) == Co && parts.size(2) == kh &&
+                  parts.size(3) == kw && parts.size(4) == cin && parts.is_contiguous() &&
+                  parts.scalar_type() ==
+                      (gw.scalar_type() == at::kDouble ? at::kDouble : at::kFloat),
+              "fusedres_cuda: wgrad_partials_sum: parts must be contiguous (split, ", Co, ", ", kh,
+              ", ", kw, ", ", cin, ") of the weight's accumulator dtype, got ", parts.sizes(), " ",
+              parts.scalar_type());
+  if (n == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 65535));
+  FUSEDRES_DISPATCH_FLOATING(gw.scalar_type(), "fusedres_cuda_wgrad_partials_sum", [&] {
+    using W = scalar_t;
+    using P = std::conditional_t<std::is_same_v<W, double>, double, float>;
+    FUSEDRES_LAUNCH(dim3(blocks), dim3(256), 0, current_stream(), wgrad_partials_sum_kernel<P, W>)(
+        parts.const_data_ptr<P>(), parts.size(0), n, kh, kw, cin, gw.data_ptr<W>(), dims_of(gw));
+    FUSEDRES_CHECK_LAUNCH();
+  });
 }
 
 template <typename X, typename W>
@@ -764,13 +807,12 @@ void launch_wgrad(const at::Tensor& go, const at::Tensor& x, const Affine& bn, a
   }
   FUSEDRES_CHECK_LAUNCH();
   if (part_dw.defined()) {
-    // (split, Co, taps, C) -> (Co, C, kh, kw)
-    gw.copy_(part_dw.sum(0).view({Co, g.kh, g.kw, Cin}).permute({0, 3, 1, 2}));
+    wgrad_partials_sum(part_dw.view({split, Co, g.kh, g.kw, Cin}), gw);
   }
   if (gb != nullptr) gb->copy_(part_db.sum(0));
   if (sums != nullptr) {
-    sums->sum_dz = part_dz.sum(0, false, at::kDouble);
-    sums->sum_dzx = part_dzx.sum(0, false, at::kDouble);
+    sums->part_dz = part_dz;
+    sums->part_dzx = part_dzx;
   }
 }
 

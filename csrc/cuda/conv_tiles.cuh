@@ -281,18 +281,80 @@ void dispatch_x_w(const char* name, at::ScalarType xt, at::ScalarType wt, F&& f)
   });
 }
 
-// Per-channel BatchNorm affine in the statistics dtype: bn(x) = scale * x + shift.
+// Per-channel BatchNorm affine in the statistics dtype: bn(x) = scale * x + shift; with
+// scale16 and shift16 (the CUTLASS kernels' operands: their scale-bias iterators read 16-bit
+// vectors) the same rounded to x's 16-bit dtype, undefined otherwise.
 struct Affine {
   at::Tensor scale, shift;
+  at::Tensor scale16, shift16;
 };
 
+// scale = bn_weight * invstd (invstd without a weight), shift = bn_bias - mean * scale
+// (-mean * scale without a bias), each operation rounded as the ATen op that computed it before
+// (mul_rn, sub_rn: nvcc would contract the multiply and the subtraction into one FMA), so the
+// kernels read the values of the portable rule bit for bit; with H16 pointers also both rounded
+// to that dtype (to nearest even, as Tensor.to). One launch where the ATen ops were three (and
+// the CUTLASS route's casts two more); vectors at any stride (the ops take views).
+template <typename A, typename H>
+__global__ void __launch_bounds__(256)
+    bn_affine_kernel(const A* __restrict__ w, int64_t ws, const A* __restrict__ b, int64_t bs,
+                     const A* __restrict__ mean, int64_t ms, const A* __restrict__ invstd,
+                     int64_t is, int64_t C, A* __restrict__ scale, A* __restrict__ shift,
+                     H* __restrict__ scale16, H* __restrict__ shift16) {
+  FUSEDRES_LAUNCH_BOUNDS(256);
+  for (int64_t c = global_thread_x(); c < C; c += grid_stride_x()) {
+    const A inv = invstd[c * is];
+    const A s = w != nullptr ? mul_rn(w[c * ws], inv) : inv;
+    const A m = mean[c * ms];
+    const A t = b != nullptr ? sub_rn(b[c * bs], mul_rn(m, s)) : mul_rn(-m, s);
+    scale[c] = s;
+    shift[c] = t;
+    if (scale16 != nullptr) {
+      scale16[c] = static_cast<H>(s);
+      shift16[c] = static_cast<H>(t);
+    }
+  }
+}
+
+// half: at::kHalf or at::kBFloat16 for the 16-bit copies, Undefined for none.
 inline Affine bn_affine(const std::optional<at::Tensor>& bn_weight,
                         const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
-                        const at::Tensor& invstd) {
-  // The ops check the shapes first (checks.h): a (1,) bn_weight would broadcast here.
-  const at::Tensor scale = bn_weight.has_value() ? *bn_weight * invstd : invstd.clone();
-  const at::Tensor shift = bn_bias.has_value() ? *bn_bias - mean * scale : -mean * scale;
-  return {scale.contiguous(), shift.contiguous()};
+                        const at::Tensor& invstd,
+                        at::ScalarType half = at::ScalarType::Undefined) {
+  // The ops check the vectors first (checks.h): C values each, of the statistics dtype.
+  const int64_t C = mean.numel();
+  Affine a{at::empty({C}, mean.options()), at::empty({C}, mean.options())};
+  if (C == 0) return a;
+  const bool w = present(bn_weight), b = present(bn_bias);
+  AT_DISPATCH_FLOATING_TYPES(mean.scalar_type(), "fusedres_cuda_bn_affine", [&] {
+    using A = scalar_t;
+    auto run = [&](auto h) {
+      using H = decltype(h);
+      H* s16 = nullptr;
+      H* t16 = nullptr;
+      if constexpr (!std::is_same_v<H, A>) {
+        a.scale16 = at::empty({C}, mean.options().dtype(half));
+        a.shift16 = at::empty({C}, mean.options().dtype(half));
+        s16 = a.scale16.data_ptr<H>();
+        t16 = a.shift16.data_ptr<H>();
+      }
+      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(C, 256), 1024));
+      FUSEDRES_LAUNCH(dim3(blocks), dim3(256), 0, current_stream(), bn_affine_kernel<A, H>)(
+          w ? bn_weight->const_data_ptr<A>() : nullptr, w ? bn_weight->stride(0) : 0,
+          b ? bn_bias->const_data_ptr<A>() : nullptr, b ? bn_bias->stride(0) : 0,
+          mean.const_data_ptr<A>(), mean.stride(0), invstd.const_data_ptr<A>(), invstd.stride(0),
+          C, a.scale.data_ptr<A>(), a.shift.data_ptr<A>(), s16, t16);
+      FUSEDRES_CHECK_LAUNCH();
+    };
+    if constexpr (std::is_same_v<A, float>) {
+      if (half == at::kHalf) return run(at::Half{});
+      if (half == at::kBFloat16) return run(at::BFloat16{});
+    }
+    TORCH_CHECK(half == at::ScalarType::Undefined, "fusedres_cuda: bn_affine: 16-bit copies of ",
+                "a ", mean.scalar_type(), " affine in ", half, " are not defined");
+    run(A{});
+  });
+  return a;
 }
 
 // The branch scale (stochastic depth's per-sample factor; checked by the op: checks.h) as a

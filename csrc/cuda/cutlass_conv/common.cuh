@@ -158,11 +158,15 @@ inline cutlass::conv::Conv2dProblemSize problem(const at::Tensor& x, const at::T
       split_k);
 }
 
-// The per-channel scale and shift in the operand's dtype, as the transforms read them.
-inline std::pair<at::Tensor, at::Tensor> scale_shift(const at::Tensor& scale,
-                                                     const at::Tensor& shift,
-                                                     at::ScalarType dtype) {
-  return {scale.to(dtype).contiguous(), shift.to(dtype).contiguous()};
+// The per-channel scale and shift as the transforms read them: the operand's dtype, contiguous,
+// one value a channel (the callers' bn_affine writes them so).
+inline void check_scale_shift(const at::Tensor& s, const at::Tensor& b, const at::Tensor& x) {
+  for (const at::Tensor* t : {&s, &b}) {
+    TORCH_CHECK(t->defined() && t->scalar_type() == x.scalar_type() && t->dim() == 1 &&
+                    t->numel() == x.size(1) && t->is_contiguous(),
+                "fusedres_cuda (CUTLASS): scale16 and shift16 must be contiguous (C,) vectors "
+                "of x's dtype");
+  }
 }
 
 inline int sm_count() {

@@ -68,10 +68,11 @@ struct ConvArgs {
 // 32 x 32); no conv bias or branch scale (the caller's part of the test).
 bool can_run_fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* residual,
                    const at::Tensor& y, const ConvArgs& conv);
-// y = conv2d(relu(scale * x + shift), weight) (+ residual), y preallocated channels-last in x's
-// dtype; scale and shift per channel in float32 (rounded to x's dtype for the main loop).
-void fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-           const at::Tensor& shift, const at::Tensor* residual, at::Tensor& y,
+// y = conv2d(relu(scale16 * x + shift16), weight) (+ residual), y preallocated channels-last in
+// x's dtype; scale16 and shift16: the per-channel affine in x's dtype, contiguous (the caller's
+// bn_affine rounds them in the launch that computes them).
+void fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale16,
+           const at::Tensor& shift16, const at::Tensor* residual, at::Tensor& y,
            const ConvArgs& conv);
 
 // Whether the CUTLASS weight gradient takes these operands (as can_run_fprop, for grad_out too).
@@ -80,10 +81,13 @@ bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Te
 
 // CUTLASS kernel launches in this process so far.
 int64_t launches();
-// grad_weight = sum over pixels of grad_out * relu(scale * x + shift) at each tap, accumulated
-// in float32 (parallel split-K over the pixels) and written into gw (Co, C, kh, kw).
-void wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& scale,
-           const at::Tensor& shift, at::Tensor& gw, const ConvArgs& conv);
+// The weight gradient, sum over pixels of grad_out * relu(scale16 * x + shift16) at each tap
+// (scale16 and shift16 as fprop's), accumulated in float32 over `split` slices of the pixels
+// (parallel split-K): the slices' partials, float32 (split, Co, kh, kw, C) for the weight
+// (Co, C, kh, kw). The caller sums them into the weight's gradient (wgrad_partials_sum: one
+// launch that adds the slices in order and rounds once to the weight's dtype and layout).
+at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& scale16,
+                 const at::Tensor& shift16, const at::Tensor& weight, const ConvArgs& conv);
 
 #endif
 

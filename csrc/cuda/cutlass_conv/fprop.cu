@@ -118,16 +118,16 @@ bool can_run_fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   return ok;
 }
 
-void fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-           const at::Tensor& shift, const at::Tensor* residual, at::Tensor& y,
+void fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& s,
+           const at::Tensor& b, const at::Tensor* residual, at::Tensor& y,
            const ConvArgs& conv) {
   TORCH_CHECK(nhwc16(y, x.scalar_type()), "fusedres_cuda (CUTLASS): y must be channels-last");
+  check_scale_shift(s, b, x);
   // The filter as KRSC: weight's channels-last layout ((Co, C, kh, kw) with C fastest), read by
   // 16-byte accesses: contiguous() returns the weight itself where it is already channels-last
   // (every 1x1 weight), which may be a view at any offset, so an unaligned one is copied.
   at::Tensor wk = weight.contiguous(at::MemoryFormat::ChannelsLast);
   if (!aligned16(wk.const_data_ptr())) wk = wk.clone(at::MemoryFormat::ChannelsLast);
-  const auto [s, b] = scale_shift(scale, shift, x.scalar_type());
   const plan::FpropTile tile =
       plan::fprop_tile(y.size(0) * y.size(2) * y.size(3), weight.size(0), sm_count());
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fusedres_cuda_cutlass_fprop", [&] {

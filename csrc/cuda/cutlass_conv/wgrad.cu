@@ -2,9 +2,9 @@
 // a = relu(scale * x + shift) at each tap, as an implicit-GEMM wgrad (M = Co, N = kh*kw*C,
 // K = N*P*Q pixels) whose main loop applies the BatchNorm-ReLU to the B operand (x) in registers
 // (common.cuh). Accumulated in float32; the pixels split over blockIdx.z (parallel split-K:
-// each slice writes its own float32 partial dW, one reduction adds them in a fixed order, so
-// the result does not depend on which block finishes first), then rounded to the weight's
-// dtype and layout.
+// each slice writes its own float32 partial dW; the caller's one launch adds them in slice
+// order, so the result does not depend on which block finishes first, and rounds the sum to
+// the weight's dtype and layout: wgrad_partials_sum in ../bn_relu_conv2d_wgrad.cuh).
 #include "common.cuh"
 #include "plan.h"
 
@@ -78,9 +78,8 @@ WgradPlan wgrad_plan(int64_t Co, int64_t columns, int64_t pixels) {
   return {tile, static_cast<int>(plan::wgrad_split(tile, Co, columns, pixels, resident))};
 }
 
-// dW as float32 (Co, kh, kw, C): with split > 1 each slice's partial goes to its own
-// (Co, kh, kw, C) block of a (split, ...) buffer (CUTLASS's parallel split-K offsets D by the
-// slice), summed over the slices by one torch reduction (no atomics: a fixed order).
+// dW's float32 partials (split, Co, kh, kw, C): each slice's to its own (Co, kh, kw, C) block
+// (CUTLASS's parallel split-K offsets D by the slice; with split 1 the one block is dW).
 template <typename T, typename Tile>
 at::Tensor run(const at::Tensor& go, const at::Tensor& x, const at::Tensor& s,
                const at::Tensor& b, int64_t Co, int64_t kh, int64_t kw, const ConvArgs& c,
@@ -111,7 +110,7 @@ at::Tensor run(const at::Tensor& go, const at::Tensor& x, const at::Tensor& s,
                                  split > 1 ? cutlass::conv::SplitKMode::kParallel
                                            : cutlass::conv::SplitKMode::kSerial);
   launch<K>(args);
-  return split > 1 ? parts.sum(0) : parts[0];
+  return parts;
 }
 
 }  // namespace
@@ -135,22 +134,22 @@ bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Te
   return ok;
 }
 
-void wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& scale,
-           const at::Tensor& shift, at::Tensor& gw, const ConvArgs& conv) {
-  const int64_t Co = gw.size(0), C = gw.size(1), kh = gw.size(2), kw = gw.size(3);
+at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& s,
+                 const at::Tensor& b, const at::Tensor& weight, const ConvArgs& conv) {
+  check_scale_shift(s, b, x);
+  const int64_t Co = weight.size(0), C = weight.size(1), kh = weight.size(2), kw = weight.size(3);
   const int64_t pixels = grad_out.size(0) * grad_out.size(2) * grad_out.size(3);
-  const auto [s, b] = scale_shift(scale, shift, x.scalar_type());
-  at::Tensor dw;
+  at::Tensor parts;
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fusedres_cuda_cutlass_wgrad", [&] {
     using E = typename Element<scalar_t>::type;
     const WgradPlan plan = wgrad_plan<E>(Co, kh * kw * C, pixels);
     TORCH_CHECK(plan.split > 0, "fusedres_cuda (CUTLASS): the weight gradient's kernel is not "
                 "resident on this GPU (can_run_wgrad says so first)");
     with_tile<E>(plan.tile, [&](auto, auto tile) {
-      dw = run<scalar_t, decltype(tile)>(grad_out, x, s, b, Co, kh, kw, conv, plan.split);
+      parts = run<scalar_t, decltype(tile)>(grad_out, x, s, b, Co, kh, kw, conv, plan.split);
     });
   });
-  gw.copy_(dw.permute({0, 3, 1, 2}));
+  return parts;
 }
 
 }  // namespace fusedres::cutlass_conv

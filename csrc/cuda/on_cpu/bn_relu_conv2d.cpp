@@ -51,3 +51,20 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
     return std::exchange(fusedres::cuda_on_cpu::host_sm_count(), sms);
   });
 }
+
+// The BatchNorm affine both ops launch (conv_tiles.cuh's bn_affine): [scale, shift], and with
+// `half` their 16-bit copies after them (the CUTLASS kernels' operands).
+TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
+  m.def("bn_affine(Tensor? bn_weight, Tensor? bn_bias, Tensor mean, Tensor invstd, "
+        "ScalarType? half=None) -> Tensor[]");
+  m.impl("bn_affine", c10::DispatchKey::CPU,
+         [](const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
+            const at::Tensor& mean, const at::Tensor& invstd,
+            std::optional<at::ScalarType> half) {
+           const auto a = fusedres::cuda_on_cpu::bn_affine(
+               w, b, mean, invstd, half.value_or(at::ScalarType::Undefined));
+           std::vector<at::Tensor> out{a.scale, a.shift};
+           if (a.scale16.defined()) out.insert(out.end(), {a.scale16, a.shift16});
+           return out;
+         });
+}

@@ -65,3 +65,34 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
     return std::exchange(fusedres::cuda_on_cpu::host_wgrad_split(), split);
   });
 }
+
+// The weight gradient's partials summed into the weight's dtype and layout by the launch both
+// weight gradients end with (wgrad_partials_sum): parts (split, Co, kh, kw, C) in the weight's
+// accumulator dtype; returns a tensor like weight (its memory format kept).
+TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
+  m.def("wgrad_partials_sum(Tensor parts, Tensor weight) -> Tensor");
+  m.impl("wgrad_partials_sum", c10::DispatchKey::CPU,
+         [](const at::Tensor& parts, const at::Tensor& weight) {
+           at::Tensor gw = at::empty_like(weight);
+           fusedres::cuda_on_cpu::wgrad_partials_sum(parts, gw);
+           return gw;
+         });
+}
+
+// The BatchNorm sums' reduction both backward plans end with (bn_sums): from (rows, C) partials
+// of sum dz and sum dz * xhat, [dbeta, dgamma, mean dz, mean dz * xhat] in `stats`'s dtype (the
+// means: the sums times inv_m); sms: the SM count its slicing sizes for.
+TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
+  m.def("bn_sums(Tensor part_dz, Tensor part_dzx, float inv_m, ScalarType stats) -> Tensor[]");
+  m.impl("bn_sums", c10::DispatchKey::CPU,
+         [](const at::Tensor& pdz, const at::Tensor& pdzx, double inv_m, at::ScalarType stats) {
+           TORCH_CHECK(pdz.dim() == 2 && pdz.sizes() == pdzx.sizes() && pdz.is_contiguous() &&
+                           pdzx.is_contiguous() && pdz.scalar_type() == pdzx.scalar_type(),
+                       "bn_sums: expected two contiguous (rows, C) partials of one dtype");
+           const auto opts = pdz.options().dtype(stats);
+           at::Tensor gbeta = at::empty({pdz.size(1)}, opts), gg = at::empty_like(gbeta);
+           auto [m1, m2] =
+               fusedres::cuda_on_cpu::bn_sums(pdz, pdzx, inv_m, &gbeta, &gg, true, opts);
+           return std::vector<at::Tensor>{gbeta, gg, m1, m2};
+         });
+}
