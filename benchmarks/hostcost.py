@@ -19,6 +19,10 @@ Every count is a count of the host's own work, the same on any machine with thes
 - *launches*: Triton kernels launched (their ``run`` replaced by a counting no-op: the
   interpreter never executes them), or CUDA kernels launched through the CPU execution layer
   (its launch counter; ``stub_launches`` skips running them while timing).
+- *ATen kernels* (the GPU routes): the ATen ops with device work the step runs besides the
+  route's kernels, gradient accumulation left out (:func:`inner_kernels`), which the launch
+  counter does not see: on a GPU, launches too. A step's kernel launches are the two columns'
+  sum.
 - *top-level ops*: profiler events of ops (names with ``::``) that no other op encloses: what
   the dispatcher is asked from Python or from the autograd engine.
 - *host us*: median wall time of the step with the kernels as no-ops (plain: PyTorch's CPU
@@ -50,6 +54,9 @@ import torch.nn as nn  # noqa: E402
 import fusedres  # noqa: E402
 
 ROUTES = ("plain", "cpu", "cuda", "triton", "portable")
+# The routes whose kernels are GPU kernels (on a GPU each launch, and each ATen op with device
+# work inside their ops, is a kernel launch); the others' ATen ops are CPU work.
+GPU_ROUTES = ("cuda", "triton")
 SHAPE = (2, 16, 8, 8)  # N, C, H, W: small, so that the host's work is the step
 
 
@@ -212,6 +219,39 @@ def top_level_ops(fn) -> list[str]:
     return out
 
 
+# ATen ops that launch no kernel on a GPU: allocations, views, metadata, and the conversions
+# that return their input.
+NO_KERNEL = frozenset(f"aten::{n}" for n in (
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_",
+    "view", "_unsafe_view", "_reshape_alias", "reshape", "as_strided", "alias", "select",
+    "slice", "narrow", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze",
+    "detach", "lift_fresh", "contiguous", "to", "_to_copy_noop", "item", "_local_scalar_dense",
+    "size", "stride", "numel", "is_nonzero", "result_type", "resolve_conj", "resolve_neg"))
+
+
+def inner_kernels(fn) -> list[str]:
+    """The ATen ops with device work the step runs besides the route's own kernels: the leaves
+    (ops enclosing no op), :data:`NO_KERNEL` and the autograd engine's gradient accumulation
+    (every route's, plain's too) left out. On a GPU route each is a kernel launch that the
+    launch counter does not see: a C++ op's ``at::`` calls, a Python plan's torch calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        fn()
+    out = []
+    for e in p.events():
+        if not e.name.startswith("aten::") or e.name in NO_KERNEL:
+            continue
+        if any("::" in ch.name for ch in e.cpu_children):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and "AccumulateGrad" not in parent.name:
+            parent = parent.cpu_parent
+        if parent is None:
+            out.append(e.name)
+    return out
+
+
 def counts(route: str, warmup: int = 3, unit: str = "chain") -> dict:
     """Python calls, launches and top-level ops of one step of ``unit`` on ``route`` (after
     ``warmup``)."""
@@ -223,7 +263,9 @@ def counts(route: str, warmup: int = 3, unit: str = "chain") -> dict:
         calls, where = python_calls(step)
         n_launches = launches.count()
         ops = top_level_ops(step)
+        inner = inner_kernels(step) if route in GPU_ROUTES else []
     return {"route": route, "python_calls": calls, "launches": n_launches,
+            "inner_kernels": len(inner), "inner": inner,
             "top_level_ops": len(ops), "ops": ops, "where": where}
 
 
@@ -266,15 +308,16 @@ def main(argv=None) -> int:
     what = "3x3 chain" if args.unit == "chain" else "PreActBasicBlock"
     print(f"# torch {torch.__version__}, {args.threads} thread(s); one {SHAPE} {what}, "
           f"training step; kernels as no-ops; {args.rounds} rounds x {args.reps} steps")
-    print("| route | Python calls | / plain | own calls | launches | top-level ops | host us | "
-          "/ plain |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| route | Python calls | / plain | own calls | launches | ATen kernels "
+          "| top-level ops | host us | / plain |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         r = row["route"]
         rc = row["python_calls"] / plain["python_calls"] if plain else float("nan")
         rt = times[r] / times["plain"] if plain else float("nan")
         print(f"| {r} | {row['python_calls']} | {rc:.2f} | {own_calls(row['where'])} | "
               f"{row['launches']} | "
+              f"{row['inner_kernels'] if r in GPU_ROUTES else '-'} | "
               f"{row['top_level_ops']} | {times[r]:.1f} | {rt:.2f} |")
     if args.where:
         for row in rows:

@@ -6,6 +6,10 @@ Each count has a planted regression (an extra Python layer, an extra launch) sho
 The routes' goals (issue: "a fused training step on a GPU as fast as plain PyTorch's"): Python
 calls at most 1.2x plain's, at most 6 launches a chain step. ``GOAL_MET`` says which routes
 meet them today; the others are held at their current counts, so that they only go down.
+A step's launches on a GPU route are the route's own (the launch counter) plus the ATen ops
+with device work it runs besides them (hostcost.inner_kernels): the cuda route's C++ ops call
+ATen (allocations are free; a fill or a copy is a kernel), which the launch counter alone
+missed.
 """
 
 from __future__ import annotations
@@ -24,15 +28,24 @@ import hostcost  # noqa: E402
 # at most this times plain's). Measured here (torch 2.14, triton 3.8).
 EXPECTED = {
     "cpu": (0, 3, 1.2),
-    "cuda": (5, 3, 1.2),
+    "cuda": (8, 3, 1.2),
     "triton": (6, 21, 1.2),
 }
-GOAL_MET = {"cpu", "cuda", "triton"}
+# ATen kernels of the GPU routes a chain step and a block step. cuda, chain: the "store"
+# backward's two zeroed BatchNorm-sum partials; block: those, the genstats forward's merge of
+# its tiles' statistics in float64 ATen ops (csrc/cuda/bn_relu_conv2d.cu) and the block's
+# residual add; triton, block: two zeroed buffers and the residual add.
+INNER = {"cuda": (2, 21), "triton": (0, 3)}
+# cuda: 8 launches and 2 ATen kernels, 10 a chain step (it had 5 and 18 uncounted, 23, before
+# the affine, the weight-gradient partials and the BatchNorm sums became one launch each).
+GOAL_MET = {"cpu", "triton"}
 
 
 def check(route: str, counts: dict, plain: dict) -> None:
     launches, own, ratio = EXPECTED[route]
     assert counts["launches"] == launches, (route, counts["launches"])
+    if route in INNER:
+        assert counts["inner_kernels"] == INNER[route][0], (route, counts["inner"])
     if own is not None:
         assert hostcost.own_calls(counts["where"]) == own, (route, counts["where"])
     if ratio is not None:
@@ -45,7 +58,7 @@ def check(route: str, counts: dict, plain: dict) -> None:
 # its checks made once per arguments' key (fusedres.modules.lean.preact).
 BLOCK_EXPECTED = {
     "cpu": (0, 0.5),
-    "cuda": (9, 0.5),
+    "cuda": (15, 0.5),
     "triton": (12, 1.0),
 }
 
@@ -66,6 +79,8 @@ def test_host_work_per_block(route, plain_block):
     launches, ratio = BLOCK_EXPECTED[route]
     c = hostcost.counts(route, unit="block")
     assert c["launches"] == launches, (route, c["launches"])
+    if route in INNER:
+        assert c["inner_kernels"] == INNER[route][1], (route, c["inner"])
     assert c["python_calls"] <= ratio * plain_block["python_calls"], (
         route, c["python_calls"], plain_block["python_calls"], c["where"])
 
@@ -99,7 +114,7 @@ def test_goals_where_met(plain):
         _runs(route)
         c = hostcost.counts(route)
         assert c["python_calls"] <= 1.2 * plain["python_calls"]
-        assert c["launches"] <= 6
+        assert c["launches"] + c["inner_kernels"] <= 6
 
 
 @pytest.mark.parametrize("route_name", ["cpu", "cuda", "triton"])
