@@ -231,12 +231,13 @@ NO_KERNEL = frozenset(f"aten::{n}" for n in (
 
 def inner_kernels(fn) -> list[str]:
     """The ATen ops with device work the step runs besides the route's own kernels: the leaves
-    (ops enclosing no op), :data:`NO_KERNEL` and the autograd engine's gradient accumulation
-    (every route's, plain's too) left out. On a GPU route each is a kernel launch that the
-    launch counter does not see: a C++ op's ``at::`` calls, a Python plan's torch calls."""
+    (ops enclosing no op), :data:`NO_KERNEL`, ops on tensors of no elements and the autograd
+    engine's gradient accumulation (every route's, plain's too) left out. On a GPU route each
+    is a kernel launch that the launch counter does not see: a C++ op's ``at::`` calls, a
+    Python plan's torch calls."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as p:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
         fn()
     out = []
     for e in p.events():
@@ -244,6 +245,8 @@ def inner_kernels(fn) -> list[str]:
             continue
         if any("::" in ch.name for ch in e.cpu_children):
             continue
+        if e.input_shapes and e.input_shapes[0] and 0 in e.input_shapes[0]:
+            continue  # no elements: ATen launches nothing (the engine's zeros for empty grads)
         parent = e.cpu_parent
         while parent is not None and "AccumulateGrad" not in parent.name:
             parent = parent.cpu_parent

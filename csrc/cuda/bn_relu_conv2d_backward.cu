@@ -310,10 +310,15 @@ void backward_store(BackwardPasses& p, Grads& out, const Wants& want, bool batch
   if (!want.da) return;
   at::Tensor part_dz, part_dzx;
   if (want.sums) {
+    // Every block writes its rows of the partials, but a stride phase with fewer pixels than
+    // the largest leaves its last row tiles' blocks idle: their rows must read 0. With one
+    // phase every row is written, so no launch zeroes them.
     const DgradTiles& t = p.dgrad_tiles();
-    part_dz = at::zeros({p.phases * t.row_tiles * t.parts_per_tile, p.x.size(1)},
-                        p.mean.options());
-    part_dzx = at::zeros_like(part_dz);
+    const std::array<int64_t, 2> shape{p.phases * t.row_tiles * t.parts_per_tile, p.x.size(1)};
+    const auto opts = p.mean.options();
+    part_dz = p.phases == 1 ? at::empty(shape, opts) : at::zeros(shape, opts);
+    part_dzx = at::empty_like(part_dz);
+    if (p.phases > 1) part_dzx.zero_();
   }
   at::Tensor dz;
   int write = kWriteNothing;
