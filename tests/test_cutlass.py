@@ -348,3 +348,50 @@ def test_selftest_fails_a_cutlass_case_that_launched_nothing(monkeypatch):
         assert got == {("torch.bfloat16", "nhwc"): bf16_nhwc_ok, ("torch.bfloat16", "nchw"): True,
                        ("torch.float32", "nhwc"): True, ("torch.float32", "nchw"): True}
         assert all(r["backend"] == selftest.CUTLASS for r in rows)
+
+
+# --------------------------------------------------------------------------- the launch count
+
+
+@pytest.mark.skipif(cuda_aot.find_nvcc() is None, reason="nvcc not found")
+@pytest.mark.parametrize("n,h", [(2, 8), (8, 32)], ids=["unsplit", "split"])
+def test_nvcc_model_prices_every_launch_the_host_makes(n, h):
+    """The native step the model prices (tools/perfmodel/cuda_sass.model_cuda_unit: one entry a
+    launch) makes as many launches as the host: the cuda backend's own (the CPU execution
+    layer's counter) and the ATen kernels inside its ops (benchmarks/hostcost.inner_kernels),
+    for a 16-bit channels-last 3x3 unit's statistics, forward and backward on an H100's 132
+    SMs (the host copy's default), with the weight gradient unsplit and split."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import hostcost
+    from fusedres.kernels import traffic
+    from tools.perfmodel import cuda_sass
+    from tools.perfmodel.devices import H100
+
+    why = _extension.load_cuda_on_cpu()
+    if why is not None:
+        pytest.skip(f"the CPU execution layer's extension: {why}")
+    ops, layer = torch.ops.fusedres_cuda, torch.ops.fusedres_cuda_layer_test
+    c = co = 16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, c, h, h, generator=g).half().to(memory_format=torch.channels_last)
+    w = (torch.randn(co, c, 3, 3, generator=g) * 0.1).half()
+    gamma, beta = torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g)
+    rm, rv, nbt = torch.zeros(c), torch.ones(c), torch.zeros((), dtype=torch.long)
+    gy = torch.randn(n, co, h, h, generator=g).half().to(memory_format=torch.channels_last)
+    geo = ([1, 1], [1, 1], [1, 1])
+
+    def step():
+        mean, invstd = ops.prepare_batch_norm(x, rm, rv, nbt, True, 0.1, 1e-5)
+        ops.bn_relu_conv2d(x, w, None, gamma, beta, mean, invstd, x, *geo, True)
+        ops.bn_relu_conv2d_backward(gy, x, w, gamma, beta, mean, invstd, *geo, True,
+                                    [True, True, False, True, True])
+
+    step()
+    before = layer.launches()
+    aten = hostcost.inner_kernels(step)
+    host = layer.launches() - before + len(aten)
+    unit = traffic.Unit("probe", n, c, h, co, 3, 1, True, 2)
+    modeled = cuda_sass.model_cuda_unit(unit, "fp16", H100, cuda_sass.cuda_rows(ROOT))
+    names = [k[0] for k in modeled.kernels]
+    assert len(names) == host, (names, aten)
+    assert ("dW partials sum" in names) == (n == 8), names  # the split case is split

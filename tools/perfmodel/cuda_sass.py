@@ -371,7 +371,11 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
       weight to (kh*kw*Co, C); ``dgrad="wmma"`` or NCHW the WMMA
       kernel dgrad_kernel. Grid per stride phase cdiv(rows, BM) x cdiv(C, BN); K chunks: the
       phase's taps x cdiv(Co, BK);
-    * batch statistics, the partials' reductions: DRAM-bound launches.
+    * batch statistics (the partials and the finalize), the BatchNorm affine (one launch in
+      the forward and one in the backward), the split's dW partials summed into the weight
+      (wgrad_partials_sum) and the BatchNorm sums reduced (bn_sums): DRAM-bound launches at
+      least the launch gap each; every launch the host makes for the step (benchmarks/HOST.md
+      counts them, tests/test_host_cost.py holds the count).
 
     DRAM bytes: kernels/traffic.cuda_fused_step. A RANGE: issue per K chunk counts each nested
     staging loop once (low) or T = BM*BK/THREADS times (high), no prologue or epilogue (the
@@ -420,10 +424,32 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
             dram_launch("weight pad", w + w8)
     if dg_name == "dgrad_mma_kernel":
         dram_launch("weight pack (dgrad)", 2 * tu.weight())  # the permuted copy
-    for k in traffic.cuda_fused_step(tu).kernels:
-        if k.name not in ("fwd", "wgrad+sums", "dgrad+dx"):
-            dram_launch(k.name, k.bytes)
+    vec32 = 4 * u.c
+    dram_launch("batch_stats", dram["batch_stats"])
+    dram_launch("batch_stats finalize", 2 * vec32)
+    dram_launch("bn affine", 6 * vec32)
+    dram_launch("bn affine (backward)", 6 * vec32)
+    # "wgrad reduce" in kernels/traffic: the split's dW partials (csrc/cuda's
+    # wgrad_partials_sum: one launch) and the BatchNorm sums' (bn_sums: one launch, two past
+    # SUMS_ONE_BLOCK_ROWS rows).
+    dw_partials = split * u.co * u.c * taps * 4 if split > 1 else 0
+    if dw_partials:
+        dram_launch("dW partials sum", dw_partials + tu.weight())
+    sums_rows = split * cdiv(u.co, wg.bm) * taps
+    for name in bn_sums_launches(sums_rows):
+        dram_launch(name, 2 * sums_rows * vec32 / len(bn_sums_launches(sums_rows)))
     return CudaUnitModel(u, dtype, dev.arch, kernels)
+
+
+SUMS_ONE_BLOCK_ROWS = 2048
+
+
+def bn_sums_launches(rows: int) -> list[str]:
+    """The launches of csrc/cuda's bn_sums for ``rows`` partial rows: one up to
+    SUMS_ONE_BLOCK_ROWS (kSumsOneBlockRows), else the sliced pass and the merge."""
+    if rows <= SUMS_ONE_BLOCK_ROWS:
+        return ["BatchNorm sums"]
+    return ["BatchNorm sums (slices)", "BatchNorm sums (merge)"]
 
 
 def cutlass_fprop_tile(m: int, co: int, sms: int) -> tuple[int, int]:
@@ -493,19 +519,21 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
       or, for Co <= 64, 256x64x32 of 8 or 128x64x32 of 4, for Co <= 32 128x32x32 of 4, where
       they fill the SMs, else 64x64x32, :func:`cutlass_fprop_tile`); grid
       cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, 32); after DRAM-bound launches
-      copying the weight to KRSC and rounding scale and shift to 16 bits;
+      of the BatchNorm affine with its 16-bit copies (one) and, for filters larger than 1 x 1,
+      copying the weight to KRSC;
     * wgrad: the CUTLASS weight gradient (cutlass_conv_kernel<Wgrad<...>>: 128x128x32 tiles of
       8 warps, 64x128x32 (Co 33..64) or 64x64x32 (<= 64 columns) of 4, 32x64x32 (Co <= 32) of
       2, parallel
       split-K, :func:`cutlass_wgrad_plan` with the tile's resident blocks by
       :func:`model.blocks_per_sm`); grid cdiv(Co, BM) x cdiv(taps*C, BN) x split; K chunks:
       cdiv(cdiv(M, 32), split); DRAM: dy and x once, each slice's float32 partial dW written
-      once; then launches summing the partials (split > 1) and rounding dW to the weight's
-      dtype and layout;
+      once; after the backward's affine launch (16-bit copies too), then one launch adding the
+      slices in order and rounding dW to the weight's dtype and layout;
     * dgrad writing dz: the native mma.sync data gradient (as :func:`model_cuda_unit` picks its
-      tile), its epilogue writing float32 dz and the BatchNorm sums' partials, then the sums'
-      reduction and the dx pass (read dz and x, write dx): DRAM-bound launches;
-    * batch statistics: as the native step.
+      tile) (for a strided unit after two launches zeroing the BatchNorm sums' partials), its
+      epilogue writing float32 dz and the partials; then the sums' reduction (bn_sums) and
+      the dx pass (read dz and x, write dx): DRAM-bound launches;
+    * batch statistics (partials and finalize): as the native step.
 
     ``backward``: "rule" (:func:`cutlass_wgrad_on`: the above for filters larger than 1 x 1,
     else the native "sums" backward of :func:`model_cuda_unit` after the CUTLASS forward),
@@ -536,10 +564,12 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     for k in traffic.cuda_fused_step(tu).kernels:
         if k.name == "batch_stats":
             dram_launch(k.name, k.bytes)
-    # forward
-    dram_launch("weight to KRSC", 2 * tu.weight())
-    dram_launch("scale to 16 bits", vec32 + vec16)
-    dram_launch("shift to 16 bits", vec32 + vec16)
+    dram_launch("batch_stats finalize", 2 * vec32)
+    # forward: the affine and its 16-bit copies in one launch; the weight copied to KRSC (a 1x1
+    # weight is its own KRSC view: no copy)
+    dram_launch("bn affine (+16-bit)", 6 * vec32 + 2 * vec16)
+    if u.k > 1:
+        dram_launch("weight to KRSC", 2 * tu.weight())
     fwd = _cutlass_row(rows, dev.arch, "Fprop", dtype, *cutlass_fprop_tile(m_out, u.co, dev.sms))
     launch("fwd (CUTLASS)", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
            taps * cdiv(u.c, fwd.bk),
@@ -549,7 +579,8 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     if backward == "sums" or (backward == "rule" and not cutlass_wgrad_on(u.k, u.k)):
         native = model_cuda_unit(u, dtype, dev, rows)
         kernels += [k for k in native.kernels
-                    if k[0] not in ("fwd", "weight pack", "weight pad", "batch_stats")]
+                    if k[0] not in ("fwd", "weight pack", "weight pad", "batch_stats",
+                                    "batch_stats finalize", "bn affine")]
         return CudaUnitModel(u, dtype, dev.arch, kernels)
     # weight gradient
     def resident(bm: int, bn: int) -> int:
@@ -560,22 +591,23 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     bm, bn, split = cutlass_wgrad_plan(u.co, taps * u.c, m_out, resident)
     wg = _cutlass_row(rows, dev.arch, "Wgrad", dtype, bm, bn)
     dw32 = u.co * taps * u.c * 4
-    dram_launch("scale to 16 bits (wgrad)", vec32 + vec16)
-    dram_launch("shift to 16 bits (wgrad)", vec32 + vec16)
+    dram_launch("bn affine (backward, +16-bit)", 6 * vec32 + 2 * vec16)
     launch("wgrad (CUTLASS)", wg, cdiv(u.co, wg.bm) * cdiv(taps * u.c, wg.bn) * split,
            cdiv(cdiv(m_out, CUTLASS_BK), split),
            tu.act_out() + tu.act_in() + 2 * vec16 + split * dw32)
-    if split > 1:
-        dram_launch("split-K sum", split * dw32 + dw32)
-    dram_launch("dW to the weight's dtype", dw32 + tu.weight())
+    dram_launch("dW partials sum", split * dw32 + tu.weight())  # slices in order, rounded
     # data gradient ("store": float32 dz), the sums, dx
     dg, ctas, chunks = _dgrad_grid(u, dtype, dev, rows, "dgrad_mma_kernel")
-    parts = ctas * (dg.bm // 64) * vec32 * 2  # the sums' partials: two per row tile pass
+    sums_rows = ctas * (dg.bm // 64)  # the sums' partials: a row per 64 pixels of a tile
+    parts = sums_rows * vec32 * 2
     dram_launch("weight pack (dgrad)", 2 * tu.weight())
+    if u.stride > 1:  # a stride phase's idle blocks leave rows that must read 0
+        dram_launch("zero the sums' partials (dz)", parts / 2)
+        dram_launch("zero the sums' partials (dzx)", parts / 2)
     launch("dgrad+dz", dg, ctas, chunks,
            tu.act_out() + tu.weight() + tu.act_in() + 2 * vec32 + 2 * tu.act_in() + parts)
-    dram_launch("sums reduce", parts + 2 * vec32)
-    dram_launch("sums reduce (dzx)", parts + 2 * vec32)
+    for name in bn_sums_launches(sums_rows):
+        dram_launch(name, (parts + 4 * vec32) / len(bn_sums_launches(sums_rows)))
     dram_launch("dx", 2 * tu.act_in() + tu.act_in() + tu.act_in() + 6 * vec32)
     return CudaUnitModel(u, dtype, dev.arch, kernels)
 
