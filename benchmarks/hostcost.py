@@ -201,22 +201,27 @@ def own_calls(where: dict[str, int]) -> int:
                if k == "<launch>" or not k.startswith(skip) or k.startswith("<string>"))
 
 
-def top_level_ops(fn) -> list[str]:
-    """Names of the ops the step runs that no other op encloses."""
+def _events(fn, shapes: bool = False):
+    """The profiler's CPU events of one call of ``fn``."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as p:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as p:
         fn()
-    out = []
-    for e in p.events():
-        if "::" not in e.name:
-            continue
-        parent = e.cpu_parent
-        while parent is not None and "::" not in parent.name:
-            parent = parent.cpu_parent
-        if parent is None:
-            out.append(e.name)
-    return out
+    return p.events()
+
+
+def _enclosed(e, by) -> bool:
+    """Whether an event enclosing ``e`` has a name for which ``by`` holds."""
+    parent = e.cpu_parent
+    while parent is not None and not by(parent.name):
+        parent = parent.cpu_parent
+    return parent is not None
+
+
+def top_level_ops(fn) -> list[str]:
+    """Names of the ops the step runs that no other op encloses."""
+    return [e.name for e in _events(fn)
+            if "::" in e.name and not _enclosed(e, lambda name: "::" in name)]
 
 
 # ATen ops that launch no kernel on a GPU: allocations, views, metadata, and the conversions
@@ -235,22 +240,15 @@ def inner_kernels(fn) -> list[str]:
     engine's gradient accumulation (every route's, plain's too) left out. On a GPU route each
     is a kernel launch that the launch counter does not see: a C++ op's ``at::`` calls, a
     Python plan's torch calls."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
-        fn()
     out = []
-    for e in p.events():
+    for e in _events(fn, shapes=True):
         if not e.name.startswith("aten::") or e.name in NO_KERNEL:
             continue
         if any("::" in ch.name for ch in e.cpu_children):
             continue
         if e.input_shapes and e.input_shapes[0] and 0 in e.input_shapes[0]:
             continue  # no elements: ATen launches nothing (the engine's zeros for empty grads)
-        parent = e.cpu_parent
-        while parent is not None and "AccumulateGrad" not in parent.name:
-            parent = parent.cpu_parent
-        if parent is None:
+        if not _enclosed(e, lambda name: "AccumulateGrad" in name):
             out.append(e.name)
     return out
 
