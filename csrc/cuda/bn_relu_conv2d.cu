@@ -524,6 +524,80 @@ int64_t forward_rows(const at::Tensor& x, const at::Tensor& weight, const Affine
   return forward_tile_rows(wt);
 }
 
+// genstats: y's per-channel mean and biased variance from the forward tiles' partials, (tiles,
+// Co) means and M2s (float32, float64 for float64), tile t holding min(bm, M - t * bm) pixels:
+// the mean as the counts' weighted sum of the tile means, then M2 as the tiles' M2s plus
+// count * (tile mean - mean)^2 (Chan's merge), in float64, each block 32 channels x 8 row lanes
+// (each lane its tiles in order, the lanes then in order: the same bits every run). One launch
+// where ATen's were fifteen (casts, an arange, a clamp, the products, two sums, the divisions).
+constexpr int kMergeCols = 32, kMergeLanes = 8;
+
+template <typename P, typename S>
+__global__ void __launch_bounds__(kMergeCols * kMergeLanes)
+    genstats_merge_kernel(const P* __restrict__ part_mean, const P* __restrict__ part_m2,
+                          int64_t tiles, int64_t Co, int64_t M, int64_t bm,
+                          S* __restrict__ mean_out, S* __restrict__ var_out) {
+  FUSEDRES_LAUNCH_BOUNDS(kMergeCols * kMergeLanes);
+  __shared__ double lanes[kMergeLanes][kMergeCols];
+  __shared__ double block_mean[kMergeCols];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kMergeCols + tx;
+  const double inv_m = 1.0 / static_cast<double>(M);
+  double acc = 0.0;
+  if (c < Co) {
+    for (int64_t t = ty; t < tiles; t += kMergeLanes) {
+      const double n = static_cast<double>(std::min(bm, M - t * bm));
+      acc += n * static_cast<double>(part_mean[t * Co + c]);
+    }
+  }
+  lanes[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0) {
+    double s = lanes[0][tx];
+    for (int i = 1; i < kMergeLanes; ++i) s += lanes[i][tx];
+    block_mean[tx] = s * inv_m;
+  }
+  __syncthreads();
+  const double mean = block_mean[tx];
+  acc = 0.0;
+  if (c < Co) {
+    for (int64_t t = ty; t < tiles; t += kMergeLanes) {
+      const double n = static_cast<double>(std::min(bm, M - t * bm));
+      const double d = static_cast<double>(part_mean[t * Co + c]) - mean;
+      acc += static_cast<double>(part_m2[t * Co + c]) + n * d * d;
+    }
+  }
+  lanes[ty][tx] = acc;  // the first sum's reads of lanes ended at the barrier above
+  __syncthreads();
+  if (ty != 0 || c >= Co) return;
+  double s = lanes[0][tx];
+  for (int i = 1; i < kMergeLanes; ++i) s += lanes[i][tx];
+  mean_out[c] = static_cast<S>(mean);
+  var_out[c] = static_cast<S>(s * inv_m);
+}
+
+std::pair<at::Tensor, at::Tensor> genstats_merge(const at::Tensor& part_mean,
+                                                 const at::Tensor& part_m2, int64_t M,
+                                                 int64_t bm, at::ScalarType sdt) {
+  const int64_t tiles = part_mean.size(0), Co = part_mean.size(1);
+  const auto opts = part_mean.options().dtype(sdt);
+  std::pair<at::Tensor, at::Tensor> out{at::empty({Co}, opts), at::empty({Co}, opts)};
+  if (Co == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES(part_mean.scalar_type(), "fusedres_cuda_genstats_merge", [&] {
+    using P = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES(sdt, "fusedres_cuda_genstats_merge", [&] {
+      using S = scalar_t;
+      FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(ceil_div(Co, kMergeCols))),
+                      dim3(kMergeCols, kMergeLanes), 0, current_stream(),
+                      genstats_merge_kernel<P, S>)(
+          part_mean.const_data_ptr<P>(), part_m2.const_data_ptr<P>(), tiles, Co, M, bm,
+          out.first.data_ptr<S>(), out.second.data_ptr<S>());
+      FUSEDRES_CHECK_LAUNCH();
+    });
+  });
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
@@ -596,13 +670,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
                          genstats ? &part_mean : nullptr, genstats ? &part_m2 : nullptr, g, M, bm);
   });
   if (!genstats) return {y, at::Tensor(), at::Tensor()};
-  // Chan's merge of the tiles' (count, mean, M2) in float64.
-  const at::Tensor counts =
-      (M - at::arange(tiles, part_mean.options().dtype(at::kDouble)) * bm).clamp_max(bm).view({-1, 1});
-  const at::Tensor pm = part_mean.to(at::kDouble);
-  const at::Tensor gmean = (counts * pm).sum(0) / static_cast<double>(M);
-  const at::Tensor gm2 = (part_m2.to(at::kDouble) + counts * (pm - gmean).square()).sum(0);
-  return {y, gmean.to(sdt), (gm2 / static_cast<double>(M)).to(sdt)};
+  const auto [gmean, gvar] = genstats_merge(part_mean, part_m2, M, bm, sdt);
+  return {y, gmean, gvar};
 }
 
 }  // namespace

@@ -220,8 +220,8 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// The blockIdx.y slices of `rows` partial rows for C channels: one below kSumsOneBlockRows,
-// else enough for two blocks an SM, at least 1,024 rows each.
+// The blockIdx.y slices of `rows` partial rows for C channels: one up to kSumsOneBlockRows,
+// else enough for two blocks an SM, at most cdiv(rows, 1024) of them.
 inline int64_t sums_slices(int64_t rows, int64_t C) {
   if (rows <= kSumsOneBlockRows) return 1;
   const int64_t want = ceil_div(2 * sm_count(), ceil_div(C, kSumsCols));
@@ -245,7 +245,8 @@ std::pair<at::Tensor, at::Tensor> bn_sums(const at::Tensor& pdz, const at::Tenso
                                          : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(pdz.scalar_type(), "fusedres_cuda_bn_sums", [&] {
     using P = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES(c10::typeMetaToScalarType(stats.dtype()), "fusedres_cuda_bn_sums", [&] {
+    const at::ScalarType sdt = c10::typeMetaToScalarType(stats.dtype());
+    AT_DISPATCH_FLOATING_TYPES(sdt, "fusedres_cuda_bn_sums", [&] {
       using A = scalar_t;
       const SumsOut<A> out{gbeta != nullptr ? gbeta->data_ptr<A>() : nullptr,
                            gg != nullptr ? gg->data_ptr<A>() : nullptr,

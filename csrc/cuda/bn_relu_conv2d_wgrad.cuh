@@ -712,13 +712,13 @@ __global__ void __launch_bounds__(256)
 inline void wgrad_partials_sum(const at::Tensor& parts, at::Tensor& gw) {
   const int64_t Co = gw.size(0), cin = gw.size(1), kh = gw.size(2), kw = gw.size(3);
   const int64_t n = Co * cin * kh * kw;
-  TORCH_CHECK(parts.dim() == 5 && parts.size(1) == Co && parts.size(2) == kh &&
-                  parts.size(3) == kw && parts.size(4) == cin && parts.is_contiguous() &&
-                  parts.scalar_type() ==
-                      (gw.scalar_type() == at::kDouble ? at::kDouble : at::kFloat),
-              "fusedres_cuda: wgrad_partials_sum: parts must be contiguous (split, ", Co, ", ", kh,
-              ", ", kw, ", ", cin, ") of the weight's accumulator dtype, got ", parts.sizes(), " ",
-              parts.scalar_type());
+  const auto acc = gw.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(parts.dim() == 5 && parts.size(0) >= 1 && parts.size(1) == Co &&
+                  parts.size(2) == kh && parts.size(3) == kw && parts.size(4) == cin &&
+                  parts.is_contiguous() && parts.scalar_type() == acc,
+              "fusedres_cuda: wgrad_partials_sum: parts must be contiguous (split >= 1, ", Co,
+              ", ", kh, ", ", kw, ", ", cin, ") of the weight's accumulator dtype, got ",
+              parts.sizes(), " ", parts.scalar_type());
   if (n == 0) return;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 65535));
   FUSEDRES_DISPATCH_FLOATING(gw.scalar_type(), "fusedres_cuda_wgrad_partials_sum", [&] {

@@ -316,43 +316,65 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// half: at::kHalf or at::kBFloat16 for the 16-bit copies, Undefined for none.
+// The launch for statistics dtype A and 16-bit copies of dtype H (H = A: none).
+template <typename A, typename H>
+void launch_bn_affine(const std::optional<at::Tensor>& bn_weight,
+                      const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
+                      const at::Tensor& invstd, Affine& a) {
+  const int64_t C = mean.numel();
+  const bool w = present(bn_weight), b = present(bn_bias);
+  H* s16 = nullptr;
+  H* t16 = nullptr;
+  if constexpr (!std::is_same_v<H, A>) {
+    s16 = a.scale16.data_ptr<H>();
+    t16 = a.shift16.data_ptr<H>();
+  }
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(C, 256), 1024));
+  FUSEDRES_LAUNCH(dim3(blocks), dim3(256), 0, current_stream(), bn_affine_kernel<A, H>)(
+      w ? bn_weight->const_data_ptr<A>() : nullptr, w ? bn_weight->stride(0) : 0,
+      b ? bn_bias->const_data_ptr<A>() : nullptr, b ? bn_bias->stride(0) : 0,
+      mean.const_data_ptr<A>(), mean.stride(0), invstd.const_data_ptr<A>(), invstd.stride(0), C,
+      a.scale.data_ptr<A>(), a.shift.data_ptr<A>(), s16, t16);
+  FUSEDRES_CHECK_LAUNCH();
+}
+
+// Picks H from `half` (a function template, so that a float64 affine instantiates no 16-bit
+// kernel: the copies exist for float32 statistics only, those of 16-bit x).
+template <typename A>
+void dispatch_bn_affine(const std::optional<at::Tensor>& bn_weight,
+                        const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
+                        const at::Tensor& invstd, at::ScalarType half, Affine& a) {
+  if constexpr (std::is_same_v<A, float>) {
+    if (half == at::kHalf) {
+      return launch_bn_affine<A, at::Half>(bn_weight, bn_bias, mean, invstd, a);
+    }
+    if (half == at::kBFloat16) {
+      return launch_bn_affine<A, at::BFloat16>(bn_weight, bn_bias, mean, invstd, a);
+    }
+  }
+  launch_bn_affine<A, A>(bn_weight, bn_bias, mean, invstd, a);
+}
+
+// half: at::kHalf or at::kBFloat16 for the 16-bit copies (float32 statistics only), Undefined
+// for none.
 inline Affine bn_affine(const std::optional<at::Tensor>& bn_weight,
                         const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
                         const at::Tensor& invstd,
                         at::ScalarType half = at::ScalarType::Undefined) {
   // The ops check the vectors first (checks.h): C values each, of the statistics dtype.
+  const bool to16 = half == at::kHalf || half == at::kBFloat16;
+  TORCH_CHECK(half == at::ScalarType::Undefined || (to16 && mean.scalar_type() == at::kFloat),
+              "fusedres_cuda: bn_affine: 16-bit copies of a ", mean.scalar_type(), " affine in ",
+              half, " are not defined");
   const int64_t C = mean.numel();
   Affine a{at::empty({C}, mean.options()), at::empty({C}, mean.options())};
+  if (half != at::ScalarType::Undefined) {
+    a.scale16 = at::empty({C}, mean.options().dtype(half));
+    a.shift16 = at::empty({C}, mean.options().dtype(half));
+  }
   if (C == 0) return a;
-  const bool w = present(bn_weight), b = present(bn_bias);
   AT_DISPATCH_FLOATING_TYPES(mean.scalar_type(), "fusedres_cuda_bn_affine", [&] {
-    using A = scalar_t;
-    auto run = [&](auto h) {
-      using H = decltype(h);
-      H* s16 = nullptr;
-      H* t16 = nullptr;
-      if constexpr (!std::is_same_v<H, A>) {
-        a.scale16 = at::empty({C}, mean.options().dtype(half));
-        a.shift16 = at::empty({C}, mean.options().dtype(half));
-        s16 = a.scale16.data_ptr<H>();
-        t16 = a.shift16.data_ptr<H>();
-      }
-      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(C, 256), 1024));
-      FUSEDRES_LAUNCH(dim3(blocks), dim3(256), 0, current_stream(), bn_affine_kernel<A, H>)(
-          w ? bn_weight->const_data_ptr<A>() : nullptr, w ? bn_weight->stride(0) : 0,
-          b ? bn_bias->const_data_ptr<A>() : nullptr, b ? bn_bias->stride(0) : 0,
-          mean.const_data_ptr<A>(), mean.stride(0), invstd.const_data_ptr<A>(), invstd.stride(0),
-          C, a.scale.data_ptr<A>(), a.shift.data_ptr<A>(), s16, t16);
-      FUSEDRES_CHECK_LAUNCH();
-    };
-    if constexpr (std::is_same_v<A, float>) {
-      if (half == at::kHalf) return run(at::Half{});
-      if (half == at::kBFloat16) return run(at::BFloat16{});
-    }
-    TORCH_CHECK(half == at::ScalarType::Undefined, "fusedres_cuda: bn_affine: 16-bit copies of ",
-                "a ", mean.scalar_type(), " affine in ", half, " are not defined");
-    run(A{});
+    dispatch_bn_affine<scalar_t>(bn_weight, bn_bias, mean, invstd, half, a);
   });
   return a;
 }
