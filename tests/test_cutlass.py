@@ -354,13 +354,15 @@ def test_selftest_fails_a_cutlass_case_that_launched_nothing(monkeypatch):
 
 
 @pytest.mark.skipif(cuda_aot.find_nvcc() is None, reason="nvcc not found")
-@pytest.mark.parametrize("n,h", [(2, 8), (8, 32)], ids=["unsplit", "split"])
-def test_nvcc_model_prices_every_launch_the_host_makes(n, h):
+@pytest.mark.parametrize("n,h,k", [(2, 8, 3), (8, 32, 3), (2, 8, 1)],
+                         ids=["unsplit", "split", "1x1"])
+def test_nvcc_model_prices_every_launch_the_host_makes(n, h, k):
     """The native step the model prices (tools/perfmodel/cuda_sass.model_cuda_unit: one entry a
     launch) makes as many launches as the host: the cuda backend's own (the CPU execution
     layer's counter) and the ATen kernels inside its ops (benchmarks/hostcost.inner_kernels),
-    for a 16-bit channels-last 3x3 unit's statistics, forward and backward on an H100's 132
-    SMs (the host copy's default), with the weight gradient unsplit and split."""
+    for a 16-bit channels-last unit's statistics, forward and backward on an H100's 132 SMs
+    (the host copy's default): 3x3 with the weight gradient unsplit and split, and 1x1 (whose
+    weight is its own data-gradient layout: no copy)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import hostcost
     from fusedres.kernels import traffic
@@ -374,11 +376,11 @@ def test_nvcc_model_prices_every_launch_the_host_makes(n, h):
     c = co = 16
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, c, h, h, generator=g).half().to(memory_format=torch.channels_last)
-    w = (torch.randn(co, c, 3, 3, generator=g) * 0.1).half()
+    w = (torch.randn(co, c, k, k, generator=g) * 0.1).half()
     gamma, beta = torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g)
     rm, rv, nbt = torch.zeros(c), torch.ones(c), torch.zeros((), dtype=torch.long)
     gy = torch.randn(n, co, h, h, generator=g).half().to(memory_format=torch.channels_last)
-    geo = ([1, 1], [1, 1], [1, 1])
+    geo = ([1, 1], [k // 2, k // 2], [1, 1])
 
     def step():
         mean, invstd = ops.prepare_batch_norm(x, rm, rv, nbt, True, 0.1, 1e-5)
@@ -390,8 +392,9 @@ def test_nvcc_model_prices_every_launch_the_host_makes(n, h):
     before = layer.launches()
     aten = hostcost.inner_kernels(step)
     host = layer.launches() - before + len(aten)
-    unit = traffic.Unit("probe", n, c, h, co, 3, 1, True, 2)
+    unit = traffic.Unit("probe", n, c, h, co, k, 1, True, 2)
     modeled = cuda_sass.model_cuda_unit(unit, "fp16", H100, cuda_sass.cuda_rows(ROOT))
     names = [k[0] for k in modeled.kernels]
     assert len(names) == host, (names, aten)
     assert ("dW partials sum" in names) == (n == 8), names  # the split case is split
+    assert ("weight pack (dgrad)" in names) == (k > 1), names

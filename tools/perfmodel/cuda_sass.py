@@ -375,7 +375,8 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
       the forward and one in the backward), the split's dW partials summed into the weight
       (wgrad_partials_sum) and the BatchNorm sums reduced (bn_sums): DRAM-bound launches at
       least the launch gap each; every launch the host makes for the step (benchmarks/HOST.md
-      counts them, tests/test_host_cost.py holds the count).
+      counts them; tests/test_cutlass.py::test_nvcc_model_prices_every_launch_the_host_makes
+      holds this list to the host's count).
 
     DRAM bytes: kernels/traffic.cuda_fused_step. A RANGE: issue per K chunk counts each nested
     staging loop once (low) or T = BM*BK/THREADS times (high), no prologue or epilogue (the
@@ -420,10 +421,12 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
         # pack_weight: the permuted copy (kh*kw*C, Co), then zero columns up to Co8 if needed.
         w, w8 = tu.weight(), tu.weight() // u.co * (cdiv(u.co, 8) * 8)
         dram_launch("weight pack", 2 * w)
-        if w8 != w:
-            dram_launch("weight pad", w + w8)
-    if dg_name == "dgrad_mma_kernel":
-        dram_launch("weight pack (dgrad)", 2 * tu.weight())  # the permuted copy
+        if w8 != w:  # constant_pad_nd: a fill, then the copy
+            dram_launch("weight pad (fill)", w8)
+            dram_launch("weight pad (copy)", w + w)
+    if dg_name == "dgrad_mma_kernel" and u.k > 1:
+        # the permuted copy (kh*kw*Co, C); a 1x1 weight is its own view of that layout
+        dram_launch("weight pack (dgrad)", 2 * tu.weight())
     vec32 = 4 * u.c
     dram_launch("batch_stats", dram["batch_stats"])
     dram_launch("batch_stats finalize", 2 * vec32)
@@ -579,7 +582,8 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     if backward == "sums" or (backward == "rule" and not cutlass_wgrad_on(u.k, u.k)):
         native = model_cuda_unit(u, dtype, dev, rows)
         kernels += [k for k in native.kernels
-                    if k[0] not in ("fwd", "weight pack", "weight pad", "batch_stats",
+                    if k[0] not in ("fwd", "weight pack", "weight pad (fill)",
+                                    "weight pad (copy)", "batch_stats",
                                     "batch_stats finalize", "bn affine")]
         return CudaUnitModel(u, dtype, dev.arch, kernels)
     # weight gradient
@@ -598,10 +602,14 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     dram_launch("dW partials sum", split * dw32 + tu.weight())  # slices in order, rounded
     # data gradient ("store": float32 dz), the sums, dx
     dg, ctas, chunks = _dgrad_grid(u, dtype, dev, rows, "dgrad_mma_kernel")
-    sums_rows = ctas * (dg.bm // 64)  # the sums' partials: a row per 64 pixels of a tile
+    # the sums' partials, (rows, C) each: a row per 64 pixels of a row tile, every phase sized
+    # by the largest (csrc/cuda's backward_store)
+    phases = min(u.stride, u.h) ** 2
+    sums_rows = phases * cdiv(u.n * cdiv(u.h, u.stride) ** 2, dg.bm) * (dg.bm // 64)
     parts = sums_rows * vec32 * 2
-    dram_launch("weight pack (dgrad)", 2 * tu.weight())
-    if u.stride > 1:  # a stride phase's idle blocks leave rows that must read 0
+    if u.k > 1:
+        dram_launch("weight pack (dgrad)", 2 * tu.weight())
+    if phases > 1:  # a smaller phase's idle blocks leave rows that must read 0
         dram_launch("zero the sums' partials (dz)", parts / 2)
         dram_launch("zero the sums' partials (dzx)", parts / 2)
     launch("dgrad+dz", dg, ctas, chunks,
