@@ -231,7 +231,8 @@ NO_KERNEL = frozenset(f"aten::{n}" for n in (
     "view", "_unsafe_view", "_reshape_alias", "reshape", "as_strided", "alias", "select",
     "slice", "narrow", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze",
     "detach", "lift_fresh", "contiguous", "to", "_to_copy_noop", "item", "_local_scalar_dense",
-    "size", "stride", "numel", "is_nonzero", "result_type", "resolve_conj", "resolve_neg"))
+    "size", "stride", "numel", "is_nonzero", "result_type", "resolve_conj", "resolve_neg",
+    "set_", "squeeze_", "unsqueeze_", "as_strided_"))
 
 
 def inner_kernels(fn) -> list[str]:
@@ -239,7 +240,10 @@ def inner_kernels(fn) -> list[str]:
     (ops enclosing no op), :data:`NO_KERNEL`, ops on tensors of no elements and the autograd
     engine's gradient accumulation (every route's, plain's too) left out. On a GPU route each
     is a kernel launch that the launch counter does not see: a C++ op's ``at::`` calls, a
-    Python plan's torch calls."""
+    Python plan's torch calls. Counted on CPU tensors, so a count of the CPU's ATen calls: an op
+    whose CPU kernel calls another op counts as its leaves (CPU's mean is a sum and a division,
+    one kernel on CUDA), and one with a kernel of its own that also calls an op counts as
+    that op alone."""
     out = []
     for e in _events(fn, shapes=True):
         if not e.name.startswith("aten::") or e.name in NO_KERNEL:
