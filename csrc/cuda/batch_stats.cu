@@ -38,7 +38,6 @@ namespace {
 
 constexpr int kThreads = 256;        // NCHW block: 8 warps
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowsPerBlock = 8;     // NHWC block: 32 channels x 8 rows
 constexpr int64_t kTargetPerBlock = kThreads * 16;  // values a split aims at
 constexpr int64_t kMaxPerBlock = int64_t(1) << 22;  // keeps float counts exact
 constexpr int64_t kMaxSplits = 256;
@@ -103,24 +102,27 @@ __global__ void __launch_bounds__(kThreads)
   count_batch(tracked);
 }
 
-// NHWC: rows of C contiguous values; threadIdx.x picks the channel (32 consecutive channels,
-// coalesced), threadIdx.y strides over the split's rows.
+// NHWC: rows of C contiguous values, in the column reductions' blocks (common.cuh: threadIdx.x
+// one of kColumnCols consecutive channels, threadIdx.y one of kColumnLanes row lanes over the
+// split's rows). The lanes' moments are merged by Chan's formula, not added, so this kernel
+// keeps its own lane loop rather than column_lanes_sum's.
 template <typename scalar_t>
-__global__ void __launch_bounds__(32 * kRowsPerBlock)
+__global__ void __launch_bounds__(kColumnCols * kColumnLanes)
     stats_nhwc_kernel(const scalar_t* __restrict__ x, int64_t C, int64_t rows_per_split,
                       int64_t rows, acc_t<scalar_t>* __restrict__ partial,
                       int64_t* __restrict__ tracked) {
-  FUSEDRES_LAUNCH_BOUNDS(32 * kRowsPerBlock);
+  FUSEDRES_LAUNCH_BOUNDS(kColumnCols * kColumnLanes);
   using A = acc_t<scalar_t>;
-  __shared__ A s_n[kRowsPerBlock][32], s_mean[kRowsPerBlock][32], s_m2[kRowsPerBlock][32];
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  __shared__ A s_n[kColumnLanes][kColumnCols], s_mean[kColumnLanes][kColumnCols],
+      s_m2[kColumnLanes][kColumnCols];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kColumnCols + threadIdx.x;
   const int64_t split = blockIdx.y;
   const int64_t begin = split * rows_per_split;
   const int64_t end = begin + rows_per_split < rows ? begin + rows_per_split : rows;
   Moments<A> m{A(0), A(0), A(0)};
   if (c < C) {
     const A shift = stats_shift(static_cast<A>(x[c]));
-    for (int64_t r = begin + threadIdx.y; r < end; r += kRowsPerBlock) {
+    for (int64_t r = begin + threadIdx.y; r < end; r += kColumnLanes) {
       m.add(static_cast<A>(x[r * C + c]) - shift);
     }
   }
@@ -129,7 +131,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
   s_m2[threadIdx.y][threadIdx.x] = m.m2;
   __syncthreads();
   if (threadIdx.y == 0 && c < C) {
-    for (int r = 1; r < kRowsPerBlock; ++r) {
+    for (int r = 1; r < kColumnLanes; ++r) {
       m.merge(s_n[r][threadIdx.x], s_mean[r][threadIdx.x], s_m2[r][threadIdx.x]);
     }
     A* out = partial + (c * gridDim.y + split) * 3;
@@ -197,7 +199,7 @@ StatsPass stats_pass(const char* op, const at::Tensor& x_in) {
   p.HW = p.x.size(2) * p.x.size(3);
   TORCH_CHECK(p.HW < (int64_t(1) << 31), op, ": H * W must be below 2^31, got ", p.HW);
   p.values = p.x.size(0) * p.HW;
-  p.splits = num_splits(nhwc ? ceil_div(p.values, kRowsPerBlock) * kRowsPerBlock : p.values);
+  p.splits = num_splits(nhwc ? ceil_div(p.values, kColumnLanes) * kColumnLanes : p.values);
   return p;
 }
 
@@ -209,8 +211,10 @@ void launch_partials(const StatsPass& p, acc_t<scalar_t>* partial, int64_t* trac
   const scalar_t* xp = p.x.const_data_ptr<scalar_t>();
   if (p.nhwc) {
     const int64_t rows_per_split = ceil_div(p.values, p.splits);
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.C, 32)), static_cast<unsigned>(p.splits));
-    FUSEDRES_LAUNCH(grid, dim3(32, kRowsPerBlock), 0, stream, stats_nhwc_kernel<scalar_t>)(
+    const dim3 grid(static_cast<unsigned>(ceil_div(p.C, kColumnCols)),
+                    static_cast<unsigned>(p.splits));
+    FUSEDRES_LAUNCH(grid, dim3(kColumnCols, kColumnLanes), 0, stream,
+                    stats_nhwc_kernel<scalar_t>)(
         xp, p.C, rows_per_split, p.values, partial, tracked);
   } else {
     const int64_t per_split = ceil_div(p.values, p.splits);

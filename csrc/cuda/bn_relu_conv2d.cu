@@ -527,53 +527,40 @@ int64_t forward_rows(const at::Tensor& x, const at::Tensor& weight, const Affine
 // genstats: y's per-channel mean and biased variance from the forward tiles' partials, (tiles,
 // Co) means and M2s (float32, float64 for float64), tile t holding min(bm, M - t * bm) pixels:
 // the mean as the counts' weighted sum of the tile means, then M2 as the tiles' M2s plus
-// count * (tile mean - mean)^2 (Chan's merge), in float64, each block 32 channels x 8 row lanes
-// (each lane its tiles in order, the lanes then in order: the same bits every run). One launch
-// where ATen's were fifteen (casts, an arange, a clamp, the products, two sums, the divisions).
-constexpr int kMergeCols = 32, kMergeLanes = 8;
-
+// count * (tile mean - mean)^2 (Chan's merge), in float64, in the column reductions' blocks
+// (common.cuh: kColumnCols channels x kColumnLanes row lanes, column_lanes_sum; the same bits
+// every run). One launch where ATen's were fifteen (casts, an arange, a clamp, the products,
+// two sums, the divisions).
 template <typename P, typename S>
-__global__ void __launch_bounds__(kMergeCols * kMergeLanes)
+__global__ void __launch_bounds__(kColumnCols * kColumnLanes)
     genstats_merge_kernel(const P* __restrict__ part_mean, const P* __restrict__ part_m2,
                           int64_t tiles, int64_t Co, int64_t M, int64_t bm,
                           S* __restrict__ mean_out, S* __restrict__ var_out) {
-  FUSEDRES_LAUNCH_BOUNDS(kMergeCols * kMergeLanes);
-  __shared__ double lanes[kMergeLanes][kMergeCols];
-  __shared__ double block_mean[kMergeCols];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kMergeCols + tx;
+  FUSEDRES_LAUNCH_BOUNDS(kColumnCols * kColumnLanes);
+  __shared__ double lanes[1][kColumnLanes][kColumnCols];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kColumnCols + threadIdx.x;
   const double inv_m = 1.0 / static_cast<double>(M);
-  double acc = 0.0;
+  double v[1] = {0.0};
   if (c < Co) {
-    for (int64_t t = ty; t < tiles; t += kMergeLanes) {
+    for (int64_t t = threadIdx.y; t < tiles; t += kColumnLanes) {
       const double n = static_cast<double>(std::min(bm, M - t * bm));
-      acc += n * static_cast<double>(part_mean[t * Co + c]);
+      v[0] += n * static_cast<double>(part_mean[t * Co + c]);
     }
   }
-  lanes[ty][tx] = acc;
-  __syncthreads();
-  if (ty == 0) {
-    double s = lanes[0][tx];
-    for (int i = 1; i < kMergeLanes; ++i) s += lanes[i][tx];
-    block_mean[tx] = s * inv_m;
-  }
-  __syncthreads();
-  const double mean = block_mean[tx];
-  acc = 0.0;
+  column_lanes_sum(lanes, v);
+  const double mean = v[0] * inv_m;
+  v[0] = 0.0;
   if (c < Co) {
-    for (int64_t t = ty; t < tiles; t += kMergeLanes) {
+    for (int64_t t = threadIdx.y; t < tiles; t += kColumnLanes) {
       const double n = static_cast<double>(std::min(bm, M - t * bm));
       const double d = static_cast<double>(part_mean[t * Co + c]) - mean;
-      acc += static_cast<double>(part_m2[t * Co + c]) + n * d * d;
+      v[0] += static_cast<double>(part_m2[t * Co + c]) + n * d * d;
     }
   }
-  lanes[ty][tx] = acc;  // the first sum's reads of lanes ended at the barrier above
-  __syncthreads();
-  if (ty != 0 || c >= Co) return;
-  double s = lanes[0][tx];
-  for (int i = 1; i < kMergeLanes; ++i) s += lanes[i][tx];
+  column_lanes_sum(lanes, v);
+  if (threadIdx.y != 0 || c >= Co) return;
   mean_out[c] = static_cast<S>(mean);
-  var_out[c] = static_cast<S>(s * inv_m);
+  var_out[c] = static_cast<S>(v[0] * inv_m);
 }
 
 std::pair<at::Tensor, at::Tensor> genstats_merge(const at::Tensor& part_mean,
@@ -587,8 +574,8 @@ std::pair<at::Tensor, at::Tensor> genstats_merge(const at::Tensor& part_mean,
     using P = scalar_t;
     AT_DISPATCH_FLOATING_TYPES(sdt, "fusedres_cuda_genstats_merge", [&] {
       using S = scalar_t;
-      FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(ceil_div(Co, kMergeCols))),
-                      dim3(kMergeCols, kMergeLanes), 0, current_stream(),
+      FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(ceil_div(Co, kColumnCols))),
+                      dim3(kColumnCols, kColumnLanes), 0, current_stream(),
                       genstats_merge_kernel<P, S>)(
           part_mean.const_data_ptr<P>(), part_m2.const_data_ptr<P>(), tiles, Co, M, bm,
           out.first.data_ptr<S>(), out.second.data_ptr<S>());

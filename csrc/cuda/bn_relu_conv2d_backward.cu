@@ -144,12 +144,11 @@ struct BackwardPasses {
 // ((rows, C) each, float32 or float64) reduced in float64, and what the op makes of them: dbeta,
 // dgamma, and dx's terms mean dz, mean dz * xhat (the sums times 1 / M) in the statistics dtype.
 // One launch where ATen's were twelve (a cast, a fill and a sum per partial, two copies, a
-// multiply and a cast per term), or two for long partials: blocks of 32 channels x 8 row lanes,
-// each lane adding its rows in order, the lanes then in order (no atomics: the same bits every
-// run). Up to kSumsOneBlockRows rows a block column reduces them all and writes the results; past
-// that, blockIdx.y slices the rows (a column of blocks would stream them from one SM), each
-// slice's float64 sums go to a workspace and a second launch adds the slices in order.
-constexpr int kSumsCols = 32, kSumsLanes = 8;
+// multiply and a cast per term), or two for long partials, in the column reductions' blocks
+// (common.cuh: kColumnCols channels x kColumnLanes row lanes, column_lanes_sum; the same bits
+// every run). Up to kSumsOneBlockRows rows a block column reduces them all and writes the
+// results; past that, blockIdx.y slices the rows (a column of blocks would stream them from one
+// SM), each slice's float64 sums go to a workspace and a second launch adds the slices in order.
 constexpr int64_t kSumsOneBlockRows = 2048;
 
 template <typename A>
@@ -171,37 +170,28 @@ struct SumsOut {
 };
 
 template <typename P, typename A>
-__global__ void __launch_bounds__(kSumsCols * kSumsLanes)
+__global__ void __launch_bounds__(kColumnCols * kColumnLanes)
     bn_sums_kernel(const P* __restrict__ pdz, const P* __restrict__ pdzx, int64_t rows, int64_t C,
                    int64_t per_slice, double* __restrict__ slices, SumsOut<A> out) {
-  FUSEDRES_LAUNCH_BOUNDS(kSumsCols * kSumsLanes);
-  __shared__ double s_dz[kSumsLanes][kSumsCols], s_dzx[kSumsLanes][kSumsCols];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kSumsCols + tx;
+  FUSEDRES_LAUNCH_BOUNDS(kColumnCols * kColumnLanes);
+  __shared__ double lanes[2][kColumnLanes][kColumnCols];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kColumnCols + threadIdx.x;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * per_slice;
   const int64_t r1 = std::min(rows, r0 + per_slice);
-  double dz = 0.0, dzx = 0.0;
+  double v[2] = {0.0, 0.0};  // sum dz, sum dz * xhat
   if (c < C) {
-    for (int64_t r = r0 + ty; r < r1; r += kSumsLanes) {
-      dz += static_cast<double>(pdz[r * C + c]);
-      dzx += static_cast<double>(pdzx[r * C + c]);
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += kColumnLanes) {
+      v[0] += static_cast<double>(pdz[r * C + c]);
+      v[1] += static_cast<double>(pdzx[r * C + c]);
     }
   }
-  s_dz[ty][tx] = dz;
-  s_dzx[ty][tx] = dzx;
-  __syncthreads();
-  if (ty != 0 || c >= C) return;
-  dz = s_dz[0][tx];
-  dzx = s_dzx[0][tx];
-  for (int i = 1; i < kSumsLanes; ++i) {
-    dz += s_dz[i][tx];
-    dzx += s_dzx[i][tx];
-  }
+  column_lanes_sum(lanes, v);
+  if (threadIdx.y != 0 || c >= C) return;
   if (slices == nullptr) {
-    out.write(c, dz, dzx);
+    out.write(c, v[0], v[1]);
   } else {
-    slices[(2 * static_cast<int64_t>(blockIdx.y)) * C + c] = dz;
-    slices[(2 * static_cast<int64_t>(blockIdx.y) + 1) * C + c] = dzx;
+    slices[(2 * static_cast<int64_t>(blockIdx.y)) * C + c] = v[0];
+    slices[(2 * static_cast<int64_t>(blockIdx.y) + 1) * C + c] = v[1];
   }
 }
 
@@ -224,7 +214,7 @@ __global__ void __launch_bounds__(256)
 // else enough for two blocks an SM, at most cdiv(rows, 1024) of them.
 inline int64_t sums_slices(int64_t rows, int64_t C) {
   if (rows <= kSumsOneBlockRows) return 1;
-  const int64_t want = ceil_div(2 * sm_count(), ceil_div(C, kSumsCols));
+  const int64_t want = ceil_div(2 * sm_count(), ceil_div(C, kColumnCols));
   const int64_t per = ceil_div(rows, std::clamp<int64_t>(want, 1, ceil_div(rows, 1024)));
   return ceil_div(rows, per);
 }
@@ -252,9 +242,9 @@ std::pair<at::Tensor, at::Tensor> bn_sums(const at::Tensor& pdz, const at::Tenso
                            gg != nullptr ? gg->data_ptr<A>() : nullptr,
                            terms ? m.first.data_ptr<A>() : nullptr,
                            terms ? m.second.data_ptr<A>() : nullptr, inv_m};
-      const dim3 grid(static_cast<unsigned>(ceil_div(C, kSumsCols)),
+      const dim3 grid(static_cast<unsigned>(ceil_div(C, kColumnCols)),
                       static_cast<unsigned>(n_slices));
-      FUSEDRES_LAUNCH(grid, dim3(kSumsCols, kSumsLanes), 0, current_stream(),
+      FUSEDRES_LAUNCH(grid, dim3(kColumnCols, kColumnLanes), 0, current_stream(),
                       bn_sums_kernel<P, A>)(
           pdz.const_data_ptr<P>(), pdzx.const_data_ptr<P>(), rows, C, per,
           slices.defined() ? slices.data_ptr<double>() : nullptr, out);
@@ -316,10 +306,12 @@ void backward_store(BackwardPasses& p, Grads& out, const Wants& want, bool batch
     // phase every row is written, so no launch zeroes them.
     const DgradTiles& t = p.dgrad_tiles();
     const std::array<int64_t, 2> shape{p.phases * t.row_tiles * t.parts_per_tile, p.x.size(1)};
-    const auto opts = p.mean.options();
-    part_dz = p.phases == 1 ? at::empty(shape, opts) : at::zeros(shape, opts);
-    part_dzx = at::empty_like(part_dz);
-    if (p.phases > 1) part_dzx.zero_();
+    part_dz = at::empty(shape, p.mean.options());
+    part_dzx = at::empty(shape, p.mean.options());
+    if (p.phases > 1) {
+      part_dz.zero_();
+      part_dzx.zero_();
+    }
   }
   at::Tensor dz;
   int write = kWriteNothing;

@@ -189,6 +189,29 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ----------------------------------------------------------------------------- statistics
 
+// The per-channel column reductions (batch_stats's NHWC partials, genstats_merge, bn_sums) share
+// one block shape: 32 consecutive channels (threadIdx.x: coalesced reads of a row) x 8 row lanes
+// (threadIdx.y), lane ty taking rows ty, ty + 8, ... in order; the lanes are then combined in
+// lane order through shared memory (no atomics: the same bits every run).
+constexpr int kColumnCols = 32, kColumnLanes = 8;
+
+// Adds each thread's N values over the block's row lanes, in lane order: on return every thread
+// holds its column's totals in v. `lanes` is the caller's shared buffer; barriers before and
+// after, so a block may call it again with the same buffer.
+template <int N>
+__device__ __forceinline__ void column_lanes_sum(double (&lanes)[N][kColumnLanes][kColumnCols],
+                                                 double (&v)[N]) {
+  __syncthreads();
+  for (int k = 0; k < N; ++k) lanes[k][threadIdx.y][threadIdx.x] = v[k];
+  __syncthreads();
+  for (int k = 0; k < N; ++k) {
+    double s = lanes[k][0][threadIdx.x];
+    for (int i = 1; i < kColumnLanes; ++i) s += lanes[k][i][threadIdx.x];
+    v[k] = s;
+  }
+  __syncthreads();
+}
+
 // Count, mean and M2 (sum of squared deviations) of a set of values; Welford updates one value,
 // Chan's formula merges two sets. Non-finite values leave a non-finite mean and a nan M2.
 template <typename A>
