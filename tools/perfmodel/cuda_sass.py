@@ -230,6 +230,10 @@ class CudaUnitModel:
     dtype: str
     arch: int
     kernels: list
+    # The launches on the forward side (the forward GEMM, its weight copies, the batch
+    # statistics, the forward's affine): model_cutlass_unit keeps the rest when it prices the
+    # native backward after the CUTLASS forward.
+    forward: frozenset = frozenset()
 
     @property
     def low_s(self) -> float:
@@ -413,24 +417,28 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
         low = model.predict(_launch(r, name, n, chunks, nbytes, False), dev)
         high = model.predict(_launch(r, name, n, chunks, nbytes, True), dev)
         kernels.append((name, low.time_s, high.time_s, high.bound))
-    def dram_launch(name: str, nbytes: float):
+    fwd_side_names = {"fwd"}
+
+    def dram_launch(name: str, nbytes: float, fwd_side: bool = False):
         t = nbytes / (dev.dram_bytes_s * model.DRAM_EFFICIENCY) + model.LAUNCH_S
         kernels.append((name, t, t, "dram"))
+        if fwd_side:
+            fwd_side_names.add(name)
 
     if fwd_name == "bn_relu_conv2d_fwd_mma_kernel":
         # pack_weight: the permuted copy (kh*kw*C, Co), then zero columns up to Co8 if needed.
         w, w8 = tu.weight(), tu.weight() // u.co * (cdiv(u.co, 8) * 8)
-        dram_launch("weight pack", 2 * w)
+        dram_launch("weight pack", 2 * w, fwd_side=True)
         if w8 != w:  # constant_pad_nd: a fill, then the copy
-            dram_launch("weight pad (fill)", w8)
-            dram_launch("weight pad (copy)", w + w)
-    if dg_name == "dgrad_mma_kernel" and u.k > 1:
-        # the permuted copy (kh*kw*Co, C); a 1x1 weight is its own view of that layout
+            dram_launch("weight pad (fill)", w8, fwd_side=True)
+            dram_launch("weight pad (copy)", w + w, fwd_side=True)
+    if dg_name == "dgrad_mma_kernel" and weight_copied(u):
+        # the permuted copy (kh*kw*Co, C)
         dram_launch("weight pack (dgrad)", 2 * tu.weight())
     vec32 = 4 * u.c
-    dram_launch("batch_stats", dram["batch_stats"])
-    dram_launch("batch_stats finalize", 2 * vec32)
-    dram_launch("bn affine", 6 * vec32)
+    dram_launch("batch_stats", dram["batch_stats"], fwd_side=True)
+    dram_launch("batch_stats finalize", 2 * vec32, fwd_side=True)
+    dram_launch("bn affine", 6 * vec32, fwd_side=True)
     dram_launch("bn affine (backward)", 6 * vec32)
     # "wgrad reduce" in kernels/traffic: the split's dW partials (csrc/cuda's
     # wgrad_partials_sum: one launch) and the BatchNorm sums' (bn_sums: one launch, two past
@@ -441,7 +449,14 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     sums_rows = split * cdiv(u.co, wg.bm) * taps
     for name in bn_sums_launches(sums_rows):
         dram_launch(name, 2 * sums_rows * vec32 / len(bn_sums_launches(sums_rows)))
-    return CudaUnitModel(u, dtype, dev.arch, kernels)
+    return CudaUnitModel(u, dtype, dev.arch, kernels, frozenset(fwd_side_names))
+
+
+def weight_copied(u) -> bool:
+    """Whether the host copies unit ``u``'s weight into a GEMM's layout (the mma.sync data
+    gradient's (kh*kw*Co, C), CUTLASS's KRSC): not for a 1 x 1 filter, whose (Co, C, 1, 1)
+    weight is already a view of both."""
+    return u.k > 1
 
 
 SUMS_ONE_BLOCK_ROWS = 2048
@@ -571,7 +586,7 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     # forward: the affine and its 16-bit copies in one launch; the weight copied to KRSC (a 1x1
     # weight is its own KRSC view: no copy)
     dram_launch("bn affine (+16-bit)", 6 * vec32 + 2 * vec16)
-    if u.k > 1:
+    if weight_copied(u):
         dram_launch("weight to KRSC", 2 * tu.weight())
     fwd = _cutlass_row(rows, dev.arch, "Fprop", dtype, *cutlass_fprop_tile(m_out, u.co, dev.sms))
     launch("fwd (CUTLASS)", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
@@ -581,10 +596,7 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
         raise ValueError(f"backward: expected 'rule', 'store' or 'sums', got {backward!r}")
     if backward == "sums" or (backward == "rule" and not cutlass_wgrad_on(u.k, u.k)):
         native = model_cuda_unit(u, dtype, dev, rows)
-        kernels += [k for k in native.kernels
-                    if k[0] not in ("fwd", "weight pack", "weight pad (fill)",
-                                    "weight pad (copy)", "batch_stats",
-                                    "batch_stats finalize", "bn affine")]
+        kernels += [k for k in native.kernels if k[0] not in native.forward]
         return CudaUnitModel(u, dtype, dev.arch, kernels)
     # weight gradient
     def resident(bm: int, bn: int) -> int:
@@ -607,7 +619,7 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     phases = min(u.stride, u.h) ** 2
     sums_rows = phases * cdiv(u.n * cdiv(u.h, u.stride) ** 2, dg.bm) * (dg.bm // 64)
     parts = sums_rows * vec32 * 2
-    if u.k > 1:
+    if weight_copied(u):
         dram_launch("weight pack (dgrad)", 2 * tu.weight())
     if phases > 1:  # a smaller phase's idle blocks leave rows that must read 0
         dram_launch("zero the sums' partials (dz)", parts / 2)
