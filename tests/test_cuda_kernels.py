@@ -203,26 +203,37 @@ def test_forward_mma_path(dtype, case):
     assert rel_err(mean, mean64) <= 1e-5 and rel_err(var, var64) <= 1e-5
 
 
-# The mma.sync forward's two tiles (the host copy's SM count picks one): 64 x 64 (2 x 2
-# warps) and 128 x 64 (4 x 1 warps, each warp's A rows its own). Shapes: M = 2 * 12 * 11 = 264
+# The mma.sync forward's tiles: 64 or 128 rows (the host copy's SM count picks: 64 rows of
+# 2 x 2 warps or 4 x 1, 128 of 4 x 1 warps, each warp's A rows its own) by 16, 32 or 64 columns
+# (by Co: forward_mma_cols), 16 or 32 deep (forward_mma_depth). Shapes: M = 2 * 12 * 11 = 264
 # rows (three 128-row tiles, the last partial; five 64-row ones), C = 40 (a partial second K
-# chunk per tap), Co = 70 (two column tiles, the packed weight padded to 72); 3 x 3 with
+# chunk per tap), Co = 70 (two column tiles, the packed weight padded to 72), Co = 24 (a partial
+# 32-column tile), 8 and 9 (16 columns: some threads copy none of the weight's pieces; 9: the
+# packed weight padded to 16), C = 8 and 16 under 16 columns (16-deep chunks); 3 x 3 with
 # padding at stride 1 and 2, 1 x 1 at stride 2, a dilated 2 x 3 kernel.
 TILE_CASES = [
     (2, 40, 12, 11, 70, (3, 3), (1, 1), (1, 1), (1, 1), True, True),
     (3, 16, 15, 13, 24, (3, 3), (2, 2), (1, 1), (1, 1), False, True),
     (2, 24, 21, 17, 8, (1, 1), (2, 2), (0, 0), (1, 1), True, False),
     (1, 8, 13, 14, 9, (2, 3), (1, 2), (0, 1), (2, 1), False, False),
+    (2, 16, 12, 11, 16, (3, 3), (1, 1), (1, 1), (1, 1), True, True),
 ]
 
 
 @pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the tile hooks are built with the host copy")
-@pytest.mark.parametrize("case", TILE_CASES, ids=["c40-co70", "s2", "1x1-s2", "dil"])
+@pytest.mark.parametrize("case", TILE_CASES,
+                         ids=["c40-co70", "s2", "1x1-s2", "dil", "c16-co16"])
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
 def test_forward_mma_tiles(dtype, case):
-    """Both mma.sync forward tiles (the hook says which runs) within twice PyTorch's own error
-    against float64, genstats from the y each stores, and equal to each other bit for bit: every
-    output element runs the same m16n8k16 steps in the same order in either tile."""
+    """Both mma.sync forward tile heights at the columns and depth Co and C take (the hooks say
+    which runs) within twice PyTorch's own error against float64, genstats from the y each
+    stores, and equal to each other bit for bit: every output element runs the same m16n8k16
+    steps in the same order in either tile."""
+    c, co = case[1], case[4]
+    cols = 16 if co <= 16 else 32 if co <= 32 else 64
+    assert torch.ops.fusedres_cuda_testing.forward_mma_cols(co) == cols
+    assert torch.ops.fusedres_cuda_testing.forward_mma_depth(c, co) == (
+        16 if cols == 16 and c <= 16 else 32)
     args = list(make(case, dtype, channels_last=True))
     n = args[0].shape[0]
     bscale = torch.tensor([1.25, 0.0, 0.5][:n], dtype=torch.float32, device=DEVICE)
@@ -253,6 +264,14 @@ def test_forward_mma_tile_choice():
     with host_knobs(sms=1):
         assert rows(100, 8) == 128
     assert rows(100, 8) == 64
+    # A thin tile's columns hold Co (at most 32): as many column tiles as a 64-wide one.
+    assert rows(128 * 132, 16) == 128 and rows(128 * 131, 32) == 64
+    cols = torch.ops.fusedres_cuda_testing.forward_mma_cols
+    assert [cols(co) for co in (8, 16, 24, 32, 40, 64, 512)] == [16, 16, 32, 32, 64, 64, 64]
+    # 16 deep where the tile is 16 columns and C <= 16 (a 32-deep chunk: half zeros), else 32.
+    depth = torch.ops.fusedres_cuda_testing.forward_mma_depth
+    assert [depth(c, co) for c, co in ((16, 16), (8, 8), (24, 16), (16, 24), (16, 64))] == [
+        16, 16, 32, 32, 32]
     with pytest.raises(RuntimeError, match="set_sm_count: expected a positive count"):
         torch.ops.fusedres_cuda_testing.set_sm_count(0)
 
@@ -559,25 +578,32 @@ def test_backward_mma_path(dtype, case, split):
                 assert rel_err(g, w) <= (1e-2 if i < 2 else 1e-5), (what, i)
 
 
-# The mma.sync data gradient's two tiles (the host copy's SM count picks one): 64 x 64 (2 x 2
-# warps) and 128 x 64 (4 x 1 warps, its epilogue in two 64-row passes, each its own partials'
-# row). Largest stride phase: 2 * 11 * 12 = 264 rows (stride 1; three 128-row tiles, the last
-# partial), 3 * 8 * 7 = 168 (stride 2, 3 x 3: phases fed by 4, 2 and 1 taps), 2 * 11 * 9 = 198
-# (1 x 1 at stride 2: three phases no tap feeds); C = 72 and 40 (a partial column tile), Co = 40
-# (a partial K chunk), a dilated 2 x 3 kernel.
+# The mma.sync data gradient's tiles: 64 or 128 rows (the host copy's SM count picks: 64 rows
+# of 2 x 2 warps or 4 x 1, 128 of 4 x 1 warps, its epilogue in two 64-row passes, each its own
+# partials' row) by 16, 32 or 64 columns (by C: dgrad_mma_cols). Largest stride phase:
+# 2 * 11 * 12 = 264 rows (stride 1; three 128-row tiles, the last partial), 3 * 8 * 7 = 168
+# (stride 2, 3 x 3: phases fed by 4, 2 and 1 taps), 2 * 11 * 9 = 198 (1 x 1 at stride 2: three
+# phases no tap feeds); C = 72 and 40 (a partial 64-column tile), 16 and 8 (16 columns: some
+# threads copy none of the weight's pieces), 24 (a partial 32-column tile), Co = 40 (a partial
+# 32-deep K chunk), Co = 16 and 8 under 16 columns (16-deep chunks, the second partial), a
+# dilated 2 x 3 kernel.
 DGRAD_TILE_CASES = [
     (2, 72, 11, 12, 40, (3, 3), (1, 1), (1, 1), (1, 1), False, False),
     (3, 16, 15, 13, 24, (3, 3), (2, 2), (1, 1), (1, 1), False, False),
     (2, 40, 21, 17, 8, (1, 1), (2, 2), (0, 0), (1, 1), False, False),
     (1, 8, 13, 14, 16, (2, 3), (1, 1), (0, 1), (2, 1), False, False),
+    (2, 24, 11, 12, 40, (3, 3), (1, 1), (1, 1), (1, 1), False, False),
+    (2, 16, 9, 10, 8, (3, 3), (1, 1), (1, 1), (1, 1), False, False),
 ]
 
 
 @pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the tile hooks are built with the host copy")
-@pytest.mark.parametrize("case", DGRAD_TILE_CASES, ids=["c72-co40", "s2", "1x1-s2", "dil"])
+@pytest.mark.parametrize("case", DGRAD_TILE_CASES,
+                         ids=["c72-co40", "s2", "1x1-s2", "dil", "c24-co40", "c16-co8"])
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
 def test_backward_mma_dgrad_tiles(dtype, case):
-    """Both mma.sync data-gradient tiles (the hook says which runs), in both strategies (sums:
+    """Both mma.sync data-gradient tile heights at the columns C takes (the hooks say which
+    runs), in both strategies (sums:
     grad_x from the weight gradient's sums; store, no weight gradient asked for: dz and the
     sums from the data gradient's partials), with a branch scale: every gradient within twice
     PyTorch's own error against float64, and grad_x of the two tiles equal bit for bit in the
@@ -588,6 +614,11 @@ def test_backward_mma_dgrad_tiles(dtype, case):
     gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
     gy = gy.contiguous(memory_format=torch.channels_last)
     assert _dgrad_kernel_for(gy, x, weight) == "mma"
+    c, co = case[1], case[4]
+    cols = 16 if c <= 16 else 32 if c <= 32 else 64
+    assert torch.ops.fusedres_cuda_testing.dgrad_mma_cols(c) == cols
+    assert torch.ops.fusedres_cuda_testing.dgrad_mma_depth(c, co) == (
+        16 if cols == 16 and co <= 16 else 32)
     n = x.shape[0]
     phases = min(s[0], x.shape[2]) * min(s[1], x.shape[3])
     rows = n * -(-x.shape[2] // s[0]) * -(-x.shape[3] // s[1])
@@ -626,6 +657,14 @@ def test_backward_mma_dgrad_tile_choice():
     with host_knobs(sms=1):
         assert rows(100, 8, 1) == 128
     assert rows(100, 8, 1) == 64
+    # A thin tile's columns hold C (at most 32): as many column tiles as a 64-wide one.
+    assert rows(128 * 132, 16, 1) == 128 and rows(128 * 131, 32, 1) == 64
+    cols = torch.ops.fusedres_cuda_testing.dgrad_mma_cols
+    assert [cols(c) for c in (8, 16, 24, 32, 40, 64, 512)] == [16, 16, 32, 32, 64, 64, 64]
+    # 16 deep where the tile is 16 columns and Co <= 16 (a 32-deep chunk: half zeros), else 32.
+    depth = torch.ops.fusedres_cuda_testing.dgrad_mma_depth
+    assert [depth(c, co) for c, co in ((16, 16), (8, 8), (16, 24), (24, 16), (64, 16))] == [
+        16, 16, 32, 32, 32]
 
 
 @pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")

@@ -217,9 +217,9 @@ def test_cuda_row_ceiling_by_hand():
 
 def test_fixed_cuda_tiles_match_the_source():
     """The mma.sync kernels' tiles as their structs state them: MmaWgrad's fixed one
-    (_FIXED_TILES); the forward's and data gradient's two tiles each (MmaFwd / MmaDgrad<BM, BN,
-    WARPS_M, WARPS_N>, read from the demangled names by _MMA_TILE, BK from the struct), and the
-    model's per-shape rules (forward_mma_rows, dgrad_mma_rows) on the same thresholds."""
+    (_FIXED_TILES); the forward's and data gradient's tiles (MmaFwd / MmaDgrad<BM, BN,
+    WARPS_M, WARPS_N, BK>, read from the demangled names by _MMA_TILE), and the model's
+    per-shape rules (rows, columns, depth) on the same thresholds."""
     import os
     import re
 
@@ -237,24 +237,46 @@ def test_fixed_cuda_tiles_match_the_source():
     fwd = open(os.path.join(cuda_aot.ROOT, "csrc", "cuda", "bn_relu_conv2d.cu")).read()
     dgrad = open(os.path.join(cuda_dir, "bn_relu_conv2d_dgrad.cuh")).read()
     for src, struct in ((fwd, "MmaFwd"), (dgrad, "MmaDgrad")):
-        m = re.search(rf"struct {struct} \{{\s*static constexpr int BM = BM_, BN = BN_, "
-                      r"BK = (\d+), STAGES = \d+;", src)
-        assert m is not None and int(m.group(1)) == cuda_sass._MMA_TILE_BK, struct
+        # The depth is the fifth argument, 32 by default (the names then state it).
+        assert re.search(r"template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int BK_ = "
+                         rf"{cuda_sass._MMA_TILE_BK}>\s*struct {struct} \{{\s*static "
+                         r"constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = \d+;", src), struct
+        t = cuda_sass._MMA_TILE.search(f"k<Half, {struct}<128, 16, 4, 1, 16> >")
+        assert t is not None and t.groups() == ("128", "16", "4", "1", "16")
         assert f"using {struct}Small = {struct}<64, 64, 2, 2>;" in src, struct
         assert f"using {struct}Tall = {struct}<128, 64, 4, 1>;" in src, struct
         name = f"k<Half, {struct}<128, 64, 4, 1> >"
         t = cuda_sass._MMA_TILE.search(name)
-        assert t is not None and t.groups() == ("128", "64", "4", "1")
-    # The host rules: 128 rows once cdiv(rows, 128) * cdiv(C or Co, 64) (* phases) tiles fill
-    # the SMs.
-    assert "ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, MmaFwdTall::BN) >= sm_count()" in fwd
-    assert ("ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, MmaDgradTall::BN) * phases >= "
+        assert t is not None and t.groups() == ("128", "64", "4", "1", None)
+    # The data gradient's thin tiles for C <= 32 (4 x 1 warps, 16 or 32 columns) and the
+    # columns rule the model copies.
+    assert "using MmaDgradThin = MmaDgrad<BM, BN, 4, 1, BK>;" in dgrad
+    assert "using MmaFwdThin = MmaFwd<BM, BN, 4, 1, BK>;" in fwd
+    assert "return Co <= 16 ? 16 : Co <= 32 ? 32 : MmaFwdTall::BN;" in fwd
+    assert "return forward_mma_cols(Co) == 16 && C <= 16 ? 16 : MmaFwdTall::BK;" in fwd
+    assert [cuda_sass.forward_mma_cols(co) for co in (8, 16, 24, 32, 40, 64, 512)] == [
+        16, 16, 32, 32, 64, 64, 64]
+    assert [cuda_sass.forward_mma_depth(c, co) for c, co in (
+        (16, 16), (8, 8), (24, 16), (16, 24), (16, 64))] == [16, 16, 32, 32, 32]
+    assert "return C <= 16 ? 16 : C <= 32 ? 32 : MmaDgradTall::BN;" in dgrad
+    assert "return dgrad_mma_cols(C) == 16 && Co <= 16 ? 16 : MmaDgradTall::BK;" in dgrad
+    assert [cuda_sass.dgrad_mma_cols(c) for c in (8, 16, 24, 32, 40, 64, 512)] == [
+        16, 16, 32, 32, 64, 64, 64]
+    assert [cuda_sass.dgrad_mma_depth(c, co) for c, co in (
+        (16, 16), (8, 8), (16, 24), (24, 16), (64, 16))] == [16, 16, 32, 32, 32]
+    # The host rules: 128 rows once cdiv(rows, 128) * cdiv(C or Co, the tile's columns)
+    # (* phases) tiles fill the SMs.
+    assert ("ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, forward_mma_cols(Co)) >= sm_count()"
+            in fwd)
+    assert ("ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, dgrad_mma_cols(C)) * phases >= "
             "sm_count()") in dgrad
     assert cuda_sass.forward_mma_rows(128 * 132, 64, 132) == 128
     assert cuda_sass.forward_mma_rows(128 * 132 - 128, 64, 132) == 64
     assert cuda_sass.forward_mma_rows(128 * 66, 65, 132) == 128
     assert cuda_sass.dgrad_mma_rows(128 * 33, 64, 4, 132) == 128
     assert cuda_sass.dgrad_mma_rows(128 * 32, 64, 4, 132) == 64
+    assert cuda_sass.dgrad_mma_rows(128 * 132, 16, 1, 132) == 128
+    assert cuda_sass.dgrad_mma_rows(128 * 131, 32, 1, 132) == 64
 
 
 def test_cuda_unit_range_from_rows():

@@ -178,8 +178,9 @@ __global__ void __launch_bounds__(T::THREADS)
 // (every pixel's channels in 16-byte pieces): mma.sync m16n8k16 on operands that cp.async stages
 // into shared memory, 16 bytes a copy, through a STAGES-deep pipeline with one barrier per
 // K chunk (BK channels of one tap). A block of 4 warps owns a BM x BN output tile (MmaFwd: 64 x 64
-// of 2 x 2 warps of 32 x 32, or 128 x 64 of 4 x 1 warps of 32 x 64; forward_mma_rows picks one
-// per shape). x rows are copied raw: a tap outside the image
+// of 2 x 2 warps of 32 x 32, or 128 x 64 of 4 x 1 warps of 32 x 64, or a thin tile for
+// Co <= 32; forward_mma_rows, forward_mma_cols and forward_mma_depth pick one per shape). x
+// rows are copied raw: a tap outside the image
 // or a row past M is zero-filled, channels past C too. The BatchNorm affine and the ReLU are
 // applied to the A fragments after ldmatrix, in float32 and rounded to the weight dtype as the
 // unfused sequence does, and a fragment row whose tap is padding (or past M) is set to 0: the
@@ -190,9 +191,9 @@ __global__ void __launch_bounds__(T::THREADS)
 // are padded by 8 halves (A: 80 bytes, B: 144 bytes), so the 8 row addresses of each ldmatrix
 // phase fall in 8 different 4-bank groups. The accumulators go through shared memory (aliasing
 // the drained pipeline) to the epilogue shared with the other path (store_tile).
-template <int BM_, int BN_, int WARPS_M_, int WARPS_N_>
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int BK_ = 32>
 struct MmaFwd {
-  static constexpr int BM = BM_, BN = BN_, BK = 32, STAGES = 3;
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = 3;
   static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, THREADS = 32 * WARPS_M * WARPS_N;
   // Resident blocks per SM promised to ptxas (__launch_bounds__' second argument): without it
   // ptxas gave the 64 x 64 tile 96 registers and a 4-byte spill on sm_90; 4 blocks (128
@@ -202,7 +203,9 @@ struct MmaFwd {
   static constexpr int FM = WM / 16, FN = WN / 8;      // m16 tiles, n8 tiles per warp
   static constexpr int AST = BK + 8, BST = BN + 8, CLD = BN + 4;  // shared row lengths
   static constexpr int A_COPIES = BM * BK / 8 / THREADS;           // 16-byte copies per thread
-  static constexpr int B_COPIES = BK * BN / 8 / THREADS;
+  // A thin tile has fewer 16-byte pieces of B per chunk than threads: the first ones copy them.
+  static constexpr int B_PIECES = BK * BN / 8;
+  static constexpr int B_COPIES = (B_PIECES + THREADS - 1) / THREADS;
   static constexpr int A_BYTES = STAGES * BM * AST * 2;
   static constexpr int B_BYTES = STAGES * BK * BST * 2;
   static constexpr int S_BYTES = STAGES * 2 * BK * 4;  // scale and shift of the chunk's channels
@@ -210,7 +213,8 @@ struct MmaFwd {
   static constexpr int PIPE_BYTES = A_BYTES + B_BYTES + S_BYTES + V_BYTES;
   static constexpr int C_BYTES = BM * CLD * 4;
   static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
-  static_assert(A_COPIES * THREADS * 8 == BM * BK && B_COPIES * THREADS * 8 == BK * BN,
+  static_assert(A_COPIES * THREADS * 8 == BM * BK &&
+                    (B_COPIES * THREADS == B_PIECES || B_PIECES < THREADS),
                 "the 16-byte copies do not divide among the threads");
   static_assert(WM * WARPS_M == BM && WN * WARPS_N == BN && FM * 16 == WM && FN % 2 == 0,
                 "warp grid");
@@ -224,6 +228,14 @@ struct MmaFwd {
 // and each A fragment feeds 8 mma's instead of 4; twice the multiply-adds per barrier).
 using MmaFwdSmall = MmaFwd<64, 64, 2, 2>;
 using MmaFwdTall = MmaFwd<128, 64, 4, 1>;
+// For Co <= 32 a 64-column tile spends half or three quarters of its mma's on zero-filled
+// columns, and for C <= 16 a 32-deep chunk half of them on zero-filled K (CIFAR's 16-channel
+// units are bound by them on the A100: benchmarks/GPU_MODEL.md): the thin tiles, 64 or 128 rows
+// x 16 or 32 columns of 4 x 1 warps (forward_mma_cols), 16 deep where C and Co are both at most
+// 16 (forward_mma_depth). Each element's sum takes the same m16n8k16 steps with data in the
+// same order (a 32-deep chunk over 16 channels adds a step of zeros).
+template <int BM, int BN, int BK>
+using MmaFwdThin = MmaFwd<BM, BN, 4, 1, BK>;
 
 // Two 16-bit values of one register through relu(scale * x + shift), rounded back to W.
 template <typename W>
@@ -347,6 +359,7 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
 #pragma unroll
     for (int q = 0; q < T::B_COPIES; ++q) {
       const int e = tid + q * THREADS, r = e / (BN / 8), n = (e % (BN / 8)) * 8;
+      if (T::B_PIECES < THREADS && e >= T::B_PIECES) break;
       const bool ok = nx.c0 + r < Cin32 && co0 + n < co8;
       const W* src = ok ? wp + (nx.krow + nx.c0 + r) * co8 + co0 + n : wp;
       ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
@@ -434,14 +447,42 @@ inline at::Tensor pack_weight(const at::Tensor& weight) {
   return wp;
 }
 
-// The mma.sync forward's tile rows for M output pixels and Co output channels: 128 (MmaFwdTall)
-// when its tiles fill every SM at least once (cdiv(M, 128) * cdiv(Co, 64) >= the SM count), else
-// 64 (MmaFwdSmall: twice the blocks for small grids). tools/perfmodel/cuda_sass.py
+// The mma.sync forward's tile columns for Co output channels: the narrowest of 16, 32 and 64
+// that holds Co, else 64; and its K chunk for C input channels: 16 where the tile is 16 columns
+// and C <= 16 (a 32-deep chunk would be half zeros), else 32. tools/perfmodel/cuda_sass.py
+// (forward_mma_cols, forward_mma_depth) prices the same rules.
+inline int64_t forward_mma_cols(int64_t Co) {
+  return Co <= 16 ? 16 : Co <= 32 ? 32 : MmaFwdTall::BN;
+}
+inline int64_t forward_mma_depth(int64_t C, int64_t Co) {
+  return forward_mma_cols(Co) == 16 && C <= 16 ? 16 : MmaFwdTall::BK;
+}
+
+// The mma.sync forward's tile rows for M output pixels and Co output channels: 128 when its
+// tiles fill every SM at least once (cdiv(M, 128) * cdiv(Co, forward_mma_cols(Co)) >= the SM
+// count), else 64 (twice the blocks for small grids). tools/perfmodel/cuda_sass.py
 // (forward_mma_rows) prices the same rule.
 inline int64_t forward_mma_rows(int64_t M, int64_t Co) {
-  return ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, MmaFwdTall::BN) >= sm_count()
+  return ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, forward_mma_cols(Co)) >= sm_count()
              ? MmaFwdTall::BM
              : MmaFwdSmall::BM;
+}
+
+// f(tile) with the mma.sync forward's tile type of `bm` rows, `cols` columns, `depth` K.
+template <typename F>
+void with_forward_tile(int64_t bm, int64_t cols, int64_t depth, F&& f) {
+  TORCH_CHECK(bm == MmaFwdTall::BM || bm == MmaFwdSmall::BM,
+              "launch_forward: no mma.sync tile of ", bm, " rows");
+  const bool tall = bm == MmaFwdTall::BM;
+  if (cols == 16 && depth == 16) {
+    tall ? f(MmaFwdThin<128, 16, 16>{}) : f(MmaFwdThin<64, 16, 16>{});
+  } else if (cols == 16) {
+    tall ? f(MmaFwdThin<128, 16, 32>{}) : f(MmaFwdThin<64, 16, 32>{});
+  } else if (cols == 32) {
+    tall ? f(MmaFwdThin<128, 32, 32>{}) : f(MmaFwdThin<64, 32, 32>{});
+  } else {
+    tall ? f(MmaFwdTall{}) : f(MmaFwdSmall{});
+  }
 }
 
 template <typename W, typename T>
@@ -477,14 +518,11 @@ void launch_forward(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   using C = acc_t<W>;
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
     if (use_mma_forward(x, bn)) {
-      if (bm == MmaFwdTall::BM) {
-        launch_forward_mma<W, MmaFwdTall>(x, weight, bias, bn, residual, bscale, y, part_mean,
-                                          part_m2, g, M);
-      } else {
-        TORCH_CHECK(bm == MmaFwdSmall::BM, "launch_forward: no mma.sync tile of ", bm, " rows");
-        launch_forward_mma<W, MmaFwdSmall>(x, weight, bias, bn, residual, bscale, y, part_mean,
-                                           part_m2, g, M);
-      }
+      const int64_t Cin = x.size(1), Co = weight.size(0);
+      with_forward_tile(bm, forward_mma_cols(Co), forward_mma_depth(Cin, Co), [&](auto tile) {
+        launch_forward_mma<W, decltype(tile)>(x, weight, bias, bn, residual, bscale, y,
+                                              part_mean, part_m2, g, M);
+      });
       return;
     }
   }

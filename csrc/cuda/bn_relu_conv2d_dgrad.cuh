@@ -216,17 +216,20 @@ __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
 // (di = (pa + ph - i dh) / sh, exact for a tap of the phase), a row outside dy zero-filled,
 // as are rows past the phase's pixels. B: the weight pre-packed (host) as row-major
 // (taps*Co, C), row tap*Co + co, so a chunk is BK rows of 16-byte pieces. No transform on the
-// fragments: the ReLU mask and the branch scale are applied in the epilogue. 4 warps of 32 x 32
-// (2 x 4 m16n8 accumulators); shared rows padded by 8 halves as in the forward.
-template <int BM_, int BN_, int WARPS_M_, int WARPS_N_>
+// fragments: the ReLU mask and the branch scale are applied in the epilogue. 4 warps; shared
+// rows padded by 8 halves as in the forward. A thin tile (BN = 16 or 32 for C <= 32, BK = 16
+// for Co <= 16 too) has fewer 16-byte pieces of B per chunk than threads: the first B_PIECES
+// threads copy one each.
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int BK_ = 32>
 struct MmaDgrad {
-  static constexpr int BM = BM_, BN = BN_, BK = 32, STAGES = 3;
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = 3;
   static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, THREADS = 32 * WARPS_M * WARPS_N;
   static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
   static constexpr int FM = WM / 16, FN = WN / 8;
   static constexpr int AST = BK + 8, BST = BN + 8, CLD = BN + 4;
   static constexpr int A_COPIES = BM * BK / 8 / THREADS;
-  static constexpr int B_COPIES = BK * BN / 8 / THREADS;
+  static constexpr int B_PIECES = BK * BN / 8;
+  static constexpr int B_COPIES = (B_PIECES + THREADS - 1) / THREADS;
   static constexpr int MAX_TAPS = 64;  // kh * kw of the kernels it takes
   // The epilogue runs on EM rows at a time (BM / EM passes, each with its own partials' row),
   // so the 128-row tile's da / dz and dz * xhat fit in the static 48 KiB beside the pipeline.
@@ -236,7 +239,8 @@ struct MmaDgrad {
   static constexpr int PIPE_BYTES = A_BYTES + B_BYTES;
   static constexpr int C_BYTES = 2 * EM * CLD * 4;  // da / dz and dz * xhat
   static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
-  static_assert(A_COPIES * THREADS * 8 == BM * BK && B_COPIES * THREADS * 8 == BK * BN,
+  static_assert(A_COPIES * THREADS * 8 == BM * BK &&
+                    (B_COPIES * THREADS == B_PIECES || B_PIECES < THREADS),
                 "the 16-byte copies do not divide among the threads");
   static_assert(WM * WARPS_M == BM && WN * WARPS_N == BN && FM * 16 == WM && FN % 2 == 0,
                 "warp grid");
@@ -244,11 +248,18 @@ struct MmaDgrad {
   static_assert(A_BYTES % 128 == 0 && B_BYTES % 128 == 0, "stage buffers 128-byte aligned");
   static_assert(SMEM + BM * 16 + 3 * MAX_TAPS * 4 + 4 <= 48 * 1024, "static shared memory");
 };
-// The two tile configurations (dgrad_mma_rows picks one per shape): 64 x 64 of 2 x 2 warps of
-// 32 x 32, and 128 x 64 of 4 x 1 warps of 32 x 64 (each ldmatrix feeds twice the mma's, twice
-// the multiply-adds per barrier).
+// The tile configurations (dgrad_mma_rows picks the rows per shape, dgrad_mma_cols the columns
+// by C, dgrad_mma_depth the K chunk): 64 x 64 of 2 x 2 warps of 32 x 32, and 128 x 64 of 4 x 1
+// warps of 32 x 64 (each ldmatrix feeds twice the mma's, twice the multiply-adds per barrier).
+// For C <= 32 a 64-column tile spends half or three quarters of its mma's on zero-filled
+// columns, and for Co <= 16 a 32-deep chunk half of them on zero-filled K (CIFAR's 16-channel
+// units are bound by them on the A100: benchmarks/GPU_MODEL.md): the thin tiles, 64 or 128
+// rows x 16 or 32 columns of 4 x 1 warps, 16 deep where C and Co are both at most 16. Each
+// element's sum takes the same m16n8k16 steps in the same order in every tile.
 using MmaDgradSmall = MmaDgrad<64, 64, 2, 2>;
 using MmaDgradTall = MmaDgrad<128, 64, 4, 1>;
+template <int BM, int BN, int BK>
+using MmaDgradThin = MmaDgrad<BM, BN, 4, 1, BK>;
 
 // The taps that feed phase (pa, pb), by one thread: (ih + ph - i dh) a multiple of sh for every
 // row, with the shift (di, dj) from a row's phase-grid pixel to its output pixel at that tap
@@ -361,6 +372,7 @@ __global__ void __launch_bounds__(T::THREADS)
 #pragma unroll
     for (int q = 0; q < T::B_COPIES; ++q) {
       const int e = tid + q * THREADS, r = e / (BN / 8), n = (e % (BN / 8)) * 8;
+      if (T::B_PIECES < THREADS && e >= T::B_PIECES) break;
       const bool ok = nx.k0 + r < Co32 && c0 + n < Cin32;
       const W* src = ok ? wp + (nx.krow + nx.k0 + r) * Cin + c0 + n : wp;
       ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
@@ -460,22 +472,49 @@ bool dgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, const at::Tensor&
   return weight.size(2) * weight.size(3) <= MmaDgradSmall::MAX_TAPS;
 }
 
+// The mma.sync data gradient's tile columns for C input channels: the narrowest of 16, 32 and
+// 64 that holds C, else 64. tools/perfmodel/cuda_sass.py (dgrad_mma_cols) prices the same rule.
+int64_t dgrad_mma_cols(int64_t C) { return C <= 16 ? 16 : C <= 32 ? 32 : MmaDgradTall::BN; }
+
+// Its K chunk for C input and Co output channels: 16 where the tile is 16 columns and Co <= 16
+// (a 32-deep chunk would be half zeros), else 32. tools/perfmodel/cuda_sass.py
+// (dgrad_mma_depth) prices the same rule.
+int64_t dgrad_mma_depth(int64_t C, int64_t Co) {
+  return dgrad_mma_cols(C) == 16 && Co <= 16 ? 16 : MmaDgradTall::BK;
+}
+
 // The mma.sync data gradient's tile rows for `rows` input pixels of the largest stride phase,
-// C input channels and `phases` phases: 128 (MmaDgradTall) when its tiles fill every SM at least
-// once (cdiv(rows, 128) * cdiv(C, 64) * phases >= the SM count), else 64 (MmaDgradSmall).
+// C input channels and `phases` phases: 128 when its tiles fill every SM at least once
+// (cdiv(rows, 128) * cdiv(C, dgrad_mma_cols(C)) * phases >= the SM count), else 64.
 // tools/perfmodel/cuda_sass.py (dgrad_mma_rows) prices the same rule.
 int64_t dgrad_mma_rows(int64_t rows, int64_t C, int64_t phases) {
-  return ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, MmaDgradTall::BN) * phases >= sm_count()
+  return ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, dgrad_mma_cols(C)) * phases >= sm_count()
              ? MmaDgradTall::BM
              : MmaDgradSmall::BM;
 }
 
-// The data gradient's tiling for one call: which kernel (mma: dgrad_mma_kernel), its tile rows,
-// the row tiles of the largest stride phase (the grid's x), and the partials' rows per tile.
+// The data gradient's tiling for one call: which kernel (mma: dgrad_mma_kernel), its tile rows
+// and columns, the row tiles of the largest stride phase (the grid's x), and the partials' rows
+// per tile (their columns are C's whatever the tile's width).
 struct DgradTiles {
   bool mma;
-  int64_t rows, row_tiles, parts_per_tile;
+  int64_t rows, cols, depth, row_tiles, parts_per_tile;
 };
+
+// f(tile) with the mma.sync tile type of `dt`'s rows, columns and depth.
+template <typename F>
+void with_dgrad_tile(const DgradTiles& dt, F&& f) {
+  const bool tall = dt.rows == MmaDgradTall::BM;
+  if (dt.cols == 16 && dt.depth == 16) {
+    tall ? f(MmaDgradThin<128, 16, 16>{}) : f(MmaDgradThin<64, 16, 16>{});
+  } else if (dt.cols == 16) {
+    tall ? f(MmaDgradThin<128, 16, 32>{}) : f(MmaDgradThin<64, 16, 32>{});
+  } else if (dt.cols == 32) {
+    tall ? f(MmaDgradThin<128, 32, 32>{}) : f(MmaDgradThin<64, 32, 32>{});
+  } else {
+    tall ? f(MmaDgradTall{}) : f(MmaDgradSmall{});
+  }
+}
 
 // The weight packed for the mma.sync data gradient: (Co, C, kh, kw) -> row-major (kh*kw*Co, C),
 // row (i*kw + j)*Co + co, on a 16-byte boundary.
@@ -496,20 +535,23 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
                   int write, const ConvGeom& g, int64_t phases, const DgradTiles& dt) {
   using T = typename TilesFor<W>::Fwd;
   using A = acc_t<X>;
-  const dim3 grid(static_cast<unsigned>(dt.row_tiles),
-                  static_cast<unsigned>(ceil_div(x.size(1), T::BN)), static_cast<unsigned>(phases));
+  // The grid: the largest phase's row tiles x the column tiles x the phases. The partials have
+  // one layout for every kernel and tile (a row per 64 pixels of a row tile, C columns).
+  const auto grid = [&](int64_t cols) {
+    return dim3(static_cast<unsigned>(dt.row_tiles),
+                static_cast<unsigned>(ceil_div(x.size(1), cols)), static_cast<unsigned>(phases));
+  };
   const at::Tensor& out = gx != nullptr ? *gx : (dz != nullptr ? *dz : x);
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
-    // One grid (but the tile rows) and one layout of partials for both kernels.
-    static_assert(MmaDgradSmall::BN == T::BN && MmaDgradTall::BN == T::BN,
-                  "the mma.sync data gradient shares the WMMA kernel's tile columns");
     if (dt.mma) {
       const at::Tensor wp = pack_weight_dgrad(weight);
-      const auto launch = [&](auto tile) {
+      with_dgrad_tile(dt, [&](auto tile) {
         using TM = decltype(tile);
-        TORCH_CHECK(dt.rows == TM::BM && dt.parts_per_tile == TM::PASSES,
+        TORCH_CHECK(dt.rows == TM::BM && dt.cols == TM::BN && dt.depth == TM::BK &&
+                        dt.parts_per_tile == TM::PASSES,
                     "launch_dgrad: the tile plan does not match the kernel");
-        FUSEDRES_LAUNCH(grid, dim3(TM::THREADS), 0, current_stream(), dgrad_mma_kernel<W, TM>)(
+        FUSEDRES_LAUNCH(grid(TM::BN), dim3(TM::THREADS), 0, current_stream(),
+                        dgrad_mma_kernel<W, TM>)(
           go.const_data_ptr<W>(), wp.const_data_ptr<W>(), x.const_data_ptr<X>(),
           bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
           invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
@@ -521,18 +563,13 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
           bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(x),
           dims_of(out), g, write);
         FUSEDRES_CHECK_LAUNCH();
-      };
-      if (dt.rows == MmaDgradTall::BM) {
-        launch(MmaDgradTall{});
-      } else {
-        launch(MmaDgradSmall{});
-      }
+      });
       return;
     }
   }
-  TORCH_CHECK(dt.rows == T::BM && dt.parts_per_tile == 1,
+  TORCH_CHECK(dt.rows == T::BM && dt.cols == T::BN && dt.depth == T::BK && dt.parts_per_tile == 1,
               "launch_dgrad: the tile plan does not match the WMMA / FMA kernel");
-  FUSEDRES_LAUNCH(grid, dim3(T::THREADS), 0, current_stream(), dgrad_kernel<X, W, T>)(
+  FUSEDRES_LAUNCH(grid(T::BN), dim3(T::THREADS), 0, current_stream(), dgrad_kernel<X, W, T>)(
       go.const_data_ptr<W>(), weight.const_data_ptr<W>(), x.const_data_ptr<X>(),
       bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
       invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,

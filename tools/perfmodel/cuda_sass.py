@@ -30,10 +30,11 @@ from . import sass
 from .devices import A100, H100
 
 _TILE = re.compile(r"TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])E")
-# The mma.sync kernels whose tile is a template argument MmaFwd<BM, BN, WARPS_M, WARPS_N>
-# (csrc/cuda/bn_relu_conv2d.cu) or MmaDgrad<...> (bn_relu_conv2d_dgrad.cuh); BK = 32,
-# 32 * WARPS_M * WARPS_N threads; demangled.
-_MMA_TILE = re.compile(r"Mma(?:Fwd|Dgrad)<(\d+), (\d+), (\d+), (\d+)\s*>")
+# The mma.sync kernels whose tile is a template argument MmaFwd<BM, BN, WARPS_M, WARPS_N, BK>
+# (csrc/cuda/bn_relu_conv2d.cu) or MmaDgrad<BM, BN, WARPS_M, WARPS_N, BK>
+# (bn_relu_conv2d_dgrad.cuh); BK = 32 where the name has none, 32 * WARPS_M * WARPS_N threads;
+# demangled.
+_MMA_TILE = re.compile(r"Mma(?:Fwd|Dgrad)<(\d+), (\d+), (\d+), (\d+)(?:, (\d+))?\s*>")
 _MMA_TILE_BK = 32
 # Kernels whose tile is fixed in their source rather than a Tile<> argument: name ->
 # (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d_wgrad.cuh,
@@ -160,7 +161,8 @@ def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
                 bm, bn, bk, threads = fixed
             elif mt is not None:
                 wm, wn = int(mt.group(3)), int(mt.group(4))
-                fixed = (int(mt.group(1)), int(mt.group(2)), _MMA_TILE_BK, 32 * wm * wn)
+                fixed = (int(mt.group(1)), int(mt.group(2)), int(mt.group(5) or _MMA_TILE_BK),
+                         32 * wm * wn)
             if ct is not None:
                 pass
             elif fixed is not None:
@@ -245,7 +247,8 @@ class CudaUnitModel:
 
 
 def _row(rows: list[CudaKernelRow], arch: int, kernel: str, dtype: str,
-         sums: bool | None = None, bm: int | None = None) -> CudaKernelRow:
+         sums: bool | None = None, bm: int | None = None, bn: int | None = None,
+         bk: int | None = None) -> CudaKernelRow:
     t = "Half" if dtype == "fp16" else "BFloat16"
     for r in rows:
         # <X, W, Tile...> instantiations, the fixed-tile kernels' <W> and <W, SUMS>
@@ -254,9 +257,11 @@ def _row(rows: list[CudaKernelRow], arch: int, kernel: str, dtype: str,
                                or r.name in (f"{kernel}<{t}>", f"{kernel}<{t}, true>",
                                              f"{kernel}<{t}, false>")) and (
                 sums is None or r.name.rstrip(" >").endswith("true" if sums else "false")) and (
-                bm is None or r.bm == bm):
+                bm is None or r.bm == bm) and (bn is None or r.bn == bn) and (
+                bk is None or r.bk == bk):
             return r
-    raise ValueError(f"no {kernel} <{t}> instantiation (bm {bm}) for sm_{arch} in the CUDA rows")
+    raise ValueError(f"no {kernel} <{t}> instantiation (bm {bm}, bn {bn}, bk {bk}) for "
+                     f"sm_{arch} in the CUDA rows")
 
 
 def _launch(r: CudaKernelRow, label: str, ctas: int, chunks: float, dram: float,
@@ -285,19 +290,48 @@ def forward_kernel(u, forward: str = "mma", channels_last: bool = True) -> str:
     return "bn_relu_conv2d_fwd_kernel"
 
 
+def forward_mma_cols(co: int) -> int:
+    """The mma.sync forward's tile columns for co output channels (forward_mma_cols in
+    csrc/cuda/bn_relu_conv2d.cu): 16 or 32 (the thin tiles, MmaFwd<BM, 16 or 32, 4, 1, BK>)
+    for co <= 16 or 32, else 64."""
+    return 16 if co <= 16 else 32 if co <= 32 else 64
+
+
+def forward_mma_depth(c: int, co: int) -> int:
+    """The mma.sync forward's K chunk for c input and co output channels (forward_mma_depth in
+    csrc/cuda/bn_relu_conv2d.cu): 16 where its tile is 16 columns and c <= 16, else 32."""
+    return 16 if forward_mma_cols(co) == 16 and c <= 16 else 32
+
+
 def forward_mma_rows(m: int, co: int, sms: int) -> int:
     """The mma.sync forward's tile rows for m output pixels and co output channels on a GPU of
-    ``sms`` SMs (forward_mma_rows in csrc/cuda/bn_relu_conv2d.cu): 128 (MmaFwd<128, 64, 4, 1>)
-    when cdiv(m, 128) * cdiv(co, 64) >= sms, else 64 (MmaFwd<64, 64, 2, 2>)."""
-    return 128 if -(-m // 128) * -(-co // 64) >= sms else 64
+    ``sms`` SMs (forward_mma_rows in csrc/cuda/bn_relu_conv2d.cu): 128 when
+    cdiv(m, 128) * cdiv(co, forward_mma_cols(co)) >= sms, else 64 (for co > 32:
+    MmaFwd<128, 64, 4, 1>, MmaFwd<64, 64, 2, 2>)."""
+    return 128 if -(-m // 128) * -(-co // forward_mma_cols(co)) >= sms else 64
+
+
+def dgrad_mma_cols(c: int) -> int:
+    """The mma.sync data gradient's tile columns for c input channels (dgrad_mma_cols in
+    csrc/cuda/bn_relu_conv2d_dgrad.cuh): 16 or 32 (the thin tiles, MmaDgrad<BM, 16 or 32, 4,
+    1>) for c <= 16 or 32, else 64."""
+    return 16 if c <= 16 else 32 if c <= 32 else 64
+
+
+def dgrad_mma_depth(c: int, co: int) -> int:
+    """The mma.sync data gradient's K chunk for c input and co output channels
+    (dgrad_mma_depth in csrc/cuda/bn_relu_conv2d_dgrad.cuh): 16 where its tile is 16 columns
+    and co <= 16, else 32."""
+    return 16 if dgrad_mma_cols(c) == 16 and co <= 16 else 32
 
 
 def dgrad_mma_rows(rows: int, c: int, phases: int, sms: int) -> int:
     """The mma.sync data gradient's tile rows for ``rows`` pixels of the largest stride phase,
     c input channels and ``phases`` phases on a GPU of ``sms`` SMs (dgrad_mma_rows in
-    csrc/cuda/bn_relu_conv2d_dgrad.cuh): 128 (MmaDgrad<128, 64, 4, 1>) when
-    cdiv(rows, 128) * cdiv(c, 64) * phases >= sms, else 64 (MmaDgrad<64, 64, 2, 2>)."""
-    return 128 if -(-rows // 128) * -(-c // 64) * phases >= sms else 64
+    csrc/cuda/bn_relu_conv2d_dgrad.cuh): 128 when
+    cdiv(rows, 128) * cdiv(c, dgrad_mma_cols(c)) * phases >= sms, else 64 (for c > 32:
+    MmaDgrad<128, 64, 4, 1>, MmaDgrad<64, 64, 2, 2>)."""
+    return 128 if -(-rows // 128) * -(-c // dgrad_mma_cols(c)) * phases >= sms else 64
 
 
 def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
@@ -330,14 +364,16 @@ def dgrad_kernel(u, dgrad: str = "mma", channels_last: bool = True) -> str:
 def _dgrad_grid(u, dtype: str, dev, rows: list[CudaKernelRow],
                 name: str) -> tuple[CudaKernelRow, int, float]:
     """The data-gradient kernel ``name``'s row (the mma.sync one's tile by
-    :func:`dgrad_mma_rows`), its blocks over every stride phase (cdiv(rows, BM) x cdiv(C, BN)
-    each) and their mean K chunks (the phase's taps x cdiv(Co, BK))."""
+    :func:`dgrad_mma_rows` and :func:`dgrad_mma_cols`), its blocks over every stride phase
+    (cdiv(rows, BM) x cdiv(C, BN) each) and their mean K chunks (the phase's taps x
+    cdiv(Co, BK))."""
     from fusedres.kernels._common import cdiv
 
     p, s = u.padding, u.stride
+    mma = name == "dgrad_mma_kernel"
     dg = _row(rows, dev.arch, name, dtype, bm=dgrad_mma_rows(
-        u.n * cdiv(u.h, s) * cdiv(u.h, s), u.c, min(s, u.h) ** 2, dev.sms)
-        if name == "dgrad_mma_kernel" else None)
+        u.n * cdiv(u.h, s) * cdiv(u.h, s), u.c, min(s, u.h) ** 2, dev.sms) if mma else None,
+        bn=dgrad_mma_cols(u.c) if mma else None, bk=dgrad_mma_depth(u.c, u.co) if mma else None)
     ctas, work = 0, 0.0
     for pa in range(min(s, u.h)):
         for pb in range(min(s, u.h)):
@@ -358,7 +394,8 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
 
     * fwd: the kernel that runs (:func:`forward_kernel`): for channels-last x with C % 8 == 0,
       the benchmark units, the mma.sync kernel bn_relu_conv2d_fwd_mma_kernel (struct MmaFwd:
-      128x64x32 tiles where they fill the SMs, else 64x64x32, :func:`forward_mma_rows`), after a
+      128 rows where they fill the SMs, else 64, :func:`forward_mma_rows`; 16, 32 or 64
+      columns by Co, :func:`forward_mma_cols`; BK = 16 or 32, :func:`forward_mma_depth`), after a
       DRAM-bound launch packing the weight to (kh*kw*C, Co8); ``forward="wmma"``
       or NCHW x prices the WMMA kernel bn_relu_conv2d_fwd_kernel
       instead. Grid cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, BK);
@@ -370,8 +407,9 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
       device's SMs); K chunks: cdiv(cdiv(M, 32), split) K-steps of 32
       pixels, each 32 / BK chunks (BK = 16 for the mma.sync kernel, 32 for the WMMA one);
     * dgrad writing dx: the kernel that runs (:func:`dgrad_kernel`): for the same units the
-      mma.sync kernel dgrad_mma_kernel (struct MmaDgrad: 128x64x32 tiles where they fill the
-      SMs, else 64x64x32, :func:`dgrad_mma_rows`), after a DRAM-bound launch packing the
+      mma.sync kernel dgrad_mma_kernel (struct MmaDgrad: 128 rows where they fill the SMs,
+      else 64, :func:`dgrad_mma_rows`; 16, 32 or 64 columns by C, :func:`dgrad_mma_cols`;
+      BK = 16 or 32, :func:`dgrad_mma_depth`), after a DRAM-bound launch packing the
       weight to (kh*kw*Co, C); ``dgrad="wmma"`` or NCHW the WMMA
       kernel dgrad_kernel. Grid per stride phase cdiv(rows, BM) x cdiv(C, BN); K chunks: the
       phase's taps x cdiv(Co, BK);
@@ -398,8 +436,11 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     m_out = u.n * u.ho * u.ho
     out = []
     fwd_name = forward_kernel(u, forward, channels_last)
-    fwd = _row(rows, dev.arch, fwd_name, dtype, bm=forward_mma_rows(m_out, u.co, dev.sms)
-               if fwd_name == "bn_relu_conv2d_fwd_mma_kernel" else None)
+    fwd_mma = fwd_name == "bn_relu_conv2d_fwd_mma_kernel"
+    fwd = _row(rows, dev.arch, fwd_name, dtype,
+               bm=forward_mma_rows(m_out, u.co, dev.sms) if fwd_mma else None,
+               bn=forward_mma_cols(u.co) if fwd_mma else None,
+               bk=forward_mma_depth(u.c, u.co) if fwd_mma else None)
     out.append(("fwd", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
                 taps * cdiv(u.c, fwd.bk), dram["fwd"]))
     wg_name = wgrad_kernel(u, wgrad, channels_last)

@@ -45,6 +45,14 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("forward_mma_rows(int M, int Co) -> int");
   m.impl("forward_mma_rows",
          [](int64_t M, int64_t Co) { return fusedres::cuda_on_cpu::forward_mma_rows(M, Co); });
+  // Its tile columns for Co output channels (16, 32: the thin tiles; 64) and K chunk for C
+  // input channels (16, 32), by forward_mma_cols and forward_mma_depth.
+  m.def("forward_mma_cols(int Co) -> int");
+  m.impl("forward_mma_cols", [](int64_t Co) { return fusedres::cuda_on_cpu::forward_mma_cols(Co); });
+  m.def("forward_mma_depth(int C, int Co) -> int");
+  m.impl("forward_mma_depth", [](int64_t C, int64_t Co) {
+    return fusedres::cuda_on_cpu::forward_mma_depth(C, Co);
+  });
   m.def("set_sm_count(int sms) -> int");
   m.impl("set_sm_count", [](int64_t sms) {
     TORCH_CHECK(sms > 0, "set_sm_count: expected a positive count, got ", sms);

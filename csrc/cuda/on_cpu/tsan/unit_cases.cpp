@@ -139,7 +139,11 @@ FUSEDRES_TSAN_CASE(unit_forward_fma) {
 
 FUSEDRES_TSAN_CASE(unit_forward_wmma) { check_forward(at::kBFloat16, true, 3e-2); }
 
-FUSEDRES_TSAN_CASE(unit_forward_mma) { check_forward(at::kHalf, true, 2e-2, 40); }
+// Co = 6: the thin 16-column tile (32 deep over C = 40, 16 deep over C = 16).
+FUSEDRES_TSAN_CASE(unit_forward_mma) {
+  check_forward(at::kHalf, true, 2e-2, 40);
+  check_forward(at::kBFloat16, true, 3e-2, 16);
+}
 
 // The mma.sync forward's 128-row tile (MmaFwdTall, chosen on one SM: these shapes pick the
 // 64-row one on 132): 4 warps of 32 x 64, the 84 output rows one partial tile.
@@ -175,4 +179,12 @@ FUSEDRES_TSAN_CASE(unit_backward_dgrad_mma_tall) {
   k::host_sm_count() = 1;
   check_backward(at::kHalf, true, "store", 0, 2e-2, 40, 16);
   k::host_sm_count() = 132;
+}
+
+// The thin data-gradient tiles (C <= 32): 16 columns (C = 16: fewer 16-byte pieces of the
+// weight per chunk than threads, the first ones copy them) and 32 (C = 24: a partial column
+// tile), in the store strategy (the sums from its partials) and the sums one.
+FUSEDRES_TSAN_CASE(unit_backward_dgrad_mma_thin) {
+  check_backward(at::kHalf, true, "store", 0, 2e-2, 16, 16);
+  check_backward(at::kBFloat16, true, "sums", 1, 1e-1, 24, 16);
 }
