@@ -646,6 +646,31 @@ def test_backward_mma_dgrad_tiles(dtype, case):
                     assert rel_err(a, b) <= (1e-2 if i < 2 else 1e-5), i
 
 
+@pytest.mark.parametrize("case", [DGRAD_TILE_CASES[i] for i in (0, 1, 3)],
+                         ids=["c72-co40", "s2", "dil"])
+@pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
+def test_backward_mma_dgrad_reads_a_channels_last_weight_in_place(dtype, case):
+    """The mma.sync data gradient reads a channels-last weight (KRSC: what a channels-last
+    model holds) in place and packs any other to (kh*kw*Co, C): the same values in the same
+    order, so every gradient is equal bit for bit, in both strategies, whatever the weight's
+    layout (grad_weight in its weight's)."""
+    args = make(case, dtype, channels_last=True)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
+    gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
+    gy = gy.contiguous(memory_format=torch.channels_last)
+    w_cl = weight.contiguous(memory_format=torch.channels_last)
+    w_nchw = weight.contiguous()
+    assert not w_nchw.is_contiguous(memory_format=torch.channels_last)
+    assert _dgrad_kernel_for(gy, x, w_cl) == _dgrad_kernel_for(gy, x, w_nchw) == "mma"
+    for mask in ([True] * 5, [True, False, False, True, True]):
+        got = [OPS.bn_relu_conv2d_backward(gy, x, w, gamma, beta, mean, invstd, s, p, d, True,
+                                           mask) for w in (w_nchw, w_cl)]
+        for i, (a, b) in enumerate(zip(*got)):
+            assert torch.equal(a, b), (mask, i)
+        if mask[1]:
+            assert got[1][1].is_contiguous(memory_format=torch.channels_last)
+
+
 @pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the tile hooks are built with the host copy")
 def test_backward_mma_dgrad_tile_choice():
     """dgrad_mma_rows: the 128-row tile where its tiles (over every stride phase) fill the 132

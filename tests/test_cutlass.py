@@ -354,15 +354,17 @@ def test_selftest_fails_a_cutlass_case_that_launched_nothing(monkeypatch):
 
 
 @pytest.mark.skipif(cuda_aot.find_nvcc() is None, reason="nvcc not found")
-@pytest.mark.parametrize("n,h,k", [(2, 8, 3), (8, 32, 3), (2, 8, 1)],
-                         ids=["unsplit", "split", "1x1"])
-def test_nvcc_model_prices_every_launch_the_host_makes(n, h, k):
+@pytest.mark.parametrize("n,h,k,w_cl", [(2, 8, 3, False), (8, 32, 3, False), (2, 8, 1, False),
+                                          (2, 8, 3, True)],
+                         ids=["unsplit", "split", "1x1", "weight-channels-last"])
+def test_nvcc_model_prices_every_launch_the_host_makes(n, h, k, w_cl):
     """The native step the model prices (tools/perfmodel/cuda_sass.model_cuda_unit: one entry a
     launch) makes as many launches as the host: the cuda backend's own (the CPU execution
     layer's counter) and the ATen kernels inside its ops (benchmarks/hostcost.inner_kernels),
     for a 16-bit channels-last unit's statistics, forward and backward on an H100's 132 SMs
-    (the host copy's default): 3x3 with the weight gradient unsplit and split, and 1x1 (whose
-    weight is its own data-gradient layout: no copy)."""
+    (the host copy's default): 3x3 with the weight gradient unsplit and split, 1x1 (whose
+    weight is its own data-gradient layout: no copy), and 3x3 with a channels-last weight
+    (which the data gradient reads in place: no copy either)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import hostcost
     from fusedres.kernels import traffic
@@ -377,6 +379,8 @@ def test_nvcc_model_prices_every_launch_the_host_makes(n, h, k):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, c, h, h, generator=g).half().to(memory_format=torch.channels_last)
     w = (torch.randn(co, c, k, k, generator=g) * 0.1).half()
+    if w_cl:
+        w = w.to(memory_format=torch.channels_last)
     gamma, beta = torch.rand(c, generator=g) + 0.5, torch.randn(c, generator=g)
     rm, rv, nbt = torch.zeros(c), torch.ones(c), torch.zeros((), dtype=torch.long)
     gy = torch.randn(n, co, h, h, generator=g).half().to(memory_format=torch.channels_last)
@@ -393,8 +397,9 @@ def test_nvcc_model_prices_every_launch_the_host_makes(n, h, k):
     aten = hostcost.inner_kernels(step)
     host = layer.launches() - before + len(aten)
     unit = traffic.Unit("probe", n, c, h, co, k, 1, True, 2)
-    modeled = cuda_sass.model_cuda_unit(unit, "fp16", H100, cuda_sass.cuda_rows(ROOT))
+    modeled = cuda_sass.model_cuda_unit(unit, "fp16", H100, cuda_sass.cuda_rows(ROOT),
+                                        weight_channels_last=w_cl)
     names = [k[0] for k in modeled.kernels]
     assert len(names) == host, (names, aten)
     assert ("dW partials sum" in names) == (n == 8), names  # the split case is split
-    assert ("weight pack (dgrad)" in names) == (k > 1), names
+    assert ("weight pack (dgrad)" in names) == (k > 1 and not w_cl), names

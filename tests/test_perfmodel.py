@@ -480,7 +480,7 @@ def test_cuda_unit_prices_the_data_gradient_that_runs():
     # Its 128-row tiles fill the H100's SMs (dgrad_mma_rows): the tall row is priced.
     assert cuda_sass.dgrad_mma_rows(u.n * u.h * u.h, u.c, 1, H100.sms) == 128
     assert cuda_sass.dgrad_kernel(u) == "dgrad_mma_kernel"
-    got = cuda_sass.model_cuda_unit(u, "fp16", H100, rows)
+    got = cuda_sass.model_cuda_unit(u, "fp16", H100, rows, weight_channels_last=False)
     ref = cuda_sass.model_cuda_unit(u, "fp16", H100, rows, dgrad="wmma")
     dg, dg_w = got.kernels[2], ref.kernels[2]
     assert dg[0] == dg_w[0] == "dgrad+dx" and dg[1] == dg[2] and dg_w[1] < dg_w[2]
@@ -491,6 +491,9 @@ def test_cuda_unit_prices_the_data_gradient_that_runs():
     assert pack[0][1] == pytest.approx(2 * w / (H100.dram_bytes_s * model.DRAM_EFFICIENCY)
                                        + model.LAUNCH_S)
     assert got.low_s == pytest.approx(ref.low_s - dg_w[1] + dg[1] + pack[0][1])
+    # A channels-last weight (the default: a channels-last model's) is read in place.
+    in_place = cuda_sass.model_cuda_unit(u, "fp16", H100, rows)
+    assert in_place.kernels == [k for k in got.kernels if k[0] != "weight pack (dgrad)"]
     for other in (dataclasses.replace(u, c=u.c + 4), dataclasses.replace(u, co=u.co + 4),
                   dataclasses.replace(u, k=9)):
         assert cuda_sass.dgrad_kernel(other) == "dgrad_kernel"

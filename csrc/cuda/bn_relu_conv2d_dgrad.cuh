@@ -214,8 +214,9 @@ __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
 // time (no division in the main loop), and a row's base offset is computed once. A (dy rows,
 // pixels x Co): a row's output pixel at tap (i, j) is (h + di, w + dj) on the phase grid
 // (di = (pa + ph - i dh) / sh, exact for a tap of the phase), a row outside dy zero-filled,
-// as are rows past the phase's pixels. B: the weight pre-packed (host) as row-major
-// (taps*Co, C), row tap*Co + co, so a chunk is BK rows of 16-byte pieces. No transform on the
+// as are rows past the phase's pixels. B: the weight with C contiguous (DgradWeight: element
+// (tap, co, c) at tap * wl.tap + co * wl.co + c): a channels-last weight in place (KRSC), any
+// other packed (host) as row-major (taps*Co, C), so a chunk is BK rows of 16-byte pieces. No transform on the
 // fragments: the ReLU mask and the branch scale are applied in the epilogue. 4 warps; shared
 // rows padded by 8 halves as in the forward. A thin tile (BN = 16 or 32 for C <= 32, BK = 16
 // for Co <= 16 too) has fewer 16-byte pieces of B per chunk than threads: the first B_PIECES
@@ -280,9 +281,15 @@ __device__ __forceinline__ void build_tap_list(int32_t* tap_list, int32_t* tap_d
   tap_count = n;
 }
 
+// Where the mma.sync data gradient finds weight element (tap, co, c): tap * tap + co * co + c.
+struct WeightRows {
+  int64_t tap, co;
+};
+
 template <typename W, typename T>
 __global__ void __launch_bounds__(T::THREADS)
-    dgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ wp, const W* __restrict__ x,
+    dgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ wp, WeightRows wl,
+                     const W* __restrict__ x,
                      const float* __restrict__ scale, const float* __restrict__ shift,
                      const float* __restrict__ mean, const float* __restrict__ invstd,
                      W* __restrict__ gx, float* __restrict__ dz_out,
@@ -342,7 +349,7 @@ __global__ void __launch_bounds__(T::THREADS)
   const uint32_t Ho = static_cast<uint32_t>(dyd.h), Wo = static_cast<uint32_t>(dyd.w);
   // The next chunk to copy, stepped one chunk at a time (no division in the loop): its output
   // channel offset k0 in the tap, the tap's place in tap_list, its shift (di, dj) and dy element
-  // offset toff, and the packed weight's first row for the tap (tap * Co).
+  // offset toff, and the weight's offset of the tap (tap * wl.tap).
   struct Next {
     int32_t k0, tl, di, dj;
     int64_t toff, krow;
@@ -351,7 +358,7 @@ __global__ void __launch_bounds__(T::THREADS)
     nx.di = tap_di[nx.tl];
     nx.dj = tap_dj[nx.tl];
     nx.toff = int64_t(nx.di) * dyd.sh + int64_t(nx.dj) * dyd.sw;
-    nx.krow = int64_t(tap_list[nx.tl]) * Co;
+    nx.krow = int64_t(tap_list[nx.tl]) * wl.tap;
   };
   if (chunks > 0) set_tap();
   const auto step = [&] {
@@ -374,7 +381,7 @@ __global__ void __launch_bounds__(T::THREADS)
       const int e = tid + q * THREADS, r = e / (BN / 8), n = (e % (BN / 8)) * 8;
       if (T::B_PIECES < THREADS && e >= T::B_PIECES) break;
       const bool ok = nx.k0 + r < Co32 && c0 + n < Cin32;
-      const W* src = ok ? wp + (nx.krow + nx.k0 + r) * Cin + c0 + n : wp;
+      const W* src = ok ? wp + nx.krow + (nx.k0 + r) * wl.co + c0 + n : wp;
       ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
     }
   };
@@ -516,15 +523,28 @@ void with_dgrad_tile(const DgradTiles& dt, F&& f) {
   }
 }
 
-// The weight packed for the mma.sync data gradient: (Co, C, kh, kw) -> row-major (kh*kw*Co, C),
-// row (i*kw + j)*Co + co, on a 16-byte boundary.
-inline at::Tensor pack_weight_dgrad(const at::Tensor& weight) {
-  const int64_t Co = weight.size(0), C = weight.size(1);
-  at::Tensor wp = weight.permute({2, 3, 0, 1}).reshape({weight.size(2) * weight.size(3) * Co, C});
-  wp = wp.contiguous();
+// The weight as the mma.sync data gradient reads it: C contiguous in 16-byte pieces, element
+// (tap, co, c) at tap * rows.tap + co * rows.co + c, on a 16-byte boundary. A channels-last
+// weight ((Co, C, kh, kw), C fastest: KRSC, what a channels-last model holds, and every
+// contiguous 1x1 weight) is read in place: tap stride C, co stride kh*kw*C. Any other is
+// packed as row-major (kh*kw*Co, C), row (i*kw + j)*Co + co: one copy launch per call.
+struct DgradWeight {
+  at::Tensor w;
+  WeightRows rows;
+};
+
+inline DgradWeight dgrad_weight(const at::Tensor& weight) {
+  const int64_t Co = weight.size(0), C = weight.size(1), taps = weight.size(2) * weight.size(3);
+  const auto aligned = [](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  };
+  if (weight.is_contiguous(at::MemoryFormat::ChannelsLast) && aligned(weight)) {
+    return {weight, WeightRows{C, taps * C}};
+  }
+  at::Tensor wp = weight.permute({2, 3, 0, 1}).reshape({taps * Co, C}).contiguous();
   // A contiguous permuted view comes back as itself, possibly off the 16-byte boundary.
-  if (reinterpret_cast<uintptr_t>(wp.const_data_ptr()) % 16 != 0) wp = wp.clone();
-  return wp;
+  if (!aligned(wp)) wp = wp.clone();
+  return {wp, WeightRows{Co * C, C}};
 }
 
 template <typename X, typename W>
@@ -544,7 +564,7 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
   const at::Tensor& out = gx != nullptr ? *gx : (dz != nullptr ? *dz : x);
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
     if (dt.mma) {
-      const at::Tensor wp = pack_weight_dgrad(weight);
+      const DgradWeight wd = dgrad_weight(weight);
       with_dgrad_tile(dt, [&](auto tile) {
         using TM = decltype(tile);
         TORCH_CHECK(dt.rows == TM::BM && dt.cols == TM::BN && dt.depth == TM::BK &&
@@ -552,7 +572,7 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
                     "launch_dgrad: the tile plan does not match the kernel");
         FUSEDRES_LAUNCH(grid(TM::BN), dim3(TM::THREADS), 0, current_stream(),
                         dgrad_mma_kernel<W, TM>)(
-          go.const_data_ptr<W>(), wp.const_data_ptr<W>(), x.const_data_ptr<X>(),
+          go.const_data_ptr<W>(), wd.w.const_data_ptr<W>(), wd.rows, x.const_data_ptr<X>(),
           bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
           invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
           dz != nullptr ? dz->data_ptr<A>() : nullptr,

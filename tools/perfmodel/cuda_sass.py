@@ -387,7 +387,7 @@ def _dgrad_grid(u, dtype: str, dev, rows: list[CudaKernelRow],
 
 def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str = "mma",
                     channels_last: bool = True, wgrad: str = "mma",
-                    dgrad: str = "mma") -> CudaUnitModel:
+                    dgrad: str = "mma", weight_channels_last: bool = True) -> CudaUnitModel:
     """The CUDA C++ backend's training step of unit ``u`` (kernels/traffic.Unit, 16-bit) on
     ``dev``, as csrc/cuda launches it ("sums" backward; 128 threads and 64x64 tiles for every
     16-bit kernel here but the mma.sync forward's and data gradient's per-shape tiles):
@@ -409,8 +409,10 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     * dgrad writing dx: the kernel that runs (:func:`dgrad_kernel`): for the same units the
       mma.sync kernel dgrad_mma_kernel (struct MmaDgrad: 128 rows where they fill the SMs,
       else 64, :func:`dgrad_mma_rows`; 16, 32 or 64 columns by C, :func:`dgrad_mma_cols`;
-      BK = 16 or 32, :func:`dgrad_mma_depth`), after a DRAM-bound launch packing the
-      weight to (kh*kw*Co, C); ``dgrad="wmma"`` or NCHW the WMMA
+      BK = 16 or 32, :func:`dgrad_mma_depth`), reading a channels-last weight in place, else
+      after a DRAM-bound launch packing it to (kh*kw*Co, C) (:func:`weight_copied`;
+      ``weight_channels_last``, True by default: what a channels-last model holds);
+      ``dgrad="wmma"`` or NCHW the WMMA
       kernel dgrad_kernel. Grid per stride phase cdiv(rows, BM) x cdiv(C, BN); K chunks: the
       phase's taps x cdiv(Co, BK);
     * batch statistics (the partials and the finalize), the BatchNorm affine (one launch in
@@ -473,7 +475,7 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
         if w8 != w:  # constant_pad_nd: a fill, then the copy
             dram_launch("weight pad (fill)", w8, fwd_side=True)
             dram_launch("weight pad (copy)", w + w, fwd_side=True)
-    if dg_name == "dgrad_mma_kernel" and weight_copied(u):
+    if dg_name == "dgrad_mma_kernel" and weight_copied(u, weight_channels_last):
         # the permuted copy (kh*kw*Co, C)
         dram_launch("weight pack (dgrad)", 2 * tu.weight())
     vec32 = 4 * u.c
@@ -493,11 +495,13 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     return CudaUnitModel(u, dtype, dev.arch, kernels, frozenset(fwd_side_names))
 
 
-def weight_copied(u) -> bool:
-    """Whether the host copies unit ``u``'s weight into a GEMM's layout (the mma.sync data
-    gradient's (kh*kw*Co, C), CUTLASS's KRSC): not for a 1 x 1 filter, whose (Co, C, 1, 1)
-    weight is already a view of both."""
-    return u.k > 1
+def weight_copied(u, weight_channels_last: bool) -> bool:
+    """Whether the host copies unit ``u``'s weight into the layout the mma.sync data gradient
+    and CUTLASS's forward read (C contiguous: KRSC or (kh*kw*Co, C)): not for a channels-last
+    weight (``weight_channels_last``: what a channels-last model holds, module.to(
+    memory_format=torch.channels_last) converting its 4-D weights too), which both read in
+    place, nor for a 1 x 1 filter, whose (Co, C, 1, 1) weight is channels-last either way."""
+    return u.k > 1 and not weight_channels_last
 
 
 SUMS_ONE_BLOCK_ROWS = 2048
@@ -569,7 +573,7 @@ def cutlass_wgrad_on(kh: int, kw: int) -> bool:
 
 
 def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
-                       backward: str = "rule") -> CudaUnitModel:
+                       backward: str = "rule", weight_channels_last: bool = True) -> CudaUnitModel:
     """The CUDA C++ backend's training step of 16-bit channels-last unit ``u`` with
     FUSEDRES_CUDA_KERNELS=cutlass on ``dev`` (csrc/cuda/cutlass_conv/README.md), with the "store"
     backward where the weight gradient is CUTLASS's:
@@ -578,8 +582,9 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
       or, for Co <= 64, 256x64x32 of 8 or 128x64x32 of 4, for Co <= 32 128x32x32 of 4, where
       they fill the SMs, else 64x64x32, :func:`cutlass_fprop_tile`); grid
       cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, 32); after DRAM-bound launches
-      of the BatchNorm affine with its 16-bit copies (one) and, for filters larger than 1 x 1,
-      copying the weight to KRSC;
+      of the BatchNorm affine with its 16-bit copies (one) and, for a weight that is not
+      channels-last (``weight_channels_last`` False; :func:`weight_copied`), copying it to
+      KRSC;
     * wgrad: the CUTLASS weight gradient (cutlass_conv_kernel<Wgrad<...>>: 128x128x32 tiles of
       8 warps, 64x128x32 (Co 33..64) or 64x64x32 (<= 64 columns) of 4, 32x64x32 (Co <= 32) of
       2, parallel
@@ -627,7 +632,7 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     # forward: the affine and its 16-bit copies in one launch; the weight copied to KRSC (a 1x1
     # weight is its own KRSC view: no copy)
     dram_launch("bn affine (+16-bit)", 6 * vec32 + 2 * vec16)
-    if weight_copied(u):
+    if weight_copied(u, weight_channels_last):
         dram_launch("weight to KRSC", 2 * tu.weight())
     fwd = _cutlass_row(rows, dev.arch, "Fprop", dtype, *cutlass_fprop_tile(m_out, u.co, dev.sms))
     launch("fwd (CUTLASS)", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
@@ -636,7 +641,8 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     if backward not in ("rule", "store", "sums"):
         raise ValueError(f"backward: expected 'rule', 'store' or 'sums', got {backward!r}")
     if backward == "sums" or (backward == "rule" and not cutlass_wgrad_on(u.k, u.k)):
-        native = model_cuda_unit(u, dtype, dev, rows)
+        native = model_cuda_unit(u, dtype, dev, rows,
+                                 weight_channels_last=weight_channels_last)
         kernels += [k for k in native.kernels if k[0] not in native.forward]
         return CudaUnitModel(u, dtype, dev.arch, kernels)
     # weight gradient
@@ -660,7 +666,7 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     phases = min(u.stride, u.h) ** 2
     sums_rows = phases * cdiv(u.n * cdiv(u.h, u.stride) ** 2, dg.bm) * (dg.bm // 64)
     parts = sums_rows * vec32 * 2
-    if weight_copied(u):
+    if weight_copied(u, weight_channels_last):
         dram_launch("weight pack (dgrad)", 2 * tu.weight())
     if phases > 1:  # a smaller phase's idle blocks leave rows that must read 0
         dram_launch("zero the sums' partials (dz)", parts / 2)
