@@ -205,13 +205,18 @@ struct UnitNode : torch::autograd::Function<Self> {
     const int64_t e_res = present(residual) ? edge : -1;
     ctx->saved_data["edges"] = std::vector<int64_t>{0, 1, e_bias, e_g, e_beta, e_res};
     ctx->mark_non_differentiable({y_mean, y_var});
+    // The statistics never take a gradient; materialised, each would be a zero fill launched
+    // every backward (the engine's, on the device: two a PreActBasicBlock step). Undefined
+    // instead, as is y's where nothing took it.
+    ctx->set_materialize_grads(false);
     return {y, y_mean, y_var};
   }
 
   // Gradients in the forward's argument order (unit_gradients); the kernels run bare only on a
-  // bare gradient.
+  // bare gradient. An undefined y gradient (nothing took y) gives undefined gradients.
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const Tensor& grad_out = grads[0];
+    if (!grad_out.defined()) return variable_list(14);
     if (bare_gradient(grad_out)) return unit_gradients(ctx, grad_out, below_autograd(K::backward));
     return unit_gradients(ctx, grad_out, public_backward);  // its layers handle the gradient
   }
@@ -255,8 +260,8 @@ struct ShortcutNode : torch::autograd::Function<Self> {
     variable_list out = UnitNode<Self, K>::forward(ctx, x, weight, bias, bn_weight, bn_bias,
                                                    mean, invstd, residual, stride, padding,
                                                    dilation, batch_stats, branch_scale, genstats);
-    // A gradient no output took stays undefined: y's alone, or the shortcut's alone.
-    ctx->set_materialize_grads(false);
+    // A gradient no output took stays undefined (UnitNode::forward says so): y's alone, or the
+    // shortcut's alone.
     return {out[0], x, out[1], out[2]};
   }
 

@@ -67,10 +67,16 @@ class EagerTritonUnit(torch.autograd.Function):
         out = plan.run(x, weight, scale, shift, bias, residual, branch_scale)
         if plan.genstats:
             ctx.mark_non_differentiable(out[1], out[2])
+            # The statistics never take a gradient; materialised, each would be a zero fill
+            # launched every backward (two a PreActBasicBlock step). None instead, as is y's
+            # where nothing took it.
+            ctx.set_materialize_grads(False)
         return out
 
     @staticmethod
     def backward(ctx, grad_out, *_stats_grads):
+        if grad_out is None:  # nothing took y
+            return (None,) * 13
         x, weight, bn_weight, bn_bias, mean, invstd, bscale, scale, shift = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask = (need[1], need[2], need[3] and ctx.has_bias, need[4] and bn_weight is not None,
