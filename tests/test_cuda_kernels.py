@@ -205,7 +205,7 @@ def test_forward_mma_path(dtype, case):
 
 # The mma.sync forward's tiles: 64 or 128 rows (the host copy's SM count picks: 64 rows of
 # 2 x 2 warps or 4 x 1, 128 of 4 x 1 warps, each warp's A rows its own) by 16, 32 or 64 columns
-# (by Co: forward_mma_cols), 16 or 32 deep (forward_mma_depth). Shapes: M = 2 * 12 * 11 = 264
+# (by Co: mma_cols), 16 or 32 deep (by C too: mma_depth). Shapes: M = 2 * 12 * 11 = 264
 # rows (three 128-row tiles, the last partial; five 64-row ones), C = 40 (a partial second K
 # chunk per tap), Co = 70 (two column tiles, the packed weight padded to 72), Co = 24 (a partial
 # 32-column tile), 8 and 9 (16 columns: some threads copy none of the weight's pieces; 9: the
@@ -231,8 +231,8 @@ def test_forward_mma_tiles(dtype, case):
     steps in the same order in either tile."""
     c, co = case[1], case[4]
     cols = 16 if co <= 16 else 32 if co <= 32 else 64
-    assert torch.ops.fusedres_cuda_testing.forward_mma_cols(co) == cols
-    assert torch.ops.fusedres_cuda_testing.forward_mma_depth(c, co) == (
+    assert torch.ops.fusedres_cuda_testing.mma_cols(co) == cols
+    assert torch.ops.fusedres_cuda_testing.mma_depth(co, c) == (
         16 if cols == 16 and c <= 16 else 32)
     args = list(make(case, dtype, channels_last=True))
     n = args[0].shape[0]
@@ -266,11 +266,11 @@ def test_forward_mma_tile_choice():
     assert rows(100, 8) == 64
     # A thin tile's columns hold Co (at most 32): as many column tiles as a 64-wide one.
     assert rows(128 * 132, 16) == 128 and rows(128 * 131, 32) == 64
-    cols = torch.ops.fusedres_cuda_testing.forward_mma_cols
+    cols = torch.ops.fusedres_cuda_testing.mma_cols
     assert [cols(co) for co in (8, 16, 24, 32, 40, 64, 512)] == [16, 16, 32, 32, 64, 64, 64]
     # 16 deep where the tile is 16 columns and C <= 16 (a 32-deep chunk: half zeros), else 32.
-    depth = torch.ops.fusedres_cuda_testing.forward_mma_depth
-    assert [depth(c, co) for c, co in ((16, 16), (8, 8), (24, 16), (16, 24), (16, 64))] == [
+    depth = torch.ops.fusedres_cuda_testing.mma_depth
+    assert [depth(co, c) for c, co in ((16, 16), (8, 8), (24, 16), (16, 24), (16, 64))] == [
         16, 16, 32, 32, 32]
     with pytest.raises(RuntimeError, match="set_sm_count: expected a positive count"):
         torch.ops.fusedres_cuda_testing.set_sm_count(0)
@@ -580,7 +580,8 @@ def test_backward_mma_path(dtype, case, split):
 
 # The mma.sync data gradient's tiles: 64 or 128 rows (the host copy's SM count picks: 64 rows
 # of 2 x 2 warps or 4 x 1, 128 of 4 x 1 warps, its epilogue in two 64-row passes, each its own
-# partials' row) by 16, 32 or 64 columns (by C: dgrad_mma_cols). Largest stride phase:
+# partials' row) by 16, 32 or 64 columns (by C: mma_cols), 16 or 32 deep (by Co too:
+# mma_depth). Largest stride phase:
 # 2 * 11 * 12 = 264 rows (stride 1; three 128-row tiles, the last partial), 3 * 8 * 7 = 168
 # (stride 2, 3 x 3: phases fed by 4, 2 and 1 taps), 2 * 11 * 9 = 198 (1 x 1 at stride 2: three
 # phases no tap feeds); C = 72 and 40 (a partial 64-column tile), 16 and 8 (16 columns: some
@@ -616,8 +617,8 @@ def test_backward_mma_dgrad_tiles(dtype, case):
     assert _dgrad_kernel_for(gy, x, weight) == "mma"
     c, co = case[1], case[4]
     cols = 16 if c <= 16 else 32 if c <= 32 else 64
-    assert torch.ops.fusedres_cuda_testing.dgrad_mma_cols(c) == cols
-    assert torch.ops.fusedres_cuda_testing.dgrad_mma_depth(c, co) == (
+    assert torch.ops.fusedres_cuda_testing.mma_cols(c) == cols
+    assert torch.ops.fusedres_cuda_testing.mma_depth(c, co) == (
         16 if cols == 16 and co <= 16 else 32)
     n = x.shape[0]
     phases = min(s[0], x.shape[2]) * min(s[1], x.shape[3])
@@ -646,6 +647,7 @@ def test_backward_mma_dgrad_tiles(dtype, case):
                     assert rel_err(a, b) <= (1e-2 if i < 2 else 1e-5), i
 
 
+@pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")
 @pytest.mark.parametrize("case", [DGRAD_TILE_CASES[i] for i in (0, 1, 3)],
                          ids=["c72-co40", "s2", "dil"])
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
@@ -684,12 +686,7 @@ def test_backward_mma_dgrad_tile_choice():
     assert rows(100, 8, 1) == 64
     # A thin tile's columns hold C (at most 32): as many column tiles as a 64-wide one.
     assert rows(128 * 132, 16, 1) == 128 and rows(128 * 131, 32, 1) == 64
-    cols = torch.ops.fusedres_cuda_testing.dgrad_mma_cols
-    assert [cols(c) for c in (8, 16, 24, 32, 40, 64, 512)] == [16, 16, 32, 32, 64, 64, 64]
-    # 16 deep where the tile is 16 columns and Co <= 16 (a 32-deep chunk: half zeros), else 32.
-    depth = torch.ops.fusedres_cuda_testing.dgrad_mma_depth
-    assert [depth(c, co) for c, co in ((16, 16), (8, 8), (16, 24), (24, 16), (64, 16))] == [
-        16, 16, 32, 32, 32]
+    # (mma_cols and mma_depth, the forward's rules too: test_forward_mma_tile_choice.)
 
 
 @pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")

@@ -245,30 +245,25 @@ def test_fixed_cuda_tiles_match_the_source():
         assert t is not None and t.groups() == ("128", "16", "4", "1", "16")
         assert f"using {struct}Small = {struct}<64, 64, 2, 2>;" in src, struct
         assert f"using {struct}Tall = {struct}<128, 64, 4, 1>;" in src, struct
-        name = f"k<Half, {struct}<128, 64, 4, 1> >"
+        name = f"k<Half, {struct}<128, 64, 4, 1, 32> >"  # as demangled: the default stated
         t = cuda_sass._MMA_TILE.search(name)
-        assert t is not None and t.groups() == ("128", "64", "4", "1", None)
-    # The data gradient's thin tiles for C <= 32 (4 x 1 warps, 16 or 32 columns) and the
-    # columns rule the model copies.
+        assert t is not None and t.groups() == ("128", "64", "4", "1", "32")
+    # The thin tiles for 32 channels or fewer (4 x 1 warps, 16 or 32 columns), and the columns
+    # and depth rules both kernels share and the model copies.
     assert "using MmaDgradThin = MmaDgrad<BM, BN, 4, 1, BK>;" in dgrad
     assert "using MmaFwdThin = MmaFwd<BM, BN, 4, 1, BK>;" in fwd
-    assert "return Co <= 16 ? 16 : Co <= 32 ? 32 : MmaFwdTall::BN;" in fwd
-    assert "return forward_mma_cols(Co) == 16 && C <= 16 ? 16 : MmaFwdTall::BK;" in fwd
-    assert [cuda_sass.forward_mma_cols(co) for co in (8, 16, 24, 32, 40, 64, 512)] == [
+    tiles = open(os.path.join(cuda_dir, "mma_tiles.cuh")).read()
+    assert "return n <= 16 ? 16 : n <= 32 ? 32 : 64;" in tiles
+    assert "return mma_cols(n) == 16 && k <= 16 ? 16 : 32;" in tiles
+    assert [cuda_sass.mma_cols(n) for n in (8, 16, 24, 32, 40, 64, 512)] == [
         16, 16, 32, 32, 64, 64, 64]
-    assert [cuda_sass.forward_mma_depth(c, co) for c, co in (
-        (16, 16), (8, 8), (24, 16), (16, 24), (16, 64))] == [16, 16, 32, 32, 32]
-    assert "return C <= 16 ? 16 : C <= 32 ? 32 : MmaDgradTall::BN;" in dgrad
-    assert "return dgrad_mma_cols(C) == 16 && Co <= 16 ? 16 : MmaDgradTall::BK;" in dgrad
-    assert [cuda_sass.dgrad_mma_cols(c) for c in (8, 16, 24, 32, 40, 64, 512)] == [
-        16, 16, 32, 32, 64, 64, 64]
-    assert [cuda_sass.dgrad_mma_depth(c, co) for c, co in (
+    assert [cuda_sass.mma_depth(n, k) for n, k in (
         (16, 16), (8, 8), (16, 24), (24, 16), (64, 16))] == [16, 16, 32, 32, 32]
+    assert "mma_cols(Co), mma_depth(Co, Cin)" in fwd  # the forward's n is Co, its k C
     # The host rules: 128 rows once cdiv(rows, 128) * cdiv(C or Co, the tile's columns)
     # (* phases) tiles fill the SMs.
-    assert ("ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, forward_mma_cols(Co)) >= sm_count()"
-            in fwd)
-    assert ("ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, dgrad_mma_cols(C)) * phases >= "
+    assert "ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, mma_cols(Co)) >= sm_count()" in fwd
+    assert ("ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, mma_cols(C)) * phases >= "
             "sm_count()") in dgrad
     assert cuda_sass.forward_mma_rows(128 * 132, 64, 132) == 128
     assert cuda_sass.forward_mma_rows(128 * 132 - 128, 64, 132) == 64

@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(T::THREADS)
 // into shared memory, 16 bytes a copy, through a STAGES-deep pipeline with one barrier per
 // K chunk (BK channels of one tap). A block of 4 warps owns a BM x BN output tile (MmaFwd: 64 x 64
 // of 2 x 2 warps of 32 x 32, or 128 x 64 of 4 x 1 warps of 32 x 64, or a thin tile for
-// Co <= 32; forward_mma_rows, forward_mma_cols and forward_mma_depth pick one per shape). x
+// Co <= 32; forward_mma_rows, mma_cols and mma_depth pick one per shape). x
 // rows are copied raw: a tap outside the image
 // or a row past M is zero-filled, channels past C too. The BatchNorm affine and the ReLU are
 // applied to the A fragments after ldmatrix, in float32 and rounded to the weight dtype as the
@@ -188,8 +188,8 @@ __global__ void __launch_bounds__(T::THREADS)
 // beside the stage, Vs). No division in the main loop: the next chunk's tap, channel offset and
 // address shift are stepped one chunk at a time, and a row's tap-(0, 0) offset is computed once. The weight is pre-packed (host) as a row-major
 // (kh*kw*C, Co8) matrix, Co8 = Co rounded up to 8 with zero columns: row tap*C + c. Shared rows
-// are padded by 8 halves (A: 80 bytes, B: 144 bytes), so the 8 row addresses of each ldmatrix
-// phase fall in 8 different 4-bank groups. The accumulators go through shared memory (aliasing
+// are padded by 8 halves (A: 80 bytes, B: 144 bytes in the 64 x 32 tiles; 48 or 80 in the thin
+// ones), so the 8 row addresses of each ldmatrix phase fall in 8 different 4-bank groups. The accumulators go through shared memory (aliasing
 // the drained pipeline) to the epilogue shared with the other path (store_tile).
 template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int BK_ = 32>
 struct MmaFwd {
@@ -231,8 +231,8 @@ using MmaFwdTall = MmaFwd<128, 64, 4, 1>;
 // For Co <= 32 a 64-column tile spends half or three quarters of its mma's on zero-filled
 // columns, and for C <= 16 a 32-deep chunk half of them on zero-filled K (CIFAR's 16-channel
 // units are bound by them on the A100: benchmarks/GPU_MODEL.md): the thin tiles, 64 or 128 rows
-// x 16 or 32 columns of 4 x 1 warps (forward_mma_cols), 16 deep where C and Co are both at most
-// 16 (forward_mma_depth). Each element's sum takes the same m16n8k16 steps with data in the
+// x 16 or 32 columns of 4 x 1 warps (mma_cols), 16 deep where C and Co are both at most
+// 16 (mma_depth). Each element's sum takes the same m16n8k16 steps with data in the
 // same order (a 32-deep chunk over 16 channels adds a step of zeros).
 template <int BM, int BN, int BK>
 using MmaFwdThin = MmaFwd<BM, BN, 4, 1, BK>;
@@ -356,14 +356,10 @@ __global__ void __launch_bounds__(T::THREADS, T::MIN_BLOCKS)
                          ok ? 16 : 0);
       if (k == 0) Vs[st][r] = in ? 1 : 0;
     }
-#pragma unroll
-    for (int q = 0; q < T::B_COPIES; ++q) {
-      const int e = tid + q * THREADS, r = e / (BN / 8), n = (e % (BN / 8)) * 8;
-      if (T::B_PIECES < THREADS && e >= T::B_PIECES) break;
-      const bool ok = nx.c0 + r < Cin32 && co0 + n < co8;
-      const W* src = ok ? wp + (nx.krow + nx.c0 + r) * co8 + co0 + n : wp;
-      ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
-    }
+    stage_b<T>(Bs[st], tid, wp, [&](int r, int n) -> const W* {
+      return nx.c0 + r < Cin32 && co0 + n < co8 ? wp + (nx.krow + nx.c0 + r) * co8 + co0 + n
+                                                : nullptr;
+    });
     if (tid < 2 * BK / 4) {
       const int which = tid / (BK / 4), k = (tid % (BK / 4)) * 4;
       const float* v = which == 0 ? scale : shift;
@@ -447,23 +443,15 @@ inline at::Tensor pack_weight(const at::Tensor& weight) {
   return wp;
 }
 
-// The mma.sync forward's tile columns for Co output channels: the narrowest of 16, 32 and 64
-// that holds Co, else 64; and its K chunk for C input channels: 16 where the tile is 16 columns
-// and C <= 16 (a 32-deep chunk would be half zeros), else 32. tools/perfmodel/cuda_sass.py
-// (forward_mma_cols, forward_mma_depth) prices the same rules.
-inline int64_t forward_mma_cols(int64_t Co) {
-  return Co <= 16 ? 16 : Co <= 32 ? 32 : MmaFwdTall::BN;
-}
-inline int64_t forward_mma_depth(int64_t C, int64_t Co) {
-  return forward_mma_cols(Co) == 16 && C <= 16 ? 16 : MmaFwdTall::BK;
-}
+static_assert(MmaFwdTall::BN == 64 && MmaFwdTall::BK == 32,
+              "mma_cols and mma_depth (mma_tiles.cuh) end at the 64 x 32 tile");
 
 // The mma.sync forward's tile rows for M output pixels and Co output channels: 128 when its
-// tiles fill every SM at least once (cdiv(M, 128) * cdiv(Co, forward_mma_cols(Co)) >= the SM
+// tiles fill every SM at least once (cdiv(M, 128) * cdiv(Co, mma_cols(Co)) >= the SM
 // count), else 64 (twice the blocks for small grids). tools/perfmodel/cuda_sass.py
 // (forward_mma_rows) prices the same rule.
 inline int64_t forward_mma_rows(int64_t M, int64_t Co) {
-  return ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, forward_mma_cols(Co)) >= sm_count()
+  return ceil_div(M, MmaFwdTall::BM) * ceil_div(Co, mma_cols(Co)) >= sm_count()
              ? MmaFwdTall::BM
              : MmaFwdSmall::BM;
 }
@@ -519,7 +507,7 @@ void launch_forward(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
     if (use_mma_forward(x, bn)) {
       const int64_t Cin = x.size(1), Co = weight.size(0);
-      with_forward_tile(bm, forward_mma_cols(Co), forward_mma_depth(Cin, Co), [&](auto tile) {
+      with_forward_tile(bm, mma_cols(Co), mma_depth(Co, Cin), [&](auto tile) {
         launch_forward_mma<W, decltype(tile)>(x, weight, bias, bn, residual, bscale, y,
                                               part_mean, part_m2, g, M);
       });

@@ -249,8 +249,8 @@ struct MmaDgrad {
   static_assert(A_BYTES % 128 == 0 && B_BYTES % 128 == 0, "stage buffers 128-byte aligned");
   static_assert(SMEM + BM * 16 + 3 * MAX_TAPS * 4 + 4 <= 48 * 1024, "static shared memory");
 };
-// The tile configurations (dgrad_mma_rows picks the rows per shape, dgrad_mma_cols the columns
-// by C, dgrad_mma_depth the K chunk): 64 x 64 of 2 x 2 warps of 32 x 32, and 128 x 64 of 4 x 1
+// The tile configurations (dgrad_mma_rows picks the rows per shape, mma_cols the columns by C,
+// mma_depth the K chunk): 64 x 64 of 2 x 2 warps of 32 x 32, and 128 x 64 of 4 x 1
 // warps of 32 x 64 (each ldmatrix feeds twice the mma's, twice the multiply-adds per barrier).
 // For C <= 32 a 64-column tile spends half or three quarters of its mma's on zero-filled
 // columns, and for Co <= 16 a 32-deep chunk half of them on zero-filled K (CIFAR's 16-channel
@@ -281,7 +281,8 @@ __device__ __forceinline__ void build_tap_list(int32_t* tap_list, int32_t* tap_d
   tap_count = n;
 }
 
-// Where the mma.sync data gradient finds weight element (tap, co, c): tap * tap + co * co + c.
+// Where the mma.sync data gradient finds weight element (tap, co, c): at tap * wl.tap +
+// co * wl.co + c (wl: these strides).
 struct WeightRows {
   int64_t tap, co;
 };
@@ -376,14 +377,10 @@ __global__ void __launch_bounds__(T::THREADS)
       ptx::cp_async_cg16(&As[st][r][k], ok ? dy + (a_src[q].off + nx.toff + nx.k0 + k) : dy,
                          ok ? 16 : 0);
     }
-#pragma unroll
-    for (int q = 0; q < T::B_COPIES; ++q) {
-      const int e = tid + q * THREADS, r = e / (BN / 8), n = (e % (BN / 8)) * 8;
-      if (T::B_PIECES < THREADS && e >= T::B_PIECES) break;
-      const bool ok = nx.k0 + r < Co32 && c0 + n < Cin32;
-      const W* src = ok ? wp + nx.krow + (nx.k0 + r) * wl.co + c0 + n : wp;
-      ptx::cp_async_cg16(&Bs[st][r][n], src, ok ? 16 : 0);
-    }
+    stage_b<T>(Bs[st], tid, wp, [&](int r, int n) -> const W* {
+      return nx.k0 + r < Co32 && c0 + n < Cin32 ? wp + nx.krow + (nx.k0 + r) * wl.co + c0 + n
+                                                : nullptr;
+    });
   };
 
   float acc[T::FM][T::FN][4];
@@ -479,23 +476,15 @@ bool dgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, const at::Tensor&
   return weight.size(2) * weight.size(3) <= MmaDgradSmall::MAX_TAPS;
 }
 
-// The mma.sync data gradient's tile columns for C input channels: the narrowest of 16, 32 and
-// 64 that holds C, else 64. tools/perfmodel/cuda_sass.py (dgrad_mma_cols) prices the same rule.
-int64_t dgrad_mma_cols(int64_t C) { return C <= 16 ? 16 : C <= 32 ? 32 : MmaDgradTall::BN; }
-
-// Its K chunk for C input and Co output channels: 16 where the tile is 16 columns and Co <= 16
-// (a 32-deep chunk would be half zeros), else 32. tools/perfmodel/cuda_sass.py
-// (dgrad_mma_depth) prices the same rule.
-int64_t dgrad_mma_depth(int64_t C, int64_t Co) {
-  return dgrad_mma_cols(C) == 16 && Co <= 16 ? 16 : MmaDgradTall::BK;
-}
+static_assert(MmaDgradTall::BN == 64 && MmaDgradTall::BK == 32,
+              "mma_cols and mma_depth (mma_tiles.cuh) end at the 64 x 32 tile");
 
 // The mma.sync data gradient's tile rows for `rows` input pixels of the largest stride phase,
 // C input channels and `phases` phases: 128 when its tiles fill every SM at least once
-// (cdiv(rows, 128) * cdiv(C, dgrad_mma_cols(C)) * phases >= the SM count), else 64.
+// (cdiv(rows, 128) * cdiv(C, mma_cols(C)) * phases >= the SM count), else 64.
 // tools/perfmodel/cuda_sass.py (dgrad_mma_rows) prices the same rule.
 int64_t dgrad_mma_rows(int64_t rows, int64_t C, int64_t phases) {
-  return ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, dgrad_mma_cols(C)) * phases >= sm_count()
+  return ceil_div(rows, MmaDgradTall::BM) * ceil_div(C, mma_cols(C)) * phases >= sm_count()
              ? MmaDgradTall::BM
              : MmaDgradSmall::BM;
 }

@@ -67,4 +67,28 @@ __device__ __forceinline__ void store_acc(float (*dst)[LD], const float (&acc)[F
       }
 }
 
+// Stage a BK x BN chunk of the B operand (rows of 16-byte pieces) into Bs by cp.async: piece
+// e = tid + q * THREADS is row e / (BN / 8), columns (e % (BN / 8)) * 8 on; src(r, n) gives its
+// source, or nullptr for zeros (then `base`, a valid address, is read for 0 bytes). A thin tile
+// has fewer pieces than threads (B_PIECES < THREADS): the first B_PIECES threads copy one each.
+template <typename T, typename W, typename Src>
+__device__ __forceinline__ void stage_b(uint16_t (*Bs)[T::BST], int tid, const W* base,
+                                        Src&& src) {
+#pragma unroll
+  for (int q = 0; q < T::B_COPIES; ++q) {
+    const int e = tid + q * T::THREADS, r = e / (T::BN / 8), n = (e % (T::BN / 8)) * 8;
+    if (T::B_PIECES < T::THREADS && e >= T::B_PIECES) break;
+    const W* p = src(r, n);
+    ptx::cp_async_cg16(&Bs[r][n], p != nullptr ? p : base, p != nullptr ? 16 : 0);
+  }
+}
+
+// The mma.sync forward's and data gradient's tile columns for n channels on the output side (the
+// forward's Co, the data gradient's C): the narrowest of 16, 32 and 64 that holds n, else 64;
+// and their K chunk for k reduced channels (the forward's C, the data gradient's Co): 16 where
+// the tile is 16 columns and k <= 16 (a 32-deep chunk would be half zeros), else 32.
+// tools/perfmodel/cuda_sass.py (mma_cols, mma_depth) prices the same rules.
+inline int64_t mma_cols(int64_t n) { return n <= 16 ? 16 : n <= 32 ? 32 : 64; }
+inline int64_t mma_depth(int64_t n, int64_t k) { return mma_cols(n) == 16 && k <= 16 ? 16 : 32; }
+
 }  // namespace fusedres::FUSEDRES_CUDA_NS

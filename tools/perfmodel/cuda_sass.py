@@ -32,8 +32,8 @@ from .devices import A100, H100
 _TILE = re.compile(r"TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])E")
 # The mma.sync kernels whose tile is a template argument MmaFwd<BM, BN, WARPS_M, WARPS_N, BK>
 # (csrc/cuda/bn_relu_conv2d.cu) or MmaDgrad<BM, BN, WARPS_M, WARPS_N, BK>
-# (bn_relu_conv2d_dgrad.cuh); BK = 32 where the name has none, 32 * WARPS_M * WARPS_N threads;
-# demangled.
+# (bn_relu_conv2d_dgrad.cuh), BK defaulted to 32 (a demangled name states it; a name without it
+# reads as 32); 32 * WARPS_M * WARPS_N threads; demangled.
 _MMA_TILE = re.compile(r"Mma(?:Fwd|Dgrad)<(\d+), (\d+), (\d+), (\d+)(?:, (\d+))?\s*>")
 _MMA_TILE_BK = 32
 # Kernels whose tile is fixed in their source rather than a Tile<> argument: name ->
@@ -290,48 +290,35 @@ def forward_kernel(u, forward: str = "mma", channels_last: bool = True) -> str:
     return "bn_relu_conv2d_fwd_kernel"
 
 
-def forward_mma_cols(co: int) -> int:
-    """The mma.sync forward's tile columns for co output channels (forward_mma_cols in
-    csrc/cuda/bn_relu_conv2d.cu): 16 or 32 (the thin tiles, MmaFwd<BM, 16 or 32, 4, 1, BK>)
-    for co <= 16 or 32, else 64."""
-    return 16 if co <= 16 else 32 if co <= 32 else 64
+def mma_cols(n: int) -> int:
+    """The mma.sync forward's and data gradient's tile columns for n channels on the output side
+    (the forward's Co, the data gradient's C; mma_cols in csrc/cuda/mma_tiles.cuh): 16 or 32
+    (the thin tiles, MmaFwd / MmaDgrad<BM, 16 or 32, 4, 1, BK>) for n <= 16 or 32, else 64."""
+    return 16 if n <= 16 else 32 if n <= 32 else 64
 
 
-def forward_mma_depth(c: int, co: int) -> int:
-    """The mma.sync forward's K chunk for c input and co output channels (forward_mma_depth in
-    csrc/cuda/bn_relu_conv2d.cu): 16 where its tile is 16 columns and c <= 16, else 32."""
-    return 16 if forward_mma_cols(co) == 16 and c <= 16 else 32
+def mma_depth(n: int, k: int) -> int:
+    """Their K chunk for n output-side and k reduced channels (the forward's C, the data
+    gradient's Co; mma_depth in csrc/cuda/mma_tiles.cuh): 16 where the tile is 16 columns and
+    k <= 16, else 32."""
+    return 16 if mma_cols(n) == 16 and k <= 16 else 32
 
 
 def forward_mma_rows(m: int, co: int, sms: int) -> int:
     """The mma.sync forward's tile rows for m output pixels and co output channels on a GPU of
     ``sms`` SMs (forward_mma_rows in csrc/cuda/bn_relu_conv2d.cu): 128 when
-    cdiv(m, 128) * cdiv(co, forward_mma_cols(co)) >= sms, else 64 (for co > 32:
+    cdiv(m, 128) * cdiv(co, mma_cols(co)) >= sms, else 64 (for co > 32:
     MmaFwd<128, 64, 4, 1>, MmaFwd<64, 64, 2, 2>)."""
-    return 128 if -(-m // 128) * -(-co // forward_mma_cols(co)) >= sms else 64
-
-
-def dgrad_mma_cols(c: int) -> int:
-    """The mma.sync data gradient's tile columns for c input channels (dgrad_mma_cols in
-    csrc/cuda/bn_relu_conv2d_dgrad.cuh): 16 or 32 (the thin tiles, MmaDgrad<BM, 16 or 32, 4,
-    1>) for c <= 16 or 32, else 64."""
-    return 16 if c <= 16 else 32 if c <= 32 else 64
-
-
-def dgrad_mma_depth(c: int, co: int) -> int:
-    """The mma.sync data gradient's K chunk for c input and co output channels
-    (dgrad_mma_depth in csrc/cuda/bn_relu_conv2d_dgrad.cuh): 16 where its tile is 16 columns
-    and co <= 16, else 32."""
-    return 16 if dgrad_mma_cols(c) == 16 and co <= 16 else 32
+    return 128 if -(-m // 128) * -(-co // mma_cols(co)) >= sms else 64
 
 
 def dgrad_mma_rows(rows: int, c: int, phases: int, sms: int) -> int:
     """The mma.sync data gradient's tile rows for ``rows`` pixels of the largest stride phase,
     c input channels and ``phases`` phases on a GPU of ``sms`` SMs (dgrad_mma_rows in
     csrc/cuda/bn_relu_conv2d_dgrad.cuh): 128 when
-    cdiv(rows, 128) * cdiv(c, dgrad_mma_cols(c)) * phases >= sms, else 64 (for c > 32:
+    cdiv(rows, 128) * cdiv(c, mma_cols(c)) * phases >= sms, else 64 (for c > 32:
     MmaDgrad<128, 64, 4, 1>, MmaDgrad<64, 64, 2, 2>)."""
-    return 128 if -(-rows // 128) * -(-c // dgrad_mma_cols(c)) * phases >= sms else 64
+    return 128 if -(-rows // 128) * -(-c // mma_cols(c)) * phases >= sms else 64
 
 
 def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
@@ -364,7 +351,7 @@ def dgrad_kernel(u, dgrad: str = "mma", channels_last: bool = True) -> str:
 def _dgrad_grid(u, dtype: str, dev, rows: list[CudaKernelRow],
                 name: str) -> tuple[CudaKernelRow, int, float]:
     """The data-gradient kernel ``name``'s row (the mma.sync one's tile by
-    :func:`dgrad_mma_rows` and :func:`dgrad_mma_cols`), its blocks over every stride phase
+    :func:`dgrad_mma_rows` and :func:`mma_cols`), its blocks over every stride phase
     (cdiv(rows, BM) x cdiv(C, BN) each) and their mean K chunks (the phase's taps x
     cdiv(Co, BK))."""
     from fusedres.kernels._common import cdiv
@@ -373,7 +360,7 @@ def _dgrad_grid(u, dtype: str, dev, rows: list[CudaKernelRow],
     mma = name == "dgrad_mma_kernel"
     dg = _row(rows, dev.arch, name, dtype, bm=dgrad_mma_rows(
         u.n * cdiv(u.h, s) * cdiv(u.h, s), u.c, min(s, u.h) ** 2, dev.sms) if mma else None,
-        bn=dgrad_mma_cols(u.c) if mma else None, bk=dgrad_mma_depth(u.c, u.co) if mma else None)
+        bn=mma_cols(u.c) if mma else None, bk=mma_depth(u.c, u.co) if mma else None)
     ctas, work = 0, 0.0
     for pa in range(min(s, u.h)):
         for pb in range(min(s, u.h)):
@@ -395,7 +382,7 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     * fwd: the kernel that runs (:func:`forward_kernel`): for channels-last x with C % 8 == 0,
       the benchmark units, the mma.sync kernel bn_relu_conv2d_fwd_mma_kernel (struct MmaFwd:
       128 rows where they fill the SMs, else 64, :func:`forward_mma_rows`; 16, 32 or 64
-      columns by Co, :func:`forward_mma_cols`; BK = 16 or 32, :func:`forward_mma_depth`), after a
+      columns by Co, :func:`mma_cols`; BK = 16 or 32 by C, :func:`mma_depth`), after a
       DRAM-bound launch packing the weight to (kh*kw*C, Co8); ``forward="wmma"``
       or NCHW x prices the WMMA kernel bn_relu_conv2d_fwd_kernel
       instead. Grid cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, BK);
@@ -408,8 +395,8 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
       pixels, each 32 / BK chunks (BK = 16 for the mma.sync kernel, 32 for the WMMA one);
     * dgrad writing dx: the kernel that runs (:func:`dgrad_kernel`): for the same units the
       mma.sync kernel dgrad_mma_kernel (struct MmaDgrad: 128 rows where they fill the SMs,
-      else 64, :func:`dgrad_mma_rows`; 16, 32 or 64 columns by C, :func:`dgrad_mma_cols`;
-      BK = 16 or 32, :func:`dgrad_mma_depth`), reading a channels-last weight in place, else
+      else 64, :func:`dgrad_mma_rows`; 16, 32 or 64 columns by C, :func:`mma_cols`;
+      BK = 16 or 32 by Co, :func:`mma_depth`), reading a channels-last weight in place, else
       after a DRAM-bound launch packing it to (kh*kw*Co, C) (:func:`weight_copied`;
       ``weight_channels_last``, True by default: what a channels-last model holds);
       ``dgrad="wmma"`` or NCHW the WMMA
@@ -441,8 +428,8 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
     fwd_mma = fwd_name == "bn_relu_conv2d_fwd_mma_kernel"
     fwd = _row(rows, dev.arch, fwd_name, dtype,
                bm=forward_mma_rows(m_out, u.co, dev.sms) if fwd_mma else None,
-               bn=forward_mma_cols(u.co) if fwd_mma else None,
-               bk=forward_mma_depth(u.c, u.co) if fwd_mma else None)
+               bn=mma_cols(u.co) if fwd_mma else None,
+               bk=mma_depth(u.co, u.c) if fwd_mma else None)
     out.append(("fwd", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
                 taps * cdiv(u.c, fwd.bk), dram["fwd"]))
     wg_name = wgrad_kernel(u, wgrad, channels_last)

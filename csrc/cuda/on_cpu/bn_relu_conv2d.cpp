@@ -45,14 +45,12 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("forward_mma_rows(int M, int Co) -> int");
   m.impl("forward_mma_rows",
          [](int64_t M, int64_t Co) { return fusedres::cuda_on_cpu::forward_mma_rows(M, Co); });
-  // Its tile columns for Co output channels (16, 32: the thin tiles; 64) and K chunk for C
-  // input channels (16, 32), by forward_mma_cols and forward_mma_depth.
-  m.def("forward_mma_cols(int Co) -> int");
-  m.impl("forward_mma_cols", [](int64_t Co) { return fusedres::cuda_on_cpu::forward_mma_cols(Co); });
-  m.def("forward_mma_depth(int C, int Co) -> int");
-  m.impl("forward_mma_depth", [](int64_t C, int64_t Co) {
-    return fusedres::cuda_on_cpu::forward_mma_depth(C, Co);
-  });
+  // The forward's and data gradient's tile columns for n output-side channels (16, 32: the thin
+  // tiles; 64) and K chunk for k reduced channels (16, 32), by mma_cols and mma_depth.
+  m.def("mma_cols(int n) -> int");
+  m.impl("mma_cols", [](int64_t n) { return fusedres::cuda_on_cpu::mma_cols(n); });
+  m.def("mma_depth(int n, int k) -> int");
+  m.impl("mma_depth", [](int64_t n, int64_t k) { return fusedres::cuda_on_cpu::mma_depth(n, k); });
   m.def("set_sm_count(int sms) -> int");
   m.impl("set_sm_count", [](int64_t sms) {
     TORCH_CHECK(sms > 0, "set_sm_count: expected a positive count, got ", sms);

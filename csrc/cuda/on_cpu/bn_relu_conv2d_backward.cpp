@@ -45,14 +45,6 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.impl("dgrad_mma_rows", [](int64_t rows, int64_t C, int64_t phases) {
     return fusedres::cuda_on_cpu::dgrad_mma_rows(rows, C, phases);
   });
-  // Its tile columns for C input channels (16, 32: the thin tiles; 64), by dgrad_mma_cols.
-  m.def("dgrad_mma_cols(int C) -> int");
-  m.impl("dgrad_mma_cols", [](int64_t C) { return fusedres::cuda_on_cpu::dgrad_mma_cols(C); });
-  // Its K chunk for C input and Co output channels (16, 32), by dgrad_mma_depth.
-  m.def("dgrad_mma_depth(int C, int Co) -> int");
-  m.impl("dgrad_mma_depth", [](int64_t C, int64_t Co) {
-    return fusedres::cuda_on_cpu::dgrad_mma_depth(C, Co);
-  });
 }
 
 // Likewise the weight gradient's split of its reduction, by pick_split on `sms` SMs
