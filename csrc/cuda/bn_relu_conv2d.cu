@@ -186,11 +186,12 @@ __global__ void __launch_bounds__(T::THREADS)
 // unfused sequence does, and a fragment row whose tap is padding (or past M) is set to 0: the
 // padding is of a = relu(bn(x)), never of x (the copying thread writes each row's tap flag
 // beside the stage, Vs). No division in the main loop: the next chunk's tap, channel offset and
-// address shift are stepped one chunk at a time, and a row's tap-(0, 0) offset is computed once. The weight is pre-packed (host) as a row-major
-// (kh*kw*C, Co8) matrix, Co8 = Co rounded up to 8 with zero columns: row tap*C + c. Shared rows
-// are padded by 8 halves (A: 80 bytes, B: 144 bytes in the 64 x 32 tiles; 48 or 80 in the thin
-// ones), so the 8 row addresses of each ldmatrix phase fall in 8 different 4-bank groups. The accumulators go through shared memory (aliasing
-// the drained pipeline) to the epilogue shared with the other path (store_tile).
+// address shift are stepped one chunk at a time, and a row's tap-(0, 0) offset is computed
+// once. The weight is pre-packed (host) as a row-major (kh*kw*C, Co8) matrix, Co8 = Co rounded
+// up to 8 with zero columns: row tap*C + c. Shared rows are padded by 8 halves (A: 80 bytes,
+// B: 144 bytes in the 64 x 32 tiles; 48 or 80 in the thin ones), so the 8 row addresses of each
+// ldmatrix phase fall in 8 different 4-bank groups. The accumulators go through shared memory
+// (aliasing the drained pipeline) to the epilogue shared with the other path (store_tile).
 template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int BK_ = 32>
 struct MmaFwd {
   static constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = 3;

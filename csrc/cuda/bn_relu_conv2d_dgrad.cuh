@@ -216,9 +216,9 @@ __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
 // (di = (pa + ph - i dh) / sh, exact for a tap of the phase), a row outside dy zero-filled,
 // as are rows past the phase's pixels. B: the weight with C contiguous (DgradWeight: element
 // (tap, co, c) at tap * wl.tap + co * wl.co + c): a channels-last weight in place (KRSC), any
-// other packed (host) as row-major (taps*Co, C), so a chunk is BK rows of 16-byte pieces. No transform on the
-// fragments: the ReLU mask and the branch scale are applied in the epilogue. 4 warps; shared
-// rows padded by 8 halves as in the forward. A thin tile (BN = 16 or 32 for C <= 32, BK = 16
+// other packed (host) as row-major (taps*Co, C), so a chunk is BK rows of 16-byte pieces. No
+// transform on the fragments: the ReLU mask and the branch scale are applied in the epilogue.
+// 4 warps; shared rows padded by 8 halves as in the forward. A thin tile (BN = 16 or 32 for C <= 32, BK = 16
 // for Co <= 16 too) has fewer 16-byte pieces of B per chunk than threads: the first B_PIECES
 // threads copy one each.
 template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int BK_ = 32>
