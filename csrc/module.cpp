@@ -19,6 +19,14 @@
 #include "cpu/capability.h"
 #include "cpu/tile.h"
 
+// Declared here, outside the file's anonymous namespace: inside it the name would declare a
+// second, internal fusedres::cutlass_conv that nothing defines.
+#if defined(FUSEDRES_WITH_CUTLASS)
+namespace fusedres::cutlass_conv {
+int64_t launches();  // csrc/cuda/cutlass_conv/fprop.cu
+}
+#endif
+
 namespace {
 
 // cpu_tile_samples(n, bytes_per_sample, weight_bytes, channels_last=False) -> int
@@ -119,12 +127,6 @@ PyObject* cuda_kernel_sets(PyObject* /*self*/, PyObject* /*args*/) {
   return str_list({"native"});
 #endif
 }
-
-#if defined(FUSEDRES_WITH_CUTLASS)
-namespace fusedres::cutlass_conv {
-int64_t launches();  // csrc/cuda/cutlass_conv/fprop.cu
-}
-#endif
 
 // cutlass_launches() -> int
 PyObject* cutlass_launches(PyObject* /*self*/, PyObject* /*args*/) {

@@ -154,6 +154,25 @@ def test_the_build_asks_for_cutlass_only_when_it_compiles_cuda(monkeypatch, env,
     assert build_backend._cutlass() == []
 
 
+@pytest.mark.parametrize("defines", [[], ["-DFUSEDRES_WITH_CUTLASS"]], ids=["native", "cutlass"])
+def test_the_module_compiles_with_and_without_the_cutlass_switch(defines):
+    """csrc/module.cpp as setup.py compiles it for a CUDA build, with FUSEDRES_WITH_CUTLASS where
+    the CUTLASS headers were found: no other check compiles that host code (CI builds the CPU
+    extension, and tools.cuda_aot the .cu files alone), and a CUTLASS build of fusedres._C once
+    failed there for a declaration inside the file's anonymous namespace."""
+    import shutil
+    import sysconfig
+
+    cxx = shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    proc = subprocess.run([cxx, "-fsyntax-only", "-std=c++17", "-Wall", "-Werror", *defines,
+                           "-I", sysconfig.get_paths()["include"], "-I", os.path.join(ROOT, "csrc"),
+                           os.path.join(ROOT, "csrc", "module.cpp")], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_cutlass_pins_agree():
     """The build requirement (build_backend.py) and the dev install (requirements-dev.txt) ask
     for the same nvidia-cutlass, whose headers the compile table was made with."""
