@@ -450,3 +450,24 @@ def test_the_sources_digest_changes_with_any_extension_source(tmp_path):
         assert gc.sources_digest(tmp_path) != base, name
         (tmp_path / name).write_text(before)
     assert gc.sources_digest(tmp_path) == base
+
+
+def test_gpu_prepare_copies_the_tracked_tree_and_drops_what_was_removed(tmp_path):
+    """make gpu-prepare builds in a copy kept between runs: a source removed or renamed here
+    since its last run must not stay there (setup.py globs csrc/, and a stale CPU source once
+    linked every CPU kernel twice); its build outputs and the built library stay (a second run
+    rebuilds only what changed). The copy's sources digest is then the tree's."""
+    from tools import gpu_prepare
+
+    src = tmp_path / "src"
+    stale = [src / "csrc" / "cpu" / "removed.cpp", src / "fusedres" / "gone.py"]
+    kept = [src / "build" / "temp" / "csrc" / "module.o", src / "fusedres" / "_C.abi3.so"]
+    for p in stale + kept:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"x")
+    gpu_prepare.copy_tree(src)
+    assert not any(p.exists() for p in stale)
+    assert all(p.exists() for p in kept)
+    assert (src / "csrc" / "module.cpp").read_bytes() == (gc.ROOT / "csrc" / "module.cpp"
+                                                          ).read_bytes()
+    assert gc.sources_digest(src) == gc.sources_digest()

@@ -43,14 +43,19 @@ MAX_BYTES = 60 * 2 ** 20  # what a GPU run carries beside the tree (64 MiB in al
 
 
 def copy_tree(src: Path) -> None:
-    """The tracked files as they are in the work tree, timestamps kept; stale Python files and
-    build outputs of removed sources first removed."""
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True,
-                           capture_output=True).stdout.decode().split("\0")
-    for old in src.rglob("*.py") if src.exists() else ():
-        if "build" not in old.relative_to(src).parts:
+    """The tracked files as they are in the work tree, timestamps kept (a second run rebuilds
+    what changed). Any other file of an earlier copy is removed first, outside build/ and the
+    built library: setup.py globs csrc/, so a source removed or renamed here since would
+    still be compiled and linked there (seen: two definitions of every CPU kernel)."""
+    names = [n for n in subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True,
+                                       capture_output=True).stdout.decode().split("\0") if n]
+    tracked = set(names)
+    for old in list(src.rglob("*")) if src.exists() else ():
+        rel = old.relative_to(src)
+        if (old.is_file() and rel.parts[0] != "build" and rel.as_posix() not in tracked
+                and not (rel.parts[0] == "fusedres" and rel.name.startswith("_C."))):
             old.unlink()
-    for name in filter(None, files):
+    for name in names:
         path = ROOT / name
         if path.is_file():
             target = src / name
@@ -116,6 +121,27 @@ def build(python: Path, src: Path, arch: str, jobs: int) -> Path:
     return built[0]
 
 
+LOAD_CHECK = """
+import json
+import fusedres
+from fusedres.ops import _extension
+print(json.dumps({"loaded": _extension.LOADED, "error": _extension.LOAD_ERROR,
+                  "kernel_sets": list(fusedres.cuda_kernel_sets())}))
+"""
+
+
+def load_check(python: Path, src: Path) -> dict:
+    """The built library imported by ``python`` in the copy it was built in (no GPU needed):
+    a library that does not load here, or lacks the CUTLASS kernels the headers were found
+    for, is refused before a GPU minute is spent on it."""
+    proc = subprocess.run([str(python), "-c", LOAD_CHECK], cwd=src, capture_output=True,
+                          text=True)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"loaded": False, "error": (proc.stdout + proc.stderr)[-500:]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.gpu_prepare",
                                  description=__doc__.splitlines()[0])
@@ -135,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     have = versions(args.python)
     copy_tree(SRC)
     library = build(args.python, SRC, args.arch, args.jobs)
+    loaded = load_check(args.python, SRC)
+    want = ["native", "cutlass"] if (os.environ.get("CUTLASS_PATH") or cutlass_path()) else \
+        ["native"]
+    if not loaded.get("loaded") or loaded.get("kernel_sets") != want:
+        print(f"gpu-prepare: error: {library} does not serve a GPU run: it loaded "
+              f"{bool(loaded.get('loaded'))} ({loaded.get('error')}), kernel sets "
+              f"{loaded.get('kernel_sets')}, expected {want}", file=sys.stderr)
+        return 1
     size = library.stat().st_size
     if size > MAX_BYTES:
         print(f"gpu-prepare: error: {library.name} is {size} bytes, over the {MAX_BYTES} a GPU "
@@ -147,12 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     head, dirty = commit()
     manifest = {"file": library.name, **have, "arch_list": args.arch.replace(",", ";").split(";"),
                 "bytes": size, "sha256": hashlib.sha256(library.read_bytes()).hexdigest(),
-                "sources": _gpu_check().sources_digest(), "commit": head, "dirty": dirty,
+                "sources": _gpu_check().sources_digest(SRC), "commit": head, "dirty": dirty,
                 "built_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                 "build_seconds": round(time.monotonic() - t0, 1),
                 # the CUTLASS kernels (FUSEDRES_CUDA_KERNELS=cutlass) compiled in, from these
                 # headers; None: built without them
-                "cutlass_path": os.environ.get("CUTLASS_PATH") or cutlass_path()}
+                "cutlass_path": os.environ.get("CUTLASS_PATH") or cutlass_path(),
+                "kernel_sets": loaded["kernel_sets"]}
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"gpu-prepare: {args.out}/{library.name} ({size / 2 ** 20:.1f} MiB) for torch "
           f"{have['torch']}, compute capability {args.arch}, in {manifest['build_seconds']:.0f} s;"
