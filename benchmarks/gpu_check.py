@@ -28,7 +28,8 @@ default 530 s: done in <= 9 minutes) in the order of what matters most (:data:`P
 
 Every phase ends by its planned end (the sum of the slots up to it, scaled to the time limit):
 a report process is stopped there, with its process group, and what it wrote before is kept;
-a phase that finishes early leaves its time to the ones after it. The plan is printed first.
+a phase that finishes early leaves its time to the ones after it, and the build, when the
+prepared library loaded, leaves its slot to the self-test. The plan is printed first.
 
 ``--device cpu --quick`` is the dry run CI makes (.ci/run): the same phases on CPU (the build
 without CUDA: ninja finds it done after ``make install``; the report's quick shapes). Exit
@@ -172,6 +173,15 @@ class Check:
 
     def elapsed(self) -> float:
         return self.clock() - self.start
+
+    def drop(self, phase: str) -> None:
+        """``phase`` will not run: its slot goes to the phase before it. The build, when the
+        prepared library loaded, gives its time to the self-test: its cuda and cuda:cutlass
+        rows are what FUSEDRES_CUDA_KERNELS's default waits for."""
+        names = [name for name, _ in PLAN]
+        before = names[names.index(phase) - 1]
+        self.ends[before] = self.ends[phase]
+        self.facts["plan"][before] = round(self.ends[before], 1)
 
     def until(self, phase: str) -> float:
         """Seconds left until ``phase``'s planned end."""
@@ -600,6 +610,9 @@ def _run(check: Check, args, python: str) -> int:
     info, device = found
     prepared = device == "cuda" and args.build and step_prepared(check, python, info,
                                                                   Path(args.prepared))
+    if prepared:
+        check.drop("build")
+        check.say(f"plan: no build; the selftest runs until {check.ends['selftest']:.0f} s")
     reports = []
     for i, parts in enumerate(REPORT_PROCESSES):
         if "cuda" in parts:  # the build comes before the parts that use fusedres._C

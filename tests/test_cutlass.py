@@ -347,6 +347,31 @@ def test_selftest_pins_the_kernel_sets():
     assert selftest._kernels_env("triton") == ("triton", None)
 
 
+def test_selftest_runs_every_backend_on_a_case_before_the_next(monkeypatch):
+    """Case-major: a self-test stopped by the GPU check's time limit has every backend's rows,
+    cuda:cutlass's among them, for each case it reached, each with the kernel set it names."""
+    from fusedres.apps import selftest
+
+    seen = []
+
+    def fake_case(case, dtype, device, cl, reps, backend):
+        seen.append((case.name, backend, os.environ.get("FUSEDRES_CUDA_KERNELS")))
+        return dict(case=case.name, dtype=str(dtype), layout="nhwc" if cl else "nchw", ok=True)
+
+    monkeypatch.setattr(selftest, "run_case", fake_case)
+    monkeypatch.setattr(fusedres, "cutlass_launches", itertools.count().__next__)
+    monkeypatch.delenv("FUSEDRES_CUDA_KERNELS", raising=False)
+    labels = ["triton", "cuda", selftest.CUTLASS]
+    rows = selftest.run("cuda", 0, labels)
+    per_case = 3 * 2  # dtypes x layouts on a GPU
+    expect = [(c.name, b, k) for c in selftest.GPU_CASES
+              for b, k in (("triton", None), ("cuda", "native"), ("cuda", "cutlass"))
+              for _ in range(per_case)]
+    assert seen == expect
+    assert [r["backend"] for r in rows[:3 * per_case]] == [b for b in labels
+                                                           for _ in range(per_case)]
+
+
 def test_selftest_fails_a_cutlass_case_that_launched_nothing(monkeypatch):
     """A cuda:cutlass case the CUTLASS kernels take passes only if it launched one of them; the
     cases they do not take (float32, NCHW) pass on the native kernels."""

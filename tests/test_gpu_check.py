@@ -252,6 +252,14 @@ def test_a_prepared_library_replaces_the_build_when_it_loads(fake, tmp_path, mon
                                      "report cuda,units,fit,compile"]  # no build
             assert facts["prepared"]["status"] == "loaded" and target.exists()
             assert facts["build"]["status"] == "not needed (the prepared library)"
+            # the build's slot went to the self-test: its process runs until the build's end
+            ends = gc.plan_ends(60.0)
+            second = json.loads((state / "reports.jsonl").read_text().splitlines()[1])
+            slots = dict(s.split("=") for s in second[second.index("--slots") + 1].split(","))
+            assert float(slots["selftest"]) > ends["selftest"] + 5  # it was ends["selftest"] - now
+            assert facts["report:replay,selftest"]["hard_limit_s"] >= round(ends["build"]) - 2
+            assert json.loads((out / "results.json").read_text())["gpu_check"]["plan"][
+                "selftest"] == round(ends["build"], 1)
         else:
             assert "build" in _calls(state) and not target.exists()
             assert _calls(state)[0] == ("load" if case == "fails-to-load" else "report decisive")

@@ -235,18 +235,23 @@ def run(device, reps: int, backends: list[str] | None = None, on_row=None) -> li
     """Every case on ``device`` for each GPU backend that runs there (or those of
     ``backends``): on a GPU all dtypes and both layouts; on CPU (the interpreter, the cuda
     backend's CPU layer) the tiny cases, float32 in both layouts and bfloat16 channels_last.
+    Case by case, every backend in turn on each: a run stopped by a time limit (the GPU
+    check's) has all the backends' rows of the cases it reached, side by side.
     ``on_row(rows)`` after each case, with the rows so far."""
     device = torch.device(device)
     gpu = device.type == "cuda"
     cases = GPU_CASES if gpu else CPU_CASES
     dtypes = [torch.float32, torch.bfloat16, torch.float16] if gpu else [torch.float32,
                                                                         torch.bfloat16]
+    labels = backends or gpu_backends(device)
     rows = []
-    for label in backends or gpu_backends(device):
-        backend, kernels = _kernels_env(label)
-        # The variable is read by every cuda op call; the environment is restored after.
-        with mock.patch.dict(os.environ, {"FUSEDRES_CUDA_KERNELS": kernels} if kernels else {}):
-            _run_backend(rows, label, backend, cases, dtypes, device, gpu, reps, on_row)
+    for case in cases:
+        for label in labels:
+            backend, kernels = _kernels_env(label)
+            # The variable is read by every cuda op call; the environment is restored after.
+            with mock.patch.dict(os.environ,
+                                 {"FUSEDRES_CUDA_KERNELS": kernels} if kernels else {}):
+                _run_backend(rows, label, backend, [case], dtypes, device, gpu, reps, on_row)
     return rows
 
 
