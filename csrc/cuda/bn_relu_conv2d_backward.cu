@@ -9,8 +9,8 @@
 //   pixels with ih % sh, iw % sw fixed), so a tap feeds all rows of a block or none and a strided
 //   convolution skips the taps that do not. Its epilogue loads x, recomputes the ReLU mask, and
 //   reduces per channel sum dz and sum dz * xhat over the tile (partials per tile, reduced in
-//   float64 by bn_sums); it writes dz (training), dx = scale * dz (eval), or nothing (only the
-//   BatchNorm parameter gradients wanted).
+//   float64 by bn_sums); it writes dz into the x gradient, in x's dtype (training), dx =
+//   scale * dz (eval), or nothing (only the BatchNorm parameter gradients wanted).
 // * wgrad: implicit GEMM per tap (rows Co, columns C, reduction over the output pixels), the
 //   activation recomputed while x is staged into shared memory, the reduction split over
 //   blockIdx.z (split-K, partials summed by wgrad_partials_sum) when it is long against the
@@ -120,10 +120,10 @@ struct BackwardPasses {
     return *tiles;
   }
 
-  void dgrad(at::Tensor* gx, at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
-             const at::Tensor* m1, const at::Tensor* m2, int write) {
+  void dgrad(at::Tensor* gx, at::Tensor* part_dz, at::Tensor* part_dzx, const at::Tensor* m1,
+             const at::Tensor* m2, int write) {
     dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
-      launch_dgrad<decltype(xt), decltype(wt)>(go, x, weight, bn, mean, invstd, gx, dz, part_dz,
+      launch_dgrad<decltype(xt), decltype(wt)>(go, x, weight, bn, mean, invstd, gx, part_dz,
                                                part_dzx, m1, m2, bsp, write, g, phases,
                                                dgrad_tiles());
     });
@@ -281,8 +281,7 @@ void backward_sums(BackwardPasses& p, Grads& out, const Wants& want,
                                 want.beta ? &out.gbeta : nullptr, want.g ? &out.gg : nullptr,
                                 want.x && train, p.mean.options());
   if (!want.x) return;
-  p.dgrad(&out.gx, nullptr, nullptr, nullptr, train ? &m1 : nullptr, train ? &m2 : nullptr,
-          kWriteDx);
+  p.dgrad(&out.gx, nullptr, nullptr, train ? &m1 : nullptr, train ? &m2 : nullptr, kWriteDx);
 }
 
 // The bias gradient alone (no weight gradient pass): sum dy, or sum over n of s[n] * (dy[n]
@@ -320,25 +319,18 @@ void backward_store(BackwardPasses& p, Grads& out, const Wants& want, bool batch
       part_dzx.zero_();
     }
   }
-  at::Tensor dz;
-  int write = kWriteNothing;
-  if (want.x && batch_stats) {
-    write = kWriteDz;
-    dz = out.gx.scalar_type() == p.mean.scalar_type() ? out.gx
-                                                      : at::empty_like(out.gx, p.mean.options());
-  } else if (want.x) {
-    write = kWriteDx;
-  }
-  p.dgrad(want.x ? &out.gx : nullptr, dz.defined() ? &dz : nullptr,
-          want.sums ? &part_dz : nullptr, want.sums ? &part_dzx : nullptr, nullptr, nullptr,
-          write);
+  // Training: dz into the x gradient's buffer, then dx in place there (no dz buffer of the
+  // statistics dtype: that was 2x the gradient's bytes written and read again for 16-bit x).
+  const int write = !want.x ? kWriteNothing : (batch_stats ? kWriteDz : kWriteDx);
+  p.dgrad(want.x ? &out.gx : nullptr, want.sums ? &part_dz : nullptr,
+          want.sums ? &part_dzx : nullptr, nullptr, nullptr, write);
   if (!want.sums) return;
   const auto [m1, m2] = bn_sums(part_dz, part_dzx, inv_m, want.beta ? &out.gbeta : nullptr,
                                 want.g ? &out.gg : nullptr, want.x && batch_stats,
                                 p.mean.options());
   if (!(want.x && batch_stats)) return;
   FUSEDRES_DISPATCH_FLOATING(p.x.scalar_type(), "fusedres_cuda_dx", [&] {
-    launch_dx<scalar_t>(dz, out.gx, p.x, p.bn, p.mean, p.invstd, m1, m2);
+    launch_dx<scalar_t>(out.gx, p.x, p.bn, p.mean, p.invstd, m1, m2);
   });
 }
 

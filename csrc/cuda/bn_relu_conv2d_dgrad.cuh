@@ -19,12 +19,14 @@
 namespace fusedres::FUSEDRES_CUDA_NS {
 namespace {
 
-// What the data-gradient epilogue writes: dz (then the dx pass), dx, or nothing (sums only).
+// What the data-gradient epilogue writes: dz into the x gradient's buffer, rounded to its dtype
+// as plain PyTorch's ReLU backward rounds it (then the dx pass, in place), dx, or nothing (sums
+// only). The sums are reduced from the unrounded dz.
 enum DgradWrite : int { kWriteNothing = 0, kWriteDz = 1, kWriteDx = 2 };
 
 // The data gradient's epilogue, shared by the WMMA and the mma.sync kernel, on the block's
 // BM x BN tile of da (Cs; rows: the phase's input pixels row_n / row_ih / row_iw, -1 past its
-// pixels; columns c0 + n): loads x, recomputes the ReLU mask, writes dz or dx (or nothing), and
+// pixels; columns c0 + n): loads x, recomputes the ReLU mask, writes dz or dx to gx (or nothing), and
 // reduces per channel sum dz and sum dz * xhat over the tile into its partials' row `row` (Ds holds
 // dz * xhat). The caller synchronises after filling Cs.
 template <typename X, int BM, int BN, int LD, int THREADS>
@@ -32,10 +34,10 @@ __device__ __forceinline__ void dgrad_store(
     acc_t<X> (*Cs)[LD], acc_t<X> (*Ds)[LD], const int64_t* row_n, const int32_t* row_ih,
     const int32_t* row_iw, const X* __restrict__ x, const acc_t<X>* __restrict__ scale,
     const acc_t<X>* __restrict__ shift, const acc_t<X>* __restrict__ mean,
-    const acc_t<X>* __restrict__ invstd, X* __restrict__ gx, acc_t<X>* __restrict__ dz_out,
-    acc_t<X>* __restrict__ part_dz, acc_t<X>* __restrict__ part_dzx,
-    const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
-    const acc_t<X>* __restrict__ branch_scale, const Dims4& xd, const Dims4& gd, int64_t c0,
+    const acc_t<X>* __restrict__ invstd, X* __restrict__ gx, acc_t<X>* __restrict__ part_dz,
+    acc_t<X>* __restrict__ part_dzx, const acc_t<X>* __restrict__ m1,
+    const acc_t<X>* __restrict__ m2, const acc_t<X>* __restrict__ branch_scale,
+    const Dims4& xd, const Dims4& gd, int64_t c0,
     int write, int64_t row, int tid) {
   using A = acc_t<X>;
   const int64_t Cin = xd.c;
@@ -55,7 +57,7 @@ __device__ __forceinline__ void dgrad_store(
       const A xhat = (xv - mean[c]) * invstd[c];
       dzx = dz * xhat;
       const int64_t go = gd.offset(row_n[m], c, row_ih[m], row_iw[m]);
-      if (write == kWriteDz) dz_out[go] = dz;
+      if (write == kWriteDz) gx[go] = static_cast<X>(dz);
       // dx: training (the sums known before this pass: m1 = mean dz, m2 = mean dz xhat) or eval.
       if (write == kWriteDx) {
         gx[go] = static_cast<X>(m1 != nullptr ? scale[c] * (dz - m1[c] - xhat * m2[c])
@@ -122,8 +124,8 @@ __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
     dgrad_kernel(const W* __restrict__ dy, const W* __restrict__ w, const X* __restrict__ x,
                  const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
                  const acc_t<X>* __restrict__ mean, const acc_t<X>* __restrict__ invstd,
-                 X* __restrict__ gx, acc_t<X>* __restrict__ dz_out,
-                 acc_t<X>* __restrict__ part_dz, acc_t<X>* __restrict__ part_dzx,
+                 X* __restrict__ gx, acc_t<X>* __restrict__ part_dz,
+                 acc_t<X>* __restrict__ part_dzx,
                  const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
                  const acc_t<X>* __restrict__ branch_scale, Dims4 dyd, Dims4 wd, Dims4 xd,
                  Dims4 gd, ConvGeom g, int write) {
@@ -195,8 +197,8 @@ __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
   acc.store(Cs, tid);
   __syncthreads();
   dgrad_store<X, BM, BN, BN + T::CPAD, THREADS>(Cs, Ds, row_n, row_ih, row_iw, x, scale, shift,
-                                                mean, invstd, gx, dz_out, part_dz, part_dzx, m1,
-                                                m2, branch_scale, xd, gd, c0, write,
+                                                mean, invstd, gx, part_dz, part_dzx, m1, m2,
+                                                branch_scale, xd, gd, c0, write,
                                                 static_cast<int64_t>(blockIdx.z) * gridDim.x +
                                                     blockIdx.x,
                                                 tid);
@@ -293,8 +295,8 @@ __global__ void __launch_bounds__(T::THREADS)
                      const W* __restrict__ x,
                      const float* __restrict__ scale, const float* __restrict__ shift,
                      const float* __restrict__ mean, const float* __restrict__ invstd,
-                     W* __restrict__ gx, float* __restrict__ dz_out,
-                     float* __restrict__ part_dz, float* __restrict__ part_dzx,
+                     W* __restrict__ gx, float* __restrict__ part_dz,
+                     float* __restrict__ part_dzx,
                      const float* __restrict__ m1, const float* __restrict__ m2,
                      const float* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gd,
                      ConvGeom g, int write) {
@@ -425,18 +427,17 @@ __global__ void __launch_bounds__(T::THREADS)
     __syncthreads();
     const int o = pass * T::EM;
     dgrad_store<W, T::EM, BN, T::CLD, THREADS>(Cs, Ds, row_n + o, row_ih + o, row_iw + o, x,
-                                               scale, shift, mean, invstd, gx, dz_out, part_dz,
-                                               part_dzx, m1, m2, branch_scale, xd, gd, c0, write,
+                                               scale, shift, mean, invstd, gx, part_dz, part_dzx,
+                                               m1, m2, branch_scale, xd, gd, c0, write,
                                                prow + pass, tid);
   }
 }
 
-// In place over the data gradient: dx = scale * (dz - m1 - xhat * m2), m1 = sum dz / M,
-// m2 = sum dz xhat / M (per channel). dz (acc dtype) and gx share their strides; they are the
-// same memory when x has the acc dtype.
+// In place over the data gradient, which holds dz (in x's dtype): dx = scale * (dz - m1 -
+// xhat * m2), m1 = sum dz / M, m2 = sum dz xhat / M (per channel).
 template <typename X>
 __global__ void __launch_bounds__(256)
-    dx_kernel(const acc_t<X>* dz, X* gx, const X* __restrict__ x,
+    dx_kernel(X* __restrict__ gx, const X* __restrict__ x,
               const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ mean,
               const acc_t<X>* __restrict__ invstd, const acc_t<X>* __restrict__ m1,
               const acc_t<X>* __restrict__ m2, Dims4 xd, Dims4 gd) {
@@ -462,7 +463,7 @@ __global__ void __launch_bounds__(256)
     }
     const int64_t go = gd.offset(n, c, h, w);
     const A xhat = (static_cast<A>(x[xd.offset(n, c, h, w)]) - mean[c]) * invstd[c];
-    gx[go] = static_cast<X>(scale[c] * (dz[go] - m1[c] - xhat * m2[c]));
+    gx[go] = static_cast<X>(scale[c] * (static_cast<A>(gx[go]) - m1[c] - xhat * m2[c]));
   }
 }
 
@@ -539,7 +540,7 @@ inline DgradWeight dgrad_weight(const at::Tensor& weight) {
 template <typename X, typename W>
 void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight,
                   const Affine& bn, const at::Tensor& mean, const at::Tensor& invstd,
-                  at::Tensor* gx, at::Tensor* dz, at::Tensor* part_dz, at::Tensor* part_dzx,
+                  at::Tensor* gx, at::Tensor* part_dz, at::Tensor* part_dzx,
                   const at::Tensor* m1, const at::Tensor* m2, const at::Tensor* bscale,
                   int write, const ConvGeom& g, int64_t phases, const DgradTiles& dt) {
   using T = typename TilesFor<W>::Fwd;
@@ -550,7 +551,7 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
     return dim3(static_cast<unsigned>(dt.row_tiles),
                 static_cast<unsigned>(ceil_div(x.size(1), cols)), static_cast<unsigned>(phases));
   };
-  const at::Tensor& out = gx != nullptr ? *gx : (dz != nullptr ? *dz : x);
+  const at::Tensor& out = gx != nullptr ? *gx : x;
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
     if (dt.mma) {
       const DgradWeight wd = dgrad_weight(weight);
@@ -564,7 +565,6 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
           go.const_data_ptr<W>(), wd.w.const_data_ptr<W>(), wd.rows, x.const_data_ptr<X>(),
           bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
           invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
-          dz != nullptr ? dz->data_ptr<A>() : nullptr,
           part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
           part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
           m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
@@ -582,7 +582,6 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
       go.const_data_ptr<W>(), weight.const_data_ptr<W>(), x.const_data_ptr<X>(),
       bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
       invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
-      dz != nullptr ? dz->data_ptr<A>() : nullptr,
       part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
       part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
       m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
@@ -593,7 +592,7 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
 }
 
 template <typename X>
-void launch_dx(const at::Tensor& dz, at::Tensor& gx, const at::Tensor& x, const Affine& bn,
+void launch_dx(at::Tensor& gx, const at::Tensor& x, const Affine& bn,
                const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& m1,
                const at::Tensor& m2) {
   using A = acc_t<X>;
@@ -602,7 +601,7 @@ void launch_dx(const at::Tensor& dz, at::Tensor& gx, const at::Tensor& x, const 
       1, std::min<int64_t>(ceil_div(x.numel(), threads), 8 * sm_count()));
   FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, current_stream(),
                   dx_kernel<X>)(
-      dz.const_data_ptr<A>(), gx.data_ptr<X>(), x.const_data_ptr<X>(),
+      gx.data_ptr<X>(), x.const_data_ptr<X>(),
       bn.scale.const_data_ptr<A>(), mean.const_data_ptr<A>(), invstd.const_data_ptr<A>(),
       m1.const_data_ptr<A>(), m2.const_data_ptr<A>(), dims_of(x), dims_of(gx));
   FUSEDRES_CHECK_LAUNCH();

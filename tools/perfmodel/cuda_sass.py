@@ -582,8 +582,9 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
       slices in order and rounding dW to the weight's dtype and layout;
     * dgrad writing dz: the native mma.sync data gradient (as :func:`model_cuda_unit` picks its
       tile) (for a strided unit after two launches zeroing the BatchNorm sums' partials), its
-      epilogue writing float32 dz and the partials; then the sums' reduction (bn_sums) and
-      the dx pass (read dz and x, write dx): DRAM-bound launches;
+      epilogue writing dz (x's dtype, into the x gradient) and the partials; then the sums'
+      reduction (bn_sums) and the dx pass in place (read dz and x, write dx): DRAM-bound
+      launches;
     * batch statistics (partials and finalize): as the native step.
 
     ``backward``: "rule" (:func:`cutlass_wgrad_on`: the above for filters larger than 1 x 1,
@@ -646,7 +647,7 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
            cdiv(cdiv(m_out, CUTLASS_BK), split),
            tu.act_out() + tu.act_in() + 2 * vec16 + split * dw32)
     dram_launch("dW partials sum", split * dw32 + tu.weight())  # slices in order, rounded
-    # data gradient ("store": float32 dz), the sums, dx
+    # data gradient ("store": dz in x's dtype, in the x gradient's buffer), the sums, dx
     dg, ctas, chunks = _dgrad_grid(u, dtype, dev, rows, "dgrad_mma_kernel")
     # the sums' partials, (rows, C) each: a row per 64 pixels of a row tile, every phase sized
     # by the largest (csrc/cuda's backward_store)
@@ -659,10 +660,10 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
         dram_launch("zero the sums' partials (dz)", parts / 2)
         dram_launch("zero the sums' partials (dzx)", parts / 2)
     launch("dgrad+dz", dg, ctas, chunks,
-           tu.act_out() + tu.weight() + tu.act_in() + 2 * vec32 + 2 * tu.act_in() + parts)
+           tu.act_out() + tu.weight() + tu.act_in() + 2 * vec32 + tu.act_in() + parts)
     for name in bn_sums_launches(sums_rows):
         dram_launch(name, (parts + 4 * vec32) / len(bn_sums_launches(sums_rows)))
-    dram_launch("dx", 2 * tu.act_in() + tu.act_in() + tu.act_in() + 6 * vec32)
+    dram_launch("dx", 3 * tu.act_in() + 6 * vec32)  # read dz and x, write dx
     return CudaUnitModel(u, dtype, dev.arch, kernels)
 
 
