@@ -360,8 +360,13 @@ Grads7 composed_pair_backward(Backward&& backward, const Tensor& grad, const Ten
                               const Tensor& mean, const Tensor& invstd, c10::IntArrayRef geo,
                               bool batch_stats, const std::array<bool, 7>& want) {
   const auto [want_x, want_w, want_b, want_w2, want_b2, want_g, want_beta] = want;
-  const std::array<bool, 5> m1{want_x, want_w, want_b, want_g, want_beta};
-  const std::array<bool, 5> m2{want_x, want_w2, want_b2, want_g, want_beta};
+  // A convolution whose output took no gradient (undefined) is not differentiated: its
+  // weight and bias get none, and x, bn_weight, bn_bias the other's alone.
+  const bool d1 = grad.defined(), d2 = grad2.defined();
+  const std::array<bool, 5> m1{d1 && want_x, d1 && want_w, d1 && want_b, d1 && want_g,
+                               d1 && want_beta};
+  const std::array<bool, 5> m2{d2 && want_x, d2 && want_w2, d2 && want_b2, d2 && want_g,
+                               d2 && want_beta};
   const auto sym = [&](int i) { return c10::fromIntArrayRefSlow(geo.slice(i, 2)); };
   Grads5 r1, r2;
   if (any(m1)) {
@@ -372,9 +377,10 @@ Grads7 composed_pair_backward(Backward&& backward, const Tensor& grad, const Ten
     r2 = backward(grad2, x, weight2, bn_weight, bn_bias, mean, invstd, sym(6), sym(8), sym(10),
                   batch_stats, m2, std::nullopt);
   }
-  // A shared gradient is wanted of both calls or of neither.
+  // A shared gradient: of both calls, of the one that ran, or of neither.
   const auto sum = [](const Tensor& a, const Tensor& b, bool wanted) {
-    return wanted ? a + b : Tensor();
+    if (!wanted) return Tensor();
+    return a.defined() && b.defined() ? a + b : (a.defined() ? a : b);
   };
   return {sum(std::get<0>(r1), std::get<0>(r2), want_x), std::get<1>(r1), std::get<2>(r1),
           std::get<1>(r2), std::get<2>(r2), sum(std::get<3>(r1), std::get<3>(r2), want_g),
@@ -417,6 +423,9 @@ struct PairNode : torch::autograd::Function<Self> {
     const int64_t e_beta = present(bn_bias) ? edge : -1;
     ctx->saved_data["edges"] = std::vector<int64_t>{0, 1, e_b, e_w2, e_b2, e_g, e_beta};
     ctx->mark_non_differentiable({m2, v2});
+    // As UnitNode's: no zero fill for the statistics' gradients (two a downsampling block's
+    // step), nor for a convolution's output that took none (undefined, handled below).
+    ctx->set_materialize_grads(false);
     return {y, y2, m2, v2};
   }
 
@@ -429,6 +438,7 @@ struct PairNode : torch::autograd::Function<Self> {
     const OptTensor bn_weight = optional(saved[3]), bn_bias = optional(saved[4]);
     const Tensor &grad = grads[0], &grad2 = grads[1];
     variable_list out(17);
+    if (!grad.defined() && !grad2.defined()) return out;
     const std::vector<int64_t> edges = ctx->saved_data["edges"].toIntVector();
     std::array<bool, 7> want{};
     for (int i = 0; i < 7; ++i) want[i] = edges[i] >= 0 && ctx->needs_input_grad(edges[i]);
@@ -440,13 +450,20 @@ struct PairNode : torch::autograd::Function<Self> {
     const c10::IntArrayRef geo(g);
     const bool batch_stats = ctx->saved_data["batch_stats"].toBool();
     Grads7 r;
-    if (bare_gradient(grad) && bare_gradient(grad2)) {
+    const auto bare = [](const Tensor& t) { return !t.defined() || bare_gradient(t); };
+    if (bare(grad) && bare(grad2)) {
       at::AutoDispatchBelowADInplaceOrView below;
+      bool paired = false;
       if constexpr (K::kPairKernels) {
-        const auto sym = [&](int i) { return c10::fromIntArrayRefSlow(geo.slice(i, 2)); };
-        r = K::pair_backward(grad, grad2, x, weight, weight2, bn_weight, bn_bias, mean, invstd,
-                             sym(0), sym(2), sym(4), sym(6), sym(8), sym(10), batch_stats, mask);
-      } else {
+        if (grad.defined() && grad2.defined()) {  // else one convolution's: the unit's kernels
+          const auto sym = [&](int i) { return c10::fromIntArrayRefSlow(geo.slice(i, 2)); };
+          r = K::pair_backward(grad, grad2, x, weight, weight2, bn_weight, bn_bias, mean,
+                               invstd, sym(0), sym(2), sym(4), sym(6), sym(8), sym(10),
+                               batch_stats, mask);
+          paired = true;
+        }
+      }
+      if (!paired) {
         r = composed_pair_backward(K::backward, grad, grad2, x, weight, weight2, bn_weight,
                                    bn_bias, mean, invstd, geo, batch_stats, want);
       }

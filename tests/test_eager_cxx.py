@@ -727,3 +727,31 @@ def test_nodes_recompute_under_checkpoint(name, kind):
     for a, b in zip([x.grad, *[p.grad for p in m.parameters()]],
                     [x_ref.grad, *[p.grad for p in m_ref.parameters()]]):
         _equal(a, b)
+
+
+@pytest.mark.parametrize("used", ["y", "y2"])
+def test_eager_pair_with_one_output_used(name, used):
+    """Only one convolution's output takes a gradient (the node materialises none for the
+    other, nor for the statistics): x's and the BatchNorm parameters' gradients are that
+    convolution's unit's, and the other convolution's weight and bias get none, as autograd
+    gives two separate units."""
+    backend = _backend(name)
+    inp = _pair_inputs(F64, bias=True, bias2=True, affine=True, cl=False)
+    x, w, b, w2, b2, gamma, beta, mean, invstd, geo, geo2 = inp
+    wrt = [x, w, b, w2, b2, gamma, beta]
+    y, y2, _, _ = backend.eager_pair(x, w, b, w2, b2, gamma, beta, mean, invstd, *geo, *geo2,
+                                     True, True)
+    out = y if used == "y" else y2
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    got = torch.autograd.grad(out, wrt, g, allow_unused=True)
+    with fusedres.use_backend(name):
+        ww, bb, gg = (w, b, geo) if used == "y" else (w2, b2, geo2)
+        ref_out = torch.ops.fusedres.bn_relu_conv2d(x, ww, bb, gamma, beta, mean, invstd, None,
+                                                    *gg, True)
+        ref = torch.autograd.grad(ref_out, wrt, g, allow_unused=True)
+    for i, (a, r) in enumerate(zip(got, ref, strict=True)):
+        assert (a is None) == (r is None), i
+        if a is not None:
+            torch.testing.assert_close(a, r, rtol=1e-13, atol=1e-13)
+    unused = (3, 4) if used == "y" else (1, 2)
+    assert all(got[i] is None for i in unused)
