@@ -457,23 +457,6 @@ inline int64_t forward_mma_rows(int64_t M, int64_t Co) {
              : MmaFwdSmall::BM;
 }
 
-// f(tile) with the mma.sync forward's tile type of `bm` rows, `cols` columns, `depth` K.
-template <typename F>
-void with_forward_tile(int64_t bm, int64_t cols, int64_t depth, F&& f) {
-  TORCH_CHECK(bm == MmaFwdTall::BM || bm == MmaFwdSmall::BM,
-              "launch_forward: no mma.sync tile of ", bm, " rows");
-  const bool tall = bm == MmaFwdTall::BM;
-  if (cols == 16 && depth == 16) {
-    tall ? f(MmaFwdThin<128, 16, 16>{}) : f(MmaFwdThin<64, 16, 16>{});
-  } else if (cols == 16) {
-    tall ? f(MmaFwdThin<128, 16, 32>{}) : f(MmaFwdThin<64, 16, 32>{});
-  } else if (cols == 32) {
-    tall ? f(MmaFwdThin<128, 32, 32>{}) : f(MmaFwdThin<64, 32, 32>{});
-  } else {
-    tall ? f(MmaFwdTall{}) : f(MmaFwdSmall{});
-  }
-}
-
 template <typename W, typename T>
 void launch_forward_mma(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias,
                         const Affine& bn, const at::Tensor* residual, const at::Tensor* bscale,
@@ -508,7 +491,8 @@ void launch_forward(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
     if (use_mma_forward(x, bn)) {
       const int64_t Cin = x.size(1), Co = weight.size(0);
-      with_forward_tile(bm, mma_cols(Co), mma_depth(Co, Cin), [&](auto tile) {
+      with_mma_tile<MmaFwdThin, MmaFwdTall, MmaFwdSmall>(
+          "launch_forward", bm, mma_cols(Co), mma_depth(Co, Cin), [&](auto tile) {
         launch_forward_mma<W, decltype(tile)>(x, weight, bias, bn, residual, bscale, y,
                                               part_mean, part_m2, g, M);
       });
@@ -531,16 +515,6 @@ void launch_forward(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   FUSEDRES_CHECK_LAUNCH();
 }
 
-// Tile rows of the forward for the weight dtype (the genstats partials have one row per tile).
-int64_t forward_tile_rows(at::ScalarType wt) {
-  switch (wt) {
-    case at::kDouble: return TilesFor<double>::Fwd::BM;
-    case at::kHalf: return TilesFor<at::Half>::Fwd::BM;
-    case at::kBFloat16: return TilesFor<at::BFloat16>::Fwd::BM;
-    default: return TilesFor<float>::Fwd::BM;
-  }
-}
-
 // The tile rows of the kernel launch_forward runs: the mma.sync path's per-shape choice
 // (forward_mma_rows), else the FMA / WMMA tile's for the weight dtype.
 int64_t forward_rows(const at::Tensor& x, const at::Tensor& weight, const Affine& bn, int64_t M) {
@@ -548,7 +522,7 @@ int64_t forward_rows(const at::Tensor& x, const at::Tensor& weight, const Affine
   if (x.scalar_type() == wt && (wt == at::kHalf || wt == at::kBFloat16) && use_mma_forward(x, bn)) {
     return forward_mma_rows(M, weight.size(0));
   }
-  return forward_tile_rows(wt);
+  return wmma_tile(wt)[0];
 }
 
 // genstats: y's per-channel mean and biased variance from the forward tiles' partials, (tiles,

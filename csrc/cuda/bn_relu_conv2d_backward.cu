@@ -57,20 +57,6 @@ ConvGeom geom_of(const at::Tensor& weight, const std::array<int64_t, 2>& s,
           static_cast<int32_t>(p[1]), static_cast<int32_t>(d[0]), static_cast<int32_t>(d[1])};
 }
 
-// The WMMA / FMA data gradient's tile (rows, columns, depth) for weight dtype wt.
-std::array<int64_t, 3> wmma_dgrad_tile(at::ScalarType wt) {
-  const auto of = [](auto w) {
-    using T = typename TilesFor<decltype(w)>::Fwd;
-    return std::array<int64_t, 3>{T::BM, T::BN, T::BK};
-  };
-  switch (wt) {
-    case at::kDouble: return of(double{});
-    case at::kHalf: return of(at::Half{});
-    case at::kBFloat16: return of(at::BFloat16{});
-    default: return of(float{});
-  }
-}
-
 // The five gradients (grad_x, grad_weight, grad_bias, grad_bn_weight, grad_bn_bias) with the
 // metadata of ops.backward_empty_outputs: an empty tensor where output_mask leaves one out.
 struct Grads {
@@ -109,7 +95,7 @@ struct BackwardPasses {
   const DgradTiles& dgrad_tiles() {
     if (!tiles.has_value()) {
       DgradTiles d{dgrad_uses_mma(go, x, weight), 0, 0, 0, 0, 1};
-      const std::array<int64_t, 3> wmma = wmma_dgrad_tile(weight.scalar_type());
+      const std::array<int64_t, 3> wmma = wmma_tile(weight.scalar_type());
       d.rows = d.mma ? dgrad_mma_rows(phase_rows, x.size(1), phases) : wmma[0];
       d.cols = d.mma ? mma_cols(x.size(1)) : wmma[1];
       d.depth = d.mma ? mma_depth(x.size(1), go.size(1)) : wmma[2];

@@ -498,21 +498,6 @@ struct DgradTiles {
   int64_t rows, cols, depth, row_tiles, parts_per_tile;
 };
 
-// f(tile) with the mma.sync tile type of `dt`'s rows, columns and depth.
-template <typename F>
-void with_dgrad_tile(const DgradTiles& dt, F&& f) {
-  const bool tall = dt.rows == MmaDgradTall::BM;
-  if (dt.cols == 16 && dt.depth == 16) {
-    tall ? f(MmaDgradThin<128, 16, 16>{}) : f(MmaDgradThin<64, 16, 16>{});
-  } else if (dt.cols == 16) {
-    tall ? f(MmaDgradThin<128, 16, 32>{}) : f(MmaDgradThin<64, 16, 32>{});
-  } else if (dt.cols == 32) {
-    tall ? f(MmaDgradThin<128, 32, 32>{}) : f(MmaDgradThin<64, 32, 32>{});
-  } else {
-    tall ? f(MmaDgradTall{}) : f(MmaDgradSmall{});
-  }
-}
-
 // The weight as the mma.sync data gradient reads it: C contiguous in 16-byte pieces, element
 // (tap, co, c) at tap * rows.tap + co * rows.co + c, on a 16-byte boundary. A channels-last
 // weight ((Co, C, kh, kw), C fastest: KRSC, what a channels-last model holds, and every
@@ -555,7 +540,8 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
     if (dt.mma) {
       const DgradWeight wd = dgrad_weight(weight);
-      with_dgrad_tile(dt, [&](auto tile) {
+      with_mma_tile<MmaDgradThin, MmaDgradTall, MmaDgradSmall>(
+          "launch_dgrad", dt.rows, dt.cols, dt.depth, [&](auto tile) {
         using TM = decltype(tile);
         TORCH_CHECK(dt.rows == TM::BM && dt.cols == TM::BN && dt.depth == TM::BK &&
                         dt.parts_per_tile == TM::PASSES,

@@ -5,6 +5,7 @@
 // source is compiled by nvcc and, through the execution layer of common.cuh, by the host compiler.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <type_traits>
@@ -140,6 +141,42 @@ template <>
 struct TilesFor<at::BFloat16> {
   using Fwd = Tile<64, 64, 32, 128, true>;
 };
+
+// The WMMA / FMA tile (rows, columns, depth) for weight dtype wt: the forward's and the data
+// gradient's kernels launch with the same one (TilesFor<W>::Fwd).
+inline std::array<int64_t, 3> wmma_tile(at::ScalarType wt) {
+  const auto of = [](auto w) {
+    using T = typename TilesFor<decltype(w)>::Fwd;
+    return std::array<int64_t, 3>{T::BM, T::BN, T::BK};
+  };
+  switch (wt) {
+    case at::kDouble: return of(double{});
+    case at::kHalf: return of(at::Half{});
+    case at::kBFloat16: return of(at::BFloat16{});
+    default: return of(float{});
+  }
+}
+
+// f(tile) with an mma.sync kernel family's tile of `rows` x `cols` x `depth` (the forward's:
+// MmaFwdThin, MmaFwdTall, MmaFwdSmall; the data gradient's: MmaDgrad...): Thin<rows, cols,
+// depth> for 16 or 32 columns, else Tall (128 rows) or Small (64); the columns and depth as
+// mma_cols and mma_depth (mma_tiles.cuh) choose them. `who` names the caller in the error.
+template <template <int, int, int> class Thin, typename Tall, typename Small, typename F>
+void with_mma_tile(const char* who, int64_t rows, int64_t cols, int64_t depth, F&& f) {
+  TORCH_CHECK(rows == Tall::BM || rows == Small::BM, who, ": no mma.sync tile of ", rows,
+              " rows");
+  constexpr int R = Tall::BM, r = Small::BM;
+  const bool tall = rows == R;
+  if (cols == 16 && depth == 16) {
+    tall ? f(Thin<R, 16, 16>{}) : f(Thin<r, 16, 16>{});
+  } else if (cols == 16) {
+    tall ? f(Thin<R, 16, 32>{}) : f(Thin<r, 16, 32>{});
+  } else if (cols == 32) {
+    tall ? f(Thin<R, 32, 32>{}) : f(Thin<r, 32, 32>{});
+  } else {
+    tall ? f(Tall{}) : f(Small{});
+  }
+}
 
 // ----------------------------------------------------------------------------- inner products
 
