@@ -77,15 +77,18 @@ def available(route: str) -> str | None:
 
 def make_step(route: str, unit: str = "chain"):
     """The training step of ``unit`` on ``route``: a callable, run inside :func:`using`.
-    ``unit``: "chain" (one BN-ReLU-conv) or "block" (``PreActBasicBlock(16, 16)``: He et al.'s
+    ``unit``: "chain" (one BN-ReLU-conv), "block" (``PreActBasicBlock(16, 16)``: He et al.'s
     full pre-activation unit with the identity shortcut, two chains; plain: ``fused=False``,
-    PyTorch's modules in the same block)."""
+    PyTorch's modules in the same block) or "down" (``PreActBasicBlock(16, 32, stride=2)``: the
+    projection shortcut and the first convolution of one BN-ReLU, the eager pair)."""
     torch.manual_seed(0)
     n, c, h, w = SHAPE
     x = torch.randn(n, c, h, w, requires_grad=True)
-    g = torch.randn(n, c, h, w)
-    if unit == "block":
-        block = fusedres.PreActBasicBlock(c, c, fused=route != "plain")
+    g = torch.randn(n, c, h, w) if unit != "down" else torch.randn(n, 2 * c, h // 2, w // 2)
+    if unit in ("block", "down"):
+        block = fusedres.PreActBasicBlock(c, c if unit == "block" else 2 * c,
+                                          stride=1 if unit == "block" else 2,
+                                          fused=route != "plain")
 
         def step():
             block(x).backward(g)
@@ -299,8 +302,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--where", action="store_true", help="list where each route's calls go")
-    p.add_argument("--unit", default="chain", choices=("chain", "block"),
-                   help="one BN-ReLU-conv chain, or a pre-activation basic block (two chains)")
+    p.add_argument("--unit", default="chain", choices=("chain", "block", "down"),
+                   help="one BN-ReLU-conv chain, a pre-activation basic block (two chains), or "
+                        "a downsampling one (its projection shortcut: the eager pair)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     routes = [r for r in args.routes.split(",") if available(r) is None]
@@ -310,7 +314,8 @@ def main(argv=None) -> int:
     rows = [counts(r, unit=args.unit) for r in routes]
     times = host_us(routes, args.reps, args.rounds, args.unit)
     plain = next((row for row in rows if row["route"] == "plain"), None)
-    what = "3x3 chain" if args.unit == "chain" else "PreActBasicBlock"
+    what = {"chain": "3x3 chain", "block": "PreActBasicBlock",
+            "down": "PreActBasicBlock(16, 32, stride=2)"}[args.unit]
     print(f"# torch {torch.__version__}, {args.threads} thread(s); one {SHAPE} {what}, "
           f"training step; kernels as no-ops; {args.rounds} rounds x {args.reps} steps")
     print("| route | Python calls | / plain | own calls | launches | ATen kernels "

@@ -84,6 +84,25 @@ def test_host_work_per_block(route, plain_block):
         route, c["python_calls"], plain_block["python_calls"], c["where"])
 
 
+# A downsampling block (PreActBasicBlock(16, 32, stride=2): the projection shortcut and the
+# first convolution one eager pair, then the second chain): launches a step and the ATen
+# kernels besides them, held at their counts. The three adds sum the pair's two convolutions'
+# gradients of x, bn_weight and bn_bias (neither GPU route has pair kernels); the pair's
+# statistics outputs take no gradient and none is materialised (it was two zero fills).
+DOWN_EXPECTED = {
+    "cuda": (22, ["aten::add"] * 3),
+    "triton": (21, ["aten::add_"] * 3),
+}
+
+
+@pytest.mark.parametrize("route", sorted(DOWN_EXPECTED))
+def test_host_work_per_downsampling_block(route):
+    _runs(route)
+    launches, inner = DOWN_EXPECTED[route]
+    c = hostcost.counts(route, unit="down")
+    assert (c["launches"], c["inner"]) == (launches, inner), route
+
+
 def test_a_block_without_its_lean_route_fails_the_count(plain_block, monkeypatch):
     """The block through its checked route every step (the lean route planted away): the cuda
     route's count fails."""
