@@ -179,6 +179,8 @@ class Check:
         prepared library loaded, gives its time to the self-test: its cuda and cuda:cutlass
         rows are what FUSEDRES_CUDA_KERNELS's default waits for."""
         names = [name for name, _ in PLAN]
+        if names.index(phase) == 0:
+            raise ValueError(f"drop: {phase!r} is the first phase; no phase before it")
         before = names[names.index(phase) - 1]
         self.ends[before] = self.ends[phase]
         self.facts["plan"][before] = round(self.ends[before], 1)

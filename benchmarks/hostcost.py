@@ -3,13 +3,14 @@ plain PyTorch's chain beside it: Python calls, kernel launches, top-level ops, a
 with the kernels as no-ops.
 
     python benchmarks/hostcost.py [--rounds 15] [--reps 50] [--routes plain,cpu,cuda,triton]
-                                  [--unit chain|block]
+                                  [--unit chain|block|down]
 
 The chain is ``BNReLUConv2d(16, 16, 3, padding=1)`` on a 2x16x8x8 batch in training mode
 (plain: ``nn.BatchNorm2d``, ``nn.ReLU``, ``nn.Conv2d`` called in turn), forward and backward;
 ``--unit block`` times a ``PreActBasicBlock(16, 16)`` instead (two chains and the identity
 shortcut, the unit a deep pre-activation ResNet repeats; plain: the same block with
-``fused=False``).
+``fused=False``); ``--unit down`` a ``PreActBasicBlock(16, 32, stride=2)`` (the projection
+shortcut and the first convolution of one BN-ReLU: the eager pair).
 Every count is a count of the host's own work, the same on any machine with these versions:
 
 - *Python calls*: function calls ``sys.setprofile`` sees while the step runs, torch's own

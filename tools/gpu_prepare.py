@@ -49,7 +49,7 @@ def copy_tree(src: Path) -> None:
     still be compiled and linked there (seen: two definitions of every CPU kernel)."""
     names = [n for n in subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True,
                                        capture_output=True).stdout.decode().split("\0") if n]
-    tracked = set(names)
+    tracked = {n for n in names if (ROOT / n).is_file()}  # not one deleted here, unstaged
     for old in list(src.rglob("*")) if src.exists() else ():
         rel = old.relative_to(src)
         if (old.is_file() and rel.parts[0] != "build" and rel.as_posix() not in tracked
