@@ -61,10 +61,10 @@ inline WgradTile wgrad_tile(int64_t Co, int64_t columns) {
 }
 
 // Whether the cutlass kernel set takes a unit's weight gradient (with the "store" backward:
-// CUTLASS's GEMM has no BatchNorm sums, so the data gradient writes dz in float32 and one more
-// pass reads it for dx) or leaves the unit on the native "sums" backward (the native weight
-// gradient's epilogue yields the sums). For a 1 x 1 filter the step is bound by DRAM and the
-// store plan's extra float32 traffic costs more than CUTLASS's faster GEMM saves; for larger
+// CUTLASS's GEMM has no BatchNorm sums, so the data gradient writes dz into the x gradient and
+// one more pass reads it back for dx) or leaves the unit on the native "sums" backward (the
+// native weight gradient's epilogue yields the sums). For a 1 x 1 filter the step is bound by
+// DRAM and the store plan's extra pass costs more than CUTLASS's faster GEMM saves; for larger
 // filters the GEMMs dominate (the model prices both on every unit: benchmarks/GPU_MODEL.md).
 inline bool wgrad_on_cutlass(int64_t kh, int64_t kw) { return kh * kw > 1; }
 
