@@ -320,6 +320,9 @@ def test_grouped_conv_is_refused():
 LEAN_BLOCKS = [
     ("basic", lambda: fusedres.PreActBasicBlock(8, 8)),
     ("bottleneck", lambda: fusedres.PreActBottleneck(16, 4)),
+    # the projection beside conv1 through the route's pair (cpu, cuda)
+    ("basic-down", lambda: fusedres.PreActBasicBlock(8, 16, stride=2)),
+    ("bottleneck-widen", lambda: fusedres.PreActBottleneck(8, 4)),
 ]
 
 
@@ -346,12 +349,12 @@ def _lean_runs(block, x, stats, return_stats):
                          ids=["nchw", "nchw-stats", "cl-stats"])
 def test_lean_preact_route_is_the_checked_route(backend, name, make, given, channels_last,
                                                  monkeypatch):
-    """A fused pre-activation unit with the identity shortcut skips its checks once the checked
-    route has run its arguments' key (fusedres.modules.lean.preact): the same route calls on
-    the same tensors, so the same outputs, statistics handed on, gradients and running
-    statistics to the bit, in training and eval, with and without the producer's statistics;
-    and the checked route itself is still what a new key runs (an error there touches
-    nothing)."""
+    """A fused pre-activation unit with the identity shortcut, or with a projection the route
+    pairs with conv1, skips its checks once the checked route has run its arguments' key
+    (fusedres.modules.lean.preact): the same route calls on the same tensors, so the same
+    outputs, statistics handed on, gradients and running statistics to the bit, in training
+    and eval, with and without the producer's statistics; and the checked route itself is
+    still what a new key runs (an error there touches nothing)."""
     from fusedres import modules
 
     torch.manual_seed(0)
@@ -373,8 +376,11 @@ def test_lean_preact_route_is_the_checked_route(backend, name, make, given, chan
     assert len(lean) == len(plain)
     for a, b in zip(lean, plain):
         assert torch.equal(a, b)
-    # The checked route ran once per key (training, eval) where the lean route applies.
-    applies = backend in ("cpu", "cuda", "triton")
+    # The checked route ran once per key (training, eval) where the lean route applies: a
+    # projection only where the route has a pair.
+    assert block.path == ("projection" if name.endswith(("down", "widen")) else "identity")
+    applies = backend in (("cpu", "cuda") if block.path == "projection" else
+                          ("cpu", "cuda", "triton"))
     assert lean_calls == (2 if applies else 4), (backend, lean_calls)
 
 

@@ -1,13 +1,14 @@
 """The lean route of a fused pre-activation unit.
 
-A fused pre-activation unit with the identity shortcut (most of a deep pre-activation ResNet)
-runs :meth:`~fusedres.modules.ResidualBlock._forward_preact`'s calls with its checks and its
-layers' Python between them: ~120 Python calls a chain on the C++ routes, where plain
-PyTorch's block makes ~45. Once the checked route has run a key's arguments, later calls with
-the same key skip the checks and call the route's fields in the same order on the same tensors
-(the same kernels, the same results to the bit). :meth:`ResidualBlock.forward
-<fusedres.modules.ResidualBlock.forward>` reads :func:`preact` from this module (patch it
-here).
+A fused pre-activation unit with the identity shortcut (most of a deep pre-activation ResNet),
+or with a projection shortcut that the route's ``pair`` runs beside conv1 (where a stage
+begins; cpu, cuda), runs :meth:`~fusedres.modules.ResidualBlock._forward_preact`'s calls
+with its checks and its layers' Python between them: ~120 Python calls a chain on the C++
+routes, where plain PyTorch's block makes ~45. Once the checked route has run a key's
+arguments, later calls with the same key skip the checks and call the route's fields in the
+same order on the same tensors (the same kernels, the same results to the bit).
+:meth:`ResidualBlock.forward <fusedres.modules.ResidualBlock.forward>` reads :func:`preact`
+from this module (patch it here).
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ def preact(block, x: Tensor, stats, return_stats: bool):
     """``(y, stats of y or None)`` of ``block._forward_preact(x, stats, return_stats)`` through
     the route's fields without the checks, for arguments whose key the checked route has run;
     None where this route does not apply (then the caller runs the checked one): a
-    :data:`FUSED` pre-activation unit with the identity shortcut, two or three chains of plain
+    :data:`FUSED` pre-activation unit with the identity shortcut, or with a projection that
+    the route's ``pair`` runs beside conv1 (:attr:`~fusedres.modules.ResidualBlock.
+    paired_shortcut`, on a backend with one: cpu, cuda), two or three chains of plain
     ``nn.BatchNorm2d`` and ``nn.Conv2d`` (explicit padding), no drop-path draw this step, no
     autocast, a backend with a one-call BatchNorm preparation (cpu, cuda, triton), BatchNorm
     parameters in the statistics dtype."""
     names = _NAMES.get(block.num_convs)
-    if (names is None or type(block.layer) is not FusedBNReLUConv or block.path != "identity"
+    if (names is None or type(block.layer) is not FusedBNReLUConv
+            or block.path not in ("identity", "projection")
             or block.gate is not None or (block.training and block._drop_path > 0)):
         return None
     mods = block._modules
@@ -50,7 +54,12 @@ def preact(block, x: Tensor, stats, return_stats: bool):
     r = route(x, conv1._parameters["weight"])
     if r.prepare_batch_norm is None or torch.is_autocast_enabled(x.device.type):
         return None
-    keyed = _key(r, names, mods, x, stats, return_stats)
+    short = None
+    if block.path == "projection":
+        short = _paired(block, r, mods, x)
+        if short is None:
+            return None
+    keyed = _key(r, names, mods, x, stats, return_stats, short)
     if keyed is None:
         return None
     key, chain = keyed
@@ -58,16 +67,41 @@ def preact(block, x: Tensor, stats, return_stats: bool):
         out = block._forward_preact(x, stats, return_stats)  # checks every argument
         KEYS.add(key)
         return out
-    return _run(r, chain, x, stats, return_stats)
+    return _run(r, chain, x, stats, return_stats, short)
 
 
-def _key(r, names, mods, x: Tensor, stats, return_stats: bool):
+def _paired(block, r, mods, x: Tensor):
+    """The projection shortcut's fields (weight, bias, stride, padding, dilation) where the
+    checked route would run it beside conv1 through the route's ``pair``
+    (modules.unit.paired_conv_into with functional.conv2d_pair_from_prepared's conditions), else
+    None."""
+    sc, conv1 = mods.get("shortcut"), mods["conv1"]
+    if (r.pair is None or type(sc) is not nn.Conv2d or type(sc.padding) is not tuple
+            or not block.paired_shortcut):
+        return None
+    bn1 = mods["bn1"]
+    if r.prepares is not None and not r.prepares(x, bn1.running_mean, bn1.running_var,
+                                                 bn1.training):
+        return None  # the preparation a BatchNormState with an activation: two units
+    w, b, w1, b1 = (sc._parameters["weight"], sc._parameters["bias"],
+                    conv1._parameters["weight"], conv1._parameters["bias"])
+    if w.dtype != w1.dtype or any(t is not None and t.dtype != w1.dtype for t in (b, b1)):
+        return None
+    return w, b, sc.stride, sc.padding, sc.dilation
+
+
+def _key(r, names, mods, x: Tensor, stats, return_stats: bool, short=None):
     """(the key of these arguments, each chain's fields) for :func:`preact`, or None
-    where a BatchNorm or convolution is not one the lean route runs."""
+    where a BatchNorm or convolution is not one the lean route runs; ``short``: the paired
+    projection's fields (:func:`_paired`), keyed too."""
     sdt = torch.float64 if x.dtype == torch.float64 else torch.float32  # opdefs.stats_dtype
     key = [r.name, x.shape, x.stride(), x.dtype, x.device, return_stats,
            None if stats is None else (len(stats), *map(_META, stats)),
            torch.is_inference_mode_enabled()]  # with is_inference(): buffers it may write
+    if short is not None:
+        sc = mods["shortcut"]
+        key += ("projection", sc.stride, sc.padding, sc.dilation, sc.groups, sc.padding_mode,
+                _META(short[0]), None if short[1] is None else _META(short[1]))
     chain = []
     for bn_name, conv_name in names:
         bn, c = mods.get(bn_name), mods[conv_name]  # no bn under norm='none'
@@ -92,14 +126,16 @@ def _key(r, names, mods, x: Tensor, stats, return_stats: bool):
     return tuple(key), chain
 
 
-def _run(r, chain, x: Tensor, stats, return_stats: bool):
+def _run(r, chain, x: Tensor, stats, return_stats: bool, short_fields=None):
     """The lean route's run of ``chain`` (:func:`_key`'s) on ``x``: ``(y, stats of y
-    or None)``."""
+    or None)``; ``short_fields``: the paired projection's (:func:`_paired`), run beside
+    conv1 through the route's ``pair``."""
     prepare_affine, prepare_bn, prepares = r.prepare_affine, r.prepare_batch_norm, r.prepares
     # What _forward_preact runs for these arguments: each BatchNorm prepared as
     # functional.prepare_batch_norm's route branch does (with the statistics its producer
     # handed over when it uses batch statistics), each unit as functional.conv2d_from_prepared
-    # runs it, conv1 handing the shortcut on where the route has that form.
+    # runs it, conv1 handing the shortcut on where the route has that form, or run beside the
+    # projection as functional.conv2d_pair_from_prepared runs the pair.
     a = short = x
     last = len(chain) - 1
     for i, (bn, w, cb, stride, padding, dilation) in enumerate(chain):
@@ -127,7 +163,12 @@ def _run(r, chain, x: Tensor, stats, return_stats: bool):
         # The next BatchNorm takes this unit's statistics when it uses batch statistics.
         nxt = chain[i + 1][0]
         want = nxt.training or nxt.running_mean is None
-        if i == 0 and r.unit_with_shortcut is not None:
+        if i == 0 and short_fields is not None:
+            sw, sb, sstride, spadding, sdilation = short_fields
+            short, a, *stats = r.pair(a, sw, sb, w, cb, bn.weight, bn.bias, mean, invstd,
+                                      sstride, spadding, sdilation, stride, padding, dilation,
+                                      use_batch, want)
+        elif i == 0 and r.unit_with_shortcut is not None:
             a, short, *stats = r.unit_with_shortcut(*args, want)
         elif want:
             a, *stats = r.unit(args, True, affine)
