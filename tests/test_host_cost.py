@@ -90,7 +90,7 @@ def test_host_work_per_block(route, plain_block):
 # the plain block's, held at their counts. The three adds sum the pair's two convolutions'
 # gradients of x, bn_weight and bn_bias (neither GPU route has pair kernels); the pair's
 # statistics outputs take no gradient and none is materialised (it was two zero fills). The
-# lean route runs the pair on cpu and cuda (0.63x plain's calls, 3.66x through the checked
+# lean route runs the pair on cpu and cuda (0.62x plain's calls, 3.66x through the checked
 # route); triton has no pair, so its downsampling blocks take the checked route (4.5x).
 DOWN_EXPECTED = {
     "cpu": (0, None, 0.7),

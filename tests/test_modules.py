@@ -327,10 +327,11 @@ LEAN_BLOCKS = [
 
 
 def _lean_runs(block, x, stats, return_stats):
-    """Three training steps and an eval step of ``block``: outputs, statistics, gradients and
-    running statistics, each a clone."""
+    """Three training steps and two eval steps of ``block`` (the second eval step the lean
+    route's where it applies): outputs, statistics, gradients and running statistics, each a
+    clone."""
     out = []
-    for training in (True, True, True, False):
+    for training in (True, True, True, False, False):
         block.train(training)
         xr = x.clone().requires_grad_()
         y = block(xr, stats=stats, return_stats=return_stats)
@@ -381,7 +382,7 @@ def test_lean_preact_route_is_the_checked_route(backend, name, make, given, chan
     assert block.path == ("projection" if name.endswith(("down", "widen")) else "identity")
     applies = backend in (("cpu", "cuda") if block.path == "projection" else
                           ("cpu", "cuda", "triton"))
-    assert lean_calls == (2 if applies else 4), (backend, lean_calls)
+    assert lean_calls == (2 if applies else 5), (backend, lean_calls)
 
 
 def test_lean_preact_route_keys_on_what_the_checks_read(monkeypatch):
@@ -396,6 +397,20 @@ def test_lean_preact_route_keys_on_what_the_checks_read(monkeypatch):
     block.conv2.double()
     with pytest.raises(TypeError, match="weight: expected dtype torch.float32"):
         block(x)
+
+
+def test_lean_preact_route_keys_the_paired_projection():
+    """The projection run beside conv1 is keyed too: its weight in another dtype after the key
+    was cached reaches the checked route, which refuses it before any state changes."""
+    block = fusedres.PreActBasicBlock(8, 16, stride=2)
+    x = torch.randn(2, 8, 6, 6)
+    block(x)
+    block(x)
+    block.shortcut.double()
+    before = block.bn1.running_mean.clone()
+    with pytest.raises(TypeError, match="dtype"):
+        block(x)
+    assert torch.equal(block.bn1.running_mean, before)
 
 
 def test_lean_preact_route_survives_a_deep_copy(monkeypatch):

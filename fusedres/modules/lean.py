@@ -56,7 +56,7 @@ def preact(block, x: Tensor, stats, return_stats: bool):
         return None
     short = None
     if block.path == "projection":
-        short = _paired(block, r, mods, x)
+        short = _paired(block, r, mods)
         if short is None:
             return None
     keyed = _key(r, names, mods, x, stats, return_stats, short)
@@ -70,7 +70,7 @@ def preact(block, x: Tensor, stats, return_stats: bool):
     return _run(r, chain, x, stats, return_stats, short)
 
 
-def _paired(block, r, mods, x: Tensor):
+def _paired(block, r, mods):
     """The projection shortcut's fields (weight, bias, stride, padding, dilation) where the
     checked route would run it beside conv1 through the route's ``pair``
     (modules.unit.paired_conv_into with functional.conv2d_pair_from_prepared's conditions), else
@@ -79,10 +79,6 @@ def _paired(block, r, mods, x: Tensor):
     if (r.pair is None or type(sc) is not nn.Conv2d or type(sc.padding) is not tuple
             or not block.paired_shortcut):
         return None
-    bn1 = mods["bn1"]
-    if r.prepares is not None and not r.prepares(x, bn1.running_mean, bn1.running_var,
-                                                 bn1.training):
-        return None  # the preparation a BatchNormState with an activation: two units
     w, b, w1, b1 = (sc._parameters["weight"], sc._parameters["bias"],
                     conv1._parameters["weight"], conv1._parameters["bias"])
     if w.dtype != w1.dtype or any(t is not None and t.dtype != w1.dtype for t in (b, b1)):
@@ -153,6 +149,16 @@ def _run(r, chain, x: Tensor, stats, return_stats: bool, short_fields=None):
                 mean, invstd = prepare_bn(a, *bn[2:], *given)
             if given[0] is not None:
                 mean = given[0]
+        if i == 0 and short_fields is not None:  # the projection beside conv1 (never last)
+            nxt = chain[1][0]
+            want = nxt.training or nxt.running_mean is None
+            sw, sb, sstride, spadding, sdilation = short_fields
+            short, a, *stats = r.pair(a, sw, sb, w, cb, bn.weight, bn.bias, mean, invstd,
+                                      sstride, spadding, sdilation, stride, padding, dilation,
+                                      use_batch, want)
+            if not want:
+                stats = None
+            continue
         args = UnitArgs(a, w, cb, bn.weight, bn.bias, mean, invstd,
                         short if i == last else None, stride, padding, dilation, use_batch)
         if i == last:
@@ -163,12 +169,7 @@ def _run(r, chain, x: Tensor, stats, return_stats: bool, short_fields=None):
         # The next BatchNorm takes this unit's statistics when it uses batch statistics.
         nxt = chain[i + 1][0]
         want = nxt.training or nxt.running_mean is None
-        if i == 0 and short_fields is not None:
-            sw, sb, sstride, spadding, sdilation = short_fields
-            short, a, *stats = r.pair(a, sw, sb, w, cb, bn.weight, bn.bias, mean, invstd,
-                                      sstride, spadding, sdilation, stride, padding, dilation,
-                                      use_batch, want)
-        elif i == 0 and r.unit_with_shortcut is not None:
+        if i == 0 and r.unit_with_shortcut is not None:
             a, short, *stats = r.unit_with_shortcut(*args, want)
         elif want:
             a, *stats = r.unit(args, True, affine)
