@@ -272,8 +272,22 @@ import json
 import fusedres
 from fusedres.ops import _extension
 print(json.dumps({"loaded": _extension.LOADED, "error": _extension.LOAD_ERROR,
-                  "cuda": fusedres.unavailable_reason("cuda", "cuda")}))
+                  "cuda": fusedres.unavailable_reason("cuda", "cuda"),
+                  "kernel_sets": list(fusedres.cuda_kernel_sets())}))
 """
+
+
+def load_check(python: str, cwd: Path, timeout: float | None = None) -> dict:
+    """fusedres._C imported by ``python`` in ``cwd`` (LOAD_CHECK's facts: loaded, the load
+    error, why the cuda backend cannot run, the kernel sets), or ``{"loaded": False, "error":
+    ...}`` when the child gave no answer. Here for the prepared library on the GPU machine;
+    tools/gpu_prepare.py runs it on the library it built."""
+    try:
+        proc = subprocess.run([str(python), "-c", LOAD_CHECK], capture_output=True, text=True,
+                              timeout=timeout, cwd=cwd)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        return {"loaded": False, "error": f"{type(e).__name__}"}
 
 
 # What fusedres._C is compiled from: a prepared library built from other sources is stale.
@@ -324,12 +338,7 @@ def step_prepared(check: Check, python: str, info: dict, folder: Path) -> bool:
         return False
     target = ROOT / "fusedres" / manifest["file"]
     shutil.copy2(folder / manifest["file"], target)
-    try:
-        proc = subprocess.run([python, "-c", LOAD_CHECK], capture_output=True, text=True,
-                              timeout=max(5.0, check.until("probe")), cwd=ROOT)
-        loaded = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
-        loaded = {"loaded": False, "error": f"{type(e).__name__}"}
+    loaded = load_check(python, ROOT, timeout=max(5.0, check.until("probe")))
     ok = bool(loaded.get("loaded")) and loaded.get("cuda") is None
     facts.update(manifest=manifest, load=loaded, status="loaded" if ok else "failed to load")
     if not ok:

@@ -121,27 +121,6 @@ def build(python: Path, src: Path, arch: str, jobs: int) -> Path:
     return built[0]
 
 
-LOAD_CHECK = """
-import json
-import fusedres
-from fusedres.ops import _extension
-print(json.dumps({"loaded": _extension.LOADED, "error": _extension.LOAD_ERROR,
-                  "kernel_sets": list(fusedres.cuda_kernel_sets())}))
-"""
-
-
-def load_check(python: Path, src: Path) -> dict:
-    """The built library imported by ``python`` in the copy it was built in (no GPU needed):
-    a library that does not load here, or lacks the CUTLASS kernels the headers were found
-    for, is refused before a GPU minute is spent on it."""
-    proc = subprocess.run([str(python), "-c", LOAD_CHECK], cwd=src, capture_output=True,
-                          text=True)
-    try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {"loaded": False, "error": (proc.stdout + proc.stderr)[-500:]}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.gpu_prepare",
                                  description=__doc__.splitlines()[0])
@@ -161,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     have = versions(args.python)
     copy_tree(SRC)
     library = build(args.python, SRC, args.arch, args.jobs)
-    loaded = load_check(args.python, SRC)
+    # Imported by the GPU machines' Python in the copy it was built in (no GPU needed): a library
+    # that does not load, or lacks the CUTLASS kernels the headers were found for, is refused
+    # before a GPU minute is spent on it.
+    loaded = _gpu_check().load_check(args.python, SRC)
     want = ["native", "cutlass"] if (os.environ.get("CUTLASS_PATH") or cutlass_path()) else \
         ["native"]
     if not loaded.get("loaded") or loaded.get("kernel_sets") != want:
