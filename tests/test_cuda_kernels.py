@@ -673,6 +673,50 @@ def test_backward_mma_dgrad_reads_a_channels_last_weight_in_place(dtype, case):
             assert got[1][1].is_contiguous(memory_format=torch.channels_last)
 
 
+HAS_ACT_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
+    torch.ops.fusedres_cuda_testing, "dgrad_with_activation")
+
+
+@pytest.mark.skipif(not HAS_ACT_HOOK, reason="the activation hook is built with the host copy")
+@pytest.mark.parametrize("tile", ["64", "128"])
+@pytest.mark.parametrize("dtype,cl,case", [
+    *[(dt, True, c) for dt in HALF for c in DGRAD_TILE_CASES[:4]],
+    (torch.float16, False, DGRAD_TILE_CASES[1]), (torch.float32, True, CASES[1]),
+    (torch.float32, False, CASES[3])],
+    ids=[*[f"{d}-{c}" for d in ("f16", "bf16") for c in ("c72-co40", "s2", "1x1-s2", "dil")],
+         "f16-nchw-s2", "f32-s2", "f32-nchw-1x1-s3x2"])
+def test_data_gradient_writes_the_activation(dtype, cl, case, tile):
+    """The data gradient's epilogue writes a = relu(scale * x + shift) where the CUTLASS
+    weight gradient asks for it (the mma.sync kernel's both tiles, the WMMA one for NCHW, the
+    FMA one for float32; strides whose phases no tap feeds): every element written (the buffer
+    starts as NaN), each a rounding of the float32 rule (the forward's operand), and dz and the
+    BatchNorm sums' partials bit for bit those of the same launch without it."""
+    args = make(case, dtype, channels_last=cl)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
+    gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
+    gy = gy.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+    kernel = "mma" if cl and dtype in HALF else "wmma"
+    assert _dgrad_kernel_for(gy, x, weight) == kernel
+    hook = torch.ops.fusedres_cuda_testing.dgrad_with_activation
+    with host_knobs(sms=TILE_SMS[tile]):
+        dz, pdz, pdzx, act = hook(gy, x, weight, gamma, beta, mean, invstd, s, p, d, True)
+        dz0, pdz0, pdzx0, none = hook(gy, x, weight, gamma, beta, mean, invstd, s, p, d, False)
+    assert none.numel() == 0
+    assert torch.equal(dz, dz0) and torch.equal(pdz, pdz0) and torch.equal(pdzx, pdzx0)
+    assert act.dtype == x.dtype and act.stride() == x.stride()
+    assert not act.isnan().any(), "an element of a the epilogue did not write"
+    sdt = torch.float32 if dtype in HALF else dtype
+    scale = (gamma * invstd).to(sdt)
+    shift = (beta - mean * scale).to(sdt)
+    ref = torch.relu(x.to(sdt) * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)).to(dtype)
+    # One rounding to x's dtype of the float32 rule (a fused multiply-add may round the product
+    # once less than the reference's two operations).
+    eps = torch.finfo(dtype).eps
+    assert ((act.double() - ref.double()).abs()
+            <= eps * ref.double().abs() + 1e-6 * shift.abs().max().item()).all()
+    assert (act == ref).double().mean().item() > 0.99
+
+
 @pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the tile hooks are built with the host copy")
 def test_backward_mma_dgrad_tile_choice():
     """dgrad_mma_rows: the 128-row tile where its tiles (over every stride phase) fill the 132

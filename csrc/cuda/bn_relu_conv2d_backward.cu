@@ -88,7 +88,8 @@ struct BackwardPasses {
   int64_t phases;         // the stride phases (one per blockIdx.z of the data gradient)
   int64_t phase_rows;     // the input pixels of the largest phase
   std::optional<DgradTiles> tiles{};
-  // The weight gradient on CUTLASS (cutlass_conv/wgrad.cu): "store" only, no branch scale.
+  // The weight gradient on CUTLASS (cutlass_conv/wgrad.cu): "store" only, no branch scale,
+  // over the activation the data gradient's epilogue writes (so the data gradient runs first).
   bool cutlass_wgrad = false;
   std::array<int64_t, 2> stride{}, padding{}, dilation{};
 
@@ -106,27 +107,30 @@ struct BackwardPasses {
     return *tiles;
   }
 
+  // act: where to write a = relu(scale * x + shift) as well (x's dtype and strides), or none.
   void dgrad(at::Tensor* gx, at::Tensor* part_dz, at::Tensor* part_dzx, const at::Tensor* m1,
-             const at::Tensor* m2, int write) {
+             const at::Tensor* m2, int write, at::Tensor* act = nullptr) {
     dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
       launch_dgrad<decltype(xt), decltype(wt)>(go, x, weight, bn, mean, invstd, gx, part_dz,
-                                               part_dzx, m1, m2, bsp, write, g, phases,
+                                               part_dzx, m1, m2, bsp, act, write, g, phases,
                                                dgrad_tiles());
     });
   }
 
-  void wgrad(at::Tensor& gw, at::Tensor* gb, SumsArgs* sums) {
+  // The CUTLASS weight gradient of the activation `a` the data gradient wrote.
+  void wgrad_of(const at::Tensor& a, at::Tensor& gw, at::Tensor* gb) {
 #if defined(FUSEDRES_WITH_CUTLASS)
-    if (cutlass_wgrad) {
-      TORCH_CHECK(sums == nullptr && bsp == nullptr, op, ": the CUTLASS weight gradient runs the "
-                  "\"store\" plan without a branch scale");
-      wgrad_partials_sum(
-          cutlass_conv::wgrad(go, x, bn.scale16, bn.shift16, weight, {stride, padding, dilation}),
-          gw);
-      if (gb != nullptr) gb->copy_(go.sum({0, 2, 3}, false, at::kFloat));
-      return;
-    }
+    TORCH_CHECK(cutlass_wgrad && bsp == nullptr, op, ": the CUTLASS weight gradient runs the "
+                "\"store\" plan without a branch scale");
+    wgrad_partials_sum(cutlass_conv::wgrad(go, a, weight, {stride, padding, dilation}), gw);
+    if (gb != nullptr) gb->copy_(go.sum({0, 2, 3}, false, at::kFloat));
+#else
+    (void)a, (void)gw, (void)gb;
+    TORCH_CHECK(false, op, ": built without the CUTLASS kernels");
 #endif
+  }
+
+  void wgrad(at::Tensor& gw, at::Tensor* gb, SumsArgs* sums) {
     dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
       launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, gb, sums, bsp, g);
     });
@@ -282,15 +286,22 @@ void bias_only(const BackwardPasses& p, at::Tensor& gb) {
 }
 
 // "store": one GEMM each; the data-gradient epilogue reduces the sums and stores dz
-// (training), then the dx pass; in eval it writes dx = scale * dz directly.
+// (training), then the dx pass; in eval it writes dx = scale * dz directly. With the CUTLASS
+// weight gradient the data gradient runs first: its epilogue also writes the activation a, the
+// weight gradient's operand (a transient buffer of x's size, freed when the op returns).
 void backward_store(BackwardPasses& p, Grads& out, const Wants& want, bool batch_stats,
                     double inv_m) {
-  if (want.w) {
+  TORCH_CHECK(!p.cutlass_wgrad || (want.w && want.da), p.op, ": the CUTLASS weight gradient "
+              "reads the activation the data gradient writes: both must run");
+  if (p.cutlass_wgrad) {
+    // after the data gradient, below
+  } else if (want.w) {
     p.wgrad(out.gw, want.b ? &out.gb : nullptr, nullptr);
   } else if (want.b) {
     bias_only(p, out.gb);
   }
   if (!want.da) return;
+  at::Tensor act = p.cutlass_wgrad ? at::empty_like(p.x) : at::Tensor();
   at::Tensor part_dz, part_dzx;
   if (want.sums) {
     // Every block writes its rows of the partials, but a stride phase with fewer pixels than
@@ -309,7 +320,12 @@ void backward_store(BackwardPasses& p, Grads& out, const Wants& want, bool batch
   // statistics dtype: that was 2x the gradient's bytes written and read again for 16-bit x).
   const int write = !want.x ? kWriteNothing : (batch_stats ? kWriteDz : kWriteDx);
   p.dgrad(want.x ? &out.gx : nullptr, want.sums ? &part_dz : nullptr,
-          want.sums ? &part_dzx : nullptr, nullptr, nullptr, write);
+          want.sums ? &part_dzx : nullptr, nullptr, nullptr, write,
+          act.defined() ? &act : nullptr);
+  if (act.defined()) {
+    p.wgrad_of(act, out.gw, want.b ? &out.gb : nullptr);
+    act = at::Tensor();  // its memory back to the allocator before the dx pass
+  }
   if (!want.sums) return;
   const auto [m1, m2] = bn_sums(part_dz, part_dzx, inv_m, want.beta ? &out.gbeta : nullptr,
                                 want.g ? &out.gg : nullptr, want.x && batch_stats,
@@ -355,17 +371,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   // FUSEDRES_CUDA_KERNELS=cutlass: the weight gradient on CUTLASS where it takes the operands
   // (16-bit channels-last, no branch scale) and the unit's filter is larger than 1 x 1
   // (cutlass_conv::plan::wgrad_on_cutlass), with the "store" plan (its GEMM has no BatchNorm
-  // sums; the native data gradient's epilogue reduces them). Decided first: the affine's launch
-  // then writes the 16-bit scale and shift CUTLASS's main loop reads.
+  // sums; the native data gradient's epilogue reduces them and writes the activation the
+  // CUTLASS GEMM reads). Only where the data gradient runs (want.da: some gradient of x or of
+  // the BatchNorm parameters wanted); the weight's gradient alone stays native.
   bool cutlass_wgrad = false;
-  if (kernels == cutlass_conv::KernelSet::cutlass && want_w && !bscale.defined() &&
+  if (kernels == cutlass_conv::KernelSet::cutlass && want_w && want.da && !bscale.defined() &&
       cutlass_conv::plan::wgrad_on_cutlass(weight.size(2), weight.size(3))) {
 #if defined(FUSEDRES_WITH_CUTLASS)
     cutlass_wgrad = cutlass_conv::can_run_wgrad(go, x, weight, {stride, padding, dilation});
 #endif
   }
-  const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd,
-                              cutlass_wgrad ? x.scalar_type() : at::ScalarType::Undefined);
+  const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd);
   const ConvGeom g = geom_of(weight, stride, padding, dilation);
   BackwardPasses passes{op, go, x, weight, mean, invstd, bn, g,
                         bscale.defined() ? &bscale : nullptr,

@@ -28,7 +28,12 @@ enum DgradWrite : int { kWriteNothing = 0, kWriteDz = 1, kWriteDx = 2 };
 // BM x BN tile of da (Cs; rows: the phase's input pixels row_n / row_ih / row_iw, -1 past its
 // pixels; columns c0 + n): loads x, recomputes the ReLU mask, writes dz or dx to gx (or nothing), and
 // reduces per channel sum dz and sum dz * xhat over the tile into its partials' row `row` (Ds holds
-// dz * xhat). The caller synchronises after filling Cs.
+// dz * xhat). With `act` (x's dtype and strides) it also writes the activation
+// a = relu(scale * x + shift) there, rounded once from float32 as the forward's operand is: the
+// CUTLASS weight gradient's B operand (a plain convolution weight gradient of a; the BatchNorm-
+// ReLU in its main loop cost it 1.3-1.8 times the issue, by the model). Every input pixel is in one
+// stride phase's rows, so every element of a is written. The caller synchronises after filling
+// Cs.
 template <typename X, int BM, int BN, int LD, int THREADS>
 __device__ __forceinline__ void dgrad_store(
     acc_t<X> (*Cs)[LD], acc_t<X> (*Ds)[LD], const int64_t* row_n, const int32_t* row_ih,
@@ -37,8 +42,8 @@ __device__ __forceinline__ void dgrad_store(
     const acc_t<X>* __restrict__ invstd, X* __restrict__ gx, acc_t<X>* __restrict__ part_dz,
     acc_t<X>* __restrict__ part_dzx, const acc_t<X>* __restrict__ m1,
     const acc_t<X>* __restrict__ m2, const acc_t<X>* __restrict__ branch_scale,
-    const Dims4& xd, const Dims4& gd, int64_t c0,
-    int write, int64_t row, int tid) {
+    X* __restrict__ act, const Dims4& xd, const Dims4& gd, int64_t c0, int write, int64_t row,
+    int tid) {
   using A = acc_t<X>;
   const int64_t Cin = xd.c;
   const bool stats = part_dz != nullptr;
@@ -49,11 +54,14 @@ __device__ __forceinline__ void dgrad_store(
     const int64_t c = c0 + n;
     A dz = A(0), dzx = A(0);
     if (row_n[m] >= 0 && c < Cin) {
-      const A xv = static_cast<A>(x[xd.offset(row_n[m], c, row_ih[m], row_iw[m])]);
+      const int64_t xo = xd.offset(row_n[m], c, row_ih[m], row_iw[m]);
+      const A xv = static_cast<A>(x[xo]);
       // da of the row's sample: s[n] * conv_transpose(dy) with a branch scale.
       const A da = branch_scale != nullptr ? Cs[m][n] * branch_scale[row_n[m]] : Cs[m][n];
       // The gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
-      dz = xv * scale[c] + shift[c] <= A(0) ? A(0) : da;
+      const A a = bn_relu(xv, scale[c], shift[c]);
+      dz = a == A(0) ? A(0) : da;
+      if (act != nullptr) act[xo] = static_cast<X>(a);
       const A xhat = (xv - mean[c]) * invstd[c];
       dzx = dz * xhat;
       const int64_t go = gd.offset(row_n[m], c, row_ih[m], row_iw[m]);
@@ -127,8 +135,8 @@ __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
                  X* __restrict__ gx, acc_t<X>* __restrict__ part_dz,
                  acc_t<X>* __restrict__ part_dzx,
                  const acc_t<X>* __restrict__ m1, const acc_t<X>* __restrict__ m2,
-                 const acc_t<X>* __restrict__ branch_scale, Dims4 dyd, Dims4 wd, Dims4 xd,
-                 Dims4 gd, ConvGeom g, int write) {
+                 const acc_t<X>* __restrict__ branch_scale, X* __restrict__ act, Dims4 dyd,
+                 Dims4 wd, Dims4 xd, Dims4 gd, ConvGeom g, int write) {
   FUSEDRES_LAUNCH_BOUNDS(T::THREADS, kDgradMinBlocks<T>);
   using A = acc_t<X>;
   static_assert(std::is_same_v<A, acc_t<W>>, "x and weight must share an accumulator type");
@@ -198,7 +206,7 @@ __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
   __syncthreads();
   dgrad_store<X, BM, BN, BN + T::CPAD, THREADS>(Cs, Ds, row_n, row_ih, row_iw, x, scale, shift,
                                                 mean, invstd, gx, part_dz, part_dzx, m1, m2,
-                                                branch_scale, xd, gd, c0, write,
+                                                branch_scale, act, xd, gd, c0, write,
                                                 static_cast<int64_t>(blockIdx.z) * gridDim.x +
                                                     blockIdx.x,
                                                 tid);
@@ -298,8 +306,8 @@ __global__ void __launch_bounds__(T::THREADS)
                      W* __restrict__ gx, float* __restrict__ part_dz,
                      float* __restrict__ part_dzx,
                      const float* __restrict__ m1, const float* __restrict__ m2,
-                     const float* __restrict__ branch_scale, Dims4 dyd, Dims4 xd, Dims4 gd,
-                     ConvGeom g, int write) {
+                     const float* __restrict__ branch_scale, W* __restrict__ act, Dims4 dyd,
+                     Dims4 xd, Dims4 gd, ConvGeom g, int write) {
   FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
   using E = native_t<W>;
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
@@ -428,8 +436,8 @@ __global__ void __launch_bounds__(T::THREADS)
     const int o = pass * T::EM;
     dgrad_store<W, T::EM, BN, T::CLD, THREADS>(Cs, Ds, row_n + o, row_ih + o, row_iw + o, x,
                                                scale, shift, mean, invstd, gx, part_dz, part_dzx,
-                                               m1, m2, branch_scale, xd, gd, c0, write,
-                                               prow + pass, tid);
+                                               m1, m2, branch_scale, act, xd, gd, c0,
+                                               write, prow + pass, tid);
   }
 }
 
@@ -527,7 +535,8 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
                   const Affine& bn, const at::Tensor& mean, const at::Tensor& invstd,
                   at::Tensor* gx, at::Tensor* part_dz, at::Tensor* part_dzx,
                   const at::Tensor* m1, const at::Tensor* m2, const at::Tensor* bscale,
-                  int write, const ConvGeom& g, int64_t phases, const DgradTiles& dt) {
+                  at::Tensor* act, int write, const ConvGeom& g, int64_t phases,
+                  const DgradTiles& dt) {
   using T = typename TilesFor<W>::Fwd;
   using A = acc_t<X>;
   // The grid: the largest phase's row tiles x the column tiles x the phases. The partials have
@@ -537,6 +546,10 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
                 static_cast<unsigned>(ceil_div(x.size(1), cols)), static_cast<unsigned>(phases));
   };
   const at::Tensor& out = gx != nullptr ? *gx : x;
+  // The epilogue writes a at x's offsets.
+  TORCH_CHECK(act == nullptr || (act->scalar_type() == x.scalar_type() &&
+                                 act->sizes() == x.sizes() && act->strides() == x.strides()),
+              "launch_dgrad: the activation's buffer must have x's dtype, sizes and strides");
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
     if (dt.mma) {
       const DgradWeight wd = dgrad_weight(weight);
@@ -555,8 +568,9 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
           part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
           m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
           m2 != nullptr ? m2->const_data_ptr<A>() : nullptr,
-          bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(x),
-          dims_of(out), g, write);
+          bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr,
+          act != nullptr ? act->data_ptr<X>() : nullptr, dims_of(go), dims_of(x), dims_of(out), g,
+          write);
         FUSEDRES_CHECK_LAUNCH();
       });
       return;
@@ -572,8 +586,9 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
       part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
       m1 != nullptr ? m1->const_data_ptr<A>() : nullptr,
       m2 != nullptr ? m2->const_data_ptr<A>() : nullptr,
-      bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr, dims_of(go), dims_of(weight),
-      dims_of(x), dims_of(out), g, write);
+      bscale != nullptr ? bscale->const_data_ptr<A>() : nullptr,
+      act != nullptr ? act->data_ptr<X>() : nullptr, dims_of(go), dims_of(weight), dims_of(x),
+      dims_of(out), g, write);
   FUSEDRES_CHECK_LAUNCH();
 }
 

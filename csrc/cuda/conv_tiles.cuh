@@ -319,7 +319,7 @@ void dispatch_x_w(const char* name, at::ScalarType xt, at::ScalarType wt, F&& f)
 }
 
 // Per-channel BatchNorm affine in the statistics dtype: bn(x) = scale * x + shift; with
-// scale16 and shift16 (the CUTLASS kernels' operands: their scale-bias iterators read 16-bit
+// scale16 and shift16 (the CUTLASS forward's operands: its scale-bias iterator reads 16-bit
 // vectors) the same rounded to x's 16-bit dtype, undefined otherwise.
 struct Affine {
   at::Tensor scale, shift;

@@ -572,19 +572,20 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
       of the BatchNorm affine with its 16-bit copies (one) and, for a weight that is not
       channels-last (``weight_channels_last`` False; :func:`weight_copied`), copying it to
       KRSC;
-    * wgrad: the CUTLASS weight gradient (cutlass_conv_kernel<Wgrad<...>>: 128x128x32 tiles of
-      8 warps, 64x128x32 (Co 33..64) or 64x64x32 (<= 64 columns) of 4, 32x64x32 (Co <= 32) of
-      2, parallel
-      split-K, :func:`cutlass_wgrad_plan` with the tile's resident blocks by
-      :func:`model.blocks_per_sm`); grid cdiv(Co, BM) x cdiv(taps*C, BN) x split; K chunks:
-      cdiv(cdiv(M, 32), split); DRAM: dy and x once, each slice's float32 partial dW written
-      once; after the backward's affine launch (16-bit copies too), then one launch adding the
-      slices in order and rounding dW to the weight's dtype and layout;
-    * dgrad writing dz: the native mma.sync data gradient (as :func:`model_cuda_unit` picks its
-      tile) (for a strided unit after two launches zeroing the BatchNorm sums' partials), its
-      epilogue writing dz (x's dtype, into the x gradient) and the partials; then the sums'
-      reduction (bn_sums) and the dx pass in place (read dz and x, write dx): DRAM-bound
-      launches;
+    * dgrad writing dz and a: after the backward's affine launch, the native mma.sync data
+      gradient (as :func:`model_cuda_unit` picks its tile) (for a strided unit after two
+      launches zeroing the BatchNorm sums' partials), its epilogue writing dz (x's dtype, into
+      the x gradient), the partials and the activation a = relu(scale * x + shift) (x's dtype:
+      the weight gradient's operand);
+    * wgrad: the CUTLASS weight gradient of a (cutlass_conv_kernel<Wgrad<...>>, CUTLASS's plain
+      wgrad: 128x128x32 tiles of 8 warps, 64x128x32 (Co 33..64) or 64x64x32 (<= 64 columns) of
+      4, 32x64x32 (Co <= 32) of 2, parallel split-K, :func:`cutlass_wgrad_plan` with the tile's
+      resident blocks by :func:`model.blocks_per_sm`); grid cdiv(Co, BM) x cdiv(taps*C, BN) x
+      split; K chunks: cdiv(cdiv(M, 32), split); DRAM: dy and a once, each slice's float32
+      partial dW written once; then one launch adding the slices in order and rounding dW to
+      the weight's dtype and layout;
+    * the sums' reduction (bn_sums) and the dx pass in place (read dz and x, write dx):
+      DRAM-bound launches;
     * batch statistics (partials and finalize): as the native step.
 
     ``backward``: "rule" (:func:`cutlass_wgrad_on`: the above for filters larger than 1 x 1,
@@ -633,21 +634,8 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
                                  weight_channels_last=weight_channels_last)
         kernels += [k for k in native.kernels if k[0] not in native.forward]
         return CudaUnitModel(u, dtype, dev.arch, kernels)
-    # weight gradient
-    def resident(bm: int, bn: int) -> int:
-        r = _cutlass_row(rows, dev.arch, "Wgrad", dtype, bm, bn)
-        res = model.Resources(r.registers, r.smem, r.threads // 32)
-        return dev.sms * model.blocks_per_sm(res, dev)[0]
-
-    bm, bn, split = cutlass_wgrad_plan(u.co, taps * u.c, m_out, resident)
-    wg = _cutlass_row(rows, dev.arch, "Wgrad", dtype, bm, bn)
-    dw32 = u.co * taps * u.c * 4
-    dram_launch("bn affine (backward, +16-bit)", 6 * vec32 + 2 * vec16)
-    launch("wgrad (CUTLASS)", wg, cdiv(u.co, wg.bm) * cdiv(taps * u.c, wg.bn) * split,
-           cdiv(cdiv(m_out, CUTLASS_BK), split),
-           tu.act_out() + tu.act_in() + 2 * vec16 + split * dw32)
-    dram_launch("dW partials sum", split * dw32 + tu.weight())  # slices in order, rounded
-    # data gradient ("store": dz in x's dtype, in the x gradient's buffer), the sums, dx
+    dram_launch("bn affine (backward)", 6 * vec32)
+    # data gradient ("store": dz in x's dtype, in the x gradient's buffer; a beside it)
     dg, ctas, chunks = _dgrad_grid(u, dtype, dev, rows, "dgrad_mma_kernel")
     # the sums' partials, (rows, C) each: a row per 64 pixels of a row tile, every phase sized
     # by the largest (csrc/cuda's backward_store)
@@ -659,8 +647,20 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     if phases > 1:  # a smaller phase's idle blocks leave rows that must read 0
         dram_launch("zero the sums' partials (dz)", parts / 2)
         dram_launch("zero the sums' partials (dzx)", parts / 2)
-    launch("dgrad+dz", dg, ctas, chunks,
-           tu.act_out() + tu.weight() + tu.act_in() + 2 * vec32 + tu.act_in() + parts)
+    launch("dgrad+dz+a", dg, ctas, chunks,
+           tu.act_out() + tu.weight() + tu.act_in() + 2 * vec32 + 2 * tu.act_in() + parts)
+    # weight gradient, of a
+    def resident(bm: int, bn: int) -> int:
+        r = _cutlass_row(rows, dev.arch, "Wgrad", dtype, bm, bn)
+        res = model.Resources(r.registers, r.smem, r.threads // 32)
+        return dev.sms * model.blocks_per_sm(res, dev)[0]
+
+    bm, bn, split = cutlass_wgrad_plan(u.co, taps * u.c, m_out, resident)
+    wg = _cutlass_row(rows, dev.arch, "Wgrad", dtype, bm, bn)
+    dw32 = u.co * taps * u.c * 4
+    launch("wgrad (CUTLASS)", wg, cdiv(u.co, wg.bm) * cdiv(taps * u.c, wg.bn) * split,
+           cdiv(cdiv(m_out, CUTLASS_BK), split), tu.act_out() + tu.act_in() + split * dw32)
+    dram_launch("dW partials sum", split * dw32 + tu.weight())  # slices in order, rounded
     for name in bn_sums_launches(sums_rows):
         dram_launch(name, (parts + 4 * vec32) / len(bn_sums_launches(sums_rows)))
     dram_launch("dx", 3 * tu.act_in() + 6 * vec32)  # read dz and x, write dx

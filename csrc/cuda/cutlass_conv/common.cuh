@@ -1,17 +1,17 @@
-// What the CUTLASS kernel files share: the bfloat16 form of CUTLASS's scale-bias-ReLU operand
-// transforms, the problem description, the tile type, the kernel, its occupancy and its launch
-// (the tile table and the split are plan.h's).
+// What the CUTLASS kernel files share: the bfloat16 form of CUTLASS's forward scale-bias-ReLU
+// operand transform, the problem description, the tile type, the kernel, its occupancy and its
+// launch (the tile table and the split are plan.h's).
 //
-// CUTLASS's mainloop-fusion convolutions (conv/kernel/default_conv2d_{fprop,wgrad}_fusion.h)
-// transform the activation operand in registers, between the shared-memory load and the mma:
+// CUTLASS's mainloop-fusion forward (conv/kernel/default_conv2d_fprop_fusion.h) transforms the
+// activation operand in registers, between the shared-memory load and the mma:
 // a = relu(scale * x + shift), per channel. Padding is of a, not of x: the operand's
 // out-of-image elements arrive as the 16-bit pattern 0x7eff (cp.async's fill,
 // cutlass::arch::OOB_NAN_F16) and the transform writes 0 for them. CUTLASS ships the
-// transforms for float16 only (fma.rn.f16x2.relu); the bfloat16 ones below are this project's:
+// transform for float16 only (fma.rn.f16x2.relu); the bfloat16 one below is this project's:
 // the same structure on fma.rn.relu.bf16x2 (sm_80 and newer), selected by partial
 // specialisation on the fragments' element type. The fill's pattern is a finite bfloat16
 // (about 1.69e38), so an x element of exactly that value reads as padding: a value no
-// normalised activation takes.
+// normalised activation takes. (The weight gradient reads a itself: wgrad.cu.)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -75,40 +75,6 @@ struct FpropScaleBiasReluTransform<Array<bfloat16_t, kActivations>,
   }
 };
 
-// Weight gradient: the activation is the B operand; a register holds one column (one channel of
-// one tap) at two pixels, so each 16-bit half is tested for the fill on its own, as CUTLASS's
-// float16 transform does.
-// CUTLASS's scale-bias iterator of the weight gradient holds the vectors as __half2 whatever
-// their type (16-bit loads, each value duplicated into both halves: bits, not conversions).
-template <int kActivations, int kScaleBias>
-struct WgradScaleBiasReluTransform<Array<bfloat16_t, kActivations>, Array<__half2, kScaleBias>> {
-  using FragmentActivations = Array<bfloat16_t, kActivations>;
-  using FragmentScaleBias = Array<__half2, kScaleBias>;
-  static constexpr bool kFusedresBf16 = true;
-  static int const kRows = 2;
-
-  CUTLASS_DEVICE
-  static void transform(uint32_t& pair, uint32_t scale, uint32_t shift) {
-    const uint32_t a = pair;
-    uint32_t t;
-    asm volatile("fma.rn.relu.bf16x2 %0, %1, %2, %3;\n" : "=r"(t) : "r"(scale), "r"(a), "r"(shift));
-    if ((a & 0xffffu) == cutlass::arch::OOB_NAN_F16) t &= 0xffff0000u;
-    if ((a >> 16) == cutlass::arch::OOB_NAN_F16) t &= 0x0000ffffu;
-    pair = t;
-  }
-
-  CUTLASS_DEVICE
-  void operator()(FragmentActivations& activations, FragmentScaleBias const& scale_bias) {
-    uint32_t* a = reinterpret_cast<uint32_t*>(&activations);
-    uint32_t const* sb = reinterpret_cast<uint32_t const*>(&scale_bias);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kActivations / 2; ++i) {
-      const int j = i / kRows;
-      transform(a[i], sb[2 * j], sb[2 * j + 1]);
-    }
-  }
-};
-
 }  // namespace cutlass::conv::warp
 
 namespace fusedres::cutlass_conv {
@@ -118,7 +84,7 @@ template <typename T> struct Element;
 template <> struct Element<at::Half> { using type = cutlass::half_t; };
 template <> struct Element<at::BFloat16> { using type = cutlass::bfloat16_t; };
 
-// Whether a transform class is this project's bfloat16 one (a static_assert in each kernel file
+// Whether a transform class is this project's bfloat16 one (a static_assert in fprop.cu
 // checks that every bfloat16 instantiation takes it and no float16 one does).
 template <typename T, typename = void>
 struct OwnTransform : std::false_type {};

@@ -81,13 +81,14 @@ bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Te
 
 // CUTLASS kernel launches in this process so far.
 int64_t launches();
-// The weight gradient, sum over pixels of grad_out * relu(scale16 * x + shift16) at each tap
-// (scale16 and shift16 as fprop's), accumulated in float32 over `split` slices of the pixels
-// (parallel split-K): the slices' partials, float32 (split, Co, kh, kw, C) for the weight
-// (Co, C, kh, kw). The caller sums them into the weight's gradient (wgrad_partials_sum: one
-// launch that adds the slices in order and rounds once to the weight's dtype and layout).
-at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& scale16,
-                 const at::Tensor& shift16, const at::Tensor& weight, const ConvArgs& conv);
+// The weight gradient, sum over pixels of grad_out * a at each tap, a = relu(scale * x + shift)
+// as the native data gradient's epilogue writes it (x's dtype, sizes and layout: the operands
+// can_run_wgrad took for x), accumulated in float32 over `split` slices of the pixels (parallel
+// split-K): the slices' partials, float32 (split, Co, kh, kw, C) for the weight (Co, C, kh, kw).
+// The caller sums them into the weight's gradient (wgrad_partials_sum: one launch that adds the
+// slices in order and rounds once to the weight's dtype and layout).
+at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& weight,
+                 const ConvArgs& conv);
 
 #endif
 

@@ -1,15 +1,21 @@
-// The fused unit's weight gradient on CUTLASS: dW = sum over output pixels of grad_out (x) a,
-// a = relu(scale * x + shift) at each tap, as an implicit-GEMM wgrad (M = Co, N = kh*kw*C,
-// K = N*P*Q pixels) whose main loop applies the BatchNorm-ReLU to the B operand (x) in registers
-// (common.cuh). Accumulated in float32; the pixels split over blockIdx.z (parallel split-K:
-// each slice writes its own float32 partial dW; the caller's one launch adds them in slice
-// order, so the result does not depend on which block finishes first, and rounds the sum to
-// the weight's dtype and layout: wgrad_partials_sum in ../bn_relu_conv2d_wgrad.cuh).
+// The fused unit's weight gradient on CUTLASS: dW = sum over output pixels of grad_out (x) a at
+// each tap, a = relu(scale * x + shift), as CUTLASS's implicit-GEMM wgrad (M = Co, N = kh*kw*C,
+// K = N*P*Q pixels) over the activation a that the native data gradient's epilogue wrote
+// (../bn_relu_conv2d_dgrad.cuh: the backward runs it first). A plain convolution weight
+// gradient: CUTLASS's mainloop-fusion wgrad, which applied the BatchNorm-ReLU to x as it went
+// from shared memory to the tensor cores, issued 1.3-1.8 times the instructions a K chunk of each
+// tile (every x element transformed once per tap it feeds), and the kernel was issue-bound;
+// writing a costs the data gradient one store of x's size. Padding is CUTLASS's zero fill: a's
+// padding, as the fused unit defines it.
+// Accumulated in float32; the pixels split over blockIdx.z (parallel split-K: each slice writes
+// its own float32 partial dW; the caller's one launch adds them in slice order, so the result
+// does not depend on which block finishes first, and rounds the sum to the weight's dtype and
+// layout: wgrad_partials_sum in ../bn_relu_conv2d_wgrad.cuh).
 #include "common.cuh"
 #include "plan.h"
 
-#include "cutlass/conv/device/implicit_gemm_convolution_fusion.h"
-#include "cutlass/conv/kernel/default_conv2d_wgrad_fusion.h"
+#include "cutlass/conv/device/implicit_gemm_convolution.h"
+#include "cutlass/conv/kernel/default_conv2d_wgrad.h"
 #include "cutlass/epilogue/thread/linear_combination.h"
 #include "cutlass/gemm/threadblock/threadblock_swizzle.h"
 
@@ -35,19 +41,13 @@ template <typename E, typename T>
 struct Wgrad {
   using Tile = T;
   using Epilogue = cutlass::epilogue::thread::LinearCombination<float, 4, float, float>;
-  using Conv = typename cutlass::conv::kernel::DefaultConv2dWgradFusion<
-      E, cutlass::layout::TensorNHWC, E, cutlass::layout::TensorNHWC, E,
-      cutlass::layout::RowMajor, float, cutlass::layout::TensorNHWC, float,
-      cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80, typename Tile::Block,
-      typename Tile::Warp, cutlass::gemm::GemmShape<16, 8, 16>, Epilogue,
+  using Conv = typename cutlass::conv::kernel::DefaultConv2dWgrad<
+      E, cutlass::layout::TensorNHWC, E, cutlass::layout::TensorNHWC, float,
+      cutlass::layout::TensorNHWC, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
+      typename Tile::Block, typename Tile::Warp, cutlass::gemm::GemmShape<16, 8, 16>, Epilogue,
       cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<>, Tile::kStages,
       cutlass::arch::OpMultiplyAdd, cutlass::conv::IteratorAlgorithm::kOptimized>::Kernel;
-  using Op = cutlass::conv::device::ImplicitGemmConvolutionFusion<Conv>;
-  using Transform = cutlass::conv::warp::WgradScaleBiasReluTransform<
-      typename Conv::Mma::Operator::TransformedFragmentB,
-      typename Conv::Mma::IteratorScaleBias::Fragment>;
-  static_assert(OwnTransform<Transform>::value == std::is_same_v<E, cutlass::bfloat16_t>,
-                "the bfloat16 weight gradient takes this project's transform, float16 CUTLASS's");
+  using Op = cutlass::conv::device::ImplicitGemmConvolution<Conv>;
 };
 
 // Calls f with the tile's configuration type (Wgrad<E, tile>) and the tile.
@@ -81,16 +81,14 @@ WgradPlan wgrad_plan(int64_t Co, int64_t columns, int64_t pixels) {
 // dW's float32 partials (split, Co, kh, kw, C): each slice's to its own (Co, kh, kw, C) block
 // (CUTLASS's parallel split-K offsets D by the slice; with split 1 the one block is dW).
 template <typename T, typename Tile>
-at::Tensor run(const at::Tensor& go, const at::Tensor& x, const at::Tensor& s,
-               const at::Tensor& b, int64_t Co, int64_t kh, int64_t kw, const ConvArgs& c,
-               int split) {
+at::Tensor run(const at::Tensor& go, const at::Tensor& a, int64_t Co, int64_t kh, int64_t kw,
+               const ConvArgs& c, int split) {
   using E = typename Element<T>::type;
   using K = Wgrad<E, Tile>;
   auto i = [](int64_t v) { return static_cast<int>(v); };
-  const int64_t C = x.size(1);
-  // problem() reads the filter's (Co, C, kh, kw) sizes from a tensor: dW is (Co, kh, kw, C).
+  const int64_t C = a.size(1);
   const auto p = cutlass::conv::Conv2dProblemSize(
-      i(x.size(0)), i(x.size(2)), i(x.size(3)), i(C), i(Co), i(kh), i(kw), i(go.size(2)),
+      i(a.size(0)), i(a.size(2)), i(a.size(3)), i(C), i(Co), i(kh), i(kw), i(go.size(2)),
       i(go.size(3)), i(c.padding[0]), i(c.padding[1]), i(c.stride[0]), i(c.stride[1]),
       i(c.dilation[0]), i(c.dilation[1]), cutlass::conv::Mode::kCrossCorrelation, split);
   auto nhwc = [&](const at::Tensor& t) {
@@ -98,15 +96,10 @@ at::Tensor run(const at::Tensor& go, const at::Tensor& x, const at::Tensor& s,
         reinterpret_cast<E*>(const_cast<void*>(t.const_data_ptr())),
         cutlass::layout::TensorNHWC::packed({i(t.size(0)), i(t.size(2)), i(t.size(3)), i(t.size(1))}));
   };
-  auto vec = [&](const at::Tensor& t) {
-    return cutlass::TensorRef<E, cutlass::layout::RowMajor>(
-        reinterpret_cast<E*>(const_cast<void*>(t.const_data_ptr())),
-        cutlass::layout::RowMajor(i(t.numel())));
-  };
-  const at::Tensor parts = at::empty({split, Co, kh, kw, C}, x.options().dtype(at::kFloat));
+  const at::Tensor parts = at::empty({split, Co, kh, kw, C}, a.options().dtype(at::kFloat));
   const cutlass::TensorRef<float, cutlass::layout::TensorNHWC> out(
       parts.data_ptr<float>(), cutlass::layout::TensorNHWC::packed({i(Co), i(kh), i(kw), i(C)}));
-  typename K::Op::Arguments args(p, nhwc(go), nhwc(x), vec(s), vec(b), out, out, {1.0f, 0.0f},
+  typename K::Op::Arguments args(p, nhwc(go), nhwc(a), out, out, {1.0f, 0.0f},
                                  split > 1 ? cutlass::conv::SplitKMode::kParallel
                                            : cutlass::conv::SplitKMode::kSerial);
   launch<K>(args);
@@ -134,19 +127,21 @@ bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Te
   return ok;
 }
 
-at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& s,
-                 const at::Tensor& b, const at::Tensor& weight, const ConvArgs& conv) {
-  check_scale_shift(s, b, x);
+at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& weight,
+                 const ConvArgs& conv) {
+  TORCH_CHECK(operands_ok(a, weight),
+              "fusedres_cuda (CUTLASS): the weight gradient's activation must be 16-bit "
+              "channels-last like x (can_run_wgrad)");
   const int64_t Co = weight.size(0), C = weight.size(1), kh = weight.size(2), kw = weight.size(3);
   const int64_t pixels = grad_out.size(0) * grad_out.size(2) * grad_out.size(3);
   at::Tensor parts;
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fusedres_cuda_cutlass_wgrad", [&] {
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(a.scalar_type(), "fusedres_cuda_cutlass_wgrad", [&] {
     using E = typename Element<scalar_t>::type;
     const WgradPlan plan = wgrad_plan<E>(Co, kh * kw * C, pixels);
     TORCH_CHECK(plan.split > 0, "fusedres_cuda (CUTLASS): the weight gradient's kernel is not "
                 "resident on this GPU (can_run_wgrad says so first)");
     with_tile<E>(plan.tile, [&](auto, auto tile) {
-      parts = run<scalar_t, decltype(tile)>(grad_out, x, s, b, Co, kh, kw, conv, plan.split);
+      parts = run<scalar_t, decltype(tile)>(grad_out, a, Co, kh, kw, conv, plan.split);
     });
   });
   return parts;

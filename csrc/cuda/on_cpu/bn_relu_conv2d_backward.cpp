@@ -1,4 +1,5 @@
 // The CPU-executed copy of csrc/cuda/bn_relu_conv2d_backward.cu (see ../common.cuh).
+#include <cmath>
 #include <utility>
 
 #include "../bn_relu_conv2d_backward.cu"
@@ -94,5 +95,41 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
            auto [m1, m2] =
                fusedres::cuda_on_cpu::bn_sums(pdz, pdzx, inv_m, &gbeta, &gg, true, opts);
            return std::vector<at::Tensor>{gbeta, gg, m1, m2};
+         });
+}
+
+// The data gradient as the CUTLASS weight gradient's route runs it (backward_store with
+// cutlass_wgrad: batch statistics, dz into the x gradient, the BatchNorm sums' partials), with
+// the activation a written beside them (`with_act`) or not: [dz, part_dz, part_dzx, a], a
+// filled with NaN before the launch (empty without `with_act`), so a test sees every element
+// the epilogue wrote and that writing a changes nothing else.
+TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
+  m.def("dgrad_with_activation(Tensor grad_out, Tensor x, Tensor weight, Tensor? bn_weight, "
+        "Tensor? bn_bias, Tensor mean, Tensor invstd, int[2] stride, int[2] padding, "
+        "int[2] dilation, bool with_act) -> Tensor[]");
+  m.impl("dgrad_with_activation", c10::DispatchKey::CPU,
+         [](const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+            const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+            const at::Tensor& mean_in, const at::Tensor& invstd_in, at::IntArrayRef stride_,
+            at::IntArrayRef padding_, at::IntArrayRef dilation_, bool with_act) {
+           namespace k = fusedres::cuda_on_cpu;
+           const std::array<int64_t, 2> stride{stride_[0], stride_[1]},
+               padding{padding_[0], padding_[1]}, dilation{dilation_[0], dilation_[1]};
+           const at::Tensor go = grad_out.to(weight.scalar_type());
+           const at::Tensor mean = mean_in.contiguous(), invstd = invstd_in.contiguous();
+           const int64_t H = x.size(2), W = x.size(3);
+           const k::Affine bn = k::bn_affine(bn_weight, bn_bias, mean, invstd);
+           const k::ConvGeom g = k::geom_of(weight, stride, padding, dilation);
+           k::BackwardPasses p{"dgrad_with_activation", go, x, weight, mean, invstd, bn, g,
+                               nullptr, std::min(stride[0], H) * std::min(stride[1], W),
+                               x.size(0) * k::ceil_div(H, stride[0]) * k::ceil_div(W, stride[1])};
+           const k::DgradTiles& t = p.dgrad_tiles();
+           at::Tensor pdz = at::zeros({p.phases * t.row_tiles * t.parts_per_tile, x.size(1)},
+                                      mean.options());
+           at::Tensor pdzx = at::zeros_like(pdz);
+           at::Tensor dz = at::empty_like(x);
+           at::Tensor act = with_act ? at::full_like(x, NAN) : x.new_empty({0});
+           p.dgrad(&dz, &pdz, &pdzx, nullptr, nullptr, k::kWriteDz, with_act ? &act : nullptr);
+           return std::vector<at::Tensor>{dz, pdz, pdzx, act};
          });
 }
