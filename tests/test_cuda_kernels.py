@@ -492,6 +492,42 @@ def test_wgrad_partials_sum_adds_in_slice_order(split, dtype, channels_last):
         torch.ops.fusedres_cuda_testing.wgrad_partials_sum(parts.transpose(2, 3), weight)
 
 
+HAS_DX_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
+    torch.ops.fusedres_cuda_testing, "dx_with_partials")
+
+
+@pytest.mark.skipif(not HAS_DX_HOOK, reason="the dx hook is built with the host copy")
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=["f16", "bf16", "f32"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("co", [5, 700], ids=["co5", "co700"])
+def test_dx_launch_sums_the_weight_gradient_partials(co, channels_last, dtype, split):
+    """The dx launch of the CUTLASS weight gradient's route: its first blocks write dx as the dx
+    pass alone does, the blocks past them the weight gradient summed from the partials as the
+    partials' own launch does (every element, bit for bit), from a weight small or large
+    against the dx blocks' share of the grid. 16-bit only (the CUTLASS route's dtypes): a
+    float32 call with partials is refused."""
+    t = torch.ops.fusedres_cuda_testing
+    case = (2, 6, 5, 7, co, (3, 2), (1, 1), (1, 1), (1, 1), False, False)
+    x, weight, _, gamma, beta, mean, invstd, *_ = make(case, dtype, channels_last=channels_last)
+    g = torch.Generator().manual_seed(split)
+    dz = torch.randn(x.shape, generator=g, dtype=torch.float64).to(DEVICE, dtype)
+    dz = dz.contiguous(memory_format=torch.channels_last if channels_last else
+                       torch.contiguous_format)
+    m1, m2 = (torch.randn(x.shape[1], generator=g).to(DEVICE, mean.dtype) for _ in range(2))
+    parts = torch.randn(split, co, 3, 2, x.shape[1], generator=g).to(DEVICE) * 100
+    if dtype not in HALF:
+        with pytest.raises(RuntimeError, match="16-bit weight gradients only"):
+            t.dx_with_partials(dz, x, gamma, beta, mean, invstd, m1, m2, parts, weight)
+        return
+    dx, gw = t.dx_with_partials(dz, x, gamma, beta, mean, invstd, m1, m2, parts, weight)
+    dx0, gw0 = t.dx_with_partials(dz, x, gamma, beta, mean, invstd, m1, m2, None, weight)
+    assert torch.equal(dx, dx0) and dx.stride() == dz.stride()
+    assert gw0.isnan().all()  # without partials the launch leaves the weight's gradient alone
+    assert gw.stride() == weight.stride() and torch.equal(gw, t.wgrad_partials_sum(parts, weight))
+
+
 @pytest.mark.skipif(not HAS_AFFINE_HOOK, reason="the sums hook is built with the host copy")
 @pytest.mark.parametrize("rows,c", [(1, 3), (2048, 70), (2049, 5), (40000, 64)])
 @pytest.mark.parametrize("pdt,sdt", [(torch.float32, torch.float32),

@@ -273,7 +273,8 @@ def test_the_gpu_selftest_takes_every_tile():
                                                          lambda bm, bn, r=sms * per_sm: r)
             wgrad.add((bm, bn))
             splits.add(split > 1)
-        assert fprop == {(128, 128), (256, 64), (128, 64), (128, 32), (64, 64)}, (sms, fprop)
+        assert fprop == {(128, 128), (256, 64), (128, 64), (128, 32), (64, 64), (128, 16)}, (
+            sms, fprop)
         assert wgrad == set(WGRAD_TILES), (sms, wgrad)
         assert True in splits, (sms, per_sm)
 
@@ -308,7 +309,7 @@ def test_nvcc_cutlass_kernels_transform_in_their_dtype(src):
     path = os.path.join(ROOT, "csrc", "cuda", "cutlass_conv", src)
     obj = cuda_aot.compile_cached(cuda_aot.find_nvcc(), path, cuda_aot.ARCHS).obj
     kernels = {n: t for n, t in _functions(obj).items() if "cutlass_conv_kernel" in n}
-    tiles = 5 if src == "fprop.cu" else 4
+    tiles = 6 if src == "fprop.cu" else 4
     assert len(kernels) == 2 * tiles, sorted(kernels)  # {half, bfloat16} x the tiles
     for name, text in kernels.items():
         bf16 = "bfloat16_t" in name

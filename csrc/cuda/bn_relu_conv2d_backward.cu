@@ -117,16 +117,20 @@ struct BackwardPasses {
     });
   }
 
-  // The CUTLASS weight gradient of the activation `a` the data gradient wrote.
-  void wgrad_of(const at::Tensor& a, at::Tensor& gw, at::Tensor* gb) {
+  // The CUTLASS weight gradient of the activation `a` the data gradient wrote: its float32
+  // partials (split, Co, kh, kw, C), which the caller sums into the weight's gradient (in the
+  // dx launch where there is one); the bias gradient.
+  at::Tensor wgrad_of(const at::Tensor& a, at::Tensor* gb) {
 #if defined(FUSEDRES_WITH_CUTLASS)
     TORCH_CHECK(cutlass_wgrad && bsp == nullptr, op, ": the CUTLASS weight gradient runs the "
                 "\"store\" plan without a branch scale");
-    wgrad_partials_sum(cutlass_conv::wgrad(go, a, weight, {stride, padding, dilation}), gw);
+    at::Tensor parts = cutlass_conv::wgrad(go, a, weight, {stride, padding, dilation});
     if (gb != nullptr) gb->copy_(go.sum({0, 2, 3}, false, at::kFloat));
+    return parts;
 #else
-    (void)a, (void)gw, (void)gb;
+    (void)a, (void)gb;
     TORCH_CHECK(false, op, ": built without the CUTLASS kernels");
+    return {};
 #endif
   }
 
@@ -288,7 +292,8 @@ void bias_only(const BackwardPasses& p, at::Tensor& gb) {
 // "store": one GEMM each; the data-gradient epilogue reduces the sums and stores dz
 // (training), then the dx pass; in eval it writes dx = scale * dz directly. With the CUTLASS
 // weight gradient the data gradient runs first: its epilogue also writes the activation a, the
-// weight gradient's operand (a transient buffer of x's size, freed when the op returns).
+// weight gradient's operand (a transient buffer of x's size, freed after that GEMM), and the
+// dx launch sums the GEMM's partials into the weight's gradient (else a launch of its own).
 void backward_store(BackwardPasses& p, Grads& out, const Wants& want, bool batch_stats,
                     double inv_m) {
   TORCH_CHECK(!p.cutlass_wgrad || (want.w && want.da), p.op, ": the CUTLASS weight gradient "
@@ -322,17 +327,21 @@ void backward_store(BackwardPasses& p, Grads& out, const Wants& want, bool batch
   p.dgrad(want.x ? &out.gx : nullptr, want.sums ? &part_dz : nullptr,
           want.sums ? &part_dzx : nullptr, nullptr, nullptr, write,
           act.defined() ? &act : nullptr);
+  at::Tensor dw_parts;  // the CUTLASS weight gradient's partials, not yet summed
   if (act.defined()) {
-    p.wgrad_of(act, out.gw, want.b ? &out.gb : nullptr);
+    dw_parts = p.wgrad_of(act, want.b ? &out.gb : nullptr);
     act = at::Tensor();  // its memory back to the allocator before the dx pass
   }
+  const bool dx_pass = want.sums && want.x && batch_stats;
+  if (dw_parts.defined() && !dx_pass) wgrad_partials_sum(dw_parts, out.gw);
   if (!want.sums) return;
   const auto [m1, m2] = bn_sums(part_dz, part_dzx, inv_m, want.beta ? &out.gbeta : nullptr,
                                 want.g ? &out.gg : nullptr, want.x && batch_stats,
                                 p.mean.options());
-  if (!(want.x && batch_stats)) return;
+  if (!dx_pass) return;
   FUSEDRES_DISPATCH_FLOATING(p.x.scalar_type(), "fusedres_cuda_dx", [&] {
-    launch_dx<scalar_t>(out.gx, p.x, p.bn, p.mean, p.invstd, m1, m2);
+    launch_dx<scalar_t>(out.gx, p.x, p.bn, p.mean, p.invstd, m1, m2,
+                        dw_parts.defined() ? &dw_parts : nullptr, &out.gw);
   });
 }
 

@@ -442,18 +442,30 @@ __global__ void __launch_bounds__(T::THREADS)
 }
 
 // In place over the data gradient, which holds dz (in x's dtype): dx = scale * (dz - m1 -
-// xhat * m2), m1 = sum dz / M, m2 = sum dz xhat / M (per channel).
+// xhat * m2), m1 = sum dz / M, m2 = sum dz xhat / M (per channel), on the first dx_blocks
+// blocks; for 16-bit x the blocks past them sum the CUTLASS weight gradient's partials (`dw`,
+// of a weight of x's dtype; n = 0 and no such blocks otherwise), which wait on nothing the dx
+// pass writes: one launch for both. (Other dtypes never take them: without the branch the
+// float64 kernel keeps its registers, with it ptxas spilled 16 B on sm_90.)
 template <typename X>
 __global__ void __launch_bounds__(256)
     dx_kernel(X* __restrict__ gx, const X* __restrict__ x,
               const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ mean,
               const acc_t<X>* __restrict__ invstd, const acc_t<X>* __restrict__ m1,
-              const acc_t<X>* __restrict__ m2, Dims4 xd, Dims4 gd) {
+              const acc_t<X>* __restrict__ m2, Dims4 xd, Dims4 gd, int64_t dx_blocks,
+              PartialsSum<partials_t<X>, X> dw) {
   FUSEDRES_LAUNCH_BOUNDS(256);
   using A = acc_t<X>;
+  if constexpr (is_16bit<X>) {
+    if (static_cast<int64_t>(blockIdx.x) >= dx_blocks) {
+      dw.run((static_cast<int64_t>(blockIdx.x) - dx_blocks) * blockDim.x + threadIdx.x,
+             (static_cast<int64_t>(gridDim.x) - dx_blocks) * blockDim.x);
+      return;
+    }
+  }
   const int64_t total = xd.n * xd.c * xd.h * xd.w;
   const bool channels_fast = gd.sc == 1;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t step = dx_blocks * blockDim.x;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += step) {
     int64_t n, c, h, w;
@@ -592,19 +604,28 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
   FUSEDRES_CHECK_LAUNCH();
 }
 
+// dw_parts, gw: the CUTLASS weight gradient's partials and the weight's gradient (x's dtype)
+// they are summed into by the same launch, or none.
 template <typename X>
 void launch_dx(at::Tensor& gx, const at::Tensor& x, const Affine& bn,
                const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& m1,
-               const at::Tensor& m2) {
+               const at::Tensor& m2, const at::Tensor* dw_parts = nullptr,
+               at::Tensor* gw = nullptr) {
   using A = acc_t<X>;
   constexpr int threads = 256;
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(ceil_div(x.numel(), threads), 8 * sm_count()));
-  FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(threads), 0, current_stream(),
-                  dx_kernel<X>)(
+  PartialsSum<partials_t<X>, X> dw{};
+  if (dw_parts != nullptr) {
+    TORCH_CHECK(is_16bit<X>, "launch_dx: the dx launch sums 16-bit weight gradients only");
+    dw = partials_sum<X>(*dw_parts, *gw);
+  }
+  const int64_t dw_blocks = dw.n > 0 ? partials_sum_blocks(dw.n) : 0;
+  FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(blocks + dw_blocks)), dim3(threads), 0,
+                  current_stream(), dx_kernel<X>)(
       gx.data_ptr<X>(), x.const_data_ptr<X>(),
       bn.scale.const_data_ptr<A>(), mean.const_data_ptr<A>(), invstd.const_data_ptr<A>(),
-      m1.const_data_ptr<A>(), m2.const_data_ptr<A>(), dims_of(x), dims_of(gx));
+      m1.const_data_ptr<A>(), m2.const_data_ptr<A>(), dims_of(x), dims_of(gx), blocks, dw);
   FUSEDRES_CHECK_LAUNCH();
 }
 

@@ -692,40 +692,67 @@ bool wgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt
 // added in slice order (fixed: the sum does not depend on the launch), rounded once to the
 // weight's dtype W and written at gw's strides ((Co, C, kh, kw) whatever its memory format).
 // One launch where ATen's were two (the sum over the slices, then the permuted copy) with the
-// summed float32 dW written and read back between them. Reads run along C; writes follow gw's
-// strides (scattered for an NCHW weight, a small tensor next to the partials).
+// summed float32 dW written and read back between them; on the CUTLASS route, blocks of the dx
+// launch instead (dx_kernel, bn_relu_conv2d_dgrad.cuh: no launch of its own). Reads run along
+// C; writes follow gw's strides (scattered for an NCHW weight, a small tensor next to the
+// partials). n = 0: nothing to sum.
 template <typename P, typename W>
-__global__ void __launch_bounds__(256)
-    wgrad_partials_sum_kernel(const P* __restrict__ parts, int64_t split, int64_t n, int64_t kh,
-                              int64_t kw, int64_t cin, W* __restrict__ gw, Dims4 gd) {
-  FUSEDRES_LAUNCH_BOUNDS(256);
-  for (int64_t i = global_thread_x(); i < n; i += grid_stride_x()) {
-    P acc = parts[i];
-    for (int64_t k = 1; k < split; ++k) acc += parts[k * n + i];
-    const int64_t c = i % cin, t = i / cin;
-    gw[gd.offset(t / (kh * kw), c, t / kw % kh, t % kw)] = static_cast<W>(acc);
+struct PartialsSum {
+  const P* parts;
+  int64_t split, n, kh, kw, cin;
+  W* gw;
+  Dims4 gd;
+
+  // dW's elements first, first + step, ...
+  __device__ void run(int64_t first, int64_t step) const {
+    for (int64_t i = first; i < n; i += step) {
+      P acc = parts[i];
+      for (int64_t k = 1; k < split; ++k) acc += parts[k * n + i];
+      const int64_t c = i % cin, t = i / cin;
+      gw[gd.offset(t / (kh * kw), c, t / kw % kh, t % kw)] = static_cast<W>(acc);
+    }
   }
+};
+
+template <typename P, typename W>
+__global__ void __launch_bounds__(256) wgrad_partials_sum_kernel(PartialsSum<P, W> sum) {
+  FUSEDRES_LAUNCH_BOUNDS(256);
+  sum.run(global_thread_x(), grid_stride_x());
 }
 
+// The weight gradient's accumulator dtype: float64 for a float64 weight, else float32.
+template <typename W>
+using partials_t = std::conditional_t<std::is_same_v<W, double>, double, float>;
+
 // parts: contiguous (split, Co, kh, kw, C) of float32 (float64 for a float64 weight); gw: the
-// weight's gradient (Co, C, kh, kw), overwritten.
-inline void wgrad_partials_sum(const at::Tensor& parts, at::Tensor& gw) {
+// weight's gradient (Co, C, kh, kw), overwritten by the launch that takes the result.
+template <typename W>
+PartialsSum<partials_t<W>, W> partials_sum(const at::Tensor& parts, at::Tensor& gw) {
+  using P = partials_t<W>;
   const int64_t Co = gw.size(0), cin = gw.size(1), kh = gw.size(2), kw = gw.size(3);
-  const int64_t n = Co * cin * kh * kw;
-  const auto acc = gw.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(parts.dim() == 5 && parts.size(0) >= 1 && parts.size(1) == Co &&
-                  parts.size(2) == kh && parts.size(3) == kw && parts.size(4) == cin &&
-                  parts.is_contiguous() && parts.scalar_type() == acc,
+  TORCH_CHECK(gw.scalar_type() == c10::CppTypeToScalarType<W>::value && parts.dim() == 5 &&
+                  parts.size(0) >= 1 && parts.size(1) == Co && parts.size(2) == kh &&
+                  parts.size(3) == kw && parts.size(4) == cin && parts.is_contiguous() &&
+                  parts.scalar_type() == c10::CppTypeToScalarType<P>::value,
               "fusedres_cuda: wgrad_partials_sum: parts must be contiguous (split >= 1, ", Co,
               ", ", kh, ", ", kw, ", ", cin, ") of the weight's accumulator dtype, got ",
               parts.sizes(), " ", parts.scalar_type());
-  if (n == 0) return;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(n, 256), 65535));
+  return {parts.const_data_ptr<P>(), parts.size(0), Co * cin * kh * kw, kh, kw, cin,
+          gw.data_ptr<W>(), dims_of(gw)};
+}
+
+// The blocks the partials' sum takes (256 threads each), one launch or the dx launch's share.
+inline int64_t partials_sum_blocks(int64_t n) {
+  return std::min<int64_t>(ceil_div(n, 256), 65535);
+}
+
+inline void wgrad_partials_sum(const at::Tensor& parts, at::Tensor& gw) {
   FUSEDRES_DISPATCH_FLOATING(gw.scalar_type(), "fusedres_cuda_wgrad_partials_sum", [&] {
     using W = scalar_t;
-    using P = std::conditional_t<std::is_same_v<W, double>, double, float>;
-    FUSEDRES_LAUNCH(dim3(blocks), dim3(256), 0, current_stream(), wgrad_partials_sum_kernel<P, W>)(
-        parts.const_data_ptr<P>(), parts.size(0), n, kh, kw, cin, gw.data_ptr<W>(), dims_of(gw));
+    const PartialsSum<partials_t<W>, W> sum = partials_sum<W>(parts, gw);
+    if (sum.n == 0) return;
+    FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(partials_sum_blocks(sum.n))), dim3(256), 0,
+                    current_stream(), wgrad_partials_sum_kernel<partials_t<W>, W>)(sum);
     FUSEDRES_CHECK_LAUNCH();
   });
 }

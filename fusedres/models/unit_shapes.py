@@ -169,6 +169,7 @@ GPU_CONVS = [
 # and sizes that are not multiples of the tile sizes.
 SELFTEST_GPU = [
     ConvUnit("cifar 16ch 32x32", 128, 16, 16, 32, residual=True),
+    ConvUnit("cifar 32ch 16x16", 128, 32, 32, 16, residual=True),
     ConvUnit("cifar 1x1 64->16", 128, 64, 16, 32, k=1),
     ConvUnit("cifar 64ch 8x8 s2", 128, 32, 64, 16, stride=2),
     ConvUnit("imagenet 64ch 56x56 n64", 64, 64, 64, 56, residual=True),

@@ -504,13 +504,15 @@ def bn_sums_launches(rows: int) -> list[str]:
 
 def cutlass_fprop_tile(m: int, co: int, sms: int) -> tuple[int, int]:
     """The CUTLASS forward's tile (BM, BN) (csrc/cuda/cutlass_conv/plan.h's fprop_tile;
-    tests/test_cutlass.py holds this copy to it): for Co <= 32, 128 x 32 where its tiles fill
-    every SM once; for Co <= 64, 256 x 64 where cdiv(m, 256) x cdiv(co, 64) tiles fill every SM
-    4 times, else 128 x 64 where its tiles fill every SM once; for Co > 64, 128 x 128 where its
-    tiles do; else 64 x 64."""
+    tests/test_cutlass.py holds this copy to it): for Co <= 16, 128 x 16, for Co <= 32,
+    128 x 32, where its tiles fill every SM once; for Co <= 64, 256 x 64 where cdiv(m, 256) x
+    cdiv(co, 64) tiles fill every SM 4 times, else 128 x 64 where its tiles fill every SM once;
+    for Co > 64, 128 x 128 where its tiles do; else 64 x 64."""
     def fills(bm: int, bn: int, times: int = 1) -> bool:
         return -(-m // bm) * -(-co // bn) >= times * sms
 
+    if co <= 16:
+        return (128, 16) if fills(128, 16) else (64, 64)
     if co <= 32:
         return (128, 32) if fills(128, 32) else (64, 64)
     if co <= 64:
@@ -566,8 +568,9 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     backward where the weight gradient is CUTLASS's:
 
     * fwd: the CUTLASS forward (cutlass_conv_kernel<Fprop<...>>: 128x128x32 tiles of 4 warps
-      or, for Co <= 64, 256x64x32 of 8 or 128x64x32 of 4, for Co <= 32 128x32x32 of 4, where
-      they fill the SMs, else 64x64x32, :func:`cutlass_fprop_tile`); grid
+      or, for Co <= 64, 256x64x32 of 8 or 128x64x32 of 4, for Co <= 32 128x32x32 of 4, for
+      Co <= 16 128x16x32 of 2, where they fill the SMs, else 64x64x32,
+      :func:`cutlass_fprop_tile`); grid
       cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, 32); after DRAM-bound launches
       of the BatchNorm affine with its 16-bit copies (one) and, for a weight that is not
       channels-last (``weight_channels_last`` False; :func:`weight_copied`), copying it to
@@ -582,9 +585,9 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
       4, 32x64x32 (Co <= 32) of 2, parallel split-K, :func:`cutlass_wgrad_plan` with the tile's
       resident blocks by :func:`model.blocks_per_sm`); grid cdiv(Co, BM) x cdiv(taps*C, BN) x
       split; K chunks: cdiv(cdiv(M, 32), split); DRAM: dy and a once, each slice's float32
-      partial dW written once; then one launch adding the slices in order and rounding dW to
-      the weight's dtype and layout;
-    * the sums' reduction (bn_sums) and the dx pass in place (read dz and x, write dx):
+      partial dW written once;
+    * the sums' reduction (bn_sums) and the dx pass in place (read dz and x, write dx), whose
+      blocks past dx's add dW's slices in order and round dW to the weight's dtype and layout:
       DRAM-bound launches;
     * batch statistics (partials and finalize): as the native step.
 
@@ -660,10 +663,10 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     dw32 = u.co * taps * u.c * 4
     launch("wgrad (CUTLASS)", wg, cdiv(u.co, wg.bm) * cdiv(taps * u.c, wg.bn) * split,
            cdiv(cdiv(m_out, CUTLASS_BK), split), tu.act_out() + tu.act_in() + split * dw32)
-    dram_launch("dW partials sum", split * dw32 + tu.weight())  # slices in order, rounded
     for name in bn_sums_launches(sums_rows):
         dram_launch(name, (parts + 4 * vec32) / len(bn_sums_launches(sums_rows)))
-    dram_launch("dx", 3 * tu.act_in() + 6 * vec32)  # read dz and x, write dx
+    # read dz and x, write dx; its blocks past dx's add dW's slices in order and round it
+    dram_launch("dx + dW partials sum", 3 * tu.act_in() + 6 * vec32 + split * dw32 + tu.weight())
     return CudaUnitModel(u, dtype, dev.arch, kernels)
 
 

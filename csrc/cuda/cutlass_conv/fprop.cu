@@ -16,22 +16,25 @@
 namespace fusedres::cutlass_conv {
 namespace {
 
-// Five tiles, 16-byte accesses, cp.async multistage (the sm_80 kernels; sm_90 runs them too),
+// Six tiles, 16-byte accesses, cp.async multistage (the sm_80 kernels; sm_90 runs them too),
 // picked by plan::fprop_tile: 128 x 128 of 4 warps of 64 x 64 (Co > 64); for Co <= 64 (no
 // half-empty tile) 256 x 64 of 8 warps of 32 x 64 (with 4 warps of 64 x 64 ptxas spilled 16 B
 // on sm_90) or 128 x 64 of 4 warps of 64 x 32; for Co <= 32, 128 x 32 of 4 warps of 32 x 32;
-// each where its tiles fill the SMs; else 64 x 64 of 4 warps of 32 x 32 (more blocks for small
-// grids).
+// for Co <= 16, 128 x 16 of 2 warps of 64 x 16 (BK = 16 is not a tile CUTLASS's fused main
+// loop takes: it needs two warp-level MMA steps a stage); each where its tiles fill the SMs;
+// else 64 x 64 of 4 warps of 32 x 32 (more blocks for small grids).
 using FpropLarge = ConvTile<128, 128, 64, 64, 4, Launch<128, 66048>>;
 using FpropTall = ConvTile<256, 64, 32, 64, 4, Launch<256, 82432>>;
 using FpropNarrow = ConvTile<128, 64, 64, 32, 4, Launch<128, 49664>>;
 using FpropThin = ConvTile<128, 32, 32, 32, 4, Launch<128, 41472>>;
 using FpropSmall = ConvTile<64, 64, 32, 32, 4, Launch<128, 33280>>;
+using FpropSlim = ConvTile<128, 16, 64, 16, 4, Launch<64, 37376>>;
 static_assert(matches<FpropLarge>(plan::shape(plan::FpropTile::large)) &&
                   matches<FpropTall>(plan::shape(plan::FpropTile::tall)) &&
                   matches<FpropNarrow>(plan::shape(plan::FpropTile::narrow)) &&
                   matches<FpropThin>(plan::shape(plan::FpropTile::thin)) &&
-                  matches<FpropSmall>(plan::shape(plan::FpropTile::small)),
+                  matches<FpropSmall>(plan::shape(plan::FpropTile::small)) &&
+                  matches<FpropSlim>(plan::shape(plan::FpropTile::slim)),
               "the tiles are plan.h's");
 
 // One forward configuration: the operands' element type and the tile.
@@ -87,6 +90,7 @@ void with_tile(plan::FpropTile tile, F&& f) {
     case plan::FpropTile::narrow: return f(FpropNarrow{});
     case plan::FpropTile::thin: return f(FpropThin{});
     case plan::FpropTile::small: return f(FpropSmall{});
+    case plan::FpropTile::slim: return f(FpropSlim{});
   }
 }
 

@@ -16,10 +16,11 @@ struct Shape {
 };
 
 // Which tile; the index into kFprop or kWgrad.
-enum class FpropTile : int64_t { large = 0, tall = 1, narrow = 2, thin = 3, small = 4 };
+enum class FpropTile : int64_t { large = 0, tall = 1, narrow = 2, thin = 3, small = 4, slim = 5 };
 enum class WgradTile : int64_t { large = 0, narrow = 1, thin = 2, small = 3 };
 
-inline constexpr Shape kFprop[5] = {{128, 128}, {256, 64}, {128, 64}, {128, 32}, {64, 64}};
+inline constexpr Shape kFprop[6] = {{128, 128}, {256, 64}, {128, 64},
+                                    {128, 32},  {64, 64},  {128, 16}};
 inline constexpr Shape kWgrad[4] = {{128, 128}, {64, 128}, {32, 64}, {64, 64}};
 
 inline constexpr Shape shape(FpropTile t) { return kFprop[static_cast<int64_t>(t)]; }
@@ -29,17 +30,23 @@ inline constexpr int64_t tiles(Shape s, int64_t rows, int64_t cols) {
   return (rows + s.rows - 1) / s.rows * ((cols + s.cols - 1) / s.cols);
 }
 
-// The forward (GEMM M = N*P*Q pixels, N = Co): for Co <= 32 the 128 x 32 tile where its tiles
-// fill every SM once; for Co <= 64 the 256-row tile where its tiles fill every SM at least
+// The forward (GEMM M = N*P*Q pixels, N = Co): for Co <= 16 the 128 x 16 tile, for Co <= 32
+// the 128 x 32 one, where its tiles fill every SM once; for Co <= 64 the 256-row tile where its tiles fill every SM at least
 // kTallWaves times, else the 128-row one where they fill every SM once; for Co > 64 the
 // 128 x 128 tile where they do; otherwise the small one (more blocks for small grids). The
-// tiles as narrow as Co keep the MMAs off columns past Co (CIFAR's 16- and 32-channel units).
+// tiles as narrow as Co keep the MMAs off columns past Co (CIFAR's 16- and 32-channel units;
+// the 128 x 16 one's 2 warps of 64 x 16 each issue about 1.5 times the instructions a K chunk
+// of the 128 x 32 one's 4, so a block issues about 3/4 as much for the same 128 pixels, by the
+// model).
 // The 256 x 64 tile (8 warps of 32 x 64) is the model's pick for ImageNet's 64-channel units on
 // sm_90, where the 128 x 64 one's 4 warps issue more per MMA (on sm_80 the two model alike); it
 // holds one block an SM, so a grid of few waves loses more to its last one.
 inline constexpr int64_t kTallWaves = 4;
 
 inline FpropTile fprop_tile(int64_t M, int64_t Co, int64_t sms) {
+  if (Co <= shape(FpropTile::slim).cols) {
+    return tiles(shape(FpropTile::slim), M, Co) >= sms ? FpropTile::slim : FpropTile::small;
+  }
   if (Co <= shape(FpropTile::thin).cols) {
     return tiles(shape(FpropTile::thin), M, Co) >= sms ? FpropTile::thin : FpropTile::small;
   }

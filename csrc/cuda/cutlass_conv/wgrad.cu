@@ -8,9 +8,9 @@
 // writing a costs the data gradient one store of x's size. Padding is CUTLASS's zero fill: a's
 // padding, as the fused unit defines it.
 // Accumulated in float32; the pixels split over blockIdx.z (parallel split-K: each slice writes
-// its own float32 partial dW; the caller's one launch adds them in slice order, so the result
-// does not depend on which block finishes first, and rounds the sum to the weight's dtype and
-// layout: wgrad_partials_sum in ../bn_relu_conv2d_wgrad.cuh).
+// its own float32 partial dW; the caller's dx launch, or a launch of its own, adds them in slice
+// order, so the result does not depend on which block finishes first, and rounds the sum to the
+// weight's dtype and layout: PartialsSum in ../bn_relu_conv2d_wgrad.cuh).
 #include "common.cuh"
 #include "plan.h"
 

@@ -133,3 +133,29 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
            return std::vector<at::Tensor>{dz, pdz, pdzx, act};
          });
 }
+
+// The dx pass as the CUTLASS weight gradient's route launches it: dx in place over dz (a copy of
+// `dz`) and, with `parts` (the GEMM's (split, Co, kh, kw, C) float32 partials), the weight's
+// gradient summed from them by the same launch; [dx, gw], gw like `weight` and NaN where the
+// launch did not write it.
+TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
+  m.def("dx_with_partials(Tensor dz, Tensor x, Tensor? bn_weight, Tensor? bn_bias, Tensor mean, "
+        "Tensor invstd, Tensor m1, Tensor m2, Tensor? parts, Tensor weight) -> Tensor[]");
+  m.impl("dx_with_partials", c10::DispatchKey::CPU,
+         [](const at::Tensor& dz, const at::Tensor& x, const std::optional<at::Tensor>& bn_weight,
+            const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
+            const at::Tensor& invstd, const at::Tensor& m1, const at::Tensor& m2,
+            const std::optional<at::Tensor>& parts, const at::Tensor& weight) {
+           namespace k = fusedres::cuda_on_cpu;
+           TORCH_CHECK(dz.sizes() == x.sizes() && dz.scalar_type() == x.scalar_type(),
+                       "dx_with_partials: dz must be like x");
+           const k::Affine bn = k::bn_affine(bn_weight, bn_bias, mean, invstd);
+           at::Tensor gx = dz.clone();
+           at::Tensor gw = at::full_like(weight, NAN);
+           FUSEDRES_DISPATCH_FLOATING(x.scalar_type(), "dx_with_partials", [&] {
+             k::launch_dx<scalar_t>(gx, x, bn, mean, invstd, m1, m2,
+                                    parts.has_value() ? &*parts : nullptr, &gw);
+           });
+           return std::vector<at::Tensor>{gx, gw};
+         });
+}
