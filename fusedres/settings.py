@@ -86,8 +86,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             ("auto", "baseline", "avx2", "avx512")),
     Setting("FUSEDRES_CUDA_KERNELS", "choice", "native", "at every cuda-backend op call",
             "The cuda backend's convolution kernels: `native` (csrc/cuda's own) or `cutlass` "
-            "(csrc/cuda/cutlass_conv: CUTLASS implicit-GEMM forward and weight gradient with "
-            "the BatchNorm-ReLU in the main loop, for float16/bfloat16 channels-last operands "
+            "(csrc/cuda/cutlass_conv: CUTLASS implicit-GEMM forward with the BatchNorm-ReLU in "
+            "the main loop, and weight gradient of the activation the native data gradient "
+            "writes, for float16/bfloat16 channels-last operands "
             "with C and Co multiples of 8, the weight gradient for filters larger than 1x1; "
             "every other input keeps the native kernels). "
             "Opt-in until a GPU self-test has passed them. `cutlass` where the build has no "
