@@ -124,14 +124,13 @@ namespace fusedres::FUSEDRES_CUDA_NS {
 // through fusedres_cuda_testing.set_sm_count / set_wgrad_split, and by the sanitizer drivers):
 // the SM count the tile and split rules size for (an H100's 132, so that the host copy runs the
 // GPU's decomposition), and a forced split of the weight gradient's reduction (0: the rule).
-inline int64_t& host_sm_count() {
-  static int64_t sms = 132;
-  return sms;
-}
-inline int64_t& host_wgrad_split() {
-  static int64_t split = 0;
-  return split;
-}
+// Namespace-scope variables, not function-local statics: the sanitizer build's __shared__ is
+// `static`, and the layer fills every function-local static of this namespace with 0xff before
+// each block (on_cpu/runtime.h), which had set both knobs to -1 after the first launch there.
+inline int64_t host_sm_count_value = 132;
+inline int64_t host_wgrad_split_value = 0;
+inline int64_t& host_sm_count() { return host_sm_count_value; }
+inline int64_t& host_wgrad_split() { return host_wgrad_split_value; }
 #endif
 
 // The device type this copy of the kernels runs on.
