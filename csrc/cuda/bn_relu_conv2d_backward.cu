@@ -82,16 +82,30 @@ struct BackwardPasses {
   const at::Tensor& weight;
   const at::Tensor& mean;
   const at::Tensor& invstd;
-  const Affine& bn;
+  // The BatchNorm weight and bias: the data gradient and the dx pass compute each channel's
+  // scale and shift from them (channel_affine); the native weight gradient reads bn_affine's
+  // vectors, launched the first time it asks (affine()).
+  const AffineInputs& bn;
   const ConvGeom& g;
   const at::Tensor* bsp;  // the branch scale in the accumulator dtype, or none
   int64_t phases;         // the stride phases (one per blockIdx.z of the data gradient)
   int64_t phase_rows;     // the input pixels of the largest phase
   std::optional<DgradTiles> tiles{};
+  std::optional<Affine> vectors{};
   // The weight gradient on CUTLASS (cutlass_conv/wgrad.cu): "store" only, no branch scale,
   // over the activation the data gradient's epilogue writes (so the data gradient runs first).
   bool cutlass_wgrad = false;
   std::array<int64_t, 2> stride{}, padding{}, dilation{};
+
+  const Affine& affine() {
+    if (!vectors.has_value()) {
+      auto opt = [](const at::Tensor& t) {
+        return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+      };
+      vectors = bn_affine(opt(bn.w), opt(bn.b), mean, invstd);
+    }
+    return *vectors;
+  }
 
   const DgradTiles& dgrad_tiles() {
     if (!tiles.has_value()) {
@@ -136,7 +150,7 @@ struct BackwardPasses {
 
   void wgrad(at::Tensor& gw, at::Tensor* gb, SumsArgs* sums) {
     dispatch_x_w(op, x.scalar_type(), weight.scalar_type(), [&](auto xt, auto wt) {
-      launch_wgrad<decltype(xt), decltype(wt)>(go, x, bn, gw, gb, sums, bsp, g);
+      launch_wgrad<decltype(xt), decltype(wt)>(go, x, affine(), gw, gb, sums, bsp, g);
     });
   }
 };
@@ -390,7 +404,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
     cutlass_wgrad = cutlass_conv::can_run_wgrad(go, x, weight, {stride, padding, dilation});
 #endif
   }
-  const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd);
+  const AffineInputs bn = affine_inputs(bn_weight, bn_bias);
   const ConvGeom g = geom_of(weight, stride, padding, dilation);
   BackwardPasses passes{op, go, x, weight, mean, invstd, bn, g,
                         bscale.defined() ? &bscale : nullptr,

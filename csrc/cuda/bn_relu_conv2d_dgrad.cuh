@@ -37,8 +37,8 @@ enum DgradWrite : int { kWriteNothing = 0, kWriteDz = 1, kWriteDx = 2 };
 template <typename X, int BM, int BN, int LD, int THREADS>
 __device__ __forceinline__ void dgrad_store(
     acc_t<X> (*Cs)[LD], acc_t<X> (*Ds)[LD], const int64_t* row_n, const int32_t* row_ih,
-    const int32_t* row_iw, const X* __restrict__ x, const acc_t<X>* __restrict__ scale,
-    const acc_t<X>* __restrict__ shift, const acc_t<X>* __restrict__ mean,
+    const int32_t* row_iw, const X* __restrict__ x, const acc_t<X>* __restrict__ bn_w,
+    const acc_t<X>* __restrict__ bn_b, const acc_t<X>* __restrict__ mean,
     const acc_t<X>* __restrict__ invstd, X* __restrict__ gx, acc_t<X>* __restrict__ part_dz,
     acc_t<X>* __restrict__ part_dzx, const acc_t<X>* __restrict__ m1,
     const acc_t<X>* __restrict__ m2, const acc_t<X>* __restrict__ branch_scale,
@@ -59,7 +59,10 @@ __device__ __forceinline__ void dgrad_store(
       // da of the row's sample: s[n] * conv_transpose(dy) with a branch scale.
       const A da = branch_scale != nullptr ? Cs[m][n] * branch_scale[row_n[m]] : Cs[m][n];
       // The gradient passes unless z <= 0 (a NaN z passes it, as torch's ReLU backward does).
-      const A a = bn_relu(xv, scale[c], shift[c]);
+      const ChannelAffine<A> f = channel_affine(bn_w != nullptr ? bn_w + c : nullptr,
+                                                bn_b != nullptr ? bn_b + c : nullptr, mean[c],
+                                                invstd[c]);
+      const A a = bn_relu(xv, f.scale, f.shift);
       dz = a == A(0) ? A(0) : da;
       if (act != nullptr) act[xo] = static_cast<X>(a);
       const A xhat = (xv - mean[c]) * invstd[c];
@@ -68,8 +71,8 @@ __device__ __forceinline__ void dgrad_store(
       if (write == kWriteDz) gx[go] = static_cast<X>(dz);
       // dx: training (the sums known before this pass: m1 = mean dz, m2 = mean dz xhat) or eval.
       if (write == kWriteDx) {
-        gx[go] = static_cast<X>(m1 != nullptr ? scale[c] * (dz - m1[c] - xhat * m2[c])
-                                              : scale[c] * dz);
+        gx[go] = static_cast<X>(m1 != nullptr ? f.scale * (dz - m1[c] - xhat * m2[c])
+                                              : f.scale * dz);
       }
     }
     if (stats) {
@@ -130,7 +133,7 @@ __device__ __forceinline__ void fill_phase_rows(int64_t* row_n, int32_t* row_ih,
 template <typename X, typename W, typename T>
 __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
     dgrad_kernel(const W* __restrict__ dy, const W* __restrict__ w, const X* __restrict__ x,
-                 const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ shift,
+                 const acc_t<X>* __restrict__ bn_w, const acc_t<X>* __restrict__ bn_b,
                  const acc_t<X>* __restrict__ mean, const acc_t<X>* __restrict__ invstd,
                  X* __restrict__ gx, acc_t<X>* __restrict__ part_dz,
                  acc_t<X>* __restrict__ part_dzx,
@@ -204,7 +207,7 @@ __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
   }
   acc.store(Cs, tid);
   __syncthreads();
-  dgrad_store<X, BM, BN, BN + T::CPAD, THREADS>(Cs, Ds, row_n, row_ih, row_iw, x, scale, shift,
+  dgrad_store<X, BM, BN, BN + T::CPAD, THREADS>(Cs, Ds, row_n, row_ih, row_iw, x, bn_w, bn_b,
                                                 mean, invstd, gx, part_dz, part_dzx, m1, m2,
                                                 branch_scale, act, xd, gd, c0, write,
                                                 static_cast<int64_t>(blockIdx.z) * gridDim.x +
@@ -301,7 +304,7 @@ template <typename W, typename T>
 __global__ void __launch_bounds__(T::THREADS)
     dgrad_mma_kernel(const W* __restrict__ dy, const W* __restrict__ wp, WeightRows wl,
                      const W* __restrict__ x,
-                     const float* __restrict__ scale, const float* __restrict__ shift,
+                     const float* __restrict__ bn_w, const float* __restrict__ bn_b,
                      const float* __restrict__ mean, const float* __restrict__ invstd,
                      W* __restrict__ gx, float* __restrict__ part_dz,
                      float* __restrict__ part_dzx,
@@ -435,7 +438,7 @@ __global__ void __launch_bounds__(T::THREADS)
     __syncthreads();
     const int o = pass * T::EM;
     dgrad_store<W, T::EM, BN, T::CLD, THREADS>(Cs, Ds, row_n + o, row_ih + o, row_iw + o, x,
-                                               scale, shift, mean, invstd, gx, part_dz, part_dzx,
+                                               bn_w, bn_b, mean, invstd, gx, part_dz, part_dzx,
                                                m1, m2, branch_scale, act, xd, gd, c0,
                                                write, prow + pass, tid);
   }
@@ -450,7 +453,7 @@ __global__ void __launch_bounds__(T::THREADS)
 template <typename X>
 __global__ void __launch_bounds__(256)
     dx_kernel(X* __restrict__ gx, const X* __restrict__ x,
-              const acc_t<X>* __restrict__ scale, const acc_t<X>* __restrict__ mean,
+              const acc_t<X>* __restrict__ bn_w, const acc_t<X>* __restrict__ mean,
               const acc_t<X>* __restrict__ invstd, const acc_t<X>* __restrict__ m1,
               const acc_t<X>* __restrict__ m2, Dims4 xd, Dims4 gd, int64_t dx_blocks,
               PartialsSum<partials_t<X>, X> dw) {
@@ -483,7 +486,9 @@ __global__ void __launch_bounds__(256)
     }
     const int64_t go = gd.offset(n, c, h, w);
     const A xhat = (static_cast<A>(x[xd.offset(n, c, h, w)]) - mean[c]) * invstd[c];
-    gx[go] = static_cast<X>(scale[c] * (static_cast<A>(gx[go]) - m1[c] - xhat * m2[c]));
+    const A s = channel_affine(bn_w != nullptr ? bn_w + c : nullptr, static_cast<const A*>(nullptr),
+                               mean[c], invstd[c]).scale;
+    gx[go] = static_cast<X>(s * (static_cast<A>(gx[go]) - m1[c] - xhat * m2[c]));
   }
 }
 
@@ -544,7 +549,7 @@ inline DgradWeight dgrad_weight(const at::Tensor& weight) {
 
 template <typename X, typename W>
 void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& weight,
-                  const Affine& bn, const at::Tensor& mean, const at::Tensor& invstd,
+                  const AffineInputs& bn, const at::Tensor& mean, const at::Tensor& invstd,
                   at::Tensor* gx, at::Tensor* part_dz, at::Tensor* part_dzx,
                   const at::Tensor* m1, const at::Tensor* m2, const at::Tensor* bscale,
                   at::Tensor* act, int write, const ConvGeom& g, int64_t phases,
@@ -574,7 +579,7 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
         FUSEDRES_LAUNCH(grid(TM::BN), dim3(TM::THREADS), 0, current_stream(),
                         dgrad_mma_kernel<W, TM>)(
           go.const_data_ptr<W>(), wd.w.const_data_ptr<W>(), wd.rows, x.const_data_ptr<X>(),
-          bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
+          data_or_null<A>(bn.w), data_or_null<A>(bn.b), mean.const_data_ptr<A>(),
           invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
           part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
           part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
@@ -592,7 +597,7 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
               "launch_dgrad: the tile plan does not match the WMMA / FMA kernel");
   FUSEDRES_LAUNCH(grid(T::BN), dim3(T::THREADS), 0, current_stream(), dgrad_kernel<X, W, T>)(
       go.const_data_ptr<W>(), weight.const_data_ptr<W>(), x.const_data_ptr<X>(),
-      bn.scale.const_data_ptr<A>(), bn.shift.const_data_ptr<A>(), mean.const_data_ptr<A>(),
+      data_or_null<A>(bn.w), data_or_null<A>(bn.b), mean.const_data_ptr<A>(),
       invstd.const_data_ptr<A>(), gx != nullptr ? gx->data_ptr<X>() : nullptr,
       part_dz != nullptr ? part_dz->data_ptr<A>() : nullptr,
       part_dzx != nullptr ? part_dzx->data_ptr<A>() : nullptr,
@@ -607,7 +612,7 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
 // dw_parts, gw: the CUTLASS weight gradient's partials and the weight's gradient (x's dtype)
 // they are summed into by the same launch, or none.
 template <typename X>
-void launch_dx(at::Tensor& gx, const at::Tensor& x, const Affine& bn,
+void launch_dx(at::Tensor& gx, const at::Tensor& x, const AffineInputs& bn,
                const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& m1,
                const at::Tensor& m2, const at::Tensor* dw_parts = nullptr,
                at::Tensor* gw = nullptr) {
@@ -624,7 +629,7 @@ void launch_dx(at::Tensor& gx, const at::Tensor& x, const Affine& bn,
   FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(blocks + dw_blocks)), dim3(threads), 0,
                   current_stream(), dx_kernel<X>)(
       gx.data_ptr<X>(), x.const_data_ptr<X>(),
-      bn.scale.const_data_ptr<A>(), mean.const_data_ptr<A>(), invstd.const_data_ptr<A>(),
+      data_or_null<A>(bn.w), mean.const_data_ptr<A>(), invstd.const_data_ptr<A>(),
       m1.const_data_ptr<A>(), m2.const_data_ptr<A>(), dims_of(x), dims_of(gx), blocks, dw);
   FUSEDRES_CHECK_LAUNCH();
 }

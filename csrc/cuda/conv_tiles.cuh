@@ -326,11 +326,43 @@ struct Affine {
   at::Tensor scale16, shift16;
 };
 
-// scale = bn_weight * invstd (invstd without a weight), shift = bn_bias - mean * scale
-// (-mean * scale without a bias), each operation rounded as the ATen op that computed it before
-// (mul_rn, sub_rn: nvcc would contract the multiply and the subtraction into one FMA), so the
-// kernels read the values of the portable rule bit for bit; with H16 pointers also both rounded
-// to that dtype (to nearest even, as Tensor.to). One launch where the ATen ops were three (and
+// One channel's scale = bn_weight * invstd (invstd without a weight) and shift = bn_bias -
+// mean * scale (-mean * scale without a bias), each operation rounded as the ATen op that
+// computed it before (mul_rn, sub_rn: nvcc would contract the multiply and the subtraction into
+// one FMA); w, b: the channel's weight and bias, or none. bn_affine_kernel writes these; the
+// backward's data gradient and dx pass compute them where they read them (no launch first).
+template <typename A>
+struct ChannelAffine {
+  A scale, shift;
+};
+
+// The BatchNorm weight and bias as the kernels that compute channel_affine read them:
+// contiguous (C,) vectors of the statistics dtype, or undefined where the op has none.
+struct AffineInputs {
+  at::Tensor w, b;
+};
+
+inline AffineInputs affine_inputs(const std::optional<at::Tensor>& bn_weight,
+                                  const std::optional<at::Tensor>& bn_bias) {
+  auto vec = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() ? t->contiguous() : at::Tensor();
+  };
+  return {vec(bn_weight), vec(bn_bias)};
+}
+
+template <typename A>
+inline const A* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<A>() : nullptr;
+}
+template <typename A>
+__device__ __forceinline__ ChannelAffine<A> channel_affine(const A* w, const A* b, A mean,
+                                                           A invstd) {
+  const A s = w != nullptr ? mul_rn(*w, invstd) : invstd;
+  return {s, b != nullptr ? sub_rn(*b, mul_rn(mean, s)) : mul_rn(-mean, s)};
+}
+
+// Every channel's channel_affine, so the kernels read the values of the portable rule bit for
+// bit; with H16 pointers also both rounded to that dtype (to nearest even, as Tensor.to). One launch where the ATen ops were three (and
 // the CUTLASS route's casts two more); vectors at any stride (the ops take views).
 template <typename A, typename H>
 __global__ void __launch_bounds__(256)
@@ -340,10 +372,10 @@ __global__ void __launch_bounds__(256)
                      H* __restrict__ scale16, H* __restrict__ shift16) {
   FUSEDRES_LAUNCH_BOUNDS(256);
   for (int64_t c = global_thread_x(); c < C; c += grid_stride_x()) {
-    const A inv = invstd[c * is];
-    const A s = w != nullptr ? mul_rn(w[c * ws], inv) : inv;
-    const A m = mean[c * ms];
-    const A t = b != nullptr ? sub_rn(b[c * bs], mul_rn(m, s)) : mul_rn(-m, s);
+    const ChannelAffine<A> f = channel_affine(w != nullptr ? w + c * ws : nullptr,
+                                              b != nullptr ? b + c * bs : nullptr,
+                                              mean[c * ms], invstd[c * is]);
+    const A s = f.scale, t = f.shift;
     scale[c] = s;
     shift[c] = t;
     if (scale16 != nullptr) {

@@ -520,7 +520,7 @@ def cutlass_fprop_tile(m: int, co: int, sms: int) -> tuple[int, int]:
     return (128, 128) if fills(128, 128) else (64, 64)
 
 
-CUTLASS_MIN_SLICE_PIXELS = 1024
+CUTLASS_MIN_SLICE_PIXELS = 512
 CUTLASS_MAX_SLICES = 64
 CUTLASS_MAX_PARTIAL_BYTES = 64 << 20
 
@@ -531,7 +531,7 @@ def cutlass_wgrad_plan(co: int, columns: int, pixels: int,
     wgrad_tile and wgrad_split; tests/test_cutlass.py holds this copy to them): 64 x 64 for at
     most 64 columns, else 32 x 64 (Co <= 32), 64 x 128 (Co <= 64) or 128 x 128;
     ``resident(BM, BN)``: the tile's blocks the GPU holds at once. The split: of
-    1 .. min(64, pixels // 1024, 64 MiB // the float32 partial's bytes), the fewest waves per
+    1 .. min(64, pixels // 512, 64 MiB // the float32 partial's bytes), the fewest waves per
     slice, cdiv(tiles * split, resident) / split, the smallest on ties."""
     bm, bn = ((64, 64) if columns <= 64 else (32, 64) if co <= 32 else (64, 128) if co <= 64
               else (128, 128))
@@ -575,8 +575,9 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
       of the BatchNorm affine with its 16-bit copies (one) and, for a weight that is not
       channels-last (``weight_channels_last`` False; :func:`weight_copied`), copying it to
       KRSC;
-    * dgrad writing dz and a: after the backward's affine launch, the native mma.sync data
-      gradient (as :func:`model_cuda_unit` picks its tile) (for a strided unit after two
+    * dgrad writing dz and a: the native mma.sync data gradient (as :func:`model_cuda_unit`
+      picks its tile; each channel's scale and shift computed where it reads them, no affine
+      launch in the backward) (for a strided unit after two
       launches zeroing the BatchNorm sums' partials), its epilogue writing dz (x's dtype, into
       the x gradient), the partials and the activation a = relu(scale * x + shift) (x's dtype:
       the weight gradient's operand);
@@ -637,7 +638,6 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
                                  weight_channels_last=weight_channels_last)
         kernels += [k for k in native.kernels if k[0] not in native.forward]
         return CudaUnitModel(u, dtype, dev.arch, kernels)
-    dram_launch("bn affine (backward)", 6 * vec32)
     # data gradient ("store": dz in x's dtype, in the x gradient's buffer; a beside it)
     dg, ctas, chunks = _dgrad_grid(u, dtype, dev, rows, "dgrad_mma_kernel")
     # the sums' partials, (rows, C) each: a row per 64 pixels of a row tile, every phase sized

@@ -78,9 +78,12 @@ inline bool wgrad_on_cutlass(int64_t kh, int64_t kw) { return kh * kw > 1; }
 // The pixels are split into slices that run as separate blocks, each writing float32 partials
 // that one reduction then adds (parallel split-K: no semaphores, no chain of epilogues waiting
 // on each other, and a fixed order of addition). Each slice keeps at least kMinSlicePixels
-// pixels (32 K-steps, so the pipeline's fill stays a small part of it), at most kMaxSlices
-// slices, and the partials at most kMaxPartialBytes (a transient buffer of the backward).
-inline constexpr int64_t kMinSlicePixels = 1024;
+// pixels (16 K-steps, so the pipeline's 4-stage fill stays a small part of it; at 1,024 a
+// CIFAR 64-channel unit's weight gradient, 8,192 pixels on 5 tiles, ran 40 blocks on 108 or
+// 132 SMs, and 512 prices its GEMM at 0.6-0.7 of that time; 256 no lower, with more partials
+// to add, by the model), at most kMaxSlices slices, and the partials at most
+// kMaxPartialBytes (a transient buffer of the backward).
+inline constexpr int64_t kMinSlicePixels = 512;
 inline constexpr int64_t kMaxSlices = 64;
 inline constexpr int64_t kMaxPartialBytes = int64_t{64} << 20;
 

@@ -118,7 +118,7 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
            const at::Tensor go = grad_out.to(weight.scalar_type());
            const at::Tensor mean = mean_in.contiguous(), invstd = invstd_in.contiguous();
            const int64_t H = x.size(2), W = x.size(3);
-           const k::Affine bn = k::bn_affine(bn_weight, bn_bias, mean, invstd);
+           const k::AffineInputs bn = k::affine_inputs(bn_weight, bn_bias);
            const k::ConvGeom g = k::geom_of(weight, stride, padding, dilation);
            k::BackwardPasses p{"dgrad_with_activation", go, x, weight, mean, invstd, bn, g,
                                nullptr, std::min(stride[0], H) * std::min(stride[1], W),
@@ -149,7 +149,7 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
            namespace k = fusedres::cuda_on_cpu;
            TORCH_CHECK(dz.sizes() == x.sizes() && dz.scalar_type() == x.scalar_type(),
                        "dx_with_partials: dz must be like x");
-           const k::Affine bn = k::bn_affine(bn_weight, bn_bias, mean, invstd);
+           const k::AffineInputs bn = k::affine_inputs(bn_weight, bn_bias);
            at::Tensor gx = dz.clone();
            at::Tensor gw = at::full_like(weight, NAN);
            FUSEDRES_DISPATCH_FLOATING(x.scalar_type(), "dx_with_partials", [&] {
