@@ -89,7 +89,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "(csrc/cuda/cutlass_conv: CUTLASS implicit-GEMM forward with the BatchNorm-ReLU in "
             "the main loop, and weight gradient of the activation the native data gradient "
             "writes, for float16/bfloat16 channels-last operands "
-            "with C and Co multiples of 8, the weight gradient for filters larger than 1x1; "
+            "with C and Co multiples of 8, the weight gradient for filters larger than 1x1 in "
+            "a backward that computes the data gradient too; "
             "every other input keeps the native kernels). "
             "Opt-in until a GPU self-test has passed them. `cutlass` where the build has no "
             "CUTLASS kernels, or on the CPU execution layer, is an error naming this variable.",

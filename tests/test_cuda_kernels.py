@@ -496,7 +496,8 @@ HAS_DX_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
     torch.ops.fusedres_cuda_testing, "dx_with_partials")
 
 
-@pytest.mark.skipif(not HAS_DX_HOOK, reason="the dx hook is built with the host copy")
+@pytest.mark.skipif(not (HAS_DX_HOOK and HAS_HOST_KNOBS),
+                    reason="the dx hook is built with the host copy")
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
                          ids=["f16", "bf16", "f32"])
@@ -504,12 +505,13 @@ HAS_DX_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
 @pytest.mark.parametrize("co", [5, 700], ids=["co5", "co700"])
 def test_dx_launch_sums_the_weight_gradient_partials(co, channels_last, dtype, split):
     """The dx launch of the CUTLASS weight gradient's route: its first blocks write dx as the dx
-    pass alone does, the blocks past them the weight gradient summed from the partials as the
-    partials' own launch does (every element, bit for bit), from a weight small or large
-    against the dx blocks' share of the grid. 16-bit only (the CUTLASS route's dtypes): a
-    float32 call with partials is refused."""
+    pass alone does (and as the rule gives it, within one rounding), the blocks past them the
+    weight gradient summed from the partials as the partials' own launch does (every element,
+    bit for bit), from a weight small or large against the dx blocks' share of the grid; on a
+    GPU of 1 SM (8 dx blocks), so that each dx thread strides over several elements. 16-bit
+    only (the CUTLASS route's dtypes): a float32 call with partials is refused."""
     t = torch.ops.fusedres_cuda_testing
-    case = (2, 6, 5, 7, co, (3, 2), (1, 1), (1, 1), (1, 1), False, False)
+    case = (4, 16, 9, 8, co, (3, 2), (1, 1), (1, 1), (1, 1), False, False)  # 4,608 elements
     x, weight, _, gamma, beta, mean, invstd, *_ = make(case, dtype, channels_last=channels_last)
     g = torch.Generator().manual_seed(split)
     dz = torch.randn(x.shape, generator=g, dtype=torch.float64).to(DEVICE, dtype)
@@ -521,9 +523,15 @@ def test_dx_launch_sums_the_weight_gradient_partials(co, channels_last, dtype, s
         with pytest.raises(RuntimeError, match="16-bit weight gradients only"):
             t.dx_with_partials(dz, x, gamma, beta, mean, invstd, m1, m2, parts, weight)
         return
-    dx, gw = t.dx_with_partials(dz, x, gamma, beta, mean, invstd, m1, m2, parts, weight)
-    dx0, gw0 = t.dx_with_partials(dz, x, gamma, beta, mean, invstd, m1, m2, None, weight)
+    with host_knobs(sms=1):
+        dx, gw = t.dx_with_partials(dz, x, gamma, beta, mean, invstd, m1, m2, parts, weight)
+        dx0, gw0 = t.dx_with_partials(dz, x, gamma, beta, mean, invstd, m1, m2, None, weight)
     assert torch.equal(dx, dx0) and dx.stride() == dz.stride()
+    v = lambda u: u.view(1, -1, 1, 1)  # noqa: E731
+    xhat = (x.float() - v(mean)) * v(invstd)
+    want = (v(gamma * invstd) * (dz.float() - v(m1) - xhat * v(m2))).to(dtype)
+    eps = torch.finfo(dtype).eps
+    assert ((dx.double() - want.double()).abs() <= eps * want.double().abs() + 1e-5).all()
     assert gw0.isnan().all()  # without partials the launch leaves the weight's gradient alone
     assert gw.stride() == weight.stride() and torch.equal(gw, t.wgrad_partials_sum(parts, weight))
 
@@ -751,6 +759,30 @@ def test_data_gradient_writes_the_activation(dtype, cl, case, tile):
     assert ((act.double() - ref.double()).abs()
             <= eps * ref.double().abs() + 1e-6 * shift.abs().max().item()).all()
     assert (act == ref).double().mean().item() > 0.99
+
+
+@pytest.mark.skipif(not HAS_ACT_HOOK, reason="the activation hook is built with the host copy")
+@pytest.mark.parametrize("affine", [(False, False), (True, False), (False, True)],
+                         ids=["none", "weight", "bias"])
+def test_data_gradient_activation_without_the_affine(affine):
+    """A BatchNorm without weight or bias (or one of them): the data gradient computes each
+    channel's scale as invstd (times the weight) and shift as -mean * scale (plus the bias),
+    as bn_affine does; a within one rounding of that rule."""
+    case = DGRAD_TILE_CASES[0]
+    x, weight, _, gamma, beta, mean, invstd, *_, s, p, d, _ = make(case, torch.float16,
+                                                                  channels_last=True)
+    gamma = gamma if affine[0] else None
+    beta = beta if affine[1] else None
+    gy = torch.randn(2, case[4], case[2], case[3], dtype=torch.float64).to(DEVICE, torch.float16)
+    gy = gy.contiguous(memory_format=torch.channels_last)
+    act = torch.ops.fusedres_cuda_testing.dgrad_with_activation(
+        gy, x, weight, gamma, beta, mean, invstd, s, p, d, True)[3]
+    scale = invstd * gamma if gamma is not None else invstd
+    shift = -mean * scale + (beta if beta is not None else 0)
+    ref = torch.relu(x.float() * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)).half()
+    eps = torch.finfo(torch.float16).eps
+    assert ((act.double() - ref.double()).abs()
+            <= eps * ref.double().abs() + 1e-6 * shift.abs().max().item()).all()
 
 
 @pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the tile hooks are built with the host copy")

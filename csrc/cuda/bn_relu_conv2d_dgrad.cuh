@@ -29,7 +29,9 @@ enum DgradWrite : int { kWriteNothing = 0, kWriteDz = 1, kWriteDx = 2 };
 // pixels; columns c0 + n): loads x, recomputes the ReLU mask, writes dz or dx to gx (or nothing), and
 // reduces per channel sum dz and sum dz * xhat over the tile into its partials' row `row` (Ds holds
 // dz * xhat). With `act` (x's dtype and strides) it also writes the activation
-// a = relu(scale * x + shift) there, rounded once from float32 as the forward's operand is: the
+// a = relu(scale * x + shift) there, rounded once from float32 as the native forward's operand
+// is (the CUTLASS forward's rounds scale and shift to 16 bits first: a few units in the last
+// place apart where scale * x and shift cancel): the
 // CUTLASS weight gradient's B operand (a plain convolution weight gradient of a; the BatchNorm-
 // ReLU in its main loop cost it 1.3-1.8 times the issue, by the model). Every input pixel is in one
 // stride phase's rows, so every element of a is written. The caller synchronises after filling
@@ -448,8 +450,10 @@ __global__ void __launch_bounds__(T::THREADS)
 // xhat * m2), m1 = sum dz / M, m2 = sum dz xhat / M (per channel), on the first dx_blocks
 // blocks; for 16-bit x the blocks past them sum the CUTLASS weight gradient's partials (`dw`,
 // of a weight of x's dtype; n = 0 and no such blocks otherwise), which wait on nothing the dx
-// pass writes: one launch for both. (Other dtypes never take them: without the branch the
-// float64 kernel keeps its registers, with it ptxas spilled 16 B on sm_90.)
+// pass writes: one launch for both. (Other dtypes never take them: with the branch compiled in,
+// ptxas spilled 16 B in the float64 kernel on sm_90.) The branch costs the 16-bit kernels
+// registers on sm_80 (36, 6 blocks an SM, where they held 8): a DRAM-bound pass, on the native
+// route too.
 template <typename X>
 __global__ void __launch_bounds__(256)
     dx_kernel(X* __restrict__ gx, const X* __restrict__ x,
