@@ -57,6 +57,17 @@ ConvGeom geom_of(const at::Tensor& weight, const std::array<int64_t, 2>& s,
           static_cast<int32_t>(p[1]), static_cast<int32_t>(d[0]), static_cast<int32_t>(d[1])};
 }
 
+// The data gradient's stride phases of x (one per blockIdx.z) and the input pixels of the
+// largest one.
+struct StridePhases {
+  int64_t phases, rows;
+};
+
+inline StridePhases stride_phases(const at::Tensor& x, const std::array<int64_t, 2>& s) {
+  const int64_t H = x.size(2), W = x.size(3);
+  return {std::min(s[0], H) * std::min(s[1], W), x.size(0) * ceil_div(H, s[0]) * ceil_div(W, s[1])};
+}
+
 // The five gradients (grad_x, grad_weight, grad_bias, grad_bn_weight, grad_bn_bias) with the
 // metadata of ops.backward_empty_outputs: an empty tensor where output_mask leaves one out.
 struct Grads {
@@ -98,12 +109,7 @@ struct BackwardPasses {
   std::array<int64_t, 2> stride{}, padding{}, dilation{};
 
   const Affine& affine() {
-    if (!vectors.has_value()) {
-      auto opt = [](const at::Tensor& t) {
-        return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-      };
-      vectors = bn_affine(opt(bn.w), opt(bn.b), mean, invstd);
-    }
+    if (!vectors.has_value()) vectors = bn_affine(bn.w, bn.b, mean, invstd);  // undefined: none
     return *vectors;
   }
 
@@ -312,12 +318,12 @@ void backward_store(BackwardPasses& p, Grads& out, const Wants& want, bool batch
                     double inv_m) {
   TORCH_CHECK(!p.cutlass_wgrad || (want.w && want.da), p.op, ": the CUTLASS weight gradient "
               "reads the activation the data gradient writes: both must run");
-  if (p.cutlass_wgrad) {
-    // after the data gradient, below
-  } else if (want.w) {
-    p.wgrad(out.gw, want.b ? &out.gb : nullptr, nullptr);
-  } else if (want.b) {
-    bias_only(p, out.gb);
+  if (!p.cutlass_wgrad) {  // (the CUTLASS weight gradient runs after the data gradient, below)
+    if (want.w) {
+      p.wgrad(out.gw, want.b ? &out.gb : nullptr, nullptr);
+    } else if (want.b) {
+      bias_only(p, out.gb);
+    }
   }
   if (!want.da) return;
   at::Tensor act = p.cutlass_wgrad ? at::empty_like(p.x) : at::Tensor();
@@ -406,10 +412,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bn_relu_c
   }
   const AffineInputs bn = affine_inputs(bn_weight, bn_bias);
   const ConvGeom g = geom_of(weight, stride, padding, dilation);
+  const StridePhases sp = stride_phases(x, stride);
   BackwardPasses passes{op, go, x, weight, mean, invstd, bn, g,
-                        bscale.defined() ? &bscale : nullptr,
-                        std::min(stride[0], H) * std::min(stride[1], W),
-                        N * ceil_div(H, stride[0]) * ceil_div(W, stride[1])};
+                        bscale.defined() ? &bscale : nullptr, sp.phases, sp.rows};
   passes.cutlass_wgrad = cutlass_wgrad;
   passes.stride = stride, passes.padding = padding, passes.dilation = dilation;
   const double inv_m = 1.0 / static_cast<double>(N * H * W);

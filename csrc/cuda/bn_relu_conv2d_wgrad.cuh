@@ -694,9 +694,8 @@ bool wgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt
 // One launch where ATen's were two (the sum over the slices, then the permuted copy) with the
 // summed float32 dW written and read back between them; on the CUTLASS route, blocks of the dx
 // launch where the backward has a dx pass (dx_kernel, bn_relu_conv2d_dgrad.cuh), else this
-// launch. Reads run along
-// C; writes follow gw's strides (scattered for an NCHW weight, a small tensor next to the
-// partials). n = 0: nothing to sum.
+// launch. Reads run along C; writes follow gw's strides (scattered for an NCHW weight, a small
+// tensor next to the partials). n = 0: nothing to sum.
 template <typename P, typename W>
 struct PartialsSum {
   const P* parts;

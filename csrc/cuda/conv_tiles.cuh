@@ -362,8 +362,9 @@ __device__ __forceinline__ ChannelAffine<A> channel_affine(const A* w, const A* 
 }
 
 // Every channel's channel_affine, so the kernels read the values of the portable rule bit for
-// bit; with H16 pointers also both rounded to that dtype (to nearest even, as Tensor.to). One launch where the ATen ops were three (and
-// the CUTLASS route's casts two more); vectors at any stride (the ops take views).
+// bit; with H16 pointers also both rounded to that dtype (to nearest even, as Tensor.to). One
+// launch where the ATen ops were three (and the CUTLASS route's casts two more); vectors at any
+// stride (the ops take views).
 template <typename A, typename H>
 __global__ void __launch_bounds__(256)
     bn_affine_kernel(const A* __restrict__ w, int64_t ws, const A* __restrict__ b, int64_t bs,

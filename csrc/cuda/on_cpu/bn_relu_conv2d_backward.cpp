@@ -117,12 +117,11 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
                padding{padding_[0], padding_[1]}, dilation{dilation_[0], dilation_[1]};
            const at::Tensor go = grad_out.to(weight.scalar_type());
            const at::Tensor mean = mean_in.contiguous(), invstd = invstd_in.contiguous();
-           const int64_t H = x.size(2), W = x.size(3);
            const k::AffineInputs bn = k::affine_inputs(bn_weight, bn_bias);
            const k::ConvGeom g = k::geom_of(weight, stride, padding, dilation);
+           const k::StridePhases sp = k::stride_phases(x, stride);
            k::BackwardPasses p{"dgrad_with_activation", go, x, weight, mean, invstd, bn, g,
-                               nullptr, std::min(stride[0], H) * std::min(stride[1], W),
-                               x.size(0) * k::ceil_div(H, stride[0]) * k::ceil_div(W, stride[1])};
+                               nullptr, sp.phases, sp.rows};
            const k::DgradTiles& t = p.dgrad_tiles();
            at::Tensor pdz = at::zeros({p.phases * t.row_tiles * t.parts_per_tile, x.size(1)},
                                       mean.options());
