@@ -35,13 +35,15 @@ HAS_HOST_KNOBS = DEVICE.type == "cpu" and hasattr(torch.ops, "fusedres_cuda_test
 
 
 @contextlib.contextmanager
-def host_knobs(sms: int | None = None, split: int | None = None):
+def host_knobs(sms: int | None = None, split: int | None = None, major: int | None = None):
     """The host copy run as on a GPU of ``sms`` SMs (1: every mma.sync tile the 128-row one;
-    10**6: the 64-row one) and with the weight gradient's reduction split ``split`` ways
-    (clamped to its K-steps; 0: the rule), restored afterwards."""
+    10**6: the 64-row one) and compute capability ``major`` (9 unless set: the data gradient's
+    wide tile is sm_90's), with the weight gradient's reduction split ``split`` ways (clamped
+    to its K-steps; 0: the rule), restored afterwards."""
     testing = torch.ops.fusedres_cuda_testing
     old_sms = testing.set_sm_count(sms) if sms is not None else None
     old_split = testing.set_wgrad_split(split) if split is not None else None
+    old_major = testing.set_sm_major(major) if major is not None else None
     try:
         yield
     finally:
@@ -49,9 +51,15 @@ def host_knobs(sms: int | None = None, split: int | None = None):
             testing.set_sm_count(old_sms)
         if old_split is not None:
             testing.set_wgrad_split(old_split)
+        if old_major is not None:
+            testing.set_sm_major(old_major)
 
 
 TILE_SMS = {"64": 10**6, "128": 1}  # the SM counts that make either mma.sync tile the rule's
+# The knobs that make each mma.sync data-gradient tile the rule's (the wide one: C > 64 only;
+# sm_90's, where the 128-row tile is sm_80's).
+DGRAD_TILE_KNOBS = {"64": dict(sms=TILE_SMS["64"]), "128": dict(sms=TILE_SMS["128"], major=8),
+                    "wide": dict(sms=1, major=9)}
 # Relative error bounds (max |err| / max |ref|) against float64 for the full-precision dtypes,
 # from measured errors (float32 ~3e-7 with no TF32, float64 ~1e-15).
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -647,8 +655,8 @@ DGRAD_TILE_CASES = [
                          ids=["c72-co40", "s2", "1x1-s2", "dil", "c24-co40", "c16-co8"])
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
 def test_backward_mma_dgrad_tiles(dtype, case):
-    """Both mma.sync data-gradient tile heights at the columns C takes (the hooks say which
-    runs), in both strategies (sums:
+    """Both mma.sync data-gradient tile heights at the columns C takes, and for C > 64 the
+    wide 128 x 128 tile (the hooks say which runs), in both strategies (sums:
     grad_x from the weight gradient's sums; store, no weight gradient asked for: dz and the
     sums from the data gradient's partials), with a branch scale: every gradient within twice
     PyTorch's own error against float64, and grad_x of the two tiles equal bit for bit in the
@@ -673,22 +681,30 @@ def test_backward_mma_dgrad_tiles(dtype, case):
         own = ref_backward(*bargs, bscale)
         exact = ref_backward(*as64(bargs[:7]), s, p, d, True, mask, bscale.double())
         got = {}
-        for tile in ("64", "128"):
-            with host_knobs(sms=TILE_SMS[tile]):
-                assert torch.ops.fusedres_cuda_testing.dgrad_mma_rows(
-                    rows, case[1], phases) == int(tile)
+        # (rows, columns) of each tile and the knobs that make it the rule's: the wide tile
+        # (128 x 128) is sm_90's, for C > 64.
+        plans = {"64": ((64, cols), DGRAD_TILE_KNOBS["64"]),
+                 "128": ((128, cols), DGRAD_TILE_KNOBS["128"])}
+        if c > 64:
+            plans["wide"] = ((128, 128), DGRAD_TILE_KNOBS["wide"])
+        for tile, (shape, knobs) in plans.items():
+            with host_knobs(**knobs):
+                testing = torch.ops.fusedres_cuda_testing
+                assert (testing.dgrad_mma_rows(rows, c, phases),
+                        testing.dgrad_mma_cols(rows, c, phases)) == shape
                 got[tile] = OPS.bn_relu_conv2d_backward(*bargs, branch_scale=bscale)
             for i, (g, o, e) in enumerate(zip(got[tile], own, exact)):
                 if not mask[i]:
                     continue
                 floor = 1e-3 * e.abs().max().item()
                 assert abs_err(g, e) <= 2 * abs_err(o, e) + floor, (strategy, tile, i)
-        if strategy == "sums":
-            assert torch.equal(got["64"][0], got["128"][0])
-        else:
-            for i, (a, b) in enumerate(zip(got["64"], got["128"])):
-                if mask[i]:
-                    assert rel_err(a, b) <= (1e-2 if i < 2 else 1e-5), i
+        for tile in plans.keys() - {"64"}:
+            if strategy == "sums":
+                assert torch.equal(got["64"][0], got[tile][0]), tile
+            else:
+                for i, (a, b) in enumerate(zip(got["64"], got[tile])):
+                    if mask[i]:
+                        assert rel_err(a, b) <= (1e-2 if i < 2 else 1e-5), (tile, i)
 
 
 @pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")
@@ -722,16 +738,19 @@ HAS_ACT_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
 
 
 @pytest.mark.skipif(not HAS_ACT_HOOK, reason="the activation hook is built with the host copy")
-@pytest.mark.parametrize("tile", ["64", "128"])
-@pytest.mark.parametrize("dtype,cl,case", [
-    *[(dt, True, c) for dt in HALF for c in DGRAD_TILE_CASES[:4]],
-    (torch.float16, False, DGRAD_TILE_CASES[1]), (torch.float32, True, CASES[1]),
-    (torch.float32, False, CASES[3])],
-    ids=[*[f"{d}-{c}" for d in ("f16", "bf16") for c in ("c72-co40", "s2", "1x1-s2", "dil")],
-         "f16-nchw-s2", "f32-s2", "f32-nchw-1x1-s3x2"])
+@pytest.mark.parametrize("dtype,cl,case,tile", [
+    *[(dt, True, c, t) for dt in HALF for c in DGRAD_TILE_CASES[:4] for t in ("64", "128")],
+    *[(dt, True, DGRAD_TILE_CASES[0], "wide") for dt in HALF],
+    *[(dt, cl, c, t) for dt, cl, c in ((torch.float16, False, DGRAD_TILE_CASES[1]),
+                                       (torch.float32, True, CASES[1]),
+                                       (torch.float32, False, CASES[3])) for t in ("64", "128")]],
+    ids=[*[f"{d}-{c}-{t}" for d in ("f16", "bf16") for c in ("c72-co40", "s2", "1x1-s2", "dil")
+           for t in ("64", "128")], "f16-c72-co40-wide", "bf16-c72-co40-wide",
+         *[f"{c}-{t}" for c in ("f16-nchw-s2", "f32-s2", "f32-nchw-1x1-s3x2")
+           for t in ("64", "128")]])
 def test_data_gradient_writes_the_activation(dtype, cl, case, tile):
     """The data gradient's epilogue writes a = relu(scale * x + shift) where the CUTLASS
-    weight gradient asks for it (the mma.sync kernel's both tiles, the WMMA one for NCHW, the
+    weight gradient asks for it (the mma.sync kernel's three tiles, the WMMA one for NCHW, the
     FMA one for float32; strides whose phases no tap feeds): every element written (the buffer
     starts as NaN), each a rounding of the float32 rule (the forward's operand), and dz and the
     BatchNorm sums' partials bit for bit those of the same launch without it."""
@@ -742,7 +761,10 @@ def test_data_gradient_writes_the_activation(dtype, cl, case, tile):
     kernel = "mma" if cl and dtype in HALF else "wmma"
     assert _dgrad_kernel_for(gy, x, weight) == kernel
     hook = torch.ops.fusedres_cuda_testing.dgrad_with_activation
-    with host_knobs(sms=TILE_SMS[tile]):
+    with host_knobs(**DGRAD_TILE_KNOBS[tile]):
+        if tile == "wide":
+            n = x.shape[0] * x.shape[2] * x.shape[3]
+            assert torch.ops.fusedres_cuda_testing.dgrad_mma_cols(n, case[1], 1) == 128
         dz, pdz, pdzx, act = hook(gy, x, weight, gamma, beta, mean, invstd, s, p, d, True)
         dz0, pdz0, pdzx0, none = hook(gy, x, weight, gamma, beta, mean, invstd, s, p, d, False)
     assert none.numel() == 0
@@ -799,6 +821,17 @@ def test_backward_mma_dgrad_tile_choice():
     # A thin tile's columns hold C (at most 32): as many column tiles as a 64-wide one.
     assert rows(128 * 132, 16, 1) == 128 and rows(128 * 131, 32, 1) == 64
     # (mma_cols and mma_depth, the forward's rules too: test_forward_mma_tile_choice.)
+    # dgrad_mma_cols: on sm_90 (the host copy's default), 128 columns for C > 64 where the wide
+    # tiles fill the SMs, else mma_cols; on sm_80 mma_cols.
+    cols = torch.ops.fusedres_cuda_testing.dgrad_mma_cols
+    assert cols(128 * 132, 72, 1) == 128 and cols(128 * 131, 72, 1) == 64
+    assert cols(128 * 66, 256, 1) == 128 and cols(128 * 65, 256, 1) == 64
+    assert cols(128 * 33, 72, 4) == 128 and cols(128 * 132, 64, 1) == 64
+    assert cols(128 * 132, 24, 1) == 32
+    with host_knobs(major=8):
+        assert cols(128 * 132, 72, 1) == 64 and cols(128 * 10**3, 512, 1) == 64
+    with host_knobs(major=10):
+        assert cols(128 * 132, 72, 1) == 128
 
 
 @pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")

@@ -220,8 +220,9 @@ def test_the_models_tile_and_split_rules_are_the_kernels():
 
     for co, columns, pixels, sms in _plan_cases():
         m = pixels
-        assert tuple(TESTING.cutlass_fprop_tile(m, co, sms)) == cuda_sass.cutlass_fprop_tile(
-            m, co, sms), (m, co, sms)
+        for major in (8, 9, 10):
+            assert tuple(TESTING.cutlass_fprop_tile(m, co, sms, major)) == (
+                cuda_sass.cutlass_fprop_tile(m, co, sms, 10 * major)), (m, co, sms, major)
         resident = [sms * k for k in (1, 2, 6, 4)]  # per tile: large, narrow, thin, small
         want = cuda_sass.cutlass_wgrad_plan(
             co, columns, pixels, lambda bm, bn, r=resident: r[WGRAD_TILES.index((bm, bn))])
@@ -256,19 +257,29 @@ def test_which_units_take_the_cutlass_weight_gradient_is_plan_h():
 
 
 def test_the_gpu_selftest_takes_every_tile():
-    """On an A100's 108 SMs and an H100's or H200's 132, the GPU self-test's cases (16-bit,
-    channels-last) take every forward and weight-gradient tile of the table, and split the
-    weight gradient's pixels: a GPU run of `fusedres selftest` runs every CUTLASS kernel the
-    build has."""
+    """On an H100's or H200's 132 SMs (and on sm_90 with an A100's 108), the GPU self-test's
+    cases (16-bit, channels-last) take every forward and weight-gradient tile of the table,
+    and split the weight gradient's pixels: a GPU run of `fusedres selftest` runs every CUTLASS
+    kernel the build has, and the native data gradient's wide tile. On an A100 (sm_80) the
+    forward takes its 64 x 64 tile for Co > 32, and the thin tiles below."""
     from fusedres.apps import selftest
     from tools.perfmodel import cuda_sass
 
+    a100 = {cuda_sass.cutlass_fprop_tile(c.n * c.ho * c.ho, c.cout, 108, 80)
+            for c in selftest.GPU_CASES}
+    assert a100 == {(64, 64), (128, 32), (128, 16)}, a100
+    # The native data gradient's wide tile (sm_90, C > 64) runs in the self-test too.
+    for sms in (108, 132):
+        wide = [c.name for c in selftest.GPU_CASES
+                if cuda_sass.dgrad_mma_cols(c.n * (-(-c.hw // c.stride)) ** 2, c.cin,
+                                            min(c.stride, c.hw) ** 2, sms, 90) == 128]
+        assert wide, sms
     # resident blocks an SM: from 1 to 8 (the most any tile's registers allow: COMPILE.md)
     for sms, per_sm in itertools.product((108, 132), (1, 8)):
         fprop, wgrad, splits = set(), set(), set()
         for c in selftest.GPU_CASES:
             m = c.n * c.ho * c.ho
-            fprop.add(cuda_sass.cutlass_fprop_tile(m, c.cout, sms))
+            fprop.add(cuda_sass.cutlass_fprop_tile(m, c.cout, sms, 90))
             bm, bn, split = cuda_sass.cutlass_wgrad_plan(c.cout, c.k * c.k * c.cin, m,
                                                          lambda bm, bn, r=sms * per_sm: r)
             wgrad.add((bm, bn))

@@ -272,6 +272,16 @@ def test_fixed_cuda_tiles_match_the_source():
     assert cuda_sass.dgrad_mma_rows(128 * 32, 64, 4, 132) == 64
     assert cuda_sass.dgrad_mma_rows(128 * 132, 16, 1, 132) == 128
     assert cuda_sass.dgrad_mma_rows(128 * 131, 32, 1, 132) == 64
+    # The data gradient's wide tile (128 x 128 of 2 x 2 warps): on sm_90 for C > 64 where its
+    # tiles fill the SMs, in the host rule and the model's copy.
+    assert "using MmaDgradWide = MmaDgrad<128, 128, 2, 2>;" in dgrad
+    assert ("sm_major() >= 9 && C > MmaDgradTall::BN &&\n"
+            "                 ceil_div(rows, R) * ceil_div(C, W) * phases >= sm_count()") in dgrad
+    cols = cuda_sass.dgrad_mma_cols
+    assert cols(128 * 132, 72, 1, 132, 90) == 128 and cols(128 * 131, 72, 1, 132, 90) == 64
+    assert cols(128 * 66, 256, 1, 132, 90) == 128 and cols(128 * 65, 256, 1, 132, 90) == 64
+    assert cols(128 * 132, 64, 1, 132, 90) == 64 and cols(128 * 132, 72, 1, 132, 80) == 64
+    assert cols(128 * 33, 72, 4, 132, 90) == 128 and cols(128 * 10**3, 32, 1, 1, 90) == 32
 
 
 def test_cuda_unit_range_from_rows():

@@ -8,7 +8,8 @@ from the PTX), and the resident blocks per SM and occupancy that follow from the
 
 A kernel that uses dynamic shared memory declares its largest launch for the table with a comment
 in its .cu file, or in a .cuh header beside it (a kernel family's file, included by the .cu):
-``// cuda_aot: <kernel name> dynamic_smem=<bytes>``. The CUTLASS kernels (csrc/cuda/cutlass_conv,
+``// cuda_aot: <kernel name> dynamic_smem=<bytes>``, the name a base name (every instantiation) or
+an ``fnmatch`` pattern of demangled instantiations. The CUTLASS kernels (csrc/cuda/cutlass_conv,
 compiled where nvidia-cutlass's headers are found: fusedres.settings.cutlass_include_dir) carry
 both figures in their name instead, ``Launch<threads, dynamic smem bytes>``, which their
 kernel file pins to CUTLASS's own with static_asserts.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import fnmatch
 import functools
 import glob
 import hashlib
@@ -172,7 +174,7 @@ _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 _PTX_ENTRY = re.compile(r"\.entry\s+(\S+)\s*\(")
 _MAXNTID = re.compile(r"\.(?:maxntid|reqntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?")
-_DYN = re.compile(r"//\s*cuda_aot:\s*(\S+)\s+dynamic_smem=(\d+)")
+_DYN = re.compile(r"//\s*cuda_aot:\s*(.+?)\s+dynamic_smem=(\d+)")
 # A CUTLASS kernel's block size and dynamic shared memory, in its demangled name.
 _LAUNCH = re.compile(r"Launch<(\d+), (\d+)>")
 
@@ -322,20 +324,35 @@ def compile_cached(nvcc: str, src: str, archs=ARCHS) -> Compiled:
     return Compiled(obj, log, meta["threads"], meta["seconds"])
 
 
+def declared_dynamic_smem(src: str) -> dict[str, int]:
+    """The ``// cuda_aot: <kernel> dynamic_smem=<bytes>`` declarations of ``src`` and the .cuh
+    headers beside it (a kernel family's file, included by the .cu): kernel -> bytes."""
+    folder = os.path.dirname(os.path.abspath(src))
+    texts = [open(p).read() for p in [src, *sorted(glob.glob(os.path.join(folder, "*.cuh")))]]
+    return {m.group(1): int(m.group(2)) for t in texts for m in _DYN.finditer(t)}
+
+
+def dynamic_smem(name: str, declared: dict[str, int]) -> int:
+    """The dynamic shared memory declared for demangled kernel ``name``: a declaration of its
+    base name (every instantiation), or a pattern of its instantiations (``fnmatch``: ``*`` for
+    any part, as ``dgrad_mma_kernel<*, MmaDgrad<128, 128, 2, 2, 32> >``); 0 where none is."""
+    for pattern, nbytes in declared.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return nbytes
+    return declared.get(name.split("<")[0], 0)
+
+
 def compile_file(nvcc: str, src: str, archs=ARCHS) -> tuple[list[Kernel], float]:
     """The table's rows for ``src`` and its compile's seconds (the first compile's, when cached)."""
     compiled = compile_cached(nvcc, src, archs)
     kernels = parse_ptxas(compiled.log, os.path.relpath(src, ROOT))
     # The .cu and the headers beside it: its kernels may live in a family's .cuh it includes.
-    folder = os.path.dirname(os.path.abspath(src))
-    texts = [open(p).read() for p in [src, *sorted(glob.glob(os.path.join(folder, "*.cuh")))]]
-    dynamic = {m.group(1): int(m.group(2)) for t in texts for m in _DYN.finditer(t)}
+    dynamic = declared_dynamic_smem(src)
     names = demangle(sorted({k.mangled for k in kernels}))
     for k in kernels:
         k.name = names[k.mangled]
         k.threads = compiled.threads.get(k.mangled)
-        base = k.name.split("<")[0]
-        k.dynamic_smem = dynamic.get(base, 0)
+        k.dynamic_smem = dynamic_smem(k.name, dynamic)
         if launch := _LAUNCH.search(k.name):
             k.threads = k.threads or int(launch.group(1))
             k.dynamic_smem = int(launch.group(2))

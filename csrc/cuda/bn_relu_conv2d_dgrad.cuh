@@ -7,6 +7,7 @@
 // keyed on that file, csrc/cuda/COMPILE.md and benchmarks/GPU_MODEL.md, are unchanged).
 #pragma once
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -255,6 +256,12 @@ struct MmaDgrad {
   static constexpr int PIPE_BYTES = A_BYTES + B_BYTES;
   static constexpr int C_BYTES = 2 * EM * CLD * 4;  // da / dz and dz * xhat
   static constexpr int SMEM = PIPE_BYTES > C_BYTES ? PIPE_BYTES : C_BYTES;
+  // The pipeline and epilogue buffers: static shared memory where they fit beside the row and
+  // tap tables in the static 48 KiB, else dynamic (the launch opts in past 48 KiB: the wide
+  // tile's 66 KiB).
+  static constexpr int TABLE_BYTES = BM * 16 + 3 * MAX_TAPS * 4 + 4;
+  static constexpr bool DYNAMIC = SMEM + TABLE_BYTES > 48 * 1024;
+  static constexpr int DYNAMIC_SMEM = DYNAMIC ? SMEM : 0;
   static_assert(A_COPIES * THREADS * 8 == BM * BK &&
                     (B_COPIES * THREADS == B_PIECES || B_PIECES < THREADS),
                 "the 16-byte copies do not divide among the threads");
@@ -262,7 +269,7 @@ struct MmaDgrad {
                 "warp grid");
   static_assert(PASSES * EM == BM && EM % WM == 0, "a warp's rows in one epilogue pass");
   static_assert(A_BYTES % 128 == 0 && B_BYTES % 128 == 0, "stage buffers 128-byte aligned");
-  static_assert(SMEM + BM * 16 + 3 * MAX_TAPS * 4 + 4 <= 48 * 1024, "static shared memory");
+  static_assert(SMEM <= 163 * 1024, "shared memory within sm_80's per-block limit");
 };
 // The tile configurations (dgrad_mma_rows picks the rows per shape, mma_cols the columns by C,
 // mma_depth the K chunk): 64 x 64 of 2 x 2 warps of 32 x 32, and 128 x 64 of 4 x 1
@@ -274,6 +281,16 @@ struct MmaDgrad {
 // element's sum takes the same m16n8k16 steps in the same order in every tile.
 using MmaDgradSmall = MmaDgrad<64, 64, 2, 2>;
 using MmaDgradTall = MmaDgrad<128, 64, 4, 1>;
+// For C > 64: 128 x 128 of 2 x 2 warps of 64 x 64. A warp's K chunk issues 64 mma's where the
+// tall tile's issues 32, for 8 16-byte copies a thread where the tall tile's takes 6 (the
+// copies' addressing and bounds tests are most of the tall tile's issue): the tall tile is
+// bound by issue on sm_90, whose tensor cores take an m16n8k16 in half an A100's clocks
+// (benchmarks/GPU_MODEL.md). Its buffers take 66 KiB of dynamic shared memory.
+using MmaDgradWide = MmaDgrad<128, 128, 2, 2>;
+// cuda_aot: dgrad_mma_kernel<*, MmaDgrad<128, 128, 2, 2, 32> > dynamic_smem=67584
+static_assert(MmaDgradWide::DYNAMIC && MmaDgradWide::DYNAMIC_SMEM == 67584 &&
+                  !MmaDgradTall::DYNAMIC && !MmaDgradSmall::DYNAMIC,
+              "the cuda_aot line above states the wide tile's dynamic shared memory, the only one");
 template <int BM, int BN, int BK>
 using MmaDgradThin = MmaDgrad<BM, BN, 4, 1, BK>;
 
@@ -316,7 +333,14 @@ __global__ void __launch_bounds__(T::THREADS)
   FUSEDRES_LAUNCH_BOUNDS(T::THREADS);
   using E = native_t<W>;
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
-  __shared__ __align__(128) unsigned char smem[T::SMEM];
+  __shared__ __align__(128) unsigned char smem_static[T::DYNAMIC ? 16 : T::SMEM];
+#if defined(__CUDACC__)
+  extern __shared__ __align__(128) unsigned char dgrad_dynamic_smem[];
+  unsigned char* const smem = T::DYNAMIC ? dgrad_dynamic_smem : smem_static;
+#else
+  unsigned char* const smem =
+      T::DYNAMIC ? fusedres_dynamic_shared<unsigned char>() : smem_static;
+#endif
   __shared__ int64_t row_n[BM];
   __shared__ int32_t row_ih[BM];
   __shared__ int32_t row_iw[BM];
@@ -519,6 +543,40 @@ int64_t dgrad_mma_rows(int64_t rows, int64_t C, int64_t phases) {
              : MmaDgradSmall::BM;
 }
 
+// Its tile columns: on sm_90 and newer, 128 (MmaDgradWide) for C > 64 where those tiles fill
+// every SM at least once (cdiv(rows, 128) * cdiv(C, 128) * phases >= the SM count: then the rows
+// are 128 too), else mma_cols(C). On sm_80 the tall tile already keeps the tensor cores busy
+// (its K chunk issues within the chunk's MMA time there) and the wide tile's fewer, larger
+// blocks only change how the last wave falls, worse as often as better; on sm_90 the tall
+// tile is bound by issue (benchmarks/GPU_MODEL.md). tools/perfmodel/cuda_sass.py
+// (dgrad_mma_cols) prices the same rule.
+int64_t dgrad_mma_cols(int64_t rows, int64_t C, int64_t phases) {
+  constexpr int64_t R = MmaDgradWide::BM, W = MmaDgradWide::BN;
+  return sm_major() >= 9 && C > MmaDgradTall::BN &&
+                 ceil_div(rows, R) * ceil_div(C, W) * phases >= sm_count()
+             ? W
+             : mma_cols(C);
+}
+static_assert(MmaDgradWide::BM == MmaDgradTall::BM && MmaDgradWide::BK == MmaDgradTall::BK &&
+                  MmaDgradWide::PASSES == MmaDgradTall::PASSES,
+              "the wide tile is the tall tile's rows, K chunk and partials' rows, twice as wide");
+
+// Devices on which the wide data gradient's kernel has opted in to its dynamic shared memory
+// (CUDA keeps the attribute per device and function: set once, not on every launch's host path).
+// Namespace scope: the CPU layer's sanitizer builds poison function-local statics.
+inline std::atomic<bool> dgrad_wide_smem_set[64];
+
+template <typename K>
+void allow_dgrad_smem(K* kernel, int smem, int64_t device) {
+  const bool known = device >= 0 && device < 64;
+  if (known && dgrad_wide_smem_set[device].load(std::memory_order_relaxed)) return;
+  const cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  TORCH_CHECK(e == cudaSuccess, "launch_dgrad: the wide tile's ", smem,
+              " bytes of dynamic shared memory were refused (cudaFuncSetAttribute)");
+  if (known) dgrad_wide_smem_set[device].store(true, std::memory_order_relaxed);
+}
+
 // The data gradient's tiling for one call: which kernel (mma: dgrad_mma_kernel), its tile rows
 // and columns, the row tiles of the largest stride phase (the grid's x), and the partials' rows
 // per tile (their columns are C's whatever the tile's width).
@@ -574,13 +632,15 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
   if constexpr (is_16bit<W> && std::is_same_v<X, W>) {
     if (dt.mma) {
       const DgradWeight wd = dgrad_weight(weight);
-      with_mma_tile<MmaDgradThin, MmaDgradTall, MmaDgradSmall>(
-          "launch_dgrad", dt.rows, dt.cols, dt.depth, [&](auto tile) {
+      const auto run = [&](auto tile) {
         using TM = decltype(tile);
         TORCH_CHECK(dt.rows == TM::BM && dt.cols == TM::BN && dt.depth == TM::BK &&
                         dt.parts_per_tile == TM::PASSES,
                     "launch_dgrad: the tile plan does not match the kernel");
-        FUSEDRES_LAUNCH(grid(TM::BN), dim3(TM::THREADS), 0, current_stream(),
+        if constexpr (TM::DYNAMIC) {
+          allow_dgrad_smem(dgrad_mma_kernel<W, TM>, TM::DYNAMIC_SMEM, x.device().index());
+        }
+        FUSEDRES_LAUNCH(grid(TM::BN), dim3(TM::THREADS), TM::DYNAMIC_SMEM, current_stream(),
                         dgrad_mma_kernel<W, TM>)(
           go.const_data_ptr<W>(), wd.w.const_data_ptr<W>(), wd.rows, x.const_data_ptr<X>(),
           data_or_null<A>(bn.w), data_or_null<A>(bn.b), mean.const_data_ptr<A>(),
@@ -593,7 +653,13 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
           act != nullptr ? act->data_ptr<X>() : nullptr, dims_of(go), dims_of(x), dims_of(out), g,
           write);
         FUSEDRES_CHECK_LAUNCH();
-      });
+      };
+      if (dt.cols == MmaDgradWide::BN) {
+        run(MmaDgradWide{});
+      } else {
+        with_mma_tile<MmaDgradThin, MmaDgradTall, MmaDgradSmall>("launch_dgrad", dt.rows, dt.cols,
+                                                                 dt.depth, run);
+      }
       return;
     }
   }

@@ -293,6 +293,15 @@ inline int64_t sm_count() {
 #endif
 }
 
+// The current GPU's compute capability's major number (the host copy: its knob, 9 by default).
+inline int64_t sm_major() {
+#if defined(__CUDACC__)
+  return at::cuda::getCurrentDeviceProperties()->major;
+#else
+  return host_sm_major();
+#endif
+}
+
 // Storage type pairs (x, weight) the kernels are built for: equal types, and float32 with a
 // 16-bit type either way (autocast: BatchNorm input in float32, convolution in the autocast
 // dtype; or 16-bit activations with float32 weights).

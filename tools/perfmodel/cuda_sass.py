@@ -130,9 +130,11 @@ def cuobjdump(obj: bytes, *flags: str) -> list[str]:
                                text=True, check=False).stdout for flag in flags]
 
 
-def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
+def analyse_object(obj: bytes, file: str,
+                   declared: dict[str, int] | None = None) -> list[CudaKernelRow]:
     """One row per 16-bit tensor-core kernel instantiation (WMMA: X == W == Half or BFloat16;
-    the mma.sync kernels: Half, BFloat16) and arch."""
+    the mma.sync kernels: Half, BFloat16) and arch. ``declared``: the file's declared dynamic
+    shared memory (tools.cuda_aot.declared_dynamic_smem), added to a kernel's static bytes."""
     from .. import cuda_aot
 
     dump, usage = cuobjdump(obj, "-sass", "-res-usage")
@@ -146,6 +148,7 @@ def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
             elif cur and "REG:" in line:
                 res_by_arch.setdefault(arch, {})[cur] = {
                     k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+    declared = declared or {}
     rows = []
     for arch, text in sorted(_split_by_arch(dump).items()):
         funcs = sass.parse(text)
@@ -187,7 +190,9 @@ def analyse_object(obj: bytes, file: str) -> list[CudaKernelRow]:
                 file, _short(dem), arch, bm, bn, bk, threads, u.get("REG", 0),
                 u.get("LOCAL", 0),
                 # a CUTLASS kernel's shared memory is dynamic: its Launch<> states it
-                int(ct.group(9)) if ct is not None else u.get("SHARED", 0), own.total, len(nested),
+                int(ct.group(9)) if ct is not None else
+                u.get("SHARED", 0) + cuda_aot.dynamic_smem(_short(dem), declared),
+                own.total, len(nested),
                 sum(sass.count(code, lp.head, lp.tail).total for lp in nested),
                 dict(k.per_iter.mma_shapes), fma_cta))
     return rows
@@ -200,11 +205,12 @@ def cuda_rows(root: str) -> list[CudaKernelRow]:
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # nvcc runs in its own processes
         objs = list(pool.map(compile_object, srcs))
     return [row for src, obj in zip(srcs, objs)
-            for row in analyse_object(obj, os.path.relpath(src, root))]
+            for row in analyse_object(obj, os.path.relpath(src, root),
+                                      cuda_aot.declared_dynamic_smem(src))]
 
 
 def table(rows: list[CudaKernelRow]) -> list[str]:
-    lines = ["| file | kernel | GPU | tile BMxBNxBK / threads | regs | spill B | static smem B "
+    lines = ["| file | kernel | GPU | tile BMxBNxBK / threads | regs | spill B | smem B "
              "| main loop own instrs | nested loops (body instrs) | MMA/warp/K chunk | issue "
              "cycles/K chunk (low - est.) | tensor cycles/K chunk | MODELED tensor-peak ceiling "
              "(est. - high) |",
@@ -321,6 +327,16 @@ def dgrad_mma_rows(rows: int, c: int, phases: int, sms: int) -> int:
     return 128 if -(-rows // 128) * -(-c // mma_cols(c)) * phases >= sms else 64
 
 
+def dgrad_mma_cols(rows: int, c: int, phases: int, sms: int, arch: int) -> int:
+    """The mma.sync data gradient's tile columns (dgrad_mma_cols in
+    csrc/cuda/bn_relu_conv2d_dgrad.cuh): on sm_90 and newer (``arch`` 90), 128
+    (MmaDgrad<128, 128, 2, 2>, the wide tile) for c > 64 where
+    cdiv(rows, 128) * cdiv(c, 128) * phases >= sms, else :func:`mma_cols`."""
+    if arch >= 90 and c > 64 and -(-rows // 128) * -(-c // 128) * phases >= sms:
+        return 128
+    return mma_cols(c)
+
+
 def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
     """The weight-gradient kernel csrc/cuda runs for 16-bit unit ``u`` (wgrad_uses_mma in
     csrc/cuda/bn_relu_conv2d_wgrad.cuh): the mma.sync one for channels-last x and grad_out
@@ -351,16 +367,18 @@ def dgrad_kernel(u, dgrad: str = "mma", channels_last: bool = True) -> str:
 def _dgrad_grid(u, dtype: str, dev, rows: list[CudaKernelRow],
                 name: str) -> tuple[CudaKernelRow, int, float]:
     """The data-gradient kernel ``name``'s row (the mma.sync one's tile by
-    :func:`dgrad_mma_rows` and :func:`mma_cols`), its blocks over every stride phase
+    :func:`dgrad_mma_rows` and :func:`dgrad_mma_cols`), its blocks over every stride phase
     (cdiv(rows, BM) x cdiv(C, BN) each) and their mean K chunks (the phase's taps x
     cdiv(Co, BK))."""
     from fusedres.kernels._common import cdiv
 
     p, s = u.padding, u.stride
     mma = name == "dgrad_mma_kernel"
-    dg = _row(rows, dev.arch, name, dtype, bm=dgrad_mma_rows(
-        u.n * cdiv(u.h, s) * cdiv(u.h, s), u.c, min(s, u.h) ** 2, dev.sms) if mma else None,
-        bn=mma_cols(u.c) if mma else None, bk=mma_depth(u.c, u.co) if mma else None)
+    phase_rows, phases = u.n * cdiv(u.h, s) * cdiv(u.h, s), min(s, u.h) ** 2
+    dg = _row(rows, dev.arch, name, dtype,
+              bm=dgrad_mma_rows(phase_rows, u.c, phases, dev.sms) if mma else None,
+              bn=dgrad_mma_cols(phase_rows, u.c, phases, dev.sms, dev.arch) if mma else None,
+              bk=mma_depth(u.c, u.co) if mma else None)
     ctas, work = 0, 0.0
     for pa in range(min(s, u.h)):
         for pb in range(min(s, u.h)):
@@ -395,7 +413,7 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
       pixels, each 32 / BK chunks (BK = 16 for the mma.sync kernel, 32 for the WMMA one);
     * dgrad writing dx: the kernel that runs (:func:`dgrad_kernel`): for the same units the
       mma.sync kernel dgrad_mma_kernel (struct MmaDgrad: 128 rows where they fill the SMs,
-      else 64, :func:`dgrad_mma_rows`; 16, 32 or 64 columns by C, :func:`mma_cols`;
+      else 64, :func:`dgrad_mma_rows`; 16, 32, 64 or 128 columns, :func:`dgrad_mma_cols`;
       BK = 16 or 32 by Co, :func:`mma_depth`), reading a channels-last weight in place, else
       after a DRAM-bound launch packing it to (kh*kw*Co, C) (:func:`weight_copied`;
       ``weight_channels_last``, True by default: what a channels-last model holds);
@@ -502,14 +520,18 @@ def bn_sums_launches(rows: int) -> list[str]:
     return ["BatchNorm sums (slices)", "BatchNorm sums (merge)"]
 
 
-def cutlass_fprop_tile(m: int, co: int, sms: int) -> tuple[int, int]:
+def cutlass_fprop_tile(m: int, co: int, sms: int, arch: int) -> tuple[int, int]:
     """The CUTLASS forward's tile (BM, BN) (csrc/cuda/cutlass_conv/plan.h's fprop_tile;
-    tests/test_cutlass.py holds this copy to it): for Co <= 16, 128 x 16, for Co <= 32,
+    tests/test_cutlass.py holds this copy to it): on sm_80 (``arch`` 80) 64 x 64 for Co > 32;
+    otherwise for Co <= 16, 128 x 16, for Co <= 32,
     128 x 32, where its tiles fill every SM once; for Co <= 64, 256 x 64 where cdiv(m, 256) x
     cdiv(co, 64) tiles fill every SM 4 times, else 128 x 64 where its tiles fill every SM once;
     for Co > 64, 128 x 128 where its tiles do; else 64 x 64."""
     def fills(bm: int, bn: int, times: int = 1) -> bool:
         return -(-m // bm) * -(-co // bn) >= times * sms
+
+    if arch < 90 and co > 32:
+        return (64, 64)
 
     if co <= 16:
         return (128, 16) if fills(128, 16) else (64, 64)
@@ -627,7 +649,8 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     dram_launch("bn affine (+16-bit)", 6 * vec32 + 2 * vec16)
     if weight_copied(u, weight_channels_last):
         dram_launch("weight to KRSC", 2 * tu.weight())
-    fwd = _cutlass_row(rows, dev.arch, "Fprop", dtype, *cutlass_fprop_tile(m_out, u.co, dev.sms))
+    fwd = _cutlass_row(rows, dev.arch, "Fprop", dtype,
+                       *cutlass_fprop_tile(m_out, u.co, dev.sms, dev.arch))
     launch("fwd (CUTLASS)", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
            taps * cdiv(u.c, fwd.bk),
            tu.act_in() + tu.weight() + 2 * vec16 + tu.act_out() * (2 if u.residual else 1))

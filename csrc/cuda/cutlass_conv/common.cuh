@@ -139,6 +139,8 @@ inline int sm_count() {
   return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
+inline int sm_major() { return at::cuda::getCurrentDeviceProperties()->major; }
+
 inline void check(cutlass::Status status, const char* what) {
   TORCH_CHECK(status == cutlass::Status::kSuccess, "fusedres_cuda (CUTLASS): ", what, ": ",
               cutlass::cutlassGetStatusString(status));

@@ -113,7 +113,7 @@ bool can_run_fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   }
   const auto p = problem(x, weight, y.size(2), y.size(3), conv, 1);
   const plan::FpropTile tile =
-      plan::fprop_tile(y.size(0) * y.size(2) * y.size(3), weight.size(0), sm_count());
+      plan::fprop_tile(y.size(0) * y.size(2) * y.size(3), weight.size(0), sm_count(), sm_major());
   bool ok = false;
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fusedres_cuda_cutlass_fprop", [&] {
     using E = typename Element<scalar_t>::type;
@@ -133,7 +133,7 @@ void fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& s,
   at::Tensor wk = weight.contiguous(at::MemoryFormat::ChannelsLast);
   if (!aligned16(wk.const_data_ptr())) wk = wk.clone(at::MemoryFormat::ChannelsLast);
   const plan::FpropTile tile =
-      plan::fprop_tile(y.size(0) * y.size(2) * y.size(3), weight.size(0), sm_count());
+      plan::fprop_tile(y.size(0) * y.size(2) * y.size(3), weight.size(0), sm_count(), sm_major());
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "fusedres_cuda_cutlass_fprop", [&] {
     with_tile(tile, [&](auto t) { run<scalar_t, decltype(t)>(x, wk, s, b, residual, y, conv); });
   });

@@ -30,7 +30,7 @@ inline constexpr int64_t tiles(Shape s, int64_t rows, int64_t cols) {
   return (rows + s.rows - 1) / s.rows * ((cols + s.cols - 1) / s.cols);
 }
 
-// The forward (GEMM M = N*P*Q pixels, N = Co): for Co <= 16 the 128 x 16 tile, for Co <= 32
+// The forward (GEMM M = N*P*Q pixels, N = Co) on sm_90 and newer: for Co <= 16 the 128 x 16 tile, for Co <= 32
 // the 128 x 32 one, where its tiles fill every SM once; for Co <= 64 the 256-row tile where its
 // tiles fill every SM at least kTallWaves times, else the 128-row one where they fill every SM
 // once; for Co > 64 the 128 x 128 tile where they do; otherwise the small one (more blocks for
@@ -43,7 +43,15 @@ inline constexpr int64_t tiles(Shape s, int64_t rows, int64_t cols) {
 // holds one block an SM, so a grid of few waves loses more to its last one.
 inline constexpr int64_t kTallWaves = 4;
 
-inline FpropTile fprop_tile(int64_t M, int64_t Co, int64_t sms) {
+// On sm_80 (`major` < 9), for Co > 32: the 64 x 64 tile. Its 4 warps of 32 x 32 issue within
+// a K chunk's MMA time there (bound by the tensor cores, by the model, like the larger tiles),
+// and its grid has 4 times the 128 x 128 tile's blocks, so the last wave idles less: ImageNet's
+// 512@7 unit's 392 large tiles take 2 waves of 216 on an A100 (10% of them idle), and the
+// model prices the 64 x 64 forward 6% under the 128 x 128 one there and on 256@14, within 1%
+// of the best tile on the other ImageNet units. On sm_90 it is bound by issue (twice the large
+// tile's time on 512@7).
+inline FpropTile fprop_tile(int64_t M, int64_t Co, int64_t sms, int64_t major) {
+  if (major < 9 && Co > shape(FpropTile::thin).cols) return FpropTile::small;
   if (Co <= shape(FpropTile::slim).cols) {
     return tiles(shape(FpropTile::slim), M, Co) >= sms ? FpropTile::slim : FpropTile::small;
   }

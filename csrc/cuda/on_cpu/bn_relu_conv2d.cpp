@@ -40,7 +40,8 @@ TORCH_LIBRARY(fusedres_cuda_testing, m) {
 // Which mma.sync forward tile (its rows: 64 MmaFwdSmall, 128 MmaFwdTall) the forward launches for
 // M output pixels and Co output channels, by forward_mma_rows, for inputs that take the mma.sync
 // path. set_sm_count: the SM count the host copy's tile and split rules size for (132 until
-// set; returns the previous count), so that a test runs either tile or a split on small shapes.
+// set; returns the previous count), so that a test runs either tile or a split on small shapes;
+// set_sm_major: the compute capability's major number they size for (9 until set).
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("forward_mma_rows(int M, int Co) -> int");
   m.impl("forward_mma_rows",
@@ -51,6 +52,11 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.impl("mma_cols", [](int64_t n) { return fusedres::cuda_on_cpu::mma_cols(n); });
   m.def("mma_depth(int n, int k) -> int");
   m.impl("mma_depth", [](int64_t n, int64_t k) { return fusedres::cuda_on_cpu::mma_depth(n, k); });
+  m.def("set_sm_major(int major) -> int");
+  m.impl("set_sm_major", [](int64_t major) {
+    TORCH_CHECK(major > 0, "set_sm_major: expected a positive compute capability, got ", major);
+    return std::exchange(fusedres::cuda_on_cpu::host_sm_major(), major);
+  });
   m.def("set_sm_count(int sms) -> int");
   m.impl("set_sm_count", [](int64_t sms) {
     TORCH_CHECK(sms > 0, "set_sm_count: expected a positive count, got ", sms);

@@ -38,13 +38,17 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
          });
 }
 
-// Likewise the mma.sync data gradient's tile rows (64: MmaDgradSmall, 128: MmaDgradTall) for
-// `rows` pixels of the largest stride phase, C input channels and `phases` phases, by
-// dgrad_mma_rows.
+// Likewise the mma.sync data gradient's tile rows (64: MmaDgradSmall, 128: MmaDgradTall or
+// MmaDgradWide) and columns (128: MmaDgradWide, else mma_cols) for `rows` pixels of the largest
+// stride phase, C input channels and `phases` phases, by dgrad_mma_rows and dgrad_mma_cols.
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("dgrad_mma_rows(int rows, int C, int phases) -> int");
   m.impl("dgrad_mma_rows", [](int64_t rows, int64_t C, int64_t phases) {
     return fusedres::cuda_on_cpu::dgrad_mma_rows(rows, C, phases);
+  });
+  m.def("dgrad_mma_cols(int rows, int C, int phases) -> int");
+  m.impl("dgrad_mma_cols", [](int64_t rows, int64_t C, int64_t phases) {
+    return fusedres::cuda_on_cpu::dgrad_mma_cols(rows, C, phases);
   });
 }
 

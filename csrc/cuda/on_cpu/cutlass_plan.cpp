@@ -10,10 +10,11 @@
 namespace plan = fusedres::cutlass_conv::plan;
 
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
-  // The forward's tile as (rows, cols) for M output pixels, Co channels, sms SMs.
-  m.def("cutlass_fprop_tile(int M, int Co, int sms) -> int[]");
-  m.impl("cutlass_fprop_tile", [](int64_t M, int64_t Co, int64_t sms) {
-    const plan::Shape s = plan::shape(plan::fprop_tile(M, Co, sms));
+  // The forward's tile as (rows, cols) for M output pixels, Co channels, sms SMs, compute
+  // capability `major`.x.
+  m.def("cutlass_fprop_tile(int M, int Co, int sms, int major) -> int[]");
+  m.impl("cutlass_fprop_tile", [](int64_t M, int64_t Co, int64_t sms, int64_t major) {
+    const plan::Shape s = plan::shape(plan::fprop_tile(M, Co, sms, major));
     return std::vector<int64_t>{s.rows, s.cols};
   });
   // Whether the cutlass kernel set takes a kh x kw unit's weight gradient (else the native

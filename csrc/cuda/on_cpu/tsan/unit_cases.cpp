@@ -183,6 +183,17 @@ FUSEDRES_TSAN_CASE(unit_backward_dgrad_mma_tall) {
   k::host_sm_count() = 132;
 }
 
+// The mma.sync data gradient's wide tile (MmaDgradWide, 128 x 128 of 2 x 2 warps of 64 x 64:
+// sm_90's for C > 64, chosen on one SM at the knob's default sm_90), its buffers in dynamic
+// shared memory past the 48 KiB opt-in; C = 72 one partial column tile, in the store strategy
+// and the sums one.
+FUSEDRES_TSAN_CASE(unit_backward_dgrad_mma_wide) {
+  k::host_sm_count() = 1;
+  check_backward(at::kHalf, true, "store", 0, 2e-2, 72, 16);
+  check_backward(at::kBFloat16, true, "sums", 1, 1e-1, 72, 16);
+  k::host_sm_count() = 132;
+}
+
 // The thin data-gradient tiles (C <= 32): 16 columns (C = 16: fewer 16-byte pieces of the
 // weight per chunk than threads, the first ones copy them) and 32 (C = 24: a partial column
 // tile), in the store strategy (the sums from its partials) and the sums one.
