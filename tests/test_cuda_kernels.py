@@ -707,6 +707,52 @@ def test_backward_mma_dgrad_tiles(dtype, case):
                         assert rel_err(a, b) <= (1e-2 if i < 2 else 1e-5), (tile, i)
 
 
+# C and Co at most 16 with more than one tap: the paired-tap data gradient (two taps' 16 output
+# channels a 32-deep K chunk). Stride 2 gives phases of 4, 2, 2 and 1 taps (a last chunk of
+# one tap), the dilated 2 x 3 one 6 taps, Co = 8 half of each tap's channels zero-filled.
+PAIRED_CASES = [
+    (3, 16, 15, 13, 16, (3, 3), (2, 2), (1, 1), (1, 1), False, False),
+    DGRAD_TILE_CASES[3],
+    DGRAD_TILE_CASES[5],
+]
+
+
+@pytest.mark.skipif(not HAS_HOST_KNOBS, reason="the tile hooks are built with the host copy")
+@pytest.mark.parametrize("case", PAIRED_CASES, ids=["c16-co16-s2", "dil", "c16-co8"])
+@pytest.mark.parametrize("tile", ["64", "128"])
+def test_backward_mma_dgrad_paired_taps(case, tile):
+    """The paired-tap data gradient gives the one-tap kernel's results bit for bit (each
+    element's sum: the same m16n8k16 steps in the same order), every gradient, in both
+    strategies, on both tile heights; the rule pairs on sm_90 where C and Co are at most 16 and
+    the filter has more than one tap."""
+    testing = torch.ops.fusedres_cuda_testing
+    c, co, k = case[1], case[4], case[5][0] * case[5][1]
+    assert testing.dgrad_mma_taps(c, co, k) == 2  # on sm_90, the host copy's default
+    assert testing.dgrad_mma_taps(c, co, 1) == 1 and testing.dgrad_mma_taps(24, co, k) == 1
+    assert testing.dgrad_mma_taps(c, 24, k) == 1
+    with host_knobs(major=8):
+        assert testing.dgrad_mma_taps(c, co, k) == 1
+    dtype = torch.float16
+    args = make(case, dtype, channels_last=True)
+    x, weight, _, gamma, beta, mean, invstd, _, s, p, d, _ = args
+    gy = torch.randn(ref_forward(*args).shape, dtype=torch.float64).to(DEVICE, dtype)
+    gy = gy.contiguous(memory_format=torch.channels_last)
+    for mask in ([True] * 5, [True, False, False, True, True]):
+        bargs = (gy, x, weight, gamma, beta, mean, invstd, s, p, d, True, mask)
+        got = {}
+        for taps in (0, 1):
+            old = testing.set_dgrad_taps(taps)
+            try:
+                with host_knobs(sms=TILE_SMS[tile], major=9):
+                    assert testing.dgrad_mma_taps(c, co, k) == 2 - taps
+                    got[taps] = OPS.bn_relu_conv2d_backward(*bargs)
+            finally:
+                testing.set_dgrad_taps(old)
+        for i, (a, b) in enumerate(zip(got[0], got[1])):
+            if mask[i]:
+                assert torch.equal(a, b), (mask, i)
+
+
 @pytest.mark.skipif(not HAS_HOOK, reason="the kernel-choice hook is built with the host copy")
 @pytest.mark.parametrize("case", [DGRAD_TILE_CASES[i] for i in (0, 1, 3)],
                          ids=["c72-co40", "s2", "dil"])

@@ -238,16 +238,18 @@ def test_fixed_cuda_tiles_match_the_source():
     dgrad = open(os.path.join(cuda_dir, "bn_relu_conv2d_dgrad.cuh")).read()
     for src, struct in ((fwd, "MmaFwd"), (dgrad, "MmaDgrad")):
         # The depth is the fifth argument, 32 by default (the names then state it).
+        # (The data gradient's sixth, the taps a chunk covers, 1 by default.)
         assert re.search(r"template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int BK_ = "
-                         rf"{cuda_sass._MMA_TILE_BK}>\s*struct {struct} \{{\s*static "
+                         rf"{cuda_sass._MMA_TILE_BK}(?:, int TAPS_ = 1)?>\s*struct {struct} "
+                         r"\{\s*static "
                          r"constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = \d+;", src), struct
         t = cuda_sass._MMA_TILE.search(f"k<Half, {struct}<128, 16, 4, 1, 16> >")
-        assert t is not None and t.groups() == ("128", "16", "4", "1", "16")
+        assert t is not None and t.groups() == ("128", "16", "4", "1", "16", None)
         assert f"using {struct}Small = {struct}<64, 64, 2, 2>;" in src, struct
         assert f"using {struct}Tall = {struct}<128, 64, 4, 1>;" in src, struct
         name = f"k<Half, {struct}<128, 64, 4, 1, 32> >"  # as demangled: the default stated
         t = cuda_sass._MMA_TILE.search(name)
-        assert t is not None and t.groups() == ("128", "64", "4", "1", "32")
+        assert t is not None and t.groups() == ("128", "64", "4", "1", "32", None)
     # The thin tiles for 32 channels or fewer (4 x 1 warps, 16 or 32 columns), and the columns
     # and depth rules both kernels share and the model copies.
     assert "using MmaDgradThin = MmaDgrad<BM, BN, 4, 1, BK>;" in dgrad
@@ -282,6 +284,17 @@ def test_fixed_cuda_tiles_match_the_source():
     assert cols(128 * 66, 256, 1, 132, 90) == 128 and cols(128 * 65, 256, 1, 132, 90) == 64
     assert cols(128 * 132, 64, 1, 132, 90) == 64 and cols(128 * 132, 72, 1, 132, 80) == 64
     assert cols(128 * 33, 72, 4, 132, 90) == 128 and cols(128 * 10**3, 32, 1, 1, 90) == 32
+    # Paired taps (C and Co at most 16, more than one tap): the rule, the tile, its row's taps.
+    assert "using MmaDgradPaired = MmaDgrad<BM, 16, 4, 1, 32, 2>;" in dgrad
+    assert ("return sm_major() >= 9 && mma_cols(C) == 16 && mma_depth(C, Co) == 16 && "
+            "filter_taps > 1 ? 2") in dgrad
+    taps = cuda_sass.dgrad_mma_taps
+    assert [taps(c, co, k, 90) for c, co, k in (
+        (16, 16, 9), (8, 16, 6), (16, 8, 9), (16, 16, 1), (24, 16, 9), (16, 24, 9))] == [
+        2, 2, 2, 1, 1, 1]
+    assert taps(16, 16, 9, 80) == 1
+    t = cuda_sass._MMA_TILE.search("k<Half, MmaDgrad<128, 16, 4, 1, 32, 2> >")
+    assert t is not None and t.groups() == ("128", "16", "4", "1", "32", "2")
 
 
 def test_cuda_unit_range_from_rows():
@@ -627,10 +640,12 @@ def test_committed_cuda_unit_range_recomputes_from_its_kernel_table():
         bm, bn, bk = (int(v) for v in tile.split("x"))
         nested, body = c[8].rstrip(")").split(" (")
         mma = {s: int(n) for s, n in (p.rsplit("x", 1) for p in c[9].split(", "))}
+        mt = cuda_sass._MMA_TILE.search(c[1])  # the data gradient's taps a chunk: its name's
         rows.append(cuda_sass.CudaKernelRow(
             c[0], c[1], dev.arch, bm, bn, bk, int(threads), int(c[4]), int(c[5]), int(c[6]),
             int(c[7]), int(nested), int(body), mma,
-            round(float(c[11]) * dev.tensor_fma_clk_sm["fp16"])))
+            round(float(c[11]) * dev.tensor_fma_clk_sm["fp16"]),
+            int(mt.group(6) or 1) if mt else 1))
     assert {r.name.split("<")[0] for r in rows} >= {
         "bn_relu_conv2d_fwd_kernel", "bn_relu_conv2d_fwd_mma_kernel", "wgrad_kernel",
         "wgrad_mma_kernel", "dgrad_kernel", "dgrad_mma_kernel"}

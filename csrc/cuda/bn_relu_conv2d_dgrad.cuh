@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "bn_relu_conv2d_wgrad.cuh"  // wgrad_mma_operands: the operands both mma.sync kernels take
 #include "conv_tiles.cuh"
@@ -237,9 +238,13 @@ __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
 // 4 warps; shared rows padded by 8 halves as in the forward. A thin tile (BN = 16 or 32 for C <= 32, BK = 16
 // for Co <= 16 too) has fewer 16-byte pieces of B per chunk than threads: the first B_PIECES
 // threads copy one each.
-template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int BK_ = 32>
+template <int BM_, int BN_, int WARPS_M_, int WARPS_N_, int BK_ = 32, int TAPS_ = 1>
 struct MmaDgrad {
   static constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = 3;
+  // Taps a K chunk covers: 1, or 2 (BK = 32 for Co <= 16: each tap's 16 output channels in
+  // one half of the chunk, zero-filled past Co; the K steps are those of two 16-deep chunks).
+  static constexpr int TAPS = TAPS_, KT = BK / TAPS;
+  static_assert(TAPS == 1 || (TAPS == 2 && BK == 32), "a chunk of one tap, or two of 16");
   static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_, THREADS = 32 * WARPS_M * WARPS_N;
   static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
   static constexpr int FM = WM / 16, FN = WN / 8;
@@ -281,9 +286,9 @@ struct MmaDgrad {
 // element's sum takes the same m16n8k16 steps in the same order in every tile.
 using MmaDgradSmall = MmaDgrad<64, 64, 2, 2>;
 using MmaDgradTall = MmaDgrad<128, 64, 4, 1>;
-// For C > 64: 128 x 128 of 2 x 2 warps of 64 x 64. A warp's K chunk issues 64 mma's where the
-// tall tile's issues 32, for 8 16-byte copies a thread where the tall tile's takes 6 (the
-// copies' addressing and bounds tests are most of the tall tile's issue): the tall tile is
+// For C > 64 on sm_90: 128 x 128 of 2 x 2 warps of 64 x 64. A warp's K chunk issues 64 mma's
+// where the tall tile's issues 32, for 8 16-byte copies a thread where the tall tile's takes 6
+// (the copies' addressing and bounds tests are most of the tall tile's issue): the tall tile is
 // bound by issue on sm_90, whose tensor cores take an m16n8k16 in half an A100's clocks
 // (benchmarks/GPU_MODEL.md). Its buffers take 66 KiB of dynamic shared memory.
 using MmaDgradWide = MmaDgrad<128, 128, 2, 2>;
@@ -293,6 +298,13 @@ static_assert(MmaDgradWide::DYNAMIC && MmaDgradWide::DYNAMIC_SMEM == 67584 &&
               "the cuda_aot line above states the wide tile's dynamic shared memory, the only one");
 template <int BM, int BN, int BK>
 using MmaDgradThin = MmaDgrad<BM, BN, 4, 1, BK>;
+// For C <= 16 and Co <= 16 with more than one tap, on sm_90: 16 columns, K chunks of two taps'
+// 16 channels (32 deep). Most of a 16-deep chunk's issue is a fixed cost a chunk (the copies'
+// addressing, the barrier, the pipeline's bookkeeping: benchmarks/GPU_MODEL.md's main-loop
+// rows), so two taps a chunk, half the chunks, issue less for the same mma's. Each element's
+// sum takes the 16-deep tiles' m16n8k16 steps in their order.
+template <int BM>
+using MmaDgradPaired = MmaDgrad<BM, 16, 4, 1, 32, 2>;
 
 // The taps that feed phase (pa, pb), by one thread: (ih + ph - i dh) a multiple of sh for every
 // row, with the shift (di, dj) from a row's phase-grid pixel to its output pixel at that tap
@@ -317,6 +329,69 @@ __device__ __forceinline__ void build_tap_list(int32_t* tap_list, int32_t* tap_d
 // co * wl.co + c (wl: these strides).
 struct WeightRows {
   int64_t tap, co;
+};
+
+// A copied dy row's source: the element offset of dy[n, 0, h, w] at its phase-grid pixel (n, h,
+// w) and (h, w); a tap (di, dj) moves it to the output pixel (h + di, w + dj), the same shift for
+// every row. A row past the phase's pixels has h = kDgradOutside, outside dy at every tap.
+struct DgradSrc {
+  int64_t off;
+  int32_t h, w;
+};
+constexpr int32_t kDgradOutside = -(1 << 30);
+
+// The paired-tap data gradient's next K chunk (MmaDgradPaired: two taps a chunk, Co <= KT = 16),
+// stepped one chunk at a time, and its copies into a stage (the caller commits): tap slot t's
+// 16 output channels fill K rows t * KT on; slot 1's di is kDgradOutside where the phase's last
+// chunk has one tap only (its rows zero-filled). Each 8-channel piece lies in one slot. (The
+// one-tap kernels step their chunk in the kernel's own lambdas: as members of a struct, their
+// main loops issued more a chunk on sm_90.)
+template <typename W, typename T>
+struct DgradPairs {
+  static constexpr int BK = T::BK, KT = T::KT, THREADS = T::THREADS;
+  const W* __restrict__ dy;
+  const W* __restrict__ wp;
+  WeightRows wl;
+  int64_t sh, sw;  // dy's row and pixel strides
+  uint32_t Ho, Wo;  // dy's height and width
+  const int32_t *tap_list, *tap_di, *tap_dj;
+  int32_t tap_count, Co32, Cin32;
+  int64_t c0;
+  int tid;
+  int32_t tl = 0, di[2] = {}, dj[2] = {};
+  int64_t toff[2] = {}, krow[2] = {};
+
+  __device__ __forceinline__ void set_tap() {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const bool has = tl + t < tap_count;
+      di[t] = has ? tap_di[tl + t] : kDgradOutside;
+      dj[t] = has ? tap_dj[tl + t] : 0;
+      toff[t] = int64_t(di[t]) * sh + int64_t(dj[t]) * sw;
+      krow[t] = has ? int64_t(tap_list[tl + t]) * wl.tap : 0;
+    }
+  }
+  __device__ __forceinline__ void step() {
+    tl += 2;
+    if (tl < tap_count) set_tap();
+  }
+  __device__ __forceinline__ void load(uint16_t (*As)[T::AST], uint16_t (*Bs)[T::BST],
+                                       const DgradSrc (&a_src)[T::A_COPIES]) const {
+#pragma unroll
+    for (int q = 0; q < T::A_COPIES; ++q) {
+      const int e = tid + q * THREADS, r = e / (BK / 8), k = (e % (BK / 8)) * 8;
+      const int t = k / KT, kk = k % KT;
+      const bool ok = static_cast<uint32_t>(a_src[q].h + di[t]) < Ho &&
+                      static_cast<uint32_t>(a_src[q].w + dj[t]) < Wo && kk < Co32;
+      ptx::cp_async_cg16(&As[r][k], ok ? dy + (a_src[q].off + toff[t] + kk) : dy, ok ? 16 : 0);
+    }
+    stage_b<T>(Bs, tid, wp, [&](int r, int n) -> const W* {
+      const int t = r / KT, rr = r % KT;
+      return di[t] != kDgradOutside && rr < Co32 && c0 + n < Cin32
+                 ? wp + krow[t] + rr * wl.co + c0 + n
+                 : nullptr;
+    });
+  }
 };
 
 template <typename W, typename T>
@@ -364,50 +439,48 @@ __global__ void __launch_bounds__(T::THREADS)
   const int64_t Cin = xd.c, Co = dyd.c;
   fill_phase_rows<BM, THREADS>(row_n, row_ih, row_iw, m0, Mp, HP, WP, pa, pb, g, tid);
   if (tid == 0) build_tap_list(tap_list, tap_di, tap_dj, tap_count, pa, pb, g);
-  // A copied row's source: the element offset of dy[n, 0, h, w] at its phase-grid pixel (n, h,
-  // w) and (h, w); a tap (di, dj) moves it to the output pixel (h + di, w + dj), the same shift
-  // for every row. A row past the phase's pixels has h = kOutside, outside dy at every tap.
-  struct Src {
-    int64_t off;
-    int32_t h, w;
-  };
-  constexpr int32_t kOutside = -(1 << 30);
-  Src a_src[T::A_COPIES];
+  DgradSrc a_src[T::A_COPIES];  // the rows this thread copies
 #pragma unroll
   for (int q = 0; q < T::A_COPIES; ++q) {
     const int64_t m = m0 + (tid + q * THREADS) / (BK / 8);
     if (m < Mp) {
       const Pixel p = pixel_of(m, HP, WP);
-      a_src[q] = Src{p.n * dyd.sn + int64_t(p.h) * dyd.sh + int64_t(p.w) * dyd.sw, p.h, p.w};
+      a_src[q] = DgradSrc{p.n * dyd.sn + int64_t(p.h) * dyd.sh + int64_t(p.w) * dyd.sw, p.h, p.w};
     } else {
-      a_src[q] = Src{0, kOutside, 0};
+      a_src[q] = DgradSrc{0, kDgradOutside, 0};
     }
   }
   __syncthreads();  // tap_list, tap_di, tap_dj, tap_count
   const int32_t Co32 = static_cast<int32_t>(Co), Cin32 = static_cast<int32_t>(Cin);
-  const int chunks = tap_count * static_cast<int>((Co + BK - 1) / BK);
+  // Paired taps: one chunk per two taps (Co <= KT, checked by the host).
+  const int chunks = T::TAPS == 1 ? tap_count * static_cast<int>((Co + BK - 1) / BK)
+                                  : (tap_count + T::TAPS - 1) / T::TAPS;
   const uint32_t Ho = static_cast<uint32_t>(dyd.h), Wo = static_cast<uint32_t>(dyd.w);
   // The next chunk to copy, stepped one chunk at a time (no division in the loop): its output
   // channel offset k0 in the tap, the tap's place in tap_list, its shift (di, dj) and dy element
-  // offset toff, and the weight's offset of the tap (tap * wl.tap).
+  // offset toff, and the weight's offset of the tap (tap * wl.tap). Paired taps: `pairs`.
   struct Next {
     int32_t k0, tl, di, dj;
     int64_t toff, krow;
   } nx{0, 0, 0, 0, 0, 0};
+  DgradPairs<W, T> pairs{dy,  wp,  wl,        dyd.sh, dyd.sw, Ho,    Wo,  tap_list,
+                         tap_di, tap_dj, tap_count, Co32, Cin32, c0, tid};
   const auto set_tap = [&] {
     nx.di = tap_di[nx.tl];
     nx.dj = tap_dj[nx.tl];
     nx.toff = int64_t(nx.di) * dyd.sh + int64_t(nx.dj) * dyd.sw;
     nx.krow = int64_t(tap_list[nx.tl]) * wl.tap;
   };
-  if (chunks > 0) set_tap();
+  if (chunks > 0) T::TAPS == 1 ? set_tap() : pairs.set_tap();
   const auto step = [&] {
+    if constexpr (T::TAPS == 2) return pairs.step();
     nx.k0 += BK;
     if (nx.k0 < Co32) return;
     nx.k0 = 0;
     if (++nx.tl < tap_count) set_tap();
   };
   const auto load = [&](int st) {
+    if constexpr (T::TAPS == 2) return pairs.load(As[st], Bs[st], a_src);
 #pragma unroll
     for (int q = 0; q < T::A_COPIES; ++q) {
       const int e = tid + q * THREADS, r = e / (BK / 8), k = (e % (BK / 8)) * 8;
@@ -561,6 +634,19 @@ static_assert(MmaDgradWide::BM == MmaDgradTall::BM && MmaDgradWide::BK == MmaDgr
                   MmaDgradWide::PASSES == MmaDgradTall::PASSES,
               "the wide tile is the tall tile's rows, K chunk and partials' rows, twice as wide");
 
+// Taps a K chunk of the mma.sync data gradient covers: on sm_90 and newer, 2 (MmaDgradPaired:
+// 32-deep chunks of two taps' 16 output channels) where its tile is 16 columns and 16 deep (C
+// and Co at most 16) and the filter has more than one tap, else 1. On sm_80 the one-tap kernel
+// there is bound by DRAM, not issue, by the model, and ptxas gives the paired one more registers
+// (fewer resident blocks). tools/perfmodel/cuda_sass.py (dgrad_mma_taps) prices the same rule.
+int64_t dgrad_mma_taps(int64_t C, int64_t Co, int64_t filter_taps) {
+#if !defined(__CUDACC__)
+  if (host_dgrad_taps() == 1) return 1;  // the host copy's test knob
+#endif
+  return sm_major() >= 9 && mma_cols(C) == 16 && mma_depth(C, Co) == 16 && filter_taps > 1 ? 2
+                                                                                          : 1;
+}
+
 // Devices on which the wide data gradient's kernel has opted in to its dynamic shared memory
 // (CUDA keeps the attribute per device and function: set once, not on every launch's host path).
 // Namespace scope: the CPU layer's sanitizer builds poison function-local statics.
@@ -583,6 +669,7 @@ void allow_dgrad_smem(K* kernel, int smem, int64_t device) {
 struct DgradTiles {
   bool mma;
   int64_t rows, cols, depth, row_tiles, parts_per_tile;
+  int64_t taps = 1;  // taps a K chunk covers (2: MmaDgradPaired)
 };
 
 // The weight as the mma.sync data gradient reads it: C contiguous in 16-byte pieces, element
@@ -635,7 +722,7 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
       const auto run = [&](auto tile) {
         using TM = decltype(tile);
         TORCH_CHECK(dt.rows == TM::BM && dt.cols == TM::BN && dt.depth == TM::BK &&
-                        dt.parts_per_tile == TM::PASSES,
+                        dt.taps == TM::TAPS && dt.parts_per_tile == TM::PASSES,
                     "launch_dgrad: the tile plan does not match the kernel");
         if constexpr (TM::DYNAMIC) {
           allow_dgrad_smem(dgrad_mma_kernel<W, TM>, TM::DYNAMIC_SMEM, x.device().index());
@@ -656,6 +743,11 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
       };
       if (dt.cols == MmaDgradWide::BN) {
         run(MmaDgradWide{});
+      } else if (dt.taps == 2) {
+        TORCH_CHECK(go.size(1) <= MmaDgradPaired<64>::KT,
+                    "launch_dgrad: paired taps take at most 16 output channels");
+        dt.rows == MmaDgradTall::BM ? run(MmaDgradPaired<MmaDgradTall::BM>{})
+                                    : run(MmaDgradPaired<MmaDgradSmall::BM>{});
       } else {
         with_mma_tile<MmaDgradThin, MmaDgradTall, MmaDgradSmall>("launch_dgrad", dt.rows, dt.cols,
                                                                  dt.depth, run);

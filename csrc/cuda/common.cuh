@@ -123,15 +123,19 @@ namespace fusedres::FUSEDRES_CUDA_NS {
 // The host copy's test knobs, one instance across its files (set by tests/test_cuda_kernels.py
 // through fusedres_cuda_testing.set_sm_count / set_sm_major / set_wgrad_split, and by the
 // sanitizer drivers): the SM count and compute capability the tile and split rules size for (an
-// H100's 132 and 9, so that the host copy runs the GPU's decomposition), and a forced split of the weight gradient's reduction (0: the rule).
+// H100's 132 and 9, so that the host copy runs the GPU's decomposition), the data gradient's
+// taps a K chunk held to one (set_dgrad_taps: the paired tile against the one-tap one), and a
+// forced split of the weight gradient's reduction (0: the rule).
 // Namespace-scope variables, not function-local statics: the sanitizer build's __shared__ is
 // `static`, and the layer fills every function-local static of this namespace with 0xff before
 // each block (on_cpu/runtime.h), which had set both knobs to -1 after the first launch there.
 inline int64_t host_sm_count_value = 132;
 inline int64_t host_sm_major_value = 9;  // the H100's compute capability, 9.0
 inline int64_t host_wgrad_split_value = 0;
+inline int64_t host_dgrad_taps_value = 0;  // 0: the rule; 1: one tap a K chunk
 inline int64_t& host_sm_count() { return host_sm_count_value; }
 inline int64_t& host_sm_major() { return host_sm_major_value; }
+inline int64_t& host_dgrad_taps() { return host_dgrad_taps_value; }
 inline int64_t& host_wgrad_split() { return host_wgrad_split_value; }
 #endif
 

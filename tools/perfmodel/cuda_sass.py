@@ -33,8 +33,9 @@ _TILE = re.compile(r"TileILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb([01])E")
 # The mma.sync kernels whose tile is a template argument MmaFwd<BM, BN, WARPS_M, WARPS_N, BK>
 # (csrc/cuda/bn_relu_conv2d.cu) or MmaDgrad<BM, BN, WARPS_M, WARPS_N, BK>
 # (bn_relu_conv2d_dgrad.cuh), BK defaulted to 32 (a demangled name states it; a name without it
-# reads as 32); 32 * WARPS_M * WARPS_N threads; demangled.
-_MMA_TILE = re.compile(r"Mma(?:Fwd|Dgrad)<(\d+), (\d+), (\d+), (\d+)(?:, (\d+))?\s*>")
+# reads as 32), the data gradient's taps a K chunk covers (TAPS) after it, 1 unless stated;
+# 32 * WARPS_M * WARPS_N threads; demangled.
+_MMA_TILE = re.compile(r"Mma(?:Fwd|Dgrad)<(\d+), (\d+), (\d+), (\d+)(?:, (\d+))?(?:, (\d+))?\s*>")
 _MMA_TILE_BK = 32
 # Kernels whose tile is fixed in their source rather than a Tile<> argument: name ->
 # (BM, BN, BK, THREADS), kept equal to the source (csrc/cuda/bn_relu_conv2d_wgrad.cuh,
@@ -69,6 +70,7 @@ class CudaKernelRow:
     nested_body: int     # their bodies' instructions, summed
     mma: dict            # SASS tensor instruction shape -> count per warp per K chunk
     fma_cta: int         # multiply-adds per CTA per K chunk
+    taps: int = 1        # taps a K chunk covers (the data gradient's MmaDgradPaired: 2)
 
     @property
     def stage_trips(self) -> int:
@@ -194,7 +196,8 @@ def analyse_object(obj: bytes, file: str,
                 u.get("SHARED", 0) + cuda_aot.dynamic_smem(_short(dem), declared),
                 own.total, len(nested),
                 sum(sass.count(code, lp.head, lp.tail).total for lp in nested),
-                dict(k.per_iter.mma_shapes), fma_cta))
+                dict(k.per_iter.mma_shapes), fma_cta,
+                int(mt.group(6) or 1) if ct is None and mt is not None else 1))
     return rows
 
 
@@ -254,7 +257,7 @@ class CudaUnitModel:
 
 def _row(rows: list[CudaKernelRow], arch: int, kernel: str, dtype: str,
          sums: bool | None = None, bm: int | None = None, bn: int | None = None,
-         bk: int | None = None) -> CudaKernelRow:
+         bk: int | None = None, taps: int = 1) -> CudaKernelRow:
     t = "Half" if dtype == "fp16" else "BFloat16"
     for r in rows:
         # <X, W, Tile...> instantiations, the fixed-tile kernels' <W> and <W, SUMS>
@@ -264,7 +267,7 @@ def _row(rows: list[CudaKernelRow], arch: int, kernel: str, dtype: str,
                                              f"{kernel}<{t}, false>")) and (
                 sums is None or r.name.rstrip(" >").endswith("true" if sums else "false")) and (
                 bm is None or r.bm == bm) and (bn is None or r.bn == bn) and (
-                bk is None or r.bk == bk):
+                bk is None or r.bk == bk) and r.taps == taps:
             return r
     raise ValueError(f"no {kernel} <{t}> instantiation (bm {bm}, bn {bn}, bk {bk}) for "
                      f"sm_{arch} in the CUDA rows")
@@ -337,6 +340,15 @@ def dgrad_mma_cols(rows: int, c: int, phases: int, sms: int, arch: int) -> int:
     return mma_cols(c)
 
 
+def dgrad_mma_taps(c: int, co: int, filter_taps: int, arch: int) -> int:
+    """Taps a K chunk of the mma.sync data gradient covers (dgrad_mma_taps in
+    csrc/cuda/bn_relu_conv2d_dgrad.cuh): on sm_90 and newer (``arch`` 90), 2
+    (MmaDgrad<BM, 16, 4, 1, 32, 2>, 32-deep chunks of two taps' 16 channels) where its tile is
+    16 columns and 16 deep and the filter has more than one tap, else 1."""
+    return 2 if (arch >= 90 and mma_cols(c) == 16 and mma_depth(c, co) == 16
+                 and filter_taps > 1) else 1
+
+
 def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
     """The weight-gradient kernel csrc/cuda runs for 16-bit unit ``u`` (wgrad_uses_mma in
     csrc/cuda/bn_relu_conv2d_wgrad.cuh): the mma.sync one for channels-last x and grad_out
@@ -375,10 +387,11 @@ def _dgrad_grid(u, dtype: str, dev, rows: list[CudaKernelRow],
     p, s = u.padding, u.stride
     mma = name == "dgrad_mma_kernel"
     phase_rows, phases = u.n * cdiv(u.h, s) * cdiv(u.h, s), min(s, u.h) ** 2
+    pair = dgrad_mma_taps(u.c, u.co, u.k * u.k, dev.arch) if mma else 1
     dg = _row(rows, dev.arch, name, dtype,
               bm=dgrad_mma_rows(phase_rows, u.c, phases, dev.sms) if mma else None,
               bn=dgrad_mma_cols(phase_rows, u.c, phases, dev.sms, dev.arch) if mma else None,
-              bk=mma_depth(u.c, u.co) if mma else None)
+              bk=mma_depth(u.c, u.co) * pair if mma else None, taps=pair)
     ctas, work = 0, 0.0
     for pa in range(min(s, u.h)):
         for pb in range(min(s, u.h)):
@@ -386,7 +399,7 @@ def _dgrad_grid(u, dtype: str, dev, rows: list[CudaKernelRow],
                        * sum((pb + p - j) % s == 0 for j in range(u.k)))
             tiles = cdiv(u.n * cdiv(u.h - pa, s) * cdiv(u.h - pb, s), dg.bm) * cdiv(u.c, dg.bn)
             ctas += tiles
-            work += tiles * ph_taps * cdiv(u.co, dg.bk)
+            work += tiles * cdiv(ph_taps, pair) * cdiv(u.co, dg.bk // pair)
     return dg, ctas, work / ctas
 
 

@@ -45,11 +45,9 @@ inline constexpr int64_t kTallWaves = 4;
 
 // On sm_80 (`major` < 9), for Co > 32: the 64 x 64 tile. Its 4 warps of 32 x 32 issue within
 // a K chunk's MMA time there (bound by the tensor cores, by the model, like the larger tiles),
-// and its grid has 4 times the 128 x 128 tile's blocks, so the last wave idles less: ImageNet's
-// 512@7 unit's 392 large tiles take 2 waves of 216 on an A100 (10% of them idle), and the
-// model prices the 64 x 64 forward 6% under the 128 x 128 one there and on 256@14, within 1%
-// of the best tile on the other ImageNet units. On sm_90 it is bound by issue (twice the large
-// tile's time on 512@7).
+// and its grid has 4 times the 128 x 128 tile's blocks, so the last wave idles less (ImageNet's
+// 512@7 unit's 392 large tiles take 2 waves of 216 blocks on an A100's 108 SMs, a tenth of them
+// idle; the model's figures: csrc/cuda/cutlass_conv/README.md). On sm_90 it is bound by issue.
 inline FpropTile fprop_tile(int64_t M, int64_t Co, int64_t sms, int64_t major) {
   if (major < 9 && Co > shape(FpropTile::thin).cols) return FpropTile::small;
   if (Co <= shape(FpropTile::slim).cols) {

@@ -40,11 +40,16 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
 
 // Likewise the mma.sync data gradient's tile rows (64: MmaDgradSmall, 128: MmaDgradTall or
 // MmaDgradWide) and columns (128: MmaDgradWide, else mma_cols) for `rows` pixels of the largest
-// stride phase, C input channels and `phases` phases, by dgrad_mma_rows and dgrad_mma_cols.
+// stride phase, C input channels and `phases` phases, by dgrad_mma_rows and dgrad_mma_cols; the
+// taps a K chunk covers (2: MmaDgradPaired) by dgrad_mma_taps.
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("dgrad_mma_rows(int rows, int C, int phases) -> int");
   m.impl("dgrad_mma_rows", [](int64_t rows, int64_t C, int64_t phases) {
     return fusedres::cuda_on_cpu::dgrad_mma_rows(rows, C, phases);
+  });
+  m.def("dgrad_mma_taps(int C, int Co, int filter_taps) -> int");
+  m.impl("dgrad_mma_taps", [](int64_t C, int64_t Co, int64_t filter_taps) {
+    return fusedres::cuda_on_cpu::dgrad_mma_taps(C, Co, filter_taps);
   });
   m.def("dgrad_mma_cols(int rows, int C, int phases) -> int");
   m.impl("dgrad_mma_cols", [](int64_t rows, int64_t C, int64_t phases) {
@@ -64,6 +69,13 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   });
   // The split every weight gradient then runs (clamped to its K-steps; 0: the rule); returns
   // the previous one.
+  // 1: every mma.sync data gradient one tap a K chunk (no paired taps); 0: the rule. Returns
+  // the previous setting.
+  m.def("set_dgrad_taps(int taps) -> int");
+  m.impl("set_dgrad_taps", [](int64_t taps) {
+    TORCH_CHECK(taps == 0 || taps == 1, "set_dgrad_taps: expected 0 (the rule) or 1, got ", taps);
+    return std::exchange(fusedres::cuda_on_cpu::host_dgrad_taps(), taps);
+  });
   m.def("set_wgrad_split(int split) -> int");
   m.impl("set_wgrad_split", [](int64_t split) {
     TORCH_CHECK(split >= 0, "set_wgrad_split: expected 0 or more, got ", split);

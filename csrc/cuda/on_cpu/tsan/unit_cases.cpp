@@ -195,7 +195,8 @@ FUSEDRES_TSAN_CASE(unit_backward_dgrad_mma_wide) {
 }
 
 // The thin data-gradient tiles (C <= 32): 16 columns (C = 16: fewer 16-byte pieces of the
-// weight per chunk than threads, the first ones copy them) and 32 (C = 24: a partial column
+// weight per chunk than threads, the first ones copy them; with Co = 16 two taps a K chunk,
+// MmaDgradPaired, the stride-2 phases' last chunks of one tap) and 32 (C = 24: a partial column
 // tile), in the store strategy (the sums from its partials) and the sums one.
 FUSEDRES_TSAN_CASE(unit_backward_dgrad_mma_thin) {
   check_backward(at::kHalf, true, "store", 0, 2e-2, 16, 16);
