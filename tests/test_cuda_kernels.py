@@ -41,18 +41,16 @@ def host_knobs(sms: int | None = None, split: int | None = None, major: int | No
     wide tile is sm_90's), with the weight gradient's reduction split ``split`` ways (clamped
     to its K-steps; 0: the rule), restored afterwards."""
     testing = torch.ops.fusedres_cuda_testing
-    old_sms = testing.set_sm_count(sms) if sms is not None else None
-    old_split = testing.set_wgrad_split(split) if split is not None else None
-    old_major = testing.set_sm_major(major) if major is not None else None
+    restore = []  # each knob's setter and previous value, once set
     try:
+        for setter, value in ((testing.set_sm_count, sms), (testing.set_wgrad_split, split),
+                              (testing.set_sm_major, major)):
+            if value is not None:
+                restore.append((setter, setter(value)))
         yield
     finally:
-        if old_sms is not None:
-            testing.set_sm_count(old_sms)
-        if old_split is not None:
-            testing.set_wgrad_split(old_split)
-        if old_major is not None:
-            testing.set_sm_major(old_major)
+        for setter, old in reversed(restore):
+            setter(old)
 
 
 TILE_SMS = {"64": 10**6, "128": 1}  # the SM counts that make either mma.sync tile the rule's
@@ -655,8 +653,10 @@ DGRAD_TILE_CASES = [
                          ids=["c72-co40", "s2", "1x1-s2", "dil", "c24-co40", "c16-co8"])
 @pytest.mark.parametrize("dtype", HALF, ids=["f16", "bf16"])
 def test_backward_mma_dgrad_tiles(dtype, case):
-    """Both mma.sync data-gradient tile heights at the columns C takes, and for C > 64 the
-    wide 128 x 128 tile (the hooks say which runs), in both strategies (sums:
+    """Both mma.sync data-gradient tile heights at the columns C takes (the 64-row one on
+    sm_90, with paired taps where C and Co are at most 16; the 128-row one on sm_80, one tap a
+    chunk), and for C > 64 the wide 128 x 128 tile (the hooks say which runs), in both
+    strategies (sums:
     grad_x from the weight gradient's sums; store, no weight gradient asked for: dz and the
     sums from the data gradient's partials), with a branch scale: every gradient within twice
     PyTorch's own error against float64, and grad_x of the two tiles equal bit for bit in the
@@ -726,7 +726,10 @@ def test_backward_mma_dgrad_paired_taps(case, tile):
     strategies, on both tile heights; the rule pairs on sm_90 where C and Co are at most 16 and
     the filter has more than one tap."""
     testing = torch.ops.fusedres_cuda_testing
-    c, co, k = case[1], case[4], case[5][0] * case[5][1]
+    c, co = case[1], case[4]
+    k = testing.dgrad_phase_taps(list(case[5]), list(case[6]), list(case[7]), list(case[8]),
+                                 case[2], case[3])
+    assert k > 1
     assert testing.dgrad_mma_taps(c, co, k) == 2  # on sm_90, the host copy's default
     assert testing.dgrad_mma_taps(c, co, 1) == 1 and testing.dgrad_mma_taps(24, co, k) == 1
     assert testing.dgrad_mma_taps(c, 24, k) == 1

@@ -231,6 +231,35 @@ def test_the_models_tile_and_split_rules_are_the_kernels():
 
 
 @needs_layer
+def test_the_models_data_gradient_tile_rules_are_the_kernels():
+    """tools/perfmodel's copies of the native data gradient's tile rules give the host copy's
+    answers over a sweep: the most taps a stride phase has (dgrad_phase_taps), the paired-tap
+    rule (dgrad_mma_taps) and the columns (dgrad_mma_cols) on sm_80 and sm_90."""
+    from tools.perfmodel import cuda_sass
+
+    for k, s, p, h in itertools.product(range(1, 5), range(1, 4), range(3), (1, 2, 5, 8)):
+        assert TESTING.dgrad_phase_taps([k, k], [s, s], [p, p], [1, 1], h, h) == (
+            cuda_sass.dgrad_phase_taps(k, s, p, h)), (k, s, p, h)
+    # 2 x 2 and 3 x 3 at their own stride: one tap a phase (no pairing there)
+    assert cuda_sass.dgrad_phase_taps(2, 2, 0, 8) == cuda_sass.dgrad_phase_taps(3, 3, 1, 9) == 1
+    old_major, old_sms = TESTING.set_sm_major(9), TESTING.set_sm_count(132)
+    try:
+        for major, sms in itertools.product((8, 9), (1, 108, 132)):
+            TESTING.set_sm_major(major)
+            TESTING.set_sm_count(sms)
+            for c, co, taps in itertools.product((8, 16, 24, 72), (8, 16, 40), (1, 2, 9)):
+                assert TESTING.dgrad_mma_taps(c, co, taps) == cuda_sass.dgrad_mma_taps(
+                    c, co, taps, 10 * major), (major, c, co, taps)
+            for rows, c, phases in itertools.product((100, 128 * 66, 128 * 132, 10**5),
+                                                     (16, 64, 72, 256, 512), (1, 4)):
+                assert TESTING.dgrad_mma_cols(rows, c, phases) == cuda_sass.dgrad_mma_cols(
+                    rows, c, phases, sms, 10 * major), (major, sms, rows, c, phases)
+    finally:
+        TESTING.set_sm_major(old_major)
+        TESTING.set_sm_count(old_sms)
+
+
+@needs_layer
 def test_the_weight_gradient_split_keeps_its_limits():
     """Every split: at least 512 pixels a slice (or 1), at most 64 slices and 64 MiB of
     float32 partials (or 1), and no other split within the limits has fewer waves per slice."""

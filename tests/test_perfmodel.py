@@ -287,7 +287,7 @@ def test_fixed_cuda_tiles_match_the_source():
     # Paired taps (C and Co at most 16, more than one tap): the rule, the tile, its row's taps.
     assert "using MmaDgradPaired = MmaDgrad<BM, 16, 4, 1, 32, 2>;" in dgrad
     assert ("return sm_major() >= 9 && mma_cols(C) == 16 && mma_depth(C, Co) == 16 && "
-            "filter_taps > 1 ? 2") in dgrad
+            "phase_taps > 1 ? 2") in dgrad
     taps = cuda_sass.dgrad_mma_taps
     assert [taps(c, co, k, 90) for c, co, k in (
         (16, 16, 9), (8, 16, 6), (16, 8, 9), (16, 16, 1), (24, 16, 9), (16, 24, 9))] == [

@@ -389,6 +389,15 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         results = list(pool.map(lambda s: compile_file(nvcc, s, tuple(args.arch)), srcs))
     kernels = [k for ks, _ in results for k in ks]
+    # Every declaration must name a kernel the build has (a template argument added to a kernel
+    # changes its demangled name: the declaration would silently drop its bytes).
+    declared = {p for s in srcs for p in declared_dynamic_smem(s)}
+    stale = sorted(p for p in declared
+                   if not any(dynamic_smem(k.name, {p: 1}) for k in kernels))
+    if stale:
+        print("cuda_aot: dynamic_smem declared for no kernel: " + ", ".join(stale),
+              file=sys.stderr)
+        return 1
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     version = version.strip().splitlines()[-1] if version.strip() else "?"
     spills = [k for k in kernels if k.spill_stores or k.spill_loads]

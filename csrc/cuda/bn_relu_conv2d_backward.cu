@@ -119,7 +119,8 @@ struct BackwardPasses {
       const std::array<int64_t, 3> wmma = wmma_tile(weight.scalar_type());
       d.rows = d.mma ? dgrad_mma_rows(phase_rows, x.size(1), phases) : wmma[0];
       d.cols = d.mma ? dgrad_mma_cols(phase_rows, x.size(1), phases) : wmma[1];
-      d.taps = d.mma ? dgrad_mma_taps(x.size(1), go.size(1), weight.size(2) * weight.size(3))
+      d.taps = d.mma ? dgrad_mma_taps(x.size(1), go.size(1),
+                                      dgrad_phase_taps(g, x.size(2), x.size(3)))
                      : 1;
       d.depth = d.mma ? mma_depth(x.size(1), go.size(1)) * d.taps : wmma[2];
       d.row_tiles = ceil_div(phase_rows, d.rows);

@@ -222,10 +222,11 @@ __global__ void __launch_bounds__(T::THREADS, kDgradMinBlocks<T>)
 // ----------------------------------------------------------------------------- tensor-core dgrad
 
 // The data gradient of 16-bit x, grad_out and weight of one dtype, x and grad_out channels-last
-// with C and Co multiples of 8: the WMMA kernel's grid (one stride phase per blockIdx.z, 64
-// input pixels x 64 input channels a block) and epilogue (dgrad_store), its main loop mma.sync
+// with C and Co multiples of 8: the WMMA kernel's grid (one stride phase per blockIdx.z, BM
+// input pixels x BN input channels a block) and epilogue (dgrad_store), its main loop mma.sync
 // m16n8k16 on operands that cp.async stages, 16 bytes a copy, through a STAGES-deep pipeline
-// with one barrier per K chunk (BK output channels of one tap). The K chunks run over the taps
+// with one barrier per K chunk (BK output channels of one tap, or 16 of each of two: TAPS). The
+// K chunks run over the taps
 // that feed the phase (tap_list with each tap's shift, built once per block) and the output
 // channels; the next chunk's tap, channel offset and address shift are stepped one chunk at a
 // time (no division in the main loop), and a row's base offset is computed once. A (dy rows,
@@ -254,7 +255,8 @@ struct MmaDgrad {
   static constexpr int B_COPIES = (B_PIECES + THREADS - 1) / THREADS;
   static constexpr int MAX_TAPS = 64;  // kh * kw of the kernels it takes
   // The epilogue runs on EM rows at a time (BM / EM passes, each with its own partials' row),
-  // so the 128-row tile's da / dz and dz * xhat fit in the static 48 KiB beside the pipeline.
+  // so the 128 x 64 tile's da / dz and dz * xhat fit in the static 48 KiB beside the pipeline
+  // (the 128 x 128 one's take dynamic shared memory: DYNAMIC).
   static constexpr int EM = 64, PASSES = BM / EM;
   static constexpr int A_BYTES = STAGES * BM * AST * 2;
   static constexpr int B_BYTES = STAGES * BK * BST * 2;
@@ -274,10 +276,11 @@ struct MmaDgrad {
                 "warp grid");
   static_assert(PASSES * EM == BM && EM % WM == 0, "a warp's rows in one epilogue pass");
   static_assert(A_BYTES % 128 == 0 && B_BYTES % 128 == 0, "stage buffers 128-byte aligned");
-  static_assert(SMEM <= 163 * 1024, "shared memory within sm_80's per-block limit");
+  static_assert(SMEM + TABLE_BYTES <= 163 * 1024, "shared memory within sm_80's per-block limit");
 };
-// The tile configurations (dgrad_mma_rows picks the rows per shape, mma_cols the columns by C,
-// mma_depth the K chunk): 64 x 64 of 2 x 2 warps of 32 x 32, and 128 x 64 of 4 x 1
+// The tile configurations (dgrad_mma_rows picks the rows per shape, dgrad_mma_cols the columns,
+// mma_depth the K chunk, dgrad_mma_taps the taps a chunk covers): 64 x 64 of 2 x 2 warps of
+// 32 x 32, and 128 x 64 of 4 x 1
 // warps of 32 x 64 (each ldmatrix feeds twice the mma's, twice the multiply-adds per barrier).
 // For C <= 32 a 64-column tile spends half or three quarters of its mma's on zero-filled
 // columns, and for Co <= 16 a 32-deep chunk half of them on zero-filled K (CIFAR's 16-channel
@@ -292,7 +295,7 @@ using MmaDgradTall = MmaDgrad<128, 64, 4, 1>;
 // bound by issue on sm_90, whose tensor cores take an m16n8k16 in half an A100's clocks
 // (benchmarks/GPU_MODEL.md). Its buffers take 66 KiB of dynamic shared memory.
 using MmaDgradWide = MmaDgrad<128, 128, 2, 2>;
-// cuda_aot: dgrad_mma_kernel<*, MmaDgrad<128, 128, 2, 2, 32> > dynamic_smem=67584
+// cuda_aot: dgrad_mma_kernel<*, MmaDgrad<128, 128, 2, 2, 32, 1> > dynamic_smem=67584
 static_assert(MmaDgradWide::DYNAMIC && MmaDgradWide::DYNAMIC_SMEM == 67584 &&
                   !MmaDgradTall::DYNAMIC && !MmaDgradSmall::DYNAMIC,
               "the cuda_aot line above states the wide tile's dynamic shared memory, the only one");
@@ -339,6 +342,9 @@ struct DgradSrc {
   int32_t h, w;
 };
 constexpr int32_t kDgradOutside = -(1 << 30);
+// A row past the phase (h = kDgradOutside) meets a paired chunk's missing tap (di the same):
+// the sum must stay an int32.
+static_assert(2LL * kDgradOutside >= INT32_MIN, "the sentinels' sum fits an int32");
 
 // The paired-tap data gradient's next K chunk (MmaDgradPaired: two taps a chunk, Co <= KT = 16),
 // stepped one chunk at a time, and its copies into a stage (the caller commits): tap slot t's
@@ -380,15 +386,20 @@ struct DgradPairs {
 #pragma unroll
     for (int q = 0; q < T::A_COPIES; ++q) {
       const int e = tid + q * THREADS, r = e / (BK / 8), k = (e % (BK / 8)) * 8;
-      const int t = k / KT, kk = k % KT;
-      const bool ok = static_cast<uint32_t>(a_src[q].h + di[t]) < Ho &&
-                      static_cast<uint32_t>(a_src[q].w + dj[t]) < Wo && kk < Co32;
-      ptx::cp_async_cg16(&As[r][k], ok ? dy + (a_src[q].off + toff[t] + kk) : dy, ok ? 16 : 0);
+      // The slot by selects, not an index: a per-thread index into the arrays put them in
+      // local memory.
+      const bool t = k >= KT;
+      const int kk = k % KT;
+      const bool ok = static_cast<uint32_t>(a_src[q].h + (t ? di[1] : di[0])) < Ho &&
+                      static_cast<uint32_t>(a_src[q].w + (t ? dj[1] : dj[0])) < Wo && kk < Co32;
+      ptx::cp_async_cg16(&As[r][k], ok ? dy + (a_src[q].off + (t ? toff[1] : toff[0]) + kk) : dy,
+                         ok ? 16 : 0);
     }
     stage_b<T>(Bs, tid, wp, [&](int r, int n) -> const W* {
-      const int t = r / KT, rr = r % KT;
-      return di[t] != kDgradOutside && rr < Co32 && c0 + n < Cin32
-                 ? wp + krow[t] + rr * wl.co + c0 + n
+      const bool t = r >= KT;
+      const int rr = r % KT;
+      return (t ? di[1] : di[0]) != kDgradOutside && rr < Co32 && c0 + n < Cin32
+                 ? wp + (t ? krow[1] : krow[0]) + rr * wl.co + c0 + n
                  : nullptr;
     });
   }
@@ -409,13 +420,8 @@ __global__ void __launch_bounds__(T::THREADS)
   using E = native_t<W>;
   constexpr int BM = T::BM, BN = T::BN, BK = T::BK, STAGES = T::STAGES, THREADS = T::THREADS;
   __shared__ __align__(128) unsigned char smem_static[T::DYNAMIC ? 16 : T::SMEM];
-#if defined(__CUDACC__)
-  extern __shared__ __align__(128) unsigned char dgrad_dynamic_smem[];
-  unsigned char* const smem = T::DYNAMIC ? dgrad_dynamic_smem : smem_static;
-#else
-  unsigned char* const smem =
-      T::DYNAMIC ? fusedres_dynamic_shared<unsigned char>() : smem_static;
-#endif
+  unsigned char* smem = smem_static;
+  if constexpr (T::DYNAMIC) smem = fusedres_dynamic_shared<unsigned char>();
   __shared__ int64_t row_n[BM];
   __shared__ int32_t row_ih[BM];
   __shared__ int32_t row_iw[BM];
@@ -634,33 +640,51 @@ static_assert(MmaDgradWide::BM == MmaDgradTall::BM && MmaDgradWide::BK == MmaDgr
                   MmaDgradWide::PASSES == MmaDgradTall::PASSES,
               "the wide tile is the tall tile's rows, K chunk and partials' rows, twice as wide");
 
+// The most taps that feed one stride phase of the data gradient (a phase's K chunks run over
+// its taps only: 2 x 2 or 3 x 3 kernels at their own stride feed every phase one).
+int64_t dgrad_phase_taps(const ConvGeom& g, int64_t H, int64_t W) {
+  int64_t most = 0;
+  for (int32_t pa = 0; pa < std::min<int64_t>(g.sh, H); ++pa) {
+    for (int32_t pb = 0; pb < std::min<int64_t>(g.sw, W); ++pb) {
+      int64_t rows = 0, cols = 0;
+      for (int32_t i = 0; i < g.kh; ++i) rows += mod_pos(pa + g.ph - i * g.dh, g.sh) == 0;
+      for (int32_t j = 0; j < g.kw; ++j) cols += mod_pos(pb + g.pw - j * g.dw, g.sw) == 0;
+      most = std::max(most, rows * cols);
+    }
+  }
+  return most;
+}
+
 // Taps a K chunk of the mma.sync data gradient covers: on sm_90 and newer, 2 (MmaDgradPaired:
 // 32-deep chunks of two taps' 16 output channels) where its tile is 16 columns and 16 deep (C
-// and Co at most 16) and the filter has more than one tap, else 1. On sm_80 the one-tap kernel
-// there is bound by DRAM, not issue, by the model, and ptxas gives the paired one more registers
-// (fewer resident blocks). tools/perfmodel/cuda_sass.py (dgrad_mma_taps) prices the same rule.
-int64_t dgrad_mma_taps(int64_t C, int64_t Co, int64_t filter_taps) {
+// and Co at most 16) and some stride phase has more than one tap (`phase_taps`:
+// dgrad_phase_taps), else 1. On sm_80 the one-tap kernel there is bound by DRAM, not issue, by
+// the model, and ptxas gives the paired one more registers (fewer resident blocks).
+// tools/perfmodel/cuda_sass.py (dgrad_mma_taps) prices the same rule.
+int64_t dgrad_mma_taps(int64_t C, int64_t Co, int64_t phase_taps) {
 #if !defined(__CUDACC__)
   if (host_dgrad_taps() == 1) return 1;  // the host copy's test knob
 #endif
-  return sm_major() >= 9 && mma_cols(C) == 16 && mma_depth(C, Co) == 16 && filter_taps > 1 ? 2
-                                                                                          : 1;
+  return sm_major() >= 9 && mma_cols(C) == 16 && mma_depth(C, Co) == 16 && phase_taps > 1 ? 2
+                                                                                         : 1;
 }
 
-// Devices on which the wide data gradient's kernel has opted in to its dynamic shared memory
-// (CUDA keeps the attribute per device and function: set once, not on every launch's host path).
-// Namespace scope: the CPU layer's sanitizer builds poison function-local statics.
-inline std::atomic<bool> dgrad_wide_smem_set[64];
+// Devices on which kernel K has opted in to its dynamic shared memory past 48 KiB (CUDA keeps
+// the attribute per device and function: set once for each, not on every launch's host path;
+// each dtype's wide kernel is a function of its own). Namespace scope: the CPU layer's
+// sanitizer builds poison function-local statics.
+template <typename K>
+inline std::atomic<bool> dgrad_smem_set[64];
 
 template <typename K>
 void allow_dgrad_smem(K* kernel, int smem, int64_t device) {
   const bool known = device >= 0 && device < 64;
-  if (known && dgrad_wide_smem_set[device].load(std::memory_order_relaxed)) return;
+  if (known && dgrad_smem_set<K>[device].load(std::memory_order_relaxed)) return;
   const cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   TORCH_CHECK(e == cudaSuccess, "launch_dgrad: the wide tile's ", smem,
               " bytes of dynamic shared memory were refused (cudaFuncSetAttribute)");
-  if (known) dgrad_wide_smem_set[device].store(true, std::memory_order_relaxed);
+  if (known) dgrad_smem_set<K>[device].store(true, std::memory_order_relaxed);
 }
 
 // The data gradient's tiling for one call: which kernel (mma: dgrad_mma_kernel), its tile rows

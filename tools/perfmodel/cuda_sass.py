@@ -340,13 +340,22 @@ def dgrad_mma_cols(rows: int, c: int, phases: int, sms: int, arch: int) -> int:
     return mma_cols(c)
 
 
-def dgrad_mma_taps(c: int, co: int, filter_taps: int, arch: int) -> int:
+def dgrad_phase_taps(k: int, s: int, p: int, h: int, d: int = 1) -> int:
+    """The most taps feeding one stride phase of a square k x k data gradient at stride s,
+    padding p, dilation d over an h x h input (dgrad_phase_taps in
+    csrc/cuda/bn_relu_conv2d_dgrad.cuh)."""
+    per = [sum((a + p - i * d) % s == 0 for i in range(k)) for a in range(min(s, h))]
+    return max(per) ** 2 if per else 0
+
+
+def dgrad_mma_taps(c: int, co: int, phase_taps: int, arch: int) -> int:
     """Taps a K chunk of the mma.sync data gradient covers (dgrad_mma_taps in
     csrc/cuda/bn_relu_conv2d_dgrad.cuh): on sm_90 and newer (``arch`` 90), 2
     (MmaDgrad<BM, 16, 4, 1, 32, 2>, 32-deep chunks of two taps' 16 channels) where its tile is
-    16 columns and 16 deep and the filter has more than one tap, else 1."""
+    16 columns and 16 deep and some stride phase has more than one tap (``phase_taps``:
+    :func:`dgrad_phase_taps`), else 1."""
     return 2 if (arch >= 90 and mma_cols(c) == 16 and mma_depth(c, co) == 16
-                 and filter_taps > 1) else 1
+                 and phase_taps > 1) else 1
 
 
 def wgrad_kernel(u, wgrad: str = "mma", channels_last: bool = True) -> str:
@@ -379,15 +388,15 @@ def dgrad_kernel(u, dgrad: str = "mma", channels_last: bool = True) -> str:
 def _dgrad_grid(u, dtype: str, dev, rows: list[CudaKernelRow],
                 name: str) -> tuple[CudaKernelRow, int, float]:
     """The data-gradient kernel ``name``'s row (the mma.sync one's tile by
-    :func:`dgrad_mma_rows` and :func:`dgrad_mma_cols`), its blocks over every stride phase
-    (cdiv(rows, BM) x cdiv(C, BN) each) and their mean K chunks (the phase's taps x
-    cdiv(Co, BK))."""
+    :func:`dgrad_mma_rows`, :func:`dgrad_mma_cols` and :func:`dgrad_mma_taps`), its blocks over
+    every stride phase (cdiv(rows, BM) x cdiv(C, BN) each) and their mean K chunks (the phase's
+    taps, or pairs of them, x cdiv(Co, the channels a tap has in a chunk))."""
     from fusedres.kernels._common import cdiv
 
     p, s = u.padding, u.stride
     mma = name == "dgrad_mma_kernel"
     phase_rows, phases = u.n * cdiv(u.h, s) * cdiv(u.h, s), min(s, u.h) ** 2
-    pair = dgrad_mma_taps(u.c, u.co, u.k * u.k, dev.arch) if mma else 1
+    pair = dgrad_mma_taps(u.c, u.co, dgrad_phase_taps(u.k, s, p, u.h), dev.arch) if mma else 1
     dg = _row(rows, dev.arch, name, dtype,
               bm=dgrad_mma_rows(phase_rows, u.c, phases, dev.sms) if mma else None,
               bn=dgrad_mma_cols(phase_rows, u.c, phases, dev.sms, dev.arch) if mma else None,

@@ -30,14 +30,14 @@ inline constexpr int64_t tiles(Shape s, int64_t rows, int64_t cols) {
   return (rows + s.rows - 1) / s.rows * ((cols + s.cols - 1) / s.cols);
 }
 
-// The forward (GEMM M = N*P*Q pixels, N = Co) on sm_90 and newer: for Co <= 16 the 128 x 16 tile, for Co <= 32
-// the 128 x 32 one, where its tiles fill every SM once; for Co <= 64 the 256-row tile where its
-// tiles fill every SM at least kTallWaves times, else the 128-row one where they fill every SM
-// once; for Co > 64 the 128 x 128 tile where they do; otherwise the small one (more blocks for
-// small grids). The tiles as narrow as Co keep the MMAs off columns past Co (CIFAR's 16- and 32-channel units;
-// the 128 x 16 one's 2 warps of 64 x 16 each issue about 1.5 times the instructions a K chunk
-// of the 128 x 32 one's 4, so a block issues about 3/4 as much for the same 128 pixels, by the
-// model).
+// The forward (GEMM M = N*P*Q pixels, N = Co) on sm_90 and newer: for Co <= 16 the 128 x 16
+// tile, for Co <= 32 the 128 x 32 one, where its tiles fill every SM once; for Co <= 64 the
+// 256-row tile where its tiles fill every SM at least kTallWaves times, else the 128-row one
+// where they fill every SM once; for Co > 64 the 128 x 128 tile where they do; otherwise the
+// small one (more blocks for small grids). The tiles as narrow as Co keep the MMAs off columns
+// past Co (CIFAR's 16- and 32-channel units; the 128 x 16 one's 2 warps of 64 x 16 each issue
+// about 1.5 times the instructions a K chunk of the 128 x 32 one's 4, so a block issues about
+// 3/4 as much for the same 128 pixels, by the model).
 // The 256 x 64 tile (8 warps of 32 x 64) is the model's pick for ImageNet's 64-channel units on
 // sm_90, where the 128 x 64 one's 4 warps issue more per MMA (on sm_80 the two model alike); it
 // holds one block an SM, so a grid of few waves loses more to its last one.

@@ -1,6 +1,7 @@
 // The CPU-executed copy of csrc/cuda/bn_relu_conv2d_backward.cu (see ../common.cuh).
 #include <cmath>
 #include <utility>
+#include <vector>
 
 #include "../bn_relu_conv2d_backward.cu"
 
@@ -47,9 +48,23 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.impl("dgrad_mma_rows", [](int64_t rows, int64_t C, int64_t phases) {
     return fusedres::cuda_on_cpu::dgrad_mma_rows(rows, C, phases);
   });
-  m.def("dgrad_mma_taps(int C, int Co, int filter_taps) -> int");
-  m.impl("dgrad_mma_taps", [](int64_t C, int64_t Co, int64_t filter_taps) {
-    return fusedres::cuda_on_cpu::dgrad_mma_taps(C, Co, filter_taps);
+  m.def("dgrad_mma_taps(int C, int Co, int phase_taps) -> int");
+  m.impl("dgrad_mma_taps", [](int64_t C, int64_t Co, int64_t phase_taps) {
+    return fusedres::cuda_on_cpu::dgrad_mma_taps(C, Co, phase_taps);
+  });
+  // The most taps feeding one stride phase (dgrad_phase_taps) of a kh x kw kernel over an
+  // H x W input.
+  m.def("dgrad_phase_taps(int[] kernel, int[] stride, int[] padding, int[] dilation, int H, "
+        "int W) -> int");
+  m.impl("dgrad_phase_taps", [](std::vector<int64_t> k, std::vector<int64_t> s,
+                                std::vector<int64_t> p, std::vector<int64_t> d, int64_t H,
+                                int64_t W) {
+    TORCH_CHECK(k.size() == 2 && s.size() == 2 && p.size() == 2 && d.size() == 2,
+                "dgrad_phase_taps: kernel, stride, padding and dilation: two values each");
+    auto i = [](int64_t v) { return static_cast<int32_t>(v); };
+    const fusedres::cuda_on_cpu::ConvGeom g{i(k[0]), i(k[1]), i(s[0]), i(s[1]),
+                                             i(p[0]), i(p[1]), i(d[0]), i(d[1])};
+    return fusedres::cuda_on_cpu::dgrad_phase_taps(g, H, W);
   });
   m.def("dgrad_mma_cols(int rows, int C, int phases) -> int");
   m.impl("dgrad_mma_cols", [](int64_t rows, int64_t C, int64_t phases) {
@@ -67,8 +82,6 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
     return fusedres::cuda_on_cpu::pick_split(tiles, co, c, taps, m, bk, sms, operand_bytes,
                                            acc_bytes);
   });
-  // The split every weight gradient then runs (clamped to its K-steps; 0: the rule); returns
-  // the previous one.
   // 1: every mma.sync data gradient one tap a K chunk (no paired taps); 0: the rule. Returns
   // the previous setting.
   m.def("set_dgrad_taps(int taps) -> int");
@@ -76,6 +89,8 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
     TORCH_CHECK(taps == 0 || taps == 1, "set_dgrad_taps: expected 0 (the rule) or 1, got ", taps);
     return std::exchange(fusedres::cuda_on_cpu::host_dgrad_taps(), taps);
   });
+  // The split every weight gradient then runs (clamped to its K-steps; 0: the rule); returns
+  // the previous one.
   m.def("set_wgrad_split(int split) -> int");
   m.impl("set_wgrad_split", [](int64_t split) {
     TORCH_CHECK(split >= 0, "set_wgrad_split: expected 0 or more, got ", split);
