@@ -3,6 +3,7 @@ reference, with every gradient and the running statistics collected."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -212,3 +213,23 @@ def capture(kind):
         return stop
     return compiler
 """
+
+
+@contextlib.contextmanager
+def host_knobs(sms: int | None = None, split: int | None = None, major: int | None = None):
+    """The CUDA kernels' host copy (the test extension, csrc/cuda/common.cuh) run as on a GPU
+    of ``sms`` SMs (1: every mma.sync tile the 128-row one; 10**6: the 64-row one) and compute
+    capability ``major`` (9 unless set: the data gradient's wide tile is sm_90's), with the
+    weight gradient's reduction split ``split`` ways (clamped to its K-steps; 0: the rule);
+    each knob set is restored afterwards, even when a later one fails."""
+    testing = torch.ops.fusedres_cuda_testing
+    restore = []  # each knob's setter and previous value, once set
+    try:
+        for setter, value in ((testing.set_sm_count, sms), (testing.set_wgrad_split, split),
+                              (testing.set_sm_major, major)):
+            if value is not None:
+                restore.append((setter, setter(value)))
+        yield
+    finally:
+        for setter, old in reversed(restore):
+            setter(old)

@@ -9,7 +9,6 @@ genstats epilogue, and the int64 index helpers."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 from fusedres.backends import portable
 from fusedres.ops import _extension, opdefs
+from helpers import host_knobs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _KEY = "CUDA" if DEVICE.type == "cuda" else "CPU"
@@ -32,25 +32,6 @@ HALF = (torch.float16, torch.bfloat16)
 # and a forced split of the weight gradient's reduction; not in the nvcc copy.
 HAS_HOST_KNOBS = DEVICE.type == "cpu" and hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
     torch.ops.fusedres_cuda_testing, "set_sm_count")
-
-
-@contextlib.contextmanager
-def host_knobs(sms: int | None = None, split: int | None = None, major: int | None = None):
-    """The host copy run as on a GPU of ``sms`` SMs (1: every mma.sync tile the 128-row one;
-    10**6: the 64-row one) and compute capability ``major`` (9 unless set: the data gradient's
-    wide tile is sm_90's), with the weight gradient's reduction split ``split`` ways (clamped
-    to its K-steps; 0: the rule), restored afterwards."""
-    testing = torch.ops.fusedres_cuda_testing
-    restore = []  # each knob's setter and previous value, once set
-    try:
-        for setter, value in ((testing.set_sm_count, sms), (testing.set_wgrad_split, split),
-                              (testing.set_sm_major, major)):
-            if value is not None:
-                restore.append((setter, setter(value)))
-        yield
-    finally:
-        for setter, old in reversed(restore):
-            setter(old)
 
 
 TILE_SMS = {"64": 10**6, "128": 1}  # the SM counts that make either mma.sync tile the rule's
@@ -473,27 +454,41 @@ def test_bn_affine_refuses_a_float64_affine_in_16_bits():
 
 
 @pytest.mark.skipif(not HAS_AFFINE_HOOK, reason="the partials hook is built with the host copy")
-@pytest.mark.parametrize("split", [1, 3, 8])
+@pytest.mark.parametrize("split", [1, 3, 8, 9, 21])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64],
                          ids=["f16", "bf16", "f32", "f64"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_wgrad_partials_sum_adds_in_slice_order(split, dtype, channels_last):
+@pytest.mark.parametrize("co", [5, 40], ids=["co5", "co40"])
+def test_wgrad_partials_sum_adds_in_a_fixed_order(split, dtype, channels_last, co):
     """The launch both weight gradients end with (the native split reduction, CUTLASS's parallel
-    split-K): the (split, Co, kh, kw, C) partials added slice after slice, rounded once to the
-    weight's dtype and written in its layout (strides kept), bit for bit as that loop in ATen."""
+    split-K): the (split, Co, kh, kw, C) partials added in the order the split alone fixes (slice
+    k into group k % 8 in slice order, then the 8 groups in order), rounded once to the weight's
+    dtype and written in its layout (strides kept), bit for bit as those loops in ATen; dW of 180
+    elements (a part-filled block of 32) and of 1,440 (45 blocks)."""
     g = torch.Generator().manual_seed(split)
-    co, c, kh, kw = 5, 6, 3, 2
+    c, kh, kw = 6, 3, 2
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     parts = torch.randn(split, co, kh, kw, c, generator=g, dtype=acc) * 100
     weight = torch.empty(co, c, kh, kw, dtype=dtype)
     if channels_last:
         weight = weight.to(memory_format=torch.channels_last)
     got = torch.ops.fusedres_cuda_testing.wgrad_partials_sum(parts, weight)
-    total = parts[0].clone()
-    for k in range(1, split):
-        total += parts[k]
+    groups = []
+    for first in range(min(split, 8)):
+        s = parts[first].clone()
+        for k in range(first + 8, split, 8):
+            s += parts[k]
+        groups.append(s)
+    total = groups[0]
+    for s in groups[1:]:
+        total += s
     want = total.permute(0, 3, 1, 2).to(dtype)
     assert got.stride() == weight.stride() and torch.equal(got, want)
+    if split >= 9:  # the order is not slice order: the values tell them apart
+        serial = parts[0].clone()
+        for k in range(1, split):
+            serial += parts[k]
+        assert not torch.equal(serial, total)
     with pytest.raises(RuntimeError, match="parts must be contiguous"):
         torch.ops.fusedres_cuda_testing.wgrad_partials_sum(parts.transpose(2, 3), weight)
 

@@ -7,7 +7,6 @@
 // keyed on that file, csrc/cuda/COMPILE.md and benchmarks/GPU_MODEL.md, are unchanged).
 #pragma once
 
-#include <atomic>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -464,20 +463,34 @@ __global__ void __launch_bounds__(T::THREADS)
   const uint32_t Ho = static_cast<uint32_t>(dyd.h), Wo = static_cast<uint32_t>(dyd.w);
   // The next chunk to copy, stepped one chunk at a time (no division in the loop): its output
   // channel offset k0 in the tap, the tap's place in tap_list, its shift (di, dj) and dy element
-  // offset toff, and the weight's offset of the tap (tap * wl.tap). Paired taps: `pairs`.
+  // offset toff, and the weight's offset of the tap (tap * wl.tap). Paired taps: `pairs`, which
+  // only the paired tile has.
   struct Next {
     int32_t k0, tl, di, dj;
     int64_t toff, krow;
   } nx{0, 0, 0, 0, 0, 0};
-  DgradPairs<W, T> pairs{dy,  wp,  wl,        dyd.sh, dyd.sw, Ho,    Wo,  tap_list,
-                         tap_di, tap_dj, tap_count, Co32, Cin32, c0, tid};
+  struct OneTap {};
+  auto pairs = [&] {
+    if constexpr (T::TAPS == 2) {
+      return DgradPairs<W, T>{dy,     wp,     wl,        dyd.sh, dyd.sw, Ho,  Wo, tap_list,
+                              tap_di, tap_dj, tap_count, Co32,   Cin32,  c0, tid};
+    } else {
+      return OneTap{};
+    }
+  }();
   const auto set_tap = [&] {
     nx.di = tap_di[nx.tl];
     nx.dj = tap_dj[nx.tl];
     nx.toff = int64_t(nx.di) * dyd.sh + int64_t(nx.dj) * dyd.sw;
     nx.krow = int64_t(tap_list[nx.tl]) * wl.tap;
   };
-  if (chunks > 0) T::TAPS == 1 ? set_tap() : pairs.set_tap();
+  if (chunks > 0) {
+    if constexpr (T::TAPS == 2) {
+      pairs.set_tap();
+    } else {
+      set_tap();
+    }
+  }
   const auto step = [&] {
     if constexpr (T::TAPS == 2) return pairs.step();
     nx.k0 += BK;
@@ -555,8 +568,9 @@ __global__ void __launch_bounds__(T::THREADS)
 // of a weight of x's dtype; n = 0 and no such blocks otherwise), which wait on nothing the dx
 // pass writes: one launch for both. (Other dtypes never take them: with the branch compiled in,
 // ptxas spilled 16 B in the float64 kernel on sm_90.) The branch costs the 16-bit kernels
-// registers on sm_80 (36, 6 blocks an SM, where they held 8): a DRAM-bound pass, on the native
-// route too.
+// registers: 40, 6 blocks an SM on sm_80 and sm_90 (with a thread per dW element looping over
+// every slice they held 8 on sm_90; capped at 7 blocks, ptxas spilled there): a DRAM-bound
+// pass, on the native route too.
 template <typename X>
 __global__ void __launch_bounds__(256)
     dx_kernel(X* __restrict__ gx, const X* __restrict__ x,
@@ -568,8 +582,10 @@ __global__ void __launch_bounds__(256)
   using A = acc_t<X>;
   if constexpr (is_16bit<X>) {
     if (static_cast<int64_t>(blockIdx.x) >= dx_blocks) {
-      dw.run((static_cast<int64_t>(blockIdx.x) - dx_blocks) * blockDim.x + threadIdx.x,
-             (static_cast<int64_t>(gridDim.x) - dx_blocks) * blockDim.x);
+      static_assert(PartialsSum<partials_t<X>, X>::kThreads == 256,
+                    "the dx launch's blocks are the partials sum's");
+      dw.run(static_cast<int64_t>(blockIdx.x) - dx_blocks,
+             static_cast<int64_t>(gridDim.x) - dx_blocks);
       return;
     }
   }
@@ -669,24 +685,6 @@ int64_t dgrad_mma_taps(int64_t C, int64_t Co, int64_t phase_taps) {
                                                                                          : 1;
 }
 
-// Devices on which kernel K has opted in to its dynamic shared memory past 48 KiB (CUDA keeps
-// the attribute per device and function: set once for each, not on every launch's host path;
-// each dtype's wide kernel is a function of its own). Namespace scope: the CPU layer's
-// sanitizer builds poison function-local statics.
-template <typename K>
-inline std::atomic<bool> dgrad_smem_set[64];
-
-template <typename K>
-void allow_dgrad_smem(K* kernel, int smem, int64_t device) {
-  const bool known = device >= 0 && device < 64;
-  if (known && dgrad_smem_set<K>[device].load(std::memory_order_relaxed)) return;
-  const cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  TORCH_CHECK(e == cudaSuccess, "launch_dgrad: the wide tile's ", smem,
-              " bytes of dynamic shared memory were refused (cudaFuncSetAttribute)");
-  if (known) dgrad_smem_set<K>[device].store(true, std::memory_order_relaxed);
-}
-
 // The data gradient's tiling for one call: which kernel (mma: dgrad_mma_kernel), its tile rows
 // and columns, the row tiles of the largest stride phase (the grid's x), and the partials' rows
 // per tile (their columns are C's whatever the tile's width).
@@ -749,7 +747,10 @@ void launch_dgrad(const at::Tensor& go, const at::Tensor& x, const at::Tensor& w
                         dt.taps == TM::TAPS && dt.parts_per_tile == TM::PASSES,
                     "launch_dgrad: the tile plan does not match the kernel");
         if constexpr (TM::DYNAMIC) {
-          allow_dgrad_smem(dgrad_mma_kernel<W, TM>, TM::DYNAMIC_SMEM, x.device().index());
+          const cudaError_t e =
+              allow_dynamic_smem<dgrad_mma_kernel<W, TM>>(TM::DYNAMIC_SMEM, x.device().index());
+          TORCH_CHECK(e == cudaSuccess, "launch_dgrad: the wide tile's ", TM::DYNAMIC_SMEM,
+                      " bytes of dynamic shared memory were refused (cudaFuncSetAttribute)");
         }
         FUSEDRES_LAUNCH(grid(TM::BN), dim3(TM::THREADS), TM::DYNAMIC_SMEM, current_stream(),
                         dgrad_mma_kernel<W, TM>)(
@@ -811,7 +812,7 @@ void launch_dx(at::Tensor& gx, const at::Tensor& x, const AffineInputs& bn,
     TORCH_CHECK(is_16bit<X>, "launch_dx: the dx launch sums 16-bit weight gradients only");
     dw = partials_sum<X>(*dw_parts, *gw);
   }
-  const int64_t dw_blocks = dw.n > 0 ? partials_sum_blocks(dw.n) : 0;
+  const int64_t dw_blocks = dw.n > 0 ? partials_sum_blocks(dw) : 0;
   FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(blocks + dw_blocks)), dim3(threads), 0,
                   current_stream(), dx_kernel<X>)(
       gx.data_ptr<X>(), x.const_data_ptr<X>(),

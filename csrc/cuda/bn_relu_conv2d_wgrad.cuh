@@ -688,36 +688,64 @@ bool wgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt
 }
 
 // The weight gradient from its partials, (split, Co, kh, kw, C) in the accumulator dtype P (the
-// native kernels' split reduction and the CUTLASS weight gradient's slices alike): the slices
-// added in slice order (fixed: the sum does not depend on the launch), rounded once to the
-// weight's dtype W and written at gw's strides ((Co, C, kh, kw) whatever its memory format).
-// One launch where ATen's were two (the sum over the slices, then the permuted copy) with the
-// summed float32 dW written and read back between them; on the CUTLASS route, blocks of the dx
-// launch where the backward has a dx pass (dx_kernel, bn_relu_conv2d_dgrad.cuh), else this
-// launch. Reads run along C; writes follow gw's strides (scattered for an NCHW weight, a small
-// tensor next to the partials). n = 0: nothing to sum.
+// native kernels' split reduction and the CUTLASS weight gradient's slices alike), rounded once
+// to the weight's dtype W and written at gw's strides ((Co, C, kh, kw) whatever its memory
+// format). A block of kThreads takes kCols consecutive dW elements at a time (a lane each) and
+// splits the slices over its kGroups warps: warp g adds slices g, g + kGroups, ... in slice
+// order, then the warps' sums are added in warp order. The order depends on the split alone
+// (the same bits whatever the launch) and each thread makes cdiv(split, kGroups) loads, a warp's
+// 128 consecutive bytes each: with a thread per element looping over every slice, a small dW
+// (CIFAR's 16-channel 3 x 3: 2,304 elements, 9 blocks) made 64 dependent-latency loads a thread
+// at the split cap. One launch where ATen's were two (the sum over the slices, then the
+// permuted copy); on the CUTLASS route, blocks of the dx launch where the backward has a dx
+// pass (dx_kernel, bn_relu_conv2d_dgrad.cuh), else this launch. Writes follow gw's strides
+// (scattered for an NCHW weight, a small tensor next to the partials). n = 0: nothing to sum.
 template <typename P, typename W>
 struct PartialsSum {
+  static constexpr int kCols = 32, kGroups = 8, kThreads = kCols * kGroups;
   const P* parts;
   int64_t split, n, kh, kw, cin;
   W* gw;
   Dims4 gd;
 
-  // dW's elements first, first + step, ...
+  // Column blocks of kCols elements.
+  __host__ __device__ int64_t column_blocks() const { return (n + kCols - 1) / kCols; }
+
+  // Column blocks first, first + step, ... by a block of kThreads threads (every thread calls:
+  // the loop is the block's, with barriers). Element indices in 32 bits (partials_sum checks
+  // n): the 64-bit divisions of the weight's index cost the dx launch that runs this 12
+  // registers a thread.
   __device__ void run(int64_t first, int64_t step) const {
-    for (int64_t i = first; i < n; i += step) {
-      P acc = parts[i];
-      for (int64_t k = 1; k < split; ++k) acc += parts[k * n + i];
-      const int64_t c = i % cin, t = i / cin;
-      gw[gd.offset(t / (kh * kw), c, t / kw % kh, t % kw)] = static_cast<W>(acc);
+    __shared__ P group_sums[kGroups][kCols];
+    const int lane = static_cast<int>(threadIdx.x) % kCols;
+    const int group = static_cast<int>(threadIdx.x) / kCols;
+    const uint32_t taps = static_cast<uint32_t>(kh * kw), width = static_cast<uint32_t>(kw);
+    const uint32_t channels = static_cast<uint32_t>(cin);
+    for (int64_t b = first; b < column_blocks(); b += step) {
+      const uint32_t i = static_cast<uint32_t>(b) * kCols + lane;
+      P acc = P(0);
+      if (i < n && group < split) {
+        const P* p = parts + group * n + i;
+        acc = *p;
+        for (int64_t k = group + kGroups; k < split; k += kGroups) acc += *(p += kGroups * n);
+      }
+      group_sums[group][lane] = acc;
+      __syncthreads();
+      if (group == 0 && i < n) {
+        for (int g = 1; g < kGroups && g < split; ++g) acc += group_sums[g][lane];
+        const uint32_t c = i % channels, t = i / channels;
+        gw[gd.offset(t / taps, c, t / width % (taps / width), t % width)] = static_cast<W>(acc);
+      }
+      __syncthreads();  // group_sums is rewritten by the next column block
     }
   }
 };
 
 template <typename P, typename W>
-__global__ void __launch_bounds__(256) wgrad_partials_sum_kernel(PartialsSum<P, W> sum) {
-  FUSEDRES_LAUNCH_BOUNDS(256);
-  sum.run(global_thread_x(), grid_stride_x());
+__global__ void __launch_bounds__(PartialsSum<P, W>::kThreads)
+    wgrad_partials_sum_kernel(PartialsSum<P, W> sum) {
+  FUSEDRES_LAUNCH_BOUNDS(PartialsSum<P, W>::kThreads);
+  sum.run(blockIdx.x, gridDim.x);
 }
 
 // The weight gradient's accumulator dtype: float64 for a float64 weight, else float32.
@@ -737,13 +765,18 @@ PartialsSum<partials_t<W>, W> partials_sum(const at::Tensor& parts, at::Tensor& 
               "fusedres_cuda: wgrad_partials_sum: parts must be contiguous (split >= 1, ", Co,
               ", ", kh, ", ", kw, ", ", cin, ") of the weight's accumulator dtype, got ",
               parts.sizes(), " ", parts.scalar_type());
+  TORCH_CHECK(Co * cin * kh * kw <= std::numeric_limits<int32_t>::max(),
+              "fusedres_cuda: wgrad_partials_sum: a weight of 2^31 elements or more (", Co,
+              " x ", cin, " x ", kh, " x ", kw, ") is not supported");
   return {parts.const_data_ptr<P>(), parts.size(0), Co * cin * kh * kw, kh, kw, cin,
           gw.data_ptr<W>(), dims_of(gw)};
 }
 
-// The blocks the partials' sum takes (256 threads each), one launch or the dx launch's share.
-inline int64_t partials_sum_blocks(int64_t n) {
-  return std::min<int64_t>(ceil_div(n, 256), 65535);
+// The blocks the partials' sum takes (PartialsSum::kThreads each), one launch or the dx
+// launch's share.
+template <typename P, typename W>
+int64_t partials_sum_blocks(const PartialsSum<P, W>& sum) {
+  return std::min<int64_t>(sum.column_blocks(), 65535);
 }
 
 inline void wgrad_partials_sum(const at::Tensor& parts, at::Tensor& gw) {
@@ -751,7 +784,7 @@ inline void wgrad_partials_sum(const at::Tensor& parts, at::Tensor& gw) {
     using W = scalar_t;
     const PartialsSum<partials_t<W>, W> sum = partials_sum<W>(parts, gw);
     if (sum.n == 0) return;
-    FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(partials_sum_blocks(sum.n))), dim3(256), 0,
+    FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(partials_sum_blocks(sum))), dim3(sum.kThreads), 0,
                     current_stream(), wgrad_partials_sum_kernel<partials_t<W>, W>)(sum);
     FUSEDRES_CHECK_LAUNCH();
   });

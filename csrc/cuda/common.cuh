@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -191,6 +192,29 @@ inline unsigned blocks_for(int64_t n, int64_t threads, int64_t cap = 2147483647)
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Lets `Kernel` take `bytes` of dynamic shared memory past the default 48 KiB on `device`
+// (cudaFuncSetAttribute): once per device and kernel, as CUDA keeps the attribute, not on every
+// launch's host path. Keyed on the kernel itself (each instantiation is a function of its own);
+// a device past the 64 tracked, or the CPU layer's -1, asks every time. Namespace-scope flags:
+// the CPU layer's sanitizer builds poison function-local statics. The native wide data-gradient
+// tile and the CUTLASS kernels (cutlass_conv/common.cuh) call it.
+template <auto Kernel>
+inline std::atomic<bool> dynamic_smem_allowed[64];
+
+template <auto Kernel>
+cudaError_t allow_dynamic_smem(int bytes, int64_t device) {
+  const bool tracked = device >= 0 && device < 64;
+  if (tracked && dynamic_smem_allowed<Kernel>[device].load(std::memory_order_relaxed)) {
+    return cudaSuccess;
+  }
+  const cudaError_t e =
+      cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess && tracked) {
+    dynamic_smem_allowed<Kernel>[device].store(true, std::memory_order_relaxed);
+  }
+  return e;
+}
 
 // ----------------------------------------------------------------------------- statistics
 

@@ -340,11 +340,18 @@ def dgrad_mma_cols(rows: int, c: int, phases: int, sms: int, arch: int) -> int:
     return mma_cols(c)
 
 
+def phase_tap_counts(k: int, s: int, p: int, h: int, d: int = 1) -> list[int]:
+    """Along one axis of a k-tap filter at stride s, padding p, dilation d over h pixels: how
+    many taps feed each stride phase a (tap i feeds it where (a + p - i * d) % s == 0, the
+    test of csrc/cuda/bn_relu_conv2d_dgrad.cuh's tap loops and dgrad_phase_taps)."""
+    return [sum((a + p - i * d) % s == 0 for i in range(k)) for a in range(min(s, h))]
+
+
 def dgrad_phase_taps(k: int, s: int, p: int, h: int, d: int = 1) -> int:
     """The most taps feeding one stride phase of a square k x k data gradient at stride s,
     padding p, dilation d over an h x h input (dgrad_phase_taps in
     csrc/cuda/bn_relu_conv2d_dgrad.cuh)."""
-    per = [sum((a + p - i * d) % s == 0 for i in range(k)) for a in range(min(s, h))]
+    per = phase_tap_counts(k, s, p, h, d)
     return max(per) ** 2 if per else 0
 
 
@@ -396,7 +403,8 @@ def _dgrad_grid(u, dtype: str, dev, rows: list[CudaKernelRow],
     p, s = u.padding, u.stride
     mma = name == "dgrad_mma_kernel"
     phase_rows, phases = u.n * cdiv(u.h, s) * cdiv(u.h, s), min(s, u.h) ** 2
-    pair = dgrad_mma_taps(u.c, u.co, dgrad_phase_taps(u.k, s, p, u.h), dev.arch) if mma else 1
+    per = phase_tap_counts(u.k, s, p, u.h)  # taps a phase along each axis
+    pair = dgrad_mma_taps(u.c, u.co, max(per) ** 2, dev.arch) if mma else 1
     dg = _row(rows, dev.arch, name, dtype,
               bm=dgrad_mma_rows(phase_rows, u.c, phases, dev.sms) if mma else None,
               bn=dgrad_mma_cols(phase_rows, u.c, phases, dev.sms, dev.arch) if mma else None,
@@ -404,8 +412,7 @@ def _dgrad_grid(u, dtype: str, dev, rows: list[CudaKernelRow],
     ctas, work = 0, 0.0
     for pa in range(min(s, u.h)):
         for pb in range(min(s, u.h)):
-            ph_taps = (sum((pa + p - i) % s == 0 for i in range(u.k))
-                       * sum((pb + p - j) % s == 0 for j in range(u.k)))
+            ph_taps = per[pa] * per[pb]
             tiles = cdiv(u.n * cdiv(u.h - pa, s) * cdiv(u.h - pb, s), dg.bm) * cdiv(u.c, dg.bn)
             ctas += tiles
             work += tiles * cdiv(ph_taps, pair) * cdiv(u.co, dg.bk // pair)
@@ -565,7 +572,7 @@ def cutlass_fprop_tile(m: int, co: int, sms: int, arch: int) -> tuple[int, int]:
 
 
 CUTLASS_MIN_SLICE_PIXELS = 512
-CUTLASS_MAX_SLICES = 64
+CUTLASS_MAX_SLICES = 256
 CUTLASS_MAX_PARTIAL_BYTES = 64 << 20
 
 
@@ -575,7 +582,7 @@ def cutlass_wgrad_plan(co: int, columns: int, pixels: int,
     wgrad_tile and wgrad_split; tests/test_cutlass.py holds this copy to them): 64 x 64 for at
     most 64 columns, else 32 x 64 (Co <= 32), 64 x 128 (Co <= 64) or 128 x 128;
     ``resident(BM, BN)``: the tile's blocks the GPU holds at once. The split: of
-    1 .. min(64, pixels // 512, 64 MiB // the float32 partial's bytes), the fewest waves per
+    1 .. min(256, pixels // 512, 64 MiB // the float32 partial's bytes), the fewest waves per
     slice, cdiv(tiles * split, resident) / split, the smallest on ties."""
     bm, bn = ((64, 64) if columns <= 64 else (32, 64) if co <= 32 else (64, 128) if co <= 64
               else (128, 128))
@@ -632,8 +639,8 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
       split; K chunks: cdiv(cdiv(M, 32), split); DRAM: dy and a once, each slice's float32
       partial dW written once;
     * the sums' reduction (bn_sums) and the dx pass in place (read dz and x, write dx), whose
-      blocks past dx's add dW's slices in order and round dW to the weight's dtype and layout:
-      DRAM-bound launches;
+      blocks past dx's add dW's slices (PartialsSum's fixed order) and round dW to the
+      weight's dtype and layout: DRAM-bound launches;
     * batch statistics (partials and finalize): as the native step.
 
     ``backward``: "rule" (:func:`cutlass_wgrad_on`: the above for filters larger than 1 x 1,
@@ -710,7 +717,7 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
            cdiv(cdiv(m_out, CUTLASS_BK), split), tu.act_out() + tu.act_in() + split * dw32)
     for name in bn_sums_launches(sums_rows):
         dram_launch(name, (parts + 4 * vec32) / len(bn_sums_launches(sums_rows)))
-    # read dz and x, write dx; its blocks past dx's add dW's slices in order and round it
+    # read dz and x, write dx; its blocks past dx's add dW's slices and round it
     dram_launch("dx + dW partials sum", 3 * tu.act_in() + 6 * vec32 + split * dw32 + tu.weight())
     return CudaUnitModel(u, dtype, dev.arch, kernels)
 

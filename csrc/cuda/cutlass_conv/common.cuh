@@ -32,6 +32,7 @@
 #include "cutlass/gemm/gemm.h"
 #include "cutlass/numeric_types.h"
 
+#include "../common.cuh"  // allow_dynamic_smem
 #include "cutlass_conv.h"
 #include "plan.h"
 
@@ -201,21 +202,15 @@ bool implementable(const cutlass::conv::Conv2dProblemSize& p) {
   return Config::Op::can_implement(args) == cutlass::Status::kSuccess;
 }
 
-// Lets Config's kernel take its dynamic shared memory past the default 48 KiB: once per device
-// (CUDA keeps the attribute per device and function), not at every launch, where it was a
-// driver call on the host path of every CUTLASS launch.
+// Lets Config's kernel take its dynamic shared memory past the default 48 KiB, once per device
+// (allow_dynamic_smem in ../common.cuh, as the native wide data-gradient tile does): not a driver
+// call on the host path of every CUTLASS launch.
 template <typename Config>
 cudaError_t allow_smem() {
   constexpr int smem = Config::Tile::kSmem;
   if constexpr (smem >= 48 * 1024) {
-    constexpr int kDevices = 64;
-    static std::atomic<bool> done[kDevices];  // false: not set yet on that device
-    const int device = c10::cuda::current_device();
-    if (device < kDevices && done[device].load(std::memory_order_relaxed)) return cudaSuccess;
-    const cudaError_t e = cudaFuncSetAttribute(cutlass_conv_kernel<Config>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e == cudaSuccess && device < kDevices) done[device].store(true, std::memory_order_relaxed);
-    return e;
+    return ::fusedres::FUSEDRES_CUDA_NS::allow_dynamic_smem<cutlass_conv_kernel<Config>>(
+        smem, c10::cuda::current_device());
   }
   return cudaSuccess;
 }

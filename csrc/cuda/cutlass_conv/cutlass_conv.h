@@ -86,8 +86,8 @@ int64_t launches();
 // can_run_wgrad took for x), accumulated in float32 over `split` slices of the pixels (parallel
 // split-K): the slices' partials, float32 (split, Co, kh, kw, C) for the weight (Co, C, kh, kw).
 // The caller sums them into the weight's gradient (PartialsSum: blocks of the dx launch, or a
-// launch of their own, that add the slices in order and round once to the weight's dtype and
-// layout).
+// launch of their own, that add the slices in an order the split fixes and round once to the
+// weight's dtype and layout).
 at::Tensor wgrad(const at::Tensor& grad_out, const at::Tensor& a, const at::Tensor& weight,
                  const ConvArgs& conv);
 

@@ -87,10 +87,12 @@ inline bool wgrad_on_cutlass(int64_t kh, int64_t kw) { return kh * kw > 1; }
 // pixels (16 K-steps, so the pipeline's 4-stage fill stays a small part of it; at 1,024 a
 // CIFAR 64-channel unit's weight gradient, 8,192 pixels on 5 tiles, ran 40 blocks on 108 or
 // 132 SMs, and 512 prices its GEMM at 0.6-0.7 of that time; 256 no lower, with more partials
-// to add, by the model), at most kMaxSlices slices, and the partials at most
+// to add, by the model), at most kMaxSlices slices (256: a CIFAR 16-channel 3 x 3 unit's
+// weight gradient is 3 tiles, whose blocks at 64 slices ran one wave of a part-filled H100 with
+// long slices; the sum spreads each element's slices over a block's 8 warps, PartialsSum), and the partials at most
 // kMaxPartialBytes (a transient buffer of the backward).
 inline constexpr int64_t kMinSlicePixels = 512;
-inline constexpr int64_t kMaxSlices = 64;
+inline constexpr int64_t kMaxSlices = 256;
 inline constexpr int64_t kMaxPartialBytes = int64_t{64} << 20;
 
 // The split of `pixels` over `tiles` output tiles, `resident` blocks resident on the whole GPU
