@@ -484,6 +484,11 @@ def test_wgrad_partials_sum_adds_in_a_fixed_order(split, dtype, channels_last, c
         total += s
     want = total.permute(0, 3, 1, 2).to(dtype)
     assert got.stride() == weight.stride() and torch.equal(got, want)
+    # fewer blocks than 32-element column blocks: each loops over several (past 2^21 elements
+    # CUDA's grid limit makes it so), reusing its shared sums between them
+    for blocks in (1, 2, 7):
+        assert torch.equal(torch.ops.fusedres_cuda_testing.wgrad_partials_sum(
+            parts, weight, blocks), want), blocks
     if split >= 9:  # the order is not slice order: the values tell them apart
         serial = parts[0].clone()
         for k in range(1, split):

@@ -582,8 +582,6 @@ __global__ void __launch_bounds__(256)
   using A = acc_t<X>;
   if constexpr (is_16bit<X>) {
     if (static_cast<int64_t>(blockIdx.x) >= dx_blocks) {
-      static_assert(PartialsSum<partials_t<X>, X>::kThreads == 256,
-                    "the dx launch's blocks are the partials sum's");
       dw.run(static_cast<int64_t>(blockIdx.x) - dx_blocks,
              static_cast<int64_t>(gridDim.x) - dx_blocks);
       return;
@@ -805,6 +803,8 @@ void launch_dx(at::Tensor& gx, const at::Tensor& x, const AffineInputs& bn,
                at::Tensor* gw = nullptr) {
   using A = acc_t<X>;
   constexpr int threads = 256;
+  static_assert(PartialsSum<partials_t<X>, X>::kThreads == threads,
+                "the dx launch's blocks are the partials sum's: every warp of a block has slices");
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(ceil_div(x.numel(), threads), 8 * sm_count()));
   PartialsSum<partials_t<X>, X> dw{};

@@ -195,10 +195,11 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Lets `Kernel` take `bytes` of dynamic shared memory past the default 48 KiB on `device`
 // (cudaFuncSetAttribute): once per device and kernel, as CUDA keeps the attribute, not on every
-// launch's host path. Keyed on the kernel itself (each instantiation is a function of its own);
-// a device past the 64 tracked, or the CPU layer's -1, asks every time. Namespace-scope flags:
-// the CPU layer's sanitizer builds poison function-local statics. The native wide data-gradient
-// tile and the CUTLASS kernels (cutlass_conv/common.cuh) call it.
+// launch's host path (`bytes`: the kernel's one size, which a later call does not change).
+// Keyed on the kernel itself (each instantiation is a function of its own); a device past the
+// 64 tracked, or the CPU layer's -1, asks every time. Namespace-scope flags: the CPU layer's
+// sanitizer builds poison function-local statics. The native wide data-gradient tile and the
+// CUTLASS kernels (cutlass_conv/common.cuh) call it.
 template <auto Kernel>
 inline std::atomic<bool> dynamic_smem_allowed[64];
 

@@ -89,8 +89,8 @@ inline bool wgrad_on_cutlass(int64_t kh, int64_t kw) { return kh * kw > 1; }
 // 132 SMs, and 512 prices its GEMM at 0.6-0.7 of that time; 256 no lower, with more partials
 // to add, by the model), at most kMaxSlices slices (256: a CIFAR 16-channel 3 x 3 unit's
 // weight gradient is 3 tiles, whose blocks at 64 slices ran one wave of a part-filled H100 with
-// long slices; the sum spreads each element's slices over a block's 8 warps, PartialsSum), and the partials at most
-// kMaxPartialBytes (a transient buffer of the backward).
+// long slices; the sum spreads each element's slices over a block's 8 warps, PartialsSum), and
+// the partials at most kMaxPartialBytes (a transient buffer of the backward).
 inline constexpr int64_t kMinSlicePixels = 512;
 inline constexpr int64_t kMaxSlices = 256;
 inline constexpr int64_t kMaxPartialBytes = int64_t{64} << 20;

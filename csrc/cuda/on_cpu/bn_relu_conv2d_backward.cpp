@@ -100,13 +100,16 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
 
 // The weight gradient's partials summed into the weight's dtype and layout by the launch both
 // weight gradients end with (wgrad_partials_sum): parts (split, Co, kh, kw, C) in the weight's
-// accumulator dtype; returns a tensor like weight (its memory format kept).
+// accumulator dtype; returns a tensor like weight (its memory format kept). blocks: at most
+// that many blocks (0: one per 32 elements), each then looping over several.
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
-  m.def("wgrad_partials_sum(Tensor parts, Tensor weight) -> Tensor");
+  m.def("wgrad_partials_sum(Tensor parts, Tensor weight, int blocks=0) -> Tensor");
   m.impl("wgrad_partials_sum", c10::DispatchKey::CPU,
-         [](const at::Tensor& parts, const at::Tensor& weight) {
+         [](const at::Tensor& parts, const at::Tensor& weight, int64_t blocks) {
+           TORCH_CHECK(blocks >= 0, "wgrad_partials_sum: blocks: expected 0 or more, got ",
+                       blocks);
            at::Tensor gw = at::empty_like(weight);
-           fusedres::cuda_on_cpu::wgrad_partials_sum(parts, gw);
+           fusedres::cuda_on_cpu::wgrad_partials_sum(parts, gw, blocks);
            return gw;
          });
 }

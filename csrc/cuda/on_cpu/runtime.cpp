@@ -69,7 +69,8 @@ struct Group {
 // ----------------------------------------------------------------------------- static shared
 
 // The static __shared__ variables of the kernels: every function-local static of namespace
-// fusedres::cuda_on_cpu (mangled _ZZN8fusedres11cuda_on_cpu...) in this module's symbol table,
+// fusedres::cuda_on_cpu (mangled _ZZN8fusedres11cuda_on_cpu..., or _ZZNK8fusedres11cuda_on_cpu...
+// inside a const member function) in this module's symbol table,
 // thread-local (STT_TLS) in the fibre build, plain statics (STT_OBJECT, writable) in the
 // OS-thread build. GCC ignores section attributes on template instantiations' statics, so the
 // symbol table is the one place that lists them all. Offsets are relative to a known symbol of
@@ -117,7 +118,9 @@ SharedTable read_shared_table() {
   const unsigned char want_type = STT_TLS;
   const char* anchor = "_ZN15fusedres_on_cpu10tls_threadE";
 #endif
-  const char* prefix = "_ZZN8fusedres11cuda_on_cpu";
+  // A function-local static's name: _ZZ, then the function's nested name, N, with K for a
+  // const member function (PartialsSum::run's group_sums).
+  const char* prefixes[] = {"_ZZN8fusedres11cuda_on_cpu", "_ZZNK8fusedres11cuda_on_cpu"};
   bool have_anchor = false;
   Elf64_Addr anchor_value = 0;
   std::vector<std::pair<Elf64_Addr, size_t>> found;
@@ -136,7 +139,11 @@ SharedTable read_shared_table() {
         continue;
       }
       if (ELF64_ST_TYPE(sym.st_info) != want_type || sym.st_size == 0) continue;
-      if (std::strncmp(name, prefix, std::strlen(prefix)) != 0) continue;
+      if (std::none_of(std::begin(prefixes), std::end(prefixes), [&](const char* prefix) {
+            return std::strncmp(name, prefix, std::strlen(prefix)) == 0;
+          })) {
+        continue;
+      }
       if (!(sh[sym.st_shndx].sh_flags & SHF_WRITE)) continue;  // __func__ and other constants
       found.emplace_back(sym.st_value, sym.st_size);
     }
