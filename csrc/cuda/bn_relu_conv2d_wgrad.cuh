@@ -695,8 +695,8 @@ bool wgrad_uses_mma(const at::Tensor& go, const at::Tensor& x, at::ScalarType wt
 // order, then the warps' sums are added in warp order. The order depends on the split alone
 // (the same bits whatever the launch) and each thread makes cdiv(split, kGroups) loads, a warp's
 // 32 consecutive elements each: with a thread per element looping over every slice, a small dW
-// (CIFAR's 16-channel 3 x 3: 2,304 elements, 9 blocks) made 64 dependent-latency loads a thread
-// at the split cap. One launch where ATen's were two (the sum over the slices, then the
+// (CIFAR's 16-channel 3 x 3: 2,304 elements, 9 blocks) made `split` loads a thread one after
+// another, 256 at plan.h's cap. One launch where ATen's were two (the sum over the slices, then the
 // permuted copy); on the CUTLASS route, blocks of the dx launch where the backward has a dx
 // pass (dx_kernel, bn_relu_conv2d_dgrad.cuh), else this launch. Writes follow gw's strides
 // (scattered for an NCHW weight, a small tensor next to the partials). n = 0: nothing to sum.
