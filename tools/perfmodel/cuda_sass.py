@@ -454,7 +454,10 @@ def model_cuda_unit(u, dtype: str, dev, rows: list[CudaKernelRow], forward: str 
       (wgrad_partials_sum) and the BatchNorm sums reduced (bn_sums): DRAM-bound launches at
       least the launch gap each; every launch the host makes for the step (benchmarks/HOST.md
       counts them; tests/test_cutlass.py::test_nvcc_model_prices_every_launch_the_host_makes
-      holds this list to the host's count).
+      holds this list to the host's count). Priced by their bytes: where few blocks each add
+      a long run of values in order (bn_sums' one-block reduction, up to 2,048 rows a
+      channel, 256 a thread), memory latency may bound the launch above that price, which
+      the model does not see.
 
     DRAM bytes: kernels/traffic.cuda_fused_step. A RANGE: issue per K chunk counts each nested
     staging loop once (low) or T = BM*BK/THREADS times (high), no prologue or epilogue (the
