@@ -424,11 +424,13 @@ HAS_AFFINE_HOOK = hasattr(torch.ops, "fusedres_cuda_testing") and hasattr(
                          ids=["f32", "f32-f16", "f32-bf16", "f64"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
 def test_bn_affine_is_the_aten_rule_bit_for_bit(sdt, half, affine):
-    """Both ops' one-launch BatchNorm affine (conv_tiles.cuh) computes what the three ATen ops
-    it replaced computed, bit for bit: scale = bn_weight * invstd, shift = bn_bias - mean * scale
-    (-mean * scale without bias), each rounded on its own (a contracted FMA differs in the last
-    place on a few of 4,099 random channels); with ``half`` also both rounded as Tensor.to;
-    vectors read at their strides."""
+    """The native ops' one-launch BatchNorm affine (conv_tiles.cuh) computes what the three ATen
+    ops it replaced computed, bit for bit: scale = bn_weight * invstd, shift = bn_bias - mean *
+    scale (-mean * scale without bias), each rounded on its own (a contracted FMA differs in the
+    last place on a few of 4,099 random channels); vectors read at their strides. With ``half``,
+    each block of the CUTLASS forward's prologue (block_affine16, which cannot run here inside
+    CUTLASS's kernel: the same device function in a launch of its own) writes both rounded as
+    Tensor.to, to its own row, whatever its block size."""
     g = torch.Generator().manual_seed(3)
     c = 4099  # more than one block, and past a grid-stride step
 
@@ -437,13 +439,18 @@ def test_bn_affine_is_the_aten_rule_bit_for_bit(sdt, half, affine):
 
     mean, invstd = vec(40.0), vec().abs() + 0.1
     w, b = (vec(), vec()) if affine else (None, None)
-    got = torch.ops.fusedres_cuda_testing.bn_affine(w, b, mean, invstd, half)
     scale = w * invstd if affine else invstd
     shift = b - mean * scale if affine else -mean * scale
-    want = [scale, shift] + ([scale.to(half), shift.to(half)] if half is not None else [])
-    assert len(got) == len(want)
-    for gv, wv in zip(got, want):
-        assert gv.dtype == wv.dtype and gv.is_contiguous() and torch.equal(gv, wv)
+    for blocks, threads in ([(1, 64)] if half is None else [(1, 64), (3, 256), (2, 96)]):
+        got = torch.ops.fusedres_cuda_testing.bn_affine(w, b, mean, invstd, half, blocks,
+                                                        threads)
+        want = [scale, shift]
+        if half is not None:
+            want += [scale.to(half).expand(blocks, c), shift.to(half).expand(blocks, c)]
+        assert len(got) == len(want)
+        for gv, wv in zip(got, want):
+            assert gv.dtype == wv.dtype and torch.equal(gv, wv), (blocks, threads)
+        assert got[0].is_contiguous() and got[1].is_contiguous()
 
 
 @pytest.mark.skipif(not HAS_AFFINE_HOOK, reason="the affine hook is built with the host copy")

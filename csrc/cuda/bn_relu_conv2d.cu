@@ -596,7 +596,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   const checks::Conv c =
       checks::check_unit_args(op, kDeviceType, x, weight, bias, bn_weight, bn_bias, mean, invstd,
                               residual, stride_, padding_, dilation_, branch_scale);
-  const auto kernels = cutlass_conv::kernel_set(op);
+  [[maybe_unused]] const auto kernels = cutlass_conv::kernel_set(op);  // raises on a bad value
   const auto &stride = c.stride, &padding = c.padding, &dilation = c.dilation;
   const int64_t N = x.size(0), Co = weight.size(0), Ho = c.out[2], Wo = c.out[3];
   const DeviceGuard guard(x.device());
@@ -616,25 +616,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
   }
   // The CUTLASS forward (cutlass_conv/fprop.cu) for what it takes: no conv bias or branch scale
   // (its epilogue adds only the residual); y's statistics then come from batch_stats, one more
-  // read of y. Decided first: the affine's launch then writes the 16-bit scale and shift its
-  // main loop reads.
+  // read of y. Its blocks compute the BatchNorm affine themselves (no bn_affine launch).
   const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
-  bool on_cutlass = false;
-  if (kernels == cutlass_conv::KernelSet::cutlass && !bias.has_value() && !bscale.defined()) {
 #if defined(FUSEDRES_WITH_CUTLASS)
-    on_cutlass = cutlass_conv::can_run_fprop(x, weight, r, y, {stride, padding, dilation});
-#endif
-  }
-  const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd,
-                              on_cutlass ? x.scalar_type() : at::ScalarType::Undefined);
-#if defined(FUSEDRES_WITH_CUTLASS)
-  if (on_cutlass) {
-    cutlass_conv::fprop(x, weight, bn.scale16, bn.shift16, r, y, {stride, padding, dilation});
+  if (kernels == cutlass_conv::KernelSet::cutlass && !bias.has_value() && !bscale.defined() &&
+      cutlass_conv::can_run_fprop(x, weight, r, y, {stride, padding, dilation})) {
+    cutlass_conv::fprop(x, weight, bn_weight, bn_bias, mean, invstd, r, y,
+                        {stride, padding, dilation});
     if (!genstats) return {y, at::Tensor(), at::Tensor()};
     const auto [ymean, yvar] = batch_stats(y);
     return {y, ymean.to(sdt), yvar.to(sdt)};
   }
 #endif
+  const Affine bn = bn_affine(bn_weight, bn_bias, mean, invstd);
   const ConvGeom g{static_cast<int32_t>(weight.size(2)), static_cast<int32_t>(weight.size(3)),
                    static_cast<int32_t>(stride[0]),      static_cast<int32_t>(stride[1]),
                    static_cast<int32_t>(padding[0]),     static_cast<int32_t>(padding[1]),

@@ -306,4 +306,72 @@ __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(
 __device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
 
+// ----------------------------------------------------------------------------- BatchNorm affine
+
+// One channel's scale = bn_weight * invstd (invstd without a weight) and shift = bn_bias -
+// mean * scale (-mean * scale without a bias), each operation rounded as the ATen op that
+// computed it before (mul_rn, sub_rn: nvcc would contract the multiply and the subtraction into
+// one FMA); w, b: the channel's weight and bias, or none. bn_affine_kernel (conv_tiles.cuh)
+// writes these for the native forward and weight gradient; the data gradient and dx pass compute
+// them where they read them, and each block of the CUTLASS forward for itself (block_affine16).
+template <typename A>
+struct ChannelAffine {
+  A scale, shift;
+};
+
+template <typename A>
+__device__ __forceinline__ ChannelAffine<A> channel_affine(const A* w, const A* b, A mean,
+                                                           A invstd) {
+  const A s = w != nullptr ? mul_rn(*w, invstd) : invstd;
+  return {s, b != nullptr ? sub_rn(*b, mul_rn(mean, s)) : mul_rn(-mean, s)};
+}
+
+// The BatchNorm vectors as a kernel argument: weight and bias (or none), mean and invstd of C
+// channels, each at its own stride (the ops take views).
+template <typename A>
+struct BnVectors {
+  const A* w;
+  int64_t ws;
+  const A* b;
+  int64_t bs;
+  const A* mean;
+  int64_t ms;
+  const A* invstd;
+  int64_t is;
+  int64_t C;
+
+  __device__ __forceinline__ ChannelAffine<A> at(int64_t c) const {
+    return channel_affine(w != nullptr ? w + c * ws : nullptr, b != nullptr ? b + c * bs : nullptr,
+                          mean[c * ms], invstd[c * is]);
+  }
+};
+
+// The op's vectors (checked by the op: C values each, of the statistics dtype A).
+template <typename A>
+inline BnVectors<A> bn_vectors(const std::optional<at::Tensor>& bn_weight,
+                               const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
+                               const at::Tensor& invstd) {
+  const bool w = present(bn_weight), b = present(bn_bias);
+  return {w ? bn_weight->const_data_ptr<A>() : nullptr, w ? bn_weight->stride(0) : 0,
+          b ? bn_bias->const_data_ptr<A>() : nullptr,   b ? bn_bias->stride(0) : 0,
+          mean.const_data_ptr<A>(),                      mean.stride(0),
+          invstd.const_data_ptr<A>(),                    invstd.stride(0),
+          mean.numel()};
+}
+
+// Every channel's affine rounded to the 16-bit H (to nearest even, as Tensor.to), by one
+// block's threads (1-D): scale to out[0, C), shift to out[C, 2C). The CUTLASS forward's
+// scale-bias iterator reads 16-bit vectors from global memory; each of its blocks writes its
+// own copy before its main loop (cutlass_conv/fprop.cu's Fprop::run) where a launch wrote one
+// copy for all: a launch fewer a step, a few bytes a channel more for each block.
+template <typename A, typename H>
+__device__ __forceinline__ void block_affine16(const BnVectors<A>& v, H* __restrict__ out) {
+#pragma unroll 1  // a few trips (C / threads): no trip-count division, no unrolled copies
+  for (int64_t c = threadIdx.x; c < v.C; c += blockDim.x) {
+    const ChannelAffine<A> f = v.at(c);
+    out[c] = static_cast<H>(f.scale);
+    out[v.C + c] = static_cast<H>(f.shift);
+  }
+}
+
 }  // namespace fusedres::FUSEDRES_CUDA_NS

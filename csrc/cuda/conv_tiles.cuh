@@ -327,22 +327,10 @@ void dispatch_x_w(const char* name, at::ScalarType xt, at::ScalarType wt, F&& f)
   });
 }
 
-// Per-channel BatchNorm affine in the statistics dtype: bn(x) = scale * x + shift; with
-// scale16 and shift16 (the CUTLASS forward's operands: its scale-bias iterator reads 16-bit
-// vectors) the same rounded to x's 16-bit dtype, undefined otherwise.
+// Per-channel BatchNorm affine in the statistics dtype: bn(x) = scale * x + shift (the vectors
+// the native forward and weight gradient read; channel_affine, common.cuh, computes each).
 struct Affine {
   at::Tensor scale, shift;
-  at::Tensor scale16, shift16;
-};
-
-// One channel's scale = bn_weight * invstd (invstd without a weight) and shift = bn_bias -
-// mean * scale (-mean * scale without a bias), each operation rounded as the ATen op that
-// computed it before (mul_rn, sub_rn: nvcc would contract the multiply and the subtraction into
-// one FMA); w, b: the channel's weight and bias, or none. bn_affine_kernel writes these; the
-// backward's data gradient and dx pass compute them where they read them (no launch first).
-template <typename A>
-struct ChannelAffine {
-  A scale, shift;
 };
 
 // The BatchNorm weight and bias as the kernels that compute channel_affine read them:
@@ -363,97 +351,41 @@ template <typename A>
 inline const A* data_or_null(const at::Tensor& t) {
   return t.defined() ? t.const_data_ptr<A>() : nullptr;
 }
-template <typename A>
-__device__ __forceinline__ ChannelAffine<A> channel_affine(const A* w, const A* b, A mean,
-                                                           A invstd) {
-  const A s = w != nullptr ? mul_rn(*w, invstd) : invstd;
-  return {s, b != nullptr ? sub_rn(*b, mul_rn(mean, s)) : mul_rn(-mean, s)};
-}
 
 // Every channel's channel_affine, so the kernels read the values of the portable rule bit for
-// bit; with H16 pointers also both rounded to that dtype (to nearest even, as Tensor.to). One
-// launch where the ATen ops were three (and the CUTLASS route's casts two more); vectors at any
-// stride (the ops take views).
-template <typename A, typename H>
+// bit. One launch where the ATen ops were three; vectors at any stride (the ops take views).
+template <typename A>
 __global__ void __launch_bounds__(256)
     bn_affine_kernel(const A* __restrict__ w, int64_t ws, const A* __restrict__ b, int64_t bs,
                      const A* __restrict__ mean, int64_t ms, const A* __restrict__ invstd,
-                     int64_t is, int64_t C, A* __restrict__ scale, A* __restrict__ shift,
-                     H* __restrict__ scale16, H* __restrict__ shift16) {
+                     int64_t is, int64_t C, A* __restrict__ scale, A* __restrict__ shift) {
   FUSEDRES_LAUNCH_BOUNDS(256);
-  for (int64_t c = global_thread_x(); c < C; c += grid_stride_x()) {
-    const ChannelAffine<A> f = channel_affine(w != nullptr ? w + c * ws : nullptr,
-                                              b != nullptr ? b + c * bs : nullptr,
-                                              mean[c * ms], invstd[c * is]);
-    const A s = f.scale, t = f.shift;
-    scale[c] = s;
-    shift[c] = t;
-    if (scale16 != nullptr) {
-      scale16[c] = static_cast<H>(s);
-      shift16[c] = static_cast<H>(t);
-    }
+  const BnVectors<A> v{w, ws, b, bs, mean, ms, invstd, is, C};
+  // Not unrolled: a grid-stride loop of a few trips, which nvcc unrolled 4 times after a 64-bit
+  // division for the trip count (a subroutine call, 8 B spilled around it on sm_80).
+#pragma unroll 1
+  for (int64_t c = global_thread_x(); c < v.C; c += grid_stride_x()) {
+    const ChannelAffine<A> f = v.at(c);
+    scale[c] = f.scale;
+    shift[c] = f.shift;
   }
 }
 
-// The launch for statistics dtype A and 16-bit copies of dtype H (H = A: none).
-template <typename A, typename H>
-void launch_bn_affine(const std::optional<at::Tensor>& bn_weight,
-                      const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
-                      const at::Tensor& invstd, Affine& a) {
-  const int64_t C = mean.numel();
-  const bool w = present(bn_weight), b = present(bn_bias);
-  H* s16 = nullptr;
-  H* t16 = nullptr;
-  if constexpr (!std::is_same_v<H, A>) {
-    s16 = a.scale16.data_ptr<H>();
-    t16 = a.shift16.data_ptr<H>();
-  }
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(C, 256), 1024));
-  FUSEDRES_LAUNCH(dim3(blocks), dim3(256), 0, current_stream(), bn_affine_kernel<A, H>)(
-      w ? bn_weight->const_data_ptr<A>() : nullptr, w ? bn_weight->stride(0) : 0,
-      b ? bn_bias->const_data_ptr<A>() : nullptr, b ? bn_bias->stride(0) : 0,
-      mean.const_data_ptr<A>(), mean.stride(0), invstd.const_data_ptr<A>(), invstd.stride(0), C,
-      a.scale.data_ptr<A>(), a.shift.data_ptr<A>(), s16, t16);
-  FUSEDRES_CHECK_LAUNCH();
-}
-
-// Picks H from `half` (a function template, so that a float64 affine instantiates no 16-bit
-// kernel: the copies exist for float32 statistics only, those of 16-bit x).
-template <typename A>
-void dispatch_bn_affine(const std::optional<at::Tensor>& bn_weight,
-                        const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
-                        const at::Tensor& invstd, at::ScalarType half, Affine& a) {
-  if constexpr (std::is_same_v<A, float>) {
-    if (half == at::kHalf) {
-      return launch_bn_affine<A, at::Half>(bn_weight, bn_bias, mean, invstd, a);
-    }
-    if (half == at::kBFloat16) {
-      return launch_bn_affine<A, at::BFloat16>(bn_weight, bn_bias, mean, invstd, a);
-    }
-  }
-  launch_bn_affine<A, A>(bn_weight, bn_bias, mean, invstd, a);
-}
-
-// half: at::kHalf or at::kBFloat16 for the 16-bit copies (float32 statistics only), Undefined
-// for none.
 inline Affine bn_affine(const std::optional<at::Tensor>& bn_weight,
                         const std::optional<at::Tensor>& bn_bias, const at::Tensor& mean,
-                        const at::Tensor& invstd,
-                        at::ScalarType half = at::ScalarType::Undefined) {
+                        const at::Tensor& invstd) {
   // The ops check the vectors first (checks.h): C values each, of the statistics dtype.
-  const bool to16 = half == at::kHalf || half == at::kBFloat16;
-  TORCH_CHECK(half == at::ScalarType::Undefined || (to16 && mean.scalar_type() == at::kFloat),
-              "fusedres_cuda: bn_affine: 16-bit copies of a ", mean.scalar_type(), " affine in ",
-              half, " are not defined");
   const int64_t C = mean.numel();
   Affine a{at::empty({C}, mean.options()), at::empty({C}, mean.options())};
-  if (half != at::ScalarType::Undefined) {
-    a.scale16 = at::empty({C}, mean.options().dtype(half));
-    a.shift16 = at::empty({C}, mean.options().dtype(half));
-  }
   if (C == 0) return a;
   AT_DISPATCH_FLOATING_TYPES(mean.scalar_type(), "fusedres_cuda_bn_affine", [&] {
-    dispatch_bn_affine<scalar_t>(bn_weight, bn_bias, mean, invstd, half, a);
+    using A = scalar_t;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(C, 256), 1024));
+    const BnVectors<A> v = bn_vectors<A>(bn_weight, bn_bias, mean, invstd);
+    FUSEDRES_LAUNCH(dim3(blocks), dim3(256), 0, current_stream(), bn_affine_kernel<A>)(
+        v.w, v.ws, v.b, v.bs, v.mean, v.ms, v.invstd, v.is, v.C, a.scale.data_ptr<A>(),
+        a.shift.data_ptr<A>());
+    FUSEDRES_CHECK_LAUNCH();
   });
   return a;
 }

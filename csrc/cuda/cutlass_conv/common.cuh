@@ -80,10 +80,17 @@ struct FpropScaleBiasReluTransform<Array<bfloat16_t, kActivations>,
 
 namespace fusedres::cutlass_conv {
 
+using ::fusedres::FUSEDRES_CUDA_NS::BnVectors;
+using ::fusedres::FUSEDRES_CUDA_NS::bn_vectors;
+
 // The CUTLASS element type of a 16-bit ATen dtype.
 template <typename T> struct Element;
 template <> struct Element<at::Half> { using type = cutlass::half_t; };
 template <> struct Element<at::BFloat16> { using type = cutlass::bfloat16_t; };
+// And back: the ATen dtype of a CUTLASS element type (the forward's prologue rounds as ATen).
+template <typename E> struct Aten;
+template <> struct Aten<cutlass::half_t> { using type = at::Half; };
+template <> struct Aten<cutlass::bfloat16_t> { using type = at::BFloat16; };
 
 // Whether a transform class is this project's bfloat16 one (a static_assert in fprop.cu
 // checks that every bfloat16 instantiation takes it and no float16 one does).
@@ -123,17 +130,6 @@ inline cutlass::conv::Conv2dProblemSize problem(const at::Tensor& x, const at::T
       i(weight.size(3)), i(P), i(Q), i(c.padding[0]), i(c.padding[1]), i(c.stride[0]),
       i(c.stride[1]), i(c.dilation[0]), i(c.dilation[1]), cutlass::conv::Mode::kCrossCorrelation,
       split_k);
-}
-
-// The per-channel scale and shift as the transforms read them: the operand's dtype, contiguous,
-// one value a channel (the callers' bn_affine writes them so).
-inline void check_scale_shift(const at::Tensor& s, const at::Tensor& b, const at::Tensor& x) {
-  for (const at::Tensor* t : {&s, &b}) {
-    TORCH_CHECK(t->defined() && t->scalar_type() == x.scalar_type() && t->dim() == 1 &&
-                    t->numel() == x.size(1) && t->is_contiguous(),
-                "fusedres_cuda (CUTLASS): scale16 and shift16 must be contiguous (C,) vectors "
-                "of x's dtype");
-  }
 }
 
 inline int sm_count() {
@@ -181,15 +177,27 @@ constexpr bool matches(plan::Shape s) {
   return T::kRows == s.rows && T::kCols == s.cols;
 }
 
-// The kernel every configuration runs: CUTLASS's kernel object called as cutlass::Kernel<>
-// calls it, under this project's name for the configuration (the compile table, the
-// performance model, a profiler's trace).
+// The kernel's second argument: nothing (the weight gradient: Config::run is CUTLASS's kernel
+// object), or (the forward, BlockAffine) what its blocks compute their scale and shift from.
+struct NoPrologue {};
+
+// The forward's: the op's float32 BatchNorm vectors and a scratch of (blocks, 2, C) values of
+// H (x's 16-bit dtype as ATen names it: the rounding tests/test_cuda_kernels.py holds), a row
+// per block (fprop.cu's Fprop::run).
+template <typename H>
+struct BlockAffine {
+  BnVectors<float> v;
+  H* scratch;
+};
+
+// The kernel every configuration runs, under this project's name for the configuration (the
+// compile table, the performance model, a profiler's trace): Config::run, one block's work.
 template <typename Config>
 __global__ void
-    cutlass_conv_kernel(typename Config::Conv::Params params) {
+    cutlass_conv_kernel(typename Config::Conv::Params params, typename Config::Prologue pro) {
   extern __shared__ __align__(128) unsigned char cutlass_conv_smem[];
-  typename Config::Conv op;
-  op(params, *reinterpret_cast<typename Config::Conv::SharedStorage*>(cutlass_conv_smem));
+  Config::run(params,
+              *reinterpret_cast<typename Config::Conv::SharedStorage*>(cutlass_conv_smem), pro);
 }
 
 // Whether CUTLASS's kernel of ``Config`` takes ``p`` (its iterators' own limits: filter size up
@@ -246,9 +254,10 @@ std::atomic<int64_t>& launch_counter();
 
 // One launch on the current stream: CUTLASS's own checks of the problem (can_implement), the
 // parameters, the kernel. One slice, or parallel split-K (each slice writes its own partial
-// through the output's pointer, a slice apart): no workspace either way.
-template <typename Config>
-void launch(const typename Config::Op::Arguments& args) {
+// through the output's pointer, a slice apart): no workspace either way. prologue(grid): the
+// kernel's Config::Prologue argument for that grid.
+template <typename Config, typename MakePrologue>
+void launch(const typename Config::Op::Arguments& args, MakePrologue&& prologue) {
   using Conv = typename Config::Conv;
   using Op = typename Config::Op;
   static_assert(sizeof(typename Conv::SharedStorage) == Config::Tile::kSmem,
@@ -261,10 +270,11 @@ void launch(const typename Config::Op::Arguments& args) {
               "fusedres_cuda (CUTLASS): a split reduction runs as parallel split-K");
   const typename Conv::Params params(args, /*semaphore=*/nullptr);
   const dim3 grid = typename Conv::ThreadblockSwizzle().get_grid_shape(params.grid_tiled_shape);
+  const typename Config::Prologue pro = prologue(grid);
   constexpr int smem = Config::Tile::kSmem;
   C10_CUDA_CHECK(allow_smem<Config>());
   cutlass_conv_kernel<Config><<<grid, Config::Tile::kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
-      params);
+      params, pro);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch_counter().fetch_add(1, std::memory_order_relaxed);
 }

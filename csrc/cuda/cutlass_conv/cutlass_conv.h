@@ -16,6 +16,7 @@
 #include <array>
 #include <cctype>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 namespace fusedres::cutlass_conv {
@@ -68,12 +69,14 @@ struct ConvArgs {
 // 32 x 32); no conv bias or branch scale (the caller's part of the test).
 bool can_run_fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* residual,
                    const at::Tensor& y, const ConvArgs& conv);
-// y = conv2d(relu(scale16 * x + shift16), weight) (+ residual), y preallocated channels-last in
-// x's dtype; scale16 and shift16: the per-channel affine in x's dtype, contiguous (the caller's
-// bn_affine rounds them in the launch that computes them).
-void fprop(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale16,
-           const at::Tensor& shift16, const at::Tensor* residual, at::Tensor& y,
-           const ConvArgs& conv);
+// y = conv2d(relu(scale * x + shift), weight) (+ residual), y preallocated channels-last in
+// x's dtype; scale = bn_weight * invstd and shift = bn_bias - mean * scale, per channel, from
+// the op's float32 vectors (bn_weight and bn_bias may be absent), as bn_affine computes them,
+// rounded to x's dtype by each block of the launch for its own main loop (block_affine16).
+void fprop(const at::Tensor& x, const at::Tensor& weight,
+           const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+           const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor* residual,
+           at::Tensor& y, const ConvArgs& conv);
 
 // Whether the CUTLASS weight gradient takes these operands (as can_run_fprop, for grad_out too).
 bool can_run_wgrad(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,

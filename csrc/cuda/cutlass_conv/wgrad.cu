@@ -48,6 +48,14 @@ struct Wgrad {
       cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<>, Tile::kStages,
       cutlass::arch::OpMultiplyAdd, cutlass::conv::IteratorAlgorithm::kOptimized>::Kernel;
   using Op = cutlass::conv::device::ImplicitGemmConvolution<Conv>;
+  using Prologue = NoPrologue;
+
+  // One block: CUTLASS's kernel object, called as cutlass::Kernel<> calls it.
+  CUTLASS_DEVICE static void run(const typename Conv::Params& params,
+                                 typename Conv::SharedStorage& storage, NoPrologue) {
+    Conv op;
+    op(params, storage);
+  }
 };
 
 // Calls f with the tile's configuration type (Wgrad<E, tile>) and the tile.
@@ -102,7 +110,7 @@ at::Tensor run(const at::Tensor& go, const at::Tensor& a, int64_t Co, int64_t kh
   typename K::Op::Arguments args(p, nhwc(go), nhwc(a), out, out, {1.0f, 0.0f},
                                  split > 1 ? cutlass::conv::SplitKMode::kParallel
                                            : cutlass::conv::SplitKMode::kSerial);
-  launch<K>(args);
+  launch<K>(args, [](dim3) { return NoPrologue{}; });
   return parts;
 }
 

@@ -64,19 +64,53 @@ TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   });
 }
 
-// The BatchNorm affine both ops launch (conv_tiles.cuh's bn_affine): [scale, shift], and with
-// `half` their 16-bit copies after them (the CUTLASS kernels' operands).
+// The BatchNorm affine the native forward and weight gradient launch (conv_tiles.cuh's
+// bn_affine): [scale, shift]; with `half`, also the rows each block of the CUTLASS forward
+// writes for itself (common.cuh's block_affine16, run by `blocks` blocks of `threads` threads):
+// the 16-bit scale and shift, (blocks, C) each.
+namespace fusedres::cuda_on_cpu {
+namespace {
+
+template <typename H>
+__global__ void __launch_bounds__(1024) block_affine16_kernel(BnVectors<float> v, H* out) {
+  FUSEDRES_LAUNCH_BOUNDS(1024);
+  block_affine16(v, out + static_cast<int64_t>(blockIdx.x) * 2 * v.C);
+}
+
+std::vector<at::Tensor> bn_affine_hook(const std::optional<at::Tensor>& w,
+                                       const std::optional<at::Tensor>& b, const at::Tensor& mean,
+                                       const at::Tensor& invstd,
+                                       std::optional<at::ScalarType> half, int64_t blocks,
+                                       int64_t threads) {
+  if (half.has_value()) {
+    TORCH_CHECK(*half == at::kHalf || *half == at::kBFloat16,
+                "bn_affine: half: expected float16 or bfloat16, got ", *half);
+    TORCH_CHECK(mean.scalar_type() == at::kFloat, "bn_affine: 16-bit copies of a ",
+                mean.scalar_type(), " affine are not defined (float32 statistics only)");
+    TORCH_CHECK(blocks >= 1 && threads >= 1 && threads <= 1024,
+                "bn_affine: blocks: expected 1 or more, threads: 1 to 1024, got ", blocks, ", ",
+                threads);
+  }
+  const Affine a = bn_affine(w, b, mean, invstd);
+  std::vector<at::Tensor> out{a.scale, a.shift};
+  if (!half.has_value()) return out;
+  const int64_t C = mean.numel();
+  at::Tensor rows = at::empty({blocks, 2, C}, mean.options().dtype(*half));
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(*half, "bn_affine_hook", [&] {
+    FUSEDRES_LAUNCH(dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0,
+                    current_stream(), block_affine16_kernel<scalar_t>)(
+        bn_vectors<float>(w, b, mean, invstd), rows.data_ptr<scalar_t>());
+    FUSEDRES_CHECK_LAUNCH();
+  });
+  out.insert(out.end(), {rows.select(1, 0), rows.select(1, 1)});
+  return out;
+}
+
+}  // namespace
+}  // namespace fusedres::cuda_on_cpu
+
 TORCH_LIBRARY_FRAGMENT(fusedres_cuda_testing, m) {
   m.def("bn_affine(Tensor? bn_weight, Tensor? bn_bias, Tensor mean, Tensor invstd, "
-        "ScalarType? half=None) -> Tensor[]");
-  m.impl("bn_affine", c10::DispatchKey::CPU,
-         [](const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
-            const at::Tensor& mean, const at::Tensor& invstd,
-            std::optional<at::ScalarType> half) {
-           const auto a = fusedres::cuda_on_cpu::bn_affine(
-               w, b, mean, invstd, half.value_or(at::ScalarType::Undefined));
-           std::vector<at::Tensor> out{a.scale, a.shift};
-           if (a.scale16.defined()) out.insert(out.end(), {a.scale16, a.shift16});
-           return out;
-         });
+        "ScalarType? half=None, int blocks=1, int threads=64) -> Tensor[]");
+  m.impl("bn_affine", c10::DispatchKey::CPU, &fusedres::cuda_on_cpu::bn_affine_hook);
 }
