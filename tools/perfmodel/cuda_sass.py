@@ -625,10 +625,12 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
       or, for Co <= 64, 256x64x32 of 8 or 128x64x32 of 4, for Co <= 32 128x32x32 of 4, for
       Co <= 16 128x16x32 of 2, where they fill the SMs, else 64x64x32,
       :func:`cutlass_fprop_tile`); grid
-      cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, 32); after DRAM-bound launches
-      of the BatchNorm affine with its 16-bit copies (one) and, for a weight that is not
-      channels-last (``weight_channels_last`` False; :func:`weight_copied`), copying it to
-      KRSC;
+      cdiv(M, BM) x cdiv(Co, BN); K chunks: kh*kw taps x cdiv(C, 32); each block computes the
+      BatchNorm affine for itself (no launch: its 16-bit scale and shift, 4 B a channel written
+      per block, in the DRAM count; the cdiv(C, threads) round trips before its pipeline
+      starts are prologue, not counted); for a weight that is not channels-last
+      (``weight_channels_last`` False; :func:`weight_copied`), after a DRAM-bound launch
+      copying it to KRSC;
     * dgrad writing dz and a: the native mma.sync data gradient (as :func:`model_cuda_unit`
       picks its tile; each channel's scale and shift computed where it reads them, no affine
       launch in the backward) (for a strided unit after two
@@ -676,16 +678,17 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
         if k.name == "batch_stats":
             dram_launch(k.name, k.bytes)
     dram_launch("batch_stats finalize", 2 * vec32)
-    # forward: the affine and its 16-bit copies in one launch; the weight copied to KRSC (a 1x1
-    # weight is its own KRSC view: no copy)
-    dram_launch("bn affine (+16-bit)", 6 * vec32 + 2 * vec16)
+    # forward: the weight copied to KRSC (a 1x1 weight is its own KRSC view: no copy); the
+    # kernel's blocks each read the float32 BatchNorm vectors and write their own 16-bit scale
+    # and shift (cutlass_conv_kernel's BlockAffine prologue)
     if weight_copied(u, weight_channels_last):
         dram_launch("weight to KRSC", 2 * tu.weight())
     fwd = _cutlass_row(rows, dev.arch, "Fprop", dtype,
                        *cutlass_fprop_tile(m_out, u.co, dev.sms, dev.arch))
-    launch("fwd (CUTLASS)", fwd, cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn),
-           taps * cdiv(u.c, fwd.bk),
-           tu.act_in() + tu.weight() + 2 * vec16 + tu.act_out() * (2 if u.residual else 1))
+    fwd_ctas = cdiv(m_out, fwd.bm) * cdiv(u.co, fwd.bn)
+    launch("fwd (CUTLASS)", fwd, fwd_ctas, taps * cdiv(u.c, fwd.bk),
+           tu.act_in() + tu.weight() + 4 * vec32 + fwd_ctas * 2 * vec16
+           + tu.act_out() * (2 if u.residual else 1))
     if backward not in ("rule", "store", "sums"):
         raise ValueError(f"backward: expected 'rule', 'store' or 'sums', got {backward!r}")
     if backward == "sums" or (backward == "rule" and not cutlass_wgrad_on(u.k, u.k)):
