@@ -58,9 +58,9 @@ struct Fprop {
   // no block reads another's row or waits on another), then CUTLASS's implicit GEMM as its
   // kernel object runs a block (ImplicitGemmConvolutionFusion::operator() for one slice: run()
   // builds the problem unsplit, and its grid check refuses any other) with the scale-bias
-  // iterator on that row. Spelled out rather than
-  // that operator() on a copy of the parameters with the row's pointers: the copy sat in 464 B
-  // of stack, which the iterators then read in the main loop.
+  // iterator on that row. Spelled out rather than that operator() on a copy of the parameters
+  // with the row's pointers: the copy sat in 464 B of stack, which the iterators then read in
+  // the main loop.
   CUTLASS_DEVICE static void run(const typename Conv::Params& params,
                                  typename Conv::SharedStorage& storage, const Prologue& pro) {
     using Mma = typename Conv::Mma;
