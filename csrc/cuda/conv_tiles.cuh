@@ -356,11 +356,8 @@ inline const A* data_or_null(const at::Tensor& t) {
 // bit. One launch where the ATen ops were three; vectors at any stride (the ops take views).
 template <typename A>
 __global__ void __launch_bounds__(256)
-    bn_affine_kernel(const A* __restrict__ w, int64_t ws, const A* __restrict__ b, int64_t bs,
-                     const A* __restrict__ mean, int64_t ms, const A* __restrict__ invstd,
-                     int64_t is, int64_t C, A* __restrict__ scale, A* __restrict__ shift) {
+    bn_affine_kernel(BnVectors<A> v, A* __restrict__ scale, A* __restrict__ shift) {
   FUSEDRES_LAUNCH_BOUNDS(256);
-  const BnVectors<A> v{w, ws, b, bs, mean, ms, invstd, is, C};
   // Not unrolled: a grid-stride loop of a few trips, which nvcc unrolled 4 times after a 64-bit
   // division for the trip count (a subroutine call, 8 B spilled around it on sm_80).
 #pragma unroll 1
@@ -381,9 +378,8 @@ inline Affine bn_affine(const std::optional<at::Tensor>& bn_weight,
   AT_DISPATCH_FLOATING_TYPES(mean.scalar_type(), "fusedres_cuda_bn_affine", [&] {
     using A = scalar_t;
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(C, 256), 1024));
-    const BnVectors<A> v = bn_vectors<A>(bn_weight, bn_bias, mean, invstd);
     FUSEDRES_LAUNCH(dim3(blocks), dim3(256), 0, current_stream(), bn_affine_kernel<A>)(
-        v.w, v.ws, v.b, v.bs, v.mean, v.ms, v.invstd, v.is, v.C, a.scale.data_ptr<A>(),
+        bn_vectors<A>(bn_weight, bn_bias, mean, invstd), a.scale.data_ptr<A>(),
         a.shift.data_ptr<A>());
     FUSEDRES_CHECK_LAUNCH();
   });

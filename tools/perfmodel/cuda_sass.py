@@ -680,7 +680,7 @@ def model_cutlass_unit(u, dtype: str, dev, rows: list[CudaKernelRow],
     dram_launch("batch_stats finalize", 2 * vec32)
     # forward: the weight copied to KRSC (a 1x1 weight is its own KRSC view: no copy); the
     # kernel's blocks each read the float32 BatchNorm vectors and write their own 16-bit scale
-    # and shift (cutlass_conv_kernel's BlockAffine prologue)
+    # and shift (the BlockAffine prologue of fprop.cu's Fprop::run)
     if weight_copied(u, weight_channels_last):
         dram_launch("weight to KRSC", 2 * tu.weight())
     fwd = _cutlass_row(rows, dev.arch, "Fprop", dtype,
